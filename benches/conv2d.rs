@@ -1,0 +1,323 @@
+//! The default net's convolutions (batch 128, 3×3, padding 1): our gemm conv2d versus Candle's,
+//! forward and forward+backward, on the CPU.
+//!
+//! First prints a summary table (median wall time over a few runs, the speed ratio, and the peak
+//! transient bytes measured with a counting allocator next to the computed im2col sizes), then runs
+//! the same cases under criterion. `CONV2D_BENCH_REPS` sets the summary's runs per case (default 5);
+//! criterion's usual filter argument selects cases (`cargo bench --bench conv2d -- fwd_bwd`).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor, Var};
+use criterion::Criterion;
+use memtrain::ops::conv2d::{conv2d, im2col_chunk_bytes};
+
+/// Counts live heap bytes and their high-water mark, so the summary can show what each version
+/// really allocates rather than what it should.
+struct Counting;
+
+static CURRENT: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only the counters are extra.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                let now = CURRENT.fetch_add(new_size - layout.size(), Ordering::Relaxed)
+                    + (new_size - layout.size());
+                PEAK.fetch_max(now, Ordering::Relaxed);
+            } else {
+                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+            }
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const BATCH: usize = 128;
+
+/// One convolution of the default net: input channels, output channels, square input size.
+#[derive(Clone, Copy)]
+struct Layer {
+    cin: usize,
+    cout: usize,
+    hw: usize,
+}
+
+impl Layer {
+    fn name(&self) -> String {
+        format!("{}to{}@{}", self.cin, self.cout, self.hw)
+    }
+
+    /// Forward FLOPs (2 per multiply-add) of the 3×3, padding 1 convolution.
+    fn fwd_flops(&self) -> f64 {
+        2.0 * (BATCH * self.cout * self.cin * 9 * self.hw * self.hw) as f64
+    }
+}
+
+const LAYERS: [Layer; 6] = [
+    Layer { cin: 3, cout: 32, hw: 32 },
+    Layer { cin: 32, cout: 32, hw: 32 },
+    Layer { cin: 32, cout: 64, hw: 16 },
+    Layer { cin: 64, cout: 64, hw: 16 },
+    Layer { cin: 64, cout: 128, hw: 8 },
+    Layer { cin: 128, cout: 128, hw: 8 },
+];
+
+#[derive(Clone, Copy, PartialEq)]
+enum Impl {
+    Ours,
+    Candle,
+}
+
+impl Impl {
+    fn label(self) -> &'static str {
+        match self {
+            Impl::Ours => "ours",
+            Impl::Candle => "candle",
+        }
+    }
+}
+
+/// Inputs of one layer: the first layer's input is data (no gradient), the others are
+/// activations, which need their gradient as in training.
+struct Case {
+    x: Tensor,
+    x_var: Option<Var>,
+    w: Var,
+    grad_out: Tensor,
+}
+
+impl Case {
+    fn new(l: Layer, dev: &Device) -> candle_core::Result<Self> {
+        let x = Tensor::randn(0f32, 1.0, (BATCH, l.cin, l.hw, l.hw), dev)?;
+        let w = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (l.cout, l.cin, 3, 3), dev)?
+            * (2.0 / (9 * l.cin) as f64).sqrt())?)?;
+        let grad_out = Tensor::randn(0f32, 1.0, (BATCH, l.cout, l.hw, l.hw), dev)?;
+        let x_var = if l.cin == 3 { None } else { Some(Var::from_tensor(&x)?) };
+        Ok(Self { x, x_var, w, grad_out })
+    }
+
+    fn input(&self) -> &Tensor {
+        self.x_var.as_ref().map(|v| v.as_tensor()).unwrap_or(&self.x)
+    }
+
+    fn forward(&self, imp: Impl) -> candle_core::Result<Tensor> {
+        match imp {
+            Impl::Ours => conv2d(self.input(), self.w.as_tensor(), 1, 1)
+                .map_err(|e| candle_core::Error::Msg(e.to_string())),
+            Impl::Candle => self.input().conv2d(self.w.as_tensor(), 1, 1, 1, 1),
+        }
+    }
+
+    /// Forward, then backward of `Σ y·g` (so the upstream gradient is `g`, a plain contiguous
+    /// tensor as a following layer would produce); returns the gradients to keep them alive.
+    fn forward_backward(&self, imp: Impl) -> candle_core::Result<candle_core::backprop::GradStore> {
+        let y = self.forward(imp)?;
+        (y * &self.grad_out)?.sum_all()?.backward()
+    }
+}
+
+fn time_median(reps: usize, dev: &Device, mut f: impl FnMut()) -> Duration {
+    f(); // warm-up: thread pools, first-touch of buffers
+    let _ = dev.synchronize();
+    let mut times: Vec<Duration> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            let _ = dev.synchronize();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+/// Bytes allocated above the starting level at the high-water mark while `f` runs, minus
+/// `keep` (the bytes of the results `f` returns, which are not transient).
+fn peak_extra<R>(f: impl FnOnce() -> R) -> (usize, R) {
+    let base = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let r = f();
+    (PEAK.load(Ordering::Relaxed).saturating_sub(base), r)
+}
+
+fn mib(b: usize) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+fn summary(dev: &Device) -> candle_core::Result<()> {
+    let reps: usize = std::env::var("CONV2D_BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&r| r > 0)
+        .unwrap_or(5);
+    println!(
+        "conv2d, batch {BATCH}, 3x3 pad 1, f32, {} threads; median of {reps} runs",
+        candle_core::utils::get_num_threads()
+    );
+    println!(
+        "{:<12} {:>9} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8}",
+        "layer", "fwd ours", "candle", "x", "f+b ours", "candle", "x", "GFLOP/s"
+    );
+    let mut tot = [Duration::ZERO; 4];
+    let mut mem_rows = Vec::new();
+    for l in LAYERS {
+        let case = Case::new(l, dev)?;
+        let mut t = [Duration::ZERO; 4];
+        for (i, (imp, bwd)) in [
+            (Impl::Ours, false),
+            (Impl::Candle, false),
+            (Impl::Ours, true),
+            (Impl::Candle, true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            t[i] = time_median(reps, dev, || {
+                if bwd {
+                    black_box(case.forward_backward(imp).expect("forward+backward"));
+                } else {
+                    black_box(case.forward(imp).expect("forward"));
+                }
+            });
+            tot[i] += t[i];
+        }
+        // Forward+backward is three convolutions' worth of multiply-adds (two when the input
+        // needs no gradient).
+        let passes = if case.x_var.is_some() { 3.0 } else { 2.0 };
+        println!(
+            "{:<12} {:>7.1}ms {:>7.1}ms {:>5.2}x {:>8.1}ms {:>8.1}ms {:>5.2}x {:>8.1}",
+            l.name(),
+            t[0].as_secs_f64() * 1e3,
+            t[1].as_secs_f64() * 1e3,
+            t[1].as_secs_f64() / t[0].as_secs_f64(),
+            t[2].as_secs_f64() * 1e3,
+            t[3].as_secs_f64() * 1e3,
+            t[3].as_secs_f64() / t[2].as_secs_f64(),
+            passes * l.fwd_flops() / t[2].as_secs_f64() / 1e9,
+        );
+
+        let out_bytes = BATCH * l.cout * l.hw * l.hw * 4;
+        let mut measured = [0usize; 4];
+        for (i, (imp, bwd)) in [
+            (Impl::Ours, false),
+            (Impl::Candle, false),
+            (Impl::Ours, true),
+            (Impl::Candle, true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            measured[i] = if bwd {
+                // Gradients stay alive in the store, so this is transients plus the gradients
+                // and the forward output; the same for both versions.
+                peak_extra(|| case.forward_backward(imp).expect("forward+backward")).0
+            } else {
+                peak_extra(|| case.forward(imp).expect("forward")).0.saturating_sub(out_bytes)
+            };
+        }
+        let computed_ours = im2col_chunk_bytes(BATCH, l.cin, 3, l.hw, l.hw, DType::F32);
+        let full_batch = BATCH * l.cin * 9 * l.hw * l.hw * 4;
+        mem_rows.push((l, measured, computed_ours, full_batch));
+    }
+    println!(
+        "{:<12} {:>7.1}ms {:>7.1}ms {:>5.2}x {:>8.1}ms {:>8.1}ms {:>5.2}x",
+        "total",
+        tot[0].as_secs_f64() * 1e3,
+        tot[1].as_secs_f64() * 1e3,
+        tot[1].as_secs_f64() / tot[0].as_secs_f64(),
+        tot[2].as_secs_f64() * 1e3,
+        tot[3].as_secs_f64() * 1e3,
+        tot[3].as_secs_f64() / tot[2].as_secs_f64(),
+    );
+    println!();
+    println!("peak transient memory, MiB (measured with a counting allocator; 'computed' = formula)");
+    println!(
+        "{:<12} {:>10} {:>10} {:>12} {:>12} {:>12} {:>12}",
+        "layer", "fwd ours", "candle", "f+b ours", "candle", "ours comp.", "full im2col"
+    );
+    for (l, m, ours, full) in mem_rows {
+        println!(
+            "{:<12} {:>10.2} {:>10.2} {:>12.2} {:>12.2} {:>12.2} {:>12.2}",
+            l.name(),
+            mib(m[0]),
+            mib(m[1]),
+            mib(m[2]),
+            mib(m[3]),
+            mib(ours),
+            mib(full)
+        );
+    }
+    println!(
+        "(fwd: above the output; f+b: above the inputs, including output and gradients; \
+         'ours comp.' = im2col_chunk_bytes; 'full im2col' = a full-batch column matrix)"
+    );
+    println!();
+    Ok(())
+}
+
+fn main() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    summary(&dev)?;
+
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    for l in LAYERS {
+        let case = Case::new(l, &dev)?;
+        let mut group = c.benchmark_group(format!("conv2d/{}", l.name()));
+        for imp in [Impl::Ours, Impl::Candle] {
+            group.bench_function(format!("fwd/{}", imp.label()), |b| {
+                b.iter(|| {
+                    let y = case.forward(imp).expect("forward");
+                    let _ = dev.synchronize();
+                    y
+                })
+            });
+            group.bench_function(format!("fwd_bwd/{}", imp.label()), |b| {
+                b.iter(|| {
+                    let g = case.forward_backward(imp).expect("forward+backward");
+                    let _ = dev.synchronize();
+                    g
+                })
+            });
+        }
+        group.finish();
+    }
+    c.final_summary();
+    Ok(())
+}

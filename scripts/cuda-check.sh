@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Type-check memtrain with the `cuda` feature on a machine without a GPU.
+# Called by CI (.ci/run); also fine to run by hand.
+#
+#   scripts/cuda-check.sh [extra cargo args...]
+#
+# Uses the pip CUDA 13.0 toolchain from scripts/cuda-toolchain.sh and a target
+# dir outside the clone (MEMTRAIN_CUDA_TARGET, default ~/.cache/memtrain/target-cuda)
+# so repeated runs are incremental. `--release` on purpose: it shares the
+# candle-kernels build-script output (nvcc, ~25 min cold on 2 cores) with
+# `cargo build --release --features cuda`; a dev-profile check would compile all
+# kernels again in target-cuda/debug.
+set -euo pipefail
+
+start=$(date +%s)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/.." && pwd)
+
+export MEMTRAIN_CUDA_TARGET="${MEMTRAIN_CUDA_TARGET:-$HOME/.cache/memtrain/target-cuda}"
+env_file=$(mktemp)
+trap 'rm -f "$env_file"' EXIT
+"$here/cuda-toolchain.sh" --print-env > "$env_file"
+# shellcheck disable=SC1090
+source "$env_file"
+# Canonical spelling (see cuda-toolchain.sh): the nvcc cache is keyed by absolute OUT_DIR.
+export CARGO_TARGET_DIR
+CARGO_TARGET_DIR=$(realpath -m "$MEMTRAIN_CUDA_TARGET")
+# Cold builds: let candle-kernels' nvcc use every core (cudaforge defaults to 50%).
+# Not part of any fingerprint, so it never triggers a rebuild.
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
+
+echo "[cuda-check] CARGO_TARGET_DIR=$CARGO_TARGET_DIR CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP" >&2
+cd "$repo"
+rc=0
+cargo check --release --features cuda --all-targets "$@" || rc=$?
+echo "[cuda-check] cargo check --release --features cuda --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
+exit "$rc"

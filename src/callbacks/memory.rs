@@ -1,0 +1,311 @@
+//! [`MemoryCallback`]: per-batch and per-epoch peak memory, with the phase where the peak happened.
+//!
+//! The probe has one resettable watermark. To attribute peaks to phases the callback reads and
+//! resets it at every hook ("folding" the reading into the batch, epoch and run maxima), so an
+//! epoch or run peak is never lost by a batch-level reset: peaks nest.
+
+use super::{BatchInfo, Callback, EpochBegin, EpochEnd, TrainBegin, TrainEnd};
+use crate::error::Result;
+use crate::memory::{format_bytes, MemoryProbe};
+use serde::{Deserialize, Serialize};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Where in the training step a peak happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Forward pass (activations being saved for backward).
+    Forward,
+    /// Backward pass (including checkpoint recomputation).
+    Backward,
+    /// Optimizer step (gradient unscale/check, parameter update).
+    Optimizer,
+    /// Evaluation after the epoch.
+    Eval,
+    /// Outside a step (setup, data loading between steps).
+    Other,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+            Phase::Eval => "eval",
+            Phase::Other => "other",
+        })
+    }
+}
+
+/// Memory of one optimizer step.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BatchMemory {
+    /// Epoch index.
+    pub epoch: usize,
+    /// Step index within the epoch.
+    pub batch: usize,
+    /// Step index in the run.
+    pub global_step: usize,
+    /// Bytes in use when the step began.
+    pub start_bytes: u64,
+    /// Bytes in use when the step ended.
+    pub end_bytes: u64,
+    /// Highest bytes in use during the step.
+    pub peak_bytes: u64,
+    /// Phase of `peak_bytes`.
+    pub phase: Phase,
+    /// Peak during forward passes.
+    pub forward_peak: u64,
+    /// Peak during backward passes.
+    pub backward_peak: u64,
+    /// Peak during the optimizer step.
+    pub optimizer_peak: u64,
+    /// Peak reserved bytes (CUDA pool) during the step.
+    pub reserved_peak: Option<u64>,
+    /// Device-wide used bytes at the end of the step (CUDA).
+    pub device_used: Option<u64>,
+}
+
+/// Memory of one epoch.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EpochMemory {
+    /// Epoch index.
+    pub epoch: usize,
+    /// Highest bytes in use during the epoch (steps and evaluation).
+    pub peak_bytes: u64,
+    /// Phase of `peak_bytes`.
+    pub phase: Phase,
+    /// Mean over the epoch's steps of the step peak.
+    pub mean_batch_peak: u64,
+    /// Peak during the evaluation.
+    pub eval_peak: u64,
+    /// Steps recorded.
+    pub batches: usize,
+}
+
+/// Everything the memory callback recorded.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MemoryLog {
+    /// Probe name.
+    pub probe: String,
+    /// Whether the probe gave real readings.
+    pub available: bool,
+    /// Bytes in use when training began (data set, model).
+    pub baseline_bytes: u64,
+    /// Highest bytes in use over the run.
+    pub peak_bytes: u64,
+    /// Phase of `peak_bytes`.
+    pub peak_phase: Option<Phase>,
+    /// Highest reserved bytes (CUDA pool) over the run.
+    pub reserved_peak: Option<u64>,
+    /// Per-step records.
+    pub batches: Vec<BatchMemory>,
+    /// Per-epoch records.
+    pub epochs: Vec<EpochMemory>,
+}
+
+impl MemoryLog {
+    /// The memory report: one row per epoch.
+    pub fn report(&self) -> String {
+        if !self.available {
+            return format!("memory report: probe '{}' unavailable (no readings)\n", self.probe);
+        }
+        let mut s = format!(
+            "memory report ({}; baseline {} before training)\n| epoch | peak | mean step peak | phase of peak | eval peak |\n|---:|---:|---:|---|---:|\n",
+            self.probe,
+            format_bytes(self.baseline_bytes)
+        );
+        for e in &self.epochs {
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} |\n",
+                e.epoch + 1,
+                format_bytes(e.peak_bytes),
+                format_bytes(e.mean_batch_peak),
+                e.phase,
+                format_bytes(e.eval_peak)
+            ));
+        }
+        s.push_str(&format!(
+            "run peak: {} ({})\n",
+            format_bytes(self.peak_bytes),
+            self.peak_phase.map(|p| p.to_string()).unwrap_or_else(|| "-".into())
+        ));
+        s
+    }
+}
+
+/// Running maxima of the step in progress.
+#[derive(Debug, Default, Clone)]
+struct StepMax {
+    start: u64,
+    fwd: u64,
+    bwd: u64,
+    opt: u64,
+    reserved: Option<u64>,
+}
+
+/// Records, for every step and epoch, current and peak memory and the phase of the peak.
+pub struct MemoryCallback {
+    probe: Arc<dyn MemoryProbe>,
+    log: Arc<Mutex<MemoryLog>>,
+    step: StepMax,
+    epoch_peak: (u64, Phase),
+    epoch_eval: u64,
+    epoch_first_batch: usize,
+}
+
+fn max_phase(cur: &mut (u64, Phase), bytes: u64, phase: Phase) {
+    if bytes > cur.0 {
+        *cur = (bytes, phase);
+    }
+}
+
+impl MemoryCallback {
+    /// A callback reading `probe`. Its records are shared through [`MemoryCallback::log`].
+    pub fn new(probe: Arc<dyn MemoryProbe>) -> Self {
+        let log = MemoryLog {
+            probe: probe.name().to_string(),
+            available: probe.available(),
+            ..Default::default()
+        };
+        MemoryCallback {
+            probe,
+            log: Arc::new(Mutex::new(log)),
+            step: StepMax::default(),
+            epoch_peak: (0, Phase::Other),
+            epoch_eval: 0,
+            epoch_first_batch: 0,
+        }
+    }
+
+    /// A handle to the records, readable while and after training.
+    pub fn log(&self) -> Arc<Mutex<MemoryLog>> {
+        self.log.clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, MemoryLog> {
+        // A poisoned lock only means another thread panicked mid-update of plain numbers.
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Read and reset the watermark, folding the reading into the epoch and run maxima.
+    fn fold(&mut self, phase: Phase) -> u64 {
+        self.probe.sync();
+        let peak = self.probe.peak();
+        let reserved = self.probe.reserved_peak();
+        self.probe.reset_peak();
+        max_phase(&mut self.epoch_peak, peak, phase);
+        let mut log = self.lock();
+        if peak > log.peak_bytes {
+            log.peak_bytes = peak;
+            log.peak_phase = Some(phase);
+        }
+        if let Some(r) = reserved {
+            log.reserved_peak = Some(log.reserved_peak.unwrap_or(0).max(r));
+            drop(log);
+            self.step.reserved = Some(self.step.reserved.unwrap_or(0).max(r));
+        }
+        peak
+    }
+}
+
+impl Callback for MemoryCallback {
+    fn on_train_begin(&mut self, _ctx: &TrainBegin<'_>) -> Result<()> {
+        self.probe.sync();
+        let cur = self.probe.current();
+        {
+            let mut log = self.lock();
+            log.available = self.probe.available();
+            log.baseline_bytes = cur;
+        }
+        self.fold(Phase::Other);
+        Ok(())
+    }
+
+    fn on_epoch_begin(&mut self, ctx: &EpochBegin<'_>) -> Result<()> {
+        self.fold(Phase::Other);
+        self.epoch_peak = if ctx.reset_peak {
+            (self.probe.current(), Phase::Other)
+        } else {
+            let log = self.lock();
+            (log.peak_bytes, log.peak_phase.unwrap_or(Phase::Other))
+        };
+        self.epoch_eval = 0;
+        let n = self.lock().batches.len();
+        self.epoch_first_batch = n;
+        Ok(())
+    }
+
+    fn on_batch_begin(&mut self, _ctx: &BatchInfo<'_>) -> Result<()> {
+        self.fold(Phase::Other);
+        self.step = StepMax { start: self.probe.current(), ..Default::default() };
+        Ok(())
+    }
+
+    fn on_after_forward(&mut self, _ctx: &BatchInfo<'_>) -> Result<()> {
+        let p = self.fold(Phase::Forward);
+        self.step.fwd = self.step.fwd.max(p);
+        Ok(())
+    }
+
+    fn on_after_backward(&mut self, _ctx: &BatchInfo<'_>) -> Result<()> {
+        let p = self.fold(Phase::Backward);
+        self.step.bwd = self.step.bwd.max(p);
+        Ok(())
+    }
+
+    fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
+        let p = self.fold(Phase::Optimizer);
+        self.step.opt = self.step.opt.max(p);
+        let s = &self.step;
+        let mut peak = (s.fwd, Phase::Forward);
+        max_phase(&mut peak, s.bwd, Phase::Backward);
+        max_phase(&mut peak, s.opt, Phase::Optimizer);
+        let rec = BatchMemory {
+            epoch: ctx.epoch,
+            batch: ctx.batch,
+            global_step: ctx.global_step,
+            start_bytes: s.start,
+            end_bytes: self.probe.current(),
+            peak_bytes: peak.0,
+            phase: peak.1,
+            forward_peak: s.fwd,
+            backward_peak: s.bwd,
+            optimizer_peak: s.opt,
+            reserved_peak: s.reserved,
+            device_used: self.probe.device_used(),
+        };
+        self.lock().batches.push(rec);
+        Ok(())
+    }
+
+    fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> Result<()> {
+        self.epoch_eval = self.fold(Phase::Eval);
+        let epoch_peak = self.epoch_peak;
+        let eval = self.epoch_eval;
+        let mut log = self.lock();
+        let first = self.epoch_first_batch.min(log.batches.len());
+        let batches = &log.batches[first..];
+        let mean = if batches.is_empty() {
+            0
+        } else {
+            batches.iter().map(|b| b.peak_bytes as u128).sum::<u128>() as u64 / batches.len() as u64
+        };
+        let rec = EpochMemory {
+            epoch: ctx.stats.epoch,
+            peak_bytes: epoch_peak.0,
+            phase: epoch_peak.1,
+            mean_batch_peak: mean,
+            eval_peak: eval,
+            batches: batches.len(),
+        };
+        log.epochs.push(rec);
+        Ok(())
+    }
+
+    fn on_train_end(&mut self, _ctx: &TrainEnd<'_>) -> Result<()> {
+        self.fold(Phase::Other);
+        Ok(())
+    }
+}

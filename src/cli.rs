@@ -1,0 +1,246 @@
+//! Command-line flags of `train_cifar10` (and of the children that sweeps and comparisons
+//! start). Each flag maps onto one [`TrainConfig`] field; [`TryFrom`] validates them.
+//! Doc comments are the `--help` text; the README's flag table is checked against it by a test.
+
+use crate::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
+use crate::error::{Error, Result};
+use crate::memory::parse_size;
+use clap::{CommandFactory, FromArgMatches, Parser};
+use std::path::PathBuf;
+
+/// Train the CIFAR-10 CNN and measure its memory.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "train_cifar10", version, about, long_about = None)]
+pub struct TrainArgs {
+    /// CIFAR-10 binary directory (data_batch_*.bin, test_batch.bin; any subset). Default: data/cifar-10-batches-bin if present, else built-in synthetic data
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Download the full CIFAR-10 through candle-datasets' hub loader (cached)
+    #[arg(long)]
+    pub download: bool,
+    /// Fraction held out for validation when there is no test_batch.bin
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Turn off augmentation (random flip + 4-pixel reflect-pad translation)
+    #[arg(long)]
+    pub no_augment: bool,
+    /// Synthetic training images (only without real data)
+    #[arg(long, default_value_t = 5000)]
+    pub synthetic_train: usize,
+    /// Synthetic test images (only without real data)
+    #[arg(long, default_value_t = 1000)]
+    pub synthetic_test: usize,
+    /// Base width w: stages have w, 2w, 4w channels
+    #[arg(long, default_value_t = 32)]
+    pub width: usize,
+    /// Convolution kind: standard 3x3, or depthwise 3x3 + pointwise 1x1
+    #[arg(long, value_enum, default_value_t = ConvKind::Standard)]
+    pub conv: ConvKind,
+    /// Optimizer: SGD with Nesterov momentum, or AdamW
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate of the one-cycle schedule
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
+    pub lr: f64,
+    /// Momentum (SGD) or beta1 (AdamW)
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Weight decay
+    #[arg(long, default_value_t = 5e-4)]
+    pub weight_decay: f64,
+    /// Fraction of the steps spent warming the learning rate up
+    #[arg(long, default_value_t = 0.25)]
+    pub warmup_frac: f64,
+    /// Number of epochs
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Images per optimizer step
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
+    pub batch_size: i64,
+    /// Micro-batches per optimizer step (gradient accumulation); must divide --batch-size
+    #[arg(long, default_value_t = 1)]
+    pub accum_steps: usize,
+    /// Stop after this many optimizer steps (cap; the run also ends after --epochs)
+    #[arg(long, value_name = "N")]
+    pub max_steps: Option<usize>,
+    /// Compute precision; weights stay f32 (f16 adds a dynamic loss scaler)
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub precision: Precision,
+    /// Gradient checkpointing: keep only each stage's or each block's input and recompute in backward
+    #[arg(long, value_enum, default_value_t = Checkpointing::None)]
+    pub checkpoint: Checkpointing,
+    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: heap budget checked after each phase)
+    #[arg(long, value_name = "SIZE")]
+    pub memory_limit: Option<String>,
+    /// CUDA: return freed pool memory to the driver at every synchronize instead of keeping it
+    #[arg(long)]
+    pub no_pool_cache: bool,
+    /// Seed for initialization, data order, augmentation and synthetic data
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Device: cpu, cuda or cuda:N. Default: cuda when built with it and a GPU is present, else cpu
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Run directory. Default: runs/<timestamp>
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Skip evaluation after each epoch
+    #[arg(long)]
+    pub no_eval: bool,
+    /// Plain log lines instead of progress bars
+    #[arg(long)]
+    pub quiet: bool,
+    /// Save a checkpoint every N optimizer steps (0: only at epoch ends)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub save_every: usize,
+    /// Keep the peak-memory watermark across epochs instead of resetting it at each epoch start
+    #[arg(long)]
+    pub no_reset_peak: bool,
+    /// Start from a config.json (as written into a run directory); flags given explicitly override it
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its newest complete checkpoint
+    #[arg(long, value_name = "RUN_DIR")]
+    pub resume: Option<PathBuf>,
+    /// Print the memory estimate and the configuration, then exit without training
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Write summary.json only (no per-batch CSV/plots); used by sweep children
+    #[arg(long, hide = true)]
+    pub summary_only: bool,
+    /// Flags given explicitly on the command line (filled by [`parse_train_args`]).
+    #[arg(skip)]
+    pub explicit: Vec<String>,
+}
+
+/// What `train_cifar10` should do.
+#[derive(Debug, Clone)]
+pub struct TrainCommand {
+    /// The validated configuration.
+    pub config: TrainConfig,
+    /// Run directory to resume from.
+    pub resume: Option<PathBuf>,
+    /// Only print the estimate and configuration.
+    pub dry_run: bool,
+    /// Only write summary.json.
+    pub summary_only: bool,
+}
+
+/// Flag id → config key for the flags whose names differ from the config field.
+const RENAMED: &[(&str, &str)] = &[
+    ("no_augment", "augment"),
+    ("no_pool_cache", "pool_cache"),
+    ("no_eval", "eval"),
+    ("no_reset_peak", "reset_peak_each_epoch"),
+];
+
+impl TryFrom<TrainArgs> for TrainCommand {
+    type Error = Error;
+
+    fn try_from(a: TrainArgs) -> Result<Self> {
+        if a.batch_size <= 0 {
+            return Err(Error::config(format!("--batch-size must be a positive integer, got {}", a.batch_size)));
+        }
+        let memory_limit = a.memory_limit.as_deref().map(parse_size).transpose()?;
+        let from_flags = TrainConfig {
+            data_dir: a.data_dir.clone(),
+            download: a.download,
+            val_fraction: a.val_fraction,
+            augment: !a.no_augment,
+            synthetic_train: a.synthetic_train,
+            synthetic_test: a.synthetic_test,
+            width: a.width,
+            conv: a.conv,
+            optimizer: a.optimizer,
+            lr: a.lr,
+            momentum: a.momentum,
+            weight_decay: a.weight_decay,
+            warmup_frac: a.warmup_frac,
+            epochs: a.epochs,
+            batch_size: usize::try_from(a.batch_size).unwrap_or(usize::MAX),
+            accum_steps: a.accum_steps,
+            max_steps: a.max_steps,
+            precision: a.precision,
+            checkpoint: a.checkpoint,
+            memory_limit,
+            pool_cache: !a.no_pool_cache,
+            seed: a.seed,
+            device: a.device.clone(),
+            out: a.out.clone(),
+            eval: !a.no_eval,
+            quiet: a.quiet,
+            save_every: a.save_every,
+            reset_peak_each_epoch: !a.no_reset_peak,
+        };
+        let config = match &a.config {
+            None => from_flags,
+            Some(path) => merge_config_file(path, &from_flags, &a.explicit)?,
+        };
+        config.validate()?;
+        Ok(TrainCommand { config, resume: a.resume, dry_run: a.dry_run, summary_only: a.summary_only })
+    }
+}
+
+/// The config in `path`, with the fields of the explicitly given flags taken from `flags`.
+fn merge_config_file(path: &std::path::Path, flags: &TrainConfig, explicit: &[String]) -> Result<TrainConfig> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Error::config(format!("--config {}: cannot read it ({e}); pass a config.json from a run directory", path.display()))
+    })?;
+    let mut base: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(format!("--config {}: not valid JSON ({e})", path.display())))?;
+    let over = serde_json::to_value(flags).map_err(|e| Error::config(e.to_string()))?;
+    let (Some(b), Some(o)) = (base.as_object_mut(), over.as_object()) else {
+        return Err(Error::config(format!("--config {}: expected a JSON object", path.display())));
+    };
+    for id in explicit {
+        let key = RENAMED.iter().find(|(f, _)| f == id).map_or(id.as_str(), |(_, k)| k);
+        if let Some(v) = o.get(key) {
+            b.insert(key.to_string(), v.clone());
+        }
+    }
+    serde_json::from_value(base).map_err(|e| {
+        Error::config(format!("--config {}: not a memtrain config ({e}); pass a config.json from a run directory", path.display()))
+    })
+}
+
+/// Parse `args` (including the program name) into [`TrainArgs`], recording which flags were
+/// given explicitly. Usage errors become one-line [`Error::Config`]s; `--help`/`--version`
+/// come back as `Ok(Err(text))` to be printed with exit code 0.
+pub fn parse_train_args<I, T>(args: I) -> Result<std::result::Result<TrainArgs, String>>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = match TrainArgs::command().try_get_matches_from(args) {
+        Ok(m) => m,
+        Err(e) => return clap_error(e).map(Err),
+    };
+    let mut parsed = TrainArgs::from_arg_matches(&matches).map_err(|e| Error::config(one_line(&e.to_string())))?;
+    parsed.explicit = matches
+        .ids()
+        .filter(|id| matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|id| id.as_str().to_string())
+        .collect();
+    Ok(Ok(parsed))
+}
+
+/// `--help`/`--version` → Ok(text); anything else → a one-line usage error.
+pub fn clap_error(e: clap::Error) -> Result<String> {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            Ok(e.render().to_string())
+        }
+        _ => Err(Error::config(format!("{} (see --help)", one_line(&e.render().to_string())))),
+    }
+}
+
+/// Fold clap's multi-line message into one line, dropping the usage and "for more information" lines.
+fn one_line(msg: &str) -> String {
+    msg.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .map(|l| l.trim_start_matches("error: ").to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
+}

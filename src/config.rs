@@ -1,0 +1,296 @@
+//! The validated training configuration: one struct that drives the one training loop.
+//!
+//! Flags (see [`crate::cli::TrainArgs`]) map one-to-one onto fields here; conversion validates
+//! them, so a `TrainConfig` that exists is one the trainer can run.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+macro_rules! cli_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+        #[serde(rename_all = "lowercase")]
+        pub enum $name {
+            $($(#[$vmeta])* #[value(name = $text)] #[serde(rename = $text)] $variant),+
+        }
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+            /// The flag spelling of this variant.
+            pub fn as_str(&self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+        impl std::str::FromStr for $name {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                match s.trim().to_ascii_lowercase().as_str() {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(Error::config(format!(
+                        "unknown {} '{}'; expected one of: {}",
+                        stringify!($name).to_ascii_lowercase(), other,
+                        [$($text),+].join(", ")
+                    ))),
+                }
+            }
+        }
+    };
+}
+
+cli_enum! {
+    /// Numeric precision of the forward and backward pass (master weights are always f32).
+    Precision {
+        /// Plain f32 everywhere.
+        F32 => "f32",
+        /// f16 compute with f32 master weights and a dynamic loss scaler.
+        F16 => "f16",
+        /// bf16 compute with f32 master weights (no scaler needed).
+        Bf16 => "bf16",
+    }
+}
+
+cli_enum! {
+    /// Gradient checkpointing granularity.
+    Checkpointing {
+        /// Keep every activation for backward.
+        None => "none",
+        /// Keep only the input of each of the three stages; recompute each stage in backward.
+        Stages => "stages",
+        /// Keep only the input of each conv block; recompute each block in backward.
+        Blocks => "blocks",
+    }
+}
+
+cli_enum! {
+    /// Convolution kind used inside each block.
+    ConvKind {
+        /// Dense 3x3 convolution.
+        Standard => "standard",
+        /// Depthwise 3x3 followed by pointwise 1x1.
+        Separable => "separable",
+    }
+}
+
+cli_enum! {
+    /// Optimizer.
+    OptimizerKind {
+        /// SGD with Nesterov momentum and coupled weight decay.
+        Sgd => "sgd",
+        /// AdamW (decoupled weight decay).
+        Adamw => "adamw",
+    }
+}
+
+impl Precision {
+    /// The Candle dtype the forward pass computes in.
+    pub fn compute_dtype(&self) -> candle_core::DType {
+        match self {
+            Precision::F32 => candle_core::DType::F32,
+            Precision::F16 => candle_core::DType::F16,
+            Precision::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
+/// Everything a training run needs, validated. Saved as `config.json` in the run directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainConfig {
+    /// CIFAR-10 binary directory; `None` means `data/cifar-10-batches-bin` if present, else synthetic.
+    pub data_dir: Option<PathBuf>,
+    /// Fetch the full CIFAR-10 through candle-datasets' hub loader.
+    pub download: bool,
+    /// Fraction of the training files held out for validation when there is no test_batch.bin.
+    pub val_fraction: f64,
+    /// Random flip + 4-pixel reflect-pad translation of training images.
+    pub augment: bool,
+    /// Number of synthetic training images (used only when there is no real data).
+    pub synthetic_train: usize,
+    /// Number of synthetic test images.
+    pub synthetic_test: usize,
+    /// Base width w of the CNN (stages have w, 2w, 4w channels).
+    pub width: usize,
+    /// Convolution kind.
+    pub conv: ConvKind,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate of the one-cycle schedule.
+    pub lr: f64,
+    /// Momentum (SGD) or beta1 (AdamW).
+    pub momentum: f64,
+    /// Weight decay.
+    pub weight_decay: f64,
+    /// Fraction of all steps spent warming the learning rate up.
+    pub warmup_frac: f64,
+    /// Number of epochs.
+    pub epochs: usize,
+    /// Images per optimizer step (the effective batch).
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step.
+    pub accum_steps: usize,
+    /// Stop after this many optimizer steps (for quick measurements).
+    pub max_steps: Option<usize>,
+    /// Compute precision.
+    pub precision: Precision,
+    /// Gradient checkpointing granularity.
+    pub checkpoint: Checkpointing,
+    /// Memory budget in bytes (CUDA: a hard pool limit; CPU: checked by the counting allocator).
+    pub memory_limit: Option<u64>,
+    /// Keep freed CUDA pool memory between steps (release threshold = max).
+    pub pool_cache: bool,
+    /// Seed for initialization, data order, augmentation and synthetic data.
+    pub seed: u64,
+    /// Device: "cpu", "cuda" or "cuda:N"; `None` picks CUDA when available.
+    pub device: Option<String>,
+    /// Run directory; `None` means `runs/<timestamp>`.
+    pub out: Option<PathBuf>,
+    /// Evaluate on the validation/test split after each epoch.
+    pub eval: bool,
+    /// Plain log lines instead of progress bars.
+    pub quiet: bool,
+    /// Save a training checkpoint every N optimizer steps (and at each epoch end); 0 = only at epoch ends.
+    pub save_every: usize,
+    /// Reset the peak-memory watermark at the start of every epoch.
+    pub reset_peak_each_epoch: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            data_dir: None,
+            download: false,
+            val_fraction: 0.1,
+            augment: true,
+            synthetic_train: 5000,
+            synthetic_test: 1000,
+            width: 32,
+            conv: ConvKind::Standard,
+            optimizer: OptimizerKind::Sgd,
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 5e-4,
+            warmup_frac: 0.25,
+            epochs: 1,
+            batch_size: 128,
+            accum_steps: 1,
+            max_steps: None,
+            precision: Precision::F32,
+            checkpoint: Checkpointing::None,
+            memory_limit: None,
+            pool_cache: true,
+            seed: 0,
+            device: None,
+            out: None,
+            eval: true,
+            quiet: false,
+            save_every: 0,
+            reset_peak_each_epoch: true,
+        }
+    }
+}
+
+/// Largest batch the trainer accepts; beyond this a typo is more likely than intent.
+pub const MAX_BATCH_SIZE: usize = 1 << 20;
+
+impl TrainConfig {
+    /// Images per micro-batch (`batch_size / accum_steps`).
+    pub fn micro_batch(&self) -> usize {
+        self.batch_size / self.accum_steps.max(1)
+    }
+
+    /// Check every field; the message names the flag and the fix.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::config(m));
+        if self.batch_size == 0 {
+            return bad("--batch-size must be at least 1".into());
+        }
+        if self.batch_size > MAX_BATCH_SIZE {
+            return bad(format!(
+                "--batch-size {} is absurdly large (max {MAX_BATCH_SIZE}); use a smaller batch with --accum-steps",
+                self.batch_size
+            ));
+        }
+        if self.accum_steps == 0 {
+            return bad("--accum-steps must be at least 1".into());
+        }
+        if self.batch_size % self.accum_steps != 0 {
+            return bad(format!(
+                "--batch-size {} is not divisible by --accum-steps {}; pick a batch size that is a multiple of it (e.g. {})",
+                self.batch_size,
+                self.accum_steps,
+                self.accum_steps * (self.batch_size / self.accum_steps).max(1)
+            ));
+        }
+        if self.width == 0 {
+            return bad("--width must be at least 1 (default 32)".into());
+        }
+        if self.width > 4096 {
+            return bad(format!("--width {} is too large (max 4096)", self.width));
+        }
+        if !self.lr.is_finite() || self.lr <= 0.0 {
+            return bad(format!("--lr must be a positive finite number, got {}", self.lr));
+        }
+        if !self.momentum.is_finite() || !(0.0..1.0).contains(&self.momentum) {
+            return bad(format!("--momentum must be in [0, 1), got {}", self.momentum));
+        }
+        if !self.weight_decay.is_finite() || self.weight_decay < 0.0 {
+            return bad(format!("--weight-decay must be >= 0, got {}", self.weight_decay));
+        }
+        if !self.warmup_frac.is_finite() || !(0.0..1.0).contains(&self.warmup_frac) {
+            return bad(format!("--warmup-frac must be in [0, 1), got {}", self.warmup_frac));
+        }
+        if !self.val_fraction.is_finite() || !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
+            return bad(format!("--val-fraction must be in (0, 1), got {}", self.val_fraction));
+        }
+        if self.epochs == 0 && self.max_steps.is_none() {
+            return bad("--epochs must be at least 1 (or give --max-steps)".into());
+        }
+        if self.max_steps == Some(0) {
+            return bad("--max-steps must be at least 1".into());
+        }
+        if self.synthetic_train < 10 || self.synthetic_test < 10 {
+            return bad("--synthetic-train and --synthetic-test must be at least 10".into());
+        }
+        if let Some(limit) = self.memory_limit {
+            if limit == 0 {
+                return bad("--memory-limit must be larger than 0".into());
+            }
+        }
+        if let Some(dev) = &self.device {
+            crate::device::parse_device_spec(dev)?;
+        }
+        Ok(())
+    }
+
+    /// Read a `config.json` (as written into a run directory) and validate it.
+    pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let cfg: TrainConfig = serde_json::from_str(&text).map_err(|e| {
+            Error::config(format!("{}: not a memtrain config.json ({e})", path.display()))
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A short human-readable label of the memory-relevant settings, e.g. `bs128 f16 accum4 ckpt=stages sep`.
+    pub fn label(&self) -> String {
+        let mut s = format!("bs{} {}", self.batch_size, self.precision);
+        if self.accum_steps > 1 {
+            s.push_str(&format!(" accum{}", self.accum_steps));
+        }
+        if self.checkpoint != Checkpointing::None {
+            s.push_str(&format!(" ckpt={}", self.checkpoint));
+        }
+        if self.conv == ConvKind::Separable {
+            s.push_str(" separable");
+        }
+        s
+    }
+}

@@ -1,0 +1,384 @@
+//! CIFAR-10 in its binary version: `data_batch_1.bin` .. `data_batch_5.bin` and `test_batch.bin`,
+//! each a sequence of 3073-byte records (1 label byte, then the R, G and B planes of a 32x32 image).
+//!
+//! candle-datasets has a reader for these files too, but it insists on all six files of exactly
+//! 10,000 records and reports a short file as a bare I/O error. This reader accepts any subset of
+//! the training files, checks size and labels, and names the file and byte offset of any problem.
+//! candle-datasets is still used for `--download` (its Hugging Face hub loader).
+
+use super::{
+    mix_seed, DataSplits, Dataset, CIFAR_BINARY_URL, IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES,
+};
+use crate::error::{Error, Result};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use std::path::{Path, PathBuf};
+
+/// The name of the test file in a CIFAR-10 binary directory.
+pub const TEST_FILE: &str = "test_batch.bin";
+
+/// Tag mixed into the seed of the validation split, so it differs from every other stream.
+const SPLIT_TAG: u64 = 0x5711_7000;
+
+/// How to get the data by hand; appended to errors about missing data.
+fn how_to_get() -> String {
+    format!(
+        "download the binary version from {CIFAR_BINARY_URL} and run `tar xzf cifar-10-binary.tar.gz -C data/` \
+         so that data/cifar-10-batches-bin exists, or pass --data-dir DIR"
+    )
+}
+
+/// Read one CIFAR-10 binary file (any number of records).
+///
+/// Errors name the file: unreadable, empty, a size that is not a multiple of 3073 bytes (with the
+/// offset of the truncated last record), or a label above 9 (with its byte offset and value).
+pub fn read_file(path: &Path) -> Result<Dataset> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    parse_records(&bytes, path)
+}
+
+/// Parse the records of a file already in memory; `path` is only for error messages.
+fn parse_records(bytes: &[u8], path: &Path) -> Result<Dataset> {
+    let data_err = |msg: String| Error::Data {
+        path: path.to_path_buf(),
+        msg,
+    };
+    if bytes.is_empty() {
+        return Err(data_err(format!(
+            "file is empty; a CIFAR-10 binary file holds records of {RECORD_BYTES} bytes \
+             (1 label byte + {IMAGE_BYTES} pixel bytes); re-extract it from {CIFAR_BINARY_URL}"
+        )));
+    }
+    let rem = bytes.len() % RECORD_BYTES;
+    if rem != 0 {
+        let last = bytes.len() - rem;
+        return Err(data_err(format!(
+            "size {} bytes is not a multiple of {RECORD_BYTES} (1 label byte + {IMAGE_BYTES} pixel bytes): \
+             the last record at byte offset {last} is truncated ({rem} of {RECORD_BYTES} bytes); \
+             the file is damaged or not CIFAR-10 binary — re-extract it from {CIFAR_BINARY_URL}",
+            bytes.len()
+        )));
+    }
+    let n = bytes.len() / RECORD_BYTES;
+    let mut images = Vec::with_capacity(n * IMAGE_BYTES);
+    let mut labels = Vec::with_capacity(n);
+    for (i, record) in bytes.chunks_exact(RECORD_BYTES).enumerate() {
+        let label = record[0];
+        if label as usize >= NUM_CLASSES {
+            return Err(data_err(format!(
+                "label {label} at byte offset {} (record {i}) is out of range 0..={}; this is not a \
+                 CIFAR-10 binary file (CIFAR-100's binary version has 2 label bytes per record)",
+                i * RECORD_BYTES,
+                NUM_CLASSES - 1
+            )));
+        }
+        labels.push(label);
+        images.extend_from_slice(&record[1..]);
+    }
+    Ok(Dataset { images, labels })
+}
+
+/// The training files present in `dir`, as (batch number, path), sorted by number.
+fn training_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(num) = name
+            .strip_prefix("data_batch_")
+            .and_then(|s| s.strip_suffix(".bin"))
+        else {
+            continue;
+        };
+        // Only data_batch_N.bin with a plain decimal N; anything else (backups, the python version's
+        // extension-less files) is not ours to guess about.
+        if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(n) = num.parse::<u64>() else { continue };
+        files.push((n, entry.path()));
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Hints for a directory without training files: the usual mistakes are pointing at the parent of
+/// `cifar-10-batches-bin` or at the python version of the dataset.
+fn missing_files_hint(dir: &Path) -> String {
+    if dir.join("cifar-10-batches-bin").is_dir() {
+        return format!(
+            "; did you mean --data-dir {}?",
+            dir.join("cifar-10-batches-bin").display()
+        );
+    }
+    if dir.join("data_batch_1").is_file() {
+        return "; this looks like the python version (data_batch_1 without .bin), memtrain reads the binary version"
+            .to_string();
+    }
+    String::new()
+}
+
+/// Format a fraction as a percentage without float noise ("10", "12.5").
+fn percent(frac: f64) -> String {
+    let pct = frac * 100.0;
+    if (pct - pct.round()).abs() < 1e-9 {
+        format!("{:.0}", pct.round())
+    } else {
+        format!("{pct:.1}")
+    }
+}
+
+/// Split `n` images into (train, validation) index lists: shuffle `0..n` with the seed and take
+/// the first round(n * frac) (at least 1, and leaving at least 1 for training) as validation.
+/// Both lists are returned in file order.
+pub fn validation_split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut rng = StdRng::seed_from_u64(mix_seed(&[seed, SPLIT_TAG]));
+    order.shuffle(&mut rng);
+    let n_val = ((n as f64 * val_fraction).round() as usize)
+        .max(1)
+        .min(n.saturating_sub(1));
+    let mut val = order[..n_val].to_vec();
+    let mut train = order[n_val..].to_vec();
+    val.sort_unstable();
+    train.sort_unstable();
+    (train, val)
+}
+
+/// Load a CIFAR-10 binary directory holding any subset of `data_batch_N.bin`, plus
+/// `test_batch.bin` if present. Without `test_batch.bin`, a seeded `val_fraction` of the training
+/// images is held out for validation (and `test_is_validation` is set).
+pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> {
+    if !val_fraction.is_finite() || !(val_fraction > 0.0 && val_fraction < 1.0) {
+        return Err(Error::config(format!(
+            "--val-fraction must be in (0, 1), got {val_fraction}"
+        )));
+    }
+    let data_err = |msg: String| Error::Data {
+        path: dir.to_path_buf(),
+        msg,
+    };
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(data_err(format!(
+                "directory does not exist; {}",
+                how_to_get()
+            )));
+        }
+        Err(e) => return Err(Error::io(dir, e)),
+        Ok(m) if !m.is_dir() => {
+            return Err(data_err(
+                "is a file, not a directory; --data-dir takes the directory that holds \
+                 data_batch_1.bin .. data_batch_5.bin and test_batch.bin (e.g. data/cifar-10-batches-bin)"
+                    .to_string(),
+            ));
+        }
+        Ok(_) => {}
+    }
+
+    let files = training_files(dir)?;
+    if files.is_empty() {
+        return Err(data_err(format!(
+            "no CIFAR-10 training files: expected data_batch_1.bin .. data_batch_5.bin (any subset) \
+             and optionally {TEST_FILE}{}; {}",
+            missing_files_hint(dir),
+            how_to_get()
+        )));
+    }
+
+    let mut train = Dataset::default();
+    let mut names = Vec::with_capacity(files.len());
+    for (_, path) in &files {
+        let part = read_file(path)?;
+        train.images.extend_from_slice(&part.images);
+        train.labels.extend_from_slice(&part.labels);
+        names.push(
+            path.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
+    }
+    let names = names.join(", ");
+
+    let test_path = dir.join(TEST_FILE);
+    if test_path.is_file() {
+        let test = read_file(&test_path)?;
+        let description = format!(
+            "CIFAR-10 from {}: {} train images from {names}; {} test images from {TEST_FILE}",
+            dir.display(),
+            train.len(),
+            test.len()
+        );
+        return Ok(DataSplits {
+            train,
+            test,
+            description,
+            test_is_validation: false,
+        });
+    }
+
+    if train.len() < 2 {
+        return Err(data_err(format!(
+            "only {} training image(s) and no {TEST_FILE}: need at least 2 images to hold out a validation split",
+            train.len()
+        )));
+    }
+    let (train_idx, val_idx) = validation_split(train.len(), val_fraction, seed);
+    let description = format!(
+        "CIFAR-10 from {}: {} train images from {names}; no {TEST_FILE}, holding out {} ({}%) for validation (seed {seed})",
+        dir.display(),
+        train_idx.len(),
+        val_idx.len(),
+        percent(val_fraction)
+    );
+    Ok(DataSplits {
+        test: train.subset(&val_idx),
+        train: train.subset(&train_idx),
+        description,
+        test_is_validation: true,
+    })
+}
+
+/// Where the hub loader gets the data from, used as the "path" of download errors.
+const HUB_SOURCE: &str = "https://huggingface.co/datasets/cifar10";
+
+/// Download the full CIFAR-10 (50,000 train, 10,000 test images) through candle-datasets' hub
+/// loader and convert it to [`Dataset`]s.
+///
+/// Any failure (offline, no cache) becomes one error line telling how to get the binary version
+/// by hand.
+pub fn download() -> Result<DataSplits> {
+    let fail = |why: String| Error::Data {
+        path: PathBuf::from(HUB_SOURCE),
+        msg: format!("download failed ({why}); instead, {}", how_to_get()),
+    };
+    // candle-datasets unwraps the PNG decoding of each image; a corrupt cache would panic inside it.
+    // Catch that so the user gets the same one-line error as for any other download failure.
+    let loaded = std::panic::catch_unwind(candle_datasets::vision::cifar::load)
+        .map_err(|_| fail("the hub loader panicked while decoding the parquet files".to_string()))?
+        .map_err(|e| fail(first_line(&e.to_string())))?;
+    let train = hub_tensors_to_dataset(&loaded.train_images, &loaded.train_labels)
+        .map_err(|e| fail(first_line(&e.to_string())))?;
+    let test = hub_tensors_to_dataset(&loaded.test_images, &loaded.test_labels)
+        .map_err(|e| fail(first_line(&e.to_string())))?;
+    let description = format!(
+        "CIFAR-10 from the Hugging Face hub: {} train images, {} test images",
+        train.len(),
+        test.len()
+    );
+    Ok(DataSplits {
+        train,
+        test,
+        description,
+        test_is_validation: false,
+    })
+}
+
+/// The first line of a possibly multi-line message, so errors stay one line.
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or("").to_string()
+}
+
+/// Convert the hub loader's tensors to CIFAR byte layout.
+///
+/// The loader returns f32 images in 0..1 shaped `[n, 3, 32, 32]`, but built with
+/// `permute((0, 3, 2, 1))` from image-rs's (height, width, channel) buffer, so its last two axes
+/// are (width, height): transposing them back gives the row-major planes of the binary files.
+fn hub_tensors_to_dataset(
+    images: &candle_core::Tensor,
+    labels: &candle_core::Tensor,
+) -> Result<Dataset> {
+    let path = PathBuf::from(HUB_SOURCE);
+    let dims = images.dims().to_vec();
+    if dims.len() != 4 || dims[1..] != [3, 32, 32] {
+        return Err(Error::Data {
+            path,
+            msg: format!("unexpected image tensor shape {dims:?}, want [n, 3, 32, 32]"),
+        });
+    }
+    let images = (images.transpose(2, 3)?.contiguous()? * 255.0)?
+        .round()?
+        .clamp(0f32, 255f32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let images: Vec<u8> = images.into_iter().map(|v| v as u8).collect();
+    let labels = labels
+        .flatten_all()?
+        .to_dtype(candle_core::DType::U32)?
+        .to_vec1::<u32>()?;
+    if labels.len() * IMAGE_BYTES != images.len() {
+        return Err(Error::Data {
+            path,
+            msg: format!(
+                "{} labels for {} images",
+                labels.len(),
+                images.len() / IMAGE_BYTES
+            ),
+        });
+    }
+    let mut out = Vec::with_capacity(labels.len());
+    for (i, &l) in labels.iter().enumerate() {
+        if l as usize >= NUM_CLASSES {
+            return Err(Error::Data {
+                path,
+                msg: format!("label {l} of image {i} is out of range 0..=9"),
+            });
+        }
+        out.push(l as u8);
+    }
+    Ok(Dataset {
+        images,
+        labels: out,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Tensor};
+
+    /// Rebuild what candle-datasets' hub loader does to an image-rs (height, width, channel)
+    /// buffer, and check the conversion recovers the binary files' R, G, B planes exactly.
+    #[test]
+    fn hub_tensors_convert_to_cifar_layout() {
+        let n = 2;
+        let pixel = |i: usize, c: usize, y: usize, x: usize| {
+            ((i * 31 + c * 70 + y * 5 + x * 3) % 256) as u8
+        };
+        let mut hwc = Vec::with_capacity(n * IMAGE_BYTES);
+        for i in 0..n {
+            for y in 0..32 {
+                for x in 0..32 {
+                    for c in 0..3 {
+                        hwc.push(pixel(i, c, y, x));
+                    }
+                }
+            }
+        }
+        let images = (Tensor::from_vec(hwc, (n, 32, 32, 3), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .permute((0, 3, 2, 1))
+            .unwrap()
+            / 255.)
+            .unwrap();
+        let labels = Tensor::from_vec(vec![4u8, 9], n, &Device::Cpu).unwrap();
+        let ds = hub_tensors_to_dataset(&images, &labels).unwrap();
+        assert_eq!(ds.labels, vec![4, 9]);
+        for i in 0..n {
+            for c in 0..3 {
+                for y in 0..32 {
+                    for x in 0..32 {
+                        assert_eq!(ds.image(i)[c * 1024 + y * 32 + x], pixel(i, c, y, x));
+                    }
+                }
+            }
+        }
+        let bad = Tensor::from_vec(vec![10u8, 0], n, &Device::Cpu).unwrap();
+        assert!(hub_tensors_to_dataset(&images, &bad).is_err());
+    }
+}

@@ -1,0 +1,184 @@
+//! Training data: CIFAR-10 binary files, learnable synthetic data, and the prefetching batcher.
+//!
+//! [`load`] picks the source (hub download, a CIFAR-10 binary directory, or synthetic images) and
+//! returns a train split plus a test or validation split, both as plain bytes in [`Dataset`]. The
+//! [`Batcher`] turns a dataset into normalized f32 batches on a background thread.
+
+pub mod batcher;
+pub mod cifar;
+pub mod synthetic;
+
+pub use batcher::{normalize_into, Batch, Batcher, BatcherOptions, CIFAR_MEAN, CIFAR_STD};
+
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+
+/// Bytes of one image: 3 channels of 32x32 pixels.
+pub const IMAGE_BYTES: usize = 3072;
+/// Bytes of one record in a CIFAR-10 binary file: 1 label byte followed by [`IMAGE_BYTES`] pixels.
+pub const RECORD_BYTES: usize = 3073;
+/// Number of CIFAR-10 classes (labels 0..=9).
+pub const NUM_CLASSES: usize = 10;
+
+/// Where [`load`] looks for CIFAR-10 when neither `--data-dir` nor `--download` is given
+/// (relative to the current directory).
+pub const DEFAULT_DATA_DIR: &str = "data/cifar-10-batches-bin";
+
+/// The URL of the CIFAR-10 binary version, for error messages and docs.
+pub const CIFAR_BINARY_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
+
+/// Images in CIFAR layout: per image 3072 bytes = R plane, G plane, B plane, each 32x32 row-major.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Dataset {
+    /// `len() * IMAGE_BYTES` pixel bytes, image after image.
+    pub images: Vec<u8>,
+    /// One label (0..=9) per image.
+    pub labels: Vec<u8>,
+}
+
+impl Dataset {
+    /// Number of images (the number of labels).
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// True when the dataset holds no images.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// The 3072 pixel bytes of image `i` (R, G, B planes).
+    ///
+    /// Panics if `i >= len()` or `images` is shorter than `len() * IMAGE_BYTES`; the loaders in
+    /// this module always produce consistent datasets.
+    pub fn image(&self, i: usize) -> &[u8] {
+        &self.images[i * IMAGE_BYTES..(i + 1) * IMAGE_BYTES]
+    }
+
+    /// The label of image `i`. Panics if `i >= len()`.
+    pub fn label(&self, i: usize) -> u8 {
+        self.labels[i]
+    }
+
+    /// A new dataset holding the images at `indices`, in that order. Panics on an index out of range.
+    pub fn subset(&self, indices: &[usize]) -> Dataset {
+        let mut images = Vec::with_capacity(indices.len() * IMAGE_BYTES);
+        let mut labels = Vec::with_capacity(indices.len());
+        for &i in indices {
+            images.extend_from_slice(self.image(i));
+            labels.push(self.label(i));
+        }
+        Dataset { images, labels }
+    }
+
+    /// How many images each class has.
+    pub fn class_counts(&self) -> [usize; NUM_CLASSES] {
+        let mut counts = [0; NUM_CLASSES];
+        for &l in &self.labels {
+            if let Some(c) = counts.get_mut(l as usize) {
+                *c += 1;
+            }
+        }
+        counts
+    }
+}
+
+/// Where the data comes from and how it is split; built from the training config.
+#[derive(Debug, Clone)]
+pub struct DataOptions {
+    /// CIFAR-10 binary directory (any subset of its files); `None` means [`DEFAULT_DATA_DIR`] if
+    /// present, else synthetic data.
+    pub data_dir: Option<PathBuf>,
+    /// Fetch the full CIFAR-10 through candle-datasets' Hugging Face hub loader.
+    pub download: bool,
+    /// Fraction of the training images held out for validation when there is no test_batch.bin.
+    pub val_fraction: f64,
+    /// Seed of the validation split and of the synthetic data.
+    pub seed: u64,
+    /// Number of synthetic training images (used only when there is no real data).
+    pub synthetic_train: usize,
+    /// Number of synthetic test images.
+    pub synthetic_test: usize,
+}
+
+impl Default for DataOptions {
+    /// The same defaults as the training config: auto-detect, 10% validation, seed 0,
+    /// 5000/1000 synthetic images.
+    fn default() -> Self {
+        DataOptions {
+            data_dir: None,
+            download: false,
+            val_fraction: 0.1,
+            seed: 0,
+            synthetic_train: 5000,
+            synthetic_test: 1000,
+        }
+    }
+}
+
+/// A train split and a test (or validation) split, with a line describing them.
+#[derive(Debug, Clone)]
+pub struct DataSplits {
+    /// Images to train on.
+    pub train: Dataset,
+    /// Images to evaluate on.
+    pub test: Dataset,
+    /// One line announcing source and split, printed by the trainer.
+    pub description: String,
+    /// True when `test` is a held-out part of the training files.
+    pub test_is_validation: bool,
+}
+
+/// Load the data the options ask for.
+///
+/// Order of preference: `download` (full CIFAR-10 through the hub), then `data_dir`, then
+/// [`DEFAULT_DATA_DIR`] if it exists, else synthetic data.
+pub fn load(opts: &DataOptions) -> Result<DataSplits> {
+    if opts.download {
+        return cifar::download();
+    }
+    if let Some(dir) = &opts.data_dir {
+        return cifar::load_dir(dir, opts.val_fraction, opts.seed);
+    }
+    let default_dir = Path::new(DEFAULT_DATA_DIR);
+    if default_dir.is_dir() {
+        return cifar::load_dir(default_dir, opts.val_fraction, opts.seed);
+    }
+    if opts.synthetic_train == 0 || opts.synthetic_test == 0 {
+        return Err(Error::config(format!(
+            "--synthetic-train and --synthetic-test must be positive (got {} and {})",
+            opts.synthetic_train, opts.synthetic_test
+        )));
+    }
+    let (train, test) = synthetic::splits(opts.synthetic_train, opts.synthetic_test, opts.seed);
+    let description = format!(
+        "synthetic CIFAR-shaped data (no {DEFAULT_DATA_DIR}; pass --data-dir or --download for real \
+         CIFAR-10): {} train, {} test images (seed {})",
+        train.len(),
+        test.len(),
+        opts.seed
+    );
+    Ok(DataSplits {
+        train,
+        test,
+        description,
+        test_is_validation: false,
+    })
+}
+
+/// One step of splitmix64: a strong 64-bit mixer, so nearby seeds give unrelated streams.
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Mix a tuple of values into one RNG seed. Every random stream in this module is seeded from a
+/// tuple (seed, purpose tag, epoch, batch, ...) so that it depends on nothing else — in particular
+/// not on thread timing or on where an epoch was resumed.
+pub(crate) fn mix_seed(parts: &[u64]) -> u64 {
+    parts
+        .iter()
+        .fold(0x6A09_E667_F3BC_C908, |h, &p| splitmix64(h ^ splitmix64(p)))
+}

@@ -1,0 +1,90 @@
+//! Device selection: `cpu`, `cuda`, `cuda:N`, or automatic.
+
+use crate::error::{Error, Result};
+use candle_core::Device;
+
+/// A parsed `--device` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU.
+    Cpu,
+    /// CUDA device with this ordinal.
+    Cuda(usize),
+}
+
+/// Parse `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device_spec(s: &str) -> Result<DeviceSpec> {
+    let t = s.trim().to_ascii_lowercase();
+    if t == "cpu" {
+        return Ok(DeviceSpec::Cpu);
+    }
+    if t == "cuda" || t == "gpu" {
+        return Ok(DeviceSpec::Cuda(0));
+    }
+    if let Some(n) = t.strip_prefix("cuda:") {
+        return n.parse::<usize>().map(DeviceSpec::Cuda).map_err(|_| {
+            Error::config(format!("--device '{s}': expected cpu, cuda or cuda:N with N a GPU index"))
+        });
+    }
+    Err(Error::config(format!("--device '{s}' is not a device; expected cpu, cuda or cuda:N")))
+}
+
+/// Resolve the configured device. `None` picks CUDA when the build has it and a GPU answers,
+/// else the CPU (with a one-line warning when CUDA was compiled in but no GPU is present).
+pub fn select_device(spec: Option<&str>) -> Result<Device> {
+    match spec {
+        None => Ok(auto_device()),
+        Some(s) => match parse_device_spec(s)? {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            DeviceSpec::Cuda(n) => cuda_device(n),
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn auto_device() -> Device {
+    match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(_) => {
+            eprintln!("warning: built with CUDA but no usable GPU was found; training on the CPU");
+            Device::Cpu
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn auto_device() -> Device {
+    Device::Cpu
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(n: usize) -> Result<Device> {
+    Device::new_cuda(n).map_err(|e| {
+        let first = e.to_string().lines().next().unwrap_or("").to_string();
+        Error::Device(format!(
+            "--device cuda:{n}: no such GPU here ({first}); run nvidia-smi to list GPUs or use --device cpu"
+        ))
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(n: usize) -> Result<Device> {
+    Err(Error::Device(format!(
+        "--device cuda:{n}: this binary was built without CUDA; rebuild with --features cuda (see README, Build for CUDA) or use --device cpu"
+    )))
+}
+
+/// A short name for reports: "cpu" or "cuda:N".
+pub fn device_name(dev: &Device) -> String {
+    match dev.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// Wait until all queued work on the device has finished (before reading a clock or a counter).
+pub fn synchronize(dev: &Device) -> Result<()> {
+    dev.synchronize()?;
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! The library's one error type.
+//!
+//! Every variant renders as a single line that says what went wrong and, where there is one,
+//! what to do about it; the examples print it and exit non-zero, never panic.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in memtrain.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A flag or config value is invalid (usage error, exit code 2).
+    #[error("{0}")]
+    Config(String),
+
+    /// A dataset file or directory is missing or malformed.
+    #[error("{path}: {msg}")]
+    Data {
+        /// The offending file or directory.
+        path: PathBuf,
+        /// What is wrong and how to fix it (names the byte offset where relevant).
+        msg: String,
+    },
+
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file that could not be read or written.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A training step needed more memory than the configured limit allows.
+    #[error(
+        "out of memory: {phase} of batch {batch} (epoch {epoch}) needed more than the {limit} limit; \
+         lower --batch-size, raise --accum-steps, use --checkpoint stages or --precision f16/bf16, \
+         or raise --memory-limit"
+    )]
+    OutOfMemory {
+        /// The limit, human readable (e.g. "2.00 GiB").
+        limit: String,
+        /// Epoch index (0-based).
+        epoch: usize,
+        /// Batch index within the epoch (0-based).
+        batch: usize,
+        /// Phase of the step: forward, backward or optimizer.
+        phase: String,
+    },
+
+    /// The loss or a gradient became NaN/inf where no loss scaler can recover.
+    #[error(
+        "non-finite {what} at epoch {epoch}, batch {batch} ({phase}); lower --lr or use --precision f32 \
+         (the last checkpoint in the run directory is intact)"
+    )]
+    NonFinite {
+        /// What was non-finite ("loss", "gradient").
+        what: String,
+        /// Epoch index (0-based).
+        epoch: usize,
+        /// Batch index within the epoch (0-based).
+        batch: usize,
+        /// Phase of the step.
+        phase: String,
+    },
+
+    /// The requested device cannot be used.
+    #[error("{0}")]
+    Device(String),
+
+    /// Saving or loading a training checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+
+    /// Training was interrupted by a signal (SIGINT/SIGTERM) after a checkpoint was written.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
+
+    /// A child process of a sweep or comparison could not be run or reported nonsense.
+    #[error("{0}")]
+    Child(String),
+
+    /// An error inside Candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl Error {
+    /// Shorthand for a [`Error::Config`].
+    pub fn config(msg: impl Into<String>) -> Self {
+        Error::Config(msg.into())
+    }
+
+    /// Shorthand for a [`Error::Io`].
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+
+    /// The process exit code this error maps to: 2 for usage errors, 1 for runtime errors,
+    /// 130 for an interruption.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Config(_) => 2,
+            Error::Interrupted(_) => 130,
+            _ => 1,
+        }
+    }
+
+    /// True when the error is an out-of-memory condition (a recorded sweep result, not a failure).
+    pub fn is_oom(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+}
+
+/// Result alias used across the library.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,58 @@
+//! Result files are written atomically: a temporary file in the same directory, fsync, rename.
+//! A reader (or a crash) never sees a half-written config, summary or CSV.
+
+use crate::error::{Error, Result};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Write `bytes` to `path` atomically (temp file + fsync + rename in the same directory).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::config(format!("{}: not a file path", path.display())))?;
+    let tmp: PathBuf = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+    let result = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)?;
+        // Make the rename itself durable where the platform allows opening directories.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    result.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
+}
+
+/// Serialize `value` as pretty JSON and write it atomically.
+pub fn write_json_atomic<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| Error::io(path, std::io::Error::other(e)))?;
+    write_atomic(path, text.as_bytes())
+}
+
+/// Create a directory (and parents) with an error that names it and says what to do.
+pub fn create_dir(path: &Path) -> Result<()> {
+    std::fs::create_dir_all(path).map_err(|e| {
+        Error::config(format!(
+            "cannot create output directory {}: {e}; pass a writable directory with --out",
+            path.display()
+        ))
+    })?;
+    // Creating a directory can succeed on a read-only mount that is already there; probe writes.
+    let probe = path.join(format!(".write-test.{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| {
+        Error::config(format!(
+            "output directory {} is not writable: {e}; pass a writable directory with --out",
+            path.display()
+        ))
+    })?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}

@@ -1,0 +1,26 @@
+//! memtrain: train a small CIFAR-10 CNN on Candle and make its training memory visible and smaller.
+//!
+//! The pieces, one concern per module:
+//! - [`config`]: the validated [`config::TrainConfig`]; [`cli`]: the flags that build it.
+//! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
+//! - [`model`]: the CNN as a list of segments (so checkpointing can recompute them).
+//! - [`ops`]: our own Candle ops (depthwise and gemm-based convolutions).
+//! - [`memory`]: memory probes (counting allocator, CUDA pool) and the analytic estimate.
+//! - [`train`]: the one training loop, mixed precision, accumulation, checkpointing, optimizers.
+//! - [`callbacks`]: the Keras/Lightning-style hook trait and the built-in callbacks.
+#![warn(missing_docs)]
+
+pub mod callbacks;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod io;
+pub mod memory;
+pub mod model;
+pub mod ops;
+pub mod train;
+
+pub use config::TrainConfig;
+pub use error::{Error, Result};

@@ -1,0 +1,112 @@
+//! The [`MemoryProbe`] trait and the probe for the CPU heap.
+
+use super::cpu::CountingAllocator;
+use candle_core::Device;
+
+/// A source of memory readings for one device. Readings are in bytes.
+///
+/// `peak` is a resettable high-water mark, like `torch.cuda.max_memory_allocated` with
+/// `reset_peak_memory_stats`. A probe that cannot measure reports `available() == false`
+/// and zeros; callers report it as unavailable instead of failing.
+pub trait MemoryProbe: Send + Sync {
+    /// Short name, e.g. `cpu-heap` or `cuda-pool`.
+    fn name(&self) -> &str;
+    /// Whether readings are real.
+    fn available(&self) -> bool;
+    /// Bytes in use right now.
+    fn current(&self) -> u64;
+    /// High-water mark since the last reset.
+    fn peak(&self) -> u64;
+    /// Reset the high-water mark to the current use.
+    fn reset_peak(&self);
+    /// The configured hard limit or budget, if any.
+    fn limit(&self) -> Option<u64>;
+    /// Bytes reserved by the allocator (CUDA pool), if the probe knows.
+    fn reserved(&self) -> Option<u64> {
+        None
+    }
+    /// Peak bytes reserved by the allocator since the last reset, if the probe knows.
+    fn reserved_peak(&self) -> Option<u64> {
+        None
+    }
+    /// Device-wide used bytes (what nvidia-smi shows), if the probe knows.
+    fn device_used(&self) -> Option<u64> {
+        None
+    }
+    /// Wait for queued device work so readings include it.
+    fn sync(&self) {}
+}
+
+/// Probe for the process heap, backed by [`CountingAllocator`].
+#[derive(Debug, Clone)]
+pub struct CpuProbe {
+    limit: Option<u64>,
+}
+
+impl CpuProbe {
+    /// A probe with an optional budget (checked by the trainer after each phase).
+    pub fn new(limit: Option<u64>) -> Self {
+        CpuProbe { limit }
+    }
+}
+
+impl MemoryProbe for CpuProbe {
+    fn name(&self) -> &str {
+        "cpu-heap"
+    }
+    fn available(&self) -> bool {
+        CountingAllocator::is_installed()
+    }
+    fn current(&self) -> u64 {
+        CountingAllocator::current()
+    }
+    fn peak(&self) -> u64 {
+        CountingAllocator::peak()
+    }
+    fn reset_peak(&self) {
+        CountingAllocator::reset_peak()
+    }
+    fn limit(&self) -> Option<u64> {
+        self.limit
+    }
+}
+
+/// The probe for a device: the counting allocator on the CPU, the memory pool on CUDA.
+pub fn probe_for(
+    device: &Device,
+    limit: Option<u64>,
+    pool_cache: bool,
+) -> crate::Result<std::sync::Arc<dyn MemoryProbe>> {
+    let _ = pool_cache;
+    match device {
+        Device::Cpu => Ok(std::sync::Arc::new(CpuProbe::new(limit))),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => Ok(std::sync::Arc::new(super::cuda::CudaPoolProbe::new(
+            device, limit, pool_cache,
+        )?)),
+        _ => Ok(std::sync::Arc::new(UnavailableProbe)),
+    }
+}
+
+/// A probe for a device memtrain cannot measure.
+#[derive(Debug, Clone, Copy)]
+pub struct UnavailableProbe;
+
+impl MemoryProbe for UnavailableProbe {
+    fn name(&self) -> &str {
+        "unavailable"
+    }
+    fn available(&self) -> bool {
+        false
+    }
+    fn current(&self) -> u64 {
+        0
+    }
+    fn peak(&self) -> u64 {
+        0
+    }
+    fn reset_peak(&self) {}
+    fn limit(&self) -> Option<u64> {
+        None
+    }
+}

@@ -1,0 +1,283 @@
+//! The CNN as a flat list of blocks plus a head.
+
+use super::init::Init;
+pub use super::layers::Mode;
+use super::layers::{BatchNorm, ConvLayer};
+use crate::config::{Checkpointing, ConvKind};
+use crate::data::NUM_CLASSES;
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use std::ops::Range;
+
+/// Shape of the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// Base width w (stages have w, 2w, 4w channels).
+    pub width: usize,
+    /// Dense or separable 3x3 convolutions.
+    pub conv: ConvKind,
+}
+
+/// One [conv → BN → ReLU] block, optionally followed by a 2x2 max-pool (last block of a stage).
+pub struct Block {
+    /// Name prefix of the block's parameters, e.g. `stage2.block1`.
+    pub name: String,
+    /// Input channels.
+    pub cin: usize,
+    /// Output channels.
+    pub cout: usize,
+    /// The convolution.
+    pub conv: ConvLayer,
+    /// The normalization (fused with the ReLU).
+    pub bn: BatchNorm,
+    /// Whether a 2x2 max-pool ends the block.
+    pub pool: bool,
+}
+
+impl Block {
+    /// Run the block on `x` (compute dtype).
+    pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let h = self.conv.forward(x, mode)?;
+        let h = self.bn.forward_relu(&h, mode)?;
+        if self.pool {
+            Ok(h.max_pool2d(2)?)
+        } else {
+            Ok(h)
+        }
+    }
+}
+
+/// Static description of one layer, for parameter counts and the memory estimator.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerSpec {
+    /// Layer name.
+    pub name: String,
+    /// Kind: `conv3x3`, `depthwise3x3`, `pointwise1x1`, `bn_relu`, `maxpool2`, `linear`.
+    pub kind: &'static str,
+    /// Input shape per image (C, H, W) or (features, 1, 1).
+    pub input: (usize, usize, usize),
+    /// Output shape per image.
+    pub output: (usize, usize, usize),
+    /// Parameter count.
+    pub params: usize,
+    /// Index of the block the layer belongs to (`blocks.len()` for the head).
+    pub block: usize,
+}
+
+/// The CIFAR-10 CNN.
+pub struct Cnn {
+    /// Shape.
+    pub config: ModelConfig,
+    /// The six blocks, in order.
+    pub blocks: Vec<Block>,
+    /// Head weight [10, 4w·4·4].
+    pub head_w: Var,
+    /// Head bias [10].
+    pub head_b: Var,
+    device: Device,
+}
+
+impl Cnn {
+    /// Build with seeded initialization on `device`.
+    pub fn new(config: ModelConfig, device: &Device, seed: u64) -> Result<Self> {
+        if config.width == 0 {
+            return Err(Error::config("--width must be at least 1"));
+        }
+        let mut init = Init::new(seed);
+        let w = config.width;
+        let widths = [w, 2 * w, 4 * w];
+        let mut blocks = Vec::new();
+        let mut cin = 3;
+        for (s, &cout) in widths.iter().enumerate() {
+            for b in 0..2 {
+                blocks.push(Block {
+                    name: format!("stage{}.block{}", s + 1, b + 1),
+                    cin,
+                    cout,
+                    conv: ConvLayer::new(config.conv, cin, cout, &mut init, device)?,
+                    bn: BatchNorm::new(cout, device)?,
+                    pool: b == 1,
+                });
+                cin = cout;
+            }
+        }
+        let feat = 4 * w * 16;
+        let bound = 1.0 / (feat as f64).sqrt();
+        let head_w = Var::from_tensor(&Tensor::from_vec(init.uniform(NUM_CLASSES * feat, bound), (NUM_CLASSES, feat), device)?)?;
+        let head_b = Var::from_tensor(&Tensor::from_vec(init.uniform(NUM_CLASSES, bound), NUM_CLASSES, device)?)?;
+        Ok(Cnn { config, blocks, head_w, head_b, device: device.clone() })
+    }
+
+    /// The device the parameters live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Every trainable parameter with its name, in a fixed order.
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        let mut out = Vec::new();
+        for b in &self.blocks {
+            for (suffix, v) in b.conv.vars() {
+                out.push((format!("{}.{suffix}", b.name), v.clone()));
+            }
+            out.push((format!("{}.bn.weight", b.name), b.bn.gamma.clone()));
+            out.push((format!("{}.bn.bias", b.name), b.bn.beta.clone()));
+        }
+        out.push(("head.weight".into(), self.head_w.clone()));
+        out.push(("head.bias".into(), self.head_b.clone()));
+        out
+    }
+
+    /// The trainable parameters, in the order of [`Cnn::named_vars`].
+    pub fn vars(&self) -> Vec<Var> {
+        self.named_vars().into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// Number of trainable parameters.
+    pub fn num_params(&self) -> usize {
+        self.vars().iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// BatchNorm running statistics with their names (buffers, not trained).
+    pub fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for b in &self.blocks {
+            let rm = b.bn.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let rv = b.bn.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            out.push((format!("{}.bn.running_mean", b.name), rm));
+            out.push((format!("{}.bn.running_var", b.name), rv));
+        }
+        out
+    }
+
+    /// Overwrite a running statistic by name (for loading checkpoints).
+    pub fn set_buffer(&self, name: &str, value: Tensor) -> Result<()> {
+        for b in &self.blocks {
+            let target = if name == format!("{}.bn.running_mean", b.name) {
+                &b.bn.running_mean
+            } else if name == format!("{}.bn.running_var", b.name) {
+                &b.bn.running_var
+            } else {
+                continue;
+            };
+            *target.lock().unwrap_or_else(|e| e.into_inner()) = value;
+            return Ok(());
+        }
+        Err(Error::Checkpoint(format!("unknown buffer '{name}'")))
+    }
+
+    /// Run blocks `range` on `x` (compute dtype).
+    pub fn forward_blocks(&self, x: &Tensor, range: Range<usize>, mode: Mode) -> Result<Tensor> {
+        let mut h = x.clone();
+        for b in &self.blocks[range] {
+            h = b.forward(&h, mode)?;
+        }
+        Ok(h)
+    }
+
+    /// The head: flatten, then the linear layer in f32 (logits and softmax stay in f32 under
+    /// mixed precision; it is also the only matmul, which Candle's CPU backend lacks in bf16).
+    pub fn forward_head(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let x = x.to_dtype(DType::F32)?.flatten_from(1)?;
+        let w = mode.param(&self.head_w);
+        let b = mode.param(&self.head_b);
+        Ok(x.matmul(&w.t()?)?.broadcast_add(&b)?)
+    }
+
+    /// Full forward: f32 images [N,3,32,32] → f32 logits [N,10], computing in `dtype`.
+    pub fn forward(&self, x: &Tensor, dtype: DType, mode: Mode) -> Result<Tensor> {
+        let h = self.forward_blocks(&x.to_dtype(dtype)?, 0..self.blocks.len(), mode)?;
+        self.forward_head(&h, mode)
+    }
+
+    /// Checkpointing segments as ranges of blocks: one segment for `none`, one per stage, or one
+    /// per block. The head is always handled separately by the trainer.
+    pub fn segments(&self, ckpt: Checkpointing) -> Vec<Range<usize>> {
+        let n = self.blocks.len();
+        match ckpt {
+            Checkpointing::None => vec![0..n],
+            Checkpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
+            Checkpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
+        }
+    }
+
+    /// Per-layer description for an input of 32x32 images.
+    pub fn layer_specs(&self) -> Vec<LayerSpec> {
+        let mut specs = Vec::new();
+        let mut hw = 32;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let (cin, cout) = (b.cin, b.cout);
+            match self.config.conv {
+                ConvKind::Standard => specs.push(LayerSpec {
+                    name: format!("{}.conv", b.name),
+                    kind: "conv3x3",
+                    input: (cin, hw, hw),
+                    output: (cout, hw, hw),
+                    params: cout * cin * 9,
+                    block: i,
+                }),
+                ConvKind::Separable => {
+                    specs.push(LayerSpec {
+                        name: format!("{}.dw", b.name),
+                        kind: "depthwise3x3",
+                        input: (cin, hw, hw),
+                        output: (cin, hw, hw),
+                        params: cin * 9,
+                        block: i,
+                    });
+                    specs.push(LayerSpec {
+                        name: format!("{}.pw", b.name),
+                        kind: "pointwise1x1",
+                        input: (cin, hw, hw),
+                        output: (cout, hw, hw),
+                        params: cout * cin,
+                        block: i,
+                    });
+                }
+            }
+            specs.push(LayerSpec {
+                name: format!("{}.bn_relu", b.name),
+                kind: "bn_relu",
+                input: (cout, hw, hw),
+                output: (cout, hw, hw),
+                params: 2 * cout,
+                block: i,
+            });
+            if b.pool {
+                specs.push(LayerSpec {
+                    name: format!("{}.pool", b.name),
+                    kind: "maxpool2",
+                    input: (cout, hw, hw),
+                    output: (cout, hw / 2, hw / 2),
+                    params: 0,
+                    block: i,
+                });
+                hw /= 2;
+            }
+        }
+        let feat = 4 * self.config.width * hw * hw;
+        specs.push(LayerSpec {
+            name: "head".into(),
+            kind: "linear",
+            input: (feat, 1, 1),
+            output: (NUM_CLASSES, 1, 1),
+            params: feat * NUM_CLASSES + NUM_CLASSES,
+            block: self.blocks.len(),
+        });
+        specs
+    }
+}
+
+/// Parameter count of the model for a width and conv kind, without building it.
+pub fn param_count(width: usize, conv: ConvKind) -> usize {
+    let w = width;
+    let chans = [(3, w), (w, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w)];
+    let convs: usize = chans
+        .iter()
+        .map(|&(i, o)| match conv {
+            ConvKind::Standard => o * i * 9,
+            ConvKind::Separable => i * 9 + o * i,
+        } + 2 * o)
+        .sum();
+    convs + 4 * w * 16 * NUM_CLASSES + NUM_CLASSES
+}

@@ -1,0 +1,152 @@
+//! Layers: the convolution of a block (standard or depthwise-separable) and BatchNorm with f32
+//! master parameters. Parameters are f32 `Var`s; the forward pass casts them to the compute
+//! dtype (a differentiable cast, so gradients come back in f32).
+
+use super::init::Init;
+use crate::config::ConvKind;
+use crate::error::Result;
+use crate::ops;
+use candle_core::{DType, Device, Tensor, Var};
+use std::sync::Mutex;
+
+/// Whether the forward pass builds a graph for backward and updates BatchNorm statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Training: batch statistics; `track` builds the autograd graph; `update_stats` updates
+    /// the running statistics (false when a checkpointed segment is recomputed, so each step
+    /// updates them exactly once).
+    Train {
+        /// Build the autograd graph (parameters as variables).
+        track: bool,
+        /// Update BatchNorm running statistics.
+        update_stats: bool,
+    },
+    /// Inference with running statistics, no graph.
+    Eval,
+}
+
+impl Mode {
+    /// The parameter as the forward pass should see it: the variable itself when tracking
+    /// gradients, a detached view otherwise (no graph, so intermediates are freed as they go).
+    pub fn param(&self, v: &Var) -> Tensor {
+        match self {
+            Mode::Train { track: true, .. } => v.as_tensor().clone(),
+            _ => v.as_detached_tensor(),
+        }
+    }
+}
+
+/// A 3x3 convolution, dense or depthwise-separable (depthwise 3x3 + pointwise 1x1). No bias:
+/// BatchNorm follows.
+pub enum ConvLayer {
+    /// Dense: weight [cout, cin, 3, 3].
+    Standard {
+        /// Weight.
+        w: Var,
+    },
+    /// Separable: depthwise [cin, 1, 3, 3] then pointwise [cout, cin, 1, 1].
+    Separable {
+        /// Depthwise weight.
+        dw: Var,
+        /// Pointwise weight.
+        pw: Var,
+    },
+}
+
+fn kaiming(init: &mut Init, shape: &[usize], fan_in: usize, dev: &Device) -> Result<Var> {
+    let n: usize = shape.iter().product();
+    let data = init.normal(n, (2.0 / fan_in as f64).sqrt());
+    Ok(Var::from_tensor(&Tensor::from_vec(data, shape, dev)?)?)
+}
+
+impl ConvLayer {
+    /// A new layer with Kaiming-normal weights.
+    pub fn new(kind: ConvKind, cin: usize, cout: usize, init: &mut Init, dev: &Device) -> Result<Self> {
+        Ok(match kind {
+            ConvKind::Standard => ConvLayer::Standard { w: kaiming(init, &[cout, cin, 3, 3], cin * 9, dev)? },
+            ConvKind::Separable => ConvLayer::Separable {
+                dw: kaiming(init, &[cin, 1, 3, 3], 9, dev)?,
+                pw: kaiming(init, &[cout, cin, 1, 1], cin, dev)?,
+            },
+        })
+    }
+
+    /// The layer's parameters with their names (suffixes).
+    pub fn vars(&self) -> Vec<(&'static str, &Var)> {
+        match self {
+            ConvLayer::Standard { w } => vec![("conv.weight", w)],
+            ConvLayer::Separable { dw, pw } => vec![("dw.weight", dw), ("pw.weight", pw)],
+        }
+    }
+
+    /// Convolve `x` (already in the compute dtype) with stride 1, padding 1.
+    pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let dt = x.dtype();
+        match self {
+            ConvLayer::Standard { w } => ops::conv2d::conv2d(x, &mode.param(w).to_dtype(dt)?, 1, 1),
+            ConvLayer::Separable { dw, pw } => {
+                let h = ops::depthwise::depthwise_conv2d(x, &mode.param(dw).to_dtype(dt)?, 1, 1)?;
+                ops::conv2d::conv2d(&h, &mode.param(pw).to_dtype(dt)?, 1, 0)
+            }
+        }
+    }
+}
+
+/// BatchNorm over channels with f32 affine parameters and f32 running statistics; fused with
+/// the ReLU that follows it. Statistics are computed in f32 whatever the activation dtype.
+pub struct BatchNorm {
+    /// Scale.
+    pub gamma: Var,
+    /// Shift.
+    pub beta: Var,
+    /// Running mean (f32), updated in training mode.
+    pub running_mean: Mutex<Tensor>,
+    /// Running (unbiased) variance (f32).
+    pub running_var: Mutex<Tensor>,
+    /// Momentum of the running statistics (PyTorch's convention: new = (1-m)·old + m·batch).
+    pub momentum: f64,
+    /// Numerical epsilon.
+    pub eps: f64,
+}
+
+impl BatchNorm {
+    /// gamma = 1, beta = 0, running mean 0, running variance 1.
+    pub fn new(c: usize, dev: &Device) -> Result<Self> {
+        Ok(BatchNorm {
+            gamma: Var::ones(c, DType::F32, dev)?,
+            beta: Var::zeros(c, DType::F32, dev)?,
+            running_mean: Mutex::new(Tensor::zeros(c, DType::F32, dev)?),
+            running_var: Mutex::new(Tensor::ones(c, DType::F32, dev)?),
+            momentum: 0.1,
+            eps: 1e-5,
+        })
+    }
+
+    /// BatchNorm + ReLU of `x` [N,C,H,W] in its dtype.
+    pub fn forward_relu(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let gamma = mode.param(&self.gamma);
+        let beta = mode.param(&self.beta);
+        match mode {
+            Mode::Eval => {
+                let rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                ops::batchnorm::batch_norm_eval(x, &gamma, &beta, &rm, &rv, self.eps, true)
+            }
+            Mode::Train { update_stats, .. } => {
+                let (y, mean, var) = ops::batchnorm::batch_norm_train(x, &gamma, &beta, self.eps, true)?;
+                if update_stats {
+                    let (n, _, h, w) = x.dims4()?;
+                    let count = (n * h * w) as f64;
+                    // Running variance is unbiased, as in PyTorch.
+                    let unbiased = if count > 1.0 { (var * (count / (count - 1.0)))? } else { var };
+                    let m = self.momentum;
+                    let mut rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner());
+                    *rm = ((&*rm * (1.0 - m))? + (mean * m)?)?.detach();
+                    let mut rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner());
+                    *rv = ((&*rv * (1.0 - m))? + (unbiased * m)?)?.detach();
+                }
+                Ok(y)
+            }
+        }
+    }
+}

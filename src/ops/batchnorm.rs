@@ -1,0 +1,1211 @@
+//! Fused training-mode BatchNorm (+ optional ReLU) over `[N, C, H, W]` that reads and writes the
+//! activation dtype (f32, f16 or bf16) and accumulates in f32/f64.
+//!
+//! Why an op of our own: mixed precision wants the batch statistics in f32 while the activations are
+//! f16/bf16. Built from Candle tensor ops (`x.to_dtype(F32)`, mean, var, normalize) that keeps an f32
+//! copy of every activation alive for backward — more memory than the f16 activation it normalizes —
+//! and Candle's broadcast-op backward is slow on the CPU.
+//!
+//! How it is put together (all ops are Candle custom ops with a CPU and, behind the `cuda` feature,
+//! a CUDA forward):
+//! - `BnStats` (`CustomOp1`, applied without backward): per-channel mean and *biased* variance in one
+//!   f32 `[2, C]` tensor (row 0 mean, row 1 variance). Two passes over x (mean, then the sum of squared
+//!   deviations), so there is no `E[x²] - E[x]²` cancellation; the CPU sums 256-element blocks in f32
+//!   lanes and the blocks in f64, the GPU sums in f32 per thread and in a shared-memory tree per block.
+//!   These rows are also what the caller gets back for the running statistics: detached by construction.
+//! - `BnNorm` (`CustomOp3` on x, gamma, beta): `y = (x - mean) * gamma / sqrt(var + eps) + beta`
+//!   (then ReLU), reading the statistics tensor it holds.
+//! - Backward (`BnNorm::bwd`): `BnBwdReduce` computes per channel `Σg'` (= grad_beta) and
+//!   `Σg'·x̂` (= grad_gamma), where `g'` is the upstream gradient masked to zero where `y <= 0` when the
+//!   ReLU is fused; `BnBwdInput` then writes
+//!   `grad_x = gamma·invstd·(g' - Σg'/M - x̂·Σg'x̂/M)` in x's dtype (the bracket is summed at the scale of
+//!   the gradient before the multiplication by `gamma·invstd`, so that degenerate batches — one element
+//!   per channel — give exactly zero, not rounding noise amplified by `1/sqrt(eps)`).
+//!
+//! What backward keeps alive: x (the op's argument, in the activation dtype), y (the op's result, only
+//! read for the ReLU mask; the next layer keeps it alive anyway) and the `[2, C]` f32 statistics held by
+//! the op. Nothing activation-sized is kept in f32. The statistics are stored rather than recomputed
+//! in backward because they are only 2·C floats, and recomputing them would cost two more full passes
+//! over x.
+
+use std::ops::Range;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+use crate::error::Result;
+
+/// Training-mode batch norm over `[N, C, H, W]` (statistics over N, H, W per channel), optionally
+/// followed by ReLU.
+///
+/// `x`: f32, f16 or bf16; `gamma`, `beta`: f32 `[C]` (master weights; their gradients come back f32).
+/// Returns `(y, batch_mean, batch_var)`: `y` has x's dtype and shape; `batch_mean` and `batch_var` are
+/// detached f32 `[C]` tensors, `batch_var` being the *biased* variance used for normalization (the
+/// caller converts it to the unbiased one for its running statistics if it wants that).
+///
+/// `y` is differentiable with respect to `x`, `gamma` and `beta` (the full BatchNorm backward,
+/// including the batch-statistics terms; with `relu` the upstream gradient is masked where `y <= 0`).
+pub fn batch_norm_train(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    check_inputs("batch_norm_train", x, gamma, beta, eps, &[])?;
+    let x = x.contiguous()?;
+    let gamma = gamma.contiguous()?;
+    let beta = beta.contiguous()?;
+    // Statistics first, without autograd: they are needed by the normalization and returned detached.
+    let stats = x.apply_op1_no_bwd(&BnStats)?;
+    let y = x.apply_op3(&gamma, &beta, BnNorm { stats: stats.clone(), eps: eps as f32, relu })?;
+    Ok((y, stats.get(0)?, stats.get(1)?))
+}
+
+/// Inference-mode batch norm with running statistics (`running_mean`, `running_var`: f32 `[C]`),
+/// optionally followed by ReLU; the output has x's dtype.
+///
+/// Not differentiable: meant for evaluation only (the result does not track gradients).
+pub fn batch_norm_eval(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    running_mean: &Tensor,
+    running_var: &Tensor,
+    eps: f64,
+    relu: bool,
+) -> Result<Tensor> {
+    check_inputs(
+        "batch_norm_eval",
+        x,
+        gamma,
+        beta,
+        eps,
+        &[("running_mean", running_mean), ("running_var", running_var)],
+    )?;
+    let x = x.contiguous()?;
+    let gamma = gamma.detach().contiguous()?;
+    let beta = beta.detach().contiguous()?;
+    // The normalization kernel reads a [2, C] (mean; var) tensor, the layout `BnStats` produces.
+    let stats = Tensor::stack(&[running_mean.detach(), running_var.detach()], 0)?;
+    Ok(x.apply_op3_no_bwd(&gamma, &beta, &BnNorm { stats, eps: eps as f32, relu })?)
+}
+
+/// Validates shapes, dtypes and devices up front so that misuse is an error, not a panic or an
+/// out-of-bounds read inside a kernel.
+fn check_inputs(
+    op: &str,
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+    extra: &[(&str, &Tensor)],
+) -> Result<()> {
+    let fail = |msg: String| -> Result<()> { Err(candle_core::Error::Msg(format!("{op}: {msg}")).into()) };
+    let dims = x.dims();
+    if dims.len() != 4 {
+        return fail(format!("x must be [N, C, H, W], got shape {:?}", dims));
+    }
+    if dims.iter().any(|&d| d == 0) {
+        return fail(format!("x must not be empty, got shape {:?}", dims));
+    }
+    // The CUDA kernels index with 32-bit integers.
+    if x.elem_count() > i32::MAX as usize {
+        return fail(format!("x has {} elements, more than the supported {}", x.elem_count(), i32::MAX));
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return fail(format!("x must be f32, f16 or bf16, got {:?}", x.dtype()));
+    }
+    if !(eps.is_finite() && eps >= 0.0) {
+        return fail(format!("eps must be finite and non-negative, got {eps}"));
+    }
+    let c = dims[1];
+    for (name, t) in [("gamma", gamma), ("beta", beta)].iter().chain(extra.iter()) {
+        if t.dims() != [c] {
+            return fail(format!("{name} must have shape [{c}] (the channels of x), got {:?}", t.dims()));
+        }
+        if t.dtype() != DType::F32 {
+            return fail(format!("{name} must be f32, got {:?}", t.dtype()));
+        }
+        if !t.device().same_device(x.device()) {
+            return fail(format!("{name} is on {:?} but x is on {:?}", t.device().location(), x.device().location()));
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The custom ops.
+// ---------------------------------------------------------------------------------------------
+
+/// Per-channel mean and biased variance of x, as an f32 `[2, C]` tensor.
+struct BnStats;
+
+/// Normalization (+ ReLU) of x with the `[2, C]` statistics it holds; its backward is the full
+/// training-mode BatchNorm backward.
+struct BnNorm {
+    stats: Tensor,
+    eps: f32,
+    relu: bool,
+}
+
+/// Backward, part 1: f32 `[2, C]` with row 0 = grad_gamma (`Σg'·x̂`), row 1 = grad_beta (`Σg'`).
+/// Arguments: (x, grad_y, y).
+struct BnBwdReduce {
+    stats: Tensor,
+    eps: f32,
+    relu: bool,
+}
+
+/// Backward, part 2: grad_x in x's dtype from x, grad_y, y and the per-channel sums of part 1.
+/// Arguments: (x, grad_y, y).
+struct BnBwdInput {
+    stats: Tensor,
+    gamma: Tensor,
+    sums: Tensor,
+    eps: f32,
+    relu: bool,
+}
+
+impl CustomOp1 for BnStats {
+    fn name(&self) -> &'static str {
+        "batch-norm-stats"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, c, h, w) = l.shape().dims4()?;
+        let dims = Dims { n, c, hw: h * w };
+        let out = match s {
+            CpuStorage::F32(_) => cpu::stats::<f32>(cpu_slice(s, l, "x")?, dims),
+            CpuStorage::F16(_) => cpu::stats::<f16>(cpu_slice(s, l, "x")?, dims),
+            CpuStorage::BF16(_) => cpu::stats::<bf16>(cpu_slice(s, l, "x")?, dims),
+            _ => return Err(unsupported(self.name(), s.dtype())),
+        };
+        Ok((CpuStorage::F32(out), Shape::from((2, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (n, c, h, w) = l.shape().dims4()?;
+        let out = cuda::stats(s, l, Dims { n, c, hw: h * w })?;
+        Ok((out, Shape::from((2, c))))
+    }
+}
+
+impl CustomOp3 for BnNorm {
+    fn name(&self) -> &'static str {
+        "batch-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, c, h, w) = l1.shape().dims4()?;
+        let dims = Dims { n, c, hw: h * w };
+        let gamma = cpu_slice::<f32>(s2, l2, "gamma")?;
+        let beta = cpu_slice::<f32>(s3, l3, "beta")?;
+        let (guard, sl) = self.stats.storage_and_layout();
+        let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
+        let ch = cpu::NormChannels::new(gamma, beta, stats, c, self.eps);
+        let out = match s1 {
+            CpuStorage::F32(_) => f32::to_cpu_storage_owned(cpu::norm(cpu_slice(s1, l1, "x")?, &ch, dims, self.relu)),
+            CpuStorage::F16(_) => f16::to_cpu_storage_owned(cpu::norm(cpu_slice(s1, l1, "x")?, &ch, dims, self.relu)),
+            CpuStorage::BF16(_) => {
+                bf16::to_cpu_storage_owned(cpu::norm(cpu_slice(s1, l1, "x")?, &ch, dims, self.relu))
+            }
+            _ => return Err(unsupported(self.name(), s1.dtype())),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (n, c, h, w) = l1.shape().dims4()?;
+        let out = cuda::norm(self, s1, l1, s2, l2, s3, l3, Dims { n, c, hw: h * w })?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        _beta: &Tensor,
+        y: &Tensor,
+        grad_y: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // The kernels read the upstream gradient as a dense array of x's dtype.
+        let grad_y = grad_y.to_dtype(x.dtype())?.contiguous()?;
+        let sums = x.apply_op3_no_bwd(
+            &grad_y,
+            y,
+            &BnBwdReduce { stats: self.stats.clone(), eps: self.eps, relu: self.relu },
+        )?;
+        // x is the input of a layer whose gradient nobody needs (e.g. raw data): skip the largest
+        // output of the backward.
+        let grad_x = if x.track_op() {
+            Some(x.apply_op3_no_bwd(
+                &grad_y,
+                y,
+                &BnBwdInput {
+                    stats: self.stats.clone(),
+                    gamma: gamma.detach(),
+                    sums: sums.clone(),
+                    eps: self.eps,
+                    relu: self.relu,
+                },
+            )?)
+        } else {
+            None
+        };
+        Ok((grad_x, Some(sums.get(0)?), Some(sums.get(1)?)))
+    }
+}
+
+impl CustomOp3 for BnBwdReduce {
+    fn name(&self) -> &'static str {
+        "batch-norm-bwd-reduce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, c, h, w) = l1.shape().dims4()?;
+        let dims = Dims { n, c, hw: h * w };
+        let (guard, sl) = self.stats.storage_and_layout();
+        let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
+        macro_rules! run {
+            ($t:ty) => {
+                cpu::bwd_reduce::<$t>(
+                    cpu_slice(s1, l1, "x")?,
+                    cpu_slice(s2, l2, "grad_y")?,
+                    cpu_slice(s3, l3, "y")?,
+                    stats,
+                    dims,
+                    self.eps,
+                    self.relu,
+                )
+            };
+        }
+        let out = match s1 {
+            CpuStorage::F32(_) => run!(f32),
+            CpuStorage::F16(_) => run!(f16),
+            CpuStorage::BF16(_) => run!(bf16),
+            _ => return Err(unsupported(self.name(), s1.dtype())),
+        };
+        Ok((CpuStorage::F32(out), Shape::from((2, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (n, c, h, w) = l1.shape().dims4()?;
+        let out = cuda::bwd_reduce(self, s1, l1, s2, l2, s3, l3, Dims { n, c, hw: h * w })?;
+        Ok((out, Shape::from((2, c))))
+    }
+}
+
+impl CustomOp3 for BnBwdInput {
+    fn name(&self) -> &'static str {
+        "batch-norm-bwd-input"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, c, h, w) = l1.shape().dims4()?;
+        let dims = Dims { n, c, hw: h * w };
+        let (stats_guard, stats_l) = self.stats.storage_and_layout();
+        let stats = cpu_tensor_slice(&stats_guard, stats_l, "batch statistics")?;
+        let (gamma_guard, gamma_l) = self.gamma.storage_and_layout();
+        let gamma = cpu_tensor_slice(&gamma_guard, gamma_l, "gamma")?;
+        let (sums_guard, sums_l) = self.sums.storage_and_layout();
+        let sums = cpu_tensor_slice(&sums_guard, sums_l, "gradient sums")?;
+        let coef = cpu::InputGradChannels::new(gamma, stats, sums, dims, self.eps);
+        macro_rules! run {
+            ($t:ty) => {
+                <$t>::to_cpu_storage_owned(cpu::bwd_input::<$t>(
+                    cpu_slice(s1, l1, "x")?,
+                    cpu_slice(s2, l2, "grad_y")?,
+                    cpu_slice(s3, l3, "y")?,
+                    &coef,
+                    dims,
+                    self.relu,
+                ))
+            };
+        }
+        let out = match s1 {
+            CpuStorage::F32(_) => run!(f32),
+            CpuStorage::F16(_) => run!(f16),
+            CpuStorage::BF16(_) => run!(bf16),
+            _ => return Err(unsupported(self.name(), s1.dtype())),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (n, c, h, w) = l1.shape().dims4()?;
+        let out = cuda::bwd_input(self, s1, l1, s2, l2, s3, l3, Dims { n, c, hw: h * w })?;
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// The sizes every kernel works with: `hw` is the length of one `[H, W]` plane, planes are laid out
+/// `n * c + channel`.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    n: usize,
+    c: usize,
+    hw: usize,
+}
+
+impl Dims {
+    /// Elements per channel (the count the statistics are taken over).
+    fn m(&self) -> usize {
+        self.n * self.hw
+    }
+
+    fn planes(&self) -> usize {
+        self.n * self.c
+    }
+}
+
+fn unsupported(op: &str, dtype: DType) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{op}: unsupported dtype {dtype:?} (f32, f16 or bf16 only)"))
+}
+
+/// The contiguous data of a CPU storage argument.
+fn cpu_slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} must be contiguous")))?;
+    Ok(&s.as_slice::<T>()?[start..end])
+}
+
+/// The contiguous f32 data of a tensor held by an op (statistics, gamma, sums), which must live on the
+/// CPU like the op's arguments.
+fn cpu_tensor_slice<'a>(s: &'a Storage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    match s {
+        Storage::Cpu(cs) => cpu_slice(cs, l, what),
+        _ => Err(candle_core::Error::Msg(format!("batch norm: {what} is not on the CPU like x"))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU kernels.
+// ---------------------------------------------------------------------------------------------
+
+mod cpu {
+    use super::*;
+
+    /// Elements are converted to f32 in blocks of this many, in a stack buffer (L1-resident); it is
+    /// also the unit whose f32 sum is added to an f64 accumulator, so that a plane of any size sums
+    /// accurately.
+    const BLK: usize = 256;
+
+    /// Below this many elements a pass runs on the calling thread: waking the pool costs more.
+    const PAR_MIN_ELEMS: usize = 1 << 15;
+
+    /// An activation dtype, with fast slice conversions to and from f32 (`half` uses F16C/SIMD for
+    /// slices, which per-element conversion cannot).
+    pub(super) trait Elem: WithDType {
+        /// The data itself when it already is f32 (no copy needed).
+        fn as_f32(src: &[Self]) -> Option<&[f32]>;
+        fn load(src: &[Self], dst: &mut [f32]);
+        fn store(src: &[f32], dst: &mut [Self]);
+        /// A zeroed vector, allocated zeroed (calloc: fresh pages, no memset pass) where possible.
+        fn zeros(len: usize) -> Vec<Self>;
+    }
+
+    impl Elem for f32 {
+        fn as_f32(src: &[f32]) -> Option<&[f32]> {
+            Some(src)
+        }
+        fn load(src: &[f32], dst: &mut [f32]) {
+            dst.copy_from_slice(src)
+        }
+        fn store(src: &[f32], dst: &mut [f32]) {
+            dst.copy_from_slice(src)
+        }
+        fn zeros(len: usize) -> Vec<f32> {
+            vec![0f32; len]
+        }
+    }
+
+    /// Reinterprets a zeroed `Vec<u16>` (allocated with calloc) as a vector of a 16-bit float.
+    fn zeros_u16_as<T: Copy>(len: usize) -> Vec<T> {
+        assert!(std::mem::size_of::<T>() == 2 && std::mem::align_of::<T>() == 2);
+        let mut v = std::mem::ManuallyDrop::new(vec![0u16; len]);
+        // SAFETY: T is f16 or bf16: `repr(transparent)` over u16, so same size and alignment as the
+        // allocation's element type, and every bit pattern (here all zeros) is a valid value.
+        unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut T, v.len(), v.capacity()) }
+    }
+
+    impl Elem for f16 {
+        fn as_f32(_: &[f16]) -> Option<&[f32]> {
+            None
+        }
+        fn load(src: &[f16], dst: &mut [f32]) {
+            src.convert_to_f32_slice(dst)
+        }
+        fn store(src: &[f32], dst: &mut [f16]) {
+            dst.convert_from_f32_slice(src)
+        }
+        fn zeros(len: usize) -> Vec<f16> {
+            zeros_u16_as(len)
+        }
+    }
+
+    impl Elem for bf16 {
+        fn as_f32(_: &[bf16]) -> Option<&[f32]> {
+            None
+        }
+        fn load(src: &[bf16], dst: &mut [f32]) {
+            src.convert_to_f32_slice(dst)
+        }
+        fn store(src: &[f32], dst: &mut [bf16]) {
+            dst.convert_from_f32_slice(src)
+        }
+        fn zeros(len: usize) -> Vec<bf16> {
+            zeros_u16_as(len)
+        }
+    }
+
+    /// One block of `src` as f32: the data itself for f32, else converted into `buf`.
+    #[inline(always)]
+    fn block<'a, T: Elem>(src: &'a [T], buf: &'a mut [f32; BLK]) -> &'a [f32] {
+        match T::as_f32(src) {
+            Some(s) => s,
+            None => {
+                let b = &mut buf[..src.len()];
+                T::load(src, b);
+                b
+            }
+        }
+    }
+
+    /// A raw pointer the pool's workers may share; each writes a disjoint range.
+    #[derive(Clone, Copy)]
+    struct SharedMut<U>(*mut U);
+    // SAFETY: only used to hand disjoint sub-slices of one buffer to worker threads.
+    unsafe impl<U: Send> Send for SharedMut<U> {}
+    unsafe impl<U: Send> Sync for SharedMut<U> {}
+
+    impl<U> SharedMut<U> {
+        /// # Safety
+        /// `start..start + len` must be in bounds and not accessed by anyone else meanwhile.
+        #[allow(clippy::mut_from_ref)]
+        unsafe fn range(&self, start: usize, len: usize) -> &mut [U] {
+            std::slice::from_raw_parts_mut(self.0.add(start), len)
+        }
+    }
+
+    /// Runs `f` over ranges of planes covering `0..planes`, on Candle's persistent CPU thread pool
+    /// (no thread spawned per call) when there is enough work, else on the calling thread.
+    fn for_planes(d: Dims, f: impl Fn(Range<usize>) + Sync) {
+        let planes = d.planes();
+        let pool = candle_core::utils::barrier_pool();
+        if planes * d.hw < PAR_MIN_ELEMS || pool.n_workers() == 0 || planes == 1 {
+            f(0..planes)
+        } else {
+            pool.execute_chunked(planes, f)
+        }
+    }
+
+    /// Computes one value per plane in parallel (`f(plane index, plane data)`).
+    fn per_plane<T: Elem, U: Copy + Default + Send>(
+        x: &[T],
+        d: Dims,
+        f: impl Fn(usize, &[T]) -> U + Sync,
+    ) -> Vec<U> {
+        let mut out = vec![U::default(); d.planes()];
+        let ptr = SharedMut(out.as_mut_ptr());
+        for_planes(d, |r| {
+            // SAFETY: the pool hands out disjoint plane ranges within 0..planes.
+            let o = unsafe { ptr.range(r.start, r.len()) };
+            for (p, slot) in r.zip(o.iter_mut()) {
+                *slot = f(p, &x[p * d.hw..(p + 1) * d.hw]);
+            }
+        });
+        out
+    }
+
+    /// Sums per-plane partials into per-channel totals (planes are `n * c + channel`).
+    fn per_channel<U: Copy>(part: &[U], d: Dims, zero: U, add: impl Fn(U, U) -> U) -> Vec<U> {
+        let mut acc = vec![zero; d.c];
+        for chunk in part.chunks_exact(d.c) {
+            for (a, &v) in acc.iter_mut().zip(chunk) {
+                *a = add(*a, v);
+            }
+        }
+        acc
+    }
+
+    /// Eight independent f32 lanes so that the loop vectorizes (a single accumulator would force
+    /// strictly sequential float adds).
+    #[inline(always)]
+    fn lanes<const K: usize>(n: usize, mut f: impl FnMut(usize) -> [f32; K]) -> [f32; K] {
+        let mut acc = [[0f32; 8]; K];
+        let full = n / 8 * 8;
+        let mut i = 0;
+        while i < full {
+            for l in 0..8 {
+                let v = f(i + l);
+                for k in 0..K {
+                    acc[k][l] += v[k];
+                }
+            }
+            i += 8;
+        }
+        let mut tail = [0f32; K];
+        for j in full..n {
+            let v = f(j);
+            for k in 0..K {
+                tail[k] += v[k];
+            }
+        }
+        let mut out = [0f32; K];
+        for k in 0..K {
+            out[k] = acc[k].iter().sum::<f32>() + tail[k];
+        }
+        out
+    }
+
+    /// Per-channel mean and biased variance, two-pass, as `[mean; var]` (length 2·C).
+    pub(super) fn stats<T: Elem>(x: &[T], d: Dims) -> Vec<f32> {
+        let m = d.m() as f64;
+        let sums = per_plane(x, d, |_, plane| {
+            let mut buf = [0f32; BLK];
+            plane
+                .chunks(BLK)
+                .map(|c| {
+                    let b = block(c, &mut buf);
+                    lanes::<1>(b.len(), |i| [b[i]])[0] as f64
+                })
+                .sum::<f64>()
+        });
+        let mean: Vec<f32> = per_channel(&sums, d, 0.0, |a, b| a + b).iter().map(|s| (s / m) as f32).collect();
+        let sq = per_plane(x, d, |p, plane| {
+            let mu = mean[p % d.c];
+            let mut buf = [0f32; BLK];
+            plane
+                .chunks(BLK)
+                .map(|c| {
+                    let b = block(c, &mut buf);
+                    lanes::<1>(b.len(), |i| {
+                        let t = b[i] - mu;
+                        [t * t]
+                    })[0] as f64
+                })
+                .sum::<f64>()
+        });
+        let var = per_channel(&sq, d, 0.0, |a, b| a + b);
+        mean.iter().copied().chain(var.iter().map(|s| (s / m) as f32)).collect()
+    }
+
+    /// Per-channel constants of the normalization: `y = (x - mean) * scale + beta`.
+    pub(super) struct NormChannels {
+        mean: Vec<f32>,
+        scale: Vec<f32>,
+        beta: Vec<f32>,
+    }
+
+    impl NormChannels {
+        pub(super) fn new(gamma: &[f32], beta: &[f32], stats: &[f32], c: usize, eps: f32) -> Self {
+            let (mean, var) = stats.split_at(c);
+            let scale = gamma.iter().zip(var).map(|(&g, &v)| (g as f64 * invstd(v, eps)) as f32).collect();
+            Self { mean: mean.to_vec(), scale, beta: beta.to_vec() }
+        }
+    }
+
+    /// `1 / sqrt(var + eps)` in f64 (computed once per channel, so the precision is free).
+    fn invstd(var: f32, eps: f32) -> f64 {
+        1.0 / (var as f64 + eps as f64).sqrt()
+    }
+
+    /// The normalization (+ ReLU) pass.
+    pub(super) fn norm<T: Elem>(x: &[T], ch: &NormChannels, d: Dims, relu: bool) -> Vec<T> {
+        let mut y = T::zeros(x.len());
+        let ptr = SharedMut(y.as_mut_ptr());
+        for_planes(d, |r| {
+            let mut buf = [0f32; BLK];
+            let mut res = [0f32; BLK];
+            for p in r {
+                let c = p % d.c;
+                let (mu, s, b) = (ch.mean[c], ch.scale[c], ch.beta[c]);
+                // SAFETY: planes are disjoint ranges of y; the pool hands each plane to one worker.
+                let out = unsafe { ptr.range(p * d.hw, d.hw) };
+                for (xc, oc) in x[p * d.hw..(p + 1) * d.hw].chunks(BLK).zip(out.chunks_mut(BLK)) {
+                    let xb = block(xc, &mut buf);
+                    let rb = &mut res[..xb.len()];
+                    if relu {
+                        for (o, &v) in rb.iter_mut().zip(xb) {
+                            *o = ((v - mu) * s + b).max(0.0);
+                        }
+                    } else {
+                        for (o, &v) in rb.iter_mut().zip(xb) {
+                            *o = (v - mu) * s + b;
+                        }
+                    }
+                    T::store(rb, oc);
+                }
+            }
+        });
+        y
+    }
+
+    /// Per-channel `[Σg'·x̂ (grad_gamma); Σg' (grad_beta)]`, where `g'` is grad_y masked by `y > 0`
+    /// when the ReLU is fused.
+    pub(super) fn bwd_reduce<T: Elem>(
+        x: &[T],
+        gy: &[T],
+        y: &[T],
+        stats: &[f32],
+        d: Dims,
+        eps: f32,
+        relu: bool,
+    ) -> Vec<f32> {
+        let (mean, var) = stats.split_at(d.c);
+        let part = per_plane(x, d, |p, xp| {
+            let mu = mean[p % d.c];
+            let range = p * d.hw..(p + 1) * d.hw;
+            let (gp, yp) = (&gy[range.clone()], &y[range]);
+            let (mut bx, mut bg, mut by) = ([0f32; BLK], [0f32; BLK], [0f32; BLK]);
+            let mut acc = (0f64, 0f64);
+            for start in (0..d.hw).step_by(BLK) {
+                let end = (start + BLK).min(d.hw);
+                let xb = block(&xp[start..end], &mut bx);
+                let gb = block(&gp[start..end], &mut bg);
+                let [sg, sgx] = if relu {
+                    let yb = block(&yp[start..end], &mut by);
+                    lanes::<2>(xb.len(), |i| {
+                        let g = if yb[i] > 0.0 { gb[i] } else { 0.0 };
+                        [g, g * (xb[i] - mu)]
+                    })
+                } else {
+                    lanes::<2>(xb.len(), |i| [gb[i], gb[i] * (xb[i] - mu)])
+                };
+                acc.0 += sg as f64;
+                acc.1 += sgx as f64;
+            }
+            acc
+        });
+        let tot = per_channel(&part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let grad_gamma = tot.iter().zip(var).map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
+        let grad_beta = tot.iter().map(|t| t.0 as f32);
+        grad_gamma.chain(grad_beta).collect()
+    }
+
+    /// Per-channel constants of the input gradient:
+    /// `grad_x = a·(g' + b·(x - mean) + k)` with `a = gamma·invstd`, `b = -invstd·grad_gamma/M`,
+    /// `k = -grad_beta/M`. Written with `x - mean` (not `b·x + const`) so that a large mean does not
+    /// cancel away the precision.
+    pub(super) struct InputGradChannels {
+        mean: Vec<f32>,
+        a: Vec<f32>,
+        b: Vec<f32>,
+        k: Vec<f32>,
+    }
+
+    impl InputGradChannels {
+        pub(super) fn new(gamma: &[f32], stats: &[f32], sums: &[f32], d: Dims, eps: f32) -> Self {
+            let (mean, var) = stats.split_at(d.c);
+            let (grad_gamma, grad_beta) = sums.split_at(d.c);
+            let m = d.m() as f64;
+            let (mut a, mut b, mut k) = (Vec::new(), Vec::new(), Vec::new());
+            for c in 0..d.c {
+                let inv = invstd(var[c], eps);
+                let ac = gamma[c] as f64 * inv;
+                a.push(ac as f32);
+                b.push((-inv * grad_gamma[c] as f64 / m) as f32);
+                k.push((-(grad_beta[c] as f64) / m) as f32);
+            }
+            Self { mean: mean.to_vec(), a, b, k }
+        }
+    }
+
+    /// The input-gradient pass.
+    pub(super) fn bwd_input<T: Elem>(
+        x: &[T],
+        gy: &[T],
+        y: &[T],
+        co: &InputGradChannels,
+        d: Dims,
+        relu: bool,
+    ) -> Vec<T> {
+        let mut out = T::zeros(x.len());
+        let ptr = SharedMut(out.as_mut_ptr());
+        for_planes(d, |r| {
+            let (mut bx, mut bg, mut by, mut res) = ([0f32; BLK], [0f32; BLK], [0f32; BLK], [0f32; BLK]);
+            for p in r {
+                let c = p % d.c;
+                let (mu, a, b, k) = (co.mean[c], co.a[c], co.b[c], co.k[c]);
+                let base = p * d.hw;
+                // SAFETY: planes are disjoint ranges of out; the pool hands each plane to one worker.
+                let op = unsafe { ptr.range(base, d.hw) };
+                for start in (0..d.hw).step_by(BLK) {
+                    let end = (start + BLK).min(d.hw);
+                    let xb = block(&x[base + start..base + end], &mut bx);
+                    let gb = block(&gy[base + start..base + end], &mut bg);
+                    let rb = &mut res[..xb.len()];
+                    if relu {
+                        let yb = block(&y[base + start..base + end], &mut by);
+                        for i in 0..rb.len() {
+                            let g = if yb[i] > 0.0 { gb[i] } else { 0.0 };
+                            rb[i] = a * (g + b * (xb[i] - mu) + k);
+                        }
+                    } else {
+                        for i in 0..rb.len() {
+                            rb[i] = a * (gb[i] + b * (xb[i] - mu) + k);
+                        }
+                    }
+                    T::store(rb, &mut op[start..end]);
+                }
+            }
+        });
+        out
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels (NVRTC, compiled once per process at first use).
+// ---------------------------------------------------------------------------------------------
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, CudaFunc, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage};
+    use std::sync::OnceLock;
+
+    /// Name under which the compiled module is cached on each `CudaDevice`.
+    const MODULE: &str = "memtrain_batchnorm";
+
+    /// The kernels. 16-bit floats are handled as raw bits with PTX `cvt` (f16) and bit arithmetic
+    /// (bf16) instead of `cuda_fp16.h`/`cuda_bf16.h`, so NVRTC needs no CUDA include directory at run
+    /// time; storage is the same 2 bytes as `__half`/`__nv_bfloat16`, and all arithmetic is f32.
+    /// Reductions run one block per channel (blockDim a multiple of 32, at most 1024) with a warp-shuffle
+    /// + shared-memory tree; elementwise passes use a grid-stride loop.
+    pub(super) const KERNELS: &str = r##"
+typedef unsigned short u16;
+struct h16 { u16 v; };
+struct b16 { u16 v; };
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(h16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.v));
+    return f;
+}
+__device__ __forceinline__ float to_f(b16 v) { return __uint_as_float(((unsigned int)v.v) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_f(float f);
+template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
+template <> __device__ __forceinline__ h16 from_f<h16>(float f) {
+    h16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.v) : "f"(f));
+    return r;
+}
+template <> __device__ __forceinline__ b16 from_f<b16>(float f) {
+    unsigned int u = __float_as_uint(f);
+    b16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.v = (u16)((u >> 16) | 0x0040u); /* NaN stays a (quiet) NaN */
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+        r.v = (u16)(u >> 16);
+    }
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Sum over the block; every thread gets the total. blockDim.x must be a multiple of 32. */
+__device__ float block_sum(float v) {
+    __shared__ float sh[32];
+    v = warp_sum(v);
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < (blockDim.x >> 5) ? sh[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads(); /* sh is reused by the next call */
+    return v;
+}
+
+/* Element j (0 <= j < N*HW) of channel c. */
+__device__ __forceinline__ unsigned chan_idx(unsigned j, unsigned c, unsigned C, unsigned HW) {
+    const unsigned n = j / HW;
+    return (n * C + c) * HW + (j - n * HW);
+}
+
+template <typename T>
+__device__ void stats_impl(const T* __restrict__ x, float* __restrict__ stats, unsigned C, unsigned HW, unsigned M) {
+    const unsigned c = blockIdx.x;
+    float s = 0.0f;
+    for (unsigned j = threadIdx.x; j < M; j += blockDim.x) s += to_f(x[chan_idx(j, c, C, HW)]);
+    const float mean = block_sum(s) / (float)M;
+    float q = 0.0f;
+    for (unsigned j = threadIdx.x; j < M; j += blockDim.x) {
+        const float d = to_f(x[chan_idx(j, c, C, HW)]) - mean;
+        q += d * d;
+    }
+    const float var = block_sum(q) / (float)M;
+    if (threadIdx.x == 0) {
+        stats[c] = mean;
+        stats[C + c] = var;
+    }
+}
+
+template <typename T>
+__device__ void norm_impl(const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta,
+                          const float* __restrict__ stats, T* __restrict__ y, unsigned C, unsigned HW,
+                          unsigned total, float eps, int relu) {
+    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
+        const unsigned c = (e / HW) % C;
+        const float scale = gamma[c] * rsqrtf(stats[C + c] + eps);
+        float v = (to_f(x[e]) - stats[c]) * scale + beta[c];
+        if (relu) v = fmaxf(v, 0.0f);
+        y[e] = from_f<T>(v);
+    }
+}
+
+template <typename T>
+__device__ void bwd_reduce_impl(const T* __restrict__ x, const T* __restrict__ gy, const T* __restrict__ y,
+                                const float* __restrict__ stats, float* __restrict__ out, unsigned C,
+                                unsigned HW, unsigned M, float eps, int relu) {
+    const unsigned c = blockIdx.x;
+    const float mean = stats[c];
+    float sg = 0.0f, sgx = 0.0f;
+    for (unsigned j = threadIdx.x; j < M; j += blockDim.x) {
+        const unsigned i = chan_idx(j, c, C, HW);
+        float g = to_f(gy[i]);
+        if (relu && !(to_f(y[i]) > 0.0f)) g = 0.0f;
+        sg += g;
+        sgx += g * (to_f(x[i]) - mean);
+    }
+    sg = block_sum(sg);
+    sgx = block_sum(sgx);
+    if (threadIdx.x == 0) {
+        out[c] = sgx * rsqrtf(stats[C + c] + eps); /* grad_gamma */
+        out[C + c] = sg;                           /* grad_beta */
+    }
+}
+
+template <typename T>
+__device__ void bwd_input_impl(const T* __restrict__ x, const T* __restrict__ gy, const T* __restrict__ y,
+                               const float* __restrict__ stats, const float* __restrict__ gamma,
+                               const float* __restrict__ sums, T* __restrict__ gx, unsigned C, unsigned HW,
+                               unsigned total, float inv_m, float eps, int relu) {
+    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
+        const unsigned c = (e / HW) % C;
+        const float inv = rsqrtf(stats[C + c] + eps);
+        const float a = gamma[c] * inv;
+        const float b = -inv * sums[c] * inv_m;
+        const float k = -sums[C + c] * inv_m;
+        float g = to_f(gy[e]);
+        if (relu && !(to_f(y[e]) > 0.0f)) g = 0.0f;
+        gx[e] = from_f<T>(a * (g + b * (to_f(x[e]) - stats[c]) + k));
+    }
+}
+
+#define BN_KERNELS(T, S)                                                                                   \
+    extern "C" __global__ void bn_stats_##S(const T* x, float* stats, unsigned C, unsigned HW, unsigned M) { \
+        stats_impl<T>(x, stats, C, HW, M);                                                                 \
+    }                                                                                                      \
+    extern "C" __global__ void bn_norm_##S(const T* x, const float* gamma, const float* beta,            \
+                                           const float* stats, T* y, unsigned C, unsigned HW,              \
+                                           unsigned total, float eps, int relu) {                          \
+        norm_impl<T>(x, gamma, beta, stats, y, C, HW, total, eps, relu);                                   \
+    }                                                                                                      \
+    extern "C" __global__ void bn_bwd_reduce_##S(const T* x, const T* gy, const T* y, const float* stats, \
+                                                 float* out, unsigned C, unsigned HW, unsigned M, float eps, \
+                                                 int relu) {                                               \
+        bwd_reduce_impl<T>(x, gy, y, stats, out, C, HW, M, eps, relu);                                     \
+    }                                                                                                      \
+    extern "C" __global__ void bn_bwd_input_##S(const T* x, const T* gy, const T* y, const float* stats,  \
+                                                const float* gamma, const float* sums, T* gx, unsigned C,  \
+                                                unsigned HW, unsigned total, float inv_m, float eps,        \
+                                                int relu) {                                                \
+        bwd_input_impl<T>(x, gy, y, stats, gamma, sums, gx, C, HW, total, inv_m, eps, relu);               \
+    }
+
+BN_KERNELS(float, f32)
+BN_KERNELS(h16, f16)
+BN_KERNELS(b16, bf16)
+"##;
+
+    /// The module's PTX, compiled with NVRTC on first use (the outcome, an error too, is kept).
+    fn ptx() -> candle_core::Result<&'static str> {
+        static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+        PTX.get_or_init(|| {
+            candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(KERNELS)
+                .map(|p| p.to_src())
+                .map_err(|e| format!("batch norm: compiling the CUDA kernels with NVRTC failed: {e}"))
+        })
+        .as_deref()
+        .map_err(|e| candle_core::Error::Msg(e.clone()))
+    }
+
+    fn func(dev: &CudaDevice, kernel: &str, dtype: DType) -> candle_core::Result<CudaFunc> {
+        let suffix = match dtype {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            other => return Err(unsupported(kernel, other)),
+        };
+        dev.get_or_load_custom_func(&format!("{kernel}_{suffix}"), MODULE, ptx()?)
+    }
+
+    /// The contiguous data of a CUDA storage argument.
+    fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> candle_core::Result<CudaView<'a, T>> {
+        let (start, end) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} must be contiguous")))?;
+        Ok(s.as_cuda_slice::<T>()?.slice(start..end))
+    }
+
+    /// The CUDA storage of a tensor held by an op (statistics, gamma, sums).
+    fn held<'a>(s: &'a Storage, what: &str) -> candle_core::Result<&'a CudaStorage> {
+        match s {
+            Storage::Cuda(cs) => Ok(cs),
+            _ => Err(candle_core::Error::Msg(format!("batch norm: {what} is not on the GPU like x"))),
+        }
+    }
+
+    /// One block per channel, as many threads as useful (a multiple of 32, at most 1024).
+    fn reduce_cfg(d: Dims) -> LaunchConfig {
+        let threads = d.m().div_ceil(32).clamp(1, 32) as u32 * 32;
+        LaunchConfig { grid_dim: (d.c as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Grid-stride elementwise launch over `total` elements.
+    fn elementwise_cfg(total: usize) -> LaunchConfig {
+        let blocks = total.div_ceil(256).clamp(1, 1 << 16) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    fn u32_of(v: usize) -> candle_core::Result<u32> {
+        u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("batch norm: size {v} too large for the kernels")))
+    }
+
+    pub(super) fn stats(s: &CudaStorage, l: &Layout, d: Dims) -> candle_core::Result<CudaStorage> {
+        fn run<T: CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout, d: Dims) -> candle_core::Result<CudaStorage> {
+            let dev = &s.device;
+            let x = view::<T>(s, l, "x")?;
+            // SAFETY: every element is written by the kernel (thread 0 of each channel's block).
+            let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c)? };
+            let f = func(dev, "bn_stats", T::DTYPE)?;
+            let (c, hw, m) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(d.m())?);
+            let mut b = f.builder();
+            b.arg(&x).arg(&mut out).arg(&c).arg(&hw).arg(&m);
+            // SAFETY: argument types and count match the kernel signature; sizes checked above.
+            unsafe { b.launch(reduce_cfg(d)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        match s.dtype() {
+            DType::F32 => run::<f32>(s, l, d),
+            DType::F16 => run::<f16>(s, l, d),
+            DType::BF16 => run::<bf16>(s, l, d),
+            other => Err(unsupported("batch-norm-stats", other)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn norm(
+        op: &BnNorm,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+        d: Dims,
+    ) -> candle_core::Result<CudaStorage> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &BnNorm,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+            d: Dims,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = &s1.device;
+            let x = view::<T>(s1, l1, "x")?;
+            let gamma = view::<f32>(s2, l2, "gamma")?;
+            let beta = view::<f32>(s3, l3, "beta")?;
+            let (guard, sl) = op.stats.storage_and_layout();
+            let stats = view::<f32>(held(&guard, "batch statistics")?, sl, "batch statistics")?;
+            let total = d.planes() * d.hw;
+            // SAFETY: the grid-stride loop writes every element.
+            let mut y: CudaSlice<T> = unsafe { dev.alloc::<T>(total)? };
+            let f = func(dev, "bn_norm", T::DTYPE)?;
+            let (c, hw, tot, relu) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(total)?, op.relu as i32);
+            let mut b = f.builder();
+            b.arg(&x).arg(&gamma).arg(&beta).arg(&stats).arg(&mut y);
+            b.arg(&c).arg(&hw).arg(&tot).arg(&op.eps).arg(&relu);
+            // SAFETY: argument types and count match the kernel signature; sizes checked above.
+            unsafe { b.launch(elementwise_cfg(total)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        }
+        match s1.dtype() {
+            DType::F32 => run::<f32>(op, s1, l1, s2, l2, s3, l3, d),
+            DType::F16 => run::<f16>(op, s1, l1, s2, l2, s3, l3, d),
+            DType::BF16 => run::<bf16>(op, s1, l1, s2, l2, s3, l3, d),
+            other => Err(unsupported("batch-norm", other)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn bwd_reduce(
+        op: &BnBwdReduce,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+        d: Dims,
+    ) -> candle_core::Result<CudaStorage> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &BnBwdReduce,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+            d: Dims,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = &s1.device;
+            let x = view::<T>(s1, l1, "x")?;
+            let gy = view::<T>(s2, l2, "grad_y")?;
+            let y = view::<T>(s3, l3, "y")?;
+            let (guard, sl) = op.stats.storage_and_layout();
+            let stats = view::<f32>(held(&guard, "batch statistics")?, sl, "batch statistics")?;
+            // SAFETY: every element is written by the kernel (thread 0 of each channel's block).
+            let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c)? };
+            let f = func(dev, "bn_bwd_reduce", T::DTYPE)?;
+            let (c, hw, m, relu) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(d.m())?, op.relu as i32);
+            let mut b = f.builder();
+            b.arg(&x).arg(&gy).arg(&y).arg(&stats).arg(&mut out);
+            b.arg(&c).arg(&hw).arg(&m).arg(&op.eps).arg(&relu);
+            // SAFETY: argument types and count match the kernel signature; sizes checked above.
+            unsafe { b.launch(reduce_cfg(d)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        match s1.dtype() {
+            DType::F32 => run::<f32>(op, s1, l1, s2, l2, s3, l3, d),
+            DType::F16 => run::<f16>(op, s1, l1, s2, l2, s3, l3, d),
+            DType::BF16 => run::<bf16>(op, s1, l1, s2, l2, s3, l3, d),
+            other => Err(unsupported("batch-norm-bwd-reduce", other)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn bwd_input(
+        op: &BnBwdInput,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+        d: Dims,
+    ) -> candle_core::Result<CudaStorage> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &BnBwdInput,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+            d: Dims,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = &s1.device;
+            let x = view::<T>(s1, l1, "x")?;
+            let gy = view::<T>(s2, l2, "grad_y")?;
+            let y = view::<T>(s3, l3, "y")?;
+            let (stats_guard, stats_l) = op.stats.storage_and_layout();
+            let stats = view::<f32>(held(&stats_guard, "batch statistics")?, stats_l, "batch statistics")?;
+            let (gamma_guard, gamma_l) = op.gamma.storage_and_layout();
+            let gamma = view::<f32>(held(&gamma_guard, "gamma")?, gamma_l, "gamma")?;
+            let (sums_guard, sums_l) = op.sums.storage_and_layout();
+            let sums = view::<f32>(held(&sums_guard, "gradient sums")?, sums_l, "gradient sums")?;
+            let total = d.planes() * d.hw;
+            // SAFETY: the grid-stride loop writes every element.
+            let mut gx: CudaSlice<T> = unsafe { dev.alloc::<T>(total)? };
+            let f = func(dev, "bn_bwd_input", T::DTYPE)?;
+            let (c, hw, tot, relu) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(total)?, op.relu as i32);
+            let inv_m = 1.0f32 / d.m() as f32;
+            let mut b = f.builder();
+            b.arg(&x).arg(&gy).arg(&y).arg(&stats).arg(&gamma).arg(&sums).arg(&mut gx);
+            b.arg(&c).arg(&hw).arg(&tot).arg(&inv_m).arg(&op.eps).arg(&relu);
+            // SAFETY: argument types and count match the kernel signature; sizes checked above.
+            unsafe { b.launch(elementwise_cfg(total)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(gx, dev.clone()))
+        }
+        match s1.dtype() {
+            DType::F32 => run::<f32>(op, s1, l1, s2, l2, s3, l3, d),
+            DType::F16 => run::<f16>(op, s1, l1, s2, l2, s3, l3, d),
+            DType::BF16 => run::<bf16>(op, s1, l1, s2, l2, s3, l3, d),
+            other => Err(unsupported("batch-norm-bwd-input", other)),
+        }
+    }
+}

@@ -1,0 +1,908 @@
+//! gemm-based 2D convolution for the CPU with a bounded im2col buffer and a gemm backward.
+//!
+//! Candle 0.11's CPU conv2d is fine in the forward direction, but its backward runs naive direct
+//! loops (the input gradient through `conv_transpose2d`, the weight gradient through a conv2d whose
+//! "kernel" is the whole output map), which makes a training step about 5x the forward; it also
+//! rejects bf16 (`unsupported dtype BF16 for op matmul`). This op keeps every direction on gemm:
+//!
+//! - forward, per image: `out[Cout, Ho·Wo] = W[Cout, Cin·K·K] · col[Cin·K·K, Ho·Wo]`;
+//! - input gradient, per image: `dcol = Wᵀ · grad`, then col2im adds `dcol` back onto the image;
+//! - weight gradient, per chunk of images: `dW += grad[Cout, b·Ho·Wo] · colᵀ[b·Ho·Wo, Cin·K·K]`.
+//!
+//! The column matrix stores row `(c, kh, kw)` in the weight's own memory order, so `W` is used as a
+//! plain `[Cout, Cin·K·K]` matrix and the forward writes NCHW output without a permute. Images are
+//! shared out to candle's CPU thread pool ([`candle_core::utils::barrier_pool`]); each thread runs
+//! single-threaded gemms on its own images, which avoids a fork/join inside every small gemm and lets
+//! im2col/col2im run in parallel too. Each thread owns one column buffer, so the transient memory is
+//! bounded by [`IM2COL_CHUNK_BYTES`] (or one image per thread) instead of Candle's full-batch im2col.
+//!
+//! Half-precision inputs (f16, bf16) are widened to f32 one image at a time, multiplied in f32 and
+//! narrowed on the way out: gemm has no bf16 kernel, and its f16 kernel widens to f32 internally
+//! anyway (without AVX512-FP16) while rounding partial sums to f16 between K blocks.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+
+/// Upper bound, in bytes, on the column buffers the weight-gradient pass holds at once (all threads
+/// together). A chunk is never smaller than one image per thread, so one image's column matrix
+/// larger than this share wins over the bound.
+///
+/// 4 MiB split over the threads keeps each thread's columns near its L2 cache (the gemm then reads
+/// them while they are still warm) and is large enough that the weight-gradient gemm's inner
+/// dimension (images × output pixels) stays in the hundreds even on 8×8 maps.
+pub const IM2COL_CHUNK_BYTES: usize = 4 << 20;
+
+/// 2D convolution `x [N, Cin, H, W] * w [Cout, Cin, K, K]` (no bias, groups 1) with a square
+/// `stride` and zero `padding`, differentiable with respect to `x` and `w`.
+///
+/// On the CPU this is im2col + gemm per image, with a column buffer bounded by
+/// [`IM2COL_CHUNK_BYTES`]; the backward computes the input gradient as gemm (`Wᵀ · grad`) + col2im
+/// and the weight gradient as im2col + gemm over chunks of the batch. A 1×1 convolution with stride 1
+/// and no padding skips im2col entirely. f32, f64, f16 and bf16 are supported (f16/bf16 multiply in
+/// f32; the output has the input's dtype). Inputs of any layout are accepted (they are made
+/// contiguous first). Both gradients are always computed, as for Candle's own conv2d, so that a
+/// detached input (e.g. a checkpoint's recomputation root) still receives its gradient.
+///
+/// On other devices this is Candle's `conv2d` (forward and backward).
+///
+/// # Errors
+/// When `x` or `w` is not 4D, the channel counts differ, the kernel is not square or is larger than
+/// the padded input, `stride` is 0, the dtypes or devices differ, or the dtype is not a float type.
+pub fn conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    conv2d_impl(x, w, stride, padding, None)
+}
+
+/// [`conv2d`] with the weight-gradient pass forced to gather `chunk_images` images per gemm instead
+/// of the number [`IM2COL_CHUNK_BYTES`] allows. Meant for tests (batch sizes that are not a multiple
+/// of the chunk) and for tuning; the forward and input-gradient passes always work one image at a
+/// time per thread, so the value only changes how the weight gradient is summed.
+///
+/// # Errors
+/// As [`conv2d`], and when `chunk_images` is 0.
+pub fn conv2d_with_chunk(
+    x: &Tensor,
+    w: &Tensor,
+    stride: usize,
+    padding: usize,
+    chunk_images: usize,
+) -> Result<Tensor> {
+    if chunk_images == 0 {
+        return Err(shape_error("chunk_images must be at least 1".to_string()));
+    }
+    conv2d_impl(x, w, stride, padding, Some(chunk_images))
+}
+
+/// Bytes of the transient column (im2col) buffers this op allocates at most for a batch of `n`
+/// images with `cin` input channels, a `k`×`k` kernel and a `ho`×`wo` output, in `dtype`.
+///
+/// This is the weight-gradient pass (the largest of the three): one chunk of images per busy
+/// thread. The columns are f32 for f32/f16/bf16 inputs (half types are widened before the gemm) and
+/// f64 for f64. A 1×1, stride-1, unpadded f32 convolution reads its input in place and allocates less
+/// than this bound. Not included: the per-thread scratch that is smaller by a factor of about K²
+/// (one widened image, the gathered output gradient `Cout × chunk × Ho·Wo`, one `Cout × Cin·K·K`
+/// weight-gradient accumulator per thread).
+pub fn im2col_chunk_bytes(
+    n: usize,
+    cin: usize,
+    k: usize,
+    ho: usize,
+    wo: usize,
+    dtype: DType,
+) -> usize {
+    let acc = acc_size(dtype);
+    let per_image = cin * k * k * ho * wo * acc;
+    let threads = num_threads();
+    let chunk = images_per_chunk(n, per_image, threads, None);
+    column_bytes(n, chunk, per_image, threads)
+}
+
+/// Bytes of one element of the type the gemm runs in for inputs of `dtype`.
+fn acc_size(dtype: DType) -> usize {
+    match dtype {
+        DType::F64 => 8,
+        _ => 4,
+    }
+}
+
+/// Threads that run the per-image work: candle's CPU pool workers plus the calling thread.
+fn num_threads() -> usize {
+    candle_core::utils::barrier_pool().n_workers() + 1
+}
+
+/// Images per weight-gradient chunk: as many as fit in this thread's share of
+/// [`IM2COL_CHUNK_BYTES`] (at least one), but no more than an even split of the batch, so that every
+/// thread gets work.
+fn images_per_chunk(
+    n: usize,
+    per_image_bytes: usize,
+    threads: usize,
+    forced: Option<usize>,
+) -> usize {
+    let n = n.max(1);
+    if let Some(c) = forced {
+        return c.clamp(1, n);
+    }
+    let by_budget = (IM2COL_CHUNK_BYTES / threads.max(1) / per_image_bytes.max(1)).max(1);
+    by_budget.min(n.div_ceil(threads.max(1)))
+}
+
+/// Column bytes held at once when `n` images go in chunks of `chunk` to `threads` threads.
+fn column_bytes(n: usize, chunk: usize, per_image_bytes: usize, threads: usize) -> usize {
+    let busy = threads.min(n.div_ceil(chunk.max(1)));
+    busy * chunk.min(n) * per_image_bytes
+}
+
+/// The single error constructor for invalid arguments: they are shape errors in the model, which
+/// the rest of the crate reports as Candle errors.
+fn shape_error(msg: String) -> Error {
+    Error::Candle(candle_core::Error::Msg(format!("conv2d: {msg}")))
+}
+
+fn conv2d_impl(
+    x: &Tensor,
+    w: &Tensor,
+    stride: usize,
+    padding: usize,
+    chunk: Option<usize>,
+) -> Result<Tensor> {
+    let geom = Geom::new(x.dims(), w.dims(), stride, padding, chunk)?;
+    if x.dtype() != w.dtype() {
+        return Err(shape_error(format!(
+            "input dtype {:?} differs from weight dtype {:?}",
+            x.dtype(),
+            w.dtype()
+        )));
+    }
+    if !x.device().same_device(w.device()) {
+        return Err(shape_error(format!(
+            "input on {:?} but weight on {:?}",
+            x.device().location(),
+            w.device().location()
+        )));
+    }
+    if !x.device().is_cpu() {
+        // The CUDA version of this op comes later; until then Candle's conv2d (cuDNN or im2col)
+        // and its backward are the best there is on other devices.
+        return Ok(x.conv2d(w, padding, stride, 1, 1)?);
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+        return Err(shape_error(format!(
+            "unsupported dtype {:?} (f32, f64, f16 and bf16 are supported)",
+            x.dtype()
+        )));
+    }
+    // The kernels index plain row-major images; a copy here is cheaper than strided gathers in
+    // every im2col row, and `contiguous` is free for tensors that already are.
+    let x = x.contiguous()?;
+    let w = w.contiguous()?;
+    Ok(x.apply_op2(&w, Conv2dOp { geom })?)
+}
+
+/// The shape of one convolution, validated once in the wrapper and carried by all three ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geom {
+    n: usize,
+    cin: usize,
+    h: usize,
+    w: usize,
+    cout: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    ho: usize,
+    wo: usize,
+    /// Images per weight-gradient chunk forced by [`conv2d_with_chunk`].
+    chunk: Option<usize>,
+}
+
+impl Geom {
+    fn new(
+        x: &[usize],
+        w: &[usize],
+        stride: usize,
+        pad: usize,
+        chunk: Option<usize>,
+    ) -> Result<Self> {
+        let &[n, cin, h, wd] = x else {
+            return Err(shape_error(format!("input must be 4D [N, Cin, H, W], got {x:?}")));
+        };
+        let &[cout, cin_w, kh, kw] = w else {
+            return Err(shape_error(format!(
+                "weight must be 4D [Cout, Cin, K, K], got {w:?}"
+            )));
+        };
+        if cin != cin_w {
+            return Err(shape_error(format!(
+                "input has {cin} channels but the weight {w:?} expects {cin_w}"
+            )));
+        }
+        if kh != kw {
+            return Err(shape_error(format!("kernel must be square, got {kh}x{kw}")));
+        }
+        if kh == 0 {
+            return Err(shape_error("kernel size must be at least 1".to_string()));
+        }
+        if stride == 0 {
+            return Err(shape_error("stride must be at least 1".to_string()));
+        }
+        if kh > h + 2 * pad || kh > wd + 2 * pad {
+            return Err(shape_error(format!(
+                "kernel {kh}x{kh} is larger than the padded input {}x{} (input {h}x{wd}, padding {pad})",
+                h + 2 * pad,
+                wd + 2 * pad
+            )));
+        }
+        Ok(Self {
+            n,
+            cin,
+            h,
+            w: wd,
+            cout,
+            k: kh,
+            stride,
+            pad,
+            ho: (h + 2 * pad - kh) / stride + 1,
+            wo: (wd + 2 * pad - kh) / stride + 1,
+            chunk,
+        })
+    }
+
+    /// Rows of the column matrix (and columns of the flattened weight).
+    fn ckk(&self) -> usize {
+        self.cin * self.k * self.k
+    }
+
+    fn in_image(&self) -> usize {
+        self.cin * self.h * self.w
+    }
+
+    fn hw_out(&self) -> usize {
+        self.ho * self.wo
+    }
+
+    fn out_image(&self) -> usize {
+        self.cout * self.hw_out()
+    }
+
+    /// A 1×1 unstrided unpadded convolution: the image itself is the column matrix.
+    fn pointwise(&self) -> bool {
+        self.k == 1 && self.stride == 1 && self.pad == 0
+    }
+
+    fn x_shape(&self) -> Shape {
+        Shape::from((self.n, self.cin, self.h, self.w))
+    }
+
+    fn w_shape(&self) -> Shape {
+        Shape::from((self.cout, self.cin, self.k, self.k))
+    }
+
+    fn out_shape(&self) -> Shape {
+        Shape::from((self.n, self.cout, self.ho, self.wo))
+    }
+
+    /// Outputs `o` along one axis whose input position `o·stride + kx − pad` falls inside
+    /// `0..in_len`, as a range (empty when kernel tap `kx` only ever sees padding).
+    fn valid(&self, kx: usize, in_len: usize, out_len: usize) -> (usize, usize) {
+        let (s, p) = (self.stride, self.pad);
+        let lo = if kx >= p { 0 } else { (p - kx).div_ceil(s) };
+        let hi = if in_len + p <= kx {
+            0
+        } else {
+            ((in_len + p - kx - 1) / s + 1).min(out_len)
+        };
+        (lo.min(hi), hi)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types
+
+/// The type gemm runs in: f32, or f64 for f64 inputs.
+trait Acc: Copy + Send + Sync + 'static + std::ops::AddAssign {
+    const ZERO: Self;
+    const ONE: Self;
+}
+
+impl Acc for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+
+impl Acc for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+
+/// A storage dtype and how it converts to and from its gemm type.
+trait Elem: Copy + Send + Sync + 'static {
+    type Acc: Acc;
+    const ZERO: Self;
+    /// `Some` when the storage type is the gemm type, so no conversion copy is needed.
+    fn as_acc(src: &[Self]) -> Option<&[Self::Acc]>;
+    /// As [`Elem::as_acc`], for destinations.
+    fn as_acc_mut(dst: &mut [Self]) -> Option<&mut [Self::Acc]>;
+    fn widen_into(src: &[Self], dst: &mut [Self::Acc]);
+    fn narrow_into(src: &[Self::Acc], dst: &mut [Self]);
+}
+
+macro_rules! native_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            type Acc = $t;
+            const ZERO: Self = 0.0;
+            fn as_acc(src: &[Self]) -> Option<&[Self]> {
+                Some(src)
+            }
+            fn as_acc_mut(dst: &mut [Self]) -> Option<&mut [Self]> {
+                Some(dst)
+            }
+            fn widen_into(src: &[Self], dst: &mut [Self]) {
+                dst.copy_from_slice(src)
+            }
+            fn narrow_into(src: &[Self], dst: &mut [Self]) {
+                dst.copy_from_slice(src)
+            }
+        }
+    };
+}
+native_elem!(f32);
+native_elem!(f64);
+
+macro_rules! half_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            type Acc = f32;
+            const ZERO: Self = <$t>::ZERO;
+            fn as_acc(_: &[Self]) -> Option<&[f32]> {
+                None
+            }
+            fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+                None
+            }
+            fn widen_into(src: &[Self], dst: &mut [f32]) {
+                // `half` converts whole slices with F16C/SIMD where the CPU has it.
+                src.convert_to_f32_slice(dst)
+            }
+            fn narrow_into(src: &[f32], dst: &mut [Self]) {
+                dst.convert_from_f32_slice(src)
+            }
+        }
+    };
+}
+half_elem!(f16);
+half_elem!(bf16);
+
+/// The first `len` elements of a reusable scratch buffer, grown on first use. Contents are stale:
+/// every caller overwrites all of them.
+fn scratch<A: Acc>(buf: &mut Vec<A>, len: usize) -> &mut [A] {
+    if buf.len() < len {
+        buf.resize(len, A::ZERO);
+    }
+    &mut buf[..len]
+}
+
+/// `src` as the gemm type: borrowed when it already is, otherwise widened into `buf`.
+fn widen<'a, T: Elem>(src: &'a [T], buf: &'a mut Vec<T::Acc>) -> &'a [T::Acc] {
+    match T::as_acc(src) {
+        Some(a) => a,
+        None => {
+            let dst = scratch(buf, src.len());
+            T::widen_into(src, dst);
+            dst
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+/// A strided matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Mat<'a, A> {
+    data: &'a [A],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+/// Elements a `rows × cols` strided matrix spans from its first element.
+fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
+/// `dst = lhs · rhs` (or `dst += lhs · rhs` with `accumulate`) on the calling thread; `dst` is
+/// row-major with row stride `dst_rs`.
+fn matmul<A: Acc>(dst: &mut [A], dst_rs: usize, accumulate: bool, lhs: Mat<'_, A>, rhs: Mat<'_, A>) {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    // These bounds make the raw-pointer gemm call below sound; they hold by construction, so a
+    // failure is a bug in this file, not a user error.
+    assert_eq!(rhs.rows, k, "conv2d: gemm inner dimensions differ");
+    assert!(lhs.data.len() >= span(m, k, lhs.rs, lhs.cs), "conv2d: lhs out of bounds");
+    assert!(rhs.data.len() >= span(k, n, rhs.rs, rhs.cs), "conv2d: rhs out of bounds");
+    assert!(dst.len() >= span(m, n, dst_rs, 1), "conv2d: dst out of bounds");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                dst[i * dst_rs..i * dst_rs + n].fill(A::ZERO);
+            }
+        }
+        return;
+    }
+    // SAFETY: all three views are in bounds (checked above), `dst` does not alias the inputs (it is
+    // a distinct `&mut`), and `A` is f32 or f64, which gemm supports.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            if accumulate { A::ONE } else { A::ZERO },
+            A::ONE,
+            false,
+            false,
+            false,
+            // Parallelism comes from giving each thread its own images: a fork/join inside every
+            // per-image gemm costs more than it gains at these sizes.
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Writes the column matrix of one image `src [Cin, H, W]` into `dst`: row `(c, kh, kw)` starts
+/// at `row * row_stride` and holds the `Ho·Wo` input values that tap sees (zero for padding).
+fn im2col<A: Acc>(g: &Geom, src: &[A], dst: &mut [A], row_stride: usize) {
+    let (k, s, p, w, ho, wo) = (g.k, g.stride, g.pad, g.w, g.ho, g.wo);
+    let plane_len = g.h * g.w;
+    for c in 0..g.cin {
+        let plane = &src[c * plane_len..(c + 1) * plane_len];
+        for kh in 0..k {
+            let (oh_lo, oh_hi) = g.valid(kh, g.h, ho);
+            for kw in 0..k {
+                let (ow_lo, ow_hi) = g.valid(kw, w, wo);
+                let r = (c * k + kh) * k + kw;
+                let row = &mut dst[r * row_stride..r * row_stride + ho * wo];
+                row[..oh_lo * wo].fill(A::ZERO);
+                row[oh_hi * wo..].fill(A::ZERO);
+                for oh in oh_lo..oh_hi {
+                    let ih = oh * s + kh - p;
+                    let out = &mut row[oh * wo..(oh + 1) * wo];
+                    out[..ow_lo].fill(A::ZERO);
+                    out[ow_hi..].fill(A::ZERO);
+                    if ow_lo == ow_hi {
+                        continue;
+                    }
+                    let iw0 = ow_lo * s + kw - p;
+                    let src_row = &plane[ih * w..(ih + 1) * w];
+                    let out = &mut out[ow_lo..ow_hi];
+                    if s == 1 {
+                        out.copy_from_slice(&src_row[iw0..iw0 + out.len()]);
+                    } else {
+                        for (o, v) in out.iter_mut().zip(src_row[iw0..].iter().step_by(s)) {
+                            *o = *v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The adjoint of [`im2col`]: overwrites `dst [Cin, H, W]` with the sum of every column-matrix
+/// entry of `col` (row stride `row_stride`) at the input position it was gathered from.
+fn col2im<A: Acc>(g: &Geom, col: &[A], row_stride: usize, dst: &mut [A]) {
+    let (k, s, p, w, ho, wo) = (g.k, g.stride, g.pad, g.w, g.ho, g.wo);
+    let plane_len = g.h * g.w;
+    dst.fill(A::ZERO);
+    for c in 0..g.cin {
+        // One input plane at a time: its K² rows all land in it, and it stays in L1.
+        let plane = &mut dst[c * plane_len..(c + 1) * plane_len];
+        for kh in 0..k {
+            let (oh_lo, oh_hi) = g.valid(kh, g.h, ho);
+            for kw in 0..k {
+                let (ow_lo, ow_hi) = g.valid(kw, w, wo);
+                if ow_lo == ow_hi {
+                    continue;
+                }
+                let r = (c * k + kh) * k + kw;
+                let row = &col[r * row_stride..r * row_stride + ho * wo];
+                for oh in oh_lo..oh_hi {
+                    let ih = oh * s + kh - p;
+                    let iw0 = ow_lo * s + kw - p;
+                    let vals = &row[oh * wo + ow_lo..oh * wo + ow_hi];
+                    let dst_row = &mut plane[ih * w..(ih + 1) * w];
+                    if s == 1 {
+                        for (d, v) in dst_row[iw0..iw0 + vals.len()].iter_mut().zip(vals) {
+                            *d += *v;
+                        }
+                    } else {
+                        for (d, v) in dst_row[iw0..].iter_mut().step_by(s).zip(vals) {
+                            *d += *v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Threading
+
+/// One output buffer that the worker threads fill in disjoint per-image slices.
+struct SharedOut<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: the buffer outlives the parallel section (it is borrowed for the `SharedOut`'s life) and
+// every image index is handed to exactly one thread by the shared cursor in `par_chunks`.
+unsafe impl<T: Send> Sync for SharedOut<T> {}
+unsafe impl<T: Send> Send for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
+    fn new(buf: &mut [T]) -> Self {
+        Self { ptr: buf.as_mut_ptr(), len: buf.len() }
+    }
+
+    /// `len` elements from `start`.
+    ///
+    /// # Safety
+    /// No two live slices may overlap.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(start + len <= self.len, "conv2d: output slice out of bounds");
+        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
+    }
+}
+
+/// Runs `body` on every thread of candle's CPU pool; each call pulls chunks of `chunk` images
+/// (ranges of `0..n`) from a shared cursor until none are left and returns its result. A shared
+/// cursor rather than a static split lets a thread that was descheduled catch up.
+fn par_chunks<R, F>(n: usize, chunk: usize, body: F) -> Vec<R>
+where
+    R: Send,
+    F: Fn(&mut dyn Iterator<Item = Range<usize>>) -> R + Sync,
+{
+    let chunk = chunk.max(1);
+    let cursor = AtomicUsize::new(0);
+    let results = Mutex::new(Vec::new());
+    let run = |_tid: usize| {
+        let mut chunks = std::iter::from_fn(|| {
+            let start = cursor.fetch_add(chunk, Ordering::Relaxed);
+            (start < n).then(|| start..(start + chunk).min(n))
+        });
+        let r = body(&mut chunks);
+        results.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+    };
+    let pool = candle_core::utils::barrier_pool();
+    if pool.n_workers() == 0 || n <= chunk {
+        run(0);
+    } else {
+        pool.execute(run);
+    }
+    results.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The three passes
+
+/// `out[n] = W · col(x[n])` for every image.
+fn forward<T: Elem>(g: &Geom, x: &[T], w: &[T]) -> Vec<T> {
+    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
+    let mut w_buf = Vec::new();
+    let wa = widen(w, &mut w_buf);
+    let lhs = Mat { data: wa, rows: g.cout, cols: ckk, rs: ckk, cs: 1 };
+    let mut out = vec![T::ZERO; g.n * out_len];
+    let shared = SharedOut::new(&mut out);
+    par_chunks(g.n, 1, |chunks| {
+        let (mut img_buf, mut col_buf, mut out_buf) = (Vec::new(), Vec::new(), Vec::new());
+        for i in chunks.flatten() {
+            let img = widen(&x[i * in_len..(i + 1) * in_len], &mut img_buf);
+            let cols: &[T::Acc] = if g.pointwise() {
+                img
+            } else {
+                let col = scratch(&mut col_buf, ckk * hwo);
+                im2col(g, img, col, hwo);
+                col
+            };
+            let rhs = Mat { data: cols, rows: ckk, cols: hwo, rs: hwo, cs: 1 };
+            // SAFETY: image `i` is handed to this thread only.
+            let dst = unsafe { shared.slice(i * out_len, out_len) };
+            match T::as_acc_mut(dst) {
+                Some(d) => matmul(d, hwo, false, lhs, rhs),
+                None => {
+                    let d = scratch(&mut out_buf, out_len);
+                    matmul(d, hwo, false, lhs, rhs);
+                    T::narrow_into(d, dst);
+                }
+            }
+        }
+    });
+    out
+}
+
+/// `dx[n] = col2im(Wᵀ · grad[n])` for every image.
+fn grad_input<T: Elem>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
+    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
+    let mut w_buf = Vec::new();
+    let wa = widen(w, &mut w_buf);
+    // Wᵀ as a strided view of W [Cout, Cin·K·K]; gemm packs it, so no transposed copy is needed.
+    let lhs = Mat { data: wa, rows: ckk, cols: g.cout, rs: 1, cs: ckk };
+    let mut dx = vec![T::ZERO; g.n * in_len];
+    let shared = SharedOut::new(&mut dx);
+    par_chunks(g.n, 1, |chunks| {
+        let (mut grad_buf, mut col_buf, mut img_buf) = (Vec::new(), Vec::new(), Vec::new());
+        for i in chunks.flatten() {
+            let gi = widen(&grad[i * out_len..(i + 1) * out_len], &mut grad_buf);
+            let rhs = Mat { data: gi, rows: g.cout, cols: hwo, rs: hwo, cs: 1 };
+            // SAFETY: image `i` is handed to this thread only.
+            let dst = unsafe { shared.slice(i * in_len, in_len) };
+            let mut to_image = |d: &mut [T::Acc]| {
+                if g.pointwise() {
+                    matmul(d, hwo, false, lhs, rhs);
+                } else {
+                    let col = scratch(&mut col_buf, ckk * hwo);
+                    matmul(col, hwo, false, lhs, rhs);
+                    col2im(g, col, hwo, d);
+                }
+            };
+            match T::as_acc_mut(dst) {
+                Some(d) => to_image(d),
+                None => {
+                    let d = scratch(&mut img_buf, in_len);
+                    to_image(d);
+                    T::narrow_into(d, dst);
+                }
+            }
+        }
+    });
+    dx
+}
+
+/// `dW = Σₙ grad[n] · col(x[n])ᵀ`, summed over chunks of images per gemm and over threads.
+fn grad_weight<T: Elem>(g: &Geom, x: &[T], grad: &[T]) -> Vec<T> {
+    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
+    let acc_bytes = std::mem::size_of::<T::Acc>();
+    let chunk = images_per_chunk(g.n, ckk * hwo * acc_bytes, num_threads(), g.chunk);
+    let partials = par_chunks(g.n, chunk, |chunks| {
+        let mut acc: Option<Vec<T::Acc>> = None;
+        let (mut img_buf, mut col_buf, mut grad_buf) = (Vec::new(), Vec::new(), Vec::new());
+        for range in chunks {
+            let b = range.len();
+            // The chunk's pixels side by side: the gemm's inner dimension is b·Ho·Wo.
+            let kdim = b * hwo;
+            let first = range.start;
+            let x0 = &x[first * in_len..(first + 1) * in_len];
+            let cols: &[T::Acc] = match T::as_acc(x0) {
+                Some(img) if b == 1 && g.pointwise() => img,
+                _ => {
+                    let col = scratch(&mut col_buf, ckk * kdim);
+                    for (j, i) in range.clone().enumerate() {
+                        let img = widen(&x[i * in_len..(i + 1) * in_len], &mut img_buf);
+                        im2col(g, img, &mut col[j * hwo..], kdim);
+                    }
+                    col
+                }
+            };
+            let g0 = &grad[first * out_len..(first + 1) * out_len];
+            let grads: &[T::Acc] = match T::as_acc(g0) {
+                Some(gi) if b == 1 => gi,
+                _ => {
+                    // Gather [b, Cout, Ho·Wo] into [Cout, b·Ho·Wo] (widening on the way).
+                    let gm = scratch(&mut grad_buf, g.cout * kdim);
+                    for (j, i) in range.clone().enumerate() {
+                        let gi = &grad[i * out_len..(i + 1) * out_len];
+                        for co in 0..g.cout {
+                            let start = co * kdim + j * hwo;
+                            T::widen_into(&gi[co * hwo..(co + 1) * hwo], &mut gm[start..start + hwo]);
+                        }
+                    }
+                    gm
+                }
+            };
+            let lhs = Mat { data: grads, rows: g.cout, cols: kdim, rs: kdim, cs: 1 };
+            let rhs = Mat { data: cols, rows: kdim, cols: ckk, rs: 1, cs: kdim };
+            let accumulate = acc.is_some();
+            let dst = acc.get_or_insert_with(|| vec![T::Acc::ZERO; g.cout * ckk]);
+            matmul(dst, ckk, accumulate, lhs, rhs);
+        }
+        acc
+    });
+    let mut partials = partials.into_iter().flatten();
+    let mut dw = vec![T::ZERO; g.cout * ckk];
+    if let Some(mut total) = partials.next() {
+        for p in partials {
+            for (t, v) in total.iter_mut().zip(&p) {
+                *t += *v;
+            }
+        }
+        T::narrow_into(&total, &mut dw);
+    }
+    dw
+}
+
+// ---------------------------------------------------------------------------------------------
+// Candle ops
+
+/// The contiguous data of a storage/layout pair that should have `shape`.
+fn contiguous<'a, T>(data: &'a [T], l: &Layout, shape: &Shape, what: &str) -> candle_core::Result<&'a [T]> {
+    if l.shape() != shape {
+        candle_core::bail!("conv2d: {what} has shape {:?}, expected {shape:?}", l.shape())
+    }
+    match l.contiguous_offsets() {
+        Some((a, b)) if b <= data.len() => Ok(&data[a..b]),
+        _ => candle_core::bail!("conv2d: {what} must be contiguous"),
+    }
+}
+
+/// Dispatches a two-input kernel over the dtypes both storages share.
+macro_rules! dispatch2 {
+    ($s1:expr, $s2:expr, $name:literal, |$a:ident, $b:ident| $body:expr) => {
+        match ($s1, $s2) {
+            (CpuStorage::F32($a), CpuStorage::F32($b)) => CpuStorage::F32($body),
+            (CpuStorage::F64($a), CpuStorage::F64($b)) => CpuStorage::F64($body),
+            (CpuStorage::F16($a), CpuStorage::F16($b)) => CpuStorage::F16($body),
+            (CpuStorage::BF16($a), CpuStorage::BF16($b)) => CpuStorage::BF16($body),
+            (a, b) => candle_core::bail!(
+                "{}: unsupported dtypes {:?} and {:?} (f32, f64, f16, bf16 of one kind)",
+                $name,
+                a.dtype(),
+                b.dtype()
+            ),
+        }
+    };
+}
+
+/// The forward op: `(x, w) -> y`, with a gemm backward.
+struct Conv2dOp {
+    geom: Geom,
+}
+
+impl CustomOp2 for Conv2dOp {
+    fn name(&self) -> &'static str {
+        "memtrain-conv2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = &self.geom;
+        let out = dispatch2!(s1, s2, "memtrain-conv2d", |x, w| {
+            let x = contiguous(x, l1, &g.x_shape(), "input")?;
+            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
+            forward(g, x, w)
+        });
+        Ok((out, g.out_shape()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // Upstream gradients are often broadcasts (e.g. of a sum); the kernels want plain NCHW.
+        let grad = grad.contiguous()?;
+        let grad_x = grad.apply_op2_no_bwd(w, &Conv2dGradInput { geom: self.geom })?;
+        let grad_w = x.apply_op2_no_bwd(&grad, &Conv2dGradWeight { geom: self.geom })?;
+        Ok((Some(grad_x), Some(grad_w)))
+    }
+}
+
+/// `(grad, w) -> dx`: the input gradient (gemm + col2im).
+struct Conv2dGradInput {
+    geom: Geom,
+}
+
+impl CustomOp2 for Conv2dGradInput {
+    fn name(&self) -> &'static str {
+        "memtrain-conv2d-grad-input"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = &self.geom;
+        let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-input", |gr, w| {
+            let gr = contiguous(gr, l1, &g.out_shape(), "output gradient")?;
+            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
+            grad_input(g, gr, w)
+        });
+        Ok((out, g.x_shape()))
+    }
+}
+
+/// `(x, grad) -> dW`: the weight gradient (chunked im2col + gemm).
+struct Conv2dGradWeight {
+    geom: Geom,
+}
+
+impl CustomOp2 for Conv2dGradWeight {
+    fn name(&self) -> &'static str {
+        "memtrain-conv2d-grad-weight"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = &self.geom;
+        let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-weight", |x, gr| {
+            let x = contiguous(x, l1, &g.x_shape(), "input")?;
+            let gr = contiguous(gr, l2, &g.out_shape(), "output gradient")?;
+            grad_weight(g, x, gr)
+        });
+        Ok((out, g.w_shape()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn valid_ranges_match_brute_force() {
+        for (k, s, p, len) in [(3, 1, 1, 5), (3, 2, 1, 6), (3, 2, 0, 7), (1, 2, 0, 4), (5, 3, 2, 3)] {
+            let g = Geom::new(&[1, 1, len, len], &[1, 1, k, k], s, p, None).unwrap();
+            for kx in 0..k {
+                let (lo, hi) = g.valid(kx, len, g.wo);
+                for o in 0..g.wo {
+                    let pos = (o * s + kx) as isize - p as isize;
+                    let inside = pos >= 0 && pos < len as isize;
+                    assert_eq!(inside, (lo..hi).contains(&o), "k{k} s{s} p{p} len{len} kx{kx} o{o}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_sizing_is_bounded_and_balanced() {
+        // 128 images of 64 KiB columns on 2 threads: the budget allows 32 per thread.
+        assert_eq!(images_per_chunk(128, 64 << 10, 2, None), 32);
+        // A batch smaller than the budget is still split over both threads.
+        assert_eq!(images_per_chunk(10, 1024, 2, None), 5);
+        // An image bigger than a thread's share still gets a chunk of its own.
+        assert_eq!(images_per_chunk(128, 8 << 20, 2, None), 1);
+        assert_eq!(images_per_chunk(3, 1, 2, Some(7)), 3);
+        assert_eq!(column_bytes(128, 32, 64 << 10, 2), 4 << 20);
+        assert_eq!(column_bytes(1, 1, 100, 2), 100);
+    }
+}

@@ -1,0 +1,1012 @@
+//! Depthwise 2D convolution (`groups == channels`, one `K×K` filter per channel) as a Candle
+//! custom op with its own CPU and CUDA forward and backward kernels.
+//!
+//! Why not `Tensor::conv2d(.., groups = C)`: Candle splits a grouped convolution into one
+//! convolution per group plus a `cat`, and its backward builds full-size zero-padded tensors per
+//! group, so a depthwise layer costs O(C) kernel launches and O(C²) work and memory. Here the
+//! forward, the input gradient and the weight gradient are each a single pass over the data.
+//!
+//! Layout of the CPU kernels: every `(n, c)` plane is copied once (converted to `f32`) into a
+//! zero-padded scratch plane whose rows are split into `stride` phases (column `x` of a padded row
+//! lives in phase `x % stride` at index `x / stride`). With that layout, the input columns one
+//! kernel tap reads for a whole output row are a *contiguous* slice for any stride, so every hot
+//! loop is a plain `a[i] += w * b[i]` over slices, which the compiler vectorises.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+
+/// Depthwise 2D convolution: x [N,C,H,W], w [C,1,K,K] (groups = C, no bias), square stride and padding.
+/// Differentiable w.r.t. both x and w. Output [N,C,Ho,Wo] with Ho = (H + 2p - K)/s + 1.
+///
+/// Equivalent to `x.conv2d(w, padding, stride, 1, C)` but computed by dedicated kernels (CPU, and
+/// CUDA with the `cuda` feature) in one pass, forward and backward. Supported dtypes: `f32`, `f16`
+/// and `bf16` (half types accumulate in `f32`). Inputs of any layout are accepted (they are made
+/// contiguous first; that copy is part of the autograd graph).
+///
+/// # Errors
+/// [`Error::Candle`] when the shapes do not describe a depthwise convolution (wrong rank,
+/// `w.dim(0) != C`, `w.dim(1) != 1`, non-square kernel, kernel larger than the padded input, a
+/// zero-sized dimension, `stride == 0`), when the dtypes differ or are not floating point types
+/// listed above, when the tensors live on different devices, or when the device kernel fails.
+pub fn depthwise_conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    if x.dtype() != w.dtype() {
+        return Err(op_error(format!(
+            "x has dtype {:?} but w has dtype {:?}; both must be the same",
+            x.dtype(),
+            w.dtype()
+        )));
+    }
+    check_dtype(x.dtype()).map_err(op_error)?;
+    if !x.device().same_device(w.device()) {
+        return Err(op_error(format!(
+            "x is on {:?} but w is on {:?}",
+            x.device().location(),
+            w.device().location()
+        )));
+    }
+    Geometry::new(x.dims(), w.dims(), stride, padding).map_err(op_error)?;
+    // The kernels read plain row-major planes; `contiguous` is a no-op (same tensor) when the
+    // input already is, and a differentiable copy otherwise.
+    let x = x.contiguous()?;
+    let w = w.contiguous()?;
+    let op: Arc<Box<dyn CustomOp2 + Send + Sync>> =
+        Arc::new(Box::new(DepthwiseConv2d { stride, padding }));
+    Ok(x.apply_op2_arc(&w, op)?)
+}
+
+fn op_error(msg: String) -> Error {
+    Error::Candle(candle_core::Error::Msg(format!("depthwise_conv2d: {msg}")))
+}
+
+fn check_dtype(dtype: DType) -> std::result::Result<(), String> {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(()),
+        other => Err(format!("unsupported dtype {other:?} (expected F32, F16 or BF16)")),
+    }
+}
+
+/// Sizes of one depthwise convolution, validated once and shared by all three kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Geometry {
+    n: usize,
+    c: usize,
+    height: usize,
+    width: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    out_h: usize,
+    out_w: usize,
+}
+
+impl Geometry {
+    /// Validates `x: [N,C,H,W]` and `w: [C,1,K,K]` and derives the output size.
+    fn new(
+        x: &[usize],
+        w: &[usize],
+        stride: usize,
+        pad: usize,
+    ) -> std::result::Result<Self, String> {
+        let &[n, c, height, width] = x else {
+            return Err(format!("x must have shape [N, C, H, W], got {x:?}"));
+        };
+        let &[wc, one, kh, kw] = w else {
+            return Err(format!("w must have shape [C, 1, K, K], got {w:?}"));
+        };
+        if stride == 0 {
+            return Err("stride must be at least 1".into());
+        }
+        if n == 0 || c == 0 || height == 0 || width == 0 {
+            return Err(format!("x has a zero-sized dimension: {x:?}"));
+        }
+        if wc != c {
+            return Err(format!(
+                "w has {wc} filters but x has {c} channels (w must be [C, 1, K, K] = [{c}, 1, K, K], got {w:?})"
+            ));
+        }
+        if one != 1 {
+            return Err(format!(
+                "w must have one input channel per filter (depthwise, [C, 1, K, K]), got {w:?}"
+            ));
+        }
+        if kh != kw {
+            return Err(format!("the kernel must be square, got {kh}x{kw}"));
+        }
+        if kh == 0 {
+            return Err("the kernel size must be at least 1".into());
+        }
+        let (ph, pw) = (height + 2 * pad, width + 2 * pad);
+        if kh > ph || kh > pw {
+            return Err(format!(
+                "kernel {kh}x{kh} is larger than the padded input {ph}x{pw} (input {height}x{width}, padding {pad})"
+            ));
+        }
+        Ok(Self {
+            n,
+            c,
+            height,
+            width,
+            k: kh,
+            stride,
+            pad,
+            out_h: (ph - kh) / stride + 1,
+            out_w: (pw - kh) / stride + 1,
+        })
+    }
+
+    fn x_dims(&self) -> [usize; 4] {
+        [self.n, self.c, self.height, self.width]
+    }
+
+    fn w_dims(&self) -> [usize; 4] {
+        [self.c, 1, self.k, self.k]
+    }
+
+    fn y_dims(&self) -> [usize; 4] {
+        [self.n, self.c, self.out_h, self.out_w]
+    }
+
+    fn planes(&self) -> usize {
+        self.n * self.c
+    }
+
+    fn in_plane(&self) -> usize {
+        self.height * self.width
+    }
+
+    fn out_plane(&self) -> usize {
+        self.out_h * self.out_w
+    }
+
+    fn taps(&self) -> usize {
+        self.k * self.k
+    }
+
+    /// Multiply-adds per `(n, c)` plane, the unit of work handed to threads.
+    fn macs_per_plane(&self) -> usize {
+        self.out_plane() * self.taps()
+    }
+}
+
+/// Checks that a backward op sees the shapes its geometry was built for.
+fn expect_dims(what: &str, got: &[usize], want: &[usize]) -> candle_core::Result<()> {
+    if got != want {
+        candle_core::bail!("depthwise_conv2d: {what} has shape {got:?}, expected {want:?}");
+    }
+    Ok(())
+}
+
+/// The forward op; its `bwd` applies the two gradient ops below.
+struct DepthwiseConv2d {
+    stride: usize,
+    padding: usize,
+}
+
+impl DepthwiseConv2d {
+    fn geometry(&self, x: &Layout, w: &Layout) -> candle_core::Result<Geometry> {
+        Geometry::new(x.dims(), w.dims(), self.stride, self.padding)
+            .map_err(|m| candle_core::Error::Msg(format!("depthwise_conv2d: {m}")))
+    }
+}
+
+impl CustomOp2 for DepthwiseConv2d {
+    fn name(&self) -> &'static str {
+        "depthwise-conv2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = self.geometry(l1, l2)?;
+        let out = dispatch_cpu(s1, l1, s2, l2, cpu::Forward(&g))?;
+        Ok((out, Shape::from(g.y_dims().to_vec())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let g = self.geometry(l1, l2)?;
+        let out = cuda::launch(cuda::Kernel::Forward, &g, s1, l1, s2, l2)?;
+        Ok((out, Shape::from(g.y_dims().to_vec())))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = Geometry::new(x.dims(), w.dims(), self.stride, self.padding)
+            .map_err(|m| candle_core::Error::Msg(format!("depthwise_conv2d backward: {m}")))?;
+        // The incoming gradient can be a broadcast or transposed view; the kernels need rows.
+        let grad = grad_res.contiguous()?;
+        // Skip a gradient nobody asked for (e.g. the input image of the first layer): it would
+        // cost a full activation-sized buffer and a kernel for nothing.
+        let dx = if x.track_op() {
+            Some(grad.apply_op2_no_bwd(w, &DepthwiseInputGrad { g })?)
+        } else {
+            None
+        };
+        let dw = if w.track_op() {
+            Some(x.apply_op2_no_bwd(&grad, &DepthwiseWeightGrad { g })?)
+        } else {
+            None
+        };
+        Ok((dx, dw))
+    }
+}
+
+/// Input gradient: `(dy [N,C,Ho,Wo], w [C,1,K,K]) -> dx [N,C,H,W]`.
+struct DepthwiseInputGrad {
+    g: Geometry,
+}
+
+impl DepthwiseInputGrad {
+    fn check(&self, dy: &Layout, w: &Layout) -> candle_core::Result<()> {
+        expect_dims("the output gradient", dy.dims(), &self.g.y_dims())?;
+        expect_dims("w", w.dims(), &self.g.w_dims())
+    }
+}
+
+impl CustomOp2 for DepthwiseInputGrad {
+    fn name(&self) -> &'static str {
+        "depthwise-conv2d-input-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.check(l1, l2)?;
+        let g = self.g;
+        let out = dispatch_cpu(s1, l1, s2, l2, cpu::InputGrad(&g))?;
+        Ok((out, Shape::from(g.x_dims().to_vec())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.check(l1, l2)?;
+        let out = cuda::launch(cuda::Kernel::InputGrad, &self.g, s1, l1, s2, l2)?;
+        Ok((out, Shape::from(self.g.x_dims().to_vec())))
+    }
+}
+
+/// Weight gradient: `(x [N,C,H,W], dy [N,C,Ho,Wo]) -> dw [C,1,K,K]`, reduced over N, Ho, Wo.
+struct DepthwiseWeightGrad {
+    g: Geometry,
+}
+
+impl DepthwiseWeightGrad {
+    fn check(&self, x: &Layout, dy: &Layout) -> candle_core::Result<()> {
+        expect_dims("x", x.dims(), &self.g.x_dims())?;
+        expect_dims("the output gradient", dy.dims(), &self.g.y_dims())
+    }
+}
+
+impl CustomOp2 for DepthwiseWeightGrad {
+    fn name(&self) -> &'static str {
+        "depthwise-conv2d-weight-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.check(l1, l2)?;
+        let g = self.g;
+        let out = dispatch_cpu(s1, l1, s2, l2, cpu::WeightGrad(&g))?;
+        Ok((out, Shape::from(g.w_dims().to_vec())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.check(l1, l2)?;
+        let out = cuda::launch(cuda::Kernel::WeightGrad, &self.g, s1, l1, s2, l2)?;
+        Ok((out, Shape::from(self.g.w_dims().to_vec())))
+    }
+}
+
+/// The contiguous elements a layout describes (the ops only ever see contiguous inputs, since
+/// the public function and `bwd` call `contiguous` first; anything else is a bug we report).
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("depthwise_conv2d: {what} must be contiguous"),
+    }
+}
+
+/// Runs `kernel` on the two operands' contiguous data for whichever float dtype they hold
+/// (both operands always share one dtype: the public function checks it).
+fn dispatch_cpu<K: cpu::Dispatch>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    kernel: K,
+) -> candle_core::Result<CpuStorage> {
+    Ok(match (s1, s2) {
+        (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(
+            kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?),
+        ),
+        (CpuStorage::F16(a), CpuStorage::F16(b)) => CpuStorage::F16(
+            kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?),
+        ),
+        (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16(
+            kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?),
+        ),
+        (a, b) => {
+            use candle_core::backend::BackendStorage;
+            candle_core::bail!(
+                "depthwise_conv2d: unsupported dtypes {:?} and {:?} (expected two F32, F16 or BF16)",
+                a.dtype(),
+                b.dtype()
+            )
+        }
+    })
+}
+
+mod cpu {
+    //! The CPU kernels. Each works on whole `(n, c)` planes, in `f32`, and threads split the
+    //! planes into contiguous chunks.
+
+    use super::{bf16, f16, Geometry};
+
+    /// Below this many multiply-adds per thread, spawning a thread costs more than it saves.
+    const MIN_MACS_PER_THREAD: usize = 1 << 16;
+
+    /// An element type the kernels load from and store to; all arithmetic is `f32`.
+    pub(super) trait Elem: Copy + Send + Sync + 'static {
+        const ZERO: Self;
+        fn to_f32(self) -> f32;
+        fn from_f32(v: f32) -> Self;
+    }
+
+    impl Elem for f32 {
+        const ZERO: Self = 0.0;
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            self
+        }
+        #[inline(always)]
+        fn from_f32(v: f32) -> Self {
+            v
+        }
+    }
+
+    impl Elem for f16 {
+        const ZERO: Self = f16::ZERO;
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            f16::to_f32(self)
+        }
+        #[inline(always)]
+        fn from_f32(v: f32) -> Self {
+            f16::from_f32(v)
+        }
+    }
+
+    impl Elem for bf16 {
+        const ZERO: Self = bf16::ZERO;
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            bf16::to_f32(self)
+        }
+        #[inline(always)]
+        fn from_f32(v: f32) -> Self {
+            bf16::from_f32(v)
+        }
+    }
+
+    /// One of the three kernels, callable at any element type (closures cannot be generic).
+    pub(super) trait Dispatch {
+        fn call<T: Elem>(&self, a: &[T], b: &[T]) -> Vec<T>;
+    }
+
+    /// Splits `out` (a whole number of `plane_len`-element planes) into one contiguous chunk
+    /// per thread and calls `work(first_plane_index, chunk)` for each. The calling thread takes
+    /// the first chunk, so a single-chunk call spawns nothing.
+    fn parallel_planes<T: Send>(
+        out: &mut [T],
+        plane_len: usize,
+        macs_per_plane: usize,
+        work: impl Fn(usize, &mut [T]) + Sync,
+    ) {
+        let planes = if plane_len == 0 { 0 } else { out.len() / plane_len };
+        let by_work = (planes * macs_per_plane / MIN_MACS_PER_THREAD).max(1);
+        let threads = candle_core::utils::get_num_threads().min(planes).min(by_work);
+        if threads <= 1 {
+            work(0, out);
+            return;
+        }
+        let per_thread = planes.div_ceil(threads);
+        std::thread::scope(|scope| {
+            let mut chunks = out.chunks_mut(per_thread * plane_len).enumerate();
+            let first = chunks.next();
+            for (i, chunk) in chunks {
+                let work = &work;
+                scope.spawn(move || work(i * per_thread, chunk));
+            }
+            if let Some((_, chunk)) = first {
+                work(0, chunk);
+            }
+        });
+    }
+
+    /// A zero-padded `f32` copy of one input plane, each padded row split into `stride` phases.
+    ///
+    /// Padded column `x` of padded row `y` is at `y * row_len + (x % s) * phase_len + x / s`, so
+    /// the columns `kx, kx + s, kx + 2s, ...` that tap `kx` reads along an output row are
+    /// contiguous, starting at [`Padded::tap`].
+    struct Padded {
+        g: Geometry,
+        phase_len: usize,
+        row_len: usize,
+        buf: Vec<f32>,
+    }
+
+    impl Padded {
+        fn new(g: &Geometry) -> Self {
+            let padded_h = g.height + 2 * g.pad;
+            let phase_len = (g.width + 2 * g.pad).div_ceil(g.stride);
+            let row_len = phase_len * g.stride;
+            Self { g: *g, phase_len, row_len, buf: vec![0.0; padded_h * row_len] }
+        }
+
+        /// Index of the first element tap column `kx` reads in padded row `y`; the next
+        /// `out_w` elements are what it reads for output columns `0..out_w`.
+        #[inline(always)]
+        fn tap(&self, y: usize, kx: usize) -> usize {
+            y * self.row_len + (kx % self.g.stride) * self.phase_len + kx / self.g.stride
+        }
+
+        /// For phase `r`: the first input column that lands in it and its index there.
+        #[inline(always)]
+        fn phase_start(&self, r: usize) -> (usize, usize) {
+            let s = self.g.stride;
+            let first_col = (r + s - self.g.pad % s) % s;
+            (first_col, (first_col + self.g.pad) / s)
+        }
+
+        /// Writes one input plane into the interior; the padding stays as it is (zero, since
+        /// loads only ever touch the interior and `input_grad` re-zeroes what it accumulates).
+        fn load<T: Elem>(&mut self, plane: &[T]) {
+            let (w, pad, s) = (self.g.width, self.g.pad, self.g.stride);
+            for (iy, src) in plane.chunks_exact(w).enumerate() {
+                let base = (iy + pad) * self.row_len;
+                if s == 1 {
+                    let dst = &mut self.buf[base + pad..base + pad + w];
+                    for (d, &v) in dst.iter_mut().zip(src) {
+                        *d = v.to_f32();
+                    }
+                } else {
+                    for r in 0..s {
+                        let (col0, j0) = self.phase_start(r);
+                        let start = base + r * self.phase_len + j0;
+                        let dst = &mut self.buf[start..base + (r + 1) * self.phase_len];
+                        for (d, &v) in dst.iter_mut().zip(src.iter().skip(col0).step_by(s)) {
+                            *d = v.to_f32();
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Reads the interior back into an input-shaped plane (the inverse of `load`).
+        fn store<T: Elem>(&self, plane: &mut [T]) {
+            let (w, pad, s) = (self.g.width, self.g.pad, self.g.stride);
+            for (iy, dst) in plane.chunks_exact_mut(w).enumerate() {
+                let base = (iy + pad) * self.row_len;
+                if s == 1 {
+                    let src = &self.buf[base + pad..base + pad + w];
+                    for (d, &v) in dst.iter_mut().zip(src) {
+                        *d = T::from_f32(v);
+                    }
+                } else {
+                    for r in 0..s {
+                        let (col0, j0) = self.phase_start(r);
+                        let start = base + r * self.phase_len + j0;
+                        let src = &self.buf[start..base + (r + 1) * self.phase_len];
+                        for (d, &v) in dst.iter_mut().skip(col0).step_by(s).zip(src) {
+                            *d = T::from_f32(v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `acc[i] += scale * src[i]`, the one inner loop of forward and input gradient.
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], scale: f32, src: &[f32]) {
+        for (a, &v) in acc.iter_mut().zip(src) {
+            *a += scale * v;
+        }
+    }
+
+    fn to_f32_row<T: Elem>(dst: &mut [f32], src: &[T]) {
+        for (d, &v) in dst.iter_mut().zip(src) {
+            *d = v.to_f32();
+        }
+    }
+
+    fn weights_f32<T: Elem>(w: &[T]) -> Vec<f32> {
+        w.iter().map(|v| v.to_f32()).collect()
+    }
+
+    /// `y = depthwise(x, w)`.
+    pub(super) struct Forward<'g>(pub(super) &'g Geometry);
+
+    impl Dispatch for Forward<'_> {
+        fn call<T: Elem>(&self, x: &[T], w: &[T]) -> Vec<T> {
+            let g = self.0;
+            let (k, s, out_w) = (g.k, g.stride, g.out_w);
+            let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
+            let wf = weights_f32(w);
+            let mut y = vec![T::ZERO; g.planes() * out_plane];
+            parallel_planes(&mut y, out_plane, g.macs_per_plane(), |first, chunk| {
+                let mut padded = Padded::new(g);
+                let mut acc = vec![0f32; out_w];
+                for (i, y_plane) in chunk.chunks_exact_mut(out_plane).enumerate() {
+                    let p = first + i;
+                    padded.load(&x[p * in_plane..(p + 1) * in_plane]);
+                    let wk = &wf[(p % g.c) * k * k..][..k * k];
+                    for (oy, y_row) in y_plane.chunks_exact_mut(out_w).enumerate() {
+                        acc.fill(0.0);
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let at = padded.tap(oy * s + ky, kx);
+                                axpy(&mut acc, wk[ky * k + kx], &padded.buf[at..at + out_w]);
+                            }
+                        }
+                        for (o, &a) in y_row.iter_mut().zip(&acc) {
+                            *o = T::from_f32(a);
+                        }
+                    }
+                }
+            });
+            y
+        }
+    }
+
+    /// `dx[n,c,iy,ix] = sum over taps hitting (iy, ix) of w[c,ky,kx] * dy[n,c,oy,ox]`, computed
+    /// by scattering each output-gradient row into the padded phase layout (the transpose of the
+    /// forward gather) and then dropping the padding.
+    pub(super) struct InputGrad<'g>(pub(super) &'g Geometry);
+
+    impl Dispatch for InputGrad<'_> {
+        fn call<T: Elem>(&self, dy: &[T], w: &[T]) -> Vec<T> {
+            let g = self.0;
+            let (k, s, out_w) = (g.k, g.stride, g.out_w);
+            let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
+            let wf = weights_f32(w);
+            let mut dx = vec![T::ZERO; g.planes() * in_plane];
+            parallel_planes(&mut dx, in_plane, g.macs_per_plane(), |first, chunk| {
+                let mut padded = Padded::new(g);
+                let mut row = vec![0f32; out_w];
+                for (i, dx_plane) in chunk.chunks_exact_mut(in_plane).enumerate() {
+                    let p = first + i;
+                    padded.buf.fill(0.0);
+                    let wk = &wf[(p % g.c) * k * k..][..k * k];
+                    let dy_plane = &dy[p * out_plane..(p + 1) * out_plane];
+                    for (oy, dy_row) in dy_plane.chunks_exact(out_w).enumerate() {
+                        to_f32_row(&mut row, dy_row);
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let at = padded.tap(oy * s + ky, kx);
+                                axpy(&mut padded.buf[at..at + out_w], wk[ky * k + kx], &row);
+                            }
+                        }
+                    }
+                    padded.store(dx_plane);
+                }
+            });
+            dx
+        }
+    }
+
+    /// `dw[c,ky,kx] = sum over n, oy, ox of dy[n,c,oy,ox] * xpad[n,c,oy*s+ky,ox*s+kx]`.
+    ///
+    /// Each plane keeps one `out_w`-wide accumulator row per tap (elementwise multiply-adds
+    /// vectorise; a dot product per row would not, as float sums are not reassociated), sums it
+    /// once per plane into a per-plane partial, and the partials are then summed over `n`.
+    pub(super) struct WeightGrad<'g>(pub(super) &'g Geometry);
+
+    impl Dispatch for WeightGrad<'_> {
+        fn call<T: Elem>(&self, x: &[T], dy: &[T]) -> Vec<T> {
+            let g = self.0;
+            let (k, s, out_w, taps) = (g.k, g.stride, g.out_w, g.taps());
+            let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
+            let mut partial = vec![0f32; g.planes() * taps];
+            parallel_planes(&mut partial, taps, g.macs_per_plane(), |first, chunk| {
+                let mut padded = Padded::new(g);
+                let mut row = vec![0f32; out_w];
+                let mut acc = vec![0f32; taps * out_w];
+                for (i, part) in chunk.chunks_exact_mut(taps).enumerate() {
+                    let p = first + i;
+                    padded.load(&x[p * in_plane..(p + 1) * in_plane]);
+                    acc.fill(0.0);
+                    let dy_plane = &dy[p * out_plane..(p + 1) * out_plane];
+                    for (oy, dy_row) in dy_plane.chunks_exact(out_w).enumerate() {
+                        to_f32_row(&mut row, dy_row);
+                        for (ky, acc_ky) in acc.chunks_exact_mut(k * out_w).enumerate() {
+                            for (kx, acc_t) in acc_ky.chunks_exact_mut(out_w).enumerate() {
+                                let at = padded.tap(oy * s + ky, kx);
+                                let src = &padded.buf[at..at + out_w];
+                                for ((a, &d), &v) in acc_t.iter_mut().zip(&row).zip(src) {
+                                    *a += d * v;
+                                }
+                            }
+                        }
+                    }
+                    for (pt, acc_t) in part.iter_mut().zip(acc.chunks_exact(out_w)) {
+                        *pt = acc_t.iter().sum();
+                    }
+                }
+            });
+            // Planes are ordered (n, c): sum the N partials of each channel.
+            let mut dw = vec![0f32; g.c * taps];
+            for per_n in partial.chunks_exact(g.c * taps) {
+                for (d, &v) in dw.iter_mut().zip(per_n) {
+                    *d += v;
+                }
+            }
+            dw.into_iter().map(T::from_f32).collect()
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    //! The CUDA kernels, compiled once per process with NVRTC and loaded once per device.
+    //!
+    //! Half types are passed as 16-bit structs and converted with `cvt` instructions / bit
+    //! operations, so the source needs no `cuda_fp16.h` / `cuda_bf16.h` (NVRTC would need the
+    //! toolkit's include directory to find them).
+
+    use std::sync::OnceLock;
+
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{cudarc, CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout};
+    use half::{bf16, f16};
+
+    use super::Geometry;
+
+    /// Module name under which the compiled kernels are cached in each `CudaDevice`.
+    const MODULE: &str = "memtrain_depthwise";
+
+    /// Threads per block; a multiple of the warp size, as the reduction assumes.
+    const BLOCK: u32 = 256;
+
+    const SOURCE: &str = r#"
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+struct half16 { u16 bits; };
+struct bfloat16 { u16 bits; };
+
+__device__ __forceinline__ float load(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float load(const half16* p, size_t i) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].bits));
+    return f;
+}
+__device__ __forceinline__ float load(const bfloat16* p, size_t i) {
+    return __uint_as_float(((u32)p[i].bits) << 16);
+}
+
+__device__ __forceinline__ void store(float* p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(half16* p, size_t i, float v) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i].bits = h;
+}
+__device__ __forceinline__ void store(bfloat16* p, size_t i, float v) {
+    u32 u = __float_as_uint(v);
+    u16 h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        h = (u16)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
+    } else {
+        h = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
+    }
+    p[i].bits = h;
+}
+
+/* One thread per output element; grid = (N*C planes, tiles of Ho*Wo). */
+template <typename T>
+__device__ void dw_forward(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                           u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo) {
+    const u32 plane = blockIdx.x;
+    const u32 pos = blockIdx.y * blockDim.x + threadIdx.x;
+    if (pos >= Ho * Wo) return;
+    const u32 oy = pos / Wo, ox = pos - oy * Wo;
+    const T* xp = x + (size_t)plane * H * W;
+    const T* wp = w + (size_t)(plane % C) * K * K;
+    const int iy0 = (int)(oy * S) - (int)P, ix0 = (int)(ox * S) - (int)P;
+    float acc = 0.0f;
+    for (u32 ky = 0; ky < K; ++ky) {
+        const int iy = iy0 + (int)ky;
+        if (iy < 0 || iy >= (int)H) continue;
+        for (u32 kx = 0; kx < K; ++kx) {
+            const int ix = ix0 + (int)kx;
+            if (ix < 0 || ix >= (int)W) continue;
+            acc += load(wp, ky * K + kx) * load(xp, (size_t)iy * W + ix);
+        }
+    }
+    store(y, (size_t)plane * Ho * Wo + pos, acc);
+}
+
+/* Input gradient as a gather (no atomics): one thread per input element sums the
+   (tap, output) pairs that read it. grid = (N*C planes, tiles of H*W). */
+template <typename T>
+__device__ void dw_input_grad(const T* __restrict__ dy, const T* __restrict__ w, T* __restrict__ dx,
+                              u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo) {
+    const u32 plane = blockIdx.x;
+    const u32 pos = blockIdx.y * blockDim.x + threadIdx.x;
+    if (pos >= H * W) return;
+    const u32 iy = pos / W, ix = pos - iy * W;
+    const T* dyp = dy + (size_t)plane * Ho * Wo;
+    const T* wp = w + (size_t)(plane % C) * K * K;
+    float acc = 0.0f;
+    for (u32 ky = 0; ky < K; ++ky) {
+        const int ty = (int)(iy + P) - (int)ky;
+        if (ty < 0) break; /* only decreases with ky */
+        if ((u32)ty % S != 0) continue;
+        const u32 oy = (u32)ty / S;
+        if (oy >= Ho) continue;
+        for (u32 kx = 0; kx < K; ++kx) {
+            const int tx = (int)(ix + P) - (int)kx;
+            if (tx < 0) break;
+            if ((u32)tx % S != 0) continue;
+            const u32 ox = (u32)tx / S;
+            if (ox >= Wo) continue;
+            acc += load(wp, ky * K + kx) * load(dyp, (size_t)oy * Wo + ox);
+        }
+    }
+    store(dx, (size_t)plane * H * W + pos, acc);
+}
+
+/* Weight gradient: one block per (c, ky, kx) reduces dy * x over N, Ho, Wo. */
+template <typename T>
+__device__ void dw_weight_grad(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dw,
+                               u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo) {
+    __shared__ float warp_sums[32];
+    const u32 KK = K * K;
+    const u32 c = blockIdx.x / KK, tap = blockIdx.x - c * KK;
+    const u32 ky = tap / K, kx = tap - ky * K;
+    const u32 HoWo = Ho * Wo;
+    float acc = 0.0f;
+    for (u32 n = 0; n < N; ++n) {
+        const size_t plane = (size_t)n * C + c;
+        const T* xp = x + plane * H * W;
+        const T* dyp = dy + plane * HoWo;
+        for (u32 pos = threadIdx.x; pos < HoWo; pos += blockDim.x) {
+            const u32 oy = pos / Wo, ox = pos - oy * Wo;
+            const int iy = (int)(oy * S + ky) - (int)P, ix = (int)(ox * S + kx) - (int)P;
+            if (iy >= 0 && iy < (int)H && ix >= 0 && ix < (int)W) {
+                acc += load(dyp, pos) * load(xp, (size_t)iy * W + ix);
+            }
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_sums[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        const u32 warps = (blockDim.x + 31u) >> 5;
+        acc = lane < warps ? warp_sums[lane] : 0.0f;
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+        if (lane == 0) store(dw, blockIdx.x, acc);
+    }
+}
+
+#define DW_ARGS u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo
+#define DW_PASS N, C, H, W, K, S, P, Ho, Wo
+#define DW_KERNELS(SUFFIX, T)                                                                  \
+    extern "C" __global__ void depthwise_forward_##SUFFIX(const T* a, const T* b, T* out, DW_ARGS) { \
+        dw_forward<T>(a, b, out, DW_PASS);                                                     \
+    }                                                                                          \
+    extern "C" __global__ void depthwise_input_grad_##SUFFIX(const T* a, const T* b, T* out, DW_ARGS) { \
+        dw_input_grad<T>(a, b, out, DW_PASS);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void depthwise_weight_grad_##SUFFIX(const T* a, const T* b, T* out, DW_ARGS) { \
+        dw_weight_grad<T>(a, b, out, DW_PASS);                                                 \
+    }
+
+DW_KERNELS(f32, float)
+DW_KERNELS(f16, half16)
+DW_KERNELS(bf16, bfloat16)
+"#;
+
+    /// The CUDA C source of the kernels, for tools that want to compile or inspect it.
+    #[allow(dead_code)]
+    pub(super) fn source() -> &'static str {
+        SOURCE
+    }
+
+    /// Which of the three kernels to launch; all take `(a, b, out, N, C, H, W, K, S, P, Ho, Wo)`.
+    #[derive(Debug, Clone, Copy)]
+    pub(super) enum Kernel {
+        /// `(x, w) -> y`
+        Forward,
+        /// `(dy, w) -> dx`
+        InputGrad,
+        /// `(x, dy) -> dw`
+        WeightGrad,
+    }
+
+    impl Kernel {
+        fn prefix(self) -> &'static str {
+            match self {
+                Kernel::Forward => "depthwise_forward",
+                Kernel::InputGrad => "depthwise_input_grad",
+                Kernel::WeightGrad => "depthwise_weight_grad",
+            }
+        }
+
+        fn out_len(self, g: &Geometry) -> usize {
+            match self {
+                Kernel::Forward => g.planes() * g.out_plane(),
+                Kernel::InputGrad => g.planes() * g.in_plane(),
+                Kernel::WeightGrad => g.c * g.taps(),
+            }
+        }
+
+        fn config(self, g: &Geometry) -> candle_core::Result<LaunchConfig> {
+            let (blocks, per_block_elems) = match self {
+                Kernel::Forward => (g.planes(), g.out_plane()),
+                Kernel::InputGrad => (g.planes(), g.in_plane()),
+                Kernel::WeightGrad => {
+                    return Ok(LaunchConfig {
+                        grid_dim: (u32_dim("C*K*K", g.c * g.taps())?, 1, 1),
+                        block_dim: (BLOCK, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+            };
+            // Small planes get a smaller block so few threads idle; whole warps either way.
+            let block = per_block_elems.next_multiple_of(32).min(BLOCK as usize);
+            let tiles = per_block_elems.div_ceil(block);
+            if tiles > 65_535 {
+                candle_core::bail!(
+                    "depthwise_conv2d: a {}x{} plane is too large for the CUDA kernel",
+                    g.height.max(g.out_h),
+                    g.width.max(g.out_w)
+                );
+            }
+            Ok(LaunchConfig {
+                grid_dim: (u32_dim("N*C", blocks)?, tiles as u32, 1),
+                block_dim: (block as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+    }
+
+    /// Grid x dimensions and per-plane indices are 32-bit (and signed in places) in the kernels.
+    fn u32_dim(what: &str, v: usize) -> candle_core::Result<u32> {
+        match u32::try_from(v) {
+            Ok(v) if v <= i32::MAX as u32 => Ok(v),
+            _ => candle_core::bail!("depthwise_conv2d: {what} = {v} is too large for the CUDA kernel"),
+        }
+    }
+
+    /// The PTX, compiled on first use; a compile failure is remembered and reported each time.
+    fn ptx() -> candle_core::Result<&'static str> {
+        static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+        PTX.get_or_init(|| {
+            cudarc::nvrtc::compile_ptx(SOURCE)
+                .map(|ptx| ptx.to_src())
+                .map_err(|e| e.to_string())
+        })
+        .as_deref()
+        .map_err(|e| {
+            candle_core::Error::Cuda(
+                format!("depthwise_conv2d: NVRTC could not compile the kernels: {e}").into(),
+            )
+        })
+    }
+
+    fn view<'a, T>(slice: &'a CudaSlice<T>, layout: &Layout, what: &str) -> candle_core::Result<CudaView<'a, T>> {
+        match layout.contiguous_offsets() {
+            Some((start, end)) => Ok(slice.slice(start..end)),
+            None => candle_core::bail!("depthwise_conv2d: {what} must be contiguous"),
+        }
+    }
+
+    fn run<T: CudaDType + DeviceRepr>(
+        kernel: Kernel,
+        suffix: &str,
+        g: &Geometry,
+        a: &CudaStorage,
+        la: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        let dev = a.device().clone();
+        let cfg = kernel.config(g)?;
+        let dims = [
+            u32_dim("N", g.n)?,
+            u32_dim("C", g.c)?,
+            u32_dim("H", g.height)?,
+            u32_dim("W", g.width)?,
+            u32_dim("K", g.k)?,
+            u32_dim("stride", g.stride)?,
+            u32_dim("padding", g.pad)?,
+            u32_dim("Ho", g.out_h)?,
+            u32_dim("Wo", g.out_w)?,
+        ];
+        u32_dim("H*W", g.in_plane())?;
+        u32_dim("Ho*Wo", g.out_plane())?;
+        let a = view(a.as_cuda_slice::<T>()?, la, "lhs")?;
+        let b = view(b.as_cuda_slice::<T>()?, lb, "rhs")?;
+        let func =
+            dev.get_or_load_custom_func(&format!("{}_{suffix}", kernel.prefix()), MODULE, ptx()?)?;
+        // SAFETY: every element is written by the kernel before anything reads it.
+        let out = unsafe { dev.alloc::<T>(kernel.out_len(g))? };
+        let mut builder = func.builder();
+        builder.arg(&a);
+        builder.arg(&b);
+        builder.arg(&out);
+        for d in &dims {
+            builder.arg(d);
+        }
+        // SAFETY: the argument list matches the kernel signature (three pointers, nine u32s),
+        // the buffers hold the element counts the geometry implies, and the grid stays inside them.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+
+    /// Launches `kernel` on two same-dtype operands and returns its output storage.
+    pub(super) fn launch(
+        kernel: Kernel,
+        g: &Geometry,
+        a: &CudaStorage,
+        la: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        match (a.dtype(), b.dtype()) {
+            (DType::F32, DType::F32) => run::<f32>(kernel, "f32", g, a, la, b, lb),
+            (DType::F16, DType::F16) => run::<f16>(kernel, "f16", g, a, la, b, lb),
+            (DType::BF16, DType::BF16) => run::<bf16>(kernel, "bf16", g, a, la, b, lb),
+            (da, db) => candle_core::bail!(
+                "depthwise_conv2d: unsupported dtypes {da:?} and {db:?} (expected two F32, F16 or BF16)"
+            ),
+        }
+    }
+}

@@ -1,0 +1,7 @@
+//! Our own Candle ops. Candle's grouped convolution is one conv per group plus a `cat` (O(C²)
+//! backward work for depthwise), its CPU conv backward avoids gemm, and BatchNorm built from
+//! tensor ops keeps f32 copies of half-precision activations; these ops replace all three.
+
+pub mod batchnorm;
+pub mod conv2d;
+pub mod depthwise;

@@ -1,0 +1,12 @@
+//! The one training loop and its mechanisms: mixed precision with a dynamic loss scaler,
+//! gradient accumulation, gradient checkpointing (recomputation) and the optimizers.
+
+pub mod accumulate;
+pub mod optim;
+pub mod precision;
+pub mod recompute;
+pub mod summary;
+pub mod trainer;
+
+pub use summary::Summary;
+pub use trainer::{Trainer, TrainerOptions};

@@ -1,0 +1,138 @@
+//! Optimizers on f32 master weights, and the one-cycle learning-rate schedule.
+//!
+//! Written here rather than taken from candle-nn because candle-nn's SGD has no momentum, and a
+//! resumable run needs the optimizer state (momentum buffers, Adam moments) as named tensors.
+
+use crate::config::OptimizerKind;
+use crate::error::{Error, Result};
+use candle_core::{Tensor, Var};
+
+/// An optimizer with its per-parameter state.
+pub struct Optimizer {
+    kind: OptimizerKind,
+    momentum: f64,
+    weight_decay: f64,
+    beta2: f64,
+    eps: f64,
+    /// Steps applied so far (Adam bias correction).
+    pub steps: usize,
+    /// First state slot per parameter: SGD momentum buffer or Adam first moment.
+    state1: Vec<Option<Tensor>>,
+    /// Second state slot per parameter: Adam second moment.
+    state2: Vec<Option<Tensor>>,
+}
+
+impl Optimizer {
+    /// SGD with Nesterov momentum and coupled weight decay (PyTorch's `SGD(nesterov=True)`), or
+    /// AdamW with beta1 = `momentum`, beta2 = 0.999 and decoupled weight decay.
+    pub fn new(kind: OptimizerKind, n_params: usize, momentum: f64, weight_decay: f64) -> Self {
+        Optimizer {
+            kind,
+            momentum,
+            weight_decay,
+            beta2: 0.999,
+            eps: 1e-8,
+            steps: 0,
+            state1: vec![None; n_params],
+            state2: vec![None; n_params],
+        }
+    }
+
+    /// Apply one update with learning rate `lr`; `grads` are f32, aligned with `params`.
+    /// Parameters without a gradient are left unchanged.
+    pub fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        if params.len() != grads.len() || params.len() != self.state1.len() {
+            return Err(Error::Checkpoint(format!(
+                "optimizer has state for {} parameters but got {} parameters and {} gradients",
+                self.state1.len(),
+                params.len(),
+                grads.len()
+            )));
+        }
+        self.steps += 1;
+        let (m, wd) = (self.momentum, self.weight_decay);
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            // State tensors must not carry a graph: a momentum buffer built from the previous
+            // one would otherwise chain every step's buffers together.
+            let w = p.as_detached_tensor();
+            let w = &w;
+            let new = match self.kind {
+                OptimizerKind::Sgd => {
+                    let g = if wd > 0.0 { (g + (w * wd)?)? } else { g.clone() };
+                    let buf = match self.state1[i].take() {
+                        Some(b) => ((b * m)? + &g)?,
+                        None => g.clone(),
+                    };
+                    let d = (g + (&buf * m)?)?;
+                    self.state1[i] = Some(buf.detach());
+                    (w - (d * lr)?)?
+                }
+                OptimizerKind::Adamw => {
+                    let b2 = self.beta2;
+                    let m1 = match self.state1[i].take() {
+                        Some(s) => ((s * m)? + (g * (1.0 - m))?)?,
+                        None => (g * (1.0 - m))?,
+                    };
+                    let v = match self.state2[i].take() {
+                        Some(s) => ((s * b2)? + (g.sqr()? * (1.0 - b2))?)?,
+                        None => (g.sqr()? * (1.0 - b2))?,
+                    };
+                    let t = self.steps as i32;
+                    let mhat = (&m1 / (1.0 - m.powi(t)))?;
+                    let vhat = (&v / (1.0 - b2.powi(t)))?;
+                    let upd = (mhat / (vhat.sqrt()? + self.eps)?)?;
+                    self.state1[i] = Some(m1.detach());
+                    self.state2[i] = Some(v.detach());
+                    ((w * (1.0 - lr * wd))? - (upd * lr)?)?
+                }
+            };
+            p.set(&new)?;
+        }
+        Ok(())
+    }
+
+    /// The state as named tensors (for checkpoints): `s1.<i>`, `s2.<i>`.
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (slot, v) in [("s1", &self.state1), ("s2", &self.state2)] {
+            for (i, t) in v.iter().enumerate() {
+                if let Some(t) = t {
+                    out.push((format!("{slot}.{i}"), t.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Restore state saved by [`Optimizer::state`] (`steps` is restored separately).
+    pub fn load_state(&mut self, named: Vec<(String, Tensor)>) -> Result<()> {
+        for (name, t) in named {
+            let bad = || Error::Checkpoint(format!("unknown optimizer state '{name}'"));
+            let (slot, idx) = name.split_once('.').ok_or_else(bad)?;
+            let idx: usize = idx.parse().map_err(|_| bad())?;
+            let vec = match slot {
+                "s1" => &mut self.state1,
+                "s2" => &mut self.state2,
+                _ => return Err(bad()),
+            };
+            *vec.get_mut(idx).ok_or_else(bad)? = Some(t);
+        }
+        Ok(())
+    }
+}
+
+/// One-cycle learning rate at optimizer step `step` of `total`: linear warm-up from peak/25 to
+/// `peak` over the first `warmup_frac` of the steps, then linear decay towards 0.
+pub fn one_cycle_lr(step: usize, total: usize, peak: f64, warmup_frac: f64) -> f64 {
+    let total = total.max(1) as f64;
+    let warm = (total * warmup_frac).max(1.0);
+    let s = step as f64;
+    let start = peak / 25.0;
+    if s < warm {
+        start + (peak - start) * s / warm
+    } else {
+        let rest = (total - warm).max(1.0);
+        (peak * (1.0 - (s - warm) / rest)).max(peak * 1e-4)
+    }
+}

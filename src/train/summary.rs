@@ -1,0 +1,62 @@
+//! `summary.json`: the headline numbers of a run.
+
+use serde::{Deserialize, Serialize};
+
+/// What a run measured. Written to `summary.json` and returned by [`crate::train::Trainer::fit`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Short label of the memory-relevant settings.
+    pub label: String,
+    /// Device name.
+    pub device: String,
+    /// Memory probe name (`cpu-heap`, `cuda-pool`, `unavailable`).
+    pub probe: String,
+    /// Whether the probe gave real readings.
+    pub probe_available: bool,
+    /// Trainable parameters.
+    pub num_params: usize,
+    /// Bytes of the f32 master parameters.
+    pub param_bytes: u64,
+    /// Highest bytes in use during the run (what the probe measures).
+    pub peak_bytes: u64,
+    /// Phase where the peak happened.
+    pub peak_phase: Option<String>,
+    /// Bytes in use when training began (data set, model, probe baseline).
+    pub baseline_bytes: u64,
+    /// Highest step peak (training steps only, evaluation excluded).
+    pub step_peak_bytes: u64,
+    /// Highest reserved bytes of the CUDA pool.
+    pub reserved_peak_bytes: Option<u64>,
+    /// Device-wide used bytes at the end (CUDA: what nvidia-smi shows).
+    pub device_used_bytes: Option<u64>,
+    /// The configured memory limit.
+    pub memory_limit: Option<u64>,
+    /// Predicted peak bytes from the analytic estimate.
+    pub predicted_peak_bytes: Option<u64>,
+    /// (predicted - measured) / measured, in percent.
+    pub prediction_error_pct: Option<f64>,
+    /// Training throughput over all steps, images per second (data waits included, evaluation excluded).
+    pub images_per_sec: f64,
+    /// Optimizer steps taken.
+    pub steps: usize,
+    /// Epochs completed.
+    pub epochs_completed: usize,
+    /// Training images processed.
+    pub images: usize,
+    /// Mean training loss of the last epoch.
+    pub final_train_loss: Option<f64>,
+    /// Top-1 accuracy on the evaluation split after the last epoch.
+    pub final_test_accuracy: Option<f64>,
+    /// Loss on the evaluation split after the last epoch.
+    pub final_test_loss: Option<f64>,
+    /// True when the evaluation split is a held-out part of the training files.
+    pub eval_is_validation: bool,
+    /// Final loss scale (f16).
+    pub loss_scale: Option<f64>,
+    /// Steps skipped by the loss scaler.
+    pub skipped_steps: usize,
+    /// `ok` or `interrupted`.
+    pub status: String,
+    /// Wall-clock seconds of the whole run.
+    pub wall_secs: f64,
+}

@@ -1,0 +1,585 @@
+//! The one training loop. Every optimization is a branch of configuration inside it, never a
+//! copied loop: precision picks the compute dtype and the loss scaler, `accum_steps` splits each
+//! batch into micro-batches, `checkpoint` picks the segments of [`super::recompute`], and `conv`
+//! picks the layer type when the model is built.
+
+use super::accumulate::GradAccumulator;
+use super::optim::{one_cycle_lr, Optimizer};
+use super::precision::LossScaler;
+use super::recompute::{forward_backward, loss_and_correct};
+use super::summary::Summary;
+use crate::callbacks::{
+    BatchInfo, Callback, CallbackList, EpochBegin, EpochEnd, EpochStats, MemoryCallback, MemoryLog,
+    MetricsLogger, Phase, ProgressCallback, TrainBegin, TrainEnd,
+};
+use crate::config::TrainConfig;
+use crate::data::{self, Batch, Batcher, BatcherOptions, DataSplits, Dataset};
+use crate::device::{device_name, select_device};
+use crate::error::{Error, Result};
+use crate::memory::{format_bytes, is_device_oom, probe_for, MemoryProbe};
+use crate::model::{Cnn, Mode, ModelConfig};
+use candle_core::{DType, Device, Tensor, Var};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::cell::{Cell, RefCell};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// What the caller adds to a run besides the configuration.
+#[derive(Default)]
+pub struct TrainerOptions {
+    /// Extra callbacks, called after the built-in ones.
+    pub callbacks: Vec<Box<dyn Callback>>,
+    /// Show progress (bars or plain lines).
+    pub progress: bool,
+    /// Write config/CSV/summary files into the run directory.
+    pub log_files: bool,
+    /// Set to true (e.g. by a signal handler) to stop after the current step.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+/// Outcome of one optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepResult {
+    /// Mean loss over the micro-batches.
+    pub loss: f64,
+    /// Correct predictions.
+    pub correct: usize,
+    /// Images in the step.
+    pub images: usize,
+    /// True when the loss scaler skipped the update.
+    pub skipped: bool,
+    /// Learning rate used.
+    pub lr: f64,
+}
+
+/// A training run: model, optimizer, data and callbacks, driven by a [`TrainConfig`].
+pub struct Trainer {
+    /// The configuration.
+    pub config: TrainConfig,
+    /// The device.
+    pub device: Device,
+    /// The model.
+    pub model: Cnn,
+    vars: Vec<Var>,
+    /// The optimizer and its state.
+    pub optimizer: Optimizer,
+    /// The f16 loss scaler (None for f32/bf16).
+    pub scaler: Option<LossScaler>,
+    probe: Arc<dyn MemoryProbe>,
+    memory_log: Arc<Mutex<MemoryLog>>,
+    callbacks: CallbackList,
+    train: Arc<Dataset>,
+    eval: Arc<Dataset>,
+    eval_is_validation: bool,
+    data_description: String,
+    run_dir: PathBuf,
+    stop: Option<Arc<AtomicBool>>,
+    /// Optimizer steps taken.
+    pub global_step: usize,
+    /// Epoch to start at (0, or later when resuming).
+    pub start_epoch: usize,
+    /// Batch within `start_epoch` to start at.
+    pub start_batch: usize,
+    steps_per_epoch: usize,
+    total_steps: usize,
+}
+
+/// `runs/<UTC timestamp>` for a run without `--out`.
+pub fn default_run_dir() -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    PathBuf::from("runs").join(format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}-{}",
+        rem / 3600,
+        (rem / 60) % 60,
+        rem % 60,
+        std::process::id()
+    ))
+}
+
+/// Turn a Candle out-of-memory error into [`Error::OutOfMemory`] naming the phase.
+fn name_oom(e: Error, limit: Option<u64>, epoch: usize, batch: usize, phase: Phase) -> Error {
+    match e {
+        Error::Candle(ce) if is_device_oom(&ce) => Error::OutOfMemory {
+            limit: limit.map(format_bytes).unwrap_or_else(|| "device memory".into()),
+            epoch,
+            batch,
+            phase: phase.to_string(),
+        },
+        other => other,
+    }
+}
+
+/// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
+/// must stay within the limit.
+fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phase) -> Result<()> {
+    match probe.limit() {
+        Some(limit) if probe.available() && probe.peak() > limit => Err(Error::OutOfMemory {
+            limit: format_bytes(limit),
+            epoch,
+            batch,
+            phase: phase.to_string(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn all_finite(grads: &[Option<Tensor>]) -> Result<bool> {
+    let mut sum = 0f64;
+    for g in grads.iter().flatten() {
+        sum += g.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    }
+    Ok(sum.is_finite())
+}
+
+/// Forward+backward over the micro-batches of one batch. `loss_scale` multiplies the loss (the
+/// returned gradients are still scaled); `phase` tracks where the work is for error messages;
+/// `after_forward`/`after_backward` run after each micro-batch's forward and backward.
+fn batch_grads(
+    t: &Trainer,
+    images: &[f32],
+    labels: &[u32],
+    loss_scale: f64,
+    phase: &Cell<Phase>,
+    after_forward: &mut dyn FnMut() -> Result<()>,
+    after_backward: &mut dyn FnMut() -> Result<()>,
+) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
+    let k = t.config.accum_steps;
+    let n = labels.len();
+    if n % k != 0 || images.len() != n * 3072 {
+        return Err(Error::config(format!("a batch of {n} images cannot be split into {k} micro-batches")));
+    }
+    let mb = n / k;
+    let dtype = t.config.precision.compute_dtype();
+    let mut acc = GradAccumulator::new(t.vars.len());
+    let (mut loss, mut correct) = (0.0, 0);
+    for i in 0..k {
+        phase.set(Phase::Forward);
+        let (x, y) = t.batch_tensors(&images[i * mb * 3072..(i + 1) * mb * 3072], &labels[i * mb..(i + 1) * mb])?;
+        let mut p = Phase::Forward;
+        let r = forward_backward(&t.model, &t.vars, &x, &y, dtype, t.config.checkpoint, loss_scale / k as f64, &mut acc, &mut p, &mut || {
+            phase.set(Phase::Backward);
+            after_forward()
+        });
+        phase.set(p);
+        let r = r?;
+        loss += r.loss / k as f64;
+        correct += r.correct;
+        after_backward()?;
+    }
+    Ok((loss, correct, acc.into_grads()))
+}
+
+impl Trainer {
+    /// Load the data named by the config and build a trainer.
+    pub fn from_config(config: TrainConfig, options: TrainerOptions) -> Result<Self> {
+        config.validate()?;
+        let data = data::load(&data::DataOptions {
+            data_dir: config.data_dir.clone(),
+            download: config.download,
+            val_fraction: config.val_fraction,
+            seed: config.seed,
+            synthetic_train: config.synthetic_train,
+            synthetic_test: config.synthetic_test,
+        })?;
+        Trainer::new(config, data, options)
+    }
+
+    /// Build a trainer on already loaded data.
+    pub fn new(config: TrainConfig, data: DataSplits, options: TrainerOptions) -> Result<Self> {
+        config.validate()?;
+        if data.train.len() < config.batch_size {
+            return Err(Error::config(format!(
+                "the training split has {} images, fewer than --batch-size {}; lower --batch-size",
+                data.train.len(),
+                config.batch_size
+            )));
+        }
+        let device = select_device(config.device.as_deref())?;
+        let probe = probe_for(&device, config.memory_limit, config.pool_cache)?;
+        let run_dir = config.out.clone().unwrap_or_else(default_run_dir);
+        if options.log_files {
+            crate::io::create_dir(&run_dir)?;
+        }
+        let model = Cnn::new(ModelConfig { width: config.width, conv: config.conv }, &device, config.seed)?;
+        let vars = model.vars();
+        let optimizer = Optimizer::new(config.optimizer, vars.len(), config.momentum, config.weight_decay);
+        let scaler = LossScaler::for_precision(config.precision);
+
+        let memory = MemoryCallback::new(probe.clone());
+        let memory_log = memory.log();
+        let mut list: Vec<Box<dyn Callback>> = vec![Box::new(memory)];
+        if options.progress {
+            list.push(Box::new(ProgressCallback::new(config.quiet, Some(memory_log.clone()))));
+        }
+        if options.log_files {
+            list.push(Box::new(MetricsLogger::new(&run_dir, Some(memory_log.clone()))));
+        }
+        list.extend(options.callbacks);
+
+        let steps_per_epoch = data.train.len() / config.batch_size;
+        let by_epochs = steps_per_epoch * config.epochs;
+        let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
+        Ok(Trainer {
+            device,
+            model,
+            vars,
+            optimizer,
+            scaler,
+            probe,
+            memory_log,
+            callbacks: CallbackList::new(list),
+            train: Arc::new(data.train),
+            eval: Arc::new(data.test),
+            eval_is_validation: data.test_is_validation,
+            data_description: data.description,
+            run_dir,
+            stop: options.stop,
+            global_step: 0,
+            start_epoch: 0,
+            start_batch: 0,
+            steps_per_epoch,
+            total_steps,
+            config,
+        })
+    }
+
+    /// The one line describing the data source and split.
+    pub fn data_description(&self) -> &str {
+        &self.data_description
+    }
+
+    /// The run directory.
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+
+    /// The memory probe.
+    pub fn probe(&self) -> &Arc<dyn MemoryProbe> {
+        &self.probe
+    }
+
+    /// The memory records (shared with the memory callback).
+    pub fn memory_log(&self) -> MemoryLog {
+        self.memory_log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Optimizer steps per epoch.
+    pub fn steps_per_epoch(&self) -> usize {
+        self.steps_per_epoch
+    }
+
+    /// Optimizer steps of the whole run.
+    pub fn total_steps(&self) -> usize {
+        self.total_steps
+    }
+
+    /// The trainable parameters, in the model's order.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    fn batch_tensors(&self, images: &[f32], labels: &[u32]) -> Result<(Tensor, Tensor)> {
+        let n = labels.len();
+        let x = Tensor::from_slice(images, (n, 3, 32, 32), &self.device)?;
+        let y = Tensor::from_slice(labels, n, &self.device)?;
+        Ok((x, y))
+    }
+
+    /// Gradients of the mean loss over a batch (f32, aligned with [`Trainer::vars`]), computed
+    /// exactly as a training step would (micro-batches, precision, checkpointing) but without
+    /// an optimizer step and without hooks. BatchNorm running statistics are updated as in a step.
+    pub fn compute_grads(&self, images: &[f32], labels: &[u32]) -> Result<(f64, Vec<Option<Tensor>>)> {
+        let phase = Cell::new(Phase::Forward);
+        let (loss, _, grads) = batch_grads(self, images, labels, 1.0, &phase, &mut || Ok(()), &mut || Ok(()))?;
+        Ok((loss, grads))
+    }
+
+    /// One optimizer step on a batch: K micro-batches, loss scaling, the update, and the hooks.
+    pub fn train_step(&mut self, batch: &Batch, epoch: usize, batch_idx: usize) -> Result<StepResult> {
+        let lr = one_cycle_lr(self.global_step, self.total_steps, self.config.lr, self.config.warmup_frac);
+        let limit = self.config.memory_limit;
+        let scale = self.scaler.as_ref().map(|s| s.scale);
+        let t0 = Instant::now();
+        let mut callbacks = std::mem::take(&mut self.callbacks);
+        let probe_arc = self.probe.clone();
+        let probe = &*probe_arc;
+        let info = BatchInfo {
+            epoch,
+            batch: batch_idx,
+            global_step: self.global_step,
+            micro_batch: 0,
+            accum_steps: self.config.accum_steps,
+            images: batch.len,
+            loss: None,
+            correct: None,
+            lr,
+            loss_scale: scale,
+            skipped: false,
+            step_secs: None,
+            probe,
+        };
+        let result = (|| -> Result<StepResult> {
+            callbacks.on_batch_begin(&info)?;
+            let phase = Cell::new(Phase::Forward);
+            let micro = Cell::new(0usize);
+            let cbs = RefCell::new(&mut callbacks);
+            let (loss, correct, grads) = batch_grads(
+                self,
+                &batch.images,
+                &batch.labels,
+                scale.unwrap_or(1.0),
+                &phase,
+                &mut || {
+                    check_budget(probe, epoch, batch_idx, Phase::Forward)?;
+                    cbs.borrow_mut().on_after_forward(&BatchInfo { micro_batch: micro.get(), ..info.clone() })
+                },
+                &mut || {
+                    check_budget(probe, epoch, batch_idx, Phase::Backward)?;
+                    cbs.borrow_mut().on_after_backward(&BatchInfo { micro_batch: micro.get(), ..info.clone() })?;
+                    micro.set(micro.get() + 1);
+                    Ok(())
+                },
+            )
+            .map_err(|e| name_oom(e, limit, epoch, batch_idx, phase.get()))?;
+            if !loss.is_finite() && self.scaler.is_none() {
+                return Err(Error::NonFinite { what: "loss".into(), epoch, batch: batch_idx, phase: "forward".into() });
+            }
+            let skipped = self
+                .apply_update(grads, scale, lr, epoch, batch_idx)
+                .map_err(|e| name_oom(e, limit, epoch, batch_idx, Phase::Optimizer))?;
+            self.device.synchronize()?;
+            check_budget(probe, epoch, batch_idx, Phase::Optimizer)?;
+            let end = BatchInfo {
+                loss: Some(loss),
+                correct: Some(correct),
+                skipped,
+                step_secs: Some(t0.elapsed().as_secs_f64()),
+                ..info.clone()
+            };
+            callbacks.on_batch_end(&end)?;
+            Ok(StepResult { loss, correct, images: batch.len, skipped, lr })
+        })();
+        self.callbacks = callbacks;
+        if result.is_ok() {
+            self.global_step += 1;
+        }
+        result
+    }
+
+    /// The optimizer phase: unscale (f16), check finiteness, step. Returns true when the loss
+    /// scaler skipped the step.
+    fn apply_update(&mut self, grads: Vec<Option<Tensor>>, scale: Option<f64>, lr: f64, epoch: usize, batch: usize) -> Result<bool> {
+        let grads = match scale {
+            Some(s) => grads
+                .into_iter()
+                .map(|g| g.map(|g| g * (1.0 / s)).transpose())
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            None => grads,
+        };
+        let finite = all_finite(&grads)?;
+        let apply = match self.scaler.as_mut() {
+            Some(s) => s.update(finite),
+            None if !finite => {
+                return Err(Error::NonFinite { what: "gradient".into(), epoch, batch, phase: "backward".into() })
+            }
+            None => true,
+        };
+        if apply {
+            self.optimizer.step(&self.vars, &grads, lr)?;
+        }
+        Ok(!apply)
+    }
+
+    /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, no graph), in
+    /// micro-batches so evaluation never needs more memory than a training micro-batch.
+    pub fn evaluate(&self, data: &Arc<Dataset>) -> Result<(f64, f64)> {
+        let bs = self.config.micro_batch().max(1);
+        let batcher = Batcher::new(
+            data.clone(),
+            BatcherOptions {
+                batch_size: bs,
+                shuffle: false,
+                augment: false,
+                drop_last: false,
+                seed: self.config.seed,
+                epoch: 0,
+                prefetch: 2,
+                start_batch: 0,
+            },
+        );
+        let dtype = self.config.precision.compute_dtype();
+        let (mut loss_sum, mut correct, mut n) = (0.0, 0usize, 0usize);
+        for b in batcher {
+            let (x, y) = self.batch_tensors(&b.images, &b.labels)?;
+            let logits = self.model.forward(&x, dtype, Mode::Eval)?;
+            let (loss, c) = loss_and_correct(&logits, &y)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64 * b.len as f64;
+            correct += c;
+            n += b.len;
+        }
+        if n == 0 {
+            return Ok((f64::NAN, 0.0));
+        }
+        Ok((loss_sum / n as f64, correct as f64 / n as f64))
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
+    }
+
+    /// Train for the configured epochs (or `--max-steps`), evaluating after each epoch.
+    pub fn fit(&mut self) -> Result<Summary> {
+        let wall = Instant::now();
+        let cfg = self.config.clone();
+        let dev_name = device_name(&self.device);
+        self.callbacks.on_train_begin(&TrainBegin {
+            config: &cfg,
+            run_dir: &self.run_dir,
+            device: &dev_name,
+            num_params: self.model.num_params(),
+            steps_per_epoch: self.steps_per_epoch,
+            total_steps: self.total_steps,
+            train_images: self.train.len(),
+            eval_images: self.eval.len(),
+            probe: &*self.probe,
+        })?;
+        let mut epochs: Vec<EpochStats> = Vec::new();
+        let (mut total_images, mut total_secs) = (0usize, 0f64);
+        let mut interrupted = false;
+        let mut epoch = self.start_epoch;
+        while epoch < cfg.epochs && self.global_step < self.total_steps && !interrupted {
+            let first = if epoch == self.start_epoch { self.start_batch } else { 0 };
+            let steps = (self.steps_per_epoch - first).min(self.total_steps - self.global_step);
+            self.callbacks.on_epoch_begin(&EpochBegin {
+                epoch,
+                num_epochs: cfg.epochs,
+                steps,
+                global_step: self.global_step,
+                reset_peak: cfg.reset_peak_each_epoch,
+                probe: &*self.probe,
+            })?;
+            let batcher = Batcher::new(
+                self.train.clone(),
+                BatcherOptions {
+                    batch_size: cfg.batch_size,
+                    shuffle: true,
+                    augment: cfg.augment,
+                    drop_last: true,
+                    seed: cfg.seed,
+                    epoch,
+                    prefetch: 2,
+                    start_batch: first,
+                },
+            );
+            let t0 = Instant::now();
+            let (mut loss_sum, mut correct, mut images, mut done, mut skipped) = (0.0, 0usize, 0usize, 0usize, 0usize);
+            let mut lr = cfg.lr;
+            for batch in batcher.take(steps) {
+                let r = self.train_step(&batch, epoch, batch.index)?;
+                loss_sum += r.loss;
+                correct += r.correct;
+                images += r.images;
+                done += 1;
+                skipped += r.skipped as usize;
+                lr = r.lr;
+                if self.stop_requested() {
+                    interrupted = true;
+                    self.start_batch = batch.index + 1;
+                    break;
+                }
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            total_images += images;
+            total_secs += secs;
+            let (eval_loss, eval_acc) = if cfg.eval && !interrupted {
+                let (l, a) = self.evaluate(&self.eval.clone())?;
+                (Some(l), Some(a))
+            } else {
+                (None, None)
+            };
+            let stats = EpochStats {
+                epoch,
+                steps: done,
+                images,
+                train_loss: loss_sum / done.max(1) as f64,
+                train_accuracy: correct as f64 / images.max(1) as f64,
+                eval_loss,
+                eval_accuracy: eval_acc,
+                images_per_sec: images as f64 / secs.max(1e-9),
+                train_secs: secs,
+                loss_scale: self.scaler.as_ref().map(|s| s.scale),
+                skipped_steps: skipped,
+                lr,
+            };
+            self.callbacks.on_epoch_end(&EpochEnd { stats: &stats, num_epochs: cfg.epochs, probe: &*self.probe })?;
+            epochs.push(stats);
+            if !interrupted {
+                epoch += 1;
+                self.start_batch = 0;
+            }
+        }
+        self.start_epoch = epoch;
+        let summary = self.summary(&epochs, total_images, total_secs, interrupted, wall.elapsed().as_secs_f64());
+        self.callbacks.on_train_end(&TrainEnd {
+            epochs: &epochs,
+            global_step: self.global_step,
+            images_per_sec: summary.images_per_sec,
+            interrupted,
+            summary: &summary,
+            probe: &*self.probe,
+        })?;
+        // The memory callback folds its last reading at train end; refresh the peak fields.
+        let mem = self.memory_log();
+        Ok(Summary { peak_bytes: mem.peak_bytes.max(summary.peak_bytes), ..summary })
+    }
+
+    fn summary(&self, epochs: &[EpochStats], images: usize, secs: f64, interrupted: bool, wall: f64) -> Summary {
+        let mem = self.memory_log();
+        let last = epochs.last();
+        Summary {
+            label: self.config.label(),
+            device: device_name(&self.device),
+            probe: self.probe.name().to_string(),
+            probe_available: self.probe.available(),
+            num_params: self.model.num_params(),
+            param_bytes: self.model.num_params() as u64 * 4,
+            peak_bytes: mem.peak_bytes,
+            peak_phase: mem.peak_phase.map(|p| p.to_string()),
+            baseline_bytes: mem.baseline_bytes,
+            step_peak_bytes: mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0),
+            reserved_peak_bytes: mem.reserved_peak,
+            device_used_bytes: self.probe.device_used(),
+            memory_limit: self.config.memory_limit,
+            predicted_peak_bytes: None,
+            prediction_error_pct: None,
+            images_per_sec: images as f64 / secs.max(1e-9),
+            steps: self.global_step,
+            epochs_completed: epochs.iter().filter(|e| e.eval_accuracy.is_some() || !interrupted).count(),
+            images,
+            final_train_loss: last.map(|e| e.train_loss),
+            final_test_accuracy: last.and_then(|e| e.eval_accuracy),
+            final_test_loss: last.and_then(|e| e.eval_loss),
+            eval_is_validation: self.eval_is_validation,
+            loss_scale: self.scaler.as_ref().map(|s| s.scale),
+            skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
+            status: if interrupted { "interrupted".into() } else { "ok".into() },
+            wall_secs: wall,
+        }
+    }
+}

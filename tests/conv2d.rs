@@ -1,0 +1,294 @@
+//! The gemm conv2d op against Candle's conv2d: forward and both gradients, over strides, paddings,
+//! kernel sizes, odd channel counts, batch sizes that are not multiples of the chunk, non-contiguous
+//! inputs and half precision; and the argument errors.
+
+use candle_core::{DType, Device, Tensor, Var};
+use memtrain::ops::conv2d::{conv2d, conv2d_with_chunk, im2col_chunk_bytes, IM2COL_CHUNK_BYTES};
+
+/// One convolution to check.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    n: usize,
+    cin: usize,
+    cout: usize,
+    h: usize,
+    w: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+}
+
+const fn s(
+    n: usize,
+    cin: usize,
+    cout: usize,
+    h: usize,
+    w: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+) -> Shape {
+    Shape { n, cin, cout, h, w, k, stride, pad }
+}
+
+/// Stride 1 and 2, padding 0 and 1, kernels 1 and 3, channels that are not multiples of 8, non-square
+/// maps, N from 1 to 5.
+const SHAPES: [Shape; 10] = [
+    s(1, 3, 5, 7, 7, 3, 1, 1),
+    s(2, 5, 13, 9, 8, 3, 2, 1),
+    s(3, 13, 5, 6, 6, 1, 1, 0),
+    s(4, 5, 7, 8, 8, 3, 1, 0),
+    s(5, 3, 13, 10, 9, 1, 2, 0),
+    s(5, 13, 13, 5, 7, 3, 2, 0),
+    s(2, 4, 6, 5, 5, 1, 1, 1),
+    s(3, 7, 3, 9, 9, 3, 1, 1),
+    s(1, 1, 1, 3, 3, 3, 1, 0),
+    s(5, 6, 9, 4, 4, 3, 2, 1),
+];
+
+/// max |a − b| / max |b|: one number that is small only when every element agrees.
+fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(a.len(), b.len());
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let scale = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
+    if scale == 0.0 {
+        diff
+    } else {
+        diff / scale
+    }
+}
+
+/// Output, input gradient and weight gradient of `conv` for the loss `Σ conv(x, w) · g`.
+fn run(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    conv: impl Fn(&Tensor, &Tensor) -> anyhow::Result<Tensor>,
+) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+    let xv = Var::from_tensor(x)?;
+    let wv = Var::from_tensor(w)?;
+    let y = conv(xv.as_tensor(), wv.as_tensor())?;
+    let grads = (&y * g)?.sum_all()?.backward()?;
+    let gx = grads.get(xv.as_tensor()).expect("input gradient").clone();
+    let gw = grads.get(wv.as_tensor()).expect("weight gradient").clone();
+    Ok((y, gx, gw))
+}
+
+fn random_case(sh: Shape, dev: &Device) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+    let x = Tensor::randn(0f32, 1.0, (sh.n, sh.cin, sh.h, sh.w), dev)?;
+    let w = Tensor::randn(0f32, 1.0, (sh.cout, sh.cin, sh.k, sh.k), dev)?;
+    let ho = (sh.h + 2 * sh.pad - sh.k) / sh.stride + 1;
+    let wo = (sh.w + 2 * sh.pad - sh.k) / sh.stride + 1;
+    let g = Tensor::randn(0f32, 1.0, (sh.n, sh.cout, ho, wo), dev)?;
+    Ok((x, w, g))
+}
+
+fn candle_conv(sh: Shape) -> impl Fn(&Tensor, &Tensor) -> anyhow::Result<Tensor> {
+    move |x, w| Ok(x.conv2d(w, sh.pad, sh.stride, 1, 1)?)
+}
+
+fn assert_close(what: &str, sh: Shape, ours: &Tensor, reference: &Tensor, tol: f32) {
+    assert_eq!(ours.dims(), reference.dims(), "{what} shape for {sh:?}");
+    let e = rel_err(ours, reference);
+    assert!(e <= tol, "{what} for {sh:?}: relative error {e:e} > {tol:e}");
+}
+
+#[test]
+fn matches_candle_forward_and_gradients() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for sh in SHAPES {
+        let (x, w, g) = random_case(sh, &dev)?;
+        let (ry, rgx, rgw) = run(&x, &w, &g, candle_conv(sh))?;
+        let (y, gx, gw) = run(&x, &w, &g, |x, w| Ok(conv2d(x, w, sh.stride, sh.pad)?))?;
+        assert_close("output", sh, &y, &ry, 1e-5);
+        assert_close("input gradient", sh, &gx, &rgx, 1e-5);
+        assert_close("weight gradient", sh, &gw, &rgw, 1e-5);
+    }
+    Ok(())
+}
+
+#[test]
+fn chunk_sizes_that_do_not_divide_the_batch() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for sh in SHAPES.into_iter().filter(|sh| sh.n >= 3) {
+        let (x, w, g) = random_case(sh, &dev)?;
+        let (ry, rgx, rgw) = run(&x, &w, &g, candle_conv(sh))?;
+        for chunk in [1, 2, 4, 64] {
+            let (y, gx, gw) =
+                run(&x, &w, &g, |x, w| Ok(conv2d_with_chunk(x, w, sh.stride, sh.pad, chunk)?))?;
+            assert_close(&format!("output (chunk {chunk})"), sh, &y, &ry, 1e-5);
+            assert_close(&format!("input gradient (chunk {chunk})"), sh, &gx, &rgx, 1e-5);
+            assert_close(&format!("weight gradient (chunk {chunk})"), sh, &gw, &rgw, 1e-5);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn non_contiguous_inputs() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let sh = s(3, 5, 7, 6, 9, 3, 2, 1);
+    // Stored as [N, Cin, W, H] and [Cout, Cin, K, K]ᵀ, viewed as [N, Cin, H, W] through transposes,
+    // and the batch narrowed so that the data does not start at offset 0.
+    let xt = Tensor::randn(0f32, 1.0, (sh.n + 1, sh.cin, sh.w, sh.h), &dev)?;
+    let x = xt.transpose(2, 3)?.narrow(0, 1, sh.n)?;
+    let wt = Tensor::randn(0f32, 1.0, (sh.cout, sh.cin, sh.k, sh.k), &dev)?;
+    let w = wt.transpose(2, 3)?;
+    assert!(!x.is_contiguous() && !w.is_contiguous());
+    let g = Tensor::randn(0f32, 1.0, (sh.n, sh.cout, 3, 5), &dev)?;
+    let (ry, rgx, rgw) = run(&x, &w, &g, candle_conv(sh))?;
+    let y = conv2d(&x, &w, sh.stride, sh.pad)?;
+    assert_close("output", sh, &y, &ry, 1e-5);
+    // Through `Var`s (which copy), the gradients are checked on the same values.
+    let (_, gx, gw) = run(&x, &w, &g, |x, w| Ok(conv2d(x, w, sh.stride, sh.pad)?))?;
+    assert_close("input gradient", sh, &gx, &rgx, 1e-5);
+    assert_close("weight gradient", sh, &gw, &rgw, 1e-5);
+    Ok(())
+}
+
+#[test]
+fn broadcast_upstream_gradient() -> anyhow::Result<()> {
+    // `sum_all` hands the op a stride-0 broadcast of ones as its output gradient.
+    let dev = Device::Cpu;
+    let sh = s(2, 3, 4, 5, 5, 3, 1, 1);
+    let (x, w, _) = random_case(sh, &dev)?;
+    let grads_of = |conv: &dyn Fn(&Tensor, &Tensor) -> anyhow::Result<Tensor>| -> anyhow::Result<_> {
+        let xv = Var::from_tensor(&x)?;
+        let wv = Var::from_tensor(&w)?;
+        let grads = conv(xv.as_tensor(), wv.as_tensor())?.sum_all()?.backward()?;
+        Ok((grads.get(xv.as_tensor()).unwrap().clone(), grads.get(wv.as_tensor()).unwrap().clone()))
+    };
+    let (rgx, rgw) = grads_of(&candle_conv(sh))?;
+    let (gx, gw) = grads_of(&|x, w| Ok(conv2d(x, w, sh.stride, sh.pad)?))?;
+    assert_close("input gradient", sh, &gx, &rgx, 1e-5);
+    assert_close("weight gradient", sh, &gw, &rgw, 1e-5);
+    Ok(())
+}
+
+#[test]
+fn half_precision_matches_f32_on_the_same_values() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    // The op multiplies half inputs in f32, so on inputs already rounded to the half type the only
+    // difference from the f32 op is the final rounding of each output element: about 2⁻¹¹ (f16) and
+    // 2⁻⁸ (bf16) of an element, less relative to the largest.
+    for (dtype, tol) in [(DType::F16, 1e-3), (DType::BF16, 8e-3)] {
+        for sh in SHAPES {
+            let (x, w, g) = random_case(sh, &dev)?;
+            let (xh, wh, gh) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, g.to_dtype(dtype)?);
+            let up = |t: &Tensor| t.to_dtype(DType::F32);
+            let conv = |x: &Tensor, w: &Tensor| Ok(conv2d_with_chunk(x, w, sh.stride, sh.pad, 2)?);
+            let (ry, rgx, rgw) = run(&up(&xh)?, &up(&wh)?, &up(&gh)?, conv)?;
+            let (y, gx, gw) = run(&xh, &wh, &gh, conv)?;
+            assert_eq!(y.dtype(), dtype);
+            assert_eq!(gx.dtype(), dtype);
+            assert_eq!(gw.dtype(), dtype);
+            assert_close(&format!("{dtype:?} output"), sh, &y, &ry, tol);
+            assert_close(&format!("{dtype:?} input gradient"), sh, &gx, &rgx, tol);
+            assert_close(&format!("{dtype:?} weight gradient"), sh, &gw, &rgw, tol);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn f64_matches_candle() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let sh = s(3, 5, 6, 7, 7, 3, 2, 1);
+    let (x, w, g) = random_case(sh, &dev)?;
+    let (x, w, g) = (x.to_dtype(DType::F64)?, w.to_dtype(DType::F64)?, g.to_dtype(DType::F64)?);
+    let (ry, rgx, rgw) = run(&x, &w, &g, candle_conv(sh))?;
+    let (y, gx, gw) = run(&x, &w, &g, |x, w| Ok(conv2d(x, w, sh.stride, sh.pad)?))?;
+    assert_eq!(y.dtype(), DType::F64);
+    assert_close("output", sh, &y, &ry, 1e-10);
+    assert_close("input gradient", sh, &gx, &rgx, 1e-10);
+    assert_close("weight gradient", sh, &gw, &rgw, 1e-10);
+    Ok(())
+}
+
+#[test]
+fn stacked_layers_backpropagate_through_each_other() -> anyhow::Result<()> {
+    // Two convolutions with a ReLU between them, as in the net: the first one's input gradient
+    // comes from the second one's backward.
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (3, 3, 8, 8), &dev)?;
+    let w1 = Tensor::randn(0f32, 0.3, (6, 3, 3, 3), &dev)?;
+    let w2 = Tensor::randn(0f32, 0.3, (5, 6, 3, 3), &dev)?;
+    let grads_of = |ours: bool| -> anyhow::Result<Vec<Tensor>> {
+        let (xv, w1v, w2v) = (Var::from_tensor(&x)?, Var::from_tensor(&w1)?, Var::from_tensor(&w2)?);
+        let conv = |x: &Tensor, w: &Tensor, stride| -> anyhow::Result<Tensor> {
+            Ok(if ours { conv2d(x, w, stride, 1)? } else { x.conv2d(w, 1, stride, 1, 1)? })
+        };
+        let h = conv(xv.as_tensor(), w1v.as_tensor(), 1)?.relu()?;
+        let y = conv(&h, w2v.as_tensor(), 2)?;
+        let grads = y.sqr()?.sum_all()?.backward()?;
+        Ok([xv, w1v, w2v].iter().map(|v| grads.get(v.as_tensor()).unwrap().clone()).collect())
+    };
+    let (ours, reference) = (grads_of(true)?, grads_of(false)?);
+    for (name, (a, b)) in ["x", "w1", "w2"].iter().zip(ours.iter().zip(&reference)) {
+        let e = rel_err(a, b);
+        assert!(e <= 1e-5, "gradient of {name}: relative error {e:e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn empty_batch() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let x = Var::from_tensor(&Tensor::zeros((0, 3, 5, 5), DType::F32, &dev)?)?;
+    let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 3, 3, 3), &dev)?)?;
+    let y = conv2d(x.as_tensor(), w.as_tensor(), 1, 1)?;
+    assert_eq!(y.dims(), &[0, 4, 5, 5]);
+    let grads = y.sum_all()?.backward()?;
+    let gw = grads.get(w.as_tensor()).unwrap();
+    assert_eq!(gw.dims(), &[4, 3, 3, 3]);
+    assert_eq!(gw.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    Ok(())
+}
+
+#[test]
+fn invalid_arguments_are_errors() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 3, 5, 5), DType::F32, &dev)?;
+    let w = Tensor::zeros((4, 3, 3, 3), DType::F32, &dev)?;
+    let err = |r: memtrain::Result<Tensor>| r.expect_err("expected an error").to_string();
+
+    assert!(err(conv2d(&x.flatten_from(2)?, &w, 1, 1)).contains("4D"));
+    assert!(err(conv2d(&x, &w.flatten_from(2)?, 1, 1)).contains("4D"));
+    assert!(err(conv2d(&x, &Tensor::zeros((4, 5, 3, 3), DType::F32, &dev)?, 1, 1))
+        .contains("channels"));
+    assert!(err(conv2d(&x, &Tensor::zeros((4, 3, 3, 2), DType::F32, &dev)?, 1, 1))
+        .contains("square"));
+    assert!(err(conv2d(&x, &Tensor::zeros((4, 3, 7, 7), DType::F32, &dev)?, 1, 0))
+        .contains("larger than the padded input"));
+    // 7×7 fits once the 5×5 input is padded by 1.
+    assert!(conv2d(&x, &Tensor::zeros((4, 3, 7, 7), DType::F32, &dev)?, 1, 1).is_ok());
+    assert!(err(conv2d(&x, &w, 0, 1)).contains("stride"));
+    assert!(err(conv2d(&x, &w.to_dtype(DType::F16)?, 1, 1)).contains("dtype"));
+    assert!(err(conv2d(&x.to_dtype(DType::U32)?, &w.to_dtype(DType::U32)?, 1, 1))
+        .contains("unsupported dtype"));
+    assert!(err(conv2d_with_chunk(&x, &w, 1, 1, 0)).contains("chunk"));
+    Ok(())
+}
+
+#[test]
+fn im2col_bytes_are_bounded() {
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    // Default net, first 32→32 layer at 32×32: 288 × 1024 f32 columns per image (1.125 MiB), so
+    // the chunk is one image per thread whatever the budget.
+    let per_image = 32 * 9 * 32 * 32 * 4;
+    let bytes = im2col_chunk_bytes(128, 32, 3, 32, 32, DType::F32);
+    assert_eq!(bytes, per_image * (IM2COL_CHUNK_BYTES / threads / per_image).max(1) * threads);
+    // Small images: the budget is the bound, far below a full-batch im2col.
+    let bytes = im2col_chunk_bytes(128, 128, 3, 8, 8, DType::F32);
+    assert!(bytes <= IM2COL_CHUNK_BYTES, "{bytes}");
+    assert!(bytes < 128 * 128 * 9 * 64 * 4 / 8);
+    // Half precision is gathered in f32, f64 in f64.
+    assert_eq!(
+        im2col_chunk_bytes(1, 3, 3, 4, 4, DType::BF16),
+        im2col_chunk_bytes(1, 3, 3, 4, 4, DType::F32)
+    );
+    assert_eq!(im2col_chunk_bytes(1, 3, 3, 4, 4, DType::F64), 2 * 3 * 9 * 16 * 4);
+    assert_eq!(im2col_chunk_bytes(0, 3, 3, 4, 4, DType::F32), 0);
+}

@@ -1,0 +1,219 @@
+//! The CUDA memory-pool probe against a real GPU: exact counters, the hard limit, pool caching.
+//!
+//! Everything here needs `--features cuda`; the tests that touch a GPU are `#[ignore]`d, so run
+//! them on a GPU machine with
+//! `cargo test --release --features cuda --test gpu_memory -- --ignored --test-threads=1`.
+//! (They also serialize themselves: they share the device's memory pool, and a limited probe
+//! swaps the device's current pool for every thread of the process.)
+#![cfg(feature = "cuda")]
+
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{sys, DriverError};
+use candle_core::cuda_backend::CudaError;
+use candle_core::{DType, Device, Tensor};
+use memtrain::memory::cuda::{is_cuda_oom, CudaPoolProbe};
+use memtrain::memory::MemoryProbe;
+
+const MIB: u64 = 1 << 20;
+
+/// One test at a time on the GPU: the counters are process-wide.
+fn gpu_lock() -> MutexGuard<'static, ()> {
+    static GPU: Mutex<()> = Mutex::new(());
+    GPU.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn cuda() -> Device {
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| Device::new_cuda(0).expect("these tests need CUDA device 0"))
+        .clone()
+}
+
+/// An f32 tensor of exactly `bytes` bytes (one candle allocation).
+fn zeros(device: &Device, bytes: u64) -> candle_core::Result<Tensor> {
+    Tensor::zeros((bytes / 4) as usize, DType::F32, device)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn counters_are_exact_and_peak_resets() -> anyhow::Result<()> {
+    let _gpu = gpu_lock();
+    let device = cuda();
+    let probe = CudaPoolProbe::new(&device, None, false)?;
+    assert_eq!(probe.name(), "cuda-pool");
+    assert!(probe.available());
+    assert_eq!(probe.limit(), None);
+
+    probe.sync();
+    let base = probe.current();
+    // A new probe starts its watermark at the current use.
+    assert_eq!(probe.peak(), base);
+
+    // Pool allocations are rounded to the pool's granularity (2 MiB at most), so a multiple
+    // of 2 MiB must be counted exactly.
+    let t = zeros(&device, 64 * MIB)?;
+    probe.sync();
+    assert_eq!(probe.current(), base + 64 * MIB);
+    assert_eq!(probe.peak(), base + 64 * MIB);
+    assert!(probe.reserved().expect("pool probe knows reserved") >= base + 64 * MIB);
+    let device_used = probe.device_used().expect("pool probe knows device use");
+    assert!(
+        device_used >= 64 * MIB,
+        "device-wide use {device_used} below the tensor"
+    );
+
+    drop(t);
+    probe.sync();
+    assert_eq!(probe.current(), base, "the free is counted after a sync");
+    assert_eq!(probe.peak(), base + 64 * MIB, "the peak survives the free");
+
+    probe.reset_peak();
+    assert_eq!(
+        probe.peak(),
+        base,
+        "reset brings the peak down to the current use"
+    );
+
+    // A transient allocation after the reset sets the new peak, and only it.
+    let t = zeros(&device, 32 * MIB)?;
+    drop(t);
+    probe.sync();
+    assert_eq!(probe.current(), base);
+    assert_eq!(probe.peak(), base + 32 * MIB);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn limit_makes_larger_allocations_fail_with_cuda_oom() -> anyhow::Result<()> {
+    let _gpu = gpu_lock();
+    let device = cuda();
+    let probe = CudaPoolProbe::new(&device, Some(256 * MIB), false)?;
+    assert_eq!(probe.limit(), Some(256 * MIB));
+    // A fresh pool: nothing allocated from it yet.
+    assert_eq!(probe.current(), 0);
+
+    let err = zeros(&device, 512 * MIB).expect_err("512 MiB must not fit a 256 MiB limit");
+    assert!(is_cuda_oom(&err), "not recognised as out of memory: {err}");
+
+    let fits = zeros(&device, 128 * MIB)?;
+    probe.sync();
+    assert_eq!(probe.current(), 128 * MIB);
+    assert!(probe.reserved().expect("pool probe knows reserved") <= 256 * MIB);
+
+    // Tensors made under the limit outlive the probe and are still freed into their pool.
+    drop(probe);
+    drop(fits);
+    device.synchronize()?;
+
+    // The limit goes with the probe: the device's previous pool is current again.
+    let big = zeros(&device, 512 * MIB)?;
+    drop(big);
+    device.synchronize()?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropping_limited_probes_out_of_order_restores_a_live_pool() -> anyhow::Result<()> {
+    let _gpu = gpu_lock();
+    let device = cuda();
+    let outer = CudaPoolProbe::new(&device, Some(256 * MIB), false)?;
+    let inner = CudaPoolProbe::new(&device, Some(512 * MIB), false)?;
+    // The newest limit applies.
+    let t = zeros(&device, 384 * MIB)?;
+    drop(t);
+    // Dropping the inner probe brings the outer limit back.
+    drop(inner);
+    let err = zeros(&device, 384 * MIB).expect_err("the outer 256 MiB limit applies again");
+    assert!(is_cuda_oom(&err), "{err}");
+
+    // Out of order: the newest probe is dropped last, and must not reinstate a pool whose
+    // probe is gone.
+    let newest = CudaPoolProbe::new(&device, Some(512 * MIB), false)?;
+    drop(outer);
+    drop(newest);
+    let big = zeros(&device, 768 * MIB)?;
+    drop(big);
+    device.synchronize()?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pool_cache_keeps_freed_memory_reserved() -> anyhow::Result<()> {
+    let _gpu = gpu_lock();
+    let device = cuda();
+
+    let caching = CudaPoolProbe::new(&device, None, true)?;
+    let base = caching.current();
+    let t = zeros(&device, 64 * MIB)?;
+    drop(t);
+    caching.sync();
+    assert_eq!(caching.current(), base);
+    let reserved = caching.reserved().expect("pool probe knows reserved");
+    assert!(
+        reserved >= base + 64 * MIB,
+        "a caching pool keeps the freed 64 MiB reserved (reserved {reserved}, in use {base})"
+    );
+    assert!(
+        caching
+            .reserved_peak()
+            .expect("pool probe knows reserved peak")
+            >= reserved
+    );
+    drop(caching);
+
+    let releasing = CudaPoolProbe::new(&device, None, false)?;
+    let base = releasing.current();
+    let t = zeros(&device, 64 * MIB)?;
+    drop(t);
+    releasing.sync();
+    let reserved = releasing.reserved().expect("pool probe knows reserved");
+    assert!(
+        reserved < base + 64 * MIB,
+        "a non-caching pool returns freed memory at a sync (reserved {reserved}, in use {base})"
+    );
+    assert!(
+        releasing
+            .reserved_peak()
+            .expect("pool probe knows reserved peak")
+            >= base + 64 * MIB
+    );
+
+    // The same with a pool of our own, which starts empty: exactly nothing stays reserved.
+    drop(releasing);
+    let own = CudaPoolProbe::new(&device, Some(1024 * MIB), false)?;
+    let t = zeros(&device, 64 * MIB)?;
+    own.sync();
+    assert!(own.reserved().expect("pool probe knows reserved") >= 64 * MIB);
+    drop(t);
+    own.sync();
+    assert_eq!(own.current(), 0);
+    assert_eq!(own.reserved(), Some(0));
+    Ok(())
+}
+
+#[test]
+fn oom_is_recognised_through_candle_wrappers() {
+    let oom = || {
+        candle_core::Error::Cuda(Box::new(CudaError::Cuda(DriverError(
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        ))))
+    };
+    assert!(is_cuda_oom(&oom()));
+    assert!(is_cuda_oom(&oom().context("forward")));
+    assert!(is_cuda_oom(&oom().with_path("model.safetensors")));
+    assert!(is_cuda_oom(&candle_core::Error::wrap(DriverError(
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    ))));
+
+    let other = candle_core::Error::Cuda(Box::new(CudaError::Cuda(DriverError(
+        sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+    ))));
+    assert!(!is_cuda_oom(&other));
+    assert!(!is_cuda_oom(&candle_core::Error::Msg(
+        "shape mismatch".into()
+    )));
+}

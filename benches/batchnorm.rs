@@ -1,1 +1,228 @@
-fn main() {}
+//! Training-mode BatchNorm + ReLU, forward + backward: our fused op versus the same computation from
+//! plain Candle tensor ops (for f16: cast to f32, normalize, cast back — what mixed precision does
+//! without the op), at the default net's shapes [128, 32, 32, 32] and [128, 128, 8, 8], f32 and f16,
+//! on the CPU.
+//!
+//! First prints a summary table (median wall time over a few runs, the speed ratio, and the peak
+//! bytes allocated while the forward+backward runs, measured with a counting allocator), then runs
+//! the same cases under criterion. `BATCHNORM_BENCH_REPS` sets the summary's runs per case (default
+//! 5); criterion's usual filter argument selects cases (`cargo bench --bench batchnorm -- f16`).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use criterion::Criterion;
+use memtrain::ops::batchnorm::batch_norm_train;
+
+/// Counts live heap bytes and their high-water mark, so the summary shows what each version really
+/// keeps alive (the reference's f32 copies of f16 activations included).
+struct Counting;
+
+static CURRENT: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(by: usize) {
+    let now = CURRENT.fetch_add(by, Ordering::Relaxed) + by;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only the counters are extra.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                grew(new_size - layout.size());
+            } else {
+                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+            }
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const EPS: f64 = 1e-5;
+const SHAPES: [(usize, usize, usize, usize); 2] = [(128, 32, 32, 32), (128, 128, 8, 8)];
+
+#[derive(Clone, Copy, PartialEq)]
+enum Impl {
+    Ours,
+    Candle,
+}
+
+/// One layer's inputs: x is an activation (a `Var`, so its gradient is computed as in training),
+/// gamma and beta f32 master weights, and the upstream gradient.
+struct Case {
+    x: Var,
+    gamma: Var,
+    beta: Var,
+    grad_y: Tensor,
+}
+
+impl Case {
+    fn new(shape: (usize, usize, usize, usize), dtype: DType, dev: &Device) -> candle_core::Result<Self> {
+        let c = shape.1;
+        Ok(Self {
+            x: Var::from_tensor(&(Tensor::randn(0f32, 1.0, shape, dev)? + 0.5)?.to_dtype(dtype)?)?,
+            gamma: Var::from_tensor(&Tensor::rand(0.5f32, 1.5, c, dev)?)?,
+            beta: Var::from_tensor(&Tensor::rand(-0.5f32, 0.5, c, dev)?)?,
+            grad_y: Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?,
+        })
+    }
+
+    fn forward(&self, imp: Impl) -> candle_core::Result<Tensor> {
+        let (x, gamma, beta) = (self.x.as_tensor(), self.gamma.as_tensor(), self.beta.as_tensor());
+        match imp {
+            Impl::Ours => batch_norm_train(x, gamma, beta, EPS, true)
+                .map(|(y, _, _)| y)
+                .map_err(|e| candle_core::Error::Msg(e.to_string())),
+            Impl::Candle => {
+                let (n, c, h, w) = x.dims4()?;
+                let m = (n * h * w) as f64;
+                let x32 = x.to_dtype(DType::F32)?;
+                let mean = (x32.sum_keepdim((0, 2, 3))? / m)?;
+                let xc = x32.broadcast_sub(&mean)?;
+                let var = (xc.sqr()?.sum_keepdim((0, 2, 3))? / m)?;
+                let y = xc
+                    .broadcast_div(&(var + EPS)?.sqrt()?)?
+                    .broadcast_mul(&gamma.reshape((1, c, 1, 1))?)?
+                    .broadcast_add(&beta.reshape((1, c, 1, 1))?)?
+                    .relu()?;
+                y.to_dtype(x.dtype())
+            }
+        }
+    }
+
+    /// Forward, then backward of `Σ y·g` (so the upstream gradient is `g`, as a following layer
+    /// would produce); returns the gradients to keep them alive.
+    fn forward_backward(&self, imp: Impl) -> candle_core::Result<GradStore> {
+        let y = self.forward(imp)?;
+        (y * &self.grad_y)?.sum_all()?.backward()
+    }
+}
+
+fn time_median(reps: usize, dev: &Device, mut f: impl FnMut()) -> Duration {
+    f(); // warm-up: thread pool, first touch of buffers
+    let _ = dev.synchronize();
+    let mut times: Vec<Duration> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            let _ = dev.synchronize();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+/// Bytes allocated above the starting level at the high-water mark while `f` runs.
+fn peak_extra<R>(f: impl FnOnce() -> R) -> (usize, R) {
+    let base = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let r = f();
+    (PEAK.load(Ordering::Relaxed).saturating_sub(base), r)
+}
+
+fn mib(b: usize) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+fn name(shape: (usize, usize, usize, usize), dtype: DType) -> String {
+    format!("{}x{}x{}x{}_{:?}", shape.0, shape.1, shape.2, shape.3, dtype).to_lowercase()
+}
+
+fn summary(dev: &Device) -> candle_core::Result<()> {
+    let reps: usize = std::env::var("BATCHNORM_BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&r| r > 0)
+        .unwrap_or(5);
+    println!(
+        "batch norm + relu, forward+backward, {} threads; median of {reps} runs; peak = bytes allocated above the inputs",
+        candle_core::utils::get_num_threads()
+    );
+    println!(
+        "{:<22} {:>10} {:>10} {:>7} {:>11} {:>11}",
+        "case", "ours", "candle", "x", "peak ours", "peak candle"
+    );
+    for shape in SHAPES {
+        for dtype in [DType::F32, DType::F16] {
+            let case = Case::new(shape, dtype, dev)?;
+            let mut t = [Duration::ZERO; 2];
+            let mut peak = [0usize; 2];
+            for (i, imp) in [Impl::Ours, Impl::Candle].into_iter().enumerate() {
+                t[i] = time_median(reps, dev, || {
+                    black_box(case.forward_backward(imp).unwrap());
+                });
+                peak[i] = peak_extra(|| case.forward_backward(imp).unwrap()).0;
+            }
+            println!(
+                "{:<22} {:>8.2}ms {:>8.2}ms {:>6.1}x {:>8.1}MiB {:>8.1}MiB",
+                name(shape, dtype),
+                t[0].as_secs_f64() * 1e3,
+                t[1].as_secs_f64() * 1e3,
+                t[1].as_secs_f64() / t[0].as_secs_f64(),
+                mib(peak[0]),
+                mib(peak[1]),
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let dev = Device::Cpu;
+    summary(&dev).expect("summary");
+
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    let mut group = c.benchmark_group("batchnorm_fwd_bwd");
+    for shape in SHAPES {
+        for dtype in [DType::F32, DType::F16] {
+            let case = Case::new(shape, dtype, &dev).expect("inputs");
+            for (label, imp) in [("ours", Impl::Ours), ("candle", Impl::Candle)] {
+                group.bench_function(format!("{}/{label}", name(shape, dtype)), |b| {
+                    b.iter(|| {
+                        let g = case.forward_backward(imp).unwrap();
+                        dev.synchronize().unwrap();
+                        black_box(g)
+                    })
+                });
+            }
+        }
+    }
+    group.finish();
+    c.final_summary();
+}

@@ -102,8 +102,8 @@ fn read_file_exact_pixels_and_labels() {
     assert_eq!(ds.len(), 4);
     assert_eq!(ds.labels, labels);
     assert_eq!(ds.images.len(), 4 * IMAGE_BYTES);
-    for r in 0..4 {
-        assert_eq!(ds.label(r), labels[r]);
+    for (r, &label) in labels.iter().enumerate() {
+        assert_eq!(ds.label(r), label);
         let img = ds.image(r);
         for c in 0..3 {
             for y in [0, 7, 31] {

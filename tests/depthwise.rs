@@ -283,3 +283,25 @@ fn cuda_matches_cpu() {
         }
     }
 }
+
+#[test]
+#[ignore]
+fn tmp_timing() {
+    use std::time::Instant;
+    let mut rng = Rng::new(1);
+    let x = rng.tensor(&[32, 64, 32, 32]);
+    let w = rng.tensor(&[64, 1, 3, 3]);
+    let xv = Var::from_tensor(&x).unwrap();
+    let wv = Var::from_tensor(&w).unwrap();
+    let mut best = (1e9f64, 1e9f64);
+    for _ in 0..15 {
+        let t = Instant::now();
+        let y = depthwise_conv2d(xv.as_tensor(), wv.as_tensor(), 1, 1).unwrap();
+        let t1 = t.elapsed().as_secs_f64();
+        let g = y.backward().unwrap();
+        let t2 = t.elapsed().as_secs_f64() - t1;
+        best = (best.0.min(t1), best.1.min(t2));
+        drop(g);
+    }
+    eprintln!("best fwd {:.2} ms, bwd {:.2} ms", best.0 * 1e3, best.1 * 1e3);
+}

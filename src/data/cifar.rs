@@ -152,7 +152,8 @@ pub fn validation_split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, 
 /// `test_batch.bin` if present. Without `test_batch.bin`, a seeded `val_fraction` of the training
 /// images is held out for validation (and `test_is_validation` is set).
 pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> {
-    if !val_fraction.is_finite() || !(val_fraction > 0.0 && val_fraction < 1.0) {
+    if !(val_fraction > 0.0 && val_fraction < 1.0) {
+        // Written this way round so NaN fails too.
         return Err(Error::config(format!(
             "--val-fraction must be in (0, 1), got {val_fraction}"
         )));

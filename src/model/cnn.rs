@@ -40,7 +40,7 @@ impl Block {
         let h = self.conv.forward(x, mode)?;
         let h = self.bn.forward_relu(&h, mode)?;
         if self.pool {
-            Ok(h.max_pool2d(2)?)
+            crate::ops::pool::max_pool2x2(&h)
         } else {
             Ok(h)
         }
@@ -106,6 +106,13 @@ impl Cnn {
         let head_w = Var::from_tensor(&Tensor::from_vec(init.uniform(NUM_CLASSES * feat, bound), (NUM_CLASSES, feat), device)?)?;
         let head_b = Var::from_tensor(&Tensor::from_vec(init.uniform(NUM_CLASSES, bound), NUM_CLASSES, device)?)?;
         Ok(Cnn { config, blocks, head_w, head_b, device: device.clone() })
+    }
+
+    /// Normalize with running statistics in training too (see [`BatchNorm::frozen`](super::layers::BatchNorm)).
+    pub fn freeze_batch_norm(&mut self) {
+        for b in &mut self.blocks {
+            b.bn.frozen = true;
+        }
     }
 
     /// The device the parameters live on.

@@ -107,6 +107,10 @@ pub struct BatchNorm {
     pub momentum: f64,
     /// Numerical epsilon.
     pub eps: f64,
+    /// Normalize with the running statistics in training too (no batch statistics, no updates):
+    /// each image's output then depends on that image alone, which makes gradient accumulation
+    /// exactly equal to a large batch (used by the exactness tests, and for fine-tuning).
+    pub frozen: bool,
 }
 
 impl BatchNorm {
@@ -119,6 +123,7 @@ impl BatchNorm {
             running_var: Mutex::new(Tensor::ones(c, DType::F32, dev)?),
             momentum: 0.1,
             eps: 1e-5,
+            frozen: false,
         })
     }
 
@@ -126,6 +131,9 @@ impl BatchNorm {
     pub fn forward_relu(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let gamma = mode.param(&self.gamma);
         let beta = mode.param(&self.beta);
+        if self.frozen && mode != Mode::Eval {
+            return self.forward_frozen(x, &gamma, &beta);
+        }
         match mode {
             Mode::Eval => {
                 let rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -148,5 +156,20 @@ impl BatchNorm {
                 Ok(y)
             }
         }
+    }
+
+    /// Differentiable normalization with the running statistics (plain Candle ops, in f32).
+    fn forward_frozen(&self, x: &Tensor, gamma: &Tensor, beta: &Tensor) -> Result<Tensor> {
+        let c = gamma.dim(0)?;
+        let rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let scale = (gamma / (rv + self.eps)?.sqrt()?)?;
+        let shift = (beta - (&rm * &scale)?)?;
+        let y = x
+            .to_dtype(DType::F32)?
+            .broadcast_mul(&scale.reshape((1, c, 1, 1))?)?
+            .broadcast_add(&shift.reshape((1, c, 1, 1))?)?
+            .relu()?;
+        Ok(y.to_dtype(x.dtype())?)
     }
 }

@@ -253,12 +253,15 @@ impl CustomOp3 for BnNorm {
         grad_y: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // The kernels read the upstream gradient as a dense array of x's dtype.
+        let t0 = std::time::Instant::now();
         let grad_y = grad_y.to_dtype(x.dtype())?.contiguous()?;
+        let t1 = t0.elapsed();
         let sums = x.apply_op3_no_bwd(
             &grad_y,
             y,
             &BnBwdReduce { stats: self.stats.clone(), eps: self.eps, relu: self.relu },
         )?;
+        eprintln!("reduce {:?}", t0.elapsed());
         // x is the input of a layer whose gradient nobody needs (e.g. raw data): skip the largest
         // output of the backward.
         let grad_x = if x.track_op() {
@@ -276,6 +279,7 @@ impl CustomOp3 for BnNorm {
         } else {
             None
         };
+        eprintln!("bwd: cast {t1:?} total {:?}", t0.elapsed());
         Ok((grad_x, Some(sums.get(0)?), Some(sums.get(1)?)))
     }
 }
@@ -587,34 +591,82 @@ mod cpu {
         acc
     }
 
-    /// Eight independent f32 lanes so that the loop vectorizes (a single accumulator would force
-    /// strictly sequential float adds).
+    // The reductions below keep eight independent f32 lanes so that the loops vectorize (a single
+    // accumulator would force strictly sequential float adds); chunks_exact lets LLVM drop the
+    // bounds checks.
+
+    /// `Σ x`.
     #[inline(always)]
-    fn lanes<const K: usize>(n: usize, mut f: impl FnMut(usize) -> [f32; K]) -> [f32; K] {
-        let mut acc = [[0f32; 8]; K];
-        let full = n / 8 * 8;
-        let mut i = 0;
-        while i < full {
+    fn sum(x: &[f32]) -> f32 {
+        let mut acc = [0f32; 8];
+        let xs = x.chunks_exact(8);
+        let tail: f32 = xs.remainder().iter().sum();
+        for xc in xs {
             for l in 0..8 {
-                let v = f(i + l);
-                for k in 0..K {
-                    acc[k][l] += v[k];
+                acc[l] += xc[l];
+            }
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+
+    /// `Σ (x - mu)²`.
+    #[inline(always)]
+    fn sum_sq_dev(x: &[f32], mu: f32) -> f32 {
+        let mut acc = [0f32; 8];
+        let xs = x.chunks_exact(8);
+        let tail: f32 = xs.remainder().iter().map(|&v| (v - mu) * (v - mu)).sum();
+        for xc in xs {
+            for l in 0..8 {
+                let t = xc[l] - mu;
+                acc[l] += t * t;
+            }
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+
+    /// `g` where `y > 0`, else +0. Done with a bit mask rather than a branch or a select: ReLU
+    /// inputs are positive about half the time at random, so a branch mispredicts every other
+    /// element (measured 10× slower), and the and-mask vectorizes.
+    #[inline(always)]
+    fn relu_mask(g: f32, y: f32) -> f32 {
+        f32::from_bits(g.to_bits() & ((y > 0.0) as u32).wrapping_neg())
+    }
+
+    /// `(Σ g', Σ g'·(x - mu))` with `g' = g` where `y > 0` (or everywhere when `y` is `None`), else 0.
+    #[inline(always)]
+    fn grad_sums(x: &[f32], g: &[f32], y: Option<&[f32]>, mu: f32) -> (f32, f32) {
+        let (mut sg, mut sgx) = ([0f32; 8], [0f32; 8]);
+        let n = x.len() / 8 * 8;
+        let (mut tg, mut tgx) = (0f32, 0f32);
+        match y {
+            Some(y) => {
+                for ((xc, gc), yc) in x.chunks_exact(8).zip(g.chunks_exact(8)).zip(y.chunks_exact(8)) {
+                    for l in 0..8 {
+                        let gm = relu_mask(gc[l], yc[l]);
+                        sg[l] += gm;
+                        sgx[l] += gm * (xc[l] - mu);
+                    }
+                }
+                for i in n..x.len() {
+                    let gm = relu_mask(g[i], y[i]);
+                    tg += gm;
+                    tgx += gm * (x[i] - mu);
                 }
             }
-            i += 8;
-        }
-        let mut tail = [0f32; K];
-        for j in full..n {
-            let v = f(j);
-            for k in 0..K {
-                tail[k] += v[k];
+            None => {
+                for (xc, gc) in x.chunks_exact(8).zip(g.chunks_exact(8)) {
+                    for l in 0..8 {
+                        sg[l] += gc[l];
+                        sgx[l] += gc[l] * (xc[l] - mu);
+                    }
+                }
+                for i in n..x.len() {
+                    tg += g[i];
+                    tgx += g[i] * (x[i] - mu);
+                }
             }
         }
-        let mut out = [0f32; K];
-        for k in 0..K {
-            out[k] = acc[k].iter().sum::<f32>() + tail[k];
-        }
-        out
+        (sg.iter().sum::<f32>() + tg, sgx.iter().sum::<f32>() + tgx)
     }
 
     /// Per-channel mean and biased variance, two-pass, as `[mean; var]` (length 2·C).
@@ -625,8 +677,7 @@ mod cpu {
             plane
                 .chunks(BLK)
                 .map(|c| {
-                    let b = block(c, &mut buf);
-                    lanes::<1>(b.len(), |i| [b[i]])[0] as f64
+                    sum(block(c, &mut buf)) as f64
                 })
                 .sum::<f64>()
         });
@@ -637,11 +688,7 @@ mod cpu {
             plane
                 .chunks(BLK)
                 .map(|c| {
-                    let b = block(c, &mut buf);
-                    lanes::<1>(b.len(), |i| {
-                        let t = b[i] - mu;
-                        [t * t]
-                    })[0] as f64
+                    sum_sq_dev(block(c, &mut buf), mu) as f64
                 })
                 .sum::<f64>()
         });
@@ -712,6 +759,7 @@ mod cpu {
         relu: bool,
     ) -> Vec<f32> {
         let (mean, var) = stats.split_at(d.c);
+        let t0 = std::time::Instant::now();
         let part = per_plane(x, d, |p, xp| {
             let mu = mean[p % d.c];
             let range = p * d.hw..(p + 1) * d.hw;
@@ -722,20 +770,14 @@ mod cpu {
                 let end = (start + BLK).min(d.hw);
                 let xb = block(&xp[start..end], &mut bx);
                 let gb = block(&gp[start..end], &mut bg);
-                let [sg, sgx] = if relu {
-                    let yb = block(&yp[start..end], &mut by);
-                    lanes::<2>(xb.len(), |i| {
-                        let g = if yb[i] > 0.0 { gb[i] } else { 0.0 };
-                        [g, g * (xb[i] - mu)]
-                    })
-                } else {
-                    lanes::<2>(xb.len(), |i| [gb[i], gb[i] * (xb[i] - mu)])
-                };
+                let yb = if relu { Some(block(&yp[start..end], &mut by)) } else { None };
+                let (sg, sgx) = grad_sums(xb, gb, yb, mu);
                 acc.0 += sg as f64;
                 acc.1 += sgx as f64;
             }
             acc
         });
+        eprintln!("per_plane {:?}", t0.elapsed());
         let tot = per_channel(&part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
         let grad_gamma = tot.iter().zip(var).map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
         let grad_beta = tot.iter().map(|t| t.0 as f32);
@@ -794,15 +836,18 @@ mod cpu {
                     let xb = block(&x[base + start..base + end], &mut bx);
                     let gb = block(&gy[base + start..base + end], &mut bg);
                     let rb = &mut res[..xb.len()];
-                    if relu {
-                        let yb = block(&y[base + start..base + end], &mut by);
-                        for i in 0..rb.len() {
-                            let g = if yb[i] > 0.0 { gb[i] } else { 0.0 };
-                            rb[i] = a * (g + b * (xb[i] - mu) + k);
+                    match relu {
+                        true => {
+                            let yb = block(&y[base + start..base + end], &mut by);
+                            for (((o, &xv), &gv), &yv) in rb.iter_mut().zip(xb).zip(gb).zip(yb) {
+                                let g = relu_mask(gv, yv);
+                                *o = a * (g + b * (xv - mu) + k);
+                            }
                         }
-                    } else {
-                        for i in 0..rb.len() {
-                            rb[i] = a * (gb[i] + b * (xb[i] - mu) + k);
+                        false => {
+                            for ((o, &xv), &gv) in rb.iter_mut().zip(xb).zip(gb) {
+                                *o = a * (gv + b * (xv - mu) + k);
+                            }
                         }
                     }
                     T::store(rb, &mut op[start..end]);

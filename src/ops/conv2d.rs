@@ -906,3 +906,42 @@ mod tests {
         assert_eq!(column_bytes(1, 1, 100, 2), 100);
     }
 }
+
+#[cfg(test)]
+mod perf_probe {
+    use super::*;
+    use std::time::Instant;
+
+    fn min_time(reps: usize, mut f: impl FnMut()) -> f64 {
+        f();
+        (0..reps).map(|_| { let t = Instant::now(); f(); t.elapsed().as_secs_f64() }).fold(f64::MAX, f64::min)
+    }
+
+    #[test]
+    #[ignore]
+    fn probe() {
+        for (cin, cout, hw) in [(32usize, 32usize, 32usize), (64, 64, 16), (128, 128, 8)] {
+            let g = Geom::new(&[128, cin, hw, hw], &[cout, cin, 3, 3], 1, 1, None).unwrap();
+            let (ckk, hwo) = (g.ckk(), g.hw_out());
+            let x: Vec<f32> = (0..g.in_image()).map(|i| (i % 7) as f32).collect();
+            let w: Vec<f32> = (0..cout * ckk).map(|i| (i % 5) as f32).collect();
+            let mut col = vec![0f32; ckk * hwo];
+            let mut out = vec![0f32; cout * hwo];
+            let t_im2col = min_time(50, || im2col(&g, &x, &mut col, hwo));
+            let lhs = Mat { data: &w, rows: cout, cols: ckk, rs: ckk, cs: 1 };
+            let t_gemm = min_time(50, || matmul(&mut out, hwo, false, lhs, Mat { data: &col, rows: ckk, cols: hwo, rs: hwo, cs: 1 }));
+            let flops = 2.0 * (cout * ckk * hwo) as f64;
+            // dx gemm
+            let mut dcol = vec![0f32; ckk * hwo];
+            let lhs_t = Mat { data: &w, rows: ckk, cols: cout, rs: 1, cs: ckk };
+            let t_dx = min_time(50, || matmul(&mut dcol, hwo, false, lhs_t, Mat { data: &out, rows: cout, cols: hwo, rs: hwo, cs: 1 }));
+            let mut img = vec![0f32; g.in_image()];
+            let t_col2im = min_time(50, || col2im(&g, &dcol, hwo, &mut img));
+            let mut dw = vec![0f32; cout * ckk];
+            let t_dw = min_time(50, || matmul(&mut dw, ckk, true, Mat { data: &out, rows: cout, cols: hwo, rs: hwo, cs: 1 }, Mat { data: &col, rows: hwo, cols: ckk, rs: 1, cs: hwo }));
+            println!("{cin}->{cout}@{hw}: per image im2col {:.1}us, fwd gemm {:.1}us ({:.1} GF/s), dx gemm {:.1}us ({:.1}), col2im {:.1}us, dW gemm(1 img) {:.1}us ({:.1}); x128 total {:.1}ms",
+                t_im2col*1e6, t_gemm*1e6, flops/t_gemm/1e9, t_dx*1e6, flops/t_dx/1e9, t_col2im*1e6, t_dw*1e6, flops/t_dw/1e9,
+                128.0*(2.0*t_im2col+t_gemm+t_dx+t_col2im+t_dw)*1e3);
+        }
+    }
+}

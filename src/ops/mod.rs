@@ -5,3 +5,4 @@
 pub mod batchnorm;
 pub mod conv2d;
 pub mod depthwise;
+pub mod pool;

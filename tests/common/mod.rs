@@ -1,0 +1,79 @@
+//! Shared helpers for the integration tests: tiny configurations, synthetic data, comparisons.
+#![allow(dead_code)]
+
+use candle_core::Tensor;
+use memtrain::config::TrainConfig;
+use memtrain::data::{synthetic, DataSplits};
+use memtrain::train::{Trainer, TrainerOptions};
+
+/// A configuration that trains in milliseconds: width 4, batch 16, synthetic data.
+pub fn tiny_config() -> TrainConfig {
+    TrainConfig {
+        width: 4,
+        batch_size: 16,
+        epochs: 1,
+        max_steps: Some(2),
+        synthetic_train: 64,
+        synthetic_test: 32,
+        eval: false,
+        quiet: true,
+        device: Some("cpu".into()),
+        ..TrainConfig::default()
+    }
+}
+
+/// Synthetic train/test splits.
+pub fn splits(n_train: usize, n_test: usize, seed: u64) -> DataSplits {
+    let (train, test) = synthetic::splits(n_train, n_test, seed);
+    DataSplits { train, test, description: "synthetic (test)".into(), test_is_validation: false }
+}
+
+/// A trainer without progress output or files.
+pub fn trainer(cfg: TrainConfig) -> Trainer {
+    let data = splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    Trainer::new(cfg, data, TrainerOptions::default()).expect("trainer builds")
+}
+
+/// A trainer with extra callbacks.
+pub fn trainer_with(cfg: TrainConfig, options: TrainerOptions) -> Trainer {
+    let data = splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    Trainer::new(cfg, data, options).expect("trainer builds")
+}
+
+/// A deterministic batch of `n` normalized synthetic images and labels.
+pub fn batch(n: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
+    let ds = synthetic::generate(n, seed);
+    let mut images = vec![0f32; n * 3072];
+    for i in 0..n {
+        memtrain::data::batcher::normalize_into(ds.image(i), &mut images[i * 3072..(i + 1) * 3072]);
+    }
+    (images, ds.labels.iter().map(|&l| l as u32).collect())
+}
+
+/// Max |a-b| / max |b| over two tensors (compared in f64).
+pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let b = b.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    assert_eq!(a.len(), b.len(), "shape mismatch");
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max) / scale
+}
+
+/// Every parameter of a trainer, as host vectors.
+pub fn params(t: &Trainer) -> Vec<Tensor> {
+    t.vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect()
+}
+
+/// A temporary directory unique to this test process and `name`, removed first if present.
+pub fn temp_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("memtrain-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `../shared/data/cifar10-subset` beside the checkout, if present.
+pub fn real_subset() -> Option<std::path::PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/cifar10-subset");
+    p.is_dir().then_some(p)
+}

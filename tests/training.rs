@@ -1,0 +1,98 @@
+//! End-to-end training: synthetic data is learned, real CIFAR-10 beats chance, runs are
+//! deterministic, and the run directory holds the promised files.
+
+mod common;
+
+use memtrain::config::TrainConfig;
+use memtrain::train::{Trainer, TrainerOptions};
+
+#[test]
+fn synthetic_data_is_learned_quickly() {
+    let cfg = TrainConfig {
+        width: 8,
+        batch_size: 64,
+        epochs: 3,
+        max_steps: None,
+        synthetic_train: 1024,
+        synthetic_test: 256,
+        eval: true,
+        lr: 0.05,
+        ..common::tiny_config()
+    };
+    let mut t = common::trainer(cfg);
+    let s = t.fit().unwrap();
+    let acc = s.final_test_accuracy.unwrap();
+    assert!(acc >= 0.6, "synthetic test accuracy {acc} < 60%");
+}
+
+#[test]
+fn same_seed_same_losses() {
+    let run = || {
+        let cfg = TrainConfig { max_steps: Some(4), synthetic_train: 128, ..common::tiny_config() };
+        let mut t = common::trainer(cfg);
+        (0..4)
+            .map(|i| {
+                let (x, y) = common::batch(16, 100 + i);
+                let b = memtrain::data::Batch { images: x, labels: y, len: 16, index: i as usize };
+                t.train_step(&b, 0, i as usize).unwrap().loss
+            })
+            .collect::<Vec<f64>>()
+    };
+    let a = run();
+    let b = run();
+    assert_eq!(a, b, "bit-identical loss sequences");
+    // And through fit() with shuffling and augmentation.
+    let fit = || {
+        let cfg = TrainConfig { max_steps: Some(3), synthetic_train: 128, eval: true, ..common::tiny_config() };
+        common::trainer(cfg).fit().unwrap().final_test_loss
+    };
+    assert_eq!(fit(), fit());
+}
+
+#[test]
+fn run_directory_has_config_csv_and_summary() {
+    let dir = common::temp_dir("rundir");
+    let cfg = TrainConfig { out: Some(dir.clone()), eval: true, ..common::tiny_config() };
+    let data = common::splits(cfg.synthetic_train, cfg.synthetic_test, 0);
+    let mut t = Trainer::new(cfg.clone(), data, TrainerOptions { log_files: true, ..Default::default() }).unwrap();
+    t.fit().unwrap();
+    let saved = TrainConfig::from_json_file(&dir.join("config.json")).unwrap();
+    assert_eq!(saved, cfg);
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    for key in ["peak_bytes", "images_per_sec", "final_test_accuracy", "probe"] {
+        assert!(summary.get(key).is_some(), "summary.json lacks {key}");
+    }
+    let batches = std::fs::read_to_string(dir.join("batches.csv")).unwrap();
+    assert_eq!(batches.lines().count(), 1 + 2, "header + one row per step");
+    let epochs = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+    assert_eq!(epochs.lines().count(), 2);
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "no temporary files left");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn real_cifar_subset_beats_chance_in_two_epochs() {
+    let Some(dir) = common::real_subset() else {
+        eprintln!("skipping: ../shared/data/cifar10-subset not found (real CIFAR-10 subset)");
+        return;
+    };
+    let cfg = TrainConfig {
+        data_dir: Some(dir),
+        width: 16,
+        epochs: 2,
+        max_steps: None,
+        batch_size: 64,
+        eval: true,
+        ..common::tiny_config()
+    };
+    let mut t = Trainer::from_config(cfg, TrainerOptions::default()).unwrap();
+    let s = t.fit().unwrap();
+    let acc = s.final_test_accuracy.unwrap();
+    eprintln!("real subset, 2 epochs, width 16: validation accuracy {:.1}%", acc * 100.0);
+    assert!(acc > 0.30, "validation accuracy {acc} <= 30% after 2 epochs");
+}

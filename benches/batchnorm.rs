@@ -7,6 +7,7 @@
 //! bytes allocated while the forward+backward runs, measured with a counting allocator), then runs
 //! the same cases under criterion. `BATCHNORM_BENCH_REPS` sets the summary's runs per case (default
 //! 5); criterion's usual filter argument selects cases (`cargo bench --bench batchnorm -- f16`).
+//! Built with `--features cuda` and run where a GPU is present, it prints the table for the GPU too.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -167,7 +168,8 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
         .filter(|&r| r > 0)
         .unwrap_or(5);
     println!(
-        "batch norm + relu, forward+backward, {} threads; median of {reps} runs; peak = bytes allocated above the inputs",
+        "batch norm + relu, forward+backward on {:?} ({} CPU threads); median of {reps} runs; peak = host bytes allocated above the inputs",
+        dev.location(),
         candle_core::utils::get_num_threads()
     );
     println!(
@@ -185,14 +187,16 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
                 });
                 peak[i] = peak_extra(|| case.forward_backward(imp).unwrap()).0;
             }
+            // Host allocations say nothing about GPU memory.
+            let peak_str = |b: usize| if dev.is_cpu() { format!("{:.1}MiB", mib(b)) } else { "-".into() };
             println!(
-                "{:<22} {:>8.2}ms {:>8.2}ms {:>6.1}x {:>8.1}MiB {:>8.1}MiB",
+                "{:<22} {:>8.2}ms {:>8.2}ms {:>6.1}x {:>11} {:>11}",
                 name(shape, dtype),
                 t[0].as_secs_f64() * 1e3,
                 t[1].as_secs_f64() * 1e3,
                 t[1].as_secs_f64() / t[0].as_secs_f64(),
-                mib(peak[0]),
-                mib(peak[1]),
+                peak_str(peak[0]),
+                peak_str(peak[1]),
             );
         }
     }
@@ -202,6 +206,13 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
 fn main() {
     let dev = Device::Cpu;
     summary(&dev).expect("summary");
+    // With the cuda feature, the same table on the GPU (not under criterion: the CPU is the target
+    // of this bench, the GPU numbers are for comparison).
+    #[cfg(feature = "cuda")]
+    match Device::new_cuda(0) {
+        Ok(gpu) => summary(&gpu).expect("cuda summary"),
+        Err(e) => println!("no CUDA device, GPU table skipped: {e}"),
+    }
 
     let mut c = Criterion::default()
         .sample_size(10)

@@ -119,10 +119,12 @@ struct Case {
 }
 
 impl Case {
-    fn new(l: Layer, dev: &Device) -> candle_core::Result<Self> {
-        let x = Tensor::randn(0f32, 1.0, (BATCH, l.cin, l.hw, l.hw), dev)?;
-        let w = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (l.cout, l.cin, 3, 3), dev)?
-            * (2.0 / (9 * l.cin) as f64).sqrt())?)?;
+    fn new(l: Layer, dtype: DType, dev: &Device) -> candle_core::Result<Self> {
+        let x = Tensor::randn(0f32, 1.0, (BATCH, l.cin, l.hw, l.hw), dev)?.to_dtype(dtype)?;
+        let w = Var::from_tensor(
+            &(Tensor::randn(0f32, 1.0, (l.cout, l.cin, 3, 3), dev)? * (2.0 / (9 * l.cin) as f64).sqrt())?
+                .to_dtype(dtype)?,
+        )?;
         let x_var = if l.cin == 3 { None } else { Some(Var::from_tensor(&x)?) };
         Ok(Self { x, x_var, w })
     }
@@ -152,15 +154,15 @@ impl Case {
 fn time_best(reps: usize, dev: &Device, mut f: impl FnMut()) -> Duration {
     f(); // warm-up: thread pools, first-touch of buffers
     let _ = dev.synchronize();
-    let mut times: Vec<Duration> = (0..reps)
+    (0..reps)
         .map(|_| {
             let t = Instant::now();
             f();
             let _ = dev.synchronize();
             t.elapsed()
         })
-        .collect();
-    times.into_iter().min().unwrap_or_default()
+        .min()
+        .unwrap_or_default()
 }
 
 /// Bytes allocated above the starting level at the high-water mark while `f` runs, minus
@@ -193,7 +195,7 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
     let mut tot = [Duration::ZERO; 4];
     let mut mem_rows = Vec::new();
     for l in LAYERS {
-        let case = Case::new(l, dev)?;
+        let case = Case::new(l, DType::F32, dev)?;
         let mut t = [Duration::ZERO; 4];
         for (i, (imp, bwd)) in [
             (Impl::Ours, false),
@@ -262,6 +264,26 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
         tot[3].as_secs_f64() * 1e3,
         tot[3].as_secs_f64() / tot[2].as_secs_f64(),
     );
+    // Candle's CPU conv2d rejects bf16; ours widens to f32 per image, so only ours has a number.
+    let (mut bf_fwd, mut bf_fb) = (Duration::ZERO, Duration::ZERO);
+    for l in LAYERS {
+        let case = Case::new(l, DType::BF16, dev)?;
+        bf_fwd += time_best(reps, dev, || {
+            black_box(case.forward(Impl::Ours).expect("bf16 forward"));
+        });
+        bf_fb += time_best(reps, dev, || {
+            black_box(case.forward_backward(Impl::Ours).expect("bf16 forward+backward"));
+        });
+    }
+    println!(
+        "{:<12} {:>7.1}ms {:>9} {:>6} {:>8.1}ms {:>10}   (bf16: Candle's CPU conv2d rejects it)",
+        "total bf16",
+        bf_fwd.as_secs_f64() * 1e3,
+        "-",
+        "",
+        bf_fb.as_secs_f64() * 1e3,
+        "-",
+    );
     println!();
     println!("peak transient memory, MiB (measured with a counting allocator; 'computed' = formula)");
     println!(
@@ -298,7 +320,7 @@ fn main() -> candle_core::Result<()> {
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
     for l in LAYERS {
-        let case = Case::new(l, &dev)?;
+        let case = Case::new(l, DType::F32, &dev)?;
         let mut group = c.benchmark_group(format!("conv2d/{}", l.name()));
         for imp in [Impl::Ours, Impl::Candle] {
             group.bench_function(format!("fwd/{}", imp.label()), |b| {

@@ -244,3 +244,38 @@ fn one_line(msg: &str) -> String {
         .collect::<Vec<_>>()
         .join("; ")
 }
+
+/// The markdown table of every visible flag of [`TrainArgs`] with its default and help text:
+/// the README's flag table is this string (a test keeps them equal).
+pub fn flag_table() -> String {
+    let mut cmd = TrainArgs::command();
+    // Building resolves each argument's action and value count.
+    cmd.build();
+    let mut s = String::from("| flag | default | what it does |\n|---|---|---|\n");
+    for arg in cmd.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if arg.is_hide_set() || long == "help" || long == "version" {
+            continue;
+        }
+        let takes_value = arg.get_num_args().is_some_and(|n| n.takes_values());
+        let flag = match (takes_value, arg.get_value_names()) {
+            (true, Some(names)) => format!("`--{long} {}`", names.iter().map(|n| n.as_str()).collect::<Vec<_>>().join(" ")),
+            (true, None) => format!("`--{long} {}`", arg.get_id().as_str().to_ascii_uppercase()),
+            (false, _) => format!("`--{long}`"),
+        };
+        let default = arg
+            .get_default_values()
+            .iter()
+            .map(|v| v.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(",");
+        let default = if !takes_value { "off".to_string() } else if default.is_empty() { "—".to_string() } else { format!("`{default}`") };
+        let mut help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        let values: Vec<String> = arg.get_possible_values().iter().map(|v| v.get_name().to_string()).collect();
+        if takes_value && !values.is_empty() {
+            help.push_str(&format!(" (`{}`)", values.join("`, `")));
+        }
+        s.push_str(&format!("| {flag} | {default} | {} |\n", help.replace('|', "\\|")));
+    }
+    s
+}

@@ -39,6 +39,11 @@ impl Lcg {
 
 /// Inputs for one case: x with a different offset and spread per channel (so the mean is not ~0
 /// and the statistics matter), gamma, beta, and the upstream-gradient weights r.
+///
+/// x takes values on a grid (129 levels per channel) rather than a continuum: two correct
+/// implementations round differently, and an element whose pre-ReLU value lies within rounding of
+/// zero would pass the gradient in one and mask it in the other. On a grid at most one level per
+/// channel can be that close to the ReLU threshold, so such a tie is improbable, not expected.
 struct Case {
     x: Tensor,
     gamma: Tensor,
@@ -51,7 +56,7 @@ fn case(n: usize, c: usize, h: usize, w: usize, seed: u64) -> Case {
     let mut rng = Lcg(seed);
     let offs = rng.uniform(c, -2.0, 2.0);
     let spread = rng.uniform(c, 0.5, 3.0);
-    let raw = rng.uniform(n * c * h * w, -1.0, 1.0);
+    let raw: Vec<f32> = rng.uniform(n * c * h * w, -1.0, 1.0).iter().map(|v| (v * 64.0).round() / 64.0).collect();
     let x: Vec<f32> = raw
         .iter()
         .enumerate()
@@ -97,15 +102,20 @@ struct Run {
 
 /// Runs ours (`ours = true`) or the reference on the case, with x cast to `dtype`.
 fn run(cs: &Case, dtype: DType, relu: bool, ours: bool) -> Run {
-    let x = Var::from_tensor(&cs.x.to_dtype(dtype).unwrap()).unwrap();
-    let gamma = Var::from_tensor(&cs.gamma).unwrap();
-    let beta = Var::from_tensor(&cs.beta).unwrap();
+    run_on(cs, dtype, relu, ours, &Device::Cpu)
+}
+
+/// [`run`] on a given device.
+fn run_on(cs: &Case, dtype: DType, relu: bool, ours: bool, dev: &Device) -> Run {
+    let x = Var::from_tensor(&cs.x.to_dtype(dtype).unwrap().to_device(dev).unwrap()).unwrap();
+    let gamma = Var::from_tensor(&cs.gamma.to_device(dev).unwrap()).unwrap();
+    let beta = Var::from_tensor(&cs.beta.to_device(dev).unwrap()).unwrap();
     let (y, mean, var) = if ours {
         batch_norm_train(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), EPS, relu).unwrap()
     } else {
         reference(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), relu)
     };
-    let loss = y.mul(&cs.r.to_dtype(dtype).unwrap()).unwrap().sum_all().unwrap();
+    let loss = y.mul(&cs.r.to_dtype(dtype).unwrap().to_device(dev).unwrap()).unwrap().sum_all().unwrap();
     let grads = loss.backward().unwrap();
     Run {
         gx: grads.get(x.as_tensor()).expect("grad x").clone(),
@@ -346,4 +356,57 @@ fn bad_arguments_are_errors() {
     // And the valid call works.
     assert!(batch_norm_train(&x, &g3, &b3, EPS, false).is_ok());
     assert!(batch_norm_eval(&x, &g3, &b3, &b3, &g3, EPS, true).is_ok());
+}
+
+/// The CUDA kernels against the CPU implementation (itself checked against the reference above):
+/// every dtype, ReLU on and off, shapes from one element per channel to a full CIFAR layer (more
+/// elements per channel than threads per block, so the grid-stride and block-reduction paths run).
+/// Skips, saying so, when no CUDA device is present.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_matches_cpu() {
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipping cuda_matches_cpu: no CUDA device ({e})");
+            return;
+        }
+    };
+    let shapes = [(1, 3, 1, 1), (8, 3, 1, 1), (5, 16, 7, 9), (2, 1, 33, 31), (128, 32, 32, 32), (128, 128, 8, 8)];
+    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+        for (i, &(n, c, h, w)) in shapes.iter().enumerate() {
+            for relu in [false, true] {
+                let mut cs = case(n, c, h, w, 300 + i as u64);
+                cs.x = cs.x.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+                cs.r = cs.r.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+                let cpu = run_on(&cs, dtype, relu, true, &Device::Cpu);
+                let gpu = run_on(&cs, dtype, relu, true, &dev);
+                let what = format!("{dtype:?} {:?} relu {relu}", (n, c, h, w));
+                assert_eq!(gpu.y.dtype(), dtype, "{what}");
+                assert_eq!((gpu.ggamma.dtype(), gpu.mean.dtype()), (DType::F32, DType::F32), "{what}");
+                assert!(!gpu.mean.track_op() && !gpu.var.track_op(), "{what}");
+                for (name, a, b, t) in [
+                    ("y", &gpu.y, &cpu.y, tol),
+                    ("grad x", &gpu.gx, &cpu.gx, tol),
+                    ("grad gamma", &gpu.ggamma, &cpu.ggamma, 1e-4),
+                    ("grad beta", &gpu.gbeta, &cpu.gbeta, 1e-4),
+                    ("mean", &gpu.mean, &cpu.mean, 1e-5),
+                    ("var", &gpu.var, &cpu.var, 1e-5),
+                ] {
+                    let e = rel_err(&a.to_device(&Device::Cpu).unwrap(), b);
+                    assert!(e <= t, "{what}: {name} rel err {e:e} > {t:e}");
+                }
+            }
+        }
+        // Eval on the GPU against the CPU.
+        let cs = case(4, 16, 5, 5, 7);
+        let x = cs.x.to_dtype(dtype).unwrap();
+        let rm = cs.beta.clone();
+        let rv = (cs.gamma.clone() + 0.5).unwrap();
+        let cpu = batch_norm_eval(&x, &cs.gamma, &cs.beta, &rm, &rv, EPS, true).unwrap();
+        let to = |t: &Tensor| t.to_device(&dev).unwrap();
+        let gpu = batch_norm_eval(&to(&x), &to(&cs.gamma), &to(&cs.beta), &to(&rm), &to(&rv), EPS, true).unwrap();
+        let e = rel_err(&gpu.to_device(&Device::Cpu).unwrap(), &cpu);
+        assert!(e <= tol, "{dtype:?} eval rel err {e:e}");
+    }
 }

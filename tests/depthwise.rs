@@ -32,10 +32,28 @@ impl Rng {
 /// `max |a - b| / max |b|`, compared in f32.
 fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-    let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let a = a
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let b = b
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let scale = b
+        .iter()
+        .fold(0f32, |m, v| m.max(v.abs()))
+        .max(f32::MIN_POSITIVE);
+    let diff = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
     assert!(diff.is_finite(), "non-finite difference");
     diff / scale
 }
@@ -57,11 +75,20 @@ fn run_with(
     let xv = Var::from_tensor(x).unwrap();
     let wv = Var::from_tensor(w).unwrap();
     let y = conv(xv.as_tensor(), wv.as_tensor()).unwrap();
-    let loss = (&y * r.to_dtype(y.dtype()).unwrap()).unwrap().sum_all().unwrap();
+    let loss = (&y * r.to_dtype(y.dtype()).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
     let grads = loss.backward().unwrap();
     Run {
-        dx: grads.get(xv.as_tensor()).expect("no gradient for x").clone(),
-        dw: grads.get(wv.as_tensor()).expect("no gradient for w").clone(),
+        dx: grads
+            .get(xv.as_tensor())
+            .expect("no gradient for x")
+            .clone(),
+        dw: grads
+            .get(wv.as_tensor())
+            .expect("no gradient for w")
+            .clone(),
         y,
     }
 }
@@ -110,8 +137,11 @@ fn matches_candle_grouped_conv_f32() {
         let case = format!("N={n} C={c} H={h} W={w} K={k} stride={s} pad={p}");
         assert_eq!(got.y.dims(), want.y.dims(), "{case}: output shape");
         assert_eq!(got.y.dtype(), DType::F32);
-        let (ey, edx, edw) =
-            (rel_err(&got.y, &want.y), rel_err(&got.dx, &want.dx), rel_err(&got.dw, &want.dw));
+        let (ey, edx, edw) = (
+            rel_err(&got.y, &want.y),
+            rel_err(&got.dx, &want.dx),
+            rel_err(&got.dw, &want.dw),
+        );
         assert!(ey < 1e-5, "{case}: forward relative error {ey}");
         assert!(edx < 1e-5, "{case}: input-gradient relative error {edx}");
         assert!(edw < 1e-5, "{case}: weight-gradient relative error {edw}");
@@ -148,7 +178,13 @@ fn non_contiguous_inputs() {
     assert_eq!(dxt.dims(), &[n, c, w, h]);
     assert!(rel_err(&dxt.transpose(2, 3).unwrap(), &want.dx) < 1e-5);
     assert!(rel_err(&dwide.narrow(3, 1, 3).unwrap(), &want.dw) < 1e-5);
-    let outside = dwide.narrow(3, 0, 1).unwrap().abs().unwrap().sum_all().unwrap();
+    let outside = dwide
+        .narrow(3, 0, 1)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap();
     assert_eq!(outside.to_scalar::<f32>().unwrap(), 0.0);
 }
 
@@ -182,8 +218,11 @@ fn check_half(dtype: DType, tol: f32) {
         let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
         let want = ours(&f(&x), &f(&wt), &f(&r), s, p);
         let case = format!("{dtype:?} N={n} C={c} H={h} W={w} K={k} stride={s} pad={p}");
-        let (ey, edx, edw) =
-            (rel_err(&got.y, &want.y), rel_err(&got.dx, &want.dx), rel_err(&got.dw, &want.dw));
+        let (ey, edx, edw) = (
+            rel_err(&got.y, &want.y),
+            rel_err(&got.dx, &want.dx),
+            rel_err(&got.dw, &want.dw),
+        );
         assert!(ey < tol, "{case}: forward relative error {ey}");
         assert!(edx < tol, "{case}: input-gradient relative error {edx}");
         assert!(edw < tol, "{case}: weight-gradient relative error {edw}");
@@ -209,14 +248,63 @@ fn invalid_arguments_are_errors() {
     let cases: Vec<(&str, Tensor, Tensor, usize, usize, &str)> = vec![
         ("3D input", z(&[4, 8, 8]), w.clone(), 1, 1, "[N, C, H, W]"),
         ("3D weight", x.clone(), z(&[4, 3, 3]), 1, 1, "[C, 1, K, K]"),
-        ("channel mismatch", x.clone(), z(&[5, 1, 3, 3]), 1, 1, "5 filters"),
-        ("not depthwise", x.clone(), z(&[4, 2, 3, 3]), 1, 1, "one input channel"),
-        ("non-square kernel", x.clone(), z(&[4, 1, 3, 5]), 1, 1, "square"),
-        ("kernel too large", z(&[1, 4, 2, 8]), w.clone(), 1, 0, "larger than the padded input"),
+        (
+            "channel mismatch",
+            x.clone(),
+            z(&[5, 1, 3, 3]),
+            1,
+            1,
+            "5 filters",
+        ),
+        (
+            "not depthwise",
+            x.clone(),
+            z(&[4, 2, 3, 3]),
+            1,
+            1,
+            "one input channel",
+        ),
+        (
+            "non-square kernel",
+            x.clone(),
+            z(&[4, 1, 3, 5]),
+            1,
+            1,
+            "square",
+        ),
+        (
+            "kernel too large",
+            z(&[1, 4, 2, 8]),
+            w.clone(),
+            1,
+            0,
+            "larger than the padded input",
+        ),
         ("zero stride", x.clone(), w.clone(), 0, 1, "stride"),
-        ("empty batch", z(&[0, 4, 8, 8]), w.clone(), 1, 1, "zero-sized"),
-        ("zero kernel", x.clone(), z(&[4, 1, 0, 0]), 1, 1, "at least 1"),
-        ("dtype mismatch", x.clone(), w.to_dtype(DType::F16).unwrap(), 1, 1, "dtype"),
+        (
+            "empty batch",
+            z(&[0, 4, 8, 8]),
+            w.clone(),
+            1,
+            1,
+            "zero-sized",
+        ),
+        (
+            "zero kernel",
+            x.clone(),
+            z(&[4, 1, 0, 0]),
+            1,
+            1,
+            "at least 1",
+        ),
+        (
+            "dtype mismatch",
+            x.clone(),
+            w.to_dtype(DType::F16).unwrap(),
+            1,
+            1,
+            "dtype",
+        ),
         (
             "unsupported dtype",
             x.to_dtype(DType::F64).unwrap(),
@@ -228,11 +316,20 @@ fn invalid_arguments_are_errors() {
     ];
     for (name, x, w, s, p, needle) in cases {
         match depthwise_conv2d(&x, &w, s, p) {
-            Ok(y) => panic!("{name}: expected an error, got a tensor of shape {:?}", y.dims()),
+            Ok(y) => panic!(
+                "{name}: expected an error, got a tensor of shape {:?}",
+                y.dims()
+            ),
             Err(e) => {
                 let msg = e.to_string();
-                assert!(msg.contains(needle), "{name}: message {msg:?} does not mention {needle:?}");
-                assert!(msg.contains("depthwise_conv2d"), "{name}: message {msg:?} names no op");
+                assert!(
+                    msg.contains(needle),
+                    "{name}: message {msg:?} does not mention {needle:?}"
+                );
+                assert!(
+                    msg.contains("depthwise_conv2d"),
+                    "{name}: message {msg:?} names no op"
+                );
             }
         }
     }
@@ -259,7 +356,11 @@ fn kernel_exactly_as_large_as_padded_input() {
 #[ignore = "needs a CUDA device"]
 fn cuda_matches_cpu() {
     let gpu = Device::new_cuda(0).expect("no CUDA device 0");
-    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 1e-2), (DType::BF16, 3e-2)] {
+    for (dtype, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::F16, 1e-2),
+        (DType::BF16, 3e-2),
+    ] {
         for (i, &(n, c, h, w, k, s, p)) in CASES.iter().enumerate() {
             let mut rng = Rng::new(2000 + i as u64);
             let x = rng.tensor(&[n, c, h, w]).to_dtype(dtype).unwrap();
@@ -303,5 +404,9 @@ fn tmp_timing() {
         best = (best.0.min(t1), best.1.min(t2));
         drop(g);
     }
-    eprintln!("best fwd {:.2} ms, bwd {:.2} ms", best.0 * 1e3, best.1 * 1e3);
+    eprintln!(
+        "best fwd {:.2} ms, bwd {:.2} ms",
+        best.0 * 1e3,
+        best.1 * 1e3
+    );
 }

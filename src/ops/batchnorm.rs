@@ -253,15 +253,12 @@ impl CustomOp3 for BnNorm {
         grad_y: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // The kernels read the upstream gradient as a dense array of x's dtype.
-        let t0 = std::time::Instant::now();
         let grad_y = grad_y.to_dtype(x.dtype())?.contiguous()?;
-        let t1 = t0.elapsed();
         let sums = x.apply_op3_no_bwd(
             &grad_y,
             y,
             &BnBwdReduce { stats: self.stats.clone(), eps: self.eps, relu: self.relu },
         )?;
-        eprintln!("reduce {:?}", t0.elapsed());
         // x is the input of a layer whose gradient nobody needs (e.g. raw data): skip the largest
         // output of the backward.
         let grad_x = if x.track_op() {
@@ -279,7 +276,6 @@ impl CustomOp3 for BnNorm {
         } else {
             None
         };
-        eprintln!("bwd: cast {t1:?} total {:?}", t0.elapsed());
         Ok((grad_x, Some(sums.get(0)?), Some(sums.get(1)?)))
     }
 }
@@ -593,10 +589,11 @@ mod cpu {
 
     // The reductions below keep eight independent f32 lanes so that the loops vectorize (a single
     // accumulator would force strictly sequential float adds); chunks_exact lets LLVM drop the
-    // bounds checks.
+    // bounds checks. They are called once per block and kept out of line: inlined into the plane
+    // loops, LLVM turned the ReLU mask into one branch per lane (measured 10-30× slower).
 
     /// `Σ x`.
-    #[inline(always)]
+    #[inline(never)]
     fn sum(x: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
         let xs = x.chunks_exact(8);
@@ -610,7 +607,7 @@ mod cpu {
     }
 
     /// `Σ (x - mu)²`.
-    #[inline(always)]
+    #[inline(never)]
     fn sum_sq_dev(x: &[f32], mu: f32) -> f32 {
         let mut acc = [0f32; 8];
         let xs = x.chunks_exact(8);
@@ -633,7 +630,7 @@ mod cpu {
     }
 
     /// `(Σ g', Σ g'·(x - mu))` with `g' = g` where `y > 0` (or everywhere when `y` is `None`), else 0.
-    #[inline(always)]
+    #[inline(never)]
     fn grad_sums(x: &[f32], g: &[f32], y: Option<&[f32]>, mu: f32) -> (f32, f32) {
         let (mut sg, mut sgx) = ([0f32; 8], [0f32; 8]);
         let n = x.len() / 8 * 8;
@@ -667,6 +664,37 @@ mod cpu {
             }
         }
         (sg.iter().sum::<f32>() + tg, sgx.iter().sum::<f32>() + tgx)
+    }
+
+    /// `out = (x - mu) * s + b`, then ReLU.
+    #[inline(never)]
+    fn normalize(x: &[f32], mu: f32, s: f32, b: f32, relu: bool, out: &mut [f32]) {
+        if relu {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = ((v - mu) * s + b).max(0.0);
+            }
+        } else {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = (v - mu) * s + b;
+            }
+        }
+    }
+
+    /// `out = a·(g' + b·(x - mu) + k)` with `g'` the ReLU-masked gradient (`[mu, a, b, k]`).
+    #[inline(never)]
+    fn input_grad(x: &[f32], g: &[f32], y: Option<&[f32]>, [mu, a, b, k]: [f32; 4], out: &mut [f32]) {
+        match y {
+            Some(y) => {
+                for (((o, &xv), &gv), &yv) in out.iter_mut().zip(x).zip(g).zip(y) {
+                    *o = a * (relu_mask(gv, yv) + b * (xv - mu) + k);
+                }
+            }
+            None => {
+                for ((o, &xv), &gv) in out.iter_mut().zip(x).zip(g) {
+                    *o = a * (gv + b * (xv - mu) + k);
+                }
+            }
+        }
     }
 
     /// Per-channel mean and biased variance, two-pass, as `[mean; var]` (length 2·C).
@@ -731,15 +759,7 @@ mod cpu {
                 for (xc, oc) in x[p * d.hw..(p + 1) * d.hw].chunks(BLK).zip(out.chunks_mut(BLK)) {
                     let xb = block(xc, &mut buf);
                     let rb = &mut res[..xb.len()];
-                    if relu {
-                        for (o, &v) in rb.iter_mut().zip(xb) {
-                            *o = ((v - mu) * s + b).max(0.0);
-                        }
-                    } else {
-                        for (o, &v) in rb.iter_mut().zip(xb) {
-                            *o = (v - mu) * s + b;
-                        }
-                    }
+                    normalize(xb, mu, s, b, relu, rb);
                     T::store(rb, oc);
                 }
             }
@@ -759,7 +779,6 @@ mod cpu {
         relu: bool,
     ) -> Vec<f32> {
         let (mean, var) = stats.split_at(d.c);
-        let t0 = std::time::Instant::now();
         let part = per_plane(x, d, |p, xp| {
             let mu = mean[p % d.c];
             let range = p * d.hw..(p + 1) * d.hw;
@@ -777,7 +796,6 @@ mod cpu {
             }
             acc
         });
-        eprintln!("per_plane {:?}", t0.elapsed());
         let tot = per_channel(&part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
         let grad_gamma = tot.iter().zip(var).map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
         let grad_beta = tot.iter().map(|t| t.0 as f32);
@@ -835,21 +853,9 @@ mod cpu {
                     let end = (start + BLK).min(d.hw);
                     let xb = block(&x[base + start..base + end], &mut bx);
                     let gb = block(&gy[base + start..base + end], &mut bg);
+                    let yb = if relu { Some(block(&y[base + start..base + end], &mut by)) } else { None };
                     let rb = &mut res[..xb.len()];
-                    match relu {
-                        true => {
-                            let yb = block(&y[base + start..base + end], &mut by);
-                            for (((o, &xv), &gv), &yv) in rb.iter_mut().zip(xb).zip(gb).zip(yb) {
-                                let g = relu_mask(gv, yv);
-                                *o = a * (g + b * (xv - mu) + k);
-                            }
-                        }
-                        false => {
-                            for ((o, &xv), &gv) in rb.iter_mut().zip(xb).zip(gb) {
-                                *o = a * (gv + b * (xv - mu) + k);
-                            }
-                        }
-                    }
+                    input_grad(xb, gb, yb, [mu, a, b, k], rb);
                     T::store(rb, &mut op[start..end]);
                 }
             }

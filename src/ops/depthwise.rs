@@ -65,7 +65,9 @@ fn op_error(msg: String) -> Error {
 fn check_dtype(dtype: DType) -> std::result::Result<(), String> {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => Ok(()),
-        other => Err(format!("unsupported dtype {other:?} (expected F32, F16 or BF16)")),
+        other => Err(format!(
+            "unsupported dtype {other:?} (expected F32, F16 or BF16)"
+        )),
     }
 }
 
@@ -248,7 +250,13 @@ impl CustomOp2 for DepthwiseConv2d {
         } else {
             None
         };
-        if std::env::var("TMP_DW").is_ok() { eprintln!("TMP dx {:.2} ms dw {:.2} ms", t1.as_secs_f64()*1e3, (t0.elapsed()-t1).as_secs_f64()*1e3); }
+        if std::env::var("TMP_DW").is_ok() {
+            eprintln!(
+                "TMP dx {:.2} ms dw {:.2} ms",
+                t1.as_secs_f64() * 1e3,
+                (t0.elapsed() - t1).as_secs_f64() * 1e3
+            );
+        }
         Ok((dx, dw))
     }
 }
@@ -360,15 +368,15 @@ fn dispatch_cpu<K: cpu::Dispatch>(
     kernel: K,
 ) -> candle_core::Result<CpuStorage> {
     Ok(match (s1, s2) {
-        (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(
-            kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?),
-        ),
-        (CpuStorage::F16(a), CpuStorage::F16(b)) => CpuStorage::F16(
-            kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?),
-        ),
-        (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16(
-            kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?),
-        ),
+        (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+            CpuStorage::F32(kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?))
+        }
+        (CpuStorage::F16(a), CpuStorage::F16(b)) => {
+            CpuStorage::F16(kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?))
+        }
+        (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
+            CpuStorage::BF16(kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?))
+        }
         (a, b) => {
             use candle_core::backend::BackendStorage;
             candle_core::bail!(
@@ -384,6 +392,8 @@ mod cpu {
     //! The CPU kernels. Each works on whole `(n, c)` planes, in `f32`, and threads split the
     //! planes into contiguous chunks.
 
+    use std::mem::MaybeUninit;
+
     use super::{bf16, f16, Geometry};
 
     /// Below this many multiply-adds per thread, spawning a thread costs more than it saves.
@@ -391,13 +401,11 @@ mod cpu {
 
     /// An element type the kernels load from and store to; all arithmetic is `f32`.
     pub(super) trait Elem: Copy + Send + Sync + 'static {
-        const ZERO: Self;
         fn to_f32(self) -> f32;
         fn from_f32(v: f32) -> Self;
     }
 
     impl Elem for f32 {
-        const ZERO: Self = 0.0;
         #[inline(always)]
         fn to_f32(self) -> f32 {
             self
@@ -409,7 +417,6 @@ mod cpu {
     }
 
     impl Elem for f16 {
-        const ZERO: Self = f16::ZERO;
         #[inline(always)]
         fn to_f32(self) -> f32 {
             f16::to_f32(self)
@@ -421,7 +428,6 @@ mod cpu {
     }
 
     impl Elem for bf16 {
-        const ZERO: Self = bf16::ZERO;
         #[inline(always)]
         fn to_f32(self) -> f32 {
             bf16::to_f32(self)
@@ -446,9 +452,15 @@ mod cpu {
         macs_per_plane: usize,
         work: impl Fn(usize, &mut [T]) + Sync,
     ) {
-        let planes = if plane_len == 0 { 0 } else { out.len() / plane_len };
+        let planes = if plane_len == 0 {
+            0
+        } else {
+            out.len() / plane_len
+        };
         let by_work = (planes * macs_per_plane / MIN_MACS_PER_THREAD).max(1);
-        let threads = candle_core::utils::get_num_threads().min(planes).min(by_work);
+        let threads = candle_core::utils::get_num_threads()
+            .min(planes)
+            .min(by_work);
         if threads <= 1 {
             work(0, out);
             return;
@@ -484,7 +496,12 @@ mod cpu {
             let padded_h = g.height + 2 * g.pad;
             let phase_len = (g.width + 2 * g.pad).div_ceil(g.stride);
             let row_len = phase_len * g.stride;
-            Self { g: *g, phase_len, row_len, buf: vec![0.0; padded_h * row_len] }
+            Self {
+                g: *g,
+                phase_len,
+                row_len,
+                buf: vec![0.0; padded_h * row_len],
+            }
         }
 
         /// Index of the first element tap column `kx` reads in padded row `y`; the next
@@ -527,27 +544,44 @@ mod cpu {
         }
 
         /// Reads the interior back into an input-shaped plane (the inverse of `load`).
-        fn store<T: Elem>(&self, plane: &mut [T]) {
+        fn store<T: Elem>(&self, plane: &mut [MaybeUninit<T>]) {
             let (w, pad, s) = (self.g.width, self.g.pad, self.g.stride);
             for (iy, dst) in plane.chunks_exact_mut(w).enumerate() {
                 let base = (iy + pad) * self.row_len;
                 if s == 1 {
                     let src = &self.buf[base + pad..base + pad + w];
                     for (d, &v) in dst.iter_mut().zip(src) {
-                        *d = T::from_f32(v);
+                        d.write(T::from_f32(v));
                     }
                 } else {
+                    // Phase `r` holds input columns col0, col0 + s, ...; together the phases
+                    // cover every column, so the whole plane is written.
                     for r in 0..s {
                         let (col0, j0) = self.phase_start(r);
                         let start = base + r * self.phase_len + j0;
                         let src = &self.buf[start..base + (r + 1) * self.phase_len];
                         for (d, &v) in dst.iter_mut().skip(col0).step_by(s).zip(src) {
-                            *d = T::from_f32(v);
+                            d.write(T::from_f32(v));
                         }
                     }
                 }
             }
         }
+    }
+
+    /// A `len`-element vector that `fill` initialises completely, without first zeroing it: the
+    /// kernels write every output element anyway, and zeroing a multi-megabyte output is a
+    /// full extra pass over memory (plus, once the allocator reuses freed memory, a `memset`).
+    fn uninit_vec<T: Elem>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+        let mut v: Vec<MaybeUninit<T>> = Vec::with_capacity(len);
+        // SAFETY: `MaybeUninit` elements need no initialisation.
+        unsafe { v.set_len(len) };
+        fill(&mut v);
+        let mut v = std::mem::ManuallyDrop::new(v);
+        // SAFETY: each caller's `fill` writes every element (its loops cover every plane, row
+        // and column of the output), `MaybeUninit<T>` has the layout of `T`, and the pointer,
+        // length and capacity come from a live `Vec` that is not dropped.
+        unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
     }
 
     /// `acc[i] += scale * src[i]`, the one inner loop of forward and input gradient.
@@ -577,29 +611,29 @@ mod cpu {
             let (k, s, out_w) = (g.k, g.stride, g.out_w);
             let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
             let wf = weights_f32(w);
-            let mut y = vec![T::ZERO; g.planes() * out_plane];
-            parallel_planes(&mut y, out_plane, g.macs_per_plane(), |first, chunk| {
-                let mut padded = Padded::new(g);
-                let mut acc = vec![0f32; out_w];
-                for (i, y_plane) in chunk.chunks_exact_mut(out_plane).enumerate() {
-                    let p = first + i;
-                    padded.load(&x[p * in_plane..(p + 1) * in_plane]);
-                    let wk = &wf[(p % g.c) * k * k..][..k * k];
-                    for (oy, y_row) in y_plane.chunks_exact_mut(out_w).enumerate() {
-                        acc.fill(0.0);
-                        for ky in 0..k {
-                            for kx in 0..k {
-                                let at = padded.tap(oy * s + ky, kx);
-                                axpy(&mut acc, wk[ky * k + kx], &padded.buf[at..at + out_w]);
+            uninit_vec(g.planes() * out_plane, |y| {
+                parallel_planes(y, out_plane, g.macs_per_plane(), |first, chunk| {
+                    let mut padded = Padded::new(g);
+                    let mut acc = vec![0f32; out_w];
+                    for (i, y_plane) in chunk.chunks_exact_mut(out_plane).enumerate() {
+                        let p = first + i;
+                        padded.load(&x[p * in_plane..(p + 1) * in_plane]);
+                        let wk = &wf[(p % g.c) * k * k..][..k * k];
+                        for (oy, y_row) in y_plane.chunks_exact_mut(out_w).enumerate() {
+                            acc.fill(0.0);
+                            for ky in 0..k {
+                                for kx in 0..k {
+                                    let at = padded.tap(oy * s + ky, kx);
+                                    axpy(&mut acc, wk[ky * k + kx], &padded.buf[at..at + out_w]);
+                                }
+                            }
+                            for (o, &a) in y_row.iter_mut().zip(&acc) {
+                                o.write(T::from_f32(a));
                             }
                         }
-                        for (o, &a) in y_row.iter_mut().zip(&acc) {
-                            *o = T::from_f32(a);
-                        }
                     }
-                }
-            });
-            y
+                })
+            })
         }
     }
 
@@ -614,31 +648,31 @@ mod cpu {
             let (k, s, out_w) = (g.k, g.stride, g.out_w);
             let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
             let wf = weights_f32(w);
-            let mut dx = vec![T::ZERO; g.planes() * in_plane];
-            parallel_planes(&mut dx, in_plane, g.macs_per_plane(), |first, chunk| {
-                let mut padded = Padded::new(g);
-                let mut dy_f32 = vec![0f32; out_plane];
-                for (i, dx_plane) in chunk.chunks_exact_mut(in_plane).enumerate() {
-                    let p = first + i;
-                    padded.buf.fill(0.0);
-                    let wk = &wf[(p % g.c) * k * k..][..k * k];
-                    to_f32_row(&mut dy_f32, &dy[p * out_plane..(p + 1) * out_plane]);
-                    // `kx` outermost: taps `kx` and `kx + 1` update overlapping ranges shifted by
-                    // one element, and reading back a just-stored, differently aligned range
-                    // stalls store-to-load forwarding (this order was ~3x faster than ky, kx
-                    // innermost). Within one `kx` the updates stay aligned.
-                    for kx in 0..k {
-                        for (oy, row) in dy_f32.chunks_exact(out_w).enumerate() {
-                            for ky in 0..k {
-                                let at = padded.tap(oy * s + ky, kx);
-                                axpy(&mut padded.buf[at..at + out_w], wk[ky * k + kx], row);
+            uninit_vec(g.planes() * in_plane, |dx| {
+                parallel_planes(dx, in_plane, g.macs_per_plane(), |first, chunk| {
+                    let mut padded = Padded::new(g);
+                    let mut dy_f32 = vec![0f32; out_plane];
+                    for (i, dx_plane) in chunk.chunks_exact_mut(in_plane).enumerate() {
+                        let p = first + i;
+                        padded.buf.fill(0.0);
+                        let wk = &wf[(p % g.c) * k * k..][..k * k];
+                        to_f32_row(&mut dy_f32, &dy[p * out_plane..(p + 1) * out_plane]);
+                        // `kx` outermost: taps `kx` and `kx + 1` update overlapping ranges shifted by
+                        // one element, and reading back a just-stored, differently aligned range
+                        // stalls store-to-load forwarding (this order was ~3x faster than ky, kx
+                        // innermost). Within one `kx` the updates stay aligned.
+                        for kx in 0..k {
+                            for (oy, row) in dy_f32.chunks_exact(out_w).enumerate() {
+                                for ky in 0..k {
+                                    let at = padded.tap(oy * s + ky, kx);
+                                    axpy(&mut padded.buf[at..at + out_w], wk[ky * k + kx], row);
+                                }
                             }
                         }
+                        padded.store(dx_plane);
                     }
-                    padded.store(dx_plane);
-                }
-            });
-            dx
+                })
+            })
         }
     }
 
@@ -927,7 +961,9 @@ DW_KERNELS(bf16, bfloat16)
     fn u32_dim(what: &str, v: usize) -> candle_core::Result<u32> {
         match u32::try_from(v) {
             Ok(v) if v <= i32::MAX as u32 => Ok(v),
-            _ => candle_core::bail!("depthwise_conv2d: {what} = {v} is too large for the CUDA kernel"),
+            _ => candle_core::bail!(
+                "depthwise_conv2d: {what} = {v} is too large for the CUDA kernel"
+            ),
         }
     }
 
@@ -947,7 +983,11 @@ DW_KERNELS(bf16, bfloat16)
         })
     }
 
-    fn view<'a, T>(slice: &'a CudaSlice<T>, layout: &Layout, what: &str) -> candle_core::Result<CudaView<'a, T>> {
+    fn view<'a, T>(
+        slice: &'a CudaSlice<T>,
+        layout: &Layout,
+        what: &str,
+    ) -> candle_core::Result<CudaView<'a, T>> {
         match layout.contiguous_offsets() {
             Some((start, end)) => Ok(slice.slice(start..end)),
             None => candle_core::bail!("depthwise_conv2d: {what} must be contiguous"),

@@ -103,7 +103,9 @@ pub fn forward_backward(
         let saved = inputs.pop().expect("one saved input per segment");
         // The first segment's input is the data: no gradient needed, no variable copy.
         let (input_var, seg_in) = if i > 0 {
+            // A variable needs its own storage: copy, then free the saved tensor right away.
             let v = Var::from_tensor(&saved)?;
+            drop(saved);
             let t = v.as_tensor().clone();
             (Some(v), t)
         } else {

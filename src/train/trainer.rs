@@ -61,28 +61,28 @@ pub struct Trainer {
     pub device: Device,
     /// The model.
     pub model: Cnn,
-    vars: Vec<Var>,
+    pub(crate) vars: Vec<Var>,
     /// The optimizer and its state.
     pub optimizer: Optimizer,
     /// The f16 loss scaler (None for f32/bf16).
     pub scaler: Option<LossScaler>,
-    probe: Arc<dyn MemoryProbe>,
-    memory_log: Arc<Mutex<MemoryLog>>,
-    callbacks: CallbackList,
-    train: Arc<Dataset>,
-    eval: Arc<Dataset>,
-    eval_is_validation: bool,
-    data_description: String,
-    run_dir: PathBuf,
-    stop: Option<Arc<AtomicBool>>,
+    pub(crate) probe: Arc<dyn MemoryProbe>,
+    pub(crate) memory_log: Arc<Mutex<MemoryLog>>,
+    pub(crate) callbacks: CallbackList,
+    pub(crate) train: Arc<Dataset>,
+    pub(crate) eval: Arc<Dataset>,
+    pub(crate) eval_is_validation: bool,
+    pub(crate) data_description: String,
+    pub(crate) run_dir: PathBuf,
+    pub(crate) stop: Option<Arc<AtomicBool>>,
     /// Optimizer steps taken.
     pub global_step: usize,
     /// Epoch to start at (0, or later when resuming).
     pub start_epoch: usize,
     /// Batch within `start_epoch` to start at.
     pub start_batch: usize,
-    steps_per_epoch: usize,
-    total_steps: usize,
+    pub(crate) steps_per_epoch: usize,
+    pub(crate) total_steps: usize,
 }
 
 /// `runs/<UTC timestamp>` for a run without `--out`.

@@ -1,0 +1,47 @@
+//! Each optimization lowers the measured peak (counting allocator) by at least 10% at a
+//! test-sized shape. One test function: the counters are process-wide.
+
+mod common;
+
+use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::memory::CountingAllocator;
+use memtrain::model::cnn::param_count;
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+/// Peak bytes above the pre-training baseline over two training steps.
+fn training_peak(cfg: TrainConfig) -> u64 {
+    let mut t = common::trainer(cfg);
+    let s = t.fit().unwrap();
+    assert!(s.probe_available);
+    let log = t.memory_log();
+    let b = &log.batches[1];
+    eprintln!(
+        "  {}: forward {} backward {} optimizer {} (baseline {})",
+        s.label, b.forward_peak, b.backward_peak, b.optimizer_peak, s.baseline_bytes
+    );
+    s.step_peak_bytes - s.baseline_bytes
+}
+
+#[test]
+fn each_optimization_lowers_the_peak() {
+    let base = TrainConfig { width: 16, batch_size: 64, synthetic_train: 128, max_steps: Some(2), ..common::tiny_config() };
+    let f32_peak = training_peak(base.clone());
+    let check = |name: &str, peak: u64| {
+        let ratio = peak as f64 / f32_peak as f64;
+        eprintln!("{name}: {peak} bytes vs baseline {f32_peak} ({:.1}%)", ratio * 100.0);
+        assert!(ratio <= 0.9, "{name} must lower the peak by at least 10%: {peak} vs {f32_peak}");
+    };
+    check("f16", training_peak(TrainConfig { precision: Precision::F16, ..base.clone() }));
+    check("bf16", training_peak(TrainConfig { precision: Precision::Bf16, ..base.clone() }));
+    check("checkpoint stages", training_peak(TrainConfig { checkpoint: Checkpointing::Stages, ..base.clone() }));
+    check("checkpoint blocks", training_peak(TrainConfig { checkpoint: Checkpointing::Blocks, ..base.clone() }));
+    check("accum 4", training_peak(TrainConfig { accum_steps: 4, ..base.clone() }));
+    check("separable", training_peak(TrainConfig { conv: ConvKind::Separable, ..base.clone() }));
+    let (std_p, sep_p) = (param_count(16, ConvKind::Standard), param_count(16, ConvKind::Separable));
+    assert!((sep_p as f64) < 0.9 * std_p as f64, "separable parameters {sep_p} vs standard {std_p}");
+    // The model built agrees with the closed form.
+    assert_eq!(common::trainer(base.clone()).model.num_params(), std_p);
+    assert_eq!(param_count(32, ConvKind::Standard), 307_946, "308k parameters at width 32");
+}

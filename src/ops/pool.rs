@@ -205,30 +205,42 @@ mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::{CudaStorage, DType, Layout};
 
+    // Plain CUDA C without headers (NVRTC gets no include path): 16-bit types travel as raw
+    // u16 and are widened with a PTX cvt (f16) or a shift (bf16) only for the comparison;
+    // values are copied bit for bit.
     const SRC: &str = r#"
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-template <typename T> __device__ __forceinline__ float tof(T v) { return (float)v; }
-template <> __device__ __forceinline__ float tof<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float tof<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ void pool(const T* x, const T* dy, T* out, unsigned long long windows, unsigned int h, unsigned int w) {
-    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    if (i >= windows) return;
-    unsigned int wo = w / 2, ho = h / 2;
-    unsigned long long p = i / (ho * wo);
-    unsigned int r = i % (ho * wo), oy = r / wo, ox = r % wo;
-    unsigned long long base = p * h * w + 2ull * oy * w + 2ull * ox;
-    unsigned long long idx[4] = {base, base + 1, base + w, base + w + 1};
-    int best = 0; float bv = tof(x[idx[0]]);
-    for (int k = 1; k < 4; k++) { float v = tof(x[idx[k]]); if (v > bv) { bv = v; best = k; } }
-    if (dy == nullptr) { out[i] = x[idx[best]]; }
-    else { for (int k = 0; k < 4; k++) out[idx[k]] = (k == best) ? dy[i] : (T)0.0f; }
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+__device__ __forceinline__ float ld_f32(const float* p, u64 i) { return p[i]; }
+__device__ __forceinline__ float ld_f16(const u16* p, u64 i) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i])); return f; }
+__device__ __forceinline__ float ld_bf16(const u16* p, u64 i) { return __uint_as_float(((u32)p[i]) << 16); }
+#define POOL(NAME, T, LD) \
+extern "C" __global__ void NAME(const T* x, const T* dy, T* out, u64 windows, u32 h, u32 w) { \
+    u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; \
+    if (i >= windows) return; \
+    u32 wo = w / 2, ho = h / 2; \
+    u64 p = i / ((u64)ho * wo); \
+    u32 r = (u32)(i % ((u64)ho * wo)), oy = r / wo, ox = r % wo; \
+    u64 base = p * h * w + 2ull * oy * w + 2ull * ox; \
+    u64 idx[4] = {base, base + 1, base + w, base + w + 1}; \
+    int best = 0; float bv = LD(x, idx[0]); \
+    for (int k = 1; k < 4; k++) { float v = LD(x, idx[k]); if (v > bv) { bv = v; best = k; } } \
+    if (dy == 0) { out[i] = x[idx[best]]; } \
+    else { for (int k = 0; k < 4; k++) out[idx[k]] = (k == best) ? dy[i] : (T)0; } \
 }
-extern "C" __global__ void pool_f32(const float* x, const float* dy, float* o, unsigned long long n, unsigned int h, unsigned int w) { pool(x, dy, o, n, h, w); }
-extern "C" __global__ void pool_f16(const __half* x, const __half* dy, __half* o, unsigned long long n, unsigned int h, unsigned int w) { pool(x, dy, o, n, h, w); }
-extern "C" __global__ void pool_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* o, unsigned long long n, unsigned int h, unsigned int w) { pool(x, dy, o, n, h, w); }
+POOL(pool_f32, float, ld_f32)
+POOL(pool_f16, u16, ld_f16)
+POOL(pool_bf16, u16, ld_bf16)
 "#;
+
+    /// The PTX, compiled once per process; a compile failure is remembered and reported.
+    fn ptx() -> candle_core::Result<&'static str> {
+        static PTX: std::sync::OnceLock<std::result::Result<String, String>> = std::sync::OnceLock::new();
+        PTX.get_or_init(|| cudarc::nvrtc::compile_ptx(SRC).map(|p| p.to_src()).map_err(|e| e.to_string()))
+            .as_deref()
+            .map_err(|e| candle_core::Error::Cuda(format!("max_pool2x2: NVRTC could not compile the kernels: {e}").into()))
+    }
 
     /// Forward (`grad` None) or backward: one thread per 2x2 window.
     pub fn pool(
@@ -247,7 +259,7 @@ extern "C" __global__ void pool_bf16(const __nv_bfloat16* x, const __nv_bfloat16
         let (xo, _) = xl.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("max_pool2x2: non-contiguous".into()))?;
         macro_rules! run {
             ($t:ty, $name:literal) => {{
-                let func = dev.get_or_load_custom_func($name, "memtrain_pool", SRC)?;
+                let func = dev.get_or_load_custom_func($name, "memtrain_pool", ptx()?)?;
                 let xs = x.as_cuda_slice::<$t>()?.slice(xo..);
                 let out = unsafe { dev.alloc::<$t>(out_len)? };
                 let mut b = func.builder();

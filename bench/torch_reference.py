@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""PyTorch reference for memtrain: the same network, data and recipe, timed and measured.
+
+Prints one JSON object: images/s of the training step and peak memory
+(torch.cuda.max_memory_allocated, plus torch.cuda.mem_get_info for the device-wide view on CUDA;
+the process's max RSS on the CPU). Flags mirror train_cifar10's.
+
+    python3 bench/torch_reference.py --device cpu --threads 2 --batch-size 128 --steps 20
+    python3 bench/torch_reference.py --device cuda --batch-size 512 --precision bf16
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as ckpt
+
+MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
+STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+
+
+class Block(nn.Module):
+    """3x3 conv (dense or depthwise+pointwise, no bias) -> BatchNorm -> ReLU [-> 2x2 max-pool]."""
+
+    def __init__(self, cin, cout, separable, pool):
+        super().__init__()
+        if separable:
+            self.conv = nn.Sequential(
+                nn.Conv2d(cin, cin, 3, padding=1, groups=cin, bias=False),
+                nn.Conv2d(cin, cout, 1, bias=False),
+            )
+        else:
+            self.conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+        self.pool = pool
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(x)))
+        return F.max_pool2d(x, 2) if self.pool else x
+
+
+class Net(nn.Module):
+    def __init__(self, width, separable, checkpointing):
+        super().__init__()
+        w = width
+        chans = [(3, w), (w, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w)]
+        self.blocks = nn.ModuleList(Block(i, o, separable, k % 2 == 1) for k, (i, o) in enumerate(chans))
+        self.head = nn.Linear(4 * w * 16, 10)
+        self.checkpointing = checkpointing
+
+    def forward(self, x):
+        if self.checkpointing == "none":
+            for b in self.blocks:
+                x = b(x)
+        else:
+            step = 2 if self.checkpointing == "stages" else 1
+            for i in range(0, len(self.blocks), step):
+                seg = nn.Sequential(*self.blocks[i : i + step])
+                x = ckpt(seg, x, use_reentrant=False)
+        return self.head(x.flatten(1))
+
+
+def load_cifar(data_dir, n):
+    """Images from CIFAR-10 binary files (1 label byte + 3072 pixel bytes, R,G,B planes)."""
+    import numpy as np
+
+    files = sorted(f for f in os.listdir(data_dir) if f.startswith("data_batch_") and f.endswith(".bin"))
+    raw = np.concatenate([np.fromfile(os.path.join(data_dir, f), dtype=np.uint8) for f in files])
+    rec = raw.reshape(-1, 3073)[:n]
+    x = torch.from_numpy(rec[:, 1:].reshape(-1, 3, 32, 32).astype("float32") / 255.0)
+    y = torch.from_numpy(rec[:, 0].astype("int64"))
+    return (x - MEAN) / STD, y
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--precision", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--accum-steps", type=int, default=1)
+    p.add_argument("--checkpoint", choices=["none", "stages", "blocks"], default="none")
+    p.add_argument("--conv", choices=["standard", "separable"], default="standard")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--data-dir", default=None, help="CIFAR-10 binary dir; random images without it")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    if a.batch_size <= 0 or a.batch_size % a.accum_steps:
+        sys.exit("error: --batch-size must be positive and divisible by --accum-steps")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+
+    n = a.batch_size * 4
+    if a.data_dir:
+        x_all, y_all = load_cifar(a.data_dir, n)
+        reps = -(-n // len(x_all))
+        x_all, y_all = x_all.repeat(reps, 1, 1, 1)[:n], y_all.repeat(reps)[:n]
+    else:
+        x_all, y_all = torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+
+    model = Net(a.width, a.conv == "separable", a.checkpoint).to(dev).to(memory_format=torch.channels_last if cuda else torch.contiguous_format)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    dtype = {"f32": None, "f16": torch.float16, "bf16": torch.bfloat16}[a.precision]
+    scaler = torch.amp.GradScaler(dev.type, enabled=a.precision == "f16")
+    mb = a.batch_size // a.accum_steps
+
+    def step(i):
+        lo = (i * a.batch_size) % n
+        xb = x_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
+        yb = y_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        for k in range(a.accum_steps):
+            xs, ys = xb[k * mb : (k + 1) * mb], yb[k * mb : (k + 1) * mb]
+            with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(model(xs).float(), ys) / a.accum_steps
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    for i in range(a.warmup):
+        step(i)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(a.steps):
+        loss = step(a.warmup + i)
+    sync()
+    secs = time.perf_counter() - t0
+    out = {
+        "framework": f"pytorch {torch.__version__}",
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "threads": torch.get_num_threads(),
+        "batch_size": a.batch_size,
+        "width": a.width,
+        "precision": a.precision,
+        "accum_steps": a.accum_steps,
+        "checkpoint": a.checkpoint,
+        "conv": a.conv,
+        "steps": a.steps,
+        "images_per_sec": a.steps * a.batch_size / secs,
+        "final_loss": float(loss.detach().float() * a.accum_steps),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    if cuda:
+        free, total = torch.cuda.mem_get_info(dev)
+        out["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+        out["device_used_bytes"] = total - free
+    else:
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

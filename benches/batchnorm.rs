@@ -89,7 +89,11 @@ struct Case {
 }
 
 impl Case {
-    fn new(shape: (usize, usize, usize, usize), dtype: DType, dev: &Device) -> candle_core::Result<Self> {
+    fn new(
+        shape: (usize, usize, usize, usize),
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
         let c = shape.1;
         Ok(Self {
             x: Var::from_tensor(&(Tensor::randn(0f32, 1.0, shape, dev)? + 0.5)?.to_dtype(dtype)?)?,
@@ -100,7 +104,11 @@ impl Case {
     }
 
     fn forward(&self, imp: Impl) -> candle_core::Result<Tensor> {
-        let (x, gamma, beta) = (self.x.as_tensor(), self.gamma.as_tensor(), self.beta.as_tensor());
+        let (x, gamma, beta) = (
+            self.x.as_tensor(),
+            self.gamma.as_tensor(),
+            self.beta.as_tensor(),
+        );
         match imp {
             Impl::Ours => batch_norm_train(x, gamma, beta, EPS, true)
                 .map(|(y, _, _)| y)
@@ -158,7 +166,11 @@ fn mib(b: usize) -> f64 {
 }
 
 fn name(shape: (usize, usize, usize, usize), dtype: DType) -> String {
-    format!("{}x{}x{}x{}_{:?}", shape.0, shape.1, shape.2, shape.3, dtype).to_lowercase()
+    format!(
+        "{}x{}x{}x{}_{:?}",
+        shape.0, shape.1, shape.2, shape.3, dtype
+    )
+    .to_lowercase()
 }
 
 fn summary(dev: &Device) -> candle_core::Result<()> {
@@ -168,33 +180,88 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
         .filter(|&r| r > 0)
         .unwrap_or(5);
     println!(
-        "batch norm + relu, forward+backward on {:?} ({} CPU threads); median of {reps} runs; peak = host bytes allocated above the inputs",
+        "batch norm + relu on {:?} ({} CPU threads); median of {reps} runs.\n\
+         fwd: forward only; f+b: forward, loss Σy·g and backward; loss: that loss and its backward alone \
+         (Σx·g), which f+b includes; bn: f+b − loss, the batch norm's own share; peak: host bytes allocated \
+         above the inputs during f+b",
         dev.location(),
         candle_core::utils::get_num_threads()
     );
     println!(
-        "{:<22} {:>10} {:>10} {:>7} {:>11} {:>11}",
-        "case", "ours", "candle", "x", "peak ours", "peak candle"
+        "{:<20} {:>9} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>10} {:>10}",
+        "case",
+        "fwd ours",
+        "candle",
+        "x",
+        "f+b ours",
+        "candle",
+        "loss",
+        "bn ours",
+        "candle",
+        "x",
+        "peak ours",
+        "candle"
     );
     for shape in SHAPES {
         for dtype in [DType::F32, DType::F16] {
             let case = Case::new(shape, dtype, dev)?;
-            let mut t = [Duration::ZERO; 2];
+            let mut fwd = [Duration::ZERO; 2];
+            let mut fb = [Duration::ZERO; 2];
             let mut peak = [0usize; 2];
             for (i, imp) in [Impl::Ours, Impl::Candle].into_iter().enumerate() {
-                t[i] = time_median(reps, dev, || {
+                fwd[i] = time_median(reps, dev, || {
+                    black_box(case.forward(imp).unwrap());
+                });
+                fb[i] = time_median(reps, dev, || {
                     black_box(case.forward_backward(imp).unwrap());
                 });
                 peak[i] = peak_extra(|| case.forward_backward(imp).unwrap()).0;
             }
+            let loss = time_median(reps, dev, || {
+                let l = (case.x.as_tensor() * &case.grad_y)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
+                black_box(l.backward().unwrap());
+            });
+            let ms = |d: Duration| format!("{:.2}ms", d.as_secs_f64() * 1e3);
+            let ratio =
+                |a: Duration, b: Duration| format!("{:.1}x", b.as_secs_f64() / a.as_secs_f64());
             // Host allocations say nothing about GPU memory.
-            let peak_str = |b: usize| if dev.is_cpu() { format!("{:.1}MiB", mib(b)) } else { "-".into() };
+            let peak_str = |b: usize| {
+                if dev.is_cpu() {
+                    format!("{:.1}MiB", mib(b))
+                } else {
+                    "-".into()
+                }
+            };
+            // A difference of two medians: on a busy machine it can come out at or below zero,
+            // which says only that the batch norm's share drowned in the noise.
+            let bn = [fb[0].saturating_sub(loss), fb[1].saturating_sub(loss)];
+            let bn_ms = |d: Duration| {
+                if d.is_zero() {
+                    "noise".to_string()
+                } else {
+                    ms(d)
+                }
+            };
+            let bn_ratio = if bn[0].is_zero() || bn[1].is_zero() {
+                "-".to_string()
+            } else {
+                ratio(bn[0], bn[1])
+            };
             println!(
-                "{:<22} {:>8.2}ms {:>8.2}ms {:>6.1}x {:>11} {:>11}",
+                "{:<20} {:>9} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>10} {:>10}",
                 name(shape, dtype),
-                t[0].as_secs_f64() * 1e3,
-                t[1].as_secs_f64() * 1e3,
-                t[1].as_secs_f64() / t[0].as_secs_f64(),
+                ms(fwd[0]),
+                ms(fwd[1]),
+                ratio(fwd[0], fwd[1]),
+                ms(fb[0]),
+                ms(fb[1]),
+                ms(loss),
+                bn_ms(bn[0]),
+                bn_ms(bn[1]),
+                bn_ratio,
                 peak_str(peak[0]),
                 peak_str(peak[1]),
             );
@@ -214,7 +281,9 @@ fn main() {
         Err(e) => println!("no CUDA device, GPU table skipped: {e}"),
     }
 
+    // No plots: criterion's plotting backend needs system fonts, which CI images may lack.
     let mut c = Criterion::default()
+        .without_plots()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))

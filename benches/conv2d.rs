@@ -87,12 +87,36 @@ impl Layer {
 }
 
 const LAYERS: [Layer; 6] = [
-    Layer { cin: 3, cout: 32, hw: 32 },
-    Layer { cin: 32, cout: 32, hw: 32 },
-    Layer { cin: 32, cout: 64, hw: 16 },
-    Layer { cin: 64, cout: 64, hw: 16 },
-    Layer { cin: 64, cout: 128, hw: 8 },
-    Layer { cin: 128, cout: 128, hw: 8 },
+    Layer {
+        cin: 3,
+        cout: 32,
+        hw: 32,
+    },
+    Layer {
+        cin: 32,
+        cout: 32,
+        hw: 32,
+    },
+    Layer {
+        cin: 32,
+        cout: 64,
+        hw: 16,
+    },
+    Layer {
+        cin: 64,
+        cout: 64,
+        hw: 16,
+    },
+    Layer {
+        cin: 64,
+        cout: 128,
+        hw: 8,
+    },
+    Layer {
+        cin: 128,
+        cout: 128,
+        hw: 8,
+    },
 ];
 
 #[derive(Clone, Copy, PartialEq)]
@@ -122,15 +146,23 @@ impl Case {
     fn new(l: Layer, dtype: DType, dev: &Device) -> candle_core::Result<Self> {
         let x = Tensor::randn(0f32, 1.0, (BATCH, l.cin, l.hw, l.hw), dev)?.to_dtype(dtype)?;
         let w = Var::from_tensor(
-            &(Tensor::randn(0f32, 1.0, (l.cout, l.cin, 3, 3), dev)? * (2.0 / (9 * l.cin) as f64).sqrt())?
-                .to_dtype(dtype)?,
+            &(Tensor::randn(0f32, 1.0, (l.cout, l.cin, 3, 3), dev)?
+                * (2.0 / (9 * l.cin) as f64).sqrt())?
+            .to_dtype(dtype)?,
         )?;
-        let x_var = if l.cin == 3 { None } else { Some(Var::from_tensor(&x)?) };
+        let x_var = if l.cin == 3 {
+            None
+        } else {
+            Some(Var::from_tensor(&x)?)
+        };
         Ok(Self { x, x_var, w })
     }
 
     fn input(&self) -> &Tensor {
-        self.x_var.as_ref().map(|v| v.as_tensor()).unwrap_or(&self.x)
+        self.x_var
+            .as_ref()
+            .map(|v| v.as_tensor())
+            .unwrap_or(&self.x)
     }
 
     fn forward(&self, imp: Impl) -> candle_core::Result<Tensor> {
@@ -247,7 +279,9 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
                 // difference between the two is the convolutions' own transients.
                 peak_extra(|| case.forward_backward(imp).expect("forward+backward")).0
             } else {
-                peak_extra(|| case.forward(imp).expect("forward")).0.saturating_sub(out_bytes)
+                peak_extra(|| case.forward(imp).expect("forward"))
+                    .0
+                    .saturating_sub(out_bytes)
             };
         }
         let computed_ours = im2col_chunk_bytes(BATCH, l.cin, 3, l.hw, l.hw, DType::F32);
@@ -272,7 +306,10 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
             black_box(case.forward(Impl::Ours).expect("bf16 forward"));
         });
         bf_fb += time_best(reps, dev, || {
-            black_box(case.forward_backward(Impl::Ours).expect("bf16 forward+backward"));
+            black_box(
+                case.forward_backward(Impl::Ours)
+                    .expect("bf16 forward+backward"),
+            );
         });
     }
     println!(
@@ -285,7 +322,9 @@ fn summary(dev: &Device) -> candle_core::Result<()> {
         "-",
     );
     println!();
-    println!("peak transient memory, MiB (measured with a counting allocator; 'computed' = formula)");
+    println!(
+        "peak transient memory, MiB (measured with a counting allocator; 'computed' = formula)"
+    );
     println!(
         "{:<12} {:>10} {:>10} {:>12} {:>12} {:>12} {:>12}",
         "layer", "fwd ours", "candle", "f+b ours", "candle", "ours comp.", "full im2col"
@@ -314,7 +353,9 @@ fn main() -> candle_core::Result<()> {
     let dev = Device::Cpu;
     summary(&dev)?;
 
+    // No plots: the plotters backend needs system fonts, which headless machines lack.
     let mut c = Criterion::default()
+        .without_plots()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))

@@ -79,5 +79,10 @@ fn benches(c: &mut Criterion) {
     }
 }
 
-criterion_group!(depthwise, benches);
+criterion_group! {
+    name = depthwise;
+    // No plots: the plotters backend needs system fonts and panics without them.
+    config = Criterion::default().without_plots();
+    targets = benches
+}
 criterion_main!(depthwise);

@@ -4,23 +4,69 @@
 
 use memtrain::cli::{parse_train_args, TrainCommand};
 use memtrain::config::ConvKind;
+use memtrain::memory::estimate::{estimate, DataSize, DeviceKind};
+use memtrain::plan::{plan, PlanOptions}; // [plan]
 use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::model::cnn::param_count;
+use memtrain::train::checkpoint::{ensure_no_checkpoints, Checkpoint}; // [checkpoint]
 use memtrain::train::{Trainer, TrainerOptions};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
 fn run() -> memtrain::Result<()> {
-    let args = match parse_train_args(std::env::args_os())? {
+    let mut args = match parse_train_args(std::env::args_os())? {
         Ok(a) => a,
         Err(help) => {
             print!("{help}");
             return Ok(());
         }
     };
+    // [checkpoint] begin
+    // --resume: the newest complete checkpoint's config.json is the base configuration, so only
+    // flags given explicitly change it; conflicting ones are refused before anything is written.
+    let resume = match args.resume.clone() {
+        Some(dir) => {
+            let ck = Checkpoint::find_latest(&dir)?;
+            if args.config.is_none() {
+                args.config = Some(ck.config_path());
+            }
+            Some(ck)
+        }
+        None => None,
+    };
+    let out_given = args.explicit.iter().any(|f| f == "out");
     let cmd = TrainCommand::try_from(args)?;
-    let cfg = cmd.config.clone();
+    let cfg = match &resume {
+        Some(ck) => ck.resume_config(&cmd.config, out_given)?,
+        None => {
+            if let Some(out) = &cmd.config.out {
+                ensure_no_checkpoints(out)?;
+            }
+            cmd.config.clone()
+        }
+    };
+    // [checkpoint] end
+    // [plan] begin: --fit-memory picks micro-batch, accumulation, checkpointing and precision
+    // (src/plan.rs) and the run uses the chosen plan; with --dry-run it is only printed.
+    let cfg = match cmd.fit_memory {
+        Some(budget) => {
+            if resume.is_some() {
+                return Err(memtrain::Error::config(
+                    "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
+                ));
+            }
+            let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+            let mut opts = PlanOptions::new(device, DataSize::for_config(&cfg)?);
+            opts.effective_batch = cmd.effective_batch;
+            opts.allow_model_change = cmd.allow_model_change;
+            let report = plan(&cfg, budget, &opts)?;
+            print!("{}", report.render(4));
+            report.chosen().config.clone()
+        }
+        None => cfg,
+    };
+    // [plan] end
     println!(
         "memtrain: width {} ({} params standard, {} separable; using {}), {}",
         cfg.width,
@@ -29,8 +75,35 @@ fn run() -> memtrain::Result<()> {
         cfg.conv,
         cfg.label()
     );
-    let options = TrainerOptions { progress: true, log_files: !cmd.dry_run, ..Default::default() };
+    // [estimate] begin: the predicted memory, per layer (src/memory/estimate.rs).
+    match DeviceKind::for_spec(cfg.device.as_deref()).and_then(|d| estimate(&cfg, d)) {
+        Ok(e) => print!("{}", e.table()),
+        Err(e) => eprintln!("warning: no memory estimate: {e}"),
+    }
+    // [estimate] end
+    // [checkpoint] Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
+    let stop = if cmd.dry_run { None } else { Some(memtrain::signal::install_stop_handler()?) };
+    let options = TrainerOptions { progress: true, log_files: !cmd.dry_run && !cmd.summary_only, stop, ..Default::default() };
     let mut trainer = Trainer::from_config(cfg, options)?;
+    // [checkpoint] begin
+    if let Some(ck) = &resume {
+        ck.restore(&mut trainer)?;
+        for warning in &ck.skipped {
+            eprintln!("warning: {warning}");
+        }
+        println!(
+            "resuming from {} (step {}, epoch {}, batch {})",
+            ck.dir.display(),
+            ck.state.global_step,
+            ck.state.epoch,
+            ck.state.next_batch
+        );
+        let changes = ck.noted_changes(&trainer.config);
+        if !changes.is_empty() {
+            println!("resuming with changed settings: {}", changes.join("; "));
+        }
+    }
+    // [checkpoint] end
     println!("{}", trainer.data_description());
     println!(
         "device {} | probe {}{} | {} steps/epoch, {} steps | run dir {}",
@@ -44,8 +117,26 @@ fn run() -> memtrain::Result<()> {
     if cmd.dry_run {
         return Ok(());
     }
+    // [checkpoint] begin
+    if resume.is_some() && trainer.global_step >= trainer.total_steps() {
+        println!(
+            "nothing left to train: the checkpoint is at step {} of {}; pass a larger --epochs to continue",
+            trainer.global_step,
+            trainer.total_steps()
+        );
+        return Ok(());
+    }
+    // [checkpoint] end
     let summary = trainer.fit()?;
     print!("{}", trainer.memory_log().report());
+    // [estimate] predicted versus measured.
+    if let (Some(p), Some(err)) = (summary.predicted_peak_bytes, summary.prediction_error_pct) {
+        println!(
+            "predicted peak {} vs measured {}: error {err:+.1}%",
+            format_bytes(p),
+            format_bytes(summary.peak_bytes)
+        );
+    }
     println!(
         "peak {} ({}) | {:.1} img/s | {} steps{}",
         format_bytes(summary.peak_bytes),
@@ -61,7 +152,28 @@ fn run() -> memtrain::Result<()> {
             ))
             .unwrap_or_default()
     );
+    if cmd.summary_only {
+        // Sweep children: summary.json only (no CSV files, checkpoints or charts).
+        memtrain::io::create_dir(trainer.run_dir())?;
+        memtrain::io::write_json_atomic(&trainer.run_dir().join("summary.json"), &summary)?;
+    } else {
+        let title = format!("Memory per training step: {}", summary.label);
+        let limit = summary.memory_limit;
+        if let Err(e) = memtrain::sweep::report::write_run_memory_chart(trainer.run_dir(), &title, Some(summary.baseline_bytes), limit) {
+            eprintln!("warning: memory chart not written: {e}");
+        }
+    }
     println!("results in {}", trainer.run_dir().display());
+    // [checkpoint] begin
+    if summary.status == "interrupted" {
+        let dir = trainer.run_dir().display();
+        return Err(memtrain::Error::Interrupted(format!(
+            "stopped after step {} of {}; checkpoint and summary.json saved; continue with --resume {dir}",
+            summary.steps,
+            trainer.total_steps()
+        )));
+    }
+    // [checkpoint] end
     Ok(())
 }
 

@@ -105,7 +105,7 @@ install_libcuda_link() { # path-to-real-libcuda
   real=$(readlink -f "$1")
   ln -sfn "$real" "$LIB/libcuda.so.1"
   ln -sfn "$real" "$LIB/libcuda.so"
-  log "linked libcuda.so{,.1} -> $1"
+  log "linked libcuda.so{,.1} -> $real"
 }
 if [[ -n "${MEMTRAIN_LIBCUDA_SO:-}" ]]; then
   [[ -e "$MEMTRAIN_LIBCUDA_SO" ]] || die "MEMTRAIN_LIBCUDA_SO=$MEMTRAIN_LIBCUDA_SO does not exist"

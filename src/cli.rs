@@ -105,6 +105,17 @@ pub struct TrainArgs {
     /// Print the memory estimate and the configuration, then exit without training
     #[arg(long)]
     pub dry_run: bool,
+    // [plan] begin: the memory-budget planner (src/plan.rs).
+    /// Choose micro-batch, accumulation, checkpointing and precision whose predicted peak fits SIZE (e.g. 300MiB) minus a 5% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it)
+    #[arg(long, value_name = "SIZE")]
+    pub fit_memory: Option<String>,
+    /// Images per optimizer step that --fit-memory keeps (default: --batch-size)
+    #[arg(long, value_name = "N")]
+    pub effective_batch: Option<usize>,
+    /// Let --fit-memory also change the convolution kind (standard or separable: a different model)
+    #[arg(long)]
+    pub allow_model_change: bool,
+    // [plan] end
     /// Write summary.json only (no per-batch CSV/plots); used by sweep children
     #[arg(long, hide = true)]
     pub summary_only: bool,
@@ -124,6 +135,14 @@ pub struct TrainCommand {
     pub dry_run: bool,
     /// Only write summary.json.
     pub summary_only: bool,
+    // [plan] begin
+    /// `--fit-memory`: the memory budget in bytes to plan for.
+    pub fit_memory: Option<u64>,
+    /// `--effective-batch`: images per optimizer step the plan keeps.
+    pub effective_batch: Option<usize>,
+    /// `--allow-model-change`: the plan may change the convolution kind.
+    pub allow_model_change: bool,
+    // [plan] end
 }
 
 /// Flag id → config key for the flags whose names differ from the config field.
@@ -177,7 +196,24 @@ impl TryFrom<TrainArgs> for TrainCommand {
             Some(path) => merge_config_file(path, &from_flags, &a.explicit)?,
         };
         config.validate()?;
-        Ok(TrainCommand { config, resume: a.resume, dry_run: a.dry_run, summary_only: a.summary_only })
+        // [plan] begin
+        let fit_memory = a.fit_memory.as_deref().map(parse_size).transpose()?;
+        if fit_memory.is_none() && (a.effective_batch.is_some() || a.allow_model_change) {
+            return Err(Error::config("--effective-batch and --allow-model-change only apply with --fit-memory SIZE"));
+        }
+        if a.effective_batch == Some(0) {
+            return Err(Error::config("--effective-batch must be at least 1"));
+        }
+        // [plan] end
+        Ok(TrainCommand {
+            config,
+            resume: a.resume,
+            dry_run: a.dry_run,
+            summary_only: a.summary_only,
+            fit_memory,
+            effective_batch: a.effective_batch,
+            allow_model_change: a.allow_model_change,
+        })
     }
 }
 

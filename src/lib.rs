@@ -8,6 +8,7 @@
 //! - [`memory`]: memory probes (counting allocator, CUDA pool) and the analytic estimate.
 //! - [`train`]: the one training loop, mixed precision, accumulation, checkpointing, optimizers.
 //! - [`callbacks`]: the Keras/Lightning-style hook trait and the built-in callbacks.
+//! - [`sweep`]: process-isolated batch-size sweeps and comparisons, tables and charts.
 #![warn(missing_docs)]
 
 pub mod callbacks;
@@ -20,6 +21,9 @@ pub mod io;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod plan;
+pub mod signal;
+pub mod sweep;
 pub mod train;
 
 pub use config::TrainConfig;

@@ -11,9 +11,25 @@ const EPS: f64 = 1e-5;
 /// max |a − b| / max |b|: one number that is small only when every element agrees.
 fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
-    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let a = a
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let b = b
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
     let scale = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
     if scale == 0.0 {
         diff
@@ -30,7 +46,10 @@ impl Lcg {
     fn uniform(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         (0..n)
             .map(|_| {
-                self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                self.0 = self
+                    .0
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 lo + (hi - lo) * ((self.0 >> 40) as f32 / (1u64 << 24) as f32)
             })
             .collect()
@@ -56,7 +75,11 @@ fn case(n: usize, c: usize, h: usize, w: usize, seed: u64) -> Case {
     let mut rng = Lcg(seed);
     let offs = rng.uniform(c, -2.0, 2.0);
     let spread = rng.uniform(c, 0.5, 3.0);
-    let raw: Vec<f32> = rng.uniform(n * c * h * w, -1.0, 1.0).iter().map(|v| (v * 64.0).round() / 64.0).collect();
+    let raw: Vec<f32> = rng
+        .uniform(n * c * h * w, -1.0, 1.0)
+        .iter()
+        .map(|v| (v * 64.0).round() / 64.0)
+        .collect();
     let x: Vec<f32> = raw
         .iter()
         .enumerate()
@@ -80,7 +103,9 @@ fn reference(x: &Tensor, gamma: &Tensor, beta: &Tensor, relu: bool) -> (Tensor, 
     let mean = (x.sum_keepdim((0, 2, 3)).unwrap() / m).unwrap();
     let xc = x.broadcast_sub(&mean).unwrap();
     let var = (xc.sqr().unwrap().sum_keepdim((0, 2, 3)).unwrap() / m).unwrap();
-    let xhat = xc.broadcast_div(&(var.clone() + EPS).unwrap().sqrt().unwrap()).unwrap();
+    let xhat = xc
+        .broadcast_div(&(var.clone() + EPS).unwrap().sqrt().unwrap())
+        .unwrap();
     let y = xhat
         .broadcast_mul(&gamma.reshape((1, c, 1, 1)).unwrap())
         .unwrap()
@@ -111,11 +136,22 @@ fn run_on(cs: &Case, dtype: DType, relu: bool, ours: bool, dev: &Device) -> Run 
     let gamma = Var::from_tensor(&cs.gamma.to_device(dev).unwrap()).unwrap();
     let beta = Var::from_tensor(&cs.beta.to_device(dev).unwrap()).unwrap();
     let (y, mean, var) = if ours {
-        batch_norm_train(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), EPS, relu).unwrap()
+        batch_norm_train(
+            x.as_tensor(),
+            gamma.as_tensor(),
+            beta.as_tensor(),
+            EPS,
+            relu,
+        )
+        .unwrap()
     } else {
         reference(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), relu)
     };
-    let loss = y.mul(&cs.r.to_dtype(dtype).unwrap().to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+    let loss = y
+        .mul(&cs.r.to_dtype(dtype).unwrap().to_device(dev).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
     let grads = loss.backward().unwrap();
     Run {
         gx: grads.get(x.as_tensor()).expect("grad x").clone(),
@@ -181,7 +217,13 @@ fn train_matches_reference_large() {
             // so the statistics are checked against f64.
             let x64 = cs.x.to_dtype(DType::F64).unwrap();
             let m64 = x64.mean_keepdim((0, 2, 3)).unwrap();
-            let v64 = x64.broadcast_sub(&m64).unwrap().sqr().unwrap().mean_keepdim((0, 2, 3)).unwrap();
+            let v64 = x64
+                .broadcast_sub(&m64)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .mean_keepdim((0, 2, 3))
+                .unwrap();
             let (m64, v64) = (m64.flatten_all().unwrap(), v64.flatten_all().unwrap());
             for (name, a, b, tol) in [
                 ("y", &ours.y, &refr.y, 1e-5),
@@ -192,7 +234,11 @@ fn train_matches_reference_large() {
                 ("var", &ours.var, &v64, 1e-6),
             ] {
                 let e = rel_err(a, b);
-                assert!(e <= tol, "{:?} relu {relu}: {name} rel err {e:e} > {tol:e}", (n, c, h, w));
+                assert!(
+                    e <= tol,
+                    "{:?} relu {relu}: {name} rel err {e:e} > {tol:e}",
+                    (n, c, h, w)
+                );
             }
         }
     }
@@ -204,13 +250,24 @@ fn batch_stats_are_detached_and_f32() {
     let x = Var::from_tensor(&cs.x.to_dtype(DType::F16).unwrap()).unwrap();
     let gamma = Var::from_tensor(&cs.gamma).unwrap();
     let beta = Var::from_tensor(&cs.beta).unwrap();
-    let (y, mean, var) = batch_norm_train(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), EPS, true).unwrap();
+    let (y, mean, var) = batch_norm_train(
+        x.as_tensor(),
+        gamma.as_tensor(),
+        beta.as_tensor(),
+        EPS,
+        true,
+    )
+    .unwrap();
     assert!(y.track_op(), "y must be differentiable");
-    assert!(!mean.track_op() && !var.track_op(), "batch statistics must be detached");
+    assert!(
+        !mean.track_op() && !var.track_op(),
+        "batch statistics must be detached"
+    );
     assert_eq!((mean.dtype(), var.dtype()), (DType::F32, DType::F32));
     assert_eq!((mean.dims(), var.dims()), (&[3][..], &[3][..]));
     // Using them in the loss contributes nothing to any gradient.
-    let loss = (y.to_dtype(DType::F32).unwrap().sum_all().unwrap() + mean.sum_all().unwrap()).unwrap();
+    let loss =
+        (y.to_dtype(DType::F32).unwrap().sum_all().unwrap() + mean.sum_all().unwrap()).unwrap();
     let grads = loss.backward().unwrap();
     assert!(grads.get(&mean).is_none() && grads.get(&var).is_none());
 }
@@ -224,7 +281,13 @@ fn variance_is_stable_with_large_mean() {
     let (_, mean, var) = batch_norm_train(&x, &cs.gamma, &cs.beta, EPS, false).unwrap();
     let x64 = x.to_dtype(DType::F64).unwrap();
     let m64 = x64.mean_keepdim((0, 2, 3)).unwrap();
-    let v64 = x64.broadcast_sub(&m64).unwrap().sqr().unwrap().mean_keepdim((0, 2, 3)).unwrap();
+    let v64 = x64
+        .broadcast_sub(&m64)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .mean_keepdim((0, 2, 3))
+        .unwrap();
     assert!(rel_err(&mean, &m64.flatten_all().unwrap()) < 1e-6);
     let e = rel_err(&var, &v64.flatten_all().unwrap());
     assert!(e < 1e-3, "variance rel err {e:e}");
@@ -233,7 +296,10 @@ fn variance_is_stable_with_large_mean() {
 #[test]
 fn half_precision_matches_f32_op() {
     for (dtype, tol) in [(DType::F16, 3e-3f32), (DType::BF16, 2e-2)] {
-        for (i, &(n, c, h, w)) in [(4, 3, 9, 9), (8, 16, 4, 4), (2, 16, 1, 1), (5, 3, 16, 17)].iter().enumerate() {
+        for (i, &(n, c, h, w)) in [(4, 3, 9, 9), (8, 16, 4, 4), (2, 16, 1, 1), (5, 3, 16, 17)]
+            .iter()
+            .enumerate()
+        {
             for relu in [false, true] {
                 // Round the inputs to the half dtype first so both runs see the same values.
                 let mut cs = case(n, c, h, w, 40 + i as u64);
@@ -244,8 +310,16 @@ fn half_precision_matches_f32_op() {
                 let what = format!("{dtype:?} {:?} relu {relu}", (n, c, h, w));
                 assert_eq!(half.y.dtype(), dtype, "{what}");
                 assert_eq!(half.gx.dtype(), dtype, "{what}");
-                assert_eq!((half.ggamma.dtype(), half.gbeta.dtype()), (DType::F32, DType::F32), "{what}");
-                assert_eq!((half.mean.dtype(), half.var.dtype()), (DType::F32, DType::F32), "{what}");
+                assert_eq!(
+                    (half.ggamma.dtype(), half.gbeta.dtype()),
+                    (DType::F32, DType::F32),
+                    "{what}"
+                );
+                assert_eq!(
+                    (half.mean.dtype(), half.var.dtype()),
+                    (DType::F32, DType::F32),
+                    "{what}"
+                );
                 for (name, a, b, t) in [
                     ("y", &half.y, &full.y, tol),
                     ("grad x", &half.gx, &full.gx, tol),
@@ -267,7 +341,8 @@ fn half_precision_matches_f32_op() {
 fn non_contiguous_input_and_untracked_x() {
     // x produced as an NHWC tensor and permuted: the op makes it contiguous, gradients flow back.
     let cs = case(3, 16, 5, 6, 77);
-    let nhwc = Var::from_tensor(&cs.x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap()).unwrap();
+    let nhwc =
+        Var::from_tensor(&cs.x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap()).unwrap();
     let x = nhwc.as_tensor().permute((0, 3, 1, 2)).unwrap();
     assert!(!x.is_contiguous());
     let gamma = Var::from_tensor(&cs.gamma).unwrap();
@@ -275,12 +350,17 @@ fn non_contiguous_input_and_untracked_x() {
     let (y, _, _) = batch_norm_train(&x, gamma.as_tensor(), beta.as_tensor(), EPS, true).unwrap();
     let grads = y.mul(&cs.r).unwrap().sum_all().unwrap().backward().unwrap();
     let refr = run(&cs, DType::F32, true, false);
-    let gx = grads.get(nhwc.as_tensor()).unwrap().permute((0, 3, 1, 2)).unwrap();
+    let gx = grads
+        .get(nhwc.as_tensor())
+        .unwrap()
+        .permute((0, 3, 1, 2))
+        .unwrap();
     assert!(rel_err(&gx, &refr.gx) < 1e-5);
     assert!(rel_err(grads.get(gamma.as_tensor()).unwrap(), &refr.ggamma) < 1e-5);
 
     // x that needs no gradient (raw data): gamma and beta still get theirs.
-    let (y, _, _) = batch_norm_train(&cs.x, gamma.as_tensor(), beta.as_tensor(), EPS, true).unwrap();
+    let (y, _, _) =
+        batch_norm_train(&cs.x, gamma.as_tensor(), beta.as_tensor(), EPS, true).unwrap();
     let grads = y.mul(&cs.r).unwrap().sum_all().unwrap().backward().unwrap();
     assert!(grads.get(&cs.x).is_none());
     assert!(rel_err(grads.get(gamma.as_tensor()).unwrap(), &refr.ggamma) < 1e-5);
@@ -359,8 +439,9 @@ fn bad_arguments_are_errors() {
 }
 
 /// The CUDA kernels against the CPU implementation (itself checked against the reference above):
-/// every dtype, ReLU on and off, shapes from one element per channel to a full CIFAR layer (more
-/// elements per channel than threads per block, so the grid-stride and block-reduction paths run).
+/// every dtype, ReLU on and off, shapes from one element per channel to full CIFAR layers, covering
+/// the reduction kernels' three ways of visiting a channel (planes under a warp wide, at least a
+/// warp wide, at least a block wide) and channels split over several blocks, evenly or not.
 /// Skips, saying so, when no CUDA device is present.
 #[cfg(feature = "cuda")]
 #[test]
@@ -372,8 +453,21 @@ fn cuda_matches_cpu() {
             return;
         }
     };
-    let shapes = [(1, 3, 1, 1), (8, 3, 1, 1), (5, 16, 7, 9), (2, 1, 33, 31), (128, 32, 32, 32), (128, 128, 8, 8)];
-    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+    let shapes = [
+        (1, 3, 1, 1),
+        (8, 3, 1, 1),
+        (5, 16, 7, 9),
+        (2, 1, 33, 31),
+        (2048, 2, 4, 4),
+        (301, 2, 16, 16),
+        (128, 32, 32, 32),
+        (128, 128, 8, 8),
+    ];
+    for (dtype, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::F16, 2e-3),
+        (DType::BF16, 1.6e-2),
+    ] {
         for (i, &(n, c, h, w)) in shapes.iter().enumerate() {
             for relu in [false, true] {
                 let mut cs = case(n, c, h, w, 300 + i as u64);
@@ -383,7 +477,11 @@ fn cuda_matches_cpu() {
                 let gpu = run_on(&cs, dtype, relu, true, &dev);
                 let what = format!("{dtype:?} {:?} relu {relu}", (n, c, h, w));
                 assert_eq!(gpu.y.dtype(), dtype, "{what}");
-                assert_eq!((gpu.ggamma.dtype(), gpu.mean.dtype()), (DType::F32, DType::F32), "{what}");
+                assert_eq!(
+                    (gpu.ggamma.dtype(), gpu.mean.dtype()),
+                    (DType::F32, DType::F32),
+                    "{what}"
+                );
                 assert!(!gpu.mean.track_op() && !gpu.var.track_op(), "{what}");
                 for (name, a, b, t) in [
                     ("y", &gpu.y, &cpu.y, tol),
@@ -405,7 +503,16 @@ fn cuda_matches_cpu() {
         let rv = (cs.gamma.clone() + 0.5).unwrap();
         let cpu = batch_norm_eval(&x, &cs.gamma, &cs.beta, &rm, &rv, EPS, true).unwrap();
         let to = |t: &Tensor| t.to_device(&dev).unwrap();
-        let gpu = batch_norm_eval(&to(&x), &to(&cs.gamma), &to(&cs.beta), &to(&rm), &to(&rv), EPS, true).unwrap();
+        let gpu = batch_norm_eval(
+            &to(&x),
+            &to(&cs.gamma),
+            &to(&cs.beta),
+            &to(&rm),
+            &to(&rv),
+            EPS,
+            true,
+        )
+        .unwrap();
         let e = rel_err(&gpu.to_device(&Device::Cpu).unwrap(), &cpu);
         assert!(e <= tol, "{dtype:?} eval rel err {e:e}");
     }

@@ -127,6 +127,7 @@ const CASES: &[(usize, usize, usize, usize, usize, usize, usize)] = &[
 
 #[test]
 fn matches_candle_grouped_conv_f32() {
+    let mut worst = [0f32; 3];
     for (i, &(n, c, h, w, k, s, p)) in CASES.iter().enumerate() {
         let mut rng = Rng::new(i as u64 + 1);
         let x = rng.tensor(&[n, c, h, w]);
@@ -145,7 +146,12 @@ fn matches_candle_grouped_conv_f32() {
         assert!(ey < 1e-5, "{case}: forward relative error {ey}");
         assert!(edx < 1e-5, "{case}: input-gradient relative error {edx}");
         assert!(edw < 1e-5, "{case}: weight-gradient relative error {edw}");
+        worst = [worst[0].max(ey), worst[1].max(edx), worst[2].max(edw)];
     }
+    eprintln!(
+        "f32 vs candle grouped conv, worst relative errors: y {:.1e}, dx {:.1e}, dw {:.1e}",
+        worst[0], worst[1], worst[2]
+    );
 }
 
 #[test]
@@ -203,6 +209,7 @@ fn gradient_only_for_what_is_tracked() {
 
 /// Half-precision results against the f32 op on the same (rounded) inputs.
 fn check_half(dtype: DType, tol: f32) {
+    let mut worst = [0f32; 3];
     for (i, &(n, c, h, w, k, s, p)) in CASES.iter().enumerate() {
         let mut rng = Rng::new(1000 + i as u64);
         let x = rng.tensor(&[n, c, h, w]).to_dtype(dtype).unwrap();
@@ -226,7 +233,12 @@ fn check_half(dtype: DType, tol: f32) {
         assert!(ey < tol, "{case}: forward relative error {ey}");
         assert!(edx < tol, "{case}: input-gradient relative error {edx}");
         assert!(edw < tol, "{case}: weight-gradient relative error {edw}");
+        worst = [worst[0].max(ey), worst[1].max(edx), worst[2].max(edw)];
     }
+    eprintln!(
+        "{dtype:?} vs f32, worst relative errors: y {:.1e}, dx {:.1e}, dw {:.1e}",
+        worst[0], worst[1], worst[2]
+    );
 }
 
 #[test]
@@ -361,6 +373,7 @@ fn cuda_matches_cpu() {
         (DType::F16, 1e-2),
         (DType::BF16, 3e-2),
     ] {
+        let mut worst = [0f32; 3];
         for (i, &(n, c, h, w, k, s, p)) in CASES.iter().enumerate() {
             let mut rng = Rng::new(2000 + i as u64);
             let x = rng.tensor(&[n, c, h, w]).to_dtype(dtype).unwrap();
@@ -381,32 +394,11 @@ fn cuda_matches_cpu() {
             assert!(ey < tol, "{case}: forward relative error {ey}");
             assert!(edx < tol, "{case}: input-gradient relative error {edx}");
             assert!(edw < tol, "{case}: weight-gradient relative error {edw}");
+            worst = [worst[0].max(ey), worst[1].max(edx), worst[2].max(edw)];
         }
+        eprintln!(
+            "CUDA vs CPU {dtype:?}, worst relative errors: y {:.1e}, dx {:.1e}, dw {:.1e}",
+            worst[0], worst[1], worst[2]
+        );
     }
-}
-
-#[test]
-#[ignore]
-fn tmp_timing() {
-    use std::time::Instant;
-    let mut rng = Rng::new(1);
-    let x = rng.tensor(&[32, 64, 32, 32]);
-    let w = rng.tensor(&[64, 1, 3, 3]);
-    let xv = Var::from_tensor(&x).unwrap();
-    let wv = Var::from_tensor(&w).unwrap();
-    let mut best = (1e9f64, 1e9f64);
-    for _ in 0..15 {
-        let t = Instant::now();
-        let y = depthwise_conv2d(xv.as_tensor(), wv.as_tensor(), 1, 1).unwrap();
-        let t1 = t.elapsed().as_secs_f64();
-        let g = y.backward().unwrap();
-        let t2 = t.elapsed().as_secs_f64() - t1;
-        best = (best.0.min(t1), best.1.min(t2));
-        drop(g);
-    }
-    eprintln!(
-        "best fwd {:.2} ms, bwd {:.2} ms",
-        best.0 * 1e3,
-        best.1 * 1e3
-    );
 }

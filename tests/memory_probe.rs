@@ -70,6 +70,8 @@ fn counting_allocator_and_peak_nesting() {
         num_params: 0,
         steps_per_epoch: 3,
         total_steps: 3,
+        global_step: 0,
+        start_epoch: 0,
         train_images: 3,
         eval_images: 0,
         probe: &*probe,

@@ -53,3 +53,23 @@ fn odd_sizes_are_an_error() {
     let x = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
     assert!(max_pool2x2(&x).is_err());
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_pool_matches_cpu() {
+    let cpu = Device::Cpu;
+    let gpu = Device::new_cuda(0).unwrap();
+    let x = Tensor::randn(0f32, 1., (3, 5, 8, 6), &cpu).unwrap();
+    let r = Tensor::randn(0f32, 1., (3, 5, 4, 3), &cpu).unwrap();
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let run = |dev: &Device| {
+            let xv = Var::from_tensor(&x.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
+            let y = max_pool2x2(xv.as_tensor()).unwrap();
+            let g = (&y * r.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            let f = |t: &Tensor| t.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (f(&y), f(g.get(xv.as_tensor()).unwrap()))
+        };
+        assert_eq!(run(&gpu), run(&cpu), "{dt:?}");
+    }
+}

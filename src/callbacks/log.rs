@@ -28,6 +28,24 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
 }
 
+/// The header and the rows of an existing CSV whose column `col` is below `limit`; just the
+/// header when the file is missing or has another header.
+fn kept_rows(path: &std::path::Path, header: &str, col: usize, limit: usize) -> String {
+    let mut out = format!("{header}\n");
+    let Ok(text) = std::fs::read_to_string(path) else { return out };
+    let mut lines = text.lines();
+    if lines.next() != Some(header) {
+        return out;
+    }
+    for line in lines {
+        if line.split(',').nth(col).and_then(|v| v.parse::<usize>().ok()).is_some_and(|v| v < limit) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 impl MetricsLogger {
     /// Log into `dir` (which must exist). With `memory`, batch and epoch rows carry its peaks.
     pub fn new(dir: impl Into<PathBuf>, memory: Option<Arc<Mutex<MemoryLog>>>) -> Self {
@@ -55,6 +73,12 @@ impl MetricsLogger {
 
 impl Callback for MetricsLogger {
     fn on_train_begin(&mut self, ctx: &TrainBegin<'_>) -> Result<()> {
+        if ctx.global_step > 0 {
+            // Resuming: keep the rows of the steps and epochs before the checkpoint, drop any
+            // written after it by the interrupted process.
+            self.batch_rows = kept_rows(&self.dir.join("batches.csv"), BATCH_CSV_HEADER, 2, ctx.global_step);
+            self.epoch_rows = kept_rows(&self.dir.join("epochs.csv"), EPOCH_CSV_HEADER, 0, ctx.start_epoch);
+        }
         write_json_atomic(&self.dir.join("config.json"), ctx.config)
     }
 

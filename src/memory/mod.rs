@@ -2,6 +2,7 @@
 //! the CUDA memory pool, plus helpers to parse and print sizes.
 
 pub mod cpu;
+pub mod estimate;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod probe;
@@ -38,7 +39,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
         _ => return Err(bad()),
     };
     let bytes = value * mult;
-    if !bytes.is_finite() || bytes < 1.0 || bytes > 1e18 {
+    if !bytes.is_finite() || !(1.0..=1e18).contains(&bytes) {
         return Err(bad());
     }
     Ok(bytes.round() as u64)
@@ -68,6 +69,10 @@ pub fn mib(bytes: u64) -> f64 {
 /// True when a Candle error is a device out-of-memory (CUDA_ERROR_OUT_OF_MEMORY or an
 /// allocation failure), which the trainer reports as [`Error::OutOfMemory`].
 pub fn is_device_oom(e: &candle_core::Error) -> bool {
+    #[cfg(feature = "cuda")]
+    if cuda::is_cuda_oom(e) {
+        return true;
+    }
     let s = e.to_string();
     s.contains("OUT_OF_MEMORY") || s.to_ascii_lowercase().contains("out of memory")
 }

@@ -235,7 +235,6 @@ impl CustomOp2 for DepthwiseConv2d {
         let g = Geometry::new(x.dims(), w.dims(), self.stride, self.padding)
             .map_err(|m| candle_core::Error::Msg(format!("depthwise_conv2d backward: {m}")))?;
         // The incoming gradient can be a broadcast or transposed view; the kernels need rows.
-        let t0 = std::time::Instant::now();
         let grad = grad_res.contiguous()?;
         // Skip a gradient nobody asked for (e.g. the input image of the first layer): it would
         // cost a full activation-sized buffer and a kernel for nothing.
@@ -244,19 +243,11 @@ impl CustomOp2 for DepthwiseConv2d {
         } else {
             None
         };
-        let t1 = t0.elapsed();
         let dw = if w.track_op() {
             Some(x.apply_op2_no_bwd(&grad, &DepthwiseWeightGrad { g })?)
         } else {
             None
         };
-        if std::env::var("TMP_DW").is_ok() {
-            eprintln!(
-                "TMP dx {:.2} ms dw {:.2} ms",
-                t1.as_secs_f64() * 1e3,
-                (t0.elapsed() - t1).as_secs_f64() * 1e3
-            );
-        }
         Ok((dx, dw))
     }
 }
@@ -393,11 +384,15 @@ mod cpu {
     //! planes into contiguous chunks.
 
     use std::mem::MaybeUninit;
+    use std::sync::Mutex;
 
     use super::{bf16, f16, Geometry};
 
-    /// Below this many multiply-adds per thread, spawning a thread costs more than it saves.
-    const MIN_MACS_PER_THREAD: usize = 1 << 16;
+    /// Below this many multiply-adds, handing work to another thread costs more than it saves.
+    const MIN_MACS_PER_CHUNK: usize = 1 << 15;
+
+    /// Chunks per worker: enough for the shared cursor to even out uneven progress.
+    const CHUNKS_PER_THREAD: usize = 4;
 
     /// An element type the kernels load from and store to; all arithmetic is `f32`.
     pub(super) trait Elem: Copy + Send + Sync + 'static {
@@ -443,38 +438,44 @@ mod cpu {
         fn call<T: Elem>(&self, a: &[T], b: &[T]) -> Vec<T>;
     }
 
-    /// Splits `out` (a whole number of `plane_len`-element planes) into one contiguous chunk
-    /// per thread and calls `work(first_plane_index, chunk)` for each. The calling thread takes
-    /// the first chunk, so a single-chunk call spawns nothing.
+    /// One chunk of planes waiting for a worker: its first plane's index and its elements.
+    type ChunkSlot<'a, T> = Mutex<Option<(usize, &'a mut [T])>>;
+
+    /// Splits `out` (a whole number of `plane_len`-element planes) into chunks of whole planes
+    /// and calls `work(first_plane_index, chunk)` once per chunk, on Candle's persistent CPU
+    /// worker pool ([`candle_core::utils::barrier_pool`], sized like Candle's own CPU ops:
+    /// `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` / the core count). A persistent pool matters:
+    /// freshly spawned threads were seen to start late enough that two of them ran one after
+    /// the other. Workers take chunks from a shared cursor, so a descheduled worker's share is
+    /// picked up by the others; small calls run inline on the calling thread.
     fn parallel_planes<T: Send>(
         out: &mut [T],
         plane_len: usize,
         macs_per_plane: usize,
         work: impl Fn(usize, &mut [T]) + Sync,
     ) {
-        let planes = if plane_len == 0 {
-            0
-        } else {
-            out.len() / plane_len
-        };
-        let by_work = (planes * macs_per_plane / MIN_MACS_PER_THREAD).max(1);
-        let threads = candle_core::utils::get_num_threads()
-            .min(planes)
-            .min(by_work);
-        if threads <= 1 {
+        let planes = out.len().checked_div(plane_len).unwrap_or(0);
+        let max_chunks = (planes * macs_per_plane / MIN_MACS_PER_CHUNK).min(planes);
+        let pool = candle_core::utils::barrier_pool();
+        let threads = pool.n_workers() + 1;
+        if threads == 1 || max_chunks < 2 {
             work(0, out);
             return;
         }
-        let per_thread = planes.div_ceil(threads);
-        std::thread::scope(|scope| {
-            let mut chunks = out.chunks_mut(per_thread * plane_len).enumerate();
-            let first = chunks.next();
-            for (i, chunk) in chunks {
-                let work = &work;
-                scope.spawn(move || work(i * per_thread, chunk));
-            }
-            if let Some((_, chunk)) = first {
-                work(0, chunk);
+        let per_chunk = planes.div_ceil((threads * CHUNKS_PER_THREAD).min(max_chunks));
+        // Each chunk sits in its own slot and is taken exactly once, which hands out the
+        // disjoint `&mut` sub-slices without unsafe code.
+        let chunks: Vec<ChunkSlot<'_, T>> = out
+            .chunks_mut(per_chunk * plane_len)
+            .enumerate()
+            .map(|(i, chunk)| Mutex::new(Some((i * per_chunk, chunk))))
+            .collect();
+        pool.execute_chunked(chunks.len(), |range| {
+            for slot in &chunks[range] {
+                let taken = slot.lock().map(|mut s| s.take()).ok().flatten();
+                if let Some((first, chunk)) = taken {
+                    work(first, chunk);
+                }
             }
         });
     }
@@ -637,14 +638,35 @@ mod cpu {
         }
     }
 
-    /// `dx[n,c,iy,ix] = sum over taps hitting (iy, ix) of w[c,ky,kx] * dy[n,c,oy,ox]`, computed
-    /// by scattering each output-gradient row into the padded phase layout (the transpose of the
-    /// forward gather) and then dropping the padding.
+    /// `dx[n,c,iy,ix] = sum over taps hitting (iy, ix) of w[c,ky,kx] * dy[n,c,oy,ox]`. For
+    /// stride 1 a forward convolution with rotated filters; otherwise computed by scattering each
+    /// output-gradient row into the padded phase layout (the transpose of the forward gather)
+    /// and then dropping the padding.
     pub(super) struct InputGrad<'g>(pub(super) &'g Geometry);
 
     impl Dispatch for InputGrad<'_> {
         fn call<T: Elem>(&self, dy: &[T], w: &[T]) -> Vec<T> {
             let g = self.0;
+            if g.stride == 1 && g.pad < g.k {
+                // With stride 1 the input gradient is itself a depthwise convolution: of dy,
+                // padded by K-1-p, with each filter rotated 180°. The forward kernel's gather
+                // is faster than the scatter below (no accumulation buffer to clear, and each
+                // output row is written once from a small accumulator).
+                let transposed = Geometry {
+                    height: g.out_h,
+                    width: g.out_w,
+                    pad: g.k - 1 - g.pad,
+                    out_h: g.height,
+                    out_w: g.width,
+                    ..*g
+                };
+                // Reversing a filter's K*K row-major taps flips both axes.
+                let rotated: Vec<T> = w
+                    .chunks_exact(g.taps())
+                    .flat_map(|taps| taps.iter().rev().copied())
+                    .collect();
+                return Forward(&transposed).call(dy, &rotated);
+            }
             let (k, s, out_w) = (g.k, g.stride, g.out_w);
             let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
             let wf = weights_f32(w);
@@ -892,12 +914,6 @@ DW_KERNELS(f32, float)
 DW_KERNELS(f16, half16)
 DW_KERNELS(bf16, bfloat16)
 "#;
-
-    /// The CUDA C source of the kernels, for tools that want to compile or inspect it.
-    #[allow(dead_code)]
-    pub(super) fn source() -> &'static str {
-        SOURCE
-    }
 
     /// Which of the three kernels to launch; all take `(a, b, out, N, C, H, W, K, S, P, Ho, Wo)`.
     #[derive(Debug, Clone, Copy)]

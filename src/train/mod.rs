@@ -2,6 +2,7 @@
 //! gradient accumulation, gradient checkpointing (recomputation) and the optimizers.
 
 pub mod accumulate;
+pub mod checkpoint;
 pub mod optim;
 pub mod precision;
 pub mod recompute;

@@ -37,6 +37,9 @@ pub struct Summary {
     pub prediction_error_pct: Option<f64>,
     /// Training throughput over all steps, images per second (data waits included, evaluation excluded).
     pub images_per_sec: f64,
+    /// Throughput of the steps after the first few (warm-up: kernel compilation, first
+    /// allocations), images per second of step time; the figure to compare across frameworks.
+    pub steady_images_per_sec: Option<f64>,
     /// Optimizer steps taken.
     pub steps: usize,
     /// Epochs completed.

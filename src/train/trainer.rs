@@ -83,6 +83,10 @@ pub struct Trainer {
     pub start_batch: usize,
     pub(crate) steps_per_epoch: usize,
     pub(crate) total_steps: usize,
+    /// Checkpoint writing (on when `TrainerOptions::log_files`); see [`super::checkpoint`].
+    pub checkpoints: super::checkpoint::CheckpointSaver, // [checkpoint]
+    /// (images, seconds) of every step of this process, for the steady-state throughput.
+    pub(crate) step_times: Vec<(usize, f64)>,
 }
 
 /// `runs/<UTC timestamp>` for a run without `--out`.
@@ -137,6 +141,17 @@ fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phas
         }),
         _ => Ok(()),
     }
+}
+
+/// Images per second of step time after skipping the warm-up steps (the first 3, or a quarter
+/// of the steps when there are fewer than 12). None with fewer than 2 steps.
+pub fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
+    if steps.len() < 2 {
+        return None;
+    }
+    let skip = 3.min(steps.len() / 4).max(1);
+    let (images, secs) = steps[skip..].iter().fold((0usize, 0f64), |(i, s), (n, t)| (i + n, s + t));
+    Some(images as f64 / secs.max(1e-9))
 }
 
 fn all_finite(grads: &[Option<Tensor>]) -> Result<bool> {
@@ -249,12 +264,14 @@ impl Trainer {
             eval_is_validation: data.test_is_validation,
             data_description: data.description,
             run_dir,
+            checkpoints: super::checkpoint::CheckpointSaver::new(options.log_files), // [checkpoint]
             stop: options.stop,
             global_step: 0,
             start_epoch: 0,
             start_batch: 0,
             steps_per_epoch,
             total_steps,
+            step_times: Vec::new(),
             config,
         })
     }
@@ -376,8 +393,9 @@ impl Trainer {
             Ok(StepResult { loss, correct, images: batch.len, skipped, lr })
         })();
         self.callbacks = callbacks;
-        if result.is_ok() {
+        if let Ok(r) = &result {
             self.global_step += 1;
+            self.step_times.push((r.images, t0.elapsed().as_secs_f64()));
         }
         result
     }
@@ -455,6 +473,8 @@ impl Trainer {
             num_params: self.model.num_params(),
             steps_per_epoch: self.steps_per_epoch,
             total_steps: self.total_steps,
+            global_step: self.global_step,
+            start_epoch: self.start_epoch,
             train_images: self.train.len(),
             eval_images: self.eval.len(),
             probe: &*self.probe,
@@ -498,6 +518,10 @@ impl Trainer {
                 done += 1;
                 skipped += r.skipped as usize;
                 lr = r.lr;
+                // [checkpoint] every --save-every steps (a step is never saved twice).
+                if cfg.save_every > 0 && self.global_step.is_multiple_of(cfg.save_every) {
+                    self.save_checkpoint(epoch, batch.index + 1)?;
+                }
                 if self.stop_requested() {
                     interrupted = true;
                     self.start_batch = batch.index + 1;
@@ -529,6 +553,9 @@ impl Trainer {
             };
             self.callbacks.on_epoch_end(&EpochEnd { stats: &stats, num_epochs: cfg.epochs, probe: &*self.probe })?;
             epochs.push(stats);
+            // [checkpoint] at each epoch end, at --max-steps and on interruption; batch
+            // `first + done` is next (past the end of the epoch it becomes the next epoch's first).
+            self.save_checkpoint(epoch, first + done)?;
             if !interrupted {
                 epoch += 1;
                 self.start_batch = 0;
@@ -546,11 +573,31 @@ impl Trainer {
         })?;
         // The memory callback folds its last reading at train end; refresh the peak fields.
         let mem = self.memory_log();
-        Ok(Summary { peak_bytes: mem.peak_bytes.max(summary.peak_bytes), ..summary })
+        let peak_bytes = mem.peak_bytes.max(summary.peak_bytes);
+        // [estimate] the error against the refreshed peak.
+        let prediction_error_pct = summary.predicted_peak_bytes.and_then(|p| prediction_error(p, peak_bytes));
+        Ok(Summary { peak_bytes, prediction_error_pct, ..summary })
     }
+
+    // [estimate] begin: the analytic prediction for summary.json (src/memory/estimate.rs).
+    /// The analytic memory estimate of this run (the model's layer list, the loaded data set as
+    /// the baseline); `None` when the device has no probe or the model cannot be estimated.
+    pub fn memory_estimate(&self) -> Option<crate::memory::estimate::Estimate> {
+        use crate::memory::estimate::{estimate_for_specs, Baseline, DataSize, DeviceKind};
+        let bytes = |d: &Dataset| (d.images.capacity() + d.labels.capacity()) as u64;
+        let data = DataSize {
+            train_images: self.train.len(),
+            test_images: self.eval.len(),
+            resident_bytes: bytes(&self.train) + bytes(&self.eval),
+        };
+        let device = DeviceKind::of(&self.device);
+        estimate_for_specs(&self.config, &self.model.layer_specs(), device, Baseline::Modeled(data)).ok()
+    }
+    // [estimate] end
 
     fn summary(&self, epochs: &[EpochStats], images: usize, secs: f64, interrupted: bool, wall: f64) -> Summary {
         let mem = self.memory_log();
+        let predicted = if self.probe.available() { self.memory_estimate().map(|e| e.peak) } else { None }; // [estimate]
         let last = epochs.last();
         Summary {
             label: self.config.label(),
@@ -566,9 +613,11 @@ impl Trainer {
             reserved_peak_bytes: mem.reserved_peak,
             device_used_bytes: self.probe.device_used(),
             memory_limit: self.config.memory_limit,
-            predicted_peak_bytes: None,
-            prediction_error_pct: None,
+            // [estimate] predicted vs measured peak.
+            predicted_peak_bytes: predicted,
+            prediction_error_pct: predicted.and_then(|p| prediction_error(p, mem.peak_bytes)),
             images_per_sec: images as f64 / secs.max(1e-9),
+            steady_images_per_sec: steady_throughput(&self.step_times),
             steps: self.global_step,
             epochs_completed: epochs.iter().filter(|e| e.eval_accuracy.is_some() || !interrupted).count(),
             images,
@@ -583,3 +632,10 @@ impl Trainer {
         }
     }
 }
+
+// [estimate] begin
+/// `(predicted - measured) / measured` in percent; `None` without a measurement.
+fn prediction_error(predicted: u64, measured: u64) -> Option<f64> {
+    (measured > 0).then(|| (predicted as f64 - measured as f64) / measured as f64 * 100.0)
+}
+// [estimate] end

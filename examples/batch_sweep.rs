@@ -1,0 +1,175 @@
+//! Sweep batch sizes (or search for the largest batch that fits) over one or more
+//! configurations, each point in its own `train_cifar10` child process.
+//!
+//! ```text
+//! cargo run --release --example batch_sweep -- --batch-sizes 32,64,128,256,512 --precision f32,f16
+//! cargo run --release --example batch_sweep -- --find-max --memory-limit 300MiB --checkpoint none,stages
+//! ```
+//! Prints a markdown table and writes sweep.{md,csv,json,png,svg} into --out.
+
+use anyhow::Context;
+use clap::{CommandFactory, FromArgMatches, Parser};
+use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision};
+use memtrain::memory::parse_size;
+use memtrain::sweep::batch::{cross_product, run_sweep, BatchPlan, Dimension, SweepOptions};
+use memtrain::sweep::{current_command_line, default_out_dir, locate_example, report, TRAINER_NAME};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Measure peak memory and throughput across batch sizes and configurations; each point runs
+/// `train_cifar10` for a few steps in its own process (an out-of-memory point is a result, not a failure).
+#[derive(Debug, Parser)]
+#[command(name = "batch_sweep", version, long_about = None)]
+struct Args {
+    /// Batch sizes to run, comma-separated. Default (without --find-max): 32,64,128,256,512
+    #[arg(long, value_delimiter = ',', value_name = "LIST", conflicts_with = "find_max")]
+    batch_sizes: Vec<usize>,
+    /// Search for the largest batch that fits --memory-limit (or the device): double from --start until out of memory, then binary-search
+    #[arg(long)]
+    find_max: bool,
+    /// --find-max: first batch size tried
+    #[arg(long, default_value_t = 32, requires = "find_max")]
+    start: usize,
+    /// --find-max: largest batch size tried
+    #[arg(long, default_value_t = 8192, requires = "find_max")]
+    max_batch: usize,
+    /// --find-max: resolution of the binary search, in images
+    #[arg(long, default_value_t = 8, requires = "find_max")]
+    granularity: usize,
+    /// Training steps per point
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Precisions to sweep, comma-separated (f32, f16, bf16)
+    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    precision: Vec<Precision>,
+    /// Gradient checkpointing modes to sweep, comma-separated (none, stages, blocks)
+    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    checkpoint: Vec<Checkpointing>,
+    /// Convolution kinds to sweep, comma-separated (standard, separable)
+    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    conv: Vec<ConvKind>,
+    /// Gradient-accumulation steps to sweep, comma-separated (each must divide the batch size)
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    accum_steps: Vec<usize>,
+    /// Optimizers to sweep, comma-separated (sgd, adamw)
+    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    optimizer: Vec<OptimizerKind>,
+    /// Base width of the CNN (trainer default: 32)
+    #[arg(long)]
+    width: Option<usize>,
+    /// CIFAR-10 binary directory (trainer default: synthetic data unless data/cifar-10-batches-bin exists)
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Device: cpu, cuda or cuda:N (trainer default: cuda when available)
+    #[arg(long)]
+    device: Option<String>,
+    /// Memory limit for every point, e.g. 300MiB (CPU: heap budget; CUDA: hard pool limit); drawn in the chart
+    #[arg(long, value_name = "SIZE")]
+    memory_limit: Option<String>,
+    /// Seed (trainer default: 0)
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Smallest synthetic training set; each point gets max(this, batch x steps) images
+    #[arg(long, default_value_t = 5000)]
+    synthetic_train: usize,
+    /// The train_cifar10 binary. Default: next to this executable
+    #[arg(long, value_name = "PATH")]
+    trainer: Option<PathBuf>,
+    /// Output directory. Default: runs/sweep-<timestamp>
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Kill a point after this many seconds (recorded as failed)
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<u64>,
+    /// No progress bar or progress lines
+    #[arg(long)]
+    quiet: bool,
+    /// More trainer flags for every point, after `--` (e.g. -- --lr 0.05 --synthetic-test 100)
+    #[arg(last = true, value_name = "TRAINER_FLAGS")]
+    extra: Vec<String>,
+}
+
+fn dim<T: ToString>(flag: &str, values: &[T]) -> Dimension {
+    Dimension { flag: flag.to_string(), values: values.iter().map(ToString::to_string).collect() }
+}
+
+fn run() -> anyhow::Result<()> {
+    let matches = match Args::command().try_get_matches() {
+        Ok(m) => m,
+        Err(e) => {
+            print!("{}", memtrain::cli::clap_error(e)?);
+            return Ok(());
+        }
+    };
+    let a = Args::from_arg_matches(&matches).map_err(|e| memtrain::Error::config(e.to_string()))?;
+
+    let plan = if a.find_max {
+        BatchPlan::FindMax { start: a.start, max_batch: a.max_batch, granularity: a.granularity }
+    } else if a.batch_sizes.is_empty() {
+        BatchPlan::List(vec![32, 64, 128, 256, 512])
+    } else {
+        BatchPlan::List(a.batch_sizes.clone())
+    };
+    let memory_limit = a.memory_limit.as_deref().map(parse_size).transpose()?;
+    let variants = cross_product(&[
+        dim("precision", &a.precision),
+        dim("checkpoint", &a.checkpoint),
+        dim("conv", &a.conv),
+        dim("accum-steps", &a.accum_steps),
+        dim("optimizer", &a.optimizer),
+    ]);
+    let mut common = Vec::new();
+    if let Some(w) = a.width {
+        common.extend(["--width".to_string(), w.to_string()]);
+    }
+    if let Some(d) = &a.data_dir {
+        common.extend(["--data-dir".to_string(), d.to_string_lossy().into_owned()]);
+    }
+    if let Some(d) = &a.device {
+        common.extend(["--device".to_string(), d.clone()]);
+    }
+    if let Some(s) = a.seed {
+        common.extend(["--seed".to_string(), s.to_string()]);
+    }
+    common.extend(a.extra.iter().cloned());
+
+    let trainer = locate_example(TRAINER_NAME, a.trainer.as_deref())?;
+    let out = a.out.clone().unwrap_or_else(|| default_out_dir("sweep"));
+    let opts = SweepOptions {
+        trainer,
+        out: out.clone(),
+        variants,
+        plan,
+        steps: a.steps,
+        synthetic_train: a.synthetic_train,
+        memory_limit,
+        common,
+        timeout: a.timeout.map(Duration::from_secs),
+        progress: !a.quiet,
+        command: current_command_line(),
+        // Ctrl-C: the point in flight stops after its current step; no further point starts.
+        stop: Some(memtrain::signal::install_stop_handler()?),
+    };
+    let result = run_sweep(&opts)?;
+    let charts = report::write_sweep_report(&out, &result).context("writing the sweep report")?;
+    // The table, followed by one line per configuration for --find-max.
+    print!("{}", report::sweep_markdown(&result));
+    let names: Vec<String> = ["sweep.md", "sweep.csv", "sweep.json"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(charts.iter().filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())))
+        .collect();
+    println!("\nresults in {}: {}", out.display(), names.join(", "));
+    if result.interrupted {
+        return Err(memtrain::Error::Interrupted(format!("the sweep stopped early; results so far are in {}", out.display())).into());
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        let code = e.downcast_ref::<memtrain::Error>().map_or(1, memtrain::Error::exit_code);
+        eprintln!("error: {e:#}");
+        std::process::exit(code);
+    }
+}

@@ -1,0 +1,1250 @@
+//! Analytic, per-layer prediction of training memory.
+//!
+//! [`estimate`] predicts, for a [`TrainConfig`], what the memory probe will measure: the bytes of
+//! the parameters, gradients and optimizer state, the activations saved for backward (in the
+//! compute dtype, with checkpointing and gradient accumulation taken into account), the transient
+//! buffers (im2col columns of each convolution, casts of the f32 master weights, the gradient
+//! buffers Candle's backward allocates), and on the CPU the process baseline (the data set held in
+//! memory, the prefetched batches, the model).
+//!
+//! It is derived from the model's layer list ([`model_layer_specs`], the same list as
+//! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)), not from a hand-written total: the
+//! estimate replays, layer by layer, the allocations and frees one training step makes, in the
+//! order the code makes them, and records the highest total per phase. The rules it replays:
+//!
+//! - **Forward** (`src/train/recompute.rs`): every op's output is kept by the autograd graph until
+//!   the micro-batch's backward is done, unless the layer is inside a checkpointed segment, whose
+//!   forward runs without a graph (a block's conv and BN outputs live until the block returns).
+//!   Under f16 each weight is cast to a half copy per use. The convolution allocates per thread one
+//!   image's im2col column ([`crate::ops::conv2d::im2col_chunk_bytes`]) and, in f16, widened f32
+//!   copies of one input and one output image.
+//! - **Backward**: Candle's `backward` accumulates every gradient with `zeros_like(arg)` + `add`,
+//!   so each op's input gradient briefly exists three times (the op's result, the zeros, the sum)
+//!   while the output gradient is still held. A convolution computes the input gradient even for
+//!   the data (which no one reads; it stays in the gradient store until the store is dropped), and
+//!   its weight gradient gathers chunks of images into im2col columns. With checkpointing, each
+//!   segment is recomputed from a variable copy of its saved input and its upstream gradient is
+//!   pushed through `(out · grad).sum()`, whose backward allocates five output-sized buffers (one of
+//!   them, the gradient of the detached `grad`, stays in the store for the whole segment).
+//! - **Accumulation**: micro-batch gradients are summed into f32 buffers the size of the parameters.
+//! - **Optimizer** (`src/train/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
+//!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
+//! - **Baseline (CPU)**: the counting allocator measures the whole process heap, so the training
+//!   split and the evaluation split (bytes as loaded), the f32 master weights and BatchNorm
+//!   statistics, the batcher's index permutation, and four f32 batches of the full batch size
+//!   (the one being trained, two in the prefetch channel and one the worker holds while it waits
+//!   for room) are part of every measurement.
+//!
+//! On the CPU the estimate is calibrated against the counting allocator (see
+//! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (Candle's own conv2d,
+//! cuDNN workspaces not modelled).
+
+use crate::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
+use crate::data::{IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};
+use crate::error::{Error, Result};
+use crate::memory::format_bytes;
+use crate::model::LayerSpec;
+use candle_core::DType;
+use std::fmt::Write as _;
+use std::ops::Range;
+use std::path::Path;
+
+/// Bytes the process holds besides the data set and the model when training begins on the CPU
+/// (argument parsing, the candle thread pool, progress bars, the memory log, standard I/O
+/// buffers). Measured: the CPU probe's baseline minus the data set and the model.
+pub const RUNTIME_OVERHEAD_BYTES: u64 = 192 << 10;
+
+/// Batches alive at once on the CPU besides the data set: the one being trained, two in the
+/// prefetch channel (`prefetch: 2`) and one the worker has built and is waiting to send.
+pub const BATCHES_IN_FLIGHT: usize = 4;
+
+/// Where training runs, as far as memory is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The CPU with `threads` compute threads (Candle's CPU pool workers plus the caller): every
+    /// thread of a convolution holds its own im2col column.
+    Cpu {
+        /// Threads that run per-image convolution work at once.
+        threads: usize,
+        /// Bytes of the L2 cache: the gemm crate keeps one L2-sized packing buffer per thread
+        /// that has run a matrix product, for the life of the thread.
+        l2_cache_bytes: u64,
+    },
+    /// A CUDA device: the probe measures the memory pool, so the data set and host batches are
+    /// not part of the measurement.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The CPU of this process, with as many threads as Candle's CPU pool uses.
+    pub fn cpu() -> Self {
+        DeviceKind::Cpu {
+            threads: candle_core::utils::barrier_pool().n_workers() + 1,
+            l2_cache_bytes: l2_cache_bytes(),
+        }
+    }
+
+    /// The kind of a Candle device.
+    pub fn of(device: &candle_core::Device) -> Self {
+        if device.is_cpu() {
+            DeviceKind::cpu()
+        } else {
+            DeviceKind::Cuda
+        }
+    }
+
+    /// The kind a `--device` value selects without opening the device: `cpu`, `cuda`/`cuda:N`,
+    /// or (no value) CUDA when this build has it and a GPU is present, else the CPU.
+    ///
+    /// # Errors
+    /// When the value is not a device spec.
+    pub fn for_spec(spec: Option<&str>) -> Result<Self> {
+        match spec {
+            Some(s) => {
+                crate::device::parse_device_spec(s)?;
+                if s.trim().eq_ignore_ascii_case("cpu") {
+                    Ok(DeviceKind::cpu())
+                } else {
+                    Ok(DeviceKind::Cuda)
+                }
+            }
+            None if candle_core::utils::cuda_is_available() => Ok(DeviceKind::Cuda),
+            None => Ok(DeviceKind::cpu()),
+        }
+    }
+
+    fn is_cpu(&self) -> bool {
+        matches!(self, DeviceKind::Cpu { .. })
+    }
+
+    fn threads(&self) -> usize {
+        match self {
+            DeviceKind::Cpu { threads, .. } => (*threads).max(1),
+            DeviceKind::Cuda => 1,
+        }
+    }
+}
+
+/// The L2 cache size of CPU 0 (Linux sysfs), or 1 MiB where it cannot be read.
+fn l2_cache_bytes() -> u64 {
+    const FALLBACK: u64 = 1 << 20;
+    let base = Path::new("/sys/devices/system/cpu/cpu0/cache");
+    for i in 0..8 {
+        let dir = base.join(format!("index{i}"));
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).map(|s| s.trim().to_string());
+        let (Ok(level), Ok(kind), Ok(size)) = (read("level"), read("type"), read("size")) else {
+            continue;
+        };
+        if level == "2" && kind != "Instruction" {
+            let (num, mult) = match size.strip_suffix('K') {
+                Some(n) => (n, 1024),
+                None => match size.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (size.as_str(), 1),
+                },
+            };
+            if let Ok(v) = num.parse::<u64>() {
+                return v * mult;
+            }
+        }
+    }
+    FALLBACK
+}
+
+/// Threshold (m·n·k) above which the gemm crate runs a product on several threads (its
+/// `DEFAULT_THREADING_THRESHOLD`): Candle's CPU matmul (the head) then also runs on the rayon
+/// pool, whose threads keep their own packing buffers.
+const GEMM_THREADING_THRESHOLD: u64 = 48 * 48 * 256;
+
+/// The data set as far as memory is concerned: how many images each split holds and how many
+/// bytes the loaded splits occupy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataSize {
+    /// Training images (batches per epoch follow from it).
+    pub train_images: usize,
+    /// Evaluation images (test or validation split).
+    pub test_images: usize,
+    /// Heap bytes of both loaded splits (pixels and labels, with the capacity slack of the loader).
+    pub resident_bytes: u64,
+}
+
+impl DataSize {
+    /// Splits of `train` and `test` images held exactly (pixels plus one label byte each), as the
+    /// synthetic generator and the validation split produce them.
+    pub fn exact(train_images: usize, test_images: usize) -> Self {
+        DataSize {
+            train_images,
+            test_images,
+            resident_bytes: ((train_images + test_images) * RECORD_BYTES) as u64,
+        }
+    }
+
+    /// The data the config will load, found without loading it: the synthetic sizes, the record
+    /// counts of the CIFAR-10 files in `--data-dir` (or `data/cifar-10-batches-bin`), or the full
+    /// CIFAR-10 for `--download`.
+    ///
+    /// # Errors
+    /// When a data directory is named but holds no readable CIFAR-10 training files.
+    pub fn for_config(cfg: &TrainConfig) -> Result<Self> {
+        if cfg.download {
+            return Ok(DataSize::exact(50_000, 10_000));
+        }
+        let default_dir = Path::new(crate::data::DEFAULT_DATA_DIR);
+        let dir = match &cfg.data_dir {
+            Some(d) => Some(d.as_path()),
+            None if default_dir.is_dir() => Some(default_dir),
+            None => None,
+        };
+        match dir {
+            Some(d) => DataSize::for_dir(d, cfg.val_fraction),
+            None => Ok(DataSize::exact(cfg.synthetic_train, cfg.synthetic_test)),
+        }
+    }
+
+    /// Sizes of a CIFAR-10 binary directory, from the file sizes.
+    fn for_dir(dir: &Path, val_fraction: f64) -> Result<Self> {
+        let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+        let mut train_parts = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let is_train = name
+                .strip_prefix("data_batch_")
+                .and_then(|s| s.strip_suffix(".bin"))
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+            if is_train {
+                let len = entry.metadata().map(|m| m.len()).unwrap_or(0) as usize;
+                train_parts.push(len / RECORD_BYTES);
+            }
+        }
+        let n: usize = train_parts.iter().sum();
+        if n == 0 {
+            return Err(Error::Data {
+                path: dir.to_path_buf(),
+                msg: "no CIFAR-10 training files (data_batch_N.bin) to size the data set from".into(),
+            });
+        }
+        let test_path = dir.join(crate::data::cifar::TEST_FILE);
+        match std::fs::metadata(&test_path) {
+            Ok(m) if m.is_file() => {
+                // The training files are appended one after another: the vectors keep the
+                // capacity their growth left them with.
+                let test = m.len() as usize / RECORD_BYTES;
+                let parts_px: Vec<usize> = train_parts.iter().map(|p| p * IMAGE_BYTES).collect();
+                let resident = grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
+                Ok(DataSize { train_images: n, test_images: test, resident_bytes: resident as u64 })
+            }
+            _ => {
+                let n_val = ((n as f64 * val_fraction).round() as usize).max(1).min(n.saturating_sub(1));
+                Ok(DataSize::exact(n - n_val, n_val))
+            }
+        }
+    }
+}
+
+/// Capacity of a `Vec<u8>` after `extend_from_slice` of each part in turn (amortized doubling).
+fn grown_capacity(parts: &[usize]) -> usize {
+    let (mut len, mut cap) = (0usize, 0usize);
+    for &p in parts {
+        let need = len + p;
+        if need > cap {
+            cap = need.max(cap * 2).max(8);
+        }
+        len = need;
+    }
+    cap
+}
+
+/// What is measured besides training's own allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    /// Model the process baseline from the data set (CPU) or from nothing but the model (CUDA).
+    Modeled(DataSize),
+    /// A measured baseline: the bytes in use when training begins (data set, model, runtime),
+    /// e.g. `MemoryLog::baseline_bytes` of an earlier run. The batches in flight, which the
+    /// batcher allocates after that reading, are still added.
+    Measured {
+        /// Bytes in use when training began.
+        bytes: u64,
+        /// Training images (for the number of prefetched batches).
+        train_images: usize,
+    },
+}
+
+/// The prediction for one layer of the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerEstimate {
+    /// Layer name, e.g. `stage1.block2.conv`.
+    pub name: String,
+    /// Kind, as in [`LayerSpec::kind`].
+    pub kind: &'static str,
+    /// Output shape per image (C, H, W).
+    pub output_shape: (usize, usize, usize),
+    /// Trainable parameters.
+    pub params: usize,
+    /// Bytes of one micro-batch of this layer's output in the compute dtype (f32 for the head).
+    pub output_bytes: u64,
+    /// Bytes this layer keeps from the forward to the backward pass of a micro-batch: its output
+    /// (and, under f16, its cast weights) without checkpointing; with checkpointing only a
+    /// segment's last layer keeps its output (the next segment's saved input).
+    pub saved_bytes: u64,
+    /// Bytes alive only while the layer recomputes inside its checkpointed segment (0 without
+    /// checkpointing).
+    pub recompute_bytes: u64,
+    /// Largest transient allocation of the layer's forward or backward beyond its inputs and
+    /// outputs: im2col columns, widened f32 copies, weight casts, gradient buffers.
+    pub transient_bytes: u64,
+}
+
+/// The predicted memory of a training configuration, per layer and per phase.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Estimate {
+    /// One row per layer of the model, in forward order.
+    pub layers: Vec<LayerEstimate>,
+    /// Images per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub accum_steps: usize,
+    /// Compute precision.
+    pub precision: Precision,
+    /// Checkpointing granularity.
+    pub checkpoint: Checkpointing,
+    /// Convolution kind.
+    pub conv: ConvKind,
+    /// Device the estimate is for.
+    pub device: DeviceKind,
+    /// f32 master weights.
+    pub param_bytes: u64,
+    /// f32 gradients (accumulated over micro-batches).
+    pub grad_bytes: u64,
+    /// Optimizer state (momentum; AdamW's two moments).
+    pub optimizer_bytes: u64,
+    /// Activations alive at the end of a micro-batch's forward pass (saved for backward, or the
+    /// checkpoints), in the compute dtype.
+    pub activation_bytes: u64,
+    /// Bytes in use when training begins (CPU: data set, model, runtime; CUDA: model).
+    pub baseline_bytes: u64,
+    /// Host batches in flight during a step (0 on CUDA).
+    pub batch_bytes: u64,
+    /// Buffers the runtime allocates at the first step and keeps (the gemm crate's per-thread
+    /// packing buffers on the CPU).
+    pub runtime_bytes: u64,
+    /// Highest bytes in use during the forward passes.
+    pub forward_peak: u64,
+    /// Highest bytes in use during the backward passes (recomputation included).
+    pub backward_peak: u64,
+    /// Highest bytes in use during the optimizer step.
+    pub optimizer_peak: u64,
+    /// The predicted peak: the highest of the three phases.
+    pub peak: u64,
+    /// The phase of the peak: `forward`, `backward` or `optimizer`.
+    pub peak_phase: &'static str,
+}
+
+impl Estimate {
+    /// The same estimate with `bytes` more in use throughout (e.g. what a host process holds
+    /// before it loads the data): baseline and peaks shift, the layers do not.
+    pub fn offset(mut self, bytes: u64) -> Self {
+        self.baseline_bytes += bytes;
+        self.forward_peak += bytes;
+        self.backward_peak += bytes;
+        self.optimizer_peak += bytes;
+        self.peak += bytes;
+        self
+    }
+
+    /// `(predicted - measured) / measured` in percent; `None` when nothing was measured.
+    pub fn error_pct(&self, measured: u64) -> Option<f64> {
+        (measured > 0).then(|| (self.peak as f64 - measured as f64) / measured as f64 * 100.0)
+    }
+
+    /// The per-layer table (layer, output shape, parameters, saved activations, recompute,
+    /// transient) followed by the totals and the predicted peak per phase, as markdown.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "memory estimate ({}; micro-batch {} x {} step(s), {}, checkpoint {}, {} conv)\n",
+            match self.device {
+                DeviceKind::Cpu { threads, .. } => format!("cpu, {threads} threads"),
+                DeviceKind::Cuda => "cuda, first-order".to_string(),
+            },
+            self.micro_batch,
+            self.accum_steps,
+            self.precision,
+            self.checkpoint,
+            self.conv
+        );
+        s.push_str("| layer | output (C×H×W) | params | saved for backward | recomputed | transient |\n");
+        s.push_str("|---|---|---:|---:|---:|---:|\n");
+        let dash = |b: u64| if b == 0 { "-".to_string() } else { format_bytes(b) };
+        for l in &self.layers {
+            let (c, h, w) = l.output_shape;
+            let _ = writeln!(
+                s,
+                "| {} | {c}×{h}×{w} | {} | {} | {} | {} |",
+                l.name,
+                l.params,
+                dash(l.saved_bytes),
+                dash(l.recompute_bytes),
+                dash(l.transient_bytes)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "parameters {} | gradients {} | optimizer state {} | activations at end of forward {}",
+            format_bytes(self.param_bytes),
+            format_bytes(self.grad_bytes),
+            format_bytes(self.optimizer_bytes),
+            format_bytes(self.activation_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "baseline {} (data set, model, runtime) | batches in flight {} | gemm buffers {}",
+            format_bytes(self.baseline_bytes),
+            format_bytes(self.batch_bytes),
+            format_bytes(self.runtime_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "predicted peak {} ({}) | forward {} | backward {} | optimizer {}",
+            format_bytes(self.peak),
+            self.peak_phase,
+            format_bytes(self.forward_peak),
+            format_bytes(self.backward_peak),
+            format_bytes(self.optimizer_peak)
+        );
+        s
+    }
+}
+
+/// Predict the memory of training `cfg` on `device`, with the data set sized from the config
+/// ([`DataSize::for_config`]).
+///
+/// # Errors
+/// When the config is invalid or its data directory cannot be sized.
+pub fn estimate(cfg: &TrainConfig, device: DeviceKind) -> Result<Estimate> {
+    let data = DataSize::for_config(cfg)?;
+    estimate_with(cfg, device, Baseline::Modeled(data))
+}
+
+/// Predict the memory of training `cfg` on `device` with the given baseline.
+///
+/// # Errors
+/// When the config is invalid.
+pub fn estimate_with(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Result<Estimate> {
+    cfg.validate()?;
+    let specs = model_layer_specs(cfg.width, cfg.conv);
+    estimate_for_specs(cfg, &specs, device, baseline)
+}
+
+/// The layer list of the CNN for `width` and `conv`, without building the model (no parameters are
+/// allocated): the same list, in the same order, as
+/// [`Cnn::layer_specs`](crate::model::Cnn::layer_specs) returns (a test checks that they agree).
+pub fn model_layer_specs(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
+    let w = width;
+    let chans = [(3, w), (w, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w)];
+    let mut specs = Vec::new();
+    let mut hw = 32;
+    for (i, &(cin, cout)) in chans.iter().enumerate() {
+        let name = format!("stage{}.block{}", i / 2 + 1, i % 2 + 1);
+        match conv {
+            ConvKind::Standard => specs.push(LayerSpec {
+                name: format!("{name}.conv"),
+                kind: "conv3x3",
+                input: (cin, hw, hw),
+                output: (cout, hw, hw),
+                params: cout * cin * 9,
+                block: i,
+            }),
+            ConvKind::Separable => {
+                specs.push(LayerSpec {
+                    name: format!("{name}.dw"),
+                    kind: "depthwise3x3",
+                    input: (cin, hw, hw),
+                    output: (cin, hw, hw),
+                    params: cin * 9,
+                    block: i,
+                });
+                specs.push(LayerSpec {
+                    name: format!("{name}.pw"),
+                    kind: "pointwise1x1",
+                    input: (cin, hw, hw),
+                    output: (cout, hw, hw),
+                    params: cout * cin,
+                    block: i,
+                });
+            }
+        }
+        specs.push(LayerSpec {
+            name: format!("{name}.bn_relu"),
+            kind: "bn_relu",
+            input: (cout, hw, hw),
+            output: (cout, hw, hw),
+            params: 2 * cout,
+            block: i,
+        });
+        if i % 2 == 1 {
+            specs.push(LayerSpec {
+                name: format!("{name}.pool"),
+                kind: "maxpool2",
+                input: (cout, hw, hw),
+                output: (cout, hw / 2, hw / 2),
+                params: 0,
+                block: i,
+            });
+            hw /= 2;
+        }
+    }
+    let feat = 4 * w * hw * hw;
+    specs.push(LayerSpec {
+        name: "head".into(),
+        kind: "linear",
+        input: (feat, 1, 1),
+        output: (NUM_CLASSES, 1, 1),
+        params: feat * NUM_CLASSES + NUM_CLASSES,
+        block: chans.len(),
+    });
+    specs
+}
+
+/// Predict the memory of training `cfg` on `device` for the model described by `specs` (e.g. a
+/// built model's [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)).
+///
+/// # Errors
+/// When the config is invalid, or `specs` is not a list of blocks followed by one linear head
+/// (an unknown layer kind, a shape that does not chain).
+pub fn estimate_for_specs(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Estimate> {
+    cfg.validate()?;
+    let nodes = nodes_from_specs(specs)?;
+    let n_blocks = nodes.iter().filter(|n| !matches!(n.op, Op::Head { .. })).map(|n| n.block + 1).max().unwrap_or(0);
+    let segments = segments(n_blocks, cfg.checkpoint);
+    let ctx = Ctx {
+        n: cfg.micro_batch() as u64,
+        s: elem_bytes(cfg.precision.compute_dtype()),
+        dtype: cfg.precision.compute_dtype(),
+        device,
+    };
+    let param_counts: Vec<u64> = nodes.iter().flat_map(|n| n.param_tensors()).collect();
+    let param_bytes: u64 = param_counts.iter().map(|p| p * 4).sum();
+    let max_param = param_counts.iter().copied().max().unwrap_or(0) * 4;
+    let bn_stats: u64 = nodes.iter().filter(|n| matches!(n.op, Op::Bn { .. })).map(|n| n.out.0 as u64 * 2 * 4).sum();
+    let optimizer_bytes = match cfg.optimizer {
+        OptimizerKind::Sgd => param_bytes,
+        OptimizerKind::Adamw => 2 * param_bytes,
+    };
+
+    // What is in use when training begins, and the batches the batcher adds.
+    let (baseline_bytes, train_images) = match baseline {
+        Baseline::Measured { bytes, train_images } => (bytes, train_images),
+        Baseline::Modeled(data) if device.is_cpu() => {
+            (data.resident_bytes + param_bytes + bn_stats + RUNTIME_OVERHEAD_BYTES, data.train_images)
+        }
+        Baseline::Modeled(data) => (param_bytes + bn_stats, data.train_images),
+    };
+    let batch_bytes = if device.is_cpu() {
+        let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
+        let batches = (train_images / cfg.batch_size.max(1)).max(1);
+        let in_flight = BATCHES_IN_FLIGHT.min(batches) as u64;
+        // The batcher's permutation of the training split lives for the epoch.
+        in_flight * per_batch + train_images as u64 * 8
+    } else {
+        0
+    };
+
+    // The gemm crate's per-thread L2 packing buffers, allocated by the first matrix product on
+    // each thread and kept: the convolution threads, plus Candle's rayon threads when the head's
+    // products are large enough to be split.
+    let gemm_slabs = match device {
+        DeviceKind::Cpu { threads, l2_cache_bytes } => {
+            let head = &nodes[nodes.len() - 1];
+            let head_mnk = ctx.n * elems(head.inp) * NUM_CLASSES as u64;
+            let rayon = if head_mnk > GEMM_THREADING_THRESHOLD { threads } else { 0 };
+            // A convolution on one image runs on the calling thread only.
+            (threads.min(cfg.micro_batch()).max(1) + rayon) as u64 * l2_cache_bytes
+        }
+        DeviceKind::Cuda => 0,
+    };
+
+    let mut sim = Sim::new(nodes.len());
+    sim.cur = baseline_bytes + batch_bytes + gemm_slabs;
+    let mut activation_bytes = 0;
+    // Step 1 builds the optimizer state, steps 2.. carry it through forward and backward: the
+    // second step is the steady state.
+    for step in 0..2 {
+        let state = if step == 0 { 0 } else { optimizer_bytes };
+        sim.cur += state;
+        let mut acc_live = false;
+        for _ in 0..cfg.accum_steps {
+            sim.phase = Phase::Forward;
+            let r = micro_batch(&mut sim, &ctx, &nodes, &segments, cfg.checkpoint, acc_live);
+            activation_bytes = activation_bytes.max(r);
+            acc_live = true;
+        }
+        // Optimizer: the accumulated f32 gradients are alive; the update runs one parameter
+        // at a time.
+        sim.phase = Phase::Optimizer;
+        let grads = param_bytes;
+        if cfg.precision == Precision::F16 {
+            // Unscaling replaces each gradient by a scaled copy.
+            sim.spike(max_param);
+        }
+        match cfg.optimizer {
+            // g + w·wd, momentum·m + g, g + buf·m, d·lr: four parameter-sized temporaries at
+            // most, the first step also allocating the new state as it goes.
+            OptimizerKind::Sgd => sim.spike(if step == 0 { param_bytes } else { 0 } + 3 * max_param),
+            // m1, v, their bias-corrected copies, sqrt, the update: about six.
+            OptimizerKind::Adamw => sim.spike(if step == 0 { 2 * param_bytes } else { 0 } + 6 * max_param),
+        }
+        sim.free(grads);
+        sim.free(state);
+    }
+    let peaks = sim.peaks;
+    let (peak, peak_phase) = [(peaks[0], "forward"), (peaks[1], "backward"), (peaks[2], "optimizer")]
+        .into_iter()
+        .fold((0, "forward"), |a, b| if b.0 > a.0 { b } else { a });
+
+    let layers = nodes
+        .iter()
+        .zip(&sim.layers)
+        .map(|(n, r)| LayerEstimate {
+            name: n.name.clone(),
+            kind: n.kind,
+            output_shape: n.out,
+            params: n.params,
+            output_bytes: n.out_bytes(&ctx),
+            saved_bytes: r.saved,
+            recompute_bytes: r.recompute,
+            transient_bytes: r.transient,
+        })
+        .collect();
+    Ok(Estimate {
+        layers,
+        micro_batch: cfg.micro_batch(),
+        accum_steps: cfg.accum_steps,
+        precision: cfg.precision,
+        checkpoint: cfg.checkpoint,
+        conv: cfg.conv,
+        device,
+        param_bytes,
+        grad_bytes: param_bytes,
+        optimizer_bytes,
+        activation_bytes,
+        baseline_bytes,
+        batch_bytes,
+        runtime_bytes: gemm_slabs,
+        forward_peak: peaks[0],
+        backward_peak: peaks[1],
+        optimizer_peak: peaks[2],
+        peak,
+        peak_phase,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model as the simulation sees it.
+
+/// One op of the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Op {
+    /// Dense convolution (`memtrain-conv2d`), stride 1.
+    Conv { k: usize, pad: usize },
+    /// Depthwise 3x3 convolution.
+    Depthwise,
+    /// BatchNorm fused with ReLU.
+    Bn,
+    /// 2x2 max-pool.
+    Pool,
+    /// Flatten + linear layer in f32.
+    Head,
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    name: String,
+    kind: &'static str,
+    op: Op,
+    inp: (usize, usize, usize),
+    out: (usize, usize, usize),
+    params: usize,
+    block: usize,
+}
+
+fn elems(shape: (usize, usize, usize)) -> u64 {
+    (shape.0 * shape.1 * shape.2) as u64
+}
+
+impl Node {
+    fn in_bytes(&self, c: &Ctx) -> u64 {
+        c.n * elems(self.inp) * c.s
+    }
+
+    fn out_bytes(&self, c: &Ctx) -> u64 {
+        c.n * elems(self.out) * if matches!(self.op, Op::Head) { 4 } else { c.s }
+    }
+
+    /// Element counts of the parameter tensors (BatchNorm: gamma and beta; head: weight and bias).
+    fn param_tensors(&self) -> Vec<u64> {
+        match self.op {
+            Op::Conv { .. } | Op::Depthwise => vec![self.params as u64],
+            Op::Bn => vec![self.out.0 as u64; 2],
+            Op::Pool => vec![],
+            Op::Head => vec![self.params.saturating_sub(NUM_CLASSES) as u64, NUM_CLASSES as u64],
+        }
+    }
+}
+
+fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
+    let bad = |m: String| Error::config(format!("memory estimate: {m}"));
+    let mut nodes = Vec::with_capacity(specs.len());
+    let mut prev: Option<(usize, usize, usize)> = None;
+    for s in specs {
+        let op = match s.kind {
+            "conv3x3" => Op::Conv { k: 3, pad: 1 },
+            "pointwise1x1" => Op::Conv { k: 1, pad: 0 },
+            "depthwise3x3" => Op::Depthwise,
+            "bn_relu" => Op::Bn,
+            "maxpool2" => Op::Pool,
+            "linear" => Op::Head,
+            other => return Err(bad(format!("layer {} has unknown kind '{other}'", s.name))),
+        };
+        if let Some(p) = prev {
+            let chained = if op == Op::Head { elems(p) == elems(s.input) } else { p == s.input };
+            if !chained {
+                return Err(bad(format!("layer {} takes {:?} but the previous layer gives {:?}", s.name, s.input, p)));
+            }
+        }
+        if elems(s.input) == 0 || elems(s.output) == 0 {
+            return Err(bad(format!("layer {} has an empty shape", s.name)));
+        }
+        prev = Some(s.output);
+        nodes.push(Node { name: s.name.clone(), kind: s.kind, op, inp: s.input, out: s.output, params: s.params, block: s.block });
+    }
+    match nodes.last() {
+        Some(n) if n.op == Op::Head => {}
+        _ => return Err(bad("the layer list must end with the linear head".into())),
+    }
+    if nodes[..nodes.len() - 1].iter().any(|n| n.op == Op::Head) {
+        return Err(bad("the linear head must be the last layer".into()));
+    }
+    if nodes.first().is_some_and(|n| n.op == Op::Head) {
+        return Err(bad("the model has no blocks before the head".into()));
+    }
+    Ok(nodes)
+}
+
+/// Checkpointing segments as block ranges, as [`Cnn::segments`](crate::model::Cnn::segments).
+fn segments(n: usize, ckpt: Checkpointing) -> Vec<Range<usize>> {
+    match ckpt {
+        Checkpointing::None => vec![0..n],
+        Checkpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
+        Checkpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
+    }
+}
+
+fn elem_bytes(dtype: DType) -> u64 {
+    dtype.size_in_bytes() as u64
+}
+
+/// Per-micro-batch constants.
+struct Ctx {
+    /// Images per micro-batch.
+    n: u64,
+    /// Bytes per element of the compute dtype.
+    s: u64,
+    dtype: DType,
+    device: DeviceKind,
+}
+
+impl Ctx {
+    fn half(&self) -> bool {
+        self.s < 4
+    }
+
+    /// Threads busy on `n` independent images (one image per task).
+    fn busy(&self, tasks: u64) -> u64 {
+        (self.device.threads() as u64).min(tasks.max(1))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulation: bytes in use, replayed allocation by allocation.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Forward = 0,
+    Backward = 1,
+    Optimizer = 2,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct LayerRec {
+    saved: u64,
+    recompute: u64,
+    transient: u64,
+}
+
+struct Sim {
+    cur: u64,
+    peaks: [u64; 3],
+    phase: Phase,
+    layers: Vec<LayerRec>,
+    /// Highest `cur` since [`Sim::mark`].
+    local_peak: u64,
+}
+
+impl Sim {
+    fn new(layers: usize) -> Self {
+        Sim { cur: 0, peaks: [0; 3], phase: Phase::Forward, layers: vec![LayerRec::default(); layers], local_peak: 0 }
+    }
+
+    fn alloc(&mut self, b: u64) {
+        self.cur += b;
+        let p = &mut self.peaks[self.phase as usize];
+        *p = (*p).max(self.cur);
+        self.local_peak = self.local_peak.max(self.cur);
+    }
+
+    fn free(&mut self, b: u64) {
+        self.cur = self.cur.saturating_sub(b);
+    }
+
+    /// A buffer allocated and freed again.
+    fn spike(&mut self, b: u64) {
+        self.alloc(b);
+        self.free(b);
+    }
+
+    /// Candle's gradient accumulation into an empty slot: `zeros_like(arg)`, then `add`, then the
+    /// zeros are dropped. Leaves the sum (`b` bytes) alive.
+    fn zeros_add(&mut self, b: u64) {
+        self.alloc(b);
+        self.alloc(b);
+        self.free(b);
+    }
+
+    /// Start measuring one layer's transient memory.
+    fn mark(&mut self) -> u64 {
+        self.local_peak = self.cur;
+        self.cur
+    }
+
+    /// Record the transient memory of layer `i` since `mark` returned `start`.
+    fn record(&mut self, i: usize, start: u64) {
+        let t = self.local_peak.saturating_sub(start.max(self.cur));
+        let r = &mut self.layers[i].transient;
+        *r = (*r).max(t);
+    }
+}
+
+/// Bytes of the forward pass's per-thread scratch of a convolution on `n` images: one im2col
+/// column per thread (none for a 1x1 convolution) and, for half types, one widened input and one
+/// widened output image per thread; plus the widened weights.
+fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
+    let (cin, h, w) = nd.inp;
+    let (cout, ho, wo) = nd.out;
+    if !c.device.is_cpu() {
+        // Candle's CUDA conv2d without cuDNN: im2col of the whole batch.
+        return if k == 1 { 0 } else { c.n * (cin * k * k * ho * wo) as u64 * c.s };
+    }
+    let pointwise = k == 1 && pad == 0;
+    let col = if pointwise { 0 } else { crate::ops::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64 };
+    let widen = if c.half() { ((cin * h * w) + (cout * ho * wo)) as u64 * 4 } else { 0 };
+    let wbuf = if c.half() { (cout * cin * k * k) as u64 * 4 } else { 0 };
+    c.busy(c.n) * (col + widen) + wbuf
+}
+
+/// As [`conv_fwd_scratch`] for the input-gradient pass (same buffers: a column per thread, and
+/// widened output-gradient and input images for half types).
+fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
+    conv_fwd_scratch(c, nd, k, pad)
+}
+
+/// Images per weight-gradient chunk, as `images_per_chunk` in `src/ops/conv2d.rs`.
+fn wgrad_chunk(n: usize, hw_out: usize, per_image: usize, threads: usize) -> usize {
+    use crate::ops::conv2d::{IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
+    let n = n.max(1);
+    let threads = threads.max(1);
+    let wanted = MIN_GEMM_DEPTH.div_ceil(hw_out.max(1));
+    let by_budget = IM2COL_CHUNK_BYTES / threads / per_image.max(1);
+    wanted.min(by_budget).min(n.div_ceil(threads)).max(1)
+}
+
+/// Peak scratch of the weight-gradient pass (columns, gathered gradients, widened images and the
+/// per-thread accumulators) and the accumulators that stay alive until the pass returns.
+fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
+    let (cin, h, w) = nd.inp;
+    let (cout, ho, wo) = nd.out;
+    let ckk = cin * k * k;
+    if !c.device.is_cpu() {
+        return (if k == 1 { 0 } else { c.n * (ckk * ho * wo) as u64 * c.s }, 0);
+    }
+    let n = c.n as usize;
+    let threads = c.device.threads();
+    let hwo = ho * wo;
+    let chunk = wgrad_chunk(n, hwo, ckk * hwo * 4, threads);
+    let busy = if n <= chunk { 1 } else { threads.min(n.div_ceil(chunk)) } as u64;
+    let pointwise = k == 1 && pad == 0;
+    let one_col = crate::ops::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64;
+    let in_place = !c.half() && chunk == 1 && pointwise && one_col == (cin * hwo * 4) as u64;
+    let cols = if in_place { 0 } else { crate::ops::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64 };
+    let gathered = if !c.half() && chunk == 1 { 0 } else { (cout * chunk * hwo * 4) as u64 };
+    let widened = if c.half() { (cin * h * w * 4) as u64 } else { 0 };
+    let acc = (ckk * cout * 4) as u64;
+    (cols + busy * (gathered + widened + acc), busy * acc)
+}
+
+/// Forward of one node; `tracked` builds the graph (the output and, under f16, the cast weight
+/// stay alive). Leaves the output alive and returns the bytes kept for backward.
+fn fwd_node(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node, tracked: bool) -> u64 {
+    let start = sim.mark();
+    let out = nd.out_bytes(c);
+    let mut kept = 0;
+    match nd.op {
+        Op::Conv { k, pad } => {
+            // The f32 master weight is cast to the compute dtype per use.
+            let cast = if c.half() { nd.params as u64 * c.s } else { 0 };
+            sim.alloc(cast);
+            let scratch = conv_fwd_scratch(c, nd, k, pad);
+            sim.alloc(out);
+            sim.spike(scratch);
+            if tracked {
+                kept += cast;
+            } else {
+                sim.free(cast);
+            }
+        }
+        Op::Depthwise => {
+            let cast = if c.half() { nd.params as u64 * c.s } else { 0 };
+            sim.alloc(cast);
+            let (ch, h, w) = nd.inp;
+            let scratch = (ch * 9 * 4) as u64 + c.busy(c.n * ch as u64) * (((h + 2) * (w + 2) + w) * 4) as u64;
+            sim.alloc(out);
+            sim.spike(scratch);
+            if tracked {
+                kept += cast;
+            } else {
+                sim.free(cast);
+            }
+        }
+        Op::Bn => {
+            // Per-plane partial sums of the statistics, then the [2, C] statistics the op keeps.
+            let planes = c.n * nd.out.0 as u64;
+            sim.spike(planes * 16);
+            sim.alloc(out);
+        }
+        Op::Pool => sim.alloc(out),
+        Op::Head => {
+            // The input cast to f32 (half types), then the logits.
+            let cast = if c.half() { c.n * elems(nd.inp) * 4 } else { 0 };
+            sim.alloc(cast);
+            sim.alloc(out);
+            // Loss graph: log-softmax and friends, logits-sized.
+            sim.spike(4 * out);
+            kept += cast;
+        }
+    }
+    sim.record(i, start);
+    if tracked {
+        kept += out;
+    }
+    kept
+}
+
+/// Backward of one node. On entry the gradient of its output (`g_out` bytes) is alive; on exit it
+/// is freed and the gradient of its input is alive if `input_grad` (a tracked input), else the
+/// returned number of bytes is left in the gradient store until it is dropped. Parameter
+/// gradients (f32) are left alive.
+fn bwd_node(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node, input_tracked: bool, g_out: u64) -> u64 {
+    let start = sim.mark();
+    let inb = nd.in_bytes(c);
+    let mut orphan = 0;
+    match nd.op {
+        Op::Pool => {
+            sim.alloc(inb);
+            sim.zeros_add(inb);
+            sim.free(inb);
+            if !input_tracked {
+                orphan = inb;
+            }
+        }
+        Op::Bn => {
+            if input_tracked {
+                sim.alloc(inb);
+                sim.zeros_add(inb);
+                sim.free(inb);
+            }
+            // gamma and beta gradients.
+            sim.zeros_add(nd.out.0 as u64 * 4);
+            sim.zeros_add(nd.out.0 as u64 * 4);
+        }
+        Op::Conv { k, pad } => {
+            // Input gradient (always computed, even for the data).
+            sim.alloc(inb);
+            sim.spike(conv_dx_scratch(c, nd, k, pad));
+            let (scratch, partials) = conv_wgrad_scratch(c, nd, k, pad);
+            sim.spike(scratch);
+            let wgrad = nd.params as u64 * c.s;
+            sim.alloc(partials);
+            sim.alloc(wgrad);
+            sim.free(partials);
+            sim.zeros_add(inb);
+            sim.free(inb);
+            if !input_tracked {
+                orphan = inb;
+            }
+            weight_grad(sim, c, nd.params as u64, wgrad);
+        }
+        Op::Depthwise => {
+            let (ch, h, w) = nd.inp;
+            let plane_scratch = c.busy(c.n * ch as u64) * (((h + 2) * (w + 2) + h * w) * 4) as u64;
+            if input_tracked {
+                sim.alloc(inb);
+                sim.spike(plane_scratch);
+            }
+            let partial = c.n * (ch * 9 * 4) as u64;
+            sim.alloc(partial);
+            sim.spike(plane_scratch);
+            let wgrad = nd.params as u64 * c.s;
+            sim.alloc(wgrad);
+            sim.free(partial);
+            if input_tracked {
+                sim.zeros_add(inb);
+                sim.free(inb);
+            }
+            weight_grad(sim, c, nd.params as u64, wgrad);
+        }
+        Op::Head => {
+            // The loss and the bias-add: logits-sized gradients; the bias gradient.
+            let logits = nd.out_bytes(c);
+            sim.spike(4 * logits);
+            sim.zeros_add(logits);
+            sim.zeros_add(logits);
+            sim.free(2 * logits);
+            sim.zeros_add(NUM_CLASSES as u64 * 4);
+            // matmul: d(input) = grad · W and d(Wᵀ) = inputᵀ · grad, each then zeros + add.
+            // Both are computed from tracked tensors (W, the input), so each sum holds its zeros
+            // and the product through an autograd op until its node (the transpose of W, then
+            // the flatten) detaches it.
+            let feat32 = c.n * elems(nd.inp) * 4;
+            let wsize = nd.params.saturating_sub(NUM_CLASSES) as u64 * 4;
+            sim.alloc(3 * feat32);
+            sim.alloc(3 * wsize);
+            // transpose of W: zeros + add into the weight's gradient; its chain goes.
+            sim.zeros_add(wsize);
+            sim.free(3 * wsize);
+            // flatten (reshape): zeros + add of the f32 input gradient; its chain goes.
+            sim.zeros_add(feat32);
+            sim.free(3 * feat32);
+            if c.half() {
+                // The input was cast to f32: zeros, the gradient cast back, the sum.
+                let half = c.n * elems(nd.inp) * c.s;
+                sim.alloc(half);
+                sim.alloc(half);
+                sim.alloc(half);
+                sim.free(2 * half);
+                sim.free(feat32);
+            }
+            if !input_tracked {
+                orphan = inb;
+            }
+        }
+    }
+    sim.free(g_out);
+    sim.record(i, start);
+    orphan
+}
+
+/// The weight gradient `wgrad` (compute dtype) becomes the f32 gradient of the master weight:
+/// zeros + add into the store, and under f16 the cast node's backward (convert, zeros + add).
+fn weight_grad(sim: &mut Sim, c: &Ctx, params: u64, wgrad: u64) {
+    sim.zeros_add(wgrad);
+    sim.free(wgrad);
+    if c.half() {
+        let g32 = params * 4;
+        sim.alloc(g32);
+        sim.zeros_add(g32);
+        sim.free(g32);
+        sim.free(wgrad);
+    }
+}
+
+/// One micro-batch: data, forward, backward, gradient accumulation. Returns the activations alive
+/// at the end of the forward pass.
+fn micro_batch(
+    sim: &mut Sim,
+    c: &Ctx,
+    nodes: &[Node],
+    segments: &[Range<usize>],
+    ckpt: Checkpointing,
+    acc_live: bool,
+) -> u64 {
+    let head = nodes.len() - 1;
+    let param_bytes: u64 = nodes.iter().flat_map(|n| n.param_tensors()).map(|p| p * 4).sum();
+    let max_param = nodes.iter().flat_map(|n| n.param_tensors()).max().unwrap_or(0) * 4;
+    // The micro-batch as an f32 tensor (+ labels), and its copy in the compute dtype.
+    let x32 = c.n * (IMAGE_BYTES as u64 * 4 + 4);
+    sim.alloc(x32);
+    let xin = if c.half() { c.n * IMAGE_BYTES as u64 * c.s } else { 0 };
+    sim.alloc(xin);
+    let xin_bytes = c.n * IMAGE_BYTES as u64 * c.s;
+    let block_nodes = |r: &Range<usize>| -> Vec<usize> {
+        (0..head).filter(|&i| r.contains(&nodes[i].block)).collect()
+    };
+
+    let activations;
+    if ckpt == Checkpointing::None {
+        // One graph: everything stays until backward is done.
+        let mut kept = 0;
+        for i in 0..nodes.len() {
+            let k = fwd_node(sim, c, i, &nodes[i], true);
+            sim.layers[i].saved = k;
+            kept += k;
+        }
+        activations = kept;
+        sim.phase = Phase::Backward;
+        // Backward from the loss; the gradient of each output is handed down the chain.
+        let mut g = 0;
+        let mut orphans = 0;
+        for i in (0..nodes.len()).rev() {
+            orphans += bwd_node(sim, c, i, &nodes[i], i > 0, g);
+            g = if i > 0 { nodes[i].in_bytes(c) } else { 0 };
+        }
+        accumulate(sim, param_bytes, max_param, acc_live);
+        // The store (data gradient) and the graph go when the micro-batch returns.
+        sim.free(orphans);
+        sim.free(kept);
+    } else {
+        // Forward without a graph, keeping each segment's input.
+        let mut saved_inputs = Vec::with_capacity(segments.len());
+        let mut h = xin_bytes; // the segment input (the data for the first segment)
+        for seg in segments {
+            saved_inputs.push(h);
+            // The segment input is held by the caller; later block inputs die when the next
+            // block's output exists.
+            let mut cur_in = h;
+            let mut input_saved = true;
+            let idx = block_nodes(seg);
+            let mut b = 0;
+            while b < idx.len() {
+                let block = nodes[idx[b]].block;
+                let mut temps = 0; // intermediates of the block, freed when it returns
+                let mut last = 0; // the latest output
+                let mut pending_dw = 0; // a depthwise output, freed when its layer returns
+                while b < idx.len() && nodes[idx[b]].block == block {
+                    let i = idx[b];
+                    fwd_node(sim, c, i, &nodes[i], false);
+                    temps += last;
+                    last = nodes[i].out_bytes(c);
+                    match nodes[i].op {
+                        Op::Depthwise => pending_dw = last,
+                        _ if pending_dw > 0 => {
+                            sim.free(pending_dw);
+                            temps -= pending_dw;
+                            pending_dw = 0;
+                        }
+                        _ => {}
+                    }
+                    b += 1;
+                }
+                sim.free(temps);
+                if !input_saved {
+                    sim.free(cur_in);
+                }
+                cur_in = last;
+                input_saved = false;
+            }
+            // The segment's output is the next segment's saved input.
+            h = cur_in;
+        }
+        // Table: a checkpointed layer keeps only a segment output.
+        for seg in segments.iter().take(segments.len().saturating_sub(1)) {
+            if let Some(&last) = block_nodes(seg).last() {
+                sim.layers[last].saved = nodes[last].out_bytes(c);
+            }
+        }
+        // The head runs with a graph from a variable copy of the last output.
+        let last_out = h;
+        sim.alloc(last_out);
+        sim.free(last_out);
+        let head_kept = fwd_node(sim, c, head, &nodes[head], true);
+        sim.layers[head].saved = head_kept + last_out;
+        activations = saved_inputs.iter().skip(1).sum::<u64>() + last_out + head_kept;
+        sim.phase = Phase::Backward;
+        bwd_node(sim, c, head, &nodes[head], true, 0);
+        sim.free(head_kept);
+        accumulate(sim, nodes[head].params as u64 * 4, max_param, acc_live);
+        // `grad` (the head input's gradient) is held; the variable copy is dropped.
+        let mut grad = last_out;
+        sim.free(last_out);
+        for (si, seg) in segments.iter().enumerate().rev() {
+            let saved = saved_inputs.pop().unwrap_or(0);
+            let idx = block_nodes(seg);
+            let seg_params: u64 =
+                idx.iter().flat_map(|&i| nodes[i].param_tensors()).map(|p| p * 4).sum();
+            if si > 0 {
+                // Variable copy of the saved input, then the saved tensor is dropped.
+                sim.alloc(saved);
+                sim.free(saved);
+            }
+            // The first segment's input is the data, freed with the micro-batch.
+            let own_input = if si > 0 { saved } else { 0 };
+            // Recompute with a graph.
+            let mut kept = 0;
+            for &i in &idx {
+                let k = fwd_node(sim, c, i, &nodes[i], true);
+                sim.layers[i].recompute = k;
+                kept += k;
+            }
+            let out = idx.last().map_or(0, |&i| nodes[i].out_bytes(c));
+            // (out · grad).sum(): the product, then its backward. The sum's backward gives the
+            // product's gradient gP (zeros + add). The product's backward computes out's gradient
+            // gP·grad (zeros + add; the product is dropped after) and the detached grad's
+            // gradient gP·out: that one is computed from a tracked tensor, so it carries an
+            // autograd op holding gP, and its zeros + add result holds the zeros and it. The
+            // detached grad is no node of the graph, so that chain (4 buffers) stays in the
+            // store until the segment is done.
+            sim.alloc(out); // the product
+            sim.zeros_add(out); // gP
+            sim.alloc(out); // gP·grad
+            sim.zeros_add(out); // out's gradient
+            sim.alloc(out); // gP·out
+            sim.alloc(out); // zeros, held
+            sim.alloc(out); // the detached grad's gradient
+            sim.free(out); // gP·grad
+            let store_rhs = 4 * out;
+            // Through the segment's layers.
+            let mut g = out;
+            let mut orphans = 0;
+            for (j, &i) in idx.iter().enumerate().rev() {
+                let input_tracked = !(si == 0 && j == 0);
+                orphans += bwd_node(sim, c, i, &nodes[i], input_tracked, g);
+                g = if input_tracked { nodes[i].in_bytes(c) } else { 0 };
+            }
+            accumulate(sim, seg_params, max_param, acc_live);
+            // The new upstream gradient replaces the old; the store, the graph (activations and
+            // the product) and the variable copy of the input go.
+            sim.free(grad);
+            grad = g;
+            sim.free(store_rhs + orphans);
+            sim.free(kept + out);
+            sim.free(own_input);
+        }
+        sim.free(grad);
+    }
+    // The micro-batch's data.
+    sim.free(x32 + xin);
+    activations
+}
+
+/// Move parameter gradients (already alive, f32) into the accumulator: the first micro-batch
+/// takes them as they are; later ones add them to the running sums one parameter at a time.
+fn accumulate(sim: &mut Sim, grads: u64, max_param: u64, acc_live: bool) {
+    if acc_live {
+        sim.spike(max_param);
+        sim.free(grads);
+    }
+}

@@ -1,0 +1,469 @@
+//! `--fit-memory`: choose the fastest training plan whose predicted peak fits a memory budget.
+//!
+//! A plan is a micro-batch size (a divisor of the effective batch, the rest made up by gradient
+//! accumulation), a checkpointing granularity, a compute precision and (only when the model may
+//! change) a convolution kind. [`plan`] predicts the peak of every candidate with the analytic
+//! estimate ([`crate::memory::estimate`]), keeps those at or below the budget minus a safety
+//! margin ([`SAFETY_MARGIN`], 5%), and ranks them by a simple throughput model ([`CostModel`]):
+//! relative time per image = precision × (1 + recompute overhead) × micro-batch efficiency.
+//! It is a pure function of the configuration, the budget and the options: nothing is trained.
+
+use crate::config::{Checkpointing, ConvKind, Precision, TrainConfig, MAX_BATCH_SIZE};
+use crate::error::{Error, Result};
+use crate::memory::estimate::{estimate_with, Baseline, DataSize, DeviceKind, Estimate};
+use crate::memory::format_bytes;
+use std::fmt::Write as _;
+
+/// Fraction of the budget kept free: a plan must predict at most `(1 - SAFETY_MARGIN) × budget`.
+/// The estimate is within ±3% of the CPU measurement on the calibration matrix; 5% covers that
+/// plus run-to-run variation (e.g. whether Candle's matmul wakes a second rayon thread).
+pub const SAFETY_MARGIN: f64 = 0.05;
+
+/// Relative cost of the options: time per image of a plan, relative to f32 / standard conv / no
+/// checkpointing at a micro-batch in the efficient range, is
+///
+/// `precision[p, conv] × (1 + recompute[c, conv]) × micro(m) × (separable if the conv is separable)`
+///
+/// with `micro(m) = max(1, full_at / m) × (1 + spill_per_doubling × max(0, log2(m / spill_above)))`.
+///
+/// The CPU factors were measured on this project's development machine (2-core x86-64, width 32,
+/// effective batch 64; minimum step time over repeated runs, see
+/// `docs/results/estimate-accuracy.md`): without f16 arithmetic half types are widened to f32, so
+/// f16 is no faster than f32 and slower with the separable model, while bf16 (a cheap conversion)
+/// gains from the halved memory traffic; recomputation adds part of a forward pass; one-image
+/// micro-batches leave the second thread idle; 128-image micro-batches spill the caches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// Time per image of f16 relative to f32, standard conv.
+    pub f16_standard: f64,
+    /// As `f16_standard` for bf16.
+    pub bf16_standard: f64,
+    /// Time per image of f16 relative to f32, separable conv.
+    pub f16_separable: f64,
+    /// As `f16_separable` for bf16.
+    pub bf16_separable: f64,
+    /// Extra time of `--checkpoint stages`, standard conv (the stages are recomputed in backward).
+    pub stages_standard: f64,
+    /// Extra time of `--checkpoint blocks`, standard conv.
+    pub blocks_standard: f64,
+    /// Extra time of `--checkpoint stages`, separable conv.
+    pub stages_separable: f64,
+    /// Extra time of `--checkpoint blocks`, separable conv.
+    pub blocks_separable: f64,
+    /// Micro-batches smaller than this leave compute idle: time per image × `full_at / m`. On the
+    /// CPU the convolutions share out images, one per thread, so this is the thread count.
+    pub full_at: usize,
+    /// Micro-batches larger than this spill the caches with their activations...
+    pub spill_above: usize,
+    /// ...and cost this much more per image per doubling beyond `spill_above`.
+    pub spill_per_doubling: f64,
+    /// Time per image of the separable model relative to the standard one (f32).
+    pub separable: f64,
+    /// Where the factors come from, printed with the plan.
+    pub source: &'static str,
+}
+
+impl CostModel {
+    /// The factors measured on the development CPU, with `threads` compute threads.
+    pub fn cpu(threads: usize) -> Self {
+        CostModel {
+            f16_standard: 1.02,
+            bf16_standard: 0.84,
+            f16_separable: 1.41,
+            bf16_separable: 0.98,
+            stages_standard: 0.07,
+            blocks_standard: 0.27,
+            stages_separable: 0.15,
+            blocks_separable: 0.31,
+            full_at: threads.max(1),
+            spill_above: 64,
+            spill_per_doubling: 0.16,
+            separable: 0.60,
+            source: "measured on the 2-core development CPU, width 32",
+        }
+    }
+
+    /// Factors for CUDA, not measured: half precision assumed faster (tensor cores), recompute
+    /// one extra forward (a third of a step), micro-batches below 32 images underfill the GPU.
+    pub const CUDA: CostModel = CostModel {
+        f16_standard: 0.6,
+        bf16_standard: 0.6,
+        f16_separable: 0.7,
+        bf16_separable: 0.7,
+        stages_standard: 0.33,
+        blocks_standard: 0.33,
+        stages_separable: 0.33,
+        blocks_separable: 0.33,
+        full_at: 32,
+        spill_above: usize::MAX,
+        spill_per_doubling: 0.0,
+        separable: 1.0,
+        source: "assumed for CUDA, not measured",
+    };
+
+    /// The model for a device kind.
+    pub fn for_device(device: DeviceKind) -> Self {
+        match device {
+            DeviceKind::Cpu { threads, .. } => CostModel::cpu(threads),
+            DeviceKind::Cuda => CostModel::CUDA,
+        }
+    }
+
+    /// Relative time per image of a plan (1.0 = f32, standard conv, no checkpointing, a
+    /// micro-batch between `full_at` and `spill_above`).
+    pub fn time_per_image(&self, micro_batch: usize, precision: Precision, checkpoint: Checkpointing, conv: ConvKind) -> f64 {
+        let sep = conv == ConvKind::Separable;
+        let p = match (precision, sep) {
+            (Precision::F32, _) => 1.0,
+            (Precision::F16, false) => self.f16_standard,
+            (Precision::Bf16, false) => self.bf16_standard,
+            (Precision::F16, true) => self.f16_separable,
+            (Precision::Bf16, true) => self.bf16_separable,
+        };
+        let r = match (checkpoint, sep) {
+            (Checkpointing::None, _) => 0.0,
+            (Checkpointing::Stages, false) => self.stages_standard,
+            (Checkpointing::Blocks, false) => self.blocks_standard,
+            (Checkpointing::Stages, true) => self.stages_separable,
+            (Checkpointing::Blocks, true) => self.blocks_separable,
+        };
+        p * (1.0 + r) * self.micro(micro_batch) * if sep { self.separable } else { 1.0 }
+    }
+
+    /// The micro-batch factor `micro(m)`.
+    pub fn micro(&self, micro_batch: usize) -> f64 {
+        let m = micro_batch.max(1);
+        let idle = (self.full_at as f64 / m as f64).max(1.0);
+        let spill = if m > self.spill_above {
+            1.0 + self.spill_per_doubling * (m as f64 / self.spill_above as f64).log2()
+        } else {
+            1.0
+        };
+        idle * spill
+    }
+
+    /// One line stating the model, for the plan report.
+    pub fn describe(&self) -> String {
+        let spill = if self.spill_per_doubling > 0.0 {
+            format!(", +{:.0}% per doubling above {}", self.spill_per_doubling * 100.0, self.spill_above)
+        } else {
+            String::new()
+        };
+        format!(
+            "cost model ({}): time/image relative to f32 = precision (standard: f16 {:.2}×, bf16 {:.2}×; separable: f16 {:.2}×, bf16 {:.2}×) \
+             × recompute (standard: +{:.0}% stages, +{:.0}% blocks; separable: +{:.0}%, +{:.0}%) × micro-batch m (×{}/m below {}{spill}); \
+             separable model {:.2}× standard",
+            self.source,
+            self.f16_standard,
+            self.bf16_standard,
+            self.f16_separable,
+            self.bf16_separable,
+            self.stages_standard * 100.0,
+            self.blocks_standard * 100.0,
+            self.stages_separable * 100.0,
+            self.blocks_separable * 100.0,
+            self.full_at,
+            self.full_at,
+            self.separable
+        )
+    }
+}
+
+/// What [`plan`] may vary and what it knows about the run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanOptions {
+    /// Images per optimizer step the plan must keep (default: the config's batch size).
+    pub effective_batch: Option<usize>,
+    /// Also try the other convolution kind (a different model).
+    pub allow_model_change: bool,
+    /// The device the plan is for.
+    pub device: DeviceKind,
+    /// The data set (part of the CPU baseline).
+    pub data: DataSize,
+    /// Fraction of the budget kept free ([`SAFETY_MARGIN`] by default).
+    pub margin: f64,
+    /// The throughput model.
+    pub cost: CostModel,
+}
+
+impl PlanOptions {
+    /// Options for `device` and `data` with the default margin and the device's cost model.
+    pub fn new(device: DeviceKind, data: DataSize) -> Self {
+        PlanOptions {
+            effective_batch: None,
+            allow_model_change: false,
+            device,
+            data,
+            margin: SAFETY_MARGIN,
+            cost: CostModel::for_device(device),
+        }
+    }
+}
+
+/// One candidate plan with its prediction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The configuration with the plan applied (batch size = effective batch).
+    pub config: TrainConfig,
+    /// Images per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub accum_steps: usize,
+    /// Compute precision.
+    pub precision: Precision,
+    /// Checkpointing.
+    pub checkpoint: Checkpointing,
+    /// Convolution kind.
+    pub conv: ConvKind,
+    /// Predicted peak bytes.
+    pub predicted_peak: u64,
+    /// Relative time per image (lower is faster; see [`CostModel::time_per_image`]).
+    pub time_per_image: f64,
+    /// Throughput relative to the base config's own settings (1.0 = as fast; higher is faster).
+    pub relative_throughput: f64,
+}
+
+impl Plan {
+    /// Short description, e.g. `micro-batch 32 × 4, f32, checkpoint stages, standard conv`.
+    pub fn describe(&self) -> String {
+        format!(
+            "micro-batch {} × {} step{}, {}, checkpoint {}, {} conv",
+            self.micro_batch,
+            self.accum_steps,
+            if self.accum_steps == 1 { "" } else { "s" },
+            self.precision,
+            self.checkpoint,
+            self.conv
+        )
+    }
+}
+
+/// The ranked outcome of [`plan`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanReport {
+    /// The budget in bytes.
+    pub budget: u64,
+    /// The largest predicted peak a plan may have: `budget × (1 - margin)`.
+    pub usable: u64,
+    /// The margin used.
+    pub margin: f64,
+    /// Effective batch (images per optimizer step).
+    pub effective_batch: usize,
+    /// Plans that fit, fastest first (ties: smaller peak first). Never empty.
+    pub plans: Vec<Plan>,
+    /// Faster plans that do not fit (fastest first, at most 3), to say what the budget costs.
+    pub rejected_faster: Vec<Plan>,
+    /// Candidates evaluated.
+    pub considered: usize,
+    /// The throughput model the plans were ranked by.
+    pub cost: CostModel,
+}
+
+impl PlanReport {
+    /// The chosen plan (the fastest that fits).
+    pub fn chosen(&self) -> &Plan {
+        &self.plans[0]
+    }
+
+    /// The report: budget and margin, the cost model, the chosen plan and why, the runners-up and
+    /// why each ranks lower.
+    pub fn render(&self, runners_up: usize) -> String {
+        let mut s = format!(
+            "memory plan: budget {}, safety margin {:.0}% → plans must predict ≤ {}; effective batch {}; {} of {} candidates fit\n",
+            format_bytes(self.budget),
+            self.margin * 100.0,
+            format_bytes(self.usable),
+            self.effective_batch,
+            self.plans.len(),
+            self.considered
+        );
+        let _ = writeln!(s, "{}", self.cost.describe());
+        let c = self.chosen();
+        let _ = writeln!(
+            s,
+            "chosen: {} — predicted peak {}, relative throughput {:.2}",
+            c.describe(),
+            format_bytes(c.predicted_peak),
+            c.relative_throughput
+        );
+        let why = match self.rejected_faster.first() {
+            Some(r) => format!(
+                "why: the fastest plan that fits; faster ones need more memory, e.g. {} (throughput {:.2}) predicts {}",
+                r.describe(),
+                r.relative_throughput,
+                format_bytes(r.predicted_peak)
+            ),
+            None => "why: the fastest of all candidates, and it fits".to_string(),
+        };
+        let _ = writeln!(s, "{why}");
+        for (i, p) in self.plans.iter().skip(1).take(runners_up).enumerate() {
+            let _ = writeln!(
+                s,
+                "  runner-up {}: {} — peak {}, throughput {:.2} ({})",
+                i + 1,
+                p.describe(),
+                format_bytes(p.predicted_peak),
+                p.relative_throughput,
+                difference(&self.cost, c, p)
+            );
+        }
+        s
+    }
+}
+
+/// Why `p` ranks below `chosen`: the options that differ, with their cost factors.
+fn difference(cost: &CostModel, chosen: &Plan, p: &Plan) -> String {
+    let mut why = Vec::new();
+    if p.micro_batch != chosen.micro_batch {
+        let (a, b) = (cost.micro(p.micro_batch), cost.micro(chosen.micro_batch));
+        why.push(if (a - b).abs() < 1e-9 {
+            format!("micro-batch {} instead of {} (same speed)", p.micro_batch, chosen.micro_batch)
+        } else {
+            format!("micro-batch {} instead of {} (×{:.2} per image)", p.micro_batch, chosen.micro_batch, a / b)
+        });
+    }
+    if p.precision != chosen.precision {
+        why.push(format!("{} instead of {}", p.precision, chosen.precision));
+    }
+    if p.checkpoint != chosen.checkpoint {
+        why.push(format!("checkpoint {} instead of {}", p.checkpoint, chosen.checkpoint));
+    }
+    if p.conv != chosen.conv {
+        why.push(format!("{} conv instead of {}", p.conv, chosen.conv));
+    }
+    let slower = (p.time_per_image / chosen.time_per_image - 1.0) * 100.0;
+    let what = if why.is_empty() { "same options".to_string() } else { why.join(", ") };
+    if slower >= 0.5 {
+        format!("{slower:.0}% slower: {what}")
+    } else {
+        format!("as fast, predicts more memory: {what}")
+    }
+}
+
+/// The micro-batch sizes an effective batch allows: its divisors, largest first.
+fn divisors(n: usize) -> Vec<usize> {
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut i = 1;
+    while i * i <= n {
+        if n % i == 0 {
+            small.push(i);
+            if i * i != n {
+                large.push(n / i);
+            }
+        }
+        i += 1;
+    }
+    large.extend(small.into_iter().rev());
+    large
+}
+
+/// Rank every plan for `cfg` under `budget` bytes.
+///
+/// Candidates: every micro-batch that divides the effective batch, checkpointing none / stages /
+/// blocks, precision f32 / f16 / bf16, and with `allow_model_change` both conv kinds (else the
+/// config's). The other settings of `cfg` (width, optimizer, data, seed, ...) are kept.
+///
+/// # Errors
+/// When the budget or effective batch is invalid, when `cfg` is invalid, or when no candidate fits:
+/// then the one-line message names the smallest feasible budget and the plan that needs it.
+pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanReport> {
+    if budget == 0 {
+        return Err(Error::config("--fit-memory must be larger than 0"));
+    }
+    if !(0.0..1.0).contains(&opts.margin) {
+        return Err(Error::config(format!("the safety margin must be in [0, 1), got {}", opts.margin)));
+    }
+    let effective = opts.effective_batch.unwrap_or(cfg.batch_size);
+    if effective == 0 || effective > MAX_BATCH_SIZE {
+        return Err(Error::config(format!(
+            "--effective-batch must be between 1 and {MAX_BATCH_SIZE}, got {effective}"
+        )));
+    }
+    let convs: Vec<ConvKind> = if opts.allow_model_change { ConvKind::ALL.to_vec() } else { vec![cfg.conv] };
+    let usable = (budget as f64 * (1.0 - opts.margin)).floor() as u64;
+    let reference = opts.cost.time_per_image(cfg.micro_batch().max(1), cfg.precision, cfg.checkpoint, cfg.conv);
+
+    let mut all: Vec<Plan> = Vec::new();
+    for &conv in &convs {
+        for micro in divisors(effective) {
+            for &checkpoint in Checkpointing::ALL {
+                for &precision in Precision::ALL {
+                    let mut c = cfg.clone();
+                    c.batch_size = effective;
+                    c.accum_steps = effective / micro;
+                    c.checkpoint = checkpoint;
+                    c.precision = precision;
+                    c.conv = conv;
+                    let est: Estimate = estimate_with(&c, opts.device, Baseline::Modeled(opts.data))?;
+                    let t = opts.cost.time_per_image(micro, precision, checkpoint, conv);
+                    all.push(Plan {
+                        config: c,
+                        micro_batch: micro,
+                        accum_steps: effective / micro,
+                        precision,
+                        checkpoint,
+                        conv,
+                        predicted_peak: est.peak,
+                        time_per_image: t,
+                        relative_throughput: reference / t,
+                    });
+                }
+            }
+        }
+    }
+    let considered = all.len();
+    // Fastest first; then the smaller peak; then fewer micro-batches.
+    all.sort_by(|a, b| {
+        a.time_per_image
+            .total_cmp(&b.time_per_image)
+            .then(a.predicted_peak.cmp(&b.predicted_peak))
+            .then(a.accum_steps.cmp(&b.accum_steps))
+    });
+    let (fit, over): (Vec<Plan>, Vec<Plan>) = all.into_iter().partition(|p| p.predicted_peak <= usable);
+    if fit.is_empty() {
+        let smallest = over.iter().min_by_key(|p| p.predicted_peak).ok_or_else(|| {
+            Error::config("no candidate plans: the effective batch has no micro-batch sizes")
+        })?;
+        let needed = (smallest.predicted_peak as f64 / (1.0 - opts.margin)).ceil() as u64;
+        return Err(Error::config(format!(
+            "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {:.0}% safety margin the budget must be at least {}{}",
+            format_bytes(budget),
+            smallest.describe(),
+            format_bytes(smallest.predicted_peak),
+            opts.margin * 100.0,
+            format_bytes(needed),
+            if opts.allow_model_change || convs.contains(&ConvKind::Separable) {
+                String::new()
+            } else {
+                " (or allow --conv separable with --allow-model-change)".to_string()
+            }
+        )));
+    }
+    let best = fit[0].time_per_image;
+    let rejected_faster: Vec<Plan> = over.into_iter().filter(|p| p.time_per_image < best).take(3).collect();
+    Ok(PlanReport {
+        budget,
+        usable,
+        margin: opts.margin,
+        effective_batch: effective,
+        plans: fit,
+        rejected_faster,
+        considered,
+        cost: opts.cost,
+    })
+}
+
+/// The smallest budget any plan fits in (its predicted peak plus the margin).
+///
+/// # Errors
+/// As [`plan`] for invalid input.
+pub fn smallest_feasible_budget(cfg: &TrainConfig, opts: &PlanOptions) -> Result<u64> {
+    match plan(cfg, u64::MAX / 2, opts) {
+        Ok(r) => {
+            let min = r.plans.iter().map(|p| p.predicted_peak).min().unwrap_or(0);
+            Ok((min as f64 / (1.0 - opts.margin)).ceil() as u64)
+        }
+        Err(e) => Err(e),
+    }
+}

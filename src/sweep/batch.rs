@@ -1,0 +1,439 @@
+//! Batch-size sweeps: a list of batch sizes, or a search for the largest batch that fits a
+//! memory limit (doubling, then binary search), over the cross product of configurations.
+//! Every point is one child process of the trainer (see [`super::run_child`]).
+
+use super::{describe, merge_flags, run_child, slug, ChildRun, Progress, Status};
+use crate::error::{Error, Result};
+use crate::memory::format_bytes;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One configuration of a sweep: a label and the trainer flags that make it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Variant {
+    /// Short label, e.g. `f16 ckpt=stages`.
+    pub label: String,
+    /// Trainer flags, e.g. `["--precision", "f16", "--checkpoint", "stages"]`.
+    pub flags: Vec<String>,
+}
+
+impl Variant {
+    /// Gradient accumulation steps this variant asks for (1 when not given).
+    pub fn accum_steps(&self) -> usize {
+        accum_steps_of(&self.flags)
+    }
+}
+
+/// The `--accum-steps` value in a flag list (the last one given; 1 when absent or invalid).
+pub fn accum_steps_of(flags: &[String]) -> usize {
+    let mut accum = 1;
+    for (i, f) in flags.iter().enumerate() {
+        let value = if f == "--accum-steps" { flags.get(i + 1).map(String::as_str) } else { f.strip_prefix("--accum-steps=") };
+        if let Some(a) = value.and_then(|v| v.parse::<usize>().ok()).filter(|&a| a > 0) {
+            accum = a;
+        }
+    }
+    accum
+}
+
+/// A swept dimension: a trainer flag (without `--`) and its values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dimension {
+    /// Flag name, e.g. `precision`.
+    pub flag: String,
+    /// Values, e.g. `["f32", "bf16"]`.
+    pub values: Vec<String>,
+}
+
+/// How a value of a dimension appears in a label.
+fn label_part(flag: &str, value: &str) -> String {
+    match flag {
+        "precision" | "conv" | "optimizer" => value.to_string(),
+        "checkpoint" => format!("ckpt={value}"),
+        "accum-steps" => format!("accum={value}"),
+        other => format!("{other}={value}"),
+    }
+}
+
+/// The cross product of `dims`, in order (the first dimension varies slowest). Labels name the
+/// dimensions with more than one value; when none varies the label names all given values (or
+/// `default` when there are none).
+pub fn cross_product(dims: &[Dimension]) -> Vec<Variant> {
+    let dims: Vec<&Dimension> = dims.iter().filter(|d| !d.values.is_empty()).collect();
+    let mut out = vec![Variant { label: String::new(), flags: Vec::new() }];
+    let any_varies = dims.iter().any(|d| d.values.len() > 1);
+    for d in &dims {
+        let mut next = Vec::with_capacity(out.len() * d.values.len());
+        for v in &out {
+            for value in &d.values {
+                let mut flags = v.flags.clone();
+                flags.push(format!("--{}", d.flag));
+                flags.push(value.clone());
+                let mut label = v.label.clone();
+                if d.values.len() > 1 || !any_varies {
+                    if !label.is_empty() {
+                        label.push(' ');
+                    }
+                    label.push_str(&label_part(&d.flag, value));
+                }
+                next.push(Variant { label, flags });
+            }
+        }
+        out = next;
+    }
+    for v in &mut out {
+        if v.label.is_empty() {
+            v.label = "default".into();
+        }
+    }
+    out
+}
+
+/// Which batch sizes to run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchPlan {
+    /// Exactly these batch sizes, in order.
+    List(Vec<usize>),
+    /// Find the largest batch that fits: double from `start` until a point runs out of memory or
+    /// `max_batch` is reached, then binary-search between the last fit and the first OOM down to
+    /// `granularity` images.
+    FindMax {
+        /// First batch size tried.
+        start: usize,
+        /// Largest batch size tried.
+        max_batch: usize,
+        /// Resolution of the binary search, in images.
+        granularity: usize,
+    },
+}
+
+/// Everything a sweep needs.
+#[derive(Debug, Clone)]
+pub struct SweepOptions {
+    /// The trainer binary (see [`super::locate_example`]).
+    pub trainer: PathBuf,
+    /// Output directory: results files, charts and one run directory per point.
+    pub out: PathBuf,
+    /// Configurations (see [`cross_product`]).
+    pub variants: Vec<Variant>,
+    /// Batch sizes to run.
+    pub plan: BatchPlan,
+    /// Training steps per point (`--max-steps`).
+    pub steps: usize,
+    /// Smallest synthetic training set; each point gets `max(this, batch × steps)` images so that
+    /// it can run all its steps.
+    pub synthetic_train: usize,
+    /// Memory limit given to every child (`--memory-limit`) and drawn in the chart.
+    pub memory_limit: Option<u64>,
+    /// Flags given to every child (width, data dir, device, seed, …).
+    pub common: Vec<String>,
+    /// Kill a point that runs longer than this (recorded as failed).
+    pub timeout: Option<Duration>,
+    /// Show progress on stderr.
+    pub progress: bool,
+    /// The command line, recorded in the results.
+    pub command: String,
+    /// When set (e.g. by [`crate::signal::install_stop_handler`]), no further point starts; the
+    /// result so far comes back with `interrupted` set.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+/// One measured point of a sweep.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepPoint {
+    /// Configuration label.
+    pub configuration: String,
+    /// Batch size (images per optimizer step).
+    pub batch_size: usize,
+    /// What the child reported.
+    pub run: ChildRun,
+}
+
+/// The result of a `--find-max` search for one configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MaxBatch {
+    /// Configuration label.
+    pub configuration: String,
+    /// Largest batch size that ran without running out of memory (`None`: not even the smallest).
+    pub max_batch: Option<usize>,
+    /// Smallest batch size that ran out of memory (`None`: none did up to the cap).
+    pub first_oom: Option<usize>,
+    /// True when the search stopped at `max_batch` of the plan without an OOM.
+    pub capped: bool,
+    /// Why the search ended early (a failed point), or empty.
+    pub note: String,
+}
+
+/// Everything a sweep measured; written as `sweep.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepResult {
+    /// The command line that ran the sweep.
+    pub command: String,
+    /// Training steps per point.
+    pub steps: usize,
+    /// The memory limit given to the children.
+    pub memory_limit: Option<u64>,
+    /// The plan.
+    pub plan: BatchPlan,
+    /// Configurations, in order.
+    pub configurations: Vec<Variant>,
+    /// Every point, in the order it ran.
+    pub points: Vec<SweepPoint>,
+    /// Search results (only with [`BatchPlan::FindMax`]), one per configuration.
+    pub max_batches: Vec<MaxBatch>,
+    /// True when the sweep was stopped (Ctrl-C/SIGTERM) before all points ran.
+    #[serde(default)]
+    pub interrupted: bool,
+}
+
+impl SweepResult {
+    /// The points of one configuration, sorted by batch size.
+    pub fn points_of(&self, configuration: &str) -> Vec<&SweepPoint> {
+        let mut v: Vec<&SweepPoint> = self.points.iter().filter(|p| p.configuration == configuration).collect();
+        v.sort_by_key(|p| p.batch_size);
+        v
+    }
+}
+
+/// Round `b` up to a multiple of `m`.
+fn round_up(b: usize, m: usize) -> usize {
+    b.div_ceil(m.max(1)) * m.max(1)
+}
+
+/// Greatest common divisor.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Check the options before anything runs.
+pub fn validate(opts: &SweepOptions) -> Result<()> {
+    if opts.variants.is_empty() {
+        return Err(Error::config("no configuration to sweep"));
+    }
+    if opts.steps == 0 {
+        return Err(Error::config("--steps must be at least 1"));
+    }
+    match &opts.plan {
+        BatchPlan::List(b) => {
+            if b.is_empty() {
+                return Err(Error::config("--batch-sizes is empty; give e.g. --batch-sizes 32,64,128 or --find-max"));
+            }
+            if b.contains(&0) {
+                return Err(Error::config("--batch-sizes must be positive"));
+            }
+        }
+        BatchPlan::FindMax { start, max_batch, granularity } => {
+            if *start == 0 || *granularity == 0 {
+                return Err(Error::config("--start and --granularity must be at least 1"));
+            }
+            if max_batch < start {
+                return Err(Error::config(format!("--max-batch {max_batch} is smaller than --start {start}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs points and keeps the results file up to date.
+struct Runner<'a> {
+    opts: &'a SweepOptions,
+    result: SweepResult,
+    progress: Progress,
+}
+
+impl Runner<'_> {
+    /// Run one point (or reuse it when this configuration already ran that batch size).
+    fn point(&mut self, variant: &Variant, batch: usize) -> Result<ChildRun> {
+        if let Some(p) =
+            self.result.points.iter().find(|p| p.configuration == variant.label && p.batch_size == batch)
+        {
+            return Ok(p.run.clone());
+        }
+        let opts = self.opts;
+        if opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
+            return Err(Error::Interrupted("sweep stopped before all points ran".into()));
+        }
+        let name = format!("{}-b{batch:05}", slug(&variant.label));
+        let dir = opts.out.join("points").join(name);
+        let synthetic = opts.synthetic_train.max(batch.saturating_mul(opts.steps)).max(10);
+        let mut fixed = vec![
+            "--batch-size".to_string(),
+            batch.to_string(),
+            "--max-steps".into(),
+            opts.steps.to_string(),
+            "--synthetic-train".into(),
+            synthetic.to_string(),
+            "--no-eval".into(),
+            "--quiet".into(),
+            "--summary-only".into(),
+            "--out".into(),
+            dir.to_string_lossy().into_owned(),
+        ];
+        if let Some(limit) = opts.memory_limit {
+            fixed.push("--memory-limit".into());
+            fixed.push(limit.to_string());
+        }
+        let args = merge_flags(&[&opts.common, &variant.flags, &fixed]);
+        let what = format!("{} batch {batch}", variant.label);
+        self.progress.start(&what);
+        let run = run_child(&opts.trainer, &args, &dir, opts.timeout)?;
+        self.progress.finish(&describe(&what, &run));
+        self.result.points.push(SweepPoint { configuration: variant.label.clone(), batch_size: batch, run: run.clone() });
+        super::report::write_sweep_files(&opts.out, &self.result)?;
+        Ok(run)
+    }
+
+    /// Doubling, then binary search, for one configuration.
+    fn find_max(&mut self, variant: &Variant, start: usize, max_batch: usize, granularity: usize) -> Result<MaxBatch> {
+        let accum = accum_steps_of(&merge_flags(&[&self.opts.common, &variant.flags]));
+        // Every batch size tried must be divisible by the accumulation steps.
+        let g = granularity / gcd(granularity, accum) * accum;
+        let mut mb = MaxBatch {
+            configuration: variant.label.clone(),
+            max_batch: None,
+            first_oom: None,
+            capped: false,
+            note: String::new(),
+        };
+        let max_batch = max_batch / accum * accum;
+        if max_batch == 0 {
+            mb.note = format!("--max-batch is smaller than --accum-steps {accum}");
+            return Ok(mb);
+        }
+        let mut b = round_up(start, accum).min(max_batch);
+        // Phase 1: double until OOM or the cap.
+        loop {
+            let run = self.point(variant, b)?;
+            match run.status {
+                Status::Ok => {
+                    mb.max_batch = Some(b);
+                    if b >= max_batch {
+                        mb.capped = true;
+                        return Ok(mb);
+                    }
+                    let next = round_up(b.saturating_mul(2), accum).min(max_batch);
+                    self.progress.add(1);
+                    b = next;
+                }
+                Status::Oom => {
+                    mb.first_oom = Some(b);
+                    break;
+                }
+                Status::Failed => {
+                    mb.note = format!("search stopped: batch {b} failed ({})", run.note);
+                    return Ok(mb);
+                }
+            }
+        }
+        // Phase 2: binary search on multiples of g between the last fit (or 0) and the first OOM.
+        let mut lo = mb.max_batch.unwrap_or(0);
+        let mut hi = mb.first_oom.unwrap_or(b);
+        while hi > lo && hi - lo > g {
+            let steps = (hi - lo) / g;
+            let mut mid = lo + (steps / 2).max(1) * g;
+            mid = round_up(mid, g).min(hi - 1).max(lo + 1);
+            mid = round_up(mid, accum);
+            if mid >= hi || mid <= lo {
+                break;
+            }
+            self.progress.add(1);
+            let run = self.point(variant, mid)?;
+            match run.status {
+                Status::Ok => lo = mid,
+                Status::Oom => hi = mid,
+                Status::Failed => {
+                    mb.note = format!("search stopped: batch {mid} failed ({})", run.note);
+                    break;
+                }
+            }
+        }
+        mb.max_batch = (lo > 0).then_some(lo);
+        mb.first_oom = Some(hi);
+        if mb.max_batch.is_none() && mb.note.is_empty() {
+            mb.note = format!("even batch {} ran out of memory", hi);
+        }
+        Ok(mb)
+    }
+}
+
+/// Run the sweep: every configuration × every batch size of the plan, each point in its own
+/// child process. OOM and failed points are recorded and the sweep goes on; when `opts.stop` is
+/// set, no further point starts and the result comes back with `interrupted` set. `sweep.json`,
+/// `sweep.csv` and `sweep.md` in `opts.out` are rewritten (atomically) after every point; the
+/// charts are drawn by [`super::report::write_sweep_report`].
+pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
+    validate(opts)?;
+    super::ensure_fresh(&opts.out.join("points"))?;
+    crate::io::create_dir(&opts.out)?;
+    let planned = match &opts.plan {
+        BatchPlan::List(b) => b.len() * opts.variants.len(),
+        BatchPlan::FindMax { .. } => opts.variants.len(),
+    };
+    let mut runner = Runner {
+        opts,
+        result: SweepResult {
+            command: opts.command.clone(),
+            steps: opts.steps,
+            memory_limit: opts.memory_limit,
+            plan: opts.plan.clone(),
+            configurations: opts.variants.clone(),
+            points: Vec::new(),
+            max_batches: Vec::new(),
+            interrupted: false,
+        },
+        progress: Progress::new(planned as u64, opts.progress),
+    };
+    let outcome = (|| -> Result<()> {
+        for variant in &opts.variants {
+            match &opts.plan {
+                BatchPlan::List(sizes) => {
+                    for &b in sizes {
+                        runner.point(variant, b)?;
+                    }
+                }
+                BatchPlan::FindMax { start, max_batch, granularity } => {
+                    let mb = runner.find_max(variant, *start, *max_batch, *granularity)?;
+                    runner.result.max_batches.push(mb);
+                    super::report::write_sweep_files(&opts.out, &runner.result)?;
+                }
+            }
+        }
+        Ok(())
+    })();
+    runner.progress.close();
+    match outcome {
+        Ok(()) => Ok(runner.result),
+        Err(Error::Interrupted(_)) => {
+            runner.result.interrupted = true;
+            super::report::write_sweep_files(&opts.out, &runner.result)?;
+            Ok(runner.result)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// One line per configuration describing a `--find-max` result.
+pub fn describe_max(mb: &MaxBatch, limit: Option<u64>) -> String {
+    let within = limit.map(|l| format!(" within {}", format_bytes(l))).unwrap_or_default();
+    let mut s = match (mb.max_batch, mb.first_oom) {
+        (Some(m), _) if mb.capped => format!("{}: batch {m} fits{within} (the --max-batch cap; larger not tried)", mb.configuration),
+        (Some(m), Some(o)) => format!("{}: largest batch that fits{within}: {m} (batch {o} runs out of memory)", mb.configuration),
+        (Some(m), None) => format!("{}: largest batch that fits{within}: {m}", mb.configuration),
+        (None, Some(o)) => format!("{}: no batch size fits{within} (batch {o} runs out of memory)", mb.configuration),
+        (None, None) => format!("{}: no result", mb.configuration),
+    };
+    // "even batch N ran out of memory" repeats what the line already says.
+    let redundant = mb.max_batch.is_none() && mb.note.starts_with("even batch");
+    if !mb.note.is_empty() && !redundant {
+        s.push_str(&format!(" [{}]", mb.note));
+    }
+    s
+}

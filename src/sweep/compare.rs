@@ -1,0 +1,196 @@
+//! Configuration comparisons: several trainer runs, each in its own child process, with common
+//! flags, reported against the first run (the baseline).
+
+use super::{describe, merge_flags, run_child, slug, split_flags, ChildRun, Progress, Status};
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One configuration to compare: a label and the trainer flags that make it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunSpec {
+    /// Label in tables and charts.
+    pub label: String,
+    /// Trainer flags of this configuration.
+    pub flags: Vec<String>,
+}
+
+impl RunSpec {
+    /// A configuration from a flag string such as `--precision f16 --checkpoint stages`.
+    /// A leading `NAME:` (text before a colon, not starting with `-`) sets the label; otherwise
+    /// the label is the flag string itself (`baseline` when empty).
+    pub fn from_flags(text: &str) -> Result<RunSpec> {
+        let t = text.trim();
+        let (label, flags) = match t.split_once(':') {
+            Some((name, rest)) if !name.trim().is_empty() && !name.trim_start().starts_with('-') && !name.contains(char::is_whitespace) => {
+                (name.trim().to_string(), rest.trim())
+            }
+            _ => (String::new(), t),
+        };
+        let words = split_flags(flags)?;
+        if let Some(w) = words.first().filter(|w| !w.starts_with('-')) {
+            return Err(Error::config(format!(
+                "--run \"{text}\": expected trainer flags such as \"--precision f16\", got '{w}' first"
+            )));
+        }
+        let label = if !label.is_empty() {
+            label
+        } else if words.is_empty() {
+            "baseline".to_string()
+        } else {
+            words.join(" ")
+        };
+        Ok(RunSpec { label, flags: words })
+    }
+
+    /// A configuration from a `config.json` file (as written by `train_cifar10` into its run
+    /// directory), passed to the child as `--config FILE`; labelled by the file name, or the
+    /// run directory name for a `config.json`; a numeric ordering prefix such as `00-` is dropped.
+    pub fn from_config_file(path: &Path) -> Result<RunSpec> {
+        if !path.is_file() {
+            return Err(Error::config(format!(
+                "--configs {}: no such file; pass config.json files as written into run directories",
+                path.display()
+            )));
+        }
+        let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        // `00-baseline.json` → `baseline` (numeric prefixes only order the files for a glob).
+        let digits = stem.len() - stem.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        let stem = match stem[digits..].strip_prefix(['-', '_']) {
+            Some(rest) if digits > 0 && !rest.is_empty() => rest.to_string(),
+            _ => stem,
+        };
+        let label = if stem == "config" {
+            path.parent()
+                .and_then(|p| p.file_name())
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or(stem)
+        } else {
+            stem
+        };
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        Ok(RunSpec { label, flags: vec!["--config".into(), abs.to_string_lossy().into_owned()] })
+    }
+}
+
+/// Everything a comparison needs.
+#[derive(Debug, Clone)]
+pub struct CompareOptions {
+    /// The trainer binary (see [`super::locate_example`]).
+    pub trainer: PathBuf,
+    /// Output directory: results files, charts and one run directory per configuration.
+    pub out: PathBuf,
+    /// Configurations; the first is the baseline.
+    pub runs: Vec<RunSpec>,
+    /// Flags given to every run (a run's own flags override them).
+    pub common: Vec<String>,
+    /// Kill a run that takes longer than this (recorded as failed).
+    pub timeout: Option<Duration>,
+    /// Show progress on stderr.
+    pub progress: bool,
+    /// The command line, recorded in the results.
+    pub command: String,
+    /// When set (e.g. by [`crate::signal::install_stop_handler`]), no further run starts; the
+    /// result so far comes back with `interrupted` set.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+/// One compared configuration and what its run reported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareEntry {
+    /// Label.
+    pub label: String,
+    /// The configuration's own flags.
+    pub flags: Vec<String>,
+    /// What the child reported.
+    pub run: ChildRun,
+    /// Peak memory change versus the baseline (the first run), in percent; `None` when either
+    /// did not finish.
+    pub peak_change_pct: Option<f64>,
+    /// Throughput change versus the baseline, in percent.
+    pub speed_change_pct: Option<f64>,
+}
+
+/// Everything a comparison measured; written as `compare.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareResult {
+    /// The command line that ran the comparison.
+    pub command: String,
+    /// Flags common to all runs.
+    pub common: Vec<String>,
+    /// One entry per configuration, the baseline first.
+    pub entries: Vec<CompareEntry>,
+    /// True when the comparison was stopped (Ctrl-C/SIGTERM) before all runs ran.
+    #[serde(default)]
+    pub interrupted: bool,
+}
+
+/// `(x - base) / base` in percent.
+fn change_pct(x: Option<f64>, base: Option<f64>) -> Option<f64> {
+    match (x, base) {
+        (Some(x), Some(b)) if b > 0.0 => Some((x - b) / b * 100.0),
+        _ => None,
+    }
+}
+
+impl CompareResult {
+    /// Recompute the changes versus the first entry.
+    pub fn update_changes(&mut self) {
+        let (base_peak, base_speed) = match self.entries.first() {
+            Some(e) => (e.run.peak_bytes().map(|b| b as f64), e.run.images_per_sec()),
+            None => return,
+        };
+        for e in &mut self.entries {
+            e.peak_change_pct = change_pct(e.run.peak_bytes().map(|b| b as f64), base_peak);
+            e.speed_change_pct = change_pct(e.run.images_per_sec(), base_speed);
+        }
+    }
+}
+
+/// Run every configuration in its own child process (in order, the first being the baseline),
+/// with `--out <out>/<NN-label> --quiet` added. OOM and failed runs are recorded and the
+/// comparison goes on; when `opts.stop` is set, no further run starts and the result comes back
+/// with `interrupted` set. `compare.json`, `compare.csv` and `compare.md` are rewritten (atomically)
+/// after every run; the charts are drawn by [`super::report::write_compare_report`].
+pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
+    if opts.runs.is_empty() {
+        return Err(Error::config("nothing to compare; give --run \"FLAGS\" (repeatable) or --configs FILE…"));
+    }
+    super::ensure_fresh(&opts.out.join("runs"))?;
+    crate::io::create_dir(&opts.out)?;
+    let mut result =
+        CompareResult { command: opts.command.clone(), common: opts.common.clone(), entries: Vec::new(), interrupted: false };
+    let mut progress = Progress::new(opts.runs.len() as u64, opts.progress);
+    for (i, spec) in opts.runs.iter().enumerate() {
+        if opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
+            result.interrupted = true;
+            super::report::write_compare_files(&opts.out, &result)?;
+            break;
+        }
+        let dir = opts.out.join("runs").join(format!("{:02}-{}", i + 1, slug(&spec.label)));
+        let fixed = vec!["--quiet".to_string(), "--out".to_string(), dir.to_string_lossy().into_owned()];
+        let args = merge_flags(&[&opts.common, &spec.flags, &fixed]);
+        progress.start(&spec.label);
+        let run = run_child(&opts.trainer, &args, &dir, opts.timeout)?;
+        progress.finish(&describe(&spec.label, &run));
+        result.entries.push(CompareEntry {
+            label: spec.label.clone(),
+            flags: spec.flags.clone(),
+            run,
+            peak_change_pct: None,
+            speed_change_pct: None,
+        });
+        result.update_changes();
+        super::report::write_compare_files(&opts.out, &result)?;
+    }
+    progress.close();
+    Ok(result)
+}
+
+/// True when every entry finished.
+pub fn all_ok(result: &CompareResult) -> bool {
+    result.entries.iter().all(|e| e.run.status == Status::Ok)
+}

@@ -1,0 +1,511 @@
+//! Process-isolated measurements: batch-size sweeps ([`batch`]), configuration comparisons
+//! ([`compare`]) and their tables and charts ([`report`]).
+//!
+//! Every measured point runs the `train_cifar10` example binary in its own child process, so an
+//! out-of-memory error or a crash in one point cannot affect the next, and each point starts from
+//! a clean allocator. A child that reports `error: out of memory` is a recorded result
+//! ([`Status::Oom`]); one that dies otherwise is recorded as [`Status::Failed`] with its exit
+//! status or signal. Neither stops the sweep.
+
+pub mod batch;
+pub mod compare;
+pub mod report;
+
+use crate::error::{Error, Result};
+use crate::train::Summary;
+use serde::{Deserialize, Serialize};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// File name of the trainer example binary that children run.
+pub const TRAINER_NAME: &str = "train_cifar10";
+
+/// How a child run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// The run finished and wrote its summary.
+    Ok,
+    /// The run needed more memory than the limit (or the device) allows.
+    Oom,
+    /// The run died otherwise: a signal, a non-memory error, a timeout or a missing summary.
+    Failed,
+}
+
+impl Status {
+    /// The spelling used in tables and CSV files (`ok`, `OOM`, `failed`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Oom => "OOM",
+            Status::Failed => "failed",
+        }
+    }
+
+    /// Parse the table/CSV spelling (case-insensitive).
+    pub fn parse(s: &str) -> Option<Status> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "ok" => Some(Status::Ok),
+            "oom" => Some(Status::Oom),
+            "failed" => Some(Status::Failed),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The outcome of one child run of the trainer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChildRun {
+    /// Arguments given to the trainer (without the program name).
+    pub args: Vec<String>,
+    /// The child's run directory (`--out`); holds `stdout.log` and `stderr.log` too.
+    pub run_dir: PathBuf,
+    /// How it ended.
+    pub status: Status,
+    /// The out-of-memory message, the failure reason, or empty.
+    pub note: String,
+    /// Exit code, when the child exited normally.
+    pub exit_code: Option<i32>,
+    /// Signal number, when the child was killed by a signal.
+    pub signal: Option<i32>,
+    /// Wall-clock seconds of the child process.
+    pub wall_secs: f64,
+    /// The child's `summary.json`, when it finished.
+    pub summary: Option<Summary>,
+}
+
+impl ChildRun {
+    /// Peak bytes the probe measured (absolute: includes the baseline), when the run finished.
+    pub fn peak_bytes(&self) -> Option<u64> {
+        self.summary.as_ref().map(|s| s.peak_bytes)
+    }
+
+    /// Bytes in use when training began (data, model, probe baseline), when the run finished.
+    pub fn baseline_bytes(&self) -> Option<u64> {
+        self.summary.as_ref().map(|s| s.baseline_bytes)
+    }
+
+    /// Peak bytes above the baseline (what training itself added), when the run finished.
+    pub fn peak_above_baseline(&self) -> Option<u64> {
+        self.summary.as_ref().map(|s| s.peak_bytes.saturating_sub(s.baseline_bytes))
+    }
+
+    /// Highest reserved bytes of the CUDA pool (absent on the CPU).
+    pub fn reserved_peak_bytes(&self) -> Option<u64> {
+        self.summary.as_ref().and_then(|s| s.reserved_peak_bytes)
+    }
+
+    /// Training throughput in images per second, when the run finished.
+    pub fn images_per_sec(&self) -> Option<f64> {
+        self.summary.as_ref().map(|s| s.images_per_sec)
+    }
+}
+
+/// Locate an example binary: `explicit` when given (it must exist), else a sibling of the
+/// current executable (`target/<profile>/examples/`), also from a test binary in
+/// `target/<profile>/deps/`.
+pub fn locate_example(name: &str, explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = explicit {
+        return if p.is_file() {
+            Ok(p.to_path_buf())
+        } else {
+            Err(Error::config(format!("--trainer {}: no such file; pass the path of the train_cifar10 binary", p.display())))
+        };
+    }
+    let file = format!("{name}{}", std::env::consts::EXE_SUFFIX);
+    let exe = std::env::current_exe().map_err(|e| Error::Child(format!("cannot find the current executable: {e}")))?;
+    let mut candidates = Vec::new();
+    if let Some(dir) = exe.parent() {
+        candidates.push(dir.join(&file));
+        if let Some(profile) = dir.parent() {
+            candidates.push(profile.join("examples").join(&file));
+        }
+    }
+    candidates.into_iter().find(|p| p.is_file()).ok_or_else(|| {
+        Error::Child(format!(
+            "cannot find the {name} binary next to {}; build it with `cargo build --release --example {name}` \
+             or pass its path with --trainer",
+            exe.display()
+        ))
+    })
+}
+
+/// Split a flag string the way a POSIX shell would split words: whitespace separates, single
+/// quotes keep text literally, double quotes keep whitespace, a backslash escapes one character.
+pub fn split_flags(s: &str) -> Result<Vec<String>> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut in_word = false;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('\'') => break,
+                        Some(ch) => cur.push(ch),
+                        None => return Err(Error::config(format!("unbalanced ' in flags \"{s}\""))),
+                    }
+                }
+            }
+            '"' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('"') => break,
+                        Some('\\') => match chars.next() {
+                            Some(ch) => cur.push(ch),
+                            None => return Err(Error::config(format!("trailing \\ in flags \"{s}\""))),
+                        },
+                        Some(ch) => cur.push(ch),
+                        None => return Err(Error::config(format!("unbalanced \" in flags \"{s}\""))),
+                    }
+                }
+            }
+            '\\' => {
+                in_word = true;
+                match chars.next() {
+                    Some(ch) => cur.push(ch),
+                    None => return Err(Error::config(format!("trailing \\ in flags \"{s}\""))),
+                }
+            }
+            c if c.is_whitespace() => {
+                if in_word {
+                    words.push(std::mem::take(&mut cur));
+                    in_word = false;
+                }
+            }
+            c => {
+                in_word = true;
+                cur.push(c);
+            }
+        }
+    }
+    if in_word {
+        words.push(cur);
+    }
+    Ok(words)
+}
+
+/// The long-flag name of a token (`--width 4` → `width`, `--width=4` → `width`), or `None` for a value.
+fn flag_name(token: &str) -> Option<&str> {
+    let rest = token.strip_prefix("--")?;
+    if rest.is_empty() {
+        return None;
+    }
+    Some(rest.split('=').next().unwrap_or(rest))
+}
+
+/// Group tokens into flags with their values: `--a 1 --b --c=2` → `[[--a, 1], [--b], [--c=2]]`.
+/// Tokens before the first flag form a group of their own.
+fn flag_groups(tokens: &[String]) -> Vec<Vec<String>> {
+    let mut groups: Vec<Vec<String>> = Vec::new();
+    for t in tokens {
+        if flag_name(t).is_some() || groups.is_empty() {
+            groups.push(vec![t.clone()]);
+        } else if let Some(g) = groups.last_mut() {
+            g.push(t.clone());
+        }
+    }
+    groups
+}
+
+/// The flag names present in `tokens`.
+pub fn flag_names(tokens: &[String]) -> Vec<String> {
+    tokens.iter().filter_map(|t| flag_name(t)).map(str::to_string).collect()
+}
+
+/// Concatenate flag lists, later lists overriding earlier ones: a flag (with its values) is
+/// dropped from an earlier list when a later list gives it again (the trainer rejects a flag given
+/// twice).
+pub fn merge_flags(lists: &[&[String]]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, list) in lists.iter().enumerate() {
+        let later: Vec<String> = lists[i + 1..].iter().flat_map(|l| flag_names(l)).collect();
+        for g in flag_groups(list) {
+            let overridden = g.first().and_then(|t| flag_name(t)).is_some_and(|n| later.iter().any(|l| l == n));
+            if !overridden {
+                out.extend(g);
+            }
+        }
+    }
+    out
+}
+
+/// A file- and directory-name-safe slug of `s` (lowercase ASCII letters, digits, `-`, `.`).
+pub fn slug(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if c.is_ascii_alphanumeric() || c == '.' {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with('-') && !out.is_empty() {
+            out.push('-');
+        }
+    }
+    while out.ends_with('-') {
+        out.pop();
+    }
+    out.truncate(60);
+    if out.is_empty() {
+        "run".into()
+    } else {
+        out
+    }
+}
+
+/// Quote `s` for a shell command line when it needs quoting.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// The command line that started this process, shell-quoted (recorded in results).
+pub fn current_command_line() -> String {
+    std::env::args().map(|a| shell_quote(&a)).collect::<Vec<_>>().join(" ")
+}
+
+/// `runs/<prefix>-<UTC timestamp>`, the default output directory of sweeps and comparisons.
+pub fn default_out_dir(prefix: &str) -> PathBuf {
+    let base = crate::train::trainer::default_run_dir();
+    let stamp = base.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    PathBuf::from("runs").join(format!("{prefix}-{stamp}"))
+}
+
+/// Refuse to write into `dir` when it already holds entries (results of an earlier sweep or
+/// comparison), so that old runs are never mixed with, or mistaken for, new ones.
+pub fn ensure_fresh(dir: &Path) -> Result<()> {
+    let non_empty = std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+    if non_empty {
+        return Err(Error::config(format!(
+            "{} already holds results of an earlier run; pass a new --out directory or remove it",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Human name of a signal number.
+fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        15 => "SIGTERM",
+        _ => return format!("signal {sig}"),
+    };
+    format!("signal {sig} ({name})")
+}
+
+/// The out-of-memory message in a child's stderr, if any: the trainer's
+/// `error: out of memory: …` line, Rust's `memory allocation of N bytes failed` abort, or a
+/// CUDA out-of-memory error.
+pub fn oom_message(stderr: &str) -> Option<String> {
+    for line in stderr.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("error: ") {
+            if rest.starts_with("out of memory") {
+                // Keep the what-happened part, not the advice after the first ';'.
+                return Some(rest.split(';').next().unwrap_or(rest).trim().to_string());
+            }
+        }
+        if line.starts_with("memory allocation of") && line.contains("failed") {
+            return Some(format!("out of memory: {line}"));
+        }
+        if line.contains("CUDA_ERROR_OUT_OF_MEMORY") {
+            return Some("out of memory: CUDA_ERROR_OUT_OF_MEMORY".to_string());
+        }
+    }
+    None
+}
+
+/// The last non-empty line of `text`, shortened to 300 characters.
+fn last_line(text: &str) -> String {
+    let l = text.lines().map(str::trim).rfind(|l| !l.is_empty()).unwrap_or("");
+    let l = l.strip_prefix("error: ").unwrap_or(l);
+    if l.chars().count() > 300 {
+        format!("{}…", l.chars().take(300).collect::<String>())
+    } else {
+        l.to_string()
+    }
+}
+
+/// Run `trainer args…` as a child process with stdout and stderr going to `stdout.log` and
+/// `stderr.log` in `run_dir` (created), wait for it (killing it after `timeout`), and classify the
+/// outcome. Fails only when the child cannot be started at all.
+pub fn run_child(trainer: &Path, args: &[String], run_dir: &Path, timeout: Option<Duration>) -> Result<ChildRun> {
+    crate::io::create_dir(run_dir)?;
+    let stdout_path = run_dir.join("stdout.log");
+    let stderr_path = run_dir.join("stderr.log");
+    let stdout = std::fs::File::create(&stdout_path).map_err(|e| Error::io(&stdout_path, e))?;
+    let stderr = std::fs::File::create(&stderr_path).map_err(|e| Error::io(&stderr_path, e))?;
+    // A stale summary from an earlier sweep into the same directory must not be read as this run's.
+    let summary_path = run_dir.join("summary.json");
+    let _ = std::fs::remove_file(&summary_path);
+    let start = Instant::now();
+    let mut child = Command::new(trainer)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(stdout))
+        .stderr(Stdio::from(stderr))
+        .spawn()
+        .map_err(|e| {
+            Error::Child(format!(
+                "cannot start {}: {e}; build it with `cargo build --release --example {TRAINER_NAME}` or pass --trainer",
+                trainer.display()
+            ))
+        })?;
+    let mut timed_out = false;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) => {}
+            Err(e) => return Err(Error::Child(format!("waiting for {}: {e}", trainer.display()))),
+        }
+        if timeout.is_some_and(|t| start.elapsed() >= t) {
+            let _ = child.kill();
+            timed_out = true;
+            break child.wait().map_err(|e| Error::Child(format!("waiting for {}: {e}", trainer.display())))?;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let wall_secs = start.elapsed().as_secs_f64();
+    let stderr_text = std::fs::read(&stderr_path).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let exit_code = status.code();
+    #[cfg(unix)]
+    let signal = std::os::unix::process::ExitStatusExt::signal(&status);
+    #[cfg(not(unix))]
+    let signal: Option<i32> = None;
+
+    let mut run = ChildRun {
+        args: args.to_vec(),
+        run_dir: run_dir.to_path_buf(),
+        status: Status::Failed,
+        note: String::new(),
+        exit_code,
+        signal,
+        wall_secs,
+        summary: None,
+    };
+    if timed_out {
+        run.note = format!("timed out after {:.0} s and was killed", wall_secs);
+    } else if status.success() {
+        match std::fs::read_to_string(&summary_path) {
+            Ok(text) => match serde_json::from_str::<Summary>(&text) {
+                Ok(s) => {
+                    if s.status == "ok" {
+                        run.status = Status::Ok;
+                    } else {
+                        run.note = format!("run ended with status '{}'", s.status);
+                    }
+                    run.summary = Some(s);
+                }
+                Err(e) => run.note = format!("{}: not a summary ({e})", summary_path.display()),
+            },
+            Err(e) => run.note = format!("exited 0 but wrote no {} ({e})", summary_path.display()),
+        }
+    } else if let Some(msg) = oom_message(&stderr_text) {
+        run.status = Status::Oom;
+        run.note = msg;
+    } else {
+        let how = match (exit_code, signal) {
+            (_, Some(sig)) => format!("killed by {}", signal_name(sig)),
+            (Some(code), _) => format!("exit status {code}"),
+            _ => "ended abnormally".to_string(),
+        };
+        let last = last_line(&stderr_text);
+        run.note = if last.is_empty() { how } else { format!("{how}: {last}") };
+    }
+    Ok(run)
+}
+
+/// Progress across the points of a sweep or comparison: an indicatif bar on a terminal, plain
+/// lines on stderr otherwise, nothing when disabled.
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    plain: bool,
+    total: u64,
+    done: u64,
+}
+
+impl Progress {
+    /// Progress over `total` points (more can be added with [`Progress::add`]).
+    pub fn new(total: u64, enabled: bool) -> Self {
+        let tty = std::io::stderr().is_terminal();
+        let bar = (enabled && tty).then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            let style = indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        });
+        Progress { bar, plain: enabled && !tty, total, done: 0 }
+    }
+
+    /// Announce `n` more points.
+    pub fn add(&mut self, n: u64) {
+        self.total += n;
+        if let Some(b) = &self.bar {
+            b.inc_length(n);
+        }
+    }
+
+    /// A point starts.
+    pub fn start(&mut self, what: &str) {
+        if let Some(b) = &self.bar {
+            b.set_message(format!("running {what}"));
+        } else if self.plain {
+            eprintln!("[{}/{}] {what} ...", self.done + 1, self.total.max(self.done + 1));
+        }
+    }
+
+    /// A point ended; `line` describes its result.
+    pub fn finish(&mut self, line: &str) {
+        self.done += 1;
+        if let Some(b) = &self.bar {
+            b.println(line);
+            b.inc(1);
+        } else if self.plain {
+            eprintln!("[{}/{}] {line}", self.done, self.total.max(self.done));
+        }
+    }
+
+    /// All points are done.
+    pub fn close(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// One-line description of a finished child run for progress output.
+pub fn describe(label: &str, run: &ChildRun) -> String {
+    match run.status {
+        Status::Ok => format!(
+            "{label}: ok, peak {} (baseline {}), {:.1} img/s",
+            run.peak_bytes().map(crate::memory::format_bytes).unwrap_or_default(),
+            run.baseline_bytes().map(crate::memory::format_bytes).unwrap_or_default(),
+            run.images_per_sec().unwrap_or(0.0)
+        ),
+        Status::Oom => format!("{label}: OOM ({})", run.note),
+        Status::Failed => format!("{label}: failed ({})", run.note),
+    }
+}

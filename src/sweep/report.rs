@@ -1,0 +1,968 @@
+//! Tables (markdown, CSV, JSON) and charts (PNG and SVG, drawn with plotters) of sweeps,
+//! comparisons and single runs.
+//!
+//! Charts render text with DejaVu Sans embedded in the binary (the `dejavu` crate), so they need
+//! no system fonts. Every file is written atomically (see [`crate::io::write_atomic`]).
+//!
+//! - [`write_sweep_report`]: `sweep.{json,csv,md}` and `sweep.{png,svg}` (peak memory and
+//!   images/s versus batch size, OOM points marked, the limit drawn as a line).
+//! - [`write_compare_report`]: `compare.{json,csv,md}`, `peak_memory.{png,svg}` (a bar per
+//!   configuration, labelled with its value) and `memory_timeline.{png,svg}` (per-batch peak
+//!   memory of every configuration, from each run's `batches.csv`).
+//! - [`write_run_memory_chart`]: `memory.{png,svg}` of one run directory.
+
+use super::batch::SweepResult;
+use super::compare::CompareResult;
+use super::{ChildRun, Status};
+use crate::error::{Error, Result};
+use crate::io::{write_atomic, write_json_atomic};
+use crate::memory::format_bytes;
+use plotters::coord::ranged1d::SegmentValue;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+
+// ---------------------------------------------------------------------------------------------
+// CSV
+// ---------------------------------------------------------------------------------------------
+
+/// Quote a CSV field when it contains a comma, quote or line break.
+pub fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// A parsed CSV file: a header and rows of fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CsvTable {
+    /// Column names.
+    pub header: Vec<String>,
+    /// Rows; each has as many fields as the header.
+    pub rows: Vec<Vec<String>>,
+}
+
+impl CsvTable {
+    /// Parse CSV text (RFC 4180 quoting; the first record is the header).
+    pub fn parse(text: &str) -> Result<CsvTable> {
+        let mut records: Vec<Vec<String>> = Vec::new();
+        let mut field = String::new();
+        let mut record: Vec<String> = Vec::new();
+        let mut chars = text.chars().peekable();
+        let mut in_quotes = false;
+        let mut any = false;
+        while let Some(c) = chars.next() {
+            any = true;
+            if in_quotes {
+                match c {
+                    '"' if chars.peek() == Some(&'"') => {
+                        chars.next();
+                        field.push('"');
+                    }
+                    '"' => in_quotes = false,
+                    c => field.push(c),
+                }
+                continue;
+            }
+            match c {
+                '"' => in_quotes = true,
+                ',' => record.push(std::mem::take(&mut field)),
+                '\r' => {}
+                '\n' => {
+                    record.push(std::mem::take(&mut field));
+                    records.push(std::mem::take(&mut record));
+                    any = false;
+                }
+                c => field.push(c),
+            }
+        }
+        if in_quotes {
+            return Err(Error::config("CSV: unterminated quoted field"));
+        }
+        if any {
+            record.push(field);
+            records.push(record);
+        }
+        let mut it = records.into_iter();
+        let header = it.next().ok_or_else(|| Error::config("CSV: empty file"))?;
+        let rows: Vec<Vec<String>> = it.filter(|r| !(r.len() == 1 && r[0].is_empty())).collect();
+        for (i, r) in rows.iter().enumerate() {
+            if r.len() != header.len() {
+                return Err(Error::config(format!(
+                    "CSV: row {} has {} fields, the header has {}",
+                    i + 1,
+                    r.len(),
+                    header.len()
+                )));
+            }
+        }
+        Ok(CsvTable { header, rows })
+    }
+
+    /// Index of a column.
+    pub fn column(&self, name: &str) -> Option<usize> {
+        self.header.iter().position(|h| h == name)
+    }
+
+    /// Field `name` of row `row` (`None` when the column does not exist).
+    pub fn get(&self, row: usize, name: &str) -> Option<&str> {
+        let c = self.column(name)?;
+        self.rows.get(row).map(|r| r[c].as_str())
+    }
+}
+
+/// One row of a run's `batches.csv`, the memory columns only.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchMemory {
+    /// Optimizer step across epochs.
+    pub global_step: usize,
+    /// Peak bytes during the step.
+    pub peak_bytes: u64,
+    /// Bytes in use when the step began.
+    pub start_bytes: u64,
+    /// Bytes in use when the step ended.
+    pub end_bytes: u64,
+    /// Reserved bytes of the CUDA pool (peak during the step), when measured.
+    pub reserved_peak: Option<u64>,
+}
+
+/// Read the memory columns of a `batches.csv` (as written by
+/// [`crate::callbacks::log::MetricsLogger`]). Rows without memory readings are skipped.
+pub fn read_batches_csv(path: &Path) -> Result<Vec<BatchMemory>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let t = CsvTable::parse(&text).map_err(|e| Error::Data { path: path.into(), msg: e.to_string() })?;
+    let need = |name: &str| {
+        t.column(name).ok_or_else(|| Error::Data { path: path.into(), msg: format!("no '{name}' column; not a batches.csv") })
+    };
+    let (gs, pk, st, en) = (need("global_step")?, need("peak_bytes")?, need("start_bytes")?, need("end_bytes")?);
+    let rs = t.column("reserved_peak");
+    let mut out = Vec::with_capacity(t.rows.len());
+    for r in &t.rows {
+        let (Ok(global_step), Ok(peak_bytes)) = (r[gs].parse::<usize>(), r[pk].parse::<u64>()) else {
+            continue;
+        };
+        out.push(BatchMemory {
+            global_step,
+            peak_bytes,
+            start_bytes: r[st].parse().unwrap_or(0),
+            end_bytes: r[en].parse().unwrap_or(0),
+            reserved_peak: rs.and_then(|c| r[c].parse().ok()),
+        });
+    }
+    Ok(out)
+}
+
+fn opt_u64(v: Option<u64>) -> String {
+    v.map(|x| x.to_string()).unwrap_or_default()
+}
+
+fn opt_f64(v: Option<f64>, digits: usize) -> String {
+    v.map(|x| format!("{x:.digits$}")).unwrap_or_default()
+}
+
+fn opt_i32(v: Option<i32>) -> String {
+    v.map(|x| x.to_string()).unwrap_or_default()
+}
+
+/// MiB with two decimals, or `-`.
+fn mib_cell(v: Option<u64>) -> String {
+    v.map(|b| format!("{:.2}", crate::memory::mib(b))).unwrap_or_else(|| "-".into())
+}
+
+/// Escape `|` for a markdown table cell.
+fn md_cell(s: &str) -> String {
+    s.replace('|', "\\|").replace('\n', " ")
+}
+
+/// Signed percentage, e.g. `-23.4%`.
+fn pct_cell(v: Option<f64>) -> String {
+    v.map(|p| if p.abs() < 0.05 { "±0.0%".to_string() } else { format!("{p:+.1}%") }).unwrap_or_else(|| "-".into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sweep tables
+// ---------------------------------------------------------------------------------------------
+
+/// Header of `sweep.csv`.
+pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,steps,wall_secs,exit_code,signal,note,run_dir";
+
+/// The sweep as CSV (one row per point, in the order run).
+pub fn sweep_csv(r: &SweepResult) -> String {
+    let mut s = format!("{SWEEP_CSV_HEADER}\n");
+    for p in &r.points {
+        let run = &p.run;
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{}",
+            csv_field(&p.configuration),
+            p.batch_size,
+            run.status.as_str(),
+            opt_u64(run.peak_bytes()),
+            opt_u64(run.baseline_bytes()),
+            opt_u64(run.peak_above_baseline()),
+            opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
+            opt_u64(run.reserved_peak_bytes()),
+            opt_f64(run.images_per_sec(), 2),
+            run.summary.as_ref().map(|s| s.steps.to_string()).unwrap_or_default(),
+            run.wall_secs,
+            opt_i32(run.exit_code),
+            opt_i32(run.signal),
+            csv_field(&run.note),
+            csv_field(&run.run_dir.to_string_lossy()),
+        );
+    }
+    s
+}
+
+/// The sweep as a markdown table (rows grouped by configuration, sorted by batch size), followed
+/// by the `--find-max` results when there are any.
+pub fn sweep_markdown(r: &SweepResult) -> String {
+    let reserved = r.points.iter().any(|p| p.run.reserved_peak_bytes().is_some());
+    let mut s = String::from("| configuration | batch | status | peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
+    if reserved {
+        s.push_str(" reserved peak MiB |");
+    }
+    s.push_str(" img/s | note |\n|---|---:|---|---:|---:|---:|");
+    if reserved {
+        s.push_str("---:|");
+    }
+    s.push_str("---:|---|\n");
+    for v in &r.configurations {
+        for p in r.points_of(&v.label) {
+            let run = &p.run;
+            let _ = write!(
+                s,
+                "| {} | {} | {} | {} | {} | {} |",
+                md_cell(&p.configuration),
+                p.batch_size,
+                run.status,
+                mib_cell(run.peak_bytes()),
+                mib_cell(run.baseline_bytes()),
+                mib_cell(run.peak_above_baseline()),
+            );
+            if reserved {
+                let _ = write!(s, " {} |", mib_cell(run.reserved_peak_bytes()));
+            }
+            let note = if run.status == Status::Ok { String::new() } else { run.note.clone() };
+            let _ = writeln!(
+                s,
+                " {} | {} |",
+                run.images_per_sec().map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into()),
+                md_cell(&note)
+            );
+        }
+    }
+    if !r.max_batches.is_empty() {
+        s.push('\n');
+        for mb in &r.max_batches {
+            let _ = writeln!(s, "- {}", super::batch::describe_max(mb, r.memory_limit));
+        }
+    }
+    s
+}
+
+/// Write `sweep.json`, `sweep.csv` and `sweep.md` into `dir` (atomically).
+pub fn write_sweep_files(dir: &Path, r: &SweepResult) -> Result<()> {
+    write_json_atomic(&dir.join("sweep.json"), r)?;
+    write_atomic(&dir.join("sweep.csv"), sweep_csv(r).as_bytes())?;
+    write_atomic(&dir.join("sweep.md"), sweep_markdown(r).as_bytes())
+}
+
+/// Write the sweep's tables and its chart (`sweep.png`, `sweep.svg`) into `dir`; returns the
+/// chart files.
+pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
+    write_sweep_files(dir, r)?;
+    render(&SweepChart::from_result(r), &dir.join("sweep"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compare tables
+// ---------------------------------------------------------------------------------------------
+
+/// Header of `compare.csv`.
+pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,speed_change_pct,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags";
+
+/// The comparison as CSV (one row per configuration, the baseline first).
+pub fn compare_csv(r: &CompareResult) -> String {
+    let mut s = format!("{COMPARE_CSV_HEADER}\n");
+    for e in &r.entries {
+        let run = &e.run;
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{}",
+            csv_field(&e.label),
+            run.status.as_str(),
+            opt_u64(run.peak_bytes()),
+            opt_f64(e.peak_change_pct, 2),
+            opt_u64(run.baseline_bytes()),
+            opt_u64(run.peak_above_baseline()),
+            opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
+            opt_u64(run.reserved_peak_bytes()),
+            opt_f64(run.images_per_sec(), 2),
+            opt_f64(e.speed_change_pct, 2),
+            opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
+            run.summary.as_ref().map(|s| s.steps.to_string()).unwrap_or_default(),
+            run.wall_secs,
+            opt_i32(run.exit_code),
+            opt_i32(run.signal),
+            csv_field(&run.note),
+            csv_field(&run.run_dir.to_string_lossy()),
+            csv_field(&e.flags.join(" ")),
+        );
+    }
+    s
+}
+
+/// The comparison as a markdown table; changes are relative to the first configuration.
+pub fn compare_markdown(r: &CompareResult) -> String {
+    let accuracy = r.entries.iter().any(|e| e.run.summary.as_ref().and_then(|s| s.final_test_accuracy).is_some());
+    let reserved = r.entries.iter().any(|e| e.run.reserved_peak_bytes().is_some());
+    let base = r.entries.first().map(|e| e.label.as_str()).unwrap_or("");
+    let mut s = format!(
+        "| configuration | status | peak MiB (total) | peak vs {} | peak − baseline MiB |",
+        md_cell(base)
+    );
+    if reserved {
+        s.push_str(" reserved peak MiB |");
+    }
+    s.push_str(" img/s | img/s vs first |");
+    if accuracy {
+        s.push_str(" accuracy |");
+    }
+    s.push_str(" note |\n|---|---|---:|---:|---:|");
+    if reserved {
+        s.push_str("---:|");
+    }
+    s.push_str("---:|---:|");
+    if accuracy {
+        s.push_str("---:|");
+    }
+    s.push_str("---|\n");
+    for e in &r.entries {
+        let run = &e.run;
+        let _ = write!(
+            s,
+            "| {} | {} | {} | {} | {} |",
+            md_cell(&e.label),
+            run.status,
+            mib_cell(run.peak_bytes()),
+            pct_cell(e.peak_change_pct),
+            mib_cell(run.peak_above_baseline())
+        );
+        if reserved {
+            let _ = write!(s, " {} |", mib_cell(run.reserved_peak_bytes()));
+        }
+        let _ = write!(
+            s,
+            " {} | {} |",
+            run.images_per_sec().map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into()),
+            pct_cell(e.speed_change_pct)
+        );
+        if accuracy {
+            let acc = run.summary.as_ref().and_then(|s| s.final_test_accuracy);
+            let _ = write!(s, " {} |", acc.map(|a| format!("{:.2}%", a * 100.0)).unwrap_or_else(|| "-".into()));
+        }
+        let note = if run.status == Status::Ok { String::new() } else { run.note.clone() };
+        let _ = writeln!(s, " {} |", md_cell(&note));
+    }
+    s
+}
+
+/// Write `compare.json`, `compare.csv` and `compare.md` into `dir` (atomically).
+pub fn write_compare_files(dir: &Path, r: &CompareResult) -> Result<()> {
+    write_json_atomic(&dir.join("compare.json"), r)?;
+    write_atomic(&dir.join("compare.csv"), compare_csv(r).as_bytes())?;
+    write_atomic(&dir.join("compare.md"), compare_markdown(r).as_bytes())
+}
+
+/// Write the comparison's tables, its bar chart (`peak_memory.{png,svg}`) and, when the runs
+/// wrote `batches.csv`, the per-batch timeline (`memory_timeline.{png,svg}`); returns the chart
+/// files.
+pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf>> {
+    write_compare_files(dir, r)?;
+    let bars = BarChart {
+        title: "Peak memory per configuration".into(),
+        bars: r
+            .entries
+            .iter()
+            .map(|e| Bar {
+                label: e.label.clone(),
+                bytes: e.run.peak_bytes(),
+                status: e.run.status,
+                change_pct: e.peak_change_pct.filter(|_| !std::ptr::eq(e, &r.entries[0])),
+            })
+            .collect(),
+    };
+    let mut files = render(&bars, &dir.join("peak_memory"))?;
+    let mut series = Vec::new();
+    for e in &r.entries {
+        let path = e.run.run_dir.join("batches.csv");
+        if !path.is_file() {
+            continue;
+        }
+        let rows = read_batches_csv(&path)?;
+        if rows.is_empty() {
+            continue;
+        }
+        series.push(Series {
+            label: e.label.clone(),
+            points: rows.iter().map(|b| (b.global_step as f64, b.peak_bytes)).collect(),
+            color: None,
+            thin: false,
+        });
+    }
+    if !series.is_empty() {
+        let timeline = TimelineChart {
+            title: "Peak memory per training step".into(),
+            y_desc: "peak memory during the step".into(),
+            series,
+            hlines: Vec::new(),
+        };
+        files.extend(render(&timeline, &dir.join("memory_timeline"))?);
+    }
+    Ok(files)
+}
+
+/// Draw `memory.png` and `memory.svg` into a run directory from its `batches.csv`: the peak of
+/// every step, the bytes still in use after it, the CUDA pool's reserved bytes when measured,
+/// and horizontal lines for the baseline and the memory limit when given.
+pub fn write_run_memory_chart(run_dir: &Path, title: &str, baseline: Option<u64>, limit: Option<u64>) -> Result<Vec<PathBuf>> {
+    let rows = read_batches_csv(&run_dir.join("batches.csv"))?;
+    let mut series = vec![
+        Series {
+            label: "peak during step".into(),
+            points: rows.iter().map(|b| (b.global_step as f64, b.peak_bytes)).collect(),
+            color: Some(PALETTE[0]),
+            thin: false,
+        },
+        Series {
+            label: "in use after step".into(),
+            points: rows.iter().map(|b| (b.global_step as f64, b.end_bytes)).collect(),
+            color: Some(PALETTE[2]),
+            thin: true,
+        },
+    ];
+    if rows.iter().any(|b| b.reserved_peak.is_some()) {
+        series.push(Series {
+            label: "reserved by the CUDA pool".into(),
+            points: rows.iter().filter_map(|b| b.reserved_peak.map(|r| (b.global_step as f64, r))).collect(),
+            color: Some(PALETTE[1]),
+            thin: true,
+        });
+    }
+    let mut hlines = Vec::new();
+    if let Some(b) = baseline {
+        hlines.push(HLine { label: format!("baseline at start ({})", format_bytes(b)), bytes: b, color: RGBColor(120, 120, 120) });
+    }
+    if let Some(l) = limit {
+        hlines.push(HLine { label: format!("memory limit ({})", format_bytes(l)), bytes: l, color: RGBColor(200, 30, 30) });
+    }
+    let chart = TimelineChart { title: title.to_string(), y_desc: "memory".into(), series, hlines };
+    render(&chart, &run_dir.join("memory"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Charts
+// ---------------------------------------------------------------------------------------------
+
+/// Result type of the drawing code (plotters' errors, boxed).
+type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
+
+/// Series colours (Tableau 10).
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+const FONT: &str = "sans-serif";
+
+/// Register the embedded DejaVu Sans as plotters' `sans-serif` (once per process).
+fn ensure_fonts() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular());
+        let _ = plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold());
+    });
+}
+
+/// Memory axis unit: MiB, or GiB from 4 GiB up.
+#[derive(Debug, Clone, Copy)]
+struct MemUnit {
+    div: f64,
+    name: &'static str,
+}
+
+impl MemUnit {
+    fn for_max(bytes: u64) -> MemUnit {
+        if bytes as f64 >= 4.0 * 1024f64.powi(3) {
+            MemUnit { div: 1024f64.powi(3), name: "GiB" }
+        } else {
+            MemUnit { div: 1024f64.powi(2), name: "MiB" }
+        }
+    }
+
+    fn of(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.div
+    }
+
+    /// A value with a sensible number of decimals.
+    fn fmt(&self, bytes: u64) -> String {
+        let v = self.of(bytes);
+        if v >= 100.0 {
+            format!("{v:.0} {}", self.name)
+        } else if v >= 10.0 {
+            format!("{v:.1} {}", self.name)
+        } else {
+            format!("{v:.2} {}", self.name)
+        }
+    }
+}
+
+/// Something that draws itself onto any plotters backend.
+trait Chart {
+    /// Canvas size in pixels.
+    fn size(&self) -> (u32, u32);
+    /// Draw onto `root` (already filled white).
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static;
+}
+
+fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::io(path, std::io::Error::other(format!("drawing the chart failed: {e}")))
+}
+
+/// Render `chart` to `<stem>.png` and `<stem>.svg` (each written atomically); returns both paths.
+fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
+    ensure_fonts();
+    let (w, h) = chart.size();
+    let png_path = stem.with_extension("png");
+    let svg_path = stem.with_extension("svg");
+    let mut rgb = vec![255u8; w as usize * h as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| chart_error(&png_path, e))?;
+        chart.draw(&root).map_err(|e| chart_error(&png_path, e))?;
+        root.present().map_err(|e| chart_error(&png_path, e))?;
+    }
+    let mut png_bytes = Vec::new();
+    {
+        let mut enc = png::Encoder::new(&mut png_bytes, w, h);
+        enc.set_color(png::ColorType::Rgb);
+        enc.set_depth(png::BitDepth::Eight);
+        let mut writer = enc.write_header().map_err(|e| chart_error(&png_path, e))?;
+        writer.write_image_data(&rgb).map_err(|e| chart_error(&png_path, e))?;
+        writer.finish().map_err(|e| chart_error(&png_path, e))?;
+    }
+    write_atomic(&png_path, &png_bytes)?;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| chart_error(&svg_path, e))?;
+        chart.draw(&root).map_err(|e| chart_error(&svg_path, e))?;
+        root.present().map_err(|e| chart_error(&svg_path, e))?;
+    }
+    write_atomic(&svg_path, svg.as_bytes())?;
+    Ok(vec![png_path, svg_path])
+}
+
+/// Shorten a label to `max` characters with an ellipsis.
+fn shorten(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(max.saturating_sub(1)).collect::<String>())
+    }
+}
+
+/// One bar of a [`BarChart`].
+#[derive(Debug, Clone)]
+struct Bar {
+    label: String,
+    bytes: Option<u64>,
+    status: Status,
+    change_pct: Option<f64>,
+}
+
+/// Horizontal bars of peak memory, one per configuration, labelled with their values.
+struct BarChart {
+    title: String,
+    bars: Vec<Bar>,
+}
+
+impl Chart for BarChart {
+    fn size(&self) -> (u32, u32) {
+        (1200, (170 + 64 * self.bars.len() as u32).max(360))
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let n = self.bars.len().max(1);
+        let max = self.bars.iter().filter_map(|b| b.bytes).max().unwrap_or(1024 * 1024);
+        let unit = MemUnit::for_max(max);
+        let xmax = unit.of(max).max(1e-3) * 1.32;
+        let labels: Vec<String> = self.bars.iter().map(|b| shorten(&b.label, 38)).collect();
+        let label_w = labels.iter().map(|l| l.chars().count()).max().unwrap_or(8) as u32 * 10 + 24;
+        // Bars top to bottom in the given order: bar i sits at row n-1-i.
+        let row = |i: usize| n - 1 - i;
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 28))
+            .margin(20)
+            .x_label_area_size(56)
+            .y_label_area_size(label_w.clamp(100, 420))
+            // plotters' integer ranges include their end: rows 0..=n-1.
+            .build_cartesian_2d(0f64..xmax, (0..n - 1).into_segmented())?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .x_desc(format!("peak memory ({})", unit.name))
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(r) | SegmentValue::Exact(r) => {
+                    labels.get(n - 1 - *r).cloned().unwrap_or_default()
+                }
+                SegmentValue::Last => String::new(),
+            })
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .draw()?;
+        for (i, b) in self.bars.iter().enumerate() {
+            let r = row(i);
+            let color = PALETTE[i % PALETTE.len()];
+            match b.bytes {
+                Some(bytes) => {
+                    let mut rect = Rectangle::new(
+                        [(0.0, SegmentValue::Exact(r)), (unit.of(bytes), SegmentValue::Exact(r + 1))],
+                        color.filled(),
+                    );
+                    rect.set_margin(9, 9, 0, 0);
+                    chart.draw_series(std::iter::once(rect))?;
+                    let mut text = unit.fmt(bytes);
+                    if let Some(p) = b.change_pct {
+                        text.push_str(&format!(" ({})", pct_cell(Some(p))));
+                    }
+                    let style = TextStyle::from((FONT, 18).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
+                    chart.draw_series(std::iter::once(
+                        EmptyElement::at((unit.of(bytes), SegmentValue::CenterOf(r))) + Text::new(text, (8, 0), style),
+                    ))?;
+                }
+                None => {
+                    let style = TextStyle::from((FONT, 18).into_font())
+                        .color(&RGBColor(200, 30, 30))
+                        .pos(Pos::new(HPos::Left, VPos::Center));
+                    let text = match b.status {
+                        Status::Oom => "out of memory".to_string(),
+                        _ => "failed".to_string(),
+                    };
+                    chart.draw_series(std::iter::once(
+                        EmptyElement::at((0.0, SegmentValue::CenterOf(r))) + Text::new(text, (8, 0), style),
+                    ))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A line of a [`TimelineChart`]: (x, bytes) points.
+#[derive(Debug, Clone)]
+struct Series {
+    label: String,
+    points: Vec<(f64, u64)>,
+    color: Option<RGBColor>,
+    thin: bool,
+}
+
+/// A horizontal reference line.
+#[derive(Debug, Clone)]
+struct HLine {
+    label: String,
+    bytes: u64,
+    color: RGBColor,
+}
+
+/// Memory per training step: one line per series, optional horizontal reference lines.
+struct TimelineChart {
+    title: String,
+    y_desc: String,
+    series: Vec<Series>,
+    hlines: Vec<HLine>,
+}
+
+impl Chart for TimelineChart {
+    fn size(&self) -> (u32, u32) {
+        (1200, 700)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let max_bytes = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.1))
+            .chain(self.hlines.iter().map(|h| h.bytes))
+            .max()
+            .unwrap_or(1024 * 1024)
+            .max(1);
+        let unit = MemUnit::for_max(max_bytes);
+        let max_x = self.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).fold(0.0f64, f64::max);
+        let (x0, x1) = if max_x < 1.0 {
+            (-0.5, 1.5)
+        } else {
+            let pad = (0.02 * max_x).max(0.1);
+            (-pad, max_x + pad)
+        };
+        // Headroom above the highest line for the legend (upper right), one band per entry.
+        let entries = (self.series.len() + self.hlines.len()) as f64;
+        let ymax = unit.of(max_bytes) * (1.1 + 0.06 * entries);
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 28))
+            .margin(20)
+            .x_label_area_size(56)
+            .y_label_area_size(90)
+            .build_cartesian_2d(x0..x1, 0f64..ymax)?;
+        chart
+            .configure_mesh()
+            .x_desc("training step (global)")
+            .y_desc(format!("{} ({})", self.y_desc, unit.name))
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{}", x.round() as i64) } else { String::new() })
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(246, 246, 246))
+            .draw()?;
+        for h in &self.hlines {
+            let y = unit.of(h.bytes);
+            let color = h.color;
+            chart
+                .draw_series(DashedLineSeries::new(vec![(x0, y), (x1, y)], 12, 8, color.stroke_width(2)))?
+                .label(h.label.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2)));
+        }
+        for (i, s) in self.series.iter().enumerate() {
+            let color = s.color.unwrap_or(PALETTE[i % PALETTE.len()]);
+            let width = if s.thin { 2 } else { 3 };
+            let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
+                .label(shorten(&s.label, 60))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+            if pts.len() <= 80 {
+                chart.draw_series(pts.iter().map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())))?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font((FONT, 17))
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(180, 180, 180))
+            .draw()?;
+        Ok(())
+    }
+}
+
+/// One point of a [`SweepChart`].
+#[derive(Debug, Clone)]
+struct SweepDot {
+    batch: usize,
+    status: Status,
+    peak: Option<u64>,
+    ips: Option<f64>,
+}
+
+/// Peak memory (top) and images/s (bottom) versus batch size, one line per configuration.
+struct SweepChart {
+    title: String,
+    configs: Vec<(String, Vec<SweepDot>)>,
+    limit: Option<u64>,
+    /// `--find-max` results: the largest batch that fits, per configuration (same order).
+    maxima: Vec<Option<usize>>,
+}
+
+impl SweepChart {
+    fn from_result(r: &SweepResult) -> SweepChart {
+        let dot = |p: &ChildRun, batch| SweepDot { batch, status: p.status, peak: p.peak_bytes(), ips: p.images_per_sec() };
+        let configs = r
+            .configurations
+            .iter()
+            .map(|v| (v.label.clone(), r.points_of(&v.label).iter().map(|p| dot(&p.run, p.batch_size)).collect()))
+            .collect();
+        let maxima = r
+            .configurations
+            .iter()
+            .map(|v| r.max_batches.iter().find(|m| m.configuration == v.label).and_then(|m| m.max_batch))
+            .collect();
+        SweepChart {
+            maxima,
+            title: format!(
+                "Batch-size sweep ({} training step{} per point)",
+                r.steps,
+                if r.steps == 1 { "" } else { "s" }
+            ),
+            configs,
+            limit: r.memory_limit,
+        }
+    }
+}
+
+impl Chart for SweepChart {
+    fn size(&self) -> (u32, u32) {
+        (1200, 1000)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let dots = || self.configs.iter().flat_map(|(_, d)| d.iter());
+        let bmin = dots().map(|d| d.batch).min().unwrap_or(1).max(1);
+        let bmax = dots().map(|d| d.batch).max().unwrap_or(1).max(bmin);
+        let log = bmax as f64 / bmin as f64 >= 4.0;
+        let xv = |b: usize| if log { (b as f64).log2() } else { b as f64 };
+        let (x0, x1) = if log {
+            (xv(bmin) - 0.25, xv(bmax) + 0.25)
+        } else {
+            let pad = ((bmax - bmin) as f64 * 0.08).max(4.0);
+            (bmin as f64 - pad, bmax as f64 + pad)
+        };
+        let fmt_x = move |x: &f64| {
+            if log {
+                if (x - x.round()).abs() < 1e-6 {
+                    format!("{}", 2f64.powf(x.round()).round() as u64)
+                } else {
+                    String::new()
+                }
+            } else {
+                format!("{}", x.round() as i64)
+            }
+        };
+        let x_desc = if log { "batch size (images per step, log scale)" } else { "batch size (images per step)" };
+        let max_bytes = dots().filter_map(|d| d.peak).chain(self.limit).max().unwrap_or(1024 * 1024).max(1);
+        let unit = MemUnit::for_max(max_bytes);
+        let ymax = unit.of(max_bytes) * 1.15;
+        // Where OOM points sit: on the limit line, or near the top without a limit.
+        let oom_y = self.limit.map(|l| unit.of(l)).unwrap_or(ymax * 0.93);
+        let max_ips = dots().filter_map(|d| d.ips).fold(0.0f64, f64::max).max(1e-3) * 1.15;
+        let x_labels = if log { ((x1 - x0).ceil() as usize * 2).max(2) } else { 10 };
+
+        let root = root.titled(&self.title, (FONT, 28))?;
+        let (top, bottom) = root.split_vertically((root.dim_in_pixel().1 as f64 * 0.58) as u32);
+
+        let mut mem = ChartBuilder::on(&top)
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(90)
+            .build_cartesian_2d(x0..x1, 0f64..ymax)?;
+        mem.configure_mesh()
+            .x_desc(x_desc)
+            .y_desc(format!("peak memory ({})", unit.name))
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .x_labels(x_labels)
+            .x_label_formatter(&fmt_x)
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(246, 246, 246))
+            .draw()?;
+        if let Some(l) = self.limit {
+            let y = unit.of(l);
+            let red = RGBColor(200, 30, 30);
+            mem.draw_series(DashedLineSeries::new(vec![(x0, y), (x1, y)], 12, 8, red.stroke_width(2)))?
+                .label(format!("memory limit ({})", format_bytes(l)))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2)));
+        }
+        let mut any_oom = false;
+        let mut any_failed = false;
+        for (i, (label, d)) in self.configs.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let ok: Vec<(f64, f64)> =
+                d.iter().filter(|p| p.status == Status::Ok).filter_map(|p| p.peak.map(|b| (xv(p.batch), unit.of(b)))).collect();
+            mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(3)))?
+                .label(shorten(label, 50))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+            mem.draw_series(ok.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+            if let Some(Some(m)) = self.maxima.get(i) {
+                if let Some(p) = d.iter().find(|p| p.batch == *m).and_then(|p| p.peak) {
+                    let style = TextStyle::from((FONT, 17).into_font()).color(&color).pos(Pos::new(HPos::Left, VPos::Top));
+                    mem.draw_series(std::iter::once(
+                        EmptyElement::at((xv(*m), unit.of(p))) + Text::new(format!("max {m}"), (8, 6), style),
+                    ))?;
+                }
+            }
+            // Markers of different configurations at the same batch size sit side by side.
+            let dx = (i as i32 * 2 - (self.configs.len() as i32 - 1)) * 8;
+            for p in d.iter().filter(|p| p.status != Status::Ok) {
+                let at = (xv(p.batch), oom_y);
+                if p.status == Status::Oom {
+                    any_oom = true;
+                    mem.draw_series(std::iter::once(EmptyElement::at(at) + Cross::new((dx, 0), 8, color.stroke_width(3))))?;
+                } else {
+                    any_failed = true;
+                    mem.draw_series(std::iter::once(
+                        EmptyElement::at(at) + TriangleMarker::new((dx, 0), 8, color.stroke_width(2)),
+                    ))?;
+                }
+            }
+        }
+        // Legend entries explaining the markers.
+        if any_oom {
+            let black = RGBColor(40, 40, 40);
+            mem.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
+                .label(if self.limit.is_some() { "out of memory (drawn on the limit)" } else { "out of memory" })
+                .legend(move |(x, y)| Cross::new((x + 12, y), 7, black.stroke_width(3)));
+        }
+        if any_failed {
+            let black = RGBColor(40, 40, 40);
+            mem.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
+                .label("failed (not memory)")
+                .legend(move |(x, y)| TriangleMarker::new((x + 12, y), 7, black.stroke_width(2)));
+        }
+        mem.configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .label_font((FONT, 17))
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(180, 180, 180))
+            .draw()?;
+
+        let mut speed = ChartBuilder::on(&bottom)
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(90)
+            .build_cartesian_2d(x0..x1, 0f64..max_ips)?;
+        speed
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc("throughput (images/s)")
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .x_labels(x_labels)
+            .x_label_formatter(&fmt_x)
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(246, 246, 246))
+            .draw()?;
+        for (i, (_, d)) in self.configs.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let pts: Vec<(f64, f64)> = d.iter().filter_map(|p| p.ips.filter(|_| p.status == Status::Ok).map(|v| (xv(p.batch), v))).collect();
+            speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
+            speed.draw_series(pts.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,441 @@
+//! Bad input, table-driven, against the `train_cifar10` binary: every case exits with 2 (usage
+//! error) or 1 (runtime error), prints exactly one line on stderr naming the problem and the fix,
+//! never panics, and leaves no partial files: no run directory for a new run, and an existing run
+//! directory (for `--resume`) exactly as it was.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+/// The `train_cifar10` example binary of this build profile, built once per test process.
+fn binary() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("path of the test executable");
+        // Integration tests run from <target dir>/<profile>/deps/.
+        let profile_dir = exe.parent().and_then(Path::parent).expect("<target>/<profile>").to_path_buf();
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "--example", "train_cifar10", "--manifest-path"])
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        if cfg!(feature = "cuda") {
+            cmd.args(["--features", "cuda"]);
+        }
+        let out = cmd.output().expect("cargo runs");
+        assert!(
+            out.status.success(),
+            "building the train_cifar10 example failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bin = profile_dir.join("examples").join(format!("train_cifar10{}", std::env::consts::EXE_SUFFIX));
+        assert!(bin.is_file(), "{} missing after building the example", bin.display());
+        bin
+    })
+}
+
+fn run(args: &[String]) -> Output {
+    Command::new(binary())
+        .args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("train_cifar10 starts")
+}
+
+/// Flags that make a valid, fast run; a case replaces any of them by giving the same flag.
+const BASE: &[(&str, &str)] = &[
+    ("--device", "cpu"),
+    ("--width", "4"),
+    ("--synthetic-train", "64"),
+    ("--synthetic-test", "16"),
+    ("--batch-size", "32"),
+    ("--epochs", "1"),
+];
+
+/// `case` flags plus the base flags it does not give, plus `--quiet --no-eval`.
+fn args_for(case: &[String]) -> Vec<String> {
+    let mut a: Vec<String> = case.to_vec();
+    for (flag, value) in BASE {
+        if !case.iter().any(|c| c == flag || c.starts_with(&format!("{flag}="))) {
+            a.push(flag.to_string());
+            a.push(value.to_string());
+        }
+    }
+    a.extend(["--quiet".to_string(), "--no-eval".to_string()]);
+    a
+}
+
+/// CIFAR-10 records: label byte + 3072 pixel bytes each.
+fn records(labels: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(labels.len() * 3073);
+    for (i, &l) in labels.iter().enumerate() {
+        out.push(l);
+        out.extend((0..3072).map(|p| ((p * 7 + i * 13) % 256) as u8));
+    }
+    out
+}
+
+fn good_labels(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i % 10) as u8).collect()
+}
+
+/// A run directory with one complete checkpoint (2 steps, width 4), made once and copied per case.
+fn source_run() -> &'static Path {
+    static SRC: OnceLock<PathBuf> = OnceLock::new();
+    SRC.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-badinput-source-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = run(&args_for(&["--out".into(), dir.display().to_string()]));
+        assert!(out.status.success(), "the source run failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(dir.join("checkpoints").join("step-000002").join("checkpoint.json").is_file());
+        dir
+    })
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().filter_map(|e| e.ok()) {
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        if src.is_dir() {
+            copy_dir(&src, &dst);
+        } else {
+            std::fs::copy(&src, &dst).unwrap();
+        }
+    }
+}
+
+/// Every file and directory under `dir` with the bytes of the files.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Option<Vec<u8>>>) {
+        for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().to_path_buf();
+            if p.is_dir() {
+                out.insert(rel, None);
+                walk(root, &p, out);
+            } else {
+                out.insert(rel, Some(std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    if dir.is_dir() {
+        walk(dir, dir, &mut out);
+    }
+    out
+}
+
+/// One bad input.
+struct Case {
+    name: &'static str,
+    /// Builds the case's files inside its own directory and returns its flags. A `--out` is
+    /// added (`<case dir>/run`) when the flags have neither `--out` nor `--resume`.
+    setup: fn(&Path) -> Vec<String>,
+    /// 2: usage error, 1: runtime error.
+    code: i32,
+    /// Words the one stderr line must contain: the problem, then the fix.
+    problem: &'static str,
+    fix: &'static str,
+}
+
+fn flags(s: &str) -> Vec<String> {
+    s.split_whitespace().map(String::from).collect()
+}
+
+/// `--data-dir <dir>/data` holding `files`.
+fn data_dir(dir: &Path, files: &[(&str, Vec<u8>)]) -> Vec<String> {
+    let d = dir.join("data");
+    std::fs::create_dir_all(&d).unwrap();
+    for (name, bytes) in files {
+        std::fs::write(d.join(name), bytes).unwrap();
+    }
+    vec!["--data-dir".into(), d.display().to_string()]
+}
+
+/// `--resume <dir>/run`, a copy of the source run damaged by `damage`.
+fn resume_copy(dir: &Path, damage: fn(&Path)) -> Vec<String> {
+    let run = dir.join("run");
+    copy_dir(source_run(), &run);
+    damage(&run.join("checkpoints").join("step-000002"));
+    vec!["--resume".into(), run.display().to_string()]
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        Case { name: "batch size 0", setup: |_| flags("--batch-size 0"), code: 2, problem: "--batch-size", fix: "positive" },
+        Case { name: "negative batch size", setup: |_| flags("--batch-size -8"), code: 2, problem: "--batch-size", fix: "positive" },
+        Case { name: "absurd batch size", setup: |_| flags("--batch-size 99999999999"), code: 2, problem: "absurdly large", fix: "--accum-steps" },
+        Case { name: "batch size not a number", setup: |_| flags("--batch-size lots"), code: 2, problem: "lots", fix: "--help" },
+        Case { name: "accumulation does not divide the batch", setup: |_| flags("--batch-size 32 --accum-steps 5"), code: 2, problem: "not divisible", fix: "multiple" },
+        Case { name: "accumulation 0", setup: |_| flags("--accum-steps 0"), code: 2, problem: "--accum-steps", fix: "at least 1" },
+        Case { name: "unknown precision", setup: |_| flags("--precision f8"), code: 2, problem: "f8", fix: "bf16" },
+        Case { name: "unknown checkpointing", setup: |_| flags("--checkpoint layers"), code: 2, problem: "layers", fix: "stages" },
+        Case { name: "unknown conv kind", setup: |_| flags("--conv grouped"), code: 2, problem: "grouped", fix: "separable" },
+        Case { name: "unknown optimizer", setup: |_| flags("--optimizer lamb"), code: 2, problem: "lamb", fix: "adamw" },
+        Case { name: "width 0", setup: |_| flags("--width 0"), code: 2, problem: "--width", fix: "at least 1" },
+        Case { name: "learning rate NaN", setup: |_| flags("--lr NaN"), code: 2, problem: "--lr", fix: "positive finite" },
+        Case { name: "negative learning rate", setup: |_| flags("--lr -0.1"), code: 2, problem: "--lr", fix: "positive finite" },
+        Case { name: "zero epochs", setup: |_| flags("--epochs 0"), code: 2, problem: "--epochs", fix: "--max-steps" },
+        Case { name: "validation fraction above 1", setup: |_| flags("--val-fraction 1.5"), code: 2, problem: "--val-fraction", fix: "(0, 1)" },
+        Case { name: "unparsable memory size", setup: |_| flags("--memory-limit 12XB"), code: 2, problem: "12XB", fix: "4GiB" },
+        Case { name: "memory size without a number", setup: |_| flags("--memory-limit GiB"), code: 2, problem: "GiB", fix: "512MiB" },
+        Case { name: "unknown flag", setup: |_| flags("--batchsize 32"), code: 2, problem: "--batchsize", fix: "--help" },
+        Case { name: "not a device", setup: |_| flags("--device tpu"), code: 2, problem: "tpu", fix: "cuda:N" },
+        Case {
+            name: "missing CUDA device",
+            setup: |_| flags("--device cuda:7"),
+            code: 1,
+            problem: "cuda:7",
+            fix: "--device cpu",
+        },
+        Case {
+            name: "data dir missing",
+            setup: |d| vec!["--data-dir".into(), d.join("nope").display().to_string()],
+            code: 1,
+            problem: "does not exist",
+            fix: "cifar-10-binary.tar.gz",
+        },
+        Case {
+            name: "data dir is a file",
+            setup: |d| {
+                let f = d.join("data_batch_1.bin");
+                std::fs::write(&f, records(&good_labels(40))).unwrap();
+                vec!["--data-dir".into(), f.display().to_string()]
+            },
+            code: 1,
+            problem: "not a directory",
+            fix: "--data-dir takes the directory",
+        },
+        Case { name: "data dir without CIFAR files", setup: |d| data_dir(d, &[("readme.txt", b"hi".to_vec())]), code: 1, problem: "no CIFAR-10 training files", fix: "--data-dir" },
+        Case { name: "empty data file", setup: |d| data_dir(d, &[("data_batch_1.bin", Vec::new())]), code: 1, problem: "empty", fix: "re-extract" },
+        Case {
+            name: "truncated data file",
+            setup: |d| {
+                let mut bytes = records(&good_labels(40));
+                bytes.truncate(bytes.len() - 100);
+                data_dir(d, &[("data_batch_1.bin", bytes)])
+            },
+            code: 1,
+            problem: "truncated",
+            fix: "re-extract",
+        },
+        Case {
+            name: "wrong record size (no label bytes)",
+            setup: |d| data_dir(d, &[("data_batch_1.bin", vec![3u8; 3072 * 5])]),
+            code: 1,
+            problem: "not a multiple of 3073",
+            fix: "re-extract",
+        },
+        Case {
+            name: "label out of range",
+            setup: |d| {
+                let mut labels = good_labels(40);
+                labels[17] = 10;
+                data_dir(d, &[("data_batch_1.bin", records(&labels))])
+            },
+            code: 1,
+            problem: "label 10",
+            fix: "CIFAR-10 binary",
+        },
+        Case {
+            name: "truncated test file",
+            setup: |d| {
+                let mut test = records(&good_labels(10));
+                test.truncate(5000);
+                data_dir(d, &[("data_batch_1.bin", records(&good_labels(40))), ("test_batch.bin", test)])
+            },
+            code: 1,
+            problem: "test_batch.bin",
+            fix: "re-extract",
+        },
+        Case {
+            name: "fewer images than one batch",
+            setup: |d| data_dir(d, &[("data_batch_1.bin", records(&good_labels(12)))]),
+            code: 2,
+            problem: "fewer than --batch-size",
+            fix: "lower --batch-size",
+        },
+        Case {
+            name: "--out under a regular file",
+            setup: |d| {
+                std::fs::write(d.join("file"), b"x").unwrap();
+                vec!["--out".into(), d.join("file").join("run").display().to_string()]
+            },
+            code: 2,
+            problem: "cannot create output directory",
+            fix: "writable directory",
+        },
+        Case {
+            name: "--out holding another run's checkpoints",
+            setup: |d| {
+                let run = d.join("run");
+                copy_dir(source_run(), &run);
+                vec!["--out".into(), run.display().to_string()]
+            },
+            code: 2,
+            problem: "already holds checkpoints",
+            fix: "--resume",
+        },
+        Case {
+            name: "--config file missing",
+            setup: |d| vec!["--config".into(), d.join("nope.json").display().to_string()],
+            code: 2,
+            problem: "nope.json",
+            fix: "config.json from a run directory",
+        },
+        Case {
+            name: "--resume of a missing directory",
+            setup: |d| vec!["--resume".into(), d.join("nope").display().to_string()],
+            code: 2,
+            problem: "no such directory",
+            fix: "run directory",
+        },
+        Case {
+            name: "--resume of a directory without checkpoints",
+            setup: |d| {
+                std::fs::create_dir_all(d.join("run")).unwrap();
+                vec!["--resume".into(), d.join("run").display().to_string()]
+            },
+            code: 2,
+            problem: "no checkpoint",
+            fix: "without --resume",
+        },
+        Case {
+            name: "--resume of a corrupted checkpoint",
+            setup: |d| {
+                resume_copy(d, |ck| {
+                    let f = ck.join("model.safetensors");
+                    let mut b = std::fs::read(&f).unwrap();
+                    let mid = b.len() / 2;
+                    b[mid] ^= 1;
+                    std::fs::write(&f, b).unwrap();
+                })
+            },
+            code: 1,
+            problem: "damaged",
+            fix: "without --resume",
+        },
+        Case {
+            name: "--resume of a truncated checkpoint",
+            setup: |d| {
+                resume_copy(d, |ck| {
+                    let f = ck.join("optimizer.safetensors");
+                    let b = std::fs::read(&f).unwrap();
+                    std::fs::write(&f, &b[..b.len() / 3]).unwrap();
+                })
+            },
+            code: 1,
+            problem: "truncated",
+            fix: "without --resume",
+        },
+        Case {
+            name: "--resume of a checkpoint without its manifest",
+            setup: |d| resume_copy(d, |ck| std::fs::remove_file(ck.join("checkpoint.json")).unwrap()),
+            code: 1,
+            problem: "incomplete",
+            fix: "without --resume",
+        },
+        Case {
+            name: "--resume with a conflicting config",
+            setup: |d| {
+                let mut a = resume_copy(d, |_| {});
+                a.extend(flags("--width 8 --precision f16 --seed 3"));
+                a
+            },
+            code: 2,
+            problem: "width: checkpoint 4, now 8; precision: checkpoint f32, now f16; seed: checkpoint 0, now 3",
+            fix: "drop those flags",
+        },
+        Case {
+            name: "--resume with different training data",
+            setup: |d| {
+                let mut a = resume_copy(d, |_| {});
+                a.extend(flags("--synthetic-train 96"));
+                a
+            },
+            code: 2,
+            problem: "training data differs",
+            fix: "--data-dir",
+        },
+        Case {
+            name: "--resume with a different --out",
+            setup: |d| {
+                let mut a = resume_copy(d, |_| {});
+                a.extend(["--out".into(), d.join("elsewhere").display().to_string()]);
+                a
+            },
+            code: 2,
+            problem: "out: run directory",
+            fix: "drop those flags",
+        },
+    ]
+}
+
+#[test]
+fn every_bad_input_fails_cleanly_with_one_line() {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-badinput-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let cases = cases();
+    assert!(cases.len() >= 20);
+    let mut failures = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let dir = root.join(format!("case{i:02}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut case_flags = (case.setup)(&dir);
+        let new_run = !case_flags.iter().any(|f| f == "--out" || f == "--resume");
+        if new_run {
+            case_flags.extend(["--out".into(), dir.join("run").display().to_string()]);
+        }
+        let before = snapshot(&dir);
+        let args = args_for(&case_flags);
+        let out = run(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        let mut problems = Vec::new();
+        if out.status.code() != Some(case.code) {
+            problems.push(format!("exit code {:?}, expected {}", out.status.code(), case.code));
+        }
+        if stderr.contains("panicked") {
+            problems.push("panicked".into());
+        }
+        if lines.len() != 1 {
+            problems.push(format!("{} lines on stderr", lines.len()));
+        }
+        let line = lines.first().copied().unwrap_or("");
+        if !line.starts_with("error: ") {
+            problems.push("stderr does not start with 'error: '".into());
+        }
+        if !line.contains(case.problem) {
+            problems.push(format!("stderr does not name the problem ('{}')", case.problem));
+        }
+        if !line.contains(case.fix) {
+            problems.push(format!("stderr does not name the fix ('{}')", case.fix));
+        }
+        // Nothing written: no run directory for a new run, an existing one unchanged.
+        if snapshot(&dir) != before {
+            let after = snapshot(&dir);
+            let added: Vec<_> = after.keys().filter(|k| !before.contains_key(*k)).collect();
+            problems.push(format!("files changed in the case directory (new: {added:?})"));
+        }
+        if !problems.is_empty() {
+            failures.push(format!("{}: {}\n    args: {}\n    stderr: {stderr}", case.name, problems.join("; "), args.join(" ")));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    let _ = std::fs::remove_dir_all(source_run());
+    assert!(failures.is_empty(), "{} of {} bad inputs misbehaved:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
+#[test]
+fn the_base_flags_are_valid() {
+    // Guards the table: each case must fail because of its own flag, not the base ones.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-badinput-base-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = run(&args_for(&["--out".into(), dir.display().to_string()]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stderr.is_empty(), "a successful run prints nothing on stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

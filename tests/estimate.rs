@@ -1,0 +1,143 @@
+//! The analytic memory estimate (`memtrain::memory::estimate`) against the counting allocator.
+//!
+//! One test function: the allocator's counters are process-wide, so two trainings at once would
+//! measure each other. Test-sized shapes (width 8, batches of 16 and 32, synthetic data); the
+//! width-32 matrix with train_cifar10 is in docs/results/estimate-accuracy.md.
+
+use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
+use memtrain::data::{synthetic, DataSplits};
+use memtrain::memory::estimate::{
+    estimate, estimate_for_specs, estimate_with, model_layer_specs, Baseline, DataSize, DeviceKind,
+};
+use memtrain::memory::{format_bytes, CountingAllocator};
+use memtrain::model::{Cnn, LayerSpec, ModelConfig};
+use memtrain::train::{Trainer, TrainerOptions};
+
+#[global_allocator]
+static A: CountingAllocator = CountingAllocator;
+
+/// Largest |predicted − measured| / measured accepted at the test-sized shapes.
+const TOLERANCE_PCT: f64 = 5.0;
+
+const TRAIN_IMAGES: usize = 256;
+const TEST_IMAGES: usize = 16;
+
+fn data() -> DataSplits {
+    let (train, test) = synthetic::splits(TRAIN_IMAGES, TEST_IMAGES, 7);
+    DataSplits { train, test, description: "synthetic".into(), test_is_validation: false }
+}
+
+fn config(batch: usize, precision: Precision, checkpoint: Checkpointing, conv: ConvKind) -> TrainConfig {
+    TrainConfig {
+        width: 8,
+        batch_size: batch,
+        precision,
+        checkpoint,
+        conv,
+        max_steps: Some(3),
+        eval: false,
+        quiet: true,
+        device: Some("cpu".into()),
+        synthetic_train: TRAIN_IMAGES,
+        synthetic_test: TEST_IMAGES,
+        ..TrainConfig::default()
+    }
+}
+
+/// Train `cfg` for its steps and return (predicted, measured) peak bytes; `pre` is the heap the
+/// test process held before any data or model existed (the harness), added to the prediction.
+fn predicted_and_measured(cfg: &TrainConfig, pre: u64) -> (u64, u64) {
+    CountingAllocator::reset_peak();
+    let mut trainer = Trainer::new(cfg.clone(), data(), TrainerOptions::default()).expect("trainer");
+    let summary = trainer.fit().expect("training");
+    let est = trainer.memory_estimate().expect("estimate").offset(pre);
+    // The summary's prediction is the same estimate without the harness offset.
+    assert_eq!(summary.predicted_peak_bytes, Some(est.peak - pre), "summary.json prediction");
+    assert!(summary.prediction_error_pct.is_some_and(f64::is_finite));
+    (est.peak, summary.peak_bytes)
+}
+
+#[test]
+fn estimate_matches_the_counting_allocator() {
+    // Measured before anything of the model or the data exists.
+    let pre = CountingAllocator::current();
+
+    // The estimate's layer list is the model's.
+    for width in [1, 3, 8, 32] {
+        for conv in ConvKind::ALL.iter().copied() {
+            let model = Cnn::new(ModelConfig { width, conv }, &candle_core::Device::Cpu, 0).unwrap();
+            assert_eq!(model_layer_specs(width, conv), model.layer_specs(), "width {width} {conv}");
+        }
+    }
+
+    // Bad input is an error, not a panic.
+    let dev = DeviceKind::cpu();
+    let mut bad = config(16, Precision::F32, Checkpointing::None, ConvKind::Standard);
+    bad.accum_steps = 3;
+    assert!(estimate(&bad, dev).is_err(), "batch not divisible by accumulation steps");
+    bad.batch_size = 0;
+    assert!(estimate(&bad, dev).is_err(), "batch 0");
+    let good = config(16, Precision::F32, Checkpointing::None, ConvKind::Standard);
+    let specs = model_layer_specs(8, ConvKind::Standard);
+    let base = Baseline::Modeled(DataSize::exact(10, 10));
+    assert!(estimate_for_specs(&good, &[], dev, base).is_err(), "empty layer list");
+    assert!(estimate_for_specs(&good, &specs[..specs.len() - 1], dev, base).is_err(), "no head");
+    let mut unknown = specs.clone();
+    unknown[0].kind = "conv7x7";
+    assert!(estimate_for_specs(&good, &unknown, dev, base).is_err(), "unknown layer kind");
+    let mut broken: Vec<LayerSpec> = specs.clone();
+    broken[1].input = (5, 5, 5);
+    assert!(estimate_for_specs(&good, &broken, dev, base).is_err(), "shapes that do not chain");
+    // The per-layer table names every layer and the peak.
+    let e = estimate_with(&good, dev, base).unwrap();
+    let table = e.table();
+    for s in &specs {
+        assert!(table.contains(&s.name), "table lacks {}", s.name);
+    }
+    assert!(table.contains("predicted peak"));
+    assert!(e.peak >= e.forward_peak.max(e.backward_peak).max(e.optimizer_peak));
+    // Checkpointing and half precision save activation memory; the measured baseline replaces
+    // the modelled one.
+    let mut f16 = good.clone();
+    f16.precision = Precision::F16;
+    assert!(estimate_with(&f16, dev, base).unwrap().activation_bytes < e.activation_bytes);
+    let mut ck = good.clone();
+    ck.checkpoint = Checkpointing::Stages;
+    assert!(estimate_with(&ck, dev, base).unwrap().activation_bytes < e.activation_bytes);
+    let measured = estimate_with(&good, dev, Baseline::Measured { bytes: e.baseline_bytes + 1000, train_images: 10 }).unwrap();
+    assert_eq!(measured.peak, e.peak + 1000);
+
+    // Predicted versus measured over the matrix, plus accumulation, block checkpointing and AdamW.
+    let mut cases = Vec::new();
+    for batch in [16, 32] {
+        for precision in [Precision::F32, Precision::F16] {
+            for checkpoint in [Checkpointing::None, Checkpointing::Stages] {
+                for conv in ConvKind::ALL.iter().copied() {
+                    cases.push(config(batch, precision, checkpoint, conv));
+                }
+            }
+        }
+    }
+    let mut accum = config(32, Precision::F32, Checkpointing::Stages, ConvKind::Standard);
+    accum.accum_steps = 2;
+    cases.push(accum);
+    let mut blocks = config(32, Precision::Bf16, Checkpointing::Blocks, ConvKind::Separable);
+    blocks.optimizer = OptimizerKind::Adamw;
+    cases.push(blocks);
+
+    let mut report = String::new();
+    let mut worst: f64 = 0.0;
+    for cfg in &cases {
+        let (predicted, measured) = predicted_and_measured(cfg, pre);
+        let err = (predicted as f64 - measured as f64) / measured as f64 * 100.0;
+        worst = worst.max(err.abs());
+        report.push_str(&format!(
+            "{:<32} predicted {:>10} measured {:>10} error {err:+.2}%\n",
+            cfg.label(),
+            format_bytes(predicted),
+            format_bytes(measured)
+        ));
+    }
+    println!("{report}worst |error| {worst:.2}%");
+    assert!(worst <= TOLERANCE_PCT, "estimate off by more than {TOLERANCE_PCT}%:\n{report}");
+}

@@ -1,0 +1,78 @@
+//! Training on CUDA (run on a GPU machine: `cargo test --release --features cuda -- --ignored`):
+//! every optimization combination trains in f32, f16 and bf16, gradients match the CPU within
+//! the dtype's tolerance, and `--memory-limit` turns an oversized step into a clean OOM error.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::Error;
+
+fn on(device: &str, cfg: TrainConfig) -> TrainConfig {
+    TrainConfig { device: Some(device.into()), ..cfg }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_combination_trains_on_cuda_and_matches_the_cpu() {
+    let (x, y) = common::batch(16, 11);
+    for precision in Precision::ALL {
+        for accum in [1, 2] {
+            for checkpoint in Checkpointing::ALL {
+                for conv in ConvKind::ALL {
+                    let cfg = TrainConfig {
+                        precision: *precision,
+                        accum_steps: accum,
+                        checkpoint: *checkpoint,
+                        conv: *conv,
+                        width: 8,
+                        ..common::tiny_config()
+                    };
+                    let label = cfg.label();
+                    let cpu = common::trainer(on("cpu", cfg.clone()));
+                    let gpu = common::trainer(on("cuda:0", cfg.clone()));
+                    let (lc, gc) = cpu.compute_grads(&x, &y).unwrap();
+                    let (lg, gg) = gpu.compute_grads(&x, &y).unwrap_or_else(|e| panic!("{label}: {e}"));
+                    let tol = match precision {
+                        Precision::F32 => 1e-4,
+                        Precision::F16 => 2e-2,
+                        Precision::Bf16 => 8e-2,
+                    };
+                    assert!((lg - lc).abs() <= tol * lc.abs(), "{label}: loss {lg} on cuda vs {lc} on cpu");
+                    for (i, (a, b)) in gg.iter().zip(&gc).enumerate() {
+                        let a = a.as_ref().unwrap().to_device(&candle_core::Device::Cpu).unwrap();
+                        let d = common::rel_diff(&a, b.as_ref().unwrap());
+                        assert!(d <= 10.0 * tol, "{label}: gradient {i} differs by {d:e} between cuda and cpu");
+                    }
+                    let mut t = common::trainer(on("cuda:0", cfg));
+                    let s = t.fit().unwrap_or_else(|e| panic!("{label}: {e}"));
+                    assert!(s.final_train_loss.unwrap().is_finite(), "{label}");
+                    assert_eq!(s.probe, "cuda-pool");
+                    assert!(s.peak_bytes > 0, "{label}: the pool probe measured nothing");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn memory_limit_stops_with_an_oom_error() {
+    let cfg = TrainConfig {
+        width: 32,
+        batch_size: 512,
+        synthetic_train: 512,
+        memory_limit: Some(64 << 20),
+        device: Some("cuda:0".into()),
+        ..common::tiny_config()
+    };
+    let mut t = common::trainer(cfg);
+    match t.fit() {
+        Err(e @ Error::OutOfMemory { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("64.00 MiB") && msg.contains("batch 0"), "{msg}");
+            assert_eq!(msg.lines().count(), 1);
+        }
+        other => panic!("expected an out-of-memory error, got {other:?}"),
+    }
+}

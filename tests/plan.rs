@@ -1,0 +1,123 @@
+//! The memory-budget planner (`memtrain::plan`): plans fit their budget, in prediction and when run.
+//!
+//! One test function: the counting allocator's counters are process-wide.
+
+use memtrain::config::TrainConfig;
+use memtrain::data::{synthetic, DataSplits};
+use memtrain::memory::estimate::{DataSize, DeviceKind};
+use memtrain::memory::{format_bytes, CountingAllocator};
+use memtrain::plan::{plan, smallest_feasible_budget, PlanOptions, SAFETY_MARGIN};
+use memtrain::train::{Trainer, TrainerOptions};
+
+#[global_allocator]
+static A: CountingAllocator = CountingAllocator;
+
+const TRAIN_IMAGES: usize = 256;
+const TEST_IMAGES: usize = 16;
+
+fn data() -> DataSplits {
+    let (train, test) = synthetic::splits(TRAIN_IMAGES, TEST_IMAGES, 3);
+    DataSplits { train, test, description: "synthetic".into(), test_is_validation: false }
+}
+
+fn base_config(width: usize, batch: usize) -> TrainConfig {
+    TrainConfig {
+        width,
+        batch_size: batch,
+        max_steps: Some(3),
+        eval: false,
+        quiet: true,
+        device: Some("cpu".into()),
+        synthetic_train: TRAIN_IMAGES,
+        synthetic_test: TEST_IMAGES,
+        ..TrainConfig::default()
+    }
+}
+
+#[test]
+fn planned_runs_fit_their_budget() {
+    let pre = CountingAllocator::current();
+    let dev = DeviceKind::cpu();
+
+    // Property: over many budgets (and both model options), a returned plan never predicts more
+    // than the budget minus the margin, and plans are ranked fastest first; a budget without a
+    // plan is refused with the smallest feasible budget, which does have one.
+    let cfg = base_config(32, 128);
+    for allow in [false, true] {
+        let mut opts = PlanOptions::new(dev, DataSize::exact(5000, 1000));
+        opts.allow_model_change = allow;
+        let smallest = smallest_feasible_budget(&cfg, &opts).unwrap();
+        let mut budget = 1u64 << 20;
+        let (mut ok, mut refused) = (0, 0);
+        while budget < 2 << 30 {
+            match plan(&cfg, budget, &opts) {
+                Ok(r) => {
+                    ok += 1;
+                    assert!(budget >= smallest, "a plan below the smallest feasible budget");
+                    for p in &r.plans {
+                        assert!(p.predicted_peak <= r.usable && r.usable <= budget, "{} exceeds {budget}", p.describe());
+                        assert_eq!(p.micro_batch * p.accum_steps, 128, "effective batch kept");
+                        assert!(allow || p.conv == cfg.conv, "conv changed without --allow-model-change");
+                        p.config.validate().unwrap();
+                    }
+                    assert!(r.plans.windows(2).all(|w| w[0].time_per_image <= w[1].time_per_image));
+                    assert!(r.rejected_faster.iter().all(|p| p.predicted_peak > r.usable));
+                    let text = r.render(3);
+                    assert!(text.contains("chosen:") && text.contains("cost model"), "{text}");
+                }
+                Err(e) => {
+                    refused += 1;
+                    let msg = e.to_string();
+                    assert!(budget < smallest, "budget {budget} refused although {smallest} is feasible: {msg}");
+                    assert!(msg.contains("too small") && msg.contains(&format_bytes(smallest)), "{msg}");
+                    assert!(!msg.contains('\n'), "one line: {msg}");
+                }
+            }
+            budget = budget * 21 / 20;
+        }
+        assert!(ok > 10 && refused > 10, "the sweep covers both sides ({ok} fit, {refused} refused)");
+        assert!(plan(&cfg, smallest, &opts).is_ok(), "the smallest feasible budget is feasible");
+    }
+
+    // An impossible budget: one line naming the smallest feasible budget.
+    let opts = PlanOptions::new(dev, DataSize::exact(5000, 1000));
+    let err = plan(&cfg, 4 << 20, &opts).unwrap_err().to_string();
+    let smallest = smallest_feasible_budget(&cfg, &opts).unwrap();
+    assert!(err.contains("too small") && err.contains(&format_bytes(smallest)), "{err}");
+    // Bad input.
+    assert!(plan(&cfg, 0, &opts).is_err());
+    let mut zero = opts.clone();
+    zero.effective_batch = Some(0);
+    assert!(plan(&cfg, 1 << 30, &zero).is_err());
+
+    // Three budgets, each planned and then trained: the measured peak stays within the budget.
+    // The harness's own heap (`pre`) is outside the planner's view, so it plans for the rest.
+    let cfg = base_config(8, 32);
+    let data_size = DataSize::exact(TRAIN_IMAGES, TEST_IMAGES);
+    let mut opts = PlanOptions::new(dev, data_size);
+    opts.allow_model_change = true;
+    let smallest = smallest_feasible_budget(&cfg, &opts).unwrap() + pre;
+    let mut chosen = Vec::new();
+    for budget in [smallest + (smallest >> 6), smallest * 3 / 2, smallest * 4] {
+        let report = plan(&cfg, budget - pre, &opts).unwrap();
+        let p = report.chosen().clone();
+        CountingAllocator::reset_peak();
+        let mut trainer = Trainer::new(p.config.clone(), data(), TrainerOptions::default()).unwrap();
+        let summary = trainer.fit().unwrap();
+        drop(trainer);
+        println!(
+            "budget {}: {} predicted {} (+{} harness) measured {}",
+            format_bytes(budget),
+            p.describe(),
+            format_bytes(p.predicted_peak),
+            format_bytes(pre),
+            format_bytes(summary.peak_bytes)
+        );
+        assert_eq!(summary.steps, 3);
+        assert!(summary.peak_bytes <= budget, "{}: measured {} > budget {}", p.describe(), summary.peak_bytes, budget);
+        chosen.push(p);
+    }
+    // More memory never makes the chosen plan slower.
+    assert!(chosen.windows(2).all(|w| w[1].time_per_image <= w[0].time_per_image));
+    assert_eq!(opts.margin, SAFETY_MARGIN);
+}

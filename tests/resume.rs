@@ -1,0 +1,497 @@
+//! Checkpoints and resume: a run killed with SIGKILL or stopped with SIGINT and then resumed ends
+//! with bit-identical weights to an uninterrupted run; a diverging run leaves the last checkpoint
+//! intact; a damaged newest checkpoint is skipped for an older one.
+//!
+//! Most tests run the `train_cifar10` example as a child process (built on first use; a no-op
+//! after `cargo test`, which builds the examples anyway).
+
+use candle_core::{DType, Device, Tensor};
+use memtrain::callbacks::{BatchInfo, Callback};
+use memtrain::config::{Precision, TrainConfig};
+use memtrain::data::{synthetic, DataSplits};
+use memtrain::train::checkpoint::{Checkpoint, CHECKPOINTS_DIR, LATEST_FILE, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE};
+use memtrain::train::{Trainer, TrainerOptions};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+/// The `train_cifar10` example binary of this build profile, built once per test process.
+fn binary() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("path of the test executable");
+        // Integration tests run from <target dir>/<profile>/deps/.
+        let profile_dir = exe.parent().and_then(Path::parent).expect("<target>/<profile>").to_path_buf();
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "--example", "train_cifar10", "--manifest-path"])
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        if cfg!(feature = "cuda") {
+            cmd.args(["--features", "cuda"]);
+        }
+        let out = cmd.output().expect("cargo runs");
+        assert!(
+            out.status.success(),
+            "building the train_cifar10 example failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bin = profile_dir.join("examples").join(format!("train_cifar10{}", std::env::consts::EXE_SUFFIX));
+        assert!(bin.is_file(), "{} missing after building the example", bin.display());
+        bin
+    })
+}
+
+/// A fresh, empty scratch directory for one test (under the target directory, so whatever a
+/// failed test leaves behind goes with `cargo clean`).
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-resume-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Flags of every child run: 8 steps per epoch, 20 epochs (160 steps), a checkpoint every 2 steps.
+fn run_args(out: &Path) -> Vec<String> {
+    let mut a: Vec<String> = "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --epochs 20 \
+                              --save-every 2 --quiet --no-eval --device cpu --seed 7"
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    a.push("--out".into());
+    a.push(out.display().to_string());
+    a
+}
+
+const TOTAL_STEPS: usize = 160;
+
+/// A child `train_cifar10` with `args`. One compute thread: Candle's CPU convolution sums the
+/// weight gradient over threads in completion order, so multi-threaded runs can differ in the
+/// last bit from run to run, which would hide what this file tests (resume exactness).
+fn command(args: &[String]) -> Command {
+    let mut cmd = Command::new(binary());
+    cmd.args(args).env("RAYON_NUM_THREADS", "1").stdin(Stdio::null());
+    cmd
+}
+
+fn run(args: &[String]) -> Output {
+    command(args).output().expect("train_cifar10 starts")
+}
+
+fn spawn(args: &[String]) -> Child {
+    command(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("train_cifar10 starts")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn assert_ok(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({:?}):\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+}
+
+/// Steps of the complete checkpoints in `run_dir`, ascending.
+fn checkpoint_steps(run_dir: &Path) -> Vec<usize> {
+    let Ok(entries) = std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR)) else { return Vec::new() };
+    let mut steps: Vec<usize> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse().ok()))
+        .collect();
+    steps.sort_unstable();
+    steps
+}
+
+fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
+    run_dir.join(CHECKPOINTS_DIR).join(format!("step-{step:06}"))
+}
+
+/// Wait until `child` has written a checkpoint of at least `step`; fails if it exits first.
+fn wait_for_checkpoint(child: &mut Child, run_dir: &Path, step: usize) {
+    let start = Instant::now();
+    while checkpoint_steps(run_dir).last().is_none_or(|&s| s < step) {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the child exited ({status}) before writing checkpoint {step}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint {step} after 2 minutes");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Tensors of a safetensors file.
+fn tensors(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The exact bits of an f32 tensor.
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// Two safetensors files hold the same tensors, bit for bit.
+fn assert_same_tensors(a: &Path, b: &Path) {
+    let (ta, tb) = (tensors(a), tensors(b));
+    let mut names: Vec<_> = ta.keys().collect();
+    names.sort();
+    let mut names_b: Vec<_> = tb.keys().collect();
+    names_b.sort();
+    assert_eq!(names, names_b, "{} and {} hold different tensors", a.display(), b.display());
+    for name in names {
+        assert_eq!(ta[name].shape(), tb[name].shape(), "shape of {name}");
+        assert!(bits(&ta[name]) == bits(&tb[name]), "{name} differs between {} and {}", a.display(), b.display());
+    }
+}
+
+/// Model and optimizer of two checkpoints are bit-identical, and so are their counters.
+fn assert_same_checkpoint(a: &Path, b: &Path) {
+    assert_same_tensors(&a.join(MODEL_FILE), &b.join(MODEL_FILE));
+    assert_same_tensors(&a.join(OPTIMIZER_FILE), &b.join(OPTIMIZER_FILE));
+    let manifest = |d: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join(MANIFEST_FILE)).unwrap()).unwrap()
+    };
+    let (ma, mb) = (manifest(a), manifest(b));
+    for key in ["global_step", "epoch", "next_batch", "optimizer_steps", "scaler", "train_fingerprint"] {
+        assert_eq!(ma[key], mb[key], "{key} differs between {} and {}", a.display(), b.display());
+    }
+}
+
+/// The uninterrupted run every resumed run is compared with (run once per test process).
+fn reference() -> &'static Path {
+    static REF: OnceLock<PathBuf> = OnceLock::new();
+    REF.get_or_init(|| {
+        let dir = scratch("reference").join("run");
+        let out = run(&run_args(&dir));
+        assert_ok(&out, "the uninterrupted run");
+        assert_eq!(checkpoint_steps(&dir).last(), Some(&TOTAL_STEPS), "final checkpoint of the uninterrupted run");
+        dir
+    })
+}
+
+/// The final checkpoint of the reference run.
+fn reference_final() -> PathBuf {
+    step_dir(reference(), TOTAL_STEPS)
+}
+
+/// Every file under `dir` with its bytes, by relative path.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Vec<u8>>) {
+        for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
+            let p = e.path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                out.insert(p.strip_prefix(root).unwrap().to_path_buf(), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().filter_map(|e| e.ok()) {
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        if src.is_dir() {
+            copy_dir(&src, &dst);
+        } else {
+            std::fs::copy(&src, &dst).unwrap();
+        }
+    }
+}
+
+/// No temporary or half-replaced checkpoint directories are left.
+fn assert_no_leftovers(run_dir: &Path) {
+    let left: Vec<String> = std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "leftover directories in {}: {left:?}", run_dir.display());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[test]
+fn kill_9_mid_run_then_resume_gives_bit_identical_weights() {
+    let dir = scratch("kill9").join("run");
+    let args = run_args(&dir);
+    let mut child = spawn(&args);
+    wait_for_checkpoint(&mut child, &dir, 3);
+    // Child::kill sends SIGKILL on Unix: no handler runs, whatever was being written stays half done.
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the run finished before it could be killed; give it more --epochs");
+    let killed_at = *checkpoint_steps(&dir).last().unwrap();
+    assert!(killed_at < TOTAL_STEPS, "killed after the last checkpoint");
+
+    let mut resume = args.clone();
+    resume.extend(["--resume".to_string(), dir.display().to_string()]);
+    let out = run(&resume);
+    assert_ok(&out, "the resumed run");
+    assert!(text(&out.stdout).contains("resuming from"), "stdout: {}", text(&out.stdout));
+
+    assert_eq!(checkpoint_steps(&dir).last(), Some(&TOTAL_STEPS));
+    assert_same_checkpoint(&step_dir(&dir, TOTAL_STEPS), &reference_final());
+    assert_eq!(checkpoint_steps(&dir).len(), 2, "only the last two checkpoints are kept");
+    assert_eq!(std::fs::read_to_string(dir.join(CHECKPOINTS_DIR).join(LATEST_FILE)).unwrap().trim(), format!("step-{TOTAL_STEPS:06}"));
+    assert_no_leftovers(&dir);
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok");
+    assert_eq!(summary["steps"], TOTAL_STEPS);
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[cfg(unix)]
+#[test]
+fn sigint_saves_checkpoint_and_summary_then_exits_130_and_resumes() {
+    let dir = scratch("sigint").join("run");
+    let args = run_args(&dir);
+    let mut child = spawn(&args);
+    wait_for_checkpoint(&mut child, &dir, 6);
+    let sent = Command::new("kill").args(["-INT", &child.id().to_string()]).status();
+    assert!(sent.is_ok_and(|s| s.success()), "could not send SIGINT with kill(1)");
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "exit code after SIGINT; stderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let last = stderr.lines().last().unwrap_or("");
+    assert!(last.starts_with("error: interrupted:") && last.contains("--resume"), "last stderr line: {last}");
+
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "interrupted");
+    let steps = summary["steps"].as_u64().unwrap() as usize;
+    assert!((6..TOTAL_STEPS).contains(&steps), "stopped at step {steps}");
+    // The step in flight was finished and saved: the newest checkpoint is the summary's step.
+    assert_eq!(checkpoint_steps(&dir).last(), Some(&steps));
+    assert_no_leftovers(&dir);
+
+    let mut resume = args.clone();
+    resume.extend(["--resume".to_string(), dir.display().to_string()]);
+    let out = run(&resume);
+    assert_ok(&out, "the resumed run");
+    assert_same_checkpoint(&step_dir(&dir, TOTAL_STEPS), &reference_final());
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn damaged_newest_checkpoint_is_skipped_with_a_warning() {
+    let dir = scratch("damaged").join("run");
+    copy_dir(reference(), &dir);
+    let newest = step_dir(&dir, TOTAL_STEPS);
+    let model = newest.join(MODEL_FILE);
+    let mut bytes = std::fs::read(&model).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&model, bytes).unwrap();
+
+    let mut resume = run_args(&dir);
+    resume.extend(["--resume".to_string(), dir.display().to_string()]);
+    let out = run(&resume);
+    assert_ok(&out, "resuming past a damaged checkpoint");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.lines().any(|l| l.starts_with("warning:") && l.contains("damaged") && l.contains(&format!("step-{TOTAL_STEPS:06}"))),
+        "stderr:\n{stderr}"
+    );
+    assert!(text(&out.stdout).contains(&format!("step {}", TOTAL_STEPS - 2)), "resumed from the older checkpoint");
+    // The two steps from the older checkpoint were trained again and the damaged one replaced.
+    assert_same_checkpoint(&newest, &reference_final());
+    assert_no_leftovers(&dir);
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
+    let dir = scratch("extend").join("run");
+    copy_dir(reference(), &dir);
+    let mut resume = run_args(&dir);
+    resume.extend(["--resume".to_string(), dir.display().to_string()]);
+    let out = run(&resume);
+    assert_ok(&out, "resuming a finished run");
+    assert!(text(&out.stdout).contains("nothing left to train"), "stdout:\n{}", text(&out.stdout));
+
+    // Flags left out come from the checkpoint; --epochs may grow.
+    let out = run(&["--resume".to_string(), dir.display().to_string(), "--epochs".into(), "21".into()]);
+    assert_ok(&out, "extending a finished run");
+    assert!(text(&out.stdout).contains("epochs: checkpoint 20, now 21"), "stdout:\n{}", text(&out.stdout));
+    assert_eq!(checkpoint_steps(&dir).last(), Some(&(TOTAL_STEPS + 8)));
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+/// A huge learning rate after one good epoch makes the run fail with a one-line non-finite
+/// error. Nothing is written after the failure: with checkpoints only at epoch ends the
+/// checkpoint directory is byte for byte what it was; with one after every step the newest is
+/// the last step that succeeded, and it loads with finite weights.
+fn diverging_run_leaves_checkpoint_intact(precision: &str) {
+    let root = scratch(&format!("diverge-{precision}"));
+    let base: Vec<String> = format!(
+        "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --quiet --no-eval --device cpu --precision {precision}"
+    )
+    .split_whitespace()
+    .map(String::from)
+    .collect();
+    for save_every in ["0", "1"] {
+        let dir = root.join(format!("save-every-{save_every}"));
+        let mut first = base.clone();
+        first.extend(["--epochs", "1", "--out"].map(String::from));
+        first.push(dir.display().to_string());
+        assert_ok(&run(&first), "the first epoch");
+        let before = snapshot(&dir.join(CHECKPOINTS_DIR));
+        assert_eq!(checkpoint_steps(&dir), vec![8]);
+
+        let mut diverge = base.clone();
+        diverge.extend(["--epochs", "2", "--lr", "1e30", "--save-every", save_every, "--resume"].map(String::from));
+        diverge.push(dir.display().to_string());
+        let out = run(&diverge);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "exit code of a diverged run; stderr:\n{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "one line on stderr:\n{stderr}");
+        assert!(stderr.starts_with("error: non-finite") && stderr.contains("--lr"), "{stderr}");
+        assert_no_leftovers(&dir);
+        if save_every == "0" {
+            assert!(before == snapshot(&dir.join(CHECKPOINTS_DIR)), "the checkpoints changed after the failure");
+            continue;
+        }
+        // "... at epoch E, batch B ...": the failing step is global step E*8 + B (0-based).
+        let num_after = |key: &str| -> usize {
+            let rest = &stderr[stderr.find(key).unwrap_or_else(|| panic!("no '{key}' in {stderr}")) + key.len()..];
+            rest.chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().unwrap()
+        };
+        let failed = num_after("epoch ") * 8 + num_after("batch ");
+        let ck = Checkpoint::find_latest(&dir).expect("the newest checkpoint loads");
+        assert!(ck.skipped.is_empty());
+        assert_eq!(ck.state.global_step, failed, "the newest checkpoint is the last step that succeeded");
+        for (name, t) in tensors(&ck.dir.join(MODEL_FILE)) {
+            assert!(bits(&t).iter().all(|b| f32::from_bits(*b).is_finite()), "{name} is not finite");
+        }
+    }
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn non_finite_loss_in_f32_leaves_the_last_checkpoint_intact() {
+    diverging_run_leaves_checkpoint_intact("f32");
+}
+
+#[test]
+fn non_finite_loss_in_bf16_leaves_the_last_checkpoint_intact() {
+    diverging_run_leaves_checkpoint_intact("bf16");
+}
+
+// ---------------------------------------------------------------------------------------------
+// In-process: the library API
+
+/// Sets the stop flag once `at` optimizer steps are done.
+struct StopAt {
+    at: usize,
+    flag: Arc<AtomicBool>,
+}
+
+impl Callback for StopAt {
+    fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> memtrain::Result<()> {
+        if ctx.global_step + 1 >= self.at {
+            self.flag.store(true, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+}
+
+fn tiny(out: &Path, precision: Precision) -> TrainConfig {
+    TrainConfig {
+        width: 4,
+        batch_size: 16,
+        epochs: 2,
+        synthetic_train: 64,
+        synthetic_test: 16,
+        eval: false,
+        quiet: true,
+        device: Some("cpu".into()),
+        precision,
+        optimizer: memtrain::config::OptimizerKind::Adamw,
+        out: Some(out.to_path_buf()),
+        ..TrainConfig::default()
+    }
+}
+
+fn splits(cfg: &TrainConfig) -> DataSplits {
+    let (train, test) = synthetic::splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    DataSplits { train, test, description: "synthetic (test)".into(), test_is_validation: false }
+}
+
+#[test]
+fn restore_brings_back_every_piece_of_state() {
+    for precision in [Precision::F32, Precision::F16] {
+        let dir = scratch(&format!("inproc-{precision}")).join("run");
+        let cfg = tiny(&dir, precision);
+        let flag = Arc::new(AtomicBool::new(false));
+        let options = TrainerOptions {
+            log_files: true,
+            stop: Some(flag.clone()),
+            callbacks: vec![Box::new(StopAt { at: 3, flag })],
+            ..Default::default()
+        };
+        let mut a = Trainer::new(cfg.clone(), splits(&cfg), options).unwrap();
+        let summary = a.fit().unwrap();
+        assert_eq!(summary.status, "interrupted");
+        assert_eq!(a.global_step, 3);
+
+        let ck = Checkpoint::find_latest(&dir).unwrap();
+        assert!(ck.skipped.is_empty());
+        assert_eq!((ck.state.global_step, ck.state.epoch, ck.state.next_batch), (3, 0, 3));
+        let cfg_b = ck.resume_config(&cfg, false).unwrap();
+        let mut b = Trainer::new(cfg_b, splits(&cfg), TrainerOptions::default()).unwrap();
+        ck.restore(&mut b).unwrap();
+
+        assert_eq!((b.global_step, b.start_epoch, b.start_batch), (3, 0, 3));
+        assert_eq!(b.optimizer.steps, a.optimizer.steps);
+        assert_eq!(b.scaler, a.scaler);
+        assert_eq!(b.scaler.is_some(), precision == Precision::F16);
+        for ((na, va), (nb, vb)) in a.model.named_vars().iter().zip(b.model.named_vars().iter()) {
+            assert_eq!(na, nb);
+            assert!(bits(va.as_tensor()) == bits(vb.as_tensor()), "parameter {na}");
+        }
+        for ((na, ta), (_, tb)) in a.model.named_buffers().iter().zip(b.model.named_buffers().iter()) {
+            assert!(bits(ta) == bits(tb), "buffer {na}");
+        }
+        let (sa, sb) = (a.optimizer.state(), b.optimizer.state());
+        assert_eq!(sa.len(), sb.len());
+        assert!(!sa.is_empty(), "AdamW has state after 3 steps");
+        for ((na, ta), (nb, tb)) in sa.iter().zip(sb.iter()) {
+            assert_eq!(na, nb);
+            assert!(bits(ta) == bits(tb), "optimizer state {na}");
+        }
+        let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+    }
+}
+
+#[test]
+fn conflicting_config_lists_every_difference() {
+    let dir = scratch("conflict").join("run");
+    let cfg = TrainConfig { max_steps: Some(2), ..tiny(&dir, Precision::F32) };
+    let mut t = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions { log_files: true, ..Default::default() }).unwrap();
+    t.fit().unwrap();
+    let ck = Checkpoint::find_latest(&dir).unwrap();
+    let now = TrainConfig { width: 8, precision: Precision::Bf16, epochs: 5, ..cfg.clone() };
+    let err = ck.resume_config(&now, false).expect_err("a conflict").to_string();
+    assert!(err.contains("width: checkpoint 4, now 8; precision: checkpoint f32, now bf16"), "{err}");
+    assert!(!err.contains("epochs"), "epochs may change: {err}");
+    assert!(!err.contains('\n'));
+    assert_eq!(ck.noted_changes(&now), vec!["epochs: checkpoint 2, now 5".to_string()]);
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}

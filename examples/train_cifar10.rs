@@ -4,7 +4,7 @@
 
 use memtrain::cli::{parse_train_args, TrainCommand};
 use memtrain::config::ConvKind;
-use memtrain::memory::estimate::{estimate, DataSize, DeviceKind};
+use memtrain::memory::estimate::{DataSize, DeviceKind};
 use memtrain::plan::{plan, PlanOptions}; // [plan]
 use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::model::cnn::param_count;
@@ -48,23 +48,31 @@ fn run() -> memtrain::Result<()> {
     };
     // [checkpoint] end
     // [plan] begin: --fit-memory picks micro-batch, accumulation, checkpointing and precision
-    // (src/plan.rs) and the run uses the chosen plan; with --dry-run it is only printed.
-    let cfg = match cmd.fit_memory {
+    // (src/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
+    let (cfg, loaded) = match cmd.fit_memory {
         Some(budget) => {
             if resume.is_some() {
                 return Err(memtrain::Error::config(
                     "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
                 ));
             }
+            let data = memtrain::data::load(&memtrain::data::DataOptions {
+                data_dir: cfg.data_dir.clone(),
+                download: cfg.download,
+                val_fraction: cfg.val_fraction,
+                seed: cfg.seed,
+                synthetic_train: cfg.synthetic_train,
+                synthetic_test: cfg.synthetic_test,
+            })?;
             let device = DeviceKind::for_spec(cfg.device.as_deref())?;
-            let mut opts = PlanOptions::new(device, DataSize::for_config(&cfg)?);
+            let mut opts = PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
             opts.effective_batch = cmd.effective_batch;
             opts.allow_model_change = cmd.allow_model_change;
             let report = plan(&cfg, budget, &opts)?;
             print!("{}", report.render(4));
-            report.chosen().config.clone()
+            (report.chosen().config.clone(), Some(data))
         }
-        None => cfg,
+        None => (cfg, None),
     };
     // [plan] end
     println!(
@@ -75,16 +83,17 @@ fn run() -> memtrain::Result<()> {
         cfg.conv,
         cfg.label()
     );
-    // [estimate] begin: the predicted memory, per layer (src/memory/estimate.rs).
-    match DeviceKind::for_spec(cfg.device.as_deref()).and_then(|d| estimate(&cfg, d)) {
-        Ok(e) => print!("{}", e.table()),
-        Err(e) => eprintln!("warning: no memory estimate: {e}"),
-    }
-    // [estimate] end
     // [checkpoint] Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
     let stop = if cmd.dry_run { None } else { Some(memtrain::signal::install_stop_handler()?) };
     let options = TrainerOptions { progress: true, log_files: !cmd.dry_run && !cmd.summary_only, stop, ..Default::default() };
-    let mut trainer = Trainer::from_config(cfg, options)?;
+    let mut trainer = match loaded {
+        Some(data) => Trainer::new(cfg, data, options)?, // [plan] the data the plan was made for
+        None => Trainer::from_config(cfg, options)?,
+    };
+    // [estimate] the predicted memory of this model and data, per layer (src/memory/estimate.rs).
+    if let Some(e) = trainer.memory_estimate() {
+        print!("{}", e.table());
+    }
     // [checkpoint] begin
     if let Some(ck) = &resume {
         ck.restore(&mut trainer)?;

@@ -68,17 +68,17 @@ impl CostModel {
     pub fn cpu(threads: usize) -> Self {
         CostModel {
             f16_standard: 1.02,
-            bf16_standard: 0.84,
-            f16_separable: 1.41,
-            bf16_separable: 0.98,
-            stages_standard: 0.07,
-            blocks_standard: 0.27,
-            stages_separable: 0.15,
-            blocks_separable: 0.31,
+            bf16_standard: 0.86,
+            f16_separable: 1.48,
+            bf16_separable: 0.96,
+            stages_standard: 0.10,
+            blocks_standard: 0.24,
+            stages_separable: 0.13,
+            blocks_separable: 0.34,
             full_at: threads.max(1),
             spill_above: 64,
             spill_per_doubling: 0.16,
-            separable: 0.60,
+            separable: 0.56,
             source: "measured on the 2-core development CPU, width 32",
         }
     }
@@ -145,13 +145,13 @@ impl CostModel {
     /// One line stating the model, for the plan report.
     pub fn describe(&self) -> String {
         let spill = if self.spill_per_doubling > 0.0 {
-            format!(", +{:.0}% per doubling above {}", self.spill_per_doubling * 100.0, self.spill_above)
+            format!("; +{:.0}% per doubling above {}: cache spill", self.spill_per_doubling * 100.0, self.spill_above)
         } else {
             String::new()
         };
         format!(
             "cost model ({}): time/image relative to f32 = precision (standard: f16 {:.2}×, bf16 {:.2}×; separable: f16 {:.2}×, bf16 {:.2}×) \
-             × recompute (standard: +{:.0}% stages, +{:.0}% blocks; separable: +{:.0}%, +{:.0}%) × micro-batch m (×{}/m below {}{spill}); \
+             × recompute (standard: +{:.0}% stages, +{:.0}% blocks; separable: +{:.0}%, +{:.0}%) × micro-batch m (×{}/m when m < {}: idle threads{spill}); \
              separable model {:.2}× standard",
             self.source,
             self.f16_standard,
@@ -249,7 +249,7 @@ pub struct PlanReport {
     pub margin: f64,
     /// Effective batch (images per optimizer step).
     pub effective_batch: usize,
-    /// Plans that fit, fastest first (ties: smaller peak first). Never empty.
+    /// Plans that fit, fastest first (ties: larger micro-batch, then smaller peak). Never empty.
     pub plans: Vec<Plan>,
     /// Faster plans that do not fit (fastest first, at most 3), to say what the budget costs.
     pub rejected_faster: Vec<Plan>,
@@ -263,6 +263,23 @@ impl PlanReport {
     /// The chosen plan (the fastest that fits).
     pub fn chosen(&self) -> &Plan {
         &self.plans[0]
+    }
+
+    /// The best plan of every other combination of precision, checkpointing and conv kind, in
+    /// rank order (plans that only use a smaller micro-batch than a better-ranked one of the same
+    /// combination are left out: they are never faster).
+    pub fn runners_up(&self) -> Vec<&Plan> {
+        let c = self.chosen();
+        let mut seen = vec![(c.precision, c.checkpoint, c.conv)];
+        let mut out = Vec::new();
+        for p in &self.plans[1..] {
+            let key = (p.precision, p.checkpoint, p.conv);
+            if !seen.contains(&key) {
+                seen.push(key);
+                out.push(p);
+            }
+        }
+        out
     }
 
     /// The report: budget and margin, the cost model, the chosen plan and why, the runners-up and
@@ -296,7 +313,7 @@ impl PlanReport {
             None => "why: the fastest of all candidates, and it fits".to_string(),
         };
         let _ = writeln!(s, "{why}");
-        for (i, p) in self.plans.iter().skip(1).take(runners_up).enumerate() {
+        for (i, p) in self.runners_up().into_iter().take(runners_up).enumerate() {
             let _ = writeln!(
                 s,
                 "  runner-up {}: {} — peak {}, throughput {:.2} ({})",
@@ -335,6 +352,8 @@ fn difference(cost: &CostModel, chosen: &Plan, p: &Plan) -> String {
     let what = if why.is_empty() { "same options".to_string() } else { why.join(", ") };
     if slower >= 0.5 {
         format!("{slower:.0}% slower: {what}")
+    } else if p.accum_steps > chosen.accum_steps {
+        format!("as fast, but smaller micro-batches (BatchNorm statistics over fewer images): {what}")
     } else {
         format!("as fast, predicts more memory: {what}")
     }
@@ -346,7 +365,7 @@ fn divisors(n: usize) -> Vec<usize> {
     let mut large = Vec::new();
     let mut i = 1;
     while i * i <= n {
-        if n % i == 0 {
+        if n.is_multiple_of(i) {
             small.push(i);
             if i * i != n {
                 large.push(n / i);
@@ -413,12 +432,13 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
         }
     }
     let considered = all.len();
-    // Fastest first; then the smaller peak; then fewer micro-batches.
+    // Fastest first; at equal speed the larger micro-batch (BatchNorm statistics over more
+    // images, fewer accumulation steps), then the smaller peak.
     all.sort_by(|a, b| {
         a.time_per_image
             .total_cmp(&b.time_per_image)
-            .then(a.predicted_peak.cmp(&b.predicted_peak))
             .then(a.accum_steps.cmp(&b.accum_steps))
+            .then(a.predicted_peak.cmp(&b.predicted_peak))
     });
     let (fit, over): (Vec<Plan>, Vec<Plan>) = all.into_iter().partition(|p| p.predicted_peak <= usable);
     if fit.is_empty() {
@@ -433,11 +453,7 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             format_bytes(smallest.predicted_peak),
             opts.margin * 100.0,
             format_bytes(needed),
-            if opts.allow_model_change || convs.contains(&ConvKind::Separable) {
-                String::new()
-            } else {
-                " (or allow --conv separable with --allow-model-change)".to_string()
-            }
+            other_model_hint(cfg, opts, needed)?
         )));
     }
     let best = fit[0].time_per_image;
@@ -451,6 +467,24 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
         rejected_faster,
         considered,
         cost: opts.cost,
+    })
+}
+
+/// Without `--allow-model-change`: where the other conv kind needs a smaller budget, say so.
+fn other_model_hint(cfg: &TrainConfig, opts: &PlanOptions, needed: u64) -> Result<String> {
+    if opts.allow_model_change {
+        return Ok(String::new());
+    }
+    let mut other = cfg.clone();
+    other.conv = match cfg.conv {
+        ConvKind::Standard => ConvKind::Separable,
+        ConvKind::Separable => ConvKind::Standard,
+    };
+    let theirs = smallest_feasible_budget(&other, opts)?;
+    Ok(if theirs < needed {
+        format!("; the {} conv model would need {} (--allow-model-change)", other.conv, format_bytes(theirs))
+    } else {
+        String::new()
     })
 }
 

@@ -1,6 +1,7 @@
 //! The gemm conv2d op against Candle's conv2d: forward and both gradients, over strides, paddings,
 //! kernel sizes, odd channel counts, batch sizes that are not multiples of the chunk, non-contiguous
-//! inputs and half precision; and the argument errors.
+//! inputs and half precision; bit-for-bit reproducibility of the gradients, the input gradient
+//! being skipped for untracked inputs; and the argument errors.
 
 use candle_core::{DType, Device, Tensor, Var};
 use memtrain::ops::conv2d::{conv2d, conv2d_with_chunk, im2col_chunk_bytes, IM2COL_CHUNK_BYTES};
@@ -393,6 +394,201 @@ fn stacked_layers_backpropagate_through_each_other() -> anyhow::Result<()> {
         let e = rel_err(a, b);
         assert!(e <= 1e-5, "gradient of {name}: relative error {e:e}");
     }
+    Ok(())
+}
+
+/// Every element's bits, so that two results compare exactly (and `-0.0 != 0.0`, NaN == NaN).
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// Set in the child process that [`gradients_are_bit_reproducible`] runs with a bigger pool.
+const REPRO_CHILD: &str = "MEMTRAIN_CONV2D_REPRO_CHILD";
+
+/// Runs forward and backward `runs` times per case and requires the same bits every time: the weight
+/// gradient's partial sums must be added in an order that does not depend on which thread
+/// finished first. The cases give several weight-gradient chunks (forced sizes 1, 2 and 3, and the
+/// default sizing on 8×8 and 32×32 maps), f32 and bf16, and are big enough (up to about 10 ms per
+/// run) that the threads share the work. (Before the fixed-order sum, 2 threads gave up to 9
+/// different weight gradients in 20 runs of one case.)
+fn check_reproducible(runs: usize) -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for (sh, chunk, dtype) in [
+        (s(24, 8, 16, 8, 8, 3, 1, 1), Some(1), DType::F32),
+        (s(24, 8, 16, 8, 8, 3, 1, 1), Some(2), DType::F32),
+        (s(23, 8, 16, 8, 8, 3, 1, 1), Some(3), DType::F32),
+        (s(64, 16, 16, 8, 8, 3, 1, 1), None, DType::F32),
+        (s(64, 32, 32, 8, 8, 3, 1, 1), None, DType::F32),
+        (s(16, 4, 8, 32, 32, 3, 1, 1), None, DType::F32),
+        (s(32, 8, 16, 16, 16, 3, 1, 1), Some(1), DType::F32),
+        (s(24, 8, 16, 8, 8, 1, 1, 0), Some(2), DType::F32),
+        (s(24, 8, 16, 8, 8, 3, 2, 1), Some(2), DType::BF16),
+    ] {
+        let (x, w, g) = random_case(sh, &dev)?;
+        let (x, w, g) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, g.to_dtype(dtype)?);
+        let conv = |x: &Tensor, w: &Tensor| -> anyhow::Result<Tensor> {
+            Ok(match chunk {
+                Some(c) => conv2d_with_chunk(x, w, sh.stride, sh.pad, c)?,
+                None => conv2d(x, w, sh.stride, sh.pad)?,
+            })
+        };
+        let all_bits = |(y, gx, gw): (Tensor, Tensor, Tensor)| -> anyhow::Result<_> {
+            let f = |t: Tensor| t.to_dtype(DType::F32);
+            Ok((bits(&f(y)?), bits(&f(gx)?), bits(&f(gw)?)))
+        };
+        let first = all_bits(run(&x, &w, &g, conv)?)?;
+        for i in 1..runs {
+            let again = all_bits(run(&x, &w, &g, conv)?)?;
+            assert!(
+                first.0 == again.0,
+                "{sh:?} chunk {chunk:?} {dtype:?}: output differs on run {i}"
+            );
+            assert!(
+                first.1 == again.1,
+                "{sh:?} chunk {chunk:?} {dtype:?}: input gradient differs on run {i}"
+            );
+            assert!(
+                first.2 == again.2,
+                "{sh:?} chunk {chunk:?} {dtype:?}: weight gradient differs on run {i}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_are_bit_reproducible() -> anyhow::Result<()> {
+    let workers = candle_core::utils::barrier_pool().n_workers();
+    if std::env::var_os(REPRO_CHILD).is_some() {
+        // The child: its pool must be the one asked for, or the check proves nothing.
+        assert_eq!(
+            workers, 3,
+            "CANDLE_NUM_THREADS=4 should give 3 pool workers"
+        );
+        return check_reproducible(10);
+    }
+    // With this machine's own pool (one worker and the calling thread on 2 cores)...
+    check_reproducible(30)?;
+    // ...and again in a child process whose pool has 4 threads whatever the machine has, so that
+    // the threads really race (and are descheduled mid-pass on a small machine). Fewer runs there:
+    // the pool's spinning workers make an oversubscribed machine slow.
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "gradients_are_bit_reproducible",
+            "--test-threads=1",
+        ])
+        .env(REPRO_CHILD, "1")
+        .env("CANDLE_NUM_THREADS", "4")
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child with 4 threads failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+#[test]
+fn weight_gradient_agrees_across_chunk_sizes() -> anyhow::Result<()> {
+    // Different chunk sizes sum the batch in different groupings, so they may round differently,
+    // but only in the last bits.
+    let dev = Device::Cpu;
+    for sh in [
+        s(24, 8, 16, 8, 8, 3, 1, 1),
+        s(13, 5, 7, 9, 9, 3, 2, 1),
+        s(24, 16, 8, 6, 6, 1, 1, 0),
+    ] {
+        let (x, w, g) = random_case(sh, &dev)?;
+        let (_, _, reference) = run(&x, &w, &g, |x, w| {
+            Ok(conv2d_with_chunk(x, w, sh.stride, sh.pad, 1)?)
+        })?;
+        let (_, _, default) = run(&x, &w, &g, |x, w| Ok(conv2d(x, w, sh.stride, sh.pad)?))?;
+        assert_close(
+            "weight gradient (default chunk)",
+            sh,
+            &default,
+            &reference,
+            1e-6,
+        );
+        for chunk in [2, 3, 5, 8, sh.n] {
+            let (_, _, gw) = run(&x, &w, &g, |x, w| {
+                Ok(conv2d_with_chunk(x, w, sh.stride, sh.pad, chunk)?)
+            })?;
+            assert_close(
+                &format!("weight gradient (chunk {chunk})"),
+                sh,
+                &gw,
+                &reference,
+                1e-6,
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn input_gradient_only_for_inputs_that_track_ops() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let sh = s(3, 4, 5, 6, 6, 3, 1, 1);
+    let (x, w, g) = random_case(sh, &dev)?;
+    let wv = Var::from_tensor(&w)?;
+    let backward = |input: &Tensor| -> anyhow::Result<candle_core::backprop::GradStore> {
+        let y = conv2d(input, wv.as_tensor(), sh.stride, sh.pad)?;
+        Ok((&y * &g)?.sum_all()?.backward()?)
+    };
+
+    // A plain data tensor (and a detached copy of a variable) tracks nothing: no input gradient,
+    // but the weight gradient as usual.
+    let xv = Var::from_tensor(&x)?;
+    for (what, input) in [
+        ("plain tensor", x.clone()),
+        ("detached variable", xv.as_detached_tensor()),
+    ] {
+        assert!(!input.track_op());
+        let grads = backward(&input)?;
+        assert!(
+            grads.get(&input).is_none(),
+            "{what}: unexpected input gradient"
+        );
+        assert!(
+            grads.get(wv.as_tensor()).is_some(),
+            "{what}: no weight gradient"
+        );
+    }
+
+    // A variable, or a tensor computed from one, gets its gradient (and the weight gradient is the
+    // same bits either way).
+    let (_, rgx, rgw) = naive(sh, &x, &w, &g)?;
+    let gw_untracked = backward(&x)?.get(wv.as_tensor()).unwrap().clone();
+    let grads = backward(xv.as_tensor())?;
+    let gx = grads
+        .get(xv.as_tensor())
+        .expect("a Var input gets its gradient");
+    assert_close("input gradient (Var)", sh, gx, &rgx, 1e-5);
+    let gw = grads.get(wv.as_tensor()).unwrap();
+    assert_close("weight gradient (Var input)", sh, gw, &rgw, 1e-5);
+    assert!(
+        bits(gw) == bits(&gw_untracked),
+        "weight gradient depends on the input's tracking"
+    );
+
+    // Through an op: Candle consumes the intermediate's gradient on the way, so it is checked
+    // where it arrives, at the variable.
+    let h = (xv.as_tensor() * 2.0)?;
+    assert!(h.track_op());
+    let grads = backward(&h)?;
+    let gx = grads
+        .get(xv.as_tensor())
+        .expect("a tensor computed from a Var passes its gradient on");
+    assert_close("input gradient through x2", sh, &(gx / 2.0)?, &rgx, 1e-5);
     Ok(())
 }
 

@@ -93,7 +93,7 @@ fn planned_runs_fit_their_budget() {
     // Three budgets, each planned and then trained: the measured peak stays within the budget.
     // The harness's own heap (`pre`) is outside the planner's view, so it plans for the rest.
     let cfg = base_config(8, 32);
-    let data_size = DataSize::exact(TRAIN_IMAGES, TEST_IMAGES);
+    let data_size = DataSize::synthetic(TRAIN_IMAGES, TEST_IMAGES);
     let mut opts = PlanOptions::new(dev, data_size);
     opts.allow_model_change = true;
     let smallest = smallest_feasible_budget(&cfg, &opts).unwrap() + pre;

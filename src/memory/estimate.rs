@@ -20,12 +20,14 @@
 //!   copies of one input and one output image.
 //! - **Backward**: Candle's `backward` accumulates every gradient with `zeros_like(arg)` + `add`,
 //!   so each op's input gradient briefly exists three times (the op's result, the zeros, the sum)
-//!   while the output gradient is still held. A convolution computes the input gradient even for
-//!   the data (which no one reads; it stays in the gradient store until the store is dropped), and
-//!   its weight gradient gathers chunks of images into im2col columns. With checkpointing, each
-//!   segment is recomputed from a variable copy of its saved input and its upstream gradient is
-//!   pushed through `(out · grad).sum()`, whose backward allocates five output-sized buffers (one of
-//!   them, the gradient of the detached `grad`, stays in the store for the whole segment).
+//!   while the output gradient is still held. A gradient computed from a tracked forward tensor
+//!   carries an autograd op of its own and keeps its inputs (and the zeros it was added to) alive
+//!   until the node it belongs to detaches it. A convolution's weight gradient gathers chunks of
+//!   images into im2col columns and sums per-thread partials. With checkpointing, each segment is
+//!   recomputed from a variable copy of its saved input and its upstream gradient is pushed through
+//!   `(out · grad).sum()`, whose backward allocates six output-sized buffers; four of them (the
+//!   gradient of the detached `grad` and what its autograd op holds) stay in the gradient store
+//!   for the rest of the segment.
 //! - **Accumulation**: micro-batch gradients are summed into f32 buffers the size of the parameters.
 //! - **Optimizer** (`src/train/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
 //!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
@@ -51,8 +53,20 @@ use std::path::Path;
 
 /// Bytes the process holds besides the data set and the model when training begins on the CPU
 /// (argument parsing, the candle thread pool, progress bars, the memory log, standard I/O
-/// buffers). Measured: the CPU probe's baseline minus the data set and the model.
-pub const RUNTIME_OVERHEAD_BYTES: u64 = 192 << 10;
+/// buffers). Measured: the CPU probe's baseline minus the data set and the model (22 KB with
+/// real CIFAR-10 and with synthetic data, once the generator's templates are counted).
+pub const RUNTIME_OVERHEAD_BYTES: u64 = 24 << 10;
+
+/// Bytes the synthetic data generator keeps for the life of the process once it has run
+/// (`src/data/synthetic.rs`): 10 class templates of 3 × 38 × 38 f32 (the image plus a 3-pixel
+/// shift margin on each side) and their 30 plane means.
+pub const SYNTHETIC_TEMPLATE_BYTES: u64 = (10 * 3 * 38 * 38 + 10 * 3) * 4;
+
+/// Whether `cfg` trains on the built-in synthetic data (no `--download`, no `--data-dir` and no
+/// `data/cifar-10-batches-bin`), as [`crate::data::load`] decides.
+pub fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
+    !cfg.download && cfg.data_dir.is_none() && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
+}
 
 /// Batches alive at once on the CPU besides the data set: the one being trained, two in the
 /// prefetch channel (`prefetch: 2`) and one the worker has built and is waiting to send.
@@ -170,12 +184,32 @@ pub struct DataSize {
 
 impl DataSize {
     /// Splits of `train` and `test` images held exactly (pixels plus one label byte each), as the
-    /// synthetic generator and the validation split produce them.
+    /// validation split produces them.
     pub fn exact(train_images: usize, test_images: usize) -> Self {
         DataSize {
             train_images,
             test_images,
             resident_bytes: ((train_images + test_images) * RECORD_BYTES) as u64,
+        }
+    }
+
+    /// Synthetic splits: held exactly, plus the generator's templates
+    /// ([`SYNTHETIC_TEMPLATE_BYTES`]).
+    pub fn synthetic(train_images: usize, test_images: usize) -> Self {
+        let mut d = DataSize::exact(train_images, test_images);
+        d.resident_bytes += SYNTHETIC_TEMPLATE_BYTES;
+        d
+    }
+
+    /// The size of loaded splits (their allocated capacity), plus the synthetic generator's
+    /// templates when `cfg` trains on synthetic data.
+    pub fn loaded(train: &crate::data::Dataset, test: &crate::data::Dataset, cfg: &TrainConfig) -> Self {
+        let bytes = |d: &crate::data::Dataset| (d.images.capacity() + d.labels.capacity()) as u64;
+        let generator = if uses_synthetic_data(cfg) { SYNTHETIC_TEMPLATE_BYTES } else { 0 };
+        DataSize {
+            train_images: train.len(),
+            test_images: test.len(),
+            resident_bytes: bytes(train) + bytes(test) + generator,
         }
     }
 
@@ -197,7 +231,7 @@ impl DataSize {
         };
         match dir {
             Some(d) => DataSize::for_dir(d, cfg.val_fraction),
-            None => Ok(DataSize::exact(cfg.synthetic_train, cfg.synthetic_test)),
+            None => Ok(DataSize::synthetic(cfg.synthetic_train, cfg.synthetic_test)),
         }
     }
 
@@ -520,7 +554,7 @@ pub fn estimate_for_specs(
 ) -> Result<Estimate> {
     cfg.validate()?;
     let nodes = nodes_from_specs(specs)?;
-    let n_blocks = nodes.iter().filter(|n| !matches!(n.op, Op::Head { .. })).map(|n| n.block + 1).max().unwrap_or(0);
+    let n_blocks = nodes.iter().filter(|n| n.op != Op::Head).map(|n| n.block + 1).max().unwrap_or(0);
     let segments = segments(n_blocks, cfg.checkpoint);
     let ctx = Ctx {
         n: cfg.micro_batch() as u64,
@@ -531,7 +565,7 @@ pub fn estimate_for_specs(
     let param_counts: Vec<u64> = nodes.iter().flat_map(|n| n.param_tensors()).collect();
     let param_bytes: u64 = param_counts.iter().map(|p| p * 4).sum();
     let max_param = param_counts.iter().copied().max().unwrap_or(0) * 4;
-    let bn_stats: u64 = nodes.iter().filter(|n| matches!(n.op, Op::Bn { .. })).map(|n| n.out.0 as u64 * 2 * 4).sum();
+    let bn_stats: u64 = nodes.iter().filter(|n| n.op == Op::Bn).map(|n| n.out.0 as u64 * 2 * 4).sum();
     let optimizer_bytes = match cfg.optimizer {
         OptimizerKind::Sgd => param_bytes,
         OptimizerKind::Adamw => 2 * param_bytes,
@@ -737,6 +771,7 @@ fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
 }
 
 /// Checkpointing segments as block ranges, as [`Cnn::segments`](crate::model::Cnn::segments).
+#[allow(clippy::single_range_in_vec_init)] // one segment of all blocks, as the model has it
 fn segments(n: usize, ckpt: Checkpointing) -> Vec<Range<usize>> {
     match ckpt {
         Checkpointing::None => vec![0..n],
@@ -840,8 +875,22 @@ impl Sim {
     }
 }
 
-/// Bytes of the forward pass's per-thread scratch of a convolution on `n` images: one im2col
-/// column per thread (none for a 1x1 convolution) and, for half types, one widened input and one
+/// Per-image im2col column of a convolution (one per busy thread), as the op sizes it.
+fn one_column(c: &Ctx, nd: &Node, k: usize) -> u64 {
+    let (cin, _, _) = nd.inp;
+    let (_, ho, wo) = nd.out;
+    crate::ops::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64
+}
+
+/// Whether a 1x1 convolution multiplies the image in place: rows that need no padding (a padded
+/// column is larger than the image itself).
+fn pointwise_in_place(c: &Ctx, nd: &Node, k: usize, pad: usize) -> bool {
+    let (cin, h, w) = nd.inp;
+    k == 1 && pad == 0 && one_column(c, nd, k) == (cin * h * w * 4) as u64
+}
+
+/// Bytes of the forward pass's scratch of a convolution on `n` images: one im2col column per busy
+/// thread (none for an in-place 1x1 convolution) and, for half types, one widened input and one
 /// widened output image per thread; plus the widened weights.
 fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     let (cin, h, w) = nd.inp;
@@ -850,17 +899,24 @@ fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
         // Candle's CUDA conv2d without cuDNN: im2col of the whole batch.
         return if k == 1 { 0 } else { c.n * (cin * k * k * ho * wo) as u64 * c.s };
     }
-    let pointwise = k == 1 && pad == 0;
-    let col = if pointwise { 0 } else { crate::ops::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64 };
+    let col = if pointwise_in_place(c, nd, k, pad) { 0 } else { one_column(c, nd, k) };
     let widen = if c.half() { ((cin * h * w) + (cout * ho * wo)) as u64 * 4 } else { 0 };
     let wbuf = if c.half() { (cout * cin * k * k) as u64 * 4 } else { 0 };
     c.busy(c.n) * (col + widen) + wbuf
 }
 
-/// As [`conv_fwd_scratch`] for the input-gradient pass (same buffers: a column per thread, and
-/// widened output-gradient and input images for half types).
+/// Scratch of the input-gradient pass: per busy thread one column (none for 1x1) and, for half
+/// types, the widened output gradient and input images; plus the widened weights.
 fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
-    conv_fwd_scratch(c, nd, k, pad)
+    let (cin, h, w) = nd.inp;
+    let (cout, ho, wo) = nd.out;
+    if !c.device.is_cpu() {
+        return if k == 1 { 0 } else { c.n * (cin * k * k * ho * wo) as u64 * c.s };
+    }
+    let col = if k == 1 && pad == 0 { 0 } else { one_column(c, nd, k) };
+    let widen = if c.half() { ((cin * h * w) + (cout * ho * wo)) as u64 * 4 } else { 0 };
+    let wbuf = if c.half() { (cout * cin * k * k) as u64 * 4 } else { 0 };
+    c.busy(c.n) * (col + widen) + wbuf
 }
 
 /// Images per weight-gradient chunk, as `images_per_chunk` in `src/ops/conv2d.rs`.
@@ -873,8 +929,15 @@ fn wgrad_chunk(n: usize, hw_out: usize, per_image: usize, threads: usize) -> usi
     wanted.min(by_budget).min(n.div_ceil(threads)).max(1)
 }
 
+/// Weight-gradient slots per thread (`SLOTS_PER_THREAD` in `src/ops/conv2d.rs`).
+const WGRAD_SLOTS_PER_THREAD: usize = 4;
+
 /// Peak scratch of the weight-gradient pass (columns, gathered gradients, widened images and the
-/// per-thread accumulators) and the accumulators that stay alive until the pass returns.
+/// partial sums) and the partial-sum buffers still alive when the result is allocated.
+///
+/// The batch is cut into chunks of images and the chunks into slots; each busy thread sums its
+/// slot into a weight-sized f32 buffer, and the slots are added in order into a running total
+/// whose spent buffers are reused: about one buffer per thread plus the total.
 fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
     let (cin, h, w) = nd.inp;
     let (cout, ho, wo) = nd.out;
@@ -886,15 +949,17 @@ fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
     let threads = c.device.threads();
     let hwo = ho * wo;
     let chunk = wgrad_chunk(n, hwo, ckk * hwo * 4, threads);
-    let busy = if n <= chunk { 1 } else { threads.min(n.div_ceil(chunk)) } as u64;
-    let pointwise = k == 1 && pad == 0;
-    let one_col = crate::ops::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64;
-    let in_place = !c.half() && chunk == 1 && pointwise && one_col == (cin * hwo * 4) as u64;
+    let n_chunks = n.div_ceil(chunk);
+    let per_slot = n_chunks.div_ceil(WGRAD_SLOTS_PER_THREAD * threads).max(1);
+    let slots = n_chunks.div_ceil(per_slot);
+    let busy = if slots <= 1 { 1 } else { threads.min(slots) } as u64;
+    let in_place = !c.half() && chunk == 1 && pointwise_in_place(c, nd, k, pad);
     let cols = if in_place { 0 } else { crate::ops::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64 };
     let gathered = if !c.half() && chunk == 1 { 0 } else { (cout * chunk * hwo * 4) as u64 };
     let widened = if c.half() { (cin * h * w * 4) as u64 } else { 0 };
     let acc = (ckk * cout * 4) as u64;
-    (cols + busy * (gathered + widened + acc), busy * acc)
+    let buffers = slots.min(threads + 1) as u64;
+    (cols + busy * (gathered + widened) + buffers * acc, buffers * acc)
 }
 
 /// Forward of one node; `tracked` builds the graph (the output and, under f16, the cast weight
@@ -982,19 +1047,20 @@ fn bwd_node(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node, input_tracked: bool, g_
             sim.zeros_add(nd.out.0 as u64 * 4);
         }
         Op::Conv { k, pad } => {
-            // Input gradient (always computed, even for the data).
-            sim.alloc(inb);
-            sim.spike(conv_dx_scratch(c, nd, k, pad));
+            // Input gradient: only for a tracked input (not for the data batch).
+            if input_tracked {
+                sim.alloc(inb);
+                sim.spike(conv_dx_scratch(c, nd, k, pad));
+            }
             let (scratch, partials) = conv_wgrad_scratch(c, nd, k, pad);
             sim.spike(scratch);
             let wgrad = nd.params as u64 * c.s;
             sim.alloc(partials);
             sim.alloc(wgrad);
             sim.free(partials);
-            sim.zeros_add(inb);
-            sim.free(inb);
-            if !input_tracked {
-                orphan = inb;
+            if input_tracked {
+                sim.zeros_add(inb);
+                sim.free(inb);
             }
             weight_grad(sim, c, nd.params as u64, wgrad);
         }
@@ -1099,8 +1165,8 @@ fn micro_batch(
     if ckpt == Checkpointing::None {
         // One graph: everything stays until backward is done.
         let mut kept = 0;
-        for i in 0..nodes.len() {
-            let k = fwd_node(sim, c, i, &nodes[i], true);
+        for (i, nd) in nodes.iter().enumerate() {
+            let k = fwd_node(sim, c, i, nd, true);
             sim.layers[i].saved = k;
             kept += k;
         }

@@ -17,6 +17,10 @@
 //! im2col/col2im run in parallel too. Each thread owns one column buffer, so the transient memory is
 //! bounded by [`IM2COL_CHUNK_BYTES`] (or one image per thread) instead of Candle's full-batch im2col.
 //!
+//! Results do not depend on how the threads are scheduled: the forward and input gradient write
+//! each image's result to its own slice, and the weight gradient adds its per-chunk partial sums
+//! in a fixed order (see `grad_weight`), so a training run is bit-for-bit reproducible.
+//!
 //! Half-precision inputs (f16, bf16) are widened to f32 one image at a time, multiplied in f32 and
 //! narrowed on the way out: gemm has no bf16 kernel, and its f16 kernel widens to f32 internally
 //! anyway (without AVX512-FP16) while rounding partial sums to f16 between K blocks.
@@ -56,8 +60,11 @@ pub const MIN_GEMM_DEPTH: usize = 256;
 /// and no padding skips im2col (it multiplies the image itself, or a row-padded copy of it when its
 /// rows are a multiple of 2 KiB). f32, f64, f16 and bf16 are supported (f16/bf16 multiply in
 /// f32; the output has the input's dtype). Inputs of any layout are accepted (they are made
-/// contiguous first). Both gradients are always computed, as for Candle's own conv2d, so that a
-/// detached input (e.g. a checkpoint's recomputation root) still receives its gradient.
+/// contiguous first). The weight gradient is always computed; the input gradient only when `x`
+/// tracks ops (a `Var` or a tensor computed from one, such as a checkpoint's recomputation root),
+/// since no other tensor leads back to a variable: a plain data batch gets none. On the CPU
+/// the output and both gradients are bit-for-bit the same on every run with the same inputs and
+/// thread count.
 ///
 /// On other devices this is Candle's `conv2d` (forward and backward).
 ///
@@ -96,7 +103,7 @@ pub fn conv2d_with_chunk(
 /// are widened before the gemm) and f64 for f64. A 1×1, stride-1, unpadded f32 convolution may read
 /// its input in place and allocate less than this. Not included: the per-thread scratch that is smaller by a factor of about K²
 /// (one widened image, the gathered output gradient `Cout × chunk × Ho·Wo`, one `Cin·K·K × Cout`
-/// weight-gradient accumulator per thread).
+/// weight-gradient partial sum per thread plus their running total).
 pub fn im2col_chunk_bytes(
     n: usize,
     cin: usize,
@@ -626,24 +633,25 @@ impl<T> SharedOut<T> {
     }
 }
 
-/// Runs `body` on every thread of candle's CPU pool; each call pulls chunks of `chunk` images
-/// (ranges of `0..n`) from a shared cursor until none are left and returns its result. A shared
-/// cursor rather than a static split lets a thread that was descheduled catch up.
-fn par_chunks<R, F>(n: usize, chunk: usize, body: F) -> Vec<R>
+/// Runs `body` on every thread of candle's CPU pool; each call pulls chunks of `chunk` items
+/// (ranges of `0..n`) from a shared cursor until none are left. A shared cursor rather than a
+/// static split lets a thread that was descheduled catch up.
+///
+/// Which thread gets which chunk depends on scheduling, so `body` must not combine values across
+/// chunks in the order it sees them (floating-point sums would then differ from run to run): it
+/// writes each item's result to its own place, or hands partial sums to an [`OrderedSum`].
+fn par_chunks<F>(n: usize, chunk: usize, body: F)
 where
-    R: Send,
-    F: Fn(&mut dyn Iterator<Item = Range<usize>>) -> R + Sync,
+    F: Fn(&mut dyn Iterator<Item = Range<usize>>) + Sync,
 {
     let chunk = chunk.max(1);
     let cursor = AtomicUsize::new(0);
-    let results = Mutex::new(Vec::new());
     let run = |_tid: usize| {
         let mut chunks = std::iter::from_fn(|| {
             let start = cursor.fetch_add(chunk, Ordering::Relaxed);
             (start < n).then(|| start..(start + chunk).min(n))
         });
-        let r = body(&mut chunks);
-        results.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        body(&mut chunks);
     };
     let pool = candle_core::utils::barrier_pool();
     if pool.n_workers() == 0 || n <= chunk {
@@ -651,7 +659,86 @@ where
     } else {
         pool.execute(run);
     }
-    results.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A sum of `slots` weight-sized partial sums that adds them in slot order — `((p₀ + p₁) + p₂) + …`
+/// — whatever order the threads finish them in, so that the result is bit-for-bit the same on
+/// every run.
+///
+/// A finished partial is added as soon as every earlier slot has been, and its buffer is then
+/// reused for a later slot; partials only wait while an earlier slot is still being computed. So
+/// the buffers alive at once are the running total plus about one per thread (at most one per
+/// slot if a thread stalls for a long time).
+struct OrderedSum<A> {
+    len: usize,
+    state: Mutex<SumState<A>>,
+}
+
+struct SumState<A> {
+    /// The first slot not yet added to `total`.
+    next: usize,
+    total: Option<Vec<A>>,
+    /// Finished partials waiting for an earlier slot, by slot.
+    waiting: Vec<Option<Vec<A>>>,
+    /// Buffers of partials already added, for the next slots.
+    free: Vec<Vec<A>>,
+}
+
+impl<A: Acc> OrderedSum<A> {
+    fn new(slots: usize, len: usize) -> Self {
+        Self {
+            len,
+            state: Mutex::new(SumState {
+                next: 0,
+                total: None,
+                waiting: (0..slots).map(|_| None).collect(),
+                free: Vec::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SumState<A>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A buffer of `len` elements for one slot's partial (stale contents).
+    fn buffer(&self) -> Vec<A> {
+        let reused = self.lock().free.pop();
+        reused.unwrap_or_else(|| vec![A::ZERO; self.len])
+    }
+
+    /// Hands over the partial sum of `slot`.
+    fn add(&self, slot: usize, partial: Vec<A>) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        assert!(
+            st.waiting[slot].replace(partial).is_none(),
+            "conv2d: weight-gradient slot {slot} summed twice"
+        );
+        while let Some(p) = st.waiting.get_mut(st.next).and_then(Option::take) {
+            match &mut st.total {
+                None => st.total = Some(p),
+                Some(total) => {
+                    for (t, v) in total.iter_mut().zip(&p) {
+                        *t += *v;
+                    }
+                    st.free.push(p);
+                }
+            }
+            st.next += 1;
+        }
+    }
+
+    /// The sum of all slots (`None` when there were none).
+    fn total(self) -> Option<Vec<A>> {
+        let st = self.state.into_inner().unwrap_or_else(|e| e.into_inner());
+        assert_eq!(
+            st.next,
+            st.waiting.len(),
+            "conv2d: a weight-gradient slot was never summed"
+        );
+        st.total
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -764,94 +851,109 @@ fn grad_input<T: Elem>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
     dx
 }
 
-/// `dW = Σₙ grad[n] · col(x[n])ᵀ`, over chunks of images per gemm, summed over threads.
+/// Weight-gradient slots per thread: enough that a thread that falls behind (a shared 2-core
+/// machine) is covered by the others, few enough that adding the slots' partial sums (one
+/// weight-sized add each) stays small next to their gemms.
+const SLOTS_PER_THREAD: usize = 4;
+
+/// `dW = Σₙ grad[n] · col(x[n])ᵀ`, over chunks of images per gemm, summed in a fixed order.
 ///
-/// Each thread accumulates `dWᵀ = col · gradᵀ` (`[Cin·K·K, Cout]`) and the sum is transposed once
+/// Each gemm adds one chunk's `dWᵀ = col · gradᵀ` (`[Cin·K·K, Cout]`) and the sum is transposed once
 /// at the end: with the long `Cin·K·K` side as the gemm's rows this runs at 110-117 GFLOP/s where
 /// `grad · colᵀ` manages 73-97 (measured per image on the default net's layers).
+///
+/// Determinism: the batch is cut into chunks of `chunk` images (boundaries at multiples of
+/// `chunk`), and consecutive chunks into at most [`SLOTS_PER_THREAD`] slots per thread. A slot's
+/// chunks are accumulated in order into the slot's own buffer, and the slots' sums are added in
+/// slot order ([`OrderedSum`]); threads only decide who computes a slot, never the order of any
+/// addition. So for a given batch size, chunk size and thread count the result is the same bits
+/// on every run. (The chunk size is chosen from the thread count unless forced, and the slot
+/// count follows it, so a different thread count may round differently.)
 fn grad_weight<T: Elem>(g: &Geom, x: &[T], grad: &[T]) -> Vec<T> {
     let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
     let acc_bytes = std::mem::size_of::<T::Acc>();
-    let chunk = images_per_chunk(g.n, hwo, ckk * hwo * acc_bytes, num_threads(), g.chunk);
-    let partials = par_chunks(g.n, chunk, |chunks| {
-        let mut acc: Option<Vec<T::Acc>> = None;
+    let threads = num_threads();
+    let chunk = images_per_chunk(g.n, hwo, ckk * hwo * acc_bytes, threads, g.chunk);
+    let n_chunks = g.n.div_ceil(chunk);
+    let chunks_per_slot = n_chunks.div_ceil(SLOTS_PER_THREAD * threads).max(1);
+    let n_slots = n_chunks.div_ceil(chunks_per_slot);
+    let slot_images = chunks_per_slot * chunk;
+    let sum = OrderedSum::<T::Acc>::new(n_slots, ckk * g.cout);
+    par_chunks(n_slots, 1, |slots| {
         let (mut img_buf, mut col_buf, mut grad_buf) = (Vec::new(), Vec::new(), Vec::new());
-        for range in chunks {
-            let b = range.len();
-            // The chunk's pixels side by side: the gemm's inner dimension is b·Ho·Wo.
-            let kdim = b * hwo;
-            let ld = padded_ld(kdim, acc_bytes);
-            let first = range.start;
-            let x0 = &x[first * in_len..(first + 1) * in_len];
-            let lhs = match T::as_acc(x0) {
-                Some(img) if b == 1 && g.pointwise() && ld == hwo => Mat {
-                    data: img,
-                    rows: ckk,
-                    cols: kdim,
-                    rs: hwo,
-                    cs: 1,
-                },
-                _ => {
-                    let col = scratch(&mut col_buf, ckk * ld);
-                    for (j, i) in range.clone().enumerate() {
-                        let img = widen(&x[i * in_len..(i + 1) * in_len], &mut img_buf);
-                        im2col(g, img, &mut col[j * hwo..], ld);
-                    }
-                    Mat {
-                        data: col,
+        for slot in slots.flatten() {
+            let mut acc = sum.buffer();
+            let images = slot * slot_images..((slot + 1) * slot_images).min(g.n);
+            for (c, first) in images.clone().step_by(chunk).enumerate() {
+                let range = first..(first + chunk).min(images.end);
+                let b = range.len();
+                // The chunk's pixels side by side: the gemm's inner dimension is b·Ho·Wo.
+                let kdim = b * hwo;
+                let ld = padded_ld(kdim, acc_bytes);
+                let x0 = &x[first * in_len..(first + 1) * in_len];
+                let lhs = match T::as_acc(x0) {
+                    Some(img) if b == 1 && g.pointwise() && ld == hwo => Mat {
+                        data: img,
                         rows: ckk,
                         cols: kdim,
-                        rs: ld,
+                        rs: hwo,
                         cs: 1,
-                    }
-                }
-            };
-            let g0 = &grad[first * out_len..(first + 1) * out_len];
-            // gradᵀ: pixel-major rows, one column per output channel.
-            let rhs = match T::as_acc(g0) {
-                Some(gi) if b == 1 => Mat {
-                    data: gi,
-                    rows: kdim,
-                    cols: g.cout,
-                    rs: 1,
-                    cs: hwo,
-                },
-                _ => {
-                    // Gather [b, Cout, Ho·Wo] into [Cout, b·Ho·Wo] (widening on the way).
-                    let gm = scratch(&mut grad_buf, g.cout * kdim);
-                    for (j, i) in range.clone().enumerate() {
-                        let gi = &grad[i * out_len..(i + 1) * out_len];
-                        for co in 0..g.cout {
-                            let start = co * kdim + j * hwo;
-                            T::widen_into(
-                                &gi[co * hwo..(co + 1) * hwo],
-                                &mut gm[start..start + hwo],
-                            );
+                    },
+                    _ => {
+                        let col = scratch(&mut col_buf, ckk * ld);
+                        for (j, i) in range.clone().enumerate() {
+                            let img = widen(&x[i * in_len..(i + 1) * in_len], &mut img_buf);
+                            im2col(g, img, &mut col[j * hwo..], ld);
+                        }
+                        Mat {
+                            data: col,
+                            rows: ckk,
+                            cols: kdim,
+                            rs: ld,
+                            cs: 1,
                         }
                     }
-                    Mat {
-                        data: gm,
+                };
+                let g0 = &grad[first * out_len..(first + 1) * out_len];
+                // gradᵀ: pixel-major rows, one column per output channel.
+                let rhs = match T::as_acc(g0) {
+                    Some(gi) if b == 1 => Mat {
+                        data: gi,
                         rows: kdim,
                         cols: g.cout,
                         rs: 1,
-                        cs: kdim,
+                        cs: hwo,
+                    },
+                    _ => {
+                        // Gather [b, Cout, Ho·Wo] into [Cout, b·Ho·Wo] (widening on the way).
+                        let gm = scratch(&mut grad_buf, g.cout * kdim);
+                        for (j, i) in range.clone().enumerate() {
+                            let gi = &grad[i * out_len..(i + 1) * out_len];
+                            for co in 0..g.cout {
+                                let start = co * kdim + j * hwo;
+                                T::widen_into(
+                                    &gi[co * hwo..(co + 1) * hwo],
+                                    &mut gm[start..start + hwo],
+                                );
+                            }
+                        }
+                        Mat {
+                            data: gm,
+                            rows: kdim,
+                            cols: g.cout,
+                            rs: 1,
+                            cs: kdim,
+                        }
                     }
-                }
-            };
-            let accumulate = acc.is_some();
-            let dst = acc.get_or_insert_with(|| vec![T::Acc::ZERO; ckk * g.cout]);
-            matmul(dst, g.cout, accumulate, lhs, rhs);
-        }
-        acc
-    });
-    let mut partials = partials.into_iter().flatten();
-    let mut dw = vec![T::ZERO; g.cout * ckk];
-    if let Some(mut total) = partials.next() {
-        for p in partials {
-            for (t, v) in total.iter_mut().zip(&p) {
-                *t += *v;
+                };
+                // The slot's first chunk overwrites the (reused) buffer, the others add to it.
+                matmul(&mut acc, g.cout, c > 0, lhs, rhs);
             }
+            sum.add(slot, acc);
         }
+    });
+    let mut dw = vec![T::ZERO; g.cout * ckk];
+    if let Some(total) = sum.total() {
         // [Cin·K·K, Cout] -> [Cout, Cin·K·K], one output channel (row of dW) at a time.
         let mut row = vec![T::Acc::ZERO; ckk];
         for (co, dst) in dw.chunks_exact_mut(ckk).enumerate() {
@@ -939,9 +1041,17 @@ impl CustomOp2 for Conv2dOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         // Upstream gradients are often broadcasts (e.g. of a sum); the kernels want plain NCHW.
         let grad = grad.contiguous()?;
-        let grad_x = grad.apply_op2_no_bwd(w, &Conv2dGradInput { geom: self.geom })?;
+        // Only tensors that track ops (variables and what is computed from them) lead back to a
+        // variable, so an untracked input's gradient (the data batch entering the first layer)
+        // would never be used: skipping it saves an input-sized buffer and a col2im per step. A
+        // checkpoint's recomputation root is a `Var`, so it still gets its gradient.
+        let grad_x = if x.track_op() {
+            Some(grad.apply_op2_no_bwd(w, &Conv2dGradInput { geom: self.geom })?)
+        } else {
+            None
+        };
         let grad_w = x.apply_op2_no_bwd(&grad, &Conv2dGradWeight { geom: self.geom })?;
-        Ok((Some(grad_x), Some(grad_w)))
+        Ok((grad_x, Some(grad_w)))
     }
 }
 

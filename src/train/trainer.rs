@@ -584,12 +584,7 @@ impl Trainer {
     /// the baseline); `None` when the device has no probe or the model cannot be estimated.
     pub fn memory_estimate(&self) -> Option<crate::memory::estimate::Estimate> {
         use crate::memory::estimate::{estimate_for_specs, Baseline, DataSize, DeviceKind};
-        let bytes = |d: &Dataset| (d.images.capacity() + d.labels.capacity()) as u64;
-        let data = DataSize {
-            train_images: self.train.len(),
-            test_images: self.eval.len(),
-            resident_bytes: bytes(&self.train) + bytes(&self.eval),
-        };
+        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
         let device = DeviceKind::of(&self.device);
         estimate_for_specs(&self.config, &self.model.layer_specs(), device, Baseline::Modeled(data)).ok()
     }

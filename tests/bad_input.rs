@@ -3,38 +3,15 @@
 //! never panics, and leaves no partial files: no run directory for a new run, and an existing run
 //! directory (for `--resume`) exactly as it was.
 
+mod common;
+
+use common::trainer_binary as binary;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-/// The `train_cifar10` example binary of this build profile, built once per test process.
-fn binary() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().expect("path of the test executable");
-        // Integration tests run from <target dir>/<profile>/deps/.
-        let profile_dir = exe.parent().and_then(Path::parent).expect("<target>/<profile>").to_path_buf();
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "--quiet", "--example", "train_cifar10", "--manifest-path"])
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        if cfg!(feature = "cuda") {
-            cmd.args(["--features", "cuda"]);
-        }
-        let out = cmd.output().expect("cargo runs");
-        assert!(
-            out.status.success(),
-            "building the train_cifar10 example failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let bin = profile_dir.join("examples").join(format!("train_cifar10{}", std::env::consts::EXE_SUFFIX));
-        assert!(bin.is_file(), "{} missing after building the example", bin.display());
-        bin
-    })
-}
 
 fn run(args: &[String]) -> Output {
     Command::new(binary())

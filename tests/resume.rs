@@ -5,6 +5,10 @@
 //! Most tests run the `train_cifar10` example as a child process (built on first use; a no-op
 //! after `cargo test`, which builds the examples anyway).
 
+mod common;
+
+use common::trainer_binary as binary;
+
 use candle_core::{DType, Device, Tensor};
 use memtrain::callbacks::{BatchInfo, Callback};
 use memtrain::config::{Precision, TrainConfig};
@@ -21,33 +25,6 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// The `train_cifar10` example binary of this build profile, built once per test process.
-fn binary() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().expect("path of the test executable");
-        // Integration tests run from <target dir>/<profile>/deps/.
-        let profile_dir = exe.parent().and_then(Path::parent).expect("<target>/<profile>").to_path_buf();
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "--quiet", "--example", "train_cifar10", "--manifest-path"])
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        if cfg!(feature = "cuda") {
-            cmd.args(["--features", "cuda"]);
-        }
-        let out = cmd.output().expect("cargo runs");
-        assert!(
-            out.status.success(),
-            "building the train_cifar10 example failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let bin = profile_dir.join("examples").join(format!("train_cifar10{}", std::env::consts::EXE_SUFFIX));
-        assert!(bin.is_file(), "{} missing after building the example", bin.display());
-        bin
-    })
-}
 
 /// A fresh, empty scratch directory for one test (under the target directory, so whatever a
 /// failed test leaves behind goes with `cargo clean`).

@@ -470,74 +470,10 @@ pub fn estimate_with(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) 
     estimate_for_specs(cfg, &specs, device, baseline)
 }
 
-/// The layer list of the CNN for `width` and `conv`, without building the model (no parameters are
-/// allocated): the same list, in the same order, as
-/// [`Cnn::layer_specs`](crate::model::Cnn::layer_specs) returns (a test checks that they agree).
+/// The layer list of the CNN for `width` and `conv`, without building the model (no parameters
+/// are allocated); the model's own list, see [`crate::model::cnn::layer_specs_for`].
 pub fn model_layer_specs(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
-    let w = width;
-    let chans = [(3, w), (w, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w)];
-    let mut specs = Vec::new();
-    let mut hw = 32;
-    for (i, &(cin, cout)) in chans.iter().enumerate() {
-        let name = format!("stage{}.block{}", i / 2 + 1, i % 2 + 1);
-        match conv {
-            ConvKind::Standard => specs.push(LayerSpec {
-                name: format!("{name}.conv"),
-                kind: "conv3x3",
-                input: (cin, hw, hw),
-                output: (cout, hw, hw),
-                params: cout * cin * 9,
-                block: i,
-            }),
-            ConvKind::Separable => {
-                specs.push(LayerSpec {
-                    name: format!("{name}.dw"),
-                    kind: "depthwise3x3",
-                    input: (cin, hw, hw),
-                    output: (cin, hw, hw),
-                    params: cin * 9,
-                    block: i,
-                });
-                specs.push(LayerSpec {
-                    name: format!("{name}.pw"),
-                    kind: "pointwise1x1",
-                    input: (cin, hw, hw),
-                    output: (cout, hw, hw),
-                    params: cout * cin,
-                    block: i,
-                });
-            }
-        }
-        specs.push(LayerSpec {
-            name: format!("{name}.bn_relu"),
-            kind: "bn_relu",
-            input: (cout, hw, hw),
-            output: (cout, hw, hw),
-            params: 2 * cout,
-            block: i,
-        });
-        if i % 2 == 1 {
-            specs.push(LayerSpec {
-                name: format!("{name}.pool"),
-                kind: "maxpool2",
-                input: (cout, hw, hw),
-                output: (cout, hw / 2, hw / 2),
-                params: 0,
-                block: i,
-            });
-            hw /= 2;
-        }
-    }
-    let feat = 4 * w * hw * hw;
-    specs.push(LayerSpec {
-        name: "head".into(),
-        kind: "linear",
-        input: (feat, 1, 1),
-        output: (NUM_CLASSES, 1, 1),
-        params: feat * NUM_CLASSES + NUM_CLASSES,
-        block: chans.len(),
-    });
-    specs
+    crate::model::cnn::layer_specs_for(width, conv)
 }
 
 /// Predict the memory of training `cfg` on `device` for the model described by `specs` (e.g. a

@@ -210,69 +210,77 @@ impl Cnn {
 
     /// Per-layer description for an input of 32x32 images.
     pub fn layer_specs(&self) -> Vec<LayerSpec> {
-        let mut specs = Vec::new();
-        let mut hw = 32;
-        for (i, b) in self.blocks.iter().enumerate() {
-            let (cin, cout) = (b.cin, b.cout);
-            match self.config.conv {
-                ConvKind::Standard => specs.push(LayerSpec {
-                    name: format!("{}.conv", b.name),
-                    kind: "conv3x3",
-                    input: (cin, hw, hw),
-                    output: (cout, hw, hw),
-                    params: cout * cin * 9,
-                    block: i,
-                }),
-                ConvKind::Separable => {
-                    specs.push(LayerSpec {
-                        name: format!("{}.dw", b.name),
-                        kind: "depthwise3x3",
-                        input: (cin, hw, hw),
-                        output: (cin, hw, hw),
-                        params: cin * 9,
-                        block: i,
-                    });
-                    specs.push(LayerSpec {
-                        name: format!("{}.pw", b.name),
-                        kind: "pointwise1x1",
-                        input: (cin, hw, hw),
-                        output: (cout, hw, hw),
-                        params: cout * cin,
-                        block: i,
-                    });
-                }
-            }
-            specs.push(LayerSpec {
-                name: format!("{}.bn_relu", b.name),
-                kind: "bn_relu",
-                input: (cout, hw, hw),
+        layer_specs_for(self.config.width, self.config.conv)
+    }
+}
+
+/// The layers of the model for `width` and `conv`, in order, for 32x32 inputs: the one description
+/// of the architecture's shapes, used by [`Cnn::layer_specs`] and the memory estimate.
+pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
+    let w = width;
+    let chans = [(3, w), (w, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w)];
+    let mut specs = Vec::new();
+    let mut hw = 32;
+    for (i, &(cin, cout)) in chans.iter().enumerate() {
+        let name = format!("stage{}.block{}", i / 2 + 1, i % 2 + 1);
+        match conv {
+            ConvKind::Standard => specs.push(LayerSpec {
+                name: format!("{name}.conv"),
+                kind: "conv3x3",
+                input: (cin, hw, hw),
                 output: (cout, hw, hw),
-                params: 2 * cout,
+                params: cout * cin * 9,
                 block: i,
-            });
-            if b.pool {
+            }),
+            ConvKind::Separable => {
                 specs.push(LayerSpec {
-                    name: format!("{}.pool", b.name),
-                    kind: "maxpool2",
-                    input: (cout, hw, hw),
-                    output: (cout, hw / 2, hw / 2),
-                    params: 0,
+                    name: format!("{name}.dw"),
+                    kind: "depthwise3x3",
+                    input: (cin, hw, hw),
+                    output: (cin, hw, hw),
+                    params: cin * 9,
                     block: i,
                 });
-                hw /= 2;
+                specs.push(LayerSpec {
+                    name: format!("{name}.pw"),
+                    kind: "pointwise1x1",
+                    input: (cin, hw, hw),
+                    output: (cout, hw, hw),
+                    params: cout * cin,
+                    block: i,
+                });
             }
         }
-        let feat = 4 * self.config.width * hw * hw;
         specs.push(LayerSpec {
-            name: "head".into(),
-            kind: "linear",
-            input: (feat, 1, 1),
-            output: (NUM_CLASSES, 1, 1),
-            params: feat * NUM_CLASSES + NUM_CLASSES,
-            block: self.blocks.len(),
+            name: format!("{name}.bn_relu"),
+            kind: "bn_relu",
+            input: (cout, hw, hw),
+            output: (cout, hw, hw),
+            params: 2 * cout,
+            block: i,
         });
-        specs
+        if i % 2 == 1 {
+            specs.push(LayerSpec {
+                name: format!("{name}.pool"),
+                kind: "maxpool2",
+                input: (cout, hw, hw),
+                output: (cout, hw / 2, hw / 2),
+                params: 0,
+                block: i,
+            });
+            hw /= 2;
+        }
     }
+    let feat = 4 * w * hw * hw;
+    specs.push(LayerSpec {
+        name: "head".into(),
+        kind: "linear",
+        input: (feat, 1, 1),
+        output: (NUM_CLASSES, 1, 1),
+        params: feat * NUM_CLASSES + NUM_CLASSES,
+        block: chans.len(),
+    });
+    specs
 }
 
 /// Parameter count of the model for a width and conv kind, without building it.

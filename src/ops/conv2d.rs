@@ -875,7 +875,8 @@ fn grad_weight<T: Elem>(g: &Geom, x: &[T], grad: &[T]) -> Vec<T> {
     let threads = num_threads();
     let chunk = images_per_chunk(g.n, hwo, ckk * hwo * acc_bytes, threads, g.chunk);
     let n_chunks = g.n.div_ceil(chunk);
-    let chunks_per_slot = n_chunks.div_ceil(SLOTS_PER_THREAD * threads).max(1);
+    let spt: usize = std::env::var("MEMTRAIN_SLOTS").ok().and_then(|s| s.parse().ok()).unwrap_or(SLOTS_PER_THREAD);
+    let chunks_per_slot = n_chunks.div_ceil(spt * threads).max(1);
     let n_slots = n_chunks.div_ceil(chunks_per_slot);
     let slot_images = chunks_per_slot * chunk;
     let sum = OrderedSum::<T::Acc>::new(n_slots, ckk * g.cout);

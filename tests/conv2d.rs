@@ -429,6 +429,8 @@ fn check_reproducible(runs: usize) -> anyhow::Result<()> {
         (s(32, 8, 16, 16, 16, 3, 1, 1), Some(1), DType::F32),
         (s(24, 8, 16, 8, 8, 1, 1, 0), Some(2), DType::F32),
         (s(24, 8, 16, 8, 8, 3, 2, 1), Some(2), DType::BF16),
+        // A 576 KiB weight: several chunks per slot (up to 8 threads).
+        (s(40, 128, 128, 4, 4, 3, 1, 1), Some(1), DType::F32),
     ] {
         let (x, w, g) = random_case(sh, &dev)?;
         let (x, w, g) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, g.to_dtype(dtype)?);
@@ -530,6 +532,31 @@ fn weight_gradient_agrees_across_chunk_sizes() -> anyhow::Result<()> {
                 1e-6,
             );
         }
+    }
+    Ok(())
+}
+
+#[test]
+fn large_weights_sum_several_chunks_per_slot() -> anyhow::Result<()> {
+    // The weight-gradient pass gives each slot (the unit the threads share out) as many chunks as
+    // keep the partial sums within a budget; with a 576 KiB weight and up to 8 threads that is
+    // more than one chunk per slot, which the small shapes above never reach. 40 images in chunks
+    // of 1, 3 and 7 make slots whose last chunk is short.
+    let dev = Device::Cpu;
+    let sh = s(40, 128, 128, 4, 4, 3, 1, 1);
+    let (x, w, g) = random_case(sh, &dev)?;
+    let (_, _, rgw) = naive(sh, &x, &w, &g)?;
+    for chunk in [1, 3, 7] {
+        let (_, _, gw) = run(&x, &w, &g, |x, w| {
+            Ok(conv2d_with_chunk(x, w, sh.stride, sh.pad, chunk)?)
+        })?;
+        assert_close(
+            &format!("weight gradient (chunk {chunk})"),
+            sh,
+            &gw,
+            &rgw,
+            1e-5,
+        );
     }
     Ok(())
 }

@@ -851,10 +851,25 @@ fn grad_input<T: Elem>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
     dx
 }
 
-/// Weight-gradient slots per thread: enough that a thread that falls behind (a shared 2-core
-/// machine) is covered by the others, few enough that adding the slots' partial sums (one
-/// weight-sized add each) stays small next to their gemms.
-const SLOTS_PER_THREAD: usize = 4;
+/// Bytes of weight-gradient partial sums the slot count allows (see [`chunks_per_slot`]).
+const PARTIAL_SUM_BYTES: usize = 4 << 20;
+
+/// The fewest weight-gradient slots per thread (see [`chunks_per_slot`]).
+const MIN_SLOTS_PER_THREAD: usize = 4;
+
+/// Chunks per weight-gradient slot for `n_chunks` chunks and a `partial_bytes` partial sum.
+///
+/// Slots are the unit the threads share out, so more of them let a thread that falls behind (a
+/// shared 2-core machine) be covered by the others; each costs one weight-sized add, which is
+/// negligible next to its gemms (measured: no difference on one thread between 4 slots and one per
+/// chunk), and one partial-sum buffer while it waits for an earlier slot. So there are as many
+/// slots as fit in [`PARTIAL_SUM_BYTES`] — one per chunk for small weights — but at least
+/// [`MIN_SLOTS_PER_THREAD`] per thread, and at most one per chunk.
+fn chunks_per_slot(n_chunks: usize, partial_bytes: usize, threads: usize) -> usize {
+    let slots =
+        (PARTIAL_SUM_BYTES / partial_bytes.max(1)).max(MIN_SLOTS_PER_THREAD * threads.max(1));
+    n_chunks.div_ceil(slots).max(1)
+}
 
 /// `dW = Σₙ grad[n] · col(x[n])ᵀ`, over chunks of images per gemm, summed in a fixed order.
 ///
@@ -863,20 +878,23 @@ const SLOTS_PER_THREAD: usize = 4;
 /// `grad · colᵀ` manages 73-97 (measured per image on the default net's layers).
 ///
 /// Determinism: the batch is cut into chunks of `chunk` images (boundaries at multiples of
-/// `chunk`), and consecutive chunks into at most [`SLOTS_PER_THREAD`] slots per thread. A slot's
-/// chunks are accumulated in order into the slot's own buffer, and the slots' sums are added in
-/// slot order ([`OrderedSum`]); threads only decide who computes a slot, never the order of any
-/// addition. So for a given batch size, chunk size and thread count the result is the same bits
-/// on every run. (The chunk size is chosen from the thread count unless forced, and the slot
-/// count follows it, so a different thread count may round differently.)
+/// `chunk`), and runs of consecutive chunks form slots ([`chunks_per_slot`]). A slot's chunks are
+/// accumulated in order into the slot's own buffer, and the slots' sums are added in slot order
+/// ([`OrderedSum`]); threads only decide who computes a slot, never the order of any addition.
+/// So for a given batch size, chunk size and thread count the result is the same bits on every
+/// run. (The chunk size is chosen from the thread count unless forced, and so is the slot
+/// count, so a different thread count may round differently.)
+///
+/// Memory: the partial sums alive at once are the running total plus about one per thread;
+/// at most one per slot (bounded by [`PARTIAL_SUM_BYTES`], or [`MIN_SLOTS_PER_THREAD`] per thread
+/// for large weights) if a thread stalls while the others run ahead.
 fn grad_weight<T: Elem>(g: &Geom, x: &[T], grad: &[T]) -> Vec<T> {
     let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
     let acc_bytes = std::mem::size_of::<T::Acc>();
     let threads = num_threads();
     let chunk = images_per_chunk(g.n, hwo, ckk * hwo * acc_bytes, threads, g.chunk);
     let n_chunks = g.n.div_ceil(chunk);
-    let spt: usize = std::env::var("MEMTRAIN_SLOTS").ok().and_then(|s| s.parse().ok()).unwrap_or(SLOTS_PER_THREAD);
-    let chunks_per_slot = n_chunks.div_ceil(spt * threads).max(1);
+    let chunks_per_slot = chunks_per_slot(n_chunks, ckk * g.cout * acc_bytes, threads);
     let n_slots = n_chunks.div_ceil(chunks_per_slot);
     let slot_images = chunks_per_slot * chunk;
     let sum = OrderedSum::<T::Acc>::new(n_slots, ckk * g.cout);
@@ -1152,6 +1170,42 @@ mod tests {
         // An image bigger than a thread's share still gets a chunk of its own.
         assert_eq!(images_per_chunk(128, 1, 8 << 20, 2, None), 1);
         assert_eq!(images_per_chunk(3, 1, 1, 2, Some(7)), 3);
+    }
+
+    #[test]
+    fn slots_are_many_for_small_weights_and_bounded_for_large_ones() {
+        // Default net at batch 128 on 2 threads: 32→32 (36 KiB partials, 128 chunks of one
+        // image) gets 64 slots of 2 images; 128→128 (576 KiB, 32 chunks of 4) gets 8 slots of 4.
+        assert_eq!(chunks_per_slot(128, 288 * 32 * 4, 2), 2);
+        assert_eq!(chunks_per_slot(100, 288 * 32 * 4, 2), 1);
+        assert_eq!(chunks_per_slot(32, 1152 * 128 * 4, 2), 4);
+        // Huge weights still get 4 slots per thread; tiny batches one slot per chunk.
+        assert_eq!(chunks_per_slot(64, 64 << 20, 4), 4);
+        assert_eq!(chunks_per_slot(3, 64 << 20, 2), 1);
+        assert_eq!(chunks_per_slot(0, 1024, 2), 1);
+    }
+
+    #[test]
+    fn ordered_sum_adds_in_slot_order_whatever_the_arrival_order() {
+        // 1e8 + 1 − 1e8 and similar: in f32 the grouping decides the result.
+        let values = [1e8f32, 1.0, -1e8, 1.0, 3.0];
+        let expected = (((values[0] + values[1]) + values[2]) + values[3]) + values[4];
+        for order in [
+            [0, 1, 2, 3, 4],
+            [4, 3, 2, 1, 0],
+            [2, 0, 4, 1, 3],
+            [1, 2, 3, 4, 0],
+        ] {
+            let sum = OrderedSum::<f32>::new(values.len(), 2);
+            for slot in order {
+                let mut buf = sum.buffer();
+                buf.fill(values[slot]);
+                sum.add(slot, buf);
+            }
+            let total = sum.total().unwrap();
+            assert_eq!(total, vec![expected; 2], "arrival order {order:?}");
+        }
+        assert!(OrderedSum::<f32>::new(0, 2).total().is_none());
     }
 
     #[test]

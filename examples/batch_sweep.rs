@@ -12,7 +12,9 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision};
 use memtrain::memory::parse_size;
 use memtrain::sweep::batch::{cross_product, run_sweep, BatchPlan, Dimension, SweepOptions};
-use memtrain::sweep::{current_command_line, default_out_dir, locate_example, report, TRAINER_NAME};
+use memtrain::sweep::{
+    current_command_line, default_out_dir, locate_example, report, TRAINER_NAME,
+};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -22,7 +24,12 @@ use std::time::Duration;
 #[command(name = "batch_sweep", version, long_about = None)]
 struct Args {
     /// Batch sizes to run, comma-separated. Default (without --find-max): 32,64,128,256,512
-    #[arg(long, value_delimiter = ',', value_name = "LIST", conflicts_with = "find_max")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LIST",
+        conflicts_with = "find_max"
+    )]
     batch_sizes: Vec<usize>,
     /// Search for the largest batch that fits --memory-limit (or the device): double from --start until out of memory, then binary-search
     #[arg(long)]
@@ -40,19 +47,39 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     steps: usize,
     /// Precisions to sweep, comma-separated (f32, f16, bf16)
-    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LIST",
+        hide_possible_values = true
+    )]
     precision: Vec<Precision>,
     /// Gradient checkpointing modes to sweep, comma-separated (none, stages, blocks)
-    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LIST",
+        hide_possible_values = true
+    )]
     checkpoint: Vec<Checkpointing>,
     /// Convolution kinds to sweep, comma-separated (standard, separable)
-    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LIST",
+        hide_possible_values = true
+    )]
     conv: Vec<ConvKind>,
     /// Gradient-accumulation steps to sweep, comma-separated (each must divide the batch size)
     #[arg(long, value_delimiter = ',', value_name = "LIST")]
     accum_steps: Vec<usize>,
     /// Optimizers to sweep, comma-separated (sgd, adamw)
-    #[arg(long, value_delimiter = ',', value_name = "LIST", hide_possible_values = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LIST",
+        hide_possible_values = true
+    )]
     optimizer: Vec<OptimizerKind>,
     /// Base width of the CNN (trainer default: 32)
     #[arg(long)]
@@ -90,7 +117,10 @@ struct Args {
 }
 
 fn dim<T: ToString>(flag: &str, values: &[T]) -> Dimension {
-    Dimension { flag: flag.to_string(), values: values.iter().map(ToString::to_string).collect() }
+    Dimension {
+        flag: flag.to_string(),
+        values: values.iter().map(ToString::to_string).collect(),
+    }
 }
 
 fn run() -> anyhow::Result<()> {
@@ -104,7 +134,11 @@ fn run() -> anyhow::Result<()> {
     let a = Args::from_arg_matches(&matches).map_err(|e| memtrain::Error::config(e.to_string()))?;
 
     let plan = if a.find_max {
-        BatchPlan::FindMax { start: a.start, max_batch: a.max_batch, granularity: a.granularity }
+        BatchPlan::FindMax {
+            start: a.start,
+            max_batch: a.max_batch,
+            granularity: a.granularity,
+        }
     } else if a.batch_sizes.is_empty() {
         BatchPlan::List(vec![32, 64, 128, 256, 512])
     } else {
@@ -157,18 +191,28 @@ fn run() -> anyhow::Result<()> {
     let names: Vec<String> = ["sweep.md", "sweep.csv", "sweep.json"]
         .iter()
         .map(|s| s.to_string())
-        .chain(charts.iter().filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())))
+        .chain(
+            charts
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())),
+        )
         .collect();
     println!("\nresults in {}: {}", out.display(), names.join(", "));
     if result.interrupted {
-        return Err(memtrain::Error::Interrupted(format!("the sweep stopped early; results so far are in {}", out.display())).into());
+        return Err(memtrain::Error::Interrupted(format!(
+            "the sweep stopped early; results so far are in {}",
+            out.display()
+        ))
+        .into());
     }
     Ok(())
 }
 
 fn main() {
     if let Err(e) = run() {
-        let code = e.downcast_ref::<memtrain::Error>().map_or(1, memtrain::Error::exit_code);
+        let code = e
+            .downcast_ref::<memtrain::Error>()
+            .map_or(1, memtrain::Error::exit_code);
         eprintln!("error: {e:#}");
         std::process::exit(code);
     }

@@ -12,7 +12,9 @@
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use memtrain::sweep::compare::{run_compare, CompareOptions, RunSpec};
-use memtrain::sweep::{current_command_line, default_out_dir, locate_example, report, split_flags, TRAINER_NAME};
+use memtrain::sweep::{
+    current_command_line, default_out_dir, locate_example, report, split_flags, TRAINER_NAME,
+};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -59,10 +61,18 @@ fn run() -> anyhow::Result<()> {
 
     // Keep the command-line order of --run and --configs.
     let mut ordered: Vec<(usize, RunSpec)> = Vec::new();
-    for (text, idx) in a.runs.iter().zip(matches.indices_of("runs").into_iter().flatten()) {
+    for (text, idx) in a
+        .runs
+        .iter()
+        .zip(matches.indices_of("runs").into_iter().flatten())
+    {
         ordered.push((idx, RunSpec::from_flags(text)?));
     }
-    for (path, idx) in a.configs.iter().zip(matches.indices_of("configs").into_iter().flatten()) {
+    for (path, idx) in a
+        .configs
+        .iter()
+        .zip(matches.indices_of("configs").into_iter().flatten())
+    {
         ordered.push((idx, RunSpec::from_config_file(path)?));
     }
     ordered.sort_by_key(|(i, _)| *i);
@@ -93,23 +103,34 @@ fn run() -> anyhow::Result<()> {
         stop: Some(memtrain::signal::install_stop_handler()?),
     };
     let result = run_compare(&opts)?;
-    let charts = report::write_compare_report(&out, &result).context("writing the comparison report")?;
+    let charts =
+        report::write_compare_report(&out, &result).context("writing the comparison report")?;
     print!("{}", report::compare_markdown(&result));
     let names: Vec<String> = ["compare.md", "compare.csv", "compare.json"]
         .iter()
         .map(|s| s.to_string())
-        .chain(charts.iter().filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())))
+        .chain(
+            charts
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())),
+        )
         .collect();
     println!("\nresults in {}: {}", out.display(), names.join(", "));
     if result.interrupted {
-        return Err(memtrain::Error::Interrupted(format!("the comparison stopped early; results so far are in {}", out.display())).into());
+        return Err(memtrain::Error::Interrupted(format!(
+            "the comparison stopped early; results so far are in {}",
+            out.display()
+        ))
+        .into());
     }
     Ok(())
 }
 
 fn main() {
     if let Err(e) = run() {
-        let code = e.downcast_ref::<memtrain::Error>().map_or(1, memtrain::Error::exit_code);
+        let code = e
+            .downcast_ref::<memtrain::Error>()
+            .map_or(1, memtrain::Error::exit_code);
         eprintln!("error: {e:#}");
         std::process::exit(code);
     }

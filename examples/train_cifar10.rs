@@ -5,9 +5,9 @@
 use memtrain::cli::{parse_train_args, TrainCommand};
 use memtrain::config::ConvKind;
 use memtrain::memory::estimate::{DataSize, DeviceKind};
-use memtrain::plan::{plan, PlanOptions}; // [plan]
 use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::model::cnn::param_count;
+use memtrain::plan::{plan, PlanOptions}; // [plan]
 use memtrain::train::checkpoint::{ensure_no_checkpoints, Checkpoint}; // [checkpoint]
 use memtrain::train::{Trainer, TrainerOptions};
 
@@ -65,7 +65,8 @@ fn run() -> memtrain::Result<()> {
                 synthetic_test: cfg.synthetic_test,
             })?;
             let device = DeviceKind::for_spec(cfg.device.as_deref())?;
-            let mut opts = PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
+            let mut opts =
+                PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
             opts.effective_batch = cmd.effective_batch;
             opts.allow_model_change = cmd.allow_model_change;
             let report = plan(&cfg, budget, &opts)?;
@@ -84,8 +85,17 @@ fn run() -> memtrain::Result<()> {
         cfg.label()
     );
     // [checkpoint] Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
-    let stop = if cmd.dry_run { None } else { Some(memtrain::signal::install_stop_handler()?) };
-    let options = TrainerOptions { progress: true, log_files: !cmd.dry_run && !cmd.summary_only, stop, ..Default::default() };
+    let stop = if cmd.dry_run {
+        None
+    } else {
+        Some(memtrain::signal::install_stop_handler()?)
+    };
+    let options = TrainerOptions {
+        progress: true,
+        log_files: !cmd.dry_run && !cmd.summary_only,
+        stop,
+        ..Default::default()
+    };
     let mut trainer = match loaded {
         Some(data) => Trainer::new(cfg, data, options)?, // [plan] the data the plan was made for
         None => Trainer::from_config(cfg, options)?,
@@ -118,7 +128,11 @@ fn run() -> memtrain::Result<()> {
         "device {} | probe {}{} | {} steps/epoch, {} steps | run dir {}",
         memtrain::device::device_name(&trainer.device),
         trainer.probe().name(),
-        if trainer.probe().available() { "" } else { " (unavailable)" },
+        if trainer.probe().available() {
+            ""
+        } else {
+            " (unavailable)"
+        },
         trainer.steps_per_epoch(),
         trainer.total_steps(),
         trainer.run_dir().display()
@@ -156,7 +170,11 @@ fn run() -> memtrain::Result<()> {
             .final_test_accuracy
             .map(|a| format!(
                 " | {} accuracy {:.2}%",
-                if summary.eval_is_validation { "validation" } else { "test" },
+                if summary.eval_is_validation {
+                    "validation"
+                } else {
+                    "test"
+                },
                 a * 100.0
             ))
             .unwrap_or_default()
@@ -168,7 +186,12 @@ fn run() -> memtrain::Result<()> {
     } else {
         let title = format!("Memory per training step: {}", summary.label);
         let limit = summary.memory_limit;
-        if let Err(e) = memtrain::sweep::report::write_run_memory_chart(trainer.run_dir(), &title, Some(summary.baseline_bytes), limit) {
+        if let Err(e) = memtrain::sweep::report::write_run_memory_chart(
+            trainer.run_dir(),
+            &title,
+            Some(summary.baseline_bytes),
+            limit,
+        ) {
             eprintln!("warning: memory chart not written: {e}");
         }
     }

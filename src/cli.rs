@@ -158,7 +158,10 @@ impl TryFrom<TrainArgs> for TrainCommand {
 
     fn try_from(a: TrainArgs) -> Result<Self> {
         if a.batch_size <= 0 {
-            return Err(Error::config(format!("--batch-size must be a positive integer, got {}", a.batch_size)));
+            return Err(Error::config(format!(
+                "--batch-size must be a positive integer, got {}",
+                a.batch_size
+            )));
         }
         let memory_limit = a.memory_limit.as_deref().map(parse_size).transpose()?;
         let from_flags = TrainConfig {
@@ -199,7 +202,9 @@ impl TryFrom<TrainArgs> for TrainCommand {
         // [plan] begin
         let fit_memory = a.fit_memory.as_deref().map(parse_size).transpose()?;
         if fit_memory.is_none() && (a.effective_batch.is_some() || a.allow_model_change) {
-            return Err(Error::config("--effective-batch and --allow-model-change only apply with --fit-memory SIZE"));
+            return Err(Error::config(
+                "--effective-batch and --allow-model-change only apply with --fit-memory SIZE",
+            ));
         }
         if a.effective_batch == Some(0) {
             return Err(Error::config("--effective-batch must be at least 1"));
@@ -218,24 +223,40 @@ impl TryFrom<TrainArgs> for TrainCommand {
 }
 
 /// The config in `path`, with the fields of the explicitly given flags taken from `flags`.
-fn merge_config_file(path: &std::path::Path, flags: &TrainConfig, explicit: &[String]) -> Result<TrainConfig> {
+fn merge_config_file(
+    path: &std::path::Path,
+    flags: &TrainConfig,
+    explicit: &[String],
+) -> Result<TrainConfig> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::config(format!("--config {}: cannot read it ({e}); pass a config.json from a run directory", path.display()))
+        Error::config(format!(
+            "--config {}: cannot read it ({e}); pass a config.json from a run directory",
+            path.display()
+        ))
     })?;
     let mut base: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::config(format!("--config {}: not valid JSON ({e})", path.display())))?;
     let over = serde_json::to_value(flags).map_err(|e| Error::config(e.to_string()))?;
     let (Some(b), Some(o)) = (base.as_object_mut(), over.as_object()) else {
-        return Err(Error::config(format!("--config {}: expected a JSON object", path.display())));
+        return Err(Error::config(format!(
+            "--config {}: expected a JSON object",
+            path.display()
+        )));
     };
     for id in explicit {
-        let key = RENAMED.iter().find(|(f, _)| f == id).map_or(id.as_str(), |(_, k)| k);
+        let key = RENAMED
+            .iter()
+            .find(|(f, _)| f == id)
+            .map_or(id.as_str(), |(_, k)| k);
         if let Some(v) = o.get(key) {
             b.insert(key.to_string(), v.clone());
         }
     }
     serde_json::from_value(base).map_err(|e| {
-        Error::config(format!("--config {}: not a memtrain config ({e}); pass a config.json from a run directory", path.display()))
+        Error::config(format!(
+            "--config {}: not a memtrain config ({e}); pass a config.json from a run directory",
+            path.display()
+        ))
     })
 }
 
@@ -251,10 +272,13 @@ where
         Ok(m) => m,
         Err(e) => return clap_error(e).map(Err),
     };
-    let mut parsed = TrainArgs::from_arg_matches(&matches).map_err(|e| Error::config(one_line(&e.to_string())))?;
+    let mut parsed = TrainArgs::from_arg_matches(&matches)
+        .map_err(|e| Error::config(one_line(&e.to_string())))?;
     parsed.explicit = matches
         .ids()
-        .filter(|id| matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .filter(|id| {
+            matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+        })
         .map(|id| id.as_str().to_string())
         .collect();
     Ok(Ok(parsed))
@@ -264,10 +288,13 @@ where
 pub fn clap_error(e: clap::Error) -> Result<String> {
     use clap::error::ErrorKind;
     match e.kind() {
-        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            Ok(e.render().to_string())
-        }
-        _ => Err(Error::config(format!("{} (see --help)", one_line(&e.render().to_string())))),
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Ok(e.render().to_string()),
+        _ => Err(Error::config(format!(
+            "{} (see --help)",
+            one_line(&e.render().to_string())
+        ))),
     }
 }
 
@@ -275,7 +302,9 @@ pub fn clap_error(e: clap::Error) -> Result<String> {
 fn one_line(msg: &str) -> String {
     msg.lines()
         .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| {
+            !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information")
+        })
         .map(|l| l.trim_start_matches("error: ").to_string())
         .collect::<Vec<_>>()
         .join("; ")
@@ -295,7 +324,14 @@ pub fn flag_table() -> String {
         }
         let takes_value = arg.get_num_args().is_some_and(|n| n.takes_values());
         let flag = match (takes_value, arg.get_value_names()) {
-            (true, Some(names)) => format!("`--{long} {}`", names.iter().map(|n| n.as_str()).collect::<Vec<_>>().join(" ")),
+            (true, Some(names)) => format!(
+                "`--{long} {}`",
+                names
+                    .iter()
+                    .map(|n| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
             (true, None) => format!("`--{long} {}`", arg.get_id().as_str().to_ascii_uppercase()),
             (false, _) => format!("`--{long}`"),
         };
@@ -305,13 +341,26 @@ pub fn flag_table() -> String {
             .map(|v| v.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
             .join(",");
-        let default = if !takes_value { "off".to_string() } else if default.is_empty() { "—".to_string() } else { format!("`{default}`") };
+        let default = if !takes_value {
+            "off".to_string()
+        } else if default.is_empty() {
+            "—".to_string()
+        } else {
+            format!("`{default}`")
+        };
         let mut help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
-        let values: Vec<String> = arg.get_possible_values().iter().map(|v| v.get_name().to_string()).collect();
+        let values: Vec<String> = arg
+            .get_possible_values()
+            .iter()
+            .map(|v| v.get_name().to_string())
+            .collect();
         if takes_value && !values.is_empty() {
             help.push_str(&format!(" (`{}`)", values.join("`, `")));
         }
-        s.push_str(&format!("| {flag} | {default} | {} |\n", help.replace('|', "\\|")));
+        s.push_str(&format!(
+            "| {flag} | {default} | {} |\n",
+            help.replace('|', "\\|")
+        ));
     }
     s
 }

@@ -235,19 +235,34 @@ impl TrainConfig {
             return bad(format!("--width {} is too large (max 4096)", self.width));
         }
         if !self.lr.is_finite() || self.lr <= 0.0 {
-            return bad(format!("--lr must be a positive finite number, got {}", self.lr));
+            return bad(format!(
+                "--lr must be a positive finite number, got {}",
+                self.lr
+            ));
         }
         if !self.momentum.is_finite() || !(0.0..1.0).contains(&self.momentum) {
-            return bad(format!("--momentum must be in [0, 1), got {}", self.momentum));
+            return bad(format!(
+                "--momentum must be in [0, 1), got {}",
+                self.momentum
+            ));
         }
         if !self.weight_decay.is_finite() || self.weight_decay < 0.0 {
-            return bad(format!("--weight-decay must be >= 0, got {}", self.weight_decay));
+            return bad(format!(
+                "--weight-decay must be >= 0, got {}",
+                self.weight_decay
+            ));
         }
         if !self.warmup_frac.is_finite() || !(0.0..1.0).contains(&self.warmup_frac) {
-            return bad(format!("--warmup-frac must be in [0, 1), got {}", self.warmup_frac));
+            return bad(format!(
+                "--warmup-frac must be in [0, 1), got {}",
+                self.warmup_frac
+            ));
         }
         if !self.val_fraction.is_finite() || !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
-            return bad(format!("--val-fraction must be in (0, 1), got {}", self.val_fraction));
+            return bad(format!(
+                "--val-fraction must be in (0, 1), got {}",
+                self.val_fraction
+            ));
         }
         if self.epochs == 0 && self.max_steps.is_none() {
             return bad("--epochs must be at least 1 (or give --max-steps)".into());
@@ -273,7 +288,10 @@ impl TrainConfig {
     pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let cfg: TrainConfig = serde_json::from_str(&text).map_err(|e| {
-            Error::config(format!("{}: not a memtrain config.json ({e})", path.display()))
+            Error::config(format!(
+                "{}: not a memtrain config.json ({e})",
+                path.display()
+            ))
         })?;
         cfg.validate()?;
         Ok(cfg)

@@ -23,10 +23,14 @@ pub fn parse_device_spec(s: &str) -> Result<DeviceSpec> {
     }
     if let Some(n) = t.strip_prefix("cuda:") {
         return n.parse::<usize>().map(DeviceSpec::Cuda).map_err(|_| {
-            Error::config(format!("--device '{s}': expected cpu, cuda or cuda:N with N a GPU index"))
+            Error::config(format!(
+                "--device '{s}': expected cpu, cuda or cuda:N with N a GPU index"
+            ))
         });
     }
-    Err(Error::config(format!("--device '{s}' is not a device; expected cpu, cuda or cuda:N")))
+    Err(Error::config(format!(
+        "--device '{s}' is not a device; expected cpu, cuda or cuda:N"
+    )))
 }
 
 /// Resolve the configured device. `None` picks CUDA when the build has it and a GPU answers,

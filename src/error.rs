@@ -93,7 +93,10 @@ impl Error {
 
     /// Shorthand for a [`Error::Io`].
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
 
     /// The process exit code this error maps to: 2 for usage errors, 1 for runtime errors,

@@ -111,7 +111,13 @@ impl CostModel {
 
     /// Relative time per image of a plan (1.0 = f32, standard conv, no checkpointing, a
     /// micro-batch between `full_at` and `spill_above`).
-    pub fn time_per_image(&self, micro_batch: usize, precision: Precision, checkpoint: Checkpointing, conv: ConvKind) -> f64 {
+    pub fn time_per_image(
+        &self,
+        micro_batch: usize,
+        precision: Precision,
+        checkpoint: Checkpointing,
+        conv: ConvKind,
+    ) -> f64 {
         let sep = conv == ConvKind::Separable;
         let p = match (precision, sep) {
             (Precision::F32, _) => 1.0,
@@ -145,7 +151,11 @@ impl CostModel {
     /// One line stating the model, for the plan report.
     pub fn describe(&self) -> String {
         let spill = if self.spill_per_doubling > 0.0 {
-            format!("; +{:.0}% per doubling above {}: cache spill", self.spill_per_doubling * 100.0, self.spill_above)
+            format!(
+                "; +{:.0}% per doubling above {}: cache spill",
+                self.spill_per_doubling * 100.0,
+                self.spill_above
+            )
         } else {
             String::new()
         };
@@ -334,26 +344,43 @@ fn difference(cost: &CostModel, chosen: &Plan, p: &Plan) -> String {
     if p.micro_batch != chosen.micro_batch {
         let (a, b) = (cost.micro(p.micro_batch), cost.micro(chosen.micro_batch));
         why.push(if (a - b).abs() < 1e-9 {
-            format!("micro-batch {} instead of {} (same speed)", p.micro_batch, chosen.micro_batch)
+            format!(
+                "micro-batch {} instead of {} (same speed)",
+                p.micro_batch, chosen.micro_batch
+            )
         } else {
-            format!("micro-batch {} instead of {} (×{:.2} per image)", p.micro_batch, chosen.micro_batch, a / b)
+            format!(
+                "micro-batch {} instead of {} (×{:.2} per image)",
+                p.micro_batch,
+                chosen.micro_batch,
+                a / b
+            )
         });
     }
     if p.precision != chosen.precision {
         why.push(format!("{} instead of {}", p.precision, chosen.precision));
     }
     if p.checkpoint != chosen.checkpoint {
-        why.push(format!("checkpoint {} instead of {}", p.checkpoint, chosen.checkpoint));
+        why.push(format!(
+            "checkpoint {} instead of {}",
+            p.checkpoint, chosen.checkpoint
+        ));
     }
     if p.conv != chosen.conv {
         why.push(format!("{} conv instead of {}", p.conv, chosen.conv));
     }
     let slower = (p.time_per_image / chosen.time_per_image - 1.0) * 100.0;
-    let what = if why.is_empty() { "same options".to_string() } else { why.join(", ") };
+    let what = if why.is_empty() {
+        "same options".to_string()
+    } else {
+        why.join(", ")
+    };
     if slower >= 0.5 {
         format!("{slower:.0}% slower: {what}")
     } else if p.accum_steps > chosen.accum_steps {
-        format!("as fast, but smaller micro-batches (BatchNorm statistics over fewer images): {what}")
+        format!(
+            "as fast, but smaller micro-batches (BatchNorm statistics over fewer images): {what}"
+        )
     } else {
         format!("as fast, predicts more memory: {what}")
     }
@@ -391,7 +418,10 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
         return Err(Error::config("--fit-memory must be larger than 0"));
     }
     if !(0.0..1.0).contains(&opts.margin) {
-        return Err(Error::config(format!("the safety margin must be in [0, 1), got {}", opts.margin)));
+        return Err(Error::config(format!(
+            "the safety margin must be in [0, 1), got {}",
+            opts.margin
+        )));
     }
     let effective = opts.effective_batch.unwrap_or(cfg.batch_size);
     if effective == 0 || effective > MAX_BATCH_SIZE {
@@ -399,9 +429,18 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             "--effective-batch must be between 1 and {MAX_BATCH_SIZE}, got {effective}"
         )));
     }
-    let convs: Vec<ConvKind> = if opts.allow_model_change { ConvKind::ALL.to_vec() } else { vec![cfg.conv] };
+    let convs: Vec<ConvKind> = if opts.allow_model_change {
+        ConvKind::ALL.to_vec()
+    } else {
+        vec![cfg.conv]
+    };
     let usable = (budget as f64 * (1.0 - opts.margin)).floor() as u64;
-    let reference = opts.cost.time_per_image(cfg.micro_batch().max(1), cfg.precision, cfg.checkpoint, cfg.conv);
+    let reference = opts.cost.time_per_image(
+        cfg.micro_batch().max(1),
+        cfg.precision,
+        cfg.checkpoint,
+        cfg.conv,
+    );
 
     let mut all: Vec<Plan> = Vec::new();
     for &conv in &convs {
@@ -414,7 +453,8 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
                     c.checkpoint = checkpoint;
                     c.precision = precision;
                     c.conv = conv;
-                    let est: Estimate = estimate_with(&c, opts.device, Baseline::Modeled(opts.data))?;
+                    let est: Estimate =
+                        estimate_with(&c, opts.device, Baseline::Modeled(opts.data))?;
                     let t = opts.cost.time_per_image(micro, precision, checkpoint, conv);
                     all.push(Plan {
                         config: c,
@@ -440,11 +480,15 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             .then(a.accum_steps.cmp(&b.accum_steps))
             .then(a.predicted_peak.cmp(&b.predicted_peak))
     });
-    let (fit, over): (Vec<Plan>, Vec<Plan>) = all.into_iter().partition(|p| p.predicted_peak <= usable);
+    let (fit, over): (Vec<Plan>, Vec<Plan>) =
+        all.into_iter().partition(|p| p.predicted_peak <= usable);
     if fit.is_empty() {
-        let smallest = over.iter().min_by_key(|p| p.predicted_peak).ok_or_else(|| {
-            Error::config("no candidate plans: the effective batch has no micro-batch sizes")
-        })?;
+        let smallest = over
+            .iter()
+            .min_by_key(|p| p.predicted_peak)
+            .ok_or_else(|| {
+                Error::config("no candidate plans: the effective batch has no micro-batch sizes")
+            })?;
         let needed = (smallest.predicted_peak as f64 / (1.0 - opts.margin)).ceil() as u64;
         return Err(Error::config(format!(
             "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {:.0}% safety margin the budget must be at least {}{}",
@@ -457,7 +501,11 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
         )));
     }
     let best = fit[0].time_per_image;
-    let rejected_faster: Vec<Plan> = over.into_iter().filter(|p| p.time_per_image < best).take(3).collect();
+    let rejected_faster: Vec<Plan> = over
+        .into_iter()
+        .filter(|p| p.time_per_image < best)
+        .take(3)
+        .collect();
     Ok(PlanReport {
         budget,
         usable,
@@ -482,7 +530,11 @@ fn other_model_hint(cfg: &TrainConfig, opts: &PlanOptions, needed: u64) -> Resul
     };
     let theirs = smallest_feasible_budget(&other, opts)?;
     Ok(if theirs < needed {
-        format!("; the {} conv model would need {} (--allow-model-change)", other.conv, format_bytes(theirs))
+        format!(
+            "; the {} conv model would need {} (--allow-model-change)",
+            other.conv,
+            format_bytes(theirs)
+        )
     } else {
         String::new()
     })

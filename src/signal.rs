@@ -21,13 +21,18 @@ pub const INTERRUPTED_EXIT_CODE: i32 = 130;
 /// immediately with [`INTERRUPTED_EXIT_CODE`]. Call it once per process.
 pub fn install_stop_handler() -> Result<Arc<AtomicBool>> {
     let flag = Arc::new(AtomicBool::new(false));
-    let failed = |e: std::io::Error| Error::Device(format!("cannot install the Ctrl-C handler: {e}"));
+    let failed =
+        |e: std::io::Error| Error::Device(format!("cannot install the Ctrl-C handler: {e}"));
     for sig in [SIGINT, SIGTERM] {
         // Registered before the flag setter, so it sees the flag as the *previous* signal left
         // it: the first signal passes through, the second exits. Both run inside the handler,
         // which keeps the second Ctrl-C working even while the main thread is busy.
-        signal_hook::flag::register_conditional_shutdown(sig, INTERRUPTED_EXIT_CODE, Arc::clone(&flag))
-            .map_err(failed)?;
+        signal_hook::flag::register_conditional_shutdown(
+            sig,
+            INTERRUPTED_EXIT_CODE,
+            Arc::clone(&flag),
+        )
+        .map_err(failed)?;
         signal_hook::flag::register(sig, Arc::clone(&flag)).map_err(failed)?;
     }
     // The notice cannot be printed from inside a signal handler, so a thread waits for the

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-
 fn run(args: &[String]) -> Output {
     Command::new(binary())
         .args(args)
@@ -36,7 +35,10 @@ const BASE: &[(&str, &str)] = &[
 fn args_for(case: &[String]) -> Vec<String> {
     let mut a: Vec<String> = case.to_vec();
     for (flag, value) in BASE {
-        if !case.iter().any(|c| c == flag || c.starts_with(&format!("{flag}="))) {
+        if !case
+            .iter()
+            .any(|c| c == flag || c.starts_with(&format!("{flag}=")))
+        {
             a.push(flag.to_string());
             a.push(value.to_string());
         }
@@ -63,11 +65,20 @@ fn good_labels(n: usize) -> Vec<u8> {
 fn source_run() -> &'static Path {
     static SRC: OnceLock<PathBuf> = OnceLock::new();
     SRC.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-badinput-source-{}", std::process::id()));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("memtrain-badinput-source-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let out = run(&args_for(&["--out".into(), dir.display().to_string()]));
-        assert!(out.status.success(), "the source run failed: {}", String::from_utf8_lossy(&out.stderr));
-        assert!(dir.join("checkpoints").join("step-000002").join("checkpoint.json").is_file());
+        assert!(
+            out.status.success(),
+            "the source run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(dir
+            .join("checkpoints")
+            .join("step-000002")
+            .join("checkpoint.json")
+            .is_file());
         dir
     })
 }
@@ -353,7 +364,8 @@ fn cases() -> Vec<Case> {
 
 #[test]
 fn every_bad_input_fails_cleanly_with_one_line() {
-    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-badinput-{}", std::process::id()));
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("memtrain-badinput-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let cases = cases();
     assert!(cases.len() >= 20);
@@ -373,7 +385,11 @@ fn every_bad_input_fails_cleanly_with_one_line() {
         let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
         let mut problems = Vec::new();
         if out.status.code() != Some(case.code) {
-            problems.push(format!("exit code {:?}, expected {}", out.status.code(), case.code));
+            problems.push(format!(
+                "exit code {:?}, expected {}",
+                out.status.code(),
+                case.code
+            ));
         }
         if stderr.contains("panicked") {
             problems.push("panicked".into());
@@ -386,7 +402,10 @@ fn every_bad_input_fails_cleanly_with_one_line() {
             problems.push("stderr does not start with 'error: '".into());
         }
         if !line.contains(case.problem) {
-            problems.push(format!("stderr does not name the problem ('{}')", case.problem));
+            problems.push(format!(
+                "stderr does not name the problem ('{}')",
+                case.problem
+            ));
         }
         if !line.contains(case.fix) {
             problems.push(format!("stderr does not name the fix ('{}')", case.fix));
@@ -395,24 +414,46 @@ fn every_bad_input_fails_cleanly_with_one_line() {
         if snapshot(&dir) != before {
             let after = snapshot(&dir);
             let added: Vec<_> = after.keys().filter(|k| !before.contains_key(*k)).collect();
-            problems.push(format!("files changed in the case directory (new: {added:?})"));
+            problems.push(format!(
+                "files changed in the case directory (new: {added:?})"
+            ));
         }
         if !problems.is_empty() {
-            failures.push(format!("{}: {}\n    args: {}\n    stderr: {stderr}", case.name, problems.join("; "), args.join(" ")));
+            failures.push(format!(
+                "{}: {}\n    args: {}\n    stderr: {stderr}",
+                case.name,
+                problems.join("; "),
+                args.join(" ")
+            ));
         }
     }
     let _ = std::fs::remove_dir_all(&root);
     let _ = std::fs::remove_dir_all(source_run());
-    assert!(failures.is_empty(), "{} of {} bad inputs misbehaved:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} bad inputs misbehaved:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
 fn the_base_flags_are_valid() {
     // Guards the table: each case must fail because of its own flag, not the base ones.
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-badinput-base-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("memtrain-badinput-base-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let out = run(&args_for(&["--out".into(), dir.display().to_string()]));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.stderr.is_empty(), "a successful run prints nothing on stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.stderr.is_empty(),
+        "a successful run prints nothing on stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

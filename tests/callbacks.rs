@@ -24,24 +24,39 @@ impl Callback for Recorder {
         Ok(())
     }
     fn on_batch_begin(&mut self, ctx: &BatchInfo<'_>) -> memtrain::Result<()> {
-        self.push(format!("batch_begin {}.{} g{}", ctx.epoch, ctx.batch, ctx.global_step));
+        self.push(format!(
+            "batch_begin {}.{} g{}",
+            ctx.epoch, ctx.batch, ctx.global_step
+        ));
         Ok(())
     }
     fn on_after_forward(&mut self, ctx: &BatchInfo<'_>) -> memtrain::Result<()> {
-        self.push(format!("forward {}.{} m{}", ctx.epoch, ctx.batch, ctx.micro_batch));
+        self.push(format!(
+            "forward {}.{} m{}",
+            ctx.epoch, ctx.batch, ctx.micro_batch
+        ));
         Ok(())
     }
     fn on_after_backward(&mut self, ctx: &BatchInfo<'_>) -> memtrain::Result<()> {
-        self.push(format!("backward {}.{} m{}", ctx.epoch, ctx.batch, ctx.micro_batch));
+        self.push(format!(
+            "backward {}.{} m{}",
+            ctx.epoch, ctx.batch, ctx.micro_batch
+        ));
         Ok(())
     }
     fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> memtrain::Result<()> {
         assert!(ctx.loss.is_some_and(f64::is_finite));
-        self.push(format!("batch_end {}.{} images={}", ctx.epoch, ctx.batch, ctx.images));
+        self.push(format!(
+            "batch_end {}.{} images={}",
+            ctx.epoch, ctx.batch, ctx.images
+        ));
         Ok(())
     }
     fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> memtrain::Result<()> {
-        self.push(format!("epoch_end {} steps={}", ctx.stats.epoch, ctx.stats.steps));
+        self.push(format!(
+            "epoch_end {} steps={}",
+            ctx.stats.epoch, ctx.stats.steps
+        ));
         Ok(())
     }
     fn on_train_end(&mut self, ctx: &TrainEnd<'_>) -> memtrain::Result<()> {
@@ -60,7 +75,10 @@ fn hooks_run_in_documented_order() {
     cfg.accum_steps = 2;
     let mut t = common::trainer_with(
         cfg,
-        TrainerOptions { callbacks: vec![Box::new(Recorder(events.clone()))], ..Default::default() },
+        TrainerOptions {
+            callbacks: vec![Box::new(Recorder(events.clone()))],
+            ..Default::default()
+        },
     );
     t.fit().unwrap();
     let got = events.lock().unwrap().clone();
@@ -97,7 +115,13 @@ fn a_failing_callback_stops_training_with_its_error() {
     let mut cfg = common::tiny_config();
     cfg.max_steps = Some(4);
     cfg.synthetic_train = 64;
-    let mut t = common::trainer_with(cfg, TrainerOptions { callbacks: vec![Box::new(Fails)], ..Default::default() });
+    let mut t = common::trainer_with(
+        cfg,
+        TrainerOptions {
+            callbacks: vec![Box::new(Fails)],
+            ..Default::default()
+        },
+    );
     let err = t.fit().unwrap_err();
     assert_eq!(err.to_string(), "stop here");
 }

@@ -24,10 +24,20 @@ const TEST_IMAGES: usize = 16;
 
 fn data() -> DataSplits {
     let (train, test) = synthetic::splits(TRAIN_IMAGES, TEST_IMAGES, 7);
-    DataSplits { train, test, description: "synthetic".into(), test_is_validation: false }
+    DataSplits {
+        train,
+        test,
+        description: "synthetic".into(),
+        test_is_validation: false,
+    }
 }
 
-fn config(batch: usize, precision: Precision, checkpoint: Checkpointing, conv: ConvKind) -> TrainConfig {
+fn config(
+    batch: usize,
+    precision: Precision,
+    checkpoint: Checkpointing,
+    conv: ConvKind,
+) -> TrainConfig {
     TrainConfig {
         width: 8,
         batch_size: batch,
@@ -48,11 +58,16 @@ fn config(batch: usize, precision: Precision, checkpoint: Checkpointing, conv: C
 /// test process held before any data or model existed (the harness), added to the prediction.
 fn predicted_and_measured(cfg: &TrainConfig, pre: u64) -> (u64, u64) {
     CountingAllocator::reset_peak();
-    let mut trainer = Trainer::new(cfg.clone(), data(), TrainerOptions::default()).expect("trainer");
+    let mut trainer =
+        Trainer::new(cfg.clone(), data(), TrainerOptions::default()).expect("trainer");
     let summary = trainer.fit().expect("training");
     let est = trainer.memory_estimate().expect("estimate").offset(pre);
     // The summary's prediction is the same estimate without the harness offset.
-    assert_eq!(summary.predicted_peak_bytes, Some(est.peak - pre), "summary.json prediction");
+    assert_eq!(
+        summary.predicted_peak_bytes,
+        Some(est.peak - pre),
+        "summary.json prediction"
+    );
     assert!(summary.prediction_error_pct.is_some_and(f64::is_finite));
     (est.peak, summary.peak_bytes)
 }
@@ -65,8 +80,13 @@ fn estimate_matches_the_counting_allocator() {
     // The estimate's layer list is the model's.
     for width in [1, 3, 8, 32] {
         for conv in ConvKind::ALL.iter().copied() {
-            let model = Cnn::new(ModelConfig { width, conv }, &candle_core::Device::Cpu, 0).unwrap();
-            assert_eq!(model_layer_specs(width, conv), model.layer_specs(), "width {width} {conv}");
+            let model =
+                Cnn::new(ModelConfig { width, conv }, &candle_core::Device::Cpu, 0).unwrap();
+            assert_eq!(
+                model_layer_specs(width, conv),
+                model.layer_specs(),
+                "width {width} {conv}"
+            );
         }
     }
 
@@ -74,20 +94,35 @@ fn estimate_matches_the_counting_allocator() {
     let dev = DeviceKind::cpu();
     let mut bad = config(16, Precision::F32, Checkpointing::None, ConvKind::Standard);
     bad.accum_steps = 3;
-    assert!(estimate(&bad, dev).is_err(), "batch not divisible by accumulation steps");
+    assert!(
+        estimate(&bad, dev).is_err(),
+        "batch not divisible by accumulation steps"
+    );
     bad.batch_size = 0;
     assert!(estimate(&bad, dev).is_err(), "batch 0");
     let good = config(16, Precision::F32, Checkpointing::None, ConvKind::Standard);
     let specs = model_layer_specs(8, ConvKind::Standard);
     let base = Baseline::Modeled(DataSize::exact(10, 10));
-    assert!(estimate_for_specs(&good, &[], dev, base).is_err(), "empty layer list");
-    assert!(estimate_for_specs(&good, &specs[..specs.len() - 1], dev, base).is_err(), "no head");
+    assert!(
+        estimate_for_specs(&good, &[], dev, base).is_err(),
+        "empty layer list"
+    );
+    assert!(
+        estimate_for_specs(&good, &specs[..specs.len() - 1], dev, base).is_err(),
+        "no head"
+    );
     let mut unknown = specs.clone();
     unknown[0].kind = "conv7x7";
-    assert!(estimate_for_specs(&good, &unknown, dev, base).is_err(), "unknown layer kind");
+    assert!(
+        estimate_for_specs(&good, &unknown, dev, base).is_err(),
+        "unknown layer kind"
+    );
     let mut broken: Vec<LayerSpec> = specs.clone();
     broken[1].input = (5, 5, 5);
-    assert!(estimate_for_specs(&good, &broken, dev, base).is_err(), "shapes that do not chain");
+    assert!(
+        estimate_for_specs(&good, &broken, dev, base).is_err(),
+        "shapes that do not chain"
+    );
     // The per-layer table names every layer and the peak.
     let e = estimate_with(&good, dev, base).unwrap();
     let table = e.table();
@@ -104,7 +139,15 @@ fn estimate_matches_the_counting_allocator() {
     let mut ck = good.clone();
     ck.checkpoint = Checkpointing::Stages;
     assert!(estimate_with(&ck, dev, base).unwrap().activation_bytes < e.activation_bytes);
-    let measured = estimate_with(&good, dev, Baseline::Measured { bytes: e.baseline_bytes + 1000, train_images: 10 }).unwrap();
+    let measured = estimate_with(
+        &good,
+        dev,
+        Baseline::Measured {
+            bytes: e.baseline_bytes + 1000,
+            train_images: 10,
+        },
+    )
+    .unwrap();
     assert_eq!(measured.peak, e.peak + 1000);
 
     // Predicted versus measured over the matrix, plus accumulation, block checkpointing and AdamW.
@@ -118,10 +161,20 @@ fn estimate_matches_the_counting_allocator() {
             }
         }
     }
-    let mut accum = config(32, Precision::F32, Checkpointing::Stages, ConvKind::Standard);
+    let mut accum = config(
+        32,
+        Precision::F32,
+        Checkpointing::Stages,
+        ConvKind::Standard,
+    );
     accum.accum_steps = 2;
     cases.push(accum);
-    let mut blocks = config(32, Precision::Bf16, Checkpointing::Blocks, ConvKind::Separable);
+    let mut blocks = config(
+        32,
+        Precision::Bf16,
+        Checkpointing::Blocks,
+        ConvKind::Separable,
+    );
     blocks.optimizer = OptimizerKind::Adamw;
     cases.push(blocks);
 
@@ -139,5 +192,8 @@ fn estimate_matches_the_counting_allocator() {
         ));
     }
     println!("{report}worst |error| {worst:.2}%");
-    assert!(worst <= TOLERANCE_PCT, "estimate off by more than {TOLERANCE_PCT}%:\n{report}");
+    assert!(
+        worst <= TOLERANCE_PCT,
+        "estimate off by more than {TOLERANCE_PCT}%:\n{report}"
+    );
 }

@@ -9,7 +9,10 @@ use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
 use memtrain::Error;
 
 fn on(device: &str, cfg: TrainConfig) -> TrainConfig {
-    TrainConfig { device: Some(device.into()), ..cfg }
+    TrainConfig {
+        device: Some(device.into()),
+        ..cfg
+    }
 }
 
 #[test]
@@ -32,17 +35,29 @@ fn every_combination_trains_on_cuda_and_matches_the_cpu() {
                     let cpu = common::trainer(on("cpu", cfg.clone()));
                     let gpu = common::trainer(on("cuda:0", cfg.clone()));
                     let (lc, gc) = cpu.compute_grads(&x, &y).unwrap();
-                    let (lg, gg) = gpu.compute_grads(&x, &y).unwrap_or_else(|e| panic!("{label}: {e}"));
+                    let (lg, gg) = gpu
+                        .compute_grads(&x, &y)
+                        .unwrap_or_else(|e| panic!("{label}: {e}"));
                     let tol = match precision {
                         Precision::F32 => 1e-4,
                         Precision::F16 => 2e-2,
                         Precision::Bf16 => 8e-2,
                     };
-                    assert!((lg - lc).abs() <= tol * lc.abs(), "{label}: loss {lg} on cuda vs {lc} on cpu");
+                    assert!(
+                        (lg - lc).abs() <= tol * lc.abs(),
+                        "{label}: loss {lg} on cuda vs {lc} on cpu"
+                    );
                     for (i, (a, b)) in gg.iter().zip(&gc).enumerate() {
-                        let a = a.as_ref().unwrap().to_device(&candle_core::Device::Cpu).unwrap();
+                        let a = a
+                            .as_ref()
+                            .unwrap()
+                            .to_device(&candle_core::Device::Cpu)
+                            .unwrap();
                         let d = common::rel_diff(&a, b.as_ref().unwrap());
-                        assert!(d <= 10.0 * tol, "{label}: gradient {i} differs by {d:e} between cuda and cpu");
+                        assert!(
+                            d <= 10.0 * tol,
+                            "{label}: gradient {i} differs by {d:e} between cuda and cpu"
+                        );
                     }
                     let mut t = common::trainer(on("cuda:0", cfg));
                     let s = t.fit().unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -70,7 +85,10 @@ fn memory_limit_stops_with_an_oom_error() {
     match t.fit() {
         Err(e @ Error::OutOfMemory { .. }) => {
             let msg = e.to_string();
-            assert!(msg.contains("64.00 MiB") && msg.contains("batch 0"), "{msg}");
+            assert!(
+                msg.contains("64.00 MiB") && msg.contains("batch 0"),
+                "{msg}"
+            );
             assert_eq!(msg.lines().count(), 1);
         }
         other => panic!("expected an out-of-memory error, got {other:?}"),

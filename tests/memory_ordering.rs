@@ -26,29 +26,87 @@ fn training_peak(cfg: TrainConfig) -> u64 {
 
 #[test]
 fn each_optimization_lowers_the_peak() {
-    let base = TrainConfig { width: 16, batch_size: 64, synthetic_train: 128, max_steps: Some(2), ..common::tiny_config() };
+    let base = TrainConfig {
+        width: 16,
+        batch_size: 64,
+        synthetic_train: 128,
+        max_steps: Some(2),
+        ..common::tiny_config()
+    };
     let f32_peak = training_peak(base.clone());
     let check = |name: &str, peak: u64| {
         let ratio = peak as f64 / f32_peak as f64;
-        eprintln!("{name}: {peak} bytes vs baseline {f32_peak} ({:.1}%)", ratio * 100.0);
-        assert!(ratio <= 0.9, "{name} must lower the peak by at least 10%: {peak} vs {f32_peak}");
+        eprintln!(
+            "{name}: {peak} bytes vs baseline {f32_peak} ({:.1}%)",
+            ratio * 100.0
+        );
+        assert!(
+            ratio <= 0.9,
+            "{name} must lower the peak by at least 10%: {peak} vs {f32_peak}"
+        );
     };
-    check("f16", training_peak(TrainConfig { precision: Precision::F16, ..base.clone() }));
-    check("bf16", training_peak(TrainConfig { precision: Precision::Bf16, ..base.clone() }));
-    check("checkpoint stages", training_peak(TrainConfig { checkpoint: Checkpointing::Stages, ..base.clone() }));
+    check(
+        "f16",
+        training_peak(TrainConfig {
+            precision: Precision::F16,
+            ..base.clone()
+        }),
+    );
+    check(
+        "bf16",
+        training_peak(TrainConfig {
+            precision: Precision::Bf16,
+            ..base.clone()
+        }),
+    );
+    check(
+        "checkpoint stages",
+        training_peak(TrainConfig {
+            checkpoint: Checkpointing::Stages,
+            ..base.clone()
+        }),
+    );
     // Block checkpointing and separable convolutions are measured but not required to lower the
     // peak: per-block recomputation pins the surrogate's output-sized buffers, and a separable
     // block saves one more activation (the depthwise output) than a dense one; see the README.
     for (name, cfg) in [
-        ("checkpoint blocks", TrainConfig { checkpoint: Checkpointing::Blocks, ..base.clone() }),
-        ("separable", TrainConfig { conv: ConvKind::Separable, ..base.clone() }),
+        (
+            "checkpoint blocks",
+            TrainConfig {
+                checkpoint: Checkpointing::Blocks,
+                ..base.clone()
+            },
+        ),
+        (
+            "separable",
+            TrainConfig {
+                conv: ConvKind::Separable,
+                ..base.clone()
+            },
+        ),
     ] {
         eprintln!("{name}: {} bytes (not asserted)", training_peak(cfg));
     }
-    check("accum 4", training_peak(TrainConfig { accum_steps: 4, ..base.clone() }));
-    let (std_p, sep_p) = (param_count(16, ConvKind::Standard), param_count(16, ConvKind::Separable));
-    assert!((sep_p as f64) < 0.9 * std_p as f64, "separable parameters {sep_p} vs standard {std_p}");
+    check(
+        "accum 4",
+        training_peak(TrainConfig {
+            accum_steps: 4,
+            ..base.clone()
+        }),
+    );
+    let (std_p, sep_p) = (
+        param_count(16, ConvKind::Standard),
+        param_count(16, ConvKind::Separable),
+    );
+    assert!(
+        (sep_p as f64) < 0.9 * std_p as f64,
+        "separable parameters {sep_p} vs standard {std_p}"
+    );
     // The model built agrees with the closed form.
     assert_eq!(common::trainer(base.clone()).model.num_params(), std_p);
-    assert_eq!(param_count(32, ConvKind::Standard), 307_946, "308k parameters at width 32");
+    assert_eq!(
+        param_count(32, ConvKind::Standard),
+        307_946,
+        "308k parameters at width 32"
+    );
 }

@@ -3,7 +3,10 @@
 //! One test function on purpose: the counters are process-wide, and the test harness runs
 //! test functions on parallel threads that would allocate in the middle of a measurement.
 
-use memtrain::callbacks::{BatchInfo, Callback, EpochBegin, EpochEnd, EpochStats, MemoryCallback, Phase, TrainBegin, TrainEnd};
+use memtrain::callbacks::{
+    BatchInfo, Callback, EpochBegin, EpochEnd, EpochStats, MemoryCallback, Phase, TrainBegin,
+    TrainEnd,
+};
 use memtrain::config::TrainConfig;
 use memtrain::memory::{parse_size, CountingAllocator, CpuProbe, MemoryProbe};
 use memtrain::train::Summary;
@@ -39,19 +42,36 @@ fn counting_allocator_and_peak_nesting() {
     CountingAllocator::reset_peak();
     let v: Vec<u8> = Vec::with_capacity(size);
     let during = CountingAllocator::current();
-    assert_eq!(during - before, size as u64, "current moves by exactly the allocation");
+    assert_eq!(
+        during - before,
+        size as u64,
+        "current moves by exactly the allocation"
+    );
     assert_eq!(CountingAllocator::peak(), during, "peak follows current");
     drop(v);
     assert_eq!(CountingAllocator::current(), before, "free returns exactly");
     assert_eq!(CountingAllocator::peak(), during, "peak stays after free");
     CountingAllocator::reset_peak();
-    assert_eq!(CountingAllocator::peak(), before, "reset brings peak to current");
+    assert_eq!(
+        CountingAllocator::peak(),
+        before,
+        "reset brings peak to current"
+    );
 
     // A candle tensor of known size moves the counter by at least its data (plus small headers).
-    let t = candle_core::Tensor::zeros((256, 1024), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let t = candle_core::Tensor::zeros(
+        (256, 1024),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
     let with_t = CountingAllocator::current();
     let data = 256 * 1024 * 4;
-    assert!(with_t - before >= data && with_t - before < data + 4096, "tensor bytes {}", with_t - before);
+    assert!(
+        with_t - before >= data && with_t - before < data + 4096,
+        "tensor bytes {}",
+        with_t - before
+    );
     drop(t);
     assert_eq!(CountingAllocator::current(), before);
 
@@ -77,7 +97,15 @@ fn counting_allocator_and_peak_nesting() {
         probe: &*probe,
     })
     .unwrap();
-    cb.on_epoch_begin(&EpochBegin { epoch: 0, num_epochs: 1, steps: 3, global_step: 0, reset_peak: true, probe: &*probe }).unwrap();
+    cb.on_epoch_begin(&EpochBegin {
+        epoch: 0,
+        num_epochs: 1,
+        steps: 3,
+        global_step: 0,
+        reset_peak: true,
+        probe: &*probe,
+    })
+    .unwrap();
     let base = probe.current();
     let big = 8 << 20;
     for b in 0..3 {
@@ -91,22 +119,47 @@ fn counting_allocator_and_peak_nesting() {
         cb.on_batch_end(&info(&*probe, b)).unwrap();
     }
     let stats = EpochStats::default();
-    cb.on_epoch_end(&EpochEnd { stats: &stats, num_epochs: 1, probe: &*probe }).unwrap();
-    cb.on_train_end(&TrainEnd { epochs: &[], global_step: 3, images_per_sec: 0.0, interrupted: false, summary: &summary, probe: &*probe })
-        .unwrap();
+    cb.on_epoch_end(&EpochEnd {
+        stats: &stats,
+        num_epochs: 1,
+        probe: &*probe,
+    })
+    .unwrap();
+    cb.on_train_end(&TrainEnd {
+        epochs: &[],
+        global_step: 3,
+        images_per_sec: 0.0,
+        interrupted: false,
+        summary: &summary,
+        probe: &*probe,
+    })
+    .unwrap();
     let log = log.lock().unwrap().clone();
     assert_eq!(log.batches.len(), 3);
     let b0 = &log.batches[0];
     assert_eq!(b0.phase, Phase::Forward);
-    assert!(b0.peak_bytes >= base + big as u64, "batch 0 peak holds the 8 MiB forward buffer");
+    assert!(
+        b0.peak_bytes >= base + big as u64,
+        "batch 0 peak holds the 8 MiB forward buffer"
+    );
     for b in &log.batches[1..] {
-        assert_eq!(b.phase, Phase::Backward, "2 MiB backward beats 1 MiB forward");
+        assert_eq!(
+            b.phase,
+            Phase::Backward,
+            "2 MiB backward beats 1 MiB forward"
+        );
         assert!(b.peak_bytes >= base + (2 << 20) && b.peak_bytes < base + big as u64);
     }
     assert_eq!(log.epochs.len(), 1);
-    assert_eq!(log.epochs[0].peak_bytes, b0.peak_bytes, "epoch peak survives batch-level resets");
+    assert_eq!(
+        log.epochs[0].peak_bytes, b0.peak_bytes,
+        "epoch peak survives batch-level resets"
+    );
     assert_eq!(log.epochs[0].phase, Phase::Forward);
-    assert!(log.peak_bytes >= b0.peak_bytes, "run peak nests over the epoch peak");
+    assert!(
+        log.peak_bytes >= b0.peak_bytes,
+        "run peak nests over the epoch peak"
+    );
 
     // --- sizes parse and refuse nonsense.
     assert_eq!(parse_size("4GiB").unwrap(), 4 << 30);

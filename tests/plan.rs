@@ -17,7 +17,12 @@ const TEST_IMAGES: usize = 16;
 
 fn data() -> DataSplits {
     let (train, test) = synthetic::splits(TRAIN_IMAGES, TEST_IMAGES, 3);
-    DataSplits { train, test, description: "synthetic".into(), test_is_validation: false }
+    DataSplits {
+        train,
+        test,
+        description: "synthetic".into(),
+        test_is_validation: false,
+    }
 }
 
 fn base_config(width: usize, batch: usize) -> TrainConfig {
@@ -53,37 +58,71 @@ fn planned_runs_fit_their_budget() {
             match plan(&cfg, budget, &opts) {
                 Ok(r) => {
                     ok += 1;
-                    assert!(budget >= smallest, "a plan below the smallest feasible budget");
+                    assert!(
+                        budget >= smallest,
+                        "a plan below the smallest feasible budget"
+                    );
                     for p in &r.plans {
-                        assert!(p.predicted_peak <= r.usable && r.usable <= budget, "{} exceeds {budget}", p.describe());
+                        assert!(
+                            p.predicted_peak <= r.usable && r.usable <= budget,
+                            "{} exceeds {budget}",
+                            p.describe()
+                        );
                         assert_eq!(p.micro_batch * p.accum_steps, 128, "effective batch kept");
-                        assert!(allow || p.conv == cfg.conv, "conv changed without --allow-model-change");
+                        assert!(
+                            allow || p.conv == cfg.conv,
+                            "conv changed without --allow-model-change"
+                        );
                         p.config.validate().unwrap();
                     }
-                    assert!(r.plans.windows(2).all(|w| w[0].time_per_image <= w[1].time_per_image));
-                    assert!(r.rejected_faster.iter().all(|p| p.predicted_peak > r.usable));
+                    assert!(r
+                        .plans
+                        .windows(2)
+                        .all(|w| w[0].time_per_image <= w[1].time_per_image));
+                    assert!(r
+                        .rejected_faster
+                        .iter()
+                        .all(|p| p.predicted_peak > r.usable));
                     let text = r.render(3);
-                    assert!(text.contains("chosen:") && text.contains("cost model"), "{text}");
+                    assert!(
+                        text.contains("chosen:") && text.contains("cost model"),
+                        "{text}"
+                    );
                 }
                 Err(e) => {
                     refused += 1;
                     let msg = e.to_string();
-                    assert!(budget < smallest, "budget {budget} refused although {smallest} is feasible: {msg}");
-                    assert!(msg.contains("too small") && msg.contains(&format_bytes(smallest)), "{msg}");
+                    assert!(
+                        budget < smallest,
+                        "budget {budget} refused although {smallest} is feasible: {msg}"
+                    );
+                    assert!(
+                        msg.contains("too small") && msg.contains(&format_bytes(smallest)),
+                        "{msg}"
+                    );
                     assert!(!msg.contains('\n'), "one line: {msg}");
                 }
             }
             budget = budget * 21 / 20;
         }
-        assert!(ok > 10 && refused > 10, "the sweep covers both sides ({ok} fit, {refused} refused)");
-        assert!(plan(&cfg, smallest, &opts).is_ok(), "the smallest feasible budget is feasible");
+        assert!(
+            ok > 10 && refused > 10,
+            "the sweep covers both sides ({ok} fit, {refused} refused)"
+        );
+        assert!(
+            plan(&cfg, smallest, &opts).is_ok(),
+            "the smallest feasible budget is feasible"
+        );
     }
 
     // An impossible budget: one line naming the smallest feasible budget.
     let opts = PlanOptions::new(dev, DataSize::exact(5000, 1000));
     let err = plan(&cfg, 4 << 20, &opts).unwrap_err().to_string();
     let smallest = smallest_feasible_budget(&cfg, &opts).unwrap();
-    assert!(err.contains("too small") && err.contains(&format_bytes(smallest)), "{err}");
+    assert!(
+        err.contains("too small") && err.contains(&format_bytes(smallest)),
+        "{err}"
+    );
     // Bad input.
     assert!(plan(&cfg, 0, &opts).is_err());
     let mut zero = opts.clone();
@@ -102,7 +141,8 @@ fn planned_runs_fit_their_budget() {
         let report = plan(&cfg, budget - pre, &opts).unwrap();
         let p = report.chosen().clone();
         CountingAllocator::reset_peak();
-        let mut trainer = Trainer::new(p.config.clone(), data(), TrainerOptions::default()).unwrap();
+        let mut trainer =
+            Trainer::new(p.config.clone(), data(), TrainerOptions::default()).unwrap();
         let summary = trainer.fit().unwrap();
         drop(trainer);
         println!(
@@ -114,10 +154,18 @@ fn planned_runs_fit_their_budget() {
             format_bytes(summary.peak_bytes)
         );
         assert_eq!(summary.steps, 3);
-        assert!(summary.peak_bytes <= budget, "{}: measured {} > budget {}", p.describe(), summary.peak_bytes, budget);
+        assert!(
+            summary.peak_bytes <= budget,
+            "{}: measured {} > budget {}",
+            p.describe(),
+            summary.peak_bytes,
+            budget
+        );
         chosen.push(p);
     }
     // More memory never makes the chosen plan slower.
-    assert!(chosen.windows(2).all(|w| w[1].time_per_image <= w[0].time_per_image));
+    assert!(chosen
+        .windows(2)
+        .all(|w| w[1].time_per_image <= w[0].time_per_image));
     assert_eq!(opts.margin, SAFETY_MARGIN);
 }

@@ -13,7 +13,9 @@ use candle_core::{DType, Device, Tensor};
 use memtrain::callbacks::{BatchInfo, Callback};
 use memtrain::config::{Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::train::checkpoint::{Checkpoint, CHECKPOINTS_DIR, LATEST_FILE, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE};
+use memtrain::train::checkpoint::{
+    Checkpoint, CHECKPOINTS_DIR, LATEST_FILE, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE,
+};
 use memtrain::train::{Trainer, TrainerOptions};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -25,11 +27,11 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-
 /// A fresh, empty scratch directory for one test (under the target directory, so whatever a
 /// failed test leaves behind goes with `cargo clean`).
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("memtrain-resume-{name}-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("memtrain-resume-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -37,11 +39,12 @@ fn scratch(name: &str) -> PathBuf {
 
 /// Flags of every child run: 8 steps per epoch, 20 epochs (160 steps), a checkpoint every 2 steps.
 fn run_args(out: &Path) -> Vec<String> {
-    let mut a: Vec<String> = "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --epochs 20 \
+    let mut a: Vec<String> =
+        "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --epochs 20 \
                               --save-every 2 --quiet --no-eval --device cpu --seed 7"
-        .split_whitespace()
-        .map(String::from)
-        .collect();
+            .split_whitespace()
+            .map(String::from)
+            .collect();
     a.push("--out".into());
     a.push(out.display().to_string());
     a
@@ -54,7 +57,9 @@ const TOTAL_STEPS: usize = 160;
 /// last bit from run to run, which would hide what this file tests (resume exactness).
 fn command(args: &[String]) -> Command {
     let mut cmd = Command::new(binary());
-    cmd.args(args).env("RAYON_NUM_THREADS", "1").stdin(Stdio::null());
+    cmd.args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::null());
     cmd
 }
 
@@ -63,7 +68,11 @@ fn run(args: &[String]) -> Output {
 }
 
 fn spawn(args: &[String]) -> Child {
-    command(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("train_cifar10 starts")
+    command(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("train_cifar10 starts")
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -82,17 +91,26 @@ fn assert_ok(out: &Output, what: &str) {
 
 /// Steps of the complete checkpoints in `run_dir`, ascending.
 fn checkpoint_steps(run_dir: &Path) -> Vec<usize> {
-    let Ok(entries) = std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR)) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR)) else {
+        return Vec::new();
+    };
     let mut steps: Vec<usize> = entries
         .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse().ok()))
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("step-"))
+                .and_then(|n| n.parse().ok())
+        })
         .collect();
     steps.sort_unstable();
     steps
 }
 
 fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
-    run_dir.join(CHECKPOINTS_DIR).join(format!("step-{step:06}"))
+    run_dir
+        .join(CHECKPOINTS_DIR)
+        .join(format!("step-{step:06}"))
 }
 
 /// Wait until `child` has written a checkpoint of at least `step`; fails if it exits first.
@@ -102,19 +120,31 @@ fn wait_for_checkpoint(child: &mut Child, run_dir: &Path, step: usize) {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the child exited ({status}) before writing checkpoint {step}");
         }
-        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint {step} after 2 minutes");
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no checkpoint {step} after 2 minutes"
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
 }
 
 /// Tensors of a safetensors file.
 fn tensors(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The exact bits of an f32 tensor.
 fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }
 
 /// Two safetensors files hold the same tensors, bit for bit.
@@ -124,10 +154,21 @@ fn assert_same_tensors(a: &Path, b: &Path) {
     names.sort();
     let mut names_b: Vec<_> = tb.keys().collect();
     names_b.sort();
-    assert_eq!(names, names_b, "{} and {} hold different tensors", a.display(), b.display());
+    assert_eq!(
+        names,
+        names_b,
+        "{} and {} hold different tensors",
+        a.display(),
+        b.display()
+    );
     for name in names {
         assert_eq!(ta[name].shape(), tb[name].shape(), "shape of {name}");
-        assert!(bits(&ta[name]) == bits(&tb[name]), "{name} differs between {} and {}", a.display(), b.display());
+        assert!(
+            bits(&ta[name]) == bits(&tb[name]),
+            "{name} differs between {} and {}",
+            a.display(),
+            b.display()
+        );
     }
 }
 
@@ -139,8 +180,21 @@ fn assert_same_checkpoint(a: &Path, b: &Path) {
         serde_json::from_str(&std::fs::read_to_string(d.join(MANIFEST_FILE)).unwrap()).unwrap()
     };
     let (ma, mb) = (manifest(a), manifest(b));
-    for key in ["global_step", "epoch", "next_batch", "optimizer_steps", "scaler", "train_fingerprint"] {
-        assert_eq!(ma[key], mb[key], "{key} differs between {} and {}", a.display(), b.display());
+    for key in [
+        "global_step",
+        "epoch",
+        "next_batch",
+        "optimizer_steps",
+        "scaler",
+        "train_fingerprint",
+    ] {
+        assert_eq!(
+            ma[key],
+            mb[key],
+            "{key} differs between {} and {}",
+            a.display(),
+            b.display()
+        );
     }
 }
 
@@ -151,7 +205,11 @@ fn reference() -> &'static Path {
         let dir = scratch("reference").join("run");
         let out = run(&run_args(&dir));
         assert_ok(&out, "the uninterrupted run");
-        assert_eq!(checkpoint_steps(&dir).last(), Some(&TOTAL_STEPS), "final checkpoint of the uninterrupted run");
+        assert_eq!(
+            checkpoint_steps(&dir).last(),
+            Some(&TOTAL_STEPS),
+            "final checkpoint of the uninterrupted run"
+        );
         dir
     })
 }
@@ -169,7 +227,10 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
             if p.is_dir() {
                 walk(root, &p, out);
             } else {
-                out.insert(p.strip_prefix(root).unwrap().to_path_buf(), std::fs::read(&p).unwrap());
+                out.insert(
+                    p.strip_prefix(root).unwrap().to_path_buf(),
+                    std::fs::read(&p).unwrap(),
+                );
             }
         }
     }
@@ -198,7 +259,11 @@ fn assert_no_leftovers(run_dir: &Path) {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with('.'))
         .collect();
-    assert!(left.is_empty(), "leftover directories in {}: {left:?}", run_dir.display());
+    assert!(
+        left.is_empty(),
+        "leftover directories in {}: {left:?}",
+        run_dir.display()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -213,7 +278,10 @@ fn kill_9_mid_run_then_resume_gives_bit_identical_weights() {
     // Child::kill sends SIGKILL on Unix: no handler runs, whatever was being written stays half done.
     child.kill().unwrap();
     let status = child.wait().unwrap();
-    assert!(!status.success(), "the run finished before it could be killed; give it more --epochs");
+    assert!(
+        !status.success(),
+        "the run finished before it could be killed; give it more --epochs"
+    );
     let killed_at = *checkpoint_steps(&dir).last().unwrap();
     assert!(killed_at < TOTAL_STEPS, "killed after the last checkpoint");
 
@@ -221,14 +289,28 @@ fn kill_9_mid_run_then_resume_gives_bit_identical_weights() {
     resume.extend(["--resume".to_string(), dir.display().to_string()]);
     let out = run(&resume);
     assert_ok(&out, "the resumed run");
-    assert!(text(&out.stdout).contains("resuming from"), "stdout: {}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("resuming from"),
+        "stdout: {}",
+        text(&out.stdout)
+    );
 
     assert_eq!(checkpoint_steps(&dir).last(), Some(&TOTAL_STEPS));
     assert_same_checkpoint(&step_dir(&dir, TOTAL_STEPS), &reference_final());
-    assert_eq!(checkpoint_steps(&dir).len(), 2, "only the last two checkpoints are kept");
-    assert_eq!(std::fs::read_to_string(dir.join(CHECKPOINTS_DIR).join(LATEST_FILE)).unwrap().trim(), format!("step-{TOTAL_STEPS:06}"));
+    assert_eq!(
+        checkpoint_steps(&dir).len(),
+        2,
+        "only the last two checkpoints are kept"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join(CHECKPOINTS_DIR).join(LATEST_FILE))
+            .unwrap()
+            .trim(),
+        format!("step-{TOTAL_STEPS:06}")
+    );
     assert_no_leftovers(&dir);
-    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["status"], "ok");
     assert_eq!(summary["steps"], TOTAL_STEPS);
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -241,16 +323,29 @@ fn sigint_saves_checkpoint_and_summary_then_exits_130_and_resumes() {
     let args = run_args(&dir);
     let mut child = spawn(&args);
     wait_for_checkpoint(&mut child, &dir, 6);
-    let sent = Command::new("kill").args(["-INT", &child.id().to_string()]).status();
-    assert!(sent.is_ok_and(|s| s.success()), "could not send SIGINT with kill(1)");
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    assert!(
+        sent.is_ok_and(|s| s.success()),
+        "could not send SIGINT with kill(1)"
+    );
     let out = child.wait_with_output().unwrap();
     let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(130), "exit code after SIGINT; stderr:\n{stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "exit code after SIGINT; stderr:\n{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
     let last = stderr.lines().last().unwrap_or("");
-    assert!(last.starts_with("error: interrupted:") && last.contains("--resume"), "last stderr line: {last}");
+    assert!(
+        last.starts_with("error: interrupted:") && last.contains("--resume"),
+        "last stderr line: {last}"
+    );
 
-    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["status"], "interrupted");
     let steps = summary["steps"].as_u64().unwrap() as usize;
     assert!((6..TOTAL_STEPS).contains(&steps), "stopped at step {steps}");
@@ -283,10 +378,15 @@ fn damaged_newest_checkpoint_is_skipped_with_a_warning() {
     assert_ok(&out, "resuming past a damaged checkpoint");
     let stderr = text(&out.stderr);
     assert!(
-        stderr.lines().any(|l| l.starts_with("warning:") && l.contains("damaged") && l.contains(&format!("step-{TOTAL_STEPS:06}"))),
+        stderr.lines().any(|l| l.starts_with("warning:")
+            && l.contains("damaged")
+            && l.contains(&format!("step-{TOTAL_STEPS:06}"))),
         "stderr:\n{stderr}"
     );
-    assert!(text(&out.stdout).contains(&format!("step {}", TOTAL_STEPS - 2)), "resumed from the older checkpoint");
+    assert!(
+        text(&out.stdout).contains(&format!("step {}", TOTAL_STEPS - 2)),
+        "resumed from the older checkpoint"
+    );
     // The two steps from the older checkpoint were trained again and the damaged one replaced.
     assert_same_checkpoint(&newest, &reference_final());
     assert_no_leftovers(&dir);
@@ -301,12 +401,25 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
     resume.extend(["--resume".to_string(), dir.display().to_string()]);
     let out = run(&resume);
     assert_ok(&out, "resuming a finished run");
-    assert!(text(&out.stdout).contains("nothing left to train"), "stdout:\n{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("nothing left to train"),
+        "stdout:\n{}",
+        text(&out.stdout)
+    );
 
     // Flags left out come from the checkpoint; --epochs may grow.
-    let out = run(&["--resume".to_string(), dir.display().to_string(), "--epochs".into(), "21".into()]);
+    let out = run(&[
+        "--resume".to_string(),
+        dir.display().to_string(),
+        "--epochs".into(),
+        "21".into(),
+    ]);
     assert_ok(&out, "extending a finished run");
-    assert!(text(&out.stdout).contains("epochs: checkpoint 20, now 21"), "stdout:\n{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("epochs: checkpoint 20, now 21"),
+        "stdout:\n{}",
+        text(&out.stdout)
+    );
     assert_eq!(checkpoint_steps(&dir).last(), Some(&(TOTAL_STEPS + 8)));
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
@@ -333,29 +446,63 @@ fn diverging_run_leaves_checkpoint_intact(precision: &str) {
         assert_eq!(checkpoint_steps(&dir), vec![8]);
 
         let mut diverge = base.clone();
-        diverge.extend(["--epochs", "2", "--lr", "1e30", "--save-every", save_every, "--resume"].map(String::from));
+        diverge.extend(
+            [
+                "--epochs",
+                "2",
+                "--lr",
+                "1e30",
+                "--save-every",
+                save_every,
+                "--resume",
+            ]
+            .map(String::from),
+        );
         diverge.push(dir.display().to_string());
         let out = run(&diverge);
         let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "exit code of a diverged run; stderr:\n{stderr}");
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "exit code of a diverged run; stderr:\n{stderr}"
+        );
         assert_eq!(stderr.lines().count(), 1, "one line on stderr:\n{stderr}");
-        assert!(stderr.starts_with("error: non-finite") && stderr.contains("--lr"), "{stderr}");
+        assert!(
+            stderr.starts_with("error: non-finite") && stderr.contains("--lr"),
+            "{stderr}"
+        );
         assert_no_leftovers(&dir);
         if save_every == "0" {
-            assert!(before == snapshot(&dir.join(CHECKPOINTS_DIR)), "the checkpoints changed after the failure");
+            assert!(
+                before == snapshot(&dir.join(CHECKPOINTS_DIR)),
+                "the checkpoints changed after the failure"
+            );
             continue;
         }
         // "... at epoch E, batch B ...": the failing step is global step E*8 + B (0-based).
         let num_after = |key: &str| -> usize {
-            let rest = &stderr[stderr.find(key).unwrap_or_else(|| panic!("no '{key}' in {stderr}")) + key.len()..];
-            rest.chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().unwrap()
+            let rest = &stderr[stderr
+                .find(key)
+                .unwrap_or_else(|| panic!("no '{key}' in {stderr}"))
+                + key.len()..];
+            rest.chars()
+                .take_while(|c| c.is_ascii_digit())
+                .collect::<String>()
+                .parse()
+                .unwrap()
         };
         let failed = num_after("epoch ") * 8 + num_after("batch ");
         let ck = Checkpoint::find_latest(&dir).expect("the newest checkpoint loads");
         assert!(ck.skipped.is_empty());
-        assert_eq!(ck.state.global_step, failed, "the newest checkpoint is the last step that succeeded");
+        assert_eq!(
+            ck.state.global_step, failed,
+            "the newest checkpoint is the last step that succeeded"
+        );
         for (name, t) in tensors(&ck.dir.join(MODEL_FILE)) {
-            assert!(bits(&t).iter().all(|b| f32::from_bits(*b).is_finite()), "{name} is not finite");
+            assert!(
+                bits(&t).iter().all(|b| f32::from_bits(*b).is_finite()),
+                "{name} is not finite"
+            );
         }
     }
     let _ = std::fs::remove_dir_all(root);
@@ -408,7 +555,12 @@ fn tiny(out: &Path, precision: Precision) -> TrainConfig {
 
 fn splits(cfg: &TrainConfig) -> DataSplits {
     let (train, test) = synthetic::splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
-    DataSplits { train, test, description: "synthetic (test)".into(), test_is_validation: false }
+    DataSplits {
+        train,
+        test,
+        description: "synthetic (test)".into(),
+        test_is_validation: false,
+    }
 }
 
 #[test]
@@ -430,7 +582,10 @@ fn restore_brings_back_every_piece_of_state() {
 
         let ck = Checkpoint::find_latest(&dir).unwrap();
         assert!(ck.skipped.is_empty());
-        assert_eq!((ck.state.global_step, ck.state.epoch, ck.state.next_batch), (3, 0, 3));
+        assert_eq!(
+            (ck.state.global_step, ck.state.epoch, ck.state.next_batch),
+            (3, 0, 3)
+        );
         let cfg_b = ck.resume_config(&cfg, false).unwrap();
         let mut b = Trainer::new(cfg_b, splits(&cfg), TrainerOptions::default()).unwrap();
         ck.restore(&mut b).unwrap();
@@ -441,9 +596,17 @@ fn restore_brings_back_every_piece_of_state() {
         assert_eq!(b.scaler.is_some(), precision == Precision::F16);
         for ((na, va), (nb, vb)) in a.model.named_vars().iter().zip(b.model.named_vars().iter()) {
             assert_eq!(na, nb);
-            assert!(bits(va.as_tensor()) == bits(vb.as_tensor()), "parameter {na}");
+            assert!(
+                bits(va.as_tensor()) == bits(vb.as_tensor()),
+                "parameter {na}"
+            );
         }
-        for ((na, ta), (_, tb)) in a.model.named_buffers().iter().zip(b.model.named_buffers().iter()) {
+        for ((na, ta), (_, tb)) in a
+            .model
+            .named_buffers()
+            .iter()
+            .zip(b.model.named_buffers().iter())
+        {
             assert!(bits(ta) == bits(tb), "buffer {na}");
         }
         let (sa, sb) = (a.optimizer.state(), b.optimizer.state());
@@ -460,15 +623,40 @@ fn restore_brings_back_every_piece_of_state() {
 #[test]
 fn conflicting_config_lists_every_difference() {
     let dir = scratch("conflict").join("run");
-    let cfg = TrainConfig { max_steps: Some(2), ..tiny(&dir, Precision::F32) };
-    let mut t = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions { log_files: true, ..Default::default() }).unwrap();
+    let cfg = TrainConfig {
+        max_steps: Some(2),
+        ..tiny(&dir, Precision::F32)
+    };
+    let mut t = Trainer::new(
+        cfg.clone(),
+        splits(&cfg),
+        TrainerOptions {
+            log_files: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     t.fit().unwrap();
     let ck = Checkpoint::find_latest(&dir).unwrap();
-    let now = TrainConfig { width: 8, precision: Precision::Bf16, epochs: 5, ..cfg.clone() };
-    let err = ck.resume_config(&now, false).expect_err("a conflict").to_string();
-    assert!(err.contains("width: checkpoint 4, now 8; precision: checkpoint f32, now bf16"), "{err}");
+    let now = TrainConfig {
+        width: 8,
+        precision: Precision::Bf16,
+        epochs: 5,
+        ..cfg.clone()
+    };
+    let err = ck
+        .resume_config(&now, false)
+        .expect_err("a conflict")
+        .to_string();
+    assert!(
+        err.contains("width: checkpoint 4, now 8; precision: checkpoint f32, now bf16"),
+        "{err}"
+    );
     assert!(!err.contains("epochs"), "epochs may change: {err}");
     assert!(!err.contains('\n'));
-    assert_eq!(ck.noted_changes(&now), vec!["epochs: checkpoint 2, now 5".to_string()]);
+    assert_eq!(
+        ck.noted_changes(&now),
+        vec!["epochs: checkpoint 2, now 5".to_string()]
+    );
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }

@@ -15,21 +15,29 @@ use std::sync::OnceLock;
 fn example(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     let exe = std::env::current_exe().expect("current exe");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
-    let bin = |n: &str| profile_dir.join("examples").join(format!("{n}{}", std::env::consts::EXE_SUFFIX));
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
+    let bin = |n: &str| {
+        profile_dir
+            .join("examples")
+            .join(format!("{n}{}", std::env::consts::EXE_SUFFIX))
+    };
     BUILT.get_or_init(|| {
         let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-        let stale = ["train_cifar10", "batch_sweep", "compare"]
-            .iter()
-            .any(|n| match (modified(&bin(n)), modified(&exe)) {
+        let stale = ["train_cifar10", "batch_sweep", "compare"].iter().any(|n| {
+            match (modified(&bin(n)), modified(&exe)) {
                 (Some(b), Some(t)) => b < t,
                 _ => true,
-            });
+            }
+        });
         if !stale {
             return;
         }
         let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "--quiet", "--examples"]).current_dir(env!("CARGO_MANIFEST_DIR"));
+        cmd.args(["build", "--quiet", "--examples"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
         if profile_dir.file_name().is_some_and(|n| n == "release") {
             cmd.arg("--release");
         }
@@ -41,7 +49,11 @@ fn example(name: &str) -> PathBuf {
         assert!(status.success(), "cargo build --examples failed");
     });
     let path = bin(name);
-    assert!(path.is_file(), "{} missing; run `cargo build --release --examples`", path.display());
+    assert!(
+        path.is_file(),
+        "{} missing; run `cargo build --release --examples`",
+        path.display()
+    );
     path
 }
 
@@ -54,7 +66,11 @@ fn tmp_dir(name: &str) -> PathBuf {
 fn run(cmd: &mut Command) -> Output {
     let out = cmd.output().expect("spawn");
     if !out.status.success() {
-        eprintln!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        eprintln!(
+            "stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     out
 }
@@ -81,7 +97,11 @@ fn check_svg(path: &Path, width: u32, height: u32) {
     assert_eq!(root.tag_name().name(), "svg");
     assert_eq!(root.attribute("width"), Some(width.to_string().as_str()));
     assert_eq!(root.attribute("height"), Some(height.to_string().as_str()));
-    assert!(doc.descendants().any(|n| n.has_tag_name("text")), "{} has no text", path.display());
+    assert!(
+        doc.descendants().any(|n| n.has_tag_name("text")),
+        "{} has no text",
+        path.display()
+    );
 }
 
 #[test]
@@ -90,44 +110,102 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
     let limit = "40MiB";
     let g = 16;
     let o = run(Command::new(example("batch_sweep"))
-        .args(["--find-max", "--start", "32", "--max-batch", "2048", "--granularity", &g.to_string()])
-        .args(["--steps", "1", "--width", "4", "--device", "cpu", "--synthetic-train", "10", "--quiet"])
+        .args([
+            "--find-max",
+            "--start",
+            "32",
+            "--max-batch",
+            "2048",
+            "--granularity",
+            &g.to_string(),
+        ])
+        .args([
+            "--steps",
+            "1",
+            "--width",
+            "4",
+            "--device",
+            "cpu",
+            "--synthetic-train",
+            "10",
+            "--quiet",
+        ])
         .args(["--memory-limit", limit, "--out"])
         .arg(&out)
         .args(["--", "--synthetic-test", "10"]));
     assert!(o.status.success());
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("largest batch that fits within 40.00 MiB"), "{stdout}");
+    assert!(
+        stdout.contains("largest batch that fits within 40.00 MiB"),
+        "{stdout}"
+    );
 
     let r = read_sweep(&out);
     assert_eq!(r.max_batches.len(), 1);
     let mb = &r.max_batches[0];
     let max = mb.max_batch.expect("some batch fits 40 MiB at width 4");
-    let oom = mb.first_oom.expect("some batch below 2048 exceeds 40 MiB at width 4");
+    let oom = mb
+        .first_oom
+        .expect("some batch below 2048 exceeds 40 MiB at width 4");
     assert!(!mb.capped);
     assert_eq!(oom, max + g, "the search narrows down to the granularity");
     // Doubling 32, 64, … then bisection: the points on record agree with the result.
     for p in &r.points {
-        let expect = if p.batch_size <= max { Status::Ok } else { Status::Oom };
-        assert_eq!(p.run.status, expect, "batch {}: {}", p.batch_size, p.run.note);
+        let expect = if p.batch_size <= max {
+            Status::Ok
+        } else {
+            Status::Oom
+        };
+        assert_eq!(
+            p.run.status, expect,
+            "batch {}: {}",
+            p.batch_size, p.run.note
+        );
         if p.run.status == Status::Ok {
             assert!(p.run.peak_bytes().unwrap() <= 40 << 20);
         }
     }
-    assert!(r.points.iter().any(|p| p.batch_size == max && p.run.status == Status::Ok));
+    assert!(r
+        .points
+        .iter()
+        .any(|p| p.batch_size == max && p.run.status == Status::Ok));
 
     // One step at the next batch size indeed exceeds the budget: run the trainer directly.
     let direct = out.join("direct");
     let o = Command::new(example("train_cifar10"))
-        .args(["--width", "4", "--device", "cpu", "--batch-size", &oom.to_string(), "--max-steps", "1"])
-        .args(["--synthetic-train", &oom.to_string(), "--synthetic-test", "10"])
-        .args(["--no-eval", "--quiet", "--summary-only", "--memory-limit", limit, "--out"])
+        .args([
+            "--width",
+            "4",
+            "--device",
+            "cpu",
+            "--batch-size",
+            &oom.to_string(),
+            "--max-steps",
+            "1",
+        ])
+        .args([
+            "--synthetic-train",
+            &oom.to_string(),
+            "--synthetic-test",
+            "10",
+        ])
+        .args([
+            "--no-eval",
+            "--quiet",
+            "--summary-only",
+            "--memory-limit",
+            limit,
+            "--out",
+        ])
         .arg(&direct)
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(stderr.starts_with("error: out of memory") || stderr.contains("\nerror: out of memory"), "{stderr}");
+    assert!(
+        stderr.starts_with("error: out of memory") || stderr.contains("\nerror: out of memory"),
+        "{stderr}"
+    );
     assert!(oom_message(&stderr).is_some());
     let _ = std::fs::remove_dir_all(&out);
 }
@@ -136,8 +214,28 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
 fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
     let out = tmp_dir("findmax-accum");
     let o = run(Command::new(example("batch_sweep"))
-        .args(["--find-max", "--start", "32", "--max-batch", "4096", "--granularity", "8", "--accum-steps", "3"])
-        .args(["--steps", "1", "--width", "4", "--device", "cpu", "--synthetic-train", "10", "--quiet"])
+        .args([
+            "--find-max",
+            "--start",
+            "32",
+            "--max-batch",
+            "4096",
+            "--granularity",
+            "8",
+            "--accum-steps",
+            "3",
+        ])
+        .args([
+            "--steps",
+            "1",
+            "--width",
+            "4",
+            "--device",
+            "cpu",
+            "--synthetic-train",
+            "10",
+            "--quiet",
+        ])
         .args(["--memory-limit", "24MiB", "--out"])
         .arg(&out)
         .args(["--", "--synthetic-test", "10"]));
@@ -148,7 +246,12 @@ fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
     // Granularity 8 with 3 accumulation steps: multiples of 24.
     assert!(oom > max && oom - max <= 24, "{max} {oom}");
     for p in &r.points {
-        assert_eq!(p.batch_size % 3, 0, "batch {} is not divisible by --accum-steps 3", p.batch_size);
+        assert_eq!(
+            p.batch_size % 3,
+            0,
+            "batch {} is not divisible by --accum-steps 3",
+            p.batch_size
+        );
         assert_ne!(p.run.status, Status::Failed, "{}", p.run.note);
         assert_eq!(p.run.status == Status::Ok, p.batch_size <= max);
     }
@@ -177,14 +280,34 @@ fn oom_and_killed_points_are_recorded_and_the_sweep_goes_on() {
     let out = tmp_dir("statuses");
     let wrapper = killing_wrapper(&out.join("bin"));
     let o = run(Command::new(example("batch_sweep"))
-        .args(["--batch-sizes", "32,48,1024,64", "--precision", "f32,f16", "--steps", "2"])
-        .args(["--width", "4", "--device", "cpu", "--synthetic-train", "10", "--memory-limit", "40MiB", "--quiet"])
+        .args([
+            "--batch-sizes",
+            "32,48,1024,64",
+            "--precision",
+            "f32,f16",
+            "--steps",
+            "2",
+        ])
+        .args([
+            "--width",
+            "4",
+            "--device",
+            "cpu",
+            "--synthetic-train",
+            "10",
+            "--memory-limit",
+            "40MiB",
+            "--quiet",
+        ])
         .arg("--trainer")
         .arg(&wrapper)
         .arg("--out")
         .arg(out.join("sweep"))
         .args(["--", "--synthetic-test", "10"]));
-    assert!(o.status.success(), "OOM and failed points do not fail the sweep");
+    assert!(
+        o.status.success(),
+        "OOM and failed points do not fail the sweep"
+    );
     let dir = out.join("sweep");
     let r = read_sweep(&dir);
     assert_eq!(r.points.len(), 8, "every point ran");
@@ -207,12 +330,26 @@ fn oom_and_killed_points_are_recorded_and_the_sweep_goes_on() {
     // A point after an OOM one still ran and measured.
     let ok64 = r.points.iter().find(|p| p.batch_size == 64).unwrap();
     assert!(ok64.run.peak_bytes().unwrap() > ok64.run.baseline_bytes().unwrap());
-    assert_eq!(r.configurations.iter().map(|v| v.label.as_str()).collect::<Vec<_>>(), ["f32", "f16"]);
+    assert_eq!(
+        r.configurations
+            .iter()
+            .map(|v| v.label.as_str())
+            .collect::<Vec<_>>(),
+        ["f32", "f16"]
+    );
 
     // Table on stdout, with explicit column names.
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("| configuration | batch | status | peak MiB (total) | baseline MiB (at start) |"), "{stdout}");
-    assert!(stdout.contains("| OOM |") && stdout.contains("| failed |"), "{stdout}");
+    assert!(
+        stdout.contains(
+            "| configuration | batch | status | peak MiB (total) | baseline MiB (at start) |"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("| OOM |") && stdout.contains("| failed |"),
+        "{stdout}"
+    );
 
     // JSON round-trips.
     let again: SweepResult = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
@@ -223,10 +360,22 @@ fn oom_and_killed_points_are_recorded_and_the_sweep_goes_on() {
     assert_eq!(csv.rows.len(), r.points.len());
     for (i, p) in r.points.iter().enumerate() {
         assert_eq!(csv.get(i, "configuration"), Some(p.configuration.as_str()));
-        assert_eq!(csv.get(i, "batch_size").unwrap().parse::<usize>().unwrap(), p.batch_size);
-        assert_eq!(Status::parse(csv.get(i, "status").unwrap()), Some(p.run.status));
-        assert_eq!(csv.get(i, "peak_bytes").unwrap().parse::<u64>().ok(), p.run.peak_bytes());
-        assert_eq!(csv.get(i, "baseline_bytes").unwrap().parse::<u64>().ok(), p.run.baseline_bytes());
+        assert_eq!(
+            csv.get(i, "batch_size").unwrap().parse::<usize>().unwrap(),
+            p.batch_size
+        );
+        assert_eq!(
+            Status::parse(csv.get(i, "status").unwrap()),
+            Some(p.run.status)
+        );
+        assert_eq!(
+            csv.get(i, "peak_bytes").unwrap().parse::<u64>().ok(),
+            p.run.peak_bytes()
+        );
+        assert_eq!(
+            csv.get(i, "baseline_bytes").unwrap().parse::<u64>().ok(),
+            p.run.baseline_bytes()
+        );
         assert_eq!(csv.get(i, "note"), Some(p.run.note.as_str()));
     }
     // Charts: a PNG of the expected size and a well-formed SVG.
@@ -248,17 +397,34 @@ fn oom_and_killed_points_are_recorded_and_the_sweep_goes_on() {
 fn compare_runs_each_configuration_and_draws_its_charts() {
     let out = tmp_dir("compare");
     let o = run(Command::new(example("compare"))
-        .args(["--run", "", "--run", "f16<&>: --precision f16", "--run", "--checkpoint stages"])
-        .args(["--common", "--width 4 --device cpu --max-steps 3 --batch-size 32 --synthetic-train 96"])
+        .args([
+            "--run",
+            "",
+            "--run",
+            "f16<&>: --precision f16",
+            "--run",
+            "--checkpoint stages",
+        ])
+        .args([
+            "--common",
+            "--width 4 --device cpu --max-steps 3 --batch-size 32 --synthetic-train 96",
+        ])
         .args(["--quiet", "--out"])
         .arg(&out)
         .args(["--", "--synthetic-test", "32"]));
     assert!(o.status.success());
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("| configuration | status | peak MiB (total) | peak vs baseline |"), "{stdout}");
-    assert!(stdout.contains("accuracy"), "eval is on, so accuracy is reported: {stdout}");
+    assert!(
+        stdout.contains("| configuration | status | peak MiB (total) | peak vs baseline |"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("accuracy"),
+        "eval is on, so accuracy is reported: {stdout}"
+    );
 
-    let r: CompareResult = serde_json::from_str(&std::fs::read_to_string(out.join("compare.json")).unwrap()).unwrap();
+    let r: CompareResult =
+        serde_json::from_str(&std::fs::read_to_string(out.join("compare.json")).unwrap()).unwrap();
     let labels: Vec<&str> = r.entries.iter().map(|e| e.label.as_str()).collect();
     assert_eq!(labels, ["baseline", "f16<&>", "--checkpoint stages"]);
     for e in &r.entries {
@@ -267,20 +433,31 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
         assert_eq!(s.steps, 3);
         assert!(s.final_test_accuracy.is_some());
         // Each run directory has its own per-batch CSV and memory chart (train_cifar10 draws it).
-        assert_eq!(read_batches_csv(&e.run.run_dir.join("batches.csv")).unwrap().len(), 3);
+        assert_eq!(
+            read_batches_csv(&e.run.run_dir.join("batches.csv"))
+                .unwrap()
+                .len(),
+            3
+        );
         assert_eq!(png_size(&e.run.run_dir.join("memory.png")), (1200, 700));
         check_svg(&e.run.run_dir.join("memory.svg"), 1200, 700);
     }
     assert_eq!(r.entries[0].peak_change_pct, Some(0.0));
     let f16 = &r.entries[1];
-    let expect = (f16.run.peak_bytes().unwrap() as f64 / r.entries[0].run.peak_bytes().unwrap() as f64 - 1.0) * 100.0;
+    let expect = (f16.run.peak_bytes().unwrap() as f64
+        / r.entries[0].run.peak_bytes().unwrap() as f64
+        - 1.0)
+        * 100.0;
     assert!((f16.peak_change_pct.unwrap() - expect).abs() < 1e-9);
 
     let csv = CsvTable::parse(&std::fs::read_to_string(out.join("compare.csv")).unwrap()).unwrap();
     assert_eq!(csv.header.join(","), COMPARE_CSV_HEADER);
     for (i, e) in r.entries.iter().enumerate() {
         assert_eq!(csv.get(i, "configuration"), Some(e.label.as_str()));
-        assert_eq!(csv.get(i, "peak_bytes").unwrap().parse::<u64>().ok(), e.run.peak_bytes());
+        assert_eq!(
+            csv.get(i, "peak_bytes").unwrap().parse::<u64>().ok(),
+            e.run.peak_bytes()
+        );
         assert_eq!(csv.get(i, "flags"), Some(e.flags.join(" ").as_str()));
     }
     let again: CompareResult = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
@@ -301,70 +478,173 @@ fn compare_takes_config_files_and_explicit_flags_override_them() {
     let a = out.join("00-small.json");
     let b = out.join("01-accum.json");
     std::fs::write(&a, r#"{"width": 4, "batch_size": 32, "max_steps": 50}"#).unwrap();
-    std::fs::write(&b, r#"{"width": 4, "batch_size": 32, "accum_steps": 2, "max_steps": 50}"#).unwrap();
+    std::fs::write(
+        &b,
+        r#"{"width": 4, "batch_size": 32, "accum_steps": 2, "max_steps": 50}"#,
+    )
+    .unwrap();
     let o = run(Command::new(example("compare"))
         .arg("--configs")
         .args([&a, &b])
         .args(["--quiet", "--out"])
         .arg(out.join("cmp"))
-        .args(["--", "--max-steps", "2", "--no-eval", "--device", "cpu", "--synthetic-train", "64", "--synthetic-test", "10"]));
+        .args([
+            "--",
+            "--max-steps",
+            "2",
+            "--no-eval",
+            "--device",
+            "cpu",
+            "--synthetic-train",
+            "64",
+            "--synthetic-test",
+            "10",
+        ]));
     assert!(o.status.success());
     let r: CompareResult =
-        serde_json::from_str(&std::fs::read_to_string(out.join("cmp/compare.json")).unwrap()).unwrap();
-    assert_eq!(r.entries.iter().map(|e| e.label.as_str()).collect::<Vec<_>>(), ["small", "accum"]);
+        serde_json::from_str(&std::fs::read_to_string(out.join("cmp/compare.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        r.entries
+            .iter()
+            .map(|e| e.label.as_str())
+            .collect::<Vec<_>>(),
+        ["small", "accum"]
+    );
     for e in &r.entries {
         assert_eq!(e.run.status, Status::Ok, "{}", e.run.note);
         // --max-steps 2 given explicitly overrides the file's 50.
         assert_eq!(e.run.summary.as_ref().unwrap().steps, 2);
-        assert!(e.run.summary.as_ref().unwrap().final_test_accuracy.is_none());
+        assert!(e
+            .run
+            .summary
+            .as_ref()
+            .unwrap()
+            .final_test_accuracy
+            .is_none());
     }
-    assert!(r.entries[1].run.summary.as_ref().unwrap().label.contains("accum2"));
+    assert!(r.entries[1]
+        .run
+        .summary
+        .as_ref()
+        .unwrap()
+        .label
+        .contains("accum2"));
     let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn usage_errors_exit_with_code_2() {
-    let o = Command::new(example("batch_sweep")).args(["--find-max", "--batch-sizes", "32"]).output().unwrap();
+    let o = Command::new(example("batch_sweep"))
+        .args(["--find-max", "--batch-sizes", "32"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2));
-    let o = Command::new(example("batch_sweep")).args(["--precision", "f8"]).output().unwrap();
+    let o = Command::new(example("batch_sweep"))
+        .args(["--precision", "f8"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2));
     let o = Command::new(example("compare")).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to compare"));
-    let o = Command::new(example("compare")).args(["--run", "--width 'unbalanced"]).output().unwrap();
+    let o = Command::new(example("compare"))
+        .args(["--run", "--width 'unbalanced"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2));
-    let o = Command::new(example("compare")).args(["--run", "", "--trainer", "/nonexistent/trainer"]).output().unwrap();
+    let o = Command::new(example("compare"))
+        .args(["--run", "", "--trainer", "/nonexistent/trainer"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2));
-    let o = Command::new(example("batch_sweep")).arg("--help").output().unwrap();
+    let o = Command::new(example("batch_sweep"))
+        .arg("--help")
+        .output()
+        .unwrap();
     assert!(o.status.success());
     assert!(String::from_utf8_lossy(&o.stdout).contains("--find-max"));
 }
 
 #[test]
 fn flag_strings_split_and_merge_like_a_shell() {
-    assert_eq!(split_flags(r#"--a 1 --b "x y" --c 'q"z' d\ e"#).unwrap(), ["--a", "1", "--b", "x y", "--c", "q\"z", "d e"]);
+    assert_eq!(
+        split_flags(r#"--a 1 --b "x y" --c 'q"z' d\ e"#).unwrap(),
+        ["--a", "1", "--b", "x y", "--c", "q\"z", "d e"]
+    );
     assert_eq!(split_flags("  ").unwrap(), Vec::<String>::new());
     assert!(split_flags("--a 'open").is_err());
     assert!(split_flags("--a \"open").is_err());
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
     let common = s(&["--width", "4", "--no-eval", "--lr", "-0.1", "--max-steps=5"]);
     let run = s(&["--lr", "0.2", "--max-steps", "3"]);
-    assert_eq!(merge_flags(&[&common, &run]), s(&["--width", "4", "--no-eval", "--lr", "0.2", "--max-steps", "3"]));
+    assert_eq!(
+        merge_flags(&[&common, &run]),
+        s(&[
+            "--width",
+            "4",
+            "--no-eval",
+            "--lr",
+            "0.2",
+            "--max-steps",
+            "3"
+        ])
+    );
 }
 
 #[test]
 fn cross_product_labels_the_varying_dimensions() {
-    let d = |f: &str, v: &[&str]| Dimension { flag: f.into(), values: v.iter().map(|x| x.to_string()).collect() };
-    let v = cross_product(&[d("precision", &["f32", "f16"]), d("checkpoint", &["none", "stages"]), d("width", &["8"])]);
+    let d = |f: &str, v: &[&str]| Dimension {
+        flag: f.into(),
+        values: v.iter().map(|x| x.to_string()).collect(),
+    };
+    let v = cross_product(&[
+        d("precision", &["f32", "f16"]),
+        d("checkpoint", &["none", "stages"]),
+        d("width", &["8"]),
+    ]);
     let labels: Vec<&str> = v.iter().map(|x| x.label.as_str()).collect();
-    assert_eq!(labels, ["f32 ckpt=none", "f32 ckpt=stages", "f16 ckpt=none", "f16 ckpt=stages"]);
-    assert_eq!(v[3].flags, ["--precision", "f16", "--checkpoint", "stages", "--width", "8"]);
+    assert_eq!(
+        labels,
+        [
+            "f32 ckpt=none",
+            "f32 ckpt=stages",
+            "f16 ckpt=none",
+            "f16 ckpt=stages"
+        ]
+    );
+    assert_eq!(
+        v[3].flags,
+        [
+            "--precision",
+            "f16",
+            "--checkpoint",
+            "stages",
+            "--width",
+            "8"
+        ]
+    );
     assert_eq!(cross_product(&[]).len(), 1);
     assert_eq!(cross_product(&[])[0].label, "default");
-    assert_eq!(cross_product(&[d("accum-steps", &["4"])])[0].label, "accum=4");
-    assert_eq!(cross_product(&[d("accum-steps", &["4"])])[0].accum_steps(), 4);
+    assert_eq!(
+        cross_product(&[d("accum-steps", &["4"])])[0].label,
+        "accum=4"
+    );
+    assert_eq!(
+        cross_product(&[d("accum-steps", &["4"])])[0].accum_steps(),
+        4
+    );
     let f = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-    assert_eq!(accum_steps_of(&f(&["--width", "4", "--accum-steps=2", "--accum-steps", "8"])), 8);
+    assert_eq!(
+        accum_steps_of(&f(&[
+            "--width",
+            "4",
+            "--accum-steps=2",
+            "--accum-steps",
+            "8"
+        ])),
+        8
+    );
     assert_eq!(accum_steps_of(&f(&["--accum-steps", "zero"])), 1);
 }
 
@@ -396,6 +676,13 @@ fn csv_parser_handles_quotes_and_the_oom_detector_reads_the_trainer_message() {
     );
     assert!(oom_message("memory allocation of 123 bytes failed\n").is_some());
     assert!(oom_message("error: non-finite loss at epoch 0").is_none());
-    let plan = BatchPlan::FindMax { start: 32, max_batch: 64, granularity: 8 };
-    assert_eq!(serde_json::from_str::<BatchPlan>(&serde_json::to_string(&plan).unwrap()).unwrap(), plan);
+    let plan = BatchPlan::FindMax {
+        start: 32,
+        max_batch: 64,
+        granularity: 8,
+    };
+    assert_eq!(
+        serde_json::from_str::<BatchPlan>(&serde_json::to_string(&plan).unwrap()).unwrap(),
+        plan
+    );
 }

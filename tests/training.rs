@@ -28,12 +28,21 @@ fn synthetic_data_is_learned_quickly() {
 #[test]
 fn same_seed_same_losses() {
     let run = || {
-        let cfg = TrainConfig { max_steps: Some(4), synthetic_train: 128, ..common::tiny_config() };
+        let cfg = TrainConfig {
+            max_steps: Some(4),
+            synthetic_train: 128,
+            ..common::tiny_config()
+        };
         let mut t = common::trainer(cfg);
         (0..4)
             .map(|i| {
                 let (x, y) = common::batch(16, 100 + i);
-                let b = memtrain::data::Batch { images: x, labels: y, len: 16, index: i as usize };
+                let b = memtrain::data::Batch {
+                    images: x,
+                    labels: y,
+                    len: 16,
+                    index: i as usize,
+                };
                 t.train_step(&b, 0, i as usize).unwrap().loss
             })
             .collect::<Vec<f64>>()
@@ -43,7 +52,12 @@ fn same_seed_same_losses() {
     assert_eq!(a, b, "bit-identical loss sequences");
     // And through fit() with shuffling and augmentation.
     let fit = || {
-        let cfg = TrainConfig { max_steps: Some(3), synthetic_train: 128, eval: true, ..common::tiny_config() };
+        let cfg = TrainConfig {
+            max_steps: Some(3),
+            synthetic_train: 128,
+            eval: true,
+            ..common::tiny_config()
+        };
         common::trainer(cfg).fit().unwrap().final_test_loss
     };
     assert_eq!(fit(), fit());
@@ -52,14 +66,32 @@ fn same_seed_same_losses() {
 #[test]
 fn run_directory_has_config_csv_and_summary() {
     let dir = common::temp_dir("rundir");
-    let cfg = TrainConfig { out: Some(dir.clone()), eval: true, ..common::tiny_config() };
+    let cfg = TrainConfig {
+        out: Some(dir.clone()),
+        eval: true,
+        ..common::tiny_config()
+    };
     let data = common::splits(cfg.synthetic_train, cfg.synthetic_test, 0);
-    let mut t = Trainer::new(cfg.clone(), data, TrainerOptions { log_files: true, ..Default::default() }).unwrap();
+    let mut t = Trainer::new(
+        cfg.clone(),
+        data,
+        TrainerOptions {
+            log_files: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     t.fit().unwrap();
     let saved = TrainConfig::from_json_file(&dir.join("config.json")).unwrap();
     assert_eq!(saved, cfg);
-    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
-    for key in ["peak_bytes", "images_per_sec", "final_test_accuracy", "probe"] {
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    for key in [
+        "peak_bytes",
+        "images_per_sec",
+        "final_test_accuracy",
+        "probe",
+    ] {
         assert!(summary.get(key).is_some(), "summary.json lacks {key}");
     }
     let batches = std::fs::read_to_string(dir.join("batches.csv")).unwrap();
@@ -93,6 +125,12 @@ fn real_cifar_subset_beats_chance_in_two_epochs() {
     let mut t = Trainer::from_config(cfg, TrainerOptions::default()).unwrap();
     let s = t.fit().unwrap();
     let acc = s.final_test_accuracy.unwrap();
-    eprintln!("real subset, 2 epochs, width 16: validation accuracy {:.1}%", acc * 100.0);
-    assert!(acc > 0.30, "validation accuracy {acc} <= 30% after 2 epochs");
+    eprintln!(
+        "real subset, 2 epochs, width 16: validation accuracy {:.1}%",
+        acc * 100.0
+    );
+    assert!(
+        acc > 0.30,
+        "validation accuracy {acc} <= 30% after 2 epochs"
+    );
 }

@@ -32,13 +32,20 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 /// header when the file is missing or has another header.
 fn kept_rows(path: &std::path::Path, header: &str, col: usize, limit: usize) -> String {
     let mut out = format!("{header}\n");
-    let Ok(text) = std::fs::read_to_string(path) else { return out };
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return out;
+    };
     let mut lines = text.lines();
     if lines.next() != Some(header) {
         return out;
     }
     for line in lines {
-        if line.split(',').nth(col).and_then(|v| v.parse::<usize>().ok()).is_some_and(|v| v < limit) {
+        if line
+            .split(',')
+            .nth(col)
+            .and_then(|v| v.parse::<usize>().ok())
+            .is_some_and(|v| v < limit)
+        {
             out.push_str(line);
             out.push('\n');
         }
@@ -58,7 +65,9 @@ impl MetricsLogger {
     }
 
     fn memory(&self) -> Option<MemoryLog> {
-        self.memory.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        self.memory
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
     fn flush(&self) -> Result<()> {
@@ -76,15 +85,29 @@ impl Callback for MetricsLogger {
         if ctx.global_step > 0 {
             // Resuming: keep the rows of the steps and epochs before the checkpoint, drop any
             // written after it by the interrupted process.
-            self.batch_rows = kept_rows(&self.dir.join("batches.csv"), BATCH_CSV_HEADER, 2, ctx.global_step);
-            self.epoch_rows = kept_rows(&self.dir.join("epochs.csv"), EPOCH_CSV_HEADER, 0, ctx.start_epoch);
+            self.batch_rows = kept_rows(
+                &self.dir.join("batches.csv"),
+                BATCH_CSV_HEADER,
+                2,
+                ctx.global_step,
+            );
+            self.epoch_rows = kept_rows(
+                &self.dir.join("epochs.csv"),
+                EPOCH_CSV_HEADER,
+                0,
+                ctx.start_epoch,
+            );
         }
         write_json_atomic(&self.dir.join("config.json"), ctx.config)
     }
 
     fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
         let mem = self.memory.as_ref().and_then(|m| {
-            m.lock().unwrap_or_else(|e| e.into_inner()).batches.last().cloned()
+            m.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .batches
+                .last()
+                .cloned()
         });
         let _ = write!(
             self.batch_rows,

@@ -109,7 +109,10 @@ impl MemoryLog {
     /// The memory report: one row per epoch.
     pub fn report(&self) -> String {
         if !self.available {
-            return format!("memory report: probe '{}' unavailable (no readings)\n", self.probe);
+            return format!(
+                "memory report: probe '{}' unavailable (no readings)\n",
+                self.probe
+            );
         }
         let mut s = format!(
             "memory report ({}; baseline {} before training)\n| epoch | peak | mean step peak | phase of peak | eval peak |\n|---:|---:|---:|---|---:|\n",
@@ -129,7 +132,9 @@ impl MemoryLog {
         s.push_str(&format!(
             "run peak: {} ({})\n",
             format_bytes(self.peak_bytes),
-            self.peak_phase.map(|p| p.to_string()).unwrap_or_else(|| "-".into())
+            self.peak_phase
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "-".into())
         ));
         s
     }
@@ -239,7 +244,10 @@ impl Callback for MemoryCallback {
 
     fn on_batch_begin(&mut self, _ctx: &BatchInfo<'_>) -> Result<()> {
         self.fold(Phase::Other);
-        self.step = StepMax { start: self.probe.current(), ..Default::default() };
+        self.step = StepMax {
+            start: self.probe.current(),
+            ..Default::default()
+        };
         Ok(())
     }
 

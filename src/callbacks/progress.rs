@@ -1,11 +1,11 @@
 //! [`ProgressCallback`]: indicatif bars (epoch and batch) on a terminal, plain lines otherwise.
 
 use super::{BatchInfo, Callback, EpochBegin, EpochEnd, MemoryLog, TrainBegin, TrainEnd};
-use std::sync::{Arc, Mutex};
 use crate::error::Result;
 use crate::memory::format_bytes;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Shows training progress: loss, images per second and peak memory.
@@ -31,12 +31,14 @@ impl ProgressCallback {
     pub fn new(quiet: bool, memory: Option<Arc<Mutex<MemoryLog>>>) -> Self {
         let bars = (!quiet && std::io::stdout().is_terminal()).then(|| {
             let mp = MultiProgress::with_draw_target(ProgressDrawTarget::stdout());
-            let style = ProgressStyle::with_template(
-                "{prefix:>6} [{bar:30}] {pos}/{len} {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> ");
-            let epoch = mp.add(ProgressBar::new(0).with_style(style.clone()).with_prefix("epoch"));
+            let style = ProgressStyle::with_template("{prefix:>6} [{bar:30}] {pos}/{len} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> ");
+            let epoch = mp.add(
+                ProgressBar::new(0)
+                    .with_style(style.clone())
+                    .with_prefix("epoch"),
+            );
             let batch = mp.add(ProgressBar::new(0).with_style(style).with_prefix("step"));
             (mp, epoch, batch)
         });
@@ -101,7 +103,11 @@ impl Callback for ProgressCallback {
             self.loss_sum / self.steps as f64,
             ips,
             format_bytes(peak),
-            if ctx.skipped { " | step skipped (overflow)" } else { "" }
+            if ctx.skipped {
+                " | step skipped (overflow)"
+            } else {
+                ""
+            }
         );
         match &self.bars {
             Some((_, _, batch)) => {

@@ -203,9 +203,17 @@ impl DataSize {
 
     /// The size of loaded splits (their allocated capacity), plus the synthetic generator's
     /// templates when `cfg` trains on synthetic data.
-    pub fn loaded(train: &crate::data::Dataset, test: &crate::data::Dataset, cfg: &TrainConfig) -> Self {
+    pub fn loaded(
+        train: &crate::data::Dataset,
+        test: &crate::data::Dataset,
+        cfg: &TrainConfig,
+    ) -> Self {
         let bytes = |d: &crate::data::Dataset| (d.images.capacity() + d.labels.capacity()) as u64;
-        let generator = if uses_synthetic_data(cfg) { SYNTHETIC_TEMPLATE_BYTES } else { 0 };
+        let generator = if uses_synthetic_data(cfg) {
+            SYNTHETIC_TEMPLATE_BYTES
+        } else {
+            0
+        };
         DataSize {
             train_images: train.len(),
             test_images: test.len(),
@@ -255,7 +263,8 @@ impl DataSize {
         if n == 0 {
             return Err(Error::Data {
                 path: dir.to_path_buf(),
-                msg: "no CIFAR-10 training files (data_batch_N.bin) to size the data set from".into(),
+                msg: "no CIFAR-10 training files (data_batch_N.bin) to size the data set from"
+                    .into(),
             });
         }
         let test_path = dir.join(crate::data::cifar::TEST_FILE);
@@ -265,11 +274,18 @@ impl DataSize {
                 // capacity their growth left them with.
                 let test = m.len() as usize / RECORD_BYTES;
                 let parts_px: Vec<usize> = train_parts.iter().map(|p| p * IMAGE_BYTES).collect();
-                let resident = grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
-                Ok(DataSize { train_images: n, test_images: test, resident_bytes: resident as u64 })
+                let resident =
+                    grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
+                Ok(DataSize {
+                    train_images: n,
+                    test_images: test,
+                    resident_bytes: resident as u64,
+                })
             }
             _ => {
-                let n_val = ((n as f64 * val_fraction).round() as usize).max(1).min(n.saturating_sub(1));
+                let n_val = ((n as f64 * val_fraction).round() as usize)
+                    .max(1)
+                    .min(n.saturating_sub(1));
                 Ok(DataSize::exact(n - n_val, n_val))
             }
         }
@@ -407,9 +423,17 @@ impl Estimate {
             self.checkpoint,
             self.conv
         );
-        s.push_str("| layer | output (C×H×W) | params | saved for backward | recomputed | transient |\n");
+        s.push_str(
+            "| layer | output (C×H×W) | params | saved for backward | recomputed | transient |\n",
+        );
         s.push_str("|---|---|---:|---:|---:|---:|\n");
-        let dash = |b: u64| if b == 0 { "-".to_string() } else { format_bytes(b) };
+        let dash = |b: u64| {
+            if b == 0 {
+                "-".to_string()
+            } else {
+                format_bytes(b)
+            }
+        };
         for l in &self.layers {
             let (c, h, w) = l.output_shape;
             let _ = writeln!(
@@ -464,7 +488,11 @@ pub fn estimate(cfg: &TrainConfig, device: DeviceKind) -> Result<Estimate> {
 ///
 /// # Errors
 /// When the config is invalid.
-pub fn estimate_with(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Result<Estimate> {
+pub fn estimate_with(
+    cfg: &TrainConfig,
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Estimate> {
     cfg.validate()?;
     let specs = model_layer_specs(cfg.width, cfg.conv);
     estimate_for_specs(cfg, &specs, device, baseline)
@@ -490,7 +518,12 @@ pub fn estimate_for_specs(
 ) -> Result<Estimate> {
     cfg.validate()?;
     let nodes = nodes_from_specs(specs)?;
-    let n_blocks = nodes.iter().filter(|n| n.op != Op::Head).map(|n| n.block + 1).max().unwrap_or(0);
+    let n_blocks = nodes
+        .iter()
+        .filter(|n| n.op != Op::Head)
+        .map(|n| n.block + 1)
+        .max()
+        .unwrap_or(0);
     let segments = segments(n_blocks, cfg.checkpoint);
     let ctx = Ctx {
         n: cfg.micro_batch() as u64,
@@ -501,7 +534,11 @@ pub fn estimate_for_specs(
     let param_counts: Vec<u64> = nodes.iter().flat_map(|n| n.param_tensors()).collect();
     let param_bytes: u64 = param_counts.iter().map(|p| p * 4).sum();
     let max_param = param_counts.iter().copied().max().unwrap_or(0) * 4;
-    let bn_stats: u64 = nodes.iter().filter(|n| n.op == Op::Bn).map(|n| n.out.0 as u64 * 2 * 4).sum();
+    let bn_stats: u64 = nodes
+        .iter()
+        .filter(|n| n.op == Op::Bn)
+        .map(|n| n.out.0 as u64 * 2 * 4)
+        .sum();
     let optimizer_bytes = match cfg.optimizer {
         OptimizerKind::Sgd => param_bytes,
         OptimizerKind::Adamw => 2 * param_bytes,
@@ -509,10 +546,14 @@ pub fn estimate_for_specs(
 
     // What is in use when training begins, and the batches the batcher adds.
     let (baseline_bytes, train_images) = match baseline {
-        Baseline::Measured { bytes, train_images } => (bytes, train_images),
-        Baseline::Modeled(data) if device.is_cpu() => {
-            (data.resident_bytes + param_bytes + bn_stats + RUNTIME_OVERHEAD_BYTES, data.train_images)
-        }
+        Baseline::Measured {
+            bytes,
+            train_images,
+        } => (bytes, train_images),
+        Baseline::Modeled(data) if device.is_cpu() => (
+            data.resident_bytes + param_bytes + bn_stats + RUNTIME_OVERHEAD_BYTES,
+            data.train_images,
+        ),
         Baseline::Modeled(data) => (param_bytes + bn_stats, data.train_images),
     };
     let batch_bytes = if device.is_cpu() {
@@ -529,10 +570,17 @@ pub fn estimate_for_specs(
     // each thread and kept: the convolution threads, plus Candle's rayon threads when the head's
     // products are large enough to be split.
     let gemm_slabs = match device {
-        DeviceKind::Cpu { threads, l2_cache_bytes } => {
+        DeviceKind::Cpu {
+            threads,
+            l2_cache_bytes,
+        } => {
             let head = &nodes[nodes.len() - 1];
             let head_mnk = ctx.n * elems(head.inp) * NUM_CLASSES as u64;
-            let rayon = if head_mnk > GEMM_THREADING_THRESHOLD { threads } else { 0 };
+            let rayon = if head_mnk > GEMM_THREADING_THRESHOLD {
+                threads
+            } else {
+                0
+            };
             // A convolution on one image runs on the calling thread only.
             (threads.min(cfg.micro_batch()).max(1) + rayon) as u64 * l2_cache_bytes
         }
@@ -565,17 +613,25 @@ pub fn estimate_for_specs(
         match cfg.optimizer {
             // g + w·wd, momentum·m + g, g + buf·m, d·lr: four parameter-sized temporaries at
             // most, the first step also allocating the new state as it goes.
-            OptimizerKind::Sgd => sim.spike(if step == 0 { param_bytes } else { 0 } + 3 * max_param),
+            OptimizerKind::Sgd => {
+                sim.spike(if step == 0 { param_bytes } else { 0 } + 3 * max_param)
+            }
             // m1, v, their bias-corrected copies, sqrt, the update: about six.
-            OptimizerKind::Adamw => sim.spike(if step == 0 { 2 * param_bytes } else { 0 } + 6 * max_param),
+            OptimizerKind::Adamw => {
+                sim.spike(if step == 0 { 2 * param_bytes } else { 0 } + 6 * max_param)
+            }
         }
         sim.free(grads);
         sim.free(state);
     }
     let peaks = sim.peaks;
-    let (peak, peak_phase) = [(peaks[0], "forward"), (peaks[1], "backward"), (peaks[2], "optimizer")]
-        .into_iter()
-        .fold((0, "forward"), |a, b| if b.0 > a.0 { b } else { a });
+    let (peak, peak_phase) = [
+        (peaks[0], "forward"),
+        (peaks[1], "backward"),
+        (peaks[2], "optimizer"),
+    ]
+    .into_iter()
+    .fold((0, "forward"), |a, b| if b.0 > a.0 { b } else { a });
 
     let layers = nodes
         .iter()
@@ -662,7 +718,10 @@ impl Node {
             Op::Conv { .. } | Op::Depthwise => vec![self.params as u64],
             Op::Bn => vec![self.out.0 as u64; 2],
             Op::Pool => vec![],
-            Op::Head => vec![self.params.saturating_sub(NUM_CLASSES) as u64, NUM_CLASSES as u64],
+            Op::Head => vec![
+                self.params.saturating_sub(NUM_CLASSES) as u64,
+                NUM_CLASSES as u64,
+            ],
         }
     }
 }
@@ -682,16 +741,31 @@ fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
             other => return Err(bad(format!("layer {} has unknown kind '{other}'", s.name))),
         };
         if let Some(p) = prev {
-            let chained = if op == Op::Head { elems(p) == elems(s.input) } else { p == s.input };
+            let chained = if op == Op::Head {
+                elems(p) == elems(s.input)
+            } else {
+                p == s.input
+            };
             if !chained {
-                return Err(bad(format!("layer {} takes {:?} but the previous layer gives {:?}", s.name, s.input, p)));
+                return Err(bad(format!(
+                    "layer {} takes {:?} but the previous layer gives {:?}",
+                    s.name, s.input, p
+                )));
             }
         }
         if elems(s.input) == 0 || elems(s.output) == 0 {
             return Err(bad(format!("layer {} has an empty shape", s.name)));
         }
         prev = Some(s.output);
-        nodes.push(Node { name: s.name.clone(), kind: s.kind, op, inp: s.input, out: s.output, params: s.params, block: s.block });
+        nodes.push(Node {
+            name: s.name.clone(),
+            kind: s.kind,
+            op,
+            inp: s.input,
+            out: s.output,
+            params: s.params,
+            block: s.block,
+        });
     }
     match nodes.last() {
         Some(n) if n.op == Op::Head => {}
@@ -769,7 +843,13 @@ struct Sim {
 
 impl Sim {
     fn new(layers: usize) -> Self {
-        Sim { cur: 0, peaks: [0; 3], phase: Phase::Forward, layers: vec![LayerRec::default(); layers], local_peak: 0 }
+        Sim {
+            cur: 0,
+            peaks: [0; 3],
+            phase: Phase::Forward,
+            layers: vec![LayerRec::default(); layers],
+            local_peak: 0,
+        }
     }
 
     fn alloc(&mut self, b: u64) {
@@ -833,11 +913,27 @@ fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     let (cout, ho, wo) = nd.out;
     if !c.device.is_cpu() {
         // Candle's CUDA conv2d without cuDNN: im2col of the whole batch.
-        return if k == 1 { 0 } else { c.n * (cin * k * k * ho * wo) as u64 * c.s };
+        return if k == 1 {
+            0
+        } else {
+            c.n * (cin * k * k * ho * wo) as u64 * c.s
+        };
     }
-    let col = if pointwise_in_place(c, nd, k, pad) { 0 } else { one_column(c, nd, k) };
-    let widen = if c.half() { ((cin * h * w) + (cout * ho * wo)) as u64 * 4 } else { 0 };
-    let wbuf = if c.half() { (cout * cin * k * k) as u64 * 4 } else { 0 };
+    let col = if pointwise_in_place(c, nd, k, pad) {
+        0
+    } else {
+        one_column(c, nd, k)
+    };
+    let widen = if c.half() {
+        ((cin * h * w) + (cout * ho * wo)) as u64 * 4
+    } else {
+        0
+    };
+    let wbuf = if c.half() {
+        (cout * cin * k * k) as u64 * 4
+    } else {
+        0
+    };
     c.busy(c.n) * (col + widen) + wbuf
 }
 
@@ -847,11 +943,27 @@ fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     let (cin, h, w) = nd.inp;
     let (cout, ho, wo) = nd.out;
     if !c.device.is_cpu() {
-        return if k == 1 { 0 } else { c.n * (cin * k * k * ho * wo) as u64 * c.s };
+        return if k == 1 {
+            0
+        } else {
+            c.n * (cin * k * k * ho * wo) as u64 * c.s
+        };
     }
-    let col = if k == 1 && pad == 0 { 0 } else { one_column(c, nd, k) };
-    let widen = if c.half() { ((cin * h * w) + (cout * ho * wo)) as u64 * 4 } else { 0 };
-    let wbuf = if c.half() { (cout * cin * k * k) as u64 * 4 } else { 0 };
+    let col = if k == 1 && pad == 0 {
+        0
+    } else {
+        one_column(c, nd, k)
+    };
+    let widen = if c.half() {
+        ((cin * h * w) + (cout * ho * wo)) as u64 * 4
+    } else {
+        0
+    };
+    let wbuf = if c.half() {
+        (cout * cin * k * k) as u64 * 4
+    } else {
+        0
+    };
     c.busy(c.n) * (col + widen) + wbuf
 }
 
@@ -879,7 +991,14 @@ fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
     let (cout, ho, wo) = nd.out;
     let ckk = cin * k * k;
     if !c.device.is_cpu() {
-        return (if k == 1 { 0 } else { c.n * (ckk * ho * wo) as u64 * c.s }, 0);
+        return (
+            if k == 1 {
+                0
+            } else {
+                c.n * (ckk * ho * wo) as u64 * c.s
+            },
+            0,
+        );
     }
     let n = c.n as usize;
     let threads = c.device.threads();
@@ -890,12 +1009,27 @@ fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
     let slots = n_chunks.div_ceil(per_slot);
     let busy = if slots <= 1 { 1 } else { threads.min(slots) } as u64;
     let in_place = !c.half() && chunk == 1 && pointwise_in_place(c, nd, k, pad);
-    let cols = if in_place { 0 } else { crate::ops::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64 };
-    let gathered = if !c.half() && chunk == 1 { 0 } else { (cout * chunk * hwo * 4) as u64 };
-    let widened = if c.half() { (cin * h * w * 4) as u64 } else { 0 };
+    let cols = if in_place {
+        0
+    } else {
+        crate::ops::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64
+    };
+    let gathered = if !c.half() && chunk == 1 {
+        0
+    } else {
+        (cout * chunk * hwo * 4) as u64
+    };
+    let widened = if c.half() {
+        (cin * h * w * 4) as u64
+    } else {
+        0
+    };
     let acc = (ckk * cout * 4) as u64;
     let buffers = slots.min(threads + 1) as u64;
-    (cols + busy * (gathered + widened) + buffers * acc, buffers * acc)
+    (
+        cols + busy * (gathered + widened) + buffers * acc,
+        buffers * acc,
+    )
 }
 
 /// Forward of one node; `tracked` builds the graph (the output and, under f16, the cast weight
@@ -922,7 +1056,8 @@ fn fwd_node(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node, tracked: bool) -> u64 {
             let cast = if c.half() { nd.params as u64 * c.s } else { 0 };
             sim.alloc(cast);
             let (ch, h, w) = nd.inp;
-            let scratch = (ch * 9 * 4) as u64 + c.busy(c.n * ch as u64) * (((h + 2) * (w + 2) + w) * 4) as u64;
+            let scratch = (ch * 9 * 4) as u64
+                + c.busy(c.n * ch as u64) * (((h + 2) * (w + 2) + w) * 4) as u64;
             sim.alloc(out);
             sim.spike(scratch);
             if tracked {
@@ -1085,12 +1220,25 @@ fn micro_batch(
     acc_live: bool,
 ) -> u64 {
     let head = nodes.len() - 1;
-    let param_bytes: u64 = nodes.iter().flat_map(|n| n.param_tensors()).map(|p| p * 4).sum();
-    let max_param = nodes.iter().flat_map(|n| n.param_tensors()).max().unwrap_or(0) * 4;
+    let param_bytes: u64 = nodes
+        .iter()
+        .flat_map(|n| n.param_tensors())
+        .map(|p| p * 4)
+        .sum();
+    let max_param = nodes
+        .iter()
+        .flat_map(|n| n.param_tensors())
+        .max()
+        .unwrap_or(0)
+        * 4;
     // The micro-batch as an f32 tensor (+ labels), and its copy in the compute dtype.
     let x32 = c.n * (IMAGE_BYTES as u64 * 4 + 4);
     sim.alloc(x32);
-    let xin = if c.half() { c.n * IMAGE_BYTES as u64 * c.s } else { 0 };
+    let xin = if c.half() {
+        c.n * IMAGE_BYTES as u64 * c.s
+    } else {
+        0
+    };
     sim.alloc(xin);
     let xin_bytes = c.n * IMAGE_BYTES as u64 * c.s;
     let block_nodes = |r: &Range<usize>| -> Vec<usize> {
@@ -1185,8 +1333,11 @@ fn micro_batch(
         for (si, seg) in segments.iter().enumerate().rev() {
             let saved = saved_inputs.pop().unwrap_or(0);
             let idx = block_nodes(seg);
-            let seg_params: u64 =
-                idx.iter().flat_map(|&i| nodes[i].param_tensors()).map(|p| p * 4).sum();
+            let seg_params: u64 = idx
+                .iter()
+                .flat_map(|&i| nodes[i].param_tensors())
+                .map(|p| p * 4)
+                .sum();
             if si > 0 {
                 // Variable copy of the saved input, then the saved tensor is dropped.
                 sim.alloc(saved);
@@ -1224,7 +1375,11 @@ fn micro_batch(
             for (j, &i) in idx.iter().enumerate().rev() {
                 let input_tracked = !(si == 0 && j == 0);
                 orphans += bwd_node(sim, c, i, &nodes[i], input_tracked, g);
-                g = if input_tracked { nodes[i].in_bytes(c) } else { 0 };
+                g = if input_tracked {
+                    nodes[i].in_bytes(c)
+                } else {
+                    0
+                };
             }
             accumulate(sim, seg_params, max_param, acc_live);
             // The new upstream gradient replaces the old; the store, the graph (activations and

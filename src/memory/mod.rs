@@ -2,9 +2,9 @@
 //! the CUDA memory pool, plus helpers to parse and print sizes.
 
 pub mod cpu;
-pub mod estimate;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod estimate;
 pub mod probe;
 
 pub use cpu::CountingAllocator;

@@ -103,9 +103,23 @@ impl Cnn {
         }
         let feat = 4 * w * 16;
         let bound = 1.0 / (feat as f64).sqrt();
-        let head_w = Var::from_tensor(&Tensor::from_vec(init.uniform(NUM_CLASSES * feat, bound), (NUM_CLASSES, feat), device)?)?;
-        let head_b = Var::from_tensor(&Tensor::from_vec(init.uniform(NUM_CLASSES, bound), NUM_CLASSES, device)?)?;
-        Ok(Cnn { config, blocks, head_w, head_b, device: device.clone() })
+        let head_w = Var::from_tensor(&Tensor::from_vec(
+            init.uniform(NUM_CLASSES * feat, bound),
+            (NUM_CLASSES, feat),
+            device,
+        )?)?;
+        let head_b = Var::from_tensor(&Tensor::from_vec(
+            init.uniform(NUM_CLASSES, bound),
+            NUM_CLASSES,
+            device,
+        )?)?;
+        Ok(Cnn {
+            config,
+            blocks,
+            head_w,
+            head_b,
+            device: device.clone(),
+        })
     }
 
     /// Normalize with running statistics in training too (see [`BatchNorm::frozen`](super::layers::BatchNorm)).
@@ -149,8 +163,16 @@ impl Cnn {
     pub fn named_buffers(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for b in &self.blocks {
-            let rm = b.bn.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let rv = b.bn.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let rm =
+                b.bn.running_mean
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+            let rv =
+                b.bn.running_var
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
             out.push((format!("{}.bn.running_mean", b.name), rm));
             out.push((format!("{}.bn.running_var", b.name), rv));
         }
@@ -218,7 +240,14 @@ impl Cnn {
 /// of the architecture's shapes, used by [`Cnn::layer_specs`] and the memory estimate.
 pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
     let w = width;
-    let chans = [(3, w), (w, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w)];
+    let chans = [
+        (3, w),
+        (w, w),
+        (w, 2 * w),
+        (2 * w, 2 * w),
+        (2 * w, 4 * w),
+        (4 * w, 4 * w),
+    ];
     let mut specs = Vec::new();
     let mut hw = 32;
     for (i, &(cin, cout)) in chans.iter().enumerate() {
@@ -286,7 +315,14 @@ pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
 /// Parameter count of the model for a width and conv kind, without building it.
 pub fn param_count(width: usize, conv: ConvKind) -> usize {
     let w = width;
-    let chans = [(3, w), (w, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w)];
+    let chans = [
+        (3, w),
+        (w, w),
+        (w, 2 * w),
+        (2 * w, 2 * w),
+        (2 * w, 4 * w),
+        (4 * w, 4 * w),
+    ];
     let convs: usize = chans
         .iter()
         .map(|&(i, o)| match conv {

@@ -11,7 +11,9 @@ pub struct Init {
 impl Init {
     /// A generator for `seed`.
     pub fn new(seed: u64) -> Self {
-        Init { rng: StdRng::seed_from_u64(seed ^ 0x6d65_6d74_7261_696e) }
+        Init {
+            rng: StdRng::seed_from_u64(seed ^ 0x6d65_6d74_7261_696e),
+        }
     }
 
     /// `n` normal samples with standard deviation `std` (Box-Muller).
@@ -31,6 +33,8 @@ impl Init {
 
     /// `n` uniform samples in [-bound, bound).
     pub fn uniform(&mut self, n: usize, bound: f64) -> Vec<f32> {
-        (0..n).map(|_| ((self.rng.random::<f64>() * 2.0 - 1.0) * bound) as f32).collect()
+        (0..n)
+            .map(|_| ((self.rng.random::<f64>() * 2.0 - 1.0) * bound) as f32)
+            .collect()
     }
 }

@@ -61,9 +61,17 @@ fn kaiming(init: &mut Init, shape: &[usize], fan_in: usize, dev: &Device) -> Res
 
 impl ConvLayer {
     /// A new layer with Kaiming-normal weights.
-    pub fn new(kind: ConvKind, cin: usize, cout: usize, init: &mut Init, dev: &Device) -> Result<Self> {
+    pub fn new(
+        kind: ConvKind,
+        cin: usize,
+        cout: usize,
+        init: &mut Init,
+        dev: &Device,
+    ) -> Result<Self> {
         Ok(match kind {
-            ConvKind::Standard => ConvLayer::Standard { w: kaiming(init, &[cout, cin, 3, 3], cin * 9, dev)? },
+            ConvKind::Standard => ConvLayer::Standard {
+                w: kaiming(init, &[cout, cin, 3, 3], cin * 9, dev)?,
+            },
             ConvKind::Separable => ConvLayer::Separable {
                 dw: kaiming(init, &[cin, 1, 3, 3], 9, dev)?,
                 pw: kaiming(init, &[cout, cin, 1, 1], cin, dev)?,
@@ -136,17 +144,30 @@ impl BatchNorm {
         }
         match mode {
             Mode::Eval => {
-                let rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                let rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let rm = self
+                    .running_mean
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                let rv = self
+                    .running_var
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
                 ops::batchnorm::batch_norm_eval(x, &gamma, &beta, &rm, &rv, self.eps, true)
             }
             Mode::Train { update_stats, .. } => {
-                let (y, mean, var) = ops::batchnorm::batch_norm_train(x, &gamma, &beta, self.eps, true)?;
+                let (y, mean, var) =
+                    ops::batchnorm::batch_norm_train(x, &gamma, &beta, self.eps, true)?;
                 if update_stats {
                     let (n, _, h, w) = x.dims4()?;
                     let count = (n * h * w) as f64;
                     // Running variance is unbiased, as in PyTorch.
-                    let unbiased = if count > 1.0 { (var * (count / (count - 1.0)))? } else { var };
+                    let unbiased = if count > 1.0 {
+                        (var * (count / (count - 1.0)))?
+                    } else {
+                        var
+                    };
                     let m = self.momentum;
                     let mut rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner());
                     *rm = ((&*rm * (1.0 - m))? + (mean * m)?)?.detach();
@@ -161,8 +182,16 @@ impl BatchNorm {
     /// Differentiable normalization with the running statistics (plain Candle ops, in f32).
     fn forward_frozen(&self, x: &Tensor, gamma: &Tensor, beta: &Tensor) -> Result<Tensor> {
         let c = gamma.dim(0)?;
-        let rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let rm = self
+            .running_mean
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let rv = self
+            .running_var
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let scale = (gamma / (rv + self.eps)?.sqrt()?)?;
         let shift = (beta - (&rm * &scale)?)?;
         let y = x

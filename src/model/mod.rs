@@ -3,7 +3,7 @@
 //! trainer can run any contiguous range of them as one checkpointing segment.
 
 pub mod cnn;
-pub mod layers;
 pub mod init;
+pub mod layers;
 
 pub use cnn::{Cnn, LayerSpec, Mode, ModelConfig};

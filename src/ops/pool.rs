@@ -15,10 +15,15 @@ use crate::error::{Error, Result};
 /// Max-pool `x` [N,C,H,W] with a 2x2 window and stride 2 (H and W must be even), differentiable.
 pub fn max_pool2x2(x: &Tensor) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4().map_err(|_| {
-        Error::config(format!("max_pool2x2 expects a 4D [N,C,H,W] tensor, got shape {:?}", x.dims()))
+        Error::config(format!(
+            "max_pool2x2 expects a 4D [N,C,H,W] tensor, got shape {:?}",
+            x.dims()
+        ))
     })?;
     if h % 2 != 0 || w % 2 != 0 {
-        return Err(Error::config(format!("max_pool2x2 needs even H and W, got {h}x{w}")));
+        return Err(Error::config(format!(
+            "max_pool2x2 needs even H and W, got {h}x{w}"
+        )));
     }
     Ok(x.contiguous()?.apply_op1(MaxPool)?)
 }
@@ -83,7 +88,15 @@ impl Elem for bf16 {
 fn window<T: Elem>(plane: &[T], w: usize, oy: usize, ox: usize) -> ([f32; 4], [usize; 4]) {
     let i0 = 2 * oy * w + 2 * ox;
     let idx = [i0, i0 + 1, i0 + w, i0 + w + 1];
-    ([plane[idx[0]].f(), plane[idx[1]].f(), plane[idx[2]].f(), plane[idx[3]].f()], idx)
+    (
+        [
+            plane[idx[0]].f(),
+            plane[idx[1]].f(),
+            plane[idx[2]].f(),
+            plane[idx[3]].f(),
+        ],
+        idx,
+    )
 }
 
 fn pool_fwd<T: Elem>(x: &[T], planes: usize, h: usize, w: usize) -> Vec<T> {
@@ -166,19 +179,39 @@ impl CustomOp2 for MaxPoolGrad {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, c, h, w) = dims(xl)?;
         if gl.shape().dims() != [n, c, h / 2, w / 2] {
-            candle_core::bail!("max_pool2x2 backward: gradient shape {:?} does not match input {:?}", gl.shape(), xl.shape())
+            candle_core::bail!(
+                "max_pool2x2 backward: gradient shape {:?} does not match input {:?}",
+                gl.shape(),
+                xl.shape()
+            )
         }
         let out = match (xs, gs) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(pool_bwd(contiguous_slice(x, xl)?, contiguous_slice(g, gl)?, n * c, h, w))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(pool_bwd(contiguous_slice(x, xl)?, contiguous_slice(g, gl)?, n * c, h, w))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(pool_bwd(contiguous_slice(x, xl)?, contiguous_slice(g, gl)?, n * c, h, w))
-            }
-            _ => candle_core::bail!("max_pool2x2 backward: dtype mismatch {:?} vs {:?}", xs.dtype(), gs.dtype()),
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(pool_bwd(
+                contiguous_slice(x, xl)?,
+                contiguous_slice(g, gl)?,
+                n * c,
+                h,
+                w,
+            )),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(pool_bwd(
+                contiguous_slice(x, xl)?,
+                contiguous_slice(g, gl)?,
+                n * c,
+                h,
+                w,
+            )),
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(pool_bwd(
+                contiguous_slice(x, xl)?,
+                contiguous_slice(g, gl)?,
+                n * c,
+                h,
+                w,
+            )),
+            _ => candle_core::bail!(
+                "max_pool2x2 backward: dtype mismatch {:?} vs {:?}",
+                xs.dtype(),
+                gs.dtype()
+            ),
         };
         Ok((out, xl.shape().clone()))
     }
@@ -196,7 +229,6 @@ impl CustomOp2 for MaxPoolGrad {
         Ok((out, xl.shape().clone()))
     }
 }
-
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -236,10 +268,19 @@ POOL(pool_bf16, u16, ld_bf16)
 
     /// The PTX, compiled once per process; a compile failure is remembered and reported.
     fn ptx() -> candle_core::Result<&'static str> {
-        static PTX: std::sync::OnceLock<std::result::Result<String, String>> = std::sync::OnceLock::new();
-        PTX.get_or_init(|| cudarc::nvrtc::compile_ptx(SRC).map(|p| p.to_src()).map_err(|e| e.to_string()))
-            .as_deref()
-            .map_err(|e| candle_core::Error::Cuda(format!("max_pool2x2: NVRTC could not compile the kernels: {e}").into()))
+        static PTX: std::sync::OnceLock<std::result::Result<String, String>> =
+            std::sync::OnceLock::new();
+        PTX.get_or_init(|| {
+            cudarc::nvrtc::compile_ptx(SRC)
+                .map(|p| p.to_src())
+                .map_err(|e| e.to_string())
+        })
+        .as_deref()
+        .map_err(|e| {
+            candle_core::Error::Cuda(
+                format!("max_pool2x2: NVRTC could not compile the kernels: {e}").into(),
+            )
+        })
     }
 
     /// Forward (`grad` None) or backward: one thread per 2x2 window.
@@ -253,10 +294,16 @@ POOL(pool_bf16, u16, ld_bf16)
     ) -> candle_core::Result<CudaStorage> {
         let dev = x.device().clone();
         let windows = planes * (h / 2) * (w / 2);
-        let out_len = if grad.is_some() { planes * h * w } else { windows };
+        let out_len = if grad.is_some() {
+            planes * h * w
+        } else {
+            windows
+        };
         let cfg = LaunchConfig::for_num_elems(windows as u32);
         let (h32, w32, n64) = (h as u32, w as u32, windows as u64);
-        let (xo, _) = xl.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("max_pool2x2: non-contiguous".into()))?;
+        let (xo, _) = xl
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("max_pool2x2: non-contiguous".into()))?;
         macro_rules! run {
             ($t:ty, $name:literal) => {{
                 let func = dev.get_or_load_custom_func($name, "memtrain_pool", ptx()?)?;
@@ -268,7 +315,9 @@ POOL(pool_bf16, u16, ld_bf16)
                 let gslice;
                 match grad {
                     Some((g, gl)) => {
-                        let (go, _) = gl.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("max_pool2x2: non-contiguous grad".into()))?;
+                        let (go, _) = gl.contiguous_offsets().ok_or_else(|| {
+                            candle_core::Error::Msg("max_pool2x2: non-contiguous grad".into())
+                        })?;
                         gslice = g.as_cuda_slice::<$t>()?.slice(go..);
                         b.arg(&gslice);
                     }
@@ -280,7 +329,8 @@ POOL(pool_bf16, u16, ld_bf16)
                 b.arg(&n64);
                 b.arg(&h32);
                 b.arg(&w32);
-                unsafe { b.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("max_pool2x2 kernel: {e}")))?;
+                unsafe { b.launch(cfg) }
+                    .map_err(|e| candle_core::Error::Msg(format!("max_pool2x2 kernel: {e}")))?;
                 Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
             }};
         }

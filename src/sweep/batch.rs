@@ -31,8 +31,15 @@ impl Variant {
 pub fn accum_steps_of(flags: &[String]) -> usize {
     let mut accum = 1;
     for (i, f) in flags.iter().enumerate() {
-        let value = if f == "--accum-steps" { flags.get(i + 1).map(String::as_str) } else { f.strip_prefix("--accum-steps=") };
-        if let Some(a) = value.and_then(|v| v.parse::<usize>().ok()).filter(|&a| a > 0) {
+        let value = if f == "--accum-steps" {
+            flags.get(i + 1).map(String::as_str)
+        } else {
+            f.strip_prefix("--accum-steps=")
+        };
+        if let Some(a) = value
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&a| a > 0)
+        {
             accum = a;
         }
     }
@@ -63,7 +70,10 @@ fn label_part(flag: &str, value: &str) -> String {
 /// `default` when there are none).
 pub fn cross_product(dims: &[Dimension]) -> Vec<Variant> {
     let dims: Vec<&Dimension> = dims.iter().filter(|d| !d.values.is_empty()).collect();
-    let mut out = vec![Variant { label: String::new(), flags: Vec::new() }];
+    let mut out = vec![Variant {
+        label: String::new(),
+        flags: Vec::new(),
+    }];
     let any_varies = dims.iter().any(|d| d.values.len() > 1);
     for d in &dims {
         let mut next = Vec::with_capacity(out.len() * d.values.len());
@@ -193,7 +203,11 @@ pub struct SweepResult {
 impl SweepResult {
     /// The points of one configuration, sorted by batch size.
     pub fn points_of(&self, configuration: &str) -> Vec<&SweepPoint> {
-        let mut v: Vec<&SweepPoint> = self.points.iter().filter(|p| p.configuration == configuration).collect();
+        let mut v: Vec<&SweepPoint> = self
+            .points
+            .iter()
+            .filter(|p| p.configuration == configuration)
+            .collect();
         v.sort_by_key(|p| p.batch_size);
         v
     }
@@ -224,18 +238,28 @@ pub fn validate(opts: &SweepOptions) -> Result<()> {
     match &opts.plan {
         BatchPlan::List(b) => {
             if b.is_empty() {
-                return Err(Error::config("--batch-sizes is empty; give e.g. --batch-sizes 32,64,128 or --find-max"));
+                return Err(Error::config(
+                    "--batch-sizes is empty; give e.g. --batch-sizes 32,64,128 or --find-max",
+                ));
             }
             if b.contains(&0) {
                 return Err(Error::config("--batch-sizes must be positive"));
             }
         }
-        BatchPlan::FindMax { start, max_batch, granularity } => {
+        BatchPlan::FindMax {
+            start,
+            max_batch,
+            granularity,
+        } => {
             if *start == 0 || *granularity == 0 {
-                return Err(Error::config("--start and --granularity must be at least 1"));
+                return Err(Error::config(
+                    "--start and --granularity must be at least 1",
+                ));
             }
             if max_batch < start {
-                return Err(Error::config(format!("--max-batch {max_batch} is smaller than --start {start}")));
+                return Err(Error::config(format!(
+                    "--max-batch {max_batch} is smaller than --start {start}"
+                )));
             }
         }
     }
@@ -252,18 +276,26 @@ struct Runner<'a> {
 impl Runner<'_> {
     /// Run one point (or reuse it when this configuration already ran that batch size).
     fn point(&mut self, variant: &Variant, batch: usize) -> Result<ChildRun> {
-        if let Some(p) =
-            self.result.points.iter().find(|p| p.configuration == variant.label && p.batch_size == batch)
+        if let Some(p) = self
+            .result
+            .points
+            .iter()
+            .find(|p| p.configuration == variant.label && p.batch_size == batch)
         {
             return Ok(p.run.clone());
         }
         let opts = self.opts;
         if opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
-            return Err(Error::Interrupted("sweep stopped before all points ran".into()));
+            return Err(Error::Interrupted(
+                "sweep stopped before all points ran".into(),
+            ));
         }
         let name = format!("{}-b{batch:05}", slug(&variant.label));
         let dir = opts.out.join("points").join(name);
-        let synthetic = opts.synthetic_train.max(batch.saturating_mul(opts.steps)).max(10);
+        let synthetic = opts
+            .synthetic_train
+            .max(batch.saturating_mul(opts.steps))
+            .max(10);
         let mut fixed = vec![
             "--batch-size".to_string(),
             batch.to_string(),
@@ -286,13 +318,23 @@ impl Runner<'_> {
         self.progress.start(&what);
         let run = run_child(&opts.trainer, &args, &dir, opts.timeout)?;
         self.progress.finish(&describe(&what, &run));
-        self.result.points.push(SweepPoint { configuration: variant.label.clone(), batch_size: batch, run: run.clone() });
+        self.result.points.push(SweepPoint {
+            configuration: variant.label.clone(),
+            batch_size: batch,
+            run: run.clone(),
+        });
         super::report::write_sweep_files(&opts.out, &self.result)?;
         Ok(run)
     }
 
     /// Doubling, then binary search, for one configuration.
-    fn find_max(&mut self, variant: &Variant, start: usize, max_batch: usize, granularity: usize) -> Result<MaxBatch> {
+    fn find_max(
+        &mut self,
+        variant: &Variant,
+        start: usize,
+        max_batch: usize,
+        granularity: usize,
+    ) -> Result<MaxBatch> {
         let accum = accum_steps_of(&merge_flags(&[&self.opts.common, &variant.flags]));
         // Every batch size tried must be divisible by the accumulation steps.
         let g = granularity / gcd(granularity, accum) * accum;
@@ -399,7 +441,11 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
                         runner.point(variant, b)?;
                     }
                 }
-                BatchPlan::FindMax { start, max_batch, granularity } => {
+                BatchPlan::FindMax {
+                    start,
+                    max_batch,
+                    granularity,
+                } => {
                     let mb = runner.find_max(variant, *start, *max_batch, *granularity)?;
                     runner.result.max_batches.push(mb);
                     super::report::write_sweep_files(&opts.out, &runner.result)?;
@@ -422,12 +468,23 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
 
 /// One line per configuration describing a `--find-max` result.
 pub fn describe_max(mb: &MaxBatch, limit: Option<u64>) -> String {
-    let within = limit.map(|l| format!(" within {}", format_bytes(l))).unwrap_or_default();
+    let within = limit
+        .map(|l| format!(" within {}", format_bytes(l)))
+        .unwrap_or_default();
     let mut s = match (mb.max_batch, mb.first_oom) {
-        (Some(m), _) if mb.capped => format!("{}: batch {m} fits{within} (the --max-batch cap; larger not tried)", mb.configuration),
-        (Some(m), Some(o)) => format!("{}: largest batch that fits{within}: {m} (batch {o} runs out of memory)", mb.configuration),
+        (Some(m), _) if mb.capped => format!(
+            "{}: batch {m} fits{within} (the --max-batch cap; larger not tried)",
+            mb.configuration
+        ),
+        (Some(m), Some(o)) => format!(
+            "{}: largest batch that fits{within}: {m} (batch {o} runs out of memory)",
+            mb.configuration
+        ),
         (Some(m), None) => format!("{}: largest batch that fits{within}: {m}", mb.configuration),
-        (None, Some(o)) => format!("{}: no batch size fits{within} (batch {o} runs out of memory)", mb.configuration),
+        (None, Some(o)) => format!(
+            "{}: no batch size fits{within} (batch {o} runs out of memory)",
+            mb.configuration
+        ),
         (None, None) => format!("{}: no result", mb.configuration),
     };
     // "even batch N ran out of memory" repeats what the line already says.

@@ -25,7 +25,11 @@ impl RunSpec {
     pub fn from_flags(text: &str) -> Result<RunSpec> {
         let t = text.trim();
         let (label, flags) = match t.split_once(':') {
-            Some((name, rest)) if !name.trim().is_empty() && !name.trim_start().starts_with('-') && !name.contains(char::is_whitespace) => {
+            Some((name, rest))
+                if !name.trim().is_empty()
+                    && !name.trim_start().starts_with('-')
+                    && !name.contains(char::is_whitespace) =>
+            {
                 (name.trim().to_string(), rest.trim())
             }
             _ => (String::new(), t),
@@ -43,7 +47,10 @@ impl RunSpec {
         } else {
             words.join(" ")
         };
-        Ok(RunSpec { label, flags: words })
+        Ok(RunSpec {
+            label,
+            flags: words,
+        })
     }
 
     /// A configuration from a `config.json` file (as written by `train_cifar10` into its run
@@ -56,7 +63,10 @@ impl RunSpec {
                 path.display()
             )));
         }
-        let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         // `00-baseline.json` → `baseline` (numeric prefixes only order the files for a glob).
         let digits = stem.len() - stem.trim_start_matches(|c: char| c.is_ascii_digit()).len();
         let stem = match stem[digits..].strip_prefix(['-', '_']) {
@@ -72,7 +82,10 @@ impl RunSpec {
             stem
         };
         let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-        Ok(RunSpec { label, flags: vec!["--config".into(), abs.to_string_lossy().into_owned()] })
+        Ok(RunSpec {
+            label,
+            flags: vec!["--config".into(), abs.to_string_lossy().into_owned()],
+        })
     }
 }
 
@@ -157,12 +170,18 @@ impl CompareResult {
 /// after every run; the charts are drawn by [`super::report::write_compare_report`].
 pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
     if opts.runs.is_empty() {
-        return Err(Error::config("nothing to compare; give --run \"FLAGS\" (repeatable) or --configs FILE…"));
+        return Err(Error::config(
+            "nothing to compare; give --run \"FLAGS\" (repeatable) or --configs FILE…",
+        ));
     }
     super::ensure_fresh(&opts.out.join("runs"))?;
     crate::io::create_dir(&opts.out)?;
-    let mut result =
-        CompareResult { command: opts.command.clone(), common: opts.common.clone(), entries: Vec::new(), interrupted: false };
+    let mut result = CompareResult {
+        command: opts.command.clone(),
+        common: opts.common.clone(),
+        entries: Vec::new(),
+        interrupted: false,
+    };
     let mut progress = Progress::new(opts.runs.len() as u64, opts.progress);
     for (i, spec) in opts.runs.iter().enumerate() {
         if opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
@@ -170,8 +189,15 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
             super::report::write_compare_files(&opts.out, &result)?;
             break;
         }
-        let dir = opts.out.join("runs").join(format!("{:02}-{}", i + 1, slug(&spec.label)));
-        let fixed = vec!["--quiet".to_string(), "--out".to_string(), dir.to_string_lossy().into_owned()];
+        let dir = opts
+            .out
+            .join("runs")
+            .join(format!("{:02}-{}", i + 1, slug(&spec.label)));
+        let fixed = vec![
+            "--quiet".to_string(),
+            "--out".to_string(),
+            dir.to_string_lossy().into_owned(),
+        ];
         let args = merge_flags(&[&opts.common, &spec.flags, &fixed]);
         progress.start(&spec.label);
         let run = run_child(&opts.trainer, &args, &dir, opts.timeout)?;

@@ -95,7 +95,9 @@ impl ChildRun {
 
     /// Peak bytes above the baseline (what training itself added), when the run finished.
     pub fn peak_above_baseline(&self) -> Option<u64> {
-        self.summary.as_ref().map(|s| s.peak_bytes.saturating_sub(s.baseline_bytes))
+        self.summary
+            .as_ref()
+            .map(|s| s.peak_bytes.saturating_sub(s.baseline_bytes))
     }
 
     /// Highest reserved bytes of the CUDA pool (absent on the CPU).
@@ -117,11 +119,15 @@ pub fn locate_example(name: &str, explicit: Option<&Path>) -> Result<PathBuf> {
         return if p.is_file() {
             Ok(p.to_path_buf())
         } else {
-            Err(Error::config(format!("--trainer {}: no such file; pass the path of the train_cifar10 binary", p.display())))
+            Err(Error::config(format!(
+                "--trainer {}: no such file; pass the path of the train_cifar10 binary",
+                p.display()
+            )))
         };
     }
     let file = format!("{name}{}", std::env::consts::EXE_SUFFIX);
-    let exe = std::env::current_exe().map_err(|e| Error::Child(format!("cannot find the current executable: {e}")))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::Child(format!("cannot find the current executable: {e}")))?;
     let mut candidates = Vec::new();
     if let Some(dir) = exe.parent() {
         candidates.push(dir.join(&file));
@@ -153,7 +159,9 @@ pub fn split_flags(s: &str) -> Result<Vec<String>> {
                     match chars.next() {
                         Some('\'') => break,
                         Some(ch) => cur.push(ch),
-                        None => return Err(Error::config(format!("unbalanced ' in flags \"{s}\""))),
+                        None => {
+                            return Err(Error::config(format!("unbalanced ' in flags \"{s}\"")))
+                        }
                     }
                 }
             }
@@ -164,10 +172,14 @@ pub fn split_flags(s: &str) -> Result<Vec<String>> {
                         Some('"') => break,
                         Some('\\') => match chars.next() {
                             Some(ch) => cur.push(ch),
-                            None => return Err(Error::config(format!("trailing \\ in flags \"{s}\""))),
+                            None => {
+                                return Err(Error::config(format!("trailing \\ in flags \"{s}\"")))
+                            }
                         },
                         Some(ch) => cur.push(ch),
-                        None => return Err(Error::config(format!("unbalanced \" in flags \"{s}\""))),
+                        None => {
+                            return Err(Error::config(format!("unbalanced \" in flags \"{s}\"")))
+                        }
                     }
                 }
             }
@@ -221,7 +233,11 @@ fn flag_groups(tokens: &[String]) -> Vec<Vec<String>> {
 
 /// The flag names present in `tokens`.
 pub fn flag_names(tokens: &[String]) -> Vec<String> {
-    tokens.iter().filter_map(|t| flag_name(t)).map(str::to_string).collect()
+    tokens
+        .iter()
+        .filter_map(|t| flag_name(t))
+        .map(str::to_string)
+        .collect()
 }
 
 /// Concatenate flag lists, later lists overriding earlier ones: a flag (with its values) is
@@ -232,7 +248,10 @@ pub fn merge_flags(lists: &[&[String]]) -> Vec<String> {
     for (i, list) in lists.iter().enumerate() {
         let later: Vec<String> = lists[i + 1..].iter().flat_map(|l| flag_names(l)).collect();
         for g in flag_groups(list) {
-            let overridden = g.first().and_then(|t| flag_name(t)).is_some_and(|n| later.iter().any(|l| l == n));
+            let overridden = g
+                .first()
+                .and_then(|t| flag_name(t))
+                .is_some_and(|n| later.iter().any(|l| l == n));
             if !overridden {
                 out.extend(g);
             }
@@ -264,7 +283,10 @@ pub fn slug(s: &str) -> String {
 
 /// Quote `s` for a shell command line when it needs quoting.
 pub fn shell_quote(s: &str) -> String {
-    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+    {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', "'\\''"))
@@ -273,20 +295,28 @@ pub fn shell_quote(s: &str) -> String {
 
 /// The command line that started this process, shell-quoted (recorded in results).
 pub fn current_command_line() -> String {
-    std::env::args().map(|a| shell_quote(&a)).collect::<Vec<_>>().join(" ")
+    std::env::args()
+        .map(|a| shell_quote(&a))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// `runs/<prefix>-<UTC timestamp>`, the default output directory of sweeps and comparisons.
 pub fn default_out_dir(prefix: &str) -> PathBuf {
     let base = crate::train::trainer::default_run_dir();
-    let stamp = base.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let stamp = base
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     PathBuf::from("runs").join(format!("{prefix}-{stamp}"))
 }
 
 /// Refuse to write into `dir` when it already holds entries (results of an earlier sweep or
 /// comparison), so that old runs are never mixed with, or mistaken for, new ones.
 pub fn ensure_fresh(dir: &Path) -> Result<()> {
-    let non_empty = std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+    let non_empty = std::fs::read_dir(dir)
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
     if non_empty {
         return Err(Error::config(format!(
             "{} already holds results of an earlier run; pass a new --out directory or remove it",
@@ -338,7 +368,11 @@ pub fn oom_message(stderr: &str) -> Option<String> {
 
 /// The last non-empty line of `text`, shortened to 300 characters.
 fn last_line(text: &str) -> String {
-    let l = text.lines().map(str::trim).rfind(|l| !l.is_empty()).unwrap_or("");
+    let l = text
+        .lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty())
+        .unwrap_or("");
     let l = l.strip_prefix("error: ").unwrap_or(l);
     if l.chars().count() > 300 {
         format!("{}…", l.chars().take(300).collect::<String>())
@@ -350,7 +384,12 @@ fn last_line(text: &str) -> String {
 /// Run `trainer args…` as a child process with stdout and stderr going to `stdout.log` and
 /// `stderr.log` in `run_dir` (created), wait for it (killing it after `timeout`), and classify the
 /// outcome. Fails only when the child cannot be started at all.
-pub fn run_child(trainer: &Path, args: &[String], run_dir: &Path, timeout: Option<Duration>) -> Result<ChildRun> {
+pub fn run_child(
+    trainer: &Path,
+    args: &[String],
+    run_dir: &Path,
+    timeout: Option<Duration>,
+) -> Result<ChildRun> {
     crate::io::create_dir(run_dir)?;
     let stdout_path = run_dir.join("stdout.log");
     let stderr_path = run_dir.join("stderr.log");
@@ -377,17 +416,26 @@ pub fn run_child(trainer: &Path, args: &[String], run_dir: &Path, timeout: Optio
         match child.try_wait() {
             Ok(Some(s)) => break s,
             Ok(None) => {}
-            Err(e) => return Err(Error::Child(format!("waiting for {}: {e}", trainer.display()))),
+            Err(e) => {
+                return Err(Error::Child(format!(
+                    "waiting for {}: {e}",
+                    trainer.display()
+                )))
+            }
         }
         if timeout.is_some_and(|t| start.elapsed() >= t) {
             let _ = child.kill();
             timed_out = true;
-            break child.wait().map_err(|e| Error::Child(format!("waiting for {}: {e}", trainer.display())))?;
+            break child
+                .wait()
+                .map_err(|e| Error::Child(format!("waiting for {}: {e}", trainer.display())))?;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     let wall_secs = start.elapsed().as_secs_f64();
-    let stderr_text = std::fs::read(&stderr_path).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let stderr_text = std::fs::read(&stderr_path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
     let exit_code = status.code();
     #[cfg(unix)]
     let signal = std::os::unix::process::ExitStatusExt::signal(&status);
@@ -431,7 +479,11 @@ pub fn run_child(trainer: &Path, args: &[String], run_dir: &Path, timeout: Optio
             _ => "ended abnormally".to_string(),
         };
         let last = last_line(&stderr_text);
-        run.note = if last.is_empty() { how } else { format!("{how}: {last}") };
+        run.note = if last.is_empty() {
+            how
+        } else {
+            format!("{how}: {last}")
+        };
     }
     Ok(run)
 }
@@ -451,13 +503,20 @@ impl Progress {
         let tty = std::io::stderr().is_terminal();
         let bar = (enabled && tty).then(|| {
             let bar = indicatif::ProgressBar::new(total);
-            let style = indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            let style = indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
             bar.set_style(style);
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         });
-        Progress { bar, plain: enabled && !tty, total, done: 0 }
+        Progress {
+            bar,
+            plain: enabled && !tty,
+            total,
+            done: 0,
+        }
     }
 
     /// Announce `n` more points.
@@ -473,7 +532,11 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.set_message(format!("running {what}"));
         } else if self.plain {
-            eprintln!("[{}/{}] {what} ...", self.done + 1, self.total.max(self.done + 1));
+            eprintln!(
+                "[{}/{}] {what} ...",
+                self.done + 1,
+                self.total.max(self.done + 1)
+            );
         }
     }
 
@@ -501,8 +564,12 @@ pub fn describe(label: &str, run: &ChildRun) -> String {
     match run.status {
         Status::Ok => format!(
             "{label}: ok, peak {} (baseline {}), {:.1} img/s",
-            run.peak_bytes().map(crate::memory::format_bytes).unwrap_or_default(),
-            run.baseline_bytes().map(crate::memory::format_bytes).unwrap_or_default(),
+            run.peak_bytes()
+                .map(crate::memory::format_bytes)
+                .unwrap_or_default(),
+            run.baseline_bytes()
+                .map(crate::memory::format_bytes)
+                .unwrap_or_default(),
             run.images_per_sec().unwrap_or(0.0)
         ),
         Status::Oom => format!("{label}: OOM ({})", run.note),

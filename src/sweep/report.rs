@@ -135,15 +135,27 @@ pub struct BatchMemory {
 /// [`crate::callbacks::log::MetricsLogger`]). Rows without memory readings are skipped.
 pub fn read_batches_csv(path: &Path) -> Result<Vec<BatchMemory>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let t = CsvTable::parse(&text).map_err(|e| Error::Data { path: path.into(), msg: e.to_string() })?;
+    let t = CsvTable::parse(&text).map_err(|e| Error::Data {
+        path: path.into(),
+        msg: e.to_string(),
+    })?;
     let need = |name: &str| {
-        t.column(name).ok_or_else(|| Error::Data { path: path.into(), msg: format!("no '{name}' column; not a batches.csv") })
+        t.column(name).ok_or_else(|| Error::Data {
+            path: path.into(),
+            msg: format!("no '{name}' column; not a batches.csv"),
+        })
     };
-    let (gs, pk, st, en) = (need("global_step")?, need("peak_bytes")?, need("start_bytes")?, need("end_bytes")?);
+    let (gs, pk, st, en) = (
+        need("global_step")?,
+        need("peak_bytes")?,
+        need("start_bytes")?,
+        need("end_bytes")?,
+    );
     let rs = t.column("reserved_peak");
     let mut out = Vec::with_capacity(t.rows.len());
     for r in &t.rows {
-        let (Ok(global_step), Ok(peak_bytes)) = (r[gs].parse::<usize>(), r[pk].parse::<u64>()) else {
+        let (Ok(global_step), Ok(peak_bytes)) = (r[gs].parse::<usize>(), r[pk].parse::<u64>())
+        else {
             continue;
         };
         out.push(BatchMemory {
@@ -171,7 +183,8 @@ fn opt_i32(v: Option<i32>) -> String {
 
 /// MiB with two decimals, or `-`.
 fn mib_cell(v: Option<u64>) -> String {
-    v.map(|b| format!("{:.2}", crate::memory::mib(b))).unwrap_or_else(|| "-".into())
+    v.map(|b| format!("{:.2}", crate::memory::mib(b)))
+        .unwrap_or_else(|| "-".into())
 }
 
 /// Escape `|` for a markdown table cell.
@@ -181,7 +194,14 @@ fn md_cell(s: &str) -> String {
 
 /// Signed percentage, e.g. `-23.4%`.
 fn pct_cell(v: Option<f64>) -> String {
-    v.map(|p| if p.abs() < 0.05 { "±0.0%".to_string() } else { format!("{p:+.1}%") }).unwrap_or_else(|| "-".into())
+    v.map(|p| {
+        if p.abs() < 0.05 {
+            "±0.0%".to_string()
+        } else {
+            format!("{p:+.1}%")
+        }
+    })
+    .unwrap_or_else(|| "-".into())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -208,7 +228,10 @@ pub fn sweep_csv(r: &SweepResult) -> String {
             opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
             opt_u64(run.reserved_peak_bytes()),
             opt_f64(run.images_per_sec(), 2),
-            run.summary.as_ref().map(|s| s.steps.to_string()).unwrap_or_default(),
+            run.summary
+                .as_ref()
+                .map(|s| s.steps.to_string())
+                .unwrap_or_default(),
             run.wall_secs,
             opt_i32(run.exit_code),
             opt_i32(run.signal),
@@ -222,7 +245,10 @@ pub fn sweep_csv(r: &SweepResult) -> String {
 /// The sweep as a markdown table (rows grouped by configuration, sorted by batch size), followed
 /// by the `--find-max` results when there are any.
 pub fn sweep_markdown(r: &SweepResult) -> String {
-    let reserved = r.points.iter().any(|p| p.run.reserved_peak_bytes().is_some());
+    let reserved = r
+        .points
+        .iter()
+        .any(|p| p.run.reserved_peak_bytes().is_some());
     let mut s = String::from("| configuration | batch | status | peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
     if reserved {
         s.push_str(" reserved peak MiB |");
@@ -248,11 +274,17 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
             if reserved {
                 let _ = write!(s, " {} |", mib_cell(run.reserved_peak_bytes()));
             }
-            let note = if run.status == Status::Ok { String::new() } else { run.note.clone() };
+            let note = if run.status == Status::Ok {
+                String::new()
+            } else {
+                run.note.clone()
+            };
             let _ = writeln!(
                 s,
                 " {} | {} |",
-                run.images_per_sec().map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into()),
+                run.images_per_sec()
+                    .map(|v| format!("{v:.1}"))
+                    .unwrap_or_else(|| "-".into()),
                 md_cell(&note)
             );
         }
@@ -306,7 +338,10 @@ pub fn compare_csv(r: &CompareResult) -> String {
             opt_f64(run.images_per_sec(), 2),
             opt_f64(e.speed_change_pct, 2),
             opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
-            run.summary.as_ref().map(|s| s.steps.to_string()).unwrap_or_default(),
+            run.summary
+                .as_ref()
+                .map(|s| s.steps.to_string())
+                .unwrap_or_default(),
             run.wall_secs,
             opt_i32(run.exit_code),
             opt_i32(run.signal),
@@ -320,8 +355,17 @@ pub fn compare_csv(r: &CompareResult) -> String {
 
 /// The comparison as a markdown table; changes are relative to the first configuration.
 pub fn compare_markdown(r: &CompareResult) -> String {
-    let accuracy = r.entries.iter().any(|e| e.run.summary.as_ref().and_then(|s| s.final_test_accuracy).is_some());
-    let reserved = r.entries.iter().any(|e| e.run.reserved_peak_bytes().is_some());
+    let accuracy = r.entries.iter().any(|e| {
+        e.run
+            .summary
+            .as_ref()
+            .and_then(|s| s.final_test_accuracy)
+            .is_some()
+    });
+    let reserved = r
+        .entries
+        .iter()
+        .any(|e| e.run.reserved_peak_bytes().is_some());
     let base = r.entries.first().map(|e| e.label.as_str()).unwrap_or("");
     let mut s = format!(
         "| configuration | status | peak MiB (total) | peak vs {} | peak − baseline MiB |",
@@ -360,14 +404,25 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         let _ = write!(
             s,
             " {} | {} |",
-            run.images_per_sec().map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into()),
+            run.images_per_sec()
+                .map(|v| format!("{v:.1}"))
+                .unwrap_or_else(|| "-".into()),
             pct_cell(e.speed_change_pct)
         );
         if accuracy {
             let acc = run.summary.as_ref().and_then(|s| s.final_test_accuracy);
-            let _ = write!(s, " {} |", acc.map(|a| format!("{:.2}%", a * 100.0)).unwrap_or_else(|| "-".into()));
+            let _ = write!(
+                s,
+                " {} |",
+                acc.map(|a| format!("{:.2}%", a * 100.0))
+                    .unwrap_or_else(|| "-".into())
+            );
         }
-        let note = if run.status == Status::Ok { String::new() } else { run.note.clone() };
+        let note = if run.status == Status::Ok {
+            String::new()
+        } else {
+            run.note.clone()
+        };
         let _ = writeln!(s, " {} |", md_cell(&note));
     }
     s
@@ -394,7 +449,9 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
                 label: e.label.clone(),
                 bytes: e.run.peak_bytes(),
                 status: e.run.status,
-                change_pct: e.peak_change_pct.filter(|_| !std::ptr::eq(e, &r.entries[0])),
+                change_pct: e
+                    .peak_change_pct
+                    .filter(|_| !std::ptr::eq(e, &r.entries[0])),
             })
             .collect(),
     };
@@ -411,7 +468,10 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
         }
         series.push(Series {
             label: e.label.clone(),
-            points: rows.iter().map(|b| (b.global_step as f64, b.peak_bytes)).collect(),
+            points: rows
+                .iter()
+                .map(|b| (b.global_step as f64, b.peak_bytes))
+                .collect(),
             color: None,
             thin: false,
         });
@@ -431,18 +491,29 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
 /// Draw `memory.png` and `memory.svg` into a run directory from its `batches.csv`: the peak of
 /// every step, the bytes still in use after it, the CUDA pool's reserved bytes when measured,
 /// and horizontal lines for the baseline and the memory limit when given.
-pub fn write_run_memory_chart(run_dir: &Path, title: &str, baseline: Option<u64>, limit: Option<u64>) -> Result<Vec<PathBuf>> {
+pub fn write_run_memory_chart(
+    run_dir: &Path,
+    title: &str,
+    baseline: Option<u64>,
+    limit: Option<u64>,
+) -> Result<Vec<PathBuf>> {
     let rows = read_batches_csv(&run_dir.join("batches.csv"))?;
     let mut series = vec![
         Series {
             label: "peak during step".into(),
-            points: rows.iter().map(|b| (b.global_step as f64, b.peak_bytes)).collect(),
+            points: rows
+                .iter()
+                .map(|b| (b.global_step as f64, b.peak_bytes))
+                .collect(),
             color: Some(PALETTE[0]),
             thin: false,
         },
         Series {
             label: "in use after step".into(),
-            points: rows.iter().map(|b| (b.global_step as f64, b.end_bytes)).collect(),
+            points: rows
+                .iter()
+                .map(|b| (b.global_step as f64, b.end_bytes))
+                .collect(),
             color: Some(PALETTE[2]),
             thin: true,
         },
@@ -450,19 +521,35 @@ pub fn write_run_memory_chart(run_dir: &Path, title: &str, baseline: Option<u64>
     if rows.iter().any(|b| b.reserved_peak.is_some()) {
         series.push(Series {
             label: "reserved by the CUDA pool".into(),
-            points: rows.iter().filter_map(|b| b.reserved_peak.map(|r| (b.global_step as f64, r))).collect(),
+            points: rows
+                .iter()
+                .filter_map(|b| b.reserved_peak.map(|r| (b.global_step as f64, r)))
+                .collect(),
             color: Some(PALETTE[1]),
             thin: true,
         });
     }
     let mut hlines = Vec::new();
     if let Some(b) = baseline {
-        hlines.push(HLine { label: format!("baseline at start ({})", format_bytes(b)), bytes: b, color: RGBColor(120, 120, 120) });
+        hlines.push(HLine {
+            label: format!("baseline at start ({})", format_bytes(b)),
+            bytes: b,
+            color: RGBColor(120, 120, 120),
+        });
     }
     if let Some(l) = limit {
-        hlines.push(HLine { label: format!("memory limit ({})", format_bytes(l)), bytes: l, color: RGBColor(200, 30, 30) });
+        hlines.push(HLine {
+            label: format!("memory limit ({})", format_bytes(l)),
+            bytes: l,
+            color: RGBColor(200, 30, 30),
+        });
     }
-    let chart = TimelineChart { title: title.to_string(), y_desc: "memory".into(), series, hlines };
+    let chart = TimelineChart {
+        title: title.to_string(),
+        y_desc: "memory".into(),
+        series,
+        hlines,
+    };
     render(&chart, &run_dir.join("memory"))
 }
 
@@ -508,9 +595,15 @@ struct MemUnit {
 impl MemUnit {
     fn for_max(bytes: u64) -> MemUnit {
         if bytes as f64 >= 4.0 * 1024f64.powi(3) {
-            MemUnit { div: 1024f64.powi(3), name: "GiB" }
+            MemUnit {
+                div: 1024f64.powi(3),
+                name: "GiB",
+            }
         } else {
-            MemUnit { div: 1024f64.powi(2), name: "MiB" }
+            MemUnit {
+                div: 1024f64.powi(2),
+                name: "MiB",
+            }
         }
     }
 
@@ -542,7 +635,10 @@ trait Chart {
 }
 
 fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::io(path, std::io::Error::other(format!("drawing the chart failed: {e}")))
+    Error::io(
+        path,
+        std::io::Error::other(format!("drawing the chart failed: {e}")),
+    )
 }
 
 /// Render `chart` to `<stem>.png` and `<stem>.svg` (each written atomically); returns both paths.
@@ -564,7 +660,9 @@ fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
         enc.set_color(png::ColorType::Rgb);
         enc.set_depth(png::BitDepth::Eight);
         let mut writer = enc.write_header().map_err(|e| chart_error(&png_path, e))?;
-        writer.write_image_data(&rgb).map_err(|e| chart_error(&png_path, e))?;
+        writer
+            .write_image_data(&rgb)
+            .map_err(|e| chart_error(&png_path, e))?;
         writer.finish().map_err(|e| chart_error(&png_path, e))?;
     }
     write_atomic(&png_path, &png_bytes)?;
@@ -584,7 +682,10 @@ fn shorten(s: &str, max: usize) -> String {
     if s.chars().count() <= max {
         s.to_string()
     } else {
-        format!("{}…", s.chars().take(max.saturating_sub(1)).collect::<String>())
+        format!(
+            "{}…",
+            s.chars().take(max.saturating_sub(1)).collect::<String>()
+        )
     }
 }
 
@@ -613,7 +714,12 @@ impl Chart for BarChart {
         DB::ErrorType: 'static,
     {
         let n = self.bars.len().max(1);
-        let max = self.bars.iter().filter_map(|b| b.bytes).max().unwrap_or(1024 * 1024);
+        let max = self
+            .bars
+            .iter()
+            .filter_map(|b| b.bytes)
+            .max()
+            .unwrap_or(1024 * 1024);
         let unit = MemUnit::for_max(max);
         let xmax = unit.of(max).max(1e-3) * 1.32;
         let labels: Vec<String> = self.bars.iter().map(|b| shorten(&b.label, 38)).collect();
@@ -647,7 +753,10 @@ impl Chart for BarChart {
             match b.bytes {
                 Some(bytes) => {
                     let mut rect = Rectangle::new(
-                        [(0.0, SegmentValue::Exact(r)), (unit.of(bytes), SegmentValue::Exact(r + 1))],
+                        [
+                            (0.0, SegmentValue::Exact(r)),
+                            (unit.of(bytes), SegmentValue::Exact(r + 1)),
+                        ],
                         color.filled(),
                     );
                     rect.set_margin(9, 9, 0, 0);
@@ -656,9 +765,11 @@ impl Chart for BarChart {
                     if let Some(p) = b.change_pct {
                         text.push_str(&format!(" ({})", pct_cell(Some(p))));
                     }
-                    let style = TextStyle::from((FONT, 18).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
+                    let style = TextStyle::from((FONT, 18).into_font())
+                        .pos(Pos::new(HPos::Left, VPos::Center));
                     chart.draw_series(std::iter::once(
-                        EmptyElement::at((unit.of(bytes), SegmentValue::CenterOf(r))) + Text::new(text, (8, 0), style),
+                        EmptyElement::at((unit.of(bytes), SegmentValue::CenterOf(r)))
+                            + Text::new(text, (8, 0), style),
                     ))?;
                 }
                 None => {
@@ -670,7 +781,8 @@ impl Chart for BarChart {
                         _ => "failed".to_string(),
                     };
                     chart.draw_series(std::iter::once(
-                        EmptyElement::at((0.0, SegmentValue::CenterOf(r))) + Text::new(text, (8, 0), style),
+                        EmptyElement::at((0.0, SegmentValue::CenterOf(r)))
+                            + Text::new(text, (8, 0), style),
                     ))?;
                 }
             }
@@ -722,7 +834,11 @@ impl Chart for TimelineChart {
             .unwrap_or(1024 * 1024)
             .max(1);
         let unit = MemUnit::for_max(max_bytes);
-        let max_x = self.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).fold(0.0f64, f64::max);
+        let max_x = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.0))
+            .fold(0.0f64, f64::max);
         let (x0, x1) = if max_x < 1.0 {
             (-0.5, 1.5)
         } else {
@@ -744,7 +860,13 @@ impl Chart for TimelineChart {
             .y_desc(format!("{} ({})", self.y_desc, unit.name))
             .axis_desc_style((FONT, 20))
             .label_style((FONT, 17))
-            .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{}", x.round() as i64) } else { String::new() })
+            .x_label_formatter(&|x| {
+                if (x - x.round()).abs() < 1e-6 {
+                    format!("{}", x.round() as i64)
+                } else {
+                    String::new()
+                }
+            })
             .y_label_formatter(&|y| format!("{y:.0}"))
             .light_line_style(RGBColor(246, 246, 246))
             .draw()?;
@@ -752,9 +874,16 @@ impl Chart for TimelineChart {
             let y = unit.of(h.bytes);
             let color = h.color;
             chart
-                .draw_series(DashedLineSeries::new(vec![(x0, y), (x1, y)], 12, 8, color.stroke_width(2)))?
+                .draw_series(DashedLineSeries::new(
+                    vec![(x0, y), (x1, y)],
+                    12,
+                    8,
+                    color.stroke_width(2),
+                ))?
                 .label(h.label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2))
+                });
         }
         for (i, s) in self.series.iter().enumerate() {
             let color = s.color.unwrap_or(PALETTE[i % PALETTE.len()]);
@@ -763,9 +892,14 @@ impl Chart for TimelineChart {
             chart
                 .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
                 .label(shorten(&s.label, 60))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+                });
             if pts.len() <= 80 {
-                chart.draw_series(pts.iter().map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())))?;
+                chart.draw_series(
+                    pts.iter()
+                        .map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())),
+                )?;
             }
         }
         chart
@@ -799,16 +933,34 @@ struct SweepChart {
 
 impl SweepChart {
     fn from_result(r: &SweepResult) -> SweepChart {
-        let dot = |p: &ChildRun, batch| SweepDot { batch, status: p.status, peak: p.peak_bytes(), ips: p.images_per_sec() };
+        let dot = |p: &ChildRun, batch| SweepDot {
+            batch,
+            status: p.status,
+            peak: p.peak_bytes(),
+            ips: p.images_per_sec(),
+        };
         let configs = r
             .configurations
             .iter()
-            .map(|v| (v.label.clone(), r.points_of(&v.label).iter().map(|p| dot(&p.run, p.batch_size)).collect()))
+            .map(|v| {
+                (
+                    v.label.clone(),
+                    r.points_of(&v.label)
+                        .iter()
+                        .map(|p| dot(&p.run, p.batch_size))
+                        .collect(),
+                )
+            })
             .collect();
         let maxima = r
             .configurations
             .iter()
-            .map(|v| r.max_batches.iter().find(|m| m.configuration == v.label).and_then(|m| m.max_batch))
+            .map(|v| {
+                r.max_batches
+                    .iter()
+                    .find(|m| m.configuration == v.label)
+                    .and_then(|m| m.max_batch)
+            })
             .collect();
         SweepChart {
             maxima,
@@ -854,14 +1006,31 @@ impl Chart for SweepChart {
                 format!("{}", x.round() as i64)
             }
         };
-        let x_desc = if log { "batch size (images per step, log scale)" } else { "batch size (images per step)" };
-        let max_bytes = dots().filter_map(|d| d.peak).chain(self.limit).max().unwrap_or(1024 * 1024).max(1);
+        let x_desc = if log {
+            "batch size (images per step, log scale)"
+        } else {
+            "batch size (images per step)"
+        };
+        let max_bytes = dots()
+            .filter_map(|d| d.peak)
+            .chain(self.limit)
+            .max()
+            .unwrap_or(1024 * 1024)
+            .max(1);
         let unit = MemUnit::for_max(max_bytes);
         let ymax = unit.of(max_bytes) * 1.15;
         // Where OOM points sit: on the limit line, or near the top without a limit.
         let oom_y = self.limit.map(|l| unit.of(l)).unwrap_or(ymax * 0.93);
-        let max_ips = dots().filter_map(|d| d.ips).fold(0.0f64, f64::max).max(1e-3) * 1.15;
-        let x_labels = if log { ((x1 - x0).ceil() as usize * 2).max(2) } else { 10 };
+        let max_ips = dots()
+            .filter_map(|d| d.ips)
+            .fold(0.0f64, f64::max)
+            .max(1e-3)
+            * 1.15;
+        let x_labels = if log {
+            ((x1 - x0).ceil() as usize * 2).max(2)
+        } else {
+            10
+        };
 
         let root = root.titled(&self.title, (FONT, 28))?;
         let (top, bottom) = root.split_vertically((root.dim_in_pixel().1 as f64 * 0.58) as u32);
@@ -884,25 +1053,38 @@ impl Chart for SweepChart {
         if let Some(l) = self.limit {
             let y = unit.of(l);
             let red = RGBColor(200, 30, 30);
-            mem.draw_series(DashedLineSeries::new(vec![(x0, y), (x1, y)], 12, 8, red.stroke_width(2)))?
-                .label(format!("memory limit ({})", format_bytes(l)))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2)));
+            mem.draw_series(DashedLineSeries::new(
+                vec![(x0, y), (x1, y)],
+                12,
+                8,
+                red.stroke_width(2),
+            ))?
+            .label(format!("memory limit ({})", format_bytes(l)))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2)));
         }
         let mut any_oom = false;
         let mut any_failed = false;
         for (i, (label, d)) in self.configs.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
-            let ok: Vec<(f64, f64)> =
-                d.iter().filter(|p| p.status == Status::Ok).filter_map(|p| p.peak.map(|b| (xv(p.batch), unit.of(b)))).collect();
+            let ok: Vec<(f64, f64)> = d
+                .iter()
+                .filter(|p| p.status == Status::Ok)
+                .filter_map(|p| p.peak.map(|b| (xv(p.batch), unit.of(b))))
+                .collect();
             mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(3)))?
                 .label(shorten(label, 50))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+                });
             mem.draw_series(ok.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
             if let Some(Some(m)) = self.maxima.get(i) {
                 if let Some(p) = d.iter().find(|p| p.batch == *m).and_then(|p| p.peak) {
-                    let style = TextStyle::from((FONT, 17).into_font()).color(&color).pos(Pos::new(HPos::Left, VPos::Top));
+                    let style = TextStyle::from((FONT, 17).into_font())
+                        .color(&color)
+                        .pos(Pos::new(HPos::Left, VPos::Top));
                     mem.draw_series(std::iter::once(
-                        EmptyElement::at((xv(*m), unit.of(p))) + Text::new(format!("max {m}"), (8, 6), style),
+                        EmptyElement::at((xv(*m), unit.of(p)))
+                            + Text::new(format!("max {m}"), (8, 6), style),
                     ))?;
                 }
             }
@@ -912,11 +1094,14 @@ impl Chart for SweepChart {
                 let at = (xv(p.batch), oom_y);
                 if p.status == Status::Oom {
                     any_oom = true;
-                    mem.draw_series(std::iter::once(EmptyElement::at(at) + Cross::new((dx, 0), 8, color.stroke_width(3))))?;
+                    mem.draw_series(std::iter::once(
+                        EmptyElement::at(at) + Cross::new((dx, 0), 8, color.stroke_width(3)),
+                    ))?;
                 } else {
                     any_failed = true;
                     mem.draw_series(std::iter::once(
-                        EmptyElement::at(at) + TriangleMarker::new((dx, 0), 8, color.stroke_width(2)),
+                        EmptyElement::at(at)
+                            + TriangleMarker::new((dx, 0), 8, color.stroke_width(2)),
                     ))?;
                 }
             }
@@ -925,7 +1110,11 @@ impl Chart for SweepChart {
         if any_oom {
             let black = RGBColor(40, 40, 40);
             mem.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
-                .label(if self.limit.is_some() { "out of memory (drawn on the limit)" } else { "out of memory" })
+                .label(if self.limit.is_some() {
+                    "out of memory (drawn on the limit)"
+                } else {
+                    "out of memory"
+                })
                 .legend(move |(x, y)| Cross::new((x + 12, y), 7, black.stroke_width(3)));
         }
         if any_failed {
@@ -959,7 +1148,14 @@ impl Chart for SweepChart {
             .draw()?;
         for (i, (_, d)) in self.configs.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
-            let pts: Vec<(f64, f64)> = d.iter().filter_map(|p| p.ips.filter(|_| p.status == Status::Ok).map(|v| (xv(p.batch), v))).collect();
+            let pts: Vec<(f64, f64)> = d
+                .iter()
+                .filter_map(|p| {
+                    p.ips
+                        .filter(|_| p.status == Status::Ok)
+                        .map(|v| (xv(p.batch), v))
+                })
+                .collect();
             speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
             speed.draw_series(pts.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
         }

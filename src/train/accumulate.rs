@@ -14,7 +14,9 @@ pub struct GradAccumulator {
 impl GradAccumulator {
     /// Empty slots for `n` parameters.
     pub fn new(n: usize) -> Self {
-        GradAccumulator { grads: vec![None; n] }
+        GradAccumulator {
+            grads: vec![None; n],
+        }
     }
 
     /// Add the gradient of parameter `i`.
@@ -30,7 +32,11 @@ impl GradAccumulator {
     }
 
     /// Take every gradient found in `store` for `vars`.
-    pub fn add_from_store(&mut self, vars: &[Var], store: &mut candle_core::backprop::GradStore) -> Result<()> {
+    pub fn add_from_store(
+        &mut self,
+        vars: &[Var],
+        store: &mut candle_core::backprop::GradStore,
+    ) -> Result<()> {
         for (i, v) in vars.iter().enumerate() {
             if let Some(g) = store.remove(v.as_tensor()) {
                 self.add(i, g)?;

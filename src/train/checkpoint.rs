@@ -27,9 +27,9 @@
 //! next batch gives exactly the batches an uninterrupted run would have seen. The learning-rate
 //! schedule is a function of (global step, total steps), both restored or recomputed.
 
+use super::optim::Optimizer;
 use super::precision::LossScaler;
 use super::trainer::Trainer;
-use super::optim::Optimizer;
 use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::error::{Error, Result};
@@ -67,11 +67,27 @@ const OLD_PREFIX: &str = ".old-step-";
 
 /// Fields that decide what the training computes; a resumed run must match the checkpoint in all.
 /// (The training data itself is compared by fingerprint, so a moved data directory still resumes.)
-const MUST_MATCH: &[&str] =
-    &["width", "conv", "optimizer", "batch_size", "accum_steps", "precision", "checkpoint", "seed", "augment"];
+const MUST_MATCH: &[&str] = &[
+    "width",
+    "conv",
+    "optimizer",
+    "batch_size",
+    "accum_steps",
+    "precision",
+    "checkpoint",
+    "seed",
+    "augment",
+];
 
 /// Fields that may change on resume but change the rest of the run; they are reported.
-const NOTED: &[&str] = &["epochs", "max_steps", "lr", "momentum", "weight_decay", "warmup_frac"];
+const NOTED: &[&str] = &[
+    "epochs",
+    "max_steps",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "warmup_frac",
+];
 
 /// Size and hash of one file of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -144,7 +160,10 @@ pub struct CheckpointSaver {
 impl CheckpointSaver {
     /// A saver that writes checkpoints when `enabled`.
     pub fn new(enabled: bool) -> Self {
-        CheckpointSaver { enabled, ..Default::default() }
+        CheckpointSaver {
+            enabled,
+            ..Default::default()
+        }
     }
 
     /// Global step of the newest checkpoint this trainer wrote or restored.
@@ -177,7 +196,12 @@ pub fn hash_bytes(bytes: &[u8]) -> u64 {
 
 /// Fingerprint of a dataset: image count and the hashes of its labels and pixels, as one string.
 pub fn data_fingerprint(data: &Dataset) -> String {
-    format!("{}:{:016x}:{:016x}", data.len(), hash_bytes(&data.labels), hash_bytes(&data.images))
+    format!(
+        "{}:{:016x}:{:016x}",
+        data.len(),
+        hash_bytes(&data.labels),
+        hash_bytes(&data.images)
+    )
 }
 
 /// Name of the directory of the checkpoint at `step`.
@@ -217,14 +241,18 @@ fn list_steps(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
 /// `.old-step-*`) and temporary files of the `latest` pointer (`.latest.*.tmp`, see
 /// [`crate::io::write_atomic`]).
 fn list_leftovers(root: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
     let latest_tmp = format!(".{LATEST_FILE}.");
     entries
         .filter_map(|e| e.ok())
         .filter(|e| {
             let n = e.file_name();
             let n = n.to_string_lossy();
-            n.starts_with(TMP_PREFIX) || n.starts_with(OLD_PREFIX) || (n.starts_with(&latest_tmp) && n.ends_with(".tmp"))
+            n.starts_with(TMP_PREFIX)
+                || n.starts_with(OLD_PREFIX)
+                || (n.starts_with(&latest_tmp) && n.ends_with(".tmp"))
         })
         .map(|e| e.path())
         .collect()
@@ -232,7 +260,11 @@ fn list_leftovers(root: &Path) -> Vec<PathBuf> {
 
 /// Remove a leftover, whether a directory or a file.
 fn remove_leftover(path: &Path) {
-    let _ = if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+    let _ = if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
 }
 
 /// Fsync a directory so that renames inside it are durable (best effort: not every platform
@@ -249,7 +281,10 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<FileEntry> {
     let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
     f.write_all(bytes).map_err(|e| Error::io(path, e))?;
     f.sync_all().map_err(|e| Error::io(path, e))?;
-    Ok(FileEntry { bytes: bytes.len() as u64, hash: format!("{:016x}", hash_bytes(bytes)) })
+    Ok(FileEntry {
+        bytes: bytes.len() as u64,
+        hash: format!("{:016x}", hash_bytes(bytes)),
+    })
 }
 
 /// Save named tensors as safetensors at `path`, fsync, and return the manifest entry.
@@ -258,8 +293,13 @@ fn write_tensors(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<FileE
         .map_err(|e| Error::Checkpoint(format!("{}: cannot write ({e})", path.display())))?;
     // Read back what was written: the hash then covers the bytes actually on disk.
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| Error::io(path, e))?;
-    Ok(FileEntry { bytes: bytes.len() as u64, hash: format!("{:016x}", hash_bytes(&bytes)) })
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(path, e))?;
+    Ok(FileEntry {
+        bytes: bytes.len() as u64,
+        hash: format!("{:016x}", hash_bytes(&bytes)),
+    })
 }
 
 /// Copy a tensor to the CPU, refusing NaN/inf: a checkpoint must never hold a diverged state.
@@ -283,8 +323,11 @@ impl Trainer {
         }
         // The batch just trained, for the error message; then the position to continue at.
         let (last_epoch, last_batch) = (epoch, next_batch.saturating_sub(1));
-        let (epoch, next_batch) =
-            if next_batch >= self.steps_per_epoch { (epoch + 1, 0) } else { (epoch, next_batch) };
+        let (epoch, next_batch) = if next_batch >= self.steps_per_epoch {
+            (epoch + 1, 0)
+        } else {
+            (epoch, next_batch)
+        };
         let diverged = |what: &str| Error::NonFinite {
             what: what.into(),
             epoch: last_epoch,
@@ -306,23 +349,40 @@ impl Trainer {
             let t = finite_on_cpu(&t)?.ok_or_else(|| diverged("optimizer state"))?;
             optimizer.insert(name, t);
         }
-        let fingerprint = self.checkpoints.fingerprint.get_or_init(|| data_fingerprint(&self.train)).clone();
+        let fingerprint = self
+            .checkpoints
+            .fingerprint
+            .get_or_init(|| data_fingerprint(&self.train))
+            .clone();
         let config_json = serde_json::to_vec_pretty(&self.config)
             .map_err(|e| Error::Checkpoint(format!("cannot serialize the config: {e}")))?;
 
         let root = self.run_dir.join(CHECKPOINTS_DIR);
         std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
         let name = step_dir_name(self.global_step);
-        let tmp = root.join(format!("{TMP_PREFIX}{:06}-{}", self.global_step, std::process::id()));
+        let tmp = root.join(format!(
+            "{TMP_PREFIX}{:06}-{}",
+            self.global_step,
+            std::process::id()
+        ));
         let write = || -> Result<()> {
             if tmp.exists() {
                 std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
             }
             std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
             let mut files = BTreeMap::new();
-            files.insert(MODEL_FILE.to_string(), write_tensors(&tmp.join(MODEL_FILE), &model)?);
-            files.insert(OPTIMIZER_FILE.to_string(), write_tensors(&tmp.join(OPTIMIZER_FILE), &optimizer)?);
-            files.insert(CONFIG_FILE.to_string(), write_synced(&tmp.join(CONFIG_FILE), &config_json)?);
+            files.insert(
+                MODEL_FILE.to_string(),
+                write_tensors(&tmp.join(MODEL_FILE), &model)?,
+            );
+            files.insert(
+                OPTIMIZER_FILE.to_string(),
+                write_tensors(&tmp.join(OPTIMIZER_FILE), &optimizer)?,
+            );
+            files.insert(
+                CONFIG_FILE.to_string(),
+                write_synced(&tmp.join(CONFIG_FILE), &config_json)?,
+            );
             let state = TrainState {
                 format: FORMAT.into(),
                 version: VERSION,
@@ -354,7 +414,11 @@ impl Trainer {
         if dest.exists() {
             // A same-step directory from an earlier process (e.g. a damaged one that resume skipped):
             // move it aside rather than delete it first, so some checkpoint always exists.
-            let old = root.join(format!("{OLD_PREFIX}{:06}-{}", self.global_step, std::process::id()));
+            let old = root.join(format!(
+                "{OLD_PREFIX}{:06}-{}",
+                self.global_step,
+                std::process::id()
+            ));
             let _ = std::fs::remove_dir_all(&old);
             std::fs::rename(&dest, &old).map_err(|e| Error::io(&dest, e))?;
         }
@@ -392,7 +456,10 @@ fn prune(root: &Path, current: usize) {
 /// Refuse to start a new run in a directory that already holds checkpoints: the new run's
 /// checkpoints would replace the old run's. `run_dir` is the `--out` of a run without `--resume`.
 pub fn ensure_no_checkpoints(run_dir: &Path) -> Result<()> {
-    if list_steps(&run_dir.join(CHECKPOINTS_DIR)).map(|s| !s.is_empty()).unwrap_or(false) {
+    if list_steps(&run_dir.join(CHECKPOINTS_DIR))
+        .map(|s| !s.is_empty())
+        .unwrap_or(false)
+    {
         return Err(Error::config(format!(
             "--out {0} already holds checkpoints of an earlier run; continue it with --resume {0}, or pass a new --out",
             run_dir.display()
@@ -417,7 +484,9 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
     let state: TrainState =
         serde_json::from_slice(&text).map_err(|e| format!("damaged {MANIFEST_FILE} ({e})"))?;
     if state.format != FORMAT {
-        return Err(format!("{MANIFEST_FILE} is not a memtrain checkpoint manifest"));
+        return Err(format!(
+            "{MANIFEST_FILE} is not a memtrain checkpoint manifest"
+        ));
     }
     if state.version != VERSION {
         return Err(format!(
@@ -426,14 +495,25 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
         ));
     }
     if state.global_step != step {
-        return Err(format!("{MANIFEST_FILE} says step {}, the directory step {step}", state.global_step));
+        return Err(format!(
+            "{MANIFEST_FILE} says step {}, the directory step {step}",
+            state.global_step
+        ));
     }
     let mut contents = HashMap::new();
     for name in [MODEL_FILE, OPTIMIZER_FILE, CONFIG_FILE] {
-        let entry = state.files.get(name).ok_or_else(|| format!("{MANIFEST_FILE} does not list {name}"))?;
-        let bytes = std::fs::read(dir.join(name)).map_err(|e| format!("cannot read {name} ({e})"))?;
+        let entry = state
+            .files
+            .get(name)
+            .ok_or_else(|| format!("{MANIFEST_FILE} does not list {name}"))?;
+        let bytes =
+            std::fs::read(dir.join(name)).map_err(|e| format!("cannot read {name} ({e})"))?;
         if bytes.len() as u64 != entry.bytes {
-            return Err(format!("{name} has {} bytes, {} expected (truncated or damaged)", bytes.len(), entry.bytes));
+            return Err(format!(
+                "{name} has {} bytes, {} expected (truncated or damaged)",
+                bytes.len(),
+                entry.bytes
+            ));
         }
         if format!("{:016x}", hash_bytes(&bytes)) != entry.hash {
             return Err(format!("{name} is damaged (hash mismatch)"));
@@ -442,7 +522,9 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
     }
     let config: TrainConfig = serde_json::from_slice(&contents[CONFIG_FILE])
         .map_err(|e| format!("damaged {CONFIG_FILE} ({e})"))?;
-    config.validate().map_err(|e| format!("invalid {CONFIG_FILE} ({e})"))?;
+    config
+        .validate()
+        .map_err(|e| format!("invalid {CONFIG_FILE} ({e})"))?;
     let model = candle_core::safetensors::load_buffer(&contents[MODEL_FILE], &Device::Cpu)
         .map_err(|e| format!("damaged {MODEL_FILE} ({})", first_line(&e.to_string())))?;
     let optimizer = candle_core::safetensors::load_buffer(&contents[OPTIMIZER_FILE], &Device::Cpu)
@@ -484,7 +566,13 @@ fn differences(then: &TrainConfig, now: &TrainConfig, keys: &[&str]) -> Vec<Stri
     };
     keys.iter()
         .filter(|k| a.get(**k) != b.get(**k))
-        .map(|k| format!("{k}: checkpoint {}, now {}", show(a.get(*k)), show(b.get(*k))))
+        .map(|k| {
+            format!(
+                "{k}: checkpoint {}, now {}",
+                show(a.get(*k)),
+                show(b.get(*k))
+            )
+        })
         .collect()
 }
 
@@ -521,7 +609,12 @@ impl Checkpoint {
         }
         let mut skipped: Vec<String> = list_leftovers(&root)
             .into_iter()
-            .map(|p| format!("{}: incomplete (the process stopped while writing it); ignoring it", p.display()))
+            .map(|p| {
+                format!(
+                    "{}: incomplete (the process stopped while writing it); ignoring it",
+                    p.display()
+                )
+            })
             .collect();
         let mut first_failure = None;
         for (step, dir) in &steps {
@@ -531,7 +624,10 @@ impl Checkpoint {
                     return Ok(ck);
                 }
                 Err(reason) => {
-                    skipped.push(format!("{}: {reason}; using an older checkpoint", dir.display()));
+                    skipped.push(format!(
+                        "{}: {reason}; using an older checkpoint",
+                        dir.display()
+                    ));
                     first_failure.get_or_insert(format!("{}: {reason}", dir.display()));
                 }
             }
@@ -563,7 +659,11 @@ impl Checkpoint {
                     _ => out == &self.run_dir,
                 };
                 if !same {
-                    diffs.push(format!("out: run directory {}, now {}", self.run_dir.display(), out.display()));
+                    diffs.push(format!(
+                        "out: run directory {}, now {}",
+                        self.run_dir.display(),
+                        out.display()
+                    ));
                 }
             }
         }
@@ -574,7 +674,10 @@ impl Checkpoint {
                 diffs.join("; ")
             )));
         }
-        Ok(TrainConfig { out: Some(self.run_dir.clone()), ..now.clone() })
+        Ok(TrainConfig {
+            out: Some(self.run_dir.clone()),
+            ..now.clone()
+        })
     }
 
     /// Allowed changes that alter the rest of the run (epochs, max steps, learning-rate
@@ -588,7 +691,11 @@ impl Checkpoint {
     /// before anything is changed; the training data must be the checkpoint's (same fingerprint).
     pub fn restore(&self, trainer: &mut Trainer) -> Result<()> {
         let s = &self.state;
-        let fingerprint = trainer.checkpoints.fingerprint.get_or_init(|| data_fingerprint(&trainer.train)).clone();
+        let fingerprint = trainer
+            .checkpoints
+            .fingerprint
+            .get_or_init(|| data_fingerprint(&trainer.train))
+            .clone();
         if fingerprint != s.train_fingerprint {
             return Err(Error::config(format!(
                 "--resume {}: the training data differs from the checkpoint's (training data: checkpoint {} images, {}; now {} images, {}); pass the --data-dir the run was trained on",
@@ -618,7 +725,10 @@ impl Checkpoint {
             .chain(buffers.iter().map(|(n, b)| (n.as_str(), b.shape())))
             .collect();
         for (name, shape) in &expected {
-            let t = self.model.get(*name).ok_or_else(|| bad(format!("{MODEL_FILE} lacks '{name}'")))?;
+            let t = self
+                .model
+                .get(*name)
+                .ok_or_else(|| bad(format!("{MODEL_FILE} lacks '{name}'")))?;
             if t.shape() != *shape || t.dtype() != DType::F32 {
                 return Err(bad(format!(
                     "'{name}' is {:?} {:?} in the checkpoint, the model needs {:?} F32",
@@ -629,8 +739,14 @@ impl Checkpoint {
             }
         }
         if self.model.len() != expected.len() {
-            let unknown = self.model.keys().find(|k| !expected.iter().any(|(n, _)| n == k));
-            return Err(bad(format!("{MODEL_FILE} holds an unknown tensor '{}'", unknown.map_or("?", |s| s))));
+            let unknown = self
+                .model
+                .keys()
+                .find(|k| !expected.iter().any(|(n, _)| n == k));
+            return Err(bad(format!(
+                "{MODEL_FILE} holds an unknown tensor '{}'",
+                unknown.map_or("?", |s| s)
+            )));
         }
         let mut opt_state = Vec::with_capacity(self.optimizer.len());
         for (name, t) in &self.optimizer {
@@ -639,14 +755,20 @@ impl Checkpoint {
                 .filter(|(slot, _)| *slot == "s1" || *slot == "s2")
                 .and_then(|(_, i)| i.parse::<usize>().ok())
                 .ok_or_else(|| bad(format!("{OPTIMIZER_FILE} holds an unknown tensor '{name}'")))?;
-            let (pname, var) = vars.get(idx).ok_or_else(|| bad(format!("{OPTIMIZER_FILE}: '{name}' has no parameter")))?;
+            let (pname, var) = vars
+                .get(idx)
+                .ok_or_else(|| bad(format!("{OPTIMIZER_FILE}: '{name}' has no parameter")))?;
             if t.shape() != var.shape() || t.dtype() != DType::F32 {
-                return Err(bad(format!("{OPTIMIZER_FILE}: '{name}' does not match the shape of '{pname}'")));
+                return Err(bad(format!(
+                    "{OPTIMIZER_FILE}: '{name}' does not match the shape of '{pname}'"
+                )));
             }
             opt_state.push((name.clone(), t.to_device(&trainer.device)?));
         }
         if s.scaler.is_some() != trainer.scaler.is_some() {
-            return Err(bad("the loss-scaler state does not match --precision".into()));
+            return Err(bad(
+                "the loss-scaler state does not match --precision".into()
+            ));
         }
 
         // Apply.
@@ -654,10 +776,13 @@ impl Checkpoint {
             var.set(&self.model[name].to_device(&trainer.device)?)?;
         }
         for (name, _) in &buffers {
-            trainer.model.set_buffer(name, self.model[name].to_device(&trainer.device)?)?;
+            trainer
+                .model
+                .set_buffer(name, self.model[name].to_device(&trainer.device)?)?;
         }
         let cfg = &trainer.config;
-        let mut optimizer = Optimizer::new(cfg.optimizer, vars.len(), cfg.momentum, cfg.weight_decay);
+        let mut optimizer =
+            Optimizer::new(cfg.optimizer, vars.len(), cfg.momentum, cfg.weight_decay);
         optimizer.load_state(opt_state)?;
         optimizer.steps = s.optimizer_steps;
         trainer.optimizer = optimizer;

@@ -59,7 +59,11 @@ impl Optimizer {
             let w = &w;
             let new = match self.kind {
                 OptimizerKind::Sgd => {
-                    let g = if wd > 0.0 { (g + (w * wd)?)? } else { g.clone() };
+                    let g = if wd > 0.0 {
+                        (g + (w * wd)?)?
+                    } else {
+                        g.clone()
+                    };
                     let buf = match self.state1[i].take() {
                         Some(b) => ((b * m)? + &g)?,
                         None => g.clone(),

@@ -30,7 +30,11 @@ pub struct MicroResult {
 pub fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     let loss = candle_nn::loss::cross_entropy(logits, labels)?;
     let pred = logits.detach().argmax(1)?;
-    let correct = pred.eq(labels)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+    let correct = pred
+        .eq(labels)?
+        .to_dtype(DType::U32)?
+        .sum_all()?
+        .to_scalar::<u32>()? as usize;
     Ok((loss, correct))
 }
 
@@ -56,7 +60,10 @@ pub fn forward_backward(
     let xin = x.to_dtype(dtype)?;
     let n = model.blocks.len();
     if ckpt == Checkpointing::None {
-        let track = Mode::Train { track: true, update_stats: true };
+        let track = Mode::Train {
+            track: true,
+            update_stats: true,
+        };
         let h = model.forward_blocks(&xin, 0..n, track)?;
         let logits = model.forward_head(&h, track)?;
         drop(h);
@@ -66,12 +73,18 @@ pub fn forward_backward(
         *phase = Phase::Backward;
         let mut store = (loss * loss_mult)?.backward()?;
         acc.add_from_store(vars, &mut store)?;
-        return Ok(MicroResult { loss: loss_value, correct });
+        return Ok(MicroResult {
+            loss: loss_value,
+            correct,
+        });
     }
 
     // Forward without a graph, keeping each segment's input.
     let segments = model.segments(ckpt);
-    let no_graph = Mode::Train { track: false, update_stats: true };
+    let no_graph = Mode::Train {
+        track: false,
+        update_stats: true,
+    };
     let mut inputs: Vec<Tensor> = Vec::with_capacity(segments.len());
     let mut h = xin;
     for seg in &segments {
@@ -83,7 +96,10 @@ pub fn forward_backward(
     // gradient is the upstream gradient of the last segment.
     let hv = Var::from_tensor(&h)?;
     drop(h);
-    let track = Mode::Train { track: true, update_stats: false };
+    let track = Mode::Train {
+        track: true,
+        update_stats: false,
+    };
     let logits = model.forward_head(hv.as_tensor(), track)?;
     let (loss, correct) = loss_and_correct(&logits, y)?;
     let loss_value = loss.to_scalar::<f32>()? as f64;
@@ -117,10 +133,13 @@ pub fn forward_backward(
         drop(seg_in);
         acc.add_from_store(vars, &mut store)?;
         if let Some(v) = &input_var {
-            grad = store
-                .remove(v.as_tensor())
-                .ok_or_else(|| candle_core::Error::Msg("no gradient reached a segment input".into()))?;
+            grad = store.remove(v.as_tensor()).ok_or_else(|| {
+                candle_core::Error::Msg("no gradient reached a segment input".into())
+            })?;
         }
     }
-    Ok(MicroResult { loss: loss_value, correct })
+    Ok(MicroResult {
+        loss: loss_value,
+        correct,
+    })
 }

@@ -19,9 +19,9 @@ use crate::error::{Error, Result};
 use crate::memory::{format_bytes, is_device_oom, probe_for, MemoryProbe};
 use crate::model::{Cnn, Mode, ModelConfig};
 use candle_core::{DType, Device, Tensor, Var};
+use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::cell::{Cell, RefCell};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -120,7 +120,9 @@ pub fn default_run_dir() -> PathBuf {
 fn name_oom(e: Error, limit: Option<u64>, epoch: usize, batch: usize, phase: Phase) -> Error {
     match e {
         Error::Candle(ce) if is_device_oom(&ce) => Error::OutOfMemory {
-            limit: limit.map(format_bytes).unwrap_or_else(|| "device memory".into()),
+            limit: limit
+                .map(format_bytes)
+                .unwrap_or_else(|| "device memory".into()),
             epoch,
             batch,
             phase: phase.to_string(),
@@ -150,7 +152,9 @@ pub fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
         return None;
     }
     let skip = 3.min(steps.len() / 4).max(1);
-    let (images, secs) = steps[skip..].iter().fold((0usize, 0f64), |(i, s), (n, t)| (i + n, s + t));
+    let (images, secs) = steps[skip..]
+        .iter()
+        .fold((0usize, 0f64), |(i, s), (n, t)| (i + n, s + t));
     Some(images as f64 / secs.max(1e-9))
 }
 
@@ -177,7 +181,9 @@ fn batch_grads(
     let k = t.config.accum_steps;
     let n = labels.len();
     if n % k != 0 || images.len() != n * 3072 {
-        return Err(Error::config(format!("a batch of {n} images cannot be split into {k} micro-batches")));
+        return Err(Error::config(format!(
+            "a batch of {n} images cannot be split into {k} micro-batches"
+        )));
     }
     let mb = n / k;
     let dtype = t.config.precision.compute_dtype();
@@ -185,12 +191,26 @@ fn batch_grads(
     let (mut loss, mut correct) = (0.0, 0);
     for i in 0..k {
         phase.set(Phase::Forward);
-        let (x, y) = t.batch_tensors(&images[i * mb * 3072..(i + 1) * mb * 3072], &labels[i * mb..(i + 1) * mb])?;
+        let (x, y) = t.batch_tensors(
+            &images[i * mb * 3072..(i + 1) * mb * 3072],
+            &labels[i * mb..(i + 1) * mb],
+        )?;
         let mut p = Phase::Forward;
-        let r = forward_backward(&t.model, &t.vars, &x, &y, dtype, t.config.checkpoint, loss_scale / k as f64, &mut acc, &mut p, &mut || {
-            phase.set(Phase::Backward);
-            after_forward()
-        });
+        let r = forward_backward(
+            &t.model,
+            &t.vars,
+            &x,
+            &y,
+            dtype,
+            t.config.checkpoint,
+            loss_scale / k as f64,
+            &mut acc,
+            &mut p,
+            &mut || {
+                phase.set(Phase::Backward);
+                after_forward()
+            },
+        );
         phase.set(p);
         let r = r?;
         loss += r.loss / k as f64;
@@ -231,19 +251,37 @@ impl Trainer {
         if options.log_files {
             crate::io::create_dir(&run_dir)?;
         }
-        let model = Cnn::new(ModelConfig { width: config.width, conv: config.conv }, &device, config.seed)?;
+        let model = Cnn::new(
+            ModelConfig {
+                width: config.width,
+                conv: config.conv,
+            },
+            &device,
+            config.seed,
+        )?;
         let vars = model.vars();
-        let optimizer = Optimizer::new(config.optimizer, vars.len(), config.momentum, config.weight_decay);
+        let optimizer = Optimizer::new(
+            config.optimizer,
+            vars.len(),
+            config.momentum,
+            config.weight_decay,
+        );
         let scaler = LossScaler::for_precision(config.precision);
 
         let memory = MemoryCallback::new(probe.clone());
         let memory_log = memory.log();
         let mut list: Vec<Box<dyn Callback>> = vec![Box::new(memory)];
         if options.progress {
-            list.push(Box::new(ProgressCallback::new(config.quiet, Some(memory_log.clone()))));
+            list.push(Box::new(ProgressCallback::new(
+                config.quiet,
+                Some(memory_log.clone()),
+            )));
         }
         if options.log_files {
-            list.push(Box::new(MetricsLogger::new(&run_dir, Some(memory_log.clone()))));
+            list.push(Box::new(MetricsLogger::new(
+                &run_dir,
+                Some(memory_log.clone()),
+            )));
         }
         list.extend(options.callbacks);
 
@@ -293,7 +331,10 @@ impl Trainer {
 
     /// The memory records (shared with the memory callback).
     pub fn memory_log(&self) -> MemoryLog {
-        self.memory_log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.memory_log
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Optimizer steps per epoch.
@@ -321,15 +362,37 @@ impl Trainer {
     /// Gradients of the mean loss over a batch (f32, aligned with [`Trainer::vars`]), computed
     /// exactly as a training step would (micro-batches, precision, checkpointing) but without
     /// an optimizer step and without hooks. BatchNorm running statistics are updated as in a step.
-    pub fn compute_grads(&self, images: &[f32], labels: &[u32]) -> Result<(f64, Vec<Option<Tensor>>)> {
+    pub fn compute_grads(
+        &self,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<(f64, Vec<Option<Tensor>>)> {
         let phase = Cell::new(Phase::Forward);
-        let (loss, _, grads) = batch_grads(self, images, labels, 1.0, &phase, &mut || Ok(()), &mut || Ok(()))?;
+        let (loss, _, grads) = batch_grads(
+            self,
+            images,
+            labels,
+            1.0,
+            &phase,
+            &mut || Ok(()),
+            &mut || Ok(()),
+        )?;
         Ok((loss, grads))
     }
 
     /// One optimizer step on a batch: K micro-batches, loss scaling, the update, and the hooks.
-    pub fn train_step(&mut self, batch: &Batch, epoch: usize, batch_idx: usize) -> Result<StepResult> {
-        let lr = one_cycle_lr(self.global_step, self.total_steps, self.config.lr, self.config.warmup_frac);
+    pub fn train_step(
+        &mut self,
+        batch: &Batch,
+        epoch: usize,
+        batch_idx: usize,
+    ) -> Result<StepResult> {
+        let lr = one_cycle_lr(
+            self.global_step,
+            self.total_steps,
+            self.config.lr,
+            self.config.warmup_frac,
+        );
         let limit = self.config.memory_limit;
         let scale = self.scaler.as_ref().map(|s| s.scale);
         let t0 = Instant::now();
@@ -364,18 +427,29 @@ impl Trainer {
                 &phase,
                 &mut || {
                     check_budget(probe, epoch, batch_idx, Phase::Forward)?;
-                    cbs.borrow_mut().on_after_forward(&BatchInfo { micro_batch: micro.get(), ..info.clone() })
+                    cbs.borrow_mut().on_after_forward(&BatchInfo {
+                        micro_batch: micro.get(),
+                        ..info.clone()
+                    })
                 },
                 &mut || {
                     check_budget(probe, epoch, batch_idx, Phase::Backward)?;
-                    cbs.borrow_mut().on_after_backward(&BatchInfo { micro_batch: micro.get(), ..info.clone() })?;
+                    cbs.borrow_mut().on_after_backward(&BatchInfo {
+                        micro_batch: micro.get(),
+                        ..info.clone()
+                    })?;
                     micro.set(micro.get() + 1);
                     Ok(())
                 },
             )
             .map_err(|e| name_oom(e, limit, epoch, batch_idx, phase.get()))?;
             if !loss.is_finite() && self.scaler.is_none() {
-                return Err(Error::NonFinite { what: "loss".into(), epoch, batch: batch_idx, phase: "forward".into() });
+                return Err(Error::NonFinite {
+                    what: "loss".into(),
+                    epoch,
+                    batch: batch_idx,
+                    phase: "forward".into(),
+                });
             }
             let skipped = self
                 .apply_update(grads, scale, lr, epoch, batch_idx)
@@ -390,7 +464,13 @@ impl Trainer {
                 ..info.clone()
             };
             callbacks.on_batch_end(&end)?;
-            Ok(StepResult { loss, correct, images: batch.len, skipped, lr })
+            Ok(StepResult {
+                loss,
+                correct,
+                images: batch.len,
+                skipped,
+                lr,
+            })
         })();
         self.callbacks = callbacks;
         if let Ok(r) = &result {
@@ -402,7 +482,14 @@ impl Trainer {
 
     /// The optimizer phase: unscale (f16), check finiteness, step. Returns true when the loss
     /// scaler skipped the step.
-    fn apply_update(&mut self, grads: Vec<Option<Tensor>>, scale: Option<f64>, lr: f64, epoch: usize, batch: usize) -> Result<bool> {
+    fn apply_update(
+        &mut self,
+        grads: Vec<Option<Tensor>>,
+        scale: Option<f64>,
+        lr: f64,
+        epoch: usize,
+        batch: usize,
+    ) -> Result<bool> {
         let grads = match scale {
             Some(s) => grads
                 .into_iter()
@@ -414,7 +501,12 @@ impl Trainer {
         let apply = match self.scaler.as_mut() {
             Some(s) => s.update(finite),
             None if !finite => {
-                return Err(Error::NonFinite { what: "gradient".into(), epoch, batch, phase: "backward".into() })
+                return Err(Error::NonFinite {
+                    what: "gradient".into(),
+                    epoch,
+                    batch,
+                    phase: "backward".into(),
+                })
             }
             None => true,
         };
@@ -484,7 +576,11 @@ impl Trainer {
         let mut interrupted = false;
         let mut epoch = self.start_epoch;
         while epoch < cfg.epochs && self.global_step < self.total_steps && !interrupted {
-            let first = if epoch == self.start_epoch { self.start_batch } else { 0 };
+            let first = if epoch == self.start_epoch {
+                self.start_batch
+            } else {
+                0
+            };
             let steps = (self.steps_per_epoch - first).min(self.total_steps - self.global_step);
             self.callbacks.on_epoch_begin(&EpochBegin {
                 epoch,
@@ -508,7 +604,8 @@ impl Trainer {
                 },
             );
             let t0 = Instant::now();
-            let (mut loss_sum, mut correct, mut images, mut done, mut skipped) = (0.0, 0usize, 0usize, 0usize, 0usize);
+            let (mut loss_sum, mut correct, mut images, mut done, mut skipped) =
+                (0.0, 0usize, 0usize, 0usize, 0usize);
             let mut lr = cfg.lr;
             for batch in batcher.take(steps) {
                 let r = self.train_step(&batch, epoch, batch.index)?;
@@ -551,7 +648,11 @@ impl Trainer {
                 skipped_steps: skipped,
                 lr,
             };
-            self.callbacks.on_epoch_end(&EpochEnd { stats: &stats, num_epochs: cfg.epochs, probe: &*self.probe })?;
+            self.callbacks.on_epoch_end(&EpochEnd {
+                stats: &stats,
+                num_epochs: cfg.epochs,
+                probe: &*self.probe,
+            })?;
             epochs.push(stats);
             // [checkpoint] at each epoch end, at --max-steps and on interruption; batch
             // `first + done` is next (past the end of the epoch it becomes the next epoch's first).
@@ -562,7 +663,13 @@ impl Trainer {
             }
         }
         self.start_epoch = epoch;
-        let summary = self.summary(&epochs, total_images, total_secs, interrupted, wall.elapsed().as_secs_f64());
+        let summary = self.summary(
+            &epochs,
+            total_images,
+            total_secs,
+            interrupted,
+            wall.elapsed().as_secs_f64(),
+        );
         self.callbacks.on_train_end(&TrainEnd {
             epochs: &epochs,
             global_step: self.global_step,
@@ -575,8 +682,14 @@ impl Trainer {
         let mem = self.memory_log();
         let peak_bytes = mem.peak_bytes.max(summary.peak_bytes);
         // [estimate] the error against the refreshed peak.
-        let prediction_error_pct = summary.predicted_peak_bytes.and_then(|p| prediction_error(p, peak_bytes));
-        Ok(Summary { peak_bytes, prediction_error_pct, ..summary })
+        let prediction_error_pct = summary
+            .predicted_peak_bytes
+            .and_then(|p| prediction_error(p, peak_bytes));
+        Ok(Summary {
+            peak_bytes,
+            prediction_error_pct,
+            ..summary
+        })
     }
 
     // [estimate] begin: the analytic prediction for summary.json (src/memory/estimate.rs).
@@ -586,13 +699,30 @@ impl Trainer {
         use crate::memory::estimate::{estimate_for_specs, Baseline, DataSize, DeviceKind};
         let data = DataSize::loaded(&self.train, &self.eval, &self.config);
         let device = DeviceKind::of(&self.device);
-        estimate_for_specs(&self.config, &self.model.layer_specs(), device, Baseline::Modeled(data)).ok()
+        estimate_for_specs(
+            &self.config,
+            &self.model.layer_specs(),
+            device,
+            Baseline::Modeled(data),
+        )
+        .ok()
     }
     // [estimate] end
 
-    fn summary(&self, epochs: &[EpochStats], images: usize, secs: f64, interrupted: bool, wall: f64) -> Summary {
+    fn summary(
+        &self,
+        epochs: &[EpochStats],
+        images: usize,
+        secs: f64,
+        interrupted: bool,
+        wall: f64,
+    ) -> Summary {
         let mem = self.memory_log();
-        let predicted = if self.probe.available() { self.memory_estimate().map(|e| e.peak) } else { None }; // [estimate]
+        let predicted = if self.probe.available() {
+            self.memory_estimate().map(|e| e.peak)
+        } else {
+            None
+        }; // [estimate]
         let last = epochs.last();
         Summary {
             label: self.config.label(),
@@ -614,7 +744,10 @@ impl Trainer {
             images_per_sec: images as f64 / secs.max(1e-9),
             steady_images_per_sec: steady_throughput(&self.step_times),
             steps: self.global_step,
-            epochs_completed: epochs.iter().filter(|e| e.eval_accuracy.is_some() || !interrupted).count(),
+            epochs_completed: epochs
+                .iter()
+                .filter(|e| e.eval_accuracy.is_some() || !interrupted)
+                .count(),
             images,
             final_train_loss: last.map(|e| e.train_loss),
             final_test_accuracy: last.and_then(|e| e.eval_accuracy),
@@ -622,7 +755,11 @@ impl Trainer {
             eval_is_validation: self.eval_is_validation,
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
-            status: if interrupted { "interrupted".into() } else { "ok".into() },
+            status: if interrupted {
+                "interrupted".into()
+            } else {
+                "ok".into()
+            },
             wall_secs: wall,
         }
     }

@@ -28,7 +28,12 @@ pub fn tiny_config() -> TrainConfig {
 /// Synthetic train/test splits.
 pub fn splits(n_train: usize, n_test: usize, seed: u64) -> DataSplits {
     let (train, test) = synthetic::splits(n_train, n_test, seed);
-    DataSplits { train, test, description: "synthetic (test)".into(), test_is_validation: false }
+    DataSplits {
+        train,
+        test,
+        description: "synthetic (test)".into(),
+        test_is_validation: false,
+    }
 }
 
 /// A trainer without progress output or files.
@@ -55,16 +60,35 @@ pub fn batch(n: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
 
 /// Max |a-b| / max |b| over two tensors (compared in f64).
 pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let b = b.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let a = a
+        .to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    let b = b
+        .to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
     assert_eq!(a.len(), b.len(), "shape mismatch");
     let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max) / scale
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f64, f64::max)
+        / scale
 }
 
 /// Every parameter of a trainer, as host vectors.
 pub fn params(t: &Trainer) -> Vec<Tensor> {
-    t.vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect()
+    t.vars()
+        .iter()
+        .map(|v| v.as_tensor().copy().unwrap())
+        .collect()
 }
 
 /// A temporary directory unique to this test process and `name`, removed first if present.
@@ -87,10 +111,20 @@ pub fn trainer_binary() -> &'static Path {
     BIN.get_or_init(|| {
         let exe = std::env::current_exe().expect("path of the test executable");
         // Integration tests run from <target dir>/<profile>/deps/.
-        let profile_dir = exe.parent().and_then(Path::parent).expect("<target>/<profile>").to_path_buf();
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("<target>/<profile>")
+            .to_path_buf();
         let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "--quiet", "--example", "train_cifar10", "--manifest-path"])
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
+        cmd.args([
+            "build",
+            "--quiet",
+            "--example",
+            "train_cifar10",
+            "--manifest-path",
+        ])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
         if profile_dir.file_name().is_some_and(|n| n == "release") {
             cmd.arg("--release");
         }
@@ -103,8 +137,14 @@ pub fn trainer_binary() -> &'static Path {
             "building the train_cifar10 example failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let bin = profile_dir.join("examples").join(format!("train_cifar10{}", std::env::consts::EXE_SUFFIX));
-        assert!(bin.is_file(), "{} missing after building the example", bin.display());
+        let bin = profile_dir
+            .join("examples")
+            .join(format!("train_cifar10{}", std::env::consts::EXE_SUFFIX));
+        assert!(
+            bin.is_file(),
+            "{} missing after building the example",
+            bin.display()
+        );
         bin
     })
 }

@@ -188,23 +188,7 @@ fn run() -> anyhow::Result<()> {
     let charts = report::write_sweep_report(&out, &result).context("writing the sweep report")?;
     // The table, followed by one line per configuration for --find-max.
     print!("{}", report::sweep_markdown(&result));
-    let names: Vec<String> = ["sweep.md", "sweep.csv", "sweep.json"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain(
-            charts
-                .iter()
-                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())),
-        )
-        .collect();
-    println!("\nresults in {}: {}", out.display(), names.join(", "));
-    if result.interrupted {
-        return Err(memtrain::Error::Interrupted(format!(
-            "the sweep stopped early; results so far are in {}",
-            out.display()
-        ))
-        .into());
-    }
+    report::announce_results(&out, "sweep", &charts, result.interrupted, "sweep")?;
     Ok(())
 }
 

@@ -106,23 +106,7 @@ fn run() -> anyhow::Result<()> {
     let charts =
         report::write_compare_report(&out, &result).context("writing the comparison report")?;
     print!("{}", report::compare_markdown(&result));
-    let names: Vec<String> = ["compare.md", "compare.csv", "compare.json"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain(
-            charts
-                .iter()
-                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())),
-        )
-        .collect();
-    println!("\nresults in {}: {}", out.display(), names.join(", "));
-    if result.interrupted {
-        return Err(memtrain::Error::Interrupted(format!(
-            "the comparison stopped early; results so far are in {}",
-            out.display()
-        ))
-        .into());
-    }
+    report::announce_results(&out, "compare", &charts, result.interrupted, "comparison")?;
     Ok(())
 }
 

@@ -1162,3 +1162,32 @@ impl Chart for SweepChart {
         Ok(())
     }
 }
+
+/// Print where the results of a sweep or comparison are (`<stem>.md/.csv/.json` and the charts in
+/// `out`), and turn an interrupted run into [`Error::Interrupted`] so the caller exits 130.
+/// `what` names the run in that message ("sweep", "comparison").
+pub fn announce_results(
+    out: &Path,
+    stem: &str,
+    charts: &[PathBuf],
+    interrupted: bool,
+    what: &str,
+) -> Result<()> {
+    let names: Vec<String> = ["md", "csv", "json"]
+        .iter()
+        .map(|ext| format!("{stem}.{ext}"))
+        .chain(
+            charts
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())),
+        )
+        .collect();
+    println!("\nresults in {}: {}", out.display(), names.join(", "));
+    if interrupted {
+        return Err(Error::Interrupted(format!(
+            "the {what} stopped early; results so far are in {}",
+            out.display()
+        )));
+    }
+    Ok(())
+}

@@ -13,6 +13,35 @@ static PEAK: AtomicU64 = AtomicU64::new(0);
 static ACTIVE: AtomicBool = AtomicBool::new(false);
 static TOTAL_ALLOCS: AtomicU64 = AtomicU64::new(0);
 
+/// Tells the C allocator to keep freed heap memory in the process for reuse (glibc on Linux; a
+/// no-op elsewhere). Idempotent; the trainer calls it when it trains on the CPU.
+///
+/// Candle allocates a fresh buffer for every op's output, so one training step of the default net
+/// frees and re-allocates a few hundred MiB in blocks of up to 16 MiB. glibc serves blocks above
+/// its mmap threshold (128 KiB, adapting up to 32 MiB) with `mmap` and returns them with `munmap`,
+/// and trims the heap top on free: each step then pays page faults on every fresh page and TLB
+/// shootdowns across the worker threads. Measured with `perf record` on the default step (2
+/// threads): about a fifth of the step's time was spent in the kernel on these, and the step ran
+/// 1.3x faster with mmap for every size up to the maximum threshold and no trimming. The cost is
+/// that the process's resident set stays at its peak after a step (as a caching allocator's would);
+/// the counting probe measures live bytes, so measured peaks do not change.
+pub fn retain_freed_memory() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        {
+            // 32 MiB is glibc's largest accepted mmap threshold on 64-bit (HEAP_MAX_SIZE / 2);
+            // larger blocks still go to mmap, which is rare enough not to matter. The trim
+            // threshold has no upper bound. A rejected setting (return 0) only loses speed.
+            // SAFETY: mallopt only changes allocator parameters; it is safe to call at any time.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+            }
+        }
+    });
+}
+
 /// A `GlobalAlloc` that forwards to [`System`] and counts live bytes and their peak.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CountingAllocator;

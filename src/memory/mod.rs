@@ -7,7 +7,7 @@ pub mod cuda;
 pub mod estimate;
 pub mod probe;
 
-pub use cpu::CountingAllocator;
+pub use cpu::{retain_freed_memory, CountingAllocator};
 pub use probe::{probe_for, CpuProbe, MemoryProbe};
 
 use crate::error::{Error, Result};

@@ -246,6 +246,11 @@ impl Trainer {
             )));
         }
         let device = select_device(config.device.as_deref())?;
+        if device.is_cpu() {
+            // Every op allocates its output; without this, glibc maps and unmaps the large ones
+            // on every step (see `retain_freed_memory`).
+            crate::memory::retain_freed_memory();
+        }
         let probe = probe_for(&device, config.memory_limit, config.pool_cache)?;
         let run_dir = config.out.clone().unwrap_or_else(default_run_dir);
         if options.log_files {

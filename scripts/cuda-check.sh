@@ -32,6 +32,11 @@ export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 echo "[cuda-check] CARGO_TARGET_DIR=$CARGO_TARGET_DIR CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP" >&2
 cd "$repo"
 rc=0
+# Kernel sources kept as .cu files are compiled to PTX here too: NVRTC compiles them only at run
+# time, on a GPU machine, so a syntax error would otherwise first show there.
+for cu in src/ops/kernels/*.cu; do
+  nvcc --ptx -arch="sm_$CUDA_COMPUTE_CAP" "$cu" -o /dev/null || { echo "[cuda-check] nvcc rejected $cu" >&2; rc=1; }
+done
 cargo check --release --features cuda --all-targets "$@" || rc=$?
 echo "[cuda-check] cargo check --release --features cuda --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
 exit "$rc"

@@ -700,3 +700,47 @@ fn im2col_bytes_are_bounded() {
     );
     assert_eq!(im2col_chunk_bytes(0, 3, 3, 4, 4, DType::F32), 0);
 }
+
+/// The CUDA op (im2col + cuBLAS + col2im) against the CPU op in every dtype, forward and both
+/// gradients, on every shape, with the default chunking and with chunks of 1 and 2 images (so
+/// chunks that do not divide the batch run too). Needs a GPU:
+/// `cargo test --release --features cuda --test conv2d -- --ignored`.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_matches_cpu() -> anyhow::Result<()> {
+    let gpu = Device::new_cuda(0)?;
+    let to = |t: &Tensor, d: &Device| t.to_device(d).unwrap();
+    for (dtype, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::F64, 1e-5),
+        (DType::F16, 1e-2),
+        (DType::BF16, 3e-2),
+    ] {
+        for sh in SHAPES {
+            let (x, w, g) = random_case(sh, &Device::Cpu)?;
+            let (x, w, g) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, g.to_dtype(dtype)?);
+            let (cy, cgx, cgw) = run(&x, &w, &g, |x, w| Ok(conv2d(x, w, sh.stride, sh.pad)?))?;
+            for chunk in [None, Some(1), Some(2)] {
+                let conv = |x: &Tensor, w: &Tensor| -> anyhow::Result<Tensor> {
+                    Ok(match chunk {
+                        None => conv2d(x, w, sh.stride, sh.pad)?,
+                        Some(c) => conv2d_with_chunk(x, w, sh.stride, sh.pad, c)?,
+                    })
+                };
+                let (y, gx, gw) = run(&to(&x, &gpu), &to(&w, &gpu), &to(&g, &gpu), conv)?;
+                assert!(y.device().is_cuda() && gx.device().is_cuda() && gw.device().is_cuda());
+                let case = format!("{dtype:?} {sh:?} chunk {chunk:?}");
+                for (what, got, want) in [
+                    ("output", &y, &cy),
+                    ("input gradient", &gx, &cgx),
+                    ("weight gradient", &gw, &cgw),
+                ] {
+                    let e = rel_err(&to(got, &Device::Cpu), want);
+                    assert!(e < tol, "{case}: {what} relative error {e}");
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -217,3 +217,45 @@ fn oom_is_recognised_through_candle_wrappers() {
         "shape mismatch".into()
     )));
 }
+
+/// The conv2d op's CUDA passes hold one chunk of columns at a time: the pool peak of a forward and
+/// backward of the default net's largest layer (32→32 channels at 32×32, batch 512, f32) stays
+/// within the tensors themselves plus `cuda_scratch_bytes`, where a whole-batch im2col (Candle's
+/// conv2d) would add 604 MiB.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_scratch_is_one_chunk() -> anyhow::Result<()> {
+    use memtrain::ops::conv2d::conv2d;
+    use memtrain::ops::conv2d_cuda::{cuda_scratch_bytes, ConvPass};
+    let _gpu = gpu_lock();
+    let device = cuda();
+    let probe = CudaPoolProbe::new(&device, None, false)?;
+    let (n, c, hw) = (512usize, 32usize, 32usize);
+    let x = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, c, hw, hw), &device)?)?;
+    let w = candle_core::Var::from_tensor(&Tensor::randn(0f32, 0.1, (c, c, 3, 3), &device)?)?;
+    probe.sync();
+    let base = probe.current();
+    probe.reset_peak();
+    let y = conv2d(x.as_tensor(), w.as_tensor(), 1, 1)?;
+    let grads = y.sum_all()?.backward()?;
+    probe.sync();
+    let act = (n * c * hw * hw * 4) as u64;
+    let scratch = [ConvPass::Forward, ConvPass::InputGrad, ConvPass::WeightGrad]
+        .map(|p| cuda_scratch_bytes(p, n, c, c, 3, hw, hw, false, DType::F32))
+        .into_iter()
+        .max()
+        .unwrap();
+    // y, its all-ones gradient, dx and small tensors (dw, the loss) at most at once, plus one
+    // pass's scratch and the pool's 2 MiB rounding of each allocation.
+    let bound = 3 * act + scratch + 16 * MIB;
+    let used = probe.peak() - base;
+    eprintln!(
+        "conv2d fwd+bwd pool peak above inputs: {:.1} MiB (bound {:.1} MiB, scratch {:.1} MiB)",
+        used as f64 / MIB as f64,
+        bound as f64 / MIB as f64,
+        scratch as f64 / MIB as f64
+    );
+    assert!(used <= bound, "peak {used} above the bound {bound}");
+    assert!(grads.get(x.as_tensor()).is_some() && grads.get(w.as_tensor()).is_some());
+    Ok(())
+}

@@ -46,6 +46,7 @@ use crate::data::{IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};
 use crate::error::{Error, Result};
 use crate::memory::format_bytes;
 use crate::model::LayerSpec;
+use crate::ops::conv2d_cuda::ConvPass;
 use candle_core::DType;
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -905,6 +906,24 @@ fn pointwise_in_place(c: &Ctx, nd: &Node, k: usize, pad: usize) -> bool {
     k == 1 && pad == 0 && one_column(c, nd, k) == (cin * h * w * 4) as u64
 }
 
+/// Scratch of one pass of the CUDA conv2d op (one chunk of columns, see `ops::conv2d_cuda`).
+fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: ConvPass) -> u64 {
+    let (cin, h, w) = nd.inp;
+    let (cout, ho, wo) = nd.out;
+    let pointwise = k == 1 && pad == 0 && (h, w) == (ho, wo);
+    crate::ops::conv2d_cuda::cuda_scratch_bytes(
+        pass,
+        c.n as usize,
+        cin,
+        cout,
+        k,
+        ho,
+        wo,
+        pointwise,
+        c.dtype,
+    )
+}
+
 /// Bytes of the forward pass's scratch of a convolution on `n` images: one im2col column per busy
 /// thread (none for an in-place 1x1 convolution) and, for half types, one widened input and one
 /// widened output image per thread; plus the widened weights.
@@ -912,12 +931,7 @@ fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     let (cin, h, w) = nd.inp;
     let (cout, ho, wo) = nd.out;
     if !c.device.is_cpu() {
-        // Candle's CUDA conv2d without cuDNN: im2col of the whole batch.
-        return if k == 1 {
-            0
-        } else {
-            c.n * (cin * k * k * ho * wo) as u64 * c.s
-        };
+        return cuda_conv_scratch(c, nd, k, pad, ConvPass::Forward);
     }
     let col = if pointwise_in_place(c, nd, k, pad) {
         0
@@ -943,11 +957,7 @@ fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     let (cin, h, w) = nd.inp;
     let (cout, ho, wo) = nd.out;
     if !c.device.is_cpu() {
-        return if k == 1 {
-            0
-        } else {
-            c.n * (cin * k * k * ho * wo) as u64 * c.s
-        };
+        return cuda_conv_scratch(c, nd, k, pad, ConvPass::InputGrad);
     }
     let col = if k == 1 && pad == 0 {
         0
@@ -991,14 +1001,7 @@ fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
     let (cout, ho, wo) = nd.out;
     let ckk = cin * k * k;
     if !c.device.is_cpu() {
-        return (
-            if k == 1 {
-                0
-            } else {
-                c.n * (ckk * ho * wo) as u64 * c.s
-            },
-            0,
-        );
+        return (cuda_conv_scratch(c, nd, k, pad, ConvPass::WeightGrad), 0);
     }
     let n = c.n as usize;
     let threads = c.device.threads();

@@ -1,4 +1,5 @@
-//! gemm-based 2D convolution for the CPU with a bounded im2col buffer and a gemm backward.
+//! gemm-based 2D convolution with a bounded im2col buffer and a gemm backward (the CPU kernels;
+//! the CUDA passes are in [`super::conv2d_cuda`]).
 //!
 //! Candle 0.11's CPU conv2d backward runs naive direct loops (the input gradient through
 //! `conv_transpose2d`, the weight gradient through a conv2d whose "kernel" is the whole output map),
@@ -66,7 +67,8 @@ pub const MIN_GEMM_DEPTH: usize = 256;
 /// the output and both gradients are bit-for-bit the same on every run with the same inputs and
 /// thread count.
 ///
-/// On other devices this is Candle's `conv2d` (forward and backward).
+/// On CUDA the same three passes run as im2col + cuBLAS gemm + col2im in chunks of the batch
+/// ([`crate::ops::conv2d_cuda`]); on other devices (Metal) this is Candle's `conv2d`.
 ///
 /// # Errors
 /// When `x` or `w` is not 4D, the channel counts differ, the kernel is not square or is larger than
@@ -77,8 +79,9 @@ pub fn conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<T
 
 /// [`conv2d`] with the weight-gradient pass forced to gather `chunk_images` images per gemm instead
 /// of the number chosen from [`MIN_GEMM_DEPTH`] and [`IM2COL_CHUNK_BYTES`]. Meant for tests (batch sizes that are not a multiple
-/// of the chunk) and for tuning; the forward and input-gradient passes always work one image at a
-/// time per thread, so the value only changes how the weight gradient is summed.
+/// of the chunk) and for tuning; on the CPU the forward and input-gradient passes always work one
+/// image at a time per thread, so the value only changes how the weight gradient is summed. On
+/// CUDA it is the chunk of every pass (instead of [`super::conv2d_cuda::CUDA_IM2COL_CHUNK_BYTES`]).
 ///
 /// # Errors
 /// As [`conv2d`], and when `chunk_images` is 0.
@@ -194,9 +197,8 @@ fn conv2d_impl(
             w.device().location()
         )));
     }
-    if !x.device().is_cpu() {
-        // The CUDA version of this op comes later; until then Candle's conv2d (cuDNN or im2col)
-        // and its backward are the best there is on other devices.
+    if !(x.device().is_cpu() || x.device().is_cuda()) {
+        // No kernels of ours on other devices (Metal): Candle's conv2d and its backward.
         return Ok(x.conv2d(w, padding, stride, 1, 1)?);
     }
     if !matches!(
@@ -217,23 +219,24 @@ fn conv2d_impl(
 
 /// The shape of one convolution, validated once in the wrapper and carried by all three ops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Geom {
-    n: usize,
-    cin: usize,
-    h: usize,
-    w: usize,
-    cout: usize,
-    k: usize,
-    stride: usize,
-    pad: usize,
-    ho: usize,
-    wo: usize,
-    /// Images per weight-gradient chunk forced by [`conv2d_with_chunk`].
-    chunk: Option<usize>,
+pub(super) struct Geom {
+    pub(super) n: usize,
+    pub(super) cin: usize,
+    pub(super) h: usize,
+    pub(super) w: usize,
+    pub(super) cout: usize,
+    pub(super) k: usize,
+    pub(super) stride: usize,
+    pub(super) pad: usize,
+    pub(super) ho: usize,
+    pub(super) wo: usize,
+    /// Images per weight-gradient chunk forced by [`conv2d_with_chunk`] (on CUDA: per chunk of
+    /// every pass).
+    pub(super) chunk: Option<usize>,
 }
 
 impl Geom {
-    fn new(
+    pub(super) fn new(
         x: &[usize],
         w: &[usize],
         stride: usize,
@@ -287,24 +290,24 @@ impl Geom {
     }
 
     /// Rows of the column matrix (and columns of the flattened weight).
-    fn ckk(&self) -> usize {
+    pub(super) fn ckk(&self) -> usize {
         self.cin * self.k * self.k
     }
 
-    fn in_image(&self) -> usize {
+    pub(super) fn in_image(&self) -> usize {
         self.cin * self.h * self.w
     }
 
-    fn hw_out(&self) -> usize {
+    pub(super) fn hw_out(&self) -> usize {
         self.ho * self.wo
     }
 
-    fn out_image(&self) -> usize {
+    pub(super) fn out_image(&self) -> usize {
         self.cout * self.hw_out()
     }
 
     /// A 1×1 unstrided unpadded convolution: the image itself is the column matrix.
-    fn pointwise(&self) -> bool {
+    pub(super) fn pointwise(&self) -> bool {
         self.k == 1 && self.stride == 1 && self.pad == 0
     }
 
@@ -1051,6 +1054,19 @@ impl CustomOp2 for Conv2dOp {
         Ok((out, g.out_shape()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let pass = super::conv2d_cuda::ConvPass::Forward;
+        let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
+        Ok((out, self.geom.out_shape()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -1099,6 +1115,19 @@ impl CustomOp2 for Conv2dGradInput {
         });
         Ok((out, g.x_shape()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let pass = super::conv2d_cuda::ConvPass::InputGrad;
+        let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
+        Ok((out, self.geom.x_shape()))
+    }
 }
 
 /// `(x, grad) -> dW`: the weight gradient (chunked im2col + gemm).
@@ -1125,6 +1154,19 @@ impl CustomOp2 for Conv2dGradWeight {
             grad_weight(g, x, gr)
         });
         Ok((out, g.w_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let pass = super::conv2d_cuda::ConvPass::WeightGrad;
+        let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
+        Ok((out, self.geom.w_shape()))
     }
 }
 

@@ -4,5 +4,6 @@
 
 pub mod batchnorm;
 pub mod conv2d;
+pub mod conv2d_cuda;
 pub mod depthwise;
 pub mod pool;

@@ -615,23 +615,36 @@ unsafe impl<T: Send> Sync for SharedOut<T> {}
 unsafe impl<T: Send> Send for SharedOut<T> {}
 
 impl<T> SharedOut<T> {
-    fn new(buf: &mut [T]) -> Self {
+    /// A buffer of `len` elements in the spare capacity of the empty `buf`, for the threads to
+    /// initialize slice by slice with [`Self::zeroed`]; the caller sets `buf`'s length once every
+    /// slice has been taken.
+    ///
+    /// Zeroing the output up front (`vec![0; len]`) is one thread writing a whole activation while
+    /// the others wait, and then every byte is overwritten anyway (the gemm overwrites, col2im
+    /// starts from zero); zeroing each image's slice on the thread that fills it next keeps that
+    /// write parallel and in cache. (A fresh `vec!` of zeros was free only while glibc returned
+    /// large blocks to the kernel, which cost more in page faults: `memory::retain_freed_memory`.)
+    fn spare(buf: &mut Vec<T>, len: usize) -> Self {
+        assert!(buf.is_empty(), "conv2d: output buffer not empty");
+        buf.reserve_exact(len);
         Self {
             ptr: buf.as_mut_ptr(),
-            len: buf.len(),
+            len,
         }
     }
 
-    /// `len` elements from `start`.
+    /// `len` elements from `start`, set to all-zero bits first (0.0 in every float type the op
+    /// supports), so the slice is initialized whether or not it came from [`Self::spare`].
     ///
     /// # Safety
-    /// No two live slices may overlap.
+    /// No two live slices may overlap; `T` must be a type whose all-zero bit pattern is valid.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+    unsafe fn zeroed(&self, start: usize, len: usize) -> &mut [T] {
         assert!(
             start + len <= self.len,
             "conv2d: output slice out of bounds"
         );
+        std::ptr::write_bytes(self.ptr.add(start), 0, len);
         std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
 }
@@ -763,8 +776,8 @@ fn forward<T: Elem>(g: &Geom, x: &[T], w: &[T]) -> Vec<T> {
         rs: ckk,
         cs: 1,
     };
-    let mut out = vec![T::ZERO; g.n * out_len];
-    let shared = SharedOut::new(&mut out);
+    let mut out = Vec::new();
+    let shared = SharedOut::spare(&mut out, g.n * out_len);
     par_chunks(g.n, 1, |chunks| {
         let (mut img_buf, mut col_buf, mut out_buf) = (Vec::new(), Vec::new(), Vec::new());
         for i in chunks.flatten() {
@@ -788,8 +801,8 @@ fn forward<T: Elem>(g: &Geom, x: &[T], w: &[T]) -> Vec<T> {
                     cs: 1,
                 }
             };
-            // SAFETY: image `i` is handed to this thread only.
-            let dst = unsafe { shared.slice(i * out_len, out_len) };
+            // SAFETY: image `i` is handed to this thread only; T is a float type.
+            let dst = unsafe { shared.zeroed(i * out_len, out_len) };
             match T::as_acc_mut(dst) {
                 Some(d) => matmul(d, hwo, false, lhs, rhs),
                 None => {
@@ -800,6 +813,9 @@ fn forward<T: Elem>(g: &Geom, x: &[T], w: &[T]) -> Vec<T> {
             }
         }
     });
+    // SAFETY: `par_chunks` hands out every image, and each image's slice was initialized by
+    // `zeroed` (a panic in a thread propagates before this line).
+    unsafe { out.set_len(g.n * out_len) };
     out
 }
 
@@ -817,8 +833,8 @@ fn grad_input<T: Elem>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
         rs: 1,
         cs: ckk,
     };
-    let mut dx = vec![T::ZERO; g.n * in_len];
-    let shared = SharedOut::new(&mut dx);
+    let mut dx = Vec::new();
+    let shared = SharedOut::spare(&mut dx, g.n * in_len);
     par_chunks(g.n, 1, |chunks| {
         let (mut grad_buf, mut col_buf, mut img_buf) = (Vec::new(), Vec::new(), Vec::new());
         for i in chunks.flatten() {
@@ -830,8 +846,8 @@ fn grad_input<T: Elem>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
                 rs: hwo,
                 cs: 1,
             };
-            // SAFETY: image `i` is handed to this thread only.
-            let dst = unsafe { shared.slice(i * in_len, in_len) };
+            // SAFETY: image `i` is handed to this thread only; T is a float type.
+            let dst = unsafe { shared.zeroed(i * in_len, in_len) };
             let mut to_image = |d: &mut [T::Acc]| {
                 if g.pointwise() {
                     matmul(d, hwo, false, lhs, rhs);
@@ -851,6 +867,8 @@ fn grad_input<T: Elem>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
             }
         }
     });
+    // SAFETY: as in `forward`: every image's slice was initialized by `zeroed`.
+    unsafe { dx.set_len(g.n * in_len) };
     dx
 }
 

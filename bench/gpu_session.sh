@@ -4,7 +4,7 @@
 #   bench/gpu_session.sh BIN_DIR OUT_DIR
 #
 # BIN_DIR holds CUDA builds (see README, Build for CUDA): train_cifar10, batch_sweep and the test
-# binaries gpu_train, gpu_memory, pool, batchnorm, depthwise (named without cargo's hash suffix).
+# binaries gpu_train, gpu_memory, pool, batchnorm, depthwise, conv2d (named without cargo's hash suffix).
 # Results land in OUT_DIR: tests.log, memtrain.jsonl, torch.jsonl, pool-cache.jsonl, sweep/, gpu.txt.
 # Each step has its own time limit so the whole run fits a short GPU lease. Environment:
 # TESTS (test binaries to run), STEPS (steps per config, 25), SKIP_TORCH=1, SWEEP_LIMIT (s).
@@ -21,7 +21,7 @@ t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
 
 log "tests"
-for t in ${TESTS:-gpu_memory pool batchnorm depthwise gpu_train}; do
+for t in ${TESTS:-gpu_memory pool batchnorm depthwise conv2d gpu_train}; do
   timeout "$( [ $t = gpu_train ] && echo 90 || echo ${TEST_LIMIT:-40})" "$BIN/$t" --include-ignored --test-threads=1 >> "$OUT/tests.log" 2>&1
   log "test $t rc=$?"
 done

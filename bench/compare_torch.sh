@@ -263,18 +263,20 @@ echo "   each run: $warmup warm-up + $steps timed steps; $repeats runs each, alt
 echo "   memtrain figure: summary.json steady_images_per_sec (step time after the warm-up steps)"
 echo "   PyTorch figure: torch_reference.py images_per_sec (wall clock of the timed steps)"
 
+run_failed() { # framework, repeat index, exit status, log: keep the run dir, show the log, exit 1
+  keep=1
+  tail -n 20 "$4" >&2
+  [ "$3" != 124 ] || fail "$1 run $2 took longer than --timeout $timeout_s s"
+  fail "$1 run $2 failed (exit $3; log above, in $4)"
+}
+
 run_torch() { # repeat index; sets val to the run's img/s
   local r=$1 log="$work/torch-$1.log" rc=0
   (cd "$work" && "${limit[@]}" "${pin[@]}" env "${thread_env[@]}" "$py" "$repo/bench/torch_reference.py" \
     --device cpu --threads "$threads" --batch-size "$batch" --width "$width" \
     --precision "$precision" --accum-steps "$accum" --checkpoint "$checkpoint" --conv "$conv" \
     --steps "$steps" --warmup "$warmup" "${torch_data[@]}") >"$work/torch-$r.json" 2>"$log" || rc=$?
-  if [ $rc != 0 ]; then
-    keep=1
-    tail -n 20 "$log" >&2
-    [ $rc != 124 ] || fail "PyTorch run $r took longer than --timeout $timeout_s s"
-    fail "PyTorch run $r failed (exit $rc; log above, in $log)"
-  fi
+  [ $rc = 0 ] || run_failed PyTorch "$r" "$rc" "$log"
   val=$("$py" - "$work/torch-$r.json" "$threads" <<'PY'
 import json, sys
 lines = [l for l in open(sys.argv[1]) if l.strip().startswith("{")]
@@ -293,12 +295,7 @@ run_memtrain() { # repeat index; sets val to the run's img/s
     --out "$dir" --batch-size "$batch" --width "$width" --precision "$precision" \
     --accum-steps "$accum" --checkpoint "$checkpoint" --conv "$conv" "${mt_data[@]}") \
     >"$log" 2>&1 || rc=$?
-  if [ $rc != 0 ]; then
-    keep=1
-    tail -n 20 "$log" >&2
-    [ $rc != 124 ] || fail "memtrain run $r took longer than --timeout $timeout_s s"
-    fail "memtrain run $r failed (exit $rc; log above, in $log)"
-  fi
+  [ $rc = 0 ] || run_failed memtrain "$r" "$rc" "$log"
   val=$("$py" - "$dir/summary.json" "$total" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))

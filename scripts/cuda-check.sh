@@ -33,9 +33,14 @@ echo "[cuda-check] CARGO_TARGET_DIR=$CARGO_TARGET_DIR CUDA_COMPUTE_CAP=$CUDA_COM
 cd "$repo"
 rc=0
 # Kernel sources kept as .cu files are compiled to PTX here too: NVRTC compiles them only at run
-# time, on a GPU machine, so a syntax error would otherwise first show there.
+# time, on a GPU machine, so a syntax error would otherwise first show there. Each is compiled
+# after kernels/prelude.cuh, as the op modules concatenate them.
+kernel_tmp=$(mktemp -d)
+trap 'rm -f "$env_file"; rm -rf "$kernel_tmp"' EXIT
 for cu in src/ops/kernels/*.cu; do
-  nvcc --ptx -arch="sm_$CUDA_COMPUTE_CAP" "$cu" -o /dev/null || { echo "[cuda-check] nvcc rejected $cu" >&2; rc=1; }
+  cat src/ops/kernels/prelude.cuh "$cu" > "$kernel_tmp/$(basename "$cu")"
+  nvcc --ptx -arch="sm_$CUDA_COMPUTE_CAP" "$kernel_tmp/$(basename "$cu")" -o /dev/null \
+    || { echo "[cuda-check] nvcc rejected $cu" >&2; rc=1; }
 done
 cargo check --release --features cuda --all-targets "$@" || rc=$?
 echo "[cuda-check] cargo check --release --features cuda --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2

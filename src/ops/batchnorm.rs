@@ -970,7 +970,6 @@ mod cuda {
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaDevice, CudaStorage};
-    use std::sync::OnceLock;
 
     /// Name under which the compiled module is cached on each `CudaDevice`.
     const MODULE: &str = "memtrain_batchnorm";
@@ -1207,19 +1206,8 @@ BN_KERNELS(h16, f16)
 BN_KERNELS(b16, bf16)
 "##;
 
-    /// The module's PTX, compiled with NVRTC on first use (the outcome, an error too, is kept).
-    fn ptx() -> candle_core::Result<&'static str> {
-        static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-        PTX.get_or_init(|| {
-            candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(KERNELS)
-                .map(|p| p.to_src())
-                .map_err(|e| {
-                    format!("batch norm: compiling the CUDA kernels with NVRTC failed: {e}")
-                })
-        })
-        .as_deref()
-        .map_err(|e| candle_core::Error::Msg(e.clone()))
-    }
+    static COMPILED: crate::ops::cuda_util::Kernels =
+        crate::ops::cuda_util::Kernels::new("batch norm", KERNELS);
 
     /// The kernel `{kernel}_{f32|f16|bf16}` for x's dtype.
     fn func(dev: &CudaDevice, kernel: &str, dtype: DType) -> candle_core::Result<CudaFunction> {
@@ -1235,7 +1223,7 @@ BN_KERNELS(b16, bf16)
     /// A kernel by its full name (the dtype-independent finalizers).
     fn plain_func(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
         Ok(dev
-            .get_or_load_custom_func(name, MODULE, ptx()?)?
+            .get_or_load_custom_func(name, MODULE, COMPILED.ptx()?)?
             .into_cuda_function())
     }
 

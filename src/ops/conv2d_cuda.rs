@@ -329,7 +329,6 @@ mod cuda {
     //! `GemmStridedBatchedEx` for the products, all on Candle's stream.
 
     use std::ffi::c_void;
-    use std::sync::OnceLock;
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
@@ -337,35 +336,24 @@ mod cuda {
         CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
         ValidAsZeroBits,
     };
-    use candle_core::cuda_backend::{cudarc, CudaDType, WrapErr};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaDevice, CudaStorage, DType, Layout};
     use half::{bf16, f16};
 
     use super::{run, Buf, ColLayout, ConvDevice, ConvPass, GemmPlan, Geom};
+    use crate::ops::cuda_util::{contiguous_view, Kernels};
 
     /// Module name under which the compiled kernels are cached in each `CudaDevice`.
     const MODULE: &str = "memtrain_conv2d";
-    const SOURCE: &str = include_str!("kernels/conv2d.cu");
+    const SOURCE: &str = concat!(
+        include_str!("kernels/prelude.cuh"),
+        include_str!("kernels/conv2d.cu")
+    );
+    static KERNELS: Kernels = Kernels::new("conv2d", SOURCE);
     /// Threads per block of the data-movement kernels.
     const BLOCK: u32 = 256;
     /// Blocks per launch at most; the kernels loop over the rest (grid-stride).
     const MAX_BLOCKS: u64 = 1 << 16;
-
-    /// The PTX, compiled on first use; a compile failure is remembered and reported each time.
-    fn ptx() -> candle_core::Result<&'static str> {
-        static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-        PTX.get_or_init(|| {
-            cudarc::nvrtc::compile_ptx(SOURCE)
-                .map(|ptx| ptx.to_src())
-                .map_err(|e| e.to_string())
-        })
-        .as_deref()
-        .map_err(|e| {
-            candle_core::Error::Cuda(
-                format!("conv2d: NVRTC could not compile the kernels: {e}").into(),
-            )
-        })
-    }
 
     /// An element type of the op: its cuBLAS data type and kernel-name suffixes.
     trait Elem: CudaDType + DeviceRepr + ValidAsZeroBits + Copy {
@@ -392,17 +380,6 @@ mod cuda {
     elem!(f64, CUDA_R_64F, "u64", "f64", false);
     elem!(f16, CUDA_R_16F, "u16", "f16", true);
     elem!(bf16, CUDA_R_16BF, "u16", "bf16", true);
-
-    fn view<'a, T>(
-        slice: &'a CudaSlice<T>,
-        layout: &Layout,
-        what: &str,
-    ) -> candle_core::Result<CudaView<'a, T>> {
-        match layout.contiguous_offsets() {
-            Some((start, end)) => Ok(slice.slice(start..end)),
-            None => candle_core::bail!("conv2d: {what} must be contiguous"),
-        }
-    }
 
     /// cuBLAS takes 32-bit sizes.
     fn int(what: &str, v: usize) -> candle_core::Result<i32> {
@@ -580,7 +557,7 @@ mod cuda {
             let func = self.dev.get_or_load_custom_func(
                 &format!("conv_im2col_{}", T::BITS),
                 MODULE,
-                ptx()?,
+                KERNELS.ptx()?,
             )?;
             let col = self.col.as_mut().ok_or_else(|| missing("column"))?;
             let mut builder = func.builder();
@@ -601,7 +578,7 @@ mod cuda {
             let func = self.dev.get_or_load_custom_func(
                 &format!("conv_gather_{}", T::BITS),
                 MODULE,
-                ptx()?,
+                KERNELS.ptx()?,
             )?;
             let out = self.gathered.as_mut().ok_or_else(|| missing("gather"))?;
             let mut builder = func.builder();
@@ -622,7 +599,7 @@ mod cuda {
             let func = self.dev.get_or_load_custom_func(
                 &format!("conv_col2im_{}", T::FLOAT),
                 MODULE,
-                ptx()?,
+                KERNELS.ptx()?,
             )?;
             let col = self.col.as_ref().ok_or_else(|| missing("column"))?;
             let mut builder = func.builder();
@@ -710,8 +687,8 @@ mod cuda {
             return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<T>(0)?, dev));
         }
         let mut conv = CudaConv {
-            in0: view(a.as_cuda_slice::<T>()?, la, "first operand")?,
-            in1: view(b.as_cuda_slice::<T>()?, lb, "second operand")?,
+            in0: contiguous_view(a.as_cuda_slice::<T>()?, la, "conv2d", "first operand")?,
+            in1: contiguous_view(b.as_cuda_slice::<T>()?, lb, "conv2d", "second operand")?,
             // SAFETY: `run` writes every element: each pass covers the whole result, and an empty
             // batch zeroes the weight gradient.
             out: unsafe { dev.alloc::<T>(out_len)? },
@@ -723,8 +700,11 @@ mod cuda {
         };
         run(&mut conv, pass, g, std::mem::size_of::<T>())?;
         if let Some(acc) = conv.acc.take() {
-            let func =
-                dev.get_or_load_custom_func(&format!("conv_cast_{}", T::FLOAT), MODULE, ptx()?)?;
+            let func = dev.get_or_load_custom_func(
+                &format!("conv_cast_{}", T::FLOAT),
+                MODULE,
+                KERNELS.ptx()?,
+            )?;
             let len = conv.out.len() as u64;
             let mut builder = func.builder();
             builder.arg(&acc);

@@ -751,23 +751,17 @@ mod cpu {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    //! The CUDA kernels, compiled once per process with NVRTC and loaded once per device.
-    //!
-    //! Half types are passed as 16-bit structs and converted with `cvt` instructions / bit
-    //! operations, so the source needs no `cuda_fp16.h` / `cuda_bf16.h` (NVRTC would need the
-    //! toolkit's include directory to find them).
-
-    use std::sync::OnceLock;
+    //! The CUDA kernels (`kernels/depthwise.cu`), compiled once per process with NVRTC and loaded
+    //! once per device.
 
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
-    };
-    use candle_core::cuda_backend::{cudarc, CudaDType, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout};
     use half::{bf16, f16};
 
     use super::Geometry;
+    use crate::ops::cuda_util::{contiguous_view, Kernels};
 
     /// Module name under which the compiled kernels are cached in each `CudaDevice`.
     const MODULE: &str = "memtrain_depthwise";
@@ -775,145 +769,11 @@ mod cuda {
     /// Threads per block; a multiple of the warp size, as the reduction assumes.
     const BLOCK: u32 = 256;
 
-    const SOURCE: &str = r#"
-typedef unsigned short u16;
-typedef unsigned int u32;
-
-struct half16 { u16 bits; };
-struct bfloat16 { u16 bits; };
-
-__device__ __forceinline__ float load(const float* p, size_t i) { return p[i]; }
-__device__ __forceinline__ float load(const half16* p, size_t i) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].bits));
-    return f;
-}
-__device__ __forceinline__ float load(const bfloat16* p, size_t i) {
-    return __uint_as_float(((u32)p[i].bits) << 16);
-}
-
-__device__ __forceinline__ void store(float* p, size_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(half16* p, size_t i, float v) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    p[i].bits = h;
-}
-__device__ __forceinline__ void store(bfloat16* p, size_t i, float v) {
-    u32 u = __float_as_uint(v);
-    u16 h;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        h = (u16)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
-    } else {
-        h = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
-    }
-    p[i].bits = h;
-}
-
-/* One thread per output element; grid = (N*C planes, tiles of Ho*Wo). */
-template <typename T>
-__device__ void dw_forward(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                           u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo) {
-    const u32 plane = blockIdx.x;
-    const u32 pos = blockIdx.y * blockDim.x + threadIdx.x;
-    if (pos >= Ho * Wo) return;
-    const u32 oy = pos / Wo, ox = pos - oy * Wo;
-    const T* xp = x + (size_t)plane * H * W;
-    const T* wp = w + (size_t)(plane % C) * K * K;
-    const int iy0 = (int)(oy * S) - (int)P, ix0 = (int)(ox * S) - (int)P;
-    float acc = 0.0f;
-    for (u32 ky = 0; ky < K; ++ky) {
-        const int iy = iy0 + (int)ky;
-        if (iy < 0 || iy >= (int)H) continue;
-        for (u32 kx = 0; kx < K; ++kx) {
-            const int ix = ix0 + (int)kx;
-            if (ix < 0 || ix >= (int)W) continue;
-            acc += load(wp, ky * K + kx) * load(xp, (size_t)iy * W + ix);
-        }
-    }
-    store(y, (size_t)plane * Ho * Wo + pos, acc);
-}
-
-/* Input gradient as a gather (no atomics): one thread per input element sums the
-   (tap, output) pairs that read it. grid = (N*C planes, tiles of H*W). */
-template <typename T>
-__device__ void dw_input_grad(const T* __restrict__ dy, const T* __restrict__ w, T* __restrict__ dx,
-                              u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo) {
-    const u32 plane = blockIdx.x;
-    const u32 pos = blockIdx.y * blockDim.x + threadIdx.x;
-    if (pos >= H * W) return;
-    const u32 iy = pos / W, ix = pos - iy * W;
-    const T* dyp = dy + (size_t)plane * Ho * Wo;
-    const T* wp = w + (size_t)(plane % C) * K * K;
-    float acc = 0.0f;
-    for (u32 ky = 0; ky < K; ++ky) {
-        const int ty = (int)(iy + P) - (int)ky;
-        if (ty < 0) break; /* only decreases with ky */
-        if ((u32)ty % S != 0) continue;
-        const u32 oy = (u32)ty / S;
-        if (oy >= Ho) continue;
-        for (u32 kx = 0; kx < K; ++kx) {
-            const int tx = (int)(ix + P) - (int)kx;
-            if (tx < 0) break;
-            if ((u32)tx % S != 0) continue;
-            const u32 ox = (u32)tx / S;
-            if (ox >= Wo) continue;
-            acc += load(wp, ky * K + kx) * load(dyp, (size_t)oy * Wo + ox);
-        }
-    }
-    store(dx, (size_t)plane * H * W + pos, acc);
-}
-
-/* Weight gradient: one block per (c, ky, kx) reduces dy * x over N, Ho, Wo. */
-template <typename T>
-__device__ void dw_weight_grad(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dw,
-                               u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo) {
-    __shared__ float warp_sums[32];
-    const u32 KK = K * K;
-    const u32 c = blockIdx.x / KK, tap = blockIdx.x - c * KK;
-    const u32 ky = tap / K, kx = tap - ky * K;
-    const u32 HoWo = Ho * Wo;
-    float acc = 0.0f;
-    for (u32 n = 0; n < N; ++n) {
-        const size_t plane = (size_t)n * C + c;
-        const T* xp = x + plane * H * W;
-        const T* dyp = dy + plane * HoWo;
-        for (u32 pos = threadIdx.x; pos < HoWo; pos += blockDim.x) {
-            const u32 oy = pos / Wo, ox = pos - oy * Wo;
-            const int iy = (int)(oy * S + ky) - (int)P, ix = (int)(ox * S + kx) - (int)P;
-            if (iy >= 0 && iy < (int)H && ix >= 0 && ix < (int)W) {
-                acc += load(dyp, pos) * load(xp, (size_t)iy * W + ix);
-            }
-        }
-    }
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    if (lane == 0) warp_sums[warp] = acc;
-    __syncthreads();
-    if (warp == 0) {
-        const u32 warps = (blockDim.x + 31u) >> 5;
-        acc = lane < warps ? warp_sums[lane] : 0.0f;
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-        if (lane == 0) store(dw, blockIdx.x, acc);
-    }
-}
-
-#define DW_ARGS u32 N, u32 C, u32 H, u32 W, u32 K, u32 S, u32 P, u32 Ho, u32 Wo
-#define DW_PASS N, C, H, W, K, S, P, Ho, Wo
-#define DW_KERNELS(SUFFIX, T)                                                                  \
-    extern "C" __global__ void depthwise_forward_##SUFFIX(const T* a, const T* b, T* out, DW_ARGS) { \
-        dw_forward<T>(a, b, out, DW_PASS);                                                     \
-    }                                                                                          \
-    extern "C" __global__ void depthwise_input_grad_##SUFFIX(const T* a, const T* b, T* out, DW_ARGS) { \
-        dw_input_grad<T>(a, b, out, DW_PASS);                                                  \
-    }                                                                                          \
-    extern "C" __global__ void depthwise_weight_grad_##SUFFIX(const T* a, const T* b, T* out, DW_ARGS) { \
-        dw_weight_grad<T>(a, b, out, DW_PASS);                                                 \
-    }
-
-DW_KERNELS(f32, float)
-DW_KERNELS(f16, half16)
-DW_KERNELS(bf16, bfloat16)
-"#;
+    const SOURCE: &str = concat!(
+        include_str!("kernels/prelude.cuh"),
+        include_str!("kernels/depthwise.cu")
+    );
+    static KERNELS: Kernels = Kernels::new("depthwise_conv2d", SOURCE);
 
     /// Which of the three kernels to launch; all take `(a, b, out, N, C, H, W, K, S, P, Ho, Wo)`.
     #[derive(Debug, Clone, Copy)]
@@ -983,33 +843,6 @@ DW_KERNELS(bf16, bfloat16)
         }
     }
 
-    /// The PTX, compiled on first use; a compile failure is remembered and reported each time.
-    fn ptx() -> candle_core::Result<&'static str> {
-        static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-        PTX.get_or_init(|| {
-            cudarc::nvrtc::compile_ptx(SOURCE)
-                .map(|ptx| ptx.to_src())
-                .map_err(|e| e.to_string())
-        })
-        .as_deref()
-        .map_err(|e| {
-            candle_core::Error::Cuda(
-                format!("depthwise_conv2d: NVRTC could not compile the kernels: {e}").into(),
-            )
-        })
-    }
-
-    fn view<'a, T>(
-        slice: &'a CudaSlice<T>,
-        layout: &Layout,
-        what: &str,
-    ) -> candle_core::Result<CudaView<'a, T>> {
-        match layout.contiguous_offsets() {
-            Some((start, end)) => Ok(slice.slice(start..end)),
-            None => candle_core::bail!("depthwise_conv2d: {what} must be contiguous"),
-        }
-    }
-
     fn run<T: CudaDType + DeviceRepr>(
         kernel: Kernel,
         suffix: &str,
@@ -1034,10 +867,13 @@ DW_KERNELS(bf16, bfloat16)
         ];
         u32_dim("H*W", g.in_plane())?;
         u32_dim("Ho*Wo", g.out_plane())?;
-        let a = view(a.as_cuda_slice::<T>()?, la, "lhs")?;
-        let b = view(b.as_cuda_slice::<T>()?, lb, "rhs")?;
-        let func =
-            dev.get_or_load_custom_func(&format!("{}_{suffix}", kernel.prefix()), MODULE, ptx()?)?;
+        let a = contiguous_view(a.as_cuda_slice::<T>()?, la, "depthwise_conv2d", "lhs")?;
+        let b = contiguous_view(b.as_cuda_slice::<T>()?, lb, "depthwise_conv2d", "rhs")?;
+        let func = dev.get_or_load_custom_func(
+            &format!("{}_{suffix}", kernel.prefix()),
+            MODULE,
+            KERNELS.ptx()?,
+        )?;
         // SAFETY: every element is written by the kernel before anything reads it.
         let out = unsafe { dev.alloc::<T>(kernel.out_len(g))? };
         let mut builder = func.builder();

@@ -5,5 +5,7 @@
 pub mod batchnorm;
 pub mod conv2d;
 pub mod conv2d_cuda;
+#[cfg(feature = "cuda")]
+mod cuda_util;
 pub mod depthwise;
 pub mod pool;

@@ -266,22 +266,8 @@ POOL(pool_f16, u16, ld_f16)
 POOL(pool_bf16, u16, ld_bf16)
 "#;
 
-    /// The PTX, compiled once per process; a compile failure is remembered and reported.
-    fn ptx() -> candle_core::Result<&'static str> {
-        static PTX: std::sync::OnceLock<std::result::Result<String, String>> =
-            std::sync::OnceLock::new();
-        PTX.get_or_init(|| {
-            cudarc::nvrtc::compile_ptx(SRC)
-                .map(|p| p.to_src())
-                .map_err(|e| e.to_string())
-        })
-        .as_deref()
-        .map_err(|e| {
-            candle_core::Error::Cuda(
-                format!("max_pool2x2: NVRTC could not compile the kernels: {e}").into(),
-            )
-        })
-    }
+    static KERNELS: crate::ops::cuda_util::Kernels =
+        crate::ops::cuda_util::Kernels::new("max_pool2x2", SRC);
 
     /// Forward (`grad` None) or backward: one thread per 2x2 window.
     pub fn pool(
@@ -306,7 +292,7 @@ POOL(pool_bf16, u16, ld_bf16)
             .ok_or_else(|| candle_core::Error::Msg("max_pool2x2: non-contiguous".into()))?;
         macro_rules! run {
             ($t:ty, $name:literal) => {{
-                let func = dev.get_or_load_custom_func($name, "memtrain_pool", ptx()?)?;
+                let func = dev.get_or_load_custom_func($name, "memtrain_pool", KERNELS.ptx()?)?;
                 let xs = x.as_cuda_slice::<$t>()?.slice(xo..);
                 let out = unsafe { dev.alloc::<$t>(out_len)? };
                 let mut b = func.builder();

@@ -1,8 +1,8 @@
 /* Kernels of memtrain's CUDA conv2d (src/ops/conv2d_cuda.rs): im2col, the output-gradient
  * gather, col2im and the f32 -> half cast of the weight gradient. The gemms run in cuBLAS.
  *
- * Compiled at run time with NVRTC, so no headers: half types are 16-bit structs converted with
- * `cvt` instructions / bit operations. im2col and the gather only move bits, so they are
+ * Compiled at run time with NVRTC after prelude.cuh (types and half-precision load/store).
+ * im2col and the gather only move bits, so they are
  * instantiated per element size (u16, u32, u64), not per float type. Every kernel is a
  * grid-stride loop over 64-bit indices: a chunk of a large batch can exceed 2^32 elements.
  *
@@ -10,42 +10,6 @@
  * of the column matrix sits at i * img_stride + r * row_stride + p, where r = (c * K + ky) * K + kx
  * is the weight's own memory order and p = oy * Wo + ox.
  */
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-struct half16 { u16 bits; };
-struct bfloat16 { u16 bits; };
-
-__device__ __forceinline__ float load(const float* p, u64 i) { return p[i]; }
-__device__ __forceinline__ double load(const double* p, u64 i) { return p[i]; }
-__device__ __forceinline__ float load(const half16* p, u64 i) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].bits));
-    return f;
-}
-__device__ __forceinline__ float load(const bfloat16* p, u64 i) {
-    return __uint_as_float(((u32)p[i].bits) << 16);
-}
-
-__device__ __forceinline__ void store(float* p, u64 i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(double* p, u64 i, double v) { p[i] = v; }
-__device__ __forceinline__ void store(half16* p, u64 i, float v) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    p[i].bits = h;
-}
-__device__ __forceinline__ void store(bfloat16* p, u64 i, float v) {
-    u32 u = __float_as_uint(v);
-    u16 h;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        h = (u16)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
-    } else {
-        h = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
-    }
-    p[i].bits = h;
-}
-
 #define GRID_STRIDE(e, total) \
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < (total); e += (u64)gridDim.x * blockDim.x)
 

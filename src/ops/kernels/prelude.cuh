@@ -1,0 +1,38 @@
+/* Shared prelude of memtrain's CUDA kernel sources (src/ops/cuda_util.rs prepends it).
+ * No headers: NVRTC compiles these at run time without the toolkit's include directory, so half
+ * types are 16-bit structs converted with `cvt` instructions / bit operations. */
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct half16 { u16 bits; };
+struct bfloat16 { u16 bits; };
+
+__device__ __forceinline__ float load(const float* p, u64 i) { return p[i]; }
+__device__ __forceinline__ double load(const double* p, u64 i) { return p[i]; }
+__device__ __forceinline__ float load(const half16* p, u64 i) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].bits));
+    return f;
+}
+__device__ __forceinline__ float load(const bfloat16* p, u64 i) {
+    return __uint_as_float(((u32)p[i].bits) << 16);
+}
+
+__device__ __forceinline__ void store(float* p, u64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(double* p, u64 i, double v) { p[i] = v; }
+__device__ __forceinline__ void store(half16* p, u64 i, float v) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i].bits = h;
+}
+__device__ __forceinline__ void store(bfloat16* p, u64 i, float v) {
+    u32 u = __float_as_uint(v);
+    u16 h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        h = (u16)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
+    } else {
+        h = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
+    }
+    p[i].bits = h;
+}

@@ -178,6 +178,10 @@ case ":\${LIBRARY_PATH:-}:" in *":\$CUDA_ROOT/lib:"*) ;; *) export LIBRARY_PATH=
 export CUDA_COMPUTE_CAP="\${CUDA_COMPUTE_CAP:-90}"
 # Keep CUDA builds out of ./target (CPU builds) and share one cache:
 export CARGO_TARGET_DIR="\${CARGO_TARGET_DIR:-$TARGET_SUGGESTION}"
+# No extra rustflags for CUDA builds (this overrides .cargo/config.toml's +f16c, which only
+# speeds up Candle's CPU f16 kernels): one set of flags for every CUDA build and check, so they
+# share the candle-kernels build (nvcc, ~25 min cold) instead of redoing it.
+export CARGO_ENCODED_RUSTFLAGS=""
 EOF
 )
 if [[ ! -f "$ENV_FILE" || "$(cat "$ENV_FILE")" != "$ENV_TEXT" ]]; then

@@ -29,10 +29,9 @@ pub const SAFETY_MARGIN: f64 = 0.05;
 /// The CPU factors were measured on this project's development machine (2-core x86-64, width 32,
 /// effective batch 64; minimum step time over repeated runs, see
 /// `docs/results/estimate-accuracy.md`): without f16/bf16 arithmetic half types are widened to
-/// f32 for the gemms, so both are slower than f32 (f16 most: Candle's f16 add converts element by
-/// element), and more so with the separable model, whose depthwise and BatchNorm passes pay the
-/// conversions on little arithmetic; recomputation adds part of a forward pass; one-image
-/// micro-batches leave the second thread idle; 128-image micro-batches cost about the same.
+/// f32 for the gemms, so at this batch both cost a little more than f32; recomputation adds part
+/// of a forward pass; one-image micro-batches leave the second thread idle; 128-image
+/// micro-batches cost no more than 64-image ones.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     /// Time per image of f16 relative to f32, standard conv.
@@ -68,18 +67,18 @@ impl CostModel {
     /// The factors measured on the development CPU, with `threads` compute threads.
     pub fn cpu(threads: usize) -> Self {
         CostModel {
-            f16_standard: 1.68,
-            bf16_standard: 1.27,
-            f16_separable: 2.70,
-            bf16_separable: 1.58,
-            stages_standard: 0.38,
-            blocks_standard: 0.44,
-            stages_separable: 0.31,
-            blocks_separable: 0.46,
+            f16_standard: 1.22,
+            bf16_standard: 1.26,
+            f16_separable: 1.05,
+            bf16_separable: 1.23,
+            stages_standard: 0.36,
+            blocks_standard: 0.50,
+            stages_separable: 0.27,
+            blocks_separable: 0.38,
             full_at: threads.max(1),
             spill_above: 64,
-            spill_per_doubling: 0.01,
-            separable: 0.58,
+            spill_per_doubling: 0.0,
+            separable: 0.63,
             source: "measured on the 2-core development CPU, width 32",
         }
     }

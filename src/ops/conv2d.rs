@@ -1046,6 +1046,25 @@ macro_rules! dispatch2 {
     };
 }
 
+/// The `cuda_fwd` of one of the three ops below: `$pass` of the CUDA op
+/// ([`super::conv2d_cuda`]), its result shaped as the geometry's `$shape`.
+macro_rules! cuda_pass {
+    ($pass:ident, $shape:ident) => {
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            s1: &candle_core::CudaStorage,
+            l1: &Layout,
+            s2: &candle_core::CudaStorage,
+            l2: &Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+            let pass = super::conv2d_cuda::ConvPass::$pass;
+            let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
+            Ok((out, self.geom.$shape()))
+        }
+    };
+}
+
 /// The forward op: `(x, w) -> y`, with a gemm backward.
 struct Conv2dOp {
     geom: Geom,
@@ -1072,18 +1091,7 @@ impl CustomOp2 for Conv2dOp {
         Ok((out, g.out_shape()))
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let pass = super::conv2d_cuda::ConvPass::Forward;
-        let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
-        Ok((out, self.geom.out_shape()))
-    }
+    cuda_pass!(Forward, out_shape);
 
     fn bwd(
         &self,
@@ -1134,18 +1142,7 @@ impl CustomOp2 for Conv2dGradInput {
         Ok((out, g.x_shape()))
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let pass = super::conv2d_cuda::ConvPass::InputGrad;
-        let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
-        Ok((out, self.geom.x_shape()))
-    }
+    cuda_pass!(InputGrad, x_shape);
 }
 
 /// `(x, grad) -> dW`: the weight gradient (chunked im2col + gemm).
@@ -1174,18 +1171,7 @@ impl CustomOp2 for Conv2dGradWeight {
         Ok((out, g.w_shape()))
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let pass = super::conv2d_cuda::ConvPass::WeightGrad;
-        let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
-        Ok((out, self.geom.w_shape()))
-    }
+    cuda_pass!(WeightGrad, w_shape);
 }
 
 #[cfg(test)]

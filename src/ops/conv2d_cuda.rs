@@ -261,10 +261,16 @@ pub(super) fn run<D: ConvDevice>(
     let (ckk, hw) = (g.ckk(), g.hw_out());
     let chunk = chunk_images(g.n, ckk * hw * elem, g.chunk);
     match pass {
-        ConvPass::Forward if g.pointwise() => {
+        // The image is its own column matrix: one gemm over the whole batch, from the op's
+        // first input straight into its result.
+        ConvPass::Forward | ConvPass::InputGrad if g.pointwise() => {
             dev.prepare(0, 0)?;
             if g.n > 0 {
-                let plan = GemmPlan::forward(g, g.n);
+                let plan = if pass == ConvPass::Forward {
+                    GemmPlan::forward(g, g.n)
+                } else {
+                    GemmPlan::input_grad(g, g.n)
+                };
                 dev.gemm(&plan, (Buf::In0, 0), (Buf::In1, 0), (Buf::Out, 0))?;
             }
         }
@@ -280,13 +286,6 @@ pub(super) fn run<D: ConvDevice>(
                     (Buf::In1, 0),
                     (Buf::Out, n0 * g.out_image()),
                 )?;
-            }
-        }
-        ConvPass::InputGrad if g.pointwise() => {
-            dev.prepare(0, 0)?;
-            if g.n > 0 {
-                let plan = GemmPlan::input_grad(g, g.n);
-                dev.gemm(&plan, (Buf::In0, 0), (Buf::In1, 0), (Buf::Out, 0))?;
             }
         }
         ConvPass::InputGrad => {

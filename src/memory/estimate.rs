@@ -38,8 +38,9 @@
 //!   for room) are part of every measurement.
 //!
 //! On the CPU the estimate is calibrated against the counting allocator (see
-//! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (Candle's own conv2d,
-//! cuDNN workspaces not modelled).
+//! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (the conv op's chunked
+//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`; cuBLAS workspaces and the pool's rounding
+//! not modelled), not yet checked against a GPU.
 
 use crate::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
 use crate::data::{IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};

@@ -6,37 +6,10 @@
 use candle_core::{DType, Device, Tensor, Var};
 use memtrain::ops::batchnorm::{batch_norm_eval, batch_norm_train};
 
-const EPS: f64 = 1e-5;
+mod common;
+use common::rel_err;
 
-/// max |a − b| / max |b|: one number that is small only when every element agrees.
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    let a = a
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let diff = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    let scale = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
-    if scale == 0.0 {
-        diff
-    } else {
-        diff / scale
-    }
-}
+const EPS: f64 = 1e-5;
 
 /// Deterministic pseudo-random numbers (no dependence on Candle's RNG, so failures reproduce).
 struct Lcg(u64);

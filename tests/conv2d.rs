@@ -6,6 +6,9 @@
 use candle_core::{DType, Device, Tensor, Var};
 use memtrain::ops::conv2d::{conv2d, conv2d_with_chunk, im2col_chunk_bytes, IM2COL_CHUNK_BYTES};
 
+mod common;
+use common::rel_err;
+
 /// One convolution to check.
 #[derive(Clone, Copy, Debug)]
 struct Shape {
@@ -61,36 +64,6 @@ const SHAPES: [Shape; 13] = [
     s(3, 5, 6, 16, 32, 1, 1, 0),
     s(9, 3, 4, 8, 8, 3, 1, 1),
 ];
-
-/// max |a − b| / max |b|: one number that is small only when every element agrees.
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    let scale = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
-    if scale == 0.0 {
-        diff
-    } else {
-        diff / scale
-    }
-}
 
 /// Output, input gradient and weight gradient of `conv` for the loss `Σ conv(x, w) · g`.
 fn run(

@@ -5,6 +5,9 @@
 use candle_core::{DType, Device, Tensor, Var};
 use memtrain::ops::depthwise::depthwise_conv2d;
 
+mod common;
+use common::rel_err;
+
 /// A small deterministic generator (xorshift64*), so failures reproduce exactly.
 struct Rng(u64);
 
@@ -27,35 +30,6 @@ impl Rng {
         let data: Vec<f32> = (0..n).map(|_| self.next()).collect();
         Tensor::from_vec(data, dims, &Device::Cpu).unwrap()
     }
-}
-
-/// `max |a - b| / max |b|`, compared in f32.
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let scale = b
-        .iter()
-        .fold(0f32, |m, v| m.max(v.abs()))
-        .max(f32::MIN_POSITIVE);
-    let diff = a
-        .iter()
-        .zip(&b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(diff.is_finite(), "non-finite difference");
-    diff / scale
 }
 
 /// Forward output and the gradients of `sum(y * r)` w.r.t. x and w.

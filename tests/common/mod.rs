@@ -76,11 +76,22 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
         .unwrap();
     assert_eq!(a.len(), b.len(), "shape mismatch");
     let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter()
+    let diff = a
+        .iter()
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0f64, f64::max)
-        / scale
+        .fold(0f64, f64::max);
+    // `f64::max` skips NaN, so a NaN in either tensor would otherwise compare as agreement.
+    assert!(
+        a.iter().chain(&b).all(|v| v.is_finite()) || a == b,
+        "non-finite values"
+    );
+    diff / scale
+}
+
+/// [`rel_diff`] as f32, for the op tests' f32 tolerances.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    rel_diff(a, b) as f32
 }
 
 /// Every parameter of a trainer, as host vectors.

@@ -6,6 +6,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod estimate;
 pub mod probe;
+pub mod timeline;
 
 pub use cpu::{retain_freed_memory, CountingAllocator};
 pub use probe::{probe_for, CpuProbe, MemoryProbe};

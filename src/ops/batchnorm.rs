@@ -37,7 +37,7 @@ use std::ops::Range;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType,
 };
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
@@ -488,6 +488,531 @@ fn cpu_tensor_slice<'a>(s: &'a Storage, l: &Layout, what: &str) -> candle_core::
         _ => Err(candle_core::Error::Msg(format!(
             "batch norm: {what} is not on the CPU like x"
         ))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lean training step (src/train/lean.rs): BatchNorm + ReLU recomputed from the saved
+// pre-normalization tensor h instead of autograd keeping x and y.
+//
+// Why h and not the ReLU output y (in-place activated BatchNorm keeps y): with a plain ReLU, y
+// does not determine the normalized value where the ReLU clipped, and the BatchNorm input gradient
+// needs it there too (`grad_h = γ·invstd·(g' − Σg'/M − x̂·Σg'x̂/M)` is non-zero at clipped
+// positions through the x̂ term). Keeping h loses nothing, has no division by γ (so γ = 0 is an
+// ordinary value), and y is recomputed bit-identically from h with the statistics of the forward.
+// On the CPU every pass below is one fused kernel, and the backward overwrites a buffer it owns
+// instead of allocating; on other devices the same results come from the ops above (y
+// materialized, the max-pool op of `ops::pool`), at the cost of transient buffers.
+// ---------------------------------------------------------------------------------------------
+
+/// Per-channel batch mean and biased variance of `h` [N,C,H,W] as an f32 `[2, C]` tensor (row 0
+/// mean, row 1 variance); no autograd.
+pub fn batch_stats(h: &Tensor) -> Result<Tensor> {
+    let h = h.contiguous()?;
+    Ok(h.apply_op1_no_bwd(&BnStats)?)
+}
+
+/// Running statistics of PyTorch's convention from batch `stats` ([2, C], biased variance over
+/// `count` elements per channel): `(1-m)·old + m·batch`, the variance made unbiased.
+pub fn update_running(
+    running_mean: &Tensor,
+    running_var: &Tensor,
+    stats: &Tensor,
+    count: usize,
+    momentum: f64,
+) -> Result<(Tensor, Tensor)> {
+    let mean = stats.get(0)?;
+    let var = stats.get(1)?;
+    let unbiased = if count > 1 {
+        (var * (count as f64 / (count as f64 - 1.0)))?
+    } else {
+        var
+    };
+    let m = momentum;
+    let rm = ((running_mean * (1.0 - m))? + (mean * m)?)?;
+    let rv = ((running_var * (1.0 - m))? + (unbiased * m)?)?;
+    Ok((rm, rv))
+}
+
+/// The per-channel parameters every lean BatchNorm pass reads.
+#[derive(Clone)]
+pub struct BnParams {
+    /// Scale γ, f32 `[C]` (detached).
+    pub gamma: Tensor,
+    /// Shift β, f32 `[C]` (detached).
+    pub beta: Tensor,
+    /// Batch statistics of the forward, f32 `[2, C]` (see [`batch_stats`]).
+    pub stats: Tensor,
+    /// Numerical epsilon.
+    pub eps: f64,
+    /// True when `stats` are the batch's own statistics (training); false when they are fixed
+    /// running statistics (a frozen BatchNorm), whose backward has no batch-statistics terms.
+    pub batch_stats: bool,
+}
+
+impl BnParams {
+    fn norm_op(&self) -> BnNorm {
+        BnNorm {
+            stats: self.stats.clone(),
+            eps: self.eps as f32,
+            relu: true,
+        }
+    }
+
+    fn lean(&self) -> LeanBn {
+        LeanBn {
+            p: self.clone(),
+            pool_w: None,
+        }
+    }
+}
+
+/// `relu(bn(h))` into a new tensor of h's dtype, with the statistics in `p`; no autograd.
+pub fn bn_relu(h: &Tensor, p: &BnParams) -> Result<Tensor> {
+    check_inputs("bn_relu", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let h = h.contiguous()?;
+    Ok(h.apply_op3_no_bwd(&p.gamma, &p.beta, &p.norm_op())?)
+}
+
+/// `relu(bn(h))`, written over `h` on the CPU (the caller gives up `h`); a new tensor elsewhere.
+pub fn bn_relu_in_place(h: Tensor, p: &BnParams) -> Result<Tensor> {
+    if !h.device().is_cpu() || !h.is_contiguous() {
+        return bn_relu(&h, p);
+    }
+    check_inputs("bn_relu_in_place", &h, &p.gamma, &p.beta, p.eps, &[])?;
+    h.inplace_op1(&p.lean())?;
+    Ok(h)
+}
+
+fn pool_width(op: &str, h: &Tensor) -> Result<usize> {
+    let (_, _, hh, w) = h.dims4()?;
+    if hh % 2 != 0 || w % 2 != 0 {
+        return Err(candle_core::Error::Msg(format!("{op}: needs even H and W, got {hh}x{w}")).into());
+    }
+    Ok(w)
+}
+
+/// `maxpool2x2(relu(bn(h)))`; on the CPU without materializing `relu(bn(h))`.
+pub fn bn_relu_pool(h: &Tensor, p: &BnParams) -> Result<Tensor> {
+    check_inputs("bn_relu_pool", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let w = pool_width("bn_relu_pool", h)?;
+    if !h.device().is_cpu() {
+        return crate::ops::pool::max_pool2x2(&bn_relu(h, p)?);
+    }
+    let h = h.contiguous()?;
+    Ok(h.apply_op1_no_bwd(&LeanBn {
+        p: p.clone(),
+        pool_w: Some(w),
+    })?)
+}
+
+/// The argmax of every 2x2 window of `relu(bn(h))` as one u8 per pooled element (0..4, row-major,
+/// first maximum on ties), or `None` on devices without the kernel (their pool backward
+/// recomputes the ReLU output instead).
+pub fn bn_relu_pool_argmax(h: &Tensor, p: &BnParams) -> Result<Option<Tensor>> {
+    check_inputs("bn_relu_pool_argmax", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let w = pool_width("bn_relu_pool_argmax", h)?;
+    if !h.device().is_cpu() {
+        return Ok(None);
+    }
+    let h = h.contiguous()?;
+    Ok(Some(h.apply_op1_no_bwd(&PoolArgmax { lean: LeanBn { p: p.clone(), pool_w: Some(w) } })?))
+}
+
+/// Gradients of one BatchNorm + ReLU: `(grad_h, grad_gamma, grad_beta)`, the last two f32 `[C]`.
+pub type BnGrads = (Tensor, Tensor, Tensor);
+
+/// Backward of `y = relu(bn(h))` from the saved `h` and the upstream gradient `g` (h's dtype and
+/// shape). `g` is consumed: on the CPU the input gradient is written over it.
+pub fn bn_relu_backward(h: &Tensor, g: Tensor, p: &BnParams) -> Result<BnGrads> {
+    check_inputs("bn_relu_backward", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let h = h.contiguous()?;
+    let g = g.to_dtype(h.dtype())?.contiguous()?;
+    if !h.device().is_cpu() {
+        let y = bn_relu(&h, p)?;
+        return backward_via_y(&h, &g, &y, p);
+    }
+    let sums = h.apply_op2_no_bwd(&g, &p.lean())?;
+    g.inplace_op2(&h, &LeanBwdInput { lean: p.lean(), sums: sums.clone() })?;
+    Ok((g, sums.get(0)?, sums.get(1)?))
+}
+
+/// Backward of `p = maxpool2x2(relu(bn(h)))` from the saved `h`, the gradient `gp` of the pooled
+/// output and the window argmax of [`bn_relu_pool_argmax`] (`None`: recomputed through the ReLU
+/// output). `h` is consumed: on the CPU the input gradient is written over it.
+pub fn bn_relu_pool_backward(
+    h: Tensor,
+    gp: &Tensor,
+    argmax: Option<&Tensor>,
+    p: &BnParams,
+) -> Result<BnGrads> {
+    check_inputs("bn_relu_pool_backward", &h, &p.gamma, &p.beta, p.eps, &[])?;
+    let w = pool_width("bn_relu_pool_backward", &h)?;
+    let h = h.contiguous()?;
+    let gp = gp.to_dtype(h.dtype())?.contiguous()?;
+    match argmax {
+        Some(am) if h.device().is_cpu() => {
+            let am = am.contiguous()?;
+            let lean = LeanBn { p: p.clone(), pool_w: Some(w) };
+            let sums = h.apply_op3_no_bwd(&gp, &am, &PoolBwdReduce { lean: lean.clone() })?;
+            h.inplace_op3(&gp, &am, &LeanBwdInput { lean, sums: sums.clone() })?;
+            Ok((h, sums.get(0)?, sums.get(1)?))
+        }
+        _ => {
+            let y = bn_relu(&h, p)?;
+            let g = crate::ops::pool::max_pool2x2_backward(&y, &gp)?;
+            backward_via_y(&h, &g, &y, p)
+        }
+    }
+}
+
+/// The BatchNorm + ReLU backward through the ops autograd uses (devices without the lean kernels).
+fn backward_via_y(h: &Tensor, g: &Tensor, y: &Tensor, p: &BnParams) -> Result<BnGrads> {
+    let sums = h.apply_op3_no_bwd(
+        g,
+        y,
+        &BnBwdReduce {
+            stats: p.stats.clone(),
+            eps: p.eps as f32,
+            relu: true,
+        },
+    )?;
+    let input_sums = if p.batch_stats {
+        sums.clone()
+    } else {
+        sums.zeros_like()?
+    };
+    let gh = h.apply_op3_no_bwd(
+        g,
+        y,
+        &BnBwdInput {
+            stats: p.stats.clone(),
+            gamma: p.gamma.clone(),
+            sums: input_sums,
+            eps: p.eps as f32,
+            relu: true,
+        },
+    )?;
+    Ok((gh, sums.get(0)?, sums.get(1)?))
+}
+
+/// The lean kernels' shared state: parameters, and the plane width when a 2x2 pool follows.
+#[derive(Clone)]
+struct LeanBn {
+    p: BnParams,
+    pool_w: Option<usize>,
+}
+
+/// Argmax of the pooled windows (a separate type: `LeanBn`'s `CustomOp1` is the pooled values).
+struct PoolArgmax {
+    lean: LeanBn,
+}
+
+/// Per-channel sums of the backward after a pool: (h, gp, argmax) → `[Σg'x̂; Σg']`.
+struct PoolBwdReduce {
+    lean: LeanBn,
+}
+
+/// The input gradient written in place (over g without a pool, over h after one).
+struct LeanBwdInput {
+    lean: LeanBn,
+    sums: Tensor,
+}
+
+/// The host copies of the per-channel tensors a lean kernel reads (C floats each).
+struct LeanCtx {
+    gamma: Vec<f32>,
+    beta: Vec<f32>,
+    stats: Vec<f32>,
+}
+
+/// The contiguous f32 data of a small tensor held by an op, copied out of its storage.
+fn held_vec(t: &Tensor, what: &str) -> candle_core::Result<Vec<f32>> {
+    let (guard, l) = t.storage_and_layout();
+    Ok(cpu_tensor_slice(&guard, l, what)?.to_vec())
+}
+
+impl LeanBn {
+    fn ctx(&self) -> candle_core::Result<LeanCtx> {
+        Ok(LeanCtx {
+            gamma: held_vec(&self.p.gamma, "gamma")?,
+            beta: held_vec(&self.p.beta, "beta")?,
+            stats: held_vec(&self.p.stats, "batch statistics")?,
+        })
+    }
+}
+
+impl LeanCtx {
+    fn norm(&self, c: usize, eps: f64) -> cpu::NormChannels {
+        cpu::NormChannels::new(&self.gamma, &self.beta, &self.stats, c, eps as f32)
+    }
+}
+
+fn dims_of(l: &Layout) -> candle_core::Result<Dims> {
+    let (n, c, h, w) = l.shape().dims4()?;
+    Ok(Dims { n, c, hw: h * w })
+}
+
+fn pooled_shape(l: &Layout) -> candle_core::Result<Shape> {
+    let (n, c, h, w) = l.shape().dims4()?;
+    Ok(Shape::from((n, c, h / 2, w / 2)))
+}
+
+/// Dispatch on the activation dtype of a CPU storage: `$f` is called with the type.
+macro_rules! by_dtype {
+    ($s:expr, $name:expr, |$t:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F32(_) => {
+                type $t = f32;
+                $body
+            }
+            CpuStorage::F16(_) => {
+                type $t = f16;
+                $body
+            }
+            CpuStorage::BF16(_) => {
+                type $t = bf16;
+                $body
+            }
+            other => return Err(unsupported($name, other.dtype())),
+        }
+    };
+}
+
+/// Mutable access to a CPU storage of a known float type (Candle has only the shared one).
+trait StorageMut: Sized {
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+}
+
+macro_rules! storage_mut {
+    ($t:ty, $v:ident) => {
+        impl StorageMut for $t {
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [$t]> {
+                match s {
+                    CpuStorage::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+storage_mut!(f32, F32);
+storage_mut!(f16, F16);
+storage_mut!(bf16, BF16);
+
+/// The contiguous data of a CPU storage argument an in-place op writes.
+fn cpu_slice_mut<'a, T: StorageMut>(
+    s: &'a mut CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a mut [T]> {
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} must be contiguous")))?;
+    let dtype = s.dtype();
+    T::slice_mut(s)
+        .map(|v| &mut v[start..end])
+        .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} has dtype {dtype:?}, not the activation dtype")))
+}
+
+impl candle_core::InplaceOp1 for LeanBn {
+    fn name(&self) -> &'static str {
+        "bn-relu-in-place"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let d = dims_of(l)?;
+        let ctx = self.ctx()?;
+        let ch = ctx.norm(d.c, self.p.eps);
+        by_dtype!(s, "bn-relu-in-place", |T| {
+            cpu::relu_in_place::<T>(cpu_slice_mut(s, l, "h")?, &ch, d)
+        });
+        Ok(())
+    }
+}
+
+impl CustomOp1 for LeanBn {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l)?;
+        let w = self.pool_w.ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
+        let ctx = self.ctx()?;
+        let ch = ctx.norm(d.c, self.p.eps);
+        let out = by_dtype!(s, "bn-relu-pool", |T| {
+            T::to_cpu_storage_owned(cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w))
+        });
+        Ok((out, pooled_shape(l)?))
+    }
+}
+
+impl CustomOp1 for PoolArgmax {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool-argmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l)?;
+        let w = self.lean.pool_w.unwrap_or(1);
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let out = by_dtype!(s, self.name(), |T| {
+            cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w)
+        });
+        Ok((CpuStorage::U8(out), pooled_shape(l)?))
+    }
+}
+
+/// Sums of the BatchNorm + ReLU backward without a pool: (h, g) → `[Σg'x̂; Σg']`.
+impl CustomOp2 for LeanBn {
+    fn name(&self) -> &'static str {
+        "bn-relu-bwd-reduce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l1)?;
+        let ctx = self.ctx()?;
+        let ch = ctx.norm(d.c, self.p.eps);
+        let var = &ctx.stats[d.c..];
+        let out = by_dtype!(s1, "bn-relu-bwd-reduce", |T| {
+            cpu::bwd_reduce_from_h::<T>(
+                cpu_slice(s1, l1, "h")?,
+                cpu_slice(s2, l2, "grad_y")?,
+                None,
+                &ch,
+                var,
+                d,
+                self.p.eps as f32,
+            )
+        });
+        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
+    }
+}
+
+impl CustomOp3 for PoolBwdReduce {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool-bwd-reduce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l1)?;
+        let w = self.lean.pool_w.unwrap_or(1);
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let var = &ctx.stats[d.c..];
+        let am = cpu_slice::<u8>(s3, l3, "argmax")?;
+        let out = by_dtype!(s1, self.name(), |T| {
+            cpu::bwd_reduce_from_h::<T>(
+                cpu_slice(s1, l1, "h")?,
+                cpu_slice(s2, l2, "grad_p")?,
+                Some((am, w)),
+                &ch,
+                var,
+                d,
+                self.lean.p.eps as f32,
+            )
+        });
+        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
+    }
+}
+
+impl LeanBwdInput {
+    fn coef(&self, ctx: &LeanCtx, d: Dims) -> candle_core::Result<cpu::InputGradChannels> {
+        // Fixed statistics: grad_h = γ·invstd·g', i.e. the batch-statistics terms with zero sums.
+        let sums = if self.lean.p.batch_stats {
+            held_vec(&self.sums, "gradient sums")?
+        } else {
+            vec![0.0; 2 * d.c]
+        };
+        Ok(cpu::InputGradChannels::new(
+            &ctx.gamma,
+            &ctx.stats,
+            &sums,
+            d,
+            self.lean.p.eps as f32,
+        ))
+    }
+}
+
+/// Without a pool: dst = g (overwritten with grad_h), src = h.
+impl candle_core::InplaceOp2 for LeanBwdInput {
+    fn name(&self) -> &'static str {
+        "bn-relu-bwd-input-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        h: &CpuStorage,
+        hl: &Layout,
+    ) -> candle_core::Result<()> {
+        let d = dims_of(dst_l)?;
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let co = self.coef(&ctx, d)?;
+        by_dtype!(h, self.name(), |T| {
+            cpu::bwd_input_from_h::<T>(
+                cpu_slice_mut(dst, dst_l, "grad_y")?,
+                Some(cpu_slice(h, hl, "h")?),
+                None,
+                &ch,
+                &co,
+                d,
+            )
+        });
+        Ok(())
+    }
+}
+
+/// After a pool: dst = h (overwritten with grad_h), srcs = (gp, argmax).
+impl candle_core::InplaceOp3 for LeanBwdInput {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool-bwd-input-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        gp: &CpuStorage,
+        gl: &Layout,
+        am: &CpuStorage,
+        al: &Layout,
+    ) -> candle_core::Result<()> {
+        let d = dims_of(dst_l)?;
+        let w = self.lean.pool_w.unwrap_or(1);
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let co = self.coef(&ctx, d)?;
+        let am = cpu_slice::<u8>(am, al, "argmax")?;
+        by_dtype!(gp, self.name(), |T| {
+            cpu::bwd_input_from_h::<T>(
+                cpu_slice_mut(dst, dst_l, "h")?,
+                None,
+                Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
+                &ch,
+                &co,
+                d,
+            )
+        });
+        Ok(())
     }
 }
 
@@ -956,7 +1481,229 @@ mod cpu {
         });
         out
     }
+
+    // ---- The lean step's kernels: BatchNorm + ReLU (+ 2x2 max-pool) recomputed from the saved
+    // ---- pre-normalization tensor h, forward and backward, in place where the data allows.
+
+    /// `y(h) = relu((h - mean)·scale + beta)` of a block, rounded to T and widened back, so that a
+    /// recomputed ReLU output (and its mask) is bit-identical to the one the forward stored in T.
+    #[inline(always)]
+    fn y_of<T: Elem>(hb: &[f32], ch: &NormChannels, c: usize, tmp: &mut [T], out: &mut [f32]) {
+        normalize(hb, ch.mean[c], ch.scale[c], ch.beta[c], true, out);
+        if T::as_f32(tmp).is_none() {
+            let t = &mut tmp[..out.len()];
+            T::store(out, t);
+            T::load(t, out);
+        }
+    }
+
+    /// `h := relu(bn(h))`, in place.
+    pub(super) fn relu_in_place<T: Elem>(h: &mut [T], ch: &NormChannels, d: Dims) {
+        let ptr = SharedMut(h.as_mut_ptr());
+        for_planes(d, |r| {
+            let (mut buf, mut res) = ([0f32; BLK], [0f32; BLK]);
+            for p in r {
+                let c = p % d.c;
+                // SAFETY: planes are disjoint ranges of h; the pool hands each plane to one worker.
+                let plane = unsafe { ptr.range(p * d.hw, d.hw) };
+                for hc in plane.chunks_mut(BLK) {
+                    let n = hc.len();
+                    T::load(hc, &mut buf[..n]);
+                    normalize(&buf[..n], ch.mean[c], ch.scale[c], ch.beta[c], true, &mut res[..n]);
+                    T::store(&res[..n], hc);
+                }
+            }
+        });
+    }
+
+    /// One plane of `y(h)` as f32 (rounded through T) into `y`, and the plane of h widened into `hf`.
+    fn plane_y<T: Elem>(
+        h: &[T],
+        ch: &NormChannels,
+        c: usize,
+        hf: &mut [f32],
+        y: &mut [f32],
+        tmp: &mut [T],
+    ) {
+        T::load(h, hf);
+        for (hc, yc) in hf.chunks(BLK).zip(y.chunks_mut(BLK)) {
+            y_of::<T>(hc, ch, c, tmp, yc);
+        }
+    }
+
+    /// The 2x2 max-pool of `y(h)` per plane (`w` = plane width): `emit(plane, window, argmax, y)`.
+    fn pool_planes<T: Elem>(
+        h: &[T],
+        ch: &NormChannels,
+        d: Dims,
+        w: usize,
+        emit: impl Fn(usize, usize, usize, f32) + Sync,
+    ) {
+        let (ho, wo) = (d.hw / w / 2, w / 2);
+        for_planes(d, |r| {
+            let (mut hf, mut y) = (vec![0f32; d.hw], vec![0f32; d.hw]);
+            let mut tmp = T::zeros(BLK);
+            for p in r {
+                plane_y::<T>(&h[p * d.hw..(p + 1) * d.hw], ch, p % d.c, &mut hf, &mut y, &mut tmp);
+                for oy in 0..ho {
+                    for ox in 0..wo {
+                        let i0 = 2 * oy * w + 2 * ox;
+                        let v = [y[i0], y[i0 + 1], y[i0 + w], y[i0 + w + 1]];
+                        let mut best = 0;
+                        for k in 1..4 {
+                            // Strictly greater: the first maximum wins ties (as ops::pool).
+                            if v[k] > v[best] {
+                                best = k;
+                            }
+                        }
+                        emit(p, oy * wo + ox, best, v[best]);
+                    }
+                }
+            }
+        });
+    }
+
+    /// `maxpool2x2(relu(bn(h)))` without materializing the full-size ReLU output.
+    pub(super) fn relu_pool<T: Elem>(h: &[T], ch: &NormChannels, d: Dims, w: usize) -> Vec<T> {
+        let per = d.hw / 4;
+        let mut out = T::zeros(d.planes() * per);
+        let ptr = SharedMut(out.as_mut_ptr());
+        pool_planes::<T>(h, ch, d, w, |p, o, _, v| {
+            // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
+            unsafe { ptr.range(p * per + o, 1)[0] = T::from_f64(v as f64) };
+        });
+        out
+    }
+
+    /// The argmax (0..4, row-major in the window) of every 2x2 window of `relu(bn(h))`.
+    pub(super) fn relu_pool_argmax<T: Elem>(
+        h: &[T],
+        ch: &NormChannels,
+        d: Dims,
+        w: usize,
+    ) -> Vec<u8> {
+        let per = d.hw / 4;
+        let mut out = vec![0u8; d.planes() * per];
+        let ptr = SharedMut(out.as_mut_ptr());
+        pool_planes::<T>(h, ch, d, w, |p, o, k, _| {
+            // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
+            unsafe { ptr.range(p * per + o, 1)[0] = k as u8 };
+        });
+        out
+    }
+
+    /// Where the upstream gradient of a pooled plane lands: `gp` scattered to each window's argmax
+    /// (zero elsewhere), as a dense f32 plane.
+    fn scatter_plane<T: Elem>(gp: &[T], am: &[u8], w: usize, out: &mut [f32]) {
+        out.fill(0.0);
+        let wo = w / 2;
+        for (o, (&g, &k)) in gp.iter().zip(am).enumerate() {
+            let (oy, ox) = (o / wo, o % wo);
+            let k = k as usize & 3;
+            out[(2 * oy + k / 2) * w + 2 * ox + k % 2] = g.to_f64() as f32;
+        }
+    }
+
+    /// Per-channel `[Σg'·x̂; Σg']` of BatchNorm + ReLU (+ pool) from the saved pre-normalization h:
+    /// `g'` is the upstream gradient (`g`, or `gp` scattered through `argmax` when `pool_w` is
+    /// given) masked where the recomputed `y(h)` is 0. Summed in blocks of `BLK` (f32) and the
+    /// blocks in f64, like [`bwd_reduce`], so both paths agree to rounding.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn bwd_reduce_from_h<T: Elem>(
+        h: &[T],
+        g: &[T],
+        argmax: Option<(&[u8], usize)>,
+        ch: &NormChannels,
+        var: &[f32],
+        d: Dims,
+        eps: f32,
+    ) -> Vec<f32> {
+        let per = d.hw / 4;
+        let part = per_plane(h, d, |p, hp| {
+            let c = p % d.c;
+            let (mut hf, mut y, mut gf) = (vec![0f32; d.hw], vec![0f32; d.hw], vec![0f32; d.hw]);
+            let mut tmp = T::zeros(BLK);
+            plane_y::<T>(hp, ch, c, &mut hf, &mut y, &mut tmp);
+            match argmax {
+                Some((am, w)) => scatter_plane(
+                    &g[p * per..(p + 1) * per],
+                    &am[p * per..(p + 1) * per],
+                    w,
+                    &mut gf,
+                ),
+                None => T::load(&g[p * d.hw..(p + 1) * d.hw], &mut gf),
+            }
+            let mut acc = (0f64, 0f64);
+            for start in (0..d.hw).step_by(BLK) {
+                let end = (start + BLK).min(d.hw);
+                let (sg, sgx) = grad_sums(
+                    &hf[start..end],
+                    &gf[start..end],
+                    Some(&y[start..end]),
+                    ch.mean[c],
+                );
+                acc.0 += sg as f64;
+                acc.1 += sgx as f64;
+            }
+            acc
+        });
+        let tot = per_channel(&part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let grad_gamma = tot
+            .iter()
+            .zip(var)
+            .map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
+        let grad_beta = tot.iter().map(|t| t.0 as f32);
+        grad_gamma.chain(grad_beta).collect()
+    }
+
+    /// The input gradient of BatchNorm + ReLU (+ pool) from h, written over `dst`: over the
+    /// upstream gradient when there is no pool (`dst` = g), over h itself after a pool (`dst` = h,
+    /// `src` = `gp`). Each element of the result depends only on the same element of h and of
+    /// g', so one plane is widened into scratch before it is overwritten.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn bwd_input_from_h<T: Elem>(
+        dst: &mut [T],
+        h: Option<&[T]>,
+        gp_argmax: Option<(&[T], &[u8], usize)>,
+        ch: &NormChannels,
+        co: &InputGradChannels,
+        d: Dims,
+    ) {
+        let per = d.hw / 4;
+        let ptr = SharedMut(dst.as_mut_ptr());
+        for_planes(d, |r| {
+            let (mut hf, mut y, mut gf, mut res) = (
+                vec![0f32; d.hw],
+                vec![0f32; d.hw],
+                vec![0f32; d.hw],
+                vec![0f32; d.hw],
+            );
+            let mut tmp = T::zeros(BLK);
+            for p in r {
+                let c = p % d.c;
+                // SAFETY: planes are disjoint ranges of dst; the pool hands each plane to one worker.
+                let out = unsafe { ptr.range(p * d.hw, d.hw) };
+                match (h, gp_argmax) {
+                    // No pool: h is a separate tensor, dst holds the upstream gradient.
+                    (Some(h), _) => {
+                        plane_y::<T>(&h[p * d.hw..(p + 1) * d.hw], ch, c, &mut hf, &mut y, &mut tmp);
+                        T::load(out, &mut gf);
+                    }
+                    // After a pool: dst holds h, the gradient comes from the pooled plane.
+                    (None, Some((gp, am, w))) => {
+                        plane_y::<T>(out, ch, c, &mut hf, &mut y, &mut tmp);
+                        scatter_plane(&gp[p * per..(p + 1) * per], &am[p * per..(p + 1) * per], w, &mut gf);
+                    }
+                    (None, None) => unreachable!("bwd_input_from_h needs h or the pooled gradient"),
+                }
+                let k = [co.mean[c], co.a[c], co.b[c], co.k[c]];
+                input_grad(&hf, &gf, Some(&y), k, &mut res);
+                T::store(&res, out);
+            }
+        });
+    }
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // CUDA kernels (NVRTC, compiled once per process at first use).

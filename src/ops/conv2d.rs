@@ -77,6 +77,74 @@ pub fn conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<T
     conv2d_impl(x, w, stride, padding, None)
 }
 
+/// The input gradient of [`conv2d`]: `grad` [N, Cout, Ho, Wo] and `w` [Cout, Cin, K, K] give
+/// dL/dx for an input of shape `x_dims`; no autograd. Used by the lean step, which calls the
+/// backward passes itself instead of through Candle's graph.
+///
+/// # Errors
+/// As [`conv2d`], and when `grad` does not have the output shape of `x_dims` and `w`.
+pub fn conv2d_backward_input(
+    grad: &Tensor,
+    w: &Tensor,
+    x_dims: &[usize],
+    stride: usize,
+    padding: usize,
+) -> Result<Tensor> {
+    let geom = Geom::new(x_dims, w.dims(), stride, padding, None)?;
+    check_backward_args(grad, w, &geom)?;
+    let grad = grad.contiguous()?;
+    Ok(grad.apply_op2_no_bwd(&w.contiguous()?, &Conv2dGradInput { geom })?)
+}
+
+/// The weight gradient of [`conv2d`]: input `x` [N, Cin, H, W] and `grad` [N, Cout, Ho, Wo]
+/// give dL/dw for a weight of shape `w_dims`, in x's dtype; no autograd.
+///
+/// # Errors
+/// As [`conv2d_backward_input`].
+pub fn conv2d_backward_weight(
+    x: &Tensor,
+    grad: &Tensor,
+    w_dims: &[usize],
+    stride: usize,
+    padding: usize,
+) -> Result<Tensor> {
+    let geom = Geom::new(x.dims(), w_dims, stride, padding, None)?;
+    check_backward_args(grad, x, &geom)?;
+    let x = x.contiguous()?;
+    Ok(x.apply_op2_no_bwd(&grad.contiguous()?, &Conv2dGradWeight { geom })?)
+}
+
+/// The checks [`conv2d`] makes, for the backward entry points: same dtype and device, the
+/// kernels' dtypes and devices, and an output gradient of the output's shape.
+fn check_backward_args(grad: &Tensor, other: &Tensor, geom: &Geom) -> Result<()> {
+    if grad.dtype() != other.dtype() || !grad.device().same_device(other.device()) {
+        return Err(shape_error(format!(
+            "gradient ({:?} on {:?}) and operand ({:?} on {:?}) differ in dtype or device",
+            grad.dtype(),
+            grad.device().location(),
+            other.dtype(),
+            other.device().location()
+        )));
+    }
+    if !(grad.device().is_cpu() || grad.device().is_cuda())
+        || !matches!(grad.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    {
+        return Err(shape_error(format!(
+            "backward passes run on the CPU or CUDA in f32, f64, f16 or bf16, not {:?} on {:?}",
+            grad.dtype(),
+            grad.device().location()
+        )));
+    }
+    if grad.dims() != geom.out_shape().dims() {
+        return Err(shape_error(format!(
+            "output gradient has shape {:?}, expected {:?}",
+            grad.dims(),
+            geom.out_shape().dims()
+        )));
+    }
+    Ok(())
+}
+
 /// [`conv2d`] with the weight-gradient pass forced to gather `chunk_images` images per gemm instead
 /// of the number chosen from [`MIN_GEMM_DEPTH`] and [`IM2COL_CHUNK_BYTES`]. Meant for tests (batch sizes that are not a multiple
 /// of the chunk) and for tuning; on the CPU the forward and input-gradient passes always work one

@@ -58,6 +58,42 @@ pub fn depthwise_conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -
     Ok(x.apply_op2_arc(&w, op)?)
 }
 
+/// The input gradient of [`depthwise_conv2d`] from the output gradient `grad` and `w`, for an
+/// input of shape `x_dims`; no autograd (the lean step calls the backward passes itself).
+///
+/// # Errors
+/// As [`depthwise_conv2d`], and when `grad` does not have the output's shape.
+pub fn depthwise_backward_input(
+    grad: &Tensor,
+    w: &Tensor,
+    x_dims: &[usize],
+    stride: usize,
+    padding: usize,
+) -> Result<Tensor> {
+    check_dtype(grad.dtype()).map_err(op_error)?;
+    let g = Geometry::new(x_dims, w.dims(), stride, padding).map_err(op_error)?;
+    let grad = grad.to_dtype(w.dtype())?.contiguous()?;
+    Ok(grad.apply_op2_no_bwd(&w.contiguous()?, &DepthwiseInputGrad { g })?)
+}
+
+/// The weight gradient of [`depthwise_conv2d`] from its input `x` and the output gradient
+/// `grad`, for a weight of shape `w_dims`, in x's dtype; no autograd.
+///
+/// # Errors
+/// As [`depthwise_backward_input`].
+pub fn depthwise_backward_weight(
+    x: &Tensor,
+    grad: &Tensor,
+    w_dims: &[usize],
+    stride: usize,
+    padding: usize,
+) -> Result<Tensor> {
+    check_dtype(x.dtype()).map_err(op_error)?;
+    let g = Geometry::new(x.dims(), w_dims, stride, padding).map_err(op_error)?;
+    let grad = grad.to_dtype(x.dtype())?.contiguous()?;
+    Ok(x.contiguous()?.apply_op2_no_bwd(&grad, &DepthwiseWeightGrad { g })?)
+}
+
 fn op_error(msg: String) -> Error {
     Error::Candle(candle_core::Error::Msg(format!("depthwise_conv2d: {msg}")))
 }

@@ -28,6 +28,13 @@ pub fn max_pool2x2(x: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op1(MaxPool)?)
 }
 
+/// The input gradient of [`max_pool2x2`] from its input `x` and the gradient `grad` of its output:
+/// each window's gradient goes to the window's first maximum (recomputed from `x`); no autograd.
+pub fn max_pool2x2_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let grad = grad.to_dtype(x.dtype())?.contiguous()?;
+    Ok(x.contiguous()?.apply_op2_no_bwd(&grad, &MaxPoolGrad)?)
+}
+
 struct MaxPool;
 struct MaxPoolGrad;
 

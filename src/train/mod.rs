@@ -2,10 +2,11 @@
 //! gradient accumulation, gradient checkpointing (recomputation) and the optimizers.
 
 pub mod accumulate;
+pub mod lean;
 pub mod checkpoint;
 pub mod optim;
 pub mod precision;
-pub mod recompute;
+pub mod reference;
 pub mod summary;
 pub mod trainer;
 

@@ -96,6 +96,16 @@ impl Optimizer {
         Ok(())
     }
 
+    /// Bytes of the state tensors held now.
+    pub fn state_bytes(&self) -> u64 {
+        self.state1
+            .iter()
+            .chain(&self.state2)
+            .flatten()
+            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+
     /// The state as named tensors (for checkpoints): `s1.<i>`, `s2.<i>`.
     pub fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();

@@ -6,7 +6,8 @@
 use super::accumulate::GradAccumulator;
 use super::optim::{one_cycle_lr, Optimizer};
 use super::precision::LossScaler;
-use super::recompute::{forward_backward, loss_and_correct};
+use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
+use super::reference::loss_and_correct;
 use super::summary::Summary;
 use crate::callbacks::{
     BatchInfo, Callback, CallbackList, EpochBegin, EpochEnd, EpochStats, MemoryCallback, MemoryLog,
@@ -16,10 +17,10 @@ use crate::config::TrainConfig;
 use crate::data::{self, Batch, Batcher, BatcherOptions, DataSplits, Dataset};
 use crate::device::{device_name, select_device};
 use crate::error::{Error, Result};
+use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
 use crate::memory::{format_bytes, is_device_oom, probe_for, MemoryProbe};
 use crate::model::{Cnn, Mode, ModelConfig};
 use candle_core::{DType, Device, Tensor, Var};
-use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -67,6 +68,10 @@ pub struct Trainer {
     /// The f16 loss scaler (None for f32/bf16).
     pub scaler: Option<LossScaler>,
     pub(crate) probe: Arc<dyn MemoryProbe>,
+    /// The same probe, typed: the step splits its watermark at every layer event.
+    pub(crate) timeline_probe: Arc<TimelineProbe>,
+    /// The memory timeline of the newest step.
+    pub(crate) timeline: StepTimeline,
     pub(crate) memory_log: Arc<Mutex<MemoryLog>>,
     pub(crate) callbacks: CallbackList,
     pub(crate) train: Arc<Dataset>,
@@ -166,17 +171,15 @@ fn all_finite(grads: &[Option<Tensor>]) -> Result<bool> {
     Ok(sum.is_finite())
 }
 
-/// Forward+backward over the micro-batches of one batch. `loss_scale` multiplies the loss (the
-/// returned gradients are still scaled); `phase` tracks where the work is for error messages;
-/// `after_forward`/`after_backward` run after each micro-batch's forward and backward.
+/// Forward+backward over the micro-batches of one batch on the lean tape. `loss_scale`
+/// multiplies the loss (the returned gradients are still scaled); `obs` sees every micro-batch
+/// boundary and layer event.
 fn batch_grads(
     t: &Trainer,
     images: &[f32],
     labels: &[u32],
     loss_scale: f64,
-    phase: &Cell<Phase>,
-    after_forward: &mut dyn FnMut() -> Result<()>,
-    after_backward: &mut dyn FnMut() -> Result<()>,
+    obs: &mut dyn StepObserver,
 ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
     let k = t.config.accum_steps;
     let n = labels.len();
@@ -190,34 +193,106 @@ fn batch_grads(
     let mut acc = GradAccumulator::new(t.vars.len());
     let (mut loss, mut correct) = (0.0, 0);
     for i in 0..k {
-        phase.set(Phase::Forward);
+        obs.micro_begin(i)?;
         let (x, y) = t.batch_tensors(
             &images[i * mb * 3072..(i + 1) * mb * 3072],
             &labels[i * mb..(i + 1) * mb],
         )?;
-        let mut p = Phase::Forward;
-        let r = forward_backward(
-            &t.model,
-            &t.vars,
+        let segments = t.model.segments(t.config.checkpoint);
+        let r = LeanStep::new(&t.model, dtype, segments).run(
             &x,
             &y,
-            dtype,
-            t.config.checkpoint,
             loss_scale / k as f64,
             &mut acc,
-            &mut p,
-            &mut || {
-                phase.set(Phase::Backward);
-                after_forward()
-            },
-        );
-        phase.set(p);
-        let r = r?;
+            obs,
+        )?;
         loss += r.loss / k as f64;
         correct += r.correct;
-        after_backward()?;
+        obs.backward_done()?;
     }
     Ok((loss, correct, acc.into_grads()))
+}
+
+/// The trainer's observer of one step: the phase (for error messages), the CPU budget check,
+/// the callbacks' after-forward/after-backward hooks, and the memory timeline.
+struct StepHooks<'a> {
+    callbacks: &'a mut CallbackList,
+    info: &'a BatchInfo<'a>,
+    probe: &'a TimelineProbe,
+    phase: Phase,
+    micro: usize,
+    /// Categories constant over the step (params, optimizer state, the rest at the start).
+    fixed: CategoryBytes,
+    events: Vec<TimelineEvent>,
+}
+
+impl StepHooks<'_> {
+    fn check(&self) -> Result<()> {
+        check_budget(self.probe, self.info.epoch, self.info.batch, self.phase)
+    }
+
+    /// Record an event with the probe's reading; the budget is checked against its peak.
+    fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<()> {
+        let peak = self.probe.take_event_peak();
+        let current = self.probe.current();
+        let f = self.fixed;
+        let known = f.params + f.optimizer + f.other + grads + saved;
+        self.events.push(TimelineEvent {
+            index: self.events.len(),
+            phase,
+            layer: layer.to_string(),
+            micro_batch: self.micro,
+            current_bytes: current,
+            peak_bytes: peak,
+            categories: CategoryBytes {
+                grads,
+                saved,
+                transient: current.saturating_sub(known),
+                ..f
+            },
+            predicted_peak_bytes: None,
+        });
+        match self.probe.limit() {
+            Some(limit) if self.probe.available() && peak > limit => Err(Error::OutOfMemory {
+                limit: format_bytes(limit),
+                epoch: self.info.epoch,
+                batch: self.info.batch,
+                phase: phase.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl StepObserver for StepHooks<'_> {
+    fn micro_begin(&mut self, i: usize) -> Result<()> {
+        self.micro = i;
+        self.phase = Phase::Forward;
+        Ok(())
+    }
+
+    fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+        self.phase = e.phase;
+        self.record(e.phase, e.layer, e.saved_bytes, e.grad_bytes)
+    }
+
+    fn forward_done(&mut self) -> Result<()> {
+        self.check()?;
+        self.callbacks.on_after_forward(&BatchInfo {
+            micro_batch: self.micro,
+            ..self.info.clone()
+        })?;
+        self.phase = Phase::Backward;
+        Ok(())
+    }
+
+    fn backward_done(&mut self) -> Result<()> {
+        self.check()?;
+        self.callbacks.on_after_backward(&BatchInfo {
+            micro_batch: self.micro,
+            ..self.info.clone()
+        })
+    }
 }
 
 impl Trainer {
@@ -251,7 +326,12 @@ impl Trainer {
             // on every step (see `retain_freed_memory`).
             crate::memory::retain_freed_memory();
         }
-        let probe = probe_for(&device, config.memory_limit, config.pool_cache)?;
+        let timeline_probe = Arc::new(TimelineProbe::new(probe_for(
+            &device,
+            config.memory_limit,
+            config.pool_cache,
+        )?));
+        let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
         let run_dir = config.out.clone().unwrap_or_else(default_run_dir);
         if options.log_files {
             crate::io::create_dir(&run_dir)?;
@@ -300,6 +380,8 @@ impl Trainer {
             optimizer,
             scaler,
             probe,
+            timeline_probe,
+            timeline: StepTimeline::default(),
             memory_log,
             callbacks: CallbackList::new(list),
             train: Arc::new(data.train),
@@ -342,6 +424,30 @@ impl Trainer {
             .clone()
     }
 
+    /// The memory timeline of the newest training step (empty before the first).
+    pub fn step_timeline(&self) -> &StepTimeline {
+        &self.timeline
+    }
+
+    /// The step's constant memory categories for a step that starts with `start_bytes` in use:
+    /// parameters and BatchNorm statistics, optimizer state, and the rest of what is in use.
+    fn fixed_categories(&self, start_bytes: u64) -> CategoryBytes {
+        let params = self.model.num_params() as u64 * 4
+            + self
+                .model
+                .named_buffers()
+                .iter()
+                .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+                .sum::<u64>();
+        let optimizer = self.optimizer.state_bytes();
+        CategoryBytes {
+            params,
+            optimizer,
+            other: start_bytes.saturating_sub(params + optimizer),
+            ..CategoryBytes::default()
+        }
+    }
+
     /// Optimizer steps per epoch.
     pub fn steps_per_epoch(&self) -> usize {
         self.steps_per_epoch
@@ -372,17 +478,45 @@ impl Trainer {
         images: &[f32],
         labels: &[u32],
     ) -> Result<(f64, Vec<Option<Tensor>>)> {
-        let phase = Cell::new(Phase::Forward);
-        let (loss, _, grads) = batch_grads(
-            self,
-            images,
-            labels,
-            1.0,
-            &phase,
-            &mut || Ok(()),
-            &mut || Ok(()),
-        )?;
+        let (loss, _, grads) = batch_grads(self, images, labels, 1.0, &mut NoObserver)?;
         Ok((loss, grads))
+    }
+
+    /// [`Trainer::compute_grads`] through Candle's autograd instead of the lean step: the oracle
+    /// the lean step is tested against (same micro-batches, precision and checkpointing).
+    pub fn reference_grads(
+        &self,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<(f64, Vec<Option<Tensor>>)> {
+        let k = self.config.accum_steps;
+        let n = labels.len();
+        if n % k != 0 || images.len() != n * 3072 {
+            return Err(Error::config(format!(
+                "a batch of {n} images cannot be split into {k} micro-batches"
+            )));
+        }
+        let mb = n / k;
+        let mut acc = GradAccumulator::new(self.vars.len());
+        let mut loss = 0.0;
+        for i in 0..k {
+            let (x, y) = self.batch_tensors(
+                &images[i * mb * 3072..(i + 1) * mb * 3072],
+                &labels[i * mb..(i + 1) * mb],
+            )?;
+            let r = super::reference::forward_backward(
+                &self.model,
+                &self.vars,
+                &x,
+                &y,
+                self.config.precision.compute_dtype(),
+                self.config.checkpoint,
+                1.0 / k as f64,
+                &mut acc,
+            )?;
+            loss += r.loss / k as f64;
+        }
+        Ok((loss, acc.into_grads()))
     }
 
     /// One optimizer step on a batch: K micro-batches, loss scaling, the update, and the hooks.
@@ -421,33 +555,27 @@ impl Trainer {
         };
         let result = (|| -> Result<StepResult> {
             callbacks.on_batch_begin(&info)?;
-            let phase = Cell::new(Phase::Forward);
-            let micro = Cell::new(0usize);
-            let cbs = RefCell::new(&mut callbacks);
+            let fixed = self.fixed_categories(probe.current());
+            let mut hooks = StepHooks {
+                callbacks: &mut callbacks,
+                info: &info,
+                probe: &self.timeline_probe,
+                phase: Phase::Forward,
+                micro: 0,
+                fixed,
+                events: Vec::new(),
+            };
+            let start_bytes = probe.current();
             let (loss, correct, grads) = batch_grads(
                 self,
                 &batch.images,
                 &batch.labels,
                 scale.unwrap_or(1.0),
-                &phase,
-                &mut || {
-                    check_budget(probe, epoch, batch_idx, Phase::Forward)?;
-                    cbs.borrow_mut().on_after_forward(&BatchInfo {
-                        micro_batch: micro.get(),
-                        ..info.clone()
-                    })
-                },
-                &mut || {
-                    check_budget(probe, epoch, batch_idx, Phase::Backward)?;
-                    cbs.borrow_mut().on_after_backward(&BatchInfo {
-                        micro_batch: micro.get(),
-                        ..info.clone()
-                    })?;
-                    micro.set(micro.get() + 1);
-                    Ok(())
-                },
+                &mut hooks,
             )
-            .map_err(|e| name_oom(e, limit, epoch, batch_idx, phase.get()))?;
+            .map_err(|e| name_oom(e, limit, epoch, batch_idx, hooks.phase))?;
+            let mut events = std::mem::take(&mut hooks.events);
+            drop(hooks);
             if !loss.is_finite() && self.scaler.is_none() {
                 return Err(Error::NonFinite {
                     what: "loss".into(),
@@ -461,6 +589,29 @@ impl Trainer {
                 .map_err(|e| name_oom(e, limit, epoch, batch_idx, Phase::Optimizer))?;
             self.device.synchronize()?;
             check_budget(probe, epoch, batch_idx, Phase::Optimizer)?;
+            let peak = self.timeline_probe.take_event_peak();
+            let current = probe.current();
+            let f = self.fixed_categories(start_bytes);
+            events.push(TimelineEvent {
+                index: events.len(),
+                phase: Phase::Optimizer,
+                layer: "optimizer".into(),
+                micro_batch: self.config.accum_steps - 1,
+                current_bytes: current,
+                peak_bytes: peak,
+                categories: CategoryBytes {
+                    transient: current.saturating_sub(f.total()),
+                    ..f
+                },
+                predicted_peak_bytes: None,
+            });
+            self.timeline = StepTimeline {
+                label: self.config.label(),
+                probe: probe.name().to_string(),
+                global_step: self.global_step,
+                start_bytes,
+                events,
+            };
             let end = BatchInfo {
                 loss: Some(loss),
                 correct: Some(correct),

@@ -1,4 +1,7 @@
-//! Forward and backward of one micro-batch, with gradient checkpointing.
+//! Forward and backward of one micro-batch through Candle's autograd, with gradient
+//! checkpointing by recomputation and a surrogate loss: the reference implementation that the
+//! lean step ([`super::lean`]) is tested against (`Trainer::reference_grads`). Training uses the
+//! lean step; this one keeps every forward tensor until its `backward` returns.
 //!
 //! Without checkpointing the whole network is one autograd graph: every activation saved for
 //! backward stays alive until `backward`. With checkpointing the blocks are split into
@@ -11,7 +14,6 @@
 //! the recomputation uses the same batch statistics (same input) without updating them.
 
 use super::accumulate::GradAccumulator;
-use crate::callbacks::Phase;
 use crate::config::Checkpointing;
 use crate::error::Result;
 use crate::model::{Cnn, Mode};
@@ -41,8 +43,6 @@ pub fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usi
 /// Forward and backward of one micro-batch: images `x` (f32 [N,3,32,32] on the model's device),
 /// labels `y` (u32 [N]). The loss is multiplied by `loss_mult` (1/K for accumulation, times the
 /// loss scale for f16) before backward; gradients are added to `acc` (aligned with `vars`).
-/// `phase` tracks where the computation is, so the caller can name it in an error;
-/// `after_forward` runs once the forward pass is complete (activations live).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Cnn,
@@ -53,10 +53,7 @@ pub fn forward_backward(
     ckpt: Checkpointing,
     loss_mult: f64,
     acc: &mut GradAccumulator,
-    phase: &mut Phase,
-    after_forward: &mut dyn FnMut() -> Result<()>,
 ) -> Result<MicroResult> {
-    *phase = Phase::Forward;
     let xin = x.to_dtype(dtype)?;
     let n = model.blocks.len();
     if ckpt == Checkpointing::None {
@@ -69,8 +66,6 @@ pub fn forward_backward(
         drop(h);
         let (loss, correct) = loss_and_correct(&logits, y)?;
         let loss_value = loss.to_scalar::<f32>()? as f64;
-        after_forward()?;
-        *phase = Phase::Backward;
         let mut store = (loss * loss_mult)?.backward()?;
         acc.add_from_store(vars, &mut store)?;
         return Ok(MicroResult {
@@ -103,9 +98,7 @@ pub fn forward_backward(
     let logits = model.forward_head(hv.as_tensor(), track)?;
     let (loss, correct) = loss_and_correct(&logits, y)?;
     let loss_value = loss.to_scalar::<f32>()? as f64;
-    after_forward()?;
 
-    *phase = Phase::Backward;
     let mut store = (loss * loss_mult)?.backward()?;
     drop(logits);
     acc.add_from_store(vars, &mut store)?;

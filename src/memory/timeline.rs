@@ -1,0 +1,158 @@
+//! The memory timeline inside one training step: the probe read at every layer event of the
+//! step (forward of layer i, backward of layer i, optimizer), split into the categories the step
+//! itself knows, with the estimate's prediction at the same events.
+//!
+//! The step records one [`StepTimeline`] per optimizer step (a few dozen events, no allocation
+//! beyond the event list); the trainer keeps the newest and writes it as `step_timeline.json` into
+//! the run directory, which `sweep::step_chart` draws as `step_timeline.{png,svg}` and `compare`
+//! overlays across configurations.
+
+use crate::callbacks::Phase;
+use serde::{Deserialize, Serialize};
+
+/// File name of the step timeline in a run directory.
+pub const STEP_TIMELINE_FILE: &str = "step_timeline.json";
+
+/// Bytes per category at one event. `other` is what was in use at the start of the step and is
+/// none of the step's own categories (data set, batcher, callbacks); `transient` is the measured
+/// remainder: op outputs not (yet) saved, workspaces, gradients of activations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CategoryBytes {
+    /// Parameters (f32 master weights) and BatchNorm running statistics.
+    pub params: u64,
+    /// Parameter gradient buffers.
+    pub grads: u64,
+    /// Optimizer state (momentum buffers, Adam moments).
+    pub optimizer: u64,
+    /// Activations saved for the backward pass (including checkpoint segment inputs).
+    pub saved: u64,
+    /// Everything else the step allocated that is live at the event.
+    pub transient: u64,
+    /// In use at the step's start outside the categories above.
+    pub other: u64,
+}
+
+impl CategoryBytes {
+    /// Sum of all categories (= the probe's current bytes at the event).
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.saved + self.transient + self.other
+    }
+}
+
+/// One event of the step: after the named layer's forward or backward, or after the optimizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimelineEvent {
+    /// Position in the step (0-based).
+    pub index: usize,
+    /// Forward, backward or optimizer.
+    pub phase: Phase,
+    /// The layer (e.g. `stage1.block2`, `head`, `optimizer`), with `recompute` for a
+    /// checkpoint segment's recomputation.
+    pub layer: String,
+    /// Micro-batch index (gradient accumulation).
+    pub micro_batch: usize,
+    /// Probe reading right after the event (bytes in use).
+    pub current_bytes: u64,
+    /// Highest bytes in use between the previous event and this one.
+    pub peak_bytes: u64,
+    /// `current_bytes` split into categories.
+    pub categories: CategoryBytes,
+    /// The estimate's prediction of `peak_bytes` at this event, when it has one.
+    pub predicted_peak_bytes: Option<u64>,
+}
+
+/// The events of one optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct StepTimeline {
+    /// Configuration label (as in summary.json).
+    pub label: String,
+    /// Probe name (`cpu-heap`, `cuda-pool`).
+    pub probe: String,
+    /// Global step the timeline was recorded at.
+    pub global_step: usize,
+    /// Bytes in use when the step began.
+    pub start_bytes: u64,
+    /// The events, in order.
+    pub events: Vec<TimelineEvent>,
+}
+
+impl StepTimeline {
+    /// Highest `peak_bytes` over the events (0 without events).
+    pub fn peak_bytes(&self) -> u64 {
+        self.events.iter().map(|e| e.peak_bytes).max().unwrap_or(0)
+    }
+
+    /// Highest predicted peak over the events, when every event has a prediction.
+    pub fn predicted_peak_bytes(&self) -> Option<u64> {
+        self.events
+            .iter()
+            .map(|e| e.predicted_peak_bytes)
+            .collect::<Option<Vec<_>>>()
+            .and_then(|v| v.into_iter().max())
+    }
+}
+
+/// A probe wrapper whose watermark can be split at the step's events without losing it for the
+/// callbacks: [`TimelineProbe::take_event_peak`] reads and resets the device watermark but carries
+/// the value, so [`MemoryProbe::peak`] (what the memory callback folds at its hooks) still sees the
+/// highest value since the callback's own last reset.
+pub struct TimelineProbe {
+    inner: std::sync::Arc<dyn crate::memory::MemoryProbe>,
+    carried: std::sync::atomic::AtomicU64,
+}
+
+impl TimelineProbe {
+    /// Wrap `inner`.
+    pub fn new(inner: std::sync::Arc<dyn crate::memory::MemoryProbe>) -> Self {
+        TimelineProbe {
+            inner,
+            carried: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// The highest bytes in use since the previous event (or the callback's last reset), and
+    /// start a new event interval.
+    pub fn take_event_peak(&self) -> u64 {
+        let p = self.inner.peak();
+        self.carried
+            .fetch_max(p, std::sync::atomic::Ordering::SeqCst);
+        self.inner.reset_peak();
+        p
+    }
+}
+
+impl crate::memory::MemoryProbe for TimelineProbe {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn available(&self) -> bool {
+        self.inner.available()
+    }
+    fn current(&self) -> u64 {
+        self.inner.current()
+    }
+    fn peak(&self) -> u64 {
+        self.inner
+            .peak()
+            .max(self.carried.load(std::sync::atomic::Ordering::SeqCst))
+    }
+    fn reset_peak(&self) {
+        self.carried.store(0, std::sync::atomic::Ordering::SeqCst);
+        self.inner.reset_peak();
+    }
+    fn limit(&self) -> Option<u64> {
+        self.inner.limit()
+    }
+    fn reserved(&self) -> Option<u64> {
+        self.inner.reserved()
+    }
+    fn reserved_peak(&self) -> Option<u64> {
+        self.inner.reserved_peak()
+    }
+    fn device_used(&self) -> Option<u64> {
+        self.inner.device_used()
+    }
+    fn sync(&self) {
+        self.inner.sync()
+    }
+}

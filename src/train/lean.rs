@@ -1,0 +1,512 @@
+//! The lean training step: forward and backward of one micro-batch as an explicit layer tape,
+//! without Candle's autograd.
+//!
+//! Why a tape: `Tensor::backward` borrows the whole graph, so every forward tensor (and every op
+//! input) lives until backward returns, and it accumulates each gradient as `zeros_like` + `add`.
+//! Here each block's forward returns its output and a saved record; the backward consumes the
+//! records last block first, so a saved tensor is freed as soon as the backward that needs it has
+//! run, activation gradients are freed as soon as the next one is computed, and parameter
+//! gradients go straight into one buffer per parameter ([`GradAccumulator`]). Candle's autograd
+//! (`super::reference`) stays as the test oracle.
+//!
+//! What a [conv → BatchNorm → ReLU (→ 2x2 max-pool)] block saves: its conv output `h` and the
+//! per-channel batch statistics ([`crate::ops::batchnorm`] explains why `h` rather than the ReLU
+//! output). Everything else is recomputed from `h` where it is needed: the block's output (the
+//! next conv's input, needed for that conv's weight gradient) is rewritten in place over `h`
+//! once the BatchNorm backward is done with it; a pool's output and its argmax (a byte per
+//! pooled element) come from `h` in one pass; a separable block's depthwise output is recomputed
+//! from the block input. The BatchNorm backward writes its input gradient over a buffer it owns
+//! (the upstream gradient, or `h` after a pool).
+//!
+//! Checkpointing (`segments`): the first forward keeps only each segment's input; the backward
+//! re-runs a segment with saving (same batch statistics, running statistics untouched) and then
+//! runs its tape backward, last segment first. With one segment the step is the plain one.
+//!
+//! The order of work in the backward is chosen for the peak: for block j with dh_j (the gradient
+//! of its conv output), the input gradient dx_j is computed first, then block j-1's BatchNorm
+//! backward turns it into dh_{j-1} in place, then block j's input is recomputed in place over
+//! h_{j-1} for the weight gradient. Alive at the worst moment: h_{j-1}, dh_j, dx_j.
+
+use super::accumulate::GradAccumulator;
+use crate::callbacks::Phase;
+use crate::error::Result;
+use crate::model::layers::{BatchNorm, ConvLayer};
+use crate::model::Cnn;
+use crate::ops::batchnorm::{self as bn, BnParams};
+use crate::ops::{conv2d, depthwise};
+use candle_core::{DType, Tensor, D};
+use std::ops::Range;
+
+/// One layer event of the step, as the tape sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct StepEvent<'a> {
+    /// Forward or backward.
+    pub phase: Phase,
+    /// The layer that finished (a block name, `head`, or `<block> recompute`).
+    pub layer: &'a str,
+    /// Activation bytes the tape holds for the backward at this moment.
+    pub saved_bytes: u64,
+    /// Bytes of the parameter-gradient buffers at this moment.
+    pub grad_bytes: u64,
+}
+
+/// Receives the step's layer events (after each layer's forward and backward) and the
+/// micro-batch boundaries: the trainer reads the memory probe there, records the timeline,
+/// checks the memory budget and calls the callbacks' hooks.
+pub trait StepObserver {
+    /// Micro-batch `i` starts.
+    fn micro_begin(&mut self, _i: usize) -> Result<()> {
+        Ok(())
+    }
+    /// A layer finished.
+    fn event(&mut self, _e: StepEvent<'_>) -> Result<()> {
+        Ok(())
+    }
+    /// The forward pass (and loss) of the micro-batch is complete.
+    fn forward_done(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// The backward pass of the micro-batch is complete.
+    fn backward_done(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// An observer that ignores everything.
+pub struct NoObserver;
+
+impl StepObserver for NoObserver {}
+
+/// Loss and accuracy of one micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MicroResult {
+    /// Mean cross-entropy (unscaled).
+    pub loss: f64,
+    /// Correct top-1 predictions.
+    pub correct: usize,
+}
+
+/// What a block keeps for its backward: the conv output and the normalization's parameters.
+struct Saved {
+    h: Tensor,
+    bn: BnParams,
+}
+
+fn bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// One micro-batch through the model on the tape. Indices of gradients follow [`Cnn::vars`].
+pub struct LeanStep<'a> {
+    model: &'a Cnn,
+    dtype: DType,
+    segments: Vec<Range<usize>>,
+    /// Index in `Cnn::vars` of each block's first parameter.
+    var_base: Vec<usize>,
+    saved_bytes: u64,
+}
+
+impl<'a> LeanStep<'a> {
+    /// A step computing in `dtype` with checkpoint `segments` (ranges of blocks covering them all).
+    pub fn new(model: &'a Cnn, dtype: DType, segments: Vec<Range<usize>>) -> Self {
+        let mut var_base = Vec::new();
+        let mut i = 0;
+        for b in &model.blocks {
+            var_base.push(i);
+            i += b.conv.vars().len() + 2;
+        }
+        var_base.push(i);
+        LeanStep {
+            model,
+            dtype,
+            segments,
+            var_base,
+            saved_bytes: 0,
+        }
+    }
+
+    fn name(&self, j: usize) -> &str {
+        &self.model.blocks[j].name
+    }
+
+    fn emit(
+        &self,
+        obs: &mut dyn StepObserver,
+        phase: Phase,
+        j: usize,
+        acc: &GradAccumulator,
+    ) -> Result<()> {
+        self.emit_named(obs, phase, self.name(j), acc)
+    }
+
+    fn emit_named(
+        &self,
+        obs: &mut dyn StepObserver,
+        phase: Phase,
+        layer: &str,
+        acc: &GradAccumulator,
+    ) -> Result<()> {
+        obs.event(StepEvent {
+            phase,
+            layer,
+            saved_bytes: self.saved_bytes,
+            grad_bytes: acc.bytes(),
+        })
+    }
+
+    /// Forward and backward of images `x` (f32 [N,3,32,32]) with labels `y` (u32 [N]); the loss is
+    /// multiplied by `loss_mult` (1/K for accumulation, times the loss scale for f16) before the
+    /// backward, and the parameter gradients (f32) are added to `acc`.
+    pub fn run(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        loss_mult: f64,
+        acc: &mut GradAccumulator,
+        obs: &mut dyn StepObserver,
+    ) -> Result<MicroResult> {
+        let xin = x.to_dtype(self.dtype)?;
+        let one_segment = self.segments.len() == 1;
+        // Forward: with one segment the blocks save as they go; with checkpointing only the
+        // segment inputs are kept.
+        let mut inputs: Vec<Tensor> = Vec::new();
+        let mut saved: Vec<Saved> = Vec::new();
+        let mut h = xin;
+        for seg in self.segments.clone() {
+            inputs.push(h.clone());
+            self.saved_bytes += bytes(&h);
+            for j in seg {
+                let (out, s) = self.block_forward(j, &h, one_segment, true)?;
+                if let Some(s) = s {
+                    self.saved_bytes += bytes(&s.h);
+                    saved.push(s);
+                }
+                h = out;
+                self.emit(obs, Phase::Forward, j, acc)?;
+            }
+        }
+        // The head in f32: features, logits, loss and the gradient of the logits.
+        let feat = h.to_dtype(DType::F32)?.flatten_from(1)?;
+        drop(h);
+        let hw = self.model.head_w.as_detached_tensor();
+        let hb = self.model.head_b.as_detached_tensor();
+        let logits = feat.matmul(&hw.t()?)?.broadcast_add(&hb)?;
+        let (loss, correct, dlogits) = loss_and_grad(&logits, y, loss_mult)?;
+        drop(logits);
+        self.emit_named(obs, Phase::Forward, "head", acc)?;
+        obs.forward_done()?;
+
+        let nvars = self.var_base[self.model.blocks.len()];
+        acc.add(nvars, dlogits.t()?.matmul(&feat)?)?;
+        acc.add(nvars + 1, dlogits.sum(0)?)?;
+        drop(feat);
+        let last = self.model.blocks.last().expect("the model has blocks");
+        let mut g = dlogits
+            .matmul(&hw)?
+            .reshape((x.dim(0)?, last.cout, 4, 4))?
+            .to_dtype(self.dtype)?;
+        drop(dlogits);
+        self.emit_named(obs, Phase::Backward, "head", acc)?;
+
+        // Backward, segment by segment from the last.
+        let segments = self.segments.clone();
+        for (si, seg) in segments.iter().enumerate().rev() {
+            let input = inputs.pop().expect("one input per segment");
+            let seg_saved = if one_segment {
+                std::mem::take(&mut saved)
+            } else {
+                let mut s = Vec::new();
+                let mut h = input.clone();
+                for j in seg.clone() {
+                    let (out, sv) = self.block_forward(j, &h, true, false)?;
+                    let sv = sv.expect("saving forward");
+                    self.saved_bytes += bytes(&sv.h);
+                    s.push(sv);
+                    h = out;
+                    // The segment's output was already used by the forward: only h is kept.
+                }
+                drop(h);
+                let label = format!("{} recompute", self.name(seg.start));
+                self.emit_named(obs, Phase::Backward, &label, acc)?;
+                s
+            };
+            let want_dx = si > 0;
+            let dx = self.segment_backward(seg.clone(), &input, seg_saved, g, want_dx, acc, obs)?;
+            self.saved_bytes -= bytes(&input);
+            drop(input);
+            match dx {
+                Some(d) => g = d,
+                None => break,
+            }
+        }
+        Ok(MicroResult { loss, correct })
+    }
+
+    /// Block j's forward on `x`: conv, batch statistics (running statistics updated when
+    /// `update_stats`), then BatchNorm + ReLU (+ pool) into a new tensor. With `save`, h and the
+    /// normalization's parameters are returned for the backward; without, h is normalized in place.
+    fn block_forward(
+        &self,
+        j: usize,
+        x: &Tensor,
+        save: bool,
+        update_stats: bool,
+    ) -> Result<(Tensor, Option<Saved>)> {
+        let b = &self.model.blocks[j];
+        let h = conv_forward(&b.conv, x)?;
+        let params = bn_params(&b.bn, &h, update_stats)?;
+        if save {
+            let out = if b.pool {
+                bn::bn_relu_pool(&h, &params)?
+            } else {
+                bn::bn_relu(&h, &params)?
+            };
+            Ok((out, Some(Saved { h, bn: params })))
+        } else if b.pool {
+            Ok((bn::bn_relu_pool(&h, &params)?, None))
+        } else {
+            Ok((bn::bn_relu_in_place(h, &params)?, None))
+        }
+    }
+
+    /// The backward of blocks `seg` from `g_out` (gradient of the segment's output) with the
+    /// segment `input` and the blocks' saved records; returns the input gradient when `want_dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn segment_backward(
+        &mut self,
+        seg: Range<usize>,
+        input: &Tensor,
+        mut saved: Vec<Saved>,
+        g_out: Tensor,
+        want_dx: bool,
+        acc: &mut GradAccumulator,
+        obs: &mut dyn StepObserver,
+    ) -> Result<Option<Tensor>> {
+        let last = saved.pop().expect("a saved record per block");
+        let j = seg.end - 1;
+        let mut dh = self.bn_backward(j, last, g_out, acc)?;
+        let mut j = j;
+        while j > seg.start {
+            let prev = saved.pop().expect("a saved record per block");
+            self.saved_bytes -= bytes(&prev.h);
+            dh = self.inner_backward(j, prev, dh, acc)?;
+            self.emit(obs, Phase::Backward, j, acc)?;
+            j -= 1;
+        }
+        let dx = self.conv_backward(j, input, dh, want_dx, acc)?;
+        self.emit(obs, Phase::Backward, j, acc)?;
+        Ok(dx)
+    }
+
+    /// BatchNorm + ReLU (+ pool) backward of block j from the gradient of its output: dh_j.
+    fn bn_backward(
+        &mut self,
+        j: usize,
+        s: Saved,
+        g: Tensor,
+        acc: &mut GradAccumulator,
+    ) -> Result<Tensor> {
+        self.saved_bytes -= bytes(&s.h);
+        let (dh, dgamma, dbeta) = if self.model.blocks[j].pool {
+            let am = bn::bn_relu_pool_argmax(&s.h, &s.bn)?;
+            bn::bn_relu_pool_backward(s.h, &g, am.as_ref(), &s.bn)?
+        } else {
+            bn::bn_relu_backward(&s.h, g, &s.bn)?
+        };
+        self.add_bn_grads(j, dgamma, dbeta, acc)?;
+        Ok(dh)
+    }
+
+    fn add_bn_grads(
+        &self,
+        j: usize,
+        dgamma: Tensor,
+        dbeta: Tensor,
+        acc: &mut GradAccumulator,
+    ) -> Result<()> {
+        let base = self.var_base[j] + self.model.blocks[j].conv.vars().len();
+        acc.add(base, dgamma)?;
+        acc.add(base + 1, dbeta)
+    }
+
+    /// Block j's conv backward (j > segment start) together with block j-1's BatchNorm backward,
+    /// in the order that keeps the fewest large buffers alive; returns dh_{j-1}.
+    fn inner_backward(
+        &mut self,
+        j: usize,
+        prev: Saved,
+        dh: Tensor,
+        acc: &mut GradAccumulator,
+    ) -> Result<Tensor> {
+        let blocks = &self.model.blocks;
+        let base = self.var_base[j];
+        if blocks[j - 1].pool {
+            // Block j's input is the pool output: small, so recompute it (and the argmax) first,
+            // finish block j, then run block j-1's backward over h_{j-1} in place.
+            let p = bn::bn_relu_pool(&prev.h, &prev.bn)?;
+            let am = bn::bn_relu_pool_argmax(&prev.h, &prev.bn)?;
+            let dx = self
+                .conv_backward(j, &p, dh, true, acc)?
+                .expect("input gradient requested");
+            drop(p);
+            let (dh_prev, dg, db) = bn::bn_relu_pool_backward(prev.h, &dx, am.as_ref(), &prev.bn)?;
+            self.add_bn_grads(j - 1, dg, db, acc)?;
+            return Ok(dh_prev);
+        }
+        let dt = self.dtype;
+        match &blocks[j].conv {
+            ConvLayer::Standard { w } => {
+                let w = w.as_detached_tensor().to_dtype(dt)?;
+                let x_dims = dims_in(&prev.h);
+                let dx = conv2d::conv2d_backward_input(&dh, &w, &x_dims, 1, 1)?;
+                let (dh_prev, dg, db) = bn::bn_relu_backward(&prev.h, dx, &prev.bn)?;
+                self.add_bn_grads(j - 1, dg, db, acc)?;
+                let y = bn::bn_relu_in_place(prev.h, &prev.bn)?;
+                let dw = conv2d::conv2d_backward_weight(&y, &dh, w.dims(), 1, 1)?;
+                acc.add(base, dw.to_dtype(DType::F32)?)?;
+                Ok(dh_prev)
+            }
+            ConvLayer::Separable { dw, pw } => {
+                let dw_t = dw.as_detached_tensor().to_dtype(dt)?;
+                let pw_t = pw.as_detached_tensor().to_dtype(dt)?;
+                // Pointwise weight gradient from the depthwise output, recomputed (its input
+                // freed right away), then the depthwise gradients.
+                let d = {
+                    let y = bn::bn_relu(&prev.h, &prev.bn)?;
+                    depthwise::depthwise_conv2d(&y, &dw_t, 1, 1)?
+                };
+                let gpw = conv2d::conv2d_backward_weight(&d, &dh, pw_t.dims(), 1, 0)?;
+                acc.add(base + 1, gpw.to_dtype(DType::F32)?)?;
+                let d_dims = d.dims().to_vec();
+                drop(d);
+                let dd = conv2d::conv2d_backward_input(&dh, &pw_t, &d_dims, 1, 0)?;
+                drop(dh);
+                let dx = depthwise::depthwise_backward_input(&dd, &dw_t, &d_dims, 1, 1)?;
+                let (dh_prev, dg, db) = bn::bn_relu_backward(&prev.h, dx, &prev.bn)?;
+                self.add_bn_grads(j - 1, dg, db, acc)?;
+                let y = bn::bn_relu_in_place(prev.h, &prev.bn)?;
+                let gdw = depthwise::depthwise_backward_weight(&y, &dd, dw_t.dims(), 1, 1)?;
+                acc.add(base, gdw.to_dtype(DType::F32)?)?;
+                Ok(dh_prev)
+            }
+        }
+    }
+
+    /// Block j's conv backward with its input `x` at hand: weight gradients into `acc`, and the
+    /// input gradient when `want_dx`.
+    fn conv_backward(
+        &self,
+        j: usize,
+        x: &Tensor,
+        dh: Tensor,
+        want_dx: bool,
+        acc: &mut GradAccumulator,
+    ) -> Result<Option<Tensor>> {
+        let base = self.var_base[j];
+        let dt = self.dtype;
+        match &self.model.blocks[j].conv {
+            ConvLayer::Standard { w } => {
+                let w = w.as_detached_tensor().to_dtype(dt)?;
+                let gw = conv2d::conv2d_backward_weight(x, &dh, w.dims(), 1, 1)?;
+                acc.add(base, gw.to_dtype(DType::F32)?)?;
+                if want_dx {
+                    Ok(Some(conv2d::conv2d_backward_input(&dh, &w, x.dims(), 1, 1)?))
+                } else {
+                    Ok(None)
+                }
+            }
+            ConvLayer::Separable { dw, pw } => {
+                let dw_t = dw.as_detached_tensor().to_dtype(dt)?;
+                let pw_t = pw.as_detached_tensor().to_dtype(dt)?;
+                let d = depthwise::depthwise_conv2d(x, &dw_t, 1, 1)?;
+                let gpw = conv2d::conv2d_backward_weight(&d, &dh, pw_t.dims(), 1, 0)?;
+                acc.add(base + 1, gpw.to_dtype(DType::F32)?)?;
+                let d_dims = d.dims().to_vec();
+                drop(d);
+                let dd = conv2d::conv2d_backward_input(&dh, &pw_t, &d_dims, 1, 0)?;
+                drop(dh);
+                let gdw = depthwise::depthwise_backward_weight(x, &dd, dw_t.dims(), 1, 1)?;
+                acc.add(base, gdw.to_dtype(DType::F32)?)?;
+                if want_dx {
+                    Ok(Some(depthwise::depthwise_backward_input(&dd, &dw_t, x.dims(), 1, 1)?))
+                } else {
+                    Ok(None)
+                }
+            }
+        }
+    }
+}
+
+fn dims_in(t: &Tensor) -> Vec<usize> {
+    t.dims().to_vec()
+}
+
+/// The conv of a block on `x` (compute dtype), without autograd.
+fn conv_forward(conv: &ConvLayer, x: &Tensor) -> Result<Tensor> {
+    let dt = x.dtype();
+    match conv {
+        ConvLayer::Standard { w } => {
+            conv2d::conv2d(x, &w.as_detached_tensor().to_dtype(dt)?, 1, 1)
+        }
+        ConvLayer::Separable { dw, pw } => {
+            let d = depthwise::depthwise_conv2d(x, &dw.as_detached_tensor().to_dtype(dt)?, 1, 1)?;
+            conv2d::conv2d(&d, &pw.as_detached_tensor().to_dtype(dt)?, 1, 0)
+        }
+    }
+}
+
+/// The normalization parameters of a block for conv output `h`: batch statistics (running
+/// statistics updated when `update_stats`), or the running statistics for a frozen BatchNorm.
+fn bn_params(layer: &BatchNorm, h: &Tensor, update_stats: bool) -> Result<BnParams> {
+    let gamma = layer.gamma.as_detached_tensor();
+    let beta = layer.beta.as_detached_tensor();
+    if layer.frozen {
+        let rm = layer.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let rv = layer.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        return Ok(BnParams {
+            gamma,
+            beta,
+            stats: Tensor::stack(&[rm, rv], 0)?,
+            eps: layer.eps,
+            batch_stats: false,
+        });
+    }
+    let stats = bn::batch_stats(h)?;
+    if update_stats {
+        let (n, _, hh, ww) = h.dims4()?;
+        let mut rm = layer.running_mean.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rv = layer.running_var.lock().unwrap_or_else(|e| e.into_inner());
+        let (m, v) = bn::update_running(&rm, &rv, &stats, n * hh * ww, layer.momentum)?;
+        *rm = m;
+        *rv = v;
+    }
+    Ok(BnParams {
+        gamma,
+        beta,
+        stats,
+        eps: layer.eps,
+        batch_stats: true,
+    })
+}
+
+/// Mean cross-entropy of f32 `logits` [N, 10] for u32 `labels`, the correct count, and the
+/// gradient of `loss_mult · loss` with respect to the logits: `(softmax − onehot) · loss_mult / N`.
+pub fn loss_and_grad(logits: &Tensor, labels: &Tensor, loss_mult: f64) -> Result<(f64, usize, Tensor)> {
+    let n = logits.dim(0)?;
+    let classes = logits.dim(1)?;
+    let loss = candle_nn::loss::cross_entropy(logits, labels)?
+        .to_scalar::<f32>()? as f64;
+    let correct = logits
+        .argmax(D::Minus1)?
+        .eq(labels)?
+        .to_dtype(DType::U32)?
+        .sum_all()?
+        .to_scalar::<u32>()? as usize;
+    let probs = candle_nn::ops::softmax_last_dim(logits)?;
+    let onehot = labels
+        .unsqueeze(1)?
+        .broadcast_eq(&Tensor::arange(0u32, classes as u32, logits.device())?.unsqueeze(0)?)?
+        .to_dtype(DType::F32)?;
+    let grad = ((probs - onehot)? * (loss_mult / n as f64))?;
+    Ok((loss, correct, grad))
+}

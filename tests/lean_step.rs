@@ -1,0 +1,248 @@
+//! The lean step (an explicit layer tape, `src/train/lean.rs`) against Candle's autograd
+//! (`Trainer::reference_grads`) as the oracle: same loss and gradients for every precision,
+//! checkpointing, conv kind and accumulation; BatchNorm γ = 0 and tiny γ; running statistics
+//! updated once; and the lean ops against their autograd counterparts.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::ops::batchnorm::{self as bn, BnParams};
+
+/// Relative tolerance of the gradients: f32 computes the same sums in another order; half types
+/// round every stored activation, so two orders of work differ by more.
+fn tolerance(p: Precision) -> f64 {
+    match p {
+        Precision::F32 => 1e-5,
+        Precision::F16 => 2e-2,
+        Precision::Bf16 => 6e-2,
+    }
+}
+
+fn compare(cfg: TrainConfig, n: usize, seed: u64) {
+    let label = format!(
+        "{} {} {} accum {} width {}",
+        cfg.precision, cfg.checkpoint, cfg.conv, cfg.accum_steps, cfg.width
+    );
+    let tol = tolerance(cfg.precision);
+    let t = common::trainer(cfg);
+    let (x, y) = common::batch(n, seed);
+    let (loss, grads) = t.compute_grads(&x, &y).unwrap();
+    let (loss_ref, grads_ref) = t.reference_grads(&x, &y).unwrap();
+    assert!(
+        (loss - loss_ref).abs() <= tol * loss_ref.abs(),
+        "{label}: loss {loss} vs autograd {loss_ref}"
+    );
+    assert_eq!(grads.len(), grads_ref.len());
+    for (i, (g, r)) in grads.iter().zip(&grads_ref).enumerate() {
+        let (g, r) = (g.as_ref().unwrap(), r.as_ref().unwrap());
+        assert_eq!(g.dims(), r.dims(), "{label}: parameter {i} shape");
+        assert_eq!(g.dtype(), DType::F32, "{label}: gradients are f32");
+        let d = common::rel_diff(g, r);
+        assert!(
+            d <= tol,
+            "{label}: gradient of parameter {i} differs from autograd by {d:e} (tolerance {tol:e})"
+        );
+    }
+}
+
+#[test]
+fn every_configuration_matches_autograd() {
+    for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
+        for checkpoint in [
+            Checkpointing::None,
+            Checkpointing::Stages,
+            Checkpointing::Blocks,
+        ] {
+            for conv in [ConvKind::Standard, ConvKind::Separable] {
+                for accum_steps in [1, 2] {
+                    let cfg = TrainConfig {
+                        precision,
+                        checkpoint,
+                        conv,
+                        accum_steps,
+                        ..common::tiny_config()
+                    };
+                    compare(cfg, 16, 7);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_wider_net_matches_autograd_in_f32() {
+    for checkpoint in [Checkpointing::None, Checkpointing::Stages] {
+        let cfg = TrainConfig {
+            width: 12,
+            checkpoint,
+            ..common::tiny_config()
+        };
+        compare(cfg, 16, 11);
+    }
+}
+
+#[test]
+fn frozen_batch_norm_matches_autograd() {
+    for conv in [ConvKind::Standard, ConvKind::Separable] {
+        let cfg = TrainConfig {
+            conv,
+            ..common::tiny_config()
+        };
+        let mut t = common::trainer(cfg);
+        t.model.freeze_batch_norm();
+        let (x, y) = common::batch(16, 5);
+        let (_, grads) = t.compute_grads(&x, &y).unwrap();
+        let (_, grads_ref) = t.reference_grads(&x, &y).unwrap();
+        for (i, (g, r)) in grads.iter().zip(&grads_ref).enumerate() {
+            let d = common::rel_diff(g.as_ref().unwrap(), r.as_ref().unwrap());
+            assert!(d <= 1e-5, "{conv}: parameter {i} differs by {d:e}");
+        }
+    }
+}
+
+/// γ = 0 makes the block's output constant (relu(β)); γ tiny makes the normalized value
+/// huge relative to the output. The lean step never divides by γ, so both are ordinary values.
+#[test]
+fn zero_and_tiny_gamma_match_autograd() {
+    for gamma in [0.0f32, 1e-8, -1e-6] {
+        let t = common::trainer(common::tiny_config());
+        for (k, b) in t.model.blocks.iter().enumerate() {
+            let c = b.cout;
+            // Mix the special value with ordinary ones, and a β that keeps some outputs positive.
+            let g: Vec<f32> = (0..c)
+                .map(|i| if i % 2 == 0 { gamma } else { 0.5 + i as f32 * 0.1 })
+                .collect();
+            let be: Vec<f32> = (0..c).map(|i| 0.05 * (i as f32 - 1.0) + 0.01 * k as f32).collect();
+            b.bn.gamma
+                .set(&Tensor::new(g, &Device::Cpu).unwrap())
+                .unwrap();
+            b.bn.beta
+                .set(&Tensor::new(be, &Device::Cpu).unwrap())
+                .unwrap();
+        }
+        let (x, y) = common::batch(16, 9);
+        let (_, grads) = t.compute_grads(&x, &y).unwrap();
+        let (_, grads_ref) = t.reference_grads(&x, &y).unwrap();
+        for (i, (g, r)) in grads.iter().zip(&grads_ref).enumerate() {
+            let (g, r) = (g.as_ref().unwrap(), r.as_ref().unwrap());
+            let d = common::rel_diff(g, r);
+            assert!(d <= 1e-5, "γ={gamma}: parameter {i} differs by {d:e}");
+        }
+    }
+}
+
+#[test]
+fn running_statistics_are_updated_once_per_step() {
+    let mut stats = Vec::new();
+    for checkpoint in [
+        Checkpointing::None,
+        Checkpointing::Stages,
+        Checkpointing::Blocks,
+    ] {
+        let t = common::trainer(TrainConfig {
+            checkpoint,
+            ..common::tiny_config()
+        });
+        let (x, y) = common::batch(16, 3);
+        t.compute_grads(&x, &y).unwrap();
+        let s: Vec<Vec<f32>> = t
+            .model
+            .named_buffers()
+            .into_iter()
+            .map(|(_, b)| b.to_vec1::<f32>().unwrap())
+            .collect();
+        stats.push((checkpoint, s));
+    }
+    // The autograd path updates them once too: compare with it.
+    let t = common::trainer(common::tiny_config());
+    let (x, y) = common::batch(16, 3);
+    t.reference_grads(&x, &y).unwrap();
+    let oracle: Vec<Vec<f32>> = t
+        .model
+        .named_buffers()
+        .into_iter()
+        .map(|(_, b)| b.to_vec1::<f32>().unwrap())
+        .collect();
+    for (ckpt, s) in &stats {
+        for (a, b) in s.iter().zip(&oracle) {
+            for (u, v) in a.iter().zip(b) {
+                assert!((u - v).abs() <= 1e-6 * v.abs().max(1.0), "{ckpt}: {u} vs {v}");
+            }
+        }
+    }
+}
+
+fn params_for(h: &Tensor, seed: u64) -> BnParams {
+    let c = h.dim(1).unwrap();
+    let gamma: Vec<f32> = (0..c).map(|i| 0.5 + ((i as u64 * 7 + seed) % 5) as f32 * 0.3).collect();
+    let beta: Vec<f32> = (0..c).map(|i| ((i as u64 * 3 + seed) % 7) as f32 * 0.1 - 0.3).collect();
+    BnParams {
+        gamma: Tensor::new(gamma, &Device::Cpu).unwrap(),
+        beta: Tensor::new(beta, &Device::Cpu).unwrap(),
+        stats: bn::batch_stats(h).unwrap(),
+        eps: 1e-5,
+        batch_stats: true,
+    }
+}
+
+/// The fused pool kernels equal max-pool of the materialized ReLU output, bit for bit, and the
+/// argmax is one byte per pooled element.
+#[test]
+fn fused_pool_equals_pool_of_relu_output() {
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let h = Tensor::randn(0f32, 1.0, (3, 5, 8, 6), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let p = params_for(&h, 1);
+        let y = bn::bn_relu(&h, &p).unwrap();
+        let want = memtrain::ops::pool::max_pool2x2(&y).unwrap();
+        let got = bn::bn_relu_pool(&h, &p).unwrap();
+        assert_eq!(
+            got.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "{dt:?}"
+        );
+        let am = bn::bn_relu_pool_argmax(&h, &p).unwrap().unwrap();
+        assert_eq!(am.dtype(), DType::U8);
+        assert_eq!(am.dims(), &[3, 5, 4, 3]);
+        // In place: y written over h equals the fresh y.
+        let y2 = bn::bn_relu_in_place(h.copy().unwrap(), &p).unwrap();
+        assert_eq!(
+            y2.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+    }
+}
+
+/// The in-place backward passes equal autograd through batch_norm_train (+ max-pool).
+#[test]
+fn lean_batch_norm_backward_equals_autograd() {
+    for pool in [false, true] {
+        let h0 = Tensor::randn(0.3f32, 1.5, (4, 3, 6, 4), &Device::Cpu).unwrap();
+        let p = params_for(&h0, 2);
+        let hv = candle_core::Var::from_tensor(&h0).unwrap();
+        let gv = candle_core::Var::from_tensor(&p.gamma).unwrap();
+        let bv = candle_core::Var::from_tensor(&p.beta).unwrap();
+        let (y, _, _) = bn::batch_norm_train(hv.as_tensor(), gv.as_tensor(), bv.as_tensor(), 1e-5, true).unwrap();
+        let out = if pool {
+            memtrain::ops::pool::max_pool2x2(&y).unwrap()
+        } else {
+            y
+        };
+        let up = Tensor::randn(0f32, 1.0, out.dims(), &Device::Cpu).unwrap();
+        let store = (out * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let (dh, dg, db) = if pool {
+            let am = bn::bn_relu_pool_argmax(&h0, &p).unwrap();
+            bn::bn_relu_pool_backward(h0.copy().unwrap(), &up, am.as_ref(), &p).unwrap()
+        } else {
+            bn::bn_relu_backward(&h0, up.copy().unwrap(), &p).unwrap()
+        };
+        for (name, got, v) in [("h", &dh, hv.as_tensor()), ("gamma", &dg, gv.as_tensor()), ("beta", &db, bv.as_tensor())] {
+            let want = store.get(v).unwrap();
+            let d = common::rel_diff(got, want);
+            assert!(d <= 1e-5, "pool {pool}: grad of {name} differs by {d:e}");
+        }
+    }
+}

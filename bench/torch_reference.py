@@ -7,8 +7,22 @@ the process's max RSS on the CPU). Flags mirror train_cifar10's.
 
     python3 bench/torch_reference.py --device cpu --threads 2 --batch-size 128 --steps 20
     python3 bench/torch_reference.py --device cuda --batch-size 512 --precision bf16
+
+--step-memory (CPU only; needs bench/malloc_count.c's shim in LD_PRELOAD, see
+bench/step_memory.sh) adds the heap bytes of every step, warm-up steps included, counted the way
+memtrain's batches.csv counts them: start_bytes when the step begins (the batch already exists as
+a slice of the data set, the previous step's gradients are gone, gc.collect() has run),
+peak_bytes the highest live heap bytes until optimizer.step() has returned, end_bytes after it. The step begins just before the
+input tensors are made from the batch, and in this mode they are copies (memtrain's
+Tensor::from_slice copies the batch too; a plain slice would be a free view).
+
+--checkpoint stages wraps each of the three stages (two blocks) in
+torch.utils.checkpoint.checkpoint(use_reentrant=False) and runs the head outside, as memtrain does
+(it recomputes every segment, the last one too: checkpoint_sequential would leave the last
+segment un-checkpointed); blocks does the same per block.
 """
 import argparse
+import gc
 import json
 import os
 import resource
@@ -77,6 +91,25 @@ def load_cifar(data_dir, n):
     return (x - MEAN) / STD, y
 
 
+def malloc_counter():
+    """The counters of bench/malloc_count.c's shim, which must be in LD_PRELOAD."""
+    import ctypes
+
+    lib = ctypes.CDLL(None)
+    try:
+        for name in ("mc_current", "mc_peak", "mc_peak_total", "mc_allocs", "mc_unknown_frees"):
+            getattr(lib, name).restype = ctypes.c_int64
+        lib.mc_reset_peak.restype = None
+    except AttributeError:
+        sys.exit("error: --step-memory needs the malloc_count shim preloaded: "
+                 "gcc -O2 -shared -fPIC -o libmalloc_count.so bench/malloc_count.c, "
+                 "then LD_PRELOAD=$PWD/libmalloc_count.so (bench/step_memory.sh does this)")
+    if lib.mc_allocs() == 0:
+        sys.exit("error: the malloc_count shim is loaded but counted no allocation; it must be "
+                 "in LD_PRELOAD, not loaded later")
+    return lib
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -92,9 +125,14 @@ def main():
     p.add_argument("--data-dir", default=None, help="CIFAR-10 binary dir; random images without it")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-memory", action="store_true",
+                   help="per-step heap bytes from the malloc_count LD_PRELOAD shim (CPU only)")
     a = p.parse_args()
     if a.batch_size <= 0 or a.batch_size % a.accum_steps:
         sys.exit("error: --batch-size must be positive and divisible by --accum-steps")
+    if a.step_memory and torch.device(a.device).type != "cpu":
+        sys.exit("error: --step-memory counts the host heap; use it with --device cpu")
+    mc = malloc_counter() if a.step_memory else None
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -115,10 +153,25 @@ def main():
     scaler = torch.amp.GradScaler(dev.type, enabled=a.precision == "f16")
     mb = a.batch_size // a.accum_steps
 
+    step_mem = []
+
     def step(i):
         lo = (i * a.batch_size) % n
-        xb = x_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
-        yb = y_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
+        if mc is not None:
+            # The batch as the data pipeline hands it over (a view of the data set, like memtrain's
+            # Batch vectors), the previous step's gradients freed (set_to_none: this step allocates
+            # its own, as memtrain's does) and no garbage left for the cycle collector to free
+            # mid-step; then the step starts.
+            xs_all, ys_all = x_all[lo : lo + a.batch_size], y_all[lo : lo + a.batch_size]
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            start = mc.mc_current()
+            mc.mc_reset_peak()
+            xb = xs_all.to(dev, copy=True)
+            yb = ys_all.to(dev, copy=True)
+        else:
+            xb = x_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
+            yb = y_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         for k in range(a.accum_steps):
             xs, ys = xb[k * mb : (k + 1) * mb], yb[k * mb : (k + 1) * mb]
@@ -127,6 +180,9 @@ def main():
             scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+        if mc is not None:
+            step_mem.append({"step": i, "timed": i >= a.warmup, "start_bytes": start,
+                             "peak_bytes": mc.mc_peak(), "end_bytes": mc.mc_current()})
         return loss
 
     def sync():
@@ -165,6 +221,15 @@ def main():
         out["device_used_bytes"] = total - free
     else:
         out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if mc is not None:
+        out["step_memory"] = {
+            "counter": "malloc_count LD_PRELOAD shim: requested heap bytes, all threads",
+            "step_start": "before the input tensors are copied from the batch; gradients freed",
+            "steps": step_mem,
+            "step_added_bytes": [s["peak_bytes"] - s["start_bytes"] for s in step_mem],
+            "process_peak_bytes": mc.mc_peak_total(),
+            "unknown_frees": mc.mc_unknown_frees(),
+        }
     print(json.dumps(out))
 
 

@@ -194,6 +194,12 @@ fn run() -> memtrain::Result<()> {
         ) {
             eprintln!("warning: memory chart not written: {e}");
         }
+        if let Err(e) = memtrain::sweep::step_chart::write_step_timeline_chart(
+            trainer.run_dir(),
+            &format!("Memory inside one training step: {}", summary.label),
+        ) {
+            eprintln!("warning: step timeline chart not written: {e}");
+        }
     }
     println!("results in {}", trainer.run_dir().display());
     // [checkpoint] begin

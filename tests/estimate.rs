@@ -17,7 +17,16 @@ use memtrain::train::{Trainer, TrainerOptions};
 static A: CountingAllocator = CountingAllocator;
 
 /// Largest |predicted − measured| / measured accepted at the test-sized shapes.
-const TOLERANCE_PCT: f64 = 5.0;
+/// Tolerance of the step peak at these test shapes (peaks of 7–12 MiB, where the step's small
+/// unmodelled buffers — per-thread plane scratch, running-statistics temporaries, about 0.2 MiB —
+/// are 2–3%); at width 32, batch 32–128 the estimate is within 2% (docs/results/estimate-accuracy.md).
+const TOLERANCE_PCT: f64 = 3.5;
+
+/// Tolerance per timeline event at these test shapes: an event interval can hold a single op, whose
+/// peak at tiny shapes depends on whether the second thread starts its per-thread scratch before
+/// the first has finished every image (a few hundred KiB). At the real shapes (width 32, batch
+/// 32–128) every event is within 2% (docs/results/estimate-accuracy.md).
+const EVENT_TOLERANCE_PCT: f64 = 5.0;
 
 const TRAIN_IMAGES: usize = 256;
 const TEST_IMAGES: usize = 16;
@@ -69,6 +78,23 @@ fn predicted_and_measured(cfg: &TrainConfig, pre: u64) -> (u64, u64) {
         "summary.json prediction"
     );
     assert!(summary.prediction_error_pct.is_some_and(f64::is_finite));
+    // Every event of the step's memory timeline has its prediction, within the tolerance.
+    let timeline = trainer.step_timeline();
+    assert_eq!(timeline.events.len(), est.events.len(), "{}: events", cfg.label());
+    for ev in &timeline.events {
+        let p = ev.predicted_peak_bytes.expect("a prediction per event") + pre;
+        let err = (p as f64 - ev.peak_bytes as f64) / ev.peak_bytes as f64 * 100.0;
+        assert!(
+            err.abs() <= EVENT_TOLERANCE_PCT,
+            "{}: event {} {} {}: predicted {} measured {} ({err:+.2}%)",
+            cfg.label(),
+            ev.index,
+            ev.phase,
+            ev.layer,
+            format_bytes(p),
+            format_bytes(ev.peak_bytes)
+        );
+    }
     (est.peak, summary.peak_bytes)
 }
 

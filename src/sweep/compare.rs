@@ -1,5 +1,9 @@
 //! Configuration comparisons: several trainer runs, each in its own child process, with common
 //! flags, reported against the first run (the baseline).
+//!
+//! Besides the tables and charts of [`super::report::write_compare_report`], a comparison writes
+//! `step_timeline.{png,svg}`: the memory inside one training step of every run that recorded a
+//! `step_timeline.json`, overlaid ([`write_step_timeline_overlays`]).
 
 use super::{describe, merge_flags, run_child, slug, split_flags, ChildRun, Progress, Status};
 use crate::error::{Error, Result};
@@ -167,7 +171,10 @@ impl CompareResult {
 /// with `--out <out>/<NN-label> --quiet` added. OOM and failed runs are recorded and the
 /// comparison goes on; when `opts.stop` is set, no further run starts and the result comes back
 /// with `interrupted` set. `compare.json`, `compare.csv` and `compare.md` are rewritten (atomically)
-/// after every run; the charts are drawn by [`super::report::write_compare_report`].
+/// after every run; when the runs are over, `step_timeline.{png,svg}` overlays the step timelines
+/// of the runs that wrote one ([`write_step_timeline_overlays`]; a chart that cannot be drawn is a
+/// warning on stderr, not a failed comparison). The other charts are drawn by
+/// [`super::report::write_compare_report`].
 pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
     if opts.runs.is_empty() {
         return Err(Error::config(
@@ -213,7 +220,45 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
         super::report::write_compare_files(&opts.out, &result)?;
     }
     progress.close();
+    // Every run is measured and recorded by now; a damaged timeline file must not cost the
+    // comparison its result, so it only warns.
+    match write_step_timeline_overlays(&opts.out, &result) {
+        // The example lists `write_compare_report`'s charts on stdout; this one is drawn here,
+        // so say where it is (unless asked to be quiet).
+        Ok(files) if !files.is_empty() && opts.progress => {
+            let names: Vec<String> = files
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect();
+            eprintln!(
+                "step timelines overlaid in {}: {}",
+                opts.out.display(),
+                names.join(", ")
+            );
+        }
+        Ok(_) => {}
+        Err(e) => eprintln!("warning: step timeline overlay not written: {e}"),
+    }
     Ok(result)
+}
+
+/// Draw `<dir>/step_timeline.{png,svg}`: the step timelines of every entry whose run directory
+/// holds `step_timeline.json`, overlaid and labelled as in the comparison; returns the files
+/// written. Runs without the file (older trainers, failed runs) are skipped; with none, nothing is
+/// written. A file that exists but does not parse is an error naming it.
+pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Result<Vec<PathBuf>> {
+    use super::step_chart::{read_step_timeline, write_step_timeline_overlay, STEP_TIMELINE_CHART};
+    let mut timelines = Vec::new();
+    for e in &result.entries {
+        let path = e
+            .run
+            .run_dir
+            .join(crate::memory::timeline::STEP_TIMELINE_FILE);
+        if let Some(t) = read_step_timeline(&path)? {
+            timelines.push((e.label.clone(), t));
+        }
+    }
+    write_step_timeline_overlay(&timelines, &dir.join(STEP_TIMELINE_CHART))
 }
 
 /// True when every entry finished.

@@ -10,6 +10,7 @@
 pub mod batch;
 pub mod compare;
 pub mod report;
+pub mod step_chart;
 
 use crate::error::{Error, Result};
 use crate::train::Summary;

@@ -558,10 +558,10 @@ pub fn write_run_memory_chart(
 // ---------------------------------------------------------------------------------------------
 
 /// Result type of the drawing code (plotters' errors, boxed).
-type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
+pub(crate) type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
 
 /// Series colours (Tableau 10).
-const PALETTE: [RGBColor; 10] = [
+pub(crate) const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -574,7 +574,7 @@ const PALETTE: [RGBColor; 10] = [
     RGBColor(23, 190, 207),
 ];
 
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 
 /// Register the embedded DejaVu Sans as plotters' `sans-serif` (once per process).
 fn ensure_fonts() {
@@ -587,13 +587,13 @@ fn ensure_fonts() {
 
 /// Memory axis unit: MiB, or GiB from 4 GiB up.
 #[derive(Debug, Clone, Copy)]
-struct MemUnit {
+pub(crate) struct MemUnit {
     div: f64,
-    name: &'static str,
+    pub(crate) name: &'static str,
 }
 
 impl MemUnit {
-    fn for_max(bytes: u64) -> MemUnit {
+    pub(crate) fn for_max(bytes: u64) -> MemUnit {
         if bytes as f64 >= 4.0 * 1024f64.powi(3) {
             MemUnit {
                 div: 1024f64.powi(3),
@@ -607,12 +607,12 @@ impl MemUnit {
         }
     }
 
-    fn of(&self, bytes: u64) -> f64 {
+    pub(crate) fn of(&self, bytes: u64) -> f64 {
         bytes as f64 / self.div
     }
 
     /// A value with a sensible number of decimals.
-    fn fmt(&self, bytes: u64) -> String {
+    pub(crate) fn fmt(&self, bytes: u64) -> String {
         let v = self.of(bytes);
         if v >= 100.0 {
             format!("{v:.0} {}", self.name)
@@ -625,7 +625,7 @@ impl MemUnit {
 }
 
 /// Something that draws itself onto any plotters backend.
-trait Chart {
+pub(crate) trait Chart {
     /// Canvas size in pixels.
     fn size(&self) -> (u32, u32);
     /// Draw onto `root` (already filled white).
@@ -642,7 +642,7 @@ fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
 }
 
 /// Render `chart` to `<stem>.png` and `<stem>.svg` (each written atomically); returns both paths.
-fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
     ensure_fonts();
     let (w, h) = chart.size();
     let png_path = stem.with_extension("png");
@@ -678,7 +678,7 @@ fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Shorten a label to `max` characters with an ellipsis.
-fn shorten(s: &str, max: usize) -> String {
+pub(crate) fn shorten(s: &str, max: usize) -> String {
     if s.chars().count() <= max {
         s.to_string()
     } else {

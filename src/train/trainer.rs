@@ -72,6 +72,8 @@ pub struct Trainer {
     pub(crate) timeline_probe: Arc<TimelineProbe>,
     /// The memory timeline of the newest step.
     pub(crate) timeline: StepTimeline,
+    /// Whether the run writes files into its directory.
+    pub(crate) log_files: bool,
     pub(crate) memory_log: Arc<Mutex<MemoryLog>>,
     pub(crate) callbacks: CallbackList,
     pub(crate) train: Arc<Dataset>,
@@ -382,6 +384,7 @@ impl Trainer {
             probe,
             timeline_probe,
             timeline: StepTimeline::default(),
+            log_files: options.log_files,
             memory_log,
             callbacks: CallbackList::new(list),
             train: Arc::new(data.train),
@@ -424,9 +427,20 @@ impl Trainer {
             .clone()
     }
 
-    /// The memory timeline of the newest training step (empty before the first).
-    pub fn step_timeline(&self) -> &StepTimeline {
-        &self.timeline
+    /// The memory timeline of the newest training step (empty before the first), with the
+    /// estimate's prediction at each event when the estimate has the same events.
+    pub fn step_timeline(&self) -> StepTimeline {
+        let mut t = self.timeline.clone();
+        if let Some(e) = self.memory_estimate().filter(|_| self.probe.available()) {
+            if e.events.len() == t.events.len()
+                && e.events.iter().zip(&t.events).all(|(p, m)| p.layer == m.layer)
+            {
+                for (ev, p) in t.events.iter_mut().zip(&e.events) {
+                    ev.predicted_peak_bytes = Some(p.peak_bytes);
+                }
+            }
+        }
+        t
     }
 
     /// The step's constant memory categories for a step that starts with `start_bytes` in use:
@@ -834,6 +848,12 @@ impl Trainer {
             summary: &summary,
             probe: &*self.probe,
         })?;
+        if self.log_files && !self.timeline.events.is_empty() {
+            crate::io::write_json_atomic(
+                &self.run_dir.join(crate::memory::timeline::STEP_TIMELINE_FILE),
+                &self.step_timeline(),
+            )?;
+        }
         // The memory callback folds its last reading at train end; refresh the peak fields.
         let mem = self.memory_log();
         let peak_bytes = mem.peak_bytes.max(summary.peak_bytes);

@@ -1,0 +1,760 @@
+//! Charts of the memory inside one training step, from a run's `step_timeline.json`
+//! ([`crate::memory::timeline::StepTimeline`]).
+//!
+//! - [`write_step_timeline_chart`]: `step_timeline.{png,svg}` of one run directory: the bytes in
+//!   use after every layer event as stacked areas by category, the measured peak between events,
+//!   the estimate's prediction, and the forward, backward and optimizer regions of the step.
+//! - [`write_step_timeline_overlay`]: one line per configuration of the peak above the step's
+//!   start over the step, for comparisons.
+//!
+//! Both are drawn with the machinery of [`super::report`] (embedded fonts, PNG and SVG, atomic
+//! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
+//! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
+
+use super::report::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
+use crate::callbacks::Phase;
+use crate::error::{Error, Result};
+use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use std::path::{Path, PathBuf};
+
+/// Stem of the chart files (`step_timeline.png`, `step_timeline.svg`), in a run directory and in a
+/// comparison's output directory.
+pub const STEP_TIMELINE_CHART: &str = "step_timeline";
+
+/// Read a step timeline written by the trainer. `Ok(None)` when the file does not exist (runs of
+/// older versions, sweep children); a file that exists but does not parse is an [`Error::Data`]
+/// naming it.
+pub fn read_step_timeline(path: &Path) -> Result<Option<StepTimeline>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::Data {
+            path: path.into(),
+            msg: format!(
+                "not a valid step timeline ({e}); delete it or rerun the training to rewrite it"
+            ),
+        })
+}
+
+/// Draw `step_timeline.png` and `step_timeline.svg` into `run_dir` from its
+/// `step_timeline.json`; returns the files written. A run directory without the file, or with a
+/// timeline without events, yields no chart (an empty list), not an error.
+pub fn write_step_timeline_chart(run_dir: &Path, title: &str) -> Result<Vec<PathBuf>> {
+    let Some(timeline) = read_step_timeline(&run_dir.join(STEP_TIMELINE_FILE))? else {
+        return Ok(Vec::new());
+    };
+    if timeline.events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let chart = StepChart {
+        title: title.to_string(),
+        timeline: &timeline,
+    };
+    render(&chart, &run_dir.join(STEP_TIMELINE_CHART))
+}
+
+/// Draw `<base>.png` and `<base>.svg`: for every `(label, timeline)` a line of the measured peak
+/// above the step's start (`peak_bytes - start_bytes`) at each event. Configurations have
+/// different numbers of events (checkpointing adds recompute events, accumulation repeats the
+/// passes), so x is the position in the step, event index ÷ last index (0% = first event,
+/// 100% = last). Timelines without events are left out; with none left, nothing is written.
+pub fn write_step_timeline_overlay(
+    timelines: &[(String, StepTimeline)],
+    base: &Path,
+) -> Result<Vec<PathBuf>> {
+    let lines: Vec<&(String, StepTimeline)> = timelines
+        .iter()
+        .filter(|(_, t)| !t.events.is_empty())
+        .collect();
+    if lines.is_empty() {
+        return Ok(Vec::new());
+    }
+    render(&OverlayChart { lines }, base)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared pieces
+// ---------------------------------------------------------------------------------------------
+
+/// The categories in stacking order (bottom first): what is there before the step, then what
+/// lives across steps, then what the step creates and frees.
+const STACK: [(&str, RGBColor); 6] = [
+    ("other (data, runtime)", RGBColor(199, 199, 199)),
+    ("parameters", RGBColor(31, 119, 180)),
+    ("optimizer state", RGBColor(148, 103, 189)),
+    ("gradients", RGBColor(44, 160, 44)),
+    ("saved activations", RGBColor(255, 127, 14)),
+    ("transient (op outputs, workspaces)", RGBColor(23, 190, 207)),
+];
+
+/// The bytes of each category in [`STACK`] order.
+fn stack_values(c: &CategoryBytes) -> [u64; 6] {
+    [
+        c.other,
+        c.params,
+        c.optimizer,
+        c.grads,
+        c.saved,
+        c.transient,
+    ]
+}
+
+const PEAK_COLOR: RGBColor = RGBColor(25, 25, 25);
+const PREDICTED_COLOR: RGBColor = RGBColor(214, 39, 40);
+const TEXT_COLOR: RGBColor = RGBColor(50, 50, 50);
+
+/// Background shade and label colour of a phase region.
+fn phase_colors(p: Phase) -> (RGBColor, RGBColor) {
+    match p {
+        Phase::Forward => (RGBColor(230, 240, 252), RGBColor(25, 85, 150)),
+        Phase::Backward => (RGBColor(253, 237, 222), RGBColor(175, 80, 0)),
+        Phase::Optimizer => (RGBColor(228, 245, 228), RGBColor(25, 115, 25)),
+        Phase::Eval | Phase::Other => (RGBColor(240, 240, 240), RGBColor(90, 90, 90)),
+    }
+}
+
+/// A marker at pixel offset `(0, 0)` of an event, by phase (so a line's passes can be told apart
+/// without the background regions): circle forward, triangle backward, square otherwise.
+fn phase_marker<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    at: (f64, f64),
+    phase: Phase,
+    color: RGBColor,
+    size: i32,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let style = color.filled();
+    match phase {
+        Phase::Forward => {
+            chart.draw_series(std::iter::once(Circle::new(at, size, style)))?;
+        }
+        Phase::Backward => {
+            chart.draw_series(std::iter::once(
+                EmptyElement::at(at) + TriangleMarker::new((0, 0), size + 1, style),
+            ))?;
+        }
+        _ => {
+            chart.draw_series(std::iter::once(
+                EmptyElement::at(at) + Rectangle::new([(-size, -size), (size, size)], style),
+            ))?;
+        }
+    }
+    Ok(())
+}
+
+/// How a legend entry is drawn.
+#[derive(Debug, Clone, Copy)]
+enum Swatch {
+    /// A filled box.
+    Fill(RGBColor),
+    /// A line with a marker.
+    Line(RGBColor),
+    /// A dashed line.
+    Dashed(RGBColor),
+    /// A phase marker (black).
+    Marker(Phase),
+}
+
+/// One row of a legend panel: swatch, label, and a value aligned right.
+struct LegendRow {
+    swatch: Option<Swatch>,
+    label: String,
+    value: String,
+    bold: bool,
+}
+
+impl LegendRow {
+    fn entry(swatch: Swatch, label: impl Into<String>, value: impl Into<String>) -> Self {
+        LegendRow {
+            swatch: Some(swatch),
+            label: label.into(),
+            value: value.into(),
+            bold: false,
+        }
+    }
+
+    fn heading(label: impl Into<String>) -> Self {
+        LegendRow {
+            swatch: None,
+            label: label.into(),
+            value: String::new(),
+            bold: true,
+        }
+    }
+
+    fn text(label: impl Into<String>) -> Self {
+        LegendRow {
+            swatch: None,
+            label: label.into(),
+            value: String::new(),
+            bold: false,
+        }
+    }
+
+    fn gap() -> Self {
+        LegendRow::text("")
+    }
+}
+
+/// Draw legend rows top-down into `panel` (its own pixel coordinates), starting at `top`.
+fn draw_legend<DB: DrawingBackend>(
+    panel: &DrawingArea<DB, Shift>,
+    top: i32,
+    rows: &[LegendRow],
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let (w, _) = panel.dim_in_pixel();
+    let right = w as i32 - 14;
+    let row_h = 25;
+    for (i, r) in rows.iter().enumerate() {
+        let y = top + i as i32 * row_h;
+        let mut text_x = 6;
+        if let Some(s) = r.swatch {
+            let (x0, x1) = (8, 36);
+            match s {
+                Swatch::Fill(c) => {
+                    panel.draw(&Rectangle::new([(x0, y - 8), (x1, y + 8)], c.filled()))?;
+                    panel.draw(&Rectangle::new(
+                        [(x0, y - 8), (x1, y + 8)],
+                        RGBColor(120, 120, 120).stroke_width(1),
+                    ))?;
+                }
+                Swatch::Line(c) => {
+                    panel.draw(&PathElement::new(vec![(x0, y), (x1, y)], c.stroke_width(3)))?;
+                    panel.draw(&Circle::new(((x0 + x1) / 2, y), 4, c.filled()))?;
+                }
+                Swatch::Dashed(c) => {
+                    for x in (x0..x1).step_by(10) {
+                        panel.draw(&PathElement::new(
+                            vec![(x, y), ((x + 6).min(x1), y)],
+                            c.stroke_width(3),
+                        ))?;
+                    }
+                }
+                Swatch::Marker(p) => {
+                    let at = ((x0 + x1) / 2, y);
+                    let style = PEAK_COLOR.filled();
+                    match p {
+                        Phase::Forward => panel.draw(&Circle::new(at, 5, style))?,
+                        Phase::Backward => panel.draw(&TriangleMarker::new(at, 6, style))?,
+                        _ => panel.draw(&Rectangle::new(
+                            [(at.0 - 5, at.1 - 5), (at.0 + 5, at.1 + 5)],
+                            style,
+                        ))?,
+                    }
+                }
+            }
+            text_x = 46;
+        }
+        if !r.label.is_empty() {
+            let font = if r.bold {
+                (FONT, 17).into_font().style(FontStyle::Bold)
+            } else {
+                (FONT, 16).into_font()
+            };
+            let style = TextStyle::from(font)
+                .color(&TEXT_COLOR)
+                .pos(Pos::new(HPos::Left, VPos::Center));
+            panel.draw(&Text::new(r.label.clone(), (text_x, y), style))?;
+        }
+        if !r.value.is_empty() {
+            let style = TextStyle::from((FONT, 16).into_font())
+                .color(&TEXT_COLOR)
+                .pos(Pos::new(HPos::Right, VPos::Center));
+            panel.draw(&Text::new(r.value.clone(), (right, y), style))?;
+        }
+    }
+    Ok(())
+}
+
+/// Signed percentage with one decimal.
+fn signed_pct(p: f64) -> String {
+    format!("{p:+.1}%").replace('-', "−")
+}
+
+// ---------------------------------------------------------------------------------------------
+// One run: stacked categories over the step's events
+// ---------------------------------------------------------------------------------------------
+
+/// A run of consecutive events with the same phase and micro-batch: one shaded region.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    phase: Phase,
+    micro_batch: usize,
+    first: usize,
+    last: usize,
+}
+
+fn regions(events: &[TimelineEvent]) -> Vec<Region> {
+    let mut out: Vec<Region> = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        match out.last_mut() {
+            Some(r) if r.phase == e.phase && r.micro_batch == e.micro_batch => r.last = i,
+            _ => out.push(Region {
+                phase: e.phase,
+                micro_batch: e.micro_batch,
+                first: i,
+                last: i,
+            }),
+        }
+    }
+    out
+}
+
+/// The step's memory by category at every event, with its peak and prediction.
+struct StepChart<'a> {
+    title: String,
+    timeline: &'a StepTimeline,
+}
+
+impl StepChart<'_> {
+    /// The legend and the numbers a reader wants first: where the peak is, what it is made of,
+    /// and how far the prediction is off.
+    fn legend_rows(&self, unit: &MemUnit) -> Vec<LegendRow> {
+        let t = self.timeline;
+        let events = &t.events;
+        // The event whose interval holds the step's peak (the first, on a tie).
+        let peak_event = events.iter().reduce(|best, e| {
+            if e.peak_bytes > best.peak_bytes {
+                e
+            } else {
+                best
+            }
+        });
+        let mut rows = vec![LegendRow::heading("in use after each event")];
+        rows.push(LegendRow::text("(value at the peak event)"));
+        let at_peak = peak_event
+            .map(|e| stack_values(&e.categories))
+            .unwrap_or_default();
+        for (k, (label, color)) in STACK.iter().enumerate().rev() {
+            rows.push(LegendRow::entry(
+                Swatch::Fill(*color),
+                *label,
+                unit.fmt(at_peak[k]),
+            ));
+        }
+        rows.push(LegendRow::gap());
+        let peak = t.peak_bytes();
+        rows.push(LegendRow::entry(
+            Swatch::Line(PEAK_COLOR),
+            "measured peak",
+            unit.fmt(peak),
+        ));
+        if let Some(e) = peak_event {
+            rows.push(LegendRow::text(format!(
+                "at {} of {}",
+                e.phase,
+                shorten(&e.layer, 24)
+            )));
+        }
+        if events.iter().any(|e| e.predicted_peak_bytes.is_some()) {
+            // Compared over the events that have a prediction (the trainer predicts the passes,
+            // not always the optimizer), against what was measured at those same events.
+            let (predicted, measured) = events
+                .iter()
+                .filter_map(|e| e.predicted_peak_bytes.map(|p| (p, e.peak_bytes)))
+                .fold((0u64, 0u64), |(p, m), (ep, em)| (p.max(ep), m.max(em)));
+            let value = if measured > 0 {
+                format!(
+                    "{} ({})",
+                    unit.fmt(predicted),
+                    signed_pct((predicted as f64 - measured as f64) / measured as f64 * 100.0)
+                )
+            } else {
+                unit.fmt(predicted)
+            };
+            rows.push(LegendRow::entry(
+                Swatch::Dashed(PREDICTED_COLOR),
+                "predicted peak",
+                value,
+            ));
+        }
+        rows.push(LegendRow {
+            value: unit.fmt(t.start_bytes),
+            ..LegendRow::text("in use at the step's start")
+        });
+        rows.push(LegendRow::gap());
+        rows.push(LegendRow::heading("regions of the step"));
+        let mut seen: Vec<Phase> = Vec::new();
+        for e in events {
+            if !seen.contains(&e.phase) {
+                seen.push(e.phase);
+            }
+        }
+        for p in seen {
+            rows.push(LegendRow::entry(
+                Swatch::Fill(phase_colors(p).0),
+                p.to_string(),
+                "",
+            ));
+        }
+        rows.push(LegendRow::gap());
+        let micro = events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
+        let mut about = format!("step {}", t.global_step);
+        if !t.probe.is_empty() {
+            about.push_str(&format!(", probe {}", t.probe));
+        }
+        rows.push(LegendRow::text(about));
+        rows.push(LegendRow::text(format!(
+            "{} event{}{}",
+            events.len(),
+            if events.len() == 1 { "" } else { "s" },
+            if micro > 1 {
+                format!(", {micro} micro-batches")
+            } else {
+                String::new()
+            }
+        )));
+        rows
+    }
+}
+
+impl Chart for StepChart<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1500, 850)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let events = &self.timeline.events;
+        let n = events.len();
+        let max_bytes = events
+            .iter()
+            .flat_map(|e| {
+                [
+                    e.peak_bytes,
+                    e.current_bytes,
+                    e.categories.total(),
+                    e.predicted_peak_bytes.unwrap_or(0),
+                ]
+            })
+            .max()
+            .unwrap_or(0)
+            .max(1024 * 1024);
+        let unit = MemUnit::for_max(max_bytes);
+        // Headroom above the highest point for the region labels and the peak annotation.
+        let ymax = unit.of(max_bytes) * 1.18;
+        let (x0, x1) = (-0.5, n as f64 - 0.5);
+
+        let (w, _) = root.dim_in_pixel();
+        let (plot_area, panel) = root.split_horizontally(w - 390);
+        let label_style = TextStyle::from((FONT, 14).into_font())
+            .color(&TEXT_COLOR)
+            .transform(FontTransform::Rotate270)
+            .pos(Pos::new(HPos::Right, VPos::Center));
+        let names: Vec<String> = events.iter().map(|e| shorten(&e.layer, 26)).collect();
+        let longest = names
+            .iter()
+            .map(|s| {
+                plot_area
+                    .estimate_text_size(s, &label_style)
+                    .map(|(tw, _)| tw)
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        let mut chart = ChartBuilder::on(&plot_area)
+            .caption(&self.title, (FONT, 28))
+            .margin(20)
+            .x_label_area_size((longest + 50).clamp(70, 260))
+            .y_label_area_size(90)
+            .build_cartesian_2d(x0..x1, 0f64..ymax)?;
+        // The x axis is categorical (one slot per event): plotters' numeric ticks would fall
+        // between events, so the mesh draws none and the layer names are drawn below.
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .x_desc("event of the step (layer; forward, backward, optimizer)")
+            .y_desc(format!("memory ({})", unit.name))
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(240, 240, 240))
+            .draw()?;
+
+        // Phase regions: shaded background, a separator and a label at the top of each.
+        let regs = regions(events);
+        let multi_micro = events.iter().any(|e| e.micro_batch > 0);
+        for r in &regs {
+            let (shade, _) = phase_colors(r.phase);
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(r.first as f64 - 0.5, 0.0), (r.last as f64 + 0.5, ymax)],
+                shade.filled(),
+            )))?;
+        }
+
+        // Stacked categories: band k spans the sum of the categories below it to that sum plus
+        // its own bytes, one polygon per band (no overdraw, so the SVG stays exact).
+        let mut lower = vec![0f64; n];
+        for (k, (_, color)) in STACK.iter().enumerate() {
+            let upper: Vec<f64> = events
+                .iter()
+                .zip(&lower)
+                .map(|(e, lo)| lo + unit.of(stack_values(&e.categories)[k]))
+                .collect();
+            if upper.iter().zip(&lower).any(|(u, l)| u > l) {
+                // Each band runs flat across the outer half-slots of the first and last events,
+                // so the stack fills the plot from edge to edge.
+                let xs: Vec<f64> = std::iter::once(-0.5)
+                    .chain((0..n).map(|i| i as f64))
+                    .chain(std::iter::once(n as f64 - 0.5))
+                    .collect();
+                let at = |v: &[f64], j: usize| v[j.saturating_sub(1).min(n - 1)];
+                let mut poly: Vec<(f64, f64)> = xs
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &x)| (x, at(&upper, j)))
+                    .collect();
+                poly.extend(
+                    xs.iter()
+                        .enumerate()
+                        .rev()
+                        .map(|(j, &x)| (x, at(&lower, j))),
+                );
+                chart.draw_series(std::iter::once(Polygon::new(poly, color.mix(0.9).filled())))?;
+            }
+            lower = upper;
+        }
+
+        // Separators and labels drawn over the areas, so the boundaries stay visible there.
+        let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n as f64;
+        for (i, r) in regs.iter().enumerate() {
+            if i > 0 {
+                let x = r.first as f64 - 0.5;
+                chart.draw_series(DashedLineSeries::new(
+                    vec![(x, 0.0), (x, ymax)],
+                    6,
+                    5,
+                    RGBColor(110, 110, 110).stroke_width(1),
+                ))?;
+            }
+            let (_, ink) = phase_colors(r.phase);
+            let style = TextStyle::from((FONT, 17).into_font().style(FontStyle::Bold))
+                .color(&ink)
+                .pos(Pos::new(HPos::Center, VPos::Top));
+            let width = (r.last - r.first + 1) as f64 * px_per_event - 6.0;
+            let name = r.phase.to_string();
+            let mut candidates = Vec::new();
+            if multi_micro {
+                candidates.push(format!("{name} (micro-batch {})", r.micro_batch + 1));
+                candidates.push(format!("{name} {}", r.micro_batch + 1));
+            } else {
+                candidates.push(name.clone());
+            }
+            candidates.push(name.chars().take(3).collect::<String>() + ".");
+            let fits = candidates.into_iter().find(|c| {
+                root.estimate_text_size(c, &style)
+                    .map(|(tw, _)| (tw as f64) <= width)
+                    .unwrap_or(false)
+            });
+            if let Some(text) = fits {
+                let cx = (r.first + r.last) as f64 / 2.0;
+                chart.draw_series(std::iter::once(
+                    EmptyElement::at((cx, ymax)) + Text::new(text, (0, 6), style),
+                ))?;
+            }
+        }
+
+        // The prediction: dashed, broken where an event has none.
+        let mut segment: Vec<(f64, f64)> = Vec::new();
+        let mut segments: Vec<Vec<(f64, f64)>> = Vec::new();
+        for (i, e) in events.iter().enumerate() {
+            match e.predicted_peak_bytes {
+                Some(p) => segment.push((i as f64, unit.of(p))),
+                None => {
+                    if !segment.is_empty() {
+                        segments.push(std::mem::take(&mut segment));
+                    }
+                }
+            }
+        }
+        if !segment.is_empty() {
+            segments.push(segment);
+        }
+        for s in segments {
+            if s.len() == 1 {
+                chart.draw_series(std::iter::once(
+                    EmptyElement::at(s[0])
+                        + PathElement::new(vec![(-8, 0), (8, 0)], PREDICTED_COLOR.stroke_width(3)),
+                ))?;
+            } else {
+                chart.draw_series(DashedLineSeries::new(
+                    s,
+                    10,
+                    6,
+                    PREDICTED_COLOR.stroke_width(3),
+                ))?;
+            }
+        }
+
+        // The measured peak between events, with a marker per event while they stay apart.
+        let peaks: Vec<(f64, f64)> = events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i as f64, unit.of(e.peak_bytes)))
+            .collect();
+        chart.draw_series(LineSeries::new(peaks.clone(), PEAK_COLOR.stroke_width(2)))?;
+        if px_per_event >= 6.0 {
+            chart.draw_series(
+                peaks
+                    .iter()
+                    .map(|&p| Circle::new(p, 4, PEAK_COLOR.filled())),
+            )?;
+        }
+        // Name the step's peak where it happens.
+        if let Some((i, e)) = events.iter().enumerate().reduce(|best, e| {
+            if e.1.peak_bytes > best.1.peak_bytes {
+                e
+            } else {
+                best
+            }
+        }) {
+            let hpos = if (i as f64) < n as f64 * 0.15 {
+                HPos::Left
+            } else if (i as f64) > n as f64 * 0.85 {
+                HPos::Right
+            } else {
+                HPos::Center
+            };
+            let style = TextStyle::from((FONT, 17).into_font().style(FontStyle::Bold))
+                .color(&PEAK_COLOR)
+                .pos(Pos::new(hpos, VPos::Bottom));
+            chart.draw_series(std::iter::once(
+                EmptyElement::at((i as f64, unit.of(e.peak_bytes)))
+                    + Circle::new((0, 0), 6, PEAK_COLOR.stroke_width(2))
+                    + Text::new(format!("peak {}", unit.fmt(e.peak_bytes)), (0, -10), style),
+            ))?;
+        }
+
+        // Layer names under the axis, rotated, thinned to one every `every` events when dense.
+        let every = (18.0 / px_per_event.max(1e-3)).ceil().max(1.0) as usize;
+        for (i, name) in names.iter().enumerate() {
+            if i % every != 0 {
+                continue;
+            }
+            let (px, py) = chart.backend_coord(&(i as f64, 0.0));
+            let base = root.get_base_pixel();
+            let at = (px - base.0, py - base.1);
+            root.draw(&PathElement::new(
+                vec![(at.0, at.1), (at.0, at.1 + 5)],
+                TEXT_COLOR.stroke_width(1),
+            ))?;
+            root.draw(&Text::new(
+                name.clone(),
+                (at.0, at.1 + 8),
+                label_style.clone(),
+            ))?;
+        }
+
+        draw_legend(&panel, 90, &self.legend_rows(&unit))?;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several runs: the peak above the step's start, overlaid
+// ---------------------------------------------------------------------------------------------
+
+/// One line per configuration over the step's position (0–100%).
+struct OverlayChart<'a> {
+    lines: Vec<&'a (String, StepTimeline)>,
+}
+
+/// Position of event `i` of `n` in the step, in percent (a lone event sits at 0%).
+fn position_pct(i: usize, n: usize) -> f64 {
+    if n <= 1 {
+        0.0
+    } else {
+        i as f64 / (n - 1) as f64 * 100.0
+    }
+}
+
+impl Chart for OverlayChart<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1500, 800)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let above =
+            |t: &StepTimeline, e: &TimelineEvent| e.peak_bytes.saturating_sub(t.start_bytes);
+        let max_bytes = self
+            .lines
+            .iter()
+            .flat_map(|(_, t)| t.events.iter().map(move |e| above(t, e)))
+            .max()
+            .unwrap_or(0)
+            .max(1024 * 1024);
+        let unit = MemUnit::for_max(max_bytes);
+        let ymax = unit.of(max_bytes) * 1.1;
+        let (w, _) = root.dim_in_pixel();
+        let (plot_area, panel) = root.split_horizontally(w - 390);
+        let mut chart = ChartBuilder::on(&plot_area)
+            .caption("Peak memory inside one training step", (FONT, 28))
+            .margin(20)
+            .x_label_area_size(70)
+            .y_label_area_size(90)
+            .build_cartesian_2d(-2f64..102f64, 0f64..ymax)?;
+        chart
+            .configure_mesh()
+            .x_desc("position in the step: event index ÷ last index (0% first forward event, 100% last event)")
+            .y_desc(format!("peak above the step's start ({})", unit.name))
+            .axis_desc_style((FONT, 18))
+            .label_style((FONT, 17))
+            .x_labels(11)
+            .x_label_formatter(&|x| format!("{x:.0}%"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(244, 244, 244))
+            .draw()?;
+        let mut rows = vec![
+            LegendRow::heading("configuration"),
+            LegendRow::text("(highest peak above the start)"),
+        ];
+        for (i, (label, t)) in self.lines.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let n = t.events.len();
+            let pts: Vec<(f64, f64)> = t
+                .events
+                .iter()
+                .enumerate()
+                .map(|(j, e)| (position_pct(j, n), unit.of(above(t, e))))
+                .collect();
+            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
+            if n <= 120 {
+                for (p, e) in pts.iter().zip(&t.events) {
+                    phase_marker(&mut chart, *p, e.phase, color, 4)?;
+                }
+            }
+            let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
+            rows.push(LegendRow::entry(
+                Swatch::Line(color),
+                shorten(label, 24),
+                format!("+{}", unit.fmt(top)),
+            ));
+        }
+        rows.push(LegendRow::gap());
+        rows.push(LegendRow::heading("markers: phase of the event"));
+        for p in [Phase::Forward, Phase::Backward, Phase::Optimizer] {
+            rows.push(LegendRow::entry(Swatch::Marker(p), p.to_string(), ""));
+        }
+        draw_legend(&panel, 90, &rows)?;
+        Ok(())
+    }
+}

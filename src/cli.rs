@@ -66,7 +66,7 @@ pub struct TrainArgs {
     /// Compute precision; weights stay f32 (f16 adds a dynamic loss scaler)
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub precision: Precision,
-    /// Gradient checkpointing: keep only each stage's or each block's input and recompute in backward
+    /// Gradient checkpointing: keep only each stage's or each block's input and recompute in backward; auto picks the smallest predicted peak (under --memory-limit: the cheapest that fits)
     #[arg(long, value_enum, default_value_t = Checkpointing::None)]
     pub checkpoint: Checkpointing,
     /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: heap budget checked after each phase)

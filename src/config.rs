@@ -65,7 +65,17 @@ cli_enum! {
         Stages => "stages",
         /// Keep only the input of each conv block; recompute each block in backward.
         Blocks => "blocks",
+        /// Pick none, stages or blocks from the memory estimate: the smallest predicted peak,
+        /// or under --memory-limit the cheapest (least recomputation) whose peak fits.
+        Auto => "auto",
     }
+}
+
+impl Checkpointing {
+    /// The segmentations themselves (everything but `auto`), cheapest first: no recomputation,
+    /// then one recomputed forward in three segments, then in one segment per block.
+    pub const CONCRETE: &'static [Checkpointing] =
+        &[Checkpointing::None, Checkpointing::Stages, Checkpointing::Blocks];
 }
 
 cli_enum! {

@@ -127,7 +127,8 @@ impl CostModel {
             (Precision::Bf16, true) => self.bf16_separable,
         };
         let r = match (checkpoint, sep) {
-            (Checkpointing::None, _) => 0.0,
+            // `auto` is resolved to one of the others before anything is planned or run.
+            (Checkpointing::None | Checkpointing::Auto, _) => 0.0,
             (Checkpointing::Stages, false) => self.stages_standard,
             (Checkpointing::Blocks, false) => self.blocks_standard,
             (Checkpointing::Stages, true) => self.stages_separable,
@@ -445,7 +446,7 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
     let mut all: Vec<Plan> = Vec::new();
     for &conv in &convs {
         for micro in divisors(effective) {
-            for &checkpoint in Checkpointing::ALL {
+            for &checkpoint in Checkpointing::CONCRETE {
                 for &precision in Precision::ALL {
                     let mut c = cfg.clone();
                     c.batch_size = effective;

@@ -170,7 +170,10 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
         .iter()
         .any(|p| p.batch_size == max && p.run.status == Status::Ok));
 
-    // One step at the next batch size indeed exceeds the budget: run the trainer directly.
+    // A batch past the boundary indeed exceeds the budget when the trainer runs directly. A
+    // quarter more than the first OOM batch: right at the boundary the step's peak varies by
+    // the prefetch thread's batch, allocated before or during the step.
+    let oom = oom + oom / 4;
     let direct = out.join("direct");
     let o = Command::new(example("train_cifar10"))
         .args([

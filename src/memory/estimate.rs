@@ -506,6 +506,35 @@ pub fn estimate_with(
     estimate_for_specs(cfg, &specs, device, baseline)
 }
 
+/// What `--checkpoint auto` runs for `cfg`: under a memory limit the first of
+/// [`Checkpointing::CONCRETE`] (cheapest first) whose predicted peak fits the limit, else (or
+/// when none fits) the one with the smallest predicted peak.
+///
+/// # Errors
+/// As [`estimate_for_specs`].
+pub fn resolve_checkpointing(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Checkpointing> {
+    let mut peaks = Vec::new();
+    for &ck in Checkpointing::CONCRETE {
+        let mut c = cfg.clone();
+        c.checkpoint = ck;
+        peaks.push((ck, estimate_for_specs(&c, specs, device, baseline)?.peak));
+    }
+    if let Some(limit) = cfg.memory_limit {
+        if let Some(&(ck, _)) = peaks.iter().find(|(_, p)| *p <= limit) {
+            return Ok(ck);
+        }
+    }
+    Ok(peaks
+        .iter()
+        .min_by_key(|(_, p)| *p)
+        .map_or(Checkpointing::None, |&(ck, _)| ck))
+}
+
 /// The layer list of the CNN for `width` and `conv`, without building the model (no parameters
 /// are allocated); the model's own list, see [`crate::model::cnn::layer_specs_for`].
 pub fn model_layer_specs(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
@@ -525,6 +554,12 @@ pub fn estimate_for_specs(
     baseline: Baseline,
 ) -> Result<Estimate> {
     cfg.validate()?;
+    if cfg.checkpoint == Checkpointing::Auto {
+        let chosen = resolve_checkpointing(cfg, specs, device, baseline)?;
+        let mut c = cfg.clone();
+        c.checkpoint = chosen;
+        return estimate_for_specs(&c, specs, device, baseline);
+    }
     let nodes = nodes_from_specs(specs)?;
     let n_blocks = nodes
         .iter()
@@ -803,7 +838,7 @@ fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
 #[allow(clippy::single_range_in_vec_init)] // one segment of all blocks, as the model has it
 fn segments(n: usize, ckpt: Checkpointing) -> Vec<Range<usize>> {
     match ckpt {
-        Checkpointing::None => vec![0..n],
+        Checkpointing::None | Checkpointing::Auto => vec![0..n],
         Checkpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
         Checkpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
     }
@@ -1498,6 +1533,7 @@ fn micro_batch(
     sim.alloc(logits); // the gradient of the logits
     sim.free(logits); // the logits
     l.event(sim, Phase::Forward, "head".into());
+    sim.phase = Phase::Backward;
     // Head backward: weight and bias gradients, then the feature gradient in the compute dtype.
     let wsize = hd.params.saturating_sub(NUM_CLASSES) as u64 * 4;
     sim.alloc(wsize + NUM_CLASSES as u64 * 4);

@@ -224,7 +224,8 @@ impl Cnn {
     pub fn segments(&self, ckpt: Checkpointing) -> Vec<Range<usize>> {
         let n = self.blocks.len();
         match ckpt {
-            Checkpointing::None => vec![0..n],
+            // `auto` is resolved by the trainer before the step runs; unresolved it is `none`.
+            Checkpointing::None | Checkpointing::Auto => vec![0..n],
             Checkpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
             Checkpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
         }

@@ -313,7 +313,7 @@ impl Trainer {
     }
 
     /// Build a trainer on already loaded data.
-    pub fn new(config: TrainConfig, data: DataSplits, options: TrainerOptions) -> Result<Self> {
+    pub fn new(mut config: TrainConfig, data: DataSplits, options: TrainerOptions) -> Result<Self> {
         config.validate()?;
         if data.train.len() < config.batch_size {
             return Err(Error::config(format!(
@@ -334,6 +334,20 @@ impl Trainer {
             config.pool_cache,
         )?));
         let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
+        if config.checkpoint == crate::config::Checkpointing::Auto {
+            config.checkpoint = resolve_auto_checkpointing(&config, &data, &device)?;
+            if options.progress {
+                eprintln!(
+                    "--checkpoint auto: {} (the estimate's {})",
+                    config.checkpoint,
+                    if config.memory_limit.is_some() {
+                        "cheapest that fits --memory-limit"
+                    } else {
+                        "smallest peak"
+                    }
+                );
+            }
+        }
         let run_dir = config.out.clone().unwrap_or_else(default_run_dir);
         if options.log_files {
             crate::io::create_dir(&run_dir)?;
@@ -939,6 +953,22 @@ impl Trainer {
             wall_secs: wall,
         }
     }
+}
+
+/// The segmentation `--checkpoint auto` trains with, from the estimate of this run's data.
+fn resolve_auto_checkpointing(
+    config: &TrainConfig,
+    data: &DataSplits,
+    device: &Device,
+) -> Result<crate::config::Checkpointing> {
+    use crate::memory::estimate::{resolve_checkpointing, Baseline, DataSize, DeviceKind};
+    let size = DataSize::loaded(&data.train, &data.test, config);
+    resolve_checkpointing(
+        config,
+        &crate::model::cnn::layer_specs_for(config.width, config.conv),
+        DeviceKind::of(device),
+        Baseline::Modeled(size),
+    )
 }
 
 // [estimate] begin

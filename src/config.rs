@@ -74,8 +74,11 @@ cli_enum! {
 impl Checkpointing {
     /// The segmentations themselves (everything but `auto`), cheapest first: no recomputation,
     /// then one recomputed forward in three segments, then in one segment per block.
-    pub const CONCRETE: &'static [Checkpointing] =
-        &[Checkpointing::None, Checkpointing::Stages, Checkpointing::Blocks];
+    pub const CONCRETE: &'static [Checkpointing] = &[
+        Checkpointing::None,
+        Checkpointing::Stages,
+        Checkpointing::Blocks,
+    ];
 }
 
 cli_enum! {

@@ -84,6 +84,7 @@ fn opts(batch_size: usize) -> BatcherOptions {
         epoch: 0,
         prefetch: 2,
         start_batch: 0,
+        recycle: None,
     }
 }
 

@@ -80,7 +80,12 @@ fn predicted_and_measured(cfg: &TrainConfig, pre: u64) -> (u64, u64) {
     assert!(summary.prediction_error_pct.is_some_and(f64::is_finite));
     // Every event of the step's memory timeline has its prediction, within the tolerance.
     let timeline = trainer.step_timeline();
-    assert_eq!(timeline.events.len(), est.events.len(), "{}: events", cfg.label());
+    assert_eq!(
+        timeline.events.len(),
+        est.events.len(),
+        "{}: events",
+        cfg.label()
+    );
     for ev in &timeline.events {
         let p = ev.predicted_peak_bytes.expect("a prediction per event") + pre;
         let err = (p as f64 - ev.peak_bytes as f64) / ev.peak_bytes as f64 * 100.0;

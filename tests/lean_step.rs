@@ -111,9 +111,17 @@ fn zero_and_tiny_gamma_match_autograd() {
             let c = b.cout;
             // Mix the special value with ordinary ones, and a β that keeps some outputs positive.
             let g: Vec<f32> = (0..c)
-                .map(|i| if i % 2 == 0 { gamma } else { 0.5 + i as f32 * 0.1 })
+                .map(|i| {
+                    if i % 2 == 0 {
+                        gamma
+                    } else {
+                        0.5 + i as f32 * 0.1
+                    }
+                })
                 .collect();
-            let be: Vec<f32> = (0..c).map(|i| 0.05 * (i as f32 - 1.0) + 0.01 * k as f32).collect();
+            let be: Vec<f32> = (0..c)
+                .map(|i| 0.05 * (i as f32 - 1.0) + 0.01 * k as f32)
+                .collect();
             b.bn.gamma
                 .set(&Tensor::new(g, &Device::Cpu).unwrap())
                 .unwrap();
@@ -167,7 +175,10 @@ fn running_statistics_are_updated_once_per_step() {
     for (ckpt, s) in &stats {
         for (a, b) in s.iter().zip(&oracle) {
             for (u, v) in a.iter().zip(b) {
-                assert!((u - v).abs() <= 1e-6 * v.abs().max(1.0), "{ckpt}: {u} vs {v}");
+                assert!(
+                    (u - v).abs() <= 1e-6 * v.abs().max(1.0),
+                    "{ckpt}: {u} vs {v}"
+                );
             }
         }
     }
@@ -175,8 +186,12 @@ fn running_statistics_are_updated_once_per_step() {
 
 fn params_for(h: &Tensor, seed: u64) -> BnParams {
     let c = h.dim(1).unwrap();
-    let gamma: Vec<f32> = (0..c).map(|i| 0.5 + ((i as u64 * 7 + seed) % 5) as f32 * 0.3).collect();
-    let beta: Vec<f32> = (0..c).map(|i| ((i as u64 * 3 + seed) % 7) as f32 * 0.1 - 0.3).collect();
+    let gamma: Vec<f32> = (0..c)
+        .map(|i| 0.5 + ((i as u64 * 7 + seed) % 5) as f32 * 0.3)
+        .collect();
+    let beta: Vec<f32> = (0..c)
+        .map(|i| ((i as u64 * 3 + seed) % 7) as f32 * 0.1 - 0.3)
+        .collect();
     BnParams {
         gamma: Tensor::new(gamma, &Device::Cpu).unwrap(),
         beta: Tensor::new(beta, &Device::Cpu).unwrap(),
@@ -200,8 +215,18 @@ fn fused_pool_equals_pool_of_relu_output() {
         let want = memtrain::ops::pool::max_pool2x2(&y).unwrap();
         let got = bn::bn_relu_pool(&h, &p).unwrap();
         assert_eq!(
-            got.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            got.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            want.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
             "{dt:?}"
         );
         let am = bn::bn_relu_pool_argmax(&h, &p).unwrap().unwrap();
@@ -210,8 +235,18 @@ fn fused_pool_equals_pool_of_relu_output() {
         // In place: y written over h equals the fresh y.
         let y2 = bn::bn_relu_in_place(h.copy().unwrap(), &p).unwrap();
         assert_eq!(
-            y2.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            y2.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            y.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
         );
     }
 }
@@ -225,7 +260,9 @@ fn lean_batch_norm_backward_equals_autograd() {
         let hv = candle_core::Var::from_tensor(&h0).unwrap();
         let gv = candle_core::Var::from_tensor(&p.gamma).unwrap();
         let bv = candle_core::Var::from_tensor(&p.beta).unwrap();
-        let (y, _, _) = bn::batch_norm_train(hv.as_tensor(), gv.as_tensor(), bv.as_tensor(), 1e-5, true).unwrap();
+        let (y, _, _) =
+            bn::batch_norm_train(hv.as_tensor(), gv.as_tensor(), bv.as_tensor(), 1e-5, true)
+                .unwrap();
         let out = if pool {
             memtrain::ops::pool::max_pool2x2(&y).unwrap()
         } else {
@@ -239,7 +276,11 @@ fn lean_batch_norm_backward_equals_autograd() {
         } else {
             bn::bn_relu_backward(&h0, up.copy().unwrap(), &p).unwrap()
         };
-        for (name, got, v) in [("h", &dh, hv.as_tensor()), ("gamma", &dg, gv.as_tensor()), ("beta", &db, bv.as_tensor())] {
+        for (name, got, v) in [
+            ("h", &dh, hv.as_tensor()),
+            ("gamma", &dg, gv.as_tensor()),
+            ("beta", &db, bv.as_tensor()),
+        ] {
             let want = store.get(v).unwrap();
             let d = common::rel_diff(got, want);
             assert!(d <= 1e-5, "pool {pool}: grad of {name} differs by {d:e}");

@@ -46,9 +46,10 @@ fn timeline(label: &str, scale: u64, recompute: bool) -> StepTimeline {
             current_bytes: current,
             peak_bytes: current + extra,
             categories: cats,
-            // As the trainer does: the estimate predicts the passes, not the optimizer.
+            // Some events without a prediction: the chart breaks the line there.
             predicted_peak_bytes: (phase != Phase::Optimizer)
                 .then_some(current + extra + extra / 4),
+            predicted_current_bytes: None,
         });
     };
     let base = CategoryBytes {

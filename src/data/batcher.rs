@@ -62,6 +62,43 @@ pub struct BatcherOptions {
     /// Skip the first N batches of the epoch (for resuming mid-epoch); the remaining batches are
     /// identical to those of an unskipped run.
     pub start_batch: usize,
+    /// Image buffers to reuse (the trainer gives each batch's buffer back after its step), so
+    /// that in steady state the worker allocates nothing while a step runs and the heap a step
+    /// sees does not depend on when the worker wakes up. `None`: a new buffer per batch.
+    pub recycle: Option<BufferPool>,
+}
+
+/// Image buffers shared by a [`Batcher`]'s worker (taker) and the trainer (giver), across epochs.
+#[derive(Debug, Clone, Default)]
+pub struct BufferPool(std::sync::Arc<std::sync::Mutex<Vec<Vec<f32>>>>);
+
+impl BufferPool {
+    /// An empty pool.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Give a buffer back for a later batch.
+    pub fn put(&self, buf: Vec<f32>) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+    }
+
+    /// A zeroed buffer of `len` elements: a pooled one when one is large enough, else a new one.
+    fn take(&self, len: usize) -> Vec<f32> {
+        let found = {
+            let mut pool = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let i = pool.iter().position(|b| b.capacity() >= len);
+            i.map(|i| pool.swap_remove(i))
+        };
+        match found {
+            Some(mut b) => {
+                b.clear();
+                b.resize(len, 0.0);
+                b
+            }
+            None => vec![0f32; len],
+        }
+    }
 }
 
 impl Default for BatcherOptions {
@@ -76,6 +113,7 @@ impl Default for BatcherOptions {
             epoch: 0,
             prefetch: 2,
             start_batch: 0,
+            recycle: None,
         }
     }
 }
@@ -170,6 +208,7 @@ struct Producer {
     augment: bool,
     seed: u64,
     epoch: usize,
+    recycle: Option<BufferPool>,
 }
 
 impl Producer {
@@ -177,7 +216,10 @@ impl Producer {
         let start = (index * self.batch_size).min(self.order.len());
         let end = (start + self.batch_size).min(self.order.len());
         let ids = &self.order[start..end];
-        let mut images = vec![0f32; ids.len() * IMAGE_BYTES];
+        let mut images = match &self.recycle {
+            Some(pool) => pool.take(ids.len() * IMAGE_BYTES),
+            None => vec![0f32; ids.len() * IMAGE_BYTES],
+        };
         let mut labels = Vec::with_capacity(ids.len());
         // One RNG per batch, seeded from its index, so a batch never depends on the ones before it.
         let mut rng = self.augment.then(|| {
@@ -253,6 +295,7 @@ impl Batcher {
             augment: opts.augment,
             seed: opts.seed,
             epoch: opts.epoch,
+            recycle: opts.recycle.clone(),
         });
         let start = opts.start_batch.min(num_batches);
         let stop = Arc::new(AtomicBool::new(false));

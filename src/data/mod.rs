@@ -8,7 +8,9 @@ pub mod batcher;
 pub mod cifar;
 pub mod synthetic;
 
-pub use batcher::{normalize_into, Batch, Batcher, BatcherOptions, CIFAR_MEAN, CIFAR_STD};
+pub use batcher::{
+    normalize_into, Batch, Batcher, BatcherOptions, BufferPool, CIFAR_MEAN, CIFAR_STD,
+};
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};

@@ -167,11 +167,6 @@ fn l2_cache_bytes() -> u64 {
     FALLBACK
 }
 
-/// Threshold (m·n·k) above which the gemm crate runs a product on several threads (its
-/// `DEFAULT_THREADING_THRESHOLD`): Candle's CPU matmul (the head) then also runs on the rayon
-/// pool, whose threads keep their own packing buffers.
-const GEMM_THREADING_THRESHOLD: u64 = 48 * 48 * 256;
-
 /// The data set as far as memory is concerned: how many images each split holds and how many
 /// bytes the loaded splits occupy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -407,6 +402,7 @@ impl Estimate {
         self.peak += bytes;
         for e in &mut self.events {
             e.peak_bytes += bytes;
+            e.current_bytes += bytes;
         }
         self
     }
@@ -610,23 +606,13 @@ pub fn estimate_for_specs(
     };
 
     // The gemm crate's per-thread L2 packing buffers, allocated by the first matrix product on
-    // each thread and kept: the convolution threads, plus Candle's rayon threads when the head's
-    // products are large enough to be split.
+    // each thread and kept: the convolution threads (the head's products run single-threaded
+    // on the calling thread, one of them; see `ops::linear`).
     let gemm_slabs = match device {
         DeviceKind::Cpu {
             threads,
             l2_cache_bytes,
-        } => {
-            let head = &nodes[nodes.len() - 1];
-            let head_mnk = ctx.n * elems(head.inp) * NUM_CLASSES as u64;
-            let rayon = if head_mnk > GEMM_THREADING_THRESHOLD {
-                threads
-            } else {
-                0
-            };
-            // A convolution on one image runs on the calling thread only.
-            (threads.min(cfg.micro_batch()).max(1) + rayon) as u64 * l2_cache_bytes
-        }
+        } => threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes,
         DeviceKind::Cuda => 0,
     };
 
@@ -673,6 +659,7 @@ pub fn estimate_for_specs(
             phase: "optimizer",
             layer: "optimizer".into(),
             peak_bytes: sim.event_peak,
+            current_bytes: sim.cur,
             saved_bytes: 0,
         });
         sim.free(state);
@@ -1284,6 +1271,7 @@ impl Lean<'_> {
             },
             layer,
             peak_bytes: sim.event_peak,
+            current_bytes: sim.cur,
             saved_bytes: self.saved,
         });
         sim.event_peak = sim.cur;
@@ -1458,6 +1446,8 @@ pub struct EventPrediction {
     pub layer: String,
     /// Highest bytes in use between the previous event and this one.
     pub peak_bytes: u64,
+    /// Bytes in use right after the event.
+    pub current_bytes: u64,
     /// Activation bytes held for the backward at the event.
     pub saved_bytes: u64,
 }

@@ -59,6 +59,9 @@ pub struct TimelineEvent {
     pub categories: CategoryBytes,
     /// The estimate's prediction of `peak_bytes` at this event, when it has one.
     pub predicted_peak_bytes: Option<u64>,
+    /// The estimate's prediction of `current_bytes` at this event, when it has one.
+    #[serde(default)]
+    pub predicted_current_bytes: Option<u64>,
 }
 
 /// The events of one optimizer step.
@@ -92,13 +95,17 @@ impl StepTimeline {
     }
 }
 
-/// A probe wrapper whose watermark can be split at the step's events without losing it for the
-/// callbacks: [`TimelineProbe::take_event_peak`] reads and resets the device watermark but carries
-/// the value, so [`MemoryProbe::peak`] (what the memory callback folds at its hooks) still sees the
-/// highest value since the callback's own last reset.
+/// A probe wrapper with two watermarks over the device's one: the step's events split it at every
+/// layer event, the memory callback at its hooks, and neither loses the other's peak.
+/// [`TimelineProbe::take_event_peak`] reads and resets the device watermark but carries the value
+/// for [`MemoryProbe::peak`](crate::memory::MemoryProbe::peak) (what the callback folds), and a
+/// callback's `reset_peak` carries the value for the next event.
 pub struct TimelineProbe {
     inner: std::sync::Arc<dyn crate::memory::MemoryProbe>,
+    /// Highest reading taken by events since the callback's last reset.
     carried: std::sync::atomic::AtomicU64,
+    /// Highest reading taken by callback resets since the last event.
+    event_carried: std::sync::atomic::AtomicU64,
 }
 
 impl TimelineProbe {
@@ -107,17 +114,18 @@ impl TimelineProbe {
         TimelineProbe {
             inner,
             carried: std::sync::atomic::AtomicU64::new(0),
+            event_carried: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
-    /// The highest bytes in use since the previous event (or the callback's last reset), and
-    /// start a new event interval.
+    /// The highest bytes in use since the previous event, and start a new event interval.
     pub fn take_event_peak(&self) -> u64 {
+        use std::sync::atomic::Ordering::SeqCst;
         let p = self.inner.peak();
-        self.carried
-            .fetch_max(p, std::sync::atomic::Ordering::SeqCst);
+        self.carried.fetch_max(p, SeqCst);
+        let e = self.event_carried.swap(0, SeqCst).max(p);
         self.inner.reset_peak();
-        p
+        e
     }
 }
 
@@ -137,7 +145,9 @@ impl crate::memory::MemoryProbe for TimelineProbe {
             .max(self.carried.load(std::sync::atomic::Ordering::SeqCst))
     }
     fn reset_peak(&self) {
-        self.carried.store(0, std::sync::atomic::Ordering::SeqCst);
+        use std::sync::atomic::Ordering::SeqCst;
+        self.event_carried.fetch_max(self.inner.peak(), SeqCst);
+        self.carried.store(0, SeqCst);
         self.inner.reset_peak();
     }
     fn limit(&self) -> Option<u64> {

@@ -210,7 +210,13 @@ impl Cnn {
         let x = x.to_dtype(DType::F32)?.flatten_from(1)?;
         let w = mode.param(&self.head_w);
         let b = mode.param(&self.head_b);
-        Ok(x.matmul(&w.t()?)?.broadcast_add(&b)?)
+        let logits = if w.track_op() {
+            x.matmul(&w.t()?)?
+        } else {
+            // No graph: the single-threaded product (see `ops::linear`).
+            crate::ops::linear::matmul(&x, &w.t()?)?
+        };
+        Ok(logits.broadcast_add(&b)?)
     }
 
     /// Full forward: f32 images [N,3,32,32] → f32 logits [N,10], computing in `dtype`.

@@ -587,7 +587,9 @@ pub fn bn_relu_in_place(h: Tensor, p: &BnParams) -> Result<Tensor> {
 fn pool_width(op: &str, h: &Tensor) -> Result<usize> {
     let (_, _, hh, w) = h.dims4()?;
     if hh % 2 != 0 || w % 2 != 0 {
-        return Err(candle_core::Error::Msg(format!("{op}: needs even H and W, got {hh}x{w}")).into());
+        return Err(
+            candle_core::Error::Msg(format!("{op}: needs even H and W, got {hh}x{w}")).into(),
+        );
     }
     Ok(w)
 }
@@ -616,7 +618,12 @@ pub fn bn_relu_pool_argmax(h: &Tensor, p: &BnParams) -> Result<Option<Tensor>> {
         return Ok(None);
     }
     let h = h.contiguous()?;
-    Ok(Some(h.apply_op1_no_bwd(&PoolArgmax { lean: LeanBn { p: p.clone(), pool_w: Some(w) } })?))
+    Ok(Some(h.apply_op1_no_bwd(&PoolArgmax {
+        lean: LeanBn {
+            p: p.clone(),
+            pool_w: Some(w),
+        },
+    })?))
 }
 
 /// Gradients of one BatchNorm + ReLU: `(grad_h, grad_gamma, grad_beta)`, the last two f32 `[C]`.
@@ -633,7 +640,13 @@ pub fn bn_relu_backward(h: &Tensor, g: Tensor, p: &BnParams) -> Result<BnGrads> 
         return backward_via_y(&h, &g, &y, p);
     }
     let sums = h.apply_op2_no_bwd(&g, &p.lean())?;
-    g.inplace_op2(&h, &LeanBwdInput { lean: p.lean(), sums: sums.clone() })?;
+    g.inplace_op2(
+        &h,
+        &LeanBwdInput {
+            lean: p.lean(),
+            sums: sums.clone(),
+        },
+    )?;
     Ok((g, sums.get(0)?, sums.get(1)?))
 }
 
@@ -653,9 +666,19 @@ pub fn bn_relu_pool_backward(
     match argmax {
         Some(am) if h.device().is_cpu() => {
             let am = am.contiguous()?;
-            let lean = LeanBn { p: p.clone(), pool_w: Some(w) };
+            let lean = LeanBn {
+                p: p.clone(),
+                pool_w: Some(w),
+            };
             let sums = h.apply_op3_no_bwd(&gp, &am, &PoolBwdReduce { lean: lean.clone() })?;
-            h.inplace_op3(&gp, &am, &LeanBwdInput { lean, sums: sums.clone() })?;
+            h.inplace_op3(
+                &gp,
+                &am,
+                &LeanBwdInput {
+                    lean,
+                    sums: sums.clone(),
+                },
+            )?;
             Ok((h, sums.get(0)?, sums.get(1)?))
         }
         _ => {
@@ -810,9 +833,11 @@ fn cpu_slice_mut<'a, T: StorageMut>(
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} must be contiguous")))?;
     let dtype = s.dtype();
-    T::slice_mut(s)
-        .map(|v| &mut v[start..end])
-        .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} has dtype {dtype:?}, not the activation dtype")))
+    T::slice_mut(s).map(|v| &mut v[start..end]).ok_or_else(|| {
+        candle_core::Error::Msg(format!(
+            "batch norm: {what} has dtype {dtype:?}, not the activation dtype"
+        ))
+    })
 }
 
 impl candle_core::InplaceOp1 for LeanBn {
@@ -838,7 +863,9 @@ impl CustomOp1 for LeanBn {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let d = dims_of(l)?;
-        let w = self.pool_w.ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
+        let w = self
+            .pool_w
+            .ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
         let out = by_dtype!(s, "bn-relu-pool", |T| {
@@ -1509,7 +1536,14 @@ mod cpu {
                 for hc in plane.chunks_mut(BLK) {
                     let n = hc.len();
                     T::load(hc, &mut buf[..n]);
-                    normalize(&buf[..n], ch.mean[c], ch.scale[c], ch.beta[c], true, &mut res[..n]);
+                    normalize(
+                        &buf[..n],
+                        ch.mean[c],
+                        ch.scale[c],
+                        ch.beta[c],
+                        true,
+                        &mut res[..n],
+                    );
                     T::store(&res[..n], hc);
                 }
             }
@@ -1544,7 +1578,14 @@ mod cpu {
             let (mut hf, mut y) = (vec![0f32; d.hw], vec![0f32; d.hw]);
             let mut tmp = T::zeros(BLK);
             for p in r {
-                plane_y::<T>(&h[p * d.hw..(p + 1) * d.hw], ch, p % d.c, &mut hf, &mut y, &mut tmp);
+                plane_y::<T>(
+                    &h[p * d.hw..(p + 1) * d.hw],
+                    ch,
+                    p % d.c,
+                    &mut hf,
+                    &mut y,
+                    &mut tmp,
+                );
                 for oy in 0..ho {
                     for ox in 0..wo {
                         let i0 = 2 * oy * w + 2 * ox;
@@ -1686,13 +1727,25 @@ mod cpu {
                 match (h, gp_argmax) {
                     // No pool: h is a separate tensor, dst holds the upstream gradient.
                     (Some(h), _) => {
-                        plane_y::<T>(&h[p * d.hw..(p + 1) * d.hw], ch, c, &mut hf, &mut y, &mut tmp);
+                        plane_y::<T>(
+                            &h[p * d.hw..(p + 1) * d.hw],
+                            ch,
+                            c,
+                            &mut hf,
+                            &mut y,
+                            &mut tmp,
+                        );
                         T::load(out, &mut gf);
                     }
                     // After a pool: dst holds h, the gradient comes from the pooled plane.
                     (None, Some((gp, am, w))) => {
                         plane_y::<T>(out, ch, c, &mut hf, &mut y, &mut tmp);
-                        scatter_plane(&gp[p * per..(p + 1) * per], &am[p * per..(p + 1) * per], w, &mut gf);
+                        scatter_plane(
+                            &gp[p * per..(p + 1) * per],
+                            &am[p * per..(p + 1) * per],
+                            w,
+                            &mut gf,
+                        );
                     }
                     (None, None) => unreachable!("bwd_input_from_h needs h or the pooled gradient"),
                 }
@@ -1703,7 +1756,6 @@ mod cpu {
         });
     }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // CUDA kernels (NVRTC, compiled once per process at first use).

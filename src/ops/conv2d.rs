@@ -127,7 +127,10 @@ fn check_backward_args(grad: &Tensor, other: &Tensor, geom: &Geom) -> Result<()>
         )));
     }
     if !(grad.device().is_cpu() || grad.device().is_cuda())
-        || !matches!(grad.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        || !matches!(
+            grad.dtype(),
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16
+        )
     {
         return Err(shape_error(format!(
             "backward passes run on the CPU or CUDA in f32, f64, f16 or bf16, not {:?} on {:?}",

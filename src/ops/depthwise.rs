@@ -91,7 +91,8 @@ pub fn depthwise_backward_weight(
     check_dtype(x.dtype()).map_err(op_error)?;
     let g = Geometry::new(x.dims(), w_dims, stride, padding).map_err(op_error)?;
     let grad = grad.to_dtype(x.dtype())?.contiguous()?;
-    Ok(x.contiguous()?.apply_op2_no_bwd(&grad, &DepthwiseWeightGrad { g })?)
+    Ok(x.contiguous()?
+        .apply_op2_no_bwd(&grad, &DepthwiseWeightGrad { g })?)
 }
 
 fn op_error(msg: String) -> Error {

@@ -8,4 +8,5 @@ pub mod conv2d_cuda;
 #[cfg(feature = "cuda")]
 mod cuda_util;
 pub mod depthwise;
+pub mod linear;
 pub mod pool;

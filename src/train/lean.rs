@@ -33,7 +33,7 @@ use crate::error::Result;
 use crate::model::layers::{BatchNorm, ConvLayer};
 use crate::model::Cnn;
 use crate::ops::batchnorm::{self as bn, BnParams};
-use crate::ops::{conv2d, depthwise};
+use crate::ops::{conv2d, depthwise, linear};
 use candle_core::{DType, Tensor, D};
 use std::ops::Range;
 
@@ -190,19 +190,18 @@ impl<'a> LeanStep<'a> {
         drop(h);
         let hw = self.model.head_w.as_detached_tensor();
         let hb = self.model.head_b.as_detached_tensor();
-        let logits = feat.matmul(&hw.t()?)?.broadcast_add(&hb)?;
+        let logits = linear::matmul(&feat, &hw.t()?)?.broadcast_add(&hb)?;
         let (loss, correct, dlogits) = loss_and_grad(&logits, y, loss_mult)?;
         drop(logits);
         self.emit_named(obs, Phase::Forward, "head", acc)?;
         obs.forward_done()?;
 
         let nvars = self.var_base[self.model.blocks.len()];
-        acc.add(nvars, dlogits.t()?.matmul(&feat)?)?;
+        acc.add(nvars, linear::matmul(&dlogits.t()?, &feat)?)?;
         acc.add(nvars + 1, dlogits.sum(0)?)?;
         drop(feat);
         let last = self.model.blocks.last().expect("the model has blocks");
-        let mut g = dlogits
-            .matmul(&hw)?
+        let mut g = linear::matmul(&dlogits, &hw)?
             .reshape((x.dim(0)?, last.cout, 4, 4))?
             .to_dtype(self.dtype)?;
         drop(dlogits);
@@ -410,7 +409,13 @@ impl<'a> LeanStep<'a> {
                 let gw = conv2d::conv2d_backward_weight(x, &dh, w.dims(), 1, 1)?;
                 acc.add(base, gw.to_dtype(DType::F32)?)?;
                 if want_dx {
-                    Ok(Some(conv2d::conv2d_backward_input(&dh, &w, x.dims(), 1, 1)?))
+                    Ok(Some(conv2d::conv2d_backward_input(
+                        &dh,
+                        &w,
+                        x.dims(),
+                        1,
+                        1,
+                    )?))
                 } else {
                     Ok(None)
                 }
@@ -428,7 +433,13 @@ impl<'a> LeanStep<'a> {
                 let gdw = depthwise::depthwise_backward_weight(x, &dd, dw_t.dims(), 1, 1)?;
                 acc.add(base, gdw.to_dtype(DType::F32)?)?;
                 if want_dx {
-                    Ok(Some(depthwise::depthwise_backward_input(&dd, &dw_t, x.dims(), 1, 1)?))
+                    Ok(Some(depthwise::depthwise_backward_input(
+                        &dd,
+                        &dw_t,
+                        x.dims(),
+                        1,
+                        1,
+                    )?))
                 } else {
                     Ok(None)
                 }
@@ -445,9 +456,7 @@ fn dims_in(t: &Tensor) -> Vec<usize> {
 fn conv_forward(conv: &ConvLayer, x: &Tensor) -> Result<Tensor> {
     let dt = x.dtype();
     match conv {
-        ConvLayer::Standard { w } => {
-            conv2d::conv2d(x, &w.as_detached_tensor().to_dtype(dt)?, 1, 1)
-        }
+        ConvLayer::Standard { w } => conv2d::conv2d(x, &w.as_detached_tensor().to_dtype(dt)?, 1, 1),
         ConvLayer::Separable { dw, pw } => {
             let d = depthwise::depthwise_conv2d(x, &dw.as_detached_tensor().to_dtype(dt)?, 1, 1)?;
             conv2d::conv2d(&d, &pw.as_detached_tensor().to_dtype(dt)?, 1, 0)
@@ -461,8 +470,16 @@ fn bn_params(layer: &BatchNorm, h: &Tensor, update_stats: bool) -> Result<BnPara
     let gamma = layer.gamma.as_detached_tensor();
     let beta = layer.beta.as_detached_tensor();
     if layer.frozen {
-        let rm = layer.running_mean.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let rv = layer.running_var.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let rm = layer
+            .running_mean
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let rv = layer
+            .running_var
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         return Ok(BnParams {
             gamma,
             beta,
@@ -491,11 +508,14 @@ fn bn_params(layer: &BatchNorm, h: &Tensor, update_stats: bool) -> Result<BnPara
 
 /// Mean cross-entropy of f32 `logits` [N, 10] for u32 `labels`, the correct count, and the
 /// gradient of `loss_mult · loss` with respect to the logits: `(softmax − onehot) · loss_mult / N`.
-pub fn loss_and_grad(logits: &Tensor, labels: &Tensor, loss_mult: f64) -> Result<(f64, usize, Tensor)> {
+pub fn loss_and_grad(
+    logits: &Tensor,
+    labels: &Tensor,
+    loss_mult: f64,
+) -> Result<(f64, usize, Tensor)> {
     let n = logits.dim(0)?;
     let classes = logits.dim(1)?;
-    let loss = candle_nn::loss::cross_entropy(logits, labels)?
-        .to_scalar::<f32>()? as f64;
+    let loss = candle_nn::loss::cross_entropy(logits, labels)?.to_scalar::<f32>()? as f64;
     let correct = logits
         .argmax(D::Minus1)?
         .eq(labels)?

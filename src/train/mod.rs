@@ -2,8 +2,8 @@
 //! gradient accumulation, gradient checkpointing (recomputation) and the optimizers.
 
 pub mod accumulate;
-pub mod lean;
 pub mod checkpoint;
+pub mod lean;
 pub mod optim;
 pub mod precision;
 pub mod reference;

@@ -4,9 +4,9 @@
 //! picks the layer type when the model is built.
 
 use super::accumulate::GradAccumulator;
+use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
 use super::optim::{one_cycle_lr, Optimizer};
 use super::precision::LossScaler;
-use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
 use super::reference::loss_and_correct;
 use super::summary::Summary;
 use crate::callbacks::{
@@ -74,6 +74,8 @@ pub struct Trainer {
     pub(crate) timeline: StepTimeline,
     /// Whether the run writes files into its directory.
     pub(crate) log_files: bool,
+    /// Training batches' image buffers, reused from step to step and epoch to epoch.
+    pub(crate) batch_buffers: crate::data::BufferPool,
     pub(crate) memory_log: Arc<Mutex<MemoryLog>>,
     pub(crate) callbacks: CallbackList,
     pub(crate) train: Arc<Dataset>,
@@ -253,6 +255,7 @@ impl StepHooks<'_> {
                 ..f
             },
             predicted_peak_bytes: None,
+            predicted_current_bytes: None,
         });
         match self.probe.limit() {
             Some(limit) if self.probe.available() && peak > limit => Err(Error::OutOfMemory {
@@ -399,6 +402,7 @@ impl Trainer {
             timeline_probe,
             timeline: StepTimeline::default(),
             log_files: options.log_files,
+            batch_buffers: crate::data::BufferPool::new(),
             memory_log,
             callbacks: CallbackList::new(list),
             train: Arc::new(data.train),
@@ -447,10 +451,14 @@ impl Trainer {
         let mut t = self.timeline.clone();
         if let Some(e) = self.memory_estimate().filter(|_| self.probe.available()) {
             if e.events.len() == t.events.len()
-                && e.events.iter().zip(&t.events).all(|(p, m)| p.layer == m.layer)
+                && e.events
+                    .iter()
+                    .zip(&t.events)
+                    .all(|(p, m)| p.layer == m.layer)
             {
                 for (ev, p) in t.events.iter_mut().zip(&e.events) {
                     ev.predicted_peak_bytes = Some(p.peak_bytes);
+                    ev.predicted_current_bytes = Some(p.current_bytes);
                 }
             }
         }
@@ -632,6 +640,7 @@ impl Trainer {
                     ..f
                 },
                 predicted_peak_bytes: None,
+                predicted_current_bytes: None,
             });
             self.timeline = StepTimeline {
                 label: self.config.label(),
@@ -715,6 +724,7 @@ impl Trainer {
                 epoch: 0,
                 prefetch: 2,
                 start_batch: 0,
+                recycle: None,
             },
         );
         let dtype = self.config.precision.compute_dtype();
@@ -785,6 +795,7 @@ impl Trainer {
                     epoch,
                     prefetch: 2,
                     start_batch: first,
+                    recycle: Some(self.batch_buffers.clone()),
                 },
             );
             let t0 = Instant::now();
@@ -793,6 +804,8 @@ impl Trainer {
             let mut lr = cfg.lr;
             for batch in batcher.take(steps) {
                 let r = self.train_step(&batch, epoch, batch.index)?;
+                let index = batch.index;
+                self.batch_buffers.put(batch.images);
                 loss_sum += r.loss;
                 correct += r.correct;
                 images += r.images;
@@ -801,11 +814,11 @@ impl Trainer {
                 lr = r.lr;
                 // [checkpoint] every --save-every steps (a step is never saved twice).
                 if cfg.save_every > 0 && self.global_step.is_multiple_of(cfg.save_every) {
-                    self.save_checkpoint(epoch, batch.index + 1)?;
+                    self.save_checkpoint(epoch, index + 1)?;
                 }
                 if self.stop_requested() {
                     interrupted = true;
-                    self.start_batch = batch.index + 1;
+                    self.start_batch = index + 1;
                     break;
                 }
             }
@@ -864,7 +877,9 @@ impl Trainer {
         })?;
         if self.log_files && !self.timeline.events.is_empty() {
             crate::io::write_json_atomic(
-                &self.run_dir.join(crate::memory::timeline::STEP_TIMELINE_FILE),
+                &self
+                    .run_dir
+                    .join(crate::memory::timeline::STEP_TIMELINE_FILE),
                 &self.step_timeline(),
             )?;
         }

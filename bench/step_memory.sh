@@ -24,9 +24,8 @@
 # S steps in one process; the figure is the median step-added peak of the steps after the first 2
 # (warm-up: lazily created momentum buffers, first-call caches); the maximum is reported too, and
 # every step's values go into the JSON. Both sides train on the same images without augmentation.
-# memtrain's figure can move by a batch (1.5 MiB at B=128) from step to step: its data loader
-# builds the next batches on a background thread, and whether one is allocated just before or
-# just after a step begins depends on thread timing.
+# memtrain's data loader reuses its batch buffers (data::BufferPool), so no batch is allocated
+# while a step runs and the figure repeats step to step.
 # Checkpointing: memtrain's stages/blocks recompute every segment (three stages / six blocks), the
 # head outside; torch_reference.py wraps each segment in torch.utils.checkpoint.checkpoint
 # (use_reentrant=False) the same way.

@@ -217,6 +217,22 @@ fn batch_grads(
     Ok((loss, correct, acc.into_grads()))
 }
 
+/// `current` bytes split into categories: the step's constant ones (`fixed`), its gradient
+/// buffers and saved activations, and the rest as transient. When less is in use than the
+/// categories account for (something that was in use at the step's start was freed during it),
+/// `other` shrinks, so the categories always add up to `current`.
+fn split_categories(fixed: CategoryBytes, grads: u64, saved: u64, current: u64) -> CategoryBytes {
+    let step = fixed.params + fixed.optimizer + grads + saved;
+    let other = fixed.other.min(current.saturating_sub(step));
+    CategoryBytes {
+        grads,
+        saved,
+        other,
+        transient: current.saturating_sub(step + other),
+        ..fixed
+    }
+}
+
 /// The trainer's observer of one step: the phase (for error messages), the CPU budget check,
 /// the callbacks' after-forward/after-backward hooks, and the memory timeline.
 struct StepHooks<'a> {
@@ -239,8 +255,6 @@ impl StepHooks<'_> {
     fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<()> {
         let peak = self.probe.take_event_peak();
         let current = self.probe.current();
-        let f = self.fixed;
-        let known = f.params + f.optimizer + f.other + grads + saved;
         self.events.push(TimelineEvent {
             index: self.events.len(),
             phase,
@@ -248,12 +262,7 @@ impl StepHooks<'_> {
             micro_batch: self.micro,
             current_bytes: current,
             peak_bytes: peak,
-            categories: CategoryBytes {
-                grads,
-                saved,
-                transient: current.saturating_sub(known),
-                ..f
-            },
+            categories: split_categories(self.fixed, grads, saved, current),
             predicted_peak_bytes: None,
             predicted_current_bytes: None,
         });
@@ -635,10 +644,7 @@ impl Trainer {
                 micro_batch: self.config.accum_steps - 1,
                 current_bytes: current,
                 peak_bytes: peak,
-                categories: CategoryBytes {
-                    transient: current.saturating_sub(f.total()),
-                    ..f
-                },
+                categories: split_categories(f, 0, 0, current),
                 predicted_peak_bytes: None,
                 predicted_current_bytes: None,
             });

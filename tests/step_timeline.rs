@@ -1,0 +1,156 @@
+//! The memory timeline inside a step: one event per layer (per micro-batch) and the optimizer,
+//! categories that add up to the probe's reading, the estimate's prediction at every event,
+//! `step_timeline.json` in the run directory; and `--checkpoint auto`.
+
+mod common;
+
+use memtrain::config::{Checkpointing, ConvKind, TrainConfig};
+use memtrain::memory::estimate::{
+    estimate_with, model_layer_specs, resolve_checkpointing, Baseline, DataSize, DeviceKind,
+};
+use memtrain::memory::timeline::{StepTimeline, STEP_TIMELINE_FILE};
+use memtrain::memory::CountingAllocator;
+use memtrain::train::TrainerOptions;
+
+#[global_allocator]
+static A: CountingAllocator = CountingAllocator;
+
+fn run(cfg: TrainConfig, name: &str) -> (StepTimeline, std::path::PathBuf) {
+    let dir = common::temp_dir(name);
+    let cfg = TrainConfig {
+        out: Some(dir.clone()),
+        ..cfg
+    };
+    let mut t = common::trainer_with(
+        cfg,
+        TrainerOptions {
+            log_files: true,
+            ..TrainerOptions::default()
+        },
+    );
+    t.fit().unwrap();
+    let text = std::fs::read_to_string(dir.join(STEP_TIMELINE_FILE)).unwrap();
+    (serde_json::from_str(&text).unwrap(), dir)
+}
+
+#[test]
+fn one_event_per_layer_with_categories_and_predictions() {
+    for (checkpoint, accum, per_micro) in [
+        // 6 blocks forward, head forward and backward, 6 blocks backward.
+        (Checkpointing::None, 1, 14),
+        // + one recomputation event per segment.
+        (Checkpointing::Stages, 1, 17),
+        (Checkpointing::Blocks, 2, 20),
+    ] {
+        let cfg = TrainConfig {
+            checkpoint,
+            accum_steps: accum,
+            conv: ConvKind::Separable,
+            ..common::tiny_config()
+        };
+        let (t, dir) = run(cfg, &format!("timeline-{checkpoint}"));
+        assert_eq!(t.events.len(), per_micro * accum + 1, "{checkpoint}");
+        let last = t.events.last().unwrap();
+        assert_eq!(last.layer, "optimizer");
+        for (i, e) in t.events.iter().enumerate() {
+            assert_eq!(e.index, i);
+            assert_eq!(
+                e.categories.total(),
+                e.current_bytes,
+                "{checkpoint} event {i}"
+            );
+            assert!(e.peak_bytes >= e.current_bytes, "{checkpoint} event {i}");
+            assert!(e.predicted_peak_bytes.is_some(), "{checkpoint} event {i}");
+        }
+        // By the last backward event only the micro-batch's input (f32) is still saved.
+        let before_opt = &t.events[t.events.len() - 2];
+        let micro = 16 / accum;
+        assert_eq!(
+            before_opt.categories.saved,
+            (micro * 3072 * 4) as u64,
+            "{checkpoint}"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
+fn half_precision_saves_half_the_activation_bytes() {
+    let saved = |precision| {
+        let cfg = TrainConfig {
+            precision,
+            ..common::tiny_config()
+        };
+        let (t, dir) = run(cfg, &format!("timeline-{precision}"));
+        let _ = std::fs::remove_dir_all(dir);
+        t.events.iter().map(|e| e.categories.saved).max().unwrap()
+    };
+    use memtrain::config::Precision;
+    assert_eq!(saved(Precision::F16) * 2, saved(Precision::F32));
+    assert_eq!(saved(Precision::Bf16), saved(Precision::F16));
+}
+
+#[test]
+fn auto_checkpointing_follows_the_estimate() {
+    let dev = DeviceKind::cpu();
+    let base = Baseline::Modeled(DataSize::exact(512, 64));
+    let cfg = TrainConfig {
+        width: 16,
+        batch_size: 64,
+        checkpoint: Checkpointing::Auto,
+        ..TrainConfig::default()
+    };
+    let specs = model_layer_specs(16, ConvKind::Standard);
+    let peak = |c: Checkpointing| {
+        let cfg = TrainConfig {
+            checkpoint: c,
+            ..cfg.clone()
+        };
+        estimate_with(&cfg, dev, base).unwrap().peak
+    };
+    let (none, stages, blocks) = (
+        peak(Checkpointing::None),
+        peak(Checkpointing::Stages),
+        peak(Checkpointing::Blocks),
+    );
+    // Without a limit: the smallest predicted peak.
+    let smallest = [
+        (Checkpointing::None, none),
+        (Checkpointing::Stages, stages),
+        (Checkpointing::Blocks, blocks),
+    ]
+    .into_iter()
+    .min_by_key(|p| p.1)
+    .unwrap()
+    .0;
+    assert_eq!(
+        resolve_checkpointing(&cfg, &specs, dev, base).unwrap(),
+        smallest
+    );
+    // The estimate of `auto` is the estimate of what it picks.
+    assert_eq!(estimate_with(&cfg, dev, base).unwrap().peak, peak(smallest));
+    // Under a limit every segmentation fits: the cheapest (no recomputation).
+    let roomy = TrainConfig {
+        memory_limit: Some(none.max(stages).max(blocks)),
+        ..cfg.clone()
+    };
+    assert_eq!(
+        resolve_checkpointing(&roomy, &specs, dev, base).unwrap(),
+        Checkpointing::None
+    );
+    // A limit only the smallest fits.
+    let tight = TrainConfig {
+        memory_limit: Some(none.min(stages).min(blocks)),
+        ..cfg.clone()
+    };
+    assert_eq!(
+        resolve_checkpointing(&tight, &specs, dev, base).unwrap(),
+        smallest
+    );
+    // A trainer built with `auto` trains with what the estimate picked.
+    let t = common::trainer(TrainConfig {
+        checkpoint: Checkpointing::Auto,
+        ..common::tiny_config()
+    });
+    assert_ne!(t.config.checkpoint, Checkpointing::Auto);
+}

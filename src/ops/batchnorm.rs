@@ -1396,6 +1396,17 @@ mod cpu {
         y
     }
 
+    /// `[Σg'·x̂; Σg']` per channel from per-plane `(Σg', Σg'·(x - mean))` partials.
+    fn gamma_beta_grads(part: &[(f64, f64)], d: Dims, var: &[f32], eps: f32) -> Vec<f32> {
+        let tot = per_channel(part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let grad_gamma = tot
+            .iter()
+            .zip(var)
+            .map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
+        let grad_beta = tot.iter().map(|t| t.0 as f32);
+        grad_gamma.chain(grad_beta).collect()
+    }
+
     /// Per-channel `[Σg'·x̂ (grad_gamma); Σg' (grad_beta)]`, where `g'` is grad_y masked by `y > 0`
     /// when the ReLU is fused.
     pub(super) fn bwd_reduce<T: Elem>(
@@ -1429,13 +1440,7 @@ mod cpu {
             }
             acc
         });
-        let tot = per_channel(&part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
-        let grad_gamma = tot
-            .iter()
-            .zip(var)
-            .map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
-        let grad_beta = tot.iter().map(|t| t.0 as f32);
-        grad_gamma.chain(grad_beta).collect()
+        gamma_beta_grads(&part, d, var, eps)
     }
 
     /// Per-channel constants of the input gradient:
@@ -1688,13 +1693,7 @@ mod cpu {
             }
             acc
         });
-        let tot = per_channel(&part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
-        let grad_gamma = tot
-            .iter()
-            .zip(var)
-            .map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
-        let grad_beta = tot.iter().map(|t| t.0 as f32);
-        grad_gamma.chain(grad_beta).collect()
+        gamma_beta_grads(&part, d, var, eps)
     }
 
     /// The input gradient of BatchNorm + ReLU (+ pool) from h, written over `dst`: over the

@@ -368,18 +368,14 @@ impl<'a> LeanStep<'a> {
             ConvLayer::Separable { dw, pw } => {
                 let dw_t = dw.as_detached_tensor().to_dtype(dt)?;
                 let pw_t = pw.as_detached_tensor().to_dtype(dt)?;
-                // Pointwise weight gradient from the depthwise output, recomputed (its input
-                // freed right away), then the depthwise gradients.
+                // The depthwise output is recomputed from a fresh block input that is freed right
+                // away; the input is rewritten over h_{j-1} again for the depthwise gradient.
                 let d = {
                     let y = bn::bn_relu(&prev.h, &prev.bn)?;
                     depthwise::depthwise_conv2d(&y, &dw_t, 1, 1)?
                 };
-                let gpw = conv2d::conv2d_backward_weight(&d, &dh, pw_t.dims(), 1, 0)?;
-                acc.add(base + 1, gpw.to_dtype(DType::F32)?)?;
                 let d_dims = d.dims().to_vec();
-                drop(d);
-                let dd = conv2d::conv2d_backward_input(&dh, &pw_t, &d_dims, 1, 0)?;
-                drop(dh);
+                let dd = pointwise_backward(base, d, dh, &pw_t, acc)?;
                 let dx = depthwise::depthwise_backward_input(&dd, &dw_t, &d_dims, 1, 1)?;
                 let (dh_prev, dg, db) = bn::bn_relu_backward(&prev.h, dx, &prev.bn)?;
                 self.add_bn_grads(j - 1, dg, db, acc)?;
@@ -424,12 +420,7 @@ impl<'a> LeanStep<'a> {
                 let dw_t = dw.as_detached_tensor().to_dtype(dt)?;
                 let pw_t = pw.as_detached_tensor().to_dtype(dt)?;
                 let d = depthwise::depthwise_conv2d(x, &dw_t, 1, 1)?;
-                let gpw = conv2d::conv2d_backward_weight(&d, &dh, pw_t.dims(), 1, 0)?;
-                acc.add(base + 1, gpw.to_dtype(DType::F32)?)?;
-                let d_dims = d.dims().to_vec();
-                drop(d);
-                let dd = conv2d::conv2d_backward_input(&dh, &pw_t, &d_dims, 1, 0)?;
-                drop(dh);
+                let dd = pointwise_backward(base, d, dh, &pw_t, acc)?;
                 let gdw = depthwise::depthwise_backward_weight(x, &dd, dw_t.dims(), 1, 1)?;
                 acc.add(base, gdw.to_dtype(DType::F32)?)?;
                 if want_dx {
@@ -446,6 +437,23 @@ impl<'a> LeanStep<'a> {
             }
         }
     }
+}
+
+/// The pointwise half of a separable block's backward from its (recomputed) depthwise output `d`
+/// and dh: the pointwise weight gradient into `acc` (index `base + 1`), then the gradient of `d`.
+/// `d` and `dh` are freed as soon as they are no longer needed.
+fn pointwise_backward(
+    base: usize,
+    d: Tensor,
+    dh: Tensor,
+    pw: &Tensor,
+    acc: &mut GradAccumulator,
+) -> Result<Tensor> {
+    let gpw = conv2d::conv2d_backward_weight(&d, &dh, pw.dims(), 1, 0)?;
+    acc.add(base + 1, gpw.to_dtype(DType::F32)?)?;
+    let d_dims = d.dims().to_vec();
+    drop(d);
+    conv2d::conv2d_backward_input(&dh, pw, &d_dims, 1, 0)
 }
 
 fn dims_in(t: &Tensor) -> Vec<usize> {

@@ -730,7 +730,8 @@ impl Trainer {
                 epoch: 0,
                 prefetch: 2,
                 start_batch: 0,
-                recycle: None,
+                // The training batches' buffers: evaluation needs no more of its own.
+                recycle: Some(self.batch_buffers.clone()),
             },
         );
         let dtype = self.config.precision.compute_dtype();
@@ -742,6 +743,7 @@ impl Trainer {
             loss_sum += loss.to_scalar::<f32>()? as f64 * b.len as f64;
             correct += c;
             n += b.len;
+            self.batch_buffers.put(b.images);
         }
         if n == 0 {
             return Ok((f64::NAN, 0.0));

@@ -1,0 +1,45 @@
+# Shared by bench/compare_torch.sh and bench/step_memory.sh (sourced, not run). Both define
+# `fail MESSAGE` (one-line error, exit 1), `repo` (the repository root) and `data_dir` (empty for
+# synthetic data) before calling these.
+
+# PyTorch from ${TORCH_VENV:-$HOME/.cache/memtrain/torch-venv}, created with torch and numpy from
+# PyPI when `import torch` fails there. Sets `py` (its python) and `torch_version`.
+setup_torch() {
+  local venv=${TORCH_VENV:-$HOME/.cache/memtrain/torch-venv} err
+  py="$venv/bin/python"
+  if ! "$py" -c 'import torch' >/dev/null 2>&1; then
+    echo "== PyTorch not importable from $venv: setting it up (pip install torch numpy from PyPI; a large download)"
+    if [ ! -x "$py" ]; then
+      command -v python3 >/dev/null || fail "python3 not found; install Python 3 (with venv) or set TORCH_VENV to a venv with torch"
+      python3 -m venv "$venv" ||
+        fail "python3 -m venv $venv failed; install the venv module (e.g. apt-get install python3-venv) or set TORCH_VENV"
+    fi
+    # The Linux wheel needs its nvidia-* dependency wheels even to import on the CPU: no --no-deps.
+    "$py" -m pip install --upgrade torch numpy ||
+      fail "pip install torch numpy into $venv failed; check network access to PyPI or set TORCH_VENV to a venv with torch"
+    err=$("$py" -c 'import torch' 2>&1 | tail -n 1) ||
+      fail "torch is installed in $venv but does not import: $err"
+  fi
+  "$py" -c 'import numpy' >/dev/null 2>&1 || [ -z "$data_dir" ] ||
+    fail "numpy is missing in $venv (torch_reference.py needs it to read CIFAR files); run: $py -m pip install numpy"
+  torch_version=$("$py" -c 'import torch; print(torch.__version__)')
+}
+
+# `cargo build --release --example train_cifar10` with ${CARGO:-cargo} (CARGO=true runs whatever
+# binary is there). Sets `cargo`, `target_dir` and `bin`. Needs `py` (for cargo metadata's JSON).
+build_memtrain() {
+  local build_log
+  cargo=${CARGO:-cargo}
+  echo "== building memtrain (cargo build --release --example train_cifar10; waits for a busy cargo lock)"
+  build_log=$(mktemp "${TMPDIR:-/tmp}/memtrain-build.XXXXXX")
+  if ! (cd "$repo" && $cargo build --release --example train_cifar10) >"$build_log" 2>&1; then
+    tail -n 30 "$build_log" >&2
+    fail "cargo build --release --example train_cifar10 failed (log above, full log in $build_log)"
+  fi
+  rm -f "$build_log"
+  target_dir=$(cd "$repo" && $cargo metadata --no-deps --format-version 1 2>/dev/null |
+    "$py" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null) ||
+    target_dir="$repo/target"
+  bin="$target_dir/release/examples/train_cifar10"
+  [ -x "$bin" ] || fail "$bin was not built"
+}

@@ -237,6 +237,7 @@ fn setup(device: &str, case: &Case) -> memtrain::Result<(Trainer, Batch, Rc<RefC
             epoch: 0,
             prefetch: 1,
             start_batch: 0,
+            recycle: None,
         },
     )
     .next()

@@ -227,6 +227,7 @@ impl Cnn {
 
     /// Checkpointing segments as ranges of blocks: one segment for `none`, one per stage, or one
     /// per block. The head is always handled separately by the trainer.
+    #[allow(clippy::single_range_in_vec_init)] // one segment of all blocks
     pub fn segments(&self, ckpt: Checkpointing) -> Vec<Range<usize>> {
         let n = self.blocks.len();
         match ckpt {

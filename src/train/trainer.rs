@@ -175,6 +175,17 @@ fn all_finite(grads: &[Option<Tensor>]) -> Result<bool> {
     Ok(sum.is_finite())
 }
 
+/// `(k, images per micro-batch)` for a batch of `labels.len()` images split into `k` micro-batches.
+fn micro_batches(k: usize, images: &[f32], labels: &[u32]) -> Result<(usize, usize)> {
+    let n = labels.len();
+    if k == 0 || !n.is_multiple_of(k) || images.len() != n * 3072 {
+        return Err(Error::config(format!(
+            "a batch of {n} images cannot be split into {k} micro-batches"
+        )));
+    }
+    Ok((k, n / k))
+}
+
 /// Forward+backward over the micro-batches of one batch on the lean tape. `loss_scale`
 /// multiplies the loss (the returned gradients are still scaled); `obs` sees every micro-batch
 /// boundary and layer event.
@@ -185,14 +196,7 @@ fn batch_grads(
     loss_scale: f64,
     obs: &mut dyn StepObserver,
 ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
-    let k = t.config.accum_steps;
-    let n = labels.len();
-    if n % k != 0 || images.len() != n * 3072 {
-        return Err(Error::config(format!(
-            "a batch of {n} images cannot be split into {k} micro-batches"
-        )));
-    }
-    let mb = n / k;
+    let (k, mb) = micro_batches(t.config.accum_steps, images, labels)?;
     let dtype = t.config.precision.compute_dtype();
     let mut acc = GradAccumulator::new(t.vars.len());
     let (mut loss, mut correct) = (0.0, 0);
@@ -534,14 +538,7 @@ impl Trainer {
         images: &[f32],
         labels: &[u32],
     ) -> Result<(f64, Vec<Option<Tensor>>)> {
-        let k = self.config.accum_steps;
-        let n = labels.len();
-        if n % k != 0 || images.len() != n * 3072 {
-            return Err(Error::config(format!(
-                "a batch of {n} images cannot be split into {k} micro-batches"
-            )));
-        }
-        let mb = n / k;
+        let (k, mb) = micro_batches(self.config.accum_steps, images, labels)?;
         let mut acc = GradAccumulator::new(self.vars.len());
         let mut loss = 0.0;
         for i in 0..k {

@@ -87,7 +87,18 @@ fn predicted_and_measured(cfg: &TrainConfig, pre: u64) -> (u64, u64) {
         cfg.label()
     );
     for ev in &timeline.events {
-        let p = ev.predicted_peak_bytes.expect("a prediction per event") + pre;
+        // Every event has its prediction, but the update of a step the f16 loss scaler skipped.
+        let Some(p) = ev.predicted_peak_bytes else {
+            assert_eq!(
+                ev.layer,
+                "optimizer (skipped)",
+                "{}: event {}",
+                cfg.label(),
+                ev.index
+            );
+            continue;
+        };
+        let p = p + pre;
         let err = (p as f64 - ev.peak_bytes as f64) / ev.peak_bytes as f64 * 100.0;
         assert!(
             err.abs() <= EVENT_TOLERANCE_PCT,

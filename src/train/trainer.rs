@@ -221,6 +221,9 @@ fn batch_grads(
     Ok((loss, correct, acc.into_grads()))
 }
 
+/// The timeline's name of the optimizer event of a step the loss scaler skipped.
+const SKIPPED_UPDATE: &str = "optimizer (skipped)";
+
 /// `current` bytes split into categories: the step's constant ones (`fixed`), its gradient
 /// buffers and saved activations, and the rest as transient. When less is in use than the
 /// categories account for (something that was in use at the step's start was freed during it),
@@ -463,15 +466,19 @@ impl Trainer {
     pub fn step_timeline(&self) -> StepTimeline {
         let mut t = self.timeline.clone();
         if let Some(e) = self.memory_estimate().filter(|_| self.probe.available()) {
+            // The estimate predicts an applied update; a skipped one gets no prediction.
+            let same = |p: &str, m: &str| p == m || (p == "optimizer" && m == SKIPPED_UPDATE);
             if e.events.len() == t.events.len()
                 && e.events
                     .iter()
                     .zip(&t.events)
-                    .all(|(p, m)| p.layer == m.layer)
+                    .all(|(p, m)| same(&p.layer, &m.layer))
             {
                 for (ev, p) in t.events.iter_mut().zip(&e.events) {
-                    ev.predicted_peak_bytes = Some(p.peak_bytes);
-                    ev.predicted_current_bytes = Some(p.current_bytes);
+                    if ev.layer != SKIPPED_UPDATE {
+                        ev.predicted_peak_bytes = Some(p.peak_bytes);
+                        ev.predicted_current_bytes = Some(p.current_bytes);
+                    }
                 }
             }
         }
@@ -637,7 +644,12 @@ impl Trainer {
             events.push(TimelineEvent {
                 index: events.len(),
                 phase: Phase::Optimizer,
-                layer: "optimizer".into(),
+                // A step the loss scaler skipped has no update (and no prediction).
+                layer: if skipped {
+                    SKIPPED_UPDATE.into()
+                } else {
+                    "optimizer".into()
+                },
                 micro_batch: self.config.accum_steps - 1,
                 current_bytes: current,
                 peak_bytes: peak,

@@ -5,8 +5,10 @@
 //! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
 //! - [`model`]: the CNN as a list of segments (so checkpointing can recompute them).
 //! - [`ops`]: our own Candle ops (depthwise and gemm-based convolutions).
-//! - [`memory`]: memory probes (counting allocator, CUDA pool) and the analytic estimate.
-//! - [`train`]: the one training loop, mixed precision, accumulation, checkpointing, optimizers.
+//! - [`memory`]: memory probes (counting allocator, CUDA pool), the analytic estimate and the
+//!   memory timeline inside a step; [`phase`]: the step's phases.
+//! - [`train`]: the one training loop, the lean step (a layer tape), mixed precision,
+//!   accumulation, checkpointing, optimizers.
 //! - [`callbacks`]: the Keras/Lightning-style hook trait and the built-in callbacks.
 //! - [`sweep`]: process-isolated batch-size sweeps and comparisons, tables and charts.
 #![warn(missing_docs)]
@@ -21,6 +23,7 @@ pub mod io;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod phase;
 pub mod plan;
 pub mod signal;
 pub mod sweep;

@@ -7,7 +7,7 @@
 //! the run directory, which `sweep::step_chart` draws as `step_timeline.{png,svg}` and `compare`
 //! overlays across configurations.
 
-use crate::callbacks::Phase;
+use crate::phase::Phase;
 use serde::{Deserialize, Serialize};
 
 /// File name of the step timeline in a run directory.

@@ -28,12 +28,12 @@
 //! h_{j-1} for the weight gradient. Alive at the worst moment: h_{j-1}, dh_j, dx_j.
 
 use super::accumulate::GradAccumulator;
-use crate::callbacks::Phase;
 use crate::error::Result;
 use crate::model::layers::{BatchNorm, ConvLayer};
 use crate::model::Cnn;
 use crate::ops::batchnorm::{self as bn, BnParams};
 use crate::ops::{conv2d, depthwise, linear};
+use crate::phase::Phase;
 use candle_core::{DType, Tensor, D};
 use std::ops::Range;
 

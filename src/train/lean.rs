@@ -186,6 +186,7 @@ impl<'a> LeanStep<'a> {
             }
         }
         // The head in f32: features, logits, loss and the gradient of the logits.
+        let feat_dims = h.dims().to_vec();
         let feat = h.to_dtype(DType::F32)?.flatten_from(1)?;
         drop(h);
         let hw = self.model.head_w.as_detached_tensor();
@@ -200,9 +201,8 @@ impl<'a> LeanStep<'a> {
         acc.add(nvars, linear::matmul(&dlogits.t()?, &feat)?)?;
         acc.add(nvars + 1, dlogits.sum(0)?)?;
         drop(feat);
-        let last = self.model.blocks.last().expect("the model has blocks");
         let mut g = linear::matmul(&dlogits, &hw)?
-            .reshape((x.dim(0)?, last.cout, 4, 4))?
+            .reshape(feat_dims)?
             .to_dtype(self.dtype)?;
         drop(dlogits);
         self.emit_named(obs, Phase::Backward, "head", acc)?;

@@ -3,44 +3,44 @@
 //! [`estimate`] predicts, for a [`TrainConfig`], what the memory probe will measure: the bytes of
 //! the parameters, gradients and optimizer state, the activations saved for backward (in the
 //! compute dtype, with checkpointing and gradient accumulation taken into account), the transient
-//! buffers (im2col columns of each convolution, casts of the f32 master weights, the gradient
-//! buffers Candle's backward allocates), and on the CPU the process baseline (the data set held in
-//! memory, the prefetched batches, the model).
+//! buffers (im2col columns of each convolution, casts of the f32 master weights, activation
+//! gradients), and on the CPU the process baseline (the data set held in memory, the batch
+//! buffers, the model). Besides the peak per phase it predicts every layer event of the step's
+//! memory timeline ([`Estimate::events`], matched to `step_timeline.json` by the trainer).
 //!
 //! It is derived from the model's layer list ([`model_layer_specs`], the same list as
 //! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)), not from a hand-written total: the
-//! estimate replays, layer by layer, the allocations and frees one training step makes, in the
-//! order the code makes them, and records the highest total per phase. The rules it replays:
+//! estimate replays, op by op, the allocations and frees the lean step (`src/train/lean.rs`)
+//! makes, in the order it makes them. The rules it replays:
 //!
-//! - **Forward** (`src/train/recompute.rs`): every op's output is kept by the autograd graph until
-//!   the micro-batch's backward is done, unless the layer is inside a checkpointed segment, whose
-//!   forward runs without a graph (a block's conv and BN outputs live until the block returns).
-//!   Under f16 each weight is cast to a half copy per use. The convolution allocates per thread one
-//!   image's im2col column ([`crate::ops::conv2d::im2col_chunk_bytes`]) and, in f16, widened f32
-//!   copies of one input and one output image.
-//! - **Backward**: Candle's `backward` accumulates every gradient with `zeros_like(arg)` + `add`,
-//!   so each op's input gradient briefly exists three times (the op's result, the zeros, the sum)
-//!   while the output gradient is still held. A gradient computed from a tracked forward tensor
-//!   carries an autograd op of its own and keeps its inputs (and the zeros it was added to) alive
-//!   until the node it belongs to detaches it. A convolution's weight gradient gathers chunks of
-//!   images into im2col columns and sums per-thread partials. With checkpointing, each segment is
-//!   recomputed from a variable copy of its saved input and its upstream gradient is pushed through
-//!   `(out · grad).sum()`, whose backward allocates six output-sized buffers; four of them (the
-//!   gradient of the detached `grad` and what its autograd op holds) stay in the gradient store
-//!   for the rest of the segment.
-//! - **Accumulation**: micro-batch gradients are summed into f32 buffers the size of the parameters.
+//! - **Forward**: each block's conv output h is kept for the backward (with 2·C floats of batch
+//!   statistics) and its output (the ReLU output, or the pool's) is a new tensor that lives until
+//!   the next block has used it; inside a checkpointed segment's first forward nothing is kept and
+//!   BatchNorm + ReLU runs in place. Under f16/bf16 each weight is cast to a half copy per use.
+//!   The convolution allocates per thread one image's im2col column
+//!   ([`crate::ops::conv2d::im2col_chunk_bytes`]) and, in half precision, widened f32 copies of
+//!   one input and one output image. A separable block's depthwise output is freed once the
+//!   pointwise convolution has run.
+//! - **Backward**, per block in the tape's order: the pool's output and byte argmax recomputed
+//!   from h; the conv's input gradient; the BatchNorm backward written over a buffer it owns (no
+//!   allocation but its `[2, C]` sums); the block input recomputed in place over the previous h;
+//!   the weight gradient, whose chunks of images are gathered into im2col columns and summed in
+//!   per-slot partials. A checkpoint segment is re-run with saving first.
+//! - **Accumulation**: the first micro-batch's gradients are the buffers; later ones are added in
+//!   place and dropped.
 //! - **Optimizer** (`src/train/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
 //!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
 //! - **Baseline (CPU)**: the counting allocator measures the whole process heap, so the training
 //!   split and the evaluation split (bytes as loaded), the f32 master weights and BatchNorm
-//!   statistics, the batcher's index permutation, and four f32 batches of the full batch size
-//!   (the one being trained, two in the prefetch channel and one the worker holds while it waits
-//!   for room) are part of every measurement.
+//!   statistics, the batcher's index permutation, four f32 batch buffers of the full batch size
+//!   (recycled from step to step) and the gemm crate's per-thread packing buffers are part of
+//!   every measurement.
 //!
 //! On the CPU the estimate is calibrated against the counting allocator (see
 //! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (the conv op's chunked
-//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`; cuBLAS workspaces and the pool's rounding
-//! not modelled), not yet checked against a GPU.
+//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`; cuBLAS workspaces, the pool's rounding and
+//! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
+//! not yet checked against a GPU.
 
 use crate::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
 use crate::data::{IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};

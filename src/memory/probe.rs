@@ -44,7 +44,7 @@ pub struct CpuProbe {
 }
 
 impl CpuProbe {
-    /// A probe with an optional budget (checked by the trainer after each phase).
+    /// A probe with an optional budget (checked by the trainer after every layer event of a step).
     pub fn new(limit: Option<u64>) -> Self {
         CpuProbe { limit }
     }

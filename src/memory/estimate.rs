@@ -1294,6 +1294,12 @@ impl Lean<'_> {
     /// Block j's forward: the output is left alive; with `save` h (and its statistics) too.
     /// The block input is not freed here.
     fn block_fwd(&mut self, sim: &mut Sim, j: usize, save: bool) {
+        self.block_fwd_out(sim, j, save, true)
+    }
+
+    /// [`Lean::block_fwd`]; with `save` and without `output` (the last block of a
+    /// recomputation, whose output the first forward already used) only h is made.
+    fn block_fwd_out(&mut self, sim: &mut Sim, j: usize, save: bool, output: bool) {
         let (c, nodes) = (self.c, self.nodes);
         self.conv_fwd(sim, j);
         let b = &self.blocks[j];
@@ -1301,7 +1307,9 @@ impl Lean<'_> {
         bn_reduce(sim, c, b, nodes);
         let (h, out) = (b.h_bytes(c, nodes), b.out_bytes(c, nodes));
         if save {
-            sim.alloc(out);
+            if output {
+                sim.alloc(out);
+            }
             self.saved += h;
         } else if b.pool.is_some() {
             sim.alloc(out);
@@ -1547,12 +1555,11 @@ fn micro_batch(
         let input = seg_inputs.pop().unwrap_or(0);
         if !one {
             for j in seg.clone() {
-                l.block_fwd(sim, j, true);
+                l.block_fwd_out(sim, j, true, j + 1 < seg.end);
                 if j > seg.start {
                     sim.free(l.blocks[j - 1].out_bytes(c, nodes));
                 }
             }
-            sim.free(l.blocks[seg.end - 1].out_bytes(c, nodes));
             let name = format!("{} recompute", l.blocks[seg.start].name);
             l.event(sim, Phase::Backward, name);
         }

@@ -217,12 +217,17 @@ impl<'a> LeanStep<'a> {
                 let mut s = Vec::new();
                 let mut h = input.clone();
                 for j in seg.clone() {
-                    let (out, sv) = self.block_forward(j, &h, true, false)?;
-                    let sv = sv.expect("saving forward");
+                    // The segment's output was already used by the first forward: its last
+                    // block only makes h.
+                    let sv = if j + 1 < seg.end {
+                        let (out, sv) = self.block_forward(j, &h, true, false)?;
+                        h = out;
+                        sv.expect("saving forward")
+                    } else {
+                        self.block_save(j, &h)?
+                    };
                     self.saved_bytes += bytes(&sv.h);
                     s.push(sv);
-                    h = out;
-                    // The segment's output was already used by the forward: only h is kept.
                 }
                 drop(h);
                 let label = format!("{} recompute", self.name(seg.start));
@@ -266,6 +271,15 @@ impl<'a> LeanStep<'a> {
         } else {
             Ok((bn::bn_relu_in_place(h, &params)?, None))
         }
+    }
+
+    /// Block j's conv and batch statistics on `x` (running statistics untouched): the saved
+    /// record alone, for the last block of a recomputed segment.
+    fn block_save(&self, j: usize, x: &Tensor) -> Result<Saved> {
+        let b = &self.model.blocks[j];
+        let h = conv_forward(&b.conv, x)?;
+        let bn = bn_params(&b.bn, &h, false)?;
+        Ok(Saved { h, bn })
     }
 
     /// The backward of blocks `seg` from `g_out` (gradient of the segment's output) with the

@@ -1,6 +1,7 @@
 //! The memory timeline inside a step: one event per layer (per micro-batch) and the optimizer,
 //! categories that add up to the probe's reading, the estimate's prediction at every event,
-//! `step_timeline.json` in the run directory; and `--checkpoint auto`.
+//! `step_timeline.json` in the run directory; the probe wrapper that splits the watermark at
+//! events; and `--checkpoint auto`.
 
 mod common;
 
@@ -153,4 +154,64 @@ fn auto_checkpointing_follows_the_estimate() {
         ..common::tiny_config()
     });
     assert_ne!(t.config.checkpoint, Checkpointing::Auto);
+}
+
+/// The step timeline's watermark splits (`take_event_peak`) and the memory callback's resets do
+/// not hide each other's peaks.
+#[test]
+fn timeline_probe_keeps_both_watermarks() {
+    use memtrain::memory::timeline::TimelineProbe;
+    use memtrain::memory::MemoryProbe;
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    use std::sync::Arc;
+    #[derive(Default)]
+    struct Fake {
+        cur: AtomicU64,
+        peak: AtomicU64,
+    }
+    impl Fake {
+        fn set(&self, v: u64) {
+            self.cur.store(v, SeqCst);
+            self.peak.fetch_max(v, SeqCst);
+        }
+    }
+    impl MemoryProbe for Fake {
+        fn name(&self) -> &str {
+            "fake"
+        }
+        fn available(&self) -> bool {
+            true
+        }
+        fn current(&self) -> u64 {
+            self.cur.load(SeqCst)
+        }
+        fn peak(&self) -> u64 {
+            self.peak.load(SeqCst)
+        }
+        fn reset_peak(&self) {
+            self.peak.store(self.cur.load(SeqCst), SeqCst);
+        }
+        fn limit(&self) -> Option<u64> {
+            None
+        }
+    }
+    let fake = Arc::new(Fake::default());
+    let probe = TimelineProbe::new(fake.clone());
+    fake.set(100);
+    fake.set(50);
+    // An event takes the peak since the last one; the callback still sees it afterwards.
+    assert_eq!(probe.take_event_peak(), 100);
+    assert_eq!(probe.peak(), 100);
+    fake.set(70);
+    fake.set(40);
+    // The callback reads and resets; the next event still sees 70.
+    assert_eq!(probe.peak(), 100);
+    probe.reset_peak();
+    assert_eq!(probe.peak(), 40);
+    fake.set(60);
+    assert_eq!(probe.take_event_peak(), 70);
+    // After an event the interval starts at the current value.
+    fake.set(10);
+    assert_eq!(probe.take_event_peak(), 60);
+    assert_eq!(probe.take_event_peak(), 10);
 }

@@ -1,6 +1,6 @@
 # Shared by bench/compare_torch.sh and bench/step_memory.sh (sourced, not run). Both define
-# `fail MESSAGE` (one-line error, exit 1), `repo` (the repository root) and `data_dir` (empty for
-# synthetic data) before calling these.
+# `fail MESSAGE` (one-line error, exit 1), `repo` (the repository root), `data_dir` (empty for
+# synthetic data), `threads`, `use_taskset` and `timeout_s` before calling these.
 
 # PyTorch from ${TORCH_VENV:-$HOME/.cache/memtrain/torch-venv}, created with torch and numpy from
 # PyPI when `import torch` fails there. Sets `py` (its python) and `torch_version`.
@@ -42,4 +42,38 @@ build_memtrain() {
     target_dir="$repo/target"
   bin="$target_dir/release/examples/train_cifar10"
   [ -x "$bin" ] || fail "$bin was not built"
+}
+
+# Pin both frameworks to the same first `threads` CPUs this process may use (when `use_taskset`
+# is 1 and taskset exists) and give both the same thread counts. Sets `pin` (a command prefix),
+# `pin_note`, `thread_env` (VAR=value words for env) and `limit` (a timeout prefix of
+# `timeout_s` seconds when timeout exists).
+pin_cpus() {
+  local allowed parts p c list
+  pin=()
+  pin_note="not pinned"
+  if [ "$use_taskset" = 1 ] && command -v taskset >/dev/null; then
+    # The first T CPUs this process may run on (a container's CPU set need not start at 0).
+    allowed=$(taskset -pc $$ 2>/dev/null | sed 's/.*: *//') || allowed=""
+    local cpus=()
+    IFS=',' read -r -a parts <<<"$allowed"
+    for p in "${parts[@]}"; do
+      if [[ $p =~ ^([0-9]+)-([0-9]+)$ ]]; then
+        for ((c = BASH_REMATCH[1]; c <= BASH_REMATCH[2]; c++)); do cpus+=("$c"); done
+      elif [[ $p =~ ^[0-9]+$ ]]; then
+        cpus+=("$p")
+      fi
+    done
+    if [ ${#cpus[@]} -ge "$threads" ]; then
+      list=$(IFS=,; echo "${cpus[*]:0:$threads}")
+      if taskset -c "$list" true 2>/dev/null; then
+        pin=(taskset -c "$list")
+        pin_note="taskset -c $list"
+      fi
+    fi
+  fi
+  thread_env=(RAYON_NUM_THREADS="$threads" CANDLE_NUM_THREADS="$threads"
+    OMP_NUM_THREADS="$threads" MKL_NUM_THREADS="$threads")
+  limit=()
+  if command -v timeout >/dev/null; then limit=(timeout "$timeout_s"); fi
 }

@@ -211,32 +211,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'keep=1; exit 130' INT TERM
 
-pin=()
-pin_note="not pinned"
-if [ $use_taskset = 1 ] && command -v taskset >/dev/null; then
-  # The first T CPUs this process may run on (a container's CPU set need not start at 0).
-  allowed=$(taskset -pc $$ 2>/dev/null | sed 's/.*: *//') || allowed=""
-  cpus=()
-  IFS=',' read -r -a parts <<<"$allowed"
-  for p in "${parts[@]}"; do
-    if [[ $p =~ ^([0-9]+)-([0-9]+)$ ]]; then
-      for ((c = BASH_REMATCH[1]; c <= BASH_REMATCH[2]; c++)); do cpus+=("$c"); done
-    elif [[ $p =~ ^[0-9]+$ ]]; then
-      cpus+=("$p")
-    fi
-  done
-  if [ ${#cpus[@]} -ge "$threads" ]; then
-    list=$(IFS=,; echo "${cpus[*]:0:$threads}")
-    if taskset -c "$list" true 2>/dev/null; then
-      pin=(taskset -c "$list")
-      pin_note="taskset -c $list"
-    fi
-  fi
-fi
-thread_env=(RAYON_NUM_THREADS="$threads" CANDLE_NUM_THREADS="$threads"
-  OMP_NUM_THREADS="$threads" MKL_NUM_THREADS="$threads")
-limit=()
-if command -v timeout >/dev/null; then limit=(timeout "$timeout_s"); fi
+pin_cpus
 
 if [ -n "$data_dir" ]; then
   data_note="CIFAR-10 files in $data_dir (no augmentation on either side)"

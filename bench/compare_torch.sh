@@ -59,14 +59,13 @@ fail() { # setup or run failure, exit 1
 }
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=bench/lib.sh
+source "$repo/bench/lib.sh"
 ncpu=$(nproc 2>/dev/null || echo 2)
 
 threads=$ncpu batch=128 width=32 precision=f32 accum=1 checkpoint=none conv=standard
 steps=20 repeats=3 data_dir="" synthetic=0 out="" timeout_s=900 use_taskset=1 keep=0
 
-need_value() { # flag, number of remaining args
-  [ "$2" -ge 2 ] || bad "$1 needs a value"
-}
 while [ $# -gt 0 ]; do
   flag=$1
   val=""
@@ -114,10 +113,6 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-posint() { # flag value max
-  [[ $2 =~ ^[0-9]+$ ]] && [ "${#2}" -le 9 ] && [ "$2" -ge 1 ] && [ "$2" -le "$3" ] ||
-    bad "$1 must be a whole number from 1 to $3, got '$2'"
-}
 posint --threads "$threads" 4096
 posint --batch-size "$batch" 1048576
 posint --width "$width" 4096
@@ -174,8 +169,6 @@ if ! grep -q 'let skip = 3.min(steps.len() / 4).max(1);' "$repo/src/train/traine
 fi
 
 # ---- PyTorch and memtrain (bench/lib.sh) ------------------------------------------------------
-# shellcheck source=bench/lib.sh
-source "$repo/bench/lib.sh"
 setup_torch
 build_memtrain
 

@@ -1,6 +1,16 @@
 # Shared by bench/compare_torch.sh and bench/step_memory.sh (sourced, not run). Both define
-# `fail MESSAGE` (one-line error, exit 1), `repo` (the repository root), `data_dir` (empty for
-# synthetic data), `threads`, `use_taskset` and `timeout_s` before calling these.
+# `bad MESSAGE` (usage error, exit 2), `fail MESSAGE` (one-line error, exit 1), `repo` (the
+# repository root), `data_dir` (empty for synthetic data), `threads`, `use_taskset` and
+# `timeout_s` before calling these.
+
+need_value() { # flag, number of remaining args
+  [ "$2" -ge 2 ] || bad "$1 needs a value"
+}
+
+posint() { # flag value max
+  [[ $2 =~ ^[0-9]+$ ]] && [ "${#2}" -le 9 ] && [ "$2" -ge 1 ] && [ "$2" -le "$3" ] ||
+    bad "$1 must be a whole number from 1 to $3, got '$2'"
+}
 
 # PyTorch from ${TORCH_VENV:-$HOME/.cache/memtrain/torch-venv}, created with torch and numpy from
 # PyPI when `import torch` fails there. Sets `py` (its python) and `torch_version`.

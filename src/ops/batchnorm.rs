@@ -1170,13 +1170,25 @@ mod cpu {
         d: Dims,
         f: impl Fn(usize, &[T]) -> U + Sync,
     ) -> Vec<U> {
+        per_plane_with(x, d, || (), |_, p, plane| f(p, plane))
+    }
+
+    /// [`per_plane`] with a scratch value made once per worker's range of planes (`scratch()`),
+    /// not once per plane.
+    fn per_plane_with<T: Elem, U: Copy + Default + Send, S>(
+        x: &[T],
+        d: Dims,
+        scratch: impl Fn() -> S + Sync,
+        f: impl Fn(&mut S, usize, &[T]) -> U + Sync,
+    ) -> Vec<U> {
         let mut out = vec![U::default(); d.planes()];
         let ptr = SharedMut(out.as_mut_ptr());
         for_planes(d, |r| {
             // SAFETY: the pool hands out disjoint plane ranges within 0..planes.
             let o = unsafe { ptr.range(r.start, r.len()) };
+            let mut s = scratch();
             for (p, slot) in r.zip(o.iter_mut()) {
-                *slot = f(p, &x[p * d.hw..(p + 1) * d.hw]);
+                *slot = f(&mut s, p, &x[p * d.hw..(p + 1) * d.hw]);
             }
         });
         out
@@ -1665,19 +1677,21 @@ mod cpu {
         eps: f32,
     ) -> Vec<f32> {
         let per = d.hw / 4;
-        let part = per_plane(h, d, |p, hp| {
+        let scratch = || {
+            let plane = || vec![0f32; d.hw];
+            (plane(), plane(), plane(), T::zeros(BLK))
+        };
+        let part = per_plane_with(h, d, scratch, |(hf, y, gf, tmp), p, hp| {
             let c = p % d.c;
-            let (mut hf, mut y, mut gf) = (vec![0f32; d.hw], vec![0f32; d.hw], vec![0f32; d.hw]);
-            let mut tmp = T::zeros(BLK);
-            plane_y::<T>(hp, ch, c, &mut hf, &mut y, &mut tmp);
+            plane_y::<T>(hp, ch, c, hf, y, tmp);
             match argmax {
                 Some((am, w)) => scatter_plane(
                     &g[p * per..(p + 1) * per],
                     &am[p * per..(p + 1) * per],
                     w,
-                    &mut gf,
+                    gf,
                 ),
-                None => T::load(&g[p * d.hw..(p + 1) * d.hw], &mut gf),
+                None => T::load(&g[p * d.hw..(p + 1) * d.hw], gf),
             }
             let mut acc = (0f64, 0f64);
             for start in (0..d.hw).step_by(BLK) {

@@ -370,8 +370,7 @@ impl<'a> LeanStep<'a> {
         match &blocks[j].conv {
             ConvLayer::Standard { w } => {
                 let w = w.as_detached_tensor().to_dtype(dt)?;
-                let x_dims = dims_in(&prev.h);
-                let dx = conv2d::conv2d_backward_input(&dh, &w, &x_dims, 1, 1)?;
+                let dx = conv2d::conv2d_backward_input(&dh, &w, prev.h.dims(), 1, 1)?;
                 let (dh_prev, dg, db) = bn::bn_relu_backward(&prev.h, dx, &prev.bn)?;
                 self.add_bn_grads(j - 1, dg, db, acc)?;
                 let y = bn::bn_relu_in_place(prev.h, &prev.bn)?;
@@ -470,10 +469,6 @@ fn pointwise_backward(
     conv2d::conv2d_backward_input(&dh, pw, &d_dims, 1, 0)
 }
 
-fn dims_in(t: &Tensor) -> Vec<usize> {
-    t.dims().to_vec()
-}
-
 /// The conv of a block on `x` (compute dtype), without autograd.
 fn conv_forward(conv: &ConvLayer, x: &Tensor) -> Result<Tensor> {
     let dt = x.dtype();
@@ -537,14 +532,16 @@ pub fn loss_and_grad(
 ) -> Result<(f64, usize, Tensor)> {
     let n = logits.dim(0)?;
     let classes = logits.dim(1)?;
-    let loss = candle_nn::loss::cross_entropy(logits, labels)?.to_scalar::<f32>()? as f64;
+    // One log-softmax for both the loss and its gradient (softmax = exp of it).
+    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let loss = candle_nn::loss::nll(&log_probs, labels)?.to_scalar::<f32>()? as f64;
     let correct = logits
         .argmax(D::Minus1)?
         .eq(labels)?
         .to_dtype(DType::U32)?
         .sum_all()?
         .to_scalar::<u32>()? as usize;
-    let probs = candle_nn::ops::softmax_last_dim(logits)?;
+    let probs = log_probs.exp()?;
     let onehot = labels
         .unsqueeze(1)?
         .broadcast_eq(&Tensor::arange(0u32, classes as u32, logits.device())?.unsqueeze(0)?)?

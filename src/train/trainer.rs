@@ -604,7 +604,8 @@ impl Trainer {
         };
         let result = (|| -> Result<StepResult> {
             callbacks.on_batch_begin(&info)?;
-            let fixed = self.fixed_categories(probe.current());
+            let start_bytes = probe.current();
+            let fixed = self.fixed_categories(start_bytes);
             let mut hooks = StepHooks {
                 callbacks: &mut callbacks,
                 info: &info,
@@ -614,7 +615,6 @@ impl Trainer {
                 fixed,
                 events: Vec::new(),
             };
-            let start_bytes = probe.current();
             let (loss, correct, grads) = batch_grads(
                 self,
                 &batch.images,
@@ -640,7 +640,6 @@ impl Trainer {
             check_budget(probe, epoch, batch_idx, Phase::Optimizer)?;
             let peak = self.timeline_probe.take_event_peak();
             let current = probe.current();
-            let f = self.fixed_categories(start_bytes);
             events.push(TimelineEvent {
                 index: events.len(),
                 phase: Phase::Optimizer,
@@ -653,7 +652,7 @@ impl Trainer {
                 micro_batch: self.config.accum_steps - 1,
                 current_bytes: current,
                 peak_bytes: peak,
-                categories: split_categories(f, 0, 0, current),
+                categories: split_categories(self.fixed_categories(start_bytes), 0, 0, current),
                 predicted_peak_bytes: None,
                 predicted_current_bytes: None,
             });

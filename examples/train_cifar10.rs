@@ -93,6 +93,7 @@ fn run() -> memtrain::Result<()> {
     let options = TrainerOptions {
         progress: true,
         log_files: !cmd.dry_run && !cmd.summary_only,
+        oom_snapshot: !cmd.dry_run,
         stop,
         ..Default::default()
     };

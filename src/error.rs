@@ -35,7 +35,8 @@ pub enum Error {
     #[error(
         "out of memory: {phase} of batch {batch} (epoch {epoch}) needed more than the {limit} limit; \
          lower --batch-size, raise --accum-steps, use --checkpoint stages or --precision f16/bf16, \
-         or raise --memory-limit"
+         or raise --memory-limit{}",
+        .snapshot.as_ref().map(|p| format!(" (memory snapshot: {})", p.display())).unwrap_or_default()
     )]
     OutOfMemory {
         /// The limit, human readable (e.g. "2.00 GiB").
@@ -44,8 +45,10 @@ pub enum Error {
         epoch: usize,
         /// Batch index within the epoch (0-based).
         batch: usize,
-        /// Phase of the step: forward, backward or optimizer.
+        /// Phase of the step: forward, backward or optimizer (with the layer, when known).
         phase: String,
+        /// The [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] written for this failure.
+        snapshot: Option<PathBuf>,
     },
 
     /// The loss or a gradient became NaN/inf where no loss scaler can recover.

@@ -20,9 +20,9 @@ pub struct MetricsLogger {
 }
 
 /// Header of `batches.csv`.
-pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,device_used";
+pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,os_current,os_peak";
 /// Header of `epochs.csv`.
-pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak";
+pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak,os_current,os_peak";
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
@@ -126,7 +126,7 @@ impl Callback for MetricsLogger {
             Some(m) => {
                 let _ = writeln!(
                     self.batch_rows,
-                    ",{},{},{},{},{},{},{},{},{}",
+                    ",{},{},{},{},{},{},{},{},{},{}",
                     m.peak_bytes,
                     m.phase,
                     m.start_bytes,
@@ -135,10 +135,11 @@ impl Callback for MetricsLogger {
                     m.backward_peak,
                     m.optimizer_peak,
                     opt(m.reserved_peak),
-                    opt(m.device_used)
+                    opt(m.os_current),
+                    opt(m.os_peak)
                 );
             }
-            None => self.batch_rows.push_str(",,,,,,,,,\n"),
+            None => self.batch_rows.push_str(",,,,,,,,,,\n"),
         }
         Ok(())
     }
@@ -166,11 +167,16 @@ impl Callback for MetricsLogger {
             Some(m) => {
                 let _ = writeln!(
                     self.epoch_rows,
-                    ",{},{},{},{}",
-                    m.peak_bytes, m.phase, m.mean_batch_peak, m.eval_peak
+                    ",{},{},{},{},{},{}",
+                    m.peak_bytes,
+                    m.phase,
+                    m.mean_batch_peak,
+                    m.eval_peak,
+                    opt(m.os_current),
+                    opt(m.os_peak)
                 );
             }
-            None => self.epoch_rows.push_str(",,,,\n"),
+            None => self.epoch_rows.push_str(",,,,,,\n"),
         }
         self.flush()
     }

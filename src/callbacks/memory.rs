@@ -6,7 +6,7 @@
 
 use super::{BatchInfo, Callback, EpochBegin, EpochEnd, TrainBegin, TrainEnd};
 use crate::error::Result;
-use crate::memory::{format_bytes, MemoryProbe};
+use crate::memory::{format_bytes, MemoryProbe, OsMemory, OsView};
 pub use crate::phase::Phase;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,8 +36,12 @@ pub struct BatchMemory {
     pub optimizer_peak: u64,
     /// Peak reserved bytes (CUDA pool) during the step.
     pub reserved_peak: Option<u64>,
-    /// Device-wide used bytes at the end of the step (CUDA).
-    pub device_used: Option<u64>,
+    /// What the OS sees at the end of the step ([`MemoryLog::os_view`]): process RSS on the
+    /// CPU, device-wide use on CUDA.
+    pub os_current: Option<u64>,
+    /// Its high-water mark at the end of the step (since process start on the CPU; the highest
+    /// reading so far on CUDA).
+    pub os_peak: Option<u64>,
 }
 
 /// Memory of one epoch.
@@ -55,6 +59,12 @@ pub struct EpochMemory {
     pub eval_peak: u64,
     /// Steps recorded.
     pub batches: usize,
+    /// What the OS sees at the end of the epoch (after its evaluation).
+    #[serde(default)]
+    pub os_current: Option<u64>,
+    /// Its high-water mark at the end of the epoch.
+    #[serde(default)]
+    pub os_peak: Option<u64>,
 }
 
 /// Everything the memory callback recorded.
@@ -72,6 +82,12 @@ pub struct MemoryLog {
     pub peak_phase: Option<Phase>,
     /// Highest reserved bytes (CUDA pool) over the run.
     pub reserved_peak: Option<u64>,
+    /// Which OS view the `os_*` fields hold (process RSS or device-wide), when it can be read.
+    #[serde(default)]
+    pub os_view: Option<OsView>,
+    /// The OS view's high-water mark at the last reading.
+    #[serde(default)]
+    pub os_peak: Option<u64>,
     /// Per-step records.
     pub batches: Vec<BatchMemory>,
     /// Per-epoch records.
@@ -87,28 +103,36 @@ impl MemoryLog {
                 self.probe
             );
         }
+        let os = self.os_view.map(|v| v.heading()).unwrap_or("OS view");
         let mut s = format!(
-            "memory report ({}; baseline {} before training)\n| epoch | peak | mean step peak | phase of peak | eval peak |\n|---:|---:|---:|---|---:|\n",
+            "memory report ({}; baseline {} before training)\n| epoch | peak | mean step peak | phase of peak | eval peak | {os} at end | {os} peak |\n|---:|---:|---:|---|---:|---:|---:|\n",
             self.probe,
             format_bytes(self.baseline_bytes)
         );
+        let or_dash = |v: Option<u64>| v.map(format_bytes).unwrap_or_else(|| "-".into());
         for e in &self.epochs {
             s.push_str(&format!(
-                "| {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} |\n",
                 e.epoch + 1,
                 format_bytes(e.peak_bytes),
                 format_bytes(e.mean_batch_peak),
                 e.phase,
-                format_bytes(e.eval_peak)
+                format_bytes(e.eval_peak),
+                or_dash(e.os_current),
+                or_dash(e.os_peak),
             ));
         }
         s.push_str(&format!(
-            "run peak: {} ({})\n",
+            "run peak: {} ({}); {os} peak: {}\n",
             format_bytes(self.peak_bytes),
             self.peak_phase
                 .map(|p| p.to_string())
-                .unwrap_or_else(|| "-".into())
+                .unwrap_or_else(|| "-".into()),
+            or_dash(self.os_peak),
         ));
+        if let Some(v) = self.os_view {
+            s.push_str(&v.explain(&self.probe));
+        }
         s
     }
 }
@@ -165,6 +189,17 @@ impl MemoryCallback {
     fn lock(&self) -> MutexGuard<'_, MemoryLog> {
         // A poisoned lock only means another thread panicked mid-update of plain numbers.
         self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Read the OS view; its peak is the highest reading so far, kept in the log (the kernel's
+    /// own counters are per-CPU approximations, so a later VmHWM can read a little lower).
+    fn read_os(&mut self) -> Option<OsMemory> {
+        let os = self.probe.os_memory()?;
+        let mut log = self.lock();
+        log.os_view = self.probe.os_view();
+        let peak = log.os_peak.unwrap_or(0).max(os.peak);
+        log.os_peak = Some(peak);
+        Some(OsMemory { peak, ..os })
     }
 
     /// Read and reset the watermark, folding the reading into the epoch and run maxima.
@@ -255,9 +290,15 @@ impl Callback for MemoryCallback {
             backward_peak: s.bwd,
             optimizer_peak: s.opt,
             reserved_peak: s.reserved,
-            device_used: self.probe.device_used(),
+            os_current: None,
+            os_peak: None,
         };
-        self.lock().batches.push(rec);
+        let os = self.read_os();
+        self.lock().batches.push(BatchMemory {
+            os_current: os.map(|o| o.current),
+            os_peak: os.map(|o| o.peak),
+            ..rec
+        });
         Ok(())
     }
 
@@ -265,7 +306,7 @@ impl Callback for MemoryCallback {
         self.epoch_eval = self.fold(Phase::Eval);
         let epoch_peak = self.epoch_peak;
         let eval = self.epoch_eval;
-        let mut log = self.lock();
+        let log = self.lock();
         let first = self.epoch_first_batch.min(log.batches.len());
         let batches = &log.batches[first..];
         let mean = if batches.is_empty() {
@@ -280,13 +321,22 @@ impl Callback for MemoryCallback {
             mean_batch_peak: mean,
             eval_peak: eval,
             batches: batches.len(),
+            os_current: None,
+            os_peak: None,
         };
-        log.epochs.push(rec);
+        drop(log);
+        let os = self.read_os();
+        self.lock().epochs.push(EpochMemory {
+            os_current: os.map(|o| o.current),
+            os_peak: os.map(|o| o.peak),
+            ..rec
+        });
         Ok(())
     }
 
     fn on_train_end(&mut self, _ctx: &TrainEnd<'_>) -> Result<()> {
         self.fold(Phase::Other);
+        self.read_os();
         Ok(())
     }
 }

@@ -61,6 +61,8 @@ pub struct CudaPoolProbe {
     /// changed it, restored on drop.
     previous_threshold: Option<u64>,
     limit: Option<u64>,
+    /// Highest device-wide reading so far: the driver keeps no high-water mark of its own.
+    device_used_high: std::sync::atomic::AtomicU64,
 }
 
 /// A `CUmemoryPool` handle.
@@ -161,6 +163,7 @@ impl CudaPoolProbe {
                 replaced: None,
                 previous_threshold: None,
                 limit: None,
+                device_used_high: Default::default(),
             });
         }
 
@@ -203,6 +206,7 @@ impl CudaPoolProbe {
             replaced,
             previous_threshold,
             limit,
+            device_used_high: Default::default(),
         };
         let threshold = if pool_cache { u64::MAX } else { 0 };
         set_attr(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold)
@@ -283,7 +287,24 @@ impl MemoryProbe for CudaPoolProbe {
     fn device_used(&self) -> Option<u64> {
         self.sync();
         let (free, total) = self.ctx.mem_get_info().ok()?;
-        Some(total.saturating_sub(free) as u64)
+        let used = total.saturating_sub(free) as u64;
+        self.device_used_high
+            .fetch_max(used, std::sync::atomic::Ordering::Relaxed);
+        Some(used)
+    }
+
+    fn os_view(&self) -> Option<crate::memory::OsView> {
+        Some(crate::memory::OsView::DeviceWide)
+    }
+
+    fn os_memory(&self) -> Option<crate::memory::OsMemory> {
+        let current = self.device_used()?;
+        Some(crate::memory::OsMemory {
+            current,
+            peak: self
+                .device_used_high
+                .load(std::sync::atomic::Ordering::Relaxed),
+        })
     }
 
     fn sync(&self) {

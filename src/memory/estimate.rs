@@ -75,7 +75,7 @@ pub fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
 pub const BATCHES_IN_FLIGHT: usize = 4;
 
 /// Where training runs, as far as memory is concerned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum DeviceKind {
     /// The CPU with `threads` compute threads (Candle's CPU pool workers plus the caller): every
     /// thread of a convolution holds its own im2col column.
@@ -319,7 +319,7 @@ pub enum Baseline {
 }
 
 /// The prediction for one layer of the model.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct LayerEstimate {
     /// Layer name, e.g. `stage1.block2.conv`.
     pub name: String,
@@ -344,7 +344,7 @@ pub struct LayerEstimate {
 }
 
 /// The predicted memory of a training configuration, per layer and per phase.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Estimate {
     /// One row per layer of the model, in forward order.
     pub layers: Vec<LayerEstimate>,
@@ -1446,7 +1446,7 @@ impl Lean<'_> {
 }
 
 /// One predicted event of the step, matching the trainer's timeline events.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct EventPrediction {
     /// `forward`, `backward` or `optimizer`.
     pub phase: &'static str,

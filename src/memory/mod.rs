@@ -5,10 +5,12 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod estimate;
+pub mod os;
 pub mod probe;
 pub mod timeline;
 
 pub use cpu::{retain_freed_memory, CountingAllocator};
+pub use os::{OsMemory, OsView};
 pub use probe::{probe_for, CpuProbe, MemoryProbe};
 
 use crate::error::{Error, Result};

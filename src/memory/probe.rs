@@ -1,6 +1,7 @@
 //! The [`MemoryProbe`] trait and the probe for the CPU heap.
 
 use super::cpu::CountingAllocator;
+use super::os::{process_rss, OsMemory, OsView};
 use candle_core::Device;
 
 /// A source of memory readings for one device. Readings are in bytes.
@@ -31,6 +32,14 @@ pub trait MemoryProbe: Send + Sync {
     }
     /// Device-wide used bytes (what nvidia-smi shows), if the probe knows.
     fn device_used(&self) -> Option<u64> {
+        None
+    }
+    /// What the OS sees beside this probe's count ([`OsView`]), if it can be read.
+    fn os_view(&self) -> Option<OsView> {
+        None
+    }
+    /// The OS reading of [`MemoryProbe::os_view`] now.
+    fn os_memory(&self) -> Option<OsMemory> {
         None
     }
     /// Wait for queued device work so readings include it.
@@ -68,6 +77,12 @@ impl MemoryProbe for CpuProbe {
     }
     fn limit(&self) -> Option<u64> {
         self.limit
+    }
+    fn os_view(&self) -> Option<OsView> {
+        process_rss().map(|_| OsView::ProcessRss)
+    }
+    fn os_memory(&self) -> Option<OsMemory> {
+        process_rss()
     }
 }
 

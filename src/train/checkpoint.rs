@@ -87,6 +87,8 @@ const NOTED: &[&str] = &[
     "momentum",
     "weight_decay",
     "warmup_frac",
+    "warmup_min_steps",
+    "clip_grad_norm",
 ];
 
 /// Size and hash of one file of a checkpoint.

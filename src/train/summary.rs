@@ -27,8 +27,13 @@ pub struct Summary {
     pub step_peak_bytes: u64,
     /// Highest reserved bytes of the CUDA pool.
     pub reserved_peak_bytes: Option<u64>,
-    /// Device-wide used bytes at the end (CUDA: what nvidia-smi shows).
-    pub device_used_bytes: Option<u64>,
+    /// What the OS sees beside the probe: process RSS (CPU) or device-wide use (CUDA, what
+    /// nvidia-smi shows); see [`crate::memory::OsView::explain`].
+    pub os_view: Option<crate::memory::OsView>,
+    /// The OS view at the end of the run.
+    pub os_current_bytes: Option<u64>,
+    /// The OS view's high-water mark over the run (CPU: the kernel's VmHWM since start).
+    pub os_peak_bytes: Option<u64>,
     /// The configured memory limit.
     pub memory_limit: Option<u64>,
     /// Predicted peak bytes from the analytic estimate.

@@ -17,7 +17,9 @@ use crate::config::TrainConfig;
 use crate::data::{self, Batch, Batcher, BatcherOptions, DataSplits, Dataset};
 use crate::device::{device_name, select_device};
 use crate::error::{Error, Result};
-use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
+use crate::memory::timeline::{
+    CategoryBytes, OomSnapshot, StepTimeline, TimelineEvent, TimelineProbe, OOM_SNAPSHOT_FILE,
+};
 use crate::memory::{format_bytes, is_device_oom, probe_for, MemoryProbe};
 use crate::model::{Cnn, Mode, ModelConfig};
 use candle_core::{DType, Device, Tensor, Var};
@@ -35,6 +37,9 @@ pub struct TrainerOptions {
     pub progress: bool,
     /// Write config/CSV/summary files into the run directory.
     pub log_files: bool,
+    /// On out-of-memory in a step, write [`OOM_SNAPSHOT_FILE`] into the run directory (creating
+    /// it if needed, so that summary-only sweep children leave one too).
+    pub oom_snapshot: bool,
     /// Set to true (e.g. by a signal handler) to stop after the current step.
     pub stop: Option<Arc<AtomicBool>>,
 }
@@ -74,6 +79,7 @@ pub struct Trainer {
     pub(crate) timeline: StepTimeline,
     /// Whether the run writes files into its directory.
     pub(crate) log_files: bool,
+    oom_snapshot: bool,
     /// Training batches' image buffers, reused from step to step and epoch to epoch.
     pub(crate) batch_buffers: crate::data::BufferPool,
     pub(crate) memory_log: Arc<Mutex<MemoryLog>>,
@@ -135,6 +141,7 @@ fn name_oom(e: Error, limit: Option<u64>, epoch: usize, batch: usize, phase: Pha
             epoch,
             batch,
             phase: phase.to_string(),
+            snapshot: None,
         },
         other => other,
     }
@@ -149,6 +156,7 @@ fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phas
             epoch,
             batch,
             phase: phase.to_string(),
+            snapshot: None,
         }),
         _ => Ok(()),
     }
@@ -167,12 +175,13 @@ pub fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
     Some(images as f64 / secs.max(1e-9))
 }
 
-fn all_finite(grads: &[Option<Tensor>]) -> Result<bool> {
+/// The squared global L2 norm of the gradients; not finite when any gradient is not.
+fn squared_norm(grads: &[Option<Tensor>]) -> Result<f64> {
     let mut sum = 0f64;
     for g in grads.iter().flatten() {
-        sum += g.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        sum += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     }
-    Ok(sum.is_finite())
+    Ok(sum)
 }
 
 /// `(k, images per micro-batch)` for a batch of `labels.len()` images split into `k` micro-batches.
@@ -250,7 +259,7 @@ struct StepHooks<'a> {
     micro: usize,
     /// Categories constant over the step (params, optimizer state, the rest at the start).
     fixed: CategoryBytes,
-    events: Vec<TimelineEvent>,
+    events: &'a mut Vec<TimelineEvent>,
 }
 
 impl StepHooks<'_> {
@@ -278,7 +287,8 @@ impl StepHooks<'_> {
                 limit: format_bytes(limit),
                 epoch: self.info.epoch,
                 batch: self.info.batch,
-                phase: phase.to_string(),
+                phase: format!("{phase} at {layer}"),
+                snapshot: None,
             }),
             _ => Ok(()),
         }
@@ -418,6 +428,7 @@ impl Trainer {
             timeline_probe,
             timeline: StepTimeline::default(),
             log_files: options.log_files,
+            oom_snapshot: options.oom_snapshot,
             batch_buffers: crate::data::BufferPool::new(),
             memory_log,
             callbacks: CallbackList::new(list),
@@ -464,11 +475,16 @@ impl Trainer {
     /// The memory timeline of the newest training step (empty before the first), with the
     /// estimate's prediction at each event when the estimate has the same events.
     pub fn step_timeline(&self) -> StepTimeline {
-        let mut t = self.timeline.clone();
+        self.with_predictions(self.timeline.clone())
+    }
+
+    /// `t` with the estimate's prediction at each event, when its events are the estimate's
+    /// (all of them, or the first ones for a step that failed part-way).
+    fn with_predictions(&self, mut t: StepTimeline) -> StepTimeline {
         if let Some(e) = self.memory_estimate().filter(|_| self.probe.available()) {
             // The estimate predicts an applied update; a skipped one gets no prediction.
             let same = |p: &str, m: &str| p == m || (p == "optimizer" && m == SKIPPED_UPDATE);
-            if e.events.len() == t.events.len()
+            if t.events.len() <= e.events.len()
                 && e.events
                     .iter()
                     .zip(&t.events)
@@ -580,6 +596,7 @@ impl Trainer {
             self.total_steps,
             self.config.lr,
             self.config.warmup_frac,
+            self.config.warmup_min_steps,
         );
         let limit = self.config.memory_limit;
         let scale = self.scaler.as_ref().map(|s| s.scale);
@@ -602,9 +619,13 @@ impl Trainer {
             step_secs: None,
             probe,
         };
+        // The step's memory timeline; kept outside the step so a failing step leaves the
+        // events up to the failure for the OOM snapshot.
+        let mut events = Vec::new();
+        let mut start_bytes = probe.current();
         let result = (|| -> Result<StepResult> {
             callbacks.on_batch_begin(&info)?;
-            let start_bytes = probe.current();
+            start_bytes = probe.current();
             let fixed = self.fixed_categories(start_bytes);
             let mut hooks = StepHooks {
                 callbacks: &mut callbacks,
@@ -613,7 +634,7 @@ impl Trainer {
                 phase: Phase::Forward,
                 micro: 0,
                 fixed,
-                events: Vec::new(),
+                events: &mut events,
             };
             let (loss, correct, grads) = batch_grads(
                 self,
@@ -623,7 +644,6 @@ impl Trainer {
                 &mut hooks,
             )
             .map_err(|e| name_oom(e, limit, epoch, batch_idx, hooks.phase))?;
-            let mut events = std::mem::take(&mut hooks.events);
             drop(hooks);
             if !loss.is_finite() && self.scaler.is_none() {
                 return Err(Error::NonFinite {
@@ -656,13 +676,6 @@ impl Trainer {
                 predicted_peak_bytes: None,
                 predicted_current_bytes: None,
             });
-            self.timeline = StepTimeline {
-                label: self.config.label(),
-                probe: probe.name().to_string(),
-                global_step: self.global_step,
-                start_bytes,
-                events,
-            };
             let end = BatchInfo {
                 loss: Some(loss),
                 correct: Some(correct),
@@ -680,14 +693,75 @@ impl Trainer {
             })
         })();
         self.callbacks = callbacks;
-        if let Ok(r) = &result {
-            self.global_step += 1;
-            self.step_times.push((r.images, t0.elapsed().as_secs_f64()));
+        let timeline = StepTimeline {
+            label: self.config.label(),
+            probe: probe.name().to_string(),
+            global_step: self.global_step,
+            start_bytes,
+            events,
+        };
+        match result {
+            Ok(r) => {
+                self.timeline = timeline;
+                self.global_step += 1;
+                self.step_times.push((r.images, t0.elapsed().as_secs_f64()));
+                Ok(r)
+            }
+            Err(e) if e.is_oom() && self.oom_snapshot => Err(self.write_oom_snapshot(e, timeline)),
+            Err(e) => Err(e),
         }
-        result
     }
 
-    /// The optimizer phase: unscale (f16), check finiteness, step. Returns true when the loss
+    /// Write [`OOM_SNAPSHOT_FILE`] for a step that ran out of memory and return the error
+    /// naming it; when the snapshot cannot be written, the error says so and stays as it was.
+    fn write_oom_snapshot(&self, e: Error, timeline: StepTimeline) -> Error {
+        let Error::OutOfMemory {
+            limit,
+            epoch,
+            batch,
+            phase,
+            snapshot: None,
+        } = e
+        else {
+            return e;
+        };
+        let timeline = self.with_predictions(timeline);
+        let failed_at = match timeline.events.last() {
+            Some(last) => format!(
+                "{phase}; last event recorded: {} of {} (micro-batch {})",
+                last.phase, last.layer, last.micro_batch
+            ),
+            None => format!("{phase}, before the first layer event"),
+        };
+        let path = self.run_dir.join(OOM_SNAPSHOT_FILE);
+        let mut error = Error::OutOfMemory {
+            limit,
+            epoch,
+            batch,
+            phase,
+            snapshot: None,
+        };
+        let snapshot = OomSnapshot {
+            error: error.to_string(),
+            failed_at,
+            config: &self.config,
+            timeline,
+            estimate: self.memory_estimate(),
+        };
+        let written = crate::io::create_dir(&self.run_dir)
+            .and_then(|()| crate::io::write_json_atomic(&path, &snapshot));
+        match written {
+            Ok(()) => {
+                if let Error::OutOfMemory { snapshot, .. } = &mut error {
+                    *snapshot = Some(path);
+                }
+            }
+            Err(w) => eprintln!("warning: memory snapshot not written: {w}"),
+        }
+        error
+    }
+
+    /// The optimizer phase: unscale (f16), check finiteness, clip, step. Returns true when the loss
     /// scaler skipped the step.
     fn apply_update(
         &mut self,
@@ -704,7 +778,20 @@ impl Trainer {
                 .collect::<candle_core::Result<Vec<_>>>()?,
             None => grads,
         };
-        let finite = all_finite(&grads)?;
+        let squared = squared_norm(&grads)?;
+        let finite = squared.is_finite();
+        // Clipping by the global norm (PyTorch's `clip_grad_norm_`): the whole step shrinks, its
+        // direction is kept. A non-finite step is left to the scaler or the error below.
+        let grads = match self.config.clip_grad_norm {
+            Some(max) if finite && squared.sqrt() > max => {
+                let factor = max / squared.sqrt();
+                grads
+                    .into_iter()
+                    .map(|g| g.map(|g| g * factor).transpose())
+                    .collect::<candle_core::Result<Vec<_>>>()?
+            }
+            _ => grads,
+        };
         let apply = match self.scaler.as_mut() {
             Some(s) => s.update(finite),
             None if !finite => {
@@ -957,7 +1044,9 @@ impl Trainer {
             baseline_bytes: mem.baseline_bytes,
             step_peak_bytes: mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0),
             reserved_peak_bytes: mem.reserved_peak,
-            device_used_bytes: self.probe.device_used(),
+            os_view: self.probe.os_view(),
+            os_current_bytes: self.probe.os_memory().map(|o| o.current),
+            os_peak_bytes: self.probe.os_memory().map(|o| o.peak).max(mem.os_peak),
             memory_limit: self.config.memory_limit,
             // [estimate] predicted vs measured peak.
             predicted_peak_bytes: predicted,

@@ -1,0 +1,128 @@
+//! A run that stops on out-of-memory leaves a snapshot (issue: a snapshot on OOM): the step's
+//! memory timeline up to the failing event, the configuration and its estimate, and the
+//! one-line error says where the snapshot is.
+
+mod common;
+
+use memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
+use std::process::{Command, Stdio};
+
+fn train(args: &[&str]) -> std::process::Output {
+    Command::new(common::trainer_binary())
+        .args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("train_cifar10 starts")
+}
+
+const BASE: &[&str] = &[
+    "--device",
+    "cpu",
+    "--width",
+    "8",
+    "--synthetic-train",
+    "256",
+    "--synthetic-test",
+    "32",
+    "--batch-size",
+    "64",
+    "--max-steps",
+    "2",
+    "--quiet",
+    "--no-eval",
+];
+
+/// The step-added peak of this configuration, from a run without a limit.
+fn unlimited_step_peak(dir: &std::path::Path) -> (u64, u64) {
+    let out = dir.join("unlimited");
+    let o = train(&[BASE, &["--out", out.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!out.join(OOM_SNAPSHOT_FILE).exists(), "no snapshot without an OOM");
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    (
+        s["baseline_bytes"].as_u64().unwrap(),
+        s["step_peak_bytes"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
+    let dir = common::temp_dir("oom-snapshot");
+    let (baseline, peak) = unlimited_step_peak(&dir);
+    // A limit between the forward's needs and the step's peak: the backward fails part-way.
+    let limit = baseline + (peak - baseline) * 97 / 100;
+    let out = dir.join("limited");
+    let o = train(
+        &[
+            BASE,
+            &[
+                "--out",
+                out.to_str().unwrap(),
+                "--memory-limit",
+                &limit.to_string(),
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let path = out.join(OOM_SNAPSHOT_FILE);
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.contains("out of memory"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("memory snapshot: {}", path.display())),
+        "the error names the snapshot: {stderr}"
+    );
+
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(s["config"]["memory_limit"].as_u64(), Some(limit));
+    assert_eq!(s["config"]["width"].as_u64(), Some(8));
+    assert!(s["error"].as_str().unwrap().contains("out of memory"));
+    let events = s["timeline"]["events"].as_array().unwrap();
+    assert!(!events.is_empty());
+    let last = events.last().unwrap();
+    // The failing event is the last one recorded, and the only one over the limit.
+    assert!(last["peak_bytes"].as_u64().unwrap() > limit, "{last}");
+    for e in &events[..events.len() - 1] {
+        assert!(e["peak_bytes"].as_u64().unwrap() <= limit, "{e}");
+    }
+    assert!(
+        events.iter().any(|e| e["phase"] == "backward"),
+        "the limit is above the forward's peak, so the step got into the backward"
+    );
+    assert!(s["failed_at"]
+        .as_str()
+        .unwrap()
+        .contains(last["layer"].as_str().unwrap()));
+    // The estimate: the whole configuration, and a prediction for each event recorded.
+    let est = &s["estimate"];
+    assert!(est["peak"].as_u64().unwrap() > limit);
+    assert!(est["events"].as_array().unwrap().len() > events.len());
+    assert!(events.iter().all(|e| e["predicted_peak_bytes"].is_u64()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_summary_only_child_leaves_a_snapshot_too() {
+    // Sweep children write only summary.json; their OOM points still get a snapshot to link.
+    let dir = common::temp_dir("oom-snapshot-child");
+    let out = dir.join("point");
+    let o = train(
+        &[
+            BASE,
+            &[
+                "--out",
+                out.to_str().unwrap(),
+                "--memory-limit",
+                "1MiB",
+                "--summary-only",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(out.join(OOM_SNAPSHOT_FILE).is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -124,6 +124,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--data-dir", default=None, help="CIFAR-10 binary dir; random images without it")
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--clip-grad-norm", type=float, default=1.0,
+                   help="clip_grad_norm_ limit, as memtrain's --clip-grad-norm (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-memory", action="store_true",
                    help="per-step heap bytes from the malloc_count LD_PRELOAD shim (CPU only)")
@@ -178,6 +180,9 @@ def main():
             with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(model(xs).float(), ys) / a.accum_steps
             scaler.scale(loss).backward()
+        if a.clip_grad_norm > 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad_norm)
         scaler.step(opt)
         scaler.update()
         if mc is not None:

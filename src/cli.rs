@@ -51,11 +51,8 @@ pub struct TrainArgs {
     /// Fraction of the steps spent warming the learning rate up
     #[arg(long, default_value_t = 0.25)]
     pub warmup_frac: f64,
-    /// Fewest warm-up steps whatever the fraction (capped at half of the run's steps)
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub warmup_min_steps: usize,
     /// Scale a step's gradients down when their global L2 norm exceeds NORM (0 turns clipping off)
-    #[arg(long, default_value_t = 0.0, value_name = "NORM")]
+    #[arg(long, default_value_t = 0.0, value_name = "NORM", allow_negative_numbers = true)]
     pub clip_grad_norm: f64,
     /// Number of epochs
     #[arg(long, default_value_t = 1)]
@@ -184,7 +181,6 @@ impl TryFrom<TrainArgs> for TrainCommand {
             momentum: a.momentum,
             weight_decay: a.weight_decay,
             warmup_frac: a.warmup_frac,
-            warmup_min_steps: a.warmup_min_steps,
             clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
             epochs: a.epochs,
             batch_size: usize::try_from(a.batch_size).unwrap_or(usize::MAX),

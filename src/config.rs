@@ -142,8 +142,6 @@ pub struct TrainConfig {
     pub weight_decay: f64,
     /// Fraction of all steps spent warming the learning rate up.
     pub warmup_frac: f64,
-    /// Fewest warm-up steps, whatever the fraction (capped at half the run).
-    pub warmup_min_steps: usize,
     /// Largest global L2 norm of the gradients: a step whose gradients are longer is scaled
     /// down to it. `None` turns clipping off.
     pub clip_grad_norm: Option<f64>,
@@ -195,7 +193,6 @@ impl Default for TrainConfig {
             momentum: 0.9,
             weight_decay: 5e-4,
             warmup_frac: 0.25,
-            warmup_min_steps: 0,
             clip_grad_norm: None,
             epochs: 1,
             batch_size: 128,
@@ -284,12 +281,6 @@ impl TrainConfig {
                     "--clip-grad-norm must be a positive finite norm (or 0 to turn clipping off), got {c}"
                 ));
             }
-        }
-        if self.warmup_min_steps > 1_000_000_000 {
-            return bad(format!(
-                "--warmup-min-steps {} is absurdly large; give a step count such as 100",
-                self.warmup_min_steps
-            ));
         }
         if !self.val_fraction.is_finite() || !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
             return bad(format!(

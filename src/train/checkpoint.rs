@@ -87,7 +87,6 @@ const NOTED: &[&str] = &[
     "momentum",
     "weight_decay",
     "warmup_frac",
-    "warmup_min_steps",
     "clip_grad_norm",
 ];
 

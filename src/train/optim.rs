@@ -138,16 +138,9 @@ impl Optimizer {
 
 /// One-cycle learning rate at optimizer step `step` of `total`: linear warm-up from peak/25 to
 /// `peak` over the first `warmup_frac` of the steps, then linear decay towards 0.
-pub fn one_cycle_lr(
-    step: usize,
-    total: usize,
-    peak: f64,
-    warmup_frac: f64,
-    warmup_min_steps: usize,
-) -> f64 {
+pub fn one_cycle_lr(step: usize, total: usize, peak: f64, warmup_frac: f64) -> f64 {
     let total = total.max(1) as f64;
-    let floor = (warmup_min_steps as f64).min((total / 2.0).floor());
-    let warm = (total * warmup_frac).max(floor).max(1.0);
+    let warm = (total * warmup_frac).max(1.0);
     let s = step as f64;
     let start = peak / 25.0;
     if s < warm {

@@ -596,7 +596,6 @@ impl Trainer {
             self.total_steps,
             self.config.lr,
             self.config.warmup_frac,
-            self.config.warmup_min_steps,
         );
         let limit = self.config.memory_limit;
         let scale = self.scaler.as_ref().map(|s| s.scale);

@@ -1,0 +1,87 @@
+//! Gradient clipping by the global norm (`--clip-grad-norm`): a step whose gradients are longer
+//! than the limit is scaled down to it, direction kept; a shorter one is untouched.
+
+mod common;
+
+use memtrain::config::TrainConfig;
+
+/// Every parameter's change over one training step, flattened, for a configuration.
+fn first_update(cfg: TrainConfig) -> Vec<f64> {
+    let mut t = common::trainer(cfg);
+    let before = common::params(&t);
+    t.fit().unwrap();
+    let after = common::params(&t);
+    before
+        .iter()
+        .zip(&after)
+        .flat_map(|(b, a)| {
+            (a - b)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_dtype(candle_core::DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn one_step(clip: Option<f64>) -> TrainConfig {
+    TrainConfig {
+        max_steps: Some(1),
+        // Without weight decay the first SGD update is -lr·(1+m)·g exactly, so the update's
+        // length is lr·(1+m)·|g|.
+        weight_decay: 0.0,
+        clip_grad_norm: clip,
+        ..common::tiny_config()
+    }
+}
+
+fn norm(v: &[f64]) -> f64 {
+    v.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+#[test]
+fn a_long_step_is_scaled_to_the_limit_with_its_direction_kept() {
+    let free_cfg = one_step(None);
+    // The learning rate of step 0 of the one-cycle schedule.
+    let lr = memtrain::train::optim::one_cycle_lr(0, 1, free_cfg.lr, free_cfg.warmup_frac);
+    let free = first_update(free_cfg.clone());
+    let grad_norm = norm(&free) / (lr * (1.0 + free_cfg.momentum));
+    let limit = grad_norm / 4.0;
+    let clipped = first_update(one_step(Some(limit)));
+    let clipped_norm = norm(&clipped) / (lr * (1.0 + free_cfg.momentum));
+    // The updates are differences of f32 weights, so they carry rounding of about 1e-4 relative.
+    assert!(
+        (clipped_norm / limit - 1.0).abs() < 1e-3,
+        "clipped gradient norm {clipped_norm}, limit {limit}"
+    );
+    // Same direction: the clipped update is the free one times limit/norm, element by element.
+    let worst = free
+        .iter()
+        .zip(&clipped)
+        .map(|(f, c)| (f / 4.0 - c).abs())
+        .fold(0f64, f64::max);
+    let scale = clipped.iter().fold(0f64, |m, c| m.max(c.abs()));
+    assert!(worst <= scale * 1e-3, "direction changed: {worst} vs {scale}");
+}
+
+#[test]
+fn a_step_within_the_limit_is_untouched() {
+    let free = first_update(one_step(None));
+    let loose = first_update(one_step(Some(1e9)));
+    assert_eq!(free, loose, "clipping above the gradient norm changes nothing, bit for bit");
+}
+
+#[test]
+fn the_limit_is_validated() {
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let cfg = TrainConfig {
+            clip_grad_norm: Some(bad),
+            ..common::tiny_config()
+        };
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("--clip-grad-norm"), "{e}");
+    }
+}

@@ -166,6 +166,8 @@ fn cases() -> Vec<Case> {
         Case { name: "width 0", setup: |_| flags("--width 0"), code: 2, problem: "--width", fix: "at least 1" },
         Case { name: "learning rate NaN", setup: |_| flags("--lr NaN"), code: 2, problem: "--lr", fix: "positive finite" },
         Case { name: "negative learning rate", setup: |_| flags("--lr -0.1"), code: 2, problem: "--lr", fix: "positive finite" },
+        Case { name: "negative clipping norm", setup: |_| flags("--clip-grad-norm -1"), code: 2, problem: "--clip-grad-norm", fix: "0 to turn clipping off" },
+        Case { name: "clipping norm NaN", setup: |_| flags("--clip-grad-norm nan"), code: 2, problem: "--clip-grad-norm", fix: "positive finite" },
         Case { name: "zero epochs", setup: |_| flags("--epochs 0"), code: 2, problem: "--epochs", fix: "--max-steps" },
         Case { name: "validation fraction above 1", setup: |_| flags("--val-fraction 1.5"), code: 2, problem: "--val-fraction", fix: "(0, 1)" },
         Case { name: "unparsable memory size", setup: |_| flags("--memory-limit 12XB"), code: 2, problem: "12XB", fix: "4GiB" },

@@ -29,6 +29,7 @@ fn info<'a>(probe: &'a dyn MemoryProbe, batch: usize) -> BatchInfo<'a> {
         loss_scale: None,
         skipped: false,
         step_secs: Some(0.0),
+        grad_norm: Some(1.0),
         probe,
     }
 }

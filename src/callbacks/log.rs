@@ -20,7 +20,7 @@ pub struct MetricsLogger {
 }
 
 /// Header of `batches.csv`.
-pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,os_current,os_peak";
+pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,grad_norm,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,os_current,os_peak";
 /// Header of `epochs.csv`.
 pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak,os_current,os_peak";
 
@@ -111,7 +111,7 @@ impl Callback for MetricsLogger {
         });
         let _ = write!(
             self.batch_rows,
-            "{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{}",
             ctx.epoch,
             ctx.batch,
             ctx.global_step,
@@ -120,7 +120,8 @@ impl Callback for MetricsLogger {
             ctx.lr,
             opt(ctx.loss_scale),
             ctx.skipped as u8,
-            opt(ctx.step_secs)
+            opt(ctx.step_secs),
+            opt(ctx.grad_norm)
         );
         match mem {
             Some(m) => {

@@ -87,6 +87,9 @@ pub struct BatchInfo<'a> {
     pub skipped: bool,
     /// Seconds the step took (on `on_batch_end`; after synchronizing the device).
     pub step_secs: Option<f64>,
+    /// Global L2 norm of the step's (unscaled) gradients before clipping (on `on_batch_end`;
+    /// infinite or NaN when the loss scaler skipped the step).
+    pub grad_norm: Option<f64>,
     /// The memory probe.
     pub probe: &'a dyn MemoryProbe,
 }

@@ -616,6 +616,7 @@ impl Trainer {
             loss_scale: scale,
             skipped: false,
             step_secs: None,
+            grad_norm: None,
             probe,
         };
         // The step's memory timeline; kept outside the step so a failing step leaves the
@@ -652,7 +653,7 @@ impl Trainer {
                     phase: "forward".into(),
                 });
             }
-            let skipped = self
+            let (skipped, grad_norm) = self
                 .apply_update(grads, scale, lr, epoch, batch_idx)
                 .map_err(|e| name_oom(e, limit, epoch, batch_idx, Phase::Optimizer))?;
             self.device.synchronize()?;
@@ -680,6 +681,7 @@ impl Trainer {
                 correct: Some(correct),
                 skipped,
                 step_secs: Some(t0.elapsed().as_secs_f64()),
+                grad_norm: Some(grad_norm),
                 ..info.clone()
             };
             callbacks.on_batch_end(&end)?;
@@ -760,8 +762,8 @@ impl Trainer {
         error
     }
 
-    /// The optimizer phase: unscale (f16), check finiteness, clip, step. Returns true when the loss
-    /// scaler skipped the step.
+    /// The optimizer phase: unscale (f16), check finiteness, clip, step. Returns whether the loss
+    /// scaler skipped the step, and the gradients' global norm before clipping.
     fn apply_update(
         &mut self,
         grads: Vec<Option<Tensor>>,
@@ -769,7 +771,7 @@ impl Trainer {
         lr: f64,
         epoch: usize,
         batch: usize,
-    ) -> Result<bool> {
+    ) -> Result<(bool, f64)> {
         let grads = match scale {
             Some(s) => grads
                 .into_iter()
@@ -806,7 +808,7 @@ impl Trainer {
         if apply {
             self.optimizer.step(&self.vars, &grads, lr)?;
         }
-        Ok(!apply)
+        Ok((!apply, squared.sqrt()))
     }
 
     /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, no graph), in

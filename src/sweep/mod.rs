@@ -1,5 +1,6 @@
 //! Process-isolated measurements: batch-size sweeps ([`batch`]), configuration comparisons
-//! ([`compare`]) and their tables and charts ([`report`]).
+//! ([`compare`]), their tables and charts ([`report`]) and the chart machinery the charts share
+//! (`chart`).
 //!
 //! Every measured point runs the `train_cifar10` example binary in its own child process, so an
 //! out-of-memory error or a crash in one point cannot affect the next, and each point starts from
@@ -8,6 +9,7 @@
 //! status or signal. Neither stops the sweep.
 
 pub mod batch;
+pub(crate) mod chart;
 pub mod compare;
 pub mod report;
 pub mod step_chart;

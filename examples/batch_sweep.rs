@@ -11,7 +11,9 @@ use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision};
 use memtrain::memory::parse_size;
-use memtrain::sweep::batch::{cross_product, run_sweep, BatchPlan, Dimension, SweepOptions};
+use memtrain::sweep::batch::{
+    cross_product, run_sweep, BatchPlan, Dimension, SweepOptions, DEFAULT_MARGIN,
+};
 use memtrain::sweep::{
     current_command_line, default_out_dir, locate_example, report, TRAINER_NAME,
 };
@@ -37,12 +39,15 @@ struct Args {
     /// --find-max: first batch size tried
     #[arg(long, default_value_t = 32, requires = "find_max")]
     start: usize,
-    /// --find-max: largest batch size tried
+    /// --find-max: upper bound of the search, the largest batch size tried (at least --start)
     #[arg(long, default_value_t = 8192, requires = "find_max")]
     max_batch: usize,
     /// --find-max: resolution of the binary search, in images
     #[arg(long, default_value_t = 8, requires = "find_max")]
     granularity: usize,
+    /// --find-max: safety margin in [0, 1); also reports the recommended batch = largest that fits x (1 - margin), rounded down to a multiple of --granularity and --accum-steps
+    #[arg(long, default_value_t = DEFAULT_MARGIN, requires = "find_max", allow_negative_numbers = true)]
+    margin: f64,
     /// Training steps per point
     #[arg(long, default_value_t = 3)]
     steps: usize,
@@ -138,6 +143,7 @@ fn run() -> anyhow::Result<()> {
             start: a.start,
             max_batch: a.max_batch,
             granularity: a.granularity,
+            margin: a.margin,
         }
     } else if a.batch_sizes.is_empty() {
         BatchPlan::List(vec![32, 64, 128, 256, 512])

@@ -1,7 +1,9 @@
 //! Batch-size sweeps, comparisons and charts: the example binaries run as a user would run them
 //! (each point a child process of `train_cifar10`), on the CPU with tiny widths and few steps.
 
-use memtrain::sweep::batch::{accum_steps_of, cross_product, BatchPlan, Dimension, SweepResult};
+use memtrain::sweep::batch::{
+    accum_steps_of, cross_product, recommended_batch, BatchPlan, Dimension, SweepResult,
+};
 use memtrain::sweep::compare::{CompareResult, RunSpec};
 use memtrain::sweep::report::{read_batches_csv, CsvTable, COMPARE_CSV_HEADER, SWEEP_CSV_HEADER};
 use memtrain::sweep::{merge_flags, oom_message, split_flags, Status};
@@ -149,6 +151,20 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
         .expect("some batch below 2048 exceeds 40 MiB at width 4");
     assert!(!mb.capped);
     assert_eq!(oom, max + g, "the search narrows down to the granularity");
+    // The default margin: 5% below the largest batch, a multiple of the granularity.
+    let rec = mb.recommended.expect("a recommended batch");
+    assert_eq!(mb.margin, 0.05);
+    assert_eq!(rec, recommended_batch(max, 0.05, g, 1));
+    assert!(rec.is_multiple_of(g) && rec < max && rec as f64 >= max as f64 * 0.95 - g as f64);
+    assert!(
+        stdout.contains(&format!("recommended batch {rec} (5% margin)")),
+        "{stdout}"
+    );
+    let md = std::fs::read_to_string(out.join("sweep.md")).unwrap();
+    assert!(
+        md.contains(&format!("recommended batch {rec} (5% margin)")),
+        "{md}"
+    );
     // Doubling 32, 64, … then bisection: the points on record agree with the result.
     for p in &r.points {
         let expect = if p.batch_size <= max {
@@ -227,6 +243,8 @@ fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
             "8",
             "--accum-steps",
             "3",
+            "--margin",
+            "0.25",
         ])
         .args([
             "--steps",
@@ -248,6 +266,14 @@ fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
     let (max, oom) = (mb.max_batch.unwrap(), mb.first_oom.unwrap());
     // Granularity 8 with 3 accumulation steps: multiples of 24.
     assert!(oom > max && oom - max <= 24, "{max} {oom}");
+    let rec = mb.recommended.unwrap();
+    assert_eq!(rec, recommended_batch(max, 0.25, 8, 3));
+    assert_eq!(
+        rec % 3,
+        0,
+        "the recommended batch {rec} splits into 3 micro-batches"
+    );
+    assert!(rec as f64 <= max as f64 * 0.75, "{rec} leaves 25% of {max}");
     for p in &r.points {
         assert_eq!(
             p.batch_size % 3,
@@ -570,6 +596,78 @@ fn usage_errors_exit_with_code_2() {
 }
 
 #[test]
+fn the_recommended_batch_leaves_the_margin_and_rounds_down_to_the_search_step() {
+    // 200 × 0.95 = 190, down to a multiple of 8.
+    assert_eq!(recommended_batch(200, 0.05, 8, 1), 184);
+    // Granularity 8 with 4 accumulation steps: multiples of 8, which 4 divides.
+    let b = recommended_batch(200, 0.05, 8, 4);
+    assert_eq!(b, 184);
+    assert_eq!(b % 4, 0);
+    // Granularity 8 with 3 accumulation steps: multiples of 24.
+    assert_eq!(recommended_batch(200, 0.05, 8, 3), 168);
+    // No margin and a multiple of the step: the largest batch itself.
+    assert_eq!(recommended_batch(384, 0.0, 8, 1), 384);
+    // 100 × 0.9 is 90 exactly, not 89.99….
+    assert_eq!(recommended_batch(100, 0.1, 1, 1), 90);
+    assert_eq!(recommended_batch(1000, 0.3, 10, 1), 700);
+    // Below one step: a multiple of the accumulation steps instead, and at least one of them.
+    assert_eq!(recommended_batch(8, 0.05, 8, 1), 7);
+    assert_eq!(recommended_batch(8, 0.05, 8, 2), 6);
+    assert_eq!(recommended_batch(1, 0.5, 8, 1), 1);
+    assert_eq!(recommended_batch(4, 0.9, 8, 4), 4);
+    // A larger margin never recommends more.
+    for m in [0.0, 0.05, 0.1, 0.25, 0.5, 0.9] {
+        let r = recommended_batch(1000, m, 16, 2);
+        assert!(r <= 1000 && r.is_multiple_of(2), "margin {m}: {r}");
+        assert!(r <= recommended_batch(1000, m / 2.0, 16, 2));
+    }
+}
+
+#[test]
+fn margin_and_max_batch_are_validated() {
+    let out = tmp_dir("margin-usage");
+    let usage = |args: &[&str], want: &str| {
+        let o = Command::new(example("batch_sweep"))
+            .args(args)
+            .args(["--quiet", "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(
+            stderr.trim_end().lines().count(),
+            1,
+            "{args:?}: one line: {stderr}"
+        );
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains(want),
+            "{args:?}: {stderr}"
+        );
+        assert!(!out.exists(), "{args:?}: nothing is written");
+    };
+    for m in ["1", "-0.1", "nan", "1.5"] {
+        usage(&["--find-max", "--margin", m], "--margin");
+    }
+    usage(&["--find-max", "--margin", "lots"], "--margin");
+    usage(&["--margin", "0.1"], "--find-max");
+    usage(
+        &["--find-max", "--start", "64", "--max-batch", "32"],
+        "--max-batch 32 (the upper bound of the search) is smaller than --start 64",
+    );
+    let help = Command::new(example("batch_sweep"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("--margin") && help.contains("[default: 0.05]"),
+        "{help}"
+    );
+    assert!(help.contains("upper bound of the search"), "{help}");
+}
+
+#[test]
 fn flag_strings_split_and_merge_like_a_shell() {
     assert_eq!(
         split_flags(r#"--a 1 --b "x y" --c 'q"z' d\ e"#).unwrap(),
@@ -683,9 +781,23 @@ fn csv_parser_handles_quotes_and_the_oom_detector_reads_the_trainer_message() {
         start: 32,
         max_batch: 64,
         granularity: 8,
+        margin: 0.1,
     };
     assert_eq!(
         serde_json::from_str::<BatchPlan>(&serde_json::to_string(&plan).unwrap()).unwrap(),
         plan
+    );
+    // A sweep.json written before --margin existed reads with the default margin.
+    let old: BatchPlan =
+        serde_json::from_str(r#"{"find_max":{"start":32,"max_batch":64,"granularity":8}}"#)
+            .unwrap();
+    assert_eq!(
+        old,
+        BatchPlan::FindMax {
+            start: 32,
+            max_batch: 64,
+            granularity: 8,
+            margin: memtrain::sweep::batch::DEFAULT_MARGIN,
+        }
     );
 }

@@ -5,7 +5,8 @@
 //! cargo run --release --example batch_sweep -- --batch-sizes 32,64,128,256,512 --precision f32,f16
 //! cargo run --release --example batch_sweep -- --find-max --memory-limit 300MiB --checkpoint none,stages
 //! ```
-//! Prints a markdown table and writes sweep.{md,csv,json,png,svg} into --out.
+//! Prints a markdown table and writes sweep.{md,csv,json,png,svg} and frontier.{png,svg} (peak
+//! memory against images/s, the Pareto frontier marked) into --out.
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};

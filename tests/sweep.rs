@@ -106,6 +106,26 @@ fn check_svg(path: &Path, width: u32, height: u32) {
     );
 }
 
+/// The text of every `<text>` element of an SVG, trimmed.
+fn svg_texts(path: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).expect("svg exists");
+    let doc = roxmltree::Document::parse(&text).expect("svg is well-formed XML");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect()
+}
+
+/// `frontier.png` (1200×800) and `frontier.svg` in `dir`, the SVG labelling every one of `labels`.
+fn check_frontier_chart(dir: &Path, labels: &[&str]) {
+    assert_eq!(png_size(&dir.join("frontier.png")), (1200, 800));
+    check_svg(&dir.join("frontier.svg"), 1200, 800);
+    let texts = svg_texts(&dir.join("frontier.svg"));
+    for l in labels {
+        assert!(texts.iter().any(|t| t == l), "no label '{l}' in {texts:?}");
+    }
+}
+
 #[test]
 fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
     let out = tmp_dir("findmax");
@@ -410,6 +430,21 @@ fn oom_and_killed_points_are_recorded_and_the_sweep_goes_on() {
     // Charts: a PNG of the expected size and a well-formed SVG.
     assert_eq!(png_size(&dir.join("sweep.png")), (1200, 1000));
     check_svg(&dir.join("sweep.svg"), 1200, 1000);
+    // The frontier chart labels every point that ran, and only those.
+    check_frontier_chart(&dir, &["f32 b32", "f32 b64", "f16 b32", "f16 b64"]);
+    let texts = svg_texts(&dir.join("frontier.svg"));
+    assert!(
+        !texts
+            .iter()
+            .any(|t| t.ends_with("b1024") || t.ends_with("b48")),
+        "{texts:?}"
+    );
+    // The table marks at least one point as on the frontier, and explains the mark.
+    assert!(
+        stdout.contains(" frontier |") && stdout.contains("| ✓ |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("✓ frontier:"), "{stdout}");
 
     // The same directory is not reused for a second sweep.
     let o = Command::new(example("batch_sweep"))
@@ -497,6 +532,8 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
     check_svg(&out.join("peak_memory.svg"), 1200, bar_height);
     assert_eq!(png_size(&out.join("memory_timeline.png")), (1200, 700));
     check_svg(&out.join("memory_timeline.svg"), 1200, 700);
+    check_frontier_chart(&out, &["baseline", "f16<&>", "--checkpoint stages"]);
+    assert!(stdout.contains("frontier.png, frontier.svg"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }
 

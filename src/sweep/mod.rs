@@ -1,6 +1,6 @@
 //! Process-isolated measurements: batch-size sweeps ([`batch`]), configuration comparisons
-//! ([`compare`]), their tables and charts ([`report`]) and the chart machinery the charts share
-//! (`chart`).
+//! ([`compare`]), their tables and charts ([`report`]), the memory–speed frontier
+//! ([`frontier`]) and the chart machinery they share (`chart`).
 //!
 //! Every measured point runs the `train_cifar10` example binary in its own child process, so an
 //! out-of-memory error or a crash in one point cannot affect the next, and each point starts from
@@ -11,6 +11,7 @@
 pub mod batch;
 pub(crate) mod chart;
 pub mod compare;
+pub mod frontier;
 pub mod report;
 pub mod step_chart;
 

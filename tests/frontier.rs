@@ -1,11 +1,11 @@
-//! The memory–speed frontier (Pareto marking, tables, chart), in-process on hand-made results:
-//! no trainer runs here.
+//! The memory–speed frontier (Pareto marking, tables, chart) and the out-of-memory snapshot
+//! links, in-process on hand-made results: no trainer runs here.
 
 use memtrain::sweep::batch::{BatchPlan, SweepPoint, SweepResult, Variant};
 use memtrain::sweep::compare::{CompareEntry, CompareResult};
 use memtrain::sweep::frontier::{pareto_front, write_frontier_chart, FrontierPoint};
 use memtrain::sweep::report::{compare_csv, compare_markdown, sweep_csv, sweep_markdown, CsvTable};
-use memtrain::sweep::{ChildRun, Status};
+use memtrain::sweep::{oom_snapshot_link, ChildRun, Status};
 use memtrain::train::Summary;
 use std::path::{Path, PathBuf};
 
@@ -197,6 +197,7 @@ fn sweep(dir: &Path) -> SweepResult {
         SweepPoint {
             configuration: c.into(),
             batch_size: b,
+            oom_snapshot: oom_snapshot_link(&run, dir),
             run,
         }
     };
@@ -279,6 +280,8 @@ fn sweep_tables_mark_the_frontier_points() {
         "{md}"
     );
     assert!(md.contains("\n✓ frontier: no other point"), "{md}");
+    // No snapshot was written, so there is no snapshot column.
+    assert!(!md.contains("OOM snapshot"), "{md}");
 
     let csv = CsvTable::parse(&sweep_csv(&r)).unwrap();
     let csv_marks: Vec<(String, String)> = (0..csv.rows.len())
@@ -308,6 +311,64 @@ fn sweep_tables_mark_the_frontier_points() {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect::<Vec<_>>()
     );
+    assert!((0..csv.rows.len()).all(|i| csv.get(i, "oom_snapshot") == Some("")));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_oom_point_links_its_snapshot_only_when_the_file_exists() {
+    let dir = tmp_dir("snapshot");
+    let file = memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
+    // Plant a snapshot in the OOM point's directory and, to show that only OOM points link one,
+    // in an ok point's directory too.
+    for p in ["f32-b00128", "f16-b00032"] {
+        let d = dir.join("points").join(p);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join(file), "{}").unwrap();
+    }
+    let r = sweep(&dir);
+    let rel = PathBuf::from("points").join("f32-b00128").join(file);
+    for p in &r.points {
+        let want = (p.run.status == Status::Oom).then(|| rel.clone());
+        assert_eq!(
+            p.oom_snapshot, want,
+            "{} b{}",
+            p.configuration, p.batch_size
+        );
+    }
+    let md = sweep_markdown(&r);
+    assert!(md.contains(" OOM snapshot |"), "{md}");
+    assert!(
+        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        "{md}"
+    );
+    let csv = CsvTable::parse(&sweep_csv(&r)).unwrap();
+    let oom_row = (0..csv.rows.len())
+        .find(|&i| csv.get(i, "status") == Some("OOM"))
+        .unwrap();
+    assert_eq!(
+        csv.get(oom_row, "oom_snapshot"),
+        Some(rel.to_str().unwrap())
+    );
+    // JSON keeps it, and reads back the same.
+    let json = serde_json::to_string(&r).unwrap();
+    assert!(json.contains("\"oom_snapshot\""));
+    assert_eq!(serde_json::from_str::<SweepResult>(&json).unwrap(), r);
+    // A run directory outside the results directory gets an absolute path.
+    let oom = r
+        .points
+        .iter()
+        .find(|p| p.run.status == Status::Oom)
+        .unwrap();
+    let elsewhere = oom_snapshot_link(&oom.run, Path::new("/somewhere/else")).unwrap();
+    assert!(
+        elsewhere.is_absolute() && elsewhere.ends_with(&rel),
+        "{}",
+        elsewhere.display()
+    );
+    // Without the file, no link.
+    std::fs::remove_file(dir.join(&rel)).unwrap();
+    assert_eq!(oom_snapshot_link(&oom.run, &dir), None);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -319,6 +380,7 @@ fn compare_tables_mark_the_frontier_configurations() {
         CompareEntry {
             label: label.into(),
             flags: Vec::new(),
+            oom_snapshot: oom_snapshot_link(&run, &dir),
             run,
             peak_change_pct: None,
             speed_change_pct: None,

@@ -704,6 +704,123 @@ fn margin_and_max_batch_are_validated() {
     assert!(help.contains("upper bound of the search"), "{help}");
 }
 
+/// A trainer wrapper that runs the real trainer and then leaves an `oom_snapshot.json` in its
+/// `--out` directory, as a trainer that writes snapshots would (planted for every run, so that
+/// the tables can be seen to link only the out-of-memory ones).
+#[cfg(unix)]
+fn snapshot_wrapper(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("trainer.sh");
+    let script = format!(
+        "#!/bin/sh\nout=\nprev=\nfor a in \"$@\"; do\n  if [ \"$prev\" = \"--out\" ]; then out=\"$a\"; fi\n  prev=\"$a\"\ndone\n'{}' \"$@\"\ncode=$?\n[ -n \"$out\" ] && printf '{{}}' > \"$out/{}\"\nexit $code\n",
+        example("train_cifar10").display(),
+        memtrain::memory::timeline::OOM_SNAPSHOT_FILE
+    );
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+#[cfg(unix)]
+#[test]
+fn oom_points_link_the_snapshot_their_run_wrote() {
+    let out = tmp_dir("snapshots");
+    let wrapper = snapshot_wrapper(&out.join("bin"));
+    let file = memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
+    let common = ["--width", "4", "--device", "cpu", "--memory-limit", "40MiB"];
+    let o = run(Command::new(example("batch_sweep"))
+        .args([
+            "--batch-sizes",
+            "32,1024",
+            "--steps",
+            "1",
+            "--synthetic-train",
+            "10",
+        ])
+        .args(common)
+        .arg("--quiet")
+        .arg("--trainer")
+        .arg(&wrapper)
+        .arg("--out")
+        .arg(out.join("sweep"))
+        .args(["--", "--synthetic-test", "10"]));
+    assert!(o.status.success());
+    let dir = out.join("sweep");
+    let r = read_sweep(&dir);
+    let rel = PathBuf::from("points").join("default-b01024").join(file);
+    for p in &r.points {
+        match p.batch_size {
+            32 => {
+                assert_eq!(p.run.status, Status::Ok, "{}", p.run.note);
+                assert!(p.run.run_dir.join(file).is_file(), "planted for every run");
+                assert_eq!(p.oom_snapshot, None, "an ok point links no snapshot");
+            }
+            _ => {
+                assert_eq!(p.run.status, Status::Oom, "{}", p.run.note);
+                assert_eq!(p.oom_snapshot.as_deref(), Some(rel.as_path()));
+                assert!(
+                    dir.join(&rel).is_file(),
+                    "the link resolves from the sweep directory"
+                );
+            }
+        }
+    }
+    let md = std::fs::read_to_string(dir.join("sweep.md")).unwrap();
+    assert!(
+        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        "{md}"
+    );
+    let csv = CsvTable::parse(&std::fs::read_to_string(dir.join("sweep.csv")).unwrap()).unwrap();
+    let col: Vec<&str> = (0..csv.rows.len())
+        .map(|i| csv.get(i, "oom_snapshot").unwrap())
+        .collect();
+    assert_eq!(col, ["", rel.to_str().unwrap()]);
+
+    let o = run(Command::new(example("compare"))
+        .args([
+            "--run",
+            "small: --batch-size 32",
+            "--run",
+            "big: --batch-size 1024 --synthetic-train 1024",
+        ])
+        .arg("--common")
+        .arg(format!(
+            "{} --max-steps 1 --no-eval --synthetic-train 32 --synthetic-test 10",
+            common.join(" ")
+        ))
+        .arg("--quiet")
+        .arg("--trainer")
+        .arg(&wrapper)
+        .arg("--out")
+        .arg(out.join("compare")));
+    assert!(o.status.success());
+    let dir = out.join("compare");
+    let r: CompareResult =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("compare.json")).unwrap()).unwrap();
+    let rel = PathBuf::from("runs").join("02-big").join(file);
+    assert_eq!(
+        r.entries[0].run.status,
+        Status::Ok,
+        "{}",
+        r.entries[0].run.note
+    );
+    assert_eq!(r.entries[0].oom_snapshot, None);
+    assert_eq!(
+        r.entries[1].run.status,
+        Status::Oom,
+        "{}",
+        r.entries[1].run.note
+    );
+    assert_eq!(r.entries[1].oom_snapshot.as_deref(), Some(rel.as_path()));
+    let md = std::fs::read_to_string(dir.join("compare.md")).unwrap();
+    assert!(
+        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn flag_strings_split_and_merge_like_a_shell() {
     assert_eq!(

@@ -2,7 +2,9 @@
 //! memory limit (doubling, then binary search), over the cross product of configurations.
 //! Every point is one child process of the trainer (see [`super::run_child`]).
 
-use super::{describe, merge_flags, run_child, slug, ChildRun, Progress, Status};
+use super::{
+    describe, merge_flags, oom_snapshot_link, run_child, slug, ChildRun, Progress, Status,
+};
 use crate::error::{Error, Result};
 use crate::memory::format_bytes;
 use serde::{Deserialize, Serialize};
@@ -175,6 +177,10 @@ pub struct SweepPoint {
     pub batch_size: usize,
     /// What the child reported.
     pub run: ChildRun,
+    /// The point's out-of-memory snapshot, relative to the sweep's directory, when it ran out of
+    /// memory and wrote one (see [`super::oom_snapshot_link`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_snapshot: Option<PathBuf>,
 }
 
 /// The result of a `--find-max` search for one configuration.
@@ -372,6 +378,7 @@ impl Runner<'_> {
         self.result.points.push(SweepPoint {
             configuration: variant.label.clone(),
             batch_size: batch,
+            oom_snapshot: oom_snapshot_link(&run, &opts.out),
             run: run.clone(),
         });
         super::report::write_sweep_files(&opts.out, &self.result)?;

@@ -115,6 +115,25 @@ impl ChildRun {
     }
 }
 
+/// Where an out-of-memory run's snapshot is, for the results tables: `None` unless `run` ran out
+/// of memory and its run directory holds [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] (a trainer
+/// that stops on out-of-memory writes it; older ones do not, so the file is looked for, not
+/// assumed). The path is relative to `results_dir`, where the tables are written, so that the
+/// links keep working when the directory moves; absolute when the run directory lies elsewhere.
+pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> {
+    if run.status != Status::Oom {
+        return None;
+    }
+    let file = run.run_dir.join(crate::memory::timeline::OOM_SNAPSHOT_FILE);
+    if !file.is_file() {
+        return None;
+    }
+    Some(match file.strip_prefix(results_dir) {
+        Ok(rel) => rel.to_path_buf(),
+        Err(_) => std::path::absolute(&file).unwrap_or(file),
+    })
+}
+
 /// Locate an example binary: `explicit` when given (it must exist), else a sibling of the
 /// current executable (`target/<profile>/examples/`), also from a test binary in
 /// `target/<profile>/deps/`.

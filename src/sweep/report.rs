@@ -12,7 +12,8 @@
 //!   configuration, labelled with its value), `memory_timeline.{png,svg}` (per-batch peak
 //!   memory of every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
 //!
-//! The markdown tables mark the frontier points in a `frontier` column.
+//! The markdown tables mark the frontier points in a `frontier` column, and link each
+//! out-of-memory point's `oom_snapshot.json` when its run wrote one.
 //! - [`write_run_memory_chart`]: `memory.{png,svg}` of one run directory.
 
 use super::batch::SweepResult;
@@ -220,6 +221,15 @@ fn frontier_cell(on: bool) -> &'static str {
     }
 }
 
+/// A markdown link to an out-of-memory snapshot (relative to the table's directory), or empty.
+fn snapshot_cell(path: Option<&Path>) -> String {
+    path.map(|p| {
+        let p = p.to_string_lossy();
+        format!("[snapshot]({})", p.replace(' ', "%20"))
+    })
+    .unwrap_or_default()
+}
+
 /// A frontier point of a child run: peak memory and images/s only when it ran ok (a run that
 /// ended otherwise measured nothing comparable).
 fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
@@ -236,7 +246,7 @@ fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `sweep.csv`.
-pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,frontier,steps,wall_secs,exit_code,signal,note,run_dir";
+pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,frontier,steps,wall_secs,exit_code,signal,note,run_dir,oom_snapshot";
 
 /// One frontier point per point of the sweep (same order as `r.points`), labelled
 /// `<configuration> b<batch>`; only points that ran ok are measured.
@@ -248,7 +258,8 @@ pub fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
 }
 
 /// The sweep as CSV (one row per point, in the order run). `frontier` is `true` for the points on
-/// the memory–speed frontier.
+/// the memory–speed frontier; `oom_snapshot` is the path of an out-of-memory point's snapshot,
+/// relative to the sweep's directory, when its run wrote one.
 pub fn sweep_csv(r: &SweepResult) -> String {
     let front = pareto_front(&sweep_frontier_points(r));
     let mut s = format!("{SWEEP_CSV_HEADER}\n");
@@ -256,7 +267,7 @@ pub fn sweep_csv(r: &SweepResult) -> String {
         let run = &p.run;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{}",
             csv_field(&p.configuration),
             p.batch_size,
             run.status.as_str(),
@@ -276,29 +287,43 @@ pub fn sweep_csv(r: &SweepResult) -> String {
             opt_i32(run.signal),
             csv_field(&run.note),
             csv_field(&run.run_dir.to_string_lossy()),
+            csv_field(
+                &p.oom_snapshot
+                    .as_deref()
+                    .map(|p| p.to_string_lossy())
+                    .unwrap_or_default()
+            ),
         );
     }
     s
 }
 
 /// The sweep as a markdown table (rows grouped by configuration, sorted by batch size; the
-/// frontier points marked), followed by the `--find-max` results when there are any.
+/// frontier points marked, out-of-memory snapshots linked when there are any), followed by the
+/// `--find-max` results when there are any.
 pub fn sweep_markdown(r: &SweepResult) -> String {
     let reserved = r
         .points
         .iter()
         .any(|p| p.run.reserved_peak_bytes().is_some());
+    let snapshots = r.points.iter().any(|p| p.oom_snapshot.is_some());
     let front = pareto_front(&sweep_frontier_points(r));
     let mut s = String::from("| configuration | batch | status | peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
     s.push_str(" img/s | frontier |");
+    if snapshots {
+        s.push_str(" OOM snapshot |");
+    }
     s.push_str(" note |\n|---|---:|---|---:|---:|---:|");
     if reserved {
         s.push_str("---:|");
     }
     s.push_str("---:|:---:|");
+    if snapshots {
+        s.push_str("---|");
+    }
     s.push_str("---|\n");
     for v in &r.configurations {
         for p in r.points_of(&v.label) {
@@ -334,6 +359,9 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
                     .unwrap_or_else(|| "-".into()),
                 frontier_cell(on)
             );
+            if snapshots {
+                let _ = write!(s, " {} |", snapshot_cell(p.oom_snapshot.as_deref()));
+            }
             let _ = writeln!(s, " {} |", md_cell(&note));
         }
     }
@@ -375,7 +403,7 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `compare.csv`.
-pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,speed_change_pct,frontier,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags";
+pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,speed_change_pct,frontier,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_snapshot";
 
 /// One frontier point per configuration of the comparison (same order as `r.entries`), labelled
 /// with the configuration's label; only runs that finished ok are measured.
@@ -387,7 +415,8 @@ pub fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
 }
 
 /// The comparison as CSV (one row per configuration, the baseline first). `frontier` is `true`
-/// for the configurations on the memory–speed frontier.
+/// for the configurations on the memory–speed frontier; `oom_snapshot` is the path of an
+/// out-of-memory run's snapshot, relative to the comparison's directory, when it wrote one.
 pub fn compare_csv(r: &CompareResult) -> String {
     let front = pareto_front(&compare_frontier_points(r));
     let mut s = format!("{COMPARE_CSV_HEADER}\n");
@@ -395,7 +424,7 @@ pub fn compare_csv(r: &CompareResult) -> String {
         let run = &e.run;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{},{}",
             csv_field(&e.label),
             run.status.as_str(),
             opt_u64(run.peak_bytes()),
@@ -418,13 +447,19 @@ pub fn compare_csv(r: &CompareResult) -> String {
             csv_field(&run.note),
             csv_field(&run.run_dir.to_string_lossy()),
             csv_field(&e.flags.join(" ")),
+            csv_field(
+                &e.oom_snapshot
+                    .as_deref()
+                    .map(|p| p.to_string_lossy())
+                    .unwrap_or_default()
+            ),
         );
     }
     s
 }
 
 /// The comparison as a markdown table; changes are relative to the first configuration, the
-/// frontier configurations are marked.
+/// frontier configurations are marked, out-of-memory snapshots linked when there are any.
 pub fn compare_markdown(r: &CompareResult) -> String {
     let accuracy = r.entries.iter().any(|e| {
         e.run
@@ -437,6 +472,7 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         .entries
         .iter()
         .any(|e| e.run.reserved_peak_bytes().is_some());
+    let snapshots = r.entries.iter().any(|e| e.oom_snapshot.is_some());
     let front = pareto_front(&compare_frontier_points(r));
     let base = r.entries.first().map(|e| e.label.as_str()).unwrap_or("");
     let mut s = format!(
@@ -450,6 +486,9 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     if accuracy {
         s.push_str(" accuracy |");
     }
+    if snapshots {
+        s.push_str(" OOM snapshot |");
+    }
     s.push_str(" note |\n|---|---|---:|---:|---:|");
     if reserved {
         s.push_str("---:|");
@@ -457,6 +496,9 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     s.push_str("---:|---:|:---:|");
     if accuracy {
         s.push_str("---:|");
+    }
+    if snapshots {
+        s.push_str("---|");
     }
     s.push_str("---|\n");
     for (e, &on) in r.entries.iter().zip(&front) {
@@ -490,6 +532,9 @@ pub fn compare_markdown(r: &CompareResult) -> String {
                 acc.map(|a| format!("{:.2}%", a * 100.0))
                     .unwrap_or_else(|| "-".into())
             );
+        }
+        if snapshots {
+            let _ = write!(s, " {} |", snapshot_cell(e.oom_snapshot.as_deref()));
         }
         let note = if run.status == Status::Ok {
             String::new()

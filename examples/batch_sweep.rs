@@ -34,7 +34,7 @@ struct Args {
         conflicts_with = "find_max"
     )]
     batch_sizes: Vec<usize>,
-    /// Search for the largest batch that fits --memory-limit (or the device): double from --start until out of memory, then binary-search
+    /// Search for the largest batch that fits --memory-limit (or the device): double from --start until out of memory or --max-batch, then binary-search
     #[arg(long)]
     find_max: bool,
     /// --find-max: first batch size tried

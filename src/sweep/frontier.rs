@@ -3,7 +3,7 @@
 //! those points marked and joined by a step line.
 //!
 //! [`pareto_front`] is pure; [`write_frontier_chart`] draws `frontier.{png,svg}` with the machinery
-//! of [`super::chart`]. Sweeps and comparisons build their points in [`super::report`].
+//! of `sweep::chart`. Sweeps and comparisons build their points in [`super::report`].
 
 use super::chart::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
 use crate::error::Result;

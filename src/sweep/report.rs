@@ -1,7 +1,7 @@
 //! Tables (markdown, CSV, JSON) and charts (PNG and SVG, drawn with plotters) of sweeps,
 //! comparisons and single runs.
 //!
-//! The charts are drawn with [`super::chart`] (embedded font, PNG and SVG). Every file is written
+//! The charts are drawn with `sweep::chart` (embedded font, PNG and SVG). Every file is written
 //! atomically (see [`crate::io::write_atomic`]).
 //!
 //! - [`write_sweep_report`]: `sweep.{json,csv,md}`, `sweep.{png,svg}` (peak memory and

@@ -5,13 +5,16 @@
 //! cargo run --release --example batch_sweep -- --batch-sizes 32,64,128,256,512 --precision f32,f16
 //! cargo run --release --example batch_sweep -- --find-max --memory-limit 300MiB --checkpoint none,stages
 //! ```
-//! Prints a markdown table and writes sweep.{md,csv,json,png,svg} into --out.
+//! Prints a markdown table and writes sweep.{md,csv,json,png,svg} and frontier.{png,svg} (peak
+//! memory against images/s, the Pareto frontier marked) into --out.
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision};
 use memtrain::memory::parse_size;
-use memtrain::sweep::batch::{cross_product, run_sweep, BatchPlan, Dimension, SweepOptions};
+use memtrain::sweep::batch::{
+    cross_product, run_sweep, BatchPlan, Dimension, SweepOptions, DEFAULT_MARGIN,
+};
 use memtrain::sweep::{
     current_command_line, default_out_dir, locate_example, report, TRAINER_NAME,
 };
@@ -31,18 +34,21 @@ struct Args {
         conflicts_with = "find_max"
     )]
     batch_sizes: Vec<usize>,
-    /// Search for the largest batch that fits --memory-limit (or the device): double from --start until out of memory, then binary-search
+    /// Search for the largest batch that fits --memory-limit (or the device): double from --start until out of memory or --max-batch, then binary-search
     #[arg(long)]
     find_max: bool,
     /// --find-max: first batch size tried
     #[arg(long, default_value_t = 32, requires = "find_max")]
     start: usize,
-    /// --find-max: largest batch size tried
+    /// --find-max: upper bound of the search, the largest batch size tried (at least --start)
     #[arg(long, default_value_t = 8192, requires = "find_max")]
     max_batch: usize,
     /// --find-max: resolution of the binary search, in images
     #[arg(long, default_value_t = 8, requires = "find_max")]
     granularity: usize,
+    /// --find-max: safety margin in [0, 1); also reports the recommended batch = largest that fits x (1 - margin), rounded down to a multiple of --granularity and --accum-steps
+    #[arg(long, default_value_t = DEFAULT_MARGIN, requires = "find_max", allow_negative_numbers = true)]
+    margin: f64,
     /// Training steps per point
     #[arg(long, default_value_t = 3)]
     steps: usize,
@@ -138,6 +144,7 @@ fn run() -> anyhow::Result<()> {
             start: a.start,
             max_batch: a.max_batch,
             granularity: a.granularity,
+            margin: a.margin,
         }
     } else if a.batch_sizes.is_empty() {
         BatchPlan::List(vec![32, 64, 128, 256, 512])

@@ -6,8 +6,9 @@
 //!     --common "--max-steps 20 --width 32"
 //! cargo run --release --example compare -- --configs configs/*.json -- --max-steps 20
 //! ```
-//! Prints a markdown table and writes compare.{md,csv,json}, peak_memory.{png,svg} and
-//! memory_timeline.{png,svg} into --out.
+//! Prints a markdown table and writes compare.{md,csv,json}, peak_memory.{png,svg},
+//! memory_timeline.{png,svg} and frontier.{png,svg} (peak memory against images/s, the Pareto
+//! frontier marked) into --out.
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};

@@ -1,7 +1,9 @@
 //! Batch-size sweeps, comparisons and charts: the example binaries run as a user would run them
 //! (each point a child process of `train_cifar10`), on the CPU with tiny widths and few steps.
 
-use memtrain::sweep::batch::{accum_steps_of, cross_product, BatchPlan, Dimension, SweepResult};
+use memtrain::sweep::batch::{
+    accum_steps_of, cross_product, recommended_batch, BatchPlan, Dimension, SweepResult,
+};
 use memtrain::sweep::compare::{CompareResult, RunSpec};
 use memtrain::sweep::report::{read_batches_csv, CsvTable, COMPARE_CSV_HEADER, SWEEP_CSV_HEADER};
 use memtrain::sweep::{merge_flags, oom_message, split_flags, Status};
@@ -104,6 +106,26 @@ fn check_svg(path: &Path, width: u32, height: u32) {
     );
 }
 
+/// The text of every `<text>` element of an SVG, trimmed.
+fn svg_texts(path: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).expect("svg exists");
+    let doc = roxmltree::Document::parse(&text).expect("svg is well-formed XML");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect()
+}
+
+/// `frontier.png` (1200×800) and `frontier.svg` in `dir`, the SVG labelling every one of `labels`.
+fn check_frontier_chart(dir: &Path, labels: &[&str]) {
+    assert_eq!(png_size(&dir.join("frontier.png")), (1200, 800));
+    check_svg(&dir.join("frontier.svg"), 1200, 800);
+    let texts = svg_texts(&dir.join("frontier.svg"));
+    for l in labels {
+        assert!(texts.iter().any(|t| t == l), "no label '{l}' in {texts:?}");
+    }
+}
+
 #[test]
 fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
     let out = tmp_dir("findmax");
@@ -149,6 +171,20 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
         .expect("some batch below 2048 exceeds 40 MiB at width 4");
     assert!(!mb.capped);
     assert_eq!(oom, max + g, "the search narrows down to the granularity");
+    // The default margin: 5% below the largest batch, a multiple of the granularity.
+    let rec = mb.recommended.expect("a recommended batch");
+    assert_eq!(mb.margin, 0.05);
+    assert_eq!(rec, recommended_batch(max, 0.05, g, 1));
+    assert!(rec.is_multiple_of(g) && rec < max && rec as f64 >= max as f64 * 0.95 - g as f64);
+    assert!(
+        stdout.contains(&format!("recommended batch {rec} (5% margin)")),
+        "{stdout}"
+    );
+    let md = std::fs::read_to_string(out.join("sweep.md")).unwrap();
+    assert!(
+        md.contains(&format!("recommended batch {rec} (5% margin)")),
+        "{md}"
+    );
     // Doubling 32, 64, … then bisection: the points on record agree with the result.
     for p in &r.points {
         let expect = if p.batch_size <= max {
@@ -227,6 +263,8 @@ fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
             "8",
             "--accum-steps",
             "3",
+            "--margin",
+            "0.25",
         ])
         .args([
             "--steps",
@@ -248,6 +286,14 @@ fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
     let (max, oom) = (mb.max_batch.unwrap(), mb.first_oom.unwrap());
     // Granularity 8 with 3 accumulation steps: multiples of 24.
     assert!(oom > max && oom - max <= 24, "{max} {oom}");
+    let rec = mb.recommended.unwrap();
+    assert_eq!(rec, recommended_batch(max, 0.25, 8, 3));
+    assert_eq!(
+        rec % 3,
+        0,
+        "the recommended batch {rec} splits into 3 micro-batches"
+    );
+    assert!(rec as f64 <= max as f64 * 0.75, "{rec} leaves 25% of {max}");
     for p in &r.points {
         assert_eq!(
             p.batch_size % 3,
@@ -384,6 +430,21 @@ fn oom_and_killed_points_are_recorded_and_the_sweep_goes_on() {
     // Charts: a PNG of the expected size and a well-formed SVG.
     assert_eq!(png_size(&dir.join("sweep.png")), (1200, 1000));
     check_svg(&dir.join("sweep.svg"), 1200, 1000);
+    // The frontier chart labels every point that ran, and only those.
+    check_frontier_chart(&dir, &["f32 b32", "f32 b64", "f16 b32", "f16 b64"]);
+    let texts = svg_texts(&dir.join("frontier.svg"));
+    assert!(
+        !texts
+            .iter()
+            .any(|t| t.ends_with("b1024") || t.ends_with("b48")),
+        "{texts:?}"
+    );
+    // The table marks at least one point as on the frontier, and explains the mark.
+    assert!(
+        stdout.contains(" frontier |") && stdout.contains("| ✓ |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("✓ frontier:"), "{stdout}");
 
     // The same directory is not reused for a second sweep.
     let o = Command::new(example("batch_sweep"))
@@ -471,6 +532,8 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
     check_svg(&out.join("peak_memory.svg"), 1200, bar_height);
     assert_eq!(png_size(&out.join("memory_timeline.png")), (1200, 700));
     check_svg(&out.join("memory_timeline.svg"), 1200, 700);
+    check_frontier_chart(&out, &["baseline", "f16<&>", "--checkpoint stages"]);
+    assert!(stdout.contains("frontier.png, frontier.svg"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -567,6 +630,195 @@ fn usage_errors_exit_with_code_2() {
         .unwrap();
     assert!(o.status.success());
     assert!(String::from_utf8_lossy(&o.stdout).contains("--find-max"));
+}
+
+#[test]
+fn the_recommended_batch_leaves_the_margin_and_rounds_down_to_the_search_step() {
+    // 200 × 0.95 = 190, down to a multiple of 8.
+    assert_eq!(recommended_batch(200, 0.05, 8, 1), 184);
+    // Granularity 8 with 4 accumulation steps: multiples of 8, which 4 divides.
+    let b = recommended_batch(200, 0.05, 8, 4);
+    assert_eq!(b, 184);
+    assert_eq!(b % 4, 0);
+    // Granularity 8 with 3 accumulation steps: multiples of 24.
+    assert_eq!(recommended_batch(200, 0.05, 8, 3), 168);
+    // No margin and a multiple of the step: the largest batch itself.
+    assert_eq!(recommended_batch(384, 0.0, 8, 1), 384);
+    // 100 × 0.9 is 90 exactly, not 89.99….
+    assert_eq!(recommended_batch(100, 0.1, 1, 1), 90);
+    assert_eq!(recommended_batch(1000, 0.3, 10, 1), 700);
+    // Below one step: a multiple of the accumulation steps instead, and at least one of them.
+    assert_eq!(recommended_batch(8, 0.05, 8, 1), 7);
+    assert_eq!(recommended_batch(8, 0.05, 8, 2), 6);
+    assert_eq!(recommended_batch(1, 0.5, 8, 1), 1);
+    assert_eq!(recommended_batch(4, 0.9, 8, 4), 4);
+    // A larger margin never recommends more.
+    for m in [0.0, 0.05, 0.1, 0.25, 0.5, 0.9] {
+        let r = recommended_batch(1000, m, 16, 2);
+        assert!(r <= 1000 && r.is_multiple_of(2), "margin {m}: {r}");
+        assert!(r <= recommended_batch(1000, m / 2.0, 16, 2));
+    }
+}
+
+#[test]
+fn margin_and_max_batch_are_validated() {
+    let out = tmp_dir("margin-usage");
+    let usage = |args: &[&str], want: &str| {
+        let o = Command::new(example("batch_sweep"))
+            .args(args)
+            .args(["--quiet", "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(
+            stderr.trim_end().lines().count(),
+            1,
+            "{args:?}: one line: {stderr}"
+        );
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains(want),
+            "{args:?}: {stderr}"
+        );
+        assert!(!out.exists(), "{args:?}: nothing is written");
+    };
+    for m in ["1", "-0.1", "nan", "1.5"] {
+        usage(&["--find-max", "--margin", m], "--margin");
+    }
+    usage(&["--find-max", "--margin", "lots"], "--margin");
+    usage(&["--margin", "0.1"], "--find-max");
+    usage(
+        &["--find-max", "--start", "64", "--max-batch", "32"],
+        "--max-batch 32 (the upper bound of the search) is smaller than --start 64",
+    );
+    let help = Command::new(example("batch_sweep"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("--margin") && help.contains("[default: 0.05]"),
+        "{help}"
+    );
+    assert!(help.contains("upper bound of the search"), "{help}");
+}
+
+/// A trainer wrapper that runs the real trainer and then leaves an `oom_snapshot.json` in its
+/// `--out` directory, as a trainer that writes snapshots would (planted for every run, so that
+/// the tables can be seen to link only the out-of-memory ones).
+#[cfg(unix)]
+fn snapshot_wrapper(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("trainer.sh");
+    let script = format!(
+        "#!/bin/sh\nout=\nprev=\nfor a in \"$@\"; do\n  if [ \"$prev\" = \"--out\" ]; then out=\"$a\"; fi\n  prev=\"$a\"\ndone\n'{}' \"$@\"\ncode=$?\n[ -n \"$out\" ] && printf '{{}}' > \"$out/{}\"\nexit $code\n",
+        example("train_cifar10").display(),
+        memtrain::memory::timeline::OOM_SNAPSHOT_FILE
+    );
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+#[cfg(unix)]
+#[test]
+fn oom_points_link_the_snapshot_their_run_wrote() {
+    let out = tmp_dir("snapshots");
+    let wrapper = snapshot_wrapper(&out.join("bin"));
+    let file = memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
+    let common = ["--width", "4", "--device", "cpu", "--memory-limit", "40MiB"];
+    let o = run(Command::new(example("batch_sweep"))
+        .args([
+            "--batch-sizes",
+            "32,1024",
+            "--steps",
+            "1",
+            "--synthetic-train",
+            "10",
+        ])
+        .args(common)
+        .arg("--quiet")
+        .arg("--trainer")
+        .arg(&wrapper)
+        .arg("--out")
+        .arg(out.join("sweep"))
+        .args(["--", "--synthetic-test", "10"]));
+    assert!(o.status.success());
+    let dir = out.join("sweep");
+    let r = read_sweep(&dir);
+    let rel = PathBuf::from("points").join("default-b01024").join(file);
+    for p in &r.points {
+        match p.batch_size {
+            32 => {
+                assert_eq!(p.run.status, Status::Ok, "{}", p.run.note);
+                assert!(p.run.run_dir.join(file).is_file(), "planted for every run");
+                assert_eq!(p.oom_snapshot, None, "an ok point links no snapshot");
+            }
+            _ => {
+                assert_eq!(p.run.status, Status::Oom, "{}", p.run.note);
+                assert_eq!(p.oom_snapshot.as_deref(), Some(rel.as_path()));
+                assert!(
+                    dir.join(&rel).is_file(),
+                    "the link resolves from the sweep directory"
+                );
+            }
+        }
+    }
+    let md = std::fs::read_to_string(dir.join("sweep.md")).unwrap();
+    assert!(
+        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        "{md}"
+    );
+    let csv = CsvTable::parse(&std::fs::read_to_string(dir.join("sweep.csv")).unwrap()).unwrap();
+    let col: Vec<&str> = (0..csv.rows.len())
+        .map(|i| csv.get(i, "oom_snapshot").unwrap())
+        .collect();
+    assert_eq!(col, ["", rel.to_str().unwrap()]);
+
+    let o = run(Command::new(example("compare"))
+        .args([
+            "--run",
+            "small: --batch-size 32",
+            "--run",
+            "big: --batch-size 1024 --synthetic-train 1024",
+        ])
+        .arg("--common")
+        .arg(format!(
+            "{} --max-steps 1 --no-eval --synthetic-train 32 --synthetic-test 10",
+            common.join(" ")
+        ))
+        .arg("--quiet")
+        .arg("--trainer")
+        .arg(&wrapper)
+        .arg("--out")
+        .arg(out.join("compare")));
+    assert!(o.status.success());
+    let dir = out.join("compare");
+    let r: CompareResult =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("compare.json")).unwrap()).unwrap();
+    let rel = PathBuf::from("runs").join("02-big").join(file);
+    assert_eq!(
+        r.entries[0].run.status,
+        Status::Ok,
+        "{}",
+        r.entries[0].run.note
+    );
+    assert_eq!(r.entries[0].oom_snapshot, None);
+    assert_eq!(
+        r.entries[1].run.status,
+        Status::Oom,
+        "{}",
+        r.entries[1].run.note
+    );
+    assert_eq!(r.entries[1].oom_snapshot.as_deref(), Some(rel.as_path()));
+    let md = std::fs::read_to_string(dir.join("compare.md")).unwrap();
+    assert!(
+        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
@@ -683,9 +935,23 @@ fn csv_parser_handles_quotes_and_the_oom_detector_reads_the_trainer_message() {
         start: 32,
         max_batch: 64,
         granularity: 8,
+        margin: 0.1,
     };
     assert_eq!(
         serde_json::from_str::<BatchPlan>(&serde_json::to_string(&plan).unwrap()).unwrap(),
         plan
+    );
+    // A sweep.json written before --margin existed reads with the default margin.
+    let old: BatchPlan =
+        serde_json::from_str(r#"{"find_max":{"start":32,"max_batch":64,"granularity":8}}"#)
+            .unwrap();
+    assert_eq!(
+        old,
+        BatchPlan::FindMax {
+            start: 32,
+            max_batch: 64,
+            granularity: 8,
+            margin: memtrain::sweep::batch::DEFAULT_MARGIN,
+        }
     );
 }

@@ -2,7 +2,9 @@
 //! memory limit (doubling, then binary search), over the cross product of configurations.
 //! Every point is one child process of the trainer (see [`super::run_child`]).
 
-use super::{describe, merge_flags, run_child, slug, ChildRun, Progress, Status};
+use super::{
+    describe, merge_flags, oom_snapshot_link, run_child, slug, ChildRun, Progress, Status,
+};
 use crate::error::{Error, Result};
 use crate::memory::format_bytes;
 use serde::{Deserialize, Serialize};
@@ -102,8 +104,17 @@ pub fn cross_product(dims: &[Dimension]) -> Vec<Variant> {
     out
 }
 
+/// Default `--margin` of `--find-max`: the recommended batch is 5% below the largest that fits,
+/// headroom for what a few measured steps do not show (fragmentation, a longer run's peaks, other
+/// processes on the device).
+pub const DEFAULT_MARGIN: f64 = 0.05;
+
+fn default_margin() -> f64 {
+    DEFAULT_MARGIN
+}
+
 /// Which batch sizes to run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BatchPlan {
     /// Exactly these batch sizes, in order.
@@ -114,10 +125,15 @@ pub enum BatchPlan {
     FindMax {
         /// First batch size tried.
         start: usize,
-        /// Largest batch size tried.
+        /// Upper bound of the search: the largest batch size tried.
         max_batch: usize,
         /// Resolution of the binary search, in images.
         granularity: usize,
+        /// Safety margin, in [0, 1): the recommended batch is the largest that fits × (1 −
+        /// margin), see [`recommended_batch`]. Results written before it existed read as the
+        /// default.
+        #[serde(default = "default_margin")]
+        margin: f64,
     },
 }
 
@@ -161,6 +177,10 @@ pub struct SweepPoint {
     pub batch_size: usize,
     /// What the child reported.
     pub run: ChildRun,
+    /// The point's out-of-memory snapshot, relative to the sweep's directory, when it ran out of
+    /// memory and wrote one (see [`super::oom_snapshot_link`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_snapshot: Option<PathBuf>,
 }
 
 /// The result of a `--find-max` search for one configuration.
@@ -172,6 +192,13 @@ pub struct MaxBatch {
     pub max_batch: Option<usize>,
     /// Smallest batch size that ran out of memory (`None`: none did up to the cap).
     pub first_oom: Option<usize>,
+    /// The batch to train with: `max_batch` less the safety margin, see [`recommended_batch`]
+    /// (`None` when no batch fits).
+    #[serde(default)]
+    pub recommended: Option<usize>,
+    /// The safety margin `recommended` was computed with.
+    #[serde(default)]
+    pub margin: f64,
     /// True when the search stopped at `max_batch` of the plan without an OOM.
     pub capped: bool,
     /// Why the search ended early (a failed point), or empty.
@@ -227,6 +254,29 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
+/// The step of the `--find-max` search: the least common multiple of the granularity and the
+/// accumulation steps, so that every batch tried is divisible by both.
+fn search_step(granularity: usize, accum: usize) -> usize {
+    let (g, a) = (granularity.max(1), accum.max(1));
+    g / gcd(g, a) * a
+}
+
+/// The batch to recommend from the largest that fits: `max_batch × (1 − margin)`, rounded down
+/// to a multiple of the search step (the least common multiple of `granularity` and `accum`);
+/// where that is 0, rounded down to a multiple of `accum` instead; and at least `accum`, the
+/// smallest batch the accumulation allows. E.g. 200 with margin 0.05 and granularity 8 → 184.
+pub fn recommended_batch(max_batch: usize, margin: f64, granularity: usize, accum: usize) -> usize {
+    let accum = accum.max(1);
+    // 1e-9 absorbs the rounding of the product (e.g. 100 × 0.9 must give 90, not 89.99…).
+    let target = (max_batch as f64 * (1.0 - margin) + 1e-9).floor().max(0.0) as usize;
+    let step = search_step(granularity, accum);
+    let mut b = target / step * step;
+    if b == 0 {
+        b = target / accum * accum;
+    }
+    b.max(accum)
+}
+
 /// Check the options before anything runs.
 pub fn validate(opts: &SweepOptions) -> Result<()> {
     if opts.variants.is_empty() {
@@ -250,6 +300,7 @@ pub fn validate(opts: &SweepOptions) -> Result<()> {
             start,
             max_batch,
             granularity,
+            margin,
         } => {
             if *start == 0 || *granularity == 0 {
                 return Err(Error::config(
@@ -258,7 +309,13 @@ pub fn validate(opts: &SweepOptions) -> Result<()> {
             }
             if max_batch < start {
                 return Err(Error::config(format!(
-                    "--max-batch {max_batch} is smaller than --start {start}"
+                    "--max-batch {max_batch} (the upper bound of the search) is smaller than --start {start}"
+                )));
+            }
+            // Written so that NaN fails too.
+            if !(0.0..1.0).contains(margin) {
+                return Err(Error::config(format!(
+                    "--margin {margin} must be at least 0 and below 1 (e.g. {DEFAULT_MARGIN}: recommend 5% below the largest batch that fits)"
                 )));
             }
         }
@@ -321,27 +378,48 @@ impl Runner<'_> {
         self.result.points.push(SweepPoint {
             configuration: variant.label.clone(),
             batch_size: batch,
+            oom_snapshot: oom_snapshot_link(&run, &opts.out),
             run: run.clone(),
         });
         super::report::write_sweep_files(&opts.out, &self.result)?;
         Ok(run)
     }
 
-    /// Doubling, then binary search, for one configuration.
+    /// Doubling, then binary search, for one configuration; then the recommended batch.
     fn find_max(
         &mut self,
         variant: &Variant,
         start: usize,
         max_batch: usize,
         granularity: usize,
+        margin: f64,
     ) -> Result<MaxBatch> {
         let accum = accum_steps_of(&merge_flags(&[&self.opts.common, &variant.flags]));
+        let mut mb = self.search(variant, start, max_batch, granularity, accum)?;
+        mb.margin = margin;
+        mb.recommended = mb
+            .max_batch
+            .map(|m| recommended_batch(m, margin, granularity, accum));
+        Ok(mb)
+    }
+
+    /// Doubling, then binary search, for one configuration with `accum` accumulation steps.
+    fn search(
+        &mut self,
+        variant: &Variant,
+        start: usize,
+        max_batch: usize,
+        granularity: usize,
+        accum: usize,
+    ) -> Result<MaxBatch> {
         // Every batch size tried must be divisible by the accumulation steps.
-        let g = granularity / gcd(granularity, accum) * accum;
+        let g = search_step(granularity, accum);
         let mut mb = MaxBatch {
             configuration: variant.label.clone(),
             max_batch: None,
             first_oom: None,
+            recommended: None,
+            margin: 0.0,
             capped: false,
             note: String::new(),
         };
@@ -445,8 +523,9 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
                     start,
                     max_batch,
                     granularity,
+                    margin,
                 } => {
-                    let mb = runner.find_max(variant, *start, *max_batch, *granularity)?;
+                    let mb = runner.find_max(variant, *start, *max_batch, *granularity, *margin)?;
                     runner.result.max_batches.push(mb);
                     super::report::write_sweep_files(&opts.out, &runner.result)?;
                 }
@@ -487,10 +566,22 @@ pub fn describe_max(mb: &MaxBatch, limit: Option<u64>) -> String {
         ),
         (None, None) => format!("{}: no result", mb.configuration),
     };
+    if let Some(r) = mb.recommended {
+        s.push_str(&format!(
+            "; recommended batch {r} ({}% margin)",
+            fmt_pct(mb.margin * 100.0)
+        ));
+    }
     // "even batch N ran out of memory" repeats what the line already says.
     let redundant = mb.max_batch.is_none() && mb.note.starts_with("even batch");
     if !mb.note.is_empty() && !redundant {
         s.push_str(&format!(" [{}]", mb.note));
     }
     s
+}
+
+/// A percentage without trailing zeros: 5, 2.5, 12.35.
+fn fmt_pct(p: f64) -> String {
+    let s = format!("{p:.2}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
 }

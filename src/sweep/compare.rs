@@ -5,7 +5,10 @@
 //! `step_timeline.{png,svg}`: the memory inside one training step of every run that recorded a
 //! `step_timeline.json`, overlaid ([`write_step_timeline_overlays`]).
 
-use super::{describe, merge_flags, run_child, slug, split_flags, ChildRun, Progress, Status};
+use super::{
+    describe, merge_flags, oom_snapshot_link, run_child, slug, split_flags, ChildRun, Progress,
+    Status,
+};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -129,6 +132,10 @@ pub struct CompareEntry {
     pub peak_change_pct: Option<f64>,
     /// Throughput change versus the baseline, in percent.
     pub speed_change_pct: Option<f64>,
+    /// The run's out-of-memory snapshot, relative to the comparison's directory, when it ran out
+    /// of memory and wrote one (see [`super::oom_snapshot_link`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_snapshot: Option<PathBuf>,
 }
 
 /// Everything a comparison measured; written as `compare.json`.
@@ -212,6 +219,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
         result.entries.push(CompareEntry {
             label: spec.label.clone(),
             flags: spec.flags.clone(),
+            oom_snapshot: oom_snapshot_link(&run, &opts.out),
             run,
             peak_change_pct: None,
             speed_change_pct: None,

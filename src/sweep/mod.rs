@@ -1,5 +1,6 @@
 //! Process-isolated measurements: batch-size sweeps ([`batch`]), configuration comparisons
-//! ([`compare`]) and their tables and charts ([`report`]).
+//! ([`compare`]), their tables and charts ([`report`]), the memory–speed frontier
+//! ([`frontier`]) and the chart machinery they share (`chart`).
 //!
 //! Every measured point runs the `train_cifar10` example binary in its own child process, so an
 //! out-of-memory error or a crash in one point cannot affect the next, and each point starts from
@@ -8,7 +9,9 @@
 //! status or signal. Neither stops the sweep.
 
 pub mod batch;
+pub(crate) mod chart;
 pub mod compare;
+pub mod frontier;
 pub mod report;
 pub mod step_chart;
 
@@ -110,6 +113,25 @@ impl ChildRun {
     pub fn images_per_sec(&self) -> Option<f64> {
         self.summary.as_ref().map(|s| s.images_per_sec)
     }
+}
+
+/// Where an out-of-memory run's snapshot is, for the results tables: `None` unless `run` ran out
+/// of memory and its run directory holds [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] (a trainer
+/// that stops on out-of-memory writes it; older ones do not, so the file is looked for, not
+/// assumed). The path is relative to `results_dir`, where the tables are written, so that the
+/// links keep working when the directory moves; absolute when the run directory lies elsewhere.
+pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> {
+    if run.status != Status::Oom {
+        return None;
+    }
+    let file = run.run_dir.join(crate::memory::timeline::OOM_SNAPSHOT_FILE);
+    if !file.is_file() {
+        return None;
+    }
+    Some(match file.strip_prefix(results_dir) {
+        Ok(rel) => rel.to_path_buf(),
+        Err(_) => std::path::absolute(&file).unwrap_or(file),
+    })
 }
 
 /// Locate an example binary: `explicit` when given (it must exist), else a sibling of the

@@ -1,18 +1,27 @@
 //! Tables (markdown, CSV, JSON) and charts (PNG and SVG, drawn with plotters) of sweeps,
 //! comparisons and single runs.
 //!
-//! Charts render text with DejaVu Sans embedded in the binary (the `dejavu` crate), so they need
-//! no system fonts. Every file is written atomically (see [`crate::io::write_atomic`]).
+//! The charts are drawn with `sweep::chart` (embedded font, PNG and SVG). Every file is written
+//! atomically (see [`crate::io::write_atomic`]).
 //!
-//! - [`write_sweep_report`]: `sweep.{json,csv,md}` and `sweep.{png,svg}` (peak memory and
-//!   images/s versus batch size, OOM points marked, the limit drawn as a line).
+//! - [`write_sweep_report`]: `sweep.{json,csv,md}`, `sweep.{png,svg}` (peak memory and
+//!   images/s versus batch size, OOM points marked, the limit drawn as a line) and
+//!   `frontier.{png,svg}` (peak memory against images/s of every point that ran, the Pareto
+//!   frontier marked; see [`super::frontier`]).
 //! - [`write_compare_report`]: `compare.{json,csv,md}`, `peak_memory.{png,svg}` (a bar per
-//!   configuration, labelled with its value) and `memory_timeline.{png,svg}` (per-batch peak
-//!   memory of every configuration, from each run's `batches.csv`).
+//!   configuration, labelled with its value), `memory_timeline.{png,svg}` (per-batch peak
+//!   memory of every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
+//!
+//! The markdown tables mark the frontier points in a `frontier` column, and link each
+//! out-of-memory point's `oom_snapshot.json` when its run wrote one.
 //! - [`write_run_memory_chart`]: `memory.{png,svg}` of one run directory.
 
 use super::batch::SweepResult;
+use super::chart::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
 use super::compare::CompareResult;
+use super::frontier::{
+    pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART, FRONTIER_LEGEND,
+};
 use super::{ChildRun, Status};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
@@ -23,7 +32,6 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::Once;
 
 // ---------------------------------------------------------------------------------------------
 // CSV
@@ -204,21 +212,62 @@ fn pct_cell(v: Option<f64>) -> String {
     .unwrap_or_else(|| "-".into())
 }
 
+/// The `frontier` cell of a markdown table.
+fn frontier_cell(on: bool) -> &'static str {
+    if on {
+        "✓"
+    } else {
+        ""
+    }
+}
+
+/// A markdown link to an out-of-memory snapshot (relative to the table's directory), or empty.
+fn snapshot_cell(path: Option<&Path>) -> String {
+    path.map(|p| {
+        let p = p.to_string_lossy();
+        format!("[snapshot]({})", p.replace(' ', "%20"))
+    })
+    .unwrap_or_default()
+}
+
+/// A frontier point of a child run: peak memory and images/s only when it ran ok (a run that
+/// ended otherwise measured nothing comparable).
+fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
+    let ok = run.status == Status::Ok;
+    FrontierPoint {
+        label,
+        peak_bytes: run.peak_bytes().filter(|_| ok),
+        images_per_sec: run.images_per_sec().filter(|_| ok),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sweep tables
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `sweep.csv`.
-pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,steps,wall_secs,exit_code,signal,note,run_dir";
+pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,frontier,steps,wall_secs,exit_code,signal,note,run_dir,oom_snapshot";
 
-/// The sweep as CSV (one row per point, in the order run).
+/// One frontier point per point of the sweep (same order as `r.points`), labelled
+/// `<configuration> b<batch>`; only points that ran ok are measured.
+pub fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
+    r.points
+        .iter()
+        .map(|p| frontier_point(format!("{} b{}", p.configuration, p.batch_size), &p.run))
+        .collect()
+}
+
+/// The sweep as CSV (one row per point, in the order run). `frontier` is `true` for the points on
+/// the memory–speed frontier; `oom_snapshot` is the path of an out-of-memory point's snapshot,
+/// relative to the sweep's directory, when its run wrote one.
 pub fn sweep_csv(r: &SweepResult) -> String {
+    let front = pareto_front(&sweep_frontier_points(r));
     let mut s = format!("{SWEEP_CSV_HEADER}\n");
-    for p in &r.points {
+    for (p, on) in r.points.iter().zip(front) {
         let run = &p.run;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{}",
             csv_field(&p.configuration),
             p.batch_size,
             run.status.as_str(),
@@ -228,6 +277,7 @@ pub fn sweep_csv(r: &SweepResult) -> String {
             opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
             opt_u64(run.reserved_peak_bytes()),
             opt_f64(run.images_per_sec(), 2),
+            on,
             run.summary
                 .as_ref()
                 .map(|s| s.steps.to_string())
@@ -237,29 +287,51 @@ pub fn sweep_csv(r: &SweepResult) -> String {
             opt_i32(run.signal),
             csv_field(&run.note),
             csv_field(&run.run_dir.to_string_lossy()),
+            csv_field(
+                &p.oom_snapshot
+                    .as_deref()
+                    .map(|p| p.to_string_lossy())
+                    .unwrap_or_default()
+            ),
         );
     }
     s
 }
 
-/// The sweep as a markdown table (rows grouped by configuration, sorted by batch size), followed
-/// by the `--find-max` results when there are any.
+/// The sweep as a markdown table (rows grouped by configuration, sorted by batch size; the
+/// frontier points marked, out-of-memory snapshots linked when there are any), followed by the
+/// `--find-max` results when there are any.
 pub fn sweep_markdown(r: &SweepResult) -> String {
     let reserved = r
         .points
         .iter()
         .any(|p| p.run.reserved_peak_bytes().is_some());
+    let snapshots = r.points.iter().any(|p| p.oom_snapshot.is_some());
+    let front = pareto_front(&sweep_frontier_points(r));
     let mut s = String::from("| configuration | batch | status | peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
-    s.push_str(" img/s | note |\n|---|---:|---|---:|---:|---:|");
+    s.push_str(" img/s | frontier |");
+    if snapshots {
+        s.push_str(" OOM snapshot |");
+    }
+    s.push_str(" note |\n|---|---:|---|---:|---:|---:|");
     if reserved {
         s.push_str("---:|");
     }
-    s.push_str("---:|---|\n");
+    s.push_str("---:|:---:|");
+    if snapshots {
+        s.push_str("---|");
+    }
+    s.push_str("---|\n");
     for v in &r.configurations {
         for p in r.points_of(&v.label) {
+            let on = r
+                .points
+                .iter()
+                .position(|q| std::ptr::eq(q, p))
+                .is_some_and(|i| front[i]);
             let run = &p.run;
             let _ = write!(
                 s,
@@ -279,15 +351,22 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
             } else {
                 run.note.clone()
             };
-            let _ = writeln!(
+            let _ = write!(
                 s,
                 " {} | {} |",
                 run.images_per_sec()
                     .map(|v| format!("{v:.1}"))
                     .unwrap_or_else(|| "-".into()),
-                md_cell(&note)
+                frontier_cell(on)
             );
+            if snapshots {
+                let _ = write!(s, " {} |", snapshot_cell(p.oom_snapshot.as_deref()));
+            }
+            let _ = writeln!(s, " {} |", md_cell(&note));
         }
+    }
+    if front.iter().any(|&on| on) {
+        let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
     }
     if !r.max_batches.is_empty() {
         s.push('\n');
@@ -305,11 +384,18 @@ pub fn write_sweep_files(dir: &Path, r: &SweepResult) -> Result<()> {
     write_atomic(&dir.join("sweep.md"), sweep_markdown(r).as_bytes())
 }
 
-/// Write the sweep's tables and its chart (`sweep.png`, `sweep.svg`) into `dir`; returns the
-/// chart files.
+/// Write the sweep's tables and its charts (`sweep.{png,svg}`, and `frontier.{png,svg}` when a
+/// point ran ok) into `dir`; returns the chart files.
 pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
     write_sweep_files(dir, r)?;
-    render(&SweepChart::from_result(r), &dir.join("sweep"))
+    let mut files = render(&SweepChart::from_result(r), &dir.join("sweep"))?;
+    files.extend(write_frontier_chart(
+        &sweep_frontier_points(r),
+        "Peak memory against speed: every configuration and batch size that ran",
+        r.memory_limit,
+        &dir.join(FRONTIER_CHART),
+    )?);
+    Ok(files)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -317,16 +403,28 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `compare.csv`.
-pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,speed_change_pct,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags";
+pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,speed_change_pct,frontier,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_snapshot";
 
-/// The comparison as CSV (one row per configuration, the baseline first).
+/// One frontier point per configuration of the comparison (same order as `r.entries`), labelled
+/// with the configuration's label; only runs that finished ok are measured.
+pub fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
+    r.entries
+        .iter()
+        .map(|e| frontier_point(e.label.clone(), &e.run))
+        .collect()
+}
+
+/// The comparison as CSV (one row per configuration, the baseline first). `frontier` is `true`
+/// for the configurations on the memory–speed frontier; `oom_snapshot` is the path of an
+/// out-of-memory run's snapshot, relative to the comparison's directory, when it wrote one.
 pub fn compare_csv(r: &CompareResult) -> String {
+    let front = pareto_front(&compare_frontier_points(r));
     let mut s = format!("{COMPARE_CSV_HEADER}\n");
-    for e in &r.entries {
+    for (e, on) in r.entries.iter().zip(front) {
         let run = &e.run;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{},{}",
             csv_field(&e.label),
             run.status.as_str(),
             opt_u64(run.peak_bytes()),
@@ -337,6 +435,7 @@ pub fn compare_csv(r: &CompareResult) -> String {
             opt_u64(run.reserved_peak_bytes()),
             opt_f64(run.images_per_sec(), 2),
             opt_f64(e.speed_change_pct, 2),
+            on,
             opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
             run.summary
                 .as_ref()
@@ -348,12 +447,19 @@ pub fn compare_csv(r: &CompareResult) -> String {
             csv_field(&run.note),
             csv_field(&run.run_dir.to_string_lossy()),
             csv_field(&e.flags.join(" ")),
+            csv_field(
+                &e.oom_snapshot
+                    .as_deref()
+                    .map(|p| p.to_string_lossy())
+                    .unwrap_or_default()
+            ),
         );
     }
     s
 }
 
-/// The comparison as a markdown table; changes are relative to the first configuration.
+/// The comparison as a markdown table; changes are relative to the first configuration, the
+/// frontier configurations are marked, out-of-memory snapshots linked when there are any.
 pub fn compare_markdown(r: &CompareResult) -> String {
     let accuracy = r.entries.iter().any(|e| {
         e.run
@@ -366,6 +472,8 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         .entries
         .iter()
         .any(|e| e.run.reserved_peak_bytes().is_some());
+    let snapshots = r.entries.iter().any(|e| e.oom_snapshot.is_some());
+    let front = pareto_front(&compare_frontier_points(r));
     let base = r.entries.first().map(|e| e.label.as_str()).unwrap_or("");
     let mut s = format!(
         "| configuration | status | peak MiB (total) | peak vs {} | peak − baseline MiB |",
@@ -374,20 +482,26 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
-    s.push_str(" img/s | img/s vs first |");
+    s.push_str(" img/s | img/s vs first | frontier |");
     if accuracy {
         s.push_str(" accuracy |");
+    }
+    if snapshots {
+        s.push_str(" OOM snapshot |");
     }
     s.push_str(" note |\n|---|---|---:|---:|---:|");
     if reserved {
         s.push_str("---:|");
     }
-    s.push_str("---:|---:|");
+    s.push_str("---:|---:|:---:|");
     if accuracy {
         s.push_str("---:|");
     }
+    if snapshots {
+        s.push_str("---|");
+    }
     s.push_str("---|\n");
-    for e in &r.entries {
+    for (e, &on) in r.entries.iter().zip(&front) {
         let run = &e.run;
         let _ = write!(
             s,
@@ -403,11 +517,12 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         }
         let _ = write!(
             s,
-            " {} | {} |",
+            " {} | {} | {} |",
             run.images_per_sec()
                 .map(|v| format!("{v:.1}"))
                 .unwrap_or_else(|| "-".into()),
-            pct_cell(e.speed_change_pct)
+            pct_cell(e.speed_change_pct),
+            frontier_cell(on)
         );
         if accuracy {
             let acc = run.summary.as_ref().and_then(|s| s.final_test_accuracy);
@@ -418,12 +533,18 @@ pub fn compare_markdown(r: &CompareResult) -> String {
                     .unwrap_or_else(|| "-".into())
             );
         }
+        if snapshots {
+            let _ = write!(s, " {} |", snapshot_cell(e.oom_snapshot.as_deref()));
+        }
         let note = if run.status == Status::Ok {
             String::new()
         } else {
             run.note.clone()
         };
         let _ = writeln!(s, " {} |", md_cell(&note));
+    }
+    if front.iter().any(|&on| on) {
+        let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
     }
     s
 }
@@ -435,9 +556,9 @@ pub fn write_compare_files(dir: &Path, r: &CompareResult) -> Result<()> {
     write_atomic(&dir.join("compare.md"), compare_markdown(r).as_bytes())
 }
 
-/// Write the comparison's tables, its bar chart (`peak_memory.{png,svg}`) and, when the runs
-/// wrote `batches.csv`, the per-batch timeline (`memory_timeline.{png,svg}`); returns the chart
-/// files.
+/// Write the comparison's tables, its bar chart (`peak_memory.{png,svg}`), when the runs wrote
+/// `batches.csv` the per-batch timeline (`memory_timeline.{png,svg}`), and when a run finished
+/// the memory–speed frontier (`frontier.{png,svg}`); returns the chart files.
 pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf>> {
     write_compare_files(dir, r)?;
     let bars = BarChart {
@@ -485,6 +606,12 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
         };
         files.extend(render(&timeline, &dir.join("memory_timeline"))?);
     }
+    files.extend(write_frontier_chart(
+        &compare_frontier_points(r),
+        "Peak memory against speed per configuration",
+        None,
+        &dir.join(FRONTIER_CHART),
+    )?);
     Ok(files)
 }
 
@@ -556,138 +683,6 @@ pub fn write_run_memory_chart(
 // ---------------------------------------------------------------------------------------------
 // Charts
 // ---------------------------------------------------------------------------------------------
-
-/// Result type of the drawing code (plotters' errors, boxed).
-pub(crate) type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
-
-/// Series colours (Tableau 10).
-pub(crate) const PALETTE: [RGBColor; 10] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-    RGBColor(188, 189, 34),
-    RGBColor(23, 190, 207),
-];
-
-pub(crate) const FONT: &str = "sans-serif";
-
-/// Register the embedded DejaVu Sans as plotters' `sans-serif` (once per process).
-fn ensure_fonts() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        let _ = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular());
-        let _ = plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold());
-    });
-}
-
-/// Memory axis unit: MiB, or GiB from 4 GiB up.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct MemUnit {
-    div: f64,
-    pub(crate) name: &'static str,
-}
-
-impl MemUnit {
-    pub(crate) fn for_max(bytes: u64) -> MemUnit {
-        if bytes as f64 >= 4.0 * 1024f64.powi(3) {
-            MemUnit {
-                div: 1024f64.powi(3),
-                name: "GiB",
-            }
-        } else {
-            MemUnit {
-                div: 1024f64.powi(2),
-                name: "MiB",
-            }
-        }
-    }
-
-    pub(crate) fn of(&self, bytes: u64) -> f64 {
-        bytes as f64 / self.div
-    }
-
-    /// A value with a sensible number of decimals.
-    pub(crate) fn fmt(&self, bytes: u64) -> String {
-        let v = self.of(bytes);
-        if v >= 100.0 {
-            format!("{v:.0} {}", self.name)
-        } else if v >= 10.0 {
-            format!("{v:.1} {}", self.name)
-        } else {
-            format!("{v:.2} {}", self.name)
-        }
-    }
-}
-
-/// Something that draws itself onto any plotters backend.
-pub(crate) trait Chart {
-    /// Canvas size in pixels.
-    fn size(&self) -> (u32, u32);
-    /// Draw onto `root` (already filled white).
-    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
-    where
-        DB::ErrorType: 'static;
-}
-
-fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::io(
-        path,
-        std::io::Error::other(format!("drawing the chart failed: {e}")),
-    )
-}
-
-/// Render `chart` to `<stem>.png` and `<stem>.svg` (each written atomically); returns both paths.
-pub(crate) fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
-    ensure_fonts();
-    let (w, h) = chart.size();
-    let png_path = stem.with_extension("png");
-    let svg_path = stem.with_extension("svg");
-    let mut rgb = vec![255u8; w as usize * h as usize * 3];
-    {
-        let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| chart_error(&png_path, e))?;
-        chart.draw(&root).map_err(|e| chart_error(&png_path, e))?;
-        root.present().map_err(|e| chart_error(&png_path, e))?;
-    }
-    let mut png_bytes = Vec::new();
-    {
-        let mut enc = png::Encoder::new(&mut png_bytes, w, h);
-        enc.set_color(png::ColorType::Rgb);
-        enc.set_depth(png::BitDepth::Eight);
-        let mut writer = enc.write_header().map_err(|e| chart_error(&png_path, e))?;
-        writer
-            .write_image_data(&rgb)
-            .map_err(|e| chart_error(&png_path, e))?;
-        writer.finish().map_err(|e| chart_error(&png_path, e))?;
-    }
-    write_atomic(&png_path, &png_bytes)?;
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| chart_error(&svg_path, e))?;
-        chart.draw(&root).map_err(|e| chart_error(&svg_path, e))?;
-        root.present().map_err(|e| chart_error(&svg_path, e))?;
-    }
-    write_atomic(&svg_path, svg.as_bytes())?;
-    Ok(vec![png_path, svg_path])
-}
-
-/// Shorten a label to `max` characters with an ellipsis.
-pub(crate) fn shorten(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        s.to_string()
-    } else {
-        format!(
-            "{}…",
-            s.chars().take(max.saturating_sub(1)).collect::<String>()
-        )
-    }
-}
 
 /// One bar of a [`BarChart`].
 #[derive(Debug, Clone)]

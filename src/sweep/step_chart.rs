@@ -7,11 +7,11 @@
 //! - [`write_step_timeline_overlay`]: one line per configuration of the peak above the step's
 //!   start over the step, for comparisons.
 //!
-//! Both are drawn with the machinery of [`super::report`] (embedded fonts, PNG and SVG, atomic
+//! Both are drawn with the machinery of `sweep::chart` (embedded fonts, PNG and SVG, atomic
 //! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
 //! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
 
-use super::report::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
+use super::chart::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
 use crate::callbacks::Phase;
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};

@@ -105,8 +105,15 @@ impl Schedule {
     /// The sparsity the schedule asks for after `step` optimizer steps.
     pub fn sparsity(&self, step: usize) -> f64 {
         let span = (self.end - self.begin).max(1) as f64;
-        let p = ((step as f64 - self.begin as f64) / span).clamp(0.0, 1.0);
-        self.target + (self.initial - self.target) * (1.0 - p).powf(self.power)
+        let p = (step as f64 - self.begin as f64) / span;
+        // The ends exactly (the formula at p = 0 can be off in the last bit).
+        if p <= 0.0 {
+            self.initial
+        } else if p >= 1.0 {
+            self.target
+        } else {
+            self.target + (self.initial - self.target) * (1.0 - p).powf(self.power)
+        }
     }
 
     /// Whether the masks are recomputed after `step` optimizer steps.

@@ -343,6 +343,11 @@ impl Trainer {
                 config.batch_size
             )));
         }
+        let steps_per_epoch = data.train.len() / config.batch_size;
+        let by_epochs = steps_per_epoch * config.epochs;
+        let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
+        // Checked before anything is created: the schedule's end depends on the run's length.
+        let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
         let device = select_device(config.device.as_deref())?;
         if device.is_cpu() {
             // Every op allocates its output; without this, glibc maps and unmaps the large ones
@@ -407,10 +412,7 @@ impl Trainer {
         }
         list.extend(options.callbacks);
 
-        let steps_per_epoch = data.train.len() / config.batch_size;
-        let by_epochs = steps_per_epoch * config.epochs;
-        let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
-        let pruner = super::prune::Schedule::for_run(&config, total_steps)?
+        let pruner = prune_schedule
             .map(|s| super::prune::Pruner::new(s, &model.named_vars()))
             .transpose()?;
         Ok(Trainer {

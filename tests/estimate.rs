@@ -199,7 +199,13 @@ fn estimate_matches_the_counting_allocator() {
     let weights: usize = specs
         .iter()
         .filter(|s| s.kind.starts_with("conv") || s.kind == "linear")
-        .map(|s| if s.kind == "linear" { s.params - 10 } else { s.params })
+        .map(|s| {
+            if s.kind == "linear" {
+                s.params - 10
+            } else {
+                s.params
+            }
+        })
         .sum();
     assert_eq!(p.mask_bytes, weights as u64);
     assert_eq!(p.baseline_bytes, e.baseline_bytes + p.mask_bytes);

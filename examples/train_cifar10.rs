@@ -180,6 +180,10 @@ fn run() -> memtrain::Result<()> {
             ))
             .unwrap_or_default()
     );
+    // --prune: reached sparsity per layer, dense and sparse model file sizes.
+    if let Some(p) = &summary.pruning {
+        print!("{}", p.render());
+    }
     if cmd.summary_only {
         // Sweep children: summary.json only (no CSV files, checkpoints or charts).
         memtrain::io::create_dir(trainer.run_dir())?;

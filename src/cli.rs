@@ -2,7 +2,10 @@
 //! start). Each flag maps onto one [`TrainConfig`] field; [`TryFrom`] validates them.
 //! Doc comments are the `--help` text; the README's flag table is checked against it by a test.
 
-use crate::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
+use crate::config::{
+    Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig, DEFAULT_PRUNE_BEGIN,
+    DEFAULT_PRUNE_EVERY, DEFAULT_PRUNE_INITIAL,
+};
 use crate::error::{Error, Result};
 use crate::memory::parse_size;
 use clap::{CommandFactory, FromArgMatches, Parser};
@@ -99,6 +102,21 @@ pub struct TrainArgs {
     /// Keep the peak-memory watermark across epochs instead of resetting it at each epoch start
     #[arg(long)]
     pub no_reset_peak: bool,
+    /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in [0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model-sparse.safetensors at the end
+    #[arg(long, value_name = "SPARSITY")]
+    pub prune: Option<f64>,
+    /// Optimizer step at which the pruning schedule starts (needs --prune)
+    #[arg(long, value_name = "STEP", default_value_t = DEFAULT_PRUNE_BEGIN)]
+    pub prune_begin: usize,
+    /// Optimizer step at which --prune's sparsity is reached (needs --prune; at most the run's last step). Default: the run's last step
+    #[arg(long, value_name = "STEP")]
+    pub prune_end: Option<usize>,
+    /// Recompute the pruning masks every N optimizer steps between --prune-begin and --prune-end (needs --prune)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PRUNE_EVERY)]
+    pub prune_every: usize,
+    /// Sparsity of the schedule at --prune-begin, at most --prune (needs --prune)
+    #[arg(long, value_name = "SPARSITY", default_value_t = DEFAULT_PRUNE_INITIAL)]
+    pub prune_initial: f64,
     /// Start from a config.json (as written into a run directory); flags given explicitly override it
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -197,7 +215,22 @@ impl TryFrom<TrainArgs> for TrainCommand {
             quiet: a.quiet,
             save_every: a.save_every,
             reset_peak_each_epoch: !a.no_reset_peak,
+            prune: a.prune,
+            prune_begin: a.prune_begin,
+            prune_end: a.prune_end,
+            prune_every: a.prune_every,
+            prune_initial: a.prune_initial,
         };
+        // validate() sees non-default values only; a default value given explicitly is caught here.
+        let prune_flag = |id: &str| id.starts_with("prune_");
+        if a.prune.is_none() && a.config.is_none() {
+            if let Some(id) = a.explicit.iter().find(|id| prune_flag(id)) {
+                return Err(Error::config(format!(
+                    "--{} only applies with --prune SPARSITY; add --prune (e.g. --prune 0.5)",
+                    id.replace('_', "-")
+                )));
+            }
+        }
         let config = match &a.config {
             None => from_flags,
             Some(path) => merge_config_file(path, &from_flags, &a.explicit)?,

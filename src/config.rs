@@ -175,6 +175,16 @@ pub struct TrainConfig {
     pub save_every: usize,
     /// Reset the peak-memory watermark at the start of every epoch.
     pub reset_peak_each_epoch: bool,
+    /// Target (final) sparsity of magnitude pruning, in [0, 1); `None`: no pruning.
+    pub prune: Option<f64>,
+    /// Optimizer step at which the pruning schedule begins.
+    pub prune_begin: usize,
+    /// Optimizer step at which the schedule reaches `prune`; `None`: the run's last step.
+    pub prune_end: Option<usize>,
+    /// Recompute the masks every this many optimizer steps within [begin, end].
+    pub prune_every: usize,
+    /// Sparsity the schedule starts from at `prune_begin`.
+    pub prune_initial: f64,
 }
 
 impl Default for TrainConfig {
@@ -212,9 +222,21 @@ impl Default for TrainConfig {
             quiet: false,
             save_every: 0,
             reset_peak_each_epoch: true,
+            prune: None,
+            prune_begin: DEFAULT_PRUNE_BEGIN,
+            prune_end: None,
+            prune_every: DEFAULT_PRUNE_EVERY,
+            prune_initial: DEFAULT_PRUNE_INITIAL,
         }
     }
 }
+
+/// `--prune-begin`: the pruning schedule starts with the run (Keras' `begin_step` default).
+pub const DEFAULT_PRUNE_BEGIN: usize = 0;
+/// `--prune-every`: masks are recomputed every 100 optimizer steps (Keras' `frequency` default).
+pub const DEFAULT_PRUNE_EVERY: usize = 100;
+/// `--prune-initial`: the schedule starts from a dense model (Keras' `initial_sparsity` default).
+pub const DEFAULT_PRUNE_INITIAL: f64 = 0.0;
 
 /// Largest batch the trainer accepts; beyond this a typo is more likely than intent.
 pub const MAX_BATCH_SIZE: usize = 1 << 20;
@@ -308,6 +330,45 @@ impl TrainConfig {
         if let Some(dev) = &self.device {
             crate::device::parse_device_spec(dev)?;
         }
+        self.validate_pruning()
+    }
+
+    /// The `--prune*` flags; the checks that need the run's length (the default end step) are
+    /// made when the trainer knows it (`train::prune::Schedule::for_run`).
+    fn validate_pruning(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::config(m));
+        let Some(target) = self.prune else {
+            if self.prune_begin != DEFAULT_PRUNE_BEGIN
+                || self.prune_end.is_some()
+                || self.prune_every != DEFAULT_PRUNE_EVERY
+                || self.prune_initial != DEFAULT_PRUNE_INITIAL
+            {
+                return bad("--prune-begin, --prune-end, --prune-every and --prune-initial only apply with --prune SPARSITY; add --prune (e.g. --prune 0.5)".into());
+            }
+            return Ok(());
+        };
+        if !target.is_finite() || !(0.0..1.0).contains(&target) {
+            return bad(format!(
+                "--prune must be a sparsity in [0, 1) (0.5 zeroes half of each layer's weights), got {target}"
+            ));
+        }
+        if !self.prune_initial.is_finite() || !(0.0..=target).contains(&self.prune_initial) {
+            return bad(format!(
+                "--prune-initial must be in [0, --prune {target}] (sparsity only grows), got {}",
+                self.prune_initial
+            ));
+        }
+        if self.prune_every == 0 {
+            return bad("--prune-every must be at least 1 (default 100)".into());
+        }
+        if let Some(end) = self.prune_end {
+            if end <= self.prune_begin {
+                return bad(format!(
+                    "--prune-end {end} must be after --prune-begin {}; raise --prune-end or lower --prune-begin",
+                    self.prune_begin
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -335,6 +396,9 @@ impl TrainConfig {
         }
         if self.conv == ConvKind::Separable {
             s.push_str(" separable");
+        }
+        if let Some(p) = self.prune {
+            s.push_str(&format!(" prune{p}"));
         }
         s
     }

@@ -37,6 +37,37 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// Create `path` atomically through `write`, which writes the whole file at the temporary path
+/// it is given (in the same directory); that file is then fsynced and renamed over `path`. For
+/// writers that only write to a path, such as Candle's safetensors `save`.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::config(format!("{}: not a file path", path.display())))?;
+    let tmp: PathBuf = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = write(&tmp).and_then(|()| {
+        let sync = std::fs::File::open(&tmp).and_then(|f| f.sync_all());
+        sync.and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(|e| Error::io(path, e))?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
 /// Serialize `value` as pretty JSON and write it atomically.
 pub fn write_json_atomic<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
     let text = serde_json::to_string_pretty(value)

@@ -191,6 +191,25 @@ fn estimate_matches_the_counting_allocator() {
     )
     .unwrap();
     assert_eq!(measured.peak, e.peak + 1000);
+    // Pruning masks are a byte per pruned weight (conv weights and the head's weight).
+    assert_eq!(e.mask_bytes, 0);
+    let mut pruned = good.clone();
+    pruned.prune = Some(0.5);
+    let p = estimate_with(&pruned, dev, base).unwrap();
+    let weights: usize = specs
+        .iter()
+        .filter(|s| s.kind.starts_with("conv") || s.kind == "linear")
+        .map(|s| {
+            if s.kind == "linear" {
+                s.params - 10
+            } else {
+                s.params
+            }
+        })
+        .sum();
+    assert_eq!(p.mask_bytes, weights as u64);
+    assert_eq!(p.baseline_bytes, e.baseline_bytes + p.mask_bytes);
+    assert!(p.table().contains("pruning masks"));
 
     // Predicted versus measured over the matrix, plus accumulation, block checkpointing and AdamW.
     let mut cases = Vec::new();
@@ -219,6 +238,14 @@ fn estimate_matches_the_counting_allocator() {
     );
     blocks.optimizer = OptimizerKind::Adamw;
     cases.push(blocks);
+    // Pruning: the masks (one byte per conv and head weight) and, every step, their
+    // recomputation and application after the update.
+    for conv in ConvKind::ALL.iter().copied() {
+        let mut pruned = config(32, Precision::F32, Checkpointing::None, conv);
+        pruned.prune = Some(0.5);
+        pruned.prune_every = 1;
+        cases.push(pruned);
+    }
 
     let mut report = String::new();
     let mut worst: f64 = 0.0;

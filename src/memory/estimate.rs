@@ -30,6 +30,10 @@
 //!   place and dropped.
 //! - **Optimizer** (`src/train/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
 //!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
+//! - **Pruning** (`--prune`, `src/train/prune.rs`): one u8 mask per pruned weight (conv and head
+//!   weights), allocated with the model, so part of the baseline; after the update, with the
+//!   gradients freed, one layer at a time: recomputing a mask copies the weights to the host
+//!   with an 8-byte sort key each (CPU), applying it allocates a zero tensor and the result.
 //! - **Baseline (CPU)**: the counting allocator measures the whole process heap, so the training
 //!   split and the evaluation split (bytes as loaded), the f32 master weights and BatchNorm
 //!   statistics, the batcher's index permutation, four f32 batch buffers of the full batch size
@@ -58,6 +62,12 @@ use std::path::Path;
 /// buffers). Measured: the CPU probe's baseline minus the data set and the model (22 KB with
 /// real CIFAR-10 and with synthetic data, once the generator's templates are counted).
 pub const RUNTIME_OVERHEAD_BYTES: u64 = 24 << 10;
+
+/// Transient bytes per weight of the largest pruned layer while its mask is recomputed and applied
+/// (`src/train/prune.rs`): on the CPU the f32 host copy (4), the sort key (8) and the new mask (1);
+/// on CUDA the zero tensor and the masked result (4 + 4), the host work not being device memory.
+const PRUNE_TRANSIENT_PER_WEIGHT_CPU: u64 = 13;
+const PRUNE_TRANSIENT_PER_WEIGHT_CUDA: u64 = 8;
 
 /// Bytes the synthetic data generator keeps for the life of the process once it has run
 /// (`src/data/synthetic.rs`): 10 class templates of 3 × 38 × 38 f32 (the image plus a 3-pixel
@@ -366,6 +376,8 @@ pub struct Estimate {
     pub grad_bytes: u64,
     /// Optimizer state (momentum; AdamW's two moments).
     pub optimizer_bytes: u64,
+    /// Pruning masks (`--prune`): one byte per pruned weight; part of the baseline.
+    pub mask_bytes: u64,
     /// Activations alive at the end of a micro-batch's forward pass (saved for backward, or the
     /// checkpoints), in the compute dtype.
     pub activation_bytes: u64,
@@ -458,6 +470,9 @@ impl Estimate {
             format_bytes(self.optimizer_bytes),
             format_bytes(self.activation_bytes)
         );
+        if self.mask_bytes > 0 {
+            let _ = writeln!(s, "pruning masks {}", format_bytes(self.mask_bytes));
+        }
         let _ = writeln!(
             s,
             "baseline {} (data set, model, runtime) | batches in flight {} | gemm buffers {}",
@@ -582,6 +597,23 @@ pub fn estimate_for_specs(
         OptimizerKind::Sgd => param_bytes,
         OptimizerKind::Adamw => 2 * param_bytes,
     };
+    // The pruned weights: convolutions and the head's weight (its first tensor), not biases.
+    let pruned: Vec<u64> = if cfg.prune.is_some() {
+        nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Conv { .. } | Op::Depthwise | Op::Head))
+            .filter_map(|n| n.param_tensors().first().copied())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mask_bytes: u64 = pruned.iter().sum();
+    let prune_transient = pruned.iter().copied().max().unwrap_or(0)
+        * if device.is_cpu() {
+            PRUNE_TRANSIENT_PER_WEIGHT_CPU
+        } else {
+            PRUNE_TRANSIENT_PER_WEIGHT_CUDA
+        };
 
     // What is in use when training begins, and the batches the batcher adds.
     let (baseline_bytes, train_images) = match baseline {
@@ -590,10 +622,10 @@ pub fn estimate_for_specs(
             train_images,
         } => (bytes, train_images),
         Baseline::Modeled(data) if device.is_cpu() => (
-            data.resident_bytes + param_bytes + bn_stats + RUNTIME_OVERHEAD_BYTES,
+            data.resident_bytes + param_bytes + bn_stats + mask_bytes + RUNTIME_OVERHEAD_BYTES,
             data.train_images,
         ),
-        Baseline::Modeled(data) => (param_bytes + bn_stats, data.train_images),
+        Baseline::Modeled(data) => (param_bytes + bn_stats + mask_bytes, data.train_images),
     };
     let batch_bytes = if device.is_cpu() {
         let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
@@ -655,6 +687,7 @@ pub fn estimate_for_specs(
             }
         }
         sim.free(grads);
+        sim.spike(prune_transient);
         events.push(EventPrediction {
             phase: "optimizer",
             layer: "optimizer".into(),
@@ -698,6 +731,7 @@ pub fn estimate_for_specs(
         param_bytes,
         grad_bytes: param_bytes,
         optimizer_bytes,
+        mask_bytes,
         activation_bytes,
         baseline_bytes,
         batch_bytes,

@@ -10,9 +10,10 @@
 //!   step-000024/
 //!     model.safetensors         parameters by name (Cnn::named_vars) + BatchNorm running statistics
 //!     optimizer.safetensors     momentum buffers / Adam moments (Optimizer::state: s1.<i>, s2.<i>)
+//!     masks.safetensors         --prune only: the u8 pruning masks by parameter name
 //!     config.json               the TrainConfig the state was trained with
 //!     checkpoint.json           counters, data position, loss scaler, data fingerprint, and the
-//!                               size and hash of the three files above (written last)
+//!                               size and hash of the files above (written last)
 //! ```
 //!
 //! A checkpoint is written into `checkpoints/.tmp-step-N-PID/`, every file fsynced, then the
@@ -49,6 +50,9 @@ pub const MANIFEST_FILE: &str = "checkpoint.json";
 pub const MODEL_FILE: &str = "model.safetensors";
 /// Optimizer state tensors.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// Pruning masks (`--prune` runs only): with the global step, which is the schedule's position,
+/// they make a resumed pruned run continue exactly.
+pub const MASKS_FILE: &str = "masks.safetensors";
 /// The training configuration of the checkpoint.
 pub const CONFIG_FILE: &str = "config.json";
 /// How many complete checkpoints are kept.
@@ -77,6 +81,11 @@ const MUST_MATCH: &[&str] = &[
     "checkpoint",
     "seed",
     "augment",
+    "prune",
+    "prune_begin",
+    "prune_end",
+    "prune_every",
+    "prune_initial",
 ];
 
 /// Fields that may change on resume but change the rest of the run; they are reported.
@@ -145,6 +154,7 @@ pub struct Checkpoint {
     pub skipped: Vec<String>,
     model: HashMap<String, Tensor>,
     optimizer: HashMap<String, Tensor>,
+    masks: Option<HashMap<String, Tensor>>,
 }
 
 /// Per-trainer checkpoint bookkeeping (a field of [`Trainer`]).
@@ -350,6 +360,16 @@ impl Trainer {
             let t = finite_on_cpu(&t)?.ok_or_else(|| diverged("optimizer state"))?;
             optimizer.insert(name, t);
         }
+        let masks: Option<HashMap<String, Tensor>> = self
+            .pruner
+            .as_ref()
+            .map(|p| {
+                p.masks()
+                    .into_iter()
+                    .map(|(n, m)| Ok((n, m.to_device(&Device::Cpu)?)))
+                    .collect::<Result<_>>()
+            })
+            .transpose()?;
         let fingerprint = self
             .checkpoints
             .fingerprint
@@ -380,6 +400,12 @@ impl Trainer {
                 OPTIMIZER_FILE.to_string(),
                 write_tensors(&tmp.join(OPTIMIZER_FILE), &optimizer)?,
             );
+            if let Some(masks) = &masks {
+                files.insert(
+                    MASKS_FILE.to_string(),
+                    write_tensors(&tmp.join(MASKS_FILE), masks)?,
+                );
+            }
             files.insert(
                 CONFIG_FILE.to_string(),
                 write_synced(&tmp.join(CONFIG_FILE), &config_json)?,
@@ -502,7 +528,13 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
         ));
     }
     let mut contents = HashMap::new();
-    for name in [MODEL_FILE, OPTIMIZER_FILE, CONFIG_FILE] {
+    // The masks file is listed (so size and hash are checked) exactly when the run prunes.
+    let masks_listed = state.files.contains_key(MASKS_FILE);
+    let listed = [MODEL_FILE, OPTIMIZER_FILE, CONFIG_FILE, MASKS_FILE];
+    for name in listed
+        .into_iter()
+        .filter(|n| *n != MASKS_FILE || masks_listed)
+    {
         let entry = state
             .files
             .get(name)
@@ -530,6 +562,28 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
         .map_err(|e| format!("damaged {MODEL_FILE} ({})", first_line(&e.to_string())))?;
     let optimizer = candle_core::safetensors::load_buffer(&contents[OPTIMIZER_FILE], &Device::Cpu)
         .map_err(|e| format!("damaged {OPTIMIZER_FILE} ({})", first_line(&e.to_string())))?;
+    let masks = contents
+        .get(MASKS_FILE)
+        .map(|bytes| {
+            candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
+                .map_err(|e| format!("damaged {MASKS_FILE} ({})", first_line(&e.to_string())))
+        })
+        .transpose()?;
+    if masks.is_some() != config.prune.is_some() {
+        return Err(format!(
+            "{MASKS_FILE} is {} but the config {} --prune",
+            if masks.is_some() {
+                "present"
+            } else {
+                "missing"
+            },
+            if config.prune.is_some() {
+                "has"
+            } else {
+                "has no"
+            }
+        ));
+    }
     if state.steps_per_epoch == 0 || state.next_batch >= state.steps_per_epoch {
         return Err(format!(
             "{MANIFEST_FILE} has batch {} of an epoch of {} steps",
@@ -544,6 +598,7 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
         skipped: Vec::new(),
         model,
         optimizer,
+        masks,
     })
 }
 
@@ -771,6 +826,24 @@ impl Checkpoint {
                 "the loss-scaler state does not match --precision".into()
             ));
         }
+        if self.masks.is_some() != trainer.pruner.is_some() {
+            return Err(bad("the pruning masks do not match --prune".into()));
+        }
+        // Checked (and built) before anything is changed; applied below.
+        let pruner = match (&self.masks, &trainer.pruner) {
+            (Some(masks), Some(p)) => {
+                let mut fresh = super::prune::Pruner::new(*p.schedule(), &vars)?;
+                fresh.load_masks(masks.clone()).map_err(|e| {
+                    let e = e.to_string();
+                    bad(format!(
+                        "{MASKS_FILE}: {}",
+                        e.trim_start_matches("checkpoint: ")
+                    ))
+                })?;
+                Some(fresh)
+            }
+            _ => None,
+        };
 
         // Apply.
         for (name, var) in &vars {
@@ -787,6 +860,9 @@ impl Checkpoint {
         optimizer.load_state(opt_state)?;
         optimizer.steps = s.optimizer_steps;
         trainer.optimizer = optimizer;
+        if pruner.is_some() {
+            trainer.pruner = pruner;
+        }
         trainer.scaler = s.scaler.clone();
         trainer.global_step = s.global_step;
         trainer.start_epoch = s.epoch;

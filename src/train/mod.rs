@@ -1,11 +1,13 @@
 //! The one training loop and its mechanisms: mixed precision with a dynamic loss scaler,
-//! gradient accumulation, gradient checkpointing (recomputation) and the optimizers.
+//! gradient accumulation, gradient checkpointing (recomputation), the optimizers and magnitude
+//! pruning.
 
 pub mod accumulate;
 pub mod checkpoint;
 pub mod lean;
 pub mod optim;
 pub mod precision;
+pub mod prune;
 pub mod reference;
 pub mod summary;
 pub mod trainer;

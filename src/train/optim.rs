@@ -96,6 +96,18 @@ impl Optimizer {
         Ok(())
     }
 
+    /// Zero the state of parameter `index` where `mask` (u8, the parameter's shape) is 0, so a
+    /// pruned weight carries no momentum (or Adam moments) into later steps: see
+    /// [`super::prune`].
+    pub fn mask_state(&mut self, index: usize, mask: &Tensor) -> Result<()> {
+        for slot in [&mut self.state1, &mut self.state2] {
+            if let Some(s) = slot.get_mut(index).and_then(Option::as_mut) {
+                *s = mask.where_cond(s, &s.zeros_like()?)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of the state tensors held now.
     pub fn state_bytes(&self) -> u64 {
         self.state1

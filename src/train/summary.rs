@@ -67,4 +67,7 @@ pub struct Summary {
     pub status: String,
     /// Wall-clock seconds of the whole run.
     pub wall_secs: f64,
+    /// Reached sparsity and model file sizes of a `--prune` run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pruning: Option<super::prune::PruneReport>,
 }

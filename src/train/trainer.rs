@@ -102,6 +102,8 @@ pub struct Trainer {
     pub checkpoints: super::checkpoint::CheckpointSaver, // [checkpoint]
     /// (images, seconds) of every step of this process, for the steady-state throughput.
     pub(crate) step_times: Vec<(usize, f64)>,
+    /// `--prune`: the schedule and masks, applied after every optimizer step.
+    pub(crate) pruner: Option<super::prune::Pruner>,
 }
 
 /// `runs/<UTC timestamp>` for a run without `--out`.
@@ -351,6 +353,11 @@ impl Trainer {
                 config.batch_size
             )));
         }
+        let steps_per_epoch = data.train.len() / config.batch_size;
+        let by_epochs = steps_per_epoch * config.epochs;
+        let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
+        // Checked before anything is created: the schedule's end depends on the run's length.
+        let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
         let device = select_device(config.device.as_deref())?;
         if device.is_cpu() {
             // Every op allocates its output; without this, glibc maps and unmaps the large ones
@@ -415,9 +422,9 @@ impl Trainer {
         }
         list.extend(options.callbacks);
 
-        let steps_per_epoch = data.train.len() / config.batch_size;
-        let by_epochs = steps_per_epoch * config.epochs;
-        let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
+        let pruner = prune_schedule
+            .map(|s| super::prune::Pruner::new(s, &model.named_vars()))
+            .transpose()?;
         Ok(Trainer {
             device,
             model,
@@ -445,6 +452,7 @@ impl Trainer {
             steps_per_epoch,
             total_steps,
             step_times: Vec::new(),
+            pruner,
             config,
         })
     }
@@ -533,6 +541,11 @@ impl Trainer {
     /// The trainable parameters, in the model's order.
     pub fn vars(&self) -> &[Var] {
         &self.vars
+    }
+
+    /// The pruning state of a `--prune` run.
+    pub fn pruner(&self) -> Option<&super::prune::Pruner> {
+        self.pruner.as_ref()
     }
 
     fn batch_tensors(&self, images: &[f32], labels: &[u32]) -> Result<(Tensor, Tensor)> {
@@ -808,6 +821,11 @@ impl Trainer {
         if apply {
             self.optimizer.step(&self.vars, &grads, lr)?;
         }
+        drop(grads);
+        // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
+        if let Some(p) = self.pruner.as_mut() {
+            p.after_step(self.global_step + 1, &self.vars, &mut self.optimizer)?;
+        }
         Ok((!apply, squared.sqrt()))
     }
 
@@ -964,12 +982,14 @@ impl Trainer {
             }
         }
         self.start_epoch = epoch;
+        let pruning = self.finish_pruning(interrupted)?;
         let summary = self.summary(
             &epochs,
             total_images,
             total_secs,
             interrupted,
             wall.elapsed().as_secs_f64(),
+            pruning,
         );
         self.callbacks.on_train_end(&TrainEnd {
             epochs: &epochs,
@@ -1001,6 +1021,43 @@ impl Trainer {
         })
     }
 
+    /// The reached sparsity of a `--prune` run; at the end of a completed run that writes files,
+    /// also the final model dense and sparse in the run directory, with their sizes.
+    fn finish_pruning(&self, interrupted: bool) -> Result<Option<super::prune::PruneReport>> {
+        use super::prune::{save_atomic, save_sparse, DENSE_MODEL_FILE, SPARSE_MODEL_FILE};
+        let Some(pruner) = &self.pruner else {
+            return Ok(None);
+        };
+        let mut report = pruner.report(&self.vars)?;
+        if self.log_files && !interrupted {
+            let tensors: Vec<(String, Tensor)> = self
+                .model
+                .named_vars()
+                .into_iter()
+                .map(|(n, v)| (n, v.as_detached_tensor()))
+                .chain(self.model.named_buffers())
+                .collect();
+            let dense_path = self.run_dir.join(DENSE_MODEL_FILE);
+            let dense = tensors
+                .iter()
+                .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?)))
+                .collect::<Result<std::collections::HashMap<_, _>>>()?;
+            save_atomic(&dense_path, &dense)?;
+            drop(dense);
+            let (sparse_bytes, encodings) =
+                save_sparse(&self.run_dir.join(SPARSE_MODEL_FILE), &tensors)?;
+            for layer in &mut report.layers {
+                layer.encoding = encodings
+                    .iter()
+                    .find(|(n, _)| *n == layer.name)
+                    .map(|(_, e)| *e);
+            }
+            report.dense_file_bytes = Some(super::prune::file_size(&dense_path)?);
+            report.sparse_file_bytes = Some(sparse_bytes);
+        }
+        Ok(Some(report))
+    }
+
     // [estimate] begin: the analytic prediction for summary.json (src/memory/estimate.rs).
     /// The analytic memory estimate of this run (the model's layer list, the loaded data set as
     /// the baseline); `None` when the device has no probe or the model cannot be estimated.
@@ -1025,6 +1082,7 @@ impl Trainer {
         secs: f64,
         interrupted: bool,
         wall: f64,
+        pruning: Option<super::prune::PruneReport>,
     ) -> Summary {
         let mem = self.memory_log();
         let predicted = if self.probe.available() {
@@ -1072,6 +1130,7 @@ impl Trainer {
                 "ok".into()
             },
             wall_secs: wall,
+            pruning,
         }
     }
 }

@@ -10,13 +10,27 @@
 //! two paths within twice that of each other; with `accumulate`, the starting value is one more
 //! term. These bounds are what is asserted, per element.
 //!
-//! On a CPU without AVX512-BF16 the kernel *is* the widening path; the tests then say so on
+//! `MEMTRAIN_BF16_GEMM=dpbf16|fma|widen` picks the kernel under test (see `bf16_kernel`). On a
+//! CPU without AVX-512 the kernel *is* the widening path; the tests then say so on
 //! stderr and still check it against the f64 reference.
 
 use half::bf16;
 use memtrain::ops::gemm_bf16::{
-    bf16_kernel, cpu_has_avx512bf16, gemm, gemm_widened, Bf16Kernel, MatRef, PackedB, KC,
+    bf16_kernel, cpu_has_avx512bf16, gemm, gemm_widened, gemm_with, kernel_supported, Bf16Kernel,
+    MatRef, PackedB, KC,
 };
+
+/// The kernels this CPU can run (the widening fallback always).
+fn kernels() -> Vec<Bf16Kernel> {
+    [
+        Bf16Kernel::Avx512Bf16,
+        Bf16Kernel::Avx512Fma,
+        Bf16Kernel::Widen,
+    ]
+    .into_iter()
+    .filter(|&k| kernel_supported(k))
+    .collect()
+}
 
 const U: f64 = 1.0 / (1u64 << 24) as f64;
 
@@ -40,11 +54,15 @@ impl Lcg {
 }
 
 fn report_kernel() {
-    if bf16_kernel() == Bf16Kernel::Avx512Bf16 {
-        eprintln!("gemm_bf16: testing the AVX512-BF16 kernel");
+    if bf16_kernel() != Bf16Kernel::Widen {
+        eprintln!(
+            "gemm_bf16: testing kernels {:?} (the process uses {:?})",
+            kernels(),
+            bf16_kernel()
+        );
     } else {
         eprintln!(
-            "gemm_bf16: no AVX512-BF16 kernel here (cpu has it: {}); testing the widening fallback \
+            "gemm_bf16: no AVX-512 kernel here (AVX512-BF16: {}); testing the widening fallback \
              against the f64 reference",
             cpu_has_avx512bf16()
         );
@@ -97,17 +115,52 @@ fn check(m: usize, k: usize, n: usize, a_pad: usize, layout: BLayout, accumulate
     let init: Vec<f32> = rng.vec(m * ldc).iter().map(|v| v.to_f32()).collect();
     let mut packed = PackedB::new();
     packed.pack(b).unwrap();
-    let mut got = init.clone();
-    gemm(&mut got, ldc, accumulate, a, &packed).unwrap();
     let mut widened = init.clone();
     gemm_widened(&mut widened, ldc, accumulate, a, b).unwrap();
-    let case = format!("m{m} k{k} n{n} a_pad{a_pad} {layout:?} accumulate={accumulate}");
+    for kernel in kernels() {
+        let mut got = init.clone();
+        gemm_with(kernel, &mut got, ldc, accumulate, a, &packed).unwrap();
+        let case =
+            format!("{kernel:?}: m{m} k{k} n{n} a_pad{a_pad} {layout:?} accumulate={accumulate}");
+        compare(
+            &case,
+            &got,
+            &widened,
+            &init,
+            (m, k, n, ldc),
+            accumulate,
+            |i, t| f64::from(a.data[i * lda + t].to_f32()),
+            |t, j| f64::from(b.data[t * rs + j * cs].to_f32()),
+        );
+    }
+}
+
+/// Asserts the bounds of the module docs for one kernel's result `got`.
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    case: &str,
+    got: &[f32],
+    widened: &[f32],
+    init: &[f32],
+    (m, k, n, ldc): (usize, usize, usize, usize),
+    accumulate: bool,
+    a: impl Fn(usize, usize) -> f64,
+    b: impl Fn(usize, usize) -> f64,
+) {
     for i in 0..m {
         for j in 0..ldc {
             let at = i * ldc + j;
             if j >= n {
-                assert_eq!(got[at].to_bits(), init[at].to_bits(), "{case}: ({i},{j}) overwritten");
-                assert_eq!(widened[at].to_bits(), init[at].to_bits(), "{case}: widened ({i},{j})");
+                assert_eq!(
+                    got[at].to_bits(),
+                    init[at].to_bits(),
+                    "{case}: ({i},{j}) overwritten"
+                );
+                assert_eq!(
+                    widened[at].to_bits(),
+                    init[at].to_bits(),
+                    "{case}: widened ({i},{j})"
+                );
                 continue;
             }
             let (mut exact, mut abs) = (0f64, 0f64);
@@ -116,8 +169,7 @@ fn check(m: usize, k: usize, n: usize, a_pad: usize, layout: BLayout, accumulate
                 abs = exact.abs();
             }
             for t in 0..k {
-                let p = f64::from(a.data[i * lda + t].to_f32())
-                    * f64::from(b.data[t * rs + j * cs].to_f32());
+                let p = a(i, t) * b(t, j);
                 exact += p;
                 abs += p.abs();
             }
@@ -164,7 +216,13 @@ fn kernel_matches_widened_path_on_awkward_shapes() {
     ];
     let mut seed = 1;
     for &(m, k, n) in &shapes {
-        for layout in [BLayout::Rows(0), BLayout::Rows(5), BLayout::Cols(0), BLayout::Cols(3), BLayout::Strided] {
+        for layout in [
+            BLayout::Rows(0),
+            BLayout::Rows(5),
+            BLayout::Cols(0),
+            BLayout::Cols(3),
+            BLayout::Strided,
+        ] {
             for (a_pad, accumulate) in [(0, false), (7, true)] {
                 seed += 1;
                 check(m, k, n, a_pad, layout, accumulate, seed);
@@ -174,9 +232,9 @@ fn kernel_matches_widened_path_on_awkward_shapes() {
 }
 
 #[test]
-fn packing_by_rows_matches_packing_a_view() {
-    // `pack_row_pairs` (how the conv feeds im2col rows) and `pack` of the same matrix give the
-    // same products, bit for bit.
+fn packing_by_rows_or_columns_matches_packing_a_view() {
+    // `pack_row_pairs` and `pack_columns` (how the conv feeds im2col rows) and `pack` of the same
+    // matrix give the same products, bit for bit.
     let mut rng = Lcg(99);
     let (m, k, n) = (5, 37, 45);
     let a_data = rng.vec(m * k);
@@ -201,12 +259,25 @@ fn packing_by_rows_matches_packing_a_view() {
     let mut by_rows = PackedB::new();
     // Reuse a buffer that held a bigger matrix: stale words must not leak in.
     by_rows.pack_row_pairs(k + 10, n + 40, |_, dst| dst.fill(bf16::from_f32(3.0)));
-    by_rows.pack_row_pairs(k, n, |r, dst| dst.copy_from_slice(&b_data[r * n..(r + 1) * n]));
+    by_rows.pack_row_pairs(k, n, |r, dst| {
+        dst.copy_from_slice(&b_data[r * n..(r + 1) * n])
+    });
     assert_eq!((by_rows.k(), by_rows.n()), (k, n));
-    let (mut x, mut y) = (vec![0f32; m * n], vec![0f32; m * n]);
-    gemm(&mut x, n, false, a, &by_view).unwrap();
-    gemm(&mut y, n, false, a, &by_rows).unwrap();
-    assert_eq!(x, y);
+    let mut by_cols = PackedB::new();
+    by_cols.pack_columns(k, n, |j, dst| {
+        for (r, d) in dst.iter_mut().enumerate() {
+            *d = b_data[r * n + j];
+        }
+    });
+    for kernel in kernels() {
+        let mut x = vec![0f32; m * n];
+        gemm_with(kernel, &mut x, n, false, a, &by_view).unwrap();
+        for other in [&by_rows, &by_cols] {
+            let mut y = vec![0f32; m * n];
+            gemm_with(kernel, &mut y, n, false, a, other).unwrap();
+            assert_eq!(x, y, "{kernel:?}");
+        }
+    }
 }
 
 #[test]

@@ -1163,12 +1163,15 @@ impl CustomOp2 for Conv2dOp {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = &self.geom;
-        if let (CpuStorage::BF16(x), CpuStorage::BF16(w), Bf16Kernel::Avx512Bf16) =
-            (s1, s2, bf16_kernel())
+        if let (CpuStorage::BF16(x), CpuStorage::BF16(w), true) =
+            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
         {
             let x = contiguous(x, l1, &g.x_shape(), "input")?;
             let w = contiguous(w, l2, &g.w_shape(), "weight")?;
-            return Ok((CpuStorage::BF16(conv2d_bf16::forward(g, x, w)), g.out_shape()));
+            return Ok((
+                CpuStorage::BF16(conv2d_bf16::forward(g, x, w)),
+                g.out_shape(),
+            ));
         }
         let out = dispatch2!(s1, s2, "memtrain-conv2d", |x, w| {
             let x = contiguous(x, l1, &g.x_shape(), "input")?;
@@ -1221,12 +1224,15 @@ impl CustomOp2 for Conv2dGradInput {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = &self.geom;
-        if let (CpuStorage::BF16(gr), CpuStorage::BF16(w), Bf16Kernel::Avx512Bf16) =
-            (s1, s2, bf16_kernel())
+        if let (CpuStorage::BF16(gr), CpuStorage::BF16(w), true) =
+            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
         {
             let gr = contiguous(gr, l1, &g.out_shape(), "output gradient")?;
             let w = contiguous(w, l2, &g.w_shape(), "weight")?;
-            return Ok((CpuStorage::BF16(conv2d_bf16::grad_input(g, gr, w)), g.x_shape()));
+            return Ok((
+                CpuStorage::BF16(conv2d_bf16::grad_input(g, gr, w)),
+                g.x_shape(),
+            ));
         }
         let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-input", |gr, w| {
             let gr = contiguous(gr, l1, &g.out_shape(), "output gradient")?;
@@ -1257,12 +1263,15 @@ impl CustomOp2 for Conv2dGradWeight {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = &self.geom;
-        if let (CpuStorage::BF16(x), CpuStorage::BF16(gr), Bf16Kernel::Avx512Bf16) =
-            (s1, s2, bf16_kernel())
+        if let (CpuStorage::BF16(x), CpuStorage::BF16(gr), true) =
+            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
         {
             let x = contiguous(x, l1, &g.x_shape(), "input")?;
             let gr = contiguous(gr, l2, &g.out_shape(), "output gradient")?;
-            return Ok((CpuStorage::BF16(conv2d_bf16::grad_weight(g, x, gr)), g.w_shape()));
+            return Ok((
+                CpuStorage::BF16(conv2d_bf16::grad_weight(g, x, gr)),
+                g.w_shape(),
+            ));
         }
         let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-weight", |x, gr| {
             let x = contiguous(x, l1, &g.x_shape(), "input")?;

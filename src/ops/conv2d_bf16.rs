@@ -11,16 +11,15 @@
 //!   im2col rows, two at a time, so the column matrix is never materialized.
 //! - input gradient, `dcol = Wᵀ · grad`: `A` is `Wᵀ`, transposed once per call; `B` is the
 //!   image's output gradient, packed.
-//! - weight gradient, `dWᵀ = col · gradᵀ`: `A` is the im2col matrix of a chunk of images (in
-//!   bf16, half the bytes of the f32 path's); `B` is `gradᵀ`, packed by a transpose of 32-bit
-//!   pairs.
+//! - weight gradient, `dW = grad · colᵀ`: `A` is the chunk's output gradient; `B` is `colᵀ`,
+//!   packed column by column from im2col rows (a transpose of 32-bit pairs).
 
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 
 use super::conv2d::{
-    chunks_per_slot, col2im, im2col, im2col_row, images_per_chunk, num_threads, padded_ld,
-    par_chunks, scratch, Geom, OrderedSum, SharedOut,
+    chunks_per_slot, col2im, im2col_row, images_per_chunk, num_threads, padded_ld, par_chunks,
+    scratch, Geom, OrderedSum, SharedOut,
 };
 use super::gemm_bf16::{gemm, MatRef, PackedB};
 
@@ -115,17 +114,23 @@ pub(super) fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
 
 /// `dW = Σₙ grad[n] · col(x[n])ᵀ`, over chunks of images, summed in slot order as the generic
 /// `grad_weight` in `conv2d.rs` does (the same chunking, so the same determinism).
+///
+/// Here `A` is the chunk's output gradient `[Cout, b·Ho·Wo]` (the small operand, read in place
+/// for one image) and `B = colᵀ`, packed column by column straight from im2col rows, so the
+/// product is `dW [Cout, Cin·K·K]` itself, without the generic path's transposes.
 pub(super) fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
     let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
     let threads = num_threads();
-    let chunk = images_per_chunk(g.n, hwo, ckk * hwo * 2, threads, g.chunk);
+    // The chunk size as the generic path chooses it (its columns are f32), so both paths sum
+    // over the same chunks and slots.
+    let chunk = images_per_chunk(g.n, hwo, ckk * hwo * 4, threads, g.chunk);
     let n_chunks = g.n.div_ceil(chunk);
     let chunks_per_slot = chunks_per_slot(n_chunks, ckk * g.cout * 4, threads);
     let n_slots = n_chunks.div_ceil(chunks_per_slot);
     let slot_images = chunks_per_slot * chunk;
     let sum = OrderedSum::<f32>::new(n_slots, ckk * g.cout);
     par_chunks(n_slots, 1, |slots| {
-        let (mut packed, mut col_buf, mut grad_buf) = (PackedB::new(), Vec::new(), Vec::new());
+        let (mut packed, mut grad_buf) = (PackedB::new(), Vec::new());
         for slot in slots.flatten() {
             let mut acc = sum.buffer();
             let images = slot * slot_images..((slot + 1) * slot_images).min(g.n);
@@ -134,30 +139,18 @@ pub(super) fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
                 let b = range.len();
                 // The chunk's pixels side by side: the gemm's inner dimension is b·Ho·Wo.
                 let kdim = b * hwo;
-                // Rows of bf16 columns 2 KiB apart would share L1 sets (see `padded_ld`).
-                let ld = padded_ld(kdim, 2);
-                let lhs = if b == 1 && g.pointwise() && ld == hwo {
-                    MatRef {
-                        data: &x[first * in_len..(first + 1) * in_len],
-                        rows: ckk,
-                        cols: kdim,
-                        rs: hwo,
-                        cs: 1,
-                    }
-                } else {
-                    let col = scratch(&mut col_buf, ckk * ld);
+                // colᵀ: column r of B is row r of the chunk's column matrix.
+                packed.pack_columns(kdim, ckk, |r, dst| {
                     for (j, i) in range.clone().enumerate() {
-                        im2col(g, &x[i * in_len..(i + 1) * in_len], &mut col[j * hwo..], ld);
+                        let img = &x[i * in_len..(i + 1) * in_len];
+                        let part = &mut dst[j * hwo..(j + 1) * hwo];
+                        if g.pointwise() {
+                            part.copy_from_slice(&img[r * hwo..(r + 1) * hwo]);
+                        } else {
+                            im2col_row(g, img, r, part);
+                        }
                     }
-                    MatRef {
-                        data: col,
-                        rows: ckk,
-                        cols: kdim,
-                        rs: ld,
-                        cs: 1,
-                    }
-                };
-                // gradᵀ [b·Ho·Wo, Cout]: pixel-major rows, one column per output channel.
+                });
                 let grad_rows: &[bf16] = if b == 1 {
                     &grad[first * out_len..(first + 1) * out_len]
                 } else {
@@ -172,32 +165,22 @@ pub(super) fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
                     }
                     gm
                 };
-                let rhs = MatRef {
+                let lhs = MatRef {
                     data: grad_rows,
-                    rows: kdim,
-                    cols: g.cout,
-                    rs: 1,
-                    cs: kdim,
+                    rows: g.cout,
+                    cols: kdim,
+                    rs: kdim,
+                    cs: 1,
                 };
-                if let Err(e) = packed.pack(rhs) {
-                    panic!("conv2d (bf16): inconsistent gradient view: {e}");
-                }
                 // The slot's first chunk overwrites the (reused) buffer, the others add to it.
-                mul(&mut acc, g.cout, c > 0, lhs, &packed);
+                mul(&mut acc, ckk, c > 0, lhs, &packed);
             }
             sum.add(slot, acc);
         }
     });
     let mut dw = vec![bf16::ZERO; g.cout * ckk];
     if let Some(total) = sum.total() {
-        // [Cin·K·K, Cout] -> [Cout, Cin·K·K], one output channel (row of dW) at a time.
-        let mut row = vec![0f32; ckk];
-        for (co, dst) in dw.chunks_exact_mut(ckk.max(1)).enumerate() {
-            for (r, v) in row.iter_mut().enumerate() {
-                *v = total[r * g.cout + co];
-            }
-            dst.convert_from_f32_slice(&row);
-        }
+        dw.convert_from_f32_slice(&total);
     }
     dw
 }

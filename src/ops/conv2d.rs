@@ -24,9 +24,10 @@
 //!
 //! Half-precision inputs (f16, bf16) are widened to f32 one image at a time, multiplied in f32 and
 //! narrowed on the way out: gemm has no bf16 kernel, and its f16 kernel widens to f32 internally
-//! anyway (without AVX512-FP16) while rounding partial sums to f16 between K blocks. On a CPU
-//! with AVX512-BF16, bf16 inputs instead stay bf16 and all three passes run on our own
-//! bf16 dot-product kernel with f32 sums ([`super::conv2d_bf16`], [`super::gemm_bf16`]).
+//! anyway (without AVX512-FP16) while rounding partial sums to f16 between K blocks. On an
+//! x86-64 CPU with AVX-512, bf16 inputs instead stay bf16 (packed straight from im2col rows) and
+//! all three passes run on our own bf16 kernels with f32 sums ([`super::conv2d_bf16`],
+//! [`super::gemm_bf16`]); the widening path is their fallback.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -178,7 +179,8 @@ pub fn conv2d_with_chunk(
 ///
 /// This is the weight-gradient pass (the largest of the three): one chunk of images per busy
 /// thread, rows padded as the op pads them. The columns are f32 for f32/f16/bf16 inputs (half types
-/// are widened before the gemm) and f64 for f64. A 1×1, stride-1, unpadded f32 convolution may read
+/// are widened before the gemm) and f64 for f64. (With the AVX-512 bf16 kernels,
+/// [`super::gemm_bf16`], a bf16 convolution packs its columns as bf16 and holds half of this.) A 1×1, stride-1, unpadded f32 convolution may read
 /// its input in place and allocate less than this. Not included: the per-thread scratch that is smaller by a factor of about K²
 /// (one widened image, the gathered output gradient `Cout × chunk × Ho·Wo`, one `Cin·K·K × Cout`
 /// weight-gradient partial sum per thread plus their running total).

@@ -66,14 +66,17 @@ pub enum Bf16Kernel {
 /// The bf16 kernel this process uses, chosen once: [`Bf16Kernel::Avx512Fma`] on an x86-64 CPU
 /// with AVX512F, [`Bf16Kernel::Widen`] elsewhere.
 ///
-/// Why not `vdpbf16ps` by default: on the development machine (Intel Xeon, family 6 model 207,
-/// AVX512-BF16), one `vdpbf16ps zmm` issues every ~1.2 ns against ~0.3 ns for an f32 `vfmadd zmm`
-/// (16 independent accumulators, one core), so the dot product does half the multiply-adds per
-/// second of plain f32 FMAs: ~52 GFLOP/s for [`Bf16Kernel::Avx512Bf16`] against 55–76 for
-/// [`Bf16Kernel::Avx512Fma`] on the net's gemms (`cargo bench --bench gemm_bf16`). (oneDNN's
-/// bf16 convolution, which PyTorch runs with `vdpbf16ps` on this CPU, was no faster than its f32
-/// one either: 62 against 63–85 GFLOP/s.) Both kernels read the same packed bf16 operand, so
-/// the FMA kernel keeps the bf16 path's halved memory traffic.
+/// Why not `vdpbf16ps` by default: on the development machine (a VM on an Intel Xeon, family 6
+/// model 207, with AVX512-BF16), a loop of `vdpbf16ps zmm` on 16 independent accumulators issued
+/// one every ~1.2 ns against ~0.3 ns for f32 `vfmadd231ps zmm` (one core), so the dot product did
+/// half the multiply-adds per second of plain f32 FMAs. On the net's gemms
+/// (`cargo bench --bench gemm_bf16`, one thread, three runs on a loaded machine)
+/// [`Bf16Kernel::Avx512Bf16`] ran at 49–63 GFLOP/s, [`Bf16Kernel::Avx512Fma`] at 77–158 and the
+/// `gemm` crate's f32 kernel on pre-widened operands at 73–162; a 24-step bf16 training run
+/// (`train_cifar10 --precision bf16 --max-steps 24`, both kernels at `MR` = 8) took 18.2 s of CPU
+/// with `vdpbf16ps` against 14.1 s with the FMA kernel. (PyTorch's oneDNN, which runs
+/// bf16 convolutions with `vdpbf16ps` on this CPU, was no faster in bf16 than in f32 either: 62
+/// against 63–85 GFLOP/s on a 32→32 forward.) Both kernels read the same packed bf16 operand.
 ///
 /// The environment variable `MEMTRAIN_BF16_GEMM` (read once) overrides the choice: `dpbf16` for
 /// the AVX512-BF16 kernel (where the CPU has it), `widen` for the fallback.

@@ -180,8 +180,9 @@ pub fn conv2d_with_chunk(
 /// This is the weight-gradient pass (the largest of the three): one chunk of images per busy
 /// thread, rows padded as the op pads them. The columns are f32 for f32/f16/bf16 inputs (half types
 /// are widened before the gemm) and f64 for f64. (With the AVX-512 bf16 kernels,
-/// [`super::gemm_bf16`], a bf16 convolution packs its columns as bf16 and holds half of this.) A 1×1, stride-1, unpadded f32 convolution may read
-/// its input in place and allocate less than this. Not included: the per-thread scratch that is smaller by a factor of about K²
+/// [`super::gemm_bf16`], a bf16 convolution packs its columns as bf16 and holds half of this.)
+/// A 1×1, stride-1, unpadded f32 convolution may read its input in place and allocate less than
+/// this. Not included: the per-thread scratch that is smaller by a factor of about K²
 /// (one widened image, the gathered output gradient `Cout × chunk × Ho·Wo`, one `Cin·K·K × Cout`
 /// weight-gradient partial sum per thread plus their running total).
 pub fn im2col_chunk_bytes(

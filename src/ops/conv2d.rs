@@ -24,7 +24,10 @@
 //!
 //! Half-precision inputs (f16, bf16) are widened to f32 one image at a time, multiplied in f32 and
 //! narrowed on the way out: gemm has no bf16 kernel, and its f16 kernel widens to f32 internally
-//! anyway (without AVX512-FP16) while rounding partial sums to f16 between K blocks.
+//! anyway (without AVX512-FP16) while rounding partial sums to f16 between K blocks. On an
+//! x86-64 CPU with AVX-512, bf16 inputs instead stay bf16 (packed straight from im2col rows) and
+//! all three passes run on our own bf16 kernels with f32 sums ([`super::conv2d_bf16`],
+//! [`super::gemm_bf16`]); the widening path is their fallback.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -35,6 +38,8 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use super::conv2d_bf16;
+use super::gemm_bf16::{bf16_kernel, Bf16Kernel};
 use crate::error::{Error, Result};
 
 /// Upper bound, in bytes, on the column buffers the weight-gradient pass holds at once (all threads
@@ -174,8 +179,10 @@ pub fn conv2d_with_chunk(
 ///
 /// This is the weight-gradient pass (the largest of the three): one chunk of images per busy
 /// thread, rows padded as the op pads them. The columns are f32 for f32/f16/bf16 inputs (half types
-/// are widened before the gemm) and f64 for f64. A 1×1, stride-1, unpadded f32 convolution may read
-/// its input in place and allocate less than this. Not included: the per-thread scratch that is smaller by a factor of about K²
+/// are widened before the gemm) and f64 for f64. (With the AVX-512 bf16 kernels,
+/// [`super::gemm_bf16`], a bf16 convolution packs its columns as bf16 and holds half of this.)
+/// A 1×1, stride-1, unpadded f32 convolution may read its input in place and allocate less than
+/// this. Not included: the per-thread scratch that is smaller by a factor of about K²
 /// (one widened image, the gathered output gradient `Cout × chunk × Ho·Wo`, one `Cin·K·K × Cout`
 /// weight-gradient partial sum per thread plus their running total).
 pub fn im2col_chunk_bytes(
@@ -207,7 +214,7 @@ fn acc_size(dtype: DType) -> usize {
 /// consecutive rows fall into the same few L1 cache sets; measured on this project's CPU, the
 /// forward gemm of a 32→32 layer at 32×32 runs at 68 GFLOP/s with 4 KiB rows and 110 with 64 bytes
 /// of padding per row.
-fn padded_ld(cols: usize, elem: usize) -> usize {
+pub(super) fn padded_ld(cols: usize, elem: usize) -> usize {
     if cols > 0 && (cols * elem).is_multiple_of(2048) {
         cols + 64 / elem
     } else {
@@ -216,14 +223,14 @@ fn padded_ld(cols: usize, elem: usize) -> usize {
 }
 
 /// Threads that run the per-image work: candle's CPU pool workers plus the calling thread.
-fn num_threads() -> usize {
+pub(super) fn num_threads() -> usize {
     candle_core::utils::barrier_pool().n_workers() + 1
 }
 
 /// Images per weight-gradient chunk: enough for [`MIN_GEMM_DEPTH`] output pixels, but no more than
 /// fit in this thread's share of [`IM2COL_CHUNK_BYTES`] or than an even split of the batch (so that
 /// every thread gets work); at least one.
-fn images_per_chunk(
+pub(super) fn images_per_chunk(
     n: usize,
     hw_out: usize,
     per_image_bytes: usize,
@@ -412,7 +419,7 @@ impl Geom {
 // Element types
 
 /// The type gemm runs in: f32, or f64 for f64 inputs.
-trait Acc: Copy + Send + Sync + 'static + std::ops::AddAssign {
+pub(super) trait Acc: Copy + Default + Send + Sync + 'static + std::ops::AddAssign {
     const ZERO: Self;
     const ONE: Self;
 }
@@ -488,9 +495,9 @@ half_elem!(bf16);
 
 /// The first `len` elements of a reusable scratch buffer, grown on first use. Contents are stale:
 /// every caller overwrites all of them.
-fn scratch<A: Acc>(buf: &mut Vec<A>, len: usize) -> &mut [A] {
+pub(super) fn scratch<A: Copy + Default>(buf: &mut Vec<A>, len: usize) -> &mut [A] {
     if buf.len() < len {
-        buf.resize(len, A::ZERO);
+        buf.resize(len, A::default());
     }
     &mut buf[..len]
 }
@@ -596,38 +603,43 @@ fn matmul<A: Acc>(
 
 /// Writes the column matrix of one image `src [Cin, H, W]` into `dst`: row `(c, kh, kw)` starts
 /// at `row * row_stride` and holds the `Ho·Wo` input values that tap sees (zero for padding).
-fn im2col<A: Acc>(g: &Geom, src: &[A], dst: &mut [A], row_stride: usize) {
+pub(super) fn im2col<A: Copy + Default>(g: &Geom, src: &[A], dst: &mut [A], row_stride: usize) {
+    let hwo = g.hw_out();
+    for r in 0..g.ckk() {
+        im2col_row(g, src, r, &mut dst[r * row_stride..r * row_stride + hwo]);
+    }
+}
+
+/// Row `r = (c, kh, kw)` of one image's column matrix (`Ho·Wo` values) into `row`: what
+/// [`im2col`] writes at `r * row_stride`, on its own so that the bf16 path can pack rows two at a
+/// time without materializing the matrix.
+pub(super) fn im2col_row<A: Copy + Default>(g: &Geom, src: &[A], r: usize, row: &mut [A]) {
     let (k, s, p, w, ho, wo) = (g.k, g.stride, g.pad, g.w, g.ho, g.wo);
+    let zero = A::default();
     let plane_len = g.h * g.w;
-    for c in 0..g.cin {
-        let plane = &src[c * plane_len..(c + 1) * plane_len];
-        for kh in 0..k {
-            let (oh_lo, oh_hi) = g.valid(kh, g.h, ho);
-            for kw in 0..k {
-                let (ow_lo, ow_hi) = g.valid(kw, w, wo);
-                let r = (c * k + kh) * k + kw;
-                let row = &mut dst[r * row_stride..r * row_stride + ho * wo];
-                row[..oh_lo * wo].fill(A::ZERO);
-                row[oh_hi * wo..].fill(A::ZERO);
-                for oh in oh_lo..oh_hi {
-                    let ih = oh * s + kh - p;
-                    let out = &mut row[oh * wo..(oh + 1) * wo];
-                    out[..ow_lo].fill(A::ZERO);
-                    out[ow_hi..].fill(A::ZERO);
-                    if ow_lo == ow_hi {
-                        continue;
-                    }
-                    let iw0 = ow_lo * s + kw - p;
-                    let src_row = &plane[ih * w..(ih + 1) * w];
-                    let out = &mut out[ow_lo..ow_hi];
-                    if s == 1 {
-                        out.copy_from_slice(&src_row[iw0..iw0 + out.len()]);
-                    } else {
-                        for (o, v) in out.iter_mut().zip(src_row[iw0..].iter().step_by(s)) {
-                            *o = *v;
-                        }
-                    }
-                }
+    let (c, kh, kw) = (r / (k * k), (r / k) % k, r % k);
+    let plane = &src[c * plane_len..(c + 1) * plane_len];
+    let (oh_lo, oh_hi) = g.valid(kh, g.h, ho);
+    let (ow_lo, ow_hi) = g.valid(kw, w, wo);
+    let row = &mut row[..ho * wo];
+    row[..oh_lo * wo].fill(zero);
+    row[oh_hi * wo..].fill(zero);
+    for oh in oh_lo..oh_hi {
+        let ih = oh * s + kh - p;
+        let out = &mut row[oh * wo..(oh + 1) * wo];
+        out[..ow_lo].fill(zero);
+        out[ow_hi..].fill(zero);
+        if ow_lo == ow_hi {
+            continue;
+        }
+        let iw0 = ow_lo * s + kw - p;
+        let src_row = &plane[ih * w..(ih + 1) * w];
+        let out = &mut out[ow_lo..ow_hi];
+        if s == 1 {
+            out.copy_from_slice(&src_row[iw0..iw0 + out.len()]);
+        } else {
+            for (o, v) in out.iter_mut().zip(src_row[iw0..].iter().step_by(s)) {
+                *o = *v;
             }
         }
     }
@@ -635,7 +647,7 @@ fn im2col<A: Acc>(g: &Geom, src: &[A], dst: &mut [A], row_stride: usize) {
 
 /// The adjoint of [`im2col`]: overwrites `dst [Cin, H, W]` with the sum of every column-matrix
 /// entry of `col` (row stride `row_stride`) at the input position it was gathered from.
-fn col2im<A: Acc>(g: &Geom, col: &[A], row_stride: usize, dst: &mut [A]) {
+pub(super) fn col2im<A: Acc>(g: &Geom, col: &[A], row_stride: usize, dst: &mut [A]) {
     let (k, s, p, w, ho, wo) = (g.k, g.stride, g.pad, g.w, g.ho, g.wo);
     let plane_len = g.h * g.w;
     dst.fill(A::ZERO);
@@ -675,7 +687,7 @@ fn col2im<A: Acc>(g: &Geom, col: &[A], row_stride: usize, dst: &mut [A]) {
 // Threading
 
 /// One output buffer that the worker threads fill in disjoint per-image slices.
-struct SharedOut<T> {
+pub(super) struct SharedOut<T> {
     ptr: *mut T,
     len: usize,
 }
@@ -695,7 +707,7 @@ impl<T> SharedOut<T> {
     /// starts from zero); zeroing each image's slice on the thread that fills it next keeps that
     /// write parallel and in cache. (A fresh `vec!` of zeros was free only while glibc returned
     /// large blocks to the kernel, which cost more in page faults: `memory::retain_freed_memory`.)
-    fn spare(buf: &mut Vec<T>, len: usize) -> Self {
+    pub(super) fn spare(buf: &mut Vec<T>, len: usize) -> Self {
         assert!(buf.is_empty(), "conv2d: output buffer not empty");
         buf.reserve_exact(len);
         Self {
@@ -710,7 +722,7 @@ impl<T> SharedOut<T> {
     /// # Safety
     /// No two live slices may overlap; `T` must be a type whose all-zero bit pattern is valid.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn zeroed(&self, start: usize, len: usize) -> &mut [T] {
+    pub(super) unsafe fn zeroed(&self, start: usize, len: usize) -> &mut [T] {
         assert!(
             start + len <= self.len,
             "conv2d: output slice out of bounds"
@@ -727,7 +739,7 @@ impl<T> SharedOut<T> {
 /// Which thread gets which chunk depends on scheduling, so `body` must not combine values across
 /// chunks in the order it sees them (floating-point sums would then differ from run to run): it
 /// writes each item's result to its own place, or hands partial sums to an [`OrderedSum`].
-fn par_chunks<F>(n: usize, chunk: usize, body: F)
+pub(super) fn par_chunks<F>(n: usize, chunk: usize, body: F)
 where
     F: Fn(&mut dyn Iterator<Item = Range<usize>>) + Sync,
 {
@@ -756,7 +768,7 @@ where
 /// reused for a later slot; partials only wait while an earlier slot is still being computed. So
 /// the buffers alive at once are the running total plus about one per thread (at most one per
 /// slot if a thread stalls for a long time).
-struct OrderedSum<A> {
+pub(super) struct OrderedSum<A> {
     len: usize,
     state: Mutex<SumState<A>>,
 }
@@ -772,7 +784,7 @@ struct SumState<A> {
 }
 
 impl<A: Acc> OrderedSum<A> {
-    fn new(slots: usize, len: usize) -> Self {
+    pub(super) fn new(slots: usize, len: usize) -> Self {
         Self {
             len,
             state: Mutex::new(SumState {
@@ -789,13 +801,13 @@ impl<A: Acc> OrderedSum<A> {
     }
 
     /// A buffer of `len` elements for one slot's partial (stale contents).
-    fn buffer(&self) -> Vec<A> {
+    pub(super) fn buffer(&self) -> Vec<A> {
         let reused = self.lock().free.pop();
         reused.unwrap_or_else(|| vec![A::ZERO; self.len])
     }
 
     /// Hands over the partial sum of `slot`.
-    fn add(&self, slot: usize, partial: Vec<A>) {
+    pub(super) fn add(&self, slot: usize, partial: Vec<A>) {
         let mut guard = self.lock();
         let st = &mut *guard;
         assert!(
@@ -817,7 +829,7 @@ impl<A: Acc> OrderedSum<A> {
     }
 
     /// The sum of all slots (`None` when there were none).
-    fn total(self) -> Option<Vec<A>> {
+    pub(super) fn total(self) -> Option<Vec<A>> {
         let st = self.state.into_inner().unwrap_or_else(|e| e.into_inner());
         assert_eq!(
             st.next,
@@ -957,7 +969,7 @@ const MIN_SLOTS_PER_THREAD: usize = 4;
 /// chunk), and one partial-sum buffer while it waits for an earlier slot. So there are as many
 /// slots as fit in [`PARTIAL_SUM_BYTES`] — one per chunk for small weights — but at least
 /// [`MIN_SLOTS_PER_THREAD`] per thread, and at most one per chunk.
-fn chunks_per_slot(n_chunks: usize, partial_bytes: usize, threads: usize) -> usize {
+pub(super) fn chunks_per_slot(n_chunks: usize, partial_bytes: usize, threads: usize) -> usize {
     let slots =
         (PARTIAL_SUM_BYTES / partial_bytes.max(1)).max(MIN_SLOTS_PER_THREAD * threads.max(1));
     n_chunks.div_ceil(slots).max(1)
@@ -1154,6 +1166,16 @@ impl CustomOp2 for Conv2dOp {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = &self.geom;
+        if let (CpuStorage::BF16(x), CpuStorage::BF16(w), true) =
+            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
+        {
+            let x = contiguous(x, l1, &g.x_shape(), "input")?;
+            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
+            return Ok((
+                CpuStorage::BF16(conv2d_bf16::forward(g, x, w)),
+                g.out_shape(),
+            ));
+        }
         let out = dispatch2!(s1, s2, "memtrain-conv2d", |x, w| {
             let x = contiguous(x, l1, &g.x_shape(), "input")?;
             let w = contiguous(w, l2, &g.w_shape(), "weight")?;
@@ -1205,6 +1227,16 @@ impl CustomOp2 for Conv2dGradInput {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = &self.geom;
+        if let (CpuStorage::BF16(gr), CpuStorage::BF16(w), true) =
+            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
+        {
+            let gr = contiguous(gr, l1, &g.out_shape(), "output gradient")?;
+            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
+            return Ok((
+                CpuStorage::BF16(conv2d_bf16::grad_input(g, gr, w)),
+                g.x_shape(),
+            ));
+        }
         let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-input", |gr, w| {
             let gr = contiguous(gr, l1, &g.out_shape(), "output gradient")?;
             let w = contiguous(w, l2, &g.w_shape(), "weight")?;
@@ -1234,6 +1266,16 @@ impl CustomOp2 for Conv2dGradWeight {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = &self.geom;
+        if let (CpuStorage::BF16(x), CpuStorage::BF16(gr), true) =
+            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
+        {
+            let x = contiguous(x, l1, &g.x_shape(), "input")?;
+            let gr = contiguous(gr, l2, &g.out_shape(), "output gradient")?;
+            return Ok((
+                CpuStorage::BF16(conv2d_bf16::grad_weight(g, x, gr)),
+                g.w_shape(),
+            ));
+        }
         let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-weight", |x, gr| {
             let x = contiguous(x, l1, &g.x_shape(), "input")?;
             let gr = contiguous(gr, l2, &g.out_shape(), "output gradient")?;

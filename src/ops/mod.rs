@@ -4,9 +4,11 @@
 
 pub mod batchnorm;
 pub mod conv2d;
+mod conv2d_bf16;
 pub mod conv2d_cuda;
 #[cfg(feature = "cuda")]
 mod cuda_util;
 pub mod depthwise;
+pub mod gemm_bf16;
 pub mod linear;
 pub mod pool;

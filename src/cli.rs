@@ -55,7 +55,12 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.25)]
     pub warmup_frac: f64,
     /// Scale a step's gradients down when their global L2 norm exceeds NORM (0 turns clipping off)
-    #[arg(long, default_value_t = 3.0, value_name = "NORM", allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value_t = 3.0,
+        value_name = "NORM",
+        allow_negative_numbers = true
+    )]
     pub clip_grad_norm: f64,
     /// Number of epochs
     #[arg(long, default_value_t = 1)]

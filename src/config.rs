@@ -262,7 +262,7 @@ impl TrainConfig {
         if self.accum_steps == 0 {
             return bad("--accum-steps must be at least 1".into());
         }
-        if self.batch_size % self.accum_steps != 0 {
+        if !self.batch_size.is_multiple_of(self.accum_steps) {
             return bad(format!(
                 "--batch-size {} is not divisible by --accum-steps {}; pick a batch size that is a multiple of it (e.g. {})",
                 self.batch_size,
@@ -307,7 +307,7 @@ impl TrainConfig {
                 ));
             }
         }
-        if !self.val_fraction.is_finite() || !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
+        if !(self.val_fraction.is_finite() && self.val_fraction > 0.0 && self.val_fraction < 1.0) {
             return bad(format!(
                 "--val-fraction must be in (0, 1), got {}",
                 self.val_fraction

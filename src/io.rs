@@ -7,33 +7,9 @@ use std::path::{Path, PathBuf};
 
 /// Write `bytes` to `path` atomically (temp file + fsync + rename in the same directory).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::config(format!("{}: not a file path", path.display())))?;
-    let tmp: PathBuf = dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)?;
-        // Make the rename itself durable where the platform allows opening directories.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(path, e)
+    write_atomic_with(path, |tmp| {
+        let mut f = std::fs::File::create(tmp).map_err(|e| Error::io(path, e))?;
+        f.write_all(bytes).map_err(|e| Error::io(path, e))
     })
 }
 

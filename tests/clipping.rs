@@ -64,14 +64,20 @@ fn a_long_step_is_scaled_to_the_limit_with_its_direction_kept() {
         .map(|(f, c)| (f / 4.0 - c).abs())
         .fold(0f64, f64::max);
     let scale = clipped.iter().fold(0f64, |m, c| m.max(c.abs()));
-    assert!(worst <= scale * 1e-3, "direction changed: {worst} vs {scale}");
+    assert!(
+        worst <= scale * 1e-3,
+        "direction changed: {worst} vs {scale}"
+    );
 }
 
 #[test]
 fn a_step_within_the_limit_is_untouched() {
     let free = first_update(one_step(None));
     let loose = first_update(one_step(Some(1e9)));
-    assert_eq!(free, loose, "clipping above the gradient norm changes nothing, bit for bit");
+    assert_eq!(
+        free, loose,
+        "clipping above the gradient norm changes nothing, bit for bit"
+    );
 }
 
 #[test]

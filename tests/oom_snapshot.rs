@@ -38,7 +38,10 @@ fn unlimited_step_peak(dir: &std::path::Path) -> (u64, u64) {
     let out = dir.join("unlimited");
     let o = train(&[BASE, &["--out", out.to_str().unwrap()]].concat());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(!out.join(OOM_SNAPSHOT_FILE).exists(), "no snapshot without an OOM");
+    assert!(
+        !out.join(OOM_SNAPSHOT_FILE).exists(),
+        "no snapshot without an OOM"
+    );
     let s: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
     (

@@ -88,8 +88,15 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
     let mut last_peak = 0;
     for b in &log.batches {
         let (cur, peak) = (b.os_current.unwrap(), b.os_peak.unwrap());
-        assert!(cur > 0 && peak >= cur, "batch {}: RSS {cur}, peak {peak}", b.batch);
-        assert!(peak >= last_peak, "the kernel's high-water mark never falls");
+        assert!(
+            cur > 0 && peak >= cur,
+            "batch {}: RSS {cur}, peak {peak}",
+            b.batch
+        );
+        assert!(
+            peak >= last_peak,
+            "the kernel's high-water mark never falls"
+        );
         last_peak = peak;
     }
     let e = &log.epochs[0];
@@ -100,18 +107,29 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
 
     // The report explains the two views, and the CSV files carry the columns.
     let report = log.report();
-    assert!(report.contains("RSS at end") && report.contains("RSS peak"), "{report}");
-    assert!(report.contains("heap peak:") && report.contains("RSS:"), "{report}");
+    assert!(
+        report.contains("RSS at end") && report.contains("RSS peak"),
+        "{report}"
+    );
+    assert!(
+        report.contains("heap peak:") && report.contains("RSS:"),
+        "{report}"
+    );
     let batches = std::fs::read_to_string(dir.join("batches.csv")).unwrap();
     assert!(BATCH_CSV_HEADER.ends_with(",os_current,os_peak"));
     let first = batches.lines().nth(1).unwrap();
     let cols: Vec<&str> = first.split(',').collect();
     assert_eq!(cols.len(), BATCH_CSV_HEADER.split(',').count());
-    let rss: u64 = cols[cols.len() - 2].parse().expect("os_current is a number");
+    let rss: u64 = cols[cols.len() - 2]
+        .parse()
+        .expect("os_current is a number");
     assert_eq!(rss, log.batches[0].os_current.unwrap());
     let epochs = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
     assert!(EPOCH_CSV_HEADER.ends_with(",os_current,os_peak"));
     let row: Vec<&str> = epochs.lines().nth(1).unwrap().split(',').collect();
-    assert_eq!(row.last().unwrap().parse::<u64>().unwrap(), e.os_peak.unwrap());
+    assert_eq!(
+        row.last().unwrap().parse::<u64>().unwrap(),
+        e.os_peak.unwrap()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

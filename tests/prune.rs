@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::{assert_ok, text};
+
 use candle_core::{DType, Device, Tensor};
 use memtrain::config::{ConvKind, OptimizerKind, TrainConfig};
 use memtrain::train::checkpoint::{
@@ -96,20 +98,6 @@ fn run(args: &[String]) -> Output {
 
 fn flags(s: &str) -> Vec<String> {
     s.split_whitespace().map(String::from).collect()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn assert_ok(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed ({:?}):\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        text(&out.stdout),
-        text(&out.stderr)
-    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::{assert_ok, text};
+
 use common::trainer_binary as binary;
 
 use candle_core::{DType, Device, Tensor};
@@ -73,20 +75,6 @@ fn spawn(args: &[String]) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("train_cifar10 starts")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn assert_ok(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed ({:?}):\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        text(&out.stdout),
-        text(&out.stderr)
-    );
 }
 
 /// Steps of the complete checkpoints in `run_dir`, ascending.

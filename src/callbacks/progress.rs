@@ -115,7 +115,7 @@ impl Callback for ProgressCallback {
                 batch.set_message(msg);
             }
             None => {
-                if (ctx.batch + 1) % self.plain_every == 0 {
+                if (ctx.batch + 1).is_multiple_of(self.plain_every) {
                     println!("  epoch {} step {}: {msg}", ctx.epoch + 1, ctx.batch + 1);
                 }
             }

@@ -824,7 +824,7 @@ mod tests {
                     if ty < 0 {
                         break;
                     }
-                    if ty as usize % g.stride != 0 || ty as usize / g.stride >= g.ho {
+                    if !(ty as usize).is_multiple_of(g.stride) || ty as usize / g.stride >= g.ho {
                         continue;
                     }
                     let oy = ty as usize / g.stride;
@@ -833,7 +833,8 @@ mod tests {
                         if tx < 0 {
                             break;
                         }
-                        if tx as usize % g.stride != 0 || tx as usize / g.stride >= g.wo {
+                        if !(tx as usize).is_multiple_of(g.stride) || tx as usize / g.stride >= g.wo
+                        {
                             continue;
                         }
                         let ox = tx as usize / g.stride;

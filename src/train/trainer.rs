@@ -181,7 +181,11 @@ pub fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
 fn squared_norm(grads: &[Option<Tensor>]) -> Result<f64> {
     let mut sum = 0f64;
     for g in grads.iter().flatten() {
-        sum += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        sum += g
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
     }
     Ok(sum)
 }
@@ -657,7 +661,6 @@ impl Trainer {
                 &mut hooks,
             )
             .map_err(|e| name_oom(e, limit, epoch, batch_idx, hooks.phase))?;
-            drop(hooks);
             if !loss.is_finite() && self.scaler.is_none() {
                 return Err(Error::NonFinite {
                     what: "loss".into(),

@@ -159,3 +159,19 @@ pub fn trainer_binary() -> &'static Path {
         bin
     })
 }
+
+/// Bytes of a child's output as text.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Assert that a child process succeeded, showing its output when it did not.
+pub fn assert_ok(out: &std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({:?}):\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+}

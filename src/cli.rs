@@ -270,14 +270,10 @@ fn merge_config_file(
     flags: &TrainConfig,
     explicit: &[String],
 ) -> Result<TrainConfig> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::config(format!(
-            "--config {}: cannot read it ({e}); pass a config.json from a run directory",
-            path.display()
-        ))
-    })?;
+    let text = crate::config::read_config_text(path)?;
     let mut base: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::config(format!("--config {}: not valid JSON ({e})", path.display())))?;
+    crate::config::check_keys(path, &base)?;
     let over = serde_json::to_value(flags).map_err(|e| Error::config(e.to_string()))?;
     let (Some(b), Some(o)) = (base.as_object_mut(), over.as_object()) else {
         return Err(Error::config(format!(

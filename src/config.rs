@@ -238,6 +238,64 @@ pub const DEFAULT_PRUNE_EVERY: usize = 100;
 /// `--prune-initial`: the schedule starts from a dense model (Keras' `initial_sparsity` default).
 pub const DEFAULT_PRUNE_INITIAL: f64 = 0.0;
 
+/// Largest config file read: a `config.json` is about 1 KiB, so anything near this is not one.
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The text of a config file: refused unless it is a regular file of at most
+/// [`MAX_CONFIG_BYTES`] (a FIFO would block and `/dev/zero` never ends).
+pub fn read_config_text(path: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    let bad = |why: String| {
+        Error::config(format!(
+            "--config {}: {why}; pass a config.json from a run directory",
+            path.display()
+        ))
+    };
+    let meta = std::fs::metadata(path).map_err(|e| bad(format!("cannot read it ({e})")))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text))
+        .map_err(|e| bad(format!("cannot read it ({e})")))?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(bad(format!(
+            "larger than {} KiB, so not a config file",
+            MAX_CONFIG_BYTES / 1024
+        )));
+    }
+    Ok(text)
+}
+
+/// Refuse keys of a config object that `TrainConfig` does not have (a typo such as
+/// `batchsize` would otherwise be ignored), naming the nearest valid key.
+pub fn check_keys(path: &std::path::Path, value: &serde_json::Value) -> Result<()> {
+    let Some(obj) = value.as_object() else {
+        return Ok(());
+    };
+    let known = serde_json::to_value(TrainConfig::default()).unwrap_or_default();
+    let known: Vec<&String> = known
+        .as_object()
+        .map(|o| o.keys().collect())
+        .unwrap_or_default();
+    for key in obj.keys() {
+        if known.iter().any(|k| *k == key) {
+            continue;
+        }
+        let nearest = known
+            .iter()
+            .min_by_key(|k| strsim::levenshtein(k, key))
+            .map(|k| format!("; did you mean \"{k}\"?"))
+            .unwrap_or_default();
+        return Err(Error::config(format!(
+            "--config {}: unknown key \"{key}\"{nearest}",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Largest batch the trainer accepts; beyond this a typo is more likely than intent.
 pub const MAX_BATCH_SIZE: usize = 1 << 20;
 
@@ -313,8 +371,12 @@ impl TrainConfig {
                 self.val_fraction
             ));
         }
-        if self.epochs == 0 && self.max_steps.is_none() {
-            return bad("--epochs must be at least 1 (or give --max-steps)".into());
+        if self.epochs == 0 {
+            // `--max-steps` only caps the steps of the epochs: with none there is nothing to run.
+            return bad(
+                "--epochs must be at least 1 (--max-steps N then stops the run early after N steps)"
+                    .into(),
+            );
         }
         if self.max_steps == Some(0) {
             return bad("--max-steps must be at least 1".into());
@@ -374,7 +436,8 @@ impl TrainConfig {
 
     /// Read a `config.json` (as written into a run directory) and validate it.
     pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = read_config_text(path)?;
+        check_keys(path, &serde_json::from_str(&text).unwrap_or_default())?;
         let cfg: TrainConfig = serde_json::from_str(&text).map_err(|e| {
             Error::config(format!(
                 "{}: not a memtrain config.json ({e})",

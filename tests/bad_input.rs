@@ -104,8 +104,11 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
             if p.is_dir() {
                 out.insert(rel, None);
                 walk(root, &p, out);
-            } else {
+            } else if p.is_file() {
                 out.insert(rel, Some(std::fs::read(&p).unwrap()));
+            } else {
+                // A FIFO planted by a case: reading it would block; its presence is recorded.
+                out.insert(rel, Some(Vec::new()));
             }
         }
     }
@@ -169,6 +172,12 @@ fn cases() -> Vec<Case> {
         Case { name: "negative clipping norm", setup: |_| flags("--clip-grad-norm -1"), code: 2, problem: "--clip-grad-norm", fix: "0 to turn clipping off" },
         Case { name: "clipping norm NaN", setup: |_| flags("--clip-grad-norm nan"), code: 2, problem: "--clip-grad-norm", fix: "positive finite" },
         Case { name: "zero epochs", setup: |_| flags("--epochs 0"), code: 2, problem: "--epochs", fix: "--max-steps" },
+        Case { name: "zero epochs with a step cap", setup: |_| flags("--epochs 0 --max-steps 2"), code: 2, problem: "--epochs", fix: "at least 1" },
+        Case { name: "config key misspelt", setup: |d| { let p = d.join("typo.json"); std::fs::write(&p, r#"{"batchsize": 64}"#).unwrap(); vec!["--config".into(), p.display().to_string()] }, code: 2, problem: "batchsize", fix: "batch_size" },
+        Case { name: "config is a directory", setup: |d| vec!["--config".into(), d.display().to_string()], code: 2, problem: "not a regular file", fix: "config.json" },
+        Case { name: "config is a FIFO", setup: |d| { let p = d.join("fifo.json"); assert!(std::process::Command::new("mkfifo").arg(&p).status().unwrap().success()); vec!["--config".into(), p.display().to_string()] }, code: 2, problem: "not a regular file", fix: "config.json" },
+        Case { name: "config is /dev/zero", setup: |_| flags("--config /dev/zero"), code: 2, problem: "not a regular file", fix: "config.json" },
+        Case { name: "config far too large", setup: |d| { let p = d.join("big.json"); std::fs::write(&p, vec![b' '; 2 << 20]).unwrap(); vec!["--config".into(), p.display().to_string()] }, code: 2, problem: "larger than", fix: "config.json" },
         Case { name: "validation fraction above 1", setup: |_| flags("--val-fraction 1.5"), code: 2, problem: "--val-fraction", fix: "(0, 1)" },
         Case { name: "unparsable memory size", setup: |_| flags("--memory-limit 12XB"), code: 2, problem: "12XB", fix: "4GiB" },
         Case { name: "memory size without a number", setup: |_| flags("--memory-limit GiB"), code: 2, problem: "GiB", fix: "512MiB" },

@@ -280,7 +280,7 @@ pub fn check_keys(path: &std::path::Path, value: &serde_json::Value) -> Result<(
         .map(|o| o.keys().collect())
         .unwrap_or_default();
     for key in obj.keys() {
-        if known.iter().any(|k| *k == key) {
+        if known.contains(&key) {
             continue;
         }
         let nearest = known

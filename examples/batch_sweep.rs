@@ -196,6 +196,7 @@ fn run() -> anyhow::Result<()> {
     // The table, followed by one line per configuration for --find-max.
     print!("{}", report::sweep_markdown(&result));
     report::announce_results(&out, "sweep", &charts, result.interrupted, "sweep")?;
+    memtrain::sweep::all_failed(result.points.iter().map(|p| &p.run))?;
     Ok(())
 }
 

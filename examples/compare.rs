@@ -108,6 +108,7 @@ fn run() -> anyhow::Result<()> {
         report::write_compare_report(&out, &result).context("writing the comparison report")?;
     print!("{}", report::compare_markdown(&result));
     report::announce_results(&out, "compare", &charts, result.interrupted, "comparison")?;
+    memtrain::sweep::all_failed(result.entries.iter().map(|e| &e.run))?;
     Ok(())
 }
 

@@ -955,3 +955,82 @@ fn csv_parser_handles_quotes_and_the_oom_detector_reads_the_trainer_message() {
         }
     );
 }
+
+#[test]
+fn a_usage_error_in_the_child_flags_stops_at_the_first_point_and_a_retry_works() {
+    let out = tmp_dir("child-usage");
+    let sweep = |extra: &str| {
+        Command::new(example("batch_sweep"))
+            .args(["--batch-sizes", "8,16", "--steps", "1", "--quiet", "--out"])
+            .arg(&out)
+            .args(["--", "--width", "4", extra, "64"])
+            .output()
+            .unwrap()
+    };
+    let o = sweep("--synthetic-tran");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--synthetic-tran"),
+        "the child's message: {stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    // Nothing left behind that would make the same --out refuse the corrected command.
+    let o = sweep("--synthetic-test");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn a_sweep_whose_every_point_failed_exits_non_zero() {
+    let out = tmp_dir("all-failed");
+    let o = Command::new(example("compare"))
+        .args([
+            "--run",
+            "a: --width 4",
+            "--run",
+            "b: --width 8",
+            "--quiet",
+            "--out",
+        ])
+        .arg(&out)
+        .args(["--common", "--data-dir /nonexistent/cifar --max-steps 1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("every point failed"), "{stderr}");
+    assert!(
+        out.join("compare.json").is_file(),
+        "the results are still written"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn zero_timeouts_and_duplicate_labels_are_usage_errors() {
+    for (bin, args) in [
+        ("batch_sweep", vec!["--batch-sizes", "8", "--timeout", "0"]),
+        ("compare", vec!["--run", "a:", "--timeout", "0"]),
+        (
+            "compare",
+            vec!["--run", "x: --width 4", "--run", "x: --width 8"],
+        ),
+    ] {
+        let out = tmp_dir("usage-zero");
+        let o = Command::new(example(bin))
+            .args(&args)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{bin} {args:?}: {stderr}");
+        assert!(
+            stderr.contains("--timeout") || stderr.contains("labelled 'x'"),
+            "{stderr}"
+        );
+        assert!(!out.exists(), "{bin} {args:?} wrote {}", out.display());
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}

@@ -285,6 +285,7 @@ pub fn validate(opts: &SweepOptions) -> Result<()> {
     if opts.steps == 0 {
         return Err(Error::config("--steps must be at least 1"));
     }
+    super::check_timeout(opts.timeout)?;
     match &opts.plan {
         BatchPlan::List(b) => {
             if b.is_empty() {

@@ -188,6 +188,16 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
             "nothing to compare; give --run \"FLAGS\" (repeatable) or --configs FILE…",
         ));
     }
+    for (i, spec) in opts.runs.iter().enumerate() {
+        if opts.runs[..i].iter().any(|r| r.label == spec.label) {
+            return Err(Error::config(format!(
+                "two configurations are labelled '{}', so their rows could not be told apart; \
+                 name them with --run \"NAME: FLAGS\"",
+                spec.label
+            )));
+        }
+    }
+    super::check_timeout(opts.timeout)?;
     super::ensure_fresh(&opts.out.join("runs"))?;
     crate::io::create_dir(&opts.out)?;
     let mut result = CompareResult {

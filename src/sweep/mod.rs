@@ -404,9 +404,35 @@ fn last_line(text: &str) -> String {
     }
 }
 
+/// `--timeout 0` would kill every point at once: refused.
+pub fn check_timeout(timeout: Option<Duration>) -> Result<()> {
+    if timeout == Some(Duration::ZERO) {
+        return Err(Error::config(
+            "--timeout must be at least 1 second (leave it out for no limit)",
+        ));
+    }
+    Ok(())
+}
+
+/// When every run failed (none ran, none ran out of memory), the error naming the first
+/// failure; the sweep or comparison then exits non-zero although its files are written.
+pub fn all_failed<'a>(mut runs: impl Iterator<Item = &'a ChildRun>) -> Result<()> {
+    let Some(first) = runs.next() else {
+        return Ok(());
+    };
+    if first.status == Status::Failed && runs.all(|r| r.status == Status::Failed) {
+        return Err(Error::Child(format!(
+            "every point failed; the first: {}",
+            first.note
+        )));
+    }
+    Ok(())
+}
+
 /// Run `trainer args…` as a child process with stdout and stderr going to `stdout.log` and
 /// `stderr.log` in `run_dir` (created), wait for it (killing it after `timeout`), and classify the
-/// outcome. Fails only when the child cannot be started at all.
+/// outcome. Fails when the child cannot be started at all, and with [`Error::Config`] when it
+/// refused its flags (exit status 2): a usage error would fail every point alike.
 pub fn run_child(
     trainer: &Path,
     args: &[String],
@@ -495,6 +521,15 @@ pub fn run_child(
     } else if let Some(msg) = oom_message(&stderr_text) {
         run.status = Status::Oom;
         run.note = msg;
+    } else if exit_code == Some(2) {
+        // A usage error fails every point the same way: stop at the first with the trainer's
+        // own message (exit 2), and leave no point directory behind to block a retry.
+        let _ = std::fs::remove_dir_all(run_dir);
+        return Err(Error::config(format!(
+            "the trainer refused the flags of this point ({}): {}",
+            args.join(" "),
+            last_line(&stderr_text)
+        )));
     } else {
         let how = match (exit_code, signal) {
             (_, Some(sig)) => format!("killed by {}", signal_name(sig)),

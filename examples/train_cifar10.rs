@@ -36,6 +36,7 @@ fn run() -> memtrain::Result<()> {
         None => None,
     };
     let out_given = args.explicit.iter().any(|f| f == "out");
+    let explicit = args.explicit.clone();
     let cmd = TrainCommand::try_from(args)?;
     let cfg = match &resume {
         Some(ck) => ck.resume_config(&cmd.config, out_given)?,
@@ -69,6 +70,8 @@ fn run() -> memtrain::Result<()> {
                 PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
             opts.effective_batch = cmd.effective_batch;
             opts.allow_model_change = cmd.allow_model_change;
+            // Settings given explicitly are kept, never silently replaced.
+            opts.fixed = memtrain::plan::Fixed::from_explicit(&cfg, &explicit);
             let report = plan(&cfg, budget, &opts)?;
             print!("{}", report.render(4));
             (report.chosen().config.clone(), Some(data))

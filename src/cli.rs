@@ -132,7 +132,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub dry_run: bool,
     // [plan] begin: the memory-budget planner (src/plan.rs).
-    /// Choose micro-batch, accumulation, checkpointing and precision whose predicted peak fits SIZE (e.g. 300MiB) minus a 5% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it)
+    /// Choose micro-batch, accumulation, checkpointing and precision whose predicted peak fits SIZE (e.g. 300MiB) minus a 5% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it); --precision, --checkpoint and --accum-steps given explicitly are kept
     #[arg(long, value_name = "SIZE")]
     pub fit_memory: Option<String>,
     /// Images per optimizer step that --fit-memory keeps (default: --batch-size)

@@ -195,6 +195,47 @@ pub struct PlanOptions {
     pub margin: f64,
     /// The throughput model.
     pub cost: CostModel,
+    /// Settings the user fixed with explicit flags: the plan keeps them (or finds none).
+    pub fixed: Fixed,
+}
+
+/// What `--fit-memory` must not change: the settings given explicitly on the command line.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fixed {
+    /// `--precision` was given.
+    pub precision: Option<Precision>,
+    /// `--checkpoint none|stages|blocks` was given (`auto` leaves the choice to the plan).
+    pub checkpoint: Option<Checkpointing>,
+    /// `--accum-steps` was given.
+    pub accum_steps: Option<usize>,
+}
+
+impl Fixed {
+    /// The settings of `cfg` whose flags are among `explicit` (clap ids, e.g. `precision`).
+    pub fn from_explicit(cfg: &TrainConfig, explicit: &[String]) -> Self {
+        let given = |id: &str| explicit.iter().any(|e| e == id);
+        Fixed {
+            precision: given("precision").then_some(cfg.precision),
+            checkpoint: (given("checkpoint") && cfg.checkpoint != Checkpointing::Auto)
+                .then_some(cfg.checkpoint),
+            accum_steps: given("accum_steps").then_some(cfg.accum_steps),
+        }
+    }
+
+    /// The fixed settings as flags, for messages (empty when nothing is fixed).
+    fn describe(&self) -> String {
+        let mut v = Vec::new();
+        if let Some(p) = self.precision {
+            v.push(format!("--precision {p}"));
+        }
+        if let Some(c) = self.checkpoint {
+            v.push(format!("--checkpoint {c}"));
+        }
+        if let Some(k) = self.accum_steps {
+            v.push(format!("--accum-steps {k}"));
+        }
+        v.join(" ")
+    }
 }
 
 impl PlanOptions {
@@ -207,6 +248,7 @@ impl PlanOptions {
             data,
             margin: SAFETY_MARGIN,
             cost: CostModel::for_device(device),
+            fixed: Fixed::default(),
         }
     }
 }
@@ -446,8 +488,21 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
     let mut all: Vec<Plan> = Vec::new();
     for &conv in &convs {
         for micro in divisors(effective) {
+            if opts
+                .fixed
+                .accum_steps
+                .is_some_and(|k| k * micro != effective)
+            {
+                continue;
+            }
             for &checkpoint in Checkpointing::CONCRETE {
+                if opts.fixed.checkpoint.is_some_and(|c| c != checkpoint) {
+                    continue;
+                }
                 for &precision in Precision::ALL {
+                    if opts.fixed.precision.is_some_and(|p| p != precision) {
+                        continue;
+                    }
                     let mut c = cfg.clone();
                     c.batch_size = effective;
                     c.accum_steps = effective / micro;
@@ -488,7 +543,11 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             .iter()
             .min_by_key(|p| p.predicted_peak)
             .ok_or_else(|| {
-                Error::config("no candidate plans: the effective batch has no micro-batch sizes")
+                Error::config(format!(
+                    "--fit-memory: no plan keeps {} with {effective} images per step; leave those \
+                     flags out to let the plan choose them, or give an --effective-batch they divide",
+                    opts.fixed.describe()
+                ))
             })?;
         let needed = (smallest.predicted_peak as f64 / (1.0 - opts.margin)).ceil() as u64;
         return Err(Error::config(format!(
@@ -498,7 +557,14 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             format_bytes(smallest.predicted_peak),
             opts.margin * 100.0,
             format_bytes(needed),
-            other_model_hint(cfg, opts, needed)?
+            if opts.fixed == Fixed::default() {
+                other_model_hint(cfg, opts, needed)?
+            } else {
+                format!(
+                    " (keeping {} as given; leave those flags out to let the plan choose them)",
+                    opts.fixed.describe()
+                )
+            }
         )));
     }
     let best = fit[0].time_per_image;

@@ -39,8 +39,13 @@ fn base_config(width: usize, batch: usize) -> TrainConfig {
     }
 }
 
+/// The tests of this file run one at a time: the trained runs measure the whole process's heap
+/// peak, which another test's allocations would inflate.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn planned_runs_fit_their_budget() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let pre = CountingAllocator::current();
     let dev = DeviceKind::cpu();
 
@@ -168,4 +173,52 @@ fn planned_runs_fit_their_budget() {
         .windows(2)
         .all(|w| w[1].time_per_image <= w[0].time_per_image));
     assert_eq!(opts.margin, SAFETY_MARGIN);
+}
+
+#[test]
+fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    use memtrain::config::{Checkpointing, Precision};
+    use memtrain::plan::Fixed;
+    let dev = DeviceKind::cpu();
+    let cfg = TrainConfig {
+        precision: Precision::F32,
+        accum_steps: 2,
+        ..base_config(32, 128)
+    };
+    let explicit = vec!["precision".to_string(), "accum_steps".to_string()];
+    let fixed = Fixed::from_explicit(&cfg, &explicit);
+    assert_eq!(fixed.precision, Some(Precision::F32));
+    assert_eq!(fixed.accum_steps, Some(2));
+    assert_eq!(fixed.checkpoint, None, "--checkpoint was not given");
+    let mut opts = PlanOptions::new(dev, DataSize::exact(5000, 1000));
+    // A budget where, unconstrained, half precision or more accumulation would be chosen.
+    let free = plan(&cfg, 100 << 20, &opts).unwrap();
+    assert!(free
+        .plans
+        .iter()
+        .any(|p| p.precision != Precision::F32 || p.accum_steps != 2));
+    opts.fixed = fixed;
+    let kept = plan(&cfg, 100 << 20, &opts).unwrap();
+    assert!(!kept.plans.is_empty());
+    for p in &kept.plans {
+        assert_eq!(
+            (p.precision, p.accum_steps),
+            (Precision::F32, 2),
+            "{}",
+            p.describe()
+        );
+    }
+    // Too small with the fixed settings: refused, naming them.
+    let e = plan(&cfg, 20 << 20, &opts).unwrap_err().to_string();
+    assert!(e.contains("--precision f32 --accum-steps 2"), "{e}");
+    // --checkpoint auto is a request to choose, not a fixed setting.
+    let auto = TrainConfig {
+        checkpoint: Checkpointing::Auto,
+        ..cfg.clone()
+    };
+    assert_eq!(
+        Fixed::from_explicit(&auto, &["checkpoint".to_string()]).checkpoint,
+        None
+    );
 }

@@ -52,10 +52,7 @@ pub enum Error {
     },
 
     /// The loss or a gradient became NaN/inf where no loss scaler can recover.
-    #[error(
-        "non-finite {what} at epoch {epoch}, batch {batch} ({phase}); lower --lr or use --precision f32 \
-         (the last checkpoint in the run directory is intact)"
-    )]
+    #[error("non-finite {what} at epoch {epoch}, batch {batch} ({phase}); {advice}")]
     NonFinite {
         /// What was non-finite ("loss", "gradient").
         what: String,
@@ -65,6 +62,8 @@ pub enum Error {
         batch: usize,
         /// Phase of the step.
         phase: String,
+        /// What to do, true for the run at hand (see `Trainer::divergence_advice`).
+        advice: String,
     },
 
     /// The requested device cannot be used.

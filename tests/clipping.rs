@@ -91,3 +91,38 @@ fn the_limit_is_validated() {
         assert!(e.contains("--clip-grad-norm"), "{e}");
     }
 }
+
+#[test]
+fn divergence_advice_is_true_for_the_run_at_hand() {
+    let dir = common::temp_dir("diverge");
+    let o = std::process::Command::new(common::trainer_binary())
+        .args([
+            "--device",
+            "cpu",
+            "--width",
+            "4",
+            "--synthetic-train",
+            "256",
+            "--batch-size",
+            "32",
+            "--lr",
+            "1e6",
+            "--clip-grad-norm",
+            "0",
+            "--quiet",
+            "--no-eval",
+            "--out",
+        ])
+        .arg(dir.join("run"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("non-finite"), "{stderr}");
+    // An f32 run without clipping and without a checkpoint: no advice that cannot apply.
+    assert!(stderr.contains("--clip-grad-norm 3"), "{stderr}");
+    assert!(!stderr.contains("--precision f32"), "{stderr}");
+    assert!(stderr.contains("no checkpoint was saved"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

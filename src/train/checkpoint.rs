@@ -339,11 +339,13 @@ impl Trainer {
         } else {
             (epoch, next_batch)
         };
+        let advice = self.divergence_advice();
         let diverged = |what: &str| Error::NonFinite {
             what: what.into(),
             epoch: last_epoch,
             batch: last_batch,
             phase: "optimizer".into(),
+            advice: advice.clone(),
         };
 
         let mut model = HashMap::new();

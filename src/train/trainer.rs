@@ -667,6 +667,7 @@ impl Trainer {
                     epoch,
                     batch: batch_idx,
                     phase: "forward".into(),
+                    advice: self.divergence_advice(),
                 });
             }
             let (skipped, grad_norm) = self
@@ -817,6 +818,7 @@ impl Trainer {
                     epoch,
                     batch,
                     phase: "backward".into(),
+                    advice: self.divergence_advice(),
                 })
             }
             None => true,
@@ -830,6 +832,32 @@ impl Trainer {
             p.after_step(self.global_step + 1, &self.vars, &mut self.optimizer)?;
         }
         Ok((!apply, squared.sqrt()))
+    }
+
+    /// What to do after the loss or the gradients became non-finite, true for this run: a lower
+    /// `--lr` always; f32 only for a half-precision run; resuming only when a checkpoint exists
+    /// (one is never saved with non-finite values, but it can hold weights already on the way up).
+    pub(crate) fn divergence_advice(&self) -> String {
+        let mut fixes = vec!["lower --lr".to_string()];
+        if self.config.precision != crate::config::Precision::F32 {
+            fixes.push("use --precision f32".into());
+        }
+        if self.config.clip_grad_norm.is_none() {
+            fixes.push("clip the gradients (--clip-grad-norm 3)".into());
+        }
+        let fixes = fixes.join(", or ");
+        match self
+            .checkpoints
+            .last_step()
+            .filter(|_| self.checkpoints.enabled)
+        {
+            Some(step) => format!(
+                "{fixes}; the newest checkpoint (step {step}) has finite values: resume it with \
+                 --resume {} and such a change, or start again",
+                self.run_dir.display()
+            ),
+            None => format!("{fixes}, and start again (no checkpoint was saved before this)"),
+        }
     }
 
     /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, no graph), in

@@ -752,7 +752,7 @@ mod avx512 {
                     let rows = (m - i0).min(MR);
                     // SAFETY (all arms): as in `gemm_avx512`, with A's rows i0..i0+rows holding
                     // k f32 from column 2·p0 on (A's span asserted above).
-                    let args = TileF {
+                    let args = Tile {
                         a: a.as_ptr().add(i0 * lda + 2 * p0),
                         lda,
                         b: bp,
@@ -784,19 +784,6 @@ mod avx512 {
         }
     }
 
-    /// [`Tile`] with `A` in f32.
-    struct TileF {
-        a: *const f32,
-        lda: usize,
-        b: *const u32,
-        c: *mut f32,
-        ldc: usize,
-        whole: usize,
-        odd_tail: bool,
-        masks: [u16; 2],
-        load_c: bool,
-    }
-
     /// `C[R × NR] (+)= A[R × 2·whole (+1)] · Bpanel` with f32 FMAs. Each 32-bit word of `B` holds
     /// rows 2p (low half) and 2p+1 (high half) of one column: shifting left by 16 gives row 2p as
     /// f32, masking off the low half gives row 2p+1. So one load feeds 16 columns of two rows, at
@@ -806,7 +793,7 @@ mod avx512 {
     /// As [`gemm_fma`], for the tile's pointers (see its call site).
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn tile_fma<const R: usize>(t: &TileF) {
+    unsafe fn tile_fma<const R: usize>(t: &Tile<f32>) {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         if t.load_c {
             for (r, row) in acc.iter_mut().enumerate() {
@@ -884,9 +871,10 @@ mod avx512 {
         }
     }
 
-    /// One micro-tile's operands (raw pointers at the tile's first elements).
-    struct Tile {
-        a: *const u16,
+    /// One micro-tile's operands (raw pointers at the tile's first elements); `A` is bf16 bits
+    /// (`u16`, the `vdpbf16ps` kernel) or f32 (the FMA kernel).
+    struct Tile<A> {
+        a: *const A,
         lda: usize,
         b: *const u32,
         c: *mut f32,
@@ -908,7 +896,7 @@ mod avx512 {
     /// As [`gemm_avx512`], for the tile's pointers (see its call site).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
-    unsafe fn tile<const R: usize>(t: &Tile) {
+    unsafe fn tile<const R: usize>(t: &Tile<u16>) {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         if t.load_c {
             for (r, row) in acc.iter_mut().enumerate() {

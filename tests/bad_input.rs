@@ -5,21 +5,11 @@
 
 mod common;
 
-use common::trainer_binary as binary;
+use common::run_trainer as run;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-
-fn run(args: &[String]) -> Output {
-    Command::new(binary())
-        .args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::null())
-        .output()
-        .expect("train_cifar10 starts")
-}
 
 /// Flags that make a valid, fast run; a case replaces any of them by giving the same flag.
 const BASE: &[(&str, &str)] = &[

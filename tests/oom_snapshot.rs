@@ -4,17 +4,8 @@
 
 mod common;
 
+use common::run_trainer as train;
 use memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
-use std::process::{Command, Stdio};
-
-fn train(args: &[&str]) -> std::process::Output {
-    Command::new(common::trainer_binary())
-        .args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::null())
-        .output()
-        .expect("train_cifar10 starts")
-}
 
 const BASE: &[&str] = &[
     "--device",

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_ok, text};
+use common::{assert_ok, run_trainer as run, text, trainer_command as command};
 
 use candle_core::{DType, Device, Tensor};
 use memtrain::config::{ConvKind, OptimizerKind, TrainConfig};
@@ -19,7 +19,7 @@ use memtrain::train::prune::{
 use memtrain::train::{Trainer, TrainerOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------------------------
@@ -81,19 +81,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// The `train_cifar10` binary with one compute thread (bit-exact runs, see tests/resume.rs).
-fn command(args: &[String]) -> Command {
-    let mut cmd = Command::new(common::trainer_binary());
-    cmd.args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::null());
-    cmd
-}
-
-fn run(args: &[String]) -> Output {
-    command(args).output().expect("train_cifar10 starts")
 }
 
 fn flags(s: &str) -> Vec<String> {

@@ -7,9 +7,7 @@
 
 mod common;
 
-use common::{assert_ok, text};
-
-use common::trainer_binary as binary;
+use common::{assert_ok, run_trainer as run, text, trainer_command as command};
 
 use candle_core::{DType, Device, Tensor};
 use memtrain::callbacks::{BatchInfo, Callback};
@@ -21,7 +19,7 @@ use memtrain::train::checkpoint::{
 use memtrain::train::{Trainer, TrainerOptions};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -57,18 +55,6 @@ const TOTAL_STEPS: usize = 160;
 /// A child `train_cifar10` with `args`. One compute thread: Candle's CPU convolution sums the
 /// weight gradient over threads in completion order, so multi-threaded runs can differ in the
 /// last bit from run to run, which would hide what this file tests (resume exactness).
-fn command(args: &[String]) -> Command {
-    let mut cmd = Command::new(binary());
-    cmd.args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::null());
-    cmd
-}
-
-fn run(args: &[String]) -> Output {
-    command(args).output().expect("train_cifar10 starts")
-}
-
 fn spawn(args: &[String]) -> Child {
     command(args)
         .stdout(Stdio::null())

@@ -175,3 +175,20 @@ pub fn assert_ok(out: &std::process::Output, what: &str) {
         text(&out.stderr)
     );
 }
+
+/// The `train_cifar10` binary with `args`, one compute thread (bit-exact runs, see
+/// tests/resume.rs) and no stdin.
+pub fn trainer_command<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Command {
+    let mut cmd = Command::new(trainer_binary());
+    cmd.args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(std::process::Stdio::null());
+    cmd
+}
+
+/// [`trainer_command`] run to completion.
+pub fn run_trainer<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Output {
+    trainer_command(args)
+        .output()
+        .expect("train_cifar10 starts")
+}

@@ -487,13 +487,17 @@ impl Trainer {
     /// The memory timeline of the newest training step (empty before the first), with the
     /// estimate's prediction at each event when the estimate has the same events.
     pub fn step_timeline(&self) -> StepTimeline {
-        self.with_predictions(self.timeline.clone())
+        self.with_predictions(self.timeline.clone(), self.memory_estimate().as_ref())
     }
 
-    /// `t` with the estimate's prediction at each event, when its events are the estimate's
+    /// `t` with the prediction of `estimate` at each event, when its events are the estimate's
     /// (all of them, or the first ones for a step that failed part-way).
-    fn with_predictions(&self, mut t: StepTimeline) -> StepTimeline {
-        if let Some(e) = self.memory_estimate().filter(|_| self.probe.available()) {
+    fn with_predictions(
+        &self,
+        mut t: StepTimeline,
+        estimate: Option<&crate::memory::estimate::Estimate>,
+    ) -> StepTimeline {
+        if let Some(e) = estimate.filter(|_| self.probe.available()) {
             // The estimate predicts an applied update; a skipped one gets no prediction.
             let same = |p: &str, m: &str| p == m || (p == "optimizer" && m == SKIPPED_UPDATE);
             if t.events.len() <= e.events.len()
@@ -743,7 +747,8 @@ impl Trainer {
         else {
             return e;
         };
-        let timeline = self.with_predictions(timeline);
+        let estimate = self.memory_estimate();
+        let timeline = self.with_predictions(timeline, estimate.as_ref());
         let failed_at = match timeline.events.last() {
             Some(last) => format!(
                 "{phase}; last event recorded: {} of {} (micro-batch {})",
@@ -764,7 +769,7 @@ impl Trainer {
             failed_at,
             config: &self.config,
             timeline,
-            estimate: self.memory_estimate(),
+            estimate,
         };
         let written = crate::io::create_dir(&self.run_dir)
             .and_then(|()| crate::io::write_json_atomic(&path, &snapshot));
@@ -1116,6 +1121,7 @@ impl Trainer {
         pruning: Option<super::prune::PruneReport>,
     ) -> Summary {
         let mem = self.memory_log();
+        let os = self.probe.os_memory();
         let predicted = if self.probe.available() {
             self.memory_estimate().map(|e| e.peak)
         } else {
@@ -1135,8 +1141,8 @@ impl Trainer {
             step_peak_bytes: mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0),
             reserved_peak_bytes: mem.reserved_peak,
             os_view: self.probe.os_view(),
-            os_current_bytes: self.probe.os_memory().map(|o| o.current),
-            os_peak_bytes: self.probe.os_memory().map(|o| o.peak).max(mem.os_peak),
+            os_current_bytes: os.map(|o| o.current),
+            os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak),
             memory_limit: self.config.memory_limit,
             // [estimate] predicted vs measured peak.
             predicted_peak_bytes: predicted,

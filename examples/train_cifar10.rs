@@ -48,6 +48,17 @@ fn run() -> memtrain::Result<()> {
         }
     };
     // [checkpoint] end
+    // [bounds] begin: data set, model and step sized against --memory-limit, --fit-memory and the
+    // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
+    // stops the loading too (exit 130, nothing written).
+    memtrain::bounds::check_inputs(&cfg, cmd.fit_memory, cmd.dry_run)?;
+    // [checkpoint] Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
+    let stop = if cmd.dry_run {
+        None
+    } else {
+        Some(memtrain::signal::install_stop_handler()?)
+    };
+    // [bounds] end
     // [plan] begin: --fit-memory picks micro-batch, accumulation, checkpointing and precision
     // (src/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
     let (cfg, loaded) = match cmd.fit_memory {
@@ -64,6 +75,7 @@ fn run() -> memtrain::Result<()> {
                 seed: cfg.seed,
                 synthetic_train: cfg.synthetic_train,
                 synthetic_test: cfg.synthetic_test,
+                stop: stop.clone(), // [bounds]
             })?;
             let device = DeviceKind::for_spec(cfg.device.as_deref())?;
             let mut opts =
@@ -87,12 +99,6 @@ fn run() -> memtrain::Result<()> {
         cfg.conv,
         cfg.label()
     );
-    // [checkpoint] Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
-    let stop = if cmd.dry_run {
-        None
-    } else {
-        Some(memtrain::signal::install_stop_handler()?)
-    };
     let options = TrainerOptions {
         progress: true,
         log_files: !cmd.dry_run && !cmd.summary_only,

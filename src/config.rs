@@ -296,6 +296,9 @@ pub fn check_keys(path: &std::path::Path, value: &serde_json::Value) -> Result<(
     Ok(())
 }
 
+/// Fewest images `--synthetic-train` and `--synthetic-test` accept (one per class).
+pub const MIN_SYNTHETIC_IMAGES: usize = 10;
+
 /// Largest batch the trainer accepts; beyond this a typo is more likely than intent.
 pub const MAX_BATCH_SIZE: usize = 1 << 20;
 
@@ -381,8 +384,10 @@ impl TrainConfig {
         if self.max_steps == Some(0) {
             return bad("--max-steps must be at least 1".into());
         }
-        if self.synthetic_train < 10 || self.synthetic_test < 10 {
-            return bad("--synthetic-train and --synthetic-test must be at least 10".into());
+        if self.synthetic_train < MIN_SYNTHETIC_IMAGES || self.synthetic_test < MIN_SYNTHETIC_IMAGES {
+            return bad(format!(
+                "--synthetic-train and --synthetic-test must be at least {MIN_SYNTHETIC_IMAGES}"
+            ));
         }
         if let Some(limit) = self.memory_limit {
             if limit == 0 {

@@ -2,7 +2,8 @@
 //!
 //! The pieces, one concern per module:
 //! - [`config`]: the validated [`config::TrainConfig`]; [`cli`]: the flags that build it.
-//! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
+//! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher; [`bounds`]: every
+//!   input sized against the memory budgets before anything is loaded or built.
 //! - [`model`]: the CNN as a list of segments (so checkpointing can recompute them).
 //! - [`ops`]: our own Candle ops (depthwise and gemm-based convolutions).
 //! - [`memory`]: memory probes (counting allocator, CUDA pool), the analytic estimate and the
@@ -13,6 +14,7 @@
 //! - [`sweep`]: process-isolated batch-size sweeps and comparisons, tables and charts.
 #![warn(missing_docs)]
 
+pub mod bounds;
 pub mod callbacks;
 pub mod cli;
 pub mod config;

@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 
 /// The name of the test file in a CIFAR-10 binary directory.
 pub const TEST_FILE: &str = "test_batch.bin";
@@ -29,49 +30,159 @@ fn how_to_get() -> String {
     )
 }
 
-/// Read one CIFAR-10 binary file (any number of records).
-///
-/// Errors name the file: unreadable, empty, a size that is not a multiple of 3073 bytes (with the
-/// offset of the truncated last record), or a label above 9 (with its byte offset and value).
-pub fn read_file(path: &Path) -> Result<Dataset> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    parse_records(&bytes, path)
+/// Records in one file of the CIFAR-10 binary version: `data_batch_1.bin` .. `data_batch_5.bin`
+/// and `test_batch.bin` hold 10,000 each. A larger file is none of them, and is refused before a
+/// byte of it is read (a multi-GB file would otherwise be read into memory whole).
+pub const MAX_RECORDS_PER_FILE: usize = 10_000;
+
+/// Bytes read between two looks at the stop flag: a 30 MB file is read in a few chunks.
+const READ_CHUNK: u64 = 4 << 20;
+
+/// What a non-regular file is, for messages.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
 }
 
-/// Parse the records of a file already in memory; `path` is only for error messages.
-fn parse_records(bytes: &[u8], path: &Path) -> Result<Dataset> {
+/// The number of records of a CIFAR-10 binary file with metadata `meta`, checked before it is
+/// read: a regular file (a FIFO would block, a device never end), not empty, a whole number of
+/// records, at most [`MAX_RECORDS_PER_FILE`] of them.
+fn checked_records(path: &Path, meta: &std::fs::Metadata) -> Result<usize> {
     let data_err = |msg: String| Error::Data {
         path: path.to_path_buf(),
         msg,
     };
-    if bytes.is_empty() {
+    if !meta.is_file() {
+        return Err(data_err(format!(
+            "is {}, not a regular file; a CIFAR-10 binary file is a regular file of {RECORD_BYTES}-byte \
+             records — re-extract it from {CIFAR_BINARY_URL}",
+            file_kind(meta)
+        )));
+    }
+    let len = meta.len();
+    if len == 0 {
         return Err(data_err(format!(
             "file is empty; a CIFAR-10 binary file holds records of {RECORD_BYTES} bytes \
              (1 label byte + {IMAGE_BYTES} pixel bytes); re-extract it from {CIFAR_BINARY_URL}"
         )));
     }
-    let rem = bytes.len() % RECORD_BYTES;
+    let record = RECORD_BYTES as u64;
+    let rem = len % record;
     if rem != 0 {
-        let last = bytes.len() - rem;
+        let last = len - rem;
         return Err(data_err(format!(
-            "size {} bytes is not a multiple of {RECORD_BYTES} (1 label byte + {IMAGE_BYTES} pixel bytes): \
+            "size {len} bytes is not a multiple of {RECORD_BYTES} (1 label byte + {IMAGE_BYTES} pixel bytes): \
              the last record at byte offset {last} is truncated ({rem} of {RECORD_BYTES} bytes); \
-             the file is damaged or not CIFAR-10 binary — re-extract it from {CIFAR_BINARY_URL}",
-            bytes.len()
+             the file is damaged or not CIFAR-10 binary — re-extract it from {CIFAR_BINARY_URL}"
         )));
     }
+    let records = len / record;
+    if records > MAX_RECORDS_PER_FILE as u64 {
+        return Err(data_err(format!(
+            "size {len} bytes is {records} records, more than the {MAX_RECORDS_PER_FILE} of any \
+             CIFAR-10 binary file ({} bytes); it is not one of data_batch_1.bin .. data_batch_5.bin \
+             or {TEST_FILE} — re-extract them from {CIFAR_BINARY_URL}",
+            MAX_RECORDS_PER_FILE * RECORD_BYTES
+        )));
+    }
+    Ok(records as usize)
+}
+
+/// Check a CIFAR-10 binary file without reading it, from its metadata only (which does not block
+/// on a FIFO; symlinks are followed): it must be a regular, non-empty file of whole 3073-byte
+/// records, at most [`MAX_RECORDS_PER_FILE`]. Returns the number of records.
+///
+/// Errors name the file: missing or unreadable, not a regular file, empty, a size that is not a
+/// multiple of 3073 bytes (with the offset of the truncated last record), or too large.
+pub fn check_file(path: &Path) -> Result<usize> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    checked_records(path, &meta)
+}
+
+/// Read one CIFAR-10 binary file (any number of records up to [`MAX_RECORDS_PER_FILE`]).
+///
+/// The file is checked first ([`check_file`]), and only that many bytes are read. Errors name
+/// the file; besides those of [`check_file`], a label above 9 (with its byte offset and value).
+pub fn read_file(path: &Path) -> Result<Dataset> {
+    read_file_with_stop(path, None)
+}
+
+/// [`read_file`], giving up with [`Error::Interrupted`] between chunks once `stop` is set.
+pub fn read_file_with_stop(path: &Path, stop: Option<&AtomicBool>) -> Result<Dataset> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let records = check_file(path)?;
+    // O_NONBLOCK: should the path have become a FIFO since it was checked, opening it returns at
+    // once (and the check below refuses it) instead of waiting for a writer. It changes nothing
+    // for a regular file.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+    let len = records * RECORD_BYTES;
+    if checked_records(path, &meta)? != records {
+        return Err(changed(path));
+    }
+    let mut bytes = Vec::with_capacity(len);
+    // One byte more than expected is asked for, so a file that grew is noticed.
+    let mut reader = file.take(len as u64 + 1);
+    loop {
+        super::check_stop(stop)?;
+        let n = (&mut reader)
+            .take(READ_CHUNK)
+            .read_to_end(&mut bytes)
+            .map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+    }
+    if bytes.len() != len {
+        return Err(changed(path));
+    }
+    parse_records(&bytes, path)
+}
+
+/// The error for a file whose size changed while it was being read.
+fn changed(path: &Path) -> Error {
+    Error::Data {
+        path: path.to_path_buf(),
+        msg: "the file changed size while it was read; run again once nothing writes to it".into(),
+    }
+}
+
+/// Parse the records of a file already in memory (a whole number of records, as checked by
+/// [`checked_records`]); `path` is only for error messages.
+fn parse_records(bytes: &[u8], path: &Path) -> Result<Dataset> {
     let n = bytes.len() / RECORD_BYTES;
     let mut images = Vec::with_capacity(n * IMAGE_BYTES);
     let mut labels = Vec::with_capacity(n);
     for (i, record) in bytes.chunks_exact(RECORD_BYTES).enumerate() {
         let label = record[0];
         if label as usize >= NUM_CLASSES {
-            return Err(data_err(format!(
-                "label {label} at byte offset {} (record {i}) is out of range 0..={}; this is not a \
-                 CIFAR-10 binary file (CIFAR-100's binary version has 2 label bytes per record)",
-                i * RECORD_BYTES,
-                NUM_CLASSES - 1
-            )));
+            return Err(Error::Data {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "label {label} at byte offset {} (record {i}) is out of range 0..={}; this is not a \
+                     CIFAR-10 binary file (CIFAR-100's binary version has 2 label bytes per record)",
+                    i * RECORD_BYTES,
+                    NUM_CLASSES - 1
+                ),
+            });
         }
         labels.push(label);
         images.extend_from_slice(&record[1..]);
@@ -131,6 +242,14 @@ fn percent(frac: f64) -> String {
     }
 }
 
+/// How many of `n` images [`validation_split`] leaves for training and holds out for validation.
+pub fn split_sizes(n: usize, val_fraction: f64) -> (usize, usize) {
+    let n_val = ((n as f64 * val_fraction).round() as usize)
+        .max(1)
+        .min(n.saturating_sub(1));
+    (n - n_val, n_val)
+}
+
 /// Split `n` images into (train, validation) index lists: shuffle `0..n` with the seed and take
 /// the first round(n * frac) (at least 1, and leaving at least 1 for training) as validation.
 /// Both lists are returned in file order.
@@ -138,9 +257,7 @@ pub fn validation_split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, 
     let mut order: Vec<usize> = (0..n).collect();
     let mut rng = StdRng::seed_from_u64(mix_seed(&[seed, SPLIT_TAG]));
     order.shuffle(&mut rng);
-    let n_val = ((n as f64 * val_fraction).round() as usize)
-        .max(1)
-        .min(n.saturating_sub(1));
+    let n_val = split_sizes(n, val_fraction).1;
     let mut val = order[..n_val].to_vec();
     let mut train = order[n_val..].to_vec();
     val.sort_unstable();
@@ -148,16 +265,27 @@ pub fn validation_split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, 
     (train, val)
 }
 
-/// Load a CIFAR-10 binary directory holding any subset of `data_batch_N.bin`, plus
-/// `test_batch.bin` if present. Without `test_batch.bin`, a seeded `val_fraction` of the training
-/// images is held out for validation (and `test_is_validation` is set).
-pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> {
-    if !(val_fraction > 0.0 && val_fraction < 1.0) {
-        // Written this way round so NaN fails too.
-        return Err(Error::config(format!(
-            "--val-fraction must be in (0, 1), got {val_fraction}"
-        )));
+/// The files of a CIFAR-10 binary directory that [`load_dir`] reads, each checked by
+/// [`check_file`] but none read yet: their record counts size the data set before it is loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirFiles {
+    /// `data_batch_N.bin` in order of N, with their numbers of records.
+    pub train: Vec<(PathBuf, usize)>,
+    /// `test_batch.bin` with its number of records, when the directory has one.
+    pub test: Option<(PathBuf, usize)>,
+}
+
+impl DirFiles {
+    /// Images in all training files.
+    pub fn train_images(&self) -> usize {
+        self.train.iter().map(|(_, n)| n).sum()
     }
+}
+
+/// Find and check the files of a CIFAR-10 binary directory without reading them: `dir` must be
+/// a directory holding at least one `data_batch_N.bin`, and every training file and
+/// `test_batch.bin` (if present) must pass [`check_file`].
+pub fn scan_dir(dir: &Path) -> Result<DirFiles> {
     let data_err = |msg: String| Error::Data {
         path: dir.to_path_buf(),
         msg,
@@ -171,11 +299,11 @@ pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> 
         }
         Err(e) => return Err(Error::io(dir, e)),
         Ok(m) if !m.is_dir() => {
-            return Err(data_err(
-                "is a file, not a directory; --data-dir takes the directory that holds \
+            let kind = if m.is_file() { "a file" } else { file_kind(&m) };
+            return Err(data_err(format!(
+                "is {kind}, not a directory; --data-dir takes the directory that holds \
                  data_batch_1.bin .. data_batch_5.bin and test_batch.bin (e.g. data/cifar-10-batches-bin)"
-                    .to_string(),
-            ));
+            )));
         }
         Ok(_) => {}
     }
@@ -189,11 +317,52 @@ pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> 
             how_to_get()
         )));
     }
+    let mut train = Vec::with_capacity(files.len());
+    for (_, path) in files {
+        let n = check_file(&path)?;
+        train.push((path, n));
+    }
+    let test_path = dir.join(TEST_FILE);
+    let test = match std::fs::metadata(&test_path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(Error::io(&test_path, e)),
+        Ok(m) => Some((test_path.clone(), checked_records(&test_path, &m)?)),
+    };
+    Ok(DirFiles { train, test })
+}
+
+/// Load a CIFAR-10 binary directory holding any subset of `data_batch_N.bin`, plus
+/// `test_batch.bin` if present. Without `test_batch.bin`, a seeded `val_fraction` of the training
+/// images is held out for validation (and `test_is_validation` is set). Every file is checked
+/// ([`scan_dir`]) before the first is read.
+pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> {
+    load_dir_with_stop(dir, val_fraction, seed, None)
+}
+
+/// [`load_dir`], giving up with [`Error::Interrupted`] between files and chunks once `stop` is
+/// set (by the Ctrl-C/SIGTERM handler).
+pub fn load_dir_with_stop(
+    dir: &Path,
+    val_fraction: f64,
+    seed: u64,
+    stop: Option<&AtomicBool>,
+) -> Result<DataSplits> {
+    if !(val_fraction > 0.0 && val_fraction < 1.0) {
+        // Written this way round so NaN fails too.
+        return Err(Error::config(format!(
+            "--val-fraction must be in (0, 1), got {val_fraction}"
+        )));
+    }
+    let data_err = |msg: String| Error::Data {
+        path: dir.to_path_buf(),
+        msg,
+    };
+    let files = scan_dir(dir)?;
 
     let mut train = Dataset::default();
-    let mut names = Vec::with_capacity(files.len());
-    for (_, path) in &files {
-        let part = read_file(path)?;
+    let mut names = Vec::with_capacity(files.train.len());
+    for (path, _) in &files.train {
+        let part = read_file_with_stop(path, stop)?;
         train.images.extend_from_slice(&part.images);
         train.labels.extend_from_slice(&part.labels);
         names.push(
@@ -204,9 +373,8 @@ pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> 
     }
     let names = names.join(", ");
 
-    let test_path = dir.join(TEST_FILE);
-    if test_path.is_file() {
-        let test = read_file(&test_path)?;
+    if let Some((test_path, _)) = &files.test {
+        let test = read_file_with_stop(test_path, stop)?;
         let description = format!(
             "CIFAR-10 from {}: {} train images from {names}; {} test images from {TEST_FILE}",
             dir.display(),

@@ -14,6 +14,8 @@ pub use batcher::{
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Bytes of one image: 3 channels of 32x32 pixels.
 pub const IMAGE_BYTES: usize = 3072;
@@ -101,6 +103,10 @@ pub struct DataOptions {
     pub synthetic_train: usize,
     /// Number of synthetic test images.
     pub synthetic_test: usize,
+    /// Set by the Ctrl-C/SIGTERM handler ([`crate::signal::install_stop_handler`]): loading
+    /// looks at it between files, chunks and batches of synthetic images and gives up with
+    /// [`Error::Interrupted`]. `None`: loading cannot be stopped.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl Default for DataOptions {
@@ -114,8 +120,25 @@ impl Default for DataOptions {
             seed: 0,
             synthetic_train: 5000,
             synthetic_test: 1000,
+            stop: None,
         }
     }
+}
+
+/// [`loading_interrupted`] once `stop` is set: loading ends before anything is written.
+pub(crate) fn check_stop(stop: Option<&AtomicBool>) -> Result<()> {
+    if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+        return Err(loading_interrupted());
+    }
+    Ok(())
+}
+
+/// The error of a load given up on a signal.
+fn loading_interrupted() -> Error {
+    Error::Interrupted(
+        "stopped while loading the data, before anything was written; run the command again to start"
+            .into(),
+    )
 }
 
 /// A train split and a test (or validation) split, with a line describing them.
@@ -136,15 +159,17 @@ pub struct DataSplits {
 /// Order of preference: `download` (full CIFAR-10 through the hub), then `data_dir`, then
 /// [`DEFAULT_DATA_DIR`] if it exists, else synthetic data.
 pub fn load(opts: &DataOptions) -> Result<DataSplits> {
+    let stop = opts.stop.as_deref();
+    check_stop(stop)?;
     if opts.download {
         return cifar::download();
     }
     if let Some(dir) = &opts.data_dir {
-        return cifar::load_dir(dir, opts.val_fraction, opts.seed);
+        return cifar::load_dir_with_stop(dir, opts.val_fraction, opts.seed, stop);
     }
     let default_dir = Path::new(DEFAULT_DATA_DIR);
     if default_dir.is_dir() {
-        return cifar::load_dir(default_dir, opts.val_fraction, opts.seed);
+        return cifar::load_dir_with_stop(default_dir, opts.val_fraction, opts.seed, stop);
     }
     if opts.synthetic_train == 0 || opts.synthetic_test == 0 {
         return Err(Error::config(format!(
@@ -152,7 +177,22 @@ pub fn load(opts: &DataOptions) -> Result<DataSplits> {
             opts.synthetic_train, opts.synthetic_test
         )));
     }
-    let (train, test) = synthetic::splits(opts.synthetic_train, opts.synthetic_test, opts.seed);
+    // A count whose bytes do not even have an address is refused here rather than left to
+    // abort in the allocator; whether a possible size fits is `crate::bounds`'s concern.
+    for (flag, n) in [
+        ("--synthetic-train", opts.synthetic_train),
+        ("--synthetic-test", opts.synthetic_test),
+    ] {
+        if n.checked_mul(IMAGE_BYTES).is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::config(format!(
+                "{flag} {n} is absurdly large: its images would not fit in any memory; use a count of at most a few million"
+            )));
+        }
+    }
+    let generate =
+        |n, seed| synthetic::generate_with_stop(n, seed, stop).ok_or_else(loading_interrupted);
+    let train = generate(opts.synthetic_train, opts.seed)?;
+    let test = generate(opts.synthetic_test, synthetic::test_seed(opts.seed))?;
     let description = format!(
         "synthetic CIFAR-shaped data (no {DEFAULT_DATA_DIR}; pass --data-dir or --download for real \
          CIFAR-10): {} train, {} test images (seed {})",

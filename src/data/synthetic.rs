@@ -12,6 +12,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, RngCore, SeedableRng};
 use std::f32::consts::TAU;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 /// Seed of the class templates; fixed so that all synthetic datasets share them.
@@ -74,7 +75,20 @@ fn templates() -> &'static Vec<f32> {
 
 /// Generate `n` synthetic images with balanced labels (class counts differ by at most 1),
 /// deterministically from `seed`.
+///
+/// Panics if `n` images do not fit in memory; [`crate::data::load`] checks the count first.
 pub fn generate(n: usize, seed: u64) -> Dataset {
+    // Without a stop flag the generation always completes.
+    generate_with_stop(n, seed, None).unwrap_or_default()
+}
+
+/// Images generated between two looks at the stop flag (about 10 ms of work).
+const STOP_CHECK_EVERY: usize = 1024;
+
+/// [`generate`], giving up (`None`) once `stop` is set, checked every [`STOP_CHECK_EVERY`]
+/// images; the images made until then are the same as [`generate`]'s.
+pub fn generate_with_stop(n: usize, seed: u64, stop: Option<&AtomicBool>) -> Option<Dataset> {
+    let stopped = || stop.is_some_and(|s| s.load(Ordering::SeqCst));
     let templates = templates();
     let mut rng = StdRng::seed_from_u64(mix_seed(&[seed]));
     let mut labels: Vec<u8> = (0..n).map(|i| (i % NUM_CLASSES) as u8).collect();
@@ -82,7 +96,14 @@ pub fn generate(n: usize, seed: u64) -> Dataset {
     let mut images = vec![0u8; n * IMAGE_BYTES];
     let mut noise_bits = 0u64;
     let mut noise_left = 0u32;
-    for (label, img) in labels.iter().zip(images.chunks_exact_mut(IMAGE_BYTES)) {
+    for (i, (label, img)) in labels
+        .iter()
+        .zip(images.chunks_exact_mut(IMAGE_BYTES))
+        .enumerate()
+    {
+        if i % STOP_CHECK_EVERY == 0 && stopped() {
+            return None;
+        }
         let dx = rng.random_range(0..=2 * MAX_SHIFT);
         let dy = rng.random_range(0..=2 * MAX_SHIFT);
         let contrast = rng.random_range(0.8f32..1.2);
@@ -111,7 +132,7 @@ pub fn generate(n: usize, seed: u64) -> Dataset {
             }
         }
     }
-    Dataset { images, labels }
+    Some(Dataset { images, labels })
 }
 
 /// The mean of a template plane over the stored field (cached alongside the templates).
@@ -130,6 +151,11 @@ fn plane_mean(class: usize, c: usize) -> f32 {
 pub fn splits(n_train: usize, n_test: usize, seed: u64) -> (Dataset, Dataset) {
     (
         generate(n_train, seed),
-        generate(n_test, mix_seed(&[seed, TEST_TAG])),
+        generate(n_test, test_seed(seed)),
     )
+}
+
+/// The seed of the test split of [`splits`].
+pub fn test_seed(seed: u64) -> u64 {
+    mix_seed(&[seed, TEST_TAG])
 }

@@ -139,7 +139,8 @@ impl DeviceKind {
         }
     }
 
-    fn is_cpu(&self) -> bool {
+    /// Whether this is the CPU (where the probe counts the whole process heap, data set included).
+    pub fn is_cpu(&self) -> bool {
         matches!(self, DeviceKind::Cpu { .. })
     }
 
@@ -196,7 +197,10 @@ impl DataSize {
         DataSize {
             train_images,
             test_images,
-            resident_bytes: ((train_images + test_images) * RECORD_BYTES) as u64,
+            // Saturating: a count no machine holds must compare as too large, not wrap.
+            resident_bytes: (train_images as u64)
+                .saturating_add(test_images as u64)
+                .saturating_mul(RECORD_BYTES as u64),
         }
     }
 
@@ -204,7 +208,7 @@ impl DataSize {
     /// ([`SYNTHETIC_TEMPLATE_BYTES`]).
     pub fn synthetic(train_images: usize, test_images: usize) -> Self {
         let mut d = DataSize::exact(train_images, test_images);
-        d.resident_bytes += SYNTHETIC_TEMPLATE_BYTES;
+        d.resident_bytes = d.resident_bytes.saturating_add(SYNTHETIC_TEMPLATE_BYTES);
         d
     }
 
@@ -250,50 +254,34 @@ impl DataSize {
         }
     }
 
-    /// Sizes of a CIFAR-10 binary directory, from the file sizes.
+    /// Sizes of a CIFAR-10 binary directory, from the file sizes ([`crate::data::cifar::scan_dir`],
+    /// which also refuses files that are not CIFAR-10 binary files).
     fn for_dir(dir: &Path, val_fraction: f64) -> Result<Self> {
-        let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-        let mut train_parts = Vec::new();
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let is_train = name
-                .strip_prefix("data_batch_")
-                .and_then(|s| s.strip_suffix(".bin"))
-                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-            if is_train {
-                let len = entry.metadata().map(|m| m.len()).unwrap_or(0) as usize;
-                train_parts.push(len / RECORD_BYTES);
-            }
-        }
+        let files = crate::data::cifar::scan_dir(dir)?;
+        Ok(DataSize::for_files(&files, val_fraction))
+    }
+
+    /// Sizes of the checked files of a CIFAR-10 binary directory, as
+    /// [`crate::data::cifar::load_dir`] will hold them.
+    pub fn for_files(files: &crate::data::cifar::DirFiles, val_fraction: f64) -> Self {
+        let train_parts: Vec<usize> = files.train.iter().map(|(_, n)| *n).collect();
         let n: usize = train_parts.iter().sum();
-        if n == 0 {
-            return Err(Error::Data {
-                path: dir.to_path_buf(),
-                msg: "no CIFAR-10 training files (data_batch_N.bin) to size the data set from"
-                    .into(),
-            });
-        }
-        let test_path = dir.join(crate::data::cifar::TEST_FILE);
-        match std::fs::metadata(&test_path) {
-            Ok(m) if m.is_file() => {
+        match &files.test {
+            Some((_, test)) => {
                 // The training files are appended one after another: the vectors keep the
                 // capacity their growth left them with.
-                let test = m.len() as usize / RECORD_BYTES;
                 let parts_px: Vec<usize> = train_parts.iter().map(|p| p * IMAGE_BYTES).collect();
                 let resident =
                     grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
-                Ok(DataSize {
+                DataSize {
                     train_images: n,
-                    test_images: test,
+                    test_images: *test,
                     resident_bytes: resident as u64,
-                })
+                }
             }
-            _ => {
-                let n_val = ((n as f64 * val_fraction).round() as usize)
-                    .max(1)
-                    .min(n.saturating_sub(1));
-                Ok(DataSize::exact(n - n_val, n_val))
+            None => {
+                let (train, val) = crate::data::cifar::split_sizes(n, val_fraction);
+                DataSize::exact(train, val)
             }
         }
     }

@@ -71,17 +71,78 @@ pub fn process_rss() -> Option<OsMemory> {
 
 /// `VmRSS` and `VmHWM` (reported in kB) of a `/proc/<pid>/status` text, in bytes.
 pub fn parse_status(text: &str) -> Option<OsMemory> {
-    let field = |name: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(name))?;
-        let kb: u64 = line[name.len()..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()?;
-        Some(kb * 1024)
-    };
-    let current = field("VmRSS:")?;
-    let peak = field("VmHWM:")?.max(current);
+    let current = kb_field(text, "VmRSS:")?;
+    let peak = kb_field(text, "VmHWM:")?.max(current);
     Some(OsMemory { current, peak })
+}
+
+/// How much more memory this process can allocate, and which limit says so.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Headroom {
+    /// Bytes the process can still allocate.
+    pub bytes: u64,
+    /// The limit that gives `bytes`, for messages, e.g. `MemAvailable in /proc/meminfo`.
+    pub source: &'static str,
+}
+
+/// The tightest of the limits on what this process can still allocate: the machine's available
+/// memory (`MemAvailable` in `/proc/meminfo`: free memory plus caches the kernel can drop, what
+/// can be used without swapping), the room left in its cgroup (`memory.max` less
+/// `memory.current`), and the room left under its address-space and data-segment limits
+/// (`ulimit -v`/`-d`: the limit less `VmSize`/`VmData`). `None` where none can be read (not Linux).
+pub fn headroom() -> Option<Headroom> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let status = read("/proc/self/status").unwrap_or_default();
+    let mut best: Option<Headroom> = None;
+    let mut offer = |bytes: Option<u64>, source: &'static str| {
+        if let Some(bytes) = bytes {
+            if best.as_ref().is_none_or(|b| bytes < b.bytes) {
+                best = Some(Headroom { bytes, source });
+            }
+        }
+    };
+    offer(
+        read("/proc/meminfo").and_then(|t| kb_field(&t, "MemAvailable:")),
+        "MemAvailable in /proc/meminfo",
+    );
+    let cgroup_room = || -> Option<u64> {
+        // cgroup v2: the process's group is the one line `0::/path` of /proc/self/cgroup.
+        let rel = read("/proc/self/cgroup")?
+            .lines()
+            .find_map(|l| l.strip_prefix("0::").map(str::to_string))?;
+        let dir = std::path::Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
+        let value = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+        let max: u64 = value("memory.max")?.trim().parse().ok()?; // "max": no limit
+        let current: u64 = value("memory.current")?.trim().parse().ok()?;
+        Some(max.saturating_sub(current))
+    };
+    offer(cgroup_room(), "the cgroup's memory.max");
+    for (resource, used, source) in [
+        (libc::RLIMIT_AS, "VmSize:", "the address-space limit (ulimit -v)"),
+        (libc::RLIMIT_DATA, "VmData:", "the data-segment limit (ulimit -d)"),
+    ] {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes the struct it is given.
+        let ok = unsafe { libc::getrlimit(resource, &mut lim) } == 0;
+        if ok && lim.rlim_cur != libc::RLIM_INFINITY {
+            let used = kb_field(&status, used).unwrap_or(0);
+            offer(Some((lim.rlim_cur as u64).saturating_sub(used)), source);
+        }
+    }
+    best
+}
+
+/// A `Name:   1234 kB` field of a /proc text, in bytes.
+fn kb_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
+    let kb: u64 = line[name.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb.saturating_mul(1024))
 }

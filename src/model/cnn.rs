@@ -320,23 +320,20 @@ pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
     specs
 }
 
-/// Parameter count of the model for a width and conv kind, without building it.
+/// Parameter count of the model for a width and conv kind, without building it. Saturates at
+/// `usize::MAX` for a width no machine could hold, instead of overflowing.
 pub fn param_count(width: usize, conv: ConvKind) -> usize {
     let w = width;
-    let chans = [
-        (3, w),
-        (w, w),
-        (w, 2 * w),
-        (2 * w, 2 * w),
-        (2 * w, 4 * w),
-        (4 * w, 4 * w),
-    ];
-    let convs: usize = chans
-        .iter()
-        .map(|&(i, o)| match conv {
-            ConvKind::Standard => o * i * 9,
-            ConvKind::Separable => i * 9 + o * i,
-        } + 2 * o)
-        .sum();
-    convs + 4 * w * 16 * NUM_CLASSES + NUM_CLASSES
+    let (w2, w4) = (w.saturating_mul(2), w.saturating_mul(4));
+    let chans = [(3, w), (w, w), (w, w2), (w2, w2), (w2, w4), (w4, w4)];
+    let convs = chans.iter().fold(0usize, |sum, &(i, o)| {
+        let weights = match conv {
+            ConvKind::Standard => o.saturating_mul(i).saturating_mul(9),
+            ConvKind::Separable => i.saturating_mul(9).saturating_add(o.saturating_mul(i)),
+        };
+        sum.saturating_add(weights).saturating_add(o.saturating_mul(2))
+    });
+    convs
+        .saturating_add(w4.saturating_mul(16 * NUM_CLASSES))
+        .saturating_add(NUM_CLASSES)
 }

@@ -333,7 +333,8 @@ impl StepObserver for StepHooks<'_> {
 }
 
 impl Trainer {
-    /// Load the data named by the config and build a trainer.
+    /// Load the data named by the config and build a trainer. A set `options.stop` also stops
+    /// the loading ([`crate::data::DataOptions::stop`]).
     pub fn from_config(config: TrainConfig, options: TrainerOptions) -> Result<Self> {
         config.validate()?;
         let data = data::load(&data::DataOptions {
@@ -343,6 +344,7 @@ impl Trainer {
             seed: config.seed,
             synthetic_train: config.synthetic_train,
             synthetic_test: config.synthetic_test,
+            stop: options.stop.clone(),
         })?;
         Trainer::new(config, data, options)
     }

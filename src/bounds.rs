@@ -329,9 +329,10 @@ impl Ctx {
         Ok(needs)
     }
 
-    /// New host bytes at the predicted peak of `cfg`'s step (for [`Step::Planned`] the cheapest
-    /// plan's: one image per micro-batch, the cheapest checkpointing); `None` where no step runs
-    /// on the host or the data set is beyond any estimate.
+    /// New host bytes at the predicted peak of `cfg`'s step, with the planner's safety margin
+    /// (for [`Step::Planned`] the cheapest plan's, whose budget has the margin taken off: one
+    /// image per micro-batch, the cheapest checkpointing); `None` where no step runs on the host
+    /// or the data set is beyond any estimate. Budgets that fit it are the ones advised.
     fn step_need(&self, cfg: &TrainConfig) -> Result<Option<u64>> {
         let peak = |c: &TrainConfig| -> Result<Option<u64>> {
             Ok(self.needs(c)?.estimate.map(|e| e.peak))
@@ -339,9 +340,10 @@ impl Ctx {
         match self.step {
             Step::NotRun => Ok(None),
             // The estimate's runtime bytes are part of what the process holds.
-            Step::AsConfigured => {
-                Ok(peak(cfg)?.map(|p| p.saturating_sub(RUNTIME_OVERHEAD_BYTES)))
-            }
+            Step::AsConfigured => Ok(peak(cfg)?.map(|p| {
+                let step = p.saturating_sub(RUNTIME_OVERHEAD_BYTES) as f64;
+                (step / (1.0 - crate::plan::SAFETY_MARGIN)).ceil() as u64
+            })),
             // As the planner counts it (runtime included), so that a budget raised to what this
             // asks for is one the planner finds a plan in.
             Step::Planned => {
@@ -462,7 +464,11 @@ impl Ctx {
                     ("--synthetic-test", cfg.synthetic_test, MIN_SYNTHETIC_IMAGES)
                 } else {
                     // The training split must hold at least one batch.
-                    ("--synthetic-train", cfg.synthetic_train, cfg.batch_size.max(MIN_SYNTHETIC_IMAGES))
+                    (
+                        "--synthetic-train",
+                        cfg.synthetic_train,
+                        cfg.batch_size.max(MIN_SYNTHETIC_IMAGES),
+                    )
                 };
                 let set = |c: &mut TrainConfig, v: usize| match test {
                     true => c.synthetic_test = v,
@@ -508,9 +514,7 @@ impl Ctx {
             Source::Dir(dir, files) => format!(
                 "the data set in {} ({} images in {} files, while loading)",
                 dir.display(),
-                count(
-                    (files.train_images() + files.test.as_ref().map_or(0, |(_, n)| *n)) as u64
-                ),
+                count((files.train_images() + files.test.as_ref().map_or(0, |(_, n)| *n)) as u64),
                 files.train.len() + usize::from(files.test.is_some()),
             ),
             Source::Download => {
@@ -550,7 +554,11 @@ fn dir_loading_peak(files: &DirFiles, size: &DataSize) -> u64 {
 
 /// The largest `v` in `lo..=hi` with `ok(v)`, for an `ok` that holds up to some value and not
 /// beyond; `None` when `ok(lo)` does not hold (or the range is empty).
-fn largest(lo: usize, hi: usize, mut ok: impl FnMut(usize) -> Result<bool>) -> Result<Option<usize>> {
+fn largest(
+    lo: usize,
+    hi: usize,
+    mut ok: impl FnMut(usize) -> Result<bool>,
+) -> Result<Option<usize>> {
     if hi < lo || !ok(lo)? {
         return Ok(None);
     }

@@ -384,7 +384,8 @@ impl TrainConfig {
         if self.max_steps == Some(0) {
             return bad("--max-steps must be at least 1".into());
         }
-        if self.synthetic_train < MIN_SYNTHETIC_IMAGES || self.synthetic_test < MIN_SYNTHETIC_IMAGES {
+        if self.synthetic_train < MIN_SYNTHETIC_IMAGES || self.synthetic_test < MIN_SYNTHETIC_IMAGES
+        {
             return bad(format!(
                 "--synthetic-train and --synthetic-test must be at least {MIN_SYNTHETIC_IMAGES}"
             ));

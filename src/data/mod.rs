@@ -183,7 +183,9 @@ pub fn load(opts: &DataOptions) -> Result<DataSplits> {
         ("--synthetic-train", opts.synthetic_train),
         ("--synthetic-test", opts.synthetic_test),
     ] {
-        if n.checked_mul(IMAGE_BYTES).is_none_or(|b| b > isize::MAX as usize) {
+        if n.checked_mul(IMAGE_BYTES)
+            .is_none_or(|b| b > isize::MAX as usize)
+        {
             return Err(Error::config(format!(
                 "{flag} {n} is absurdly large: its images would not fit in any memory; use a count of at most a few million"
             )));

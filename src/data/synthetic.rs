@@ -149,10 +149,7 @@ fn plane_mean(class: usize, c: usize) -> f32 {
 
 /// A train and a test set from one seed: different image streams, the same class templates.
 pub fn splits(n_train: usize, n_test: usize, seed: u64) -> (Dataset, Dataset) {
-    (
-        generate(n_train, seed),
-        generate(n_test, test_seed(seed)),
-    )
+    (generate(n_train, seed), generate(n_test, test_seed(seed)))
 }
 
 /// The seed of the test split of [`splits`].

@@ -331,7 +331,8 @@ pub fn param_count(width: usize, conv: ConvKind) -> usize {
             ConvKind::Standard => o.saturating_mul(i).saturating_mul(9),
             ConvKind::Separable => i.saturating_mul(9).saturating_add(o.saturating_mul(i)),
         };
-        sum.saturating_add(weights).saturating_add(o.saturating_mul(2))
+        sum.saturating_add(weights)
+            .saturating_add(o.saturating_mul(2))
     });
     convs
         .saturating_add(w4.saturating_mul(16 * NUM_CLASSES))

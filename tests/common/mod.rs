@@ -119,45 +119,43 @@ pub fn real_subset() -> Option<std::path::PathBuf> {
 /// The `train_cifar10` example binary of this build profile, built once per test process.
 pub fn trainer_binary() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().expect("path of the test executable");
-        // Integration tests run from <target dir>/<profile>/deps/.
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("<target>/<profile>")
-            .to_path_buf();
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args([
-            "build",
-            "--quiet",
-            "--example",
-            "train_cifar10",
-            "--manifest-path",
-        ])
+    BIN.get_or_init(|| example_binary("train_cifar10"))
+}
+
+/// The example binary `name` of this build profile, built by `cargo build` (so call it once
+/// and keep the path).
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    // Integration tests run from <target dir>/<profile>/deps/.
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("<target>/<profile>")
+        .to_path_buf();
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--quiet", "--example", name, "--manifest-path"])
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        if cfg!(feature = "cuda") {
-            cmd.args(["--features", "cuda"]);
-        }
-        let out = cmd.output().expect("cargo runs");
-        assert!(
-            out.status.success(),
-            "building the train_cifar10 example failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let bin = profile_dir
-            .join("examples")
-            .join(format!("train_cifar10{}", std::env::consts::EXE_SUFFIX));
-        assert!(
-            bin.is_file(),
-            "{} missing after building the example",
-            bin.display()
-        );
-        bin
-    })
+    if profile_dir.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
+    }
+    if cfg!(feature = "cuda") {
+        cmd.args(["--features", "cuda"]);
+    }
+    let out = cmd.output().expect("cargo runs");
+    assert!(
+        out.status.success(),
+        "building the {name} example failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bin = profile_dir
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} missing after building the example",
+        bin.display()
+    );
+    bin
 }
 
 /// Bytes of a child's output as text.

@@ -27,7 +27,7 @@ use crate::data::cifar::{self, DirFiles};
 use crate::data::{IMAGE_BYTES, RECORD_BYTES};
 use crate::error::{Error, Result};
 use crate::memory::estimate::{
-    estimate_with, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
+    estimate_with, grown_capacity, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
 };
 use crate::memory::os::{headroom, Headroom};
 use crate::memory::{format_bytes, CountingAllocator};
@@ -76,8 +76,10 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     }
     // The step: its batch buffers and activations grow with batch × width. Beyond what the
     // machine can give, the allocator would abort the process part-way through the first step.
+    // (A training split smaller than one batch never gets there: the trainer refuses it.)
     let machine = ctx.budgets.iter().find(|b| b.kind == Kind::Machine);
-    if let (Step::AsConfigured, Some(b), Some(est)) = (ctx.step, machine, &needs.estimate) {
+    let trains = ctx.step == Step::AsConfigured && ctx.data(cfg).0.train_images >= cfg.batch_size;
+    if let (true, Some(b), Some(est)) = (trains, machine, &needs.estimate) {
         let step = est.peak.saturating_sub(RUNTIME_OVERHEAD_BYTES);
         if step > b.room {
             return Err(Error::OutOfMemory {
@@ -98,15 +100,15 @@ enum Source {
     Synthetic,
     /// A CIFAR-10 binary directory, its files checked.
     Dir(PathBuf, DirFiles),
-    /// The hub download (`--download`).
-    Download,
+    /// The hub download (`--download`), of known size.
+    Download(DataSize),
 }
 
 impl Source {
     /// The source [`crate::data::load`] will use for `cfg`, directories scanned and checked.
     fn of(cfg: &TrainConfig) -> Result<Self> {
         if cfg.download {
-            return Ok(Source::Download);
+            return Ok(Source::Download(DataSize::for_config(cfg)?));
         }
         let default_dir = Path::new(crate::data::DEFAULT_DATA_DIR);
         let dir = match &cfg.data_dir {
@@ -258,8 +260,7 @@ enum Step {
     NotRun,
     /// The configured one.
     AsConfigured,
-    /// One `--fit-memory` plans: at least the cheapest, one image per micro-batch with every
-    /// block recomputed.
+    /// One `--fit-memory` plans: at least as large as its cheapest, one image per micro-batch.
     Planned,
 }
 
@@ -289,8 +290,8 @@ impl Ctx {
                 let size = DataSize::for_files(files, cfg.val_fraction);
                 (size, dir_loading_peak(files, &size))
             }
-            Source::Download => {
-                let size = DataSize::exact(50_000, 10_000);
+            Source::Download(size) => {
+                let size = *size;
                 // The hub loader's f32 tensors of both splits, and the conversion's temporaries
                 // of the training split (`cifar::hub_tensors_to_dataset` keeps about five f32
                 // copies until its statement ends): an upper estimate.
@@ -480,7 +481,7 @@ impl Ctx {
                     .collect()
             }
             Source::Dir(..) => vec!["use a --data-dir with fewer data_batch files".into()],
-            Source::Download => Vec::new(),
+            Source::Download(_) => Vec::new(),
         })
     }
 
@@ -517,9 +518,10 @@ impl Ctx {
                 count((files.train_images() + files.test.as_ref().map_or(0, |(_, n)| *n)) as u64),
                 files.train.len() + usize::from(files.test.is_some()),
             ),
-            Source::Download => {
-                "the downloaded CIFAR-10 (60,000 images, converted from f32 while loading)".into()
-            }
+            Source::Download(size) => format!(
+                "the downloaded CIFAR-10 ({} images, converted from f32 while loading)",
+                count((size.train_images + size.test_images) as u64)
+            ),
         }
     }
 }
@@ -533,14 +535,7 @@ fn dir_loading_peak(files: &DirFiles, size: &DataSize) -> u64 {
     let train = files.train_images();
     let grown = |per: usize| {
         let parts: Vec<usize> = files.train.iter().map(|(_, n)| n * per).collect();
-        let (mut len, mut cap) = (0usize, 0usize);
-        for p in parts {
-            if len + p > cap {
-                cap = (len + p).max(cap * 2).max(8);
-            }
-            len += p;
-        }
-        cap as u64
+        grown_capacity(&parts) as u64
     };
     let train_bytes = grown(IMAGE_BYTES) + grown(1);
     let appending = train_bytes + train_bytes / 2 + 2 * (largest * RECORD_BYTES) as u64;
@@ -605,7 +600,7 @@ fn count(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

@@ -80,7 +80,7 @@ pub struct TrainArgs {
     /// Gradient checkpointing: keep only each stage's or each block's input and recompute in backward; auto picks the smallest predicted peak (under --memory-limit: the cheapest that fits)
     #[arg(long, value_enum, default_value_t = Checkpointing::None)]
     pub checkpoint: Checkpointing,
-    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: heap budget checked after every layer of the step)
+    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: heap budget from process start, checked for data set and model before loading and after every layer of the step)
     #[arg(long, value_name = "SIZE")]
     pub memory_limit: Option<String>,
     /// CUDA: return freed pool memory to the driver at every synchronize instead of keeping it

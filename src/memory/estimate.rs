@@ -288,7 +288,7 @@ impl DataSize {
 }
 
 /// Capacity of a `Vec<u8>` after `extend_from_slice` of each part in turn (amortized doubling).
-fn grown_capacity(parts: &[usize]) -> usize {
+pub(crate) fn grown_capacity(parts: &[usize]) -> usize {
     let (mut len, mut cap) = (0usize, 0usize);
     for &p in parts {
         let need = len + p;

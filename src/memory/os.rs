@@ -138,7 +138,7 @@ pub fn headroom() -> Option<Headroom> {
         let ok = unsafe { libc::getrlimit(resource, &mut lim) } == 0;
         if ok && lim.rlim_cur != libc::RLIM_INFINITY {
             let used = kb_field(&status, used).unwrap_or(0) + thread_reserve();
-            offer(Some((lim.rlim_cur as u64).saturating_sub(used)), source);
+            offer(Some(lim.rlim_cur.saturating_sub(used)), source);
         }
     }
     best

@@ -131,6 +131,9 @@ pub struct TrainArgs {
     /// Print the memory estimate and the configuration, then exit without training
     #[arg(long)]
     pub dry_run: bool,
+    /// Replace the results and checkpoints of an earlier run in --out (without it, such an --out is refused)
+    #[arg(long)]
+    pub overwrite: bool,
     // [plan] begin: the memory-budget planner (src/plan.rs).
     /// Choose micro-batch, accumulation, checkpointing and precision whose predicted peak fits SIZE (e.g. 300MiB) minus a 5% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it); --precision, --checkpoint and --accum-steps given explicitly are kept
     #[arg(long, value_name = "SIZE")]
@@ -159,6 +162,8 @@ pub struct TrainCommand {
     pub resume: Option<PathBuf>,
     /// Only print the estimate and configuration.
     pub dry_run: bool,
+    /// Replace an earlier run's results in the run directory.
+    pub overwrite: bool,
     /// Only write summary.json.
     pub summary_only: bool,
     // [plan] begin
@@ -252,10 +257,16 @@ impl TryFrom<TrainArgs> for TrainCommand {
             return Err(Error::config("--effective-batch must be at least 1"));
         }
         // [plan] end
+        if a.overwrite && a.resume.is_some() {
+            return Err(Error::config(
+                "--overwrite starts a new run and --resume continues one; drop one of them",
+            ));
+        }
         Ok(TrainCommand {
             config,
             resume: a.resume,
             dry_run: a.dry_run,
+            overwrite: a.overwrite,
             summary_only: a.summary_only,
             fit_memory,
             effective_batch: a.effective_batch,

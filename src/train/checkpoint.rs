@@ -204,6 +204,9 @@ pub struct CheckpointSaver {
     last_healthy: Option<usize>,
     /// A step since the newest checkpoint had a loss past [`DIVERGED_LOSS`] or a non-finite one.
     unhealthy_since_save: bool,
+    /// Whether the newest checkpoint is healthy (a second save of the same step, at another
+    /// position, inherits it).
+    last_was_healthy: bool,
     /// Fingerprint of the training split, computed once.
     fingerprint: OnceLock<String>,
 }
@@ -229,7 +232,8 @@ impl CheckpointSaver {
 
     /// Take a finished step into account for the next checkpoint's health.
     pub(crate) fn note_step(&mut self, r: &StepResult) {
-        if !r.skipped && !(r.loss.is_finite() && r.loss <= DIVERGED_LOSS) {
+        let sane = r.loss.is_finite() && r.loss <= DIVERGED_LOSS;
+        if !(r.skipped || sane) {
             self.unhealthy_since_save = true;
         }
     }
@@ -435,7 +439,10 @@ impl Trainer {
         memory.epochs.truncate(self.history.epochs.len());
         let memory_json = serde_json::to_vec(&memory)
             .map_err(|e| Error::Checkpoint(format!("cannot serialize the memory log: {e}")))?;
-        let healthy = !self.checkpoints.unhealthy_since_save;
+        let healthy = match self.checkpoints.last {
+            Some((step, ..)) if step == self.global_step => self.checkpoints.last_was_healthy,
+            _ => !self.checkpoints.unhealthy_since_save,
+        };
 
         let root = self.run_dir.join(CHECKPOINTS_DIR);
         std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
@@ -518,6 +525,7 @@ impl Trainer {
         crate::io::write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
         let saver = &mut self.checkpoints;
         saver.last = Some(position);
+        saver.last_was_healthy = healthy;
         if healthy {
             saver.last_healthy = Some(self.global_step);
         }
@@ -1049,6 +1057,7 @@ impl Checkpoint {
         let saver = &mut trainer.checkpoints;
         saver.last = Some((s.global_step, s.epoch, s.next_batch));
         saver.unhealthy_since_save = false;
+        saver.last_was_healthy = s.healthy;
         saver.last_healthy = if s.healthy {
             Some(s.global_step)
         } else {

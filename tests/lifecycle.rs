@@ -229,8 +229,7 @@ fn step_dirs(run_dir: &Path) -> Vec<String> {
 fn newest_step_dir(run_dir: &Path) -> PathBuf {
     let name = step_dirs(run_dir)
         .into_iter()
-        .filter(|n| n.starts_with("step-"))
-        .next_back()
+        .rfind(|n| n.starts_with("step-"))
         .expect("a checkpoint");
     run_dir.join(CHECKPOINTS_DIR).join(name)
 }

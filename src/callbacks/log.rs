@@ -30,6 +30,8 @@ pub struct MetricsLogger {
 pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,grad_norm,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,os_current,os_peak";
 /// Header of `epochs.csv`.
 pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak,os_current,os_peak";
+/// Largest `batches.csv` a resume reads back (about three million steps' rows).
+const MAX_LOG_BYTES: u64 = 1 << 30;
 /// Per-step rows.
 pub const BATCHES_CSV: &str = "batches.csv";
 /// Per-epoch rows.
@@ -43,9 +45,11 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 /// `global_step`; just the header when the file is missing or has another header.
 fn kept_batch_rows(path: &Path, global_step: usize) -> String {
     let mut out = format!("{BATCH_CSV_HEADER}\n");
-    let Ok(text) = std::fs::read_to_string(path) else {
+    // Read capped and only if regular: a FIFO put in its place must not block the resume.
+    let Ok(bytes) = crate::io::read_capped(path, MAX_LOG_BYTES) else {
         return out;
     };
+    let text = String::from_utf8_lossy(&bytes);
     let mut lines = text.split_inclusive('\n');
     if lines.next().map(str::trim_end) != Some(BATCH_CSV_HEADER) {
         return out;
@@ -146,7 +150,16 @@ impl Callback for MetricsLogger {
         // Resuming keeps the rows of the steps before the checkpoint and drops the rest; a new
         // run starts both files with their headers.
         let batches = if ctx.global_step > 0 {
-            kept_batch_rows(&batches_path, ctx.global_step)
+            let kept = kept_batch_rows(&batches_path, ctx.global_step);
+            let rows = kept.lines().count() - 1;
+            if rows < ctx.global_step {
+                eprintln!(
+                    "warning: {} held the rows of {rows} of the {} steps before the checkpoint; the others are lost (the file was removed or replaced)",
+                    batches_path.display(),
+                    ctx.global_step
+                );
+            }
+            kept
         } else {
             format!("{BATCH_CSV_HEADER}\n")
         };

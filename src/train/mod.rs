@@ -4,6 +4,7 @@
 
 pub mod accumulate;
 pub mod checkpoint;
+pub mod graph;
 pub mod lean;
 pub mod optim;
 pub mod precision;

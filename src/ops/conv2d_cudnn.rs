@@ -4,14 +4,16 @@
 //!
 //! Why not Candle's own `cudnn` feature: it covers only the forward, and it builds the
 //! descriptors, asks cuDNN's heuristics for an algorithm and allocates a workspace on every call.
-//! Here, per thread and device:
+//! Here, per thread and GPU (shared by every Candle `CudaDevice` of that GPU the thread opens:
+//! they all run on the same per-thread default stream of the same primary context):
 //!
-//! - one cuDNN handle on Candle's stream (cuDNN handles are neither `Send` nor `Sync`, and Candle's
+//! - one cuDNN handle on that stream (cuDNN handles are neither `Send` nor `Sync`, and Candle's
 //!   CUDA stream is the per-thread default stream, so per-thread state is also per-stream state);
 //! - one plan per (shape, stride, padding, dtype, math mode): the tensor, filter and convolution
 //!   descriptors and the algorithm of each of the three passes, chosen once;
 //! - one workspace of [`CUDNN_WORKSPACE_BYTES`], allocated by the first cuDNN convolution and
-//!   reused by every later one. Each pass runs the algorithm cuDNN's heuristics rank first when
+//!   reused by every later one, for the rest of the thread's life (a process that builds many
+//!   trainers, like the GPU tests, holds one, not one per trainer). Each pass runs the algorithm cuDNN's heuristics rank first when
 //!   its workspace fits in that budget, else the pass's algorithm that needs none. A fixed size
 //!   rather than the largest need so far: the memory estimate (`memory::estimate`, through
 //!   [`cuda_runtime_bytes`]) then knows it exactly without asking cuDNN, and it is the same
@@ -33,8 +35,8 @@
 // Without the feature only the constants below are used (by the memory estimate).
 #![cfg_attr(not(feature = "cudnn"), allow(dead_code))]
 
-/// Bytes of the cuDNN workspace: allocated once per thread and device by the first cuDNN
-/// convolution, kept for the rest of the process, shared by every convolution and pass. An
+/// Bytes of the cuDNN workspace: allocated once per thread and GPU by the first cuDNN
+/// convolution, kept for the rest of the thread, shared by every convolution and pass. An
 /// algorithm that needs more is not used (see the module docs).
 pub const CUDNN_WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -90,7 +92,7 @@ mod cuda {
         CudnnDataType, CudnnError, FilterDescriptor, TensorDescriptor,
     };
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
-    use candle_core::cuda_backend::{CudaDType, DeviceId};
+    use candle_core::cuda_backend::CudaDType;
     use candle_core::{CudaDevice, CudaStorage, DType, Layout};
     use half::{bf16, f16};
 
@@ -332,7 +334,25 @@ mod cuda {
         }
     }
 
-    /// This thread's cuDNN state for one device.
+    /// Which state a device uses: its GPU and the stream Candle runs it on (the same for every
+    /// `CudaDevice` of that GPU opened on this thread).
+    #[derive(Clone, Copy, PartialEq, Eq, Hash)]
+    struct StreamKey {
+        ordinal: usize,
+        stream: usize,
+    }
+
+    impl StreamKey {
+        fn of(dev: &CudaDevice) -> Self {
+            let stream = dev.cuda_stream();
+            StreamKey {
+                ordinal: stream.context().ordinal(),
+                stream: stream.cu_stream() as usize,
+            }
+        }
+    }
+
+    /// This thread's cuDNN state for one GPU and stream.
     struct DeviceState {
         handle: Arc<Cudnn>,
         workspace: Option<CudaSlice<u8>>,
@@ -343,7 +363,7 @@ mod cuda {
     thread_local! {
         // Per thread because cuDNN handles are neither Send nor Sync (Candle keeps its own
         // handles the same way).
-        static STATE: RefCell<HashMap<DeviceId, DeviceState>> = RefCell::new(HashMap::new());
+        static STATE: RefCell<HashMap<StreamKey, DeviceState>> = RefCell::new(HashMap::new());
     }
 
     /// Shapes already reported as falling back to the im2col op (one warning each).
@@ -386,7 +406,7 @@ mod cuda {
         let key = PlanKey::new(g, a.dtype());
         let ran = STATE.with(|state| -> candle_core::Result<Option<CudaSlice<T>>> {
             let mut state = state.borrow_mut();
-            let st = match state.entry(dev.id()) {
+            let st = match state.entry(StreamKey::of(&dev)) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(v) => v.insert(DeviceState {
                     handle: Cudnn::new(dev.cuda_stream()).map_err(dnn_err)?,

@@ -76,6 +76,23 @@ pub fn cuda_pass_scratch_bytes(
     }
 }
 
+/// The algorithm one pass runs: cuDNN's first-ranked one (`best`, an error when the heuristics
+/// found none) when its workspace (`size`) fits in `budget`, else `fallback` when that fits;
+/// `None` when neither does. An error of `size` is returned as it is.
+fn choose_algorithm<A: Copy, E>(
+    best: Result<A, E>,
+    size: impl Fn(A) -> Result<usize, E>,
+    fallback: A,
+    budget: usize,
+) -> Result<Option<A>, E> {
+    if let Ok(a) = best {
+        if size(a)? <= budget {
+            return Ok(Some(a));
+        }
+    }
+    Ok((size(fallback)? <= budget).then_some(fallback))
+}
+
 #[cfg(feature = "cudnn")]
 pub(super) use cuda::launch;
 
@@ -197,28 +214,18 @@ mod cuda {
         (e.0 as u32) / 1000 == 3
     }
 
-    /// The heuristics' first choice when its workspace fits the budget, else `fallback` (an
-    /// algorithm that needs no workspace).
+    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`]; `fallback` is an algorithm
+    /// that needs no workspace.
     fn choose<A: Copy>(
         best: Result<A, CudnnError>,
         size: impl Fn(A) -> Result<usize, CudnnError>,
         fallback: A,
     ) -> Result<A, CudnnError> {
-        if let Ok(a) = best {
-            if size(a)? <= CUDNN_WORKSPACE_BYTES {
-                return Ok(a);
-            }
-        }
-        let need = size(fallback)?;
-        if need <= CUDNN_WORKSPACE_BYTES {
-            Ok(fallback)
-        } else {
-            // Never seen: the fallbacks need no workspace. Reported as unsupported so that the
-            // im2col op takes the shape over.
-            Err(CudnnError(
-                dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE,
-            ))
-        }
+        // Neither fitting is not expected (the fallbacks need no workspace); it is reported as
+        // unsupported, so that the im2col op takes the shape over.
+        super::choose_algorithm(best, size, fallback, CUDNN_WORKSPACE_BYTES)?.ok_or(CudnnError(
+            dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE,
+        ))
     }
 
     impl<T: Elem> Plan<T> {
@@ -465,6 +472,50 @@ mod cuda {
             (da, db) => candle_core::bail!(
                 "conv2d: unsupported dtypes {da:?} and {db:?} (f32, f64, f16, bf16 of one kind)"
             ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_ranked_algorithm_runs_when_its_workspace_fits() {
+        let size = |a: u8| -> Result<usize, ()> { Ok([0, 10, 100][a as usize]) };
+        assert_eq!(choose_algorithm(Ok(1), size, 0, 50), Ok(Some(1)));
+        assert_eq!(choose_algorithm(Ok(2), size, 0, 100), Ok(Some(2)));
+        // Too large for the budget, or no ranking at all: the fallback.
+        assert_eq!(choose_algorithm(Ok(2), size, 0, 50), Ok(Some(0)));
+        assert_eq!(choose_algorithm(Err(()), size, 0, 50), Ok(Some(0)));
+        // Nothing fits.
+        assert_eq!(choose_algorithm(Ok(2), size, 1, 5), Ok(None));
+        // A failing size query is an error, not a choice.
+        assert_eq!(choose_algorithm(Ok(0), |_| Err("bad"), 0, 50), Err("bad"));
+    }
+
+    #[test]
+    fn the_cuda_estimate_counts_the_conv_ops_persistent_bytes() {
+        use crate::memory::estimate::{estimate, DeviceKind};
+        let e = estimate(&crate::config::TrainConfig::default(), DeviceKind::Cuda).unwrap();
+        assert_eq!(e.runtime_bytes, cuda_runtime_bytes());
+    }
+
+    #[test]
+    fn the_estimate_sees_the_workspace_only_in_a_cudnn_build() {
+        use super::super::conv2d_cuda::{cuda_scratch_bytes, ConvPass};
+        let args = (ConvPass::Forward, 512, 32, 32, 3, 32, 32, false, candle_core::DType::F32);
+        let im2col = cuda_scratch_bytes(
+            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
+        );
+        let here = cuda_pass_scratch_bytes(
+            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
+        );
+        if ENABLED {
+            assert_eq!((here, cuda_runtime_bytes()), (0, CUDNN_WORKSPACE_BYTES as u64));
+        } else {
+            assert_eq!((here, cuda_runtime_bytes()), (im2col, 0));
+            assert!(im2col > 0);
         }
     }
 }

@@ -100,6 +100,10 @@ impl GraphStats {
     }
 }
 
+/// The forward and backward of one batch: mean loss, correct predictions and the f32 gradients
+/// (aligned with the trainer's variables), as the trainer's eager step returns them.
+pub(crate) type BatchGrads = (f64, usize, Vec<Option<candle_core::Tensor>>);
+
 /// What the next step of a `--cuda-graph` run does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GraphAction {
@@ -166,7 +170,7 @@ impl GraphSlot {
         labels: &[u32],
         loss_scale: f64,
         obs: &mut dyn super::lean::StepObserver,
-    ) -> Option<Result<(f64, usize, Vec<Option<candle_core::Tensor>>)>> {
+    ) -> Option<Result<BatchGrads>> {
         #[cfg(feature = "cuda")]
         {
             let mut step = self.step.borrow_mut();
@@ -195,7 +199,7 @@ mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{DType, Device, Tensor};
 
-    use super::{next_action, GraphAction, GraphStats};
+    use super::{next_action, BatchGrads, GraphAction, GraphStats};
     use crate::data::IMAGE_BYTES;
     use crate::error::{Error, Result};
     use crate::train::accumulate::GradAccumulator;
@@ -323,7 +327,7 @@ mod cuda {
             labels: &[u32],
             loss_scale: f64,
             obs: &mut dyn StepObserver,
-        ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
+        ) -> Result<BatchGrads> {
             let n = self.y.dim(0)?;
             if labels.len() != n || images.len() != n * IMAGE_BYTES {
                 return Err(Error::config(format!(
@@ -409,7 +413,7 @@ mod cuda {
         corrects: Vec<Tensor>,
         grads: Vec<Option<Tensor>>,
         obs: &mut dyn StepObserver,
-    ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
+    ) -> Result<BatchGrads> {
         let k = losses.len();
         let (mut loss, mut correct) = (0.0, 0);
         for (i, (l, c)) in losses.iter().zip(&corrects).enumerate() {

@@ -3,8 +3,8 @@
 //! Doc comments are the `--help` text; the README's flag table is checked against it by a test.
 
 use crate::config::{
-    Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig, DEFAULT_PRUNE_BEGIN,
-    DEFAULT_PRUNE_EVERY, DEFAULT_PRUNE_INITIAL,
+    Checkpointing, ConvKind, OptimizerKind, Precision, Tf32, TrainConfig, DEFAULT_PRUNE_BEGIN,
+    DEFAULT_PRUNE_EVERY, DEFAULT_PRUNE_INITIAL, DEFAULT_TF32,
 };
 use crate::error::{Error, Result};
 use crate::memory::parse_size;
@@ -86,6 +86,12 @@ pub struct TrainArgs {
     /// CUDA: return freed pool memory to the driver at every synchronize instead of keeping it
     #[arg(long)]
     pub no_pool_cache: bool,
+    /// CUDA: TF32 tensor-core math for f32 convolutions, as PyTorch does by default (the head's matmul stays f32, as in PyTorch). No effect on the CPU or with --precision f16/bf16
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = DEFAULT_TF32)]
+    pub tf32: Tf32,
+    /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
+    #[arg(long)]
+    pub cuda_graph: bool,
     /// Seed for initialization, data order, augmentation and synthetic data
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -218,6 +224,8 @@ impl TryFrom<TrainArgs> for TrainCommand {
             checkpoint: a.checkpoint,
             memory_limit,
             pool_cache: !a.no_pool_cache,
+            tf32: a.tf32,
+            cuda_graph: a.cuda_graph,
             seed: a.seed,
             device: a.device.clone(),
             out: a.out.clone(),

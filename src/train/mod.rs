@@ -4,6 +4,7 @@
 
 pub mod accumulate;
 pub mod checkpoint;
+pub mod graph;
 pub mod history;
 pub mod lean;
 pub mod optim;

@@ -112,6 +112,8 @@ pub struct Trainer {
     _run_lock: Option<super::run_dir::RunDirLock>,
     /// `--prune`: the schedule and masks, applied after every optimizer step.
     pub(crate) pruner: Option<super::prune::Pruner>,
+    /// `--cuda-graph`: the captured forward and backward ([`super::graph`]).
+    pub(crate) cuda_graph: super::graph::GraphSlot,
 }
 
 /// `runs/<UTC timestamp>` for a run without `--out`.
@@ -219,6 +221,9 @@ fn batch_grads(
     loss_scale: f64,
     obs: &mut dyn StepObserver,
 ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
+    if let Some(r) = t.cuda_graph.grads(t, images, labels, loss_scale, obs) {
+        return r;
+    }
     let (k, mb) = micro_batches(t.config.accum_steps, images, labels)?;
     let dtype = t.config.precision.compute_dtype();
     let mut acc = GradAccumulator::new(t.vars.len());
@@ -371,6 +376,9 @@ impl Trainer {
         // Checked before anything is created: the schedule's end depends on the run's length.
         let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
         let device = select_device(config.device.as_deref())?;
+        // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
+        crate::ops::set_tf32(config.tf32 == crate::config::Tf32::On);
+        let cuda_graph = super::graph::GraphSlot::for_run(&config, &device)?;
         if device.is_cpu() {
             // Every op allocates its output; without this, glibc maps and unmaps the large ones
             // on every step (see `retain_freed_memory`).
@@ -467,6 +475,7 @@ impl Trainer {
             history: Default::default(),
             _run_lock: run_lock,
             pruner,
+            cuda_graph,
             config,
         })
     }
@@ -1245,6 +1254,7 @@ impl Trainer {
             },
             wall_secs: wall,
             pruning,
+            cuda_graph: self.cuda_graph.stats(),
         }
     }
 }

@@ -3,28 +3,70 @@
 #
 #   bench/gpu_session.sh BIN_DIR OUT_DIR
 #
-# BIN_DIR holds CUDA builds (see README, Build for CUDA): train_cifar10, batch_sweep and the test
-# binaries gpu_train, gpu_memory, pool, batchnorm, depthwise, conv2d (named without cargo's hash suffix).
-# Results land in OUT_DIR: tests.log, memtrain.jsonl, torch.jsonl, pool-cache.jsonl, sweep/, gpu.txt.
-# Each step has its own time limit so the whole run fits a short GPU lease. Environment:
-# TESTS (test binaries to run), STEPS (steps per config, 25), SKIP_TORCH=1, SWEEP_LIMIT (s).
+# BIN_DIR holds CUDA builds (see README, Build for CUDA; preferably `--features cuda,cudnn`):
+# train_cifar10, batch_sweep and the test binaries gpu_graph, conv2d, gpu_train, gpu_memory, pool,
+# batchnorm, depthwise (named without cargo's hash suffix). Results land in OUT_DIR: gpu.txt
+# (GPU, driver, libraries, which conv op the build runs), session.log, tests.log, memtrain.jsonl
+# (memtrain's summary.json per configuration, plus `step_added_bytes` from step_timeline.json),
+# graph.jsonl (the same configurations with --cuda-graph: summary.json's `cuda_graph` has the
+# kernels per step and the graph memory), torch.jsonl (bench/torch_reference.py), pool-cache.jsonl,
+# im2col.jsonl (only with BIN_IM2COL), sweep-2GiB/ and sweep-nolimit/ (batch_sweep --find-max).
+#
+# Bounded: the whole run stops by BUDGET seconds (default 570, under a 10-minute device call).
+# Phases run in priority order, each step with its own time limit cut to what is left; a step that
+# no longer fits is skipped with a line in session.log, so a short lease still yields the most
+# important numbers first. Environment:
+#   BUDGET (s, 570)  STEPS (steps per run, 25)  TF32 (on|off for both frameworks, on = PyTorch's
+#   default)  PHASES (comma list, default: check,memtrain,torch,graph,tests,sweep,pool,im2col,nolimit)
+#   TESTS (test binaries of the `tests` phase)  SKIP_TORCH=1  BIN_IM2COL (a `--features cuda` build
+#   without cuDNN, for the im2col phase)  PY (python with torch, default python3)
+#   LD_LIBRARY_PATH_SET=1 (keep LD_LIBRARY_PATH as given instead of searching for the libraries)
 set -uo pipefail
 BIN=$(realpath "$1"); OUT=$(realpath -m "$2"); mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
-if [ -z "${LD_LIBRARY_PATH_SET:-}" ]; then
-  lib=$(dirname "$(find / -name 'libcublas.so.13*' -path '*cu13*' 2>/dev/null | head -1)")
-  export LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-echo "libs: $LD_LIBRARY_PATH" >> "$OUT/gpu.txt"
+BUDGET=${BUDGET:-570}; STEPS=${STEPS:-25}; TF32=${TF32:-on}; PY=${PY:-python3}
+PHASES=",${PHASES:-check,memtrain,torch,graph,tests,sweep,pool,im2col,nolimit},"
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
+# Seconds left in the budget.
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+# A step's time limit: its own LIMIT, or what is left when that is less; 0 when under MIN is left.
+limit_for() { # LIMIT MIN
+  local l; l=$(left)
+  if [ "$l" -lt "$2" ]; then echo 0; elif [ "$l" -lt "$1" ]; then echo "$l"; else echo "$1"; fi
+}
+phase() { [[ $PHASES == *",$1,"* ]]; }
 
-log "tests"
-for t in ${TESTS:-gpu_memory pool batchnorm depthwise conv2d gpu_train}; do
-  timeout "$( [ $t = gpu_train ] && echo 90 || echo ${TEST_LIMIT:-40})" "$BIN/$t" --include-ignored --test-threads=1 >> "$OUT/tests.log" 2>&1
-  log "test $t rc=$?"
-done
+if [ -z "${LD_LIBRARY_PATH_SET:-}" ]; then
+  # cuBLAS 13 and cuDNN 9 from wherever they are installed (e.g. a PyTorch install's nvidia/
+  # folders, or pip install nvidia-cudnn-cu13==9.13.*); the driver's libcuda is found as usual.
+  for pat in 'libcublas.so.13*' 'libcudnn.so.9'; do
+    f=$(find / -name "$pat" -path '*nvidia*' 2>/dev/null | head -1)
+    [ -n "$f" ] && export LD_LIBRARY_PATH="$(dirname "$f"):${LD_LIBRARY_PATH:-}"
+  done
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  echo "libs: ${LD_LIBRARY_PATH:-}"
+  if ldd "$BIN/train_cifar10" 2>/dev/null | grep -q libcudnn; then
+    echo "build: cuda,cudnn (convolutions through cuDNN)"
+  else
+    echo "build: cuda (convolutions through im2col + cuBLAS)"
+  fi
+  ldd "$BIN/train_cifar10" 2>&1 | grep -E 'cudnn|cublas|not found'
+  echo "tf32: $TF32  steps: $STEPS  budget: ${BUDGET}s"
+} > "$OUT/gpu.txt"
+
+run_tests() { # test binaries...
+  for t in "$@"; do
+    [ -x "$BIN/$t" ] || { log "test $t: no binary in $BIN, skipped"; continue; }
+    local lim; lim=$(limit_for "$( [ "$t" = gpu_train ] || [ "$t" = gpu_graph ] && echo 120 || echo "${TEST_LIMIT:-40}")" 20)
+    [ "$lim" -gt 0 ] || { log "test $t skipped: budget"; continue; }
+    echo "== $t" >> "$OUT/tests.log"
+    timeout "$lim" "$BIN/$t" --include-ignored --test-threads=1 >> "$OUT/tests.log" 2>&1
+    log "test $t rc=$?"
+  done
+}
 
 # name|flags shared by both frameworks
 CONFIGS=(
@@ -38,44 +80,89 @@ CONFIGS=(
   "bs512-separable|--batch-size 512 --conv separable"
   "bs512-bf16-all|--batch-size 512 --precision bf16 --accum-steps 4 --checkpoint stages --conv separable"
 )
-STEPS=${STEPS:-25}
-run_memtrain() { # name flags... ; appends {"name":..., summary...} to $OUT/$file
-  local file=$1 name=$2; shift 2
-  local dir="/tmp/mt-$file-$name"; rm -rf "$dir"
-  timeout 90 "$BIN/train_cifar10" --device cuda --max-steps "$STEPS" --synthetic-train 13000 --synthetic-test 100 \
-    --no-eval --quiet --summary-only --out "$dir" "$@" > "$dir.log" 2>&1
+# The issue's speed targets: batch 128 and 512, f32 and bf16, eager and captured.
+GRAPH_CONFIGS=("${CONFIGS[@]:0:4}")
+
+run_memtrain() { # bin file name flags... ; appends {"name":..., summary..., step_added_bytes} to $OUT/$file
+  local bin=$1 file=$2 name=$3; shift 3
+  local lim; lim=$(limit_for 90 20)
+  [ "$lim" -gt 0 ] || { log "memtrain $name ($file) skipped: budget"; return; }
+  local dir="/tmp/mt-$file-$name"; rm -rf "$dir" "$dir.log"
+  # Not --summary-only: step_timeline.json gives the step-added peak (pool bytes at the newest
+  # step's events minus its start).
+  timeout "$lim" "$bin/train_cifar10" --device cuda --max-steps "$STEPS" --synthetic-train 13000 --synthetic-test 100 \
+    --no-eval --quiet --tf32 "$TF32" --out "$dir" "$@" > "$dir.log" 2>&1
   local rc=$?
-  python3 - "$dir/summary.json" "$name" "$rc" "$*" >> "$OUT/$file" <<'PY'
-import json, sys
-path, name, rc, flags = sys.argv[1:5]
+  "$PY" - "$dir" "$name" "$rc" "$*" >> "$OUT/$file" <<'PY'
+import json, os, sys
+d, name, rc, flags = sys.argv[1:5]
 try:
-    s = json.load(open(path))
+    s = json.load(open(os.path.join(d, "summary.json")))
 except Exception as e:
-    s = {"error": str(e)}
+    try:
+        tail = open(d + ".log").read()[-400:]
+    except Exception:
+        tail = ""
+    s = {"error": str(e), "log_tail": tail}
+try:
+    t = json.load(open(os.path.join(d, "step_timeline.json")))
+    s["step_start_bytes"] = t["start_bytes"]
+    s["step_added_bytes"] = max(e["peak_bytes"] for e in t["events"]) - t["start_bytes"]
+except Exception:
+    pass
 s.update({"name": name, "rc": int(rc), "flags": flags})
 print(json.dumps(s))
 PY
-  log "memtrain $name rc=$rc"
+  log "memtrain $name ($file) rc=$rc"
 }
-log "memtrain runs"
-for c in "${CONFIGS[@]}"; do run_memtrain memtrain.jsonl "${c%%|*}" ${c#*|}; done
-log "pool cache off"
-run_memtrain pool-cache.jsonl bs512-f32-cache "--batch-size" 512
-run_memtrain pool-cache.jsonl bs512-f32-nocache --batch-size 512 --no-pool-cache
 
-log "pytorch runs"
-[ -n "${SKIP_TORCH:-}" ] || for c in "${CONFIGS[@]}"; do
-  name=${c%%|*}
-  timeout 90 python3 "$here/torch_reference.py" --device cuda --steps "$STEPS" --warmup 5 ${c#*|} \
+run_torch() { # name flags...
+  local name=$1; shift
+  local lim; lim=$(limit_for 90 25)
+  [ "$lim" -gt 0 ] || { log "pytorch $name skipped: budget"; return; }
+  timeout "$lim" "$PY" "$here/torch_reference.py" --device cuda --steps "$STEPS" --warmup 5 --tf32 "$TF32" "$@" \
     > "/tmp/pt-$name.json" 2> "/tmp/pt-$name.log"
-  rc=$?
-  python3 -c "import json,sys; d=json.load(open('/tmp/pt-$name.json')) if $rc==0 else {'error': open('/tmp/pt-$name.log').read()[-400:]}; d['name']='$name'; d['rc']=$rc; print(json.dumps(d))" >> "$OUT/torch.jsonl"
+  local rc=$?
+  "$PY" - "$name" "$rc" >> "$OUT/torch.jsonl" <<'PY'
+import json, sys
+name, rc = sys.argv[1], int(sys.argv[2])
+try:
+    d = json.load(open(f"/tmp/pt-{name}.json")) if rc == 0 else {"error": open(f"/tmp/pt-{name}.log").read()[-400:]}
+except Exception as e:
+    d = {"error": str(e)}
+d.update({"name": name, "rc": rc})
+print(json.dumps(d))
+PY
   log "pytorch $name rc=$rc"
-done
+}
 
-log "find-max under 2GiB"
-timeout "${SWEEP_LIMIT:-150}" "$BIN/batch_sweep" --find-max --memory-limit 2GiB --precision f32,bf16 --steps 2 \
-  --granularity 64 --max-batch 16384 --device cuda --trainer "$BIN/train_cifar10" --quiet --out "$OUT/sweep" \
-  > "$OUT/sweep.log" 2>&1
-log "sweep rc=$?"
-log "done"
+run_sweep() { # out-subdir limit-flags...
+  local sub=$1; shift
+  local lim; lim=$(limit_for "${SWEEP_LIMIT:-150}" 60)
+  [ "$lim" -gt 0 ] || { log "sweep $sub skipped: budget"; return; }
+  timeout "$lim" "$BIN/batch_sweep" --find-max "$@" --precision f32,bf16 --steps 2 \
+    --granularity 64 --max-batch 16384 --device cuda --trainer "$BIN/train_cifar10" --quiet --out "$OUT/$sub" \
+    > "$OUT/$sub.log" 2>&1
+  log "sweep $sub rc=$?"
+}
+
+# 1. The new code's correctness first: cuDNN convolutions against the CPU, captured = eager.
+phase check && { log "check"; run_tests gpu_graph conv2d; }
+# 2. The comparison's numbers.
+phase memtrain && { log "memtrain runs"; for c in "${CONFIGS[@]}"; do run_memtrain "$BIN" memtrain.jsonl "${c%%|*}" ${c#*|}; done; }
+phase torch && [ -z "${SKIP_TORCH:-}" ] && { log "pytorch runs"; for c in "${CONFIGS[@]}"; do run_torch "${c%%|*}" ${c#*|}; done; }
+phase graph && { log "captured step"; for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$BIN" graph.jsonl "${c%%|*}-graph" ${c#*|} --cuda-graph; done; }
+# 3. The remaining GPU tests.
+phase tests && { log "tests"; run_tests ${TESTS:-gpu_train gpu_memory pool batchnorm depthwise}; }
+phase sweep && { log "find-max under 2GiB"; run_sweep sweep-2GiB --memory-limit 2GiB; }
+phase pool && {
+  log "pool cache off"
+  run_memtrain "$BIN" pool-cache.jsonl bs512-f32-cache --batch-size 512
+  run_memtrain "$BIN" pool-cache.jsonl bs512-f32-nocache --batch-size 512 --no-pool-cache
+}
+phase im2col && [ -n "${BIN_IM2COL:-}" ] && {
+  log "im2col build"
+  for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$(realpath "$BIN_IM2COL")" im2col.jsonl "${c%%|*}-im2col" ${c#*|}; done
+}
+phase nolimit && { log "find-max without a limit"; run_sweep sweep-nolimit; }
+log "done ($(left)s of the budget left)"

@@ -16,6 +16,13 @@ peak_bytes the highest live heap bytes until optimizer.step() has returned, end_
 input tensors are made from the batch, and in this mode they are copies (memtrain's
 Tensor::from_slice copies the batch too; a plain slice would be a free view).
 
+On CUDA the JSON also has step_added_bytes: the most any timed step allocated above what was in
+use at its start (torch.cuda.memory_allocated after the previous step's gradients are freed, the
+step's peak from max_memory_allocated with the peak reset at the step's start), memtrain's
+step-added peak. --tf32 on|off sets torch.backends.cudnn.allow_tf32 (on, PyTorch's default:
+f32 convolutions in TF32); matmuls keep PyTorch's default (torch.backends.cuda.matmul.allow_tf32
+off), as memtrain's --tf32 leaves its head's matmul in f32.
+
 --checkpoint stages wraps each of the three stages (two blocks) in
 torch.utils.checkpoint.checkpoint(use_reentrant=False) and runs the head outside, as memtrain does
 (it recomputes every segment, the last one too: checkpoint_sequential would leave the last
@@ -127,6 +134,8 @@ def main():
     p.add_argument("--clip-grad-norm", type=float, default=1.0,
                    help="clip_grad_norm_ limit, as memtrain's --clip-grad-norm (0: off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tf32", choices=["on", "off"], default="on",
+                   help="TF32 for f32 convolutions on CUDA (torch.backends.cudnn.allow_tf32; on is PyTorch's default)")
     p.add_argument("--step-memory", action="store_true",
                    help="per-step heap bytes from the malloc_count LD_PRELOAD shim (CPU only)")
     a = p.parse_args()
@@ -140,6 +149,7 @@ def main():
     torch.manual_seed(a.seed)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
+    torch.backends.cudnn.allow_tf32 = a.tf32 == "on"
 
     n = a.batch_size * 4
     if a.data_dir:
@@ -156,8 +166,10 @@ def main():
     mb = a.batch_size // a.accum_steps
 
     step_mem = []
+    cuda_steps = []  # (start, peak) of each timed step on CUDA
 
     def step(i):
+        track = cuda and i >= a.warmup
         lo = (i * a.batch_size) % n
         if mc is not None:
             # The batch as the data pipeline hands it over (a view of the data set, like memtrain's
@@ -172,6 +184,11 @@ def main():
             xb = xs_all.to(dev, copy=True)
             yb = ys_all.to(dev, copy=True)
         else:
+            if track:
+                # As memtrain counts a step: the previous step's gradients freed, then the start.
+                opt.zero_grad(set_to_none=True)
+                start = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
             xb = x_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
             yb = y_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=True)
@@ -188,6 +205,8 @@ def main():
         if mc is not None:
             step_mem.append({"step": i, "timed": i >= a.warmup, "start_bytes": start,
                              "peak_bytes": mc.mc_peak(), "end_bytes": mc.mc_current()})
+        if track:
+            cuda_steps.append((start, torch.cuda.max_memory_allocated(dev)))
         return loss
 
     def sync():
@@ -218,10 +237,14 @@ def main():
         "images_per_sec": a.steps * a.batch_size / secs,
         "final_loss": float(loss.detach().float() * a.accum_steps),
         "params": sum(p.numel() for p in model.parameters()),
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
     }
     if cuda:
         free, total = torch.cuda.mem_get_info(dev)
-        out["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+        # The peak is reset at every timed step's start: the run's peak is the steps' highest.
+        out["peak_bytes"] = max(p for _, p in cuda_steps)
+        out["step_added_bytes"] = max(p - s for s, p in cuda_steps)
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
         out["device_used_bytes"] = total - free
     else:

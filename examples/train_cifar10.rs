@@ -8,7 +8,9 @@ use memtrain::memory::estimate::{DataSize, DeviceKind};
 use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::model::cnn::param_count;
 use memtrain::plan::{plan, PlanOptions}; // [plan]
-use memtrain::train::checkpoint::{ensure_no_checkpoints, Checkpoint}; // [checkpoint]
+use memtrain::train::checkpoint::Checkpoint; // [checkpoint]
+use memtrain::train::run_dir::{check_new, Claim};
+use memtrain::train::trainer::default_run_dir;
 use memtrain::train::{Trainer, TrainerOptions};
 
 #[global_allocator]
@@ -38,15 +40,19 @@ fn run() -> memtrain::Result<()> {
     let out_given = args.explicit.iter().any(|f| f == "out");
     let explicit = args.explicit.clone();
     let cmd = TrainCommand::try_from(args)?;
-    let cfg = match &resume {
+    let mut cfg = match &resume {
         Some(ck) => ck.resume_config(&cmd.config, out_given)?,
         None => {
+            // Checked again under the run directory's lock; here to fail before loading data.
             if let Some(out) = &cmd.config.out {
-                ensure_no_checkpoints(out)?;
+                check_new(out, cmd.overwrite)?;
             }
             cmd.config.clone()
         }
     };
+    if !cmd.dry_run && cfg.out.is_none() {
+        cfg.out = Some(default_run_dir());
+    }
     // [checkpoint] end
     // [bounds] begin: data set, model and step sized against --memory-limit, --fit-memory and the
     // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
@@ -104,6 +110,14 @@ fn run() -> memtrain::Result<()> {
         log_files: !cmd.dry_run && !cmd.summary_only,
         oom_snapshot: !cmd.dry_run,
         stop,
+        // One writer per run directory; a new run never replaces finished results unasked.
+        claim: if resume.is_some() {
+            Claim::Resume
+        } else {
+            Claim::New {
+                overwrite: cmd.overwrite,
+            }
+        },
         ..Default::default()
     };
     let mut trainer = match loaded {
@@ -152,12 +166,13 @@ fn run() -> memtrain::Result<()> {
     }
     // [checkpoint] begin
     if resume.is_some() && trainer.global_step >= trainer.total_steps() {
+        // The run's results are still (re)written below: a kill after the last step can have
+        // left its evaluation or its summary undone.
         println!(
-            "nothing left to train: the checkpoint is at step {} of {}; pass a larger --epochs to continue",
+            "no steps left to train: the checkpoint is at step {} of {}; pass a larger --epochs to continue training",
             trainer.global_step,
             trainer.total_steps()
         );
-        return Ok(());
     }
     // [checkpoint] end
     let summary = trainer.fit()?;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Type-check memtrain with the `cuda` feature on a machine without a GPU.
+# Type-check memtrain with the `cuda` feature, and with `cuda,cudnn`, on a machine without a GPU.
 # Called by CI (.ci/run); also fine to run by hand.
 #
 #   scripts/cuda-check.sh [extra cargo args...]
@@ -44,4 +44,9 @@ for cu in src/ops/kernels/*.cu; do
 done
 cargo check --release --features cuda --all-targets "$@" || rc=$?
 echo "[cuda-check] cargo check --release --features cuda --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
+# The cuDNN convolutions (src/ops/conv2d_cudnn.rs) exist only with `cudnn`; a second check with
+# it (its own artifacts for cudarc and the crates above it in the same target dir, so both stay
+# incremental; candle-kernels' nvcc build is shared).
+cargo check --release --features cuda,cudnn --all-targets "$@" || rc=$?
+echo "[cuda-check] cargo check --release --features cuda,cudnn --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
 exit "$rc"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install a pip-based CUDA 13.0 toolchain so `cargo build/check --features cuda`
-# works on a machine WITHOUT a GPU or a system CUDA install (e.g. the 2-core
-# build box). The resulting binaries are run on the H100 box (driver 580).
+# (and `--features cuda,cudnn`) works on a machine WITHOUT a GPU or a system CUDA
+# install (e.g. the 2-core build box). The resulting binaries are run on the H100
+# box (driver 580).
 #
 # Usage:
 #   scripts/cuda-toolchain.sh              # install (if needed), verify, print env
@@ -27,7 +28,7 @@ die() { log "ERROR: $*"; exit 1; }
 PRINT_ENV_ONLY=0
 case "${1:-}" in
   --print-env) PRINT_ENV_ONLY=1 ;;
-  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
   "") ;;
   *) die "unknown argument: $1 (try --help)" ;;
 esac
@@ -50,9 +51,12 @@ PIP_PKGS=(
   'nvidia-cublas==13.0.*'
   'nvidia-curand==10.4.0.*'
   'nvidia-cuda-nvrtc==13.0.*'
+  # cuDNN for `--features cudnn` (src/ops/conv2d_cudnn.rs): 9.13 is the first cuDNN release
+  # built for CUDA 13.0. ~350 MB; its libcudnn.so.9 also goes on LD_LIBRARY_PATH at run time.
+  'nvidia-cudnn-cu13==9.13.*'
 )
 # Bump when the recipe changes so existing venvs are refreshed.
-STAMP_CONTENT="recipe-v1 ${PIP_PKGS[*]}"
+STAMP_CONTENT="recipe-v2 ${PIP_PKGS[*]}"
 STAMP="$VENV/.memtrain-cuda-toolchain"
 
 mkdir -p "$(dirname "$VENV")"
@@ -94,6 +98,19 @@ link_unversioned() { # name
   log "linked lib$name.so -> $f"
 }
 for n in cudart cublas cublasLt nvrtc curand nvrtc-builtins; do link_unversioned "$n"; done
+
+# cuDNN's wheel keeps its libraries in its own folder (libcudnn.so.9 loads its sub-libraries,
+# libcudnn_cnn.so.9 and friends, from the same place); cudarc's `cudnn` feature links -lcudnn.
+# Named MEMTRAIN_CUDNN_LIB, not CUDNN_LIB: cudarc's build script re-runs when CUDNN_LIB changes.
+shopt -s nullglob
+cudnn_cands=("$VENV"/lib/python3*/site-packages/nvidia/cudnn/lib/libcudnn.so.9)
+shopt -u nullglob
+(( ${#cudnn_cands[@]} >= 1 )) || die "no libcudnn.so.9 under $VENV (nvidia-cudnn-cu13 missing? rm $STAMP and re-run)"
+CUDNN_LIB_DIR=$(dirname "${cudnn_cands[0]}")
+if [[ ! -e "$CUDNN_LIB_DIR/libcudnn.so" ]]; then
+  ln -sfn libcudnn.so.9 "$CUDNN_LIB_DIR/libcudnn.so"
+  log "linked libcudnn.so -> libcudnn.so.9 in $CUDNN_LIB_DIR"
+fi
 
 # -------------------------------------- 2b. libcuda.so (driver API) for linking
 # Only needed at link time here; at run time the GPU box's driver libcuda.so.1
@@ -173,6 +190,10 @@ export CUDA_PATH="\$CUDA_ROOT"
 export CUDA_HOME="\$CUDA_ROOT"
 case ":\$PATH:" in *":\$CUDA_ROOT/bin:"*) ;; *) export PATH="\$CUDA_ROOT/bin:\$PATH" ;; esac
 case ":\${LIBRARY_PATH:-}:" in *":\$CUDA_ROOT/lib:"*) ;; *) export LIBRARY_PATH="\$CUDA_ROOT/lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}" ;; esac
+# cuDNN (--features cudnn). Unlike \$CUDA_ROOT/lib this folder holds no link-only libcuda, so on
+# a GPU machine it may go on LD_LIBRARY_PATH to provide libcudnn.so.9 at run time.
+export MEMTRAIN_CUDNN_LIB="$CUDNN_LIB_DIR"
+case ":\${LIBRARY_PATH:-}:" in *":\$MEMTRAIN_CUDNN_LIB:"*) ;; *) export LIBRARY_PATH="\$MEMTRAIN_CUDNN_LIB:\$LIBRARY_PATH" ;; esac
 # 90 -> sm_90a (H100). Changing it (or NVCC/NVCC_CCBIN, CUDA_HOME/CUDA_PATH/CUDA_ROOT)
 # re-runs the candle-kernels/cudarc build scripts: keep it identical everywhere.
 export CUDA_COMPUTE_CAP="\${CUDA_COMPUTE_CAP:-90}"
@@ -210,6 +231,7 @@ fi
 for so in cuda cudart cublas cublasLt nvrtc curand; do
   [[ -e "$LIB/lib$so.so" ]] || die "$LIB/lib$so.so missing or dangling"
 done
+[[ -e "$CUDNN_LIB_DIR/libcudnn.so" ]] || die "$CUDNN_LIB_DIR/libcudnn.so missing or dangling"
 
 if (( PRINT_ENV_ONLY )); then
   printf '%s\n' "$ENV_TEXT"

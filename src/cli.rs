@@ -3,8 +3,8 @@
 //! Doc comments are the `--help` text; the README's flag table is checked against it by a test.
 
 use crate::config::{
-    Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig, DEFAULT_PRUNE_BEGIN,
-    DEFAULT_PRUNE_EVERY, DEFAULT_PRUNE_INITIAL,
+    Checkpointing, ConvKind, OptimizerKind, Precision, Tf32, TrainConfig, DEFAULT_PRUNE_BEGIN,
+    DEFAULT_PRUNE_EVERY, DEFAULT_PRUNE_INITIAL, DEFAULT_TF32,
 };
 use crate::error::{Error, Result};
 use crate::memory::parse_size;
@@ -86,6 +86,12 @@ pub struct TrainArgs {
     /// CUDA: return freed pool memory to the driver at every synchronize instead of keeping it
     #[arg(long)]
     pub no_pool_cache: bool,
+    /// CUDA: TF32 tensor-core math for f32 convolutions, as PyTorch does by default (the head's matmul stays f32, as in PyTorch). No effect on the CPU or with --precision f16/bf16
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = DEFAULT_TF32)]
+    pub tf32: Tf32,
+    /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
+    #[arg(long)]
+    pub cuda_graph: bool,
     /// Seed for initialization, data order, augmentation and synthetic data
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -131,6 +137,9 @@ pub struct TrainArgs {
     /// Print the memory estimate and the configuration, then exit without training
     #[arg(long)]
     pub dry_run: bool,
+    /// Replace the results and checkpoints of an earlier run in --out (without it, such an --out is refused)
+    #[arg(long)]
+    pub overwrite: bool,
     // [plan] begin: the memory-budget planner (src/plan.rs).
     /// Choose micro-batch, accumulation, checkpointing and precision whose predicted peak fits SIZE (e.g. 300MiB) minus a 5% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it); --precision, --checkpoint and --accum-steps given explicitly are kept
     #[arg(long, value_name = "SIZE")]
@@ -159,6 +168,8 @@ pub struct TrainCommand {
     pub resume: Option<PathBuf>,
     /// Only print the estimate and configuration.
     pub dry_run: bool,
+    /// Replace an earlier run's results in the run directory.
+    pub overwrite: bool,
     /// Only write summary.json.
     pub summary_only: bool,
     // [plan] begin
@@ -213,6 +224,8 @@ impl TryFrom<TrainArgs> for TrainCommand {
             checkpoint: a.checkpoint,
             memory_limit,
             pool_cache: !a.no_pool_cache,
+            tf32: a.tf32,
+            cuda_graph: a.cuda_graph,
             seed: a.seed,
             device: a.device.clone(),
             out: a.out.clone(),
@@ -252,10 +265,16 @@ impl TryFrom<TrainArgs> for TrainCommand {
             return Err(Error::config("--effective-batch must be at least 1"));
         }
         // [plan] end
+        if a.overwrite && a.resume.is_some() {
+            return Err(Error::config(
+                "--overwrite starts a new run and --resume continues one; drop one of them",
+            ));
+        }
         Ok(TrainCommand {
             config,
             resume: a.resume,
             dry_run: a.dry_run,
+            overwrite: a.overwrite,
             summary_only: a.summary_only,
             fit_memory,
             effective_batch: a.effective_batch,

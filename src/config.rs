@@ -101,6 +101,20 @@ cli_enum! {
     }
 }
 
+cli_enum! {
+    /// TF32 tensor-core math for f32 convolutions on CUDA (see [`crate::ops::set_tf32`]).
+    Tf32 {
+        /// f32 convolutions multiply in TF32 and sum in f32 (PyTorch's default for convolutions).
+        On => "on",
+        /// f32 convolutions multiply in f32 (FMA only).
+        Off => "off",
+    }
+}
+
+/// `--tf32`: on, as PyTorch runs f32 convolutions on CUDA by default
+/// (`torch.backends.cudnn.allow_tf32 = True`), so f32 comparisons with it compare like with like.
+pub const DEFAULT_TF32: Tf32 = Tf32::On;
+
 impl Precision {
     /// The Candle dtype the forward pass computes in.
     pub fn compute_dtype(&self) -> candle_core::DType {
@@ -161,6 +175,11 @@ pub struct TrainConfig {
     pub memory_limit: Option<u64>,
     /// Keep freed CUDA pool memory between steps (release threshold = max).
     pub pool_cache: bool,
+    /// TF32 math for f32 convolutions on CUDA (no effect on the CPU, in f16/bf16 or on the head).
+    pub tf32: Tf32,
+    /// Capture the forward and backward of the training step as a CUDA graph and replay it
+    /// (`crate::train::graph`); CUDA only.
+    pub cuda_graph: bool,
     /// Seed for initialization, data order, augmentation and synthetic data.
     pub seed: u64,
     /// Device: "cpu", "cuda" or "cuda:N"; `None` picks CUDA when available.
@@ -215,6 +234,8 @@ impl Default for TrainConfig {
             checkpoint: Checkpointing::None,
             memory_limit: None,
             pool_cache: true,
+            tf32: DEFAULT_TF32,
+            cuda_graph: false,
             seed: 0,
             device: None,
             out: None,
@@ -398,7 +419,36 @@ impl TrainConfig {
         if let Some(dev) = &self.device {
             crate::device::parse_device_spec(dev)?;
         }
+        self.validate_cuda_graph()?;
         self.validate_pruning()
+    }
+
+    /// `--cuda-graph`: only on a CUDA device, and not under `--memory-limit`. Whether an automatic
+    /// device turned out to be a GPU is checked when the trainer opens it.
+    fn validate_cuda_graph(&self) -> Result<()> {
+        if !self.cuda_graph {
+            return Ok(());
+        }
+        if let Some(dev) = &self.device {
+            if crate::device::parse_device_spec(dev)? == crate::device::DeviceSpec::Cpu {
+                return Err(Error::config(
+                    "--cuda-graph captures the step on a GPU and cannot run with --device cpu; drop --cuda-graph or use --device cuda",
+                ));
+            }
+        }
+        if self.memory_limit.is_some() {
+            // Allocations made while a stream is captured come from CUDA's graph memory, not
+            // from the pool whose maximum size is the limit: the limit would not hold.
+            return Err(Error::config(
+                "--cuda-graph cannot be combined with --memory-limit: a captured step allocates from CUDA's graph memory, which the limit's pool does not bound; drop one of them",
+            ));
+        }
+        if !cfg!(feature = "cuda") {
+            return Err(Error::config(
+                "--cuda-graph needs a CUDA device, and this binary was built without CUDA; rebuild with --features cuda (see README, Build for CUDA) or drop --cuda-graph",
+            ));
+        }
+        Ok(())
     }
 
     /// The `--prune*` flags; the checks that need the run's length (the default end step) are

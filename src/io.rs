@@ -70,3 +70,33 @@ pub fn create_dir(path: &Path) -> Result<()> {
     let _ = std::fs::remove_file(probe);
     Ok(())
 }
+
+/// Read a whole file that must be a regular file of at most `max` bytes. Checked with `stat`
+/// first, which never blocks (opening a FIFO would, and `/dev/zero` never ends), and read
+/// through a cap, so a file that grows meanwhile cannot make the read unbounded either.
+/// Errors: [`std::io::ErrorKind::InvalidInput`] for anything but a regular file,
+/// [`std::io::ErrorKind::FileTooLarge`] past `max`, or the read's own error.
+pub fn read_capped(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error as IoError, ErrorKind, Read};
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(IoError::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    if meta.len() > max {
+        return Err(IoError::new(
+            ErrorKind::FileTooLarge,
+            format!("{} bytes, more than the {max} expected", meta.len()),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    std::fs::File::open(path)?
+        .take(max + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(IoError::new(
+            ErrorKind::FileTooLarge,
+            format!("more than the {max} bytes expected"),
+        ));
+    }
+    Ok(bytes)
+}

@@ -5,7 +5,7 @@
 
 mod common;
 
-use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::config::{Checkpointing, ConvKind, Precision, Tf32, TrainConfig};
 use memtrain::Error;
 
 fn on(device: &str, cfg: TrainConfig) -> TrainConfig {
@@ -29,6 +29,9 @@ fn every_combination_trains_on_cuda_and_matches_the_cpu() {
                         checkpoint: *checkpoint,
                         conv: *conv,
                         width: 8,
+                        // Exact f32 convolutions: the f32 tolerance is the CPU's, not TF32's
+                        // (tests/gpu_graph.rs checks --tf32 on against its own tolerance).
+                        tf32: Tf32::Off,
                         ..common::tiny_config()
                     };
                     let label = cfg.label();

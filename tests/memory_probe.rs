@@ -93,6 +93,7 @@ fn counting_allocator_and_peak_nesting() {
         total_steps: 3,
         global_step: 0,
         start_epoch: 0,
+        ended_epochs: &[],
         train_images: 3,
         eval_images: 0,
         probe: &*probe,

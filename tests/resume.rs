@@ -376,7 +376,7 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
     let out = run(&resume);
     assert_ok(&out, "resuming a finished run");
     assert!(
-        text(&out.stdout).contains("nothing left to train"),
+        text(&out.stdout).contains("no steps left to train"),
         "stdout:\n{}",
         text(&out.stdout)
     );

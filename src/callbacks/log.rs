@@ -1,56 +1,122 @@
 //! [`MetricsLogger`]: the run directory's files.
 //!
-//! `config.json` at start; `epochs.csv`, `batches.csv` and `memory.json` rewritten atomically
-//! at each epoch end (so a crash leaves the last complete version, never a torn file);
-//! `summary.json` at the end.
+//! `config.json` at start. Every step's row is appended to `batches.csv` and flushed as the step
+//! ends, so a kill loses no finished step; every epoch's row likewise to `epochs.csv`, and
+//! `memory.json` is rewritten atomically at each epoch end; `summary.json` at the end.
+//!
+//! A resumed run first repairs the files to its checkpoint: `batches.csv` keeps the rows of the
+//! steps before the checkpoint (rows of later steps, and a row torn by the kill, are dropped)
+//! and `epochs.csv` is rewritten from the ended epochs the checkpoint carries, so both describe
+//! the whole run, as an uninterrupted run's would.
 
-use super::{BatchInfo, Callback, EpochEnd, MemoryLog, TrainBegin, TrainEnd};
-use crate::error::Result;
+use super::{BatchInfo, Callback, EpochEnd, EpochMemory, EpochStats, MemoryLog, TrainBegin, TrainEnd};
+use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::fs::File;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// Writes config, per-epoch and per-batch CSV, memory records and the summary into the run directory.
 pub struct MetricsLogger {
     dir: PathBuf,
     memory: Option<Arc<Mutex<MemoryLog>>>,
-    batch_rows: String,
-    epoch_rows: String,
+    batches: Option<File>,
+    epochs: Option<File>,
 }
 
 /// Header of `batches.csv`.
 pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,grad_norm,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,os_current,os_peak";
 /// Header of `epochs.csv`.
 pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak,os_current,os_peak";
+/// Largest `batches.csv` a resume reads back (about three million steps' rows).
+const MAX_LOG_BYTES: u64 = 1 << 30;
+/// Per-step rows.
+pub const BATCHES_CSV: &str = "batches.csv";
+/// Per-epoch rows.
+pub const EPOCHS_CSV: &str = "epochs.csv";
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
 }
 
-/// The header and the rows of an existing CSV whose column `col` is below `limit`; just the
-/// header when the file is missing or has another header.
-fn kept_rows(path: &std::path::Path, header: &str, col: usize, limit: usize) -> String {
-    let mut out = format!("{header}\n");
-    let Ok(text) = std::fs::read_to_string(path) else {
+/// The header and the complete rows of an existing `batches.csv` for the steps before
+/// `global_step`; just the header when the file is missing or has another header.
+fn kept_batch_rows(path: &Path, global_step: usize) -> String {
+    let mut out = format!("{BATCH_CSV_HEADER}\n");
+    // Read capped and only if regular: a FIFO put in its place must not block the resume.
+    let Ok(bytes) = crate::io::read_capped(path, MAX_LOG_BYTES) else {
         return out;
     };
-    let mut lines = text.lines();
-    if lines.next() != Some(header) {
+    let text = String::from_utf8_lossy(&bytes);
+    let mut lines = text.split_inclusive('\n');
+    if lines.next().map(str::trim_end) != Some(BATCH_CSV_HEADER) {
         return out;
     }
+    let columns = BATCH_CSV_HEADER.split(',').count();
     for line in lines {
-        if line
-            .split(',')
-            .nth(col)
-            .and_then(|v| v.parse::<usize>().ok())
-            .is_some_and(|v| v < limit)
-        {
+        // A row torn by a kill has no newline or too few columns.
+        let complete = line.ends_with('\n') && line.split(',').count() == columns;
+        let step = line.split(',').nth(2).and_then(|v| v.parse::<usize>().ok());
+        if complete && step.is_some_and(|s| s < global_step) {
             out.push_str(line);
-            out.push('\n');
         }
     }
     out
+}
+
+/// One `epochs.csv` row (with its newline).
+fn epoch_row(s: &EpochStats, mem: Option<&EpochMemory>) -> String {
+    let mut row = format!(
+        "{},{},{},{},{},{},{},{},{},{},{},{}",
+        s.epoch,
+        s.steps,
+        s.images,
+        s.train_loss,
+        s.train_accuracy,
+        opt(s.eval_loss),
+        opt(s.eval_accuracy),
+        s.images_per_sec,
+        s.train_secs,
+        s.lr,
+        opt(s.loss_scale),
+        s.skipped_steps
+    );
+    match mem {
+        Some(m) => {
+            let _ = writeln!(
+                row,
+                ",{},{},{},{},{},{}",
+                m.peak_bytes,
+                m.phase,
+                m.mean_batch_peak,
+                m.eval_peak,
+                opt(m.os_current),
+                opt(m.os_peak)
+            );
+        }
+        None => row.push_str(",,,,,,\n"),
+    }
+    row
+}
+
+/// Open `path` for appending.
+fn append_to(path: &Path) -> Result<File> {
+    File::options()
+        .append(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))
+}
+
+/// Append `row` and hand it to the kernel at once: it survives a kill of the process.
+fn append_row(file: &mut Option<File>, path: &Path, row: &str) -> Result<()> {
+    if let Some(f) = file.as_mut() {
+        f.write_all(row.as_bytes())
+            .and_then(|()| f.flush())
+            .map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
 }
 
 impl MetricsLogger {
@@ -59,8 +125,8 @@ impl MetricsLogger {
         MetricsLogger {
             dir: dir.into(),
             memory,
-            batch_rows: format!("{BATCH_CSV_HEADER}\n"),
-            epoch_rows: format!("{EPOCH_CSV_HEADER}\n"),
+            batches: None,
+            epochs: None,
         }
     }
 
@@ -70,34 +136,45 @@ impl MetricsLogger {
             .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
-    fn flush(&self) -> Result<()> {
-        write_atomic(&self.dir.join("batches.csv"), self.batch_rows.as_bytes())?;
-        write_atomic(&self.dir.join("epochs.csv"), self.epoch_rows.as_bytes())?;
-        if let Some(m) = self.memory() {
-            write_json_atomic(&self.dir.join("memory.json"), &m)?;
+    fn write_memory(&self) -> Result<()> {
+        match self.memory() {
+            Some(m) => write_json_atomic(&self.dir.join("memory.json"), &m),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
 impl Callback for MetricsLogger {
     fn on_train_begin(&mut self, ctx: &TrainBegin<'_>) -> Result<()> {
-        if ctx.global_step > 0 {
-            // Resuming: keep the rows of the steps and epochs before the checkpoint, drop any
-            // written after it by the interrupted process.
-            self.batch_rows = kept_rows(
-                &self.dir.join("batches.csv"),
-                BATCH_CSV_HEADER,
-                2,
-                ctx.global_step,
-            );
-            self.epoch_rows = kept_rows(
-                &self.dir.join("epochs.csv"),
-                EPOCH_CSV_HEADER,
-                0,
-                ctx.start_epoch,
-            );
+        let (batches_path, epochs_path) = (self.dir.join(BATCHES_CSV), self.dir.join(EPOCHS_CSV));
+        // Resuming keeps the rows of the steps before the checkpoint and drops the rest; a new
+        // run starts both files with their headers.
+        let batches = if ctx.global_step > 0 {
+            let kept = kept_batch_rows(&batches_path, ctx.global_step);
+            let rows = kept.lines().count() - 1;
+            if rows < ctx.global_step {
+                eprintln!(
+                    "warning: {} held the rows of {rows} of the {} steps before the checkpoint; the others are lost (the file was removed or replaced)",
+                    batches_path.display(),
+                    ctx.global_step
+                );
+            }
+            kept
+        } else {
+            format!("{BATCH_CSV_HEADER}\n")
+        };
+        let memory = self.memory();
+        let mut epochs = format!("{EPOCH_CSV_HEADER}\n");
+        for s in ctx.ended_epochs {
+            let mem = memory
+                .as_ref()
+                .and_then(|m| m.epochs.iter().find(|e| e.epoch == s.epoch));
+            epochs.push_str(&epoch_row(s, mem));
         }
+        write_atomic(&batches_path, batches.as_bytes())?;
+        write_atomic(&epochs_path, epochs.as_bytes())?;
+        self.batches = Some(append_to(&batches_path)?);
+        self.epochs = Some(append_to(&epochs_path)?);
         write_json_atomic(&self.dir.join("config.json"), ctx.config)
     }
 
@@ -109,8 +186,7 @@ impl Callback for MetricsLogger {
                 .last()
                 .cloned()
         });
-        let _ = write!(
-            self.batch_rows,
+        let mut row = format!(
             "{},{},{},{},{},{},{},{},{},{}",
             ctx.epoch,
             ctx.batch,
@@ -126,7 +202,7 @@ impl Callback for MetricsLogger {
         match mem {
             Some(m) => {
                 let _ = writeln!(
-                    self.batch_rows,
+                    row,
                     ",{},{},{},{},{},{},{},{},{},{}",
                     m.peak_bytes,
                     m.phase,
@@ -140,50 +216,20 @@ impl Callback for MetricsLogger {
                     opt(m.os_peak)
                 );
             }
-            None => self.batch_rows.push_str(",,,,,,,,,,\n"),
+            None => row.push_str(",,,,,,,,,,\n"),
         }
-        Ok(())
+        append_row(&mut self.batches, &self.dir.join(BATCHES_CSV), &row)
     }
 
     fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> Result<()> {
-        let s = ctx.stats;
         let mem = self.memory().and_then(|m| m.epochs.last().cloned());
-        let _ = write!(
-            self.epoch_rows,
-            "{},{},{},{},{},{},{},{},{},{},{},{}",
-            s.epoch,
-            s.steps,
-            s.images,
-            s.train_loss,
-            s.train_accuracy,
-            opt(s.eval_loss),
-            opt(s.eval_accuracy),
-            s.images_per_sec,
-            s.train_secs,
-            s.lr,
-            opt(s.loss_scale),
-            s.skipped_steps
-        );
-        match mem {
-            Some(m) => {
-                let _ = writeln!(
-                    self.epoch_rows,
-                    ",{},{},{},{},{},{}",
-                    m.peak_bytes,
-                    m.phase,
-                    m.mean_batch_peak,
-                    m.eval_peak,
-                    opt(m.os_current),
-                    opt(m.os_peak)
-                );
-            }
-            None => self.epoch_rows.push_str(",,,,,,\n"),
-        }
-        self.flush()
+        let row = epoch_row(ctx.stats, mem.as_ref());
+        append_row(&mut self.epochs, &self.dir.join(EPOCHS_CSV), &row)?;
+        self.write_memory()
     }
 
     fn on_train_end(&mut self, ctx: &TrainEnd<'_>) -> Result<()> {
-        self.flush()?;
+        self.write_memory()?;
         write_json_atomic(&self.dir.join("summary.json"), ctx.summary)
     }
 }

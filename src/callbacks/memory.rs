@@ -230,7 +230,11 @@ impl Callback for MemoryCallback {
         {
             let mut log = self.lock();
             log.available = self.probe.available();
-            log.baseline_bytes = cur;
+            // A resumed run's log already holds the earlier processes' steps: the run's
+            // baseline is the first process's.
+            if log.batches.is_empty() {
+                log.baseline_bytes = cur;
+            }
         }
         self.fold(Phase::Other);
         Ok(())
@@ -245,8 +249,22 @@ impl Callback for MemoryCallback {
             (log.peak_bytes, log.peak_phase.unwrap_or(Phase::Other))
         };
         self.epoch_eval = 0;
-        let n = self.lock().batches.len();
-        self.epoch_first_batch = n;
+        // Steps of this epoch recorded by an earlier process (a resumed run) belong to it.
+        let log = self.lock();
+        let first = log
+            .batches
+            .iter()
+            .rposition(|b| b.epoch != ctx.epoch)
+            .map_or(0, |i| i + 1);
+        let earlier = log.batches[first..]
+            .iter()
+            .map(|b| (b.peak_bytes, b.phase))
+            .max_by_key(|p| p.0);
+        drop(log);
+        if let Some((bytes, phase)) = earlier {
+            max_phase(&mut self.epoch_peak, bytes, phase);
+        }
+        self.epoch_first_batch = first;
         Ok(())
     }
 

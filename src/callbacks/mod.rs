@@ -36,6 +36,8 @@ pub struct TrainBegin<'a> {
     pub global_step: usize,
     /// Epoch training starts in (non-zero when resuming).
     pub start_epoch: usize,
+    /// Epochs ended before this process started (resuming): their rows are the run's first.
+    pub ended_epochs: &'a [EpochStats],
     /// Number of training images.
     pub train_images: usize,
     /// Number of evaluation images.

@@ -42,7 +42,8 @@
 //!
 //! On the CPU the estimate is calibrated against the counting allocator (see
 //! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (the conv op's chunked
-//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`; cuBLAS workspaces, the pool's rounding and
+//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build the one cuDNN
+//! workspace of `ops::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`; cuBLAS workspaces, the pool's rounding and
 //! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
 //! not yet checked against a GPU.
 
@@ -374,7 +375,7 @@ pub struct Estimate {
     /// Host batches in flight during a step (0 on CUDA).
     pub batch_bytes: u64,
     /// Buffers the runtime allocates at the first step and keeps (the gemm crate's per-thread
-    /// packing buffers on the CPU).
+    /// packing buffers on the CPU; the cuDNN workspace on CUDA in a `cudnn` build).
     pub runtime_bytes: u64,
     /// Highest bytes in use during the forward passes.
     pub forward_peak: u64,
@@ -463,9 +464,14 @@ impl Estimate {
         }
         let _ = writeln!(
             s,
-            "baseline {} (data set, model, runtime) | batches in flight {} | gemm buffers {}",
+            "baseline {} (data set, model, runtime) | batches in flight {} | {} {}",
             format_bytes(self.baseline_bytes),
             format_bytes(self.batch_bytes),
+            if self.device.is_cpu() {
+                "gemm buffers"
+            } else {
+                "conv workspace"
+            },
             format_bytes(self.runtime_bytes)
         );
         let _ = writeln!(
@@ -627,13 +633,14 @@ pub fn estimate_for_specs(
 
     // The gemm crate's per-thread L2 packing buffers, allocated by the first matrix product on
     // each thread and kept: the convolution threads (the head's products run single-threaded
-    // on the calling thread, one of them; see `ops::linear`).
+    // on the calling thread, one of them; see `ops::linear`). On CUDA, the cuDNN workspace of a
+    // `cudnn` build, allocated by the first convolution and kept.
     let gemm_slabs = match device {
         DeviceKind::Cpu {
             threads,
             l2_cache_bytes,
         } => threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes,
-        DeviceKind::Cuda => 0,
+        DeviceKind::Cuda => crate::ops::conv2d_cudnn::cuda_runtime_bytes(),
     };
 
     let mut sim = Sim::new(nodes.len());
@@ -964,12 +971,13 @@ fn pointwise_in_place(c: &Ctx, nd: &Node, k: usize, pad: usize) -> bool {
     k == 1 && pad == 0 && one_column(c, nd, k) == (cin * h * w * 4) as u64
 }
 
-/// Scratch of one pass of the CUDA conv2d op (one chunk of columns, see `ops::conv2d_cuda`).
+/// Scratch of one pass of the CUDA conv2d op: one chunk of columns for the im2col op (see
+/// `ops::conv2d_cuda`), none for cuDNN (its workspace is in `runtime_bytes`).
 fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: ConvPass) -> u64 {
     let (cin, h, w) = nd.inp;
     let (cout, ho, wo) = nd.out;
     let pointwise = k == 1 && pad == 0 && (h, w) == (ho, wo);
-    crate::ops::conv2d_cuda::cuda_scratch_bytes(
+    crate::ops::conv2d_cudnn::cuda_pass_scratch_bytes(
         pass,
         c.n as usize,
         cin,

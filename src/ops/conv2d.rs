@@ -73,7 +73,8 @@ pub const MIN_GEMM_DEPTH: usize = 256;
 /// thread count.
 ///
 /// On CUDA the same three passes run as im2col + cuBLAS gemm + col2im in chunks of the batch
-/// ([`crate::ops::conv2d_cuda`]); on other devices (Metal) this is Candle's `conv2d`.
+/// ([`crate::ops::conv2d_cuda`]), or through cuDNN in a build with the `cudnn` feature
+/// ([`crate::ops::conv2d_cudnn`]); on other devices (Metal) this is Candle's `conv2d`.
 ///
 /// # Errors
 /// When `x` or `w` is not 4D, the channel counts differ, the kernel is not square or is larger than
@@ -157,7 +158,8 @@ fn check_backward_args(grad: &Tensor, other: &Tensor, geom: &Geom) -> Result<()>
 /// of the number chosen from [`MIN_GEMM_DEPTH`] and [`IM2COL_CHUNK_BYTES`]. Meant for tests (batch sizes that are not a multiple
 /// of the chunk) and for tuning; on the CPU the forward and input-gradient passes always work one
 /// image at a time per thread, so the value only changes how the weight gradient is summed. On
-/// CUDA it is the chunk of every pass (instead of [`super::conv2d_cuda::CUDA_IM2COL_CHUNK_BYTES`]).
+/// CUDA it is the chunk of every pass (instead of [`super::conv2d_cuda::CUDA_IM2COL_CHUNK_BYTES`]),
+/// and it selects the im2col op even in a `cudnn` build (so that op stays testable there).
 ///
 /// # Errors
 /// As [`conv2d`], and when `chunk_images` is 0.
@@ -1129,8 +1131,10 @@ macro_rules! dispatch2 {
     };
 }
 
-/// The `cuda_fwd` of one of the three ops below: `$pass` of the CUDA op
-/// ([`super::conv2d_cuda`]), its result shaped as the geometry's `$shape`.
+/// The `cuda_fwd` of one of the three ops below: `$pass` of the CUDA op, its result shaped as
+/// the geometry's `$shape`. The op is cuDNN's ([`super::conv2d_cudnn`]) in a build with the
+/// `cudnn` feature, else im2col + cuBLAS ([`super::conv2d_cuda`]); a chunk forced through
+/// [`conv2d_with_chunk`] is an im2col setting, so it selects the im2col op in either build.
 macro_rules! cuda_pass {
     ($pass:ident, $shape:ident) => {
         #[cfg(feature = "cuda")]
@@ -1142,6 +1146,11 @@ macro_rules! cuda_pass {
             l2: &Layout,
         ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
             let pass = super::conv2d_cuda::ConvPass::$pass;
+            #[cfg(feature = "cudnn")]
+            if self.geom.chunk.is_none() {
+                let out = super::conv2d_cudnn::launch(pass, &self.geom, s1, l1, s2, l2)?;
+                return Ok((out, self.geom.$shape()));
+            }
             let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
             Ok((out, self.geom.$shape()))
         }

@@ -481,8 +481,8 @@ mod cuda {
                 blas_sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        // f64 multiplies in f64; f32 in f32 (no TF32, like Candle's matmul by default); half
-        // types in f32 from half inputs, into half or f32 results.
+        // f64 multiplies in f64; f32 in f32, or on TF32 tensor cores when `--tf32 on`
+        // (`crate::ops::set_tf32`); half types in f32 from half inputs, into half or f32 results.
         let beta = if plan.accumulate { 1.0 } else { 0.0 };
         let f64_scalars = [1.0f64, beta];
         let f32_scalars = [1.0f32, beta as f32];
@@ -494,10 +494,16 @@ mod cuda {
                     blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
                 )
             } else {
+                let compute = if T::DATA == blas_sys::cudaDataType::CUDA_R_32F && crate::ops::tf32()
+                {
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+                } else {
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+                };
                 (
                     (&f32_scalars[0] as *const f32).cast(),
                     (&f32_scalars[1] as *const f32).cast(),
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    compute,
                 )
             };
         // SAFETY: the plan's shapes, leading dimensions and strides keep every matrix of the

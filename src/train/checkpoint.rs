@@ -12,25 +12,44 @@
 //!     optimizer.safetensors     momentum buffers / Adam moments (Optimizer::state: s1.<i>, s2.<i>)
 //!     masks.safetensors         --prune only: the u8 pruning masks by parameter name
 //!     config.json               the TrainConfig the state was trained with
+//!     history.json              the run so far: ended epochs, the epoch in progress, totals
+//!                               (src/train/history.rs), so a resumed run reports the whole run
+//!     memory.json               the memory log of the steps and ended epochs so far
 //!     checkpoint.json           counters, data position, loss scaler, data fingerprint, and the
-//!                               size and hash of the files above (written last)
+//!                               size and hash of the files above (written last), itself signed:
+//!                               {"state": {...}, "hash": hash of the state's exact bytes}
+//!   diverged/                   checkpoints set aside after a divergence (see below)
 //! ```
 //!
 //! A checkpoint is written into `checkpoints/.tmp-step-N-PID/`, every file fsynced, then the
 //! directory is renamed to `step-N`; only after that does `latest` change (atomically) and the
-//! older checkpoints get pruned. A crash at any moment leaves the previous checkpoint complete.
-//! On `--resume`, the newest `step-N` whose files all match the sizes and hashes in its
-//! `checkpoint.json` is used; damaged or incomplete ones are skipped with a warning when an
-//! older complete one exists.
+//! older checkpoints get pruned (each renamed to `.old-step-…` before it is deleted, so a kill
+//! mid-deletion leaves a leftover the next save or resume removes, never a half-deleted
+//! `step-N`). A crash at any moment leaves the previous checkpoint complete. On `--resume`, the
+//! newest `step-N` whose manifest signature holds and whose files all match the sizes and hashes
+//! in it is used; damaged or incomplete ones are skipped with a warning when an older complete one
+//! exists, and removed once the resumed run holds the run directory's lock.
 //!
 //! The data position is (epoch, next batch): the batcher's order depends only on
 //! (seed, epoch) and its augmentation on (seed, epoch, batch), so starting the epoch at the
 //! next batch gives exactly the batches an uninterrupted run would have seen. The learning-rate
-//! schedule is a function of (global step, total steps), both restored or recomputed.
+//! schedule is a function of (global step, total steps), both restored or recomputed. A next
+//! batch equal to the steps per epoch means the epoch's steps are all trained but its end (the
+//! evaluation) is not done: the resumed run evaluates before it goes on.
+//!
+//! **Divergence.** A checkpoint is *healthy* when every step since the previous checkpoint had a
+//! finite loss of at most [`DIVERGED_LOSS`] (four times the loss of guessing uniformly among the
+//! ten classes: a network that far off has blown up) or was skipped by the loss scaler. Pruning
+//! always keeps the newest healthy checkpoint besides the newest [`KEEP`]. When training stops on
+//! a non-finite loss or state, the checkpoints newer than the newest healthy one are moved into
+//! `checkpoints/diverged/`, so `--resume` (with a lower `--lr`) continues from before the loss
+//! blew up rather than from weights already wrecked.
 
+use super::history::RunHistory;
 use super::optim::Optimizer;
 use super::precision::LossScaler;
-use super::trainer::Trainer;
+use super::trainer::{StepResult, Trainer};
+use crate::callbacks::MemoryLog;
 use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::error::{Error, Result};
@@ -55,13 +74,22 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const MASKS_FILE: &str = "masks.safetensors";
 /// The training configuration of the checkpoint.
 pub const CONFIG_FILE: &str = "config.json";
-/// How many complete checkpoints are kept.
+/// The run's history up to the checkpoint ([`RunHistory`]).
+pub const HISTORY_FILE: &str = "history.json";
+/// The memory log up to the checkpoint ([`MemoryLog`]).
+pub const MEMORY_FILE: &str = "memory.json";
+/// Folder in [`CHECKPOINTS_DIR`] where checkpoints written after the loss blew up are moved.
+pub const DIVERGED_DIR: &str = "diverged";
+/// How many complete checkpoints are kept (the newest healthy one is kept besides).
 pub const KEEP: usize = 2;
+/// A step loss above this, or a non-finite one, makes the next checkpoint unhealthy: four times
+/// ln(10), the cross-entropy of a uniform guess among the ten classes.
+pub const DIVERGED_LOSS: f64 = 4.0 * std::f64::consts::LN_10;
 
 /// `format` field of every manifest.
 const FORMAT: &str = "memtrain-checkpoint";
-/// Manifest version this build writes and reads.
-const VERSION: u32 = 1;
+/// Manifest version this build writes and reads (2: signed manifest, history, memory log).
+const VERSION: u32 = 2;
 /// Prefix of a complete checkpoint directory.
 const STEP_PREFIX: &str = "step-";
 /// Prefix of a checkpoint directory being written.
@@ -119,8 +147,11 @@ pub struct TrainState {
     pub global_step: usize,
     /// Epoch the run continues in.
     pub epoch: usize,
-    /// Batch within `epoch` the run continues with.
+    /// Batch within `epoch` the run continues with; equal to `steps_per_epoch` when the epoch's
+    /// steps are all trained and its evaluation is still to do.
     pub next_batch: usize,
+    /// Whether every step since the previous checkpoint had a sane loss (see the module docs).
+    pub healthy: bool,
     /// The optimizer's own step count (Adam bias correction; differs from `global_step` when
     /// the f16 loss scaler skipped steps).
     pub optimizer_steps: usize,
@@ -152,6 +183,10 @@ pub struct Checkpoint {
     pub config: TrainConfig,
     /// One line per newer checkpoint that was skipped as damaged or incomplete (print as warnings).
     pub skipped: Vec<String>,
+    /// The run up to the checkpoint.
+    pub history: RunHistory,
+    /// The memory log up to the checkpoint.
+    pub memory: MemoryLog,
     model: HashMap<String, Tensor>,
     optimizer: HashMap<String, Tensor>,
     masks: Option<HashMap<String, Tensor>>,
@@ -162,8 +197,16 @@ pub struct Checkpoint {
 pub struct CheckpointSaver {
     /// Write checkpoints into the run directory (set from `TrainerOptions::log_files`).
     pub enabled: bool,
-    /// Global step of the newest checkpoint written or restored, so a step is never saved twice.
-    last_step: Option<usize>,
+    /// (global step, epoch, next batch) of the newest checkpoint written or restored, so the
+    /// same state is never saved twice.
+    last: Option<(usize, usize, usize)>,
+    /// Global step of the newest healthy checkpoint on disk.
+    last_healthy: Option<usize>,
+    /// A step since the newest checkpoint had a loss past [`DIVERGED_LOSS`] or a non-finite one.
+    unhealthy_since_save: bool,
+    /// Whether the newest checkpoint is healthy (a second save of the same step, at another
+    /// position, inherits it).
+    last_was_healthy: bool,
     /// Fingerprint of the training split, computed once.
     fingerprint: OnceLock<String>,
 }
@@ -179,7 +222,20 @@ impl CheckpointSaver {
 
     /// Global step of the newest checkpoint this trainer wrote or restored.
     pub fn last_step(&self) -> Option<usize> {
-        self.last_step
+        self.last.map(|l| l.0)
+    }
+
+    /// Global step of the newest healthy checkpoint: the one a diverged run is resumed from.
+    pub fn last_healthy(&self) -> Option<usize> {
+        self.last_healthy
+    }
+
+    /// Take a finished step into account for the next checkpoint's health.
+    pub(crate) fn note_step(&mut self, r: &StepResult) {
+        let sane = r.loss.is_finite() && r.loss <= DIVERGED_LOSS;
+        if !(r.skipped || sane) {
+            self.unhealthy_since_save = true;
+        }
     }
 }
 
@@ -322,23 +378,20 @@ fn finite_on_cpu(t: &Tensor) -> Result<Option<Tensor>> {
 
 impl Trainer {
     /// Write a checkpoint of the current state into `<run_dir>/checkpoints`, continuing at batch
-    /// `next_batch` of `epoch` (a `next_batch` at or past the end of the epoch means the start of
-    /// the next one). Returns its directory, or `None` when checkpoints are off or this global
-    /// step is already saved.
+    /// `next_batch` of `epoch` (`next_batch` equal to the steps per epoch: the epoch's steps are
+    /// done, its end is not), with the run's history as it is now. Returns its directory, or
+    /// `None` when checkpoints are off or this state is already saved.
     ///
     /// Nothing is written when a parameter, running statistic or optimizer state is NaN/inf: the
     /// error is [`Error::NonFinite`] and the previous checkpoint stays the newest.
     pub fn save_checkpoint(&mut self, epoch: usize, next_batch: usize) -> Result<Option<PathBuf>> {
-        if !self.checkpoints.enabled || self.checkpoints.last_step == Some(self.global_step) {
+        let position = (self.global_step, epoch, next_batch.min(self.steps_per_epoch));
+        if !self.checkpoints.enabled || self.checkpoints.last == Some(position) {
             return Ok(None);
         }
-        // The batch just trained, for the error message; then the position to continue at.
+        let next_batch = position.2;
+        // The batch just trained, for the error message.
         let (last_epoch, last_batch) = (epoch, next_batch.saturating_sub(1));
-        let (epoch, next_batch) = if next_batch >= self.steps_per_epoch {
-            (epoch + 1, 0)
-        } else {
-            (epoch, next_batch)
-        };
         let advice = self.divergence_advice();
         let diverged = |what: &str| Error::NonFinite {
             what: what.into(),
@@ -379,6 +432,17 @@ impl Trainer {
             .clone();
         let config_json = serde_json::to_vec_pretty(&self.config)
             .map_err(|e| Error::Checkpoint(format!("cannot serialize the config: {e}")))?;
+        let history_json = serde_json::to_vec(&self.history)
+            .map_err(|e| Error::Checkpoint(format!("cannot serialize the history: {e}")))?;
+        // The memory records of ended epochs only: an interrupted epoch's record is redone.
+        let mut memory = self.memory_log();
+        memory.epochs.truncate(self.history.epochs.len());
+        let memory_json = serde_json::to_vec(&memory)
+            .map_err(|e| Error::Checkpoint(format!("cannot serialize the memory log: {e}")))?;
+        let healthy = match self.checkpoints.last {
+            Some((step, ..)) if step == self.global_step => self.checkpoints.last_was_healthy,
+            _ => !self.checkpoints.unhealthy_since_save,
+        };
 
         let root = self.run_dir.join(CHECKPOINTS_DIR);
         std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
@@ -408,16 +472,20 @@ impl Trainer {
                     write_tensors(&tmp.join(MASKS_FILE), masks)?,
                 );
             }
-            files.insert(
-                CONFIG_FILE.to_string(),
-                write_synced(&tmp.join(CONFIG_FILE), &config_json)?,
-            );
+            for (name, bytes) in [
+                (CONFIG_FILE, &config_json),
+                (HISTORY_FILE, &history_json),
+                (MEMORY_FILE, &memory_json),
+            ] {
+                files.insert(name.to_string(), write_synced(&tmp.join(name), bytes)?);
+            }
             let state = TrainState {
                 format: FORMAT.into(),
                 version: VERSION,
                 global_step: self.global_step,
                 epoch,
                 next_batch,
+                healthy,
                 optimizer_steps: self.optimizer.steps,
                 scaler: self.scaler.clone(),
                 steps_per_epoch: self.steps_per_epoch,
@@ -427,10 +495,8 @@ impl Trainer {
                 data_description: self.data_description.clone(),
                 files,
             };
-            let manifest = serde_json::to_vec_pretty(&state)
-                .map_err(|e| Error::Checkpoint(format!("cannot serialize the manifest: {e}")))?;
             // The manifest goes last: a directory with a valid manifest has all its files.
-            write_synced(&tmp.join(MANIFEST_FILE), &manifest)?;
+            write_synced(&tmp.join(MANIFEST_FILE), &sign(&state)?)?;
             sync_dir(&tmp);
             Ok(())
         };
@@ -457,61 +523,150 @@ impl Trainer {
         })?;
         sync_dir(&root);
         crate::io::write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
-        self.checkpoints.last_step = Some(self.global_step);
-        prune(&root, self.global_step);
+        let saver = &mut self.checkpoints;
+        saver.last = Some(position);
+        saver.last_was_healthy = healthy;
+        if healthy {
+            saver.last_healthy = Some(self.global_step);
+        }
+        saver.unhealthy_since_save = false;
+        prune(&root, self.global_step, saver.last_healthy);
         Ok(Some(dest))
+    }
+
+    /// After a divergence: move the checkpoints newer than the newest healthy one into
+    /// `checkpoints/diverged/` (replacing what an earlier divergence left there), so that
+    /// `--resume` continues from before the loss blew up. Returns how many were moved.
+    pub(crate) fn set_aside_diverged(&mut self) -> usize {
+        if !self.checkpoints.enabled {
+            return 0;
+        }
+        let root = self.run_dir.join(CHECKPOINTS_DIR);
+        let keep = self.checkpoints.last_healthy;
+        let Ok(steps) = list_steps(&root) else {
+            return 0;
+        };
+        let newer: Vec<_> = steps
+            .into_iter()
+            .filter(|(step, _)| keep.is_none_or(|h| *step > h))
+            .collect();
+        if newer.is_empty() {
+            return 0;
+        }
+        let aside = root.join(DIVERGED_DIR);
+        let _ = std::fs::remove_dir_all(&aside);
+        if std::fs::create_dir(&aside).is_err() {
+            return 0;
+        }
+        let mut moved = 0;
+        for (_, dir) in newer {
+            if let Some(name) = dir.file_name() {
+                moved += std::fs::rename(&dir, aside.join(name)).is_ok() as usize;
+            }
+        }
+        sync_dir(&root);
+        let latest = root.join(LATEST_FILE);
+        let _ = match keep {
+            Some(step) => {
+                crate::io::write_atomic(&latest, format!("{}\n", step_dir_name(step)).as_bytes())
+            }
+            None => std::fs::remove_file(&latest).map_err(|e| Error::io(&latest, e)),
+        };
+        self.checkpoints.last = None;
+        moved
     }
 }
 
-/// Keep the checkpoint at `current` and the newest one before it; remove the rest and any
-/// leftovers of interrupted writes. Checkpoints past `current` can only be damaged ones a resume
-/// skipped (it always continues from the newest complete one), so they go too. Best effort:
-/// a checkpoint that cannot be removed costs disk space, not correctness.
-fn prune(root: &Path, current: usize) {
-    for path in list_leftovers(root) {
-        remove_leftover(&path);
-    }
+/// Keep the checkpoint at `current`, the newest one before it and the newest healthy one;
+/// remove the rest and any leftovers of interrupted writes. Checkpoints past `current` can only
+/// be damaged ones a resume skipped (it always continues from the newest complete one), so they
+/// go too. Each is renamed to a leftover name first, so a kill mid-deletion leaves a leftover the
+/// next call removes. Best effort: a checkpoint that cannot be removed costs disk space, not
+/// correctness.
+fn prune(root: &Path, current: usize, healthy: Option<usize>) {
     let Ok(steps) = list_steps(root) else { return };
     let mut kept = 0;
     for (step, dir) in steps {
         if step <= current && kept < KEEP {
             kept += 1;
-        } else {
-            let _ = std::fs::remove_dir_all(dir);
+        } else if Some(step) != healthy {
+            let doomed = root.join(format!("{OLD_PREFIX}{step:06}-{}", std::process::id()));
+            if std::fs::rename(&dir, &doomed).is_err() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
         }
+    }
+    sync_dir(root);
+    for path in list_leftovers(root) {
+        remove_leftover(&path);
     }
 }
 
-/// Refuse to start a new run in a directory that already holds checkpoints: the new run's
-/// checkpoints would replace the old run's. `run_dir` is the `--out` of a run without `--resume`.
-pub fn ensure_no_checkpoints(run_dir: &Path) -> Result<()> {
-    if list_steps(&run_dir.join(CHECKPOINTS_DIR))
-        .map(|s| !s.is_empty())
-        .unwrap_or(false)
-    {
-        return Err(Error::config(format!(
-            "--out {0} already holds checkpoints of an earlier run; continue it with --resume {0}, or pass a new --out",
-            run_dir.display()
-        )));
+/// The manifest file: `{"state": <the state's JSON>, "hash": <hash of exactly those bytes>}`.
+/// A flipped byte anywhere in the state (an epoch, a step, a file hash) breaks the signature.
+fn sign(state: &TrainState) -> Result<Vec<u8>> {
+    #[derive(Serialize)]
+    struct Signed<'a> {
+        state: &'a serde_json::value::RawValue,
+        hash: String,
     }
-    Ok(())
+    let fail = |e: serde_json::Error| Error::Checkpoint(format!("cannot serialize the manifest: {e}"));
+    let raw = serde_json::value::RawValue::from_string(
+        serde_json::to_string_pretty(state).map_err(fail)?,
+    )
+    .map_err(fail)?;
+    let hash = format!("{:016x}", hash_bytes(raw.get().as_bytes()));
+    serde_json::to_vec_pretty(&Signed { state: &raw, hash }).map_err(fail)
+}
+
+/// The state in a manifest file whose signature holds (see [`sign`]).
+fn verify(bytes: &[u8]) -> std::result::Result<TrainState, Reason> {
+    #[derive(Deserialize)]
+    struct Signed<'a> {
+        #[serde(borrow)]
+        state: &'a serde_json::value::RawValue,
+        hash: String,
+    }
+    let signed: Signed<'_> = match serde_json::from_slice(bytes) {
+        Ok(s) => s,
+        Err(e) => {
+            // An older build's unsigned manifest: say so rather than "damaged".
+            let version = serde_json::from_slice::<serde_json::Value>(bytes)
+                .ok()
+                .and_then(|v| v.get("version")?.as_u64());
+            return Err(match version {
+                Some(v) => format!(
+                    "checkpoint format version {v} (this build reads version {VERSION})"
+                ),
+                None => format!("damaged {MANIFEST_FILE} ({e})"),
+            });
+        }
+    };
+    if format!("{:016x}", hash_bytes(signed.state.get().as_bytes())) != signed.hash {
+        return Err(format!(
+            "{MANIFEST_FILE} is damaged (its signature does not match its contents)"
+        ));
+    }
+    serde_json::from_str(signed.state.get()).map_err(|e| format!("damaged {MANIFEST_FILE} ({e})"))
 }
 
 /// Why a checkpoint directory cannot be used (one phrase, for warnings and errors).
 type Reason = String;
 
+/// A manifest is a few KiB; anything past this is not one.
+const MAX_MANIFEST_BYTES: u64 = 1 << 20;
+
 /// Read and verify one checkpoint directory.
 fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Checkpoint, Reason> {
     let manifest_path = dir.join(MANIFEST_FILE);
-    let text = match std::fs::read(&manifest_path) {
+    let text = match crate::io::read_capped(&manifest_path, MAX_MANIFEST_BYTES) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(format!("incomplete (no {MANIFEST_FILE})"));
         }
         Err(e) => return Err(format!("cannot read {MANIFEST_FILE} ({e})")),
     };
-    let state: TrainState =
-        serde_json::from_slice(&text).map_err(|e| format!("damaged {MANIFEST_FILE} ({e})"))?;
+    let state = verify(&text)?;
     if state.format != FORMAT {
         return Err(format!(
             "{MANIFEST_FILE} is not a memtrain checkpoint manifest"
@@ -532,7 +687,17 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
     let mut contents = HashMap::new();
     // The masks file is listed (so size and hash are checked) exactly when the run prunes.
     let masks_listed = state.files.contains_key(MASKS_FILE);
-    let listed = [MODEL_FILE, OPTIMIZER_FILE, CONFIG_FILE, MASKS_FILE];
+    let listed = [
+        MODEL_FILE,
+        OPTIMIZER_FILE,
+        CONFIG_FILE,
+        HISTORY_FILE,
+        MEMORY_FILE,
+        MASKS_FILE,
+    ];
+    if let Some(extra) = state.files.keys().find(|k| !listed.contains(&k.as_str())) {
+        return Err(format!("{MANIFEST_FILE} lists an unknown file {extra}"));
+    }
     for name in listed
         .into_iter()
         .filter(|n| *n != MASKS_FILE || masks_listed)
@@ -541,8 +706,10 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
             .files
             .get(name)
             .ok_or_else(|| format!("{MANIFEST_FILE} does not list {name}"))?;
-        let bytes =
-            std::fs::read(dir.join(name)).map_err(|e| format!("cannot read {name} ({e})"))?;
+        // Capped at the listed size: a file that grew (or a FIFO put in its place) is refused
+        // without reading it all.
+        let bytes = crate::io::read_capped(&dir.join(name), entry.bytes)
+            .map_err(|e| format!("cannot read {name} ({e})"))?;
         if bytes.len() as u64 != entry.bytes {
             return Err(format!(
                 "{name} has {} bytes, {} expected (truncated or damaged)",
@@ -557,6 +724,10 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
     }
     let config: TrainConfig = serde_json::from_slice(&contents[CONFIG_FILE])
         .map_err(|e| format!("damaged {CONFIG_FILE} ({e})"))?;
+    let history: RunHistory = serde_json::from_slice(&contents[HISTORY_FILE])
+        .map_err(|e| format!("damaged {HISTORY_FILE} ({e})"))?;
+    let memory: MemoryLog = serde_json::from_slice(&contents[MEMORY_FILE])
+        .map_err(|e| format!("damaged {MEMORY_FILE} ({e})"))?;
     config
         .validate()
         .map_err(|e| format!("invalid {CONFIG_FILE} ({e})"))?;
@@ -586,10 +757,19 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
             }
         ));
     }
-    if state.steps_per_epoch == 0 || state.next_batch >= state.steps_per_epoch {
+    if state.steps_per_epoch == 0 || state.next_batch > state.steps_per_epoch {
         return Err(format!(
             "{MANIFEST_FILE} has batch {} of an epoch of {} steps",
             state.next_batch, state.steps_per_epoch
+        ));
+    }
+    let pending = history.progress.as_ref().map(|p| p.epoch);
+    if (state.next_batch == state.steps_per_epoch && pending.is_none())
+        || pending.is_some_and(|e| e != state.epoch)
+    {
+        return Err(format!(
+            "{HISTORY_FILE} does not match the position in {MANIFEST_FILE} (epoch {}, batch {})",
+            state.epoch, state.next_batch
         ));
     }
     Ok(Checkpoint {
@@ -598,6 +778,8 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
         state,
         config,
         skipped: Vec::new(),
+        history,
+        memory,
         model,
         optimizer,
         masks,
@@ -869,7 +1051,32 @@ impl Checkpoint {
         trainer.global_step = s.global_step;
         trainer.start_epoch = s.epoch;
         trainer.start_batch = s.next_batch;
-        trainer.checkpoints.last_step = Some(s.global_step);
+        trainer.history = self.history.clone();
+        trainer.restore_memory_log(self.memory.clone());
+        let root = self.run_dir.join(CHECKPOINTS_DIR);
+        let saver = &mut trainer.checkpoints;
+        saver.last = Some((s.global_step, s.epoch, s.next_batch));
+        saver.unhealthy_since_save = false;
+        saver.last_was_healthy = s.healthy;
+        saver.last_healthy = if s.healthy {
+            Some(s.global_step)
+        } else {
+            newest_healthy(&root, s.global_step)
+        };
+        if saver.enabled {
+            // The run directory is ours now (its lock is held): remove what an interrupted save
+            // or prune left, and the damaged checkpoints this resume skipped.
+            prune(&root, s.global_step, saver.last_healthy);
+        }
         Ok(())
     }
+}
+
+/// The newest checkpoint at or before `step` whose manifest says healthy (signature checked;
+/// files are not read).
+fn newest_healthy(root: &Path, step: usize) -> Option<usize> {
+    list_steps(root).ok()?.into_iter().find_map(|(s, dir)| {
+        let bytes = crate::io::read_capped(&dir.join(MANIFEST_FILE), MAX_MANIFEST_BYTES).ok()?;
+        (s <= step && verify(&bytes).ok()?.healthy).then_some(s)
+    })
 }

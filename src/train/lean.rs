@@ -96,6 +96,22 @@ fn bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
+/// The loss and correct count of a micro-batch as device scalars (f32 and u32), for a step that
+/// must not wait for the device (a captured CUDA graph, see [`LeanStep::run_deferred`]).
+#[derive(Debug, Clone)]
+pub struct DeferredResult {
+    /// Mean cross-entropy (unscaled), f32 scalar.
+    pub loss: Tensor,
+    /// Correct top-1 predictions, u32 scalar.
+    pub correct: Tensor,
+}
+
+/// What the head hands back: read on the host, or left on the device.
+enum HeadResult {
+    Read(MicroResult),
+    Deferred(DeferredResult),
+}
+
 /// One micro-batch through the model on the tape. Indices of gradients follow [`Cnn::vars`].
 pub struct LeanStep<'a> {
     model: &'a Cnn,
@@ -104,6 +120,8 @@ pub struct LeanStep<'a> {
     /// Index in `Cnn::vars` of each block's first parameter.
     var_base: Vec<usize>,
     saved_bytes: u64,
+    /// Write the BatchNorm running statistics into their tensors instead of replacing them.
+    stats_in_place: bool,
 }
 
 impl<'a> LeanStep<'a> {
@@ -122,7 +140,17 @@ impl<'a> LeanStep<'a> {
             segments,
             var_base,
             saved_bytes: 0,
+            stats_in_place: false,
         }
+    }
+
+    /// Update the BatchNorm running statistics by writing into the existing tensors rather than
+    /// replacing them. A captured CUDA graph needs this: it reads and writes the buffers whose
+    /// addresses it saw during capture, so the model must keep using those buffers. (The default,
+    /// replacing, never changes a tensor someone else may hold a clone of.)
+    pub fn with_stats_in_place(mut self) -> Self {
+        self.stats_in_place = true;
+        self
     }
 
     fn name(&self, j: usize) -> &str {
@@ -165,6 +193,39 @@ impl<'a> LeanStep<'a> {
         acc: &mut GradAccumulator,
         obs: &mut dyn StepObserver,
     ) -> Result<MicroResult> {
+        match self.run_tape(x, y, loss_mult, acc, obs, false)? {
+            HeadResult::Read(r) => Ok(r),
+            HeadResult::Deferred(_) => unreachable!("run_tape reads the loss unless deferred"),
+        }
+    }
+
+    /// [`LeanStep::run`] without reading anything back to the host: the loss and correct count
+    /// stay on the device. Nothing in it waits for the device, so it can be captured as a CUDA
+    /// graph (small host-to-device uploads, such as the class indices of the loss, still happen:
+    /// under Candle's graph upload cache they are served from the eager warm-up's copies).
+    pub fn run_deferred(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        loss_mult: f64,
+        acc: &mut GradAccumulator,
+        obs: &mut dyn StepObserver,
+    ) -> Result<DeferredResult> {
+        match self.run_tape(x, y, loss_mult, acc, obs, true)? {
+            HeadResult::Deferred(r) => Ok(r),
+            HeadResult::Read(_) => unreachable!("run_tape defers the loss when asked to"),
+        }
+    }
+
+    fn run_tape(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        loss_mult: f64,
+        acc: &mut GradAccumulator,
+        obs: &mut dyn StepObserver,
+        defer: bool,
+    ) -> Result<HeadResult> {
         let xin = x.to_dtype(self.dtype)?;
         let one_segment = self.segments.len() == 1;
         // Forward: with one segment the blocks save as they go; with checkpointing only the
@@ -192,7 +253,13 @@ impl<'a> LeanStep<'a> {
         let hw = self.model.head_w.as_detached_tensor();
         let hb = self.model.head_b.as_detached_tensor();
         let logits = linear::matmul(&feat, &hw.t()?)?.broadcast_add(&hb)?;
-        let (loss, correct, dlogits) = loss_and_grad(&logits, y, loss_mult)?;
+        let (head, dlogits) = if defer {
+            let (loss, correct, grad) = loss_and_grad_deferred(&logits, y, loss_mult)?;
+            (HeadResult::Deferred(DeferredResult { loss, correct }), grad)
+        } else {
+            let (loss, correct, grad) = loss_and_grad(&logits, y, loss_mult)?;
+            (HeadResult::Read(MicroResult { loss, correct }), grad)
+        };
         drop(logits);
         self.emit_named(obs, Phase::Forward, "head", acc)?;
         obs.forward_done()?;
@@ -243,7 +310,7 @@ impl<'a> LeanStep<'a> {
                 None => break,
             }
         }
-        Ok(MicroResult { loss, correct })
+        Ok(head)
     }
 
     /// Block j's forward on `x`: conv, batch statistics (running statistics updated when
@@ -258,7 +325,7 @@ impl<'a> LeanStep<'a> {
     ) -> Result<(Tensor, Option<Saved>)> {
         let b = &self.model.blocks[j];
         let h = conv_forward(&b.conv, x)?;
-        let params = bn_params(&b.bn, &h, update_stats)?;
+        let params = bn_params(&b.bn, &h, update_stats, self.stats_in_place)?;
         if save {
             let out = if b.pool {
                 bn::bn_relu_pool(&h, &params)?
@@ -278,7 +345,7 @@ impl<'a> LeanStep<'a> {
     fn block_save(&self, j: usize, x: &Tensor) -> Result<Saved> {
         let b = &self.model.blocks[j];
         let h = conv_forward(&b.conv, x)?;
-        let bn = bn_params(&b.bn, &h, false)?;
+        let bn = bn_params(&b.bn, &h, false, self.stats_in_place)?;
         Ok(Saved { h, bn })
     }
 
@@ -482,8 +549,14 @@ fn conv_forward(conv: &ConvLayer, x: &Tensor) -> Result<Tensor> {
 }
 
 /// The normalization parameters of a block for conv output `h`: batch statistics (running
-/// statistics updated when `update_stats`), or the running statistics for a frozen BatchNorm.
-fn bn_params(layer: &BatchNorm, h: &Tensor, update_stats: bool) -> Result<BnParams> {
+/// statistics updated when `update_stats`, written into their tensors when `in_place`), or the
+/// running statistics for a frozen BatchNorm.
+fn bn_params(
+    layer: &BatchNorm,
+    h: &Tensor,
+    update_stats: bool,
+    in_place: bool,
+) -> Result<BnParams> {
     let gamma = layer.gamma.as_detached_tensor();
     let beta = layer.beta.as_detached_tensor();
     if layer.frozen {
@@ -511,8 +584,13 @@ fn bn_params(layer: &BatchNorm, h: &Tensor, update_stats: bool) -> Result<BnPara
         let mut rm = layer.running_mean.lock().unwrap_or_else(|e| e.into_inner());
         let mut rv = layer.running_var.lock().unwrap_or_else(|e| e.into_inner());
         let (m, v) = bn::update_running(&rm, &rv, &stats, n * hh * ww, layer.momentum)?;
-        *rm = m;
-        *rv = v;
+        if in_place {
+            rm.slice_set(&m, 0, 0)?;
+            rv.slice_set(&v, 0, 0)?;
+        } else {
+            *rm = m;
+            *rv = v;
+        }
     }
     Ok(BnParams {
         gamma,
@@ -530,22 +608,44 @@ pub fn loss_and_grad(
     labels: &Tensor,
     loss_mult: f64,
 ) -> Result<(f64, usize, Tensor)> {
-    let n = logits.dim(0)?;
-    let classes = logits.dim(1)?;
     // One log-softmax for both the loss and its gradient (softmax = exp of it).
     let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let loss = candle_nn::loss::nll(&log_probs, labels)?.to_scalar::<f32>()? as f64;
-    let correct = logits
+    let correct = correct_count(logits, labels)?.to_scalar::<u32>()? as usize;
+    let grad = logits_grad(&log_probs, labels, loss_mult)?;
+    Ok((loss, correct, grad))
+}
+
+/// [`loss_and_grad`] with the loss (f32) and the correct count (u32) left on the device as
+/// scalars: nothing is read back, so a captured CUDA graph can contain it.
+pub fn loss_and_grad_deferred(
+    logits: &Tensor,
+    labels: &Tensor,
+    loss_mult: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let loss = candle_nn::loss::nll(&log_probs, labels)?;
+    let correct = correct_count(logits, labels)?;
+    let grad = logits_grad(&log_probs, labels, loss_mult)?;
+    Ok((loss, correct, grad))
+}
+
+/// Top-1 predictions of `logits` that equal `labels`, as a u32 scalar.
+fn correct_count(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    Ok(logits
         .argmax(D::Minus1)?
         .eq(labels)?
         .to_dtype(DType::U32)?
-        .sum_all()?
-        .to_scalar::<u32>()? as usize;
+        .sum_all()?)
+}
+
+/// `(softmax − onehot) · loss_mult / N` from the log-softmax of the logits.
+fn logits_grad(log_probs: &Tensor, labels: &Tensor, loss_mult: f64) -> Result<Tensor> {
+    let (n, classes) = log_probs.dims2()?;
     let probs = log_probs.exp()?;
     let onehot = labels
         .unsqueeze(1)?
-        .broadcast_eq(&Tensor::arange(0u32, classes as u32, logits.device())?.unsqueeze(0)?)?
+        .broadcast_eq(&Tensor::arange(0u32, classes as u32, log_probs.device())?.unsqueeze(0)?)?
         .to_dtype(DType::F32)?;
-    let grad = ((probs - onehot)? * (loss_mult / n as f64))?;
-    Ok((loss, correct, grad))
+    Ok(((probs - onehot)? * (loss_mult / n as f64))?)
 }

@@ -4,11 +4,14 @@
 
 pub mod accumulate;
 pub mod checkpoint;
+pub mod graph;
+pub mod history;
 pub mod lean;
 pub mod optim;
 pub mod precision;
 pub mod prune;
 pub mod reference;
+pub mod run_dir;
 pub mod summary;
 pub mod trainer;
 

@@ -70,4 +70,7 @@ pub struct Summary {
     /// Reached sparsity and model file sizes of a `--prune` run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pruning: Option<super::prune::PruneReport>,
+    /// What a `--cuda-graph` run captured: kernels per step, replays, graph memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_graph: Option<super::graph::GraphStats>,
 }

@@ -8,6 +8,7 @@ use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
 use super::optim::{one_cycle_lr, Optimizer};
 use super::precision::LossScaler;
 use super::reference::loss_and_correct;
+use super::history::EpochProgress;
 use super::summary::Summary;
 use crate::callbacks::{
     BatchInfo, Callback, CallbackList, EpochBegin, EpochEnd, EpochStats, MemoryCallback, MemoryLog,
@@ -40,8 +41,12 @@ pub struct TrainerOptions {
     /// On out-of-memory in a step, write [`OOM_SNAPSHOT_FILE`] into the run directory (creating
     /// it if needed, so that summary-only sweep children leave one too).
     pub oom_snapshot: bool,
-    /// Set to true (e.g. by a signal handler) to stop after the current step.
+    /// Set to true (e.g. by a signal handler) to stop after the current step, or between
+    /// evaluation batches.
     pub stop: Option<Arc<AtomicBool>>,
+    /// How a run that writes files (`log_files`) claims its directory: always under an
+    /// exclusive lock; a new run also refuses an earlier run's results unless told to overwrite.
+    pub claim: super::run_dir::Claim,
 }
 
 /// Outcome of one optimizer step.
@@ -100,10 +105,15 @@ pub struct Trainer {
     pub(crate) total_steps: usize,
     /// Checkpoint writing (on when `TrainerOptions::log_files`); see [`super::checkpoint`].
     pub checkpoints: super::checkpoint::CheckpointSaver, // [checkpoint]
-    /// (images, seconds) of every step of this process, for the steady-state throughput.
-    pub(crate) step_times: Vec<(usize, f64)>,
+    /// The run so far (restored from a checkpoint when resuming): ended epochs, the epoch in
+    /// progress, totals and step times.
+    pub(crate) history: super::history::RunHistory,
+    /// The run directory's lock, held while the trainer lives (runs that write files only).
+    _run_lock: Option<super::run_dir::RunDirLock>,
     /// `--prune`: the schedule and masks, applied after every optimizer step.
     pub(crate) pruner: Option<super::prune::Pruner>,
+    /// `--cuda-graph`: the captured forward and backward ([`super::graph`]).
+    pub(crate) cuda_graph: super::graph::GraphSlot,
 }
 
 /// `runs/<UTC timestamp>` for a run without `--out`.
@@ -211,6 +221,9 @@ fn batch_grads(
     loss_scale: f64,
     obs: &mut dyn StepObserver,
 ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
+    if let Some(r) = t.cuda_graph.grads(t, images, labels, loss_scale, obs) {
+        return r;
+    }
     let (k, mb) = micro_batches(t.config.accum_steps, images, labels)?;
     let dtype = t.config.precision.compute_dtype();
     let mut acc = GradAccumulator::new(t.vars.len());
@@ -365,6 +378,9 @@ impl Trainer {
         // Checked before anything is created: the schedule's end depends on the run's length.
         let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
         let device = select_device(config.device.as_deref())?;
+        // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
+        crate::ops::set_tf32(config.tf32 == crate::config::Tf32::On);
+        let cuda_graph = super::graph::GraphSlot::for_run(&config, &device)?;
         if device.is_cpu() {
             // Every op allocates its output; without this, glibc maps and unmaps the large ones
             // on every step (see `retain_freed_memory`).
@@ -391,9 +407,10 @@ impl Trainer {
             }
         }
         let run_dir = config.out.clone().unwrap_or_else(default_run_dir);
-        if options.log_files {
-            crate::io::create_dir(&run_dir)?;
-        }
+        let run_lock = options
+            .log_files
+            .then(|| super::run_dir::claim(&run_dir, options.claim))
+            .transpose()?;
         let model = Cnn::new(
             ModelConfig {
                 width: config.width,
@@ -457,8 +474,10 @@ impl Trainer {
             start_batch: 0,
             steps_per_epoch,
             total_steps,
-            step_times: Vec::new(),
+            history: Default::default(),
+            _run_lock: run_lock,
             pruner,
+            cuda_graph,
             config,
         })
     }
@@ -484,6 +503,17 @@ impl Trainer {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Continue the memory records of the run's earlier processes (resuming): their steps and
+    /// ended epochs stay, with their baseline and peaks, and this process's readings are added.
+    pub(crate) fn restore_memory_log(&mut self, earlier: MemoryLog) {
+        let mut log = self.memory_log.lock().unwrap_or_else(|e| e.into_inner());
+        *log = MemoryLog {
+            probe: log.probe.clone(),
+            available: log.available,
+            ..earlier
+        };
     }
 
     /// The memory timeline of the newest training step (empty before the first), with the
@@ -728,7 +758,10 @@ impl Trainer {
             Ok(r) => {
                 self.timeline = timeline;
                 self.global_step += 1;
-                self.step_times.push((r.images, t0.elapsed().as_secs_f64()));
+                self.history
+                    .step_times
+                    .push((r.images, t0.elapsed().as_secs_f64()));
+                self.checkpoints.note_step(&r);
                 Ok(r)
             }
             Err(e) if e.is_oom() && self.oom_snapshot => Err(self.write_oom_snapshot(e, timeline)),
@@ -842,8 +875,9 @@ impl Trainer {
     }
 
     /// What to do after the loss or the gradients became non-finite, true for this run: a lower
-    /// `--lr` always; f32 only for a half-precision run; resuming only when a checkpoint exists
-    /// (one is never saved with non-finite values, but it can hold weights already on the way up).
+    /// `--lr` always; f32 only for a half-precision run; clipping only when off; resuming only
+    /// when a healthy checkpoint (from before the loss blew up) exists: [`Trainer::fit`] moves
+    /// the newer ones aside, so `--resume` takes it.
     pub(crate) fn divergence_advice(&self) -> String {
         let mut fixes = vec!["lower --lr".to_string()];
         if self.config.precision != crate::config::Precision::F32 {
@@ -853,15 +887,33 @@ impl Trainer {
             fixes.push("clip the gradients (--clip-grad-norm 3)".into());
         }
         let fixes = fixes.join(", or ");
-        match self
-            .checkpoints
-            .last_step()
-            .filter(|_| self.checkpoints.enabled)
-        {
+        let newest = self.checkpoints.last_step().filter(|_| self.checkpoints.enabled);
+        let healthy = self.checkpoints.last_healthy().filter(|_| self.checkpoints.enabled);
+        let aside = if newest > healthy {
+            format!(
+                " (the checkpoints after it, written while the loss was blowing up, are moved to {})",
+                self.run_dir
+                    .join(super::checkpoint::CHECKPOINTS_DIR)
+                    .join(super::checkpoint::DIVERGED_DIR)
+                    .display()
+            )
+        } else {
+            String::new()
+        };
+        match healthy {
             Some(step) => format!(
-                "{fixes}; the newest checkpoint (step {step}) has finite values: resume it with \
-                 --resume {} and such a change, or start again",
+                "{fixes}; the checkpoint from before the loss blew up (step {step}) is kept{aside}: \
+                 resume it with --resume {} and such a change, or start again",
                 self.run_dir.display()
+            ),
+            None if newest.is_some() => format!(
+                "{fixes}, and start again (every checkpoint was written while the loss was above \
+                 {:.1}; they are moved to {})",
+                super::checkpoint::DIVERGED_LOSS,
+                self.run_dir
+                    .join(super::checkpoint::CHECKPOINTS_DIR)
+                    .join(super::checkpoint::DIVERGED_DIR)
+                    .display()
             ),
             None => format!("{fixes}, and start again (no checkpoint was saved before this)"),
         }
@@ -869,7 +921,8 @@ impl Trainer {
 
     /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, no graph), in
     /// micro-batches so evaluation never needs more memory than a training micro-batch.
-    pub fn evaluate(&self, data: &Arc<Dataset>) -> Result<(f64, f64)> {
+    /// `None` when a stop was requested before or during it (checked between batches).
+    pub fn evaluate(&self, data: &Arc<Dataset>) -> Result<Option<(f64, f64)>> {
         let bs = self.config.micro_batch().max(1);
         let batcher = Batcher::new(
             data.clone(),
@@ -889,6 +942,9 @@ impl Trainer {
         let dtype = self.config.precision.compute_dtype();
         let (mut loss_sum, mut correct, mut n) = (0.0, 0usize, 0usize);
         for b in batcher {
+            if self.stop_requested() {
+                return Ok(None);
+            }
             let (x, y) = self.batch_tensors(&b.images, &b.labels)?;
             let logits = self.model.forward(&x, dtype, Mode::Eval)?;
             let (loss, c) = loss_and_correct(&logits, &y)?;
@@ -898,9 +954,9 @@ impl Trainer {
             self.batch_buffers.put(b.images);
         }
         if n == 0 {
-            return Ok((f64::NAN, 0.0));
+            return Ok(Some((f64::NAN, 0.0)));
         }
-        Ok((loss_sum / n as f64, correct as f64 / n as f64))
+        Ok(Some((loss_sum / n as f64, correct as f64 / n as f64)))
     }
 
     fn stop_requested(&self) -> bool {
@@ -908,7 +964,22 @@ impl Trainer {
     }
 
     /// Train for the configured epochs (or `--max-steps`), evaluating after each epoch.
+    ///
+    /// A stop request is honoured between steps, between evaluation batches and after every
+    /// checkpoint write; the run then saves a checkpoint of exactly where it is (an epoch whose
+    /// evaluation was cut short is evaluated again on resume) and returns status `interrupted`.
+    /// A resumed trainer (see [`super::checkpoint::Checkpoint::restore`]) continues the run's
+    /// history, so the summary, epoch table and memory log describe the whole run.
     pub fn fit(&mut self) -> Result<Summary> {
+        let result = self.fit_inner();
+        if let Err(Error::NonFinite { .. }) = &result {
+            // The advice in the error names the healthy checkpoint this leaves as the newest.
+            self.set_aside_diverged();
+        }
+        result
+    }
+
+    fn fit_inner(&mut self) -> Result<Summary> {
         let wall = Instant::now();
         let cfg = self.config.clone();
         let dev_name = device_name(&self.device);
@@ -921,21 +992,31 @@ impl Trainer {
             total_steps: self.total_steps,
             global_step: self.global_step,
             start_epoch: self.start_epoch,
+            ended_epochs: &self.history.epochs,
             train_images: self.train.len(),
             eval_images: self.eval.len(),
             probe: &*self.probe,
         })?;
-        let mut epochs: Vec<EpochStats> = Vec::new();
-        let (mut total_images, mut total_secs) = (0usize, 0f64);
-        let mut interrupted = false;
+        // The epoch cut short by an interruption, for this process's summary and callbacks.
+        let mut cut_short: Option<EpochStats> = None;
         let mut epoch = self.start_epoch;
-        while epoch < cfg.epochs && self.global_step < self.total_steps && !interrupted {
+        while epoch < cfg.epochs {
+            if self.stop_requested() {
+                cut_short = Some(EpochStats::default());
+                break;
+            }
             let first = if epoch == self.start_epoch {
                 self.start_batch
             } else {
                 0
             };
+            // An epoch begun by an earlier process continues its sums (and may only lack its
+            // evaluation: then no step is left to train, but the epoch still ends).
+            let carried = self.history.progress.take().filter(|p| p.epoch == epoch);
             let steps = (self.steps_per_epoch - first).min(self.total_steps - self.global_step);
+            if steps == 0 && carried.is_none() {
+                break;
+            }
             self.callbacks.on_epoch_begin(&EpochBegin {
                 epoch,
                 num_epochs: cfg.epochs,
@@ -958,73 +1039,80 @@ impl Trainer {
                     recycle: Some(self.batch_buffers.clone()),
                 },
             );
-            let t0 = Instant::now();
-            let (mut loss_sum, mut correct, mut images, mut done, mut skipped) =
-                (0.0, 0usize, 0usize, 0usize, 0usize);
-            let mut lr = cfg.lr;
+            let mut progress = carried.unwrap_or_else(|| EpochProgress::new(epoch, cfg.lr));
+            let mut next = first;
+            let mut interrupted = false;
+            // Seconds from step to step, waiting for data and writing checkpoints included.
+            let mut tick = Instant::now();
             for batch in batcher.take(steps) {
                 let r = self.train_step(&batch, epoch, batch.index)?;
-                let index = batch.index;
+                next = batch.index + 1;
                 self.batch_buffers.put(batch.images);
-                loss_sum += r.loss;
-                correct += r.correct;
-                images += r.images;
-                done += 1;
-                skipped += r.skipped as usize;
-                lr = r.lr;
-                // [checkpoint] every --save-every steps (a step is never saved twice).
+                let secs = tick.elapsed().as_secs_f64();
+                tick = Instant::now();
+                progress.add(&r);
+                progress.train_secs += secs;
+                self.history.images += r.images;
+                self.history.train_secs += secs;
+                // [checkpoint] every --save-every steps (a state is never saved twice).
                 if cfg.save_every > 0 && self.global_step.is_multiple_of(cfg.save_every) {
-                    self.save_checkpoint(epoch, index + 1)?;
+                    self.history.progress = Some(progress.clone());
+                    self.save_checkpoint(epoch, next)?;
+                    self.history.progress = None;
                 }
                 if self.stop_requested() {
                     interrupted = true;
-                    self.start_batch = index + 1;
                     break;
                 }
             }
-            let secs = t0.elapsed().as_secs_f64();
-            total_images += images;
-            total_secs += secs;
-            let (eval_loss, eval_acc) = if cfg.eval && !interrupted {
-                let (l, a) = self.evaluate(&self.eval.clone())?;
-                (Some(l), Some(a))
+            let eval = if cfg.eval && !interrupted {
+                let e = self.evaluate(&self.eval.clone())?;
+                interrupted = e.is_none();
+                e
             } else {
-                (None, None)
+                None
             };
-            let stats = EpochStats {
-                epoch,
-                steps: done,
-                images,
-                train_loss: loss_sum / done.max(1) as f64,
-                train_accuracy: correct as f64 / images.max(1) as f64,
-                eval_loss,
-                eval_accuracy: eval_acc,
-                images_per_sec: images as f64 / secs.max(1e-9),
-                train_secs: secs,
-                loss_scale: self.scaler.as_ref().map(|s| s.scale),
-                skipped_steps: skipped,
-                lr,
-            };
+            let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+            let stats = progress.stats(eval, loss_scale);
             self.callbacks.on_epoch_end(&EpochEnd {
                 stats: &stats,
                 num_epochs: cfg.epochs,
                 probe: &*self.probe,
             })?;
-            epochs.push(stats);
-            // [checkpoint] at each epoch end, at --max-steps and on interruption; batch
-            // `first + done` is next (past the end of the epoch it becomes the next epoch's first).
-            self.save_checkpoint(epoch, first + done)?;
-            if !interrupted {
-                epoch += 1;
-                self.start_batch = 0;
+            if interrupted {
+                // [checkpoint] exactly here: the resumed run finishes this epoch's steps (if
+                // any are left) and evaluates it.
+                self.history.progress = Some(progress);
+                self.start_batch = next;
+                self.save_checkpoint(epoch, next)?;
+                cut_short = Some(stats);
+                break;
             }
+            self.history.epochs.push(stats);
+            // [checkpoint] at each epoch end; an epoch cut short by --max-steps keeps its
+            // position so that a longer --max-steps continues it.
+            let (epoch_next, batch_next) = if next >= self.steps_per_epoch {
+                (epoch + 1, 0)
+            } else {
+                (epoch, next)
+            };
+            self.save_checkpoint(epoch_next, batch_next)?;
+            epoch += 1;
+            self.start_batch = 0;
+        }
+        let interrupted = cut_short.is_some();
+        if interrupted && self.checkpoints.last_step().is_none() {
+            // Stopped before the first step: a checkpoint of the start, so --resume can finish.
+            self.save_checkpoint(epoch, self.start_batch)?;
         }
         self.start_epoch = epoch;
         let pruning = self.finish_pruning(interrupted)?;
+        // The run's epochs; an interrupted run also shows the part of the epoch it trained.
+        let mut epochs = self.history.epochs.clone();
+        epochs.extend(cut_short.filter(|s| s.steps > 0));
         let summary = self.summary(
             &epochs,
-            total_images,
-            total_secs,
+            self.history.epochs.len(),
             interrupted,
             wall.elapsed().as_secs_f64(),
             pruning,
@@ -1113,11 +1201,12 @@ impl Trainer {
     }
     // [estimate] end
 
+    /// The summary of the whole run: `epochs` (the ended ones first, `ended` of them) and the
+    /// history's totals.
     fn summary(
         &self,
         epochs: &[EpochStats],
-        images: usize,
-        secs: f64,
+        ended: usize,
         interrupted: bool,
         wall: f64,
         pruning: Option<super::prune::PruneReport>,
@@ -1149,14 +1238,11 @@ impl Trainer {
             // [estimate] predicted vs measured peak.
             predicted_peak_bytes: predicted,
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, mem.peak_bytes)),
-            images_per_sec: images as f64 / secs.max(1e-9),
-            steady_images_per_sec: steady_throughput(&self.step_times),
+            images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
+            steady_images_per_sec: steady_throughput(&self.history.step_times),
             steps: self.global_step,
-            epochs_completed: epochs
-                .iter()
-                .filter(|e| e.eval_accuracy.is_some() || !interrupted)
-                .count(),
-            images,
+            epochs_completed: ended,
+            images: self.history.images,
             final_train_loss: last.map(|e| e.train_loss),
             final_test_accuracy: last.and_then(|e| e.eval_accuracy),
             final_test_loss: last.and_then(|e| e.eval_loss),
@@ -1170,6 +1256,7 @@ impl Trainer {
             },
             wall_secs: wall,
             pruning,
+            cuda_graph: self.cuda_graph.stats(),
         }
     }
 }

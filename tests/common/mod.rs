@@ -138,7 +138,10 @@ pub fn example_binary(name: &str) -> PathBuf {
     if profile_dir.file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");
     }
-    if cfg!(feature = "cuda") {
+    // The features of this test build, so the example is built from the same artifacts.
+    if cfg!(feature = "cudnn") {
+        cmd.args(["--features", "cuda,cudnn"]);
+    } else if cfg!(feature = "cuda") {
         cmd.args(["--features", "cuda"]);
     }
     let out = cmd.output().expect("cargo runs");

@@ -1,0 +1,89 @@
+//! The run's history: what the summary, the epoch table and the memory log need from the steps
+//! already taken, so that a resumed run reports the whole run, not only the part after the
+//! checkpoint.
+//!
+//! Every checkpoint stores it (`history.json`, hashed like the other files), beside the memory
+//! log of the steps and ended epochs (`memory.json`). A run interrupted
+//! inside an epoch, or after the epoch's last step but before its evaluation, keeps the epoch's
+//! running sums in [`RunHistory::progress`]; the resumed run adds its steps to them and then
+//! evaluates, so the epoch's row equals that of an uninterrupted run in everything but timings.
+//! Floats travel through JSON exactly (serde_json's `float_roundtrip`), so the sums do too.
+
+use super::trainer::StepResult;
+use crate::callbacks::EpochStats;
+use serde::{Deserialize, Serialize};
+
+/// Running sums of the epoch in progress.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpochProgress {
+    /// Epoch index.
+    pub epoch: usize,
+    /// Optimizer steps trained in this epoch so far.
+    pub steps: usize,
+    /// Training images in those steps.
+    pub images: usize,
+    /// Sum of the steps' mean losses.
+    pub loss_sum: f64,
+    /// Correct training predictions.
+    pub correct: usize,
+    /// Steps the loss scaler skipped.
+    pub skipped: usize,
+    /// Seconds of the training steps.
+    pub train_secs: f64,
+    /// Learning rate of the newest step.
+    pub lr: f64,
+}
+
+impl EpochProgress {
+    /// A fresh epoch; `lr` is reported if the epoch ends before its first step.
+    pub fn new(epoch: usize, lr: f64) -> Self {
+        EpochProgress {
+            epoch,
+            lr,
+            ..Default::default()
+        }
+    }
+
+    /// Add one optimizer step.
+    pub fn add(&mut self, r: &StepResult) {
+        self.steps += 1;
+        self.images += r.images;
+        self.loss_sum += r.loss;
+        self.correct += r.correct;
+        self.skipped += r.skipped as usize;
+        self.lr = r.lr;
+    }
+
+    /// The epoch's row, with the evaluation `(loss, accuracy)` when there was one.
+    pub fn stats(&self, eval: Option<(f64, f64)>, loss_scale: Option<f64>) -> EpochStats {
+        EpochStats {
+            epoch: self.epoch,
+            steps: self.steps,
+            images: self.images,
+            train_loss: self.loss_sum / self.steps.max(1) as f64,
+            train_accuracy: self.correct as f64 / self.images.max(1) as f64,
+            eval_loss: eval.map(|e| e.0),
+            eval_accuracy: eval.map(|e| e.1),
+            images_per_sec: self.images as f64 / self.train_secs.max(1e-9),
+            train_secs: self.train_secs,
+            loss_scale,
+            skipped_steps: self.skipped,
+            lr: self.lr,
+        }
+    }
+}
+
+/// Everything a resumed run carries over from the processes before it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RunHistory {
+    /// Epochs whose end (evaluation included) is done, in order.
+    pub epochs: Vec<EpochStats>,
+    /// The epoch begun but not ended (its evaluation not done), if any.
+    pub progress: Option<EpochProgress>,
+    /// Training images of the whole run so far.
+    pub images: usize,
+    /// Seconds of training steps of the whole run so far.
+    pub train_secs: f64,
+    /// (images, seconds) of every step, for the steady-state throughput.
+    pub step_times: Vec<(usize, f64)>,
+}

@@ -1,0 +1,167 @@
+//! One writer per run directory, and the results of a finished run never replaced by accident.
+//!
+//! A run that writes files holds an exclusive advisory lock (`flock`) on `<run>/.lock` from
+//! before its first write until the process ends; the kernel drops it when the process dies, even
+//! by SIGKILL, so a crashed run never leaves the directory locked. A second process on the same
+//! directory (a second run with the same `--out`, or two `--resume` of one run) is refused with
+//! a one-line error before it writes anything.
+//!
+//! A new run refuses a directory that holds an earlier run's results or checkpoints, unless
+//! `--overwrite` asks for them to be removed first; a resumed run continues its own files.
+
+use super::checkpoint::CHECKPOINTS_DIR;
+use crate::error::{Error, Result};
+use std::fs::{File, OpenOptions, TryLockError};
+use std::path::{Path, PathBuf};
+
+/// The lock file inside a run directory.
+pub const LOCK_FILE: &str = ".lock";
+
+/// Files a run writes into its directory (besides [`CHECKPOINTS_DIR`]): what `--overwrite`
+/// removes and what makes a directory "hold results".
+pub const RESULT_FILES: &[&str] = &[
+    "summary.json",
+    "config.json",
+    crate::callbacks::log::BATCHES_CSV,
+    crate::callbacks::log::EPOCHS_CSV,
+    "memory.json",
+    crate::memory::timeline::STEP_TIMELINE_FILE,
+    crate::memory::timeline::OOM_SNAPSHOT_FILE,
+    super::prune::DENSE_MODEL_FILE,
+    super::prune::SPARSE_MODEL_FILE,
+    "memory.png",
+    "memory.svg",
+    "step_timeline.png",
+    "step_timeline.svg",
+];
+
+/// How a run uses its directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Claim {
+    /// A new run: the directory must not hold another run's results or checkpoints, unless
+    /// `overwrite` (then they are removed once the lock is held).
+    New {
+        /// `--overwrite`.
+        overwrite: bool,
+    },
+    /// `--resume`: the directory's own checkpoint and logs are continued.
+    Resume,
+    /// Lock only (library callers that manage the directory themselves).
+    #[default]
+    LockOnly,
+}
+
+/// The held lock of a run directory; released when dropped or when the process ends.
+#[derive(Debug)]
+pub struct RunDirLock {
+    _file: File,
+    dir: PathBuf,
+}
+
+impl RunDirLock {
+    /// The locked directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// What in `dir` belongs to an earlier run: its result files present and whether it has
+/// checkpoints.
+fn earlier_run(dir: &Path) -> (Vec<&'static str>, bool) {
+    let files = RESULT_FILES
+        .iter()
+        .copied()
+        .filter(|f| dir.join(f).exists())
+        .collect();
+    let checkpoints = std::fs::read_dir(dir.join(CHECKPOINTS_DIR))
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
+    (files, checkpoints)
+}
+
+/// The status an earlier run's `summary.json` records, for the error message.
+fn earlier_status(dir: &Path) -> Option<String> {
+    let text = crate::io::read_capped(&dir.join("summary.json"), 1 << 20).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    v.get("status")?.as_str().map(str::to_string)
+}
+
+/// Refuse `dir` for a new run when it holds an earlier run's results or checkpoints (no lock
+/// taken: for failing early, before data is loaded). With `overwrite` nothing is refused.
+pub fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
+    if overwrite || !dir.is_dir() {
+        return Ok(());
+    }
+    let shown = dir.display();
+    let (files, checkpoints) = earlier_run(dir);
+    if checkpoints {
+        return Err(Error::config(format!(
+            "--out {shown} already holds checkpoints of an earlier run; continue it with --resume {shown}, replace it with --overwrite, or pass a new --out"
+        )));
+    }
+    if !files.is_empty() {
+        let what = match earlier_status(dir) {
+            Some(status) => format!("its summary.json says status {status}"),
+            None => files.join(", "),
+        };
+        return Err(Error::config(format!(
+            "--out {shown} already holds the results of an earlier run ({what}); pass a new --out, or --overwrite to replace them"
+        )));
+    }
+    Ok(())
+}
+
+/// Create `dir` if needed, take its lock, and prepare it for `claim`.
+///
+/// Errors: another process holds the lock ([`Error::Config`]); `claim` is
+/// [`Claim::New`] without `overwrite` and the directory holds an earlier run (see
+/// [`check_new`]).
+pub fn claim(dir: &Path, claim: Claim) -> Result<RunDirLock> {
+    crate::io::create_dir(dir)?;
+    let path = dir.join(LOCK_FILE);
+    // Never written to: a refused resume leaves the run directory exactly as it was.
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| Error::io(&path, e))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => {
+            return Err(Error::config(format!(
+                "{} is in use by another memtrain process (it holds {LOCK_FILE}); wait for it to finish, or pass another --out",
+                dir.display()
+            )));
+        }
+        Err(TryLockError::Error(e)) => return Err(Error::io(&path, e)),
+    }
+    if let Claim::New { overwrite } = claim {
+        check_new(dir, overwrite)?;
+        if overwrite {
+            remove_earlier_run(dir)?;
+        }
+    }
+    Ok(RunDirLock {
+        _file: file,
+        dir: dir.to_path_buf(),
+    })
+}
+
+/// Remove an earlier run's result files and checkpoints (`--overwrite`); other files stay.
+fn remove_earlier_run(dir: &Path) -> Result<()> {
+    for name in RESULT_FILES {
+        let path = dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(&path, e)),
+        }
+    }
+    let ck = dir.join(CHECKPOINTS_DIR);
+    match std::fs::remove_dir_all(&ck) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io(&ck, e)),
+    }
+}

@@ -1,8 +1,10 @@
 //! Ctrl-C (SIGINT) and SIGTERM as a request to stop training cleanly.
 //!
-//! The first signal only sets a flag; the trainer checks it after every optimizer step, so the
-//! step in flight finishes, a checkpoint and `summary.json` (status "interrupted") are written,
-//! and the program exits with [`INTERRUPTED_EXIT_CODE`]. A second signal exits at once with the
+//! The first signal only sets a flag. The data loader checks it between files and chunks (then
+//! nothing has been written), the trainer after every optimizer step, between evaluation batches
+//! and after every checkpoint write, so the step in flight finishes, a checkpoint and
+//! `summary.json` (status "interrupted") are written, and the program exits with
+//! [`INTERRUPTED_EXIT_CODE`]. A second signal exits at once with the
 //! same code: whatever checkpoint is on disk then is still complete, because checkpoints are
 //! written to a temporary directory and renamed into place.
 
@@ -44,7 +46,7 @@ pub fn install_stop_handler() -> Result<Arc<AtomicBool>> {
                 let name = if sig == SIGINT { "Ctrl-C" } else { "SIGTERM" };
                 if seen.load(Ordering::SeqCst) {
                     eprintln!(
-                        "{name}: stopping after the current step and saving a checkpoint (press Ctrl-C again to quit at once)"
+                        "{name}: stopping at the next safe point (after the current step, evaluation batch or data file; the final message says what was saved); press Ctrl-C again to quit at once"
                     );
                 }
             }

@@ -45,10 +45,10 @@
 //! `checkpoints/diverged/`, so `--resume` (with a lower `--lr`) continues from before the loss
 //! blew up rather than from weights already wrecked.
 
-use super::history::RunHistory;
+use super::history::{RunHistory, StepResult};
 use super::optim::Optimizer;
 use super::precision::LossScaler;
-use super::trainer::{StepResult, Trainer};
+use super::trainer::Trainer;
 use crate::callbacks::MemoryLog;
 use crate::config::TrainConfig;
 use crate::data::Dataset;

@@ -9,9 +9,23 @@
 //! evaluates, so the epoch's row equals that of an uninterrupted run in everything but timings.
 //! Floats travel through JSON exactly (serde_json's `float_roundtrip`), so the sums do too.
 
-use super::trainer::StepResult;
 use crate::callbacks::EpochStats;
 use serde::{Deserialize, Serialize};
+
+/// Outcome of one optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepResult {
+    /// Mean loss over the micro-batches.
+    pub loss: f64,
+    /// Correct predictions.
+    pub correct: usize,
+    /// Images in the step.
+    pub images: usize,
+    /// True when the loss scaler skipped the update.
+    pub skipped: bool,
+    /// Learning rate used.
+    pub lr: f64,
+}
 
 /// Running sums of the epoch in progress.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

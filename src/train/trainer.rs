@@ -8,6 +8,7 @@ use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
 use super::optim::{one_cycle_lr, Optimizer};
 use super::precision::LossScaler;
 use super::reference::loss_and_correct;
+pub use super::history::StepResult;
 use super::history::EpochProgress;
 use super::summary::Summary;
 use crate::callbacks::{
@@ -47,21 +48,6 @@ pub struct TrainerOptions {
     /// How a run that writes files (`log_files`) claims its directory: always under an
     /// exclusive lock; a new run also refuses an earlier run's results unless told to overwrite.
     pub claim: super::run_dir::Claim,
-}
-
-/// Outcome of one optimizer step.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepResult {
-    /// Mean loss over the micro-batches.
-    pub loss: f64,
-    /// Correct predictions.
-    pub correct: usize,
-    /// Images in the step.
-    pub images: usize,
-    /// True when the loss scaler skipped the update.
-    pub skipped: bool,
-    /// Learning rate used.
-    pub lr: f64,
 }
 
 /// A training run: model, optimizer, data and callbacks, driven by a [`TrainConfig`].

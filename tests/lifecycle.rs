@@ -623,3 +623,30 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     assert_eq!(json(&dir.join("summary.json"))["status"], "ok");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
+
+#[test]
+fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
+    // A run cut by --max-steps inside an epoch evaluates there; extended by a resume with a
+    // larger --max-steps, it continues the epoch. With a checkpoint after every step the epoch
+    // end is a second checkpoint of the same step, not a skipped one.
+    let root = scratch("max-steps-cut");
+    let mut tables = Vec::new();
+    for save_every in ["0", "1"] {
+        let dir = root.join(format!("save-every-{save_every}"));
+        let mut first = words(
+            "--synthetic-train 64 --synthetic-test 16 --width 4 --batch-size 32 --epochs 2 \
+             --max-steps 1 --quiet --device cpu",
+        );
+        first.extend(["--save-every".into(), save_every.into(), "--out".into()]);
+        first.push(dir.display().to_string());
+        assert_ok(&run(&first), "the cut run");
+        let mut more = resume_args(&dir);
+        more.extend(words("--max-steps 3"));
+        assert_ok(&run(&more), "the extended run");
+        tables.push(csv_columns(&dir.join("epochs.csv"), EPOCH_COLUMNS));
+    }
+    assert_eq!(tables[0], tables[1]);
+    let epochs: Vec<&str> = tables[0].iter().map(|r| &r[..1]).collect();
+    assert_eq!(epochs, ["0", "0", "1"], "{:?}", tables[0]);
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -197,9 +197,10 @@ pub struct Checkpoint {
 pub struct CheckpointSaver {
     /// Write checkpoints into the run directory (set from `TrainerOptions::log_files`).
     pub enabled: bool,
-    /// (global step, epoch, next batch) of the newest checkpoint written or restored, so the
-    /// same state is never saved twice.
-    last: Option<(usize, usize, usize)>,
+    /// (global step, epoch, next batch, ended epochs) of the newest checkpoint written or
+    /// restored, so the same state is never saved twice (an epoch's end at the same position,
+    /// after a `--max-steps` cut, is a new state).
+    last: Option<(usize, usize, usize, usize)>,
     /// Global step of the newest healthy checkpoint on disk.
     last_healthy: Option<usize>,
     /// A step since the newest checkpoint had a loss past [`DIVERGED_LOSS`] or a non-finite one.
@@ -385,7 +386,12 @@ impl Trainer {
     /// Nothing is written when a parameter, running statistic or optimizer state is NaN/inf: the
     /// error is [`Error::NonFinite`] and the previous checkpoint stays the newest.
     pub fn save_checkpoint(&mut self, epoch: usize, next_batch: usize) -> Result<Option<PathBuf>> {
-        let position = (self.global_step, epoch, next_batch.min(self.steps_per_epoch));
+        let position = (
+            self.global_step,
+            epoch,
+            next_batch.min(self.steps_per_epoch),
+            self.history.epochs.len(),
+        );
         if !self.checkpoints.enabled || self.checkpoints.last == Some(position) {
             return Ok(None);
         }
@@ -1055,7 +1061,12 @@ impl Checkpoint {
         trainer.restore_memory_log(self.memory.clone());
         let root = self.run_dir.join(CHECKPOINTS_DIR);
         let saver = &mut trainer.checkpoints;
-        saver.last = Some((s.global_step, s.epoch, s.next_batch));
+        saver.last = Some((
+            s.global_step,
+            s.epoch,
+            s.next_batch,
+            self.history.epochs.len(),
+        ));
         saver.unhealthy_since_save = false;
         saver.last_was_healthy = s.healthy;
         saver.last_healthy = if s.healthy {

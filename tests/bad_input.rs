@@ -5,9 +5,8 @@
 
 mod common;
 
-use common::run_trainer as run;
+use common::{copy_dir, run_trainer as run, snapshot};
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -71,42 +70,6 @@ fn source_run() -> &'static Path {
             .is_file());
         dir
     })
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().filter_map(|e| e.ok()) {
-        let (src, dst) = (e.path(), to.join(e.file_name()));
-        if src.is_dir() {
-            copy_dir(&src, &dst);
-        } else {
-            std::fs::copy(&src, &dst).unwrap();
-        }
-    }
-}
-
-/// Every file and directory under `dir` with the bytes of the files.
-fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
-    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Option<Vec<u8>>>) {
-        for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
-            let p = e.path();
-            let rel = p.strip_prefix(root).unwrap().to_path_buf();
-            if p.is_dir() {
-                out.insert(rel, None);
-                walk(root, &p, out);
-            } else if p.is_file() {
-                out.insert(rel, Some(std::fs::read(&p).unwrap()));
-            } else {
-                // A FIFO planted by a case: reading it would block; its presence is recorded.
-                out.insert(rel, Some(Vec::new()));
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    if dir.is_dir() {
-        walk(dir, dir, &mut out);
-    }
-    out
 }
 
 /// One bad input.

@@ -7,27 +7,18 @@
 
 mod common;
 
-use common::{assert_ok, run_trainer as run, text, trainer_command as command};
+use common::{assert_ok, copy_dir, run_trainer as run, snapshot, spawn_trainer as spawn, text};
 use memtrain::train::checkpoint::{Checkpoint, CHECKPOINTS_DIR, DIVERGED_DIR, MANIFEST_FILE};
 use memtrain::train::{Trainer, TrainerOptions};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output, Stdio};
+use std::process::{Child, Output};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
-
-/// A fresh scratch directory for one test, under the target directory.
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("memtrain-lifecycle-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn words(s: &str) -> Vec<String> {
     s.split_whitespace().map(String::from).collect()
@@ -50,14 +41,6 @@ fn with_out(base: &str, out: &Path) -> Vec<String> {
 
 fn resume_args(out: &Path) -> Vec<String> {
     vec!["--resume".into(), out.display().to_string()]
-}
-
-fn spawn(args: &[String]) -> Child {
-    command(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("train_cifar10 starts")
 }
 
 /// Complete rows (with their newline) of `batches.csv`.
@@ -199,7 +182,7 @@ fn assert_same_run(got: &Path, want: &Path) {
 /// An uninterrupted run of `base`, made once per test process.
 fn reference(base: &'static str, cell: &'static OnceLock<PathBuf>, name: &str) -> &'static Path {
     cell.get_or_init(|| {
-        let dir = scratch(&format!("reference-{name}")).join("run");
+        let dir = common::scratch("lifecycle", &format!("reference-{name}")).join("run");
         assert_ok(&run(&with_out(base, &dir)), "the reference run");
         dir
     })
@@ -248,7 +231,7 @@ fn one_line_error(out: &Output, code: i32, needle: &str) {
 
 #[test]
 fn kill_resume_cycles_keep_every_row_and_the_whole_run_in_the_summary() {
-    let dir = scratch("cycles").join("run");
+    let dir = common::scratch("lifecycle", "cycles").join("run");
     // Three SIGKILLs at different points, each followed by a torn row as a kill mid-write
     // leaves it, then a resume to the end.
     let mut args = with_out(FAST, &dir);
@@ -275,7 +258,7 @@ fn kill_resume_cycles_keep_every_row_and_the_whole_run_in_the_summary() {
 
 #[test]
 fn sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run() {
-    let dir = scratch("term-mid").join("run");
+    let dir = common::scratch("lifecycle", "term-mid").join("run");
     let mut child = spawn(&with_out(FAST, &dir));
     wait_for_rows(&mut child, &dir, 20);
     signal(&child, libc::SIGTERM);
@@ -297,7 +280,7 @@ fn sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run() {
 /// before it); the run stops with 130 and a resume finishes it equal to the reference.
 fn sigterm_in_evaluation(rows: usize, name: &str) {
     let reference = slow_eval_reference();
-    let dir = scratch(name).join("run");
+    let dir = common::scratch("lifecycle", name).join("run");
     let mut child = spawn(&with_out(SLOW_EVAL, &dir));
     wait_for_rows(&mut child, &dir, rows);
     signal(&child, libc::SIGTERM);
@@ -329,7 +312,7 @@ fn sigterm_during_an_epoch_evaluation_is_redone_on_resume() {
 
 #[test]
 fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
-    let dir = scratch("stop-at-start").join("run");
+    let dir = common::scratch("lifecycle", "stop-at-start").join("run");
     let cfg = memtrain::config::TrainConfig {
         out: Some(dir.clone()),
         max_steps: Some(4),
@@ -364,22 +347,9 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
 
 /// A finished FAST run copied to a fresh directory.
 fn finished_copy(name: &str) -> PathBuf {
-    let dir = scratch(name).join("run");
+    let dir = common::scratch("lifecycle", name).join("run");
     copy_dir(fast_reference(), &dir);
     dir
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dest = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dest);
-        } else {
-            std::fs::copy(e.path(), dest).unwrap();
-        }
-    }
 }
 
 #[test]
@@ -502,7 +472,7 @@ fn long_run(dir: &Path) -> Child {
 
 #[test]
 fn a_second_process_on_the_same_run_directory_is_refused() {
-    let dir = scratch("two-writers").join("run");
+    let dir = common::scratch("lifecycle", "two-writers").join("run");
     let mut first = long_run(&dir);
     let config_before = std::fs::read(dir.join("config.json")).unwrap();
 
@@ -529,20 +499,6 @@ fn a_second_process_on_the_same_run_directory_is_refused() {
     // which the resume skips; the refused processes wrote nothing).
     Checkpoint::find_latest(&dir).expect("the run is still resumable");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
-}
-
-fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            out.extend(snapshot(&p));
-        } else {
-            out.push((p.clone(), std::fs::read(&p).unwrap()));
-        }
-    }
-    out.sort();
-    out
 }
 
 #[test]
@@ -588,7 +544,7 @@ fn finished_results_are_refused_unless_overwrite() {
 
 #[test]
 fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
-    let dir = scratch("diverge").join("run");
+    let dir = common::scratch("lifecycle", "diverge").join("run");
     // lr 20 without clipping: the loss climbs over several steps (22, 494, 3e4, ...) before the
     // state turns non-finite, so a checkpoint after every step holds wrecked weights.
     let args = words(
@@ -629,7 +585,7 @@ fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
     // A run cut by --max-steps inside an epoch evaluates there; extended by a resume with a
     // larger --max-steps, it continues the epoch. With a checkpoint after every step the epoch
     // end is a second checkpoint of the same step, not a skipped one.
-    let root = scratch("max-steps-cut");
+    let root = common::scratch("lifecycle", "max-steps-cut");
     let mut tables = Vec::new();
     for save_every in ["0", "1"] {
         let dir = root.join(format!("save-every-{save_every}"));

@@ -18,7 +18,7 @@ use memtrain::train::prune::{
 };
 use memtrain::train::{Trainer, TrainerOptions};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -72,15 +72,6 @@ fn assert_same(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>, what: &
 fn tensors(path: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// A fresh scratch directory under the target directory.
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("memtrain-prune-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 fn flags(s: &str) -> Vec<String> {
@@ -309,7 +300,7 @@ fn pruned_weights_stay_zero_through_later_optimizer_steps() {
 
 #[test]
 fn sparse_file_expands_to_exactly_the_dense_weights() {
-    let dir = scratch("sparse");
+    let dir = common::scratch("prune", "sparse");
     let cfg = TrainConfig {
         out: Some(dir.join("run")),
         max_steps: Some(6),
@@ -455,7 +446,7 @@ fn bad_prune_flags_exit_2_with_one_line() {
             &["--prune-begin 2", "step 2", "lower --prune-begin"],
         ),
     ];
-    let dir = scratch("flags");
+    let dir = common::scratch("prune", "flags");
     for (i, (case, words)) in cases.iter().enumerate() {
         let out_dir = dir.join(format!("run{i}"));
         let mut args = flags(base);
@@ -525,7 +516,7 @@ fn last_checkpoint(run_dir: &Path) -> Option<usize> {
 
 #[test]
 fn killed_and_resumed_pruned_run_is_bit_identical() {
-    let root = scratch("resume");
+    let root = common::scratch("prune", "resume");
     let reference = root.join("reference");
     assert_ok(&run(&resume_args(&reference)), "the uninterrupted run");
 

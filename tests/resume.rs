@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{assert_ok, run_trainer as run, text, trainer_command as command};
+use common::{assert_ok, copy_dir, run_trainer as run, snapshot, text, trainer_command as command};
 
 use candle_core::{DType, Device, Tensor};
 use memtrain::callbacks::{BatchInfo, Callback};
@@ -17,7 +17,7 @@ use memtrain::train::checkpoint::{
     Checkpoint, CHECKPOINTS_DIR, LATEST_FILE, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE,
 };
 use memtrain::train::{Trainer, TrainerOptions};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,16 +26,6 @@ use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
-
-/// A fresh, empty scratch directory for one test (under the target directory, so whatever a
-/// failed test leaves behind goes with `cargo clean`).
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("memtrain-resume-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// Flags of every child run: 8 steps per epoch, 20 epochs (160 steps), a checkpoint every 2 steps.
 fn run_args(out: &Path) -> Vec<String> {
@@ -176,7 +166,7 @@ fn assert_same_checkpoint(a: &Path, b: &Path) {
 fn reference() -> &'static Path {
     static REF: OnceLock<PathBuf> = OnceLock::new();
     REF.get_or_init(|| {
-        let dir = scratch("reference").join("run");
+        let dir = common::scratch("resume", "reference").join("run");
         let out = run(&run_args(&dir));
         assert_ok(&out, "the uninterrupted run");
         assert_eq!(
@@ -191,38 +181,6 @@ fn reference() -> &'static Path {
 /// The final checkpoint of the reference run.
 fn reference_final() -> PathBuf {
     step_dir(reference(), TOTAL_STEPS)
-}
-
-/// Every file under `dir` with its bytes, by relative path.
-fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Vec<u8>>) {
-        for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
-            let p = e.path();
-            if p.is_dir() {
-                walk(root, &p, out);
-            } else {
-                out.insert(
-                    p.strip_prefix(root).unwrap().to_path_buf(),
-                    std::fs::read(&p).unwrap(),
-                );
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    walk(dir, dir, &mut out);
-    out
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().filter_map(|e| e.ok()) {
-        let (src, dst) = (e.path(), to.join(e.file_name()));
-        if src.is_dir() {
-            copy_dir(&src, &dst);
-        } else {
-            std::fs::copy(&src, &dst).unwrap();
-        }
-    }
 }
 
 /// No temporary or half-replaced checkpoint directories are left.
@@ -245,7 +203,7 @@ fn assert_no_leftovers(run_dir: &Path) {
 
 #[test]
 fn kill_9_mid_run_then_resume_gives_bit_identical_weights() {
-    let dir = scratch("kill9").join("run");
+    let dir = common::scratch("resume", "kill9").join("run");
     let args = run_args(&dir);
     let mut child = spawn(&args);
     wait_for_checkpoint(&mut child, &dir, 3);
@@ -293,7 +251,7 @@ fn kill_9_mid_run_then_resume_gives_bit_identical_weights() {
 #[cfg(unix)]
 #[test]
 fn sigint_saves_checkpoint_and_summary_then_exits_130_and_resumes() {
-    let dir = scratch("sigint").join("run");
+    let dir = common::scratch("resume", "sigint").join("run");
     let args = run_args(&dir);
     let mut child = spawn(&args);
     wait_for_checkpoint(&mut child, &dir, 6);
@@ -337,7 +295,7 @@ fn sigint_saves_checkpoint_and_summary_then_exits_130_and_resumes() {
 
 #[test]
 fn damaged_newest_checkpoint_is_skipped_with_a_warning() {
-    let dir = scratch("damaged").join("run");
+    let dir = common::scratch("resume", "damaged").join("run");
     copy_dir(reference(), &dir);
     let newest = step_dir(&dir, TOTAL_STEPS);
     let model = newest.join(MODEL_FILE);
@@ -369,7 +327,7 @@ fn damaged_newest_checkpoint_is_skipped_with_a_warning() {
 
 #[test]
 fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
-    let dir = scratch("extend").join("run");
+    let dir = common::scratch("resume", "extend").join("run");
     copy_dir(reference(), &dir);
     let mut resume = run_args(&dir);
     resume.extend(["--resume".to_string(), dir.display().to_string()]);
@@ -403,7 +361,7 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
 /// checkpoint directory is byte for byte what it was; with one after every step the newest is
 /// the last step that succeeded, and it loads with finite weights.
 fn diverging_run_leaves_checkpoint_intact(precision: &str) {
-    let root = scratch(&format!("diverge-{precision}"));
+    let root = common::scratch("resume", &format!("diverge-{precision}"));
     let base: Vec<String> = format!(
         "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --quiet --no-eval --device cpu --precision {precision}"
     )
@@ -540,7 +498,7 @@ fn splits(cfg: &TrainConfig) -> DataSplits {
 #[test]
 fn restore_brings_back_every_piece_of_state() {
     for precision in [Precision::F32, Precision::F16] {
-        let dir = scratch(&format!("inproc-{precision}")).join("run");
+        let dir = common::scratch("resume", &format!("inproc-{precision}")).join("run");
         let cfg = tiny(&dir, precision);
         let flag = Arc::new(AtomicBool::new(false));
         let options = TrainerOptions {
@@ -596,7 +554,7 @@ fn restore_brings_back_every_piece_of_state() {
 
 #[test]
 fn conflicting_config_lists_every_difference() {
-    let dir = scratch("conflict").join("run");
+    let dir = common::scratch("resume", "conflict").join("run");
     let cfg = TrainConfig {
         max_steps: Some(2),
         ..tiny(&dir, Precision::F32)

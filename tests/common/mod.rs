@@ -193,3 +193,60 @@ pub fn run_trainer<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Outpu
         .output()
         .expect("train_cifar10 starts")
 }
+
+/// A fresh, empty scratch directory `memtrain-<group>-<name>-<pid>` under the target directory
+/// (whatever a failed test leaves there goes with `cargo clean`).
+pub fn scratch(group: &str, name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("memtrain-{group}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Copy a directory tree.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().filter_map(|e| e.ok()) {
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        if src.is_dir() {
+            copy_dir(&src, &dst);
+        } else {
+            std::fs::copy(&src, &dst).unwrap();
+        }
+    }
+}
+
+/// Every file and directory under `dir` (by relative path) with the bytes of the regular files;
+/// empty when `dir` does not exist.
+pub fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Option<Vec<u8>>> {
+    fn walk(root: &Path, dir: &Path, out: &mut std::collections::BTreeMap<PathBuf, Option<Vec<u8>>>) {
+        for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().to_path_buf();
+            if p.is_dir() {
+                out.insert(rel, None);
+                walk(root, &p, out);
+            } else if p.is_file() {
+                out.insert(rel, Some(std::fs::read(&p).unwrap()));
+            } else {
+                // A FIFO planted by a test: reading it would block; its presence is recorded.
+                out.insert(rel, Some(Vec::new()));
+            }
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    if dir.is_dir() {
+        walk(dir, dir, &mut out);
+    }
+    out
+}
+
+/// [`trainer_command`] started with stdout discarded and stderr piped.
+pub fn spawn_trainer<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Child {
+    trainer_command(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("train_cifar10 starts")
+}

@@ -232,7 +232,7 @@ fn run() -> memtrain::Result<()> {
     }
     println!("results in {}", trainer.run_dir().display());
     // [checkpoint] begin
-    if summary.status == "interrupted" {
+    if summary.status == memtrain::train::RunStatus::Interrupted {
         let dir = trainer.run_dir().display();
         return Err(memtrain::Error::Interrupted(format!(
             "stopped after step {} of {}; checkpoint and summary.json saved; continue with --resume {dir}",

@@ -184,7 +184,7 @@ fn run(dir: &Path, status: Status, peak_mib: u64, ips: f64) -> ChildRun {
             peak_bytes: peak_mib * MIB,
             baseline_bytes: MIB,
             images_per_sec: ips,
-            status: "ok".into(),
+            status: memtrain::train::RunStatus::Ok,
             ..Summary::default()
         }),
     }

@@ -9,7 +9,7 @@ mod common;
 
 use common::{assert_ok, copy_dir, run_trainer as run, snapshot, spawn_trainer as spawn, text};
 use memtrain::train::checkpoint::{Checkpoint, CHECKPOINTS_DIR, DIVERGED_DIR, MANIFEST_FILE};
-use memtrain::train::{Trainer, TrainerOptions};
+use memtrain::train::{RunStatus, Trainer, TrainerOptions};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Output};
@@ -326,7 +326,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
     };
     let mut t = Trainer::new(cfg.clone(), data(), options).unwrap();
     let summary = t.fit().unwrap();
-    assert_eq!(summary.status, "interrupted");
+    assert_eq!(summary.status, RunStatus::Interrupted);
     assert_eq!(summary.steps, 0);
     drop(t);
     let ck = Checkpoint::find_latest(&dir).expect("a checkpoint of the start");
@@ -338,7 +338,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
     let mut t = Trainer::new(ck.resume_config(&cfg, false).unwrap(), data(), options).unwrap();
     ck.restore(&mut t).unwrap();
     let summary = t.fit().unwrap();
-    assert_eq!((summary.status.as_str(), summary.steps), ("ok", 4));
+    assert_eq!((summary.status, summary.steps), (RunStatus::Ok, 4));
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 

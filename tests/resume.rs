@@ -509,7 +509,7 @@ fn restore_brings_back_every_piece_of_state() {
         };
         let mut a = Trainer::new(cfg.clone(), splits(&cfg), options).unwrap();
         let summary = a.fit().unwrap();
-        assert_eq!(summary.status, "interrupted");
+        assert_eq!(summary.status, memtrain::train::RunStatus::Interrupted);
         assert_eq!(a.global_step, 3);
 
         let ck = Checkpoint::find_latest(&dir).unwrap();

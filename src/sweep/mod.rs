@@ -507,7 +507,7 @@ pub fn run_child(
         match std::fs::read_to_string(&summary_path) {
             Ok(text) => match serde_json::from_str::<Summary>(&text) {
                 Ok(s) => {
-                    if s.status == "ok" {
+                    if s.status == crate::train::RunStatus::Ok {
                         run.status = Status::Ok;
                     } else {
                         run.note = format!("run ended with status '{}'", s.status);

@@ -15,5 +15,5 @@ pub mod run_dir;
 pub mod summary;
 pub mod trainer;
 
-pub use summary::Summary;
+pub use summary::{RunStatus, Summary};
 pub use trainer::{Trainer, TrainerOptions};

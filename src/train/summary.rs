@@ -2,6 +2,26 @@
 
 use serde::{Deserialize, Serialize};
 
+/// How a run ended, as `summary.json` spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunStatus {
+    /// Every configured step trained and evaluated.
+    #[default]
+    Ok,
+    /// Stopped by a signal or a stop request; `--resume` finishes it.
+    Interrupted,
+}
+
+impl std::fmt::Display for RunStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RunStatus::Ok => "ok",
+            RunStatus::Interrupted => "interrupted",
+        })
+    }
+}
+
 /// What a run measured. Written to `summary.json` and returned by [`crate::train::Trainer::fit`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
@@ -63,8 +83,8 @@ pub struct Summary {
     pub loss_scale: Option<f64>,
     /// Steps skipped by the loss scaler.
     pub skipped_steps: usize,
-    /// `ok` or `interrupted`.
-    pub status: String,
+    /// How the run ended.
+    pub status: RunStatus,
     /// Wall-clock seconds of the whole run.
     pub wall_secs: f64,
     /// Reached sparsity and model file sizes of a `--prune` run.

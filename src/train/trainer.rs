@@ -1236,9 +1236,9 @@ impl Trainer {
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
             status: if interrupted {
-                "interrupted".into()
+                super::summary::RunStatus::Interrupted
             } else {
-                "ok".into()
+                super::summary::RunStatus::Ok
             },
             wall_secs: wall,
             pruning,

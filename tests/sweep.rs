@@ -5,7 +5,7 @@ use memtrain::sweep::batch::{
     accum_steps_of, cross_product, recommended_batch, BatchPlan, Dimension, SweepResult,
 };
 use memtrain::sweep::compare::{CompareResult, RunSpec};
-use memtrain::sweep::report::{read_batches_csv, CsvTable, COMPARE_CSV_HEADER, SWEEP_CSV_HEADER};
+use memtrain::sweep::report::{read_memory_log, CsvTable, COMPARE_CSV_HEADER, SWEEP_CSV_HEADER};
 use memtrain::sweep::{merge_flags, oom_message, split_flags, Status};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -496,13 +496,8 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
         let s = e.run.summary.as_ref().unwrap();
         assert_eq!(s.steps, 3);
         assert!(s.final_test_accuracy.is_some());
-        // Each run directory has its own per-batch CSV and memory chart (train_cifar10 draws it).
-        assert_eq!(
-            read_batches_csv(&e.run.run_dir.join("batches.csv"))
-                .unwrap()
-                .len(),
-            3
-        );
+        // Each run directory has its own memory log and memory chart (train_cifar10 draws it).
+        assert_eq!(read_memory_log(&e.run.run_dir).unwrap().batches.len(), 3);
         assert_eq!(png_size(&e.run.run_dir.join("memory.png")), (1200, 700));
         check_svg(&e.run.run_dir.join("memory.svg"), 1200, 700);
     }

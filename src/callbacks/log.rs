@@ -9,7 +9,9 @@
 //! and `epochs.csv` is rewritten from the ended epochs the checkpoint carries, so both describe
 //! the whole run, as an uninterrupted run's would.
 
-use super::{BatchInfo, Callback, EpochEnd, EpochMemory, EpochStats, MemoryLog, TrainBegin, TrainEnd};
+use super::{
+    BatchInfo, Callback, EpochEnd, EpochMemory, EpochStats, MemoryLog, TrainBegin, TrainEnd,
+};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
 use std::fmt::Write as _;
@@ -32,6 +34,8 @@ pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_
 pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak,os_current,os_peak";
 /// Largest `batches.csv` a resume reads back (about three million steps' rows).
 const MAX_LOG_BYTES: u64 = 1 << 30;
+/// The typed memory log ([`MemoryLog`]); charts and reports read it rather than the CSV.
+pub const MEMORY_JSON: &str = "memory.json";
 /// Per-step rows.
 pub const BATCHES_CSV: &str = "batches.csv";
 /// Per-epoch rows.
@@ -138,7 +142,7 @@ impl MetricsLogger {
 
     fn write_memory(&self) -> Result<()> {
         match self.memory() {
-            Some(m) => write_json_atomic(&self.dir.join("memory.json"), &m),
+            Some(m) => write_json_atomic(&self.dir.join(MEMORY_JSON), &m),
             None => Ok(()),
         }
     }

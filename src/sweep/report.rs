@@ -10,7 +10,7 @@
 //!   frontier marked; see [`super::frontier`]).
 //! - [`write_compare_report`]: `compare.{json,csv,md}`, `peak_memory.{png,svg}` (a bar per
 //!   configuration, labelled with its value), `memory_timeline.{png,svg}` (per-batch peak
-//!   memory of every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
+//!   memory of every configuration, from each run's `memory.json`) and `frontier.{png,svg}`.
 //!
 //! The markdown tables mark the frontier points in a `frontier` column, and link each
 //! out-of-memory point's `oom_snapshot.json` when its run wrote one.
@@ -23,6 +23,7 @@ use super::frontier::{
     pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART, FRONTIER_LEGEND,
 };
 use super::{ChildRun, Status};
+use crate::callbacks::{log::MEMORY_JSON, MemoryLog};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
 use crate::memory::format_bytes;
@@ -124,58 +125,20 @@ impl CsvTable {
     }
 }
 
-/// One row of a run's `batches.csv`, the memory columns only.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BatchMemory {
-    /// Optimizer step across epochs.
-    pub global_step: usize,
-    /// Peak bytes during the step.
-    pub peak_bytes: u64,
-    /// Bytes in use when the step began.
-    pub start_bytes: u64,
-    /// Bytes in use when the step ended.
-    pub end_bytes: u64,
-    /// Reserved bytes of the CUDA pool (peak during the step), when measured.
-    pub reserved_peak: Option<u64>,
+/// The typed memory log (`memory.json`) of a run directory, as
+/// [`crate::callbacks::log::MetricsLogger`] writes it: the per-step records the charts draw.
+pub fn read_memory_log(run_dir: &Path) -> Result<MemoryLog> {
+    let path = run_dir.join(MEMORY_JSON);
+    let bytes =
+        crate::io::read_capped(&path, MAX_MEMORY_LOG_BYTES).map_err(|e| Error::io(&path, e))?;
+    serde_json::from_slice(&bytes).map_err(|e| Error::Data {
+        path: path.clone(),
+        msg: format!("not a memtrain memory log ({e})"),
+    })
 }
 
-/// Read the memory columns of a `batches.csv` (as written by
-/// [`crate::callbacks::log::MetricsLogger`]). Rows without memory readings are skipped.
-pub fn read_batches_csv(path: &Path) -> Result<Vec<BatchMemory>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let t = CsvTable::parse(&text).map_err(|e| Error::Data {
-        path: path.into(),
-        msg: e.to_string(),
-    })?;
-    let need = |name: &str| {
-        t.column(name).ok_or_else(|| Error::Data {
-            path: path.into(),
-            msg: format!("no '{name}' column; not a batches.csv"),
-        })
-    };
-    let (gs, pk, st, en) = (
-        need("global_step")?,
-        need("peak_bytes")?,
-        need("start_bytes")?,
-        need("end_bytes")?,
-    );
-    let rs = t.column("reserved_peak");
-    let mut out = Vec::with_capacity(t.rows.len());
-    for r in &t.rows {
-        let (Ok(global_step), Ok(peak_bytes)) = (r[gs].parse::<usize>(), r[pk].parse::<u64>())
-        else {
-            continue;
-        };
-        out.push(BatchMemory {
-            global_step,
-            peak_bytes,
-            start_bytes: r[st].parse().unwrap_or(0),
-            end_bytes: r[en].parse().unwrap_or(0),
-            reserved_peak: rs.and_then(|c| r[c].parse().ok()),
-        });
-    }
-    Ok(out)
-}
+/// A memory log is a few hundred bytes per step; this is millions of steps.
+const MAX_MEMORY_LOG_BYTES: u64 = 1 << 30;
 
 fn opt_u64(v: Option<u64>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
@@ -579,11 +542,10 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
     let mut files = render(&bars, &dir.join("peak_memory"))?;
     let mut series = Vec::new();
     for e in &r.entries {
-        let path = e.run.run_dir.join("batches.csv");
-        if !path.is_file() {
+        if !e.run.run_dir.join(MEMORY_JSON).is_file() {
             continue;
         }
-        let rows = read_batches_csv(&path)?;
+        let rows = read_memory_log(&e.run.run_dir)?.batches;
         if rows.is_empty() {
             continue;
         }
@@ -615,7 +577,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
     Ok(files)
 }
 
-/// Draw `memory.png` and `memory.svg` into a run directory from its `batches.csv`: the peak of
+/// Draw `memory.png` and `memory.svg` into a run directory from its `memory.json`: the peak of
 /// every step, the bytes still in use after it, the CUDA pool's reserved bytes when measured,
 /// and horizontal lines for the baseline and the memory limit when given.
 pub fn write_run_memory_chart(
@@ -624,7 +586,7 @@ pub fn write_run_memory_chart(
     baseline: Option<u64>,
     limit: Option<u64>,
 ) -> Result<Vec<PathBuf>> {
-    let rows = read_batches_csv(&run_dir.join("batches.csv"))?;
+    let rows = read_memory_log(run_dir)?.batches;
     let mut series = vec![
         Series {
             label: "peak during step".into(),

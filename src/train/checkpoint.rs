@@ -616,7 +616,8 @@ fn sign(state: &TrainState) -> Result<Vec<u8>> {
         state: &'a serde_json::value::RawValue,
         hash: String,
     }
-    let fail = |e: serde_json::Error| Error::Checkpoint(format!("cannot serialize the manifest: {e}"));
+    let fail =
+        |e: serde_json::Error| Error::Checkpoint(format!("cannot serialize the manifest: {e}"));
     let raw = serde_json::value::RawValue::from_string(
         serde_json::to_string_pretty(state).map_err(fail)?,
     )
@@ -641,9 +642,9 @@ fn verify(bytes: &[u8]) -> std::result::Result<TrainState, Reason> {
                 .ok()
                 .and_then(|v| v.get("version")?.as_u64());
             return Err(match version {
-                Some(v) => format!(
-                    "checkpoint format version {v} (this build reads version {VERSION})"
-                ),
+                Some(v) => {
+                    format!("checkpoint format version {v} (this build reads version {VERSION})")
+                }
                 None => format!("damaged {MANIFEST_FILE} ({e})"),
             });
         }

@@ -24,7 +24,7 @@ pub const RESULT_FILES: &[&str] = &[
     "config.json",
     crate::callbacks::log::BATCHES_CSV,
     crate::callbacks::log::EPOCHS_CSV,
-    "memory.json",
+    crate::callbacks::log::MEMORY_JSON,
     crate::memory::timeline::STEP_TIMELINE_FILE,
     crate::memory::timeline::OOM_SNAPSHOT_FILE,
     super::prune::DENSE_MODEL_FILE,

@@ -220,7 +220,11 @@ pub fn copy_dir(from: &Path, to: &Path) {
 /// Every file and directory under `dir` (by relative path) with the bytes of the regular files;
 /// empty when `dir` does not exist.
 pub fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Option<Vec<u8>>> {
-    fn walk(root: &Path, dir: &Path, out: &mut std::collections::BTreeMap<PathBuf, Option<Vec<u8>>>) {
+    fn walk(
+        root: &Path,
+        dir: &Path,
+        out: &mut std::collections::BTreeMap<PathBuf, Option<Vec<u8>>>,
+    ) {
         for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
             let p = e.path();
             let rel = p.strip_prefix(root).unwrap().to_path_buf();

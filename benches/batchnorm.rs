@@ -9,66 +9,19 @@
 //! 5); criterion's usual filter argument selects cases (`cargo bench --bench batchnorm -- f16`).
 //! Built with `--features cuda` and run where a GPU is present, it prints the table for the GPU too.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use criterion::Criterion;
+use memtrain::memory::CountingAllocator;
 use memtrain::ops::batchnorm::batch_norm_train;
 
-/// Counts live heap bytes and their high-water mark, so the summary shows what each version really
-/// keeps alive (the reference's f32 copies of f16 activations included).
-struct Counting;
-
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(by: usize) {
-    let now = CURRENT.fetch_add(by, Ordering::Relaxed) + by;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: forwards every call to the system allocator unchanged; only the counters are extra.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                grew(new_size - layout.size());
-            } else {
-                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
-        }
-        p
-    }
-}
-
+/// The library's counting allocator: live heap bytes and their high-water mark, so the summary
+/// shows what each version really allocates rather than what it should.
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 const EPS: f64 = 1e-5;
 const SHAPES: [(usize, usize, usize, usize); 2] = [(128, 32, 32, 32), (128, 128, 8, 8)];
@@ -155,10 +108,10 @@ fn time_median(reps: usize, dev: &Device, mut f: impl FnMut()) -> Duration {
 
 /// Bytes allocated above the starting level at the high-water mark while `f` runs.
 fn peak_extra<R>(f: impl FnOnce() -> R) -> (usize, R) {
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    CountingAllocator::reset_peak();
+    let base = CountingAllocator::current();
     let r = f();
-    (PEAK.load(Ordering::Relaxed).saturating_sub(base), r)
+    ((CountingAllocator::peak().saturating_sub(base)) as usize, r)
 }
 
 fn mib(b: usize) -> f64 {

@@ -6,64 +6,18 @@
 //! the same cases under criterion. `CONV2D_BENCH_REPS` sets the summary's runs per case (default 5);
 //! criterion's usual filter argument selects cases (`cargo bench --bench conv2d -- fwd_bwd`).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor, Var};
 use criterion::Criterion;
+use memtrain::memory::CountingAllocator;
 use memtrain::ops::conv2d::{conv2d, im2col_chunk_bytes};
 
-/// Counts live heap bytes and their high-water mark, so the summary can show what each version
-/// really allocates rather than what it should.
-struct Counting;
-
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only the counters are extra.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                let now = CURRENT.fetch_add(new_size - layout.size(), Ordering::Relaxed)
-                    + (new_size - layout.size());
-                PEAK.fetch_max(now, Ordering::Relaxed);
-            } else {
-                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
-        }
-        p
-    }
-}
-
+/// The library's counting allocator: live heap bytes and their high-water mark, so the summary
+/// shows what each version really allocates rather than what it should.
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 const BATCH: usize = 128;
 
@@ -200,10 +154,10 @@ fn time_best(reps: usize, dev: &Device, mut f: impl FnMut()) -> Duration {
 /// Bytes allocated above the starting level at the high-water mark while `f` runs, minus
 /// `keep` (the bytes of the results `f` returns, which are not transient).
 fn peak_extra<R>(f: impl FnOnce() -> R) -> (usize, R) {
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    CountingAllocator::reset_peak();
+    let base = CountingAllocator::current();
     let r = f();
-    (PEAK.load(Ordering::Relaxed).saturating_sub(base), r)
+    ((CountingAllocator::peak().saturating_sub(base)) as usize, r)
 }
 
 fn mib(b: usize) -> f64 {

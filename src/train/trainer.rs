@@ -102,29 +102,12 @@ pub struct Trainer {
     pub(crate) cuda_graph: super::graph::GraphSlot,
 }
 
-/// `runs/<UTC timestamp>` for a run without `--out`.
+/// `runs/<UTC timestamp>-<pid>` for a run without `--out` (the pid keeps two runs started in the
+/// same second apart).
 pub fn default_run_dir() -> PathBuf {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
     PathBuf::from("runs").join(format!(
-        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}-{}",
-        rem / 3600,
-        (rem / 60) % 60,
-        rem % 60,
+        "{}-{}",
+        chrono::Utc::now().format("%Y%m%d-%H%M%S"),
         std::process::id()
     ))
 }

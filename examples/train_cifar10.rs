@@ -211,7 +211,7 @@ fn run() -> memtrain::Result<()> {
     if cmd.summary_only {
         // Sweep children: summary.json only (no CSV files, checkpoints or charts).
         memtrain::io::create_dir(trainer.run_dir())?;
-        memtrain::io::write_json_atomic(&trainer.run_dir().join("summary.json"), &summary)?;
+        memtrain::io::write_json_atomic(&trainer.run_dir().join(memtrain::train::summary::SUMMARY_FILE), &summary)?;
     } else {
         let title = format!("Memory per training step: {}", summary.label);
         let limit = summary.memory_limit;

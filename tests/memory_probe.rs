@@ -9,7 +9,6 @@ use memtrain::callbacks::{
 };
 use memtrain::config::TrainConfig;
 use memtrain::memory::{parse_size, CountingAllocator, CpuProbe, MemoryProbe};
-use memtrain::train::Summary;
 use std::sync::Arc;
 
 #[global_allocator]
@@ -82,7 +81,6 @@ fn counting_allocator_and_peak_nesting() {
     let mut cb = MemoryCallback::new(probe.clone());
     let log = cb.log();
     let cfg = TrainConfig::default();
-    let summary = Summary::default();
     let dir = std::env::temp_dir();
     cb.on_train_begin(&TrainBegin {
         config: &cfg,
@@ -132,7 +130,6 @@ fn counting_allocator_and_peak_nesting() {
         global_step: 3,
         images_per_sec: 0.0,
         interrupted: false,
-        summary: &summary,
         probe: &*probe,
     })
     .unwrap();

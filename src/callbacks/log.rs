@@ -2,7 +2,8 @@
 //!
 //! `config.json` at start. Every step's row is appended to `batches.csv` and flushed as the step
 //! ends, so a kill loses no finished step; every epoch's row likewise to `epochs.csv`, and
-//! `memory.json` is rewritten atomically at each epoch end; `summary.json` at the end.
+//! `memory.json` is rewritten atomically at each epoch end and at the end (`summary.json` is
+//! written by the trainer once the run's last memory reading is in).
 //!
 //! A resumed run first repairs the files to its checkpoint: `batches.csv` keeps the rows of the
 //! steps before the checkpoint (rows of later steps, and a row torn by the kill, are dropped)
@@ -232,8 +233,8 @@ impl Callback for MetricsLogger {
         self.write_memory()
     }
 
-    fn on_train_end(&mut self, ctx: &TrainEnd<'_>) -> Result<()> {
-        self.write_memory()?;
-        write_json_atomic(&self.dir.join("summary.json"), ctx.summary)
+    fn on_train_end(&mut self, _ctx: &TrainEnd<'_>) -> Result<()> {
+        // summary.json is the trainer's: it is complete only after the last memory reading.
+        self.write_memory()
     }
 }

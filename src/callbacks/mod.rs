@@ -145,8 +145,6 @@ pub struct TrainEnd<'a> {
     pub images_per_sec: f64,
     /// True when the run stopped early because of an interruption.
     pub interrupted: bool,
-    /// The run's summary (what `summary.json` holds).
-    pub summary: &'a crate::train::Summary,
     /// The memory probe.
     pub probe: &'a dyn MemoryProbe,
 }

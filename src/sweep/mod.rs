@@ -445,7 +445,7 @@ pub fn run_child(
     let stdout = std::fs::File::create(&stdout_path).map_err(|e| Error::io(&stdout_path, e))?;
     let stderr = std::fs::File::create(&stderr_path).map_err(|e| Error::io(&stderr_path, e))?;
     // A stale summary from an earlier sweep into the same directory must not be read as this run's.
-    let summary_path = run_dir.join("summary.json");
+    let summary_path = run_dir.join(crate::train::summary::SUMMARY_FILE);
     let _ = std::fs::remove_file(&summary_path);
     let start = Instant::now();
     let mut child = Command::new(trainer)

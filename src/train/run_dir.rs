@@ -20,7 +20,7 @@ pub const LOCK_FILE: &str = ".lock";
 /// Files a run writes into its directory (besides [`CHECKPOINTS_DIR`]): what `--overwrite`
 /// removes and what makes a directory "hold results".
 pub const RESULT_FILES: &[&str] = &[
-    "summary.json",
+    super::summary::SUMMARY_FILE,
     "config.json",
     crate::callbacks::log::BATCHES_CSV,
     crate::callbacks::log::EPOCHS_CSV,
@@ -81,7 +81,7 @@ fn earlier_run(dir: &Path) -> (Vec<&'static str>, bool) {
 
 /// The status an earlier run's `summary.json` records, for the error message.
 fn earlier_status(dir: &Path) -> Option<String> {
-    let text = crate::io::read_capped(&dir.join("summary.json"), 1 << 20).ok()?;
+    let text = crate::io::read_capped(&dir.join(super::summary::SUMMARY_FILE), 1 << 20).ok()?;
     let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
     v.get("status")?.as_str().map(str::to_string)
 }

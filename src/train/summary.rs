@@ -2,6 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The summary's file in a run directory.
+pub const SUMMARY_FILE: &str = "summary.json";
+
 /// How a run ended, as `summary.json` spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

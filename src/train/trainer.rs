@@ -4,12 +4,12 @@
 //! picks the layer type when the model is built.
 
 use super::accumulate::GradAccumulator;
+use super::history::EpochProgress;
+pub use super::history::StepResult;
 use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
 use super::optim::{one_cycle_lr, Optimizer};
 use super::precision::LossScaler;
 use super::reference::loss_and_correct;
-pub use super::history::StepResult;
-use super::history::EpochProgress;
 use super::summary::Summary;
 use crate::callbacks::{
     BatchInfo, Callback, CallbackList, EpochBegin, EpochEnd, EpochStats, MemoryCallback, MemoryLog,
@@ -856,8 +856,14 @@ impl Trainer {
             fixes.push("clip the gradients (--clip-grad-norm 3)".into());
         }
         let fixes = fixes.join(", or ");
-        let newest = self.checkpoints.last_step().filter(|_| self.checkpoints.enabled);
-        let healthy = self.checkpoints.last_healthy().filter(|_| self.checkpoints.enabled);
+        let newest = self
+            .checkpoints
+            .last_step()
+            .filter(|_| self.checkpoints.enabled);
+        let healthy = self
+            .checkpoints
+            .last_healthy()
+            .filter(|_| self.checkpoints.enabled);
         let aside = if newest > healthy {
             format!(
                 " (the checkpoints after it, written while the loss was blowing up, are moved to {})",
@@ -1091,7 +1097,6 @@ impl Trainer {
             global_step: self.global_step,
             images_per_sec: summary.images_per_sec,
             interrupted,
-            summary: &summary,
             probe: &*self.probe,
         })?;
         if self.log_files && !self.timeline.events.is_empty() {
@@ -1109,11 +1114,18 @@ impl Trainer {
         let prediction_error_pct = summary
             .predicted_peak_bytes
             .and_then(|p| prediction_error(p, peak_bytes));
-        Ok(Summary {
+        let summary = Summary {
             peak_bytes,
             prediction_error_pct,
             ..summary
-        })
+        };
+        if self.log_files {
+            crate::io::write_json_atomic(
+                &self.run_dir.join(super::summary::SUMMARY_FILE),
+                &summary,
+            )?;
+        }
+        Ok(summary)
     }
 
     /// The reached sparsity of a `--prune` run; at the end of a completed run that writes files,

@@ -5,9 +5,9 @@
 //! `step_timeline.{png,svg}`: the memory inside one training step of every run that recorded a
 //! `step_timeline.json`, overlaid ([`write_step_timeline_overlays`]).
 
+pub use super::results::{CompareEntry, CompareResult};
 use super::{
-    describe, merge_flags, oom_snapshot_link, run_child, slug, split_flags, ChildRun, Progress,
-    Status,
+    describe, merge_flags, oom_snapshot_link, run_child, slug, split_flags, Progress, Status,
 };
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -116,62 +116,6 @@ pub struct CompareOptions {
     /// When set (e.g. by [`crate::signal::install_stop_handler`]), no further run starts; the
     /// result so far comes back with `interrupted` set.
     pub stop: Option<Arc<AtomicBool>>,
-}
-
-/// One compared configuration and what its run reported.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CompareEntry {
-    /// Label.
-    pub label: String,
-    /// The configuration's own flags.
-    pub flags: Vec<String>,
-    /// What the child reported.
-    pub run: ChildRun,
-    /// Peak memory change versus the baseline (the first run), in percent; `None` when either
-    /// did not finish.
-    pub peak_change_pct: Option<f64>,
-    /// Throughput change versus the baseline, in percent.
-    pub speed_change_pct: Option<f64>,
-    /// The run's out-of-memory snapshot, relative to the comparison's directory, when it ran out
-    /// of memory and wrote one (see [`super::oom_snapshot_link`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub oom_snapshot: Option<PathBuf>,
-}
-
-/// Everything a comparison measured; written as `compare.json`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CompareResult {
-    /// The command line that ran the comparison.
-    pub command: String,
-    /// Flags common to all runs.
-    pub common: Vec<String>,
-    /// One entry per configuration, the baseline first.
-    pub entries: Vec<CompareEntry>,
-    /// True when the comparison was stopped (Ctrl-C/SIGTERM) before all runs ran.
-    #[serde(default)]
-    pub interrupted: bool,
-}
-
-/// `(x - base) / base` in percent.
-fn change_pct(x: Option<f64>, base: Option<f64>) -> Option<f64> {
-    match (x, base) {
-        (Some(x), Some(b)) if b > 0.0 => Some((x - b) / b * 100.0),
-        _ => None,
-    }
-}
-
-impl CompareResult {
-    /// Recompute the changes versus the first entry.
-    pub fn update_changes(&mut self) {
-        let (base_peak, base_speed) = match self.entries.first() {
-            Some(e) => (e.run.peak_bytes().map(|b| b as f64), e.run.images_per_sec()),
-            None => return,
-        };
-        for e in &mut self.entries {
-            e.peak_change_pct = change_pct(e.run.peak_bytes().map(|b| b as f64), base_peak);
-            e.speed_change_pct = change_pct(e.run.images_per_sec(), base_speed);
-        }
-    }
 }
 
 /// Run every configuration in its own child process (in order, the first being the baseline),

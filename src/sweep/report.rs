@@ -16,12 +16,11 @@
 //! out-of-memory point's `oom_snapshot.json` when its run wrote one.
 //! - [`write_run_memory_chart`]: `memory.{png,svg}` of one run directory.
 
-use super::batch::SweepResult;
 use super::chart::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
-use super::compare::CompareResult;
 use super::frontier::{
     pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART, FRONTIER_LEGEND,
 };
+use super::results::{CompareResult, SweepResult};
 use super::{ChildRun, Status};
 use crate::callbacks::{log::MEMORY_JSON, MemoryLog};
 use crate::error::{Error, Result};
@@ -334,7 +333,7 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
     if !r.max_batches.is_empty() {
         s.push('\n');
         for mb in &r.max_batches {
-            let _ = writeln!(s, "- {}", super::batch::describe_max(mb, r.memory_limit));
+            let _ = writeln!(s, "- {}", super::results::describe_max(mb, r.memory_limit));
         }
     }
     s

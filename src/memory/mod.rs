@@ -7,11 +7,13 @@ pub mod cuda;
 pub mod estimate;
 pub mod os;
 pub mod probe;
+pub mod select;
 pub mod timeline;
 
 pub use cpu::{retain_freed_memory, CountingAllocator};
 pub use os::{OsMemory, OsView};
-pub use probe::{probe_for, CpuProbe, MemoryProbe};
+pub use probe::{CpuProbe, MemoryProbe};
+pub use select::probe_for;
 
 use crate::error::{Error, Result};
 

@@ -2,7 +2,6 @@
 
 use super::cpu::CountingAllocator;
 use super::os::{process_rss, OsMemory, OsView};
-use candle_core::Device;
 
 /// A source of memory readings for one device. Readings are in bytes.
 ///
@@ -83,23 +82,6 @@ impl MemoryProbe for CpuProbe {
     }
     fn os_memory(&self) -> Option<OsMemory> {
         process_rss()
-    }
-}
-
-/// The probe for a device: the counting allocator on the CPU, the memory pool on CUDA.
-pub fn probe_for(
-    device: &Device,
-    limit: Option<u64>,
-    pool_cache: bool,
-) -> crate::Result<std::sync::Arc<dyn MemoryProbe>> {
-    let _ = pool_cache;
-    match device {
-        Device::Cpu => Ok(std::sync::Arc::new(CpuProbe::new(limit))),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => Ok(std::sync::Arc::new(super::cuda::CudaPoolProbe::new(
-            device, limit, pool_cache,
-        )?)),
-        _ => Ok(std::sync::Arc::new(UnavailableProbe)),
     }
 }
 

@@ -14,6 +14,7 @@
 //! - [`sweep`]: process-isolated batch-size sweeps and comparisons, tables and charts.
 #![warn(missing_docs)]
 
+pub mod app;
 pub mod bounds;
 pub mod callbacks;
 pub mod cli;

@@ -1,0 +1,260 @@
+//! The `train_cifar10` application: flags in, a run (new, resumed, planned or dry), results and
+//! an exit code out. The example binary is only this module's [`train`] plus the counting
+//! allocator, so the library holds every decision a run makes.
+
+use crate::cli::{parse_train_args, TrainCommand};
+use crate::config::ConvKind;
+use crate::error::{Error, Result};
+use crate::memory::estimate::{DataSize, DeviceKind};
+use crate::memory::format_bytes;
+use crate::model::cnn::param_count;
+use crate::plan::{plan, PlanOptions};
+use crate::train::checkpoint::Checkpoint;
+use crate::train::run_dir::{check_new, Claim};
+use crate::train::trainer::default_run_dir;
+use crate::train::{Trainer, TrainerOptions};
+
+/// Run `train_cifar10` with the command line `args` (the program name first, as
+/// [`std::env::args_os`] gives it): parse and validate the flags, size the inputs, then train a
+/// new run, continue one (`--resume`), plan one (`--fit-memory`) or only print the estimate
+/// (`--dry-run`), and write the results. `--help` prints the help and returns `Ok`.
+///
+/// # Errors
+/// Any [`Error`], one line; [`exit`] turns it into the process's exit code. A run stopped by a
+/// signal returns [`Error::Interrupted`] after saving a checkpoint and `summary.json`.
+pub fn train<I, T>(args: I) -> Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let mut args = match parse_train_args(args)? {
+        Ok(a) => a,
+        Err(help) => {
+            print!("{help}");
+            return Ok(());
+        }
+    };
+    // --resume: the newest complete checkpoint's config.json is the base configuration, so only
+    // flags given explicitly change it; conflicting ones are refused before anything is written.
+    let resume = match args.resume.clone() {
+        Some(dir) => {
+            let ck = Checkpoint::find_latest(&dir)?;
+            if args.config.is_none() {
+                args.config = Some(ck.config_path());
+            }
+            Some(ck)
+        }
+        None => None,
+    };
+    let out_given = args.explicit.iter().any(|f| f == "out");
+    let explicit = args.explicit.clone();
+    let cmd = TrainCommand::try_from(args)?;
+    let mut cfg = match &resume {
+        Some(ck) => ck.resume_config(&cmd.config, out_given)?,
+        None => {
+            // Checked again under the run directory's lock; here to fail before loading data.
+            if let Some(out) = &cmd.config.out {
+                check_new(out, cmd.overwrite)?;
+            }
+            cmd.config.clone()
+        }
+    };
+    if !cmd.dry_run && cfg.out.is_none() {
+        cfg.out = Some(default_run_dir());
+    }
+    // data set, model and step sized against --memory-limit, --fit-memory and the
+    // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
+    // stops the loading too (exit 130, nothing written).
+    crate::bounds::check_inputs(&cfg, cmd.fit_memory, cmd.dry_run)?;
+    // Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
+    let stop = if cmd.dry_run {
+        None
+    } else {
+        Some(crate::signal::install_stop_handler()?)
+    };
+    // --fit-memory picks micro-batch, accumulation, checkpointing and precision
+    // (src/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
+    let (cfg, loaded) = match cmd.fit_memory {
+        Some(budget) => {
+            if resume.is_some() {
+                return Err(Error::config(
+                    "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
+                ));
+            }
+            let data = crate::data::load(&crate::data::DataOptions {
+                data_dir: cfg.data_dir.clone(),
+                download: cfg.download,
+                val_fraction: cfg.val_fraction,
+                seed: cfg.seed,
+                synthetic_train: cfg.synthetic_train,
+                synthetic_test: cfg.synthetic_test,
+                stop: stop.clone(),
+            })?;
+            let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+            let mut opts =
+                PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
+            opts.effective_batch = cmd.effective_batch;
+            opts.allow_model_change = cmd.allow_model_change;
+            // Settings given explicitly are kept, never silently replaced.
+            opts.fixed = crate::plan::Fixed::from_explicit(&cfg, &explicit);
+            let report = plan(&cfg, budget, &opts)?;
+            print!("{}", report.render(4));
+            (report.chosen().config.clone(), Some(data))
+        }
+        None => (cfg, None),
+    };
+    println!(
+        "memtrain: width {} ({} params standard, {} separable; using {}), {}",
+        cfg.width,
+        param_count(cfg.width, ConvKind::Standard),
+        param_count(cfg.width, ConvKind::Separable),
+        cfg.conv,
+        cfg.label()
+    );
+    let options = TrainerOptions {
+        progress: true,
+        log_files: !cmd.dry_run && !cmd.summary_only,
+        oom_snapshot: !cmd.dry_run,
+        stop,
+        // One writer per run directory; a new run never replaces finished results unasked.
+        claim: if resume.is_some() {
+            Claim::Resume
+        } else {
+            Claim::New {
+                overwrite: cmd.overwrite,
+            }
+        },
+        ..Default::default()
+    };
+    let mut trainer = match loaded {
+        Some(data) => Trainer::new(cfg, data, options)?, // the data the plan was made for
+        None => Trainer::from_config(cfg, options)?,
+    };
+    // the predicted memory of this model and data, per layer (src/memory/estimate.rs).
+    if let Some(e) = trainer.memory_estimate() {
+        print!("{}", e.table());
+    }
+    if let Some(ck) = &resume {
+        ck.restore(&mut trainer)?;
+        for warning in &ck.skipped {
+            eprintln!("warning: {warning}");
+        }
+        println!(
+            "resuming from {} (step {}, epoch {}, batch {})",
+            ck.dir.display(),
+            ck.state.global_step,
+            ck.state.epoch,
+            ck.state.next_batch
+        );
+        let changes = ck.noted_changes(&trainer.config);
+        if !changes.is_empty() {
+            println!("resuming with changed settings: {}", changes.join("; "));
+        }
+    }
+    println!("{}", trainer.data_description());
+    println!(
+        "device {} | probe {}{} | {} steps/epoch, {} steps | run dir {}",
+        crate::device::device_name(&trainer.device),
+        trainer.probe().name(),
+        if trainer.probe().available() {
+            ""
+        } else {
+            " (unavailable)"
+        },
+        trainer.steps_per_epoch(),
+        trainer.total_steps(),
+        trainer.run_dir().display()
+    );
+    if cmd.dry_run {
+        return Ok(());
+    }
+    if resume.is_some() && trainer.global_step >= trainer.total_steps() {
+        // The run's results are still (re)written below: a kill after the last step can have
+        // left its evaluation or its summary undone.
+        println!(
+            "no steps left to train: the checkpoint is at step {} of {}; pass a larger --epochs to continue training",
+            trainer.global_step,
+            trainer.total_steps()
+        );
+    }
+    let summary = trainer.fit()?;
+    print!("{}", trainer.memory_log().report());
+    // predicted versus measured.
+    if let (Some(p), Some(err)) = (summary.predicted_peak_bytes, summary.prediction_error_pct) {
+        println!(
+            "predicted peak {} vs measured {}: error {err:+.1}%",
+            format_bytes(p),
+            format_bytes(summary.peak_bytes)
+        );
+    }
+    println!(
+        "peak {} ({}) | {:.1} img/s | {} steps{}",
+        format_bytes(summary.peak_bytes),
+        summary.peak_phase.as_deref().unwrap_or("-"),
+        summary.images_per_sec,
+        summary.steps,
+        summary
+            .final_test_accuracy
+            .map(|a| format!(
+                " | {} accuracy {:.2}%",
+                if summary.eval_is_validation {
+                    "validation"
+                } else {
+                    "test"
+                },
+                a * 100.0
+            ))
+            .unwrap_or_default()
+    );
+    // --prune: reached sparsity per layer, dense and sparse model file sizes.
+    if let Some(p) = &summary.pruning {
+        print!("{}", p.render());
+    }
+    if cmd.summary_only {
+        // Sweep children: summary.json only (no CSV files, checkpoints or charts).
+        crate::io::create_dir(trainer.run_dir())?;
+        crate::io::write_json_atomic(
+            &trainer.run_dir().join(crate::train::summary::SUMMARY_FILE),
+            &summary,
+        )?;
+    } else {
+        let title = format!("Memory per training step: {}", summary.label);
+        let limit = summary.memory_limit;
+        if let Err(e) = crate::sweep::report::write_run_memory_chart(
+            trainer.run_dir(),
+            &title,
+            Some(summary.baseline_bytes),
+            limit,
+        ) {
+            eprintln!("warning: memory chart not written: {e}");
+        }
+        if let Err(e) = crate::sweep::step_chart::write_step_timeline_chart(
+            trainer.run_dir(),
+            &format!("Memory inside one training step: {}", summary.label),
+        ) {
+            eprintln!("warning: step timeline chart not written: {e}");
+        }
+    }
+    println!("results in {}", trainer.run_dir().display());
+    if summary.status == crate::train::RunStatus::Interrupted {
+        let dir = trainer.run_dir().display();
+        return Err(Error::Interrupted(format!(
+            "stopped after step {} of {}; checkpoint and summary.json saved; continue with --resume {dir}",
+            summary.steps,
+            trainer.total_steps()
+        )));
+    }
+    Ok(())
+}
+
+/// End the process for the result of [`train`]: 0, or the error on stderr as one line and its
+/// exit code ([`Error::exit_code`]).
+pub fn exit(result: Result<()>) -> ! {
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(e.exit_code());
+        }
+    }
+}

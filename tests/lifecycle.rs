@@ -34,7 +34,8 @@ fn words(s: &str) -> Vec<String> {
 }
 
 /// 16 steps per epoch, 3 epochs, evaluation on, a checkpoint every 3 steps.
-const FAST: &str = "--synthetic-train 512 --synthetic-test 64 --width 8 --batch-size 32 --epochs 3 \
+const FAST: &str =
+    "--synthetic-train 512 --synthetic-test 64 --width 8 --batch-size 32 --epochs 3 \
                     --save-every 3 --quiet --device cpu --seed 3";
 const FAST_STEPS: usize = 48;
 /// 8 steps per epoch, 2 epochs, an evaluation long enough (20,000 images) to be signalled in.
@@ -236,7 +237,11 @@ fn newest_step_dir(run_dir: &Path) -> PathBuf {
 
 fn one_line_error(out: &Output, code: i32, needle: &str) {
     let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(code), "exit code; stderr:\n{stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "exit code; stderr:\n{stderr}"
+    );
     let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(errors.len(), 1, "one error line:\n{stderr}");
     assert!(errors[0].contains(needle), "'{needle}' in: {}", errors[0]);
@@ -284,7 +289,10 @@ fn sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run() {
     let s = json(&dir.join("summary.json"));
     assert_eq!(s["status"], "interrupted");
     // The summary of the interrupted run counts what it trained.
-    assert_eq!(s["images"].as_u64(), Some(32 * s["steps"].as_u64().unwrap()));
+    assert_eq!(
+        s["images"].as_u64(),
+        Some(32 * s["steps"].as_u64().unwrap())
+    );
     assert_ok(&run(&resume_args(&dir)), "the resume");
     assert_same_run(&dir, fast_reference());
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -305,7 +313,10 @@ fn sigterm_in_evaluation(rows: usize, name: &str) {
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     let stopped = json(&dir.join("summary.json"));
     assert_eq!(stopped["status"], "interrupted");
-    assert_eq!(stopped["epochs_completed"].as_u64(), Some(rows as u64 / 8 - 1));
+    assert_eq!(
+        stopped["epochs_completed"].as_u64(),
+        Some(rows as u64 / 8 - 1)
+    );
     assert!(text(&out.stderr).contains("--resume"));
 
     let out = run(&resume_args(&dir));
@@ -441,7 +452,10 @@ fn a_fifo_in_place_of_a_checkpoint_file_does_not_block() {
 fn an_older_format_checkpoint_is_named_as_such() {
     let dir = finished_copy("old-format");
     // Version 1 wrote the state unsigned; make every checkpoint look like that.
-    for name in step_dirs(&dir).into_iter().filter(|n| n.starts_with("step-")) {
+    for name in step_dirs(&dir)
+        .into_iter()
+        .filter(|n| n.starts_with("step-"))
+    {
         let path = dir.join(CHECKPOINTS_DIR).join(name).join(MANIFEST_FILE);
         let mut state = json(&path)["state"].clone();
         state["version"] = 1.into();
@@ -510,7 +524,10 @@ fn a_second_process_on_the_same_run_directory_is_refused() {
     let mut second = with_out(&FAST.replace("--seed 3", "--seed 11"), &dir);
     second.push("--overwrite".into());
     one_line_error(&run(&second), 2, "in use by another memtrain process");
-    assert_eq!(std::fs::read(dir.join("config.json")).unwrap(), config_before);
+    assert_eq!(
+        std::fs::read(dir.join("config.json")).unwrap(),
+        config_before
+    );
     signal(&first, libc::SIGKILL);
     let _ = finish(first);
 
@@ -522,7 +539,10 @@ fn a_second_process_on_the_same_run_directory_is_refused() {
         2,
         "in use by another memtrain process",
     );
-    assert_eq!(std::fs::read(dir.join("config.json")).unwrap(), config_before);
+    assert_eq!(
+        std::fs::read(dir.join("config.json")).unwrap(),
+        config_before
+    );
     signal(&first, libc::SIGKILL);
     let _ = finish(first);
     // The run goes on from its checkpoint (the SIGKILL above may have left a half-written one,
@@ -559,7 +579,10 @@ fn finished_results_are_refused_unless_overwrite() {
         2,
         "already holds checkpoints of an earlier run",
     );
-    assert!(before == snapshot(&dir), "the refused run changed the directory");
+    assert!(
+        before == snapshot(&dir),
+        "the refused run changed the directory"
+    );
 
     // Without checkpoints (a sweep child's or a run with checkpoints removed) the results alone
     // are enough to refuse.
@@ -577,7 +600,10 @@ fn finished_results_are_refused_unless_overwrite() {
     args.push("--overwrite".into());
     assert_ok(&run(&args), "--overwrite");
     assert!(!dir.join("oom_snapshot.json").exists());
-    assert_eq!(std::fs::read_to_string(dir.join("notes.txt")).unwrap(), "mine");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+        "mine"
+    );
     assert_eq!(json(&dir.join("summary.json"))["epochs_completed"], 1);
     assert_eq!(json(&dir.join("config.json"))["epochs"], 1);
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -598,7 +624,11 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     let mut first = args.clone();
     first.extend(["--out".into(), dir.display().to_string()]);
     let out = run(&first);
-    one_line_error(&out, 1, "the checkpoint from before the loss blew up (step ");
+    one_line_error(
+        &out,
+        1,
+        "the checkpoint from before the loss blew up (step ",
+    );
     let ck = Checkpoint::find_latest(&dir).expect("the healthy checkpoint stays");
     assert!(ck.state.healthy, "the newest checkpoint left is healthy");
     let stderr = text(&out.stderr);
@@ -619,7 +649,10 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     }
     let mut again = resume_args(&dir);
     again.extend(words("--lr 0.05"));
-    assert_ok(&run(&again), "resuming the healthy checkpoint with a lower --lr");
+    assert_ok(
+        &run(&again),
+        "resuming the healthy checkpoint with a lower --lr",
+    );
     assert_eq!(json(&dir.join("summary.json"))["status"], "ok");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }

@@ -9,7 +9,9 @@
 //! and `epochs.csv` is rewritten from the ended epochs the checkpoint carries, so both describe
 //! the whole run, as an uninterrupted run's would.
 
-use super::{BatchInfo, Callback, EpochEnd, EpochMemory, EpochStats, MemoryLog, TrainBegin, TrainEnd};
+use super::{
+    BatchInfo, Callback, EpochEnd, EpochMemory, EpochStats, MemoryLog, TrainBegin, TrainEnd,
+};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
 use std::fmt::Write as _;

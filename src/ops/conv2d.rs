@@ -493,7 +493,24 @@ macro_rules! half_elem {
     };
 }
 half_elem!(f16);
-half_elem!(bf16);
+
+impl Elem for bf16 {
+    type Acc = f32;
+    const ZERO: Self = bf16::ZERO;
+    fn as_acc(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    fn widen_into(src: &[Self], dst: &mut [f32]) {
+        // `half` converts bf16 slices element by element; this is 16 lanes at a time.
+        super::bf16_convert::widen(src, dst)
+    }
+    fn narrow_into(src: &[f32], dst: &mut [Self]) {
+        super::bf16_convert::narrow(src, dst)
+    }
+}
 
 /// The first `len` elements of a reusable scratch buffer, grown on first use. Contents are stale:
 /// every caller overwrites all of them.

@@ -15,8 +15,8 @@
 //!   packed column by column from im2col rows (a transpose of 32-bit pairs).
 
 use half::bf16;
-use half::slice::HalfFloatSliceExt;
 
+use super::bf16_convert::narrow;
 use super::conv2d::{
     chunks_per_slot, col2im, im2col_row, images_per_chunk, num_threads, padded_ld, par_chunks,
     scratch, Geom, OrderedSum, SharedOut,
@@ -58,7 +58,7 @@ pub(super) fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
             mul(d, hwo, false, a, &packed);
             // SAFETY: image `i` is handed to this thread only; bf16 zero bits are 0.0.
             let dst = unsafe { shared.zeroed(i * out_len, out_len) };
-            dst.convert_from_f32_slice(d);
+            narrow(d, dst);
         }
     });
     // SAFETY: `par_chunks` hands out every image, and each image's slice was initialized by
@@ -104,7 +104,7 @@ pub(super) fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
             }
             // SAFETY: image `i` is handed to this thread only; bf16 zero bits are 0.0.
             let dst = unsafe { shared.zeroed(i * in_len, in_len) };
-            dst.convert_from_f32_slice(d);
+            narrow(d, dst);
         }
     });
     // SAFETY: as in `forward`: every image's slice was initialized by `zeroed`.
@@ -180,7 +180,7 @@ pub(super) fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
     });
     let mut dw = vec![bf16::ZERO; g.cout * ckk];
     if let Some(total) = sum.total() {
-        dw.convert_from_f32_slice(&total);
+        narrow(&total, &mut dw);
     }
     dw
 }

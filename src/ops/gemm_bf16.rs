@@ -37,7 +37,6 @@
 //! thread, on a loaded shared machine, so ±15%).
 
 use half::bf16;
-use half::slice::HalfFloatSliceExt;
 
 use crate::error::{Error, Result};
 
@@ -530,7 +529,7 @@ pub fn gemm_widened(
 /// contiguous, as `conv2d`'s fallback widens its images.
 fn widen_row(m: MatRef<'_>, r: usize, dst: &mut [f32]) {
     if m.cs == 1 {
-        m.data[r * m.rs..r * m.rs + m.cols].convert_to_f32_slice(dst);
+        super::bf16_convert::widen(&m.data[r * m.rs..r * m.rs + m.cols], dst);
     } else {
         for (j, d) in dst.iter_mut().enumerate() {
             *d = m.get(r, j).to_f32();

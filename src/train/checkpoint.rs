@@ -385,7 +385,11 @@ impl Trainer {
     /// Nothing is written when a parameter, running statistic or optimizer state is NaN/inf: the
     /// error is [`Error::NonFinite`] and the previous checkpoint stays the newest.
     pub fn save_checkpoint(&mut self, epoch: usize, next_batch: usize) -> Result<Option<PathBuf>> {
-        let position = (self.global_step, epoch, next_batch.min(self.steps_per_epoch));
+        let position = (
+            self.global_step,
+            epoch,
+            next_batch.min(self.steps_per_epoch),
+        );
         if !self.checkpoints.enabled || self.checkpoints.last == Some(position) {
             return Ok(None);
         }
@@ -610,7 +614,8 @@ fn sign(state: &TrainState) -> Result<Vec<u8>> {
         state: &'a serde_json::value::RawValue,
         hash: String,
     }
-    let fail = |e: serde_json::Error| Error::Checkpoint(format!("cannot serialize the manifest: {e}"));
+    let fail =
+        |e: serde_json::Error| Error::Checkpoint(format!("cannot serialize the manifest: {e}"));
     let raw = serde_json::value::RawValue::from_string(
         serde_json::to_string_pretty(state).map_err(fail)?,
     )
@@ -635,9 +640,9 @@ fn verify(bytes: &[u8]) -> std::result::Result<TrainState, Reason> {
                 .ok()
                 .and_then(|v| v.get("version")?.as_u64());
             return Err(match version {
-                Some(v) => format!(
-                    "checkpoint format version {v} (this build reads version {VERSION})"
-                ),
+                Some(v) => {
+                    format!("checkpoint format version {v} (this build reads version {VERSION})")
+                }
                 None => format!("damaged {MANIFEST_FILE} ({e})"),
             });
         }

@@ -4,11 +4,11 @@
 //! picks the layer type when the model is built.
 
 use super::accumulate::GradAccumulator;
+use super::history::EpochProgress;
 use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
 use super::optim::{one_cycle_lr, Optimizer};
 use super::precision::LossScaler;
 use super::reference::loss_and_correct;
-use super::history::EpochProgress;
 use super::summary::Summary;
 use crate::callbacks::{
     BatchInfo, Callback, CallbackList, EpochBegin, EpochEnd, EpochStats, MemoryCallback, MemoryLog,
@@ -887,8 +887,14 @@ impl Trainer {
             fixes.push("clip the gradients (--clip-grad-norm 3)".into());
         }
         let fixes = fixes.join(", or ");
-        let newest = self.checkpoints.last_step().filter(|_| self.checkpoints.enabled);
-        let healthy = self.checkpoints.last_healthy().filter(|_| self.checkpoints.enabled);
+        let newest = self
+            .checkpoints
+            .last_step()
+            .filter(|_| self.checkpoints.enabled);
+        let healthy = self
+            .checkpoints
+            .last_healthy()
+            .filter(|_| self.checkpoints.enabled);
         let aside = if newest > healthy {
             format!(
                 " (the checkpoints after it, written while the loss was blowing up, are moved to {})",

@@ -234,9 +234,16 @@ fn kernel_matches_widened_path_on_awkward_shapes() {
 #[test]
 fn packing_by_rows_or_columns_matches_packing_a_view() {
     // `pack_row_pairs` and `pack_columns` (how the conv feeds im2col rows) and `pack` of the same
-    // matrix give the same products, bit for bit.
-    let mut rng = Lcg(99);
-    let (m, k, n) = (5, 37, 45);
+    // matrix give the same products, bit for bit. The shapes cover a partial panel, a `k` with a
+    // last unpaired row, and `k` pairs in whole and partial blocks of 16 (the in-register
+    // transpose of `pack_columns` on full panels, the word-by-word rest).
+    for (m, k, n) in [(5, 37, 45), (7, 70, 96), (3, 64, 64), (4, 33, 32)] {
+        packing_agrees(m, k, n);
+    }
+}
+
+fn packing_agrees(m: usize, k: usize, n: usize) {
+    let mut rng = Lcg(99 + (k * n) as u64);
     let a_data = rng.vec(m * k);
     let a = MatRef {
         data: &a_data,

@@ -301,7 +301,17 @@ impl PackedB {
                 }
             }
             let panel = &mut self.words[jp * kp * NR..(jp + 1) * kp * NR];
-            for (p, dst) in panel.chunks_exact_mut(NR).enumerate() {
+            // Whole 16×16 blocks of words are transposed in registers (a full panel on an
+            // AVX512F CPU); the rest word by word.
+            let mut done = 0;
+            #[cfg(target_arch = "x86_64")]
+            if width == NR && cpu_has_avx512f() {
+                done = kp / 16 * 16;
+                // SAFETY: AVX512F is present; `cols` holds NR columns of `ld >= 2·kp` values
+                // and `panel` kp·NR words, so every block of `done` lies inside both.
+                unsafe { avx512::transpose_words(&cols, ld, done, panel) };
+            }
+            for (p, dst) in panel.chunks_exact_mut(NR).enumerate().skip(done) {
                 for (jj, d) in dst[..width].iter_mut().enumerate() {
                     let at = jj * ld + 2 * p;
                     *d = word(cols[at], cols[at + 1]);
@@ -850,6 +860,75 @@ mod avx512 {
         kp: usize,
     ) {
         super::interleave_pair_body(lo, hi, words, p, kp)
+    }
+
+    /// `panel[p·NR + jj] = word(cols[jj·ld + 2p], cols[jj·ld + 2p + 1])` for `p < kp16` and
+    /// every `jj < NR`: the gather buffer's NR columns turned into a panel's pair-words, 16×16
+    /// words at a time in registers (three rounds of unpacks and 128-bit lane shuffles) instead
+    /// of one strided load per word.
+    ///
+    /// # Safety
+    /// The CPU must have AVX512F; `kp16` is a multiple of 16, `ld` is even, `2·kp16 <= ld`,
+    /// `cols.len() >= NR·ld` and `panel.len() >= kp16·NR`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose_words(
+        cols: &[half::bf16],
+        ld: usize,
+        kp16: usize,
+        panel: &mut [u32],
+    ) {
+        debug_assert!(kp16 % 16 == 0 && ld % 2 == 0 && 2 * kp16 <= ld);
+        assert!(cols.len() >= NR * ld && panel.len() >= kp16 * NR);
+        let src = cols.as_ptr() as *const u32;
+        let ldw = ld / 2;
+        let dst = panel.as_mut_ptr();
+        for p0 in (0..kp16).step_by(16) {
+            for jj0 in (0..NR).step_by(16) {
+                // Row j: words p0..p0+16 of column jj0 + j.
+                let mut r = [_mm512_setzero_si512(); 16];
+                for (j, v) in r.iter_mut().enumerate() {
+                    *v = _mm512_loadu_si512(src.add((jj0 + j) * ldw + p0) as *const _);
+                }
+                let t = transpose16(r);
+                for (p, v) in t.iter().enumerate() {
+                    _mm512_storeu_si512(dst.add((p0 + p) * NR + jj0) as *mut _, *v);
+                }
+            }
+        }
+    }
+
+    /// Transposes 16 vectors of 16 words: `out[p][j] = r[j][p]`.
+    #[inline(always)]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // Within each 128-bit lane L, after the 32- and 64-bit unpacks, vector 4g + e holds
+        // element 4L + e of rows 4g..4g+4.
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for g in 0..4 {
+            let b = 4 * g;
+            u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+            u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+            u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+            u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+        }
+        // Gather the lanes: 0x88 takes lanes 0 and 2 of each operand, 0xDD lanes 1 and 3.
+        let mut v = [_mm512_setzero_si512(); 16];
+        for e in 0..4 {
+            v[e] = _mm512_shuffle_i32x4::<0x88>(u[e], u[e + 4]);
+            v[e + 4] = _mm512_shuffle_i32x4::<0xDD>(u[e], u[e + 4]);
+            v[e + 8] = _mm512_shuffle_i32x4::<0x88>(u[e + 8], u[e + 12]);
+            v[e + 12] = _mm512_shuffle_i32x4::<0xDD>(u[e + 8], u[e + 12]);
+        }
+        let mut out = [_mm512_setzero_si512(); 16];
+        for e in 0..8 {
+            out[e] = _mm512_shuffle_i32x4::<0x88>(v[e], v[e + 8]);
+            out[e + 8] = _mm512_shuffle_i32x4::<0xDD>(v[e], v[e + 8]);
+        }
+        out
     }
 
     /// [`super::widen_a`] compiled with AVX-512.

@@ -877,7 +877,7 @@ mod avx512 {
         kp16: usize,
         panel: &mut [u32],
     ) {
-        debug_assert!(kp16 % 16 == 0 && ld % 2 == 0 && 2 * kp16 <= ld);
+        debug_assert!(kp16.is_multiple_of(16) && ld.is_multiple_of(2) && 2 * kp16 <= ld);
         assert!(cols.len() >= NR * ld && panel.len() >= kp16 * NR);
         let src = cols.as_ptr() as *const u32;
         let ldw = ld / 2;

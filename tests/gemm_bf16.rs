@@ -16,8 +16,8 @@
 
 use half::bf16;
 use memtrain::ops::gemm_bf16::{
-    bf16_kernel, cpu_has_avx512bf16, gemm, gemm_widened, gemm_with, kernel_supported, Bf16Kernel,
-    MatRef, PackedB, KC,
+    bf16_kernel, cpu_has_avx512bf16, gemm, gemm_prepared, gemm_widened, gemm_with,
+    kernel_supported, Bf16Kernel, MatRef, PackedB, PreparedA, KC,
 };
 
 /// The kernels this CPU can run (the widening fallback always).
@@ -234,9 +234,16 @@ fn kernel_matches_widened_path_on_awkward_shapes() {
 #[test]
 fn packing_by_rows_or_columns_matches_packing_a_view() {
     // `pack_row_pairs` and `pack_columns` (how the conv feeds im2col rows) and `pack` of the same
-    // matrix give the same products, bit for bit.
-    let mut rng = Lcg(99);
-    let (m, k, n) = (5, 37, 45);
+    // matrix give the same products, bit for bit. The shapes cover a partial panel, a `k` with a
+    // last unpaired row, and `k` pairs in whole and partial blocks of 16 (the in-register
+    // transpose of `pack_columns` on full panels, the word-by-word rest).
+    for (m, k, n) in [(5, 37, 45), (7, 70, 96), (3, 64, 64), (4, 33, 32)] {
+        packing_agrees(m, k, n);
+    }
+}
+
+fn packing_agrees(m: usize, k: usize, n: usize) {
+    let mut rng = Lcg(99 + (k * n) as u64);
     let a_data = rng.vec(m * k);
     let a = MatRef {
         data: &a_data,
@@ -335,4 +342,56 @@ fn bad_operands_are_errors_not_panics() {
     // Destination too small or with a row stride below n.
     assert!(gemm(&mut dst[..10], 4, false, view(4, 4, 4, 1), &packed).is_err());
     assert!(gemm(&mut dst, 3, false, view(4, 4, 4, 1), &packed).is_err());
+}
+
+#[test]
+fn prepared_a_reused_over_many_products_matches_gemm_with() {
+    // A conv prepares its weight once and multiplies it by every image's packed columns: each
+    // product must be the one `gemm_with` gives for the same operands, bit for bit (the same
+    // kernel on the same widened A), while other gemms on the thread borrow the widening buffer.
+    let mut rng = Lcg(7);
+    let (m, k) = (13, 41);
+    let a_data = rng.vec(m * k);
+    let a = MatRef {
+        data: &a_data,
+        rows: m,
+        cols: k,
+        rs: k,
+        cs: 1,
+    };
+    for kernel in kernels() {
+        let prepared = PreparedA::with_kernel(kernel, a).unwrap();
+        for n in [1, 32, 45] {
+            let b_data = rng.vec(k * n);
+            let mut b = PackedB::new();
+            b.pack(MatRef {
+                data: &b_data,
+                rows: k,
+                cols: n,
+                rs: n,
+                cs: 1,
+            })
+            .unwrap();
+            // An unrelated gemm in between, on another A (takes the thread's buffer).
+            let other = rng.vec(3 * k);
+            let mut scratch = vec![0f32; 3 * n];
+            let o = MatRef {
+                data: &other,
+                rows: 3,
+                cols: k,
+                rs: k,
+                cs: 1,
+            };
+            gemm_with(kernel, &mut scratch, n, false, o, &b).unwrap();
+            let (mut want, mut got) = (vec![0f32; m * n], vec![0f32; m * n]);
+            gemm_with(kernel, &mut want, n, false, a, &b).unwrap();
+            gemm_prepared(&mut got, n, false, &prepared, &b).unwrap();
+            assert_eq!(want, got, "{kernel:?}, n = {n}");
+        }
+        // A B of the wrong height is an error, not a panic.
+        let mut b = PackedB::new();
+        b.pack_row_pairs(k + 1, 4, |_, dst| dst.fill(bf16::ONE));
+        let mut d = vec![0f32; m * 4];
+        assert!(gemm_prepared(&mut d, 4, false, &prepared, &b).is_err());
+    }
 }

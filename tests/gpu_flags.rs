@@ -82,7 +82,11 @@ fn the_trainer_sets_the_ops_math_mode_from_the_config() {
 
 #[test]
 fn tf32_takes_only_on_or_off() {
-    refused("tf32-maybe", &["--tf32", "maybe"], &["maybe", "--tf32", "on", "off"]);
+    refused(
+        "tf32-maybe",
+        &["--tf32", "maybe"],
+        &["maybe", "--tf32", "on", "off"],
+    );
     let e = config_of(&["--tf32", "1"]).unwrap_err();
     assert_eq!(e.exit_code(), 2);
 }

@@ -32,11 +32,35 @@ fn on_gpu(cfg: TrainConfig) -> TrainConfig {
 fn captured_steps_equal_eager_steps() {
     let _gpu = gpu_lock();
     let cases = [
-        (Precision::F32, 1, Checkpointing::None, ConvKind::Standard, 1e-5),
-        (Precision::F32, 2, Checkpointing::Stages, ConvKind::Separable, 1e-5),
-        (Precision::Bf16, 2, Checkpointing::Blocks, ConvKind::Standard, 2e-2),
+        (
+            Precision::F32,
+            1,
+            Checkpointing::None,
+            ConvKind::Standard,
+            1e-5,
+        ),
+        (
+            Precision::F32,
+            2,
+            Checkpointing::Stages,
+            ConvKind::Separable,
+            1e-5,
+        ),
+        (
+            Precision::Bf16,
+            2,
+            Checkpointing::Blocks,
+            ConvKind::Standard,
+            2e-2,
+        ),
         // f16: the loss scale is a constant of the captured kernels; a change captures again.
-        (Precision::F16, 1, Checkpointing::None, ConvKind::Standard, 2e-2),
+        (
+            Precision::F16,
+            1,
+            Checkpointing::None,
+            ConvKind::Standard,
+            2e-2,
+        ),
     ];
     for (precision, accum_steps, checkpoint, conv, tol) in cases {
         let cfg = on_gpu(TrainConfig {
@@ -81,12 +105,17 @@ fn captured_steps_equal_eager_steps() {
         }
 
         assert_eq!(se.cuda_graph, None, "{label}: an eager run has no graph");
-        let g = sg.cuda_graph.unwrap_or_else(|| panic!("{label}: no graph stats"));
+        let g = sg
+            .cuda_graph
+            .unwrap_or_else(|| panic!("{label}: no graph stats"));
         // Step 1 warms up, step 2 is captured and launched, steps 3.. replay.
         assert!(g.captures >= 1, "{label}: {g:?}");
         assert_eq!(g.captures + g.replays, sg.steps - 1, "{label}: {g:?}");
         if precision != Precision::F16 {
-            assert_eq!(g.captures, 1, "{label}: nothing changes between steps: {g:?}");
+            assert_eq!(
+                g.captures, 1,
+                "{label}: nothing changes between steps: {g:?}"
+            );
         }
         assert!(g.kernel_nodes > 0 && g.alloc_nodes > 0, "{label}: {g:?}");
         assert_eq!(
@@ -133,7 +162,10 @@ fn tf32_convolutions_stay_within_tf32_tolerance_of_the_cpu() {
                 .to_device(&candle_core::Device::Cpu)
                 .unwrap();
             let d = common::rel_diff(&a, b.as_ref().unwrap());
-            assert!(d <= 10.0 * tol, "--tf32 {mode}: gradient {i} differs by {d:e}");
+            assert!(
+                d <= 10.0 * tol,
+                "--tf32 {mode}: gradient {i} differs by {d:e}"
+            );
         }
     }
 }

@@ -34,8 +34,18 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
     let dev = Device::Cpu;
     let cases = [
         (Precision::F32, Checkpointing::None, ConvKind::Standard, 1),
-        (Precision::F32, Checkpointing::Stages, ConvKind::Separable, 2),
-        (Precision::Bf16, Checkpointing::Blocks, ConvKind::Standard, 2),
+        (
+            Precision::F32,
+            Checkpointing::Stages,
+            ConvKind::Separable,
+            2,
+        ),
+        (
+            Precision::Bf16,
+            Checkpointing::Blocks,
+            ConvKind::Standard,
+            2,
+        ),
         (Precision::F16, Checkpointing::None, ConvKind::Separable, 1),
     ];
     for (precision, checkpoint, conv, k) in cases {
@@ -57,7 +67,10 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
             GradAccumulator::new(graph.vars().len()),
         );
         for i in 0..k {
-            let (xi, yi) = (x.narrow(0, i * 8, 8).unwrap(), y.narrow(0, i * 8, 8).unwrap());
+            let (xi, yi) = (
+                x.narrow(0, i * 8, 8).unwrap(),
+                y.narrow(0, i * 8, 8).unwrap(),
+            );
             let mult = 1024.0 / k as f64;
             let e = LeanStep::new(&eager, dtype, eager.segments(checkpoint))
                 .run(&xi, &yi, mult, &mut acc_e, &mut NoObserver)

@@ -1067,6 +1067,13 @@ mod cpu {
         fn store(src: &[f32], dst: &mut [Self]);
         /// A zeroed vector, allocated zeroed (calloc: fresh pages, no memset pass) where possible.
         fn zeros(len: usize) -> Vec<Self>;
+        /// Rounds `buf` to Self's precision in place (stored in Self and read back); `tmp` is
+        /// scratch of at least `buf.len()` for the types that round through memory.
+        fn round(buf: &mut [f32], tmp: &mut [Self]);
+        /// One value rounded to Self (f32 in, where `from_f64` would be a slower software path).
+        fn from_f32(v: f32) -> Self;
+        /// One value as f32.
+        fn to_f32(self) -> f32;
     }
 
     impl Elem for f32 {
@@ -1081,6 +1088,13 @@ mod cpu {
         }
         fn zeros(len: usize) -> Vec<f32> {
             vec![0f32; len]
+        }
+        fn round(_: &mut [f32], _: &mut [f32]) {}
+        fn from_f32(v: f32) -> f32 {
+            v
+        }
+        fn to_f32(self) -> f32 {
+            self
         }
     }
 
@@ -1106,20 +1120,41 @@ mod cpu {
         fn zeros(len: usize) -> Vec<f16> {
             zeros_u16_as(len)
         }
+        fn round(buf: &mut [f32], tmp: &mut [f16]) {
+            let t = &mut tmp[..buf.len()];
+            t.convert_from_f32_slice(buf);
+            t.convert_to_f32_slice(buf);
+        }
+        fn from_f32(v: f32) -> f16 {
+            f16::from_f32(v)
+        }
+        fn to_f32(self) -> f32 {
+            f16::to_f32(self)
+        }
     }
 
     impl Elem for bf16 {
         fn as_f32(_: &[bf16]) -> Option<&[f32]> {
             None
         }
+        // `half` converts bf16 slices element by element; these run 16 lanes at a time.
         fn load(src: &[bf16], dst: &mut [f32]) {
-            src.convert_to_f32_slice(dst)
+            crate::ops::bf16_convert::widen(src, dst)
         }
         fn store(src: &[f32], dst: &mut [bf16]) {
-            dst.convert_from_f32_slice(src)
+            crate::ops::bf16_convert::narrow(src, dst)
         }
         fn zeros(len: usize) -> Vec<bf16> {
             zeros_u16_as(len)
+        }
+        fn round(buf: &mut [f32], _: &mut [bf16]) {
+            crate::ops::bf16_convert::round(buf)
+        }
+        fn from_f32(v: f32) -> bf16 {
+            bf16::from_f32(v)
+        }
+        fn to_f32(self) -> f32 {
+            bf16::to_f32(self)
         }
     }
 
@@ -1534,11 +1569,7 @@ mod cpu {
     #[inline(always)]
     fn y_of<T: Elem>(hb: &[f32], ch: &NormChannels, c: usize, tmp: &mut [T], out: &mut [f32]) {
         normalize(hb, ch.mean[c], ch.scale[c], ch.beta[c], true, out);
-        if T::as_f32(tmp).is_none() {
-            let t = &mut tmp[..out.len()];
-            T::store(out, t);
-            T::load(t, out);
-        }
+        T::round(out, tmp);
     }
 
     /// `h := relu(bn(h))`, in place.
@@ -1628,7 +1659,7 @@ mod cpu {
         let ptr = SharedMut(out.as_mut_ptr());
         pool_planes::<T>(h, ch, d, w, |p, o, _, v| {
             // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
-            unsafe { ptr.range(p * per + o, 1)[0] = T::from_f64(v as f64) };
+            unsafe { ptr.range(p * per + o, 1)[0] = T::from_f32(v) };
         });
         out
     }
@@ -1658,7 +1689,7 @@ mod cpu {
         for (o, (&g, &k)) in gp.iter().zip(am).enumerate() {
             let (oy, ox) = (o / wo, o % wo);
             let k = k as usize & 3;
-            out[(2 * oy + k / 2) * w + 2 * ox + k % 2] = g.to_f64() as f32;
+            out[(2 * oy + k / 2) * w + 2 * ox + k % 2] = g.to_f32();
         }
     }
 

@@ -15,18 +15,30 @@
 //!   packed column by column from im2col rows (a transpose of 32-bit pairs).
 
 use half::bf16;
-use half::slice::HalfFloatSliceExt;
 
+use super::bf16_convert::narrow;
 use super::conv2d::{
     chunks_per_slot, col2im, im2col_row, images_per_chunk, num_threads, padded_ld, par_chunks,
     scratch, Geom, OrderedSum, SharedOut,
 };
-use super::gemm_bf16::{gemm, MatRef, PackedB};
+use super::gemm_bf16::{gemm, gemm_prepared, MatRef, PackedB, PreparedA};
 
 /// Runs the bf16 gemm on operands this file built: their shapes hold by construction, so an
 /// error is a bug here, not a user error.
 fn mul(dst: &mut [f32], dst_rs: usize, accumulate: bool, a: MatRef<'_>, b: &PackedB) {
     if let Err(e) = gemm(dst, dst_rs, accumulate, a, b) {
+        panic!("conv2d (bf16): inconsistent gemm operands: {e}");
+    }
+}
+
+/// `a` prepared once for a thread's run of gemms (the weight, image after image).
+fn prepare(a: MatRef<'_>) -> PreparedA<'_> {
+    PreparedA::new(a).unwrap_or_else(|e| panic!("conv2d (bf16): inconsistent gemm operand: {e}"))
+}
+
+/// [`mul`] with a prepared `A`.
+fn mul_prepared(dst: &mut [f32], dst_rs: usize, a: &PreparedA<'_>, b: &PackedB) {
+    if let Err(e) = gemm_prepared(dst, dst_rs, false, a, b) {
         panic!("conv2d (bf16): inconsistent gemm operands: {e}");
     }
 }
@@ -45,6 +57,7 @@ pub(super) fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
     let shared = SharedOut::spare(&mut out, g.n * out_len);
     par_chunks(g.n, 1, |chunks| {
         let (mut packed, mut out_buf) = (PackedB::new(), Vec::new());
+        let a = prepare(a);
         for i in chunks.flatten() {
             let img = &x[i * in_len..(i + 1) * in_len];
             if g.pointwise() {
@@ -55,10 +68,10 @@ pub(super) fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
                 packed.pack_row_pairs(ckk, hwo, |r, dst| im2col_row(g, img, r, dst));
             }
             let d = scratch(&mut out_buf, out_len);
-            mul(d, hwo, false, a, &packed);
+            mul_prepared(d, hwo, &a, &packed);
             // SAFETY: image `i` is handed to this thread only; bf16 zero bits are 0.0.
             let dst = unsafe { shared.zeroed(i * out_len, out_len) };
-            dst.convert_from_f32_slice(d);
+            narrow(d, dst);
         }
     });
     // SAFETY: `par_chunks` hands out every image, and each image's slice was initialized by
@@ -89,6 +102,7 @@ pub(super) fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
     let shared = SharedOut::spare(&mut dx, g.n * in_len);
     par_chunks(g.n, 1, |chunks| {
         let (mut packed, mut col_buf, mut img_buf) = (PackedB::new(), Vec::new(), Vec::new());
+        let a = prepare(a);
         for i in chunks.flatten() {
             let gi = &grad[i * out_len..(i + 1) * out_len];
             packed.pack_row_pairs(g.cout, hwo, |r, dst| {
@@ -96,15 +110,15 @@ pub(super) fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
             });
             let d = scratch(&mut img_buf, in_len);
             if g.pointwise() {
-                mul(d, hwo, false, a, &packed);
+                mul_prepared(d, hwo, &a, &packed);
             } else {
                 let col = scratch(&mut col_buf, ckk * ld);
-                mul(col, ld, false, a, &packed);
+                mul_prepared(col, ld, &a, &packed);
                 col2im(g, col, ld, d);
             }
             // SAFETY: image `i` is handed to this thread only; bf16 zero bits are 0.0.
             let dst = unsafe { shared.zeroed(i * in_len, in_len) };
-            dst.convert_from_f32_slice(d);
+            narrow(d, dst);
         }
     });
     // SAFETY: as in `forward`: every image's slice was initialized by `zeroed`.
@@ -180,7 +194,7 @@ pub(super) fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
     });
     let mut dw = vec![bf16::ZERO; g.cout * ckk];
     if let Some(total) = sum.total() {
-        dw.convert_from_f32_slice(&total);
+        narrow(&total, &mut dw);
     }
     dw
 }

@@ -486,26 +486,26 @@ mod cuda {
         let beta = if plan.accumulate { 1.0 } else { 0.0 };
         let f64_scalars = [1.0f64, beta];
         let f32_scalars = [1.0f32, beta as f32];
-        let (alpha, beta, compute): (*const c_void, *const c_void, _) =
-            if T::DATA == blas_sys::cudaDataType::CUDA_R_64F {
-                (
-                    (&f64_scalars[0] as *const f64).cast(),
-                    (&f64_scalars[1] as *const f64).cast(),
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-                )
+        let (alpha, beta, compute): (*const c_void, *const c_void, _) = if T::DATA
+            == blas_sys::cudaDataType::CUDA_R_64F
+        {
+            (
+                (&f64_scalars[0] as *const f64).cast(),
+                (&f64_scalars[1] as *const f64).cast(),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+            )
+        } else {
+            let compute = if T::DATA == blas_sys::cudaDataType::CUDA_R_32F && crate::ops::tf32() {
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
             } else {
-                let compute = if T::DATA == blas_sys::cudaDataType::CUDA_R_32F && crate::ops::tf32()
-                {
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-                } else {
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-                };
-                (
-                    (&f32_scalars[0] as *const f32).cast(),
-                    (&f32_scalars[1] as *const f32).cast(),
-                    compute,
-                )
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
             };
+            (
+                (&f32_scalars[0] as *const f32).cast(),
+                (&f32_scalars[1] as *const f32).cast(),
+                compute,
+            )
+        };
         // SAFETY: the plan's shapes, leading dimensions and strides keep every matrix of the
         // batch inside its buffer (`run` derives them from the geometry and the chunk; the CPU
         // tests of this module check them against the CPU op); the scalars outlive the call.

@@ -231,7 +231,12 @@ mod cuda {
     impl<T: Elem> Plan<T> {
         fn new(handle: &Arc<Cudnn>, g: &Geom) -> candle_core::Result<Result<Self, CudnnError>> {
             let nchw = dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
-            let (n, cin, h, w) = (int("N", g.n)?, int("Cin", g.cin)?, int("H", g.h)?, int("W", g.w)?);
+            let (n, cin, h, w) = (
+                int("N", g.n)?,
+                int("Cin", g.cin)?,
+                int("H", g.h)?,
+                int("W", g.w)?,
+            );
             let (cout, k) = (int("Cout", g.cout)?, int("K", g.k)?);
             let (ho, wo) = (int("Ho", g.ho)?, int("Wo", g.wo)?);
             let (s, p) = (int("stride", g.stride)?, int("padding", g.pad)?);
@@ -435,9 +440,9 @@ mod cuda {
             let Some(plan) = st.plans.get(&key).and_then(|p| p.as_ref()) else {
                 return Ok(None);
             };
-            let plan = plan
-                .downcast_ref::<Plan<T>>()
-                .ok_or_else(|| candle_core::Error::Msg("conv2d (cuDNN): plan of another dtype".into()))?;
+            let plan = plan.downcast_ref::<Plan<T>>().ok_or_else(|| {
+                candle_core::Error::Msg("conv2d (cuDNN): plan of another dtype".into())
+            })?;
             if st.workspace.is_none() {
                 // SAFETY: cuDNN only writes scratch here before reading it.
                 st.workspace = Some(unsafe { dev.alloc::<u8>(CUDNN_WORKSPACE_BYTES)? });
@@ -504,7 +509,17 @@ mod tests {
     #[test]
     fn the_estimate_sees_the_workspace_only_in_a_cudnn_build() {
         use super::super::conv2d_cuda::{cuda_scratch_bytes, ConvPass};
-        let args = (ConvPass::Forward, 512, 32, 32, 3, 32, 32, false, candle_core::DType::F32);
+        let args = (
+            ConvPass::Forward,
+            512,
+            32,
+            32,
+            3,
+            32,
+            32,
+            false,
+            candle_core::DType::F32,
+        );
         let im2col = cuda_scratch_bytes(
             args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
         );
@@ -512,7 +527,10 @@ mod tests {
             args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
         );
         if ENABLED {
-            assert_eq!((here, cuda_runtime_bytes()), (0, CUDNN_WORKSPACE_BYTES as u64));
+            assert_eq!(
+                (here, cuda_runtime_bytes()),
+                (0, CUDNN_WORKSPACE_BYTES as u64)
+            );
         } else {
             assert_eq!((here, cuda_runtime_bytes()), (im2col, 0));
             assert!(im2col > 0);

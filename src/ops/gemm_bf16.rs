@@ -37,7 +37,6 @@
 //! thread, on a loaded shared machine, so ±15%).
 
 use half::bf16;
-use half::slice::HalfFloatSliceExt;
 
 use crate::error::{Error, Result};
 
@@ -302,7 +301,17 @@ impl PackedB {
                 }
             }
             let panel = &mut self.words[jp * kp * NR..(jp + 1) * kp * NR];
-            for (p, dst) in panel.chunks_exact_mut(NR).enumerate() {
+            // Whole 16×16 blocks of words are transposed in registers (a full panel on an
+            // AVX512F CPU); the rest word by word.
+            let mut done = 0;
+            #[cfg(target_arch = "x86_64")]
+            if width == NR && cpu_has_avx512f() {
+                done = kp / 16 * 16;
+                // SAFETY: AVX512F is present; `cols` holds NR columns of `ld >= 2·kp` values
+                // and `panel` kp·NR words, so every block of `done` lies inside both.
+                unsafe { avx512::transpose_words(&cols, ld, done, panel) };
+            }
+            for (p, dst) in panel.chunks_exact_mut(NR).enumerate().skip(done) {
                 for (jj, d) in dst[..width].iter_mut().enumerate() {
                     let at = jj * ld + 2 * p;
                     *d = word(cols[at], cols[at + 1]);
@@ -384,22 +393,102 @@ pub fn gemm_with(
     a: MatRef<'_>,
     b: &PackedB,
 ) -> Result<()> {
-    if !kernel_supported(kernel) {
-        return Err(gemm_error(format!(
-            "this CPU cannot run the {kernel:?} kernel"
-        )));
+    gemm_prepared(
+        dst,
+        dst_rs,
+        accumulate,
+        &PreparedA::with_kernel(kernel, a)?,
+        b,
+    )
+}
+
+/// The left operand `A` of gemms that share it, prepared once for a kernel: a conv multiplies
+/// its weight (or the weight's transpose) by every image's packed columns, and the FMA kernel
+/// would otherwise widen the same weight to f32 once per image (2–3% of a bf16 training step in
+/// a profile, mostly on the last stage, whose images are 8×8 pixels).
+///
+/// For [`Bf16Kernel::Avx512Fma`] it holds `A` widened to f32 in the thread's reusable buffer
+/// (taken on creation, given back on drop, so a steady stream of gemms allocates nothing); the
+/// other kernels read `A` as it is.
+pub struct PreparedA<'a> {
+    a: MatRef<'a>,
+    kernel: Bf16Kernel,
+    /// `A` in f32 with row stride `lda` (the FMA kernel only; empty otherwise).
+    wide: Vec<f32>,
+    lda: usize,
+}
+
+impl<'a> PreparedA<'a> {
+    /// `a` prepared for the process's kernel ([`bf16_kernel`]).
+    ///
+    /// # Errors
+    /// As [`PreparedA::with_kernel`].
+    pub fn new(a: MatRef<'a>) -> Result<Self> {
+        Self::with_kernel(bf16_kernel(), a)
     }
-    let (m, k, n) = (a.rows, a.cols, b.n());
+
+    /// `a` prepared for `kernel`.
+    ///
+    /// # Errors
+    /// When this CPU cannot run `kernel`, `A`'s columns are not contiguous (`a.cs != 1`, with
+    /// more than one row and column), or the view does not lie inside its slice.
+    pub fn with_kernel(kernel: Bf16Kernel, a: MatRef<'a>) -> Result<Self> {
+        if !kernel_supported(kernel) {
+            return Err(gemm_error(format!(
+                "this CPU cannot run the {kernel:?} kernel"
+            )));
+        }
+        if a.cs != 1 && a.rows > 0 && a.cols > 1 {
+            return Err(gemm_error(format!(
+                "A needs contiguous columns (column stride {})",
+                a.cs
+            )));
+        }
+        a.check("A")?;
+        let mut prepared = PreparedA {
+            a,
+            kernel,
+            wide: Vec::new(),
+            lda: 0,
+        };
+        if kernel == Bf16Kernel::Avx512Fma && a.rows > 0 {
+            prepared.wide = A_F32.with(|buf| std::mem::take(&mut *buf.borrow_mut()));
+            prepared.lda = widen_a(a, &mut prepared.wide);
+        }
+        Ok(prepared)
+    }
+}
+
+impl Drop for PreparedA<'_> {
+    fn drop(&mut self) {
+        if self.wide.capacity() > 0 {
+            let wide = std::mem::take(&mut self.wide);
+            // Keep the bigger buffer when two were alive on this thread at once.
+            A_F32.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                if buf.capacity() < wide.capacity() {
+                    *buf = wide;
+                }
+            });
+        }
+    }
+}
+
+/// `dst = A·B` (or `+=` with `accumulate`) with an `A` prepared once for many products.
+///
+/// # Errors
+/// When the shapes do not match (`a.cols != b.k()`) or `dst` is too small.
+pub fn gemm_prepared(
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    a: &PreparedA<'_>,
+    b: &PackedB,
+) -> Result<()> {
+    let (m, k, n) = (a.a.rows, a.a.cols, b.n());
     if k != b.k() {
         return Err(gemm_error(format!("A is {m}×{k} but B is {}×{n}", b.k())));
     }
-    if a.cs != 1 && m > 0 && k > 1 {
-        return Err(gemm_error(format!(
-            "A needs contiguous columns (column stride {})",
-            a.cs
-        )));
-    }
-    a.check("A")?;
     if n > 0 && m > 0 && (dst_rs < n || dst.len() < span(m, n, dst_rs, 1)) {
         return Err(gemm_error(format!(
             "destination ({} elements, row stride {dst_rs}) is too small for {m}×{n}",
@@ -409,31 +498,29 @@ pub fn gemm_with(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    match kernel {
+    match a.kernel {
         #[cfg(target_arch = "x86_64")]
         Bf16Kernel::Avx512Bf16 => {
-            // SAFETY: the CPU has the kernel's features (checked above); the shapes
-            // and spans were checked above, which is what `gemm_avx512` requires.
-            unsafe { avx512::gemm_avx512(dst, dst_rs, accumulate, a, b) };
+            // SAFETY: the CPU has the kernel's features (checked when `a` was prepared); the
+            // shapes and spans were checked there and above, which is what `gemm_avx512`
+            // requires.
+            unsafe { avx512::gemm_avx512(dst, dst_rs, accumulate, a.a, b) };
         }
         #[cfg(target_arch = "x86_64")]
         Bf16Kernel::Avx512Fma => {
-            A_F32.with(|buf| {
-                let mut buf = buf.borrow_mut();
-                let lda = widen_a(a, &mut buf);
-                // SAFETY: the CPU has AVX512F (checked above); `buf` holds m rows of
-                // k f32 with row stride `lda >= k`, and the shapes and spans of `b` and `dst`
-                // were checked above, which is what `gemm_fma` requires.
-                unsafe { avx512::gemm_fma(dst, dst_rs, accumulate, &buf, lda, m, b) };
-            });
+            // SAFETY: the CPU has AVX512F (checked when `a` was prepared); `a.wide` holds m
+            // rows of k f32 with row stride `lda >= k`, and the shapes and spans of `b` and
+            // `dst` were checked above, which is what `gemm_fma` requires.
+            unsafe { avx512::gemm_fma(dst, dst_rs, accumulate, &a.wide, a.lda, m, b) };
         }
-        _ => gemm_widen_packed(dst, dst_rs, accumulate, a, b),
+        _ => gemm_widen_packed(dst, dst_rs, accumulate, a.a, b),
     }
     Ok(())
 }
 
 thread_local! {
-    /// `A` widened to f32 for [`Bf16Kernel::Avx512Fma`], reused by every gemm on the thread.
+    /// `A` widened to f32 for [`Bf16Kernel::Avx512Fma`], reused by every gemm on the thread
+    /// (lent to one [`PreparedA`] at a time).
     static A_F32: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -530,7 +617,7 @@ pub fn gemm_widened(
 /// contiguous, as `conv2d`'s fallback widens its images.
 fn widen_row(m: MatRef<'_>, r: usize, dst: &mut [f32]) {
     if m.cs == 1 {
-        m.data[r * m.rs..r * m.rs + m.cols].convert_to_f32_slice(dst);
+        super::bf16_convert::widen(&m.data[r * m.rs..r * m.rs + m.cols], dst);
     } else {
         for (j, d) in dst.iter_mut().enumerate() {
             *d = m.get(r, j).to_f32();
@@ -851,6 +938,75 @@ mod avx512 {
         kp: usize,
     ) {
         super::interleave_pair_body(lo, hi, words, p, kp)
+    }
+
+    /// `panel[p·NR + jj] = word(cols[jj·ld + 2p], cols[jj·ld + 2p + 1])` for `p < kp16` and
+    /// every `jj < NR`: the gather buffer's NR columns turned into a panel's pair-words, 16×16
+    /// words at a time in registers (three rounds of unpacks and 128-bit lane shuffles) instead
+    /// of one strided load per word.
+    ///
+    /// # Safety
+    /// The CPU must have AVX512F; `kp16` is a multiple of 16, `ld` is even, `2·kp16 <= ld`,
+    /// `cols.len() >= NR·ld` and `panel.len() >= kp16·NR`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose_words(
+        cols: &[half::bf16],
+        ld: usize,
+        kp16: usize,
+        panel: &mut [u32],
+    ) {
+        debug_assert!(kp16.is_multiple_of(16) && ld.is_multiple_of(2) && 2 * kp16 <= ld);
+        assert!(cols.len() >= NR * ld && panel.len() >= kp16 * NR);
+        let src = cols.as_ptr() as *const u32;
+        let ldw = ld / 2;
+        let dst = panel.as_mut_ptr();
+        for p0 in (0..kp16).step_by(16) {
+            for jj0 in (0..NR).step_by(16) {
+                // Row j: words p0..p0+16 of column jj0 + j.
+                let mut r = [_mm512_setzero_si512(); 16];
+                for (j, v) in r.iter_mut().enumerate() {
+                    *v = _mm512_loadu_si512(src.add((jj0 + j) * ldw + p0) as *const _);
+                }
+                let t = transpose16(r);
+                for (p, v) in t.iter().enumerate() {
+                    _mm512_storeu_si512(dst.add((p0 + p) * NR + jj0) as *mut _, *v);
+                }
+            }
+        }
+    }
+
+    /// Transposes 16 vectors of 16 words: `out[p][j] = r[j][p]`.
+    #[inline(always)]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // Within each 128-bit lane L, after the 32- and 64-bit unpacks, vector 4g + e holds
+        // element 4L + e of rows 4g..4g+4.
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for g in 0..4 {
+            let b = 4 * g;
+            u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+            u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+            u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+            u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+        }
+        // Gather the lanes: 0x88 takes lanes 0 and 2 of each operand, 0xDD lanes 1 and 3.
+        let mut v = [_mm512_setzero_si512(); 16];
+        for e in 0..4 {
+            v[e] = _mm512_shuffle_i32x4::<0x88>(u[e], u[e + 4]);
+            v[e + 4] = _mm512_shuffle_i32x4::<0xDD>(u[e], u[e + 4]);
+            v[e + 8] = _mm512_shuffle_i32x4::<0x88>(u[e + 8], u[e + 12]);
+            v[e + 12] = _mm512_shuffle_i32x4::<0xDD>(u[e + 8], u[e + 12]);
+        }
+        let mut out = [_mm512_setzero_si512(); 16];
+        for e in 0..8 {
+            out[e] = _mm512_shuffle_i32x4::<0x88>(v[e], v[e + 8]);
+            out[e + 8] = _mm512_shuffle_i32x4::<0xDD>(v[e], v[e + 8]);
+        }
+        out
     }
 
     /// [`super::widen_a`] compiled with AVX-512.

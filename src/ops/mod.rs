@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub mod batchnorm;
+pub mod bf16_convert;
 pub mod conv2d;
 mod conv2d_bf16;
 pub mod conv2d_cuda;

@@ -282,14 +282,20 @@ mod cuda {
             // SAFETY: `g` is the live graph of `graph`; the first call only reads the count, the
             // second fills `n` node handles, and each handle is then asked for its type.
             let codes = unsafe {
-                sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n).result().w()?;
+                sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n)
+                    .result()
+                    .w()?;
                 let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
-                sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n).result().w()?;
+                sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n)
+                    .result()
+                    .w()?;
                 nodes.truncate(n);
                 let mut codes = Vec::with_capacity(n);
                 for node in nodes {
                     let mut ty = std::mem::MaybeUninit::<sys::CUgraphNodeType>::uninit();
-                    sys::cuGraphNodeGetType(node, ty.as_mut_ptr()).result().w()?;
+                    sys::cuGraphNodeGetType(node, ty.as_mut_ptr())
+                        .result()
+                        .w()?;
                     codes.push(ty.assume_init() as u32);
                 }
                 codes
@@ -300,7 +306,12 @@ mod cuda {
 
         /// The graph-memory high-water marks after a launch.
         fn read_graph_memory(&mut self) -> Result<()> {
-            let cu_dev = self.device.as_cuda_device()?.cuda_stream().context().cu_device();
+            let cu_dev = self
+                .device
+                .as_cuda_device()?
+                .cuda_stream()
+                .context()
+                .cu_device();
             let read = |attr: sys::CUgraphMem_attribute| -> Result<u64> {
                 let mut v = 0u64;
                 // SAFETY: both attributes are 64-bit values of a live device.

@@ -5,36 +5,10 @@
 
 mod common;
 
-use common::{copy_dir, run_trainer as run, snapshot};
+use common::{args_for, copy_dir, run_trainer as run, snapshot};
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-
-/// Flags that make a valid, fast run; a case replaces any of them by giving the same flag.
-const BASE: &[(&str, &str)] = &[
-    ("--device", "cpu"),
-    ("--width", "4"),
-    ("--synthetic-train", "64"),
-    ("--synthetic-test", "16"),
-    ("--batch-size", "32"),
-    ("--epochs", "1"),
-];
-
-/// `case` flags plus the base flags it does not give, plus `--quiet --no-eval`.
-fn args_for(case: &[String]) -> Vec<String> {
-    let mut a: Vec<String> = case.to_vec();
-    for (flag, value) in BASE {
-        if !case
-            .iter()
-            .any(|c| c == flag || c.starts_with(&format!("{flag}=")))
-        {
-            a.push(flag.to_string());
-            a.push(value.to_string());
-        }
-    }
-    a.extend(["--quiet".to_string(), "--no-eval".to_string()]);
-    a
-}
 
 /// CIFAR-10 records: label byte + 3072 pixel bytes each.
 fn records(labels: &[u8]) -> Vec<u8> {

@@ -14,6 +14,8 @@
 
 mod common;
 
+use common::args_for;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, Read};
 use std::os::unix::process::CommandExt;
@@ -28,29 +30,6 @@ use std::time::{Duration, Instant};
 const CEILING: u64 = 3 << 30;
 /// Longest a case may run.
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Flags that make a valid, fast run; a case replaces any of them by giving the same flag.
-const BASE: &[(&str, &str)] = &[
-    ("--device", "cpu"),
-    ("--width", "4"),
-    ("--synthetic-train", "64"),
-    ("--synthetic-test", "16"),
-    ("--batch-size", "32"),
-    ("--epochs", "1"),
-];
-
-/// `case` flags plus the base flags it does not give, plus `--quiet --no-eval`.
-fn args_for(case: &[String]) -> Vec<String> {
-    let mut a: Vec<String> = case.to_vec();
-    for (flag, value) in BASE {
-        if !case.iter().any(|c| c == flag) {
-            a.push(flag.to_string());
-            a.push(value.to_string());
-        }
-    }
-    a.extend(["--quiet".to_string(), "--no-eval".to_string()]);
-    a
-}
 
 /// `cmd` with its address space limited to [`CEILING`] (inherited by its children).
 fn under_ceiling(mut cmd: Command) -> Command {

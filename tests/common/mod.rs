@@ -254,3 +254,29 @@ pub fn spawn_trainer<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Chi
         .spawn()
         .expect("train_cifar10 starts")
 }
+
+/// Flags that make a valid, fast trainer run (the bad-input and bounds tables); a case replaces any of them by giving the same flag.
+pub const BASE: &[(&str, &str)] = &[
+    ("--device", "cpu"),
+    ("--width", "4"),
+    ("--synthetic-train", "64"),
+    ("--synthetic-test", "16"),
+    ("--batch-size", "32"),
+    ("--epochs", "1"),
+];
+
+/// `case` flags plus the base flags it does not give, plus `--quiet --no-eval`.
+pub fn args_for(case: &[String]) -> Vec<String> {
+    let mut a: Vec<String> = case.to_vec();
+    for (flag, value) in BASE {
+        if !case
+            .iter()
+            .any(|c| c == flag || c.starts_with(&format!("{flag}=")))
+        {
+            a.push(flag.to_string());
+            a.push(value.to_string());
+        }
+    }
+    a.extend(["--quiet".to_string(), "--no-eval".to_string()]);
+    a
+}

@@ -135,7 +135,10 @@ fn no_two_modules_import_each_other() {
     let new: Vec<_> = loops.difference(&known).collect();
     assert!(new.is_empty(), "modules that import each other: {new:?}");
     let gone: Vec<_> = known.difference(&loops).collect();
-    assert!(gone.is_empty(), "loops untangled: take them off KNOWN: {gone:?}");
+    assert!(
+        gone.is_empty(),
+        "loops untangled: take them off KNOWN: {gone:?}"
+    );
 }
 
 #[test]
@@ -158,5 +161,8 @@ fn no_folder_imports_a_folder_that_imports_it() {
             }
         }
     }
-    assert!(loops.is_empty(), "folders that import each other: {loops:?}");
+    assert!(
+        loops.is_empty(),
+        "folders that import each other: {loops:?}"
+    );
 }

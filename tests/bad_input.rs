@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{args_for, copy_dir, run_trainer as run, snapshot};
+use common::{args_for, copy_dir, flags, run_trainer as run, snapshot};
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -57,10 +57,6 @@ struct Case {
     /// Words the one stderr line must contain: the problem, then the fix.
     problem: &'static str,
     fix: &'static str,
-}
-
-fn flags(s: &str) -> Vec<String> {
-    s.split_whitespace().map(String::from).collect()
 }
 
 /// `--data-dir <dir>/data` holding `files`.

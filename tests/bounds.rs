@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::args_for;
+use common::{args_for, flags};
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Read};
@@ -129,10 +129,6 @@ struct Case {
     /// Words the one stderr line must contain: the problem, then the fix.
     problem: &'static str,
     fix: &'static str,
-}
-
-fn flags(s: &str) -> Vec<String> {
-    s.split_whitespace().map(String::from).collect()
 }
 
 /// A sparse file of `len` bytes (no disk blocks used).

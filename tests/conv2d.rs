@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use memtrain::ops::conv2d::{conv2d, conv2d_with_chunk, im2col_chunk_bytes, IM2COL_CHUNK_BYTES};
 
 mod common;
-use common::rel_err;
+use common::{bits, rel_err};
 
 /// One convolution to check.
 #[derive(Clone, Copy, Debug)]
@@ -368,17 +368,6 @@ fn stacked_layers_backpropagate_through_each_other() -> anyhow::Result<()> {
         assert!(e <= 1e-5, "gradient of {name}: relative error {e:e}");
     }
     Ok(())
-}
-
-/// Every element's bits, so that two results compare exactly (and `-0.0 != 0.0`, NaN == NaN).
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
 }
 
 /// Set in the child process that [`gradients_are_bit_reproducible`] runs with a bigger pool.

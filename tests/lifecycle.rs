@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::{assert_ok, copy_dir, run_trainer as run, snapshot, spawn_trainer as spawn, text};
+use common::{
+    assert_ok, copy_dir, flags, run_trainer as run, snapshot, spawn_trainer as spawn, text,
+};
 use memtrain::train::checkpoint::{Checkpoint, CHECKPOINTS_DIR, DIVERGED_DIR, MANIFEST_FILE};
 use memtrain::train::{RunStatus, Trainer, TrainerOptions};
 use serde_json::Value;
@@ -20,10 +22,6 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-fn words(s: &str) -> Vec<String> {
-    s.split_whitespace().map(String::from).collect()
-}
-
 /// 16 steps per epoch, 3 epochs, evaluation on, a checkpoint every 3 steps.
 const FAST: &str =
     "--synthetic-train 512 --synthetic-test 64 --width 8 --batch-size 32 --epochs 3 \
@@ -34,7 +32,7 @@ const SLOW_EVAL: &str = "--synthetic-train 256 --synthetic-test 20000 --width 4 
                          --epochs 2 --quiet --device cpu --seed 5";
 
 fn with_out(base: &str, out: &Path) -> Vec<String> {
-    let mut a = words(base);
+    let mut a = flags(base);
     a.push("--out".into());
     a.push(out.display().to_string());
     a
@@ -525,7 +523,7 @@ fn a_second_process_on_the_same_run_directory_is_refused() {
 fn finished_results_are_refused_unless_overwrite() {
     let dir = finished_copy("overwrite");
     one_line_error(
-        &run(&[resume_args(&dir), words("--overwrite")].concat()),
+        &run(&[resume_args(&dir), flags("--overwrite")].concat()),
         2,
         "--overwrite starts a new run",
     );
@@ -573,7 +571,7 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     let dir = common::scratch("lifecycle", "diverge").join("run");
     // lr 20 without clipping: the loss climbs over several steps (22, 494, 3e4, ...) before the
     // state turns non-finite, so a checkpoint after every step holds wrecked weights.
-    let args = words(
+    let args = flags(
         "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --no-eval --epochs 3 \
          --lr 20 --clip-grad-norm 0 --save-every 1 --quiet --device cpu --seed 0",
     );
@@ -604,7 +602,7 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
         assert!(loss <= memtrain::train::checkpoint::DIVERGED_LOSS, "{row}");
     }
     let mut again = resume_args(&dir);
-    again.extend(words("--lr 0.05"));
+    again.extend(flags("--lr 0.05"));
     assert_ok(
         &run(&again),
         "resuming the healthy checkpoint with a lower --lr",
@@ -622,7 +620,7 @@ fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
     let mut tables = Vec::new();
     for save_every in ["0", "1"] {
         let dir = root.join(format!("save-every-{save_every}"));
-        let mut first = words(
+        let mut first = flags(
             "--synthetic-train 64 --synthetic-test 16 --width 4 --batch-size 32 --epochs 2 \
              --max-steps 1 --quiet --device cpu",
         );
@@ -630,7 +628,7 @@ fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
         first.push(dir.display().to_string());
         assert_ok(&run(&first), "the cut run");
         let mut more = resume_args(&dir);
-        more.extend(words("--max-steps 3"));
+        more.extend(flags("--max-steps 3"));
         assert_ok(&run(&more), "the extended run");
         tables.push(csv_columns(&dir.join("epochs.csv"), EPOCH_COLUMNS));
     }

@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{assert_ok, run_trainer as run, text, trainer_command as command};
+use common::{
+    assert_ok, bits, flags, run_trainer as run, text, trainer_command as command, values,
+};
 
 use candle_core::{DType, Device, Tensor};
 use memtrain::config::{ConvKind, OptimizerKind, TrainConfig};
@@ -30,20 +32,6 @@ fn pruned_config(target: f64) -> TrainConfig {
         prune: Some(target),
         ..common::tiny_config()
     }
-}
-
-/// Host values of a tensor.
-fn values(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    values(t).iter().map(|v| v.to_bits()).collect()
 }
 
 fn u8s(t: &Tensor) -> Vec<u8> {
@@ -72,10 +60,6 @@ fn assert_same(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>, what: &
 fn tensors(path: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn flags(s: &str) -> Vec<String> {
-    s.split_whitespace().map(String::from).collect()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@
 
 mod common;
 
-use common::{assert_ok, copy_dir, run_trainer as run, snapshot, text, trainer_command as command};
+use common::{
+    assert_ok, bits, copy_dir, run_trainer as run, snapshot, text, trainer_command as command,
+};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use memtrain::callbacks::{BatchInfo, Callback};
 use memtrain::config::{Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
@@ -96,19 +98,6 @@ fn wait_for_checkpoint(child: &mut Child, run_dir: &Path, step: usize) {
 fn tensors(path: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// The exact bits of an f32 tensor.
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }
 
 /// Two safetensors files hold the same tensors, bit for bit.

@@ -280,3 +280,23 @@ pub fn args_for(case: &[String]) -> Vec<String> {
     a.extend(["--quiet".to_string(), "--no-eval".to_string()]);
     a
 }
+
+/// Whitespace-separated words of `s` as trainer arguments.
+pub fn flags(s: &str) -> Vec<String> {
+    s.split_whitespace().map(String::from).collect()
+}
+
+/// Every element of a tensor as f32 (any float dtype).
+pub fn values(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+/// Every element's f32 bits, so that two results compare exactly (`-0.0 != 0.0`, NaN == NaN).
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    values(t).into_iter().map(f32::to_bits).collect()
+}

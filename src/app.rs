@@ -135,7 +135,7 @@ where
         print!("{}", e.table());
     }
     if let Some(ck) = &resume {
-        ck.restore(&mut trainer)?;
+        trainer.resume(ck)?;
         for warning in &ck.skipped {
             eprintln!("warning: {warning}");
         }

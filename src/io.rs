@@ -100,3 +100,25 @@ pub fn read_capped(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     }
     Ok(bytes)
 }
+
+/// A 64-bit FNV-1a-style hash over little-endian 8-byte words (the tail zero-padded, the length
+/// mixed in last). Not cryptographic: it detects damaged or truncated files and changed data.
+pub fn hash_bytes(bytes: &[u8]) -> u64 {
+    const PRIME: u64 = 0x0000_0100_0000_01B3;
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        h = (h ^ w).wrapping_mul(PRIME);
+        // A word-wise FNV mixes high bits poorly; fold them back down.
+        h ^= h >> 29;
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let mut tail = [0u8; 8];
+        tail[..rest.len()].copy_from_slice(rest);
+        h = (h ^ u64::from_le_bytes(tail)).wrapping_mul(PRIME);
+        h ^= h >> 29;
+    }
+    (h ^ bytes.len() as u64).wrapping_mul(PRIME)
+}

@@ -12,8 +12,6 @@ const KNOWN: &[(&str, &str)] = &[
     ("ops::conv2d", "ops::conv2d_bf16"),
     ("ops::conv2d", "ops::conv2d_cuda"),
     ("ops::conv2d", "ops::conv2d_cudnn"),
-    // Saving reaches into the trainer's fields; a `TrainState` snapshot would end it.
-    ("train::checkpoint", "train::trainer"),
 ];
 
 /// Module path of a source file: `src/train/trainer.rs` → `train::trainer`, `src/ops/mod.rs` →

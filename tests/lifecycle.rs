@@ -345,7 +345,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
         ..Default::default()
     };
     let mut t = Trainer::new(ck.resume_config(&cfg, false).unwrap(), data(), options).unwrap();
-    ck.restore(&mut t).unwrap();
+    t.resume(&ck).unwrap();
     let summary = t.fit().unwrap();
     assert_eq!((summary.status, summary.steps), (RunStatus::Ok, 4));
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -584,7 +584,7 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
         "the checkpoint from before the loss blew up (step ",
     );
     let ck = Checkpoint::find_latest(&dir).expect("the healthy checkpoint stays");
-    assert!(ck.state.healthy, "the newest checkpoint left is healthy");
+    assert!(ck.healthy, "the newest checkpoint left is healthy");
     let stderr = text(&out.stderr);
     assert!(
         stderr.contains(&format!("(step {})", ck.state.global_step)),

@@ -1,37 +1,14 @@
-//! The counting allocator is exact, and the memory callback's peaks nest.
+//! The counting allocator is exact, and the memory recorder's peaks nest.
 //!
 //! One test function on purpose: the counters are process-wide, and the test harness runs
 //! test functions on parallel threads that would allocate in the middle of a measurement.
 
-use memtrain::callbacks::{
-    BatchInfo, Callback, EpochBegin, EpochEnd, EpochStats, MemoryCallback, Phase, TrainBegin,
-    TrainEnd,
-};
-use memtrain::config::TrainConfig;
-use memtrain::memory::{parse_size, CountingAllocator, CpuProbe, MemoryProbe};
+use memtrain::memory::{parse_size, CountingAllocator, CpuProbe, MemoryProbe, MemoryRecorder};
+use memtrain::phase::Phase;
 use std::sync::Arc;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
-
-fn info<'a>(probe: &'a dyn MemoryProbe, batch: usize) -> BatchInfo<'a> {
-    BatchInfo {
-        epoch: 0,
-        batch,
-        global_step: batch,
-        micro_batch: 0,
-        accum_steps: 1,
-        images: 1,
-        loss: Some(1.0),
-        correct: Some(0),
-        lr: 0.1,
-        loss_scale: None,
-        skipped: false,
-        step_secs: Some(0.0),
-        grad_norm: Some(1.0),
-        probe,
-    }
-}
 
 #[test]
 fn counting_allocator_and_peak_nesting() {
@@ -78,62 +55,24 @@ fn counting_allocator_and_peak_nesting() {
     // --- peaks nest: a big allocation inside batch 0's forward is the epoch's peak even though
     // later batches reset the watermark, and the run peak keeps it too.
     let probe: Arc<dyn MemoryProbe> = Arc::new(CpuProbe::new(None));
-    let mut cb = MemoryCallback::new(probe.clone());
-    let log = cb.log();
-    let cfg = TrainConfig::default();
-    let dir = std::env::temp_dir();
-    cb.on_train_begin(&TrainBegin {
-        config: &cfg,
-        run_dir: &dir,
-        device: "cpu",
-        num_params: 0,
-        steps_per_epoch: 3,
-        total_steps: 3,
-        global_step: 0,
-        start_epoch: 0,
-        ended_epochs: &[],
-        train_images: 3,
-        eval_images: 0,
-        probe: &*probe,
-    })
-    .unwrap();
-    cb.on_epoch_begin(&EpochBegin {
-        epoch: 0,
-        num_epochs: 1,
-        steps: 3,
-        global_step: 0,
-        reset_peak: true,
-        probe: &*probe,
-    })
-    .unwrap();
+    let mut rec = MemoryRecorder::new(probe.clone());
+    rec.train_begin();
+    rec.epoch_begin(0, true);
     let base = probe.current();
     let big = 8 << 20;
     for b in 0..3 {
-        cb.on_batch_begin(&info(&*probe, b)).unwrap();
+        rec.step_begin();
         let fwd: Vec<u8> = vec![1; if b == 0 { big } else { 1 << 20 }];
-        cb.on_after_forward(&info(&*probe, b)).unwrap();
+        rec.phase_end(Phase::Forward);
         drop(fwd);
         let bwd: Vec<u8> = vec![1; 2 << 20];
-        cb.on_after_backward(&info(&*probe, b)).unwrap();
+        rec.phase_end(Phase::Backward);
         drop(bwd);
-        cb.on_batch_end(&info(&*probe, b)).unwrap();
+        rec.step_end(0, b, b);
     }
-    let stats = EpochStats::default();
-    cb.on_epoch_end(&EpochEnd {
-        stats: &stats,
-        num_epochs: 1,
-        probe: &*probe,
-    })
-    .unwrap();
-    cb.on_train_end(&TrainEnd {
-        epochs: &[],
-        global_step: 3,
-        images_per_sec: 0.0,
-        interrupted: false,
-        probe: &*probe,
-    })
-    .unwrap();
-    let log = log.lock().unwrap().clone();
+    rec.epoch_end(0);
+    rec.train_end();
+    let log = rec.log();
     assert_eq!(log.batches.len(), 3);
     let b0 = &log.batches[0];
     assert_eq!(b0.phase, Phase::Forward);

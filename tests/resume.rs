@@ -509,7 +509,7 @@ fn restore_brings_back_every_piece_of_state() {
         );
         let cfg_b = ck.resume_config(&cfg, false).unwrap();
         let mut b = Trainer::new(cfg_b, splits(&cfg), TrainerOptions::default()).unwrap();
-        ck.restore(&mut b).unwrap();
+        b.resume(&ck).unwrap();
 
         assert_eq!((b.global_step, b.start_epoch, b.start_batch), (3, 0, 3));
         assert_eq!(b.optimizer.steps, a.optimizer.steps);

@@ -1,8 +1,8 @@
 //! The step timeline charts: `step_timeline.{png,svg}` of one run from its `step_timeline.json`,
 //! and the overlay of several configurations, drawn from synthetic timelines.
 
-use memtrain::callbacks::Phase;
 use memtrain::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
+use memtrain::phase::Phase;
 use memtrain::sweep::compare::{write_step_timeline_overlays, CompareEntry, CompareResult};
 use memtrain::sweep::step_chart::{write_step_timeline_chart, write_step_timeline_overlay};
 use memtrain::sweep::{ChildRun, Status};

@@ -10,21 +10,18 @@
 //! and `epochs.csv` is rewritten from the ended epochs the checkpoint carries, so both describe
 //! the whole run, as an uninterrupted run's would.
 
-use super::{
-    BatchInfo, Callback, EpochEnd, EpochMemory, EpochStats, MemoryLog, TrainBegin, TrainEnd,
-};
+use super::{BatchInfo, Callback, EpochEnd, EpochStats, TrainBegin, TrainEnd};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
+use crate::memory::{EpochMemory, MemoryLog};
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 /// Writes config, per-epoch and per-batch CSV, memory records and the summary into the run directory.
 pub struct MetricsLogger {
     dir: PathBuf,
-    memory: Option<Arc<Mutex<MemoryLog>>>,
     batches: Option<File>,
     epochs: Option<File>,
 }
@@ -125,27 +122,17 @@ fn append_row(file: &mut Option<File>, path: &Path, row: &str) -> Result<()> {
 }
 
 impl MetricsLogger {
-    /// Log into `dir` (which must exist). With `memory`, batch and epoch rows carry its peaks.
-    pub fn new(dir: impl Into<PathBuf>, memory: Option<Arc<Mutex<MemoryLog>>>) -> Self {
+    /// Log into `dir` (which must exist).
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
         MetricsLogger {
             dir: dir.into(),
-            memory,
             batches: None,
             epochs: None,
         }
     }
 
-    fn memory(&self) -> Option<MemoryLog> {
-        self.memory
-            .as_ref()
-            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
-    }
-
-    fn write_memory(&self) -> Result<()> {
-        match self.memory() {
-            Some(m) => write_json_atomic(&self.dir.join(MEMORY_JSON), &m),
-            None => Ok(()),
-        }
+    fn write_memory(&self, memory: &MemoryLog) -> Result<()> {
+        write_json_atomic(&self.dir.join(MEMORY_JSON), memory)
     }
 }
 
@@ -168,12 +155,9 @@ impl Callback for MetricsLogger {
         } else {
             format!("{BATCH_CSV_HEADER}\n")
         };
-        let memory = self.memory();
         let mut epochs = format!("{EPOCH_CSV_HEADER}\n");
         for s in ctx.ended_epochs {
-            let mem = memory
-                .as_ref()
-                .and_then(|m| m.epochs.iter().find(|e| e.epoch == s.epoch));
+            let mem = ctx.memory.epochs.iter().find(|e| e.epoch == s.epoch);
             epochs.push_str(&epoch_row(s, mem));
         }
         write_atomic(&batches_path, batches.as_bytes())?;
@@ -184,13 +168,8 @@ impl Callback for MetricsLogger {
     }
 
     fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
-        let mem = self.memory.as_ref().and_then(|m| {
-            m.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .batches
-                .last()
-                .cloned()
-        });
+        // The step's record is the last: the trainer records it before this hook.
+        let mem = ctx.memory.batches.last();
         let mut row = format!(
             "{},{},{},{},{},{},{},{},{},{}",
             ctx.epoch,
@@ -227,14 +206,13 @@ impl Callback for MetricsLogger {
     }
 
     fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> Result<()> {
-        let mem = self.memory().and_then(|m| m.epochs.last().cloned());
-        let row = epoch_row(ctx.stats, mem.as_ref());
+        let row = epoch_row(ctx.stats, ctx.memory.epochs.last());
         append_row(&mut self.epochs, &self.dir.join(EPOCHS_CSV), &row)?;
-        self.write_memory()
+        self.write_memory(ctx.memory)
     }
 
-    fn on_train_end(&mut self, _ctx: &TrainEnd<'_>) -> Result<()> {
+    fn on_train_end(&mut self, ctx: &TrainEnd<'_>) -> Result<()> {
         // summary.json is the trainer's: it is complete only after the last memory reading.
-        self.write_memory()
+        self.write_memory(ctx.memory)
     }
 }

@@ -4,18 +4,20 @@
 //! `on_train_begin`, then per epoch `on_epoch_begin`, per optimizer step `on_batch_begin`,
 //! per micro-batch `on_after_forward` and `on_after_backward`, then `on_batch_end`; after the
 //! epoch's evaluation `on_epoch_end`; finally `on_train_end`. Every method is a no-op by default.
+//!
+//! Memory is read by the trainer, not by a callback: its [`crate::memory::MemoryRecorder`]
+//! records each step and epoch just before the matching hook, and every context carries the
+//! records so far ([`MemoryLog`]: the step or epoch that just ended is the last entry).
 
 pub mod log;
-pub mod memory;
 pub mod progress;
 
 pub use log::MetricsLogger;
-pub use memory::{BatchMemory, EpochMemory, MemoryCallback, MemoryLog, Phase};
 pub use progress::ProgressCallback;
 
 use crate::config::TrainConfig;
 use crate::error::Result;
-use crate::memory::MemoryProbe;
+use crate::memory::{MemoryLog, MemoryProbe};
 use std::path::Path;
 
 /// Context for [`Callback::on_train_begin`].
@@ -44,6 +46,8 @@ pub struct TrainBegin<'a> {
     pub eval_images: usize,
     /// The memory probe.
     pub probe: &'a dyn MemoryProbe,
+    /// The memory records so far.
+    pub memory: &'a MemoryLog,
 }
 
 /// Context for [`Callback::on_epoch_begin`].
@@ -60,6 +64,8 @@ pub struct EpochBegin<'a> {
     pub reset_peak: bool,
     /// The memory probe.
     pub probe: &'a dyn MemoryProbe,
+    /// The memory records so far.
+    pub memory: &'a MemoryLog,
 }
 
 /// Context for the batch-level hooks. `loss` and friends are filled in for `on_batch_end`.
@@ -94,6 +100,8 @@ pub struct BatchInfo<'a> {
     pub grad_norm: Option<f64>,
     /// The memory probe.
     pub probe: &'a dyn MemoryProbe,
+    /// The memory records so far.
+    pub memory: &'a MemoryLog,
 }
 
 /// Results of one epoch, for [`Callback::on_epoch_end`].
@@ -133,6 +141,8 @@ pub struct EpochEnd<'a> {
     pub num_epochs: usize,
     /// The memory probe.
     pub probe: &'a dyn MemoryProbe,
+    /// The memory records so far.
+    pub memory: &'a MemoryLog,
 }
 
 /// Context for [`Callback::on_train_end`].
@@ -147,6 +157,8 @@ pub struct TrainEnd<'a> {
     pub interrupted: bool,
     /// The memory probe.
     pub probe: &'a dyn MemoryProbe,
+    /// The memory records so far.
+    pub memory: &'a MemoryLog,
 }
 
 /// A training hook. Every method does nothing by default; override what you need.

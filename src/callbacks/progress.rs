@@ -1,11 +1,10 @@
 //! [`ProgressCallback`]: indicatif bars (epoch and batch) on a terminal, plain lines otherwise.
 
-use super::{BatchInfo, Callback, EpochBegin, EpochEnd, MemoryLog, TrainBegin, TrainEnd};
+use super::{BatchInfo, Callback, EpochBegin, EpochEnd, TrainBegin, TrainEnd};
 use crate::error::Result;
 use crate::memory::format_bytes;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Shows training progress: loss, images per second and peak memory.
@@ -21,14 +20,11 @@ pub struct ProgressCallback {
     step_secs: f64,
     loss_sum: f64,
     steps: usize,
-    memory: Option<Arc<Mutex<MemoryLog>>>,
 }
 
 impl ProgressCallback {
     /// Bars when `quiet` is false and stdout is a terminal, plain lines otherwise.
-    /// `memory` is the memory callback's log, the source of the peak shown (the probe's own
-    /// watermark is reset at every phase by the memory callback).
-    pub fn new(quiet: bool, memory: Option<Arc<Mutex<MemoryLog>>>) -> Self {
+    pub fn new(quiet: bool) -> Self {
         let bars = (!quiet && std::io::stdout().is_terminal()).then(|| {
             let mp = MultiProgress::with_draw_target(ProgressDrawTarget::stdout());
             let style = ProgressStyle::with_template("{prefix:>6} [{bar:30}] {pos}/{len} {msg}")
@@ -50,7 +46,6 @@ impl ProgressCallback {
             step_secs: 0.0,
             loss_sum: 0.0,
             steps: 0,
-            memory,
         }
     }
 
@@ -93,10 +88,8 @@ impl Callback for ProgressCallback {
         self.step_secs += ctx.step_secs.unwrap_or(0.0);
         self.loss_sum += ctx.loss.unwrap_or(0.0);
         self.steps += 1;
-        let peak = match &self.memory {
-            Some(m) => m.lock().unwrap_or_else(|e| e.into_inner()).peak_bytes,
-            None => ctx.probe.peak(),
-        };
+        // The run's recorded peak: the probe's own watermark is reset at every phase.
+        let peak = ctx.memory.peak_bytes;
         let ips = self.images as f64 / self.step_secs.max(1e-9);
         let msg = format!(
             "loss {:.4} | {:.0} img/s | peak {}{}",

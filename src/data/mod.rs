@@ -59,6 +59,17 @@ impl Dataset {
         &self.images[i * IMAGE_BYTES..(i + 1) * IMAGE_BYTES]
     }
 
+    /// Image count and the hashes of the labels and pixels, as one string: a checkpoint's
+    /// run continues only on data with the same fingerprint, wherever it is stored.
+    pub fn fingerprint(&self) -> String {
+        format!(
+            "{}:{:016x}:{:016x}",
+            self.len(),
+            crate::io::hash_bytes(&self.labels),
+            crate::io::hash_bytes(&self.images)
+        )
+    }
+
     /// The label of image `i`. Panics if `i >= len()`.
     pub fn label(&self, i: usize) -> u8 {
         self.labels[i]

@@ -7,12 +7,14 @@ pub mod cuda;
 pub mod estimate;
 pub mod os;
 pub mod probe;
+pub mod record;
 pub mod select;
 pub mod timeline;
 
 pub use cpu::{retain_freed_memory, CountingAllocator};
 pub use os::{OsMemory, OsView};
 pub use probe::{CpuProbe, MemoryProbe};
+pub use record::{BatchMemory, EpochMemory, MemoryLog, MemoryRecorder};
 pub use select::probe_for;
 
 use crate::error::{Error, Result};

@@ -22,10 +22,11 @@ use super::frontier::{
 };
 use super::results::{CompareResult, SweepResult};
 use super::{ChildRun, Status};
-use crate::callbacks::{log::MEMORY_JSON, MemoryLog};
+use crate::callbacks::log::MEMORY_JSON;
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
 use crate::memory::format_bytes;
+use crate::memory::MemoryLog;
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
 use plotters::prelude::*;

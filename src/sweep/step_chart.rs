@@ -12,9 +12,9 @@
 //! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
 
 use super::chart::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
-use crate::callbacks::Phase;
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
+use crate::phase::Phase;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;

@@ -1,5 +1,9 @@
-//! Training checkpoints: everything that influences the rest of a run, saved so that a resumed
-//! run continues bit for bit where the saved one was.
+//! Training checkpoints: the storage of a [`TrainState`], everything that influences the rest of
+//! a run, so that a resumed run continues bit for bit where the saved one was. The trainer takes
+//! the state ([`crate::train::Trainer::snapshot`]) and puts it back
+//! ([`crate::train::Trainer::restore`]); this module only writes, finds, checks and prunes the
+//! files, and keeps the [`CheckpointSaver`]'s bookkeeping (which states are saved, which are
+//! healthy).
 //!
 //! Layout inside the run directory:
 //!
@@ -46,18 +50,16 @@
 //! blew up rather than from weights already wrecked.
 
 use super::history::{RunHistory, StepResult};
-use super::optim::Optimizer;
 use super::precision::LossScaler;
-use super::trainer::Trainer;
-use crate::callbacks::MemoryLog;
+use super::state::TrainState;
 use crate::config::TrainConfig;
-use crate::data::Dataset;
 use crate::error::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use crate::io::hash_bytes;
+use crate::memory::MemoryLog;
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 /// Folder of the checkpoints inside a run directory.
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
@@ -138,10 +140,10 @@ pub struct FileEntry {
 
 /// The contents of `checkpoint.json`: the counters and positions of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrainState {
+pub struct Manifest {
     /// Always `memtrain-checkpoint`.
     pub format: String,
-    /// Manifest version (1).
+    /// Manifest version ([`VERSION`]).
     pub version: u32,
     /// Optimizer steps taken (the step the checkpoint is named after).
     pub global_step: usize,
@@ -163,7 +165,7 @@ pub struct TrainState {
     pub total_steps: usize,
     /// Training images.
     pub train_images: usize,
-    /// [`data_fingerprint`] of the training split.
+    /// [`crate::data::Dataset::fingerprint`] of the training split.
     pub train_fingerprint: String,
     /// The data description line of the run.
     pub data_description: String,
@@ -177,19 +179,29 @@ pub struct Checkpoint {
     pub run_dir: PathBuf,
     /// Its own directory (`<run>/checkpoints/step-N`).
     pub dir: PathBuf,
-    /// The manifest.
+    /// The training state it holds.
     pub state: TrainState,
+    /// Whether every step since the checkpoint before it had a sane loss (see the module docs).
+    pub healthy: bool,
     /// The configuration it was trained with.
     pub config: TrainConfig,
     /// One line per newer checkpoint that was skipped as damaged or incomplete (print as warnings).
     pub skipped: Vec<String>,
-    /// The run up to the checkpoint.
-    pub history: RunHistory,
-    /// The memory log up to the checkpoint.
-    pub memory: MemoryLog,
-    model: HashMap<String, Tensor>,
-    optimizer: HashMap<String, Tensor>,
-    masks: Option<HashMap<String, Tensor>>,
+}
+
+/// What makes a saved state distinct: (global step, epoch, next batch, ended epochs). The same
+/// state is never saved twice, but an epoch's end at the same position after a `--max-steps`
+/// cut is a new state.
+pub type SavePoint = (usize, usize, usize, usize);
+
+/// The [`SavePoint`] of a state.
+pub fn save_point(state: &TrainState) -> SavePoint {
+    (
+        state.global_step,
+        state.epoch,
+        state.next_batch,
+        state.history.epochs.len(),
+    )
 }
 
 /// Per-trainer checkpoint bookkeeping (a field of [`Trainer`]).
@@ -197,10 +209,8 @@ pub struct Checkpoint {
 pub struct CheckpointSaver {
     /// Write checkpoints into the run directory (set from `TrainerOptions::log_files`).
     pub enabled: bool,
-    /// (global step, epoch, next batch, ended epochs) of the newest checkpoint written or
-    /// restored, so the same state is never saved twice (an epoch's end at the same position,
-    /// after a `--max-steps` cut, is a new state).
-    last: Option<(usize, usize, usize, usize)>,
+    /// The [`SavePoint`] of the newest checkpoint written or restored.
+    last: Option<SavePoint>,
     /// Global step of the newest healthy checkpoint on disk.
     last_healthy: Option<usize>,
     /// A step since the newest checkpoint had a loss past [`DIVERGED_LOSS`] or a non-finite one.
@@ -208,8 +218,6 @@ pub struct CheckpointSaver {
     /// Whether the newest checkpoint is healthy (a second save of the same step, at another
     /// position, inherits it).
     last_was_healthy: bool,
-    /// Fingerprint of the training split, computed once.
-    fingerprint: OnceLock<String>,
 }
 
 impl CheckpointSaver {
@@ -231,6 +239,11 @@ impl CheckpointSaver {
         self.last_healthy
     }
 
+    /// Whether a state at `point` is to be written: saving is on and it is not saved already.
+    pub fn wants(&self, point: SavePoint) -> bool {
+        self.enabled && self.last != Some(point)
+    }
+
     /// Take a finished step into account for the next checkpoint's health.
     pub(crate) fn note_step(&mut self, r: &StepResult) {
         let sane = r.loss.is_finite() && r.loss <= DIVERGED_LOSS;
@@ -238,38 +251,6 @@ impl CheckpointSaver {
             self.unhealthy_since_save = true;
         }
     }
-}
-
-/// A 64-bit FNV-1a-style hash over little-endian 8-byte words (the tail zero-padded, the length
-/// mixed in last). Not cryptographic: it detects damaged or truncated files and changed data.
-pub fn hash_bytes(bytes: &[u8]) -> u64 {
-    const PRIME: u64 = 0x0000_0100_0000_01B3;
-    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
-    let mut chunks = bytes.chunks_exact(8);
-    for c in &mut chunks {
-        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-        h = (h ^ w).wrapping_mul(PRIME);
-        // A word-wise FNV mixes high bits poorly; fold them back down.
-        h ^= h >> 29;
-    }
-    let rest = chunks.remainder();
-    if !rest.is_empty() {
-        let mut tail = [0u8; 8];
-        tail[..rest.len()].copy_from_slice(rest);
-        h = (h ^ u64::from_le_bytes(tail)).wrapping_mul(PRIME);
-        h ^= h >> 29;
-    }
-    (h ^ bytes.len() as u64).wrapping_mul(PRIME)
-}
-
-/// Fingerprint of a dataset: image count and the hashes of its labels and pixels, as one string.
-pub fn data_fingerprint(data: &Dataset) -> String {
-    format!(
-        "{}:{:016x}:{:016x}",
-        data.len(),
-        hash_bytes(&data.labels),
-        hash_bytes(&data.images)
-    )
 }
 
 /// Name of the directory of the checkpoint at `step`.
@@ -370,113 +351,48 @@ fn write_tensors(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<FileE
     })
 }
 
-/// Copy a tensor to the CPU, refusing NaN/inf: a checkpoint must never hold a diverged state.
-fn finite_on_cpu(t: &Tensor) -> Result<Option<Tensor>> {
-    let cpu = t.to_device(&Device::Cpu)?;
-    let values = cpu.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    Ok(values.iter().all(|v| v.is_finite()).then_some(cpu))
-}
-
-impl Trainer {
-    /// Write a checkpoint of the current state into `<run_dir>/checkpoints`, continuing at batch
-    /// `next_batch` of `epoch` (`next_batch` equal to the steps per epoch: the epoch's steps are
-    /// done, its end is not), with the run's history as it is now. Returns its directory, or
-    /// `None` when checkpoints are off or this state is already saved.
-    ///
-    /// Nothing is written when a parameter, running statistic or optimizer state is NaN/inf: the
-    /// error is [`Error::NonFinite`] and the previous checkpoint stays the newest.
-    pub fn save_checkpoint(&mut self, epoch: usize, next_batch: usize) -> Result<Option<PathBuf>> {
-        let position = (
-            self.global_step,
-            epoch,
-            next_batch.min(self.steps_per_epoch),
-            self.history.epochs.len(),
-        );
-        if !self.checkpoints.enabled || self.checkpoints.last == Some(position) {
-            return Ok(None);
-        }
-        let next_batch = position.2;
-        // The batch just trained, for the error message.
-        let (last_epoch, last_batch) = (epoch, next_batch.saturating_sub(1));
-        let advice = self.divergence_advice();
-        let diverged = |what: &str| Error::NonFinite {
-            what: what.into(),
-            epoch: last_epoch,
-            batch: last_batch,
-            phase: "optimizer".into(),
-            advice: advice.clone(),
-        };
-
-        let mut model = HashMap::new();
-        for (name, var) in self.model.named_vars() {
-            let t = finite_on_cpu(var.as_tensor())?.ok_or_else(|| diverged("weights"))?;
-            model.insert(name, t);
-        }
-        for (name, buf) in self.model.named_buffers() {
-            let t = finite_on_cpu(&buf)?.ok_or_else(|| diverged("BatchNorm running statistics"))?;
-            model.insert(name, t);
-        }
-        let mut optimizer = HashMap::new();
-        for (name, t) in self.optimizer.state() {
-            let t = finite_on_cpu(&t)?.ok_or_else(|| diverged("optimizer state"))?;
-            optimizer.insert(name, t);
-        }
-        let masks: Option<HashMap<String, Tensor>> = self
-            .pruner
-            .as_ref()
-            .map(|p| {
-                p.masks()
-                    .into_iter()
-                    .map(|(n, m)| Ok((n, m.to_device(&Device::Cpu)?)))
-                    .collect::<Result<_>>()
-            })
-            .transpose()?;
-        let fingerprint = self
-            .checkpoints
-            .fingerprint
-            .get_or_init(|| data_fingerprint(&self.train))
-            .clone();
-        let config_json = serde_json::to_vec_pretty(&self.config)
+impl CheckpointSaver {
+    /// Write `state` (trained with `config`) as a checkpoint into `<run_dir>/checkpoints`, point
+    /// `latest` at it and prune the older ones. Returns its directory. The caller has checked
+    /// [`CheckpointSaver::wants`] and that the state is finite.
+    pub fn save(
+        &mut self,
+        run_dir: &Path,
+        state: &TrainState,
+        config: &TrainConfig,
+    ) -> Result<PathBuf> {
+        let point = save_point(state);
+        let step = state.global_step;
+        let config_json = serde_json::to_vec_pretty(config)
             .map_err(|e| Error::Checkpoint(format!("cannot serialize the config: {e}")))?;
-        let history_json = serde_json::to_vec(&self.history)
+        let history_json = serde_json::to_vec(&state.history)
             .map_err(|e| Error::Checkpoint(format!("cannot serialize the history: {e}")))?;
-        // The memory records of ended epochs only: an interrupted epoch's record is redone.
-        let mut memory = self.memory_log();
-        memory.epochs.truncate(self.history.epochs.len());
-        let memory_json = serde_json::to_vec(&memory)
+        let memory_json = serde_json::to_vec(&state.memory)
             .map_err(|e| Error::Checkpoint(format!("cannot serialize the memory log: {e}")))?;
-        let healthy = match self.checkpoints.last {
-            Some((step, ..)) if step == self.global_step => self.checkpoints.last_was_healthy,
-            _ => !self.checkpoints.unhealthy_since_save,
+        let healthy = match self.last {
+            Some((last, ..)) if last == step => self.last_was_healthy,
+            _ => !self.unhealthy_since_save,
         };
 
-        let root = self.run_dir.join(CHECKPOINTS_DIR);
+        let root = run_dir.join(CHECKPOINTS_DIR);
         std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
-        let name = step_dir_name(self.global_step);
-        let tmp = root.join(format!(
-            "{TMP_PREFIX}{:06}-{}",
-            self.global_step,
-            std::process::id()
-        ));
+        let name = step_dir_name(step);
+        let tmp = root.join(format!("{TMP_PREFIX}{step:06}-{}", std::process::id()));
         let write = || -> Result<()> {
             if tmp.exists() {
                 std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
             }
             std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
             let mut files = BTreeMap::new();
-            files.insert(
-                MODEL_FILE.to_string(),
-                write_tensors(&tmp.join(MODEL_FILE), &model)?,
-            );
-            files.insert(
-                OPTIMIZER_FILE.to_string(),
-                write_tensors(&tmp.join(OPTIMIZER_FILE), &optimizer)?,
-            );
-            if let Some(masks) = &masks {
-                files.insert(
-                    MASKS_FILE.to_string(),
-                    write_tensors(&tmp.join(MASKS_FILE), masks)?,
-                );
+            let tensors = [
+                (MODEL_FILE, Some(&state.model)),
+                (OPTIMIZER_FILE, Some(&state.optimizer)),
+                (MASKS_FILE, state.masks.as_ref()),
+            ];
+            for (name, map) in tensors {
+                if let Some(map) = map {
+                    files.insert(name.to_string(), write_tensors(&tmp.join(name), map)?);
+                }
             }
             for (name, bytes) in [
                 (CONFIG_FILE, &config_json),
@@ -485,24 +401,24 @@ impl Trainer {
             ] {
                 files.insert(name.to_string(), write_synced(&tmp.join(name), bytes)?);
             }
-            let state = TrainState {
+            let manifest = Manifest {
                 format: FORMAT.into(),
                 version: VERSION,
-                global_step: self.global_step,
-                epoch,
-                next_batch,
+                global_step: step,
+                epoch: state.epoch,
+                next_batch: state.next_batch,
                 healthy,
-                optimizer_steps: self.optimizer.steps,
-                scaler: self.scaler.clone(),
-                steps_per_epoch: self.steps_per_epoch,
-                total_steps: self.total_steps,
-                train_images: self.train.len(),
-                train_fingerprint: fingerprint.clone(),
-                data_description: self.data_description.clone(),
+                optimizer_steps: state.optimizer_steps,
+                scaler: state.scaler.clone(),
+                steps_per_epoch: state.steps_per_epoch,
+                total_steps: state.total_steps,
+                train_images: state.train_images,
+                train_fingerprint: state.train_fingerprint.clone(),
+                data_description: state.data_description.clone(),
                 files,
             };
             // The manifest goes last: a directory with a valid manifest has all its files.
-            write_synced(&tmp.join(MANIFEST_FILE), &sign(&state)?)?;
+            write_synced(&tmp.join(MANIFEST_FILE), &sign(&manifest)?)?;
             sync_dir(&tmp);
             Ok(())
         };
@@ -515,11 +431,7 @@ impl Trainer {
         if dest.exists() {
             // A same-step directory from an earlier process (e.g. a damaged one that resume skipped):
             // move it aside rather than delete it first, so some checkpoint always exists.
-            let old = root.join(format!(
-                "{OLD_PREFIX}{:06}-{}",
-                self.global_step,
-                std::process::id()
-            ));
+            let old = root.join(format!("{OLD_PREFIX}{step:06}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&old);
             std::fs::rename(&dest, &old).map_err(|e| Error::io(&dest, e))?;
         }
@@ -529,26 +441,44 @@ impl Trainer {
         })?;
         sync_dir(&root);
         crate::io::write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
-        let saver = &mut self.checkpoints;
-        saver.last = Some(position);
-        saver.last_was_healthy = healthy;
+        self.last = Some(point);
+        self.last_was_healthy = healthy;
         if healthy {
-            saver.last_healthy = Some(self.global_step);
+            self.last_healthy = Some(step);
         }
-        saver.unhealthy_since_save = false;
-        prune(&root, self.global_step, saver.last_healthy);
-        Ok(Some(dest))
+        self.unhealthy_since_save = false;
+        prune(&root, step, self.last_healthy);
+        Ok(dest)
+    }
+
+    /// A run resumed from `ck`: its state counts as saved, its health as known, and (saving
+    /// being on, so the run directory is this process's) what an interrupted save or prune left,
+    /// and the damaged checkpoints the resume skipped, are removed.
+    pub fn resumed(&mut self, ck: &Checkpoint) {
+        let step = ck.state.global_step;
+        let root = ck.run_dir.join(CHECKPOINTS_DIR);
+        self.last = Some(save_point(&ck.state));
+        self.unhealthy_since_save = false;
+        self.last_was_healthy = ck.healthy;
+        self.last_healthy = if ck.healthy {
+            Some(step)
+        } else {
+            newest_healthy(&root, step)
+        };
+        if self.enabled {
+            prune(&root, step, self.last_healthy);
+        }
     }
 
     /// After a divergence: move the checkpoints newer than the newest healthy one into
     /// `checkpoints/diverged/` (replacing what an earlier divergence left there), so that
     /// `--resume` continues from before the loss blew up. Returns how many were moved.
-    pub(crate) fn set_aside_diverged(&mut self) -> usize {
-        if !self.checkpoints.enabled {
+    pub fn set_aside_diverged(&mut self, run_dir: &Path) -> usize {
+        if !self.enabled {
             return 0;
         }
-        let root = self.run_dir.join(CHECKPOINTS_DIR);
-        let keep = self.checkpoints.last_healthy;
+        let root = run_dir.join(CHECKPOINTS_DIR);
+        let keep = self.last_healthy;
         let Ok(steps) = list_steps(&root) else {
             return 0;
         };
@@ -578,7 +508,7 @@ impl Trainer {
             }
             None => std::fs::remove_file(&latest).map_err(|e| Error::io(&latest, e)),
         };
-        self.checkpoints.last = None;
+        self.last = None;
         moved
     }
 }
@@ -610,7 +540,7 @@ fn prune(root: &Path, current: usize, healthy: Option<usize>) {
 
 /// The manifest file: `{"state": <the state's JSON>, "hash": <hash of exactly those bytes>}`.
 /// A flipped byte anywhere in the state (an epoch, a step, a file hash) breaks the signature.
-fn sign(state: &TrainState) -> Result<Vec<u8>> {
+fn sign(state: &Manifest) -> Result<Vec<u8>> {
     #[derive(Serialize)]
     struct Signed<'a> {
         state: &'a serde_json::value::RawValue,
@@ -627,7 +557,7 @@ fn sign(state: &TrainState) -> Result<Vec<u8>> {
 }
 
 /// The state in a manifest file whose signature holds (see [`sign`]).
-fn verify(bytes: &[u8]) -> std::result::Result<TrainState, Reason> {
+fn verify(bytes: &[u8]) -> std::result::Result<Manifest, Reason> {
     #[derive(Deserialize)]
     struct Signed<'a> {
         #[serde(borrow)]
@@ -782,14 +712,26 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
     Ok(Checkpoint {
         run_dir: run_dir.to_path_buf(),
         dir: dir.to_path_buf(),
-        state,
+        healthy: state.healthy,
+        state: TrainState {
+            global_step: state.global_step,
+            epoch: state.epoch,
+            next_batch: state.next_batch,
+            steps_per_epoch: state.steps_per_epoch,
+            total_steps: state.total_steps,
+            model,
+            optimizer,
+            optimizer_steps: state.optimizer_steps,
+            scaler: state.scaler,
+            masks,
+            train_images: state.train_images,
+            train_fingerprint: state.train_fingerprint,
+            data_description: state.data_description,
+            history,
+            memory,
+        },
         config,
         skipped: Vec::new(),
-        history,
-        memory,
-        model,
-        optimizer,
-        masks,
     })
 }
 
@@ -931,156 +873,6 @@ impl Checkpoint {
     /// schedule and optimizer hyperparameters), as `field: checkpoint A, now B`.
     pub fn noted_changes(&self, now: &TrainConfig) -> Vec<String> {
         differences(&self.config, now, NOTED)
-    }
-
-    /// Load the checkpoint into `trainer`: parameters, BatchNorm running statistics, optimizer
-    /// state and step count, loss scaler, global step and data position. Everything is checked
-    /// before anything is changed; the training data must be the checkpoint's (same fingerprint).
-    pub fn restore(&self, trainer: &mut Trainer) -> Result<()> {
-        let s = &self.state;
-        let fingerprint = trainer
-            .checkpoints
-            .fingerprint
-            .get_or_init(|| data_fingerprint(&trainer.train))
-            .clone();
-        if fingerprint != s.train_fingerprint {
-            return Err(Error::config(format!(
-                "--resume {}: the training data differs from the checkpoint's (training data: checkpoint {} images, {}; now {} images, {}); pass the --data-dir the run was trained on",
-                self.run_dir.display(),
-                s.train_images,
-                s.data_description,
-                trainer.train.len(),
-                trainer.data_description
-            )));
-        }
-        if s.steps_per_epoch != trainer.steps_per_epoch {
-            return Err(Error::config(format!(
-                "--resume {}: steps per epoch: checkpoint {}, now {}; use the checkpoint's --batch-size",
-                self.run_dir.display(),
-                s.steps_per_epoch,
-                trainer.steps_per_epoch
-            )));
-        }
-        let bad = |m: String| Error::Checkpoint(format!("{}: {m}", self.dir.display()));
-
-        // Check: every parameter and buffer present with its shape, nothing unknown.
-        let vars = trainer.model.named_vars();
-        let buffers = trainer.model.named_buffers();
-        let expected: Vec<(&str, &candle_core::Shape)> = vars
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.shape()))
-            .chain(buffers.iter().map(|(n, b)| (n.as_str(), b.shape())))
-            .collect();
-        for (name, shape) in &expected {
-            let t = self
-                .model
-                .get(*name)
-                .ok_or_else(|| bad(format!("{MODEL_FILE} lacks '{name}'")))?;
-            if t.shape() != *shape || t.dtype() != DType::F32 {
-                return Err(bad(format!(
-                    "'{name}' is {:?} {:?} in the checkpoint, the model needs {:?} F32",
-                    t.dtype(),
-                    t.shape(),
-                    shape
-                )));
-            }
-        }
-        if self.model.len() != expected.len() {
-            let unknown = self
-                .model
-                .keys()
-                .find(|k| !expected.iter().any(|(n, _)| n == k));
-            return Err(bad(format!(
-                "{MODEL_FILE} holds an unknown tensor '{}'",
-                unknown.map_or("?", |s| s)
-            )));
-        }
-        let mut opt_state = Vec::with_capacity(self.optimizer.len());
-        for (name, t) in &self.optimizer {
-            let idx = name
-                .split_once('.')
-                .filter(|(slot, _)| *slot == "s1" || *slot == "s2")
-                .and_then(|(_, i)| i.parse::<usize>().ok())
-                .ok_or_else(|| bad(format!("{OPTIMIZER_FILE} holds an unknown tensor '{name}'")))?;
-            let (pname, var) = vars
-                .get(idx)
-                .ok_or_else(|| bad(format!("{OPTIMIZER_FILE}: '{name}' has no parameter")))?;
-            if t.shape() != var.shape() || t.dtype() != DType::F32 {
-                return Err(bad(format!(
-                    "{OPTIMIZER_FILE}: '{name}' does not match the shape of '{pname}'"
-                )));
-            }
-            opt_state.push((name.clone(), t.to_device(&trainer.device)?));
-        }
-        if s.scaler.is_some() != trainer.scaler.is_some() {
-            return Err(bad(
-                "the loss-scaler state does not match --precision".into()
-            ));
-        }
-        if self.masks.is_some() != trainer.pruner.is_some() {
-            return Err(bad("the pruning masks do not match --prune".into()));
-        }
-        // Checked (and built) before anything is changed; applied below.
-        let pruner = match (&self.masks, &trainer.pruner) {
-            (Some(masks), Some(p)) => {
-                let mut fresh = super::prune::Pruner::new(*p.schedule(), &vars)?;
-                fresh.load_masks(masks.clone()).map_err(|e| {
-                    let e = e.to_string();
-                    bad(format!(
-                        "{MASKS_FILE}: {}",
-                        e.trim_start_matches("checkpoint: ")
-                    ))
-                })?;
-                Some(fresh)
-            }
-            _ => None,
-        };
-
-        // Apply.
-        for (name, var) in &vars {
-            var.set(&self.model[name].to_device(&trainer.device)?)?;
-        }
-        for (name, _) in &buffers {
-            trainer
-                .model
-                .set_buffer(name, self.model[name].to_device(&trainer.device)?)?;
-        }
-        let cfg = &trainer.config;
-        let mut optimizer =
-            Optimizer::new(cfg.optimizer, vars.len(), cfg.momentum, cfg.weight_decay);
-        optimizer.load_state(opt_state)?;
-        optimizer.steps = s.optimizer_steps;
-        trainer.optimizer = optimizer;
-        if pruner.is_some() {
-            trainer.pruner = pruner;
-        }
-        trainer.scaler = s.scaler.clone();
-        trainer.global_step = s.global_step;
-        trainer.start_epoch = s.epoch;
-        trainer.start_batch = s.next_batch;
-        trainer.history = self.history.clone();
-        trainer.restore_memory_log(self.memory.clone());
-        let root = self.run_dir.join(CHECKPOINTS_DIR);
-        let saver = &mut trainer.checkpoints;
-        saver.last = Some((
-            s.global_step,
-            s.epoch,
-            s.next_batch,
-            self.history.epochs.len(),
-        ));
-        saver.unhealthy_since_save = false;
-        saver.last_was_healthy = s.healthy;
-        saver.last_healthy = if s.healthy {
-            Some(s.global_step)
-        } else {
-            newest_healthy(&root, s.global_step)
-        };
-        if saver.enabled {
-            // The run directory is ours now (its lock is held): remove what an interrupted save
-            // or prune left, and the damaged checkpoints this resume skipped.
-            prune(&root, s.global_step, saver.last_healthy);
-        }
-        Ok(())
     }
 }
 

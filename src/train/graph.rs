@@ -162,6 +162,7 @@ impl GraphSlot {
 
     /// Runs the forward and backward of one batch through the captured step when the run has
     /// one: `Some((mean loss, correct, f32 gradients))`; `None` when the caller runs it eagerly.
+    /// Both phases of every micro-batch are one launch, so the caller's phase hooks follow it.
     #[allow(unused_variables)]
     pub(crate) fn grads(
         &self,
@@ -169,13 +170,11 @@ impl GraphSlot {
         images: &[f32],
         labels: &[u32],
         loss_scale: f64,
-        obs: &mut dyn super::lean::StepObserver,
     ) -> Option<Result<BatchGrads>> {
         #[cfg(feature = "cuda")]
         {
             let mut step = self.step.borrow_mut();
-            step.as_mut()
-                .map(|s| s.run(t, images, labels, loss_scale, obs))
+            step.as_mut().map(|s| s.run(t, images, labels, loss_scale))
         }
         #[cfg(not(feature = "cuda"))]
         None
@@ -203,7 +202,7 @@ mod cuda {
     use crate::data::IMAGE_BYTES;
     use crate::error::{Error, Result};
     use crate::train::accumulate::GradAccumulator;
-    use crate::train::lean::{LeanStep, NoObserver, StepObserver};
+    use crate::train::lean::{LeanStep, NoObserver};
     use crate::train::Trainer;
 
     /// What the captured body returns: device tensors that a replay rewrites in place.
@@ -337,7 +336,6 @@ mod cuda {
             images: &[f32],
             labels: &[u32],
             loss_scale: f64,
-            obs: &mut dyn StepObserver,
         ) -> Result<BatchGrads> {
             let n = self.y.dim(0)?;
             if labels.len() != n || images.len() != n * IMAGE_BYTES {
@@ -366,7 +364,7 @@ mod cuda {
                     };
                     self.warm = true;
                     // Eager tensors: nothing rewrites them, so no copies.
-                    return read(out.losses, out.corrects, out.grads, obs);
+                    return read(out.losses, out.corrects, out.grads);
                 }
                 GraphAction::Capture => {
                     // The old graph's outputs first, then the graph (see the struct's docs).
@@ -410,29 +408,24 @@ mod cuda {
                 .map(|g| g.as_ref().map(Tensor::copy).transpose())
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let (losses, corrects) = (out.losses.clone(), out.corrects.clone());
-            let r = read(losses, corrects, grads, obs)?;
+            let r = read(losses, corrects, grads)?;
             self.read_graph_memory()?;
             Ok(r)
         }
     }
 
     /// The step's result on the host: the mean loss over the micro-batches (summed as the eager
-    /// step sums it) and the correct count, with the observer told about each micro-batch. The
-    /// first read waits for the device.
+    /// step sums it) and the correct count. The first read waits for the device.
     fn read(
         losses: Vec<Tensor>,
         corrects: Vec<Tensor>,
         grads: Vec<Option<Tensor>>,
-        obs: &mut dyn StepObserver,
     ) -> Result<BatchGrads> {
         let k = losses.len();
         let (mut loss, mut correct) = (0.0, 0);
-        for (i, (l, c)) in losses.iter().zip(&corrects).enumerate() {
-            obs.micro_begin(i)?;
-            obs.forward_done()?;
+        for (l, c) in losses.iter().zip(&corrects) {
             loss += l.to_scalar::<f32>()? as f64 / k as f64;
             correct += c.to_scalar::<u32>()? as usize;
-            obs.backward_done()?;
         }
         Ok((loss, correct, grads))
     }

@@ -50,24 +50,13 @@ pub struct StepEvent<'a> {
     pub grad_bytes: u64,
 }
 
-/// Receives the step's layer events (after each layer's forward and backward) and the
-/// micro-batch boundaries: the trainer reads the memory probe there, records the timeline,
-/// checks the memory budget and calls the callbacks' hooks.
+/// Receives the step's layer events (after each layer's forward and backward): the trainer reads
+/// the memory probe there, records the timeline and checks the memory budget. The phase
+/// boundaries are not events: the step's caller sees them, since [`LeanStep::forward`] and
+/// [`LeanStep::backward`] are separate calls.
 pub trait StepObserver {
-    /// Micro-batch `i` starts.
-    fn micro_begin(&mut self, _i: usize) -> Result<()> {
-        Ok(())
-    }
     /// A layer finished.
     fn event(&mut self, _e: StepEvent<'_>) -> Result<()> {
-        Ok(())
-    }
-    /// The forward pass (and loss) of the micro-batch is complete.
-    fn forward_done(&mut self) -> Result<()> {
-        Ok(())
-    }
-    /// The backward pass of the micro-batch is complete.
-    fn backward_done(&mut self) -> Result<()> {
         Ok(())
     }
 }
@@ -90,6 +79,16 @@ pub struct MicroResult {
 struct Saved {
     h: Tensor,
     bn: BnParams,
+}
+
+/// What a micro-batch's forward leaves for its backward: the segment inputs, the blocks' saved
+/// records (all of them without checkpointing), the head's features and the logits' gradient.
+pub struct Tape {
+    inputs: Vec<Tensor>,
+    saved: Vec<Saved>,
+    feat: Tensor,
+    feat_dims: Vec<usize>,
+    dlogits: Tensor,
 }
 
 fn bytes(t: &Tensor) -> u64 {
@@ -193,10 +192,9 @@ impl<'a> LeanStep<'a> {
         acc: &mut GradAccumulator,
         obs: &mut dyn StepObserver,
     ) -> Result<MicroResult> {
-        match self.run_tape(x, y, loss_mult, acc, obs, false)? {
-            HeadResult::Read(r) => Ok(r),
-            HeadResult::Deferred(_) => unreachable!("run_tape reads the loss unless deferred"),
-        }
+        let (r, tape) = self.forward(x, y, loss_mult, acc, obs)?;
+        self.backward(tape, acc, obs)?;
+        Ok(r)
     }
 
     /// [`LeanStep::run`] without reading anything back to the host: the loss and correct count
@@ -211,21 +209,42 @@ impl<'a> LeanStep<'a> {
         acc: &mut GradAccumulator,
         obs: &mut dyn StepObserver,
     ) -> Result<DeferredResult> {
-        match self.run_tape(x, y, loss_mult, acc, obs, true)? {
+        let (head, tape) = self.forward_tape(x, y, loss_mult, acc, obs, true)?;
+        self.backward(tape, acc, obs)?;
+        match head {
             HeadResult::Deferred(r) => Ok(r),
-            HeadResult::Read(_) => unreachable!("run_tape defers the loss when asked to"),
+            HeadResult::Read(_) => unreachable!("forward_tape defers the loss when asked to"),
         }
     }
 
-    fn run_tape(
+    /// The forward phase: the blocks, the head and the loss (multiplied by `loss_mult`), up to
+    /// the gradient of the logits. Returns the micro-batch's loss and accuracy and the [`Tape`]
+    /// its [`LeanStep::backward`] consumes. `acc` is only read (for the events' gradient bytes).
+    pub fn forward(
         &mut self,
         x: &Tensor,
         y: &Tensor,
         loss_mult: f64,
-        acc: &mut GradAccumulator,
+        acc: &GradAccumulator,
+        obs: &mut dyn StepObserver,
+    ) -> Result<(MicroResult, Tape)> {
+        match self.forward_tape(x, y, loss_mult, acc, obs, false)? {
+            (HeadResult::Read(r), tape) => Ok((r, tape)),
+            (HeadResult::Deferred(_), _) => {
+                unreachable!("forward_tape reads the loss unless deferred")
+            }
+        }
+    }
+
+    fn forward_tape(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        loss_mult: f64,
+        acc: &GradAccumulator,
         obs: &mut dyn StepObserver,
         defer: bool,
-    ) -> Result<HeadResult> {
+    ) -> Result<(HeadResult, Tape)> {
         let xin = x.to_dtype(self.dtype)?;
         let one_segment = self.segments.len() == 1;
         // Forward: with one segment the blocks save as they go; with checkpointing only the
@@ -262,8 +281,34 @@ impl<'a> LeanStep<'a> {
         };
         drop(logits);
         self.emit_named(obs, Phase::Forward, "head", acc)?;
-        obs.forward_done()?;
+        let tape = Tape {
+            inputs,
+            saved,
+            feat,
+            feat_dims,
+            dlogits,
+        };
+        Ok((head, tape))
+    }
 
+    /// The backward phase of a [`LeanStep::forward`]: the head, then the blocks last first
+    /// (re-running each checkpointed segment's forward first), adding the parameter gradients to
+    /// `acc`. Every saved tensor is freed as soon as its backward has run.
+    pub fn backward(
+        &mut self,
+        tape: Tape,
+        acc: &mut GradAccumulator,
+        obs: &mut dyn StepObserver,
+    ) -> Result<()> {
+        let Tape {
+            mut inputs,
+            mut saved,
+            feat,
+            feat_dims,
+            dlogits,
+        } = tape;
+        let one_segment = self.segments.len() == 1;
+        let hw = self.model.head_w.as_detached_tensor();
         let nvars = self.var_base[self.model.blocks.len()];
         acc.add(nvars, linear::matmul(&dlogits.t()?, &feat)?)?;
         acc.add(nvars + 1, dlogits.sum(0)?)?;
@@ -310,7 +355,7 @@ impl<'a> LeanStep<'a> {
                 None => break,
             }
         }
-        Ok(head)
+        Ok(())
     }
 
     /// Block j's forward on `x`: conv, batch statistics (running statistics updated when

@@ -12,8 +12,10 @@ pub mod precision;
 pub mod prune;
 pub mod reference;
 pub mod run_dir;
+pub mod state;
 pub mod summary;
 pub mod trainer;
 
+pub use state::TrainState;
 pub use summary::{RunStatus, Summary};
 pub use trainer::{Trainer, TrainerOptions};

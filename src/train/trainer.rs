@@ -4,30 +4,36 @@
 //! picks the layer type when the model is built.
 
 use super::accumulate::GradAccumulator;
-use super::history::EpochProgress;
+use super::checkpoint::Checkpoint;
 pub use super::history::StepResult;
+use super::history::{EpochProgress, RunHistory};
 use super::lean::{LeanStep, NoObserver, StepEvent, StepObserver};
 use super::optim::{one_cycle_lr, Optimizer};
 use super::precision::LossScaler;
 use super::reference::loss_and_correct;
+use super::state::TrainState;
 use super::summary::Summary;
 use crate::callbacks::{
-    BatchInfo, Callback, CallbackList, EpochBegin, EpochEnd, EpochStats, MemoryCallback, MemoryLog,
-    MetricsLogger, Phase, ProgressCallback, TrainBegin, TrainEnd,
+    BatchInfo, Callback, CallbackList, EpochBegin, EpochEnd, EpochStats, MetricsLogger,
+    ProgressCallback, TrainBegin, TrainEnd,
 };
 use crate::config::TrainConfig;
-use crate::data::{self, Batch, Batcher, BatcherOptions, DataSplits, Dataset};
+use crate::data::{self, Batch, Batcher, BatcherOptions, DataSplits, Dataset, IMAGE_BYTES};
 use crate::device::{device_name, select_device};
 use crate::error::{Error, Result};
 use crate::memory::timeline::{
     CategoryBytes, OomSnapshot, StepTimeline, TimelineEvent, TimelineProbe, OOM_SNAPSHOT_FILE,
 };
-use crate::memory::{format_bytes, is_device_oom, probe_for, MemoryProbe};
+use crate::memory::{
+    format_bytes, is_device_oom, probe_for, MemoryLog, MemoryProbe, MemoryRecorder,
+};
 use crate::model::{Cnn, Mode, ModelConfig};
+use crate::phase::Phase;
 use candle_core::{DType, Device, Tensor, Var};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// What the caller adds to a run besides the configuration.
@@ -73,11 +79,14 @@ pub struct Trainer {
     oom_snapshot: bool,
     /// Training batches' image buffers, reused from step to step and epoch to epoch.
     pub(crate) batch_buffers: crate::data::BufferPool,
-    pub(crate) memory_log: Arc<Mutex<MemoryLog>>,
+    /// The run's memory records, read at every phase boundary and handed to the callbacks.
+    pub(crate) memory: MemoryRecorder,
     pub(crate) callbacks: CallbackList,
     pub(crate) train: Arc<Dataset>,
     pub(crate) eval: Arc<Dataset>,
     pub(crate) eval_is_validation: bool,
+    /// [`Dataset::fingerprint`] of the training split, computed at the first checkpoint or resume.
+    train_fingerprint: OnceLock<String>,
     pub(crate) data_description: String,
     pub(crate) run_dir: PathBuf,
     pub(crate) stop: Option<Arc<AtomicBool>>,
@@ -110,22 +119,6 @@ pub fn default_run_dir() -> PathBuf {
         chrono::Utc::now().format("%Y%m%d-%H%M%S"),
         std::process::id()
     ))
-}
-
-/// Turn a Candle out-of-memory error into [`Error::OutOfMemory`] naming the phase.
-fn name_oom(e: Error, limit: Option<u64>, epoch: usize, batch: usize, phase: Phase) -> Error {
-    match e {
-        Error::Candle(ce) if is_device_oom(&ce) => Error::OutOfMemory {
-            limit: limit
-                .map(format_bytes)
-                .unwrap_or_else(|| "device memory".into()),
-            epoch,
-            batch,
-            phase: phase.to_string(),
-            snapshot: None,
-        },
-        other => other,
-    }
 }
 
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
@@ -169,53 +162,24 @@ fn squared_norm(grads: &[Option<Tensor>]) -> Result<f64> {
     Ok(sum)
 }
 
-/// `(k, images per micro-batch)` for a batch of `labels.len()` images split into `k` micro-batches.
-fn micro_batches(k: usize, images: &[f32], labels: &[u32]) -> Result<(usize, usize)> {
+/// The micro-batches of a batch: `(index, images, labels)` of each of `k` equal slices.
+fn micro_batches<'a>(
+    k: usize,
+    images: &'a [f32],
+    labels: &'a [u32],
+) -> Result<impl Iterator<Item = (usize, &'a [f32], &'a [u32])>> {
     let n = labels.len();
-    if k == 0 || !n.is_multiple_of(k) || images.len() != n * 3072 {
+    if k == 0 || !n.is_multiple_of(k) || images.len() != n * IMAGE_BYTES {
         return Err(Error::config(format!(
             "a batch of {n} images cannot be split into {k} micro-batches"
         )));
     }
-    Ok((k, n / k))
-}
-
-/// Forward+backward over the micro-batches of one batch on the lean tape. `loss_scale`
-/// multiplies the loss (the returned gradients are still scaled); `obs` sees every micro-batch
-/// boundary and layer event.
-fn batch_grads(
-    t: &Trainer,
-    images: &[f32],
-    labels: &[u32],
-    loss_scale: f64,
-    obs: &mut dyn StepObserver,
-) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
-    if let Some(r) = t.cuda_graph.grads(t, images, labels, loss_scale, obs) {
-        return r;
-    }
-    let (k, mb) = micro_batches(t.config.accum_steps, images, labels)?;
-    let dtype = t.config.precision.compute_dtype();
-    let mut acc = GradAccumulator::new(t.vars.len());
-    let (mut loss, mut correct) = (0.0, 0);
-    for i in 0..k {
-        obs.micro_begin(i)?;
-        let (x, y) = t.batch_tensors(
-            &images[i * mb * 3072..(i + 1) * mb * 3072],
-            &labels[i * mb..(i + 1) * mb],
-        )?;
-        let segments = t.model.segments(t.config.checkpoint);
-        let r = LeanStep::new(&t.model, dtype, segments).run(
-            &x,
-            &y,
-            loss_scale / k as f64,
-            &mut acc,
-            obs,
-        )?;
-        loss += r.loss / k as f64;
-        correct += r.correct;
-        obs.backward_done()?;
-    }
-    Ok((loss, correct, acc.into_grads()))
+    let mb = n / k;
+    Ok(images
+        .chunks(mb * IMAGE_BYTES)
+        .zip(labels.chunks(mb))
+        .enumerate()
+        .map(|(i, (x, y))| (i, x, y)))
 }
 
 /// The timeline's name of the optimizer event of a step the loss scaler skipped.
@@ -237,24 +201,96 @@ fn split_categories(fixed: CategoryBytes, grads: u64, saved: u64, current: u64) 
     }
 }
 
-/// The trainer's observer of one step: the phase (for error messages), the CPU budget check,
-/// the callbacks' after-forward/after-backward hooks, and the memory timeline.
-struct StepHooks<'a> {
-    callbacks: &'a mut CallbackList,
-    info: &'a BatchInfo<'a>,
-    probe: &'a TimelineProbe,
+/// The step being trained, for the callbacks' contexts and error messages.
+#[derive(Debug, Clone, Copy)]
+struct StepInfo {
+    epoch: usize,
+    batch: usize,
+    global_step: usize,
+    accum_steps: usize,
+    images: usize,
+    lr: f64,
+    loss_scale: Option<f64>,
+}
+
+impl StepInfo {
+    /// The callbacks' context at micro-batch `micro`, before the step's results are known.
+    fn context<'a>(
+        &self,
+        micro: usize,
+        probe: &'a dyn MemoryProbe,
+        memory: &'a MemoryLog,
+    ) -> BatchInfo<'a> {
+        BatchInfo {
+            epoch: self.epoch,
+            batch: self.batch,
+            global_step: self.global_step,
+            micro_batch: micro,
+            accum_steps: self.accum_steps,
+            images: self.images,
+            loss: None,
+            correct: None,
+            lr: self.lr,
+            loss_scale: self.loss_scale,
+            skipped: false,
+            step_secs: None,
+            grad_norm: None,
+            probe,
+            memory,
+        }
+    }
+
+    /// Turn a Candle out-of-memory error in `phase` of this step into [`Error::OutOfMemory`].
+    fn name_oom(&self, limit: Option<u64>, phase: Phase) -> impl Fn(Error) -> Error {
+        let (epoch, batch) = (self.epoch, self.batch);
+        move |e| match e {
+            Error::Candle(ce) if is_device_oom(&ce) => Error::OutOfMemory {
+                limit: limit
+                    .map(format_bytes)
+                    .unwrap_or_else(|| "device memory".into()),
+                epoch,
+                batch,
+                phase: phase.to_string(),
+                snapshot: None,
+            },
+            other => other,
+        }
+    }
+}
+
+/// The end of a forward or backward phase of micro-batch `micro`: the CPU budget is checked
+/// against the peak since the last boundary, the memory recorder folds that peak into the phase,
+/// and the callbacks' hook runs with the record.
+fn phase_end(
+    callbacks: &mut CallbackList,
+    memory: &mut MemoryRecorder,
+    probe: &dyn MemoryProbe,
+    step: &StepInfo,
+    micro: usize,
     phase: Phase,
+) -> Result<()> {
+    check_budget(probe, step.epoch, step.batch, phase)?;
+    memory.phase_end(phase);
+    let ctx = step.context(micro, probe, memory.log());
+    match phase {
+        Phase::Forward => callbacks.on_after_forward(&ctx),
+        Phase::Backward => callbacks.on_after_backward(&ctx),
+        Phase::Optimizer | Phase::Eval | Phase::Other => Ok(()),
+    }
+}
+
+/// The memory timeline of a step as its layer events come in: each event's reading, split into
+/// categories, and the CPU budget checked against the event's peak.
+struct TimelineRecorder<'a> {
+    probe: &'a TimelineProbe,
+    step: &'a StepInfo,
     micro: usize,
     /// Categories constant over the step (params, optimizer state, the rest at the start).
     fixed: CategoryBytes,
     events: &'a mut Vec<TimelineEvent>,
 }
 
-impl StepHooks<'_> {
-    fn check(&self) -> Result<()> {
-        check_budget(self.probe, self.info.epoch, self.info.batch, self.phase)
-    }
-
+impl TimelineRecorder<'_> {
     /// Record an event with the probe's reading; the budget is checked against its peak.
     fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<()> {
         let peak = self.probe.take_event_peak();
@@ -273,8 +309,8 @@ impl StepHooks<'_> {
         match self.probe.limit() {
             Some(limit) if self.probe.available() && peak > limit => Err(Error::OutOfMemory {
                 limit: format_bytes(limit),
-                epoch: self.info.epoch,
-                batch: self.info.batch,
+                epoch: self.step.epoch,
+                batch: self.step.batch,
                 phase: format!("{phase} at {layer}"),
                 snapshot: None,
             }),
@@ -283,34 +319,9 @@ impl StepHooks<'_> {
     }
 }
 
-impl StepObserver for StepHooks<'_> {
-    fn micro_begin(&mut self, i: usize) -> Result<()> {
-        self.micro = i;
-        self.phase = Phase::Forward;
-        Ok(())
-    }
-
+impl StepObserver for TimelineRecorder<'_> {
     fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
-        self.phase = e.phase;
         self.record(e.phase, e.layer, e.saved_bytes, e.grad_bytes)
-    }
-
-    fn forward_done(&mut self) -> Result<()> {
-        self.check()?;
-        self.callbacks.on_after_forward(&BatchInfo {
-            micro_batch: self.micro,
-            ..self.info.clone()
-        })?;
-        self.phase = Phase::Backward;
-        Ok(())
-    }
-
-    fn backward_done(&mut self) -> Result<()> {
-        self.check()?;
-        self.callbacks.on_after_backward(&BatchInfo {
-            micro_batch: self.micro,
-            ..self.info.clone()
-        })
     }
 }
 
@@ -397,20 +408,12 @@ impl Trainer {
         );
         let scaler = LossScaler::for_precision(config.precision);
 
-        let memory = MemoryCallback::new(probe.clone());
-        let memory_log = memory.log();
-        let mut list: Vec<Box<dyn Callback>> = vec![Box::new(memory)];
+        let mut list: Vec<Box<dyn Callback>> = Vec::new();
         if options.progress {
-            list.push(Box::new(ProgressCallback::new(
-                config.quiet,
-                Some(memory_log.clone()),
-            )));
+            list.push(Box::new(ProgressCallback::new(config.quiet)));
         }
         if options.log_files {
-            list.push(Box::new(MetricsLogger::new(
-                &run_dir,
-                Some(memory_log.clone()),
-            )));
+            list.push(Box::new(MetricsLogger::new(&run_dir)));
         }
         list.extend(options.callbacks);
 
@@ -418,6 +421,7 @@ impl Trainer {
             .map(|s| super::prune::Pruner::new(s, &model.named_vars()))
             .transpose()?;
         Ok(Trainer {
+            memory: MemoryRecorder::new(probe.clone()),
             device,
             model,
             vars,
@@ -429,11 +433,11 @@ impl Trainer {
             log_files: options.log_files,
             oom_snapshot: options.oom_snapshot,
             batch_buffers: crate::data::BufferPool::new(),
-            memory_log,
             callbacks: CallbackList::new(list),
             train: Arc::new(data.train),
             eval: Arc::new(data.test),
             eval_is_validation: data.test_is_validation,
+            train_fingerprint: OnceLock::new(),
             data_description: data.description,
             run_dir,
             checkpoints: super::checkpoint::CheckpointSaver::new(options.log_files), // [checkpoint]
@@ -466,23 +470,9 @@ impl Trainer {
         &self.probe
     }
 
-    /// The memory records (shared with the memory callback).
-    pub fn memory_log(&self) -> MemoryLog {
-        self.memory_log
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Continue the memory records of the run's earlier processes (resuming): their steps and
-    /// ended epochs stay, with their baseline and peaks, and this process's readings are added.
-    pub(crate) fn restore_memory_log(&mut self, earlier: MemoryLog) {
-        let mut log = self.memory_log.lock().unwrap_or_else(|e| e.into_inner());
-        *log = MemoryLog {
-            probe: log.probe.clone(),
-            available: log.available,
-            ..earlier
-        };
+    /// The run's memory records so far.
+    pub fn memory_log(&self) -> &MemoryLog {
+        self.memory.log()
     }
 
     /// The memory timeline of the newest training step (empty before the first), with the
@@ -572,8 +562,20 @@ impl Trainer {
         images: &[f32],
         labels: &[u32],
     ) -> Result<(f64, Vec<Option<Tensor>>)> {
-        let (loss, _, grads) = batch_grads(self, images, labels, 1.0, &mut NoObserver)?;
-        Ok((loss, grads))
+        if let Some(r) = self.cuda_graph.grads(self, images, labels, 1.0) {
+            return r.map(|(loss, _, grads)| (loss, grads));
+        }
+        let k = self.config.accum_steps;
+        let mut acc = GradAccumulator::new(self.vars.len());
+        let mut loss = 0.0;
+        for (_, xs, ys) in micro_batches(k, images, labels)? {
+            let (x, y) = self.batch_tensors(xs, ys)?;
+            let r = self
+                .lean_step()
+                .run(&x, &y, 1.0 / k as f64, &mut acc, &mut NoObserver)?;
+            loss += r.loss / k as f64;
+        }
+        Ok((loss, acc.into_grads()))
     }
 
     /// [`Trainer::compute_grads`] through Candle's autograd instead of the lean step: the oracle
@@ -583,14 +585,11 @@ impl Trainer {
         images: &[f32],
         labels: &[u32],
     ) -> Result<(f64, Vec<Option<Tensor>>)> {
-        let (k, mb) = micro_batches(self.config.accum_steps, images, labels)?;
+        let k = self.config.accum_steps;
         let mut acc = GradAccumulator::new(self.vars.len());
         let mut loss = 0.0;
-        for i in 0..k {
-            let (x, y) = self.batch_tensors(
-                &images[i * mb * 3072..(i + 1) * mb * 3072],
-                &labels[i * mb..(i + 1) * mb],
-            )?;
+        for (_, xs, ys) in micro_batches(k, images, labels)? {
+            let (x, y) = self.batch_tensors(xs, ys)?;
             let r = super::reference::forward_backward(
                 &self.model,
                 &self.vars,
@@ -606,119 +605,46 @@ impl Trainer {
         Ok((loss, acc.into_grads()))
     }
 
-    /// One optimizer step on a batch: K micro-batches, loss scaling, the update, and the hooks.
+    /// The lean step of one micro-batch, in the run's precision and checkpoint segments.
+    fn lean_step(&self) -> LeanStep<'_> {
+        LeanStep::new(
+            &self.model,
+            self.config.precision.compute_dtype(),
+            self.model.segments(self.config.checkpoint),
+        )
+    }
+
+    /// One optimizer step on a batch: for each of the K micro-batches the forward phase and the
+    /// backward phase, then the optimizer phase, each followed by its memory reading and hook.
     pub fn train_step(
         &mut self,
         batch: &Batch,
         epoch: usize,
         batch_idx: usize,
     ) -> Result<StepResult> {
-        let lr = one_cycle_lr(
-            self.global_step,
-            self.total_steps,
-            self.config.lr,
-            self.config.warmup_frac,
-        );
-        let limit = self.config.memory_limit;
-        let scale = self.scaler.as_ref().map(|s| s.scale);
-        let t0 = Instant::now();
-        let mut callbacks = std::mem::take(&mut self.callbacks);
-        let probe_arc = self.probe.clone();
-        let probe = &*probe_arc;
-        let info = BatchInfo {
+        let step = StepInfo {
             epoch,
             batch: batch_idx,
             global_step: self.global_step,
-            micro_batch: 0,
             accum_steps: self.config.accum_steps,
             images: batch.len,
-            loss: None,
-            correct: None,
-            lr,
-            loss_scale: scale,
-            skipped: false,
-            step_secs: None,
-            grad_norm: None,
-            probe,
+            lr: one_cycle_lr(
+                self.global_step,
+                self.total_steps,
+                self.config.lr,
+                self.config.warmup_frac,
+            ),
+            loss_scale: self.scaler.as_ref().map(|s| s.scale),
         };
+        let t0 = Instant::now();
         // The step's memory timeline; kept outside the step so a failing step leaves the
         // events up to the failure for the OOM snapshot.
         let mut events = Vec::new();
-        let mut start_bytes = probe.current();
-        let result = (|| -> Result<StepResult> {
-            callbacks.on_batch_begin(&info)?;
-            start_bytes = probe.current();
-            let fixed = self.fixed_categories(start_bytes);
-            let mut hooks = StepHooks {
-                callbacks: &mut callbacks,
-                info: &info,
-                probe: &self.timeline_probe,
-                phase: Phase::Forward,
-                micro: 0,
-                fixed,
-                events: &mut events,
-            };
-            let (loss, correct, grads) = batch_grads(
-                self,
-                &batch.images,
-                &batch.labels,
-                scale.unwrap_or(1.0),
-                &mut hooks,
-            )
-            .map_err(|e| name_oom(e, limit, epoch, batch_idx, hooks.phase))?;
-            if !loss.is_finite() && self.scaler.is_none() {
-                return Err(Error::NonFinite {
-                    what: "loss".into(),
-                    epoch,
-                    batch: batch_idx,
-                    phase: "forward".into(),
-                    advice: self.divergence_advice(),
-                });
-            }
-            let (skipped, grad_norm) = self
-                .apply_update(grads, scale, lr, epoch, batch_idx)
-                .map_err(|e| name_oom(e, limit, epoch, batch_idx, Phase::Optimizer))?;
-            self.device.synchronize()?;
-            check_budget(probe, epoch, batch_idx, Phase::Optimizer)?;
-            let peak = self.timeline_probe.take_event_peak();
-            let current = probe.current();
-            events.push(TimelineEvent {
-                index: events.len(),
-                phase: Phase::Optimizer,
-                // A step the loss scaler skipped has no update (and no prediction).
-                layer: if skipped {
-                    SKIPPED_UPDATE.into()
-                } else {
-                    "optimizer".into()
-                },
-                micro_batch: self.config.accum_steps - 1,
-                current_bytes: current,
-                peak_bytes: peak,
-                categories: split_categories(self.fixed_categories(start_bytes), 0, 0, current),
-                predicted_peak_bytes: None,
-                predicted_current_bytes: None,
-            });
-            let end = BatchInfo {
-                loss: Some(loss),
-                correct: Some(correct),
-                skipped,
-                step_secs: Some(t0.elapsed().as_secs_f64()),
-                grad_norm: Some(grad_norm),
-                ..info.clone()
-            };
-            callbacks.on_batch_end(&end)?;
-            Ok(StepResult {
-                loss,
-                correct,
-                images: batch.len,
-                skipped,
-                lr,
-            })
-        })();
-        self.callbacks = callbacks;
+        let mut start_bytes = self.probe.current();
+        let result = self.step_phases(&step, batch, &mut events, &mut start_bytes, t0);
         let timeline = StepTimeline {
             label: self.config.label(),
-            probe: probe.name().to_string(),
+            probe: self.probe.name().to_string(),
             global_step: self.global_step,
             start_bytes,
             events,
@@ -736,6 +662,376 @@ impl Trainer {
             Err(e) if e.is_oom() && self.oom_snapshot => Err(self.write_oom_snapshot(e, timeline)),
             Err(e) => Err(e),
         }
+    }
+
+    /// The phases of [`Trainer::train_step`] in order, with their hooks; `events` and
+    /// `start_bytes` receive the timeline as it is made.
+    fn step_phases(
+        &mut self,
+        step: &StepInfo,
+        batch: &Batch,
+        events: &mut Vec<TimelineEvent>,
+        start_bytes: &mut u64,
+        t0: Instant,
+    ) -> Result<StepResult> {
+        let limit = self.config.memory_limit;
+        let probe = self.probe.clone();
+        self.memory.step_begin();
+        self.callbacks
+            .on_batch_begin(&step.context(0, &*probe, self.memory.log()))?;
+        *start_bytes = probe.current();
+        let fixed = self.fixed_categories(*start_bytes);
+        let (loss, correct, grads) = self.forward_backward(step, batch, fixed, events)?;
+        if !loss.is_finite() && self.scaler.is_none() {
+            return Err(Error::NonFinite {
+                what: "loss".into(),
+                epoch: step.epoch,
+                batch: step.batch,
+                phase: "forward".into(),
+                advice: self.divergence_advice(),
+            });
+        }
+        let (skipped, grad_norm) = self
+            .apply_update(grads, step)
+            .map_err(step.name_oom(limit, Phase::Optimizer))?;
+        self.device.synchronize()?;
+        check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
+        let current = probe.current();
+        events.push(TimelineEvent {
+            index: events.len(),
+            phase: Phase::Optimizer,
+            // A step the loss scaler skipped has no update (and no prediction).
+            layer: if skipped {
+                SKIPPED_UPDATE.into()
+            } else {
+                "optimizer".into()
+            },
+            micro_batch: step.accum_steps - 1,
+            current_bytes: current,
+            peak_bytes: self.timeline_probe.take_event_peak(),
+            categories: split_categories(fixed, 0, 0, current),
+            predicted_peak_bytes: None,
+            predicted_current_bytes: None,
+        });
+        self.memory
+            .step_end(step.epoch, step.batch, step.global_step);
+        let end = BatchInfo {
+            loss: Some(loss),
+            correct: Some(correct),
+            skipped,
+            step_secs: Some(t0.elapsed().as_secs_f64()),
+            grad_norm: Some(grad_norm),
+            ..step.context(step.accum_steps - 1, &*probe, self.memory.log())
+        };
+        self.callbacks.on_batch_end(&end)?;
+        Ok(StepResult {
+            loss,
+            correct,
+            images: batch.len,
+            skipped,
+            lr: step.lr,
+        })
+    }
+
+    /// The forward and backward phases of every micro-batch of a batch (the loss multiplied by
+    /// the loss scale, the gradients still scaled): `(mean loss, correct, f32 gradients)`.
+    fn forward_backward(
+        &mut self,
+        step: &StepInfo,
+        batch: &Batch,
+        fixed: CategoryBytes,
+        events: &mut Vec<TimelineEvent>,
+    ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
+        let limit = self.config.memory_limit;
+        let k = step.accum_steps;
+        let loss_mult = step.loss_scale.unwrap_or(1.0) / k as f64;
+        if let Some(r) = self.cuda_graph.grads(
+            self,
+            &batch.images,
+            &batch.labels,
+            step.loss_scale.unwrap_or(1.0),
+        ) {
+            // One launch ran both phases of every micro-batch; their hooks follow it.
+            let r = r.map_err(step.name_oom(limit, Phase::Forward))?;
+            let probe = self.probe.clone();
+            for micro in 0..k {
+                for phase in [Phase::Forward, Phase::Backward] {
+                    phase_end(
+                        &mut self.callbacks,
+                        &mut self.memory,
+                        &*probe,
+                        step,
+                        micro,
+                        phase,
+                    )?;
+                }
+            }
+            return Ok(r);
+        }
+        let mut acc = GradAccumulator::new(self.vars.len());
+        let (mut loss, mut correct) = (0.0, 0);
+        for (micro, xs, ys) in micro_batches(k, &batch.images, &batch.labels)? {
+            let (x, y) = self.batch_tensors(xs, ys)?;
+            // The lean step borrows the model while the hooks borrow the callbacks and the
+            // recorder: disjoint fields.
+            let Trainer {
+                model,
+                config,
+                callbacks,
+                memory,
+                probe,
+                timeline_probe,
+                ..
+            } = self;
+            let mut lean = LeanStep::new(
+                model,
+                config.precision.compute_dtype(),
+                model.segments(config.checkpoint),
+            );
+            let mut timeline = TimelineRecorder {
+                probe: timeline_probe,
+                step,
+                micro,
+                fixed,
+                events: &mut *events,
+            };
+            let (r, tape) = lean
+                .forward(&x, &y, loss_mult, &acc, &mut timeline)
+                .map_err(step.name_oom(limit, Phase::Forward))?;
+            phase_end(callbacks, memory, &**probe, step, micro, Phase::Forward)?;
+            lean.backward(tape, &mut acc, &mut timeline)
+                .map_err(step.name_oom(limit, Phase::Backward))?;
+            phase_end(callbacks, memory, &**probe, step, micro, Phase::Backward)?;
+            loss += r.loss / k as f64;
+            correct += r.correct;
+        }
+        Ok((loss, correct, acc.into_grads()))
+    }
+
+    /// The run's state, continuing at batch `next_batch` of `epoch` (equal to the steps per
+    /// epoch: the epoch's steps are done, its end is not), with `progress` as the epoch in
+    /// progress. Tensors are copied to the CPU; the memory log keeps the ended epochs only (an
+    /// interrupted epoch's record is redone when it ends).
+    pub fn snapshot(
+        &self,
+        epoch: usize,
+        next_batch: usize,
+        progress: Option<&EpochProgress>,
+    ) -> Result<TrainState> {
+        let on_cpu = |named: Vec<(String, Tensor)>| -> Result<HashMap<String, Tensor>> {
+            named
+                .into_iter()
+                .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?)))
+                .collect()
+        };
+        let vars = self
+            .model
+            .named_vars()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_detached_tensor()));
+        let mut memory = self.memory.log().clone();
+        memory.epochs.truncate(self.history.epochs.len());
+        Ok(TrainState {
+            global_step: self.global_step,
+            epoch,
+            next_batch: next_batch.min(self.steps_per_epoch),
+            steps_per_epoch: self.steps_per_epoch,
+            total_steps: self.total_steps,
+            model: on_cpu(vars.chain(self.model.named_buffers()).collect())?,
+            optimizer: on_cpu(self.optimizer.state())?,
+            optimizer_steps: self.optimizer.steps,
+            scaler: self.scaler.clone(),
+            masks: self
+                .pruner
+                .as_ref()
+                .map(|p| on_cpu(p.masks()))
+                .transpose()?,
+            train_images: self.train.len(),
+            train_fingerprint: self.train_fingerprint().to_string(),
+            data_description: self.data_description.clone(),
+            history: RunHistory {
+                progress: progress.cloned(),
+                ..self.history.clone()
+            },
+            memory,
+        })
+    }
+
+    /// Put a [`TrainState`] back: parameters, BatchNorm running statistics, optimizer state and
+    /// step count, loss scaler, pruning masks, counters, data position, history and memory log.
+    /// Everything is checked before anything is changed: the training data must be the state's
+    /// (same fingerprint), and every tensor must fit the model. Errors name what does not match.
+    pub fn restore(&mut self, state: TrainState) -> Result<()> {
+        if self.train_fingerprint() != state.train_fingerprint {
+            return Err(Error::config(format!(
+                "--resume {}: the training data differs from the checkpoint's (training data: checkpoint {} images, {}; now {} images, {}); pass the --data-dir the run was trained on",
+                self.run_dir.display(),
+                state.train_images,
+                state.data_description,
+                self.train.len(),
+                self.data_description
+            )));
+        }
+        if state.steps_per_epoch != self.steps_per_epoch {
+            return Err(Error::config(format!(
+                "--resume {}: steps per epoch: checkpoint {}, now {}; use the checkpoint's --batch-size",
+                self.run_dir.display(),
+                state.steps_per_epoch,
+                self.steps_per_epoch
+            )));
+        }
+        let bad = |m: String| Error::Checkpoint(m);
+
+        // Check: every parameter and buffer present with its shape, nothing unknown.
+        let vars = self.model.named_vars();
+        let buffers = self.model.named_buffers();
+        let expected: Vec<(&str, &candle_core::Shape)> = vars
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.shape()))
+            .chain(buffers.iter().map(|(n, b)| (n.as_str(), b.shape())))
+            .collect();
+        for (name, shape) in &expected {
+            let t = state
+                .model
+                .get(*name)
+                .ok_or_else(|| bad(format!("the model state lacks '{name}'")))?;
+            if t.shape() != *shape || t.dtype() != DType::F32 {
+                return Err(bad(format!(
+                    "'{name}' is {:?} {:?} in the checkpoint, the model needs {:?} F32",
+                    t.dtype(),
+                    t.shape(),
+                    shape
+                )));
+            }
+        }
+        if state.model.len() != expected.len() {
+            let unknown = state
+                .model
+                .keys()
+                .find(|k| !expected.iter().any(|(n, _)| n == k));
+            return Err(bad(format!(
+                "the model state holds an unknown tensor '{}'",
+                unknown.map_or("?", |s| s)
+            )));
+        }
+        let mut opt_state = Vec::with_capacity(state.optimizer.len());
+        for (name, t) in &state.optimizer {
+            let idx = name
+                .split_once('.')
+                .filter(|(slot, _)| *slot == "s1" || *slot == "s2")
+                .and_then(|(_, i)| i.parse::<usize>().ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "the optimizer state holds an unknown tensor '{name}'"
+                    ))
+                })?;
+            let (pname, var) = vars
+                .get(idx)
+                .ok_or_else(|| bad(format!("optimizer state '{name}' has no parameter")))?;
+            if t.shape() != var.shape() || t.dtype() != DType::F32 {
+                return Err(bad(format!(
+                    "optimizer state '{name}' does not match the shape of '{pname}'"
+                )));
+            }
+            opt_state.push((name.clone(), t.to_device(&self.device)?));
+        }
+        if state.scaler.is_some() != self.scaler.is_some() {
+            return Err(bad(
+                "the loss-scaler state does not match --precision".into()
+            ));
+        }
+        if state.masks.is_some() != self.pruner.is_some() {
+            return Err(bad("the pruning masks do not match --prune".into()));
+        }
+        // Checked (and built) before anything is changed; applied below.
+        let pruner = match (state.masks, &self.pruner) {
+            (Some(masks), Some(p)) => {
+                let mut fresh = super::prune::Pruner::new(*p.schedule(), &vars)?;
+                fresh.load_masks(masks)?;
+                Some(fresh)
+            }
+            _ => None,
+        };
+
+        // Apply.
+        for (name, var) in &vars {
+            var.set(&state.model[name].to_device(&self.device)?)?;
+        }
+        for (name, _) in &buffers {
+            self.model
+                .set_buffer(name, state.model[name].to_device(&self.device)?)?;
+        }
+        let cfg = &self.config;
+        let mut optimizer =
+            Optimizer::new(cfg.optimizer, vars.len(), cfg.momentum, cfg.weight_decay);
+        optimizer.load_state(opt_state)?;
+        optimizer.steps = state.optimizer_steps;
+        self.optimizer = optimizer;
+        if pruner.is_some() {
+            self.pruner = pruner;
+        }
+        self.scaler = state.scaler;
+        self.global_step = state.global_step;
+        self.start_epoch = state.epoch;
+        self.start_batch = state.next_batch;
+        self.history = state.history;
+        self.memory.continue_log(state.memory);
+        Ok(())
+    }
+
+    /// Continue the run saved in `ck`: [`Trainer::restore`] of its state (a mismatch is named
+    /// with the checkpoint's directory), and the checkpoint counts as this run's newest.
+    pub fn resume(&mut self, ck: &Checkpoint) -> Result<()> {
+        self.restore(ck.state.clone()).map_err(|e| match e {
+            Error::Checkpoint(m) => Error::Checkpoint(format!("{}: {m}", ck.dir.display())),
+            other => other,
+        })?;
+        self.checkpoints.resumed(ck);
+        Ok(())
+    }
+
+    /// [`Dataset::fingerprint`] of the training split, computed once.
+    fn train_fingerprint(&self) -> &str {
+        self.train_fingerprint
+            .get_or_init(|| self.train.fingerprint())
+    }
+
+    /// Write a checkpoint of the state continuing at batch `next_batch` of `epoch` (see
+    /// [`Trainer::snapshot`]). Returns its directory, or `None` when checkpoints are off or this
+    /// state is already saved.
+    ///
+    /// Nothing is written when a parameter, running statistic or optimizer state is NaN/inf: the
+    /// error is [`Error::NonFinite`] and the previous checkpoint stays the newest.
+    fn save_checkpoint(
+        &mut self,
+        epoch: usize,
+        next_batch: usize,
+        progress: Option<&EpochProgress>,
+    ) -> Result<Option<PathBuf>> {
+        let next_batch = next_batch.min(self.steps_per_epoch);
+        let point = (
+            self.global_step,
+            epoch,
+            next_batch,
+            self.history.epochs.len(),
+        );
+        if !self.checkpoints.wants(point) {
+            return Ok(None);
+        }
+        let state = self.snapshot(epoch, next_batch, progress)?;
+        if let Some(what) = non_finite(&state, &self.model.named_buffers())? {
+            return Err(Error::NonFinite {
+                what: what.into(),
+                // The batch just trained.
+                epoch,
+                batch: next_batch.saturating_sub(1),
+                phase: "optimizer".into(),
+                advice: self.divergence_advice(),
+            });
+        }
+        self.checkpoints
+            .save(&self.run_dir, &state, &self.config)
+            .map(Some)
     }
 
     /// Write [`OOM_SNAPSHOT_FILE`] for a step that ran out of memory and return the error
@@ -790,15 +1086,8 @@ impl Trainer {
 
     /// The optimizer phase: unscale (f16), check finiteness, clip, step. Returns whether the loss
     /// scaler skipped the step, and the gradients' global norm before clipping.
-    fn apply_update(
-        &mut self,
-        grads: Vec<Option<Tensor>>,
-        scale: Option<f64>,
-        lr: f64,
-        epoch: usize,
-        batch: usize,
-    ) -> Result<(bool, f64)> {
-        let grads = match scale {
+    fn apply_update(&mut self, grads: Vec<Option<Tensor>>, step: &StepInfo) -> Result<(bool, f64)> {
+        let grads = match step.loss_scale {
             Some(s) => grads
                 .into_iter()
                 .map(|g| g.map(|g| g * (1.0 / s)).transpose())
@@ -824,8 +1113,8 @@ impl Trainer {
             None if !finite => {
                 return Err(Error::NonFinite {
                     what: "gradient".into(),
-                    epoch,
-                    batch,
+                    epoch: step.epoch,
+                    batch: step.batch,
                     phase: "backward".into(),
                     advice: self.divergence_advice(),
                 })
@@ -833,7 +1122,7 @@ impl Trainer {
             None => true,
         };
         if apply {
-            self.optimizer.step(&self.vars, &grads, lr)?;
+            self.optimizer.step(&self.vars, &grads, step.lr)?;
         }
         drop(grads);
         // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
@@ -949,7 +1238,7 @@ impl Trainer {
         let result = self.fit_inner();
         if let Err(Error::NonFinite { .. }) = &result {
             // The advice in the error names the healthy checkpoint this leaves as the newest.
-            self.set_aside_diverged();
+            self.checkpoints.set_aside_diverged(&self.run_dir);
         }
         result
     }
@@ -958,6 +1247,7 @@ impl Trainer {
         let wall = Instant::now();
         let cfg = self.config.clone();
         let dev_name = device_name(&self.device);
+        self.memory.train_begin();
         self.callbacks.on_train_begin(&TrainBegin {
             config: &cfg,
             run_dir: &self.run_dir,
@@ -971,6 +1261,7 @@ impl Trainer {
             train_images: self.train.len(),
             eval_images: self.eval.len(),
             probe: &*self.probe,
+            memory: self.memory.log(),
         })?;
         // The epoch cut short by an interruption, for this process's summary and callbacks.
         let mut cut_short: Option<EpochStats> = None;
@@ -992,6 +1283,7 @@ impl Trainer {
             if steps == 0 && carried.is_none() {
                 break;
             }
+            self.memory.epoch_begin(epoch, cfg.reset_peak_each_epoch);
             self.callbacks.on_epoch_begin(&EpochBegin {
                 epoch,
                 num_epochs: cfg.epochs,
@@ -999,6 +1291,7 @@ impl Trainer {
                 global_step: self.global_step,
                 reset_peak: cfg.reset_peak_each_epoch,
                 probe: &*self.probe,
+                memory: self.memory.log(),
             })?;
             let batcher = Batcher::new(
                 self.train.clone(),
@@ -1031,9 +1324,7 @@ impl Trainer {
                 self.history.train_secs += secs;
                 // [checkpoint] every --save-every steps (a state is never saved twice).
                 if cfg.save_every > 0 && self.global_step.is_multiple_of(cfg.save_every) {
-                    self.history.progress = Some(progress.clone());
-                    self.save_checkpoint(epoch, next)?;
-                    self.history.progress = None;
+                    self.save_checkpoint(epoch, next, Some(&progress))?;
                 }
                 if self.stop_requested() {
                     interrupted = true;
@@ -1049,17 +1340,18 @@ impl Trainer {
             };
             let loss_scale = self.scaler.as_ref().map(|s| s.scale);
             let stats = progress.stats(eval, loss_scale);
+            self.memory.epoch_end(epoch);
             self.callbacks.on_epoch_end(&EpochEnd {
                 stats: &stats,
                 num_epochs: cfg.epochs,
                 probe: &*self.probe,
+                memory: self.memory.log(),
             })?;
             if interrupted {
                 // [checkpoint] exactly here: the resumed run finishes this epoch's steps (if
                 // any are left) and evaluates it.
-                self.history.progress = Some(progress);
                 self.start_batch = next;
-                self.save_checkpoint(epoch, next)?;
+                self.save_checkpoint(epoch, next, Some(&progress))?;
                 cut_short = Some(stats);
                 break;
             }
@@ -1071,20 +1363,22 @@ impl Trainer {
             } else {
                 (epoch, next)
             };
-            self.save_checkpoint(epoch_next, batch_next)?;
+            self.save_checkpoint(epoch_next, batch_next, None)?;
             epoch += 1;
             self.start_batch = 0;
         }
         let interrupted = cut_short.is_some();
         if interrupted && self.checkpoints.last_step().is_none() {
             // Stopped before the first step: a checkpoint of the start, so --resume can finish.
-            self.save_checkpoint(epoch, self.start_batch)?;
+            self.save_checkpoint(epoch, self.start_batch, None)?;
         }
         self.start_epoch = epoch;
         let pruning = self.finish_pruning(interrupted)?;
         // The run's epochs; an interrupted run also shows the part of the epoch it trained.
         let mut epochs = self.history.epochs.clone();
         epochs.extend(cut_short.filter(|s| s.steps > 0));
+        // The last memory reading goes in before the summary, which reports the run's peak.
+        self.memory.train_end();
         let summary = self.summary(
             &epochs,
             self.history.epochs.len(),
@@ -1098,6 +1392,7 @@ impl Trainer {
             images_per_sec: summary.images_per_sec,
             interrupted,
             probe: &*self.probe,
+            memory: self.memory.log(),
         })?;
         if self.log_files && !self.timeline.events.is_empty() {
             crate::io::write_json_atomic(
@@ -1107,18 +1402,6 @@ impl Trainer {
                 &self.step_timeline(),
             )?;
         }
-        // The memory callback folds its last reading at train end; refresh the peak fields.
-        let mem = self.memory_log();
-        let peak_bytes = mem.peak_bytes.max(summary.peak_bytes);
-        // [estimate] the error against the refreshed peak.
-        let prediction_error_pct = summary
-            .predicted_peak_bytes
-            .and_then(|p| prediction_error(p, peak_bytes));
-        let summary = Summary {
-            peak_bytes,
-            prediction_error_pct,
-            ..summary
-        };
         if self.log_files {
             crate::io::write_json_atomic(
                 &self.run_dir.join(super::summary::SUMMARY_FILE),
@@ -1264,3 +1547,26 @@ fn prediction_error(predicted: u64, measured: u64) -> Option<f64> {
     (measured > 0).then(|| (predicted as f64 - measured as f64) / measured as f64 * 100.0)
 }
 // [estimate] end
+
+/// What in `state` is NaN or infinite, if anything, in the order weights, BatchNorm running
+/// statistics (the model's `buffers`), optimizer state: a diverged state must never be saved.
+fn non_finite(state: &TrainState, buffers: &[(String, Tensor)]) -> Result<Option<&'static str>> {
+    let all_finite = |t: &Tensor| -> Result<bool> {
+        let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(values.iter().all(|v| v.is_finite()))
+    };
+    let is_buffer = |n: &String| buffers.iter().any(|(b, _)| b == n);
+    for (what, buffer) in [("weights", false), ("BatchNorm running statistics", true)] {
+        for (name, t) in &state.model {
+            if is_buffer(name) == buffer && !all_finite(t)? {
+                return Ok(Some(what));
+            }
+        }
+    }
+    for t in state.optimizer.values() {
+        if !all_finite(t)? {
+            return Ok(Some("optimizer state"));
+        }
+    }
+    Ok(None)
+}

@@ -1,15 +1,16 @@
-//! [`MemoryCallback`]: per-batch and per-epoch peak memory, with the phase where the peak happened.
+//! The memory record of a run: per step and per epoch, current and peak memory and the phase of
+//! each peak ([`MemoryLog`]), taken by the trainer's [`MemoryRecorder`].
 //!
-//! The probe has one resettable watermark. To attribute peaks to phases the callback reads and
-//! resets it at every hook ("folding" the reading into the batch, epoch and run maxima), so an
-//! epoch or run peak is never lost by a batch-level reset: peaks nest.
+//! The probe has one resettable watermark. To attribute peaks to phases the recorder reads and
+//! resets it at every phase boundary of the training loop ("folding" the reading into the step,
+//! epoch and run maxima), so an epoch or run peak is never lost by a step-level reset: peaks
+//! nest. The trainer owns the recorder and hands its log to the callbacks in their contexts, so
+//! every callback sees the same readings and nothing is shared behind a lock.
 
-use super::{BatchInfo, Callback, EpochBegin, EpochEnd, TrainBegin, TrainEnd};
-use crate::error::Result;
-use crate::memory::{format_bytes, MemoryProbe, OsMemory, OsView};
-pub use crate::phase::Phase;
+use super::{format_bytes, MemoryProbe, OsMemory, OsView};
+use crate::phase::Phase;
 use serde::{Deserialize, Serialize};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 /// Memory of one optimizer step.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -147,10 +148,11 @@ struct StepMax {
     reserved: Option<u64>,
 }
 
-/// Records, for every step and epoch, current and peak memory and the phase of the peak.
-pub struct MemoryCallback {
+/// Records, for every step and epoch, current and peak memory and the phase of the peak. The
+/// trainer calls it at each boundary of its loop, in the order of the callbacks' hooks.
+pub struct MemoryRecorder {
     probe: Arc<dyn MemoryProbe>,
-    log: Arc<Mutex<MemoryLog>>,
+    log: MemoryLog,
     step: StepMax,
     epoch_peak: (u64, Phase),
     epoch_eval: u64,
@@ -163,17 +165,17 @@ fn max_phase(cur: &mut (u64, Phase), bytes: u64, phase: Phase) {
     }
 }
 
-impl MemoryCallback {
-    /// A callback reading `probe`. Its records are shared through [`MemoryCallback::log`].
+impl MemoryRecorder {
+    /// A recorder reading `probe`.
     pub fn new(probe: Arc<dyn MemoryProbe>) -> Self {
         let log = MemoryLog {
             probe: probe.name().to_string(),
             available: probe.available(),
             ..Default::default()
         };
-        MemoryCallback {
+        MemoryRecorder {
             probe,
-            log: Arc::new(Mutex::new(log)),
+            log,
             step: StepMax::default(),
             epoch_peak: (0, Phase::Other),
             epoch_eval: 0,
@@ -181,125 +183,121 @@ impl MemoryCallback {
         }
     }
 
-    /// A handle to the records, readable while and after training.
-    pub fn log(&self) -> Arc<Mutex<MemoryLog>> {
-        self.log.clone()
+    /// The records so far.
+    pub fn log(&self) -> &MemoryLog {
+        &self.log
     }
 
-    fn lock(&self) -> MutexGuard<'_, MemoryLog> {
-        // A poisoned lock only means another thread panicked mid-update of plain numbers.
-        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    /// Continue the records of a run's earlier processes (resuming): their steps and ended
+    /// epochs stay, with their baseline and peaks, and this process's readings are added.
+    pub fn continue_log(&mut self, earlier: MemoryLog) {
+        self.log = MemoryLog {
+            probe: self.log.probe.clone(),
+            available: self.log.available,
+            ..earlier
+        };
     }
 
     /// Read the OS view; its peak is the highest reading so far, kept in the log (the kernel's
     /// own counters are per-CPU approximations, so a later VmHWM can read a little lower).
     fn read_os(&mut self) -> Option<OsMemory> {
         let os = self.probe.os_memory()?;
-        let mut log = self.lock();
-        log.os_view = self.probe.os_view();
-        let peak = log.os_peak.unwrap_or(0).max(os.peak);
-        log.os_peak = Some(peak);
+        self.log.os_view = self.probe.os_view();
+        let peak = self.log.os_peak.unwrap_or(0).max(os.peak);
+        self.log.os_peak = Some(peak);
         Some(OsMemory { peak, ..os })
     }
 
-    /// Read and reset the watermark, folding the reading into the epoch and run maxima.
+    /// Read and reset the watermark, folding the reading into the step, epoch and run maxima.
     fn fold(&mut self, phase: Phase) -> u64 {
         self.probe.sync();
         let peak = self.probe.peak();
         let reserved = self.probe.reserved_peak();
         self.probe.reset_peak();
         max_phase(&mut self.epoch_peak, peak, phase);
-        let mut log = self.lock();
-        if peak > log.peak_bytes {
-            log.peak_bytes = peak;
-            log.peak_phase = Some(phase);
+        if peak > self.log.peak_bytes {
+            self.log.peak_bytes = peak;
+            self.log.peak_phase = Some(phase);
         }
         if let Some(r) = reserved {
-            log.reserved_peak = Some(log.reserved_peak.unwrap_or(0).max(r));
-            drop(log);
+            self.log.reserved_peak = Some(self.log.reserved_peak.unwrap_or(0).max(r));
             self.step.reserved = Some(self.step.reserved.unwrap_or(0).max(r));
         }
         peak
     }
-}
 
-impl Callback for MemoryCallback {
-    fn on_train_begin(&mut self, _ctx: &TrainBegin<'_>) -> Result<()> {
+    /// Training begins: the baseline (a resumed run keeps its first process's).
+    pub fn train_begin(&mut self) {
         self.probe.sync();
         let cur = self.probe.current();
-        {
-            let mut log = self.lock();
-            log.available = self.probe.available();
-            // A resumed run's log already holds the earlier processes' steps: the run's
-            // baseline is the first process's.
-            if log.batches.is_empty() {
-                log.baseline_bytes = cur;
-            }
+        self.log.available = self.probe.available();
+        if self.log.batches.is_empty() {
+            self.log.baseline_bytes = cur;
         }
         self.fold(Phase::Other);
-        Ok(())
     }
 
-    fn on_epoch_begin(&mut self, ctx: &EpochBegin<'_>) -> Result<()> {
+    /// Epoch `epoch` begins; with `reset_peak` its peak starts from what is in use now rather
+    /// than from the run's peak.
+    pub fn epoch_begin(&mut self, epoch: usize, reset_peak: bool) {
         self.fold(Phase::Other);
-        self.epoch_peak = if ctx.reset_peak {
+        self.epoch_peak = if reset_peak {
             (self.probe.current(), Phase::Other)
         } else {
-            let log = self.lock();
-            (log.peak_bytes, log.peak_phase.unwrap_or(Phase::Other))
+            (
+                self.log.peak_bytes,
+                self.log.peak_phase.unwrap_or(Phase::Other),
+            )
         };
         self.epoch_eval = 0;
         // Steps of this epoch recorded by an earlier process (a resumed run) belong to it.
-        let log = self.lock();
-        let first = log
+        let first = self
+            .log
             .batches
             .iter()
-            .rposition(|b| b.epoch != ctx.epoch)
+            .rposition(|b| b.epoch != epoch)
             .map_or(0, |i| i + 1);
-        let earlier = log.batches[first..]
+        let earlier = self.log.batches[first..]
             .iter()
             .map(|b| (b.peak_bytes, b.phase))
             .max_by_key(|p| p.0);
-        drop(log);
         if let Some((bytes, phase)) = earlier {
             max_phase(&mut self.epoch_peak, bytes, phase);
         }
         self.epoch_first_batch = first;
-        Ok(())
     }
 
-    fn on_batch_begin(&mut self, _ctx: &BatchInfo<'_>) -> Result<()> {
+    /// An optimizer step begins.
+    pub fn step_begin(&mut self) {
         self.fold(Phase::Other);
         self.step = StepMax {
             start: self.probe.current(),
             ..Default::default()
         };
-        Ok(())
     }
 
-    fn on_after_forward(&mut self, _ctx: &BatchInfo<'_>) -> Result<()> {
-        let p = self.fold(Phase::Forward);
-        self.step.fwd = self.step.fwd.max(p);
-        Ok(())
+    /// A forward or backward pass of the step ended (once per micro-batch).
+    pub fn phase_end(&mut self, phase: Phase) {
+        let p = self.fold(phase);
+        match phase {
+            Phase::Forward => self.step.fwd = self.step.fwd.max(p),
+            Phase::Backward => self.step.bwd = self.step.bwd.max(p),
+            Phase::Optimizer => self.step.opt = self.step.opt.max(p),
+            Phase::Eval | Phase::Other => {}
+        }
     }
 
-    fn on_after_backward(&mut self, _ctx: &BatchInfo<'_>) -> Result<()> {
-        let p = self.fold(Phase::Backward);
-        self.step.bwd = self.step.bwd.max(p);
-        Ok(())
-    }
-
-    fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
-        let p = self.fold(Phase::Optimizer);
-        self.step.opt = self.step.opt.max(p);
+    /// The step (its optimizer phase included) ended: its record is the log's last batch.
+    pub fn step_end(&mut self, epoch: usize, batch: usize, global_step: usize) {
+        self.phase_end(Phase::Optimizer);
         let s = &self.step;
         let mut peak = (s.fwd, Phase::Forward);
         max_phase(&mut peak, s.bwd, Phase::Backward);
         max_phase(&mut peak, s.opt, Phase::Optimizer);
         let rec = BatchMemory {
-            epoch: ctx.epoch,
-            batch: ctx.batch,
-            global_step: ctx.global_step,
+            epoch,
+            batch,
+            global_step,
             start_bytes: s.start,
             end_bytes: self.probe.current(),
             peak_bytes: peak.0,
@@ -312,49 +310,44 @@ impl Callback for MemoryCallback {
             os_peak: None,
         };
         let os = self.read_os();
-        self.lock().batches.push(BatchMemory {
+        self.log.batches.push(BatchMemory {
             os_current: os.map(|o| o.current),
             os_peak: os.map(|o| o.peak),
             ..rec
         });
-        Ok(())
     }
 
-    fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> Result<()> {
+    /// Epoch `epoch` ended after its evaluation: its record is the log's last epoch.
+    pub fn epoch_end(&mut self, epoch: usize) {
         self.epoch_eval = self.fold(Phase::Eval);
-        let epoch_peak = self.epoch_peak;
-        let eval = self.epoch_eval;
-        let log = self.lock();
-        let first = self.epoch_first_batch.min(log.batches.len());
-        let batches = &log.batches[first..];
+        let first = self.epoch_first_batch.min(self.log.batches.len());
+        let batches = &self.log.batches[first..];
         let mean = if batches.is_empty() {
             0
         } else {
             batches.iter().map(|b| b.peak_bytes as u128).sum::<u128>() as u64 / batches.len() as u64
         };
         let rec = EpochMemory {
-            epoch: ctx.stats.epoch,
-            peak_bytes: epoch_peak.0,
-            phase: epoch_peak.1,
+            epoch,
+            peak_bytes: self.epoch_peak.0,
+            phase: self.epoch_peak.1,
             mean_batch_peak: mean,
-            eval_peak: eval,
+            eval_peak: self.epoch_eval,
             batches: batches.len(),
             os_current: None,
             os_peak: None,
         };
-        drop(log);
         let os = self.read_os();
-        self.lock().epochs.push(EpochMemory {
+        self.log.epochs.push(EpochMemory {
             os_current: os.map(|o| o.current),
             os_peak: os.map(|o| o.peak),
             ..rec
         });
-        Ok(())
     }
 
-    fn on_train_end(&mut self, _ctx: &TrainEnd<'_>) -> Result<()> {
+    /// Training ended: the last reading.
+    pub fn train_end(&mut self) {
         self.fold(Phase::Other);
         self.read_os();
-        Ok(())
     }
 }

@@ -15,11 +15,13 @@ use memtrain::memory::parse_size;
 use memtrain::sweep::batch::{
     cross_product, run_sweep, BatchPlan, Dimension, SweepOptions, DEFAULT_MARGIN,
 };
-use memtrain::sweep::{
-    current_command_line, default_out_dir, locate_example, report, TRAINER_NAME,
-};
+use memtrain::sweep::{current_command_line, default_out_dir, report, TrainerCommand};
 use std::path::PathBuf;
 use std::time::Duration;
+
+// The points run in this program (see `main`): their CPU memory is measured by this allocator.
+#[global_allocator]
+static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAllocator;
 
 /// Measure peak memory and throughput across batch sizes and configurations; each point runs
 /// `train_cifar10` for a few steps in its own process (an out-of-memory point is a result, not a failure).
@@ -105,7 +107,7 @@ struct Args {
     /// Smallest synthetic training set; each point gets max(this, batch x steps) images
     #[arg(long, default_value_t = 5000)]
     synthetic_train: usize,
-    /// The train_cifar10 binary. Default: next to this executable
+    /// A train_cifar10 binary to run the points with. Default: this program, re-run as the trainer
     #[arg(long, value_name = "PATH")]
     trainer: Option<PathBuf>,
     /// Output directory. Default: runs/sweep-<timestamp>
@@ -174,7 +176,7 @@ fn run() -> anyhow::Result<()> {
     }
     common.extend(a.extra.iter().cloned());
 
-    let trainer = locate_example(TRAINER_NAME, a.trainer.as_deref())?;
+    let trainer = TrainerCommand::new(a.trainer.as_deref())?;
     let out = a.out.clone().unwrap_or_else(|| default_out_dir("sweep"));
     let opts = SweepOptions {
         trainer,
@@ -201,6 +203,8 @@ fn run() -> anyhow::Result<()> {
 }
 
 fn main() {
+    // A point of a sweep: this program re-run as the trainer.
+    memtrain::app::serve_as_trainer();
     if let Err(e) = run() {
         let code = e
             .downcast_ref::<memtrain::Error>()

@@ -13,11 +13,13 @@
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use memtrain::sweep::compare::{run_compare, CompareOptions, RunSpec};
-use memtrain::sweep::{
-    current_command_line, default_out_dir, locate_example, report, split_flags, TRAINER_NAME,
-};
+use memtrain::sweep::{current_command_line, default_out_dir, report, split_flags, TrainerCommand};
 use std::path::PathBuf;
 use std::time::Duration;
+
+// The points run in this program (see `main`): their CPU memory is measured by this allocator.
+#[global_allocator]
+static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAllocator;
 
 /// Run several training configurations, each in its own process, and compare their peak memory,
 /// speed and accuracy with the first (the baseline).
@@ -33,7 +35,7 @@ struct Args {
     /// Flags for every run, e.g. "--max-steps 20 --width 32" (a run's own flags override them)
     #[arg(long, value_name = "FLAGS", allow_hyphen_values = true)]
     common: Option<String>,
-    /// The train_cifar10 binary. Default: next to this executable
+    /// A train_cifar10 binary to run the points with. Default: this program, re-run as the trainer
     #[arg(long, value_name = "PATH")]
     trainer: Option<PathBuf>,
     /// Output directory. Default: runs/compare-<timestamp>
@@ -90,7 +92,7 @@ fn run() -> anyhow::Result<()> {
     };
     common.extend(a.extra.iter().cloned());
 
-    let trainer = locate_example(TRAINER_NAME, a.trainer.as_deref())?;
+    let trainer = TrainerCommand::new(a.trainer.as_deref())?;
     let out = a.out.clone().unwrap_or_else(|| default_out_dir("compare"));
     let opts = CompareOptions {
         trainer,
@@ -113,6 +115,8 @@ fn run() -> anyhow::Result<()> {
 }
 
 fn main() {
+    // A point of a sweep: this program re-run as the trainer.
+    memtrain::app::serve_as_trainer();
     if let Err(e) = run() {
         let code = e
             .downcast_ref::<memtrain::Error>()

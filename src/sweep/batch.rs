@@ -74,8 +74,8 @@ pub fn cross_product(dims: &[Dimension]) -> Vec<Variant> {
 /// Everything a sweep needs.
 #[derive(Debug, Clone)]
 pub struct SweepOptions {
-    /// The trainer binary (see [`super::locate_example`]).
-    pub trainer: PathBuf,
+    /// How trainer children are started.
+    pub trainer: super::TrainerCommand,
     /// Output directory: results files, charts and one run directory per point.
     pub out: PathBuf,
     /// Configurations (see [`cross_product`]).

@@ -99,8 +99,8 @@ impl RunSpec {
 /// Everything a comparison needs.
 #[derive(Debug, Clone)]
 pub struct CompareOptions {
-    /// The trainer binary (see [`super::locate_example`]).
-    pub trainer: PathBuf,
+    /// How trainer children are started.
+    pub trainer: super::TrainerCommand,
     /// Output directory: results files, charts and one run directory per configuration.
     pub out: PathBuf,
     /// Configurations; the first is the baseline.

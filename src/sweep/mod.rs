@@ -24,9 +24,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// File name of the trainer example binary that children run.
-pub const TRAINER_NAME: &str = "train_cifar10";
-
 /// How a child run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -135,37 +132,47 @@ pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> 
     })
 }
 
-/// Locate an example binary: `explicit` when given (it must exist), else a sibling of the
-/// current executable (`target/<profile>/examples/`), also from a test binary in
-/// `target/<profile>/deps/`.
-pub fn locate_example(name: &str, explicit: Option<&Path>) -> Result<PathBuf> {
-    if let Some(p) = explicit {
-        return if p.is_file() {
-            Ok(p.to_path_buf())
-        } else {
-            Err(Error::config(format!(
-                "--trainer {}: no such file; pass the path of the train_cifar10 binary",
+/// How a sweep or comparison starts a trainer child: by default its own executable again, with
+/// [`crate::app::TRAINER_ROLE_ARG`] first (so the child is exactly this build, and nothing has to
+/// be found under `target/`); with `--trainer PATH`, that `train_cifar10` binary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrainerCommand {
+    program: PathBuf,
+    role: Option<&'static str>,
+}
+
+impl TrainerCommand {
+    /// `explicit` when given (it must be a file), else this executable in the trainer's role.
+    pub fn new(explicit: Option<&Path>) -> Result<Self> {
+        match explicit {
+            Some(p) if p.is_file() => Ok(TrainerCommand {
+                program: p.to_path_buf(),
+                role: None,
+            }),
+            Some(p) => Err(Error::config(format!(
+                "--trainer {}: no such file; pass the path of a train_cifar10 binary, or leave --trainer out to re-run this program as the trainer",
                 p.display()
-            )))
-        };
-    }
-    let file = format!("{name}{}", std::env::consts::EXE_SUFFIX);
-    let exe = std::env::current_exe()
-        .map_err(|e| Error::Child(format!("cannot find the current executable: {e}")))?;
-    let mut candidates = Vec::new();
-    if let Some(dir) = exe.parent() {
-        candidates.push(dir.join(&file));
-        if let Some(profile) = dir.parent() {
-            candidates.push(profile.join("examples").join(&file));
+            ))),
+            None => Ok(TrainerCommand {
+                program: std::env::current_exe().map_err(|e| {
+                    Error::Child(format!("cannot find the current executable: {e}"))
+                })?,
+                role: Some(crate::app::TRAINER_ROLE_ARG),
+            }),
         }
     }
-    candidates.into_iter().find(|p| p.is_file()).ok_or_else(|| {
-        Error::Child(format!(
-            "cannot find the {name} binary next to {}; build it with `cargo build --release --example {name}` \
-             or pass its path with --trainer",
-            exe.display()
-        ))
-    })
+
+    /// The command for trainer flags `args`, not yet started.
+    fn command(&self, args: &[String]) -> Command {
+        let mut cmd = Command::new(&self.program);
+        cmd.args(self.role).args(args);
+        cmd
+    }
+
+    /// The program started.
+    pub fn program(&self) -> &Path {
+        &self.program
+    }
 }
 
 /// Split a flag string the way a POSIX shell would split words: whitespace separates, single
@@ -435,7 +442,7 @@ pub fn all_failed<'a>(mut runs: impl Iterator<Item = &'a ChildRun>) -> Result<()
 /// outcome. Fails when the child cannot be started at all, and with [`Error::Config`] when it
 /// refused its flags (exit status 2): a usage error would fail every point alike.
 pub fn run_child(
-    trainer: &Path,
+    trainer: &TrainerCommand,
     args: &[String],
     run_dir: &Path,
     timeout: Option<Duration>,
@@ -449,16 +456,16 @@ pub fn run_child(
     let summary_path = run_dir.join(crate::train::summary::SUMMARY_FILE);
     let _ = std::fs::remove_file(&summary_path);
     let start = Instant::now();
-    let mut child = Command::new(trainer)
-        .args(args)
+    let mut child = trainer
+        .command(args)
         .stdin(Stdio::null())
         .stdout(Stdio::from(stdout))
         .stderr(Stdio::from(stderr))
         .spawn()
         .map_err(|e| {
             Error::Child(format!(
-                "cannot start {}: {e}; build it with `cargo build --release --example {TRAINER_NAME}` or pass --trainer",
-                trainer.display()
+                "cannot start {}: {e}; pass the path of a train_cifar10 binary with --trainer",
+                trainer.program.display()
             ))
         })?;
     let mut timed_out = false;
@@ -469,16 +476,16 @@ pub fn run_child(
             Err(e) => {
                 return Err(Error::Child(format!(
                     "waiting for {}: {e}",
-                    trainer.display()
+                    trainer.program.display()
                 )))
             }
         }
         if timeout.is_some_and(|t| start.elapsed() >= t) {
             let _ = child.kill();
             timed_out = true;
-            break child
-                .wait()
-                .map_err(|e| Error::Child(format!("waiting for {}: {e}", trainer.display())))?;
+            break child.wait().map_err(|e| {
+                Error::Child(format!("waiting for {}: {e}", trainer.program.display()))
+            })?;
         }
         std::thread::sleep(Duration::from_millis(20));
     };

@@ -99,7 +99,7 @@ pub struct Trainer {
     pub(crate) steps_per_epoch: usize,
     pub(crate) total_steps: usize,
     /// Checkpoint writing (on when `TrainerOptions::log_files`); see [`super::checkpoint`].
-    pub checkpoints: super::checkpoint::CheckpointSaver, // [checkpoint]
+    pub checkpoints: super::checkpoint::CheckpointSaver,
     /// The run so far (restored from a checkpoint when resuming): ended epochs, the epoch in
     /// progress, totals and step times.
     pub(crate) history: super::history::RunHistory,
@@ -440,7 +440,7 @@ impl Trainer {
             train_fingerprint: OnceLock::new(),
             data_description: data.description,
             run_dir,
-            checkpoints: super::checkpoint::CheckpointSaver::new(options.log_files), // [checkpoint]
+            checkpoints: super::checkpoint::CheckpointSaver::new(options.log_files),
             stop: options.stop,
             global_step: 0,
             start_epoch: 0,
@@ -1322,7 +1322,7 @@ impl Trainer {
                 progress.train_secs += secs;
                 self.history.images += r.images;
                 self.history.train_secs += secs;
-                // [checkpoint] every --save-every steps (a state is never saved twice).
+                // A checkpoint every --save-every steps (a state is never saved twice).
                 if cfg.save_every > 0 && self.global_step.is_multiple_of(cfg.save_every) {
                     self.save_checkpoint(epoch, next, Some(&progress))?;
                 }
@@ -1348,7 +1348,7 @@ impl Trainer {
                 memory: self.memory.log(),
             })?;
             if interrupted {
-                // [checkpoint] exactly here: the resumed run finishes this epoch's steps (if
+                // A checkpoint of exactly here: the resumed run finishes this epoch's steps (if
                 // any are left) and evaluates it.
                 self.start_batch = next;
                 self.save_checkpoint(epoch, next, Some(&progress))?;
@@ -1356,7 +1356,7 @@ impl Trainer {
                 break;
             }
             self.history.epochs.push(stats);
-            // [checkpoint] at each epoch end; an epoch cut short by --max-steps keeps its
+            // A checkpoint at each epoch end; an epoch cut short by --max-steps keeps its
             // position so that a longer --max-steps continues it.
             let (epoch_next, batch_next) = if next >= self.steps_per_epoch {
                 (epoch + 1, 0)
@@ -1448,7 +1448,6 @@ impl Trainer {
         Ok(Some(report))
     }
 
-    // [estimate] begin: the analytic prediction for summary.json (src/memory/estimate.rs).
     /// The analytic memory estimate of this run (the model's layer list, the loaded data set as
     /// the baseline); `None` when the device has no probe or the model cannot be estimated.
     pub fn memory_estimate(&self) -> Option<crate::memory::estimate::Estimate> {
@@ -1463,7 +1462,6 @@ impl Trainer {
         )
         .ok()
     }
-    // [estimate] end
 
     /// The summary of the whole run: `epochs` (the ended ones first, `ended` of them) and the
     /// history's totals.
@@ -1481,7 +1479,7 @@ impl Trainer {
             self.memory_estimate().map(|e| e.peak)
         } else {
             None
-        }; // [estimate]
+        };
         let last = epochs.last();
         Summary {
             label: self.config.label(),
@@ -1499,7 +1497,7 @@ impl Trainer {
             os_current_bytes: os.map(|o| o.current),
             os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak),
             memory_limit: self.config.memory_limit,
-            // [estimate] predicted vs measured peak.
+            // The analytic estimate (src/memory/estimate.rs) against the measured peak.
             predicted_peak_bytes: predicted,
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, mem.peak_bytes)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
@@ -1541,12 +1539,10 @@ fn resolve_auto_checkpointing(
     )
 }
 
-// [estimate] begin
 /// `(predicted - measured) / measured` in percent; `None` without a measurement.
 fn prediction_error(predicted: u64, measured: u64) -> Option<f64> {
     (measured > 0).then(|| (predicted as f64 - measured as f64) / measured as f64 * 100.0)
 }
-// [estimate] end
 
 /// What in `state` is NaN or infinite, if anything, in the order weights, BatchNorm running
 /// statistics (the model's `buffers`), optimizer state: a diverged state must never be saved.

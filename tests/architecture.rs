@@ -8,10 +8,6 @@ use std::path::Path;
 
 /// Module pairs that still import each other; each entry is a debt to pay, not a permission.
 const KNOWN: &[(&str, &str)] = &[
-    // `Geom` and the dispatch live in conv2d.rs, the kernels' halves in their own files.
-    ("ops::conv2d", "ops::conv2d_bf16"),
-    ("ops::conv2d", "ops::conv2d_cuda"),
-    ("ops::conv2d", "ops::conv2d_cudnn"),
     // Saving reaches into the trainer's fields; a `TrainState` snapshot would end it.
     ("train::checkpoint", "train::trainer"),
 ];

@@ -213,12 +213,14 @@ impl CustomOp1 for BnStats {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
-        let out = dispatch_float!(s.dtype(), [F32, F16, BF16], |T| {
-            cpu::stats::<T>(cpu_slice(s, l, "x")?, dims)
-        }, dt => return Err(unsupported(self.name(), dt)));
-        Ok((CpuStorage::F32(out), Shape::from((2, c))))
+        let d = dims_of(l)?;
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cpu::stats::<T>(cpu_slice(s, l, "x")?, d),
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 
     #[cfg(feature = "cuda")]
@@ -227,11 +229,14 @@ impl CustomOp1 for BnStats {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l.shape().dims4()?;
-        let d = Dims { n, c, hw: h * w };
-        let out = dispatch_float!(s.dtype(), [F32, F16, BF16], |T| cuda::stats::<T>(s, l, d)?,
-            dt => return Err(unsupported(self.name(), dt)));
-        Ok((out, Shape::from((2, c))))
+        let d = dims_of(l)?;
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cuda::stats::<T>(s, l, d)?,
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((out, Shape::from((2, d.c))))
     }
 }
 
@@ -249,16 +254,20 @@ impl CustomOp3 for BnNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
+        let d = dims_of(l1)?;
         let gamma = cpu_slice::<f32>(s2, l2, "gamma")?;
         let beta = cpu_slice::<f32>(s3, l3, "beta")?;
         let (guard, sl) = self.stats.storage_and_layout();
         let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
-        let ch = cpu::NormChannels::new(gamma, beta, stats, c, self.eps);
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16], |T| {
-            T::to_cpu_storage_owned(cpu::norm::<T>(cpu_slice(s1, l1, "x")?, &ch, dims, self.relu))
-        }, dt => return Err(unsupported(self.name(), dt)));
+        let ch = cpu::NormChannels::new(gamma, beta, stats, d.c, self.eps);
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                T::to_cpu_storage_owned(cpu::norm::<T>(cpu_slice(s1, l1, "x")?, &ch, d, self.relu))
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 
@@ -272,11 +281,13 @@ impl CustomOp3 for BnNorm {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let d = Dims { n, c, hw: h * w };
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16],
+        let d = dims_of(l1)?;
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
             |T| cuda::norm::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
-            dt => return Err(unsupported(self.name(), dt)));
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 
@@ -334,22 +345,26 @@ impl CustomOp3 for BnBwdReduce {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
+        let d = dims_of(l1)?;
         let (guard, sl) = self.stats.storage_and_layout();
         let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16], |T| {
-            cpu::bwd_reduce::<T>(
-                cpu_slice(s1, l1, "x")?,
-                cpu_slice(s2, l2, "grad_y")?,
-                cpu_slice(s3, l3, "y")?,
-                stats,
-                dims,
-                self.eps,
-                self.relu,
-            )
-        }, dt => return Err(unsupported(self.name(), dt)));
-        Ok((CpuStorage::F32(out), Shape::from((2, c))))
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_reduce::<T>(
+                    cpu_slice(s1, l1, "x")?,
+                    cpu_slice(s2, l2, "grad_y")?,
+                    cpu_slice(s3, l3, "y")?,
+                    stats,
+                    d,
+                    self.eps,
+                    self.relu,
+                )
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 
     #[cfg(feature = "cuda")]
@@ -362,12 +377,14 @@ impl CustomOp3 for BnBwdReduce {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let d = Dims { n, c, hw: h * w };
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16],
+        let d = dims_of(l1)?;
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
             |T| cuda::bwd_reduce::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
-            dt => return Err(unsupported(self.name(), dt)));
-        Ok((out, Shape::from((2, c))))
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((out, Shape::from((2, d.c))))
     }
 }
 
@@ -385,25 +402,29 @@ impl CustomOp3 for BnBwdInput {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
+        let d = dims_of(l1)?;
         let (stats_guard, stats_l) = self.stats.storage_and_layout();
         let stats = cpu_tensor_slice(&stats_guard, stats_l, "batch statistics")?;
         let (gamma_guard, gamma_l) = self.gamma.storage_and_layout();
         let gamma = cpu_tensor_slice(&gamma_guard, gamma_l, "gamma")?;
         let (sums_guard, sums_l) = self.sums.storage_and_layout();
         let sums = cpu_tensor_slice(&sums_guard, sums_l, "gradient sums")?;
-        let coef = cpu::InputGradChannels::new(gamma, stats, sums, dims, self.eps);
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16], |T| {
-            T::to_cpu_storage_owned(cpu::bwd_input::<T>(
-                cpu_slice(s1, l1, "x")?,
-                cpu_slice(s2, l2, "grad_y")?,
-                cpu_slice(s3, l3, "y")?,
-                &coef,
-                dims,
-                self.relu,
-            ))
-        }, dt => return Err(unsupported(self.name(), dt)));
+        let coef = cpu::InputGradChannels::new(gamma, stats, sums, d, self.eps);
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                T::to_cpu_storage_owned(cpu::bwd_input::<T>(
+                    cpu_slice(s1, l1, "x")?,
+                    cpu_slice(s2, l2, "grad_y")?,
+                    cpu_slice(s3, l3, "y")?,
+                    &coef,
+                    d,
+                    self.relu,
+                ))
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 
@@ -417,11 +438,13 @@ impl CustomOp3 for BnBwdInput {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let d = Dims { n, c, hw: h * w };
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16],
+        let d = dims_of(l1)?;
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
             |T| cuda::bwd_input::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
-            dt => return Err(unsupported(self.name(), dt)));
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 }
@@ -783,9 +806,12 @@ impl candle_core::InplaceOp1 for LeanBn {
         let d = dims_of(l)?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        dispatch_float!(s.dtype(), [F32, F16, BF16], |T| {
-            cpu::relu_in_place::<T>(cpu_slice_mut(s, l, "h")?, &ch, d)
-        }, dt => return Err(unsupported("bn-relu-in-place", dt)));
+        dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cpu::relu_in_place::<T>(cpu_slice_mut(s, l, "h")?, &ch, d),
+            |dt| return Err(unsupported("bn-relu-in-place", dt))
+        );
         Ok(())
     }
 }
@@ -802,9 +828,12 @@ impl CustomOp1 for LeanBn {
             .ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        let out = dispatch_float!(s.dtype(), [F32, F16, BF16], |T| {
-            T::to_cpu_storage_owned(cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w))
-        }, dt => return Err(unsupported("bn-relu-pool", dt)));
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| T::to_cpu_storage_owned(cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w)),
+            |dt| return Err(unsupported("bn-relu-pool", dt))
+        );
         Ok((out, pooled_shape(l)?))
     }
 }
@@ -819,9 +848,12 @@ impl CustomOp1 for PoolArgmax {
         let w = self.lean.pool_w.unwrap_or(1);
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
-        let out = dispatch_float!(s.dtype(), [F32, F16, BF16], |T| {
-            cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w)
-        }, dt => return Err(unsupported(self.name(), dt)));
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w),
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((CpuStorage::U8(out), pooled_shape(l)?))
     }
 }
@@ -843,17 +875,22 @@ impl CustomOp2 for LeanBn {
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
         let var = &ctx.stats[d.c..];
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16], |T| {
-            cpu::bwd_reduce_from_h::<T>(
-                cpu_slice(s1, l1, "h")?,
-                cpu_slice(s2, l2, "grad_y")?,
-                None,
-                &ch,
-                var,
-                d,
-                self.p.eps as f32,
-            )
-        }, dt => return Err(unsupported("bn-relu-bwd-reduce", dt)));
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_reduce_from_h::<T>(
+                    cpu_slice(s1, l1, "h")?,
+                    cpu_slice(s2, l2, "grad_y")?,
+                    None,
+                    &ch,
+                    var,
+                    d,
+                    self.p.eps as f32,
+                )
+            },
+            |dt| return Err(unsupported("bn-relu-bwd-reduce", dt))
+        );
         Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 }
@@ -878,17 +915,22 @@ impl CustomOp3 for PoolBwdReduce {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let var = &ctx.stats[d.c..];
         let am = cpu_slice::<u8>(s3, l3, "argmax")?;
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16], |T| {
-            cpu::bwd_reduce_from_h::<T>(
-                cpu_slice(s1, l1, "h")?,
-                cpu_slice(s2, l2, "grad_p")?,
-                Some((am, w)),
-                &ch,
-                var,
-                d,
-                self.lean.p.eps as f32,
-            )
-        }, dt => return Err(unsupported(self.name(), dt)));
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_reduce_from_h::<T>(
+                    cpu_slice(s1, l1, "h")?,
+                    cpu_slice(s2, l2, "grad_p")?,
+                    Some((am, w)),
+                    &ch,
+                    var,
+                    d,
+                    self.lean.p.eps as f32,
+                )
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 }
@@ -928,16 +970,21 @@ impl candle_core::InplaceOp2 for LeanBwdInput {
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
-        dispatch_float!(h.dtype(), [F32, F16, BF16], |T| {
-            cpu::bwd_input_from_h::<T>(
-                cpu_slice_mut(dst, dst_l, "grad_y")?,
-                Some(cpu_slice(h, hl, "h")?),
-                None,
-                &ch,
-                &co,
-                d,
-            )
-        }, dt => return Err(unsupported(self.name(), dt)));
+        dispatch_float!(
+            h.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_input_from_h::<T>(
+                    cpu_slice_mut(dst, dst_l, "grad_y")?,
+                    Some(cpu_slice(h, hl, "h")?),
+                    None,
+                    &ch,
+                    &co,
+                    d,
+                )
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok(())
     }
 }
@@ -963,16 +1010,21 @@ impl candle_core::InplaceOp3 for LeanBwdInput {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
         let am = cpu_slice::<u8>(am, al, "argmax")?;
-        dispatch_float!(gp.dtype(), [F32, F16, BF16], |T| {
-            cpu::bwd_input_from_h::<T>(
-                cpu_slice_mut(dst, dst_l, "h")?,
-                None,
-                Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
-                &ch,
-                &co,
-                d,
-            )
-        }, dt => return Err(unsupported(self.name(), dt)));
+        dispatch_float!(
+            gp.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_input_from_h::<T>(
+                    cpu_slice_mut(dst, dst_l, "h")?,
+                    None,
+                    Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
+                    &ch,
+                    &co,
+                    d,
+                )
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok(())
     }
 }

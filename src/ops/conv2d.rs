@@ -257,14 +257,19 @@ impl CustomOp2 for Conv2dOp {
             let b = cpu_slice::<bf16>(s2, l2, "conv2d", what2)?;
             CpuStorage::BF16(conv2d_bf16::run(pass, g, a, b))
         } else {
-            dispatch_float!(s1.dtype(), [F32, F64, F16, BF16], |T| {
-                let a = cpu_slice::<T>(s1, l1, "conv2d", what1)?;
-                let b = cpu_slice::<T>(s2, l2, "conv2d", what2)?;
-                T::to_cpu_storage_owned(conv2d_cpu::run(pass, g, a, b))
-            }, dt => candle_core::bail!(
-                "{}: unsupported dtype {dt:?} (f32, f64, f16, bf16)",
-                self.name()
-            ))
+            dispatch_float!(
+                s1.dtype(),
+                [F32, F64, F16, BF16],
+                |T| {
+                    let a = cpu_slice::<T>(s1, l1, "conv2d", what1)?;
+                    let b = cpu_slice::<T>(s2, l2, "conv2d", what2)?;
+                    T::to_cpu_storage_owned(conv2d_cpu::run(pass, g, a, b))
+                },
+                |dt| candle_core::bail!(
+                    "{}: unsupported dtype {dt:?} (f32, f64, f16, bf16)",
+                    self.name()
+                )
+            )
         };
         Ok((out, g.result_shape(pass)))
     }

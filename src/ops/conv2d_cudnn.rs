@@ -465,7 +465,7 @@ mod cuda {
             a.dtype(),
             [F32, F64, F16, BF16],
             |T| pass_on::<T>(pass, g, a, la, b, lb),
-            dt => candle_core::bail!("conv2d: unsupported dtype {dt:?} (f32, f64, f16, bf16)"),
+            |dt| candle_core::bail!("conv2d: unsupported dtype {dt:?} (f32, f64, f16, bf16)"),
         )
     }
 }

@@ -264,13 +264,16 @@ impl CustomOp2 for Depthwise {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.check(l1, l2)?;
         let [(_, what1), (_, what2)] = self.g.operands(self.pass);
-        let out = dispatch_float!(s1.dtype(), [F32, F16, BF16], |T| {
-            let a = cpu_slice::<T>(s1, l1, OP, what1)?;
-            let b = cpu_slice::<T>(s2, l2, OP, what2)?;
-            T::to_cpu_storage_owned(cpu::run(self.pass, &self.g, a, b))
-        }, dt => candle_core::bail!(
-            "{OP}: unsupported dtype {dt:?} (expected F32, F16 or BF16)"
-        ));
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                let a = cpu_slice::<T>(s1, l1, OP, what1)?;
+                let b = cpu_slice::<T>(s2, l2, OP, what2)?;
+                T::to_cpu_storage_owned(cpu::run(self.pass, &self.g, a, b))
+            },
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} (expected F32, F16 or BF16)")
+        );
         Ok((out, self.result_shape()))
     }
 
@@ -761,7 +764,7 @@ mod cuda {
             a.dtype(),
             [F32, F16, BF16],
             |T| run::<T>(pass, g, a, la, b, lb),
-            dt => candle_core::bail!("{OP}: unsupported dtype {dt:?} (expected F32, F16 or BF16)"),
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} (expected F32, F16 or BF16)"),
         )
     }
 }

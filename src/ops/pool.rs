@@ -114,9 +114,14 @@ impl CustomOp1 for MaxPool {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, c, h, w) = dims(l)?;
         let shape = Shape::from((n, c, h / 2, w / 2));
-        let out = dispatch_float!(s.dtype(), [F32, F16, BF16], |T| {
-            T::to_cpu_storage_owned(pool_fwd::<T>(cpu_slice(s, l, OP, "input")?, n * c, h, w))
-        }, dt => candle_core::bail!("{OP}: unsupported dtype {dt:?}"));
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                T::to_cpu_storage_owned(pool_fwd::<T>(cpu_slice(s, l, OP, "input")?, n * c, h, w))
+            },
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?}")
+        );
         Ok((out, shape))
     }
 
@@ -164,11 +169,16 @@ impl CustomOp2 for MaxPoolGrad {
                 gs.dtype()
             )
         }
-        let out = dispatch_float!(xs.dtype(), [F32, F16, BF16], |T| {
-            let x = cpu_slice::<T>(xs, xl, OP, "input")?;
-            let g = cpu_slice::<T>(gs, gl, OP, "gradient")?;
-            T::to_cpu_storage_owned(pool_bwd(x, g, n * c, h, w))
-        }, dt => candle_core::bail!("{OP} backward: unsupported dtype {dt:?}"));
+        let out = dispatch_float!(
+            xs.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                let x = cpu_slice::<T>(xs, xl, OP, "input")?;
+                let g = cpu_slice::<T>(gs, gl, OP, "gradient")?;
+                T::to_cpu_storage_owned(pool_bwd(x, g, n * c, h, w))
+            },
+            |dt| candle_core::bail!("{OP} backward: unsupported dtype {dt:?}")
+        );
         Ok((out, xl.shape().clone()))
     }
 
@@ -260,7 +270,7 @@ mod cuda {
             x.dtype(),
             [F32, F16, BF16],
             |T| run::<T>(x, xl, grad, planes, h, w),
-            dt => candle_core::bail!("{OP}: unsupported dtype {dt:?} on CUDA"),
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} on CUDA"),
         )
     }
 }

@@ -183,16 +183,19 @@ half_float!(
 // Dtype dispatch
 
 /// Evaluates `$body` with `$t` an alias of the element type of `$dtype` (a `DType`) when that is
-/// one of the listed float dtypes (`F32`, `F64`, `F16`, `BF16`), else the `$other` arm:
+/// one of the listed float dtypes (`F32`, `F64`, `F16`, `BF16`), else `$fallback` with `$other`
+/// bound to the dtype:
 ///
 /// ```ignore
-/// dispatch_float!(s.dtype(), [F32, F16, BF16], |T| run::<T>(s), dt => bail!("{dt:?}"))
+/// dispatch_float!(s.dtype(), [F32, F16, BF16], |T| run::<T>(s), |dt| bail!("{dt:?}"))
 /// ```
 ///
-/// One macro for every op and both backends, instead of a `match` over the dtypes (or over
+/// Neither `|..|` is a closure (a `return` or `?` in them leaves the enclosing function); they
+/// are written so because that keeps the call an expression list, which rustfmt formats. One
+/// macro for every op and both backends, instead of a `match` over the dtypes (or over
 /// `CpuStorage` variants) per op impl.
 macro_rules! dispatch_float {
-    ($dtype:expr, [$($v:ident),+ $(,)?], |$t:ident| $body:expr, $other:pat => $fallback:expr $(,)?) => {
+    ($dtype:expr, [$($v:ident),+ $(,)?], |$t:ident| $body:expr, |$other:pat_param| $fallback:expr $(,)?) => {
         match $dtype {
             $(candle_core::DType::$v => {
                 type $t = $crate::ops::util::float_type!($v);

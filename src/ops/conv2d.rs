@@ -75,13 +75,7 @@ pub fn conv2d_backward_input(
     let geom = Geom::new(x_dims, w.dims(), stride, padding, None)?;
     check_backward_args(grad, w, &geom)?;
     let grad = grad.contiguous()?;
-    Ok(grad.apply_op2_no_bwd(
-        &w.contiguous()?,
-        &Conv2dOp {
-            geom,
-            pass: ConvPass::InputGrad,
-        },
-    )?)
+    Ok(grad.apply_op2_no_bwd(&w.contiguous()?, &Conv2dOp::new(geom, ConvPass::InputGrad))?)
 }
 
 /// The weight gradient of [`conv2d`]: input `x` [N, Cin, H, W] and `grad` [N, Cout, Ho, Wo]
@@ -101,10 +95,7 @@ pub fn conv2d_backward_weight(
     let x = x.contiguous()?;
     Ok(x.apply_op2_no_bwd(
         &grad.contiguous()?,
-        &Conv2dOp {
-            geom,
-            pass: ConvPass::WeightGrad,
-        },
+        &Conv2dOp::new(geom, ConvPass::WeightGrad),
     )?)
 }
 
@@ -203,22 +194,7 @@ fn conv2d_impl(
     // every im2col row, and `contiguous` is free for tensors that already are.
     let x = x.contiguous()?;
     let w = w.contiguous()?;
-    Ok(x.apply_op2(
-        &w,
-        Conv2dOp {
-            geom,
-            pass: ConvPass::Forward,
-        },
-    )?)
-}
-
-/// The name of the op for `pass`, in Candle's errors and traces.
-fn op_name(pass: ConvPass) -> &'static str {
-    match pass {
-        ConvPass::Forward => "memtrain-conv2d",
-        ConvPass::InputGrad => "memtrain-conv2d-grad-input",
-        ConvPass::WeightGrad => "memtrain-conv2d-grad-weight",
-    }
+    Ok(x.apply_op2(&w, Conv2dOp::new(geom, ConvPass::Forward))?)
 }
 
 /// One pass of the convolution `geom` as a Candle op: the forward `(x, w) -> y` (with the gemm
@@ -229,6 +205,10 @@ struct Conv2dOp {
 }
 
 impl Conv2dOp {
+    fn new(geom: Geom, pass: ConvPass) -> Self {
+        Conv2dOp { geom, pass }
+    }
+
     /// The operands have the shapes the geometry was validated with.
     fn check(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<()> {
         let [(s1, what1), (s2, what2)] = self.geom.operands(self.pass);
@@ -239,7 +219,11 @@ impl Conv2dOp {
 
 impl CustomOp2 for Conv2dOp {
     fn name(&self) -> &'static str {
-        op_name(self.pass)
+        match self.pass {
+            ConvPass::Forward => "memtrain-conv2d",
+            ConvPass::InputGrad => "memtrain-conv2d-grad-input",
+            ConvPass::WeightGrad => "memtrain-conv2d-grad-weight",
+        }
     }
 
     fn cpu_fwd(
@@ -307,10 +291,7 @@ impl CustomOp2 for Conv2dOp {
         if self.pass != ConvPass::Forward {
             return Err(candle_core::Error::BackwardNotSupported { op: self.name() });
         }
-        let pass = |pass| Conv2dOp {
-            geom: self.geom,
-            pass,
-        };
+        let pass = |pass| Conv2dOp::new(self.geom, pass);
         // Upstream gradients are often broadcasts (e.g. of a sum); the kernels want plain NCHW.
         let grad = grad.contiguous()?;
         // Only tensors that track ops (variables and what is computed from them) lead back to a

@@ -132,7 +132,7 @@ impl CustomOp1 for MaxPool {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (n, c, h, w) = dims(l)?;
-        let out = cuda::pool(s, l, None, n * c, h, w)?;
+        let out = cuda::pool(s, l, None)?;
         Ok((out, Shape::from((n, c, h / 2, w / 2))))
     }
 
@@ -190,8 +190,7 @@ impl CustomOp2 for MaxPoolGrad {
         gs: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = dims(xl)?;
-        let out = cuda::pool(xs, xl, Some((gs, gl)), n * c, h, w)?;
+        let out = cuda::pool(xs, xl, Some((gs, gl)))?;
         Ok((out, xl.shape().clone()))
     }
 }
@@ -213,10 +212,9 @@ mod cuda {
         x: &CudaStorage,
         xl: &Layout,
         grad: Option<(&CudaStorage, &Layout)>,
-        planes: usize,
-        h: usize,
-        w: usize,
     ) -> candle_core::Result<CudaStorage> {
+        let (n, c, h, w) = super::dims(xl)?;
+        let planes = n * c;
         let dev = x.device().clone();
         let windows = planes * (h / 2) * (w / 2);
         let out_len = if grad.is_some() {
@@ -257,19 +255,16 @@ mod cuda {
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
 
-    /// Forward (`grad` None) or backward: one thread per 2x2 window.
-    pub fn pool(
+    /// Forward (`grad` None) or backward of the 2x2 max-pool of `x` `[N, C, H, W]`.
+    pub(super) fn pool(
         x: &CudaStorage,
         xl: &Layout,
         grad: Option<(&CudaStorage, &Layout)>,
-        planes: usize,
-        h: usize,
-        w: usize,
     ) -> candle_core::Result<CudaStorage> {
         dispatch_float!(
             x.dtype(),
             [F32, F16, BF16],
-            |T| run::<T>(x, xl, grad, planes, h, w),
+            |T| run::<T>(x, xl, grad),
             |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} on CUDA"),
         )
     }

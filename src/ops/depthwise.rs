@@ -669,14 +669,6 @@ mod cuda {
         }
     }
 
-    fn out_len(pass: ConvPass, g: &Geometry) -> usize {
-        match pass {
-            ConvPass::Forward => g.planes() * g.out_plane(),
-            ConvPass::InputGrad => g.planes() * g.in_plane(),
-            ConvPass::WeightGrad => g.c * g.taps(),
-        }
-    }
-
     fn config(pass: ConvPass, g: &Geometry) -> candle_core::Result<LaunchConfig> {
         let (blocks, per_block_elems) = match pass {
             ConvPass::Forward => (g.planes(), g.out_plane()),
@@ -736,7 +728,7 @@ mod cuda {
         let name = format!("{}_{}", prefix(pass), T::DTYPE.as_str());
         let func = KERNELS.func(&dev, &name)?;
         // SAFETY: every element is written by the kernel before anything reads it.
-        let out = unsafe { dev.alloc::<T>(out_len(pass, g))? };
+        let out = unsafe { dev.alloc::<T>(g.result_dims(pass).iter().product())? };
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
         builder.arg(&a);

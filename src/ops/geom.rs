@@ -173,11 +173,7 @@ impl Geom {
     // Used by the CUDA halves, and by the CPU tests of the im2col op's chunk driver.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn result_len(&self, pass: ConvPass) -> usize {
-        match pass {
-            ConvPass::Forward => self.n * self.out_image(),
-            ConvPass::InputGrad => self.n * self.in_image(),
-            ConvPass::WeightGrad => self.cout * self.ckk(),
-        }
+        self.result_shape(pass).elem_count()
     }
 
     /// Outputs `o` along one axis whose input position `o·stride + kx − pad` falls inside

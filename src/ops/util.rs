@@ -2,8 +2,8 @@
 //!
 //! - element types: [`Float`], the storage types f32, f64, f16 and bf16 with the type their sums
 //!   run in and the conversions between the two;
-//! - dtype dispatch: [`dispatch_float!`], one `match` from a [`DType`] to a generic call, for
-//!   the CPU and the CUDA halves alike;
+//! - dtype dispatch: [`dispatch_float!`], one `match` from a [`candle_core::DType`] to a generic
+//!   call, for the CPU and the CUDA halves alike;
 //! - operands: [`cpu_slice`] and [`cpu_slice_mut`] (and on CUDA [`cuda_view`]), the one
 //!   contiguity check, and [`expect_dims`], the one shape check;
 //! - CUDA launches (`cuda` feature): [`Kernels`], a kernel file compiled with NVRTC once per
@@ -11,7 +11,8 @@
 //!   [`uint32`];
 //! - the TF32 switch, [`set_tf32`] (re-exported as `crate::ops::set_tf32`).
 //!
-//! Nothing here imports an op: the ops import this module, never the other way round.
+//! Nothing here imports an op (only `bf16_convert`'s slice conversions, for [`Float`]): the ops
+//! import this module, never the other way round.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -187,7 +187,7 @@ half_float!(
 /// one of the listed float dtypes (`F32`, `F64`, `F16`, `BF16`), else `$fallback` with `$other`
 /// bound to the dtype:
 ///
-/// ```ignore
+/// ```text
 /// dispatch_float!(s.dtype(), [F32, F16, BF16], |T| run::<T>(s), |dt| bail!("{dt:?}"))
 /// ```
 ///

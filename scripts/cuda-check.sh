@@ -32,15 +32,20 @@ export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 echo "[cuda-check] CARGO_TARGET_DIR=$CARGO_TARGET_DIR CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP" >&2
 cd "$repo"
 rc=0
-# Kernel sources kept as .cu files are compiled to PTX here too: NVRTC compiles them only at run
-# time, on a GPU machine, so a syntax error would otherwise first show there. Each is compiled
-# after kernels/prelude.cuh, as the op modules concatenate them.
+# Every CUDA kernel of the ops lives in src/ops/kernels/*.cu and is compiled to PTX here too:
+# NVRTC compiles them only at run time, on a GPU machine, so a syntax error would otherwise first
+# show there. Each is compiled after kernels/prelude.cuh, as `kernel_source!` in src/ops/util.rs
+# concatenates them for NVRTC.
 kernel_tmp=$(mktemp -d)
 trap 'rm -f "$env_file"; rm -rf "$kernel_tmp"' EXIT
 for cu in src/ops/kernels/*.cu; do
   cat src/ops/kernels/prelude.cuh "$cu" > "$kernel_tmp/$(basename "$cu")"
-  nvcc --ptx -arch="sm_$CUDA_COMPUTE_CAP" "$kernel_tmp/$(basename "$cu")" -o /dev/null \
-    || { echo "[cuda-check] nvcc rejected $cu" >&2; rc=1; }
+  if nvcc --ptx -arch="sm_$CUDA_COMPUTE_CAP" "$kernel_tmp/$(basename "$cu")" -o /dev/null; then
+    echo "[cuda-check] nvcc compiled $cu" >&2
+  else
+    echo "[cuda-check] nvcc rejected $cu" >&2
+    rc=1
+  fi
 done
 cargo check --release --features cuda --all-targets "$@" || rc=$?
 echo "[cuda-check] cargo check --release --features cuda --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2

@@ -247,17 +247,15 @@ where
     Ok(())
 }
 
-/// The first argument with which a sweep or comparison binary runs as `train_cifar10`: each
-/// point of a sweep re-runs the sweep's own executable with it (see
-/// [`crate::sweep::TrainerCommand`]), so a sweep needs no other binary to be found or built.
-pub const TRAINER_ROLE_ARG: &str = "--as-train-cifar10";
-
-/// When this process was started with [`TRAINER_ROLE_ARG`] first, run [`train`] with the rest
+/// When this process was started with [`crate::sweep::TRAINER_ROLE_ARG`] first, run [`train`] with the rest
 /// of the command line and exit; otherwise return. Sweep and comparison binaries call it first
 /// in `main` (and install the counting allocator, which the trainer's CPU measurements need).
 pub fn serve_as_trainer() {
     let mut args = std::env::args_os().skip(1);
-    if args.next().is_some_and(|a| a == TRAINER_ROLE_ARG) {
+    if args
+        .next()
+        .is_some_and(|a| a == crate::sweep::TRAINER_ROLE_ARG)
+    {
         exit(train(std::iter::once("train_cifar10".into()).chain(args)))
     }
 }

@@ -1,18 +1,9 @@
-//! The module graph: no two modules of `src/` import each other (directly, or through their
-//! folders), read from the `crate::` and `super::` paths in the code (comments and the unit tests
-//! at the end of a file are skipped). The loops still being untangled are listed in `KNOWN`, so
-//! a new loop fails here and a removed one must be taken off the list.
+//! The module graph, read from the `crate::` and `super::` paths in the code (comments and the
+//! unit tests at the end of a file are skipped): no import cycle among modules, and none among
+//! the top-level folders, so the folders form layers (nothing imports upward).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-
-/// Module pairs that still import each other; each entry is a debt to pay, not a permission.
-const KNOWN: &[(&str, &str)] = &[
-    // `Geom` and the dispatch live in conv2d.rs, the kernels' halves in their own files.
-    ("ops::conv2d", "ops::conv2d_bf16"),
-    ("ops::conv2d", "ops::conv2d_cuda"),
-    ("ops::conv2d", "ops::conv2d_cudnn"),
-];
 
 /// Module path of a source file: `src/train/trainer.rs` → `train::trainer`, `src/ops/mod.rs` →
 /// `ops`, `src/lib.rs` → `` (the crate root).
@@ -113,34 +104,49 @@ fn edges() -> BTreeMap<String, BTreeSet<String>> {
     edges
 }
 
-#[test]
-fn no_two_modules_import_each_other() {
-    let edges = edges();
-    assert!(edges.len() > 30, "the scan found the modules");
-    let imports = |a: &str, b: &str| edges.get(a).is_some_and(|t| t.contains(b));
-    let mut loops = BTreeSet::new();
-    for (a, targets) in &edges {
-        for b in targets {
-            if a < b && imports(b, a) {
-                loops.insert((a.clone(), b.clone()));
+/// The strongly connected components of more than one node: each is an import cycle.
+fn cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
+    let reach = |from: &String| -> BTreeSet<String> {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![from.clone()];
+        while let Some(n) = todo.pop() {
+            for t in edges.get(&n).into_iter().flatten() {
+                if seen.insert(t.clone()) {
+                    todo.push(t.clone());
+                }
             }
         }
+        seen
+    };
+    let reached: BTreeMap<&String, BTreeSet<String>> =
+        edges.keys().map(|n| (n, reach(n))).collect();
+    let mut out: Vec<BTreeSet<String>> = Vec::new();
+    for (n, r) in &reached {
+        let component: BTreeSet<String> = r
+            .iter()
+            .filter(|m| reached.get(m).is_some_and(|back| back.contains(*n)))
+            .cloned()
+            .collect();
+        if component.len() > 1 && !out.contains(&component) {
+            out.push(component);
+        }
     }
-    let known: BTreeSet<(String, String)> = KNOWN
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    let new: Vec<_> = loops.difference(&known).collect();
-    assert!(new.is_empty(), "modules that import each other: {new:?}");
-    let gone: Vec<_> = known.difference(&loops).collect();
+    out
+}
+
+#[test]
+fn no_module_import_cycle() {
+    let edges = edges();
+    assert!(edges.len() > 30, "the scan found the modules");
+    let found = cycles(&edges);
     assert!(
-        gone.is_empty(),
-        "loops untangled: take them off KNOWN: {gone:?}"
+        found.is_empty(),
+        "modules that import each other, directly or around a cycle: {found:?}"
     );
 }
 
 #[test]
-fn no_folder_imports_a_folder_that_imports_it() {
+fn no_folder_import_cycle() {
     let edges = edges();
     let top = |m: &str| m.split("::").next().unwrap_or("").to_string();
     let mut folders: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -151,16 +157,9 @@ fn no_folder_imports_a_folder_that_imports_it() {
             }
         }
     }
-    let mut loops = Vec::new();
-    for (a, targets) in &folders {
-        for b in targets {
-            if a < b && folders.get(b).is_some_and(|t| t.contains(a)) {
-                loops.push((a.clone(), b.clone()));
-            }
-        }
-    }
+    let found = cycles(&folders);
     assert!(
-        loops.is_empty(),
-        "folders that import each other: {loops:?}"
+        found.is_empty(),
+        "folders that import each other, directly or around a cycle: {found:?}"
     );
 }

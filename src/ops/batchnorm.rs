@@ -31,7 +31,8 @@
 //!
 //! CPU: every pass runs over the `[H, W]` planes in parallel on Candle's persistent thread pool
 //! (per-plane partial sums, added per channel in a fixed order, so results do not depend on the
-//! thread count). CUDA: kernels in CUDA C compiled once per process with NVRTC.
+//! thread count). CUDA: the kernels of `kernels/batchnorm.cu`, compiled once per process with
+//! NVRTC. Dtype dispatch, operand access and launches go through [`super::util`].
 
 use std::ops::Range;
 
@@ -39,8 +40,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType,
 };
-use half::{bf16, f16, slice::HalfFloatSliceExt};
 
+use super::util::{self, dispatch_float, Float};
 use crate::error::Result;
 
 /// Training-mode batch norm over `[N, C, H, W]` (statistics over N, H, W per channel), optionally
@@ -212,15 +213,14 @@ impl CustomOp1 for BnStats {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
-        let out = match s {
-            CpuStorage::F32(_) => cpu::stats::<f32>(cpu_slice(s, l, "x")?, dims),
-            CpuStorage::F16(_) => cpu::stats::<f16>(cpu_slice(s, l, "x")?, dims),
-            CpuStorage::BF16(_) => cpu::stats::<bf16>(cpu_slice(s, l, "x")?, dims),
-            _ => return Err(unsupported(self.name(), s.dtype())),
-        };
-        Ok((CpuStorage::F32(out), Shape::from((2, c))))
+        let d = dims_of(l)?;
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cpu::stats::<T>(cpu_slice(s, l, "x")?, d),
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 
     #[cfg(feature = "cuda")]
@@ -229,9 +229,14 @@ impl CustomOp1 for BnStats {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l.shape().dims4()?;
-        let out = cuda::stats(s, l, Dims { n, c, hw: h * w })?;
-        Ok((out, Shape::from((2, c))))
+        let d = dims_of(l)?;
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cuda::stats::<T>(s, l, d)?,
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((out, Shape::from((2, d.c))))
     }
 }
 
@@ -249,25 +254,20 @@ impl CustomOp3 for BnNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
+        let d = dims_of(l1)?;
         let gamma = cpu_slice::<f32>(s2, l2, "gamma")?;
         let beta = cpu_slice::<f32>(s3, l3, "beta")?;
         let (guard, sl) = self.stats.storage_and_layout();
         let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
-        let ch = cpu::NormChannels::new(gamma, beta, stats, c, self.eps);
-        let out = match s1 {
-            CpuStorage::F32(_) => {
-                f32::to_cpu_storage_owned(cpu::norm(cpu_slice(s1, l1, "x")?, &ch, dims, self.relu))
-            }
-            CpuStorage::F16(_) => {
-                f16::to_cpu_storage_owned(cpu::norm(cpu_slice(s1, l1, "x")?, &ch, dims, self.relu))
-            }
-            CpuStorage::BF16(_) => {
-                bf16::to_cpu_storage_owned(cpu::norm(cpu_slice(s1, l1, "x")?, &ch, dims, self.relu))
-            }
-            _ => return Err(unsupported(self.name(), s1.dtype())),
-        };
+        let ch = cpu::NormChannels::new(gamma, beta, stats, d.c, self.eps);
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                T::to_cpu_storage_owned(cpu::norm::<T>(cpu_slice(s1, l1, "x")?, &ch, d, self.relu))
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 
@@ -281,8 +281,13 @@ impl CustomOp3 for BnNorm {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let out = cuda::norm(self, s1, l1, s2, l2, s3, l3, Dims { n, c, hw: h * w })?;
+        let d = dims_of(l1)?;
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| cuda::norm::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 
@@ -340,30 +345,26 @@ impl CustomOp3 for BnBwdReduce {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
+        let d = dims_of(l1)?;
         let (guard, sl) = self.stats.storage_and_layout();
         let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
-        macro_rules! run {
-            ($t:ty) => {
-                cpu::bwd_reduce::<$t>(
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_reduce::<T>(
                     cpu_slice(s1, l1, "x")?,
                     cpu_slice(s2, l2, "grad_y")?,
                     cpu_slice(s3, l3, "y")?,
                     stats,
-                    dims,
+                    d,
                     self.eps,
                     self.relu,
                 )
-            };
-        }
-        let out = match s1 {
-            CpuStorage::F32(_) => run!(f32),
-            CpuStorage::F16(_) => run!(f16),
-            CpuStorage::BF16(_) => run!(bf16),
-            _ => return Err(unsupported(self.name(), s1.dtype())),
-        };
-        Ok((CpuStorage::F32(out), Shape::from((2, c))))
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 
     #[cfg(feature = "cuda")]
@@ -376,9 +377,14 @@ impl CustomOp3 for BnBwdReduce {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let out = cuda::bwd_reduce(self, s1, l1, s2, l2, s3, l3, Dims { n, c, hw: h * w })?;
-        Ok((out, Shape::from((2, c))))
+        let d = dims_of(l1)?;
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| cuda::bwd_reduce::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
+            |dt| return Err(unsupported(self.name(), dt))
+        );
+        Ok((out, Shape::from((2, d.c))))
     }
 }
 
@@ -396,33 +402,29 @@ impl CustomOp3 for BnBwdInput {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let dims = Dims { n, c, hw: h * w };
+        let d = dims_of(l1)?;
         let (stats_guard, stats_l) = self.stats.storage_and_layout();
         let stats = cpu_tensor_slice(&stats_guard, stats_l, "batch statistics")?;
         let (gamma_guard, gamma_l) = self.gamma.storage_and_layout();
         let gamma = cpu_tensor_slice(&gamma_guard, gamma_l, "gamma")?;
         let (sums_guard, sums_l) = self.sums.storage_and_layout();
         let sums = cpu_tensor_slice(&sums_guard, sums_l, "gradient sums")?;
-        let coef = cpu::InputGradChannels::new(gamma, stats, sums, dims, self.eps);
-        macro_rules! run {
-            ($t:ty) => {
-                <$t>::to_cpu_storage_owned(cpu::bwd_input::<$t>(
+        let coef = cpu::InputGradChannels::new(gamma, stats, sums, d, self.eps);
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                T::to_cpu_storage_owned(cpu::bwd_input::<T>(
                     cpu_slice(s1, l1, "x")?,
                     cpu_slice(s2, l2, "grad_y")?,
                     cpu_slice(s3, l3, "y")?,
                     &coef,
-                    dims,
+                    d,
                     self.relu,
                 ))
-            };
-        }
-        let out = match s1 {
-            CpuStorage::F32(_) => run!(f32),
-            CpuStorage::F16(_) => run!(f16),
-            CpuStorage::BF16(_) => run!(bf16),
-            _ => return Err(unsupported(self.name(), s1.dtype())),
-        };
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 
@@ -436,8 +438,13 @@ impl CustomOp3 for BnBwdInput {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let out = cuda::bwd_input(self, s1, l1, s2, l2, s3, l3, Dims { n, c, hw: h * w })?;
+        let d = dims_of(l1)?;
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| cuda::bwd_input::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((out, l1.shape().clone()))
     }
 }
@@ -468,16 +475,25 @@ fn unsupported(op: &str, dtype: DType) -> candle_core::Error {
     ))
 }
 
+/// The name of the op in errors.
+const OP: &str = "batch norm";
+
 /// The contiguous data of a CPU storage argument.
 fn cpu_slice<'a, T: WithDType>(
     s: &'a CpuStorage,
     l: &Layout,
     what: &str,
 ) -> candle_core::Result<&'a [T]> {
-    let (start, end) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} must be contiguous")))?;
-    Ok(&s.as_slice::<T>()?[start..end])
+    util::cpu_slice(s, l, OP, what)
+}
+
+/// The contiguous data of a CPU storage argument an in-place op writes.
+fn cpu_slice_mut<'a, T: Float>(
+    s: &'a mut CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a mut [T]> {
+    util::cpu_slice_mut(s, l, OP, what)
 }
 
 /// The contiguous f32 data of a tensor held by an op (statistics, gamma, sums), which must live on the
@@ -486,7 +502,7 @@ fn cpu_tensor_slice<'a>(s: &'a Storage, l: &Layout, what: &str) -> candle_core::
     match s {
         Storage::Cpu(cs) => cpu_slice(cs, l, what),
         _ => Err(candle_core::Error::Msg(format!(
-            "batch norm: {what} is not on the CPU like x"
+            "{OP}: {what} is not on the CPU like x"
         ))),
     }
 }
@@ -781,65 +797,6 @@ fn pooled_shape(l: &Layout) -> candle_core::Result<Shape> {
     Ok(Shape::from((n, c, h / 2, w / 2)))
 }
 
-/// Dispatch on the activation dtype of a CPU storage: `$f` is called with the type.
-macro_rules! by_dtype {
-    ($s:expr, $name:expr, |$t:ident| $body:expr) => {
-        match $s {
-            CpuStorage::F32(_) => {
-                type $t = f32;
-                $body
-            }
-            CpuStorage::F16(_) => {
-                type $t = f16;
-                $body
-            }
-            CpuStorage::BF16(_) => {
-                type $t = bf16;
-                $body
-            }
-            other => return Err(unsupported($name, other.dtype())),
-        }
-    };
-}
-
-/// Mutable access to a CPU storage of a known float type (Candle has only the shared one).
-trait StorageMut: Sized {
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
-}
-
-macro_rules! storage_mut {
-    ($t:ty, $v:ident) => {
-        impl StorageMut for $t {
-            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [$t]> {
-                match s {
-                    CpuStorage::$v(v) => Some(v),
-                    _ => None,
-                }
-            }
-        }
-    };
-}
-storage_mut!(f32, F32);
-storage_mut!(f16, F16);
-storage_mut!(bf16, BF16);
-
-/// The contiguous data of a CPU storage argument an in-place op writes.
-fn cpu_slice_mut<'a, T: StorageMut>(
-    s: &'a mut CpuStorage,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<&'a mut [T]> {
-    let (start, end) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("batch norm: {what} must be contiguous")))?;
-    let dtype = s.dtype();
-    T::slice_mut(s).map(|v| &mut v[start..end]).ok_or_else(|| {
-        candle_core::Error::Msg(format!(
-            "batch norm: {what} has dtype {dtype:?}, not the activation dtype"
-        ))
-    })
-}
-
 impl candle_core::InplaceOp1 for LeanBn {
     fn name(&self) -> &'static str {
         "bn-relu-in-place"
@@ -849,9 +806,12 @@ impl candle_core::InplaceOp1 for LeanBn {
         let d = dims_of(l)?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        by_dtype!(s, "bn-relu-in-place", |T| {
-            cpu::relu_in_place::<T>(cpu_slice_mut(s, l, "h")?, &ch, d)
-        });
+        dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cpu::relu_in_place::<T>(cpu_slice_mut(s, l, "h")?, &ch, d),
+            |dt| return Err(unsupported("bn-relu-in-place", dt))
+        );
         Ok(())
     }
 }
@@ -868,9 +828,12 @@ impl CustomOp1 for LeanBn {
             .ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        let out = by_dtype!(s, "bn-relu-pool", |T| {
-            T::to_cpu_storage_owned(cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w))
-        });
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| T::to_cpu_storage_owned(cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w)),
+            |dt| return Err(unsupported("bn-relu-pool", dt))
+        );
         Ok((out, pooled_shape(l)?))
     }
 }
@@ -885,9 +848,12 @@ impl CustomOp1 for PoolArgmax {
         let w = self.lean.pool_w.unwrap_or(1);
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
-        let out = by_dtype!(s, self.name(), |T| {
-            cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w)
-        });
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w),
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((CpuStorage::U8(out), pooled_shape(l)?))
     }
 }
@@ -909,17 +875,22 @@ impl CustomOp2 for LeanBn {
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
         let var = &ctx.stats[d.c..];
-        let out = by_dtype!(s1, "bn-relu-bwd-reduce", |T| {
-            cpu::bwd_reduce_from_h::<T>(
-                cpu_slice(s1, l1, "h")?,
-                cpu_slice(s2, l2, "grad_y")?,
-                None,
-                &ch,
-                var,
-                d,
-                self.p.eps as f32,
-            )
-        });
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_reduce_from_h::<T>(
+                    cpu_slice(s1, l1, "h")?,
+                    cpu_slice(s2, l2, "grad_y")?,
+                    None,
+                    &ch,
+                    var,
+                    d,
+                    self.p.eps as f32,
+                )
+            },
+            |dt| return Err(unsupported("bn-relu-bwd-reduce", dt))
+        );
         Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 }
@@ -944,17 +915,22 @@ impl CustomOp3 for PoolBwdReduce {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let var = &ctx.stats[d.c..];
         let am = cpu_slice::<u8>(s3, l3, "argmax")?;
-        let out = by_dtype!(s1, self.name(), |T| {
-            cpu::bwd_reduce_from_h::<T>(
-                cpu_slice(s1, l1, "h")?,
-                cpu_slice(s2, l2, "grad_p")?,
-                Some((am, w)),
-                &ch,
-                var,
-                d,
-                self.lean.p.eps as f32,
-            )
-        });
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_reduce_from_h::<T>(
+                    cpu_slice(s1, l1, "h")?,
+                    cpu_slice(s2, l2, "grad_p")?,
+                    Some((am, w)),
+                    &ch,
+                    var,
+                    d,
+                    self.lean.p.eps as f32,
+                )
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
     }
 }
@@ -994,16 +970,21 @@ impl candle_core::InplaceOp2 for LeanBwdInput {
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
-        by_dtype!(h, self.name(), |T| {
-            cpu::bwd_input_from_h::<T>(
-                cpu_slice_mut(dst, dst_l, "grad_y")?,
-                Some(cpu_slice(h, hl, "h")?),
-                None,
-                &ch,
-                &co,
-                d,
-            )
-        });
+        dispatch_float!(
+            h.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_input_from_h::<T>(
+                    cpu_slice_mut(dst, dst_l, "grad_y")?,
+                    Some(cpu_slice(h, hl, "h")?),
+                    None,
+                    &ch,
+                    &co,
+                    d,
+                )
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok(())
     }
 }
@@ -1029,16 +1010,21 @@ impl candle_core::InplaceOp3 for LeanBwdInput {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
         let am = cpu_slice::<u8>(am, al, "argmax")?;
-        by_dtype!(gp, self.name(), |T| {
-            cpu::bwd_input_from_h::<T>(
-                cpu_slice_mut(dst, dst_l, "h")?,
-                None,
-                Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
-                &ch,
-                &co,
-                d,
-            )
-        });
+        dispatch_float!(
+            gp.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                cpu::bwd_input_from_h::<T>(
+                    cpu_slice_mut(dst, dst_l, "h")?,
+                    None,
+                    Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
+                    &ch,
+                    &co,
+                    d,
+                )
+            },
+            |dt| return Err(unsupported(self.name(), dt))
+        );
         Ok(())
     }
 }
@@ -1058,114 +1044,19 @@ mod cpu {
     /// Below this many elements a pass runs on the calling thread: waking the pool costs more.
     const PAR_MIN_ELEMS: usize = 1 << 15;
 
-    /// An activation dtype, with fast slice conversions to and from f32 (`half` uses F16C/SIMD for
-    /// slices, which per-element conversion cannot).
-    pub(super) trait Elem: WithDType {
-        /// The data itself when it already is f32 (no copy needed).
-        fn as_f32(src: &[Self]) -> Option<&[f32]>;
-        fn load(src: &[Self], dst: &mut [f32]);
-        fn store(src: &[f32], dst: &mut [Self]);
-        /// A zeroed vector, allocated zeroed (calloc: fresh pages, no memset pass) where possible.
-        fn zeros(len: usize) -> Vec<Self>;
-        /// Rounds `buf` to Self's precision in place (stored in Self and read back); `tmp` is
-        /// scratch of at least `buf.len()` for the types that round through memory.
-        fn round(buf: &mut [f32], tmp: &mut [Self]);
-        /// One value rounded to Self (f32 in, where `from_f64` would be a slower software path).
-        fn from_f32(v: f32) -> Self;
-        /// One value as f32.
-        fn to_f32(self) -> f32;
-    }
+    /// An activation dtype (f32, f16, bf16): a [`Float`] whose arithmetic type is f32.
+    pub(super) trait Elem: Float<Acc = f32> {}
 
-    impl Elem for f32 {
-        fn as_f32(src: &[f32]) -> Option<&[f32]> {
-            Some(src)
-        }
-        fn load(src: &[f32], dst: &mut [f32]) {
-            dst.copy_from_slice(src)
-        }
-        fn store(src: &[f32], dst: &mut [f32]) {
-            dst.copy_from_slice(src)
-        }
-        fn zeros(len: usize) -> Vec<f32> {
-            vec![0f32; len]
-        }
-        fn round(_: &mut [f32], _: &mut [f32]) {}
-        fn from_f32(v: f32) -> f32 {
-            v
-        }
-        fn to_f32(self) -> f32 {
-            self
-        }
-    }
-
-    /// Reinterprets a zeroed `Vec<u16>` (allocated with calloc) as a vector of a 16-bit float.
-    fn zeros_u16_as<T: Copy>(len: usize) -> Vec<T> {
-        assert!(std::mem::size_of::<T>() == 2 && std::mem::align_of::<T>() == 2);
-        let mut v = std::mem::ManuallyDrop::new(vec![0u16; len]);
-        // SAFETY: T is f16 or bf16: `repr(transparent)` over u16, so same size and alignment as the
-        // allocation's element type, and every bit pattern (here all zeros) is a valid value.
-        unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut T, v.len(), v.capacity()) }
-    }
-
-    impl Elem for f16 {
-        fn as_f32(_: &[f16]) -> Option<&[f32]> {
-            None
-        }
-        fn load(src: &[f16], dst: &mut [f32]) {
-            src.convert_to_f32_slice(dst)
-        }
-        fn store(src: &[f32], dst: &mut [f16]) {
-            dst.convert_from_f32_slice(src)
-        }
-        fn zeros(len: usize) -> Vec<f16> {
-            zeros_u16_as(len)
-        }
-        fn round(buf: &mut [f32], tmp: &mut [f16]) {
-            let t = &mut tmp[..buf.len()];
-            t.convert_from_f32_slice(buf);
-            t.convert_to_f32_slice(buf);
-        }
-        fn from_f32(v: f32) -> f16 {
-            f16::from_f32(v)
-        }
-        fn to_f32(self) -> f32 {
-            f16::to_f32(self)
-        }
-    }
-
-    impl Elem for bf16 {
-        fn as_f32(_: &[bf16]) -> Option<&[f32]> {
-            None
-        }
-        // `half` converts bf16 slices element by element; these run 16 lanes at a time.
-        fn load(src: &[bf16], dst: &mut [f32]) {
-            crate::ops::bf16_convert::widen(src, dst)
-        }
-        fn store(src: &[f32], dst: &mut [bf16]) {
-            crate::ops::bf16_convert::narrow(src, dst)
-        }
-        fn zeros(len: usize) -> Vec<bf16> {
-            zeros_u16_as(len)
-        }
-        fn round(buf: &mut [f32], _: &mut [bf16]) {
-            crate::ops::bf16_convert::round(buf)
-        }
-        fn from_f32(v: f32) -> bf16 {
-            bf16::from_f32(v)
-        }
-        fn to_f32(self) -> f32 {
-            bf16::to_f32(self)
-        }
-    }
+    impl<T: Float<Acc = f32>> Elem for T {}
 
     /// One block of `src` as f32: the data itself for f32, else converted into `buf`.
     #[inline(always)]
     fn block<'a, T: Elem>(src: &'a [T], buf: &'a mut [f32; BLK]) -> &'a [f32] {
-        match T::as_f32(src) {
+        match T::as_acc(src) {
             Some(s) => s,
             None => {
                 let b = &mut buf[..src.len()];
-                T::load(src, b);
+                T::widen(src, b);
                 b
             }
         }
@@ -1436,7 +1327,7 @@ mod cpu {
                     let xb = block(xc, &mut buf);
                     let rb = &mut res[..xb.len()];
                     normalize(xb, mu, s, b, relu, rb);
-                    T::store(rb, oc);
+                    T::narrow(rb, oc);
                 }
             }
         });
@@ -1554,7 +1445,7 @@ mod cpu {
                     };
                     let rb = &mut res[..xb.len()];
                     input_grad(xb, gb, yb, [mu, a, b, k], rb);
-                    T::store(rb, &mut op[start..end]);
+                    T::narrow(rb, &mut op[start..end]);
                 }
             }
         });
@@ -1583,7 +1474,7 @@ mod cpu {
                 let plane = unsafe { ptr.range(p * d.hw, d.hw) };
                 for hc in plane.chunks_mut(BLK) {
                     let n = hc.len();
-                    T::load(hc, &mut buf[..n]);
+                    T::widen(hc, &mut buf[..n]);
                     normalize(
                         &buf[..n],
                         ch.mean[c],
@@ -1592,7 +1483,7 @@ mod cpu {
                         true,
                         &mut res[..n],
                     );
-                    T::store(&res[..n], hc);
+                    T::narrow(&res[..n], hc);
                 }
             }
         });
@@ -1607,7 +1498,7 @@ mod cpu {
         y: &mut [f32],
         tmp: &mut [T],
     ) {
-        T::load(h, hf);
+        T::widen(h, hf);
         for (hc, yc) in hf.chunks(BLK).zip(y.chunks_mut(BLK)) {
             y_of::<T>(hc, ch, c, tmp, yc);
         }
@@ -1722,7 +1613,7 @@ mod cpu {
                     w,
                     gf,
                 ),
-                None => T::load(&g[p * d.hw..(p + 1) * d.hw], gf),
+                None => T::widen(&g[p * d.hw..(p + 1) * d.hw], gf),
             }
             let mut acc = (0f64, 0f64);
             for start in (0..d.hw).step_by(BLK) {
@@ -1779,7 +1670,7 @@ mod cpu {
                             &mut y,
                             &mut tmp,
                         );
-                        T::load(out, &mut gf);
+                        T::widen(out, &mut gf);
                     }
                     // After a pool: dst holds h, the gradient comes from the pooled plane.
                     (None, Some((gp, am, w))) => {
@@ -1795,7 +1686,7 @@ mod cpu {
                 }
                 let k = [co.mean[c], co.a[c], co.b[c], co.k[c]];
                 input_grad(&hf, &gf, Some(&y), k, &mut res);
-                T::store(&res, out);
+                T::narrow(&res, out);
             }
         });
     }
@@ -1814,260 +1705,15 @@ mod cuda {
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaDevice, CudaStorage};
 
-    /// Name under which the compiled module is cached on each `CudaDevice`.
-    const MODULE: &str = "memtrain_batchnorm";
+    use crate::ops::util::{cuda_view, grid_stride, kernel_source, uint32, Kernels};
 
-    /// The kernels. 16-bit floats are handled as raw bits with PTX `cvt` (f16) and bit arithmetic
-    /// (bf16) instead of `cuda_fp16.h`/`cuda_bf16.h`, so NVRTC needs no CUDA include directory at run
-    /// time; storage is the same 2 bytes as `__half`/`__nv_bfloat16`, and all arithmetic is f32.
-    /// Per-channel reductions are split over `S` blocks per channel (grid `C × S`, each block a
-    /// contiguous range of images, 256 threads, warp-shuffle + shared-memory tree) that write partial
-    /// sums, and a small kernel (one thread per channel) adds the `S` partials: one block per channel
-    /// left most SMs idle at CIFAR shapes (32 channels on 132 SMs): at [128, 32, 32, 32] on an H100 a
-    /// reduction pass took 80–94 µs that way and takes 11–17 µs split (ncu). Elements are visited plane
-    /// by plane (no per-element division) where a plane fills a warp. Elementwise passes use a
-    /// grid-stride loop.
-    pub(super) const KERNELS: &str = r##"
-typedef unsigned short u16;
-struct h16 { u16 v; };
-struct b16 { u16 v; };
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(h16 v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.v));
-    return f;
-}
-__device__ __forceinline__ float to_f(b16 v) { return __uint_as_float(((unsigned int)v.v) << 16); }
-
-template <typename T> __device__ __forceinline__ T from_f(float f);
-template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
-template <> __device__ __forceinline__ h16 from_f<h16>(float f) {
-    h16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.v) : "f"(f));
-    return r;
-}
-template <> __device__ __forceinline__ b16 from_f<b16>(float f) {
-    unsigned int u = __float_as_uint(f);
-    b16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.v = (u16)((u >> 16) | 0x0040u); /* NaN stays a (quiet) NaN */
-    } else {
-        u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-        r.v = (u16)(u >> 16);
-    }
-    return r;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-/* Sum over the block; every thread gets the total. blockDim.x must be a multiple of 32. */
-__device__ float block_sum(float v) {
-    __shared__ float sh[32];
-    v = warp_sum(v);
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = lane < (blockDim.x >> 5) ? sh[lane] : 0.0f;
-    v = warp_sum(v);
-    __syncthreads(); /* sh is reused by the next call */
-    return v;
-}
-
-/* Calls f(index) for every element of channel c in images [n0, n1) that this thread owns.
-   Planes (the HW elements of one image and channel) are contiguous: a plane at least a block wide
-   is swept by the whole block, a plane at least a warp wide by one warp, and tiny planes (1x1, 2x2,
-   4x4) are flattened with one division per element. The loops are unrolled so that each thread has
-   several independent loads in flight (a reduction pass is memory-latency bound otherwise). */
-template <typename F>
-__device__ __forceinline__ void for_channel(unsigned n0, unsigned n1, unsigned c, unsigned C, unsigned HW, F f) {
-    if (HW >= blockDim.x) {
-        for (unsigned n = n0; n < n1; ++n) {
-            const unsigned base = (n * C + c) * HW;
-#pragma unroll 4
-            for (unsigned i = threadIdx.x; i < HW; i += blockDim.x) f(base + i);
-        }
-    } else if (HW >= 32) {
-        const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-        for (unsigned n = n0 + warp; n < n1; n += nw) {
-            const unsigned base = (n * C + c) * HW;
-#pragma unroll 4
-            for (unsigned i = lane; i < HW; i += 32) f(base + i);
-        }
-    } else {
-        const unsigned cnt = (n1 - n0) * HW;
-#pragma unroll 4
-        for (unsigned j = threadIdx.x; j < cnt; j += blockDim.x) {
-            const unsigned q = j / HW;
-            f(((n0 + q) * C + c) * HW + (j - q * HW));
-        }
-    }
-}
-
-/* Block (c, s) of a split reduction covers images [s*N/S, (s+1)*N/S) of channel c. */
-#define SPLIT_RANGE                                            \
-    const unsigned c = blockIdx.x, s = blockIdx.y, S = gridDim.y; \
-    const unsigned n0 = s * N / S, n1 = (s + 1) * N / S;
-
-/* Pass 1 of the statistics: partial sums of x. */
-template <typename T>
-__device__ void psum_impl(const T* __restrict__ x, float* __restrict__ psum, unsigned C, unsigned HW, unsigned N) {
-    SPLIT_RANGE
-    float acc = 0.0f;
-    for_channel(n0, n1, c, C, HW, [&](unsigned i) { acc += to_f(x[i]); });
-    acc = block_sum(acc);
-    if (threadIdx.x == 0) psum[c * S + s] = acc;
-}
-
-/* Sum of the S partials of channel c (S is small; every thread reads them, from cache). */
-__device__ __forceinline__ float partials(const float* p, unsigned c, unsigned S) {
-    float t = 0.0f;
-    for (unsigned k = 0; k < S; ++k) t += p[c * S + k];
-    return t;
-}
-
-/* Pass 2 of the statistics: partial sums of (x - mean)^2, the mean from pass 1's partials. */
-template <typename T>
-__device__ void psq_impl(const T* __restrict__ x, const float* __restrict__ psum, float* __restrict__ psq,
-                         unsigned C, unsigned HW, unsigned N) {
-    SPLIT_RANGE
-    const float mean = partials(psum, c, S) / (float)(N * HW);
-    float acc = 0.0f;
-    for_channel(n0, n1, c, C, HW, [&](unsigned i) {
-        const float d = to_f(x[i]) - mean;
-        acc += d * d;
-    });
-    acc = block_sum(acc);
-    if (threadIdx.x == 0) psq[c * S + s] = acc;
-}
-
-/* Backward partials: sum g' and sum g'·(x - mean), g' the ReLU-masked upstream gradient. */
-template <typename T>
-__device__ void bwd_partial_impl(const T* __restrict__ x, const T* __restrict__ gy, const T* __restrict__ y,
-                                 const float* __restrict__ stats, float* __restrict__ part, unsigned C,
-                                 unsigned HW, unsigned N, int relu) {
-    SPLIT_RANGE
-    const float mean = stats[c];
-    float sg = 0.0f, sgx = 0.0f;
-    for_channel(n0, n1, c, C, HW, [&](unsigned i) {
-        float g = to_f(gy[i]);
-        if (relu && !(to_f(y[i]) > 0.0f)) g = 0.0f;
-        sg += g;
-        sgx += g * (to_f(x[i]) - mean);
-    });
-    sg = block_sum(sg);
-    sgx = block_sum(sgx);
-    if (threadIdx.x == 0) {
-        part[2 * (c * S + s)] = sg;
-        part[2 * (c * S + s) + 1] = sgx;
-    }
-}
-
-/* Final step of the statistics, one thread per channel: stats = [mean; biased var]. */
-extern "C" __global__ void bn_stats_final(const float* psum, const float* psq, float* stats, unsigned C,
-                                          unsigned S, unsigned M) {
-    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    stats[c] = partials(psum, c, S) / (float)M;
-    stats[C + c] = partials(psq, c, S) / (float)M;
-}
-
-/* Final step of the backward sums, one thread per channel: out = [grad_gamma; grad_beta]. */
-extern "C" __global__ void bn_bwd_final(const float* part, const float* stats, float* out, unsigned C,
-                                        unsigned S, float eps) {
-    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float sg = 0.0f, sgx = 0.0f;
-    for (unsigned k = 0; k < S; ++k) {
-        sg += part[2 * (c * S + k)];
-        sgx += part[2 * (c * S + k) + 1];
-    }
-    out[c] = sgx * rsqrtf(stats[C + c] + eps);
-    out[C + c] = sg;
-}
-
-template <typename T>
-__device__ void norm_impl(const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta,
-                          const float* __restrict__ stats, T* __restrict__ y, unsigned C, unsigned HW,
-                          unsigned total, float eps, int relu) {
-    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
-        const unsigned c = (e / HW) % C;
-        const float scale = gamma[c] * rsqrtf(stats[C + c] + eps);
-        float v = (to_f(x[e]) - stats[c]) * scale + beta[c];
-        if (relu) v = fmaxf(v, 0.0f);
-        y[e] = from_f<T>(v);
-    }
-}
-
-template <typename T>
-__device__ void bwd_input_impl(const T* __restrict__ x, const T* __restrict__ gy, const T* __restrict__ y,
-                               const float* __restrict__ stats, const float* __restrict__ gamma,
-                               const float* __restrict__ sums, T* __restrict__ gx, unsigned C, unsigned HW,
-                               unsigned total, float inv_m, float eps, int relu) {
-    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
-        const unsigned c = (e / HW) % C;
-        const float inv = rsqrtf(stats[C + c] + eps);
-        const float a = gamma[c] * inv;
-        const float b = -inv * sums[c] * inv_m;
-        const float k = -sums[C + c] * inv_m;
-        float g = to_f(gy[e]);
-        if (relu && !(to_f(y[e]) > 0.0f)) g = 0.0f;
-        gx[e] = from_f<T>(a * (g + b * (to_f(x[e]) - stats[c]) + k));
-    }
-}
-
-#define BN_KERNELS(T, SFX)                                                                                  \
-    extern "C" __global__ void bn_psum_##SFX(const T* x, float* psum, unsigned C, unsigned HW, unsigned N) {  \
-        psum_impl<T>(x, psum, C, HW, N);                                                                    \
-    }                                                                                                       \
-    extern "C" __global__ void bn_psq_##SFX(const T* x, const float* psum, float* psq, unsigned C,          \
-                                            unsigned HW, unsigned N) {                                      \
-        psq_impl<T>(x, psum, psq, C, HW, N);                                                                \
-    }                                                                                                       \
-    extern "C" __global__ void bn_norm_##SFX(const T* x, const float* gamma, const float* beta,             \
-                                             const float* stats, T* y, unsigned C, unsigned HW,             \
-                                             unsigned total, float eps, int relu) {                         \
-        norm_impl<T>(x, gamma, beta, stats, y, C, HW, total, eps, relu);                                    \
-    }                                                                                                       \
-    extern "C" __global__ void bn_bwd_partial_##SFX(const T* x, const T* gy, const T* y, const float* stats, \
-                                                    float* part, unsigned C, unsigned HW, unsigned N,        \
-                                                    int relu) {                                             \
-        bwd_partial_impl<T>(x, gy, y, stats, part, C, HW, N, relu);                                         \
-    }                                                                                                       \
-    extern "C" __global__ void bn_bwd_input_##SFX(const T* x, const T* gy, const T* y, const float* stats,   \
-                                                  const float* gamma, const float* sums, T* gx, unsigned C,  \
-                                                  unsigned HW, unsigned total, float inv_m, float eps,       \
-                                                  int relu) {                                               \
-        bwd_input_impl<T>(x, gy, y, stats, gamma, sums, gx, C, HW, total, inv_m, eps, relu);                \
-    }
-
-BN_KERNELS(float, f32)
-BN_KERNELS(h16, f16)
-BN_KERNELS(b16, bf16)
-"##;
-
-    static COMPILED: crate::ops::cuda_util::Kernels =
-        crate::ops::cuda_util::Kernels::new("batch norm", KERNELS);
+    /// The kernels of `kernels/batchnorm.cu` (see there for how the reductions are split).
+    static KERNELS: Kernels =
+        Kernels::new(OP, "memtrain_batchnorm", kernel_source!("batchnorm.cu"));
 
     /// The kernel `{kernel}_{f32|f16|bf16}` for x's dtype.
     fn func(dev: &CudaDevice, kernel: &str, dtype: DType) -> candle_core::Result<CudaFunction> {
-        let suffix = match dtype {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            other => return Err(unsupported(kernel, other)),
-        };
-        plain_func(dev, &format!("{kernel}_{suffix}"))
-    }
-
-    /// A kernel by its full name (the dtype-independent finalizers).
-    fn plain_func(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
-        Ok(dev
-            .get_or_load_custom_func(name, MODULE, COMPILED.ptx()?)?
-            .into_cuda_function())
+        KERNELS.func(dev, &format!("{kernel}_{}", dtype.as_str()))
     }
 
     /// The contiguous data of a CUDA storage argument.
@@ -2076,10 +1722,7 @@ BN_KERNELS(b16, bf16)
         l: &Layout,
         what: &str,
     ) -> candle_core::Result<CudaView<'a, T>> {
-        let (start, end) = l.contiguous_offsets().ok_or_else(|| {
-            candle_core::Error::Msg(format!("batch norm: {what} must be contiguous"))
-        })?;
-        Ok(s.as_cuda_slice::<T>()?.slice(start..end))
+        cuda_view(s, l, OP, what)
     }
 
     /// The CUDA storage of a tensor held by an op (statistics, gamma, sums).
@@ -2087,7 +1730,7 @@ BN_KERNELS(b16, bf16)
         match s {
             Storage::Cuda(cs) => Ok(cs),
             _ => Err(candle_core::Error::Msg(format!(
-                "batch norm: {what} is not on the GPU like x"
+                "{OP}: {what} is not on the GPU like x"
             ))),
         }
     }
@@ -2119,74 +1762,71 @@ BN_KERNELS(b16, bf16)
         }
     }
 
-    /// Grid-stride elementwise launch over `total` elements.
-    fn elementwise_cfg(total: usize) -> LaunchConfig {
-        let blocks = total.div_ceil(256).clamp(1, 1 << 16) as u32;
-        LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
+    /// A size as the kernels' `unsigned` (`check_inputs` keeps x under 2^31 elements).
     fn u32_of(v: usize) -> candle_core::Result<u32> {
-        u32::try_from(v).map_err(|_| {
-            candle_core::Error::Msg(format!("batch norm: size {v} too large for the kernels"))
-        })
+        uint32(OP, "size", v)
     }
 
-    pub(super) fn stats(s: &CudaStorage, l: &Layout, d: Dims) -> candle_core::Result<CudaStorage> {
-        fn run<T: CudaDType + DeviceRepr + WithDType>(
-            s: &CudaStorage,
-            l: &Layout,
-            d: Dims,
-        ) -> candle_core::Result<CudaStorage> {
-            let dev = &s.device;
-            let stream = dev.cuda_stream();
-            let x = view::<T>(s, l, "x")?;
-            let sp = split(d);
-            let (c, hw, n, sp32, m) = (
-                u32_of(d.c)?,
-                u32_of(d.hw)?,
-                u32_of(d.n)?,
-                u32_of(sp)?,
-                u32_of(d.m())?,
-            );
-            // SAFETY (allocations): every element is written by its kernel before it is read
-            // (thread 0 of each block writes its partial; the finalizer writes every channel).
-            let mut psum: CudaSlice<f32> = unsafe { dev.alloc::<f32>(d.c * sp)? };
-            let mut psq: CudaSlice<f32> = unsafe { dev.alloc::<f32>(d.c * sp)? };
-            let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c)? };
-            let f = func(dev, "bn_psum", T::DTYPE)?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&x).arg(&mut psum).arg(&c).arg(&hw).arg(&n);
-            // SAFETY (launches): argument types and count match the kernel signatures; sizes checked.
-            unsafe { b.launch(split_cfg(d, sp)) }.w()?;
-            let f = func(dev, "bn_psq", T::DTYPE)?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&x).arg(&psum).arg(&mut psq).arg(&c).arg(&hw).arg(&n);
-            unsafe { b.launch(split_cfg(d, sp)) }.w()?;
-            let f = plain_func(dev, "bn_stats_final")?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&psum)
-                .arg(&psq)
-                .arg(&mut out)
-                .arg(&c)
-                .arg(&sp32)
-                .arg(&m);
-            unsafe { b.launch(per_channel_cfg(d.c)) }.w()?;
-            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-        }
-        match s.dtype() {
-            DType::F32 => run::<f32>(s, l, d),
-            DType::F16 => run::<f16>(s, l, d),
-            DType::BF16 => run::<bf16>(s, l, d),
-            other => Err(unsupported("batch-norm-stats", other)),
-        }
+    /// An activation dtype on the GPU.
+    pub(super) trait CudaElem: CudaDType + DeviceRepr + WithDType {}
+
+    impl<T: CudaDType + DeviceRepr + WithDType> CudaElem for T {}
+
+    /// `[mean; var]` per channel: partial sums, partial squared deviations, then the finalizer.
+    pub(super) fn stats<T: CudaElem>(
+        s: &CudaStorage,
+        l: &Layout,
+        d: Dims,
+    ) -> candle_core::Result<CudaStorage> {
+        let dev = &s.device;
+        let stream = dev.cuda_stream();
+        let x = view::<T>(s, l, "x")?;
+        let sp = split(d);
+        let (c, hw, n, sp32, m) = (
+            u32_of(d.c)?,
+            u32_of(d.hw)?,
+            u32_of(d.n)?,
+            u32_of(sp)?,
+            u32_of(d.m())?,
+        );
+        // SAFETY (allocations): every element is written by its kernel before it is read
+        // (thread 0 of each block writes its partial; the finalizer writes every channel).
+        let mut psum: CudaSlice<f32> = unsafe { dev.alloc::<f32>(d.c * sp)? };
+        let mut psq: CudaSlice<f32> = unsafe { dev.alloc::<f32>(d.c * sp)? };
+        let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c)? };
+        let f = func(dev, "bn_psum", T::DTYPE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&x).arg(&mut psum).arg(&c).arg(&hw).arg(&n);
+        // SAFETY (launches): argument types and count match the kernel signatures; sizes checked.
+        unsafe { b.launch(split_cfg(d, sp)) }.w()?;
+        let f = func(dev, "bn_psq", T::DTYPE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&x).arg(&psum).arg(&mut psq).arg(&c).arg(&hw).arg(&n);
+        unsafe { b.launch(split_cfg(d, sp)) }.w()?;
+        let f = KERNELS.func(dev, "bn_stats_final")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&psum)
+            .arg(&psq)
+            .arg(&mut out)
+            .arg(&c)
+            .arg(&sp32)
+            .arg(&m);
+        unsafe { b.launch(per_channel_cfg(d.c)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
+    /// The f32 `[2, C]` statistics an op holds, as a view on the GPU.
+    fn held_view<'a>(
+        guard: &'a Storage,
+        l: &Layout,
+        what: &str,
+    ) -> candle_core::Result<CudaView<'a, f32>> {
+        view::<f32>(held(guard, what)?, l, what)
+    }
+
+    /// The normalization (+ ReLU) pass, elementwise.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn norm(
+    pub(super) fn norm<T: CudaElem>(
         op: &BnNorm,
         s1: &CudaStorage,
         l1: &Layout,
@@ -2196,46 +1836,29 @@ BN_KERNELS(b16, bf16)
         l3: &Layout,
         d: Dims,
     ) -> candle_core::Result<CudaStorage> {
-        #[allow(clippy::too_many_arguments)]
-        fn run<T: CudaDType + DeviceRepr + WithDType>(
-            op: &BnNorm,
-            s1: &CudaStorage,
-            l1: &Layout,
-            s2: &CudaStorage,
-            l2: &Layout,
-            s3: &CudaStorage,
-            l3: &Layout,
-            d: Dims,
-        ) -> candle_core::Result<CudaStorage> {
-            let dev = &s1.device;
-            let x = view::<T>(s1, l1, "x")?;
-            let gamma = view::<f32>(s2, l2, "gamma")?;
-            let beta = view::<f32>(s3, l3, "beta")?;
-            let (guard, sl) = op.stats.storage_and_layout();
-            let stats = view::<f32>(held(&guard, "batch statistics")?, sl, "batch statistics")?;
-            let total = d.planes() * d.hw;
-            // SAFETY: the grid-stride loop writes every element.
-            let mut y: CudaSlice<T> = unsafe { dev.alloc::<T>(total)? };
-            let f = func(dev, "bn_norm", T::DTYPE)?;
-            let (c, hw, tot, relu) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(total)?, op.relu as i32);
-            let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&f);
-            b.arg(&x).arg(&gamma).arg(&beta).arg(&stats).arg(&mut y);
-            b.arg(&c).arg(&hw).arg(&tot).arg(&op.eps).arg(&relu);
-            // SAFETY: argument types and count match the kernel signature; sizes checked above.
-            unsafe { b.launch(elementwise_cfg(total)) }.w()?;
-            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-        }
-        match s1.dtype() {
-            DType::F32 => run::<f32>(op, s1, l1, s2, l2, s3, l3, d),
-            DType::F16 => run::<f16>(op, s1, l1, s2, l2, s3, l3, d),
-            DType::BF16 => run::<bf16>(op, s1, l1, s2, l2, s3, l3, d),
-            other => Err(unsupported("batch-norm", other)),
-        }
+        let dev = &s1.device;
+        let x = view::<T>(s1, l1, "x")?;
+        let gamma = view::<f32>(s2, l2, "gamma")?;
+        let beta = view::<f32>(s3, l3, "beta")?;
+        let (guard, sl) = op.stats.storage_and_layout();
+        let stats = held_view(&guard, sl, "batch statistics")?;
+        let total = d.planes() * d.hw;
+        // SAFETY: the grid-stride loop writes every element.
+        let mut y: CudaSlice<T> = unsafe { dev.alloc::<T>(total)? };
+        let f = func(dev, "bn_norm", T::DTYPE)?;
+        let (c, hw, tot, relu) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(total)?, op.relu as i32);
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&f);
+        b.arg(&x).arg(&gamma).arg(&beta).arg(&stats).arg(&mut y);
+        b.arg(&c).arg(&hw).arg(&tot).arg(&op.eps).arg(&relu);
+        // SAFETY: argument types and count match the kernel signature; sizes checked above.
+        unsafe { b.launch(grid_stride(total)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     }
 
+    /// Backward, part 1: per-channel partials of `Σg'` and `Σg'·(x - mean)`, then the finalizer.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn bwd_reduce(
+    pub(super) fn bwd_reduce<T: CudaElem>(
         op: &BnBwdReduce,
         s1: &CudaStorage,
         l1: &Layout,
@@ -2245,62 +1868,45 @@ BN_KERNELS(b16, bf16)
         l3: &Layout,
         d: Dims,
     ) -> candle_core::Result<CudaStorage> {
-        #[allow(clippy::too_many_arguments)]
-        fn run<T: CudaDType + DeviceRepr + WithDType>(
-            op: &BnBwdReduce,
-            s1: &CudaStorage,
-            l1: &Layout,
-            s2: &CudaStorage,
-            l2: &Layout,
-            s3: &CudaStorage,
-            l3: &Layout,
-            d: Dims,
-        ) -> candle_core::Result<CudaStorage> {
-            let dev = &s1.device;
-            let x = view::<T>(s1, l1, "x")?;
-            let gy = view::<T>(s2, l2, "grad_y")?;
-            let y = view::<T>(s3, l3, "y")?;
-            let (guard, sl) = op.stats.storage_and_layout();
-            let stats = view::<f32>(held(&guard, "batch statistics")?, sl, "batch statistics")?;
-            let stream = dev.cuda_stream();
-            let sp = split(d);
-            let (c, hw, n, sp32, relu) = (
-                u32_of(d.c)?,
-                u32_of(d.hw)?,
-                u32_of(d.n)?,
-                u32_of(sp)?,
-                op.relu as i32,
-            );
-            // SAFETY (allocations): every element is written by its kernel before it is read.
-            let mut part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c * sp)? };
-            let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c)? };
-            let f = func(dev, "bn_bwd_partial", T::DTYPE)?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&x).arg(&gy).arg(&y).arg(&stats).arg(&mut part);
-            b.arg(&c).arg(&hw).arg(&n).arg(&relu);
-            // SAFETY (launches): argument types and count match the kernel signatures; sizes checked.
-            unsafe { b.launch(split_cfg(d, sp)) }.w()?;
-            let f = plain_func(dev, "bn_bwd_final")?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&part)
-                .arg(&stats)
-                .arg(&mut out)
-                .arg(&c)
-                .arg(&sp32)
-                .arg(&op.eps);
-            unsafe { b.launch(per_channel_cfg(d.c)) }.w()?;
-            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-        }
-        match s1.dtype() {
-            DType::F32 => run::<f32>(op, s1, l1, s2, l2, s3, l3, d),
-            DType::F16 => run::<f16>(op, s1, l1, s2, l2, s3, l3, d),
-            DType::BF16 => run::<bf16>(op, s1, l1, s2, l2, s3, l3, d),
-            other => Err(unsupported("batch-norm-bwd-reduce", other)),
-        }
+        let dev = &s1.device;
+        let x = view::<T>(s1, l1, "x")?;
+        let gy = view::<T>(s2, l2, "grad_y")?;
+        let y = view::<T>(s3, l3, "y")?;
+        let (guard, sl) = op.stats.storage_and_layout();
+        let stats = held_view(&guard, sl, "batch statistics")?;
+        let stream = dev.cuda_stream();
+        let sp = split(d);
+        let (c, hw, n, sp32, relu) = (
+            u32_of(d.c)?,
+            u32_of(d.hw)?,
+            u32_of(d.n)?,
+            u32_of(sp)?,
+            op.relu as i32,
+        );
+        // SAFETY (allocations): every element is written by its kernel before it is read.
+        let mut part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c * sp)? };
+        let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(2 * d.c)? };
+        let f = func(dev, "bn_bwd_partial", T::DTYPE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&x).arg(&gy).arg(&y).arg(&stats).arg(&mut part);
+        b.arg(&c).arg(&hw).arg(&n).arg(&relu);
+        // SAFETY (launches): argument types and count match the kernel signatures; sizes checked.
+        unsafe { b.launch(split_cfg(d, sp)) }.w()?;
+        let f = KERNELS.func(dev, "bn_bwd_final")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&part)
+            .arg(&stats)
+            .arg(&mut out)
+            .arg(&c)
+            .arg(&sp32)
+            .arg(&op.eps);
+        unsafe { b.launch(per_channel_cfg(d.c)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
+    /// Backward, part 2: the input gradient, elementwise.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn bwd_input(
+    pub(super) fn bwd_input<T: CudaElem>(
         op: &BnBwdInput,
         s1: &CudaStorage,
         l1: &Layout,
@@ -2310,61 +1916,39 @@ BN_KERNELS(b16, bf16)
         l3: &Layout,
         d: Dims,
     ) -> candle_core::Result<CudaStorage> {
-        #[allow(clippy::too_many_arguments)]
-        fn run<T: CudaDType + DeviceRepr + WithDType>(
-            op: &BnBwdInput,
-            s1: &CudaStorage,
-            l1: &Layout,
-            s2: &CudaStorage,
-            l2: &Layout,
-            s3: &CudaStorage,
-            l3: &Layout,
-            d: Dims,
-        ) -> candle_core::Result<CudaStorage> {
-            let dev = &s1.device;
-            let x = view::<T>(s1, l1, "x")?;
-            let gy = view::<T>(s2, l2, "grad_y")?;
-            let y = view::<T>(s3, l3, "y")?;
-            let (stats_guard, stats_l) = op.stats.storage_and_layout();
-            let stats = view::<f32>(
-                held(&stats_guard, "batch statistics")?,
-                stats_l,
-                "batch statistics",
-            )?;
-            let (gamma_guard, gamma_l) = op.gamma.storage_and_layout();
-            let gamma = view::<f32>(held(&gamma_guard, "gamma")?, gamma_l, "gamma")?;
-            let (sums_guard, sums_l) = op.sums.storage_and_layout();
-            let sums = view::<f32>(held(&sums_guard, "gradient sums")?, sums_l, "gradient sums")?;
-            let total = d.planes() * d.hw;
-            // SAFETY: the grid-stride loop writes every element.
-            let mut gx: CudaSlice<T> = unsafe { dev.alloc::<T>(total)? };
-            let f = func(dev, "bn_bwd_input", T::DTYPE)?;
-            let (c, hw, tot, relu) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(total)?, op.relu as i32);
-            let inv_m = 1.0f32 / d.m() as f32;
-            let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&f);
-            b.arg(&x)
-                .arg(&gy)
-                .arg(&y)
-                .arg(&stats)
-                .arg(&gamma)
-                .arg(&sums)
-                .arg(&mut gx);
-            b.arg(&c)
-                .arg(&hw)
-                .arg(&tot)
-                .arg(&inv_m)
-                .arg(&op.eps)
-                .arg(&relu);
-            // SAFETY: argument types and count match the kernel signature; sizes checked above.
-            unsafe { b.launch(elementwise_cfg(total)) }.w()?;
-            Ok(CudaStorage::wrap_cuda_slice(gx, dev.clone()))
-        }
-        match s1.dtype() {
-            DType::F32 => run::<f32>(op, s1, l1, s2, l2, s3, l3, d),
-            DType::F16 => run::<f16>(op, s1, l1, s2, l2, s3, l3, d),
-            DType::BF16 => run::<bf16>(op, s1, l1, s2, l2, s3, l3, d),
-            other => Err(unsupported("batch-norm-bwd-input", other)),
-        }
+        let dev = &s1.device;
+        let x = view::<T>(s1, l1, "x")?;
+        let gy = view::<T>(s2, l2, "grad_y")?;
+        let y = view::<T>(s3, l3, "y")?;
+        let (stats_guard, stats_l) = op.stats.storage_and_layout();
+        let stats = held_view(&stats_guard, stats_l, "batch statistics")?;
+        let (gamma_guard, gamma_l) = op.gamma.storage_and_layout();
+        let gamma = held_view(&gamma_guard, gamma_l, "gamma")?;
+        let (sums_guard, sums_l) = op.sums.storage_and_layout();
+        let sums = held_view(&sums_guard, sums_l, "gradient sums")?;
+        let total = d.planes() * d.hw;
+        // SAFETY: the grid-stride loop writes every element.
+        let mut gx: CudaSlice<T> = unsafe { dev.alloc::<T>(total)? };
+        let f = func(dev, "bn_bwd_input", T::DTYPE)?;
+        let (c, hw, tot, relu) = (u32_of(d.c)?, u32_of(d.hw)?, u32_of(total)?, op.relu as i32);
+        let inv_m = 1.0f32 / d.m() as f32;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&f);
+        b.arg(&x)
+            .arg(&gy)
+            .arg(&y)
+            .arg(&stats)
+            .arg(&gamma)
+            .arg(&sums)
+            .arg(&mut gx);
+        b.arg(&c)
+            .arg(&hw)
+            .arg(&tot)
+            .arg(&inv_m)
+            .arg(&op.eps)
+            .arg(&relu);
+        // SAFETY: argument types and count match the kernel signature; sizes checked above.
+        unsafe { b.launch(grid_stride(total)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(gx, dev.clone()))
     }
 }

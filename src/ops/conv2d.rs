@@ -1,61 +1,37 @@
-//! gemm-based 2D convolution with a bounded im2col buffer and a gemm backward (the CPU kernels;
-//! the CUDA passes are in [`super::conv2d_cuda`]).
+//! gemm-based 2D convolution with a bounded im2col buffer and a gemm backward: the public
+//! functions and the Candle op that dispatches each pass to its kernels.
 //!
 //! Candle 0.11's CPU conv2d backward runs naive direct loops (the input gradient through
 //! `conv_transpose2d`, the weight gradient through a conv2d whose "kernel" is the whole output map),
 //! which makes a training step about 5x the forward; it also rejects bf16 (`unsupported dtype BF16
 //! for op matmul`) and its full im2col variant materializes the whole batch's column matrix. This op
-//! keeps every direction on gemm:
+//! keeps every direction on gemm, with the column buffer bounded by [`IM2COL_CHUNK_BYTES`].
 //!
-//! - forward, per image: `out[Cout, Ho·Wo] = W[Cout, Cin·K·K] · col[Cin·K·K, Ho·Wo]`;
-//! - input gradient, per image: `dcol = Wᵀ · grad`, then col2im adds `dcol` back onto the image;
-//! - weight gradient, per chunk of `b` images: `dWᵀ += col[Cin·K·K, b·Ho·Wo] · gradᵀ[b·Ho·Wo, Cout]`.
+//! The op's halves, each depending only on the shared geometry ([`super::geom::Geom`]) and the
+//! shared helpers ([`super::util`]), never on this dispatcher:
 //!
-//! The column matrix stores row `(c, kh, kw)` in the weight's own memory order, so `W` is used as a
-//! plain `[Cout, Cin·K·K]` matrix and the forward writes NCHW output without a permute. Images are
-//! shared out to candle's CPU thread pool ([`candle_core::utils::barrier_pool`]); each thread runs
-//! single-threaded gemms on its own images, which avoids a fork/join inside every small gemm and lets
-//! im2col/col2im run in parallel too. Each thread owns one column buffer, so the transient memory is
-//! bounded by [`IM2COL_CHUNK_BYTES`] (or one image per thread) instead of Candle's full-batch im2col.
+//! - [`super::conv2d_cpu`]: the CPU passes for every float dtype (im2col + gemm per image,
+//!   half types widened to f32 one image at a time), bit-for-bit reproducible;
+//! - [`super::conv2d_bf16`]: on an x86-64 CPU with AVX-512, bf16 inputs stay bf16 (packed
+//!   straight from im2col rows) and all three passes run on our own bf16 kernels with f32 sums
+//!   ([`super::gemm_bf16`]); the widening path is their fallback;
+//! - [`super::conv2d_cuda`]: im2col + cuBLAS + col2im in chunks of the batch on CUDA;
+//! - [`super::conv2d_cudnn`]: cuDNN on CUDA, in a build with the `cudnn` feature.
 //!
-//! Results do not depend on how the threads are scheduled: the forward and input gradient write
-//! each image's result to its own slice, and the weight gradient adds its per-chunk partial sums
-//! in a fixed order (see `grad_weight`), so a training run is bit-for-bit reproducible.
-//!
-//! Half-precision inputs (f16, bf16) are widened to f32 one image at a time, multiplied in f32 and
-//! narrowed on the way out: gemm has no bf16 kernel, and its f16 kernel widens to f32 internally
-//! anyway (without AVX512-FP16) while rounding partial sums to f16 between K blocks. On an
-//! x86-64 CPU with AVX-512, bf16 inputs instead stay bf16 (packed straight from im2col rows) and
-//! all three passes run on our own bf16 kernels with f32 sums ([`super::conv2d_bf16`],
-//! [`super::gemm_bf16`]); the widening path is their fallback.
-
-use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+//! On other devices (Metal) this is Candle's `conv2d`.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
-use half::slice::HalfFloatSliceExt;
-use half::{bf16, f16};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
+use half::bf16;
 
 use super::conv2d_bf16;
+use super::conv2d_cpu;
 use super::gemm_bf16::{bf16_kernel, Bf16Kernel};
-use crate::error::{Error, Result};
+use super::geom::{shape_error, ConvPass, Geom};
+use super::util::{cpu_slice, dispatch_float, expect_dims};
+use crate::error::Result;
 
-/// Upper bound, in bytes, on the column buffers the weight-gradient pass holds at once (all threads
-/// together). A chunk is never smaller than one image per thread, so one image's column matrix
-/// larger than this share wins over the bound.
-///
-/// The weight gradient gathers several images per gemm only on small maps (see
-/// [`MIN_GEMM_DEPTH`]); this budget caps that, and 4 MiB split over the threads keeps each thread's
-/// columns near its L2 cache, so the gemm reads them while they are still warm.
-pub const IM2COL_CHUNK_BYTES: usize = 4 << 20;
-
-/// Output pixels the weight-gradient gemm should sum over per call (its inner dimension): images
-/// are gathered into one chunk until their maps have this many pixels. Below a few hundred the
-/// gemm spends its time packing and writing the accumulator instead of multiplying; at 16×16 and
-/// larger one image is already enough.
-pub const MIN_GEMM_DEPTH: usize = 256;
+pub use super::conv2d_cpu::{im2col_chunk_bytes, IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
 
 /// 2D convolution `x [N, Cin, H, W] * w [Cout, Cin, K, K]` (no bias, groups 1) with a square
 /// `stride` and zero `padding`, differentiable with respect to `x` and `w`.
@@ -99,7 +75,7 @@ pub fn conv2d_backward_input(
     let geom = Geom::new(x_dims, w.dims(), stride, padding, None)?;
     check_backward_args(grad, w, &geom)?;
     let grad = grad.contiguous()?;
-    Ok(grad.apply_op2_no_bwd(&w.contiguous()?, &Conv2dGradInput { geom })?)
+    Ok(grad.apply_op2_no_bwd(&w.contiguous()?, &Conv2dOp::new(geom, ConvPass::InputGrad))?)
 }
 
 /// The weight gradient of [`conv2d`]: input `x` [N, Cin, H, W] and `grad` [N, Cout, Ho, Wo]
@@ -117,7 +93,10 @@ pub fn conv2d_backward_weight(
     let geom = Geom::new(x.dims(), w_dims, stride, padding, None)?;
     check_backward_args(grad, x, &geom)?;
     let x = x.contiguous()?;
-    Ok(x.apply_op2_no_bwd(&grad.contiguous()?, &Conv2dGradWeight { geom })?)
+    Ok(x.apply_op2_no_bwd(
+        &grad.contiguous()?,
+        &Conv2dOp::new(geom, ConvPass::WeightGrad),
+    )?)
 }
 
 /// The checks [`conv2d`] makes, for the backward entry points: same dtype and device, the
@@ -176,85 +155,6 @@ pub fn conv2d_with_chunk(
     conv2d_impl(x, w, stride, padding, Some(chunk_images))
 }
 
-/// Bytes of the transient column (im2col) buffers this op allocates at most for a batch of `n`
-/// images with `cin` input channels, a `k`×`k` kernel and a `ho`×`wo` output, in `dtype`.
-///
-/// This is the weight-gradient pass (the largest of the three): one chunk of images per busy
-/// thread, rows padded as the op pads them. The columns are f32 for f32/f16/bf16 inputs (half types
-/// are widened before the gemm) and f64 for f64. (With the AVX-512 bf16 kernels,
-/// [`super::gemm_bf16`], a bf16 convolution packs its columns as bf16 and holds half of this.)
-/// A 1×1, stride-1, unpadded f32 convolution may read its input in place and allocate less than
-/// this. Not included: the per-thread scratch that is smaller by a factor of about K²
-/// (one widened image, the gathered output gradient `Cout × chunk × Ho·Wo`, one `Cin·K·K × Cout`
-/// weight-gradient partial sum per thread plus their running total).
-pub fn im2col_chunk_bytes(
-    n: usize,
-    cin: usize,
-    k: usize,
-    ho: usize,
-    wo: usize,
-    dtype: DType,
-) -> usize {
-    let acc = acc_size(dtype);
-    let threads = num_threads();
-    let chunk = images_per_chunk(n, ho * wo, cin * k * k * ho * wo * acc, threads, None);
-    let busy = threads.min(n.div_ceil(chunk));
-    busy * cin * k * k * padded_ld(chunk.min(n) * ho * wo, acc) * acc
-}
-
-/// Bytes of one element of the type the gemm runs in for inputs of `dtype`.
-fn acc_size(dtype: DType) -> usize {
-    match dtype {
-        DType::F64 => 8,
-        _ => 4,
-    }
-}
-
-/// Row stride (in elements) for a column matrix with `cols` columns of `elem`-byte values.
-///
-/// A row stride that is a multiple of 2 KiB (e.g. a 32×32 map in f32) makes the gemm's loads of
-/// consecutive rows fall into the same few L1 cache sets; measured on this project's CPU, the
-/// forward gemm of a 32→32 layer at 32×32 runs at 68 GFLOP/s with 4 KiB rows and 110 with 64 bytes
-/// of padding per row.
-pub(super) fn padded_ld(cols: usize, elem: usize) -> usize {
-    if cols > 0 && (cols * elem).is_multiple_of(2048) {
-        cols + 64 / elem
-    } else {
-        cols
-    }
-}
-
-/// Threads that run the per-image work: candle's CPU pool workers plus the calling thread.
-pub(super) fn num_threads() -> usize {
-    candle_core::utils::barrier_pool().n_workers() + 1
-}
-
-/// Images per weight-gradient chunk: enough for [`MIN_GEMM_DEPTH`] output pixels, but no more than
-/// fit in this thread's share of [`IM2COL_CHUNK_BYTES`] or than an even split of the batch (so that
-/// every thread gets work); at least one.
-pub(super) fn images_per_chunk(
-    n: usize,
-    hw_out: usize,
-    per_image_bytes: usize,
-    threads: usize,
-    forced: Option<usize>,
-) -> usize {
-    let n = n.max(1);
-    if let Some(c) = forced {
-        return c.clamp(1, n);
-    }
-    let threads = threads.max(1);
-    let wanted = MIN_GEMM_DEPTH.div_ceil(hw_out.max(1));
-    let by_budget = IM2COL_CHUNK_BYTES / threads / per_image_bytes.max(1);
-    wanted.min(by_budget).min(n.div_ceil(threads)).max(1)
-}
-
-/// The single error constructor for invalid arguments: they are shape errors in the model, which
-/// the rest of the crate reports as Candle errors.
-fn shape_error(msg: String) -> Error {
-    Error::Candle(candle_core::Error::Msg(format!("conv2d: {msg}")))
-}
-
 fn conv2d_impl(
     x: &Tensor,
     w: &Tensor,
@@ -294,915 +194,36 @@ fn conv2d_impl(
     // every im2col row, and `contiguous` is free for tensors that already are.
     let x = x.contiguous()?;
     let w = w.contiguous()?;
-    Ok(x.apply_op2(&w, Conv2dOp { geom })?)
+    Ok(x.apply_op2(&w, Conv2dOp::new(geom, ConvPass::Forward))?)
 }
 
-/// The shape of one convolution, validated once in the wrapper and carried by all three ops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Geom {
-    pub(super) n: usize,
-    pub(super) cin: usize,
-    pub(super) h: usize,
-    pub(super) w: usize,
-    pub(super) cout: usize,
-    pub(super) k: usize,
-    pub(super) stride: usize,
-    pub(super) pad: usize,
-    pub(super) ho: usize,
-    pub(super) wo: usize,
-    /// Images per weight-gradient chunk forced by [`conv2d_with_chunk`] (on CUDA: per chunk of
-    /// every pass).
-    pub(super) chunk: Option<usize>,
-}
-
-impl Geom {
-    pub(super) fn new(
-        x: &[usize],
-        w: &[usize],
-        stride: usize,
-        pad: usize,
-        chunk: Option<usize>,
-    ) -> Result<Self> {
-        let &[n, cin, h, wd] = x else {
-            return Err(shape_error(format!(
-                "input must be 4D [N, Cin, H, W], got {x:?}"
-            )));
-        };
-        let &[cout, cin_w, kh, kw] = w else {
-            return Err(shape_error(format!(
-                "weight must be 4D [Cout, Cin, K, K], got {w:?}"
-            )));
-        };
-        if cin != cin_w {
-            return Err(shape_error(format!(
-                "input has {cin} channels but the weight {w:?} expects {cin_w}"
-            )));
-        }
-        if kh != kw {
-            return Err(shape_error(format!("kernel must be square, got {kh}x{kw}")));
-        }
-        if kh == 0 {
-            return Err(shape_error("kernel size must be at least 1".to_string()));
-        }
-        if stride == 0 {
-            return Err(shape_error("stride must be at least 1".to_string()));
-        }
-        if kh > h + 2 * pad || kh > wd + 2 * pad {
-            return Err(shape_error(format!(
-                "kernel {kh}x{kh} is larger than the padded input {}x{} (input {h}x{wd}, padding {pad})",
-                h + 2 * pad,
-                wd + 2 * pad
-            )));
-        }
-        Ok(Self {
-            n,
-            cin,
-            h,
-            w: wd,
-            cout,
-            k: kh,
-            stride,
-            pad,
-            ho: (h + 2 * pad - kh) / stride + 1,
-            wo: (wd + 2 * pad - kh) / stride + 1,
-            chunk,
-        })
-    }
-
-    /// Rows of the column matrix (and columns of the flattened weight).
-    pub(super) fn ckk(&self) -> usize {
-        self.cin * self.k * self.k
-    }
-
-    pub(super) fn in_image(&self) -> usize {
-        self.cin * self.h * self.w
-    }
-
-    pub(super) fn hw_out(&self) -> usize {
-        self.ho * self.wo
-    }
-
-    pub(super) fn out_image(&self) -> usize {
-        self.cout * self.hw_out()
-    }
-
-    /// A 1×1 unstrided unpadded convolution: the image itself is the column matrix.
-    pub(super) fn pointwise(&self) -> bool {
-        self.k == 1 && self.stride == 1 && self.pad == 0
-    }
-
-    fn x_shape(&self) -> Shape {
-        Shape::from((self.n, self.cin, self.h, self.w))
-    }
-
-    fn w_shape(&self) -> Shape {
-        Shape::from((self.cout, self.cin, self.k, self.k))
-    }
-
-    fn out_shape(&self) -> Shape {
-        Shape::from((self.n, self.cout, self.ho, self.wo))
-    }
-
-    /// Outputs `o` along one axis whose input position `o·stride + kx − pad` falls inside
-    /// `0..in_len`, as a range (empty when kernel tap `kx` only ever sees padding).
-    fn valid(&self, kx: usize, in_len: usize, out_len: usize) -> (usize, usize) {
-        let (s, p) = (self.stride, self.pad);
-        let lo = if kx >= p { 0 } else { (p - kx).div_ceil(s) };
-        let hi = if in_len + p <= kx {
-            0
-        } else {
-            ((in_len + p - kx - 1) / s + 1).min(out_len)
-        };
-        (lo.min(hi), hi)
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Element types
-
-/// The type gemm runs in: f32, or f64 for f64 inputs.
-pub(super) trait Acc: Copy + Default + Send + Sync + 'static + std::ops::AddAssign {
-    const ZERO: Self;
-    const ONE: Self;
-}
-
-impl Acc for f32 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-}
-
-impl Acc for f64 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-}
-
-/// A storage dtype and how it converts to and from its gemm type.
-trait Elem: Copy + Send + Sync + 'static {
-    type Acc: Acc;
-    const ZERO: Self;
-    /// `Some` when the storage type is the gemm type, so no conversion copy is needed.
-    fn as_acc(src: &[Self]) -> Option<&[Self::Acc]>;
-    /// As [`Elem::as_acc`], for destinations.
-    fn as_acc_mut(dst: &mut [Self]) -> Option<&mut [Self::Acc]>;
-    fn widen_into(src: &[Self], dst: &mut [Self::Acc]);
-    fn narrow_into(src: &[Self::Acc], dst: &mut [Self]);
-}
-
-macro_rules! native_elem {
-    ($t:ty) => {
-        impl Elem for $t {
-            type Acc = $t;
-            const ZERO: Self = 0.0;
-            fn as_acc(src: &[Self]) -> Option<&[Self]> {
-                Some(src)
-            }
-            fn as_acc_mut(dst: &mut [Self]) -> Option<&mut [Self]> {
-                Some(dst)
-            }
-            fn widen_into(src: &[Self], dst: &mut [Self]) {
-                dst.copy_from_slice(src)
-            }
-            fn narrow_into(src: &[Self], dst: &mut [Self]) {
-                dst.copy_from_slice(src)
-            }
-        }
-    };
-}
-native_elem!(f32);
-native_elem!(f64);
-
-macro_rules! half_elem {
-    ($t:ty) => {
-        impl Elem for $t {
-            type Acc = f32;
-            const ZERO: Self = <$t>::ZERO;
-            fn as_acc(_: &[Self]) -> Option<&[f32]> {
-                None
-            }
-            fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-                None
-            }
-            fn widen_into(src: &[Self], dst: &mut [f32]) {
-                // `half` converts whole slices with F16C/SIMD where the CPU has it.
-                src.convert_to_f32_slice(dst)
-            }
-            fn narrow_into(src: &[f32], dst: &mut [Self]) {
-                dst.convert_from_f32_slice(src)
-            }
-        }
-    };
-}
-half_elem!(f16);
-
-impl Elem for bf16 {
-    type Acc = f32;
-    const ZERO: Self = bf16::ZERO;
-    fn as_acc(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-        None
-    }
-    fn widen_into(src: &[Self], dst: &mut [f32]) {
-        // `half` converts bf16 slices element by element; this is 16 lanes at a time.
-        super::bf16_convert::widen(src, dst)
-    }
-    fn narrow_into(src: &[f32], dst: &mut [Self]) {
-        super::bf16_convert::narrow(src, dst)
-    }
-}
-
-/// The first `len` elements of a reusable scratch buffer, grown on first use. Contents are stale:
-/// every caller overwrites all of them.
-pub(super) fn scratch<A: Copy + Default>(buf: &mut Vec<A>, len: usize) -> &mut [A] {
-    if buf.len() < len {
-        buf.resize(len, A::default());
-    }
-    &mut buf[..len]
-}
-
-/// `src` as the gemm type: borrowed when it already is, otherwise widened into `buf`.
-fn widen<'a, T: Elem>(src: &'a [T], buf: &'a mut Vec<T::Acc>) -> &'a [T::Acc] {
-    match T::as_acc(src) {
-        Some(a) => a,
-        None => {
-            let dst = scratch(buf, src.len());
-            T::widen_into(src, dst);
-            dst
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Kernels
-
-/// A strided matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
-#[derive(Clone, Copy)]
-struct Mat<'a, A> {
-    data: &'a [A],
-    rows: usize,
-    cols: usize,
-    rs: usize,
-    cs: usize,
-}
-
-/// Elements a `rows × cols` strided matrix spans from its first element.
-fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * rs + (cols - 1) * cs + 1
-    }
-}
-
-/// `dst = lhs · rhs` (or `dst += lhs · rhs` with `accumulate`) on the calling thread; `dst` is
-/// row-major with row stride `dst_rs`.
-fn matmul<A: Acc>(
-    dst: &mut [A],
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Mat<'_, A>,
-    rhs: Mat<'_, A>,
-) {
-    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
-    // These bounds make the raw-pointer gemm call below sound; they hold by construction, so a
-    // failure is a bug in this file, not a user error.
-    assert_eq!(rhs.rows, k, "conv2d: gemm inner dimensions differ");
-    assert!(
-        lhs.data.len() >= span(m, k, lhs.rs, lhs.cs),
-        "conv2d: lhs out of bounds"
-    );
-    assert!(
-        rhs.data.len() >= span(k, n, rhs.rs, rhs.cs),
-        "conv2d: rhs out of bounds"
-    );
-    assert!(
-        dst.len() >= span(m, n, dst_rs, 1),
-        "conv2d: dst out of bounds"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                dst[i * dst_rs..i * dst_rs + n].fill(A::ZERO);
-            }
-        }
-        return;
-    }
-    // SAFETY: all three views are in bounds (checked above), `dst` does not alias the inputs (it is
-    // a distinct `&mut`), and `A` is f32 or f64, which gemm supports.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.cs as isize,
-            lhs.rs as isize,
-            rhs.data.as_ptr(),
-            rhs.cs as isize,
-            rhs.rs as isize,
-            if accumulate { A::ONE } else { A::ZERO },
-            A::ONE,
-            false,
-            false,
-            false,
-            // Parallelism comes from giving each thread its own images: a fork/join inside every
-            // per-image gemm costs more than it gains at these sizes.
-            gemm::Parallelism::None,
-        )
-    }
-}
-
-/// Writes the column matrix of one image `src [Cin, H, W]` into `dst`: row `(c, kh, kw)` starts
-/// at `row * row_stride` and holds the `Ho·Wo` input values that tap sees (zero for padding).
-pub(super) fn im2col<A: Copy + Default>(g: &Geom, src: &[A], dst: &mut [A], row_stride: usize) {
-    let hwo = g.hw_out();
-    for r in 0..g.ckk() {
-        im2col_row(g, src, r, &mut dst[r * row_stride..r * row_stride + hwo]);
-    }
-}
-
-/// Row `r = (c, kh, kw)` of one image's column matrix (`Ho·Wo` values) into `row`: what
-/// [`im2col`] writes at `r * row_stride`, on its own so that the bf16 path can pack rows two at a
-/// time without materializing the matrix.
-pub(super) fn im2col_row<A: Copy + Default>(g: &Geom, src: &[A], r: usize, row: &mut [A]) {
-    let (k, s, p, w, ho, wo) = (g.k, g.stride, g.pad, g.w, g.ho, g.wo);
-    let zero = A::default();
-    let plane_len = g.h * g.w;
-    let (c, kh, kw) = (r / (k * k), (r / k) % k, r % k);
-    let plane = &src[c * plane_len..(c + 1) * plane_len];
-    let (oh_lo, oh_hi) = g.valid(kh, g.h, ho);
-    let (ow_lo, ow_hi) = g.valid(kw, w, wo);
-    let row = &mut row[..ho * wo];
-    row[..oh_lo * wo].fill(zero);
-    row[oh_hi * wo..].fill(zero);
-    if s == 1 && wo == w && oh_lo < oh_hi && ow_lo < ow_hi {
-        // Stride 1 and rows as wide as the input's: output index o reads input index o + off
-        // for a constant off, so the valid rows are one contiguous copy (instead of one short
-        // copy and two fills per row: at 32 bf16 a row, the calls cost more than the bytes);
-        // the few entries it wraps into, left and right of each row's valid range, are then
-        // set to zero.
-        let first = oh_lo * wo + ow_lo;
-        let last = (oh_hi - 1) * wo + ow_hi;
-        let src_first = (oh_lo + kh - p) * w + ow_lo + kw - p;
-        row[first..last].copy_from_slice(&plane[src_first..src_first + (last - first)]);
-        for oh in oh_lo..oh_hi {
-            let out = &mut row[oh * wo..(oh + 1) * wo];
-            for v in &mut out[..ow_lo] {
-                *v = zero;
-            }
-            for v in &mut out[ow_hi..] {
-                *v = zero;
-            }
-        }
-        return;
-    }
-    for oh in oh_lo..oh_hi {
-        let ih = oh * s + kh - p;
-        let out = &mut row[oh * wo..(oh + 1) * wo];
-        out[..ow_lo].fill(zero);
-        out[ow_hi..].fill(zero);
-        if ow_lo == ow_hi {
-            continue;
-        }
-        let iw0 = ow_lo * s + kw - p;
-        let src_row = &plane[ih * w..(ih + 1) * w];
-        let out = &mut out[ow_lo..ow_hi];
-        if s == 1 {
-            out.copy_from_slice(&src_row[iw0..iw0 + out.len()]);
-        } else {
-            for (o, v) in out.iter_mut().zip(src_row[iw0..].iter().step_by(s)) {
-                *o = *v;
-            }
-        }
-    }
-}
-
-/// The adjoint of [`im2col`]: overwrites `dst [Cin, H, W]` with the sum of every column-matrix
-/// entry of `col` (row stride `row_stride`) at the input position it was gathered from.
-pub(super) fn col2im<A: Acc>(g: &Geom, col: &[A], row_stride: usize, dst: &mut [A]) {
-    let (k, s, p, w, ho, wo) = (g.k, g.stride, g.pad, g.w, g.ho, g.wo);
-    let plane_len = g.h * g.w;
-    dst.fill(A::ZERO);
-    for c in 0..g.cin {
-        // One input plane at a time: its K² rows all land in it, and it stays in L1.
-        let plane = &mut dst[c * plane_len..(c + 1) * plane_len];
-        for kh in 0..k {
-            let (oh_lo, oh_hi) = g.valid(kh, g.h, ho);
-            for kw in 0..k {
-                let (ow_lo, ow_hi) = g.valid(kw, w, wo);
-                if ow_lo == ow_hi {
-                    continue;
-                }
-                let r = (c * k + kh) * k + kw;
-                let row = &col[r * row_stride..r * row_stride + ho * wo];
-                for oh in oh_lo..oh_hi {
-                    let ih = oh * s + kh - p;
-                    let iw0 = ow_lo * s + kw - p;
-                    let vals = &row[oh * wo + ow_lo..oh * wo + ow_hi];
-                    let dst_row = &mut plane[ih * w..(ih + 1) * w];
-                    if s == 1 {
-                        for (d, v) in dst_row[iw0..iw0 + vals.len()].iter_mut().zip(vals) {
-                            *d += *v;
-                        }
-                    } else {
-                        for (d, v) in dst_row[iw0..].iter_mut().step_by(s).zip(vals) {
-                            *d += *v;
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Threading
-
-/// One output buffer that the worker threads fill in disjoint per-image slices.
-pub(super) struct SharedOut<T> {
-    ptr: *mut T,
-    len: usize,
-}
-
-// SAFETY: the buffer outlives the parallel section (it is borrowed for the `SharedOut`'s life) and
-// every image index is handed to exactly one thread by the shared cursor in `par_chunks`.
-unsafe impl<T: Send> Sync for SharedOut<T> {}
-unsafe impl<T: Send> Send for SharedOut<T> {}
-
-impl<T> SharedOut<T> {
-    /// A buffer of `len` elements in the spare capacity of the empty `buf`, for the threads to
-    /// initialize slice by slice with [`Self::zeroed`]; the caller sets `buf`'s length once every
-    /// slice has been taken.
-    ///
-    /// Zeroing the output up front (`vec![0; len]`) is one thread writing a whole activation while
-    /// the others wait, and then every byte is overwritten anyway (the gemm overwrites, col2im
-    /// starts from zero); zeroing each image's slice on the thread that fills it next keeps that
-    /// write parallel and in cache. (A fresh `vec!` of zeros was free only while glibc returned
-    /// large blocks to the kernel, which cost more in page faults: `memory::retain_freed_memory`.)
-    pub(super) fn spare(buf: &mut Vec<T>, len: usize) -> Self {
-        assert!(buf.is_empty(), "conv2d: output buffer not empty");
-        buf.reserve_exact(len);
-        Self {
-            ptr: buf.as_mut_ptr(),
-            len,
-        }
-    }
-
-    /// `len` elements from `start`, set to all-zero bits first (0.0 in every float type the op
-    /// supports), so the slice is initialized whether or not it came from [`Self::spare`].
-    ///
-    /// # Safety
-    /// No two live slices may overlap; `T` must be a type whose all-zero bit pattern is valid.
-    #[allow(clippy::mut_from_ref)]
-    pub(super) unsafe fn zeroed(&self, start: usize, len: usize) -> &mut [T] {
-        assert!(
-            start + len <= self.len,
-            "conv2d: output slice out of bounds"
-        );
-        std::ptr::write_bytes(self.ptr.add(start), 0, len);
-        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
-    }
-}
-
-/// Runs `body` on every thread of candle's CPU pool; each call pulls chunks of `chunk` items
-/// (ranges of `0..n`) from a shared cursor until none are left. A shared cursor rather than a
-/// static split lets a thread that was descheduled catch up.
-///
-/// Which thread gets which chunk depends on scheduling, so `body` must not combine values across
-/// chunks in the order it sees them (floating-point sums would then differ from run to run): it
-/// writes each item's result to its own place, or hands partial sums to an [`OrderedSum`].
-pub(super) fn par_chunks<F>(n: usize, chunk: usize, body: F)
-where
-    F: Fn(&mut dyn Iterator<Item = Range<usize>>) + Sync,
-{
-    let chunk = chunk.max(1);
-    let cursor = AtomicUsize::new(0);
-    let run = |_tid: usize| {
-        let mut chunks = std::iter::from_fn(|| {
-            let start = cursor.fetch_add(chunk, Ordering::Relaxed);
-            (start < n).then(|| start..(start + chunk).min(n))
-        });
-        body(&mut chunks);
-    };
-    let pool = candle_core::utils::barrier_pool();
-    if pool.n_workers() == 0 || n <= chunk {
-        run(0);
-    } else {
-        pool.execute(run);
-    }
-}
-
-/// A sum of `slots` weight-sized partial sums that adds them in slot order — `((p₀ + p₁) + p₂) + …`
-/// — whatever order the threads finish them in, so that the result is bit-for-bit the same on
-/// every run.
-///
-/// A finished partial is added as soon as every earlier slot has been, and its buffer is then
-/// reused for a later slot; partials only wait while an earlier slot is still being computed. So
-/// the buffers alive at once are the running total plus about one per thread (at most one per
-/// slot if a thread stalls for a long time).
-pub(super) struct OrderedSum<A> {
-    len: usize,
-    state: Mutex<SumState<A>>,
-}
-
-struct SumState<A> {
-    /// The first slot not yet added to `total`.
-    next: usize,
-    total: Option<Vec<A>>,
-    /// Finished partials waiting for an earlier slot, by slot.
-    waiting: Vec<Option<Vec<A>>>,
-    /// Buffers of partials already added, for the next slots.
-    free: Vec<Vec<A>>,
-}
-
-impl<A: Acc> OrderedSum<A> {
-    pub(super) fn new(slots: usize, len: usize) -> Self {
-        Self {
-            len,
-            state: Mutex::new(SumState {
-                next: 0,
-                total: None,
-                waiting: (0..slots).map(|_| None).collect(),
-                free: Vec::new(),
-            }),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, SumState<A>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A buffer of `len` elements for one slot's partial (stale contents).
-    pub(super) fn buffer(&self) -> Vec<A> {
-        let reused = self.lock().free.pop();
-        reused.unwrap_or_else(|| vec![A::ZERO; self.len])
-    }
-
-    /// Hands over the partial sum of `slot`.
-    pub(super) fn add(&self, slot: usize, partial: Vec<A>) {
-        let mut guard = self.lock();
-        let st = &mut *guard;
-        assert!(
-            st.waiting[slot].replace(partial).is_none(),
-            "conv2d: weight-gradient slot {slot} summed twice"
-        );
-        while let Some(p) = st.waiting.get_mut(st.next).and_then(Option::take) {
-            match &mut st.total {
-                None => st.total = Some(p),
-                Some(total) => {
-                    for (t, v) in total.iter_mut().zip(&p) {
-                        *t += *v;
-                    }
-                    st.free.push(p);
-                }
-            }
-            st.next += 1;
-        }
-    }
-
-    /// The sum of all slots (`None` when there were none).
-    pub(super) fn total(self) -> Option<Vec<A>> {
-        let st = self.state.into_inner().unwrap_or_else(|e| e.into_inner());
-        assert_eq!(
-            st.next,
-            st.waiting.len(),
-            "conv2d: a weight-gradient slot was never summed"
-        );
-        st.total
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The three passes
-
-/// `out[n] = W · col(x[n])` for every image.
-fn forward<T: Elem>(g: &Geom, x: &[T], w: &[T]) -> Vec<T> {
-    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
-    let ld = padded_ld(hwo, std::mem::size_of::<T::Acc>());
-    // A pointwise convolution multiplies the image itself, unless its rows need padding (then the
-    // copy im2col makes is cheap next to the gemm it speeds up).
-    let in_place = g.pointwise() && ld == hwo;
-    let mut w_buf = Vec::new();
-    let wa = widen(w, &mut w_buf);
-    let lhs = Mat {
-        data: wa,
-        rows: g.cout,
-        cols: ckk,
-        rs: ckk,
-        cs: 1,
-    };
-    let mut out = Vec::new();
-    let shared = SharedOut::spare(&mut out, g.n * out_len);
-    par_chunks(g.n, 1, |chunks| {
-        let (mut img_buf, mut col_buf, mut out_buf) = (Vec::new(), Vec::new(), Vec::new());
-        for i in chunks.flatten() {
-            let img = widen(&x[i * in_len..(i + 1) * in_len], &mut img_buf);
-            let rhs = if in_place {
-                Mat {
-                    data: img,
-                    rows: ckk,
-                    cols: hwo,
-                    rs: hwo,
-                    cs: 1,
-                }
-            } else {
-                let col = scratch(&mut col_buf, ckk * ld);
-                im2col(g, img, col, ld);
-                Mat {
-                    data: col,
-                    rows: ckk,
-                    cols: hwo,
-                    rs: ld,
-                    cs: 1,
-                }
-            };
-            // SAFETY: image `i` is handed to this thread only; T is a float type.
-            let dst = unsafe { shared.zeroed(i * out_len, out_len) };
-            match T::as_acc_mut(dst) {
-                Some(d) => matmul(d, hwo, false, lhs, rhs),
-                None => {
-                    let d = scratch(&mut out_buf, out_len);
-                    matmul(d, hwo, false, lhs, rhs);
-                    T::narrow_into(d, dst);
-                }
-            }
-        }
-    });
-    // SAFETY: `par_chunks` hands out every image, and each image's slice was initialized by
-    // `zeroed` (a panic in a thread propagates before this line).
-    unsafe { out.set_len(g.n * out_len) };
-    out
-}
-
-/// `dx[n] = col2im(Wᵀ · grad[n])` for every image.
-fn grad_input<T: Elem>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
-    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
-    let ld = padded_ld(hwo, std::mem::size_of::<T::Acc>());
-    let mut w_buf = Vec::new();
-    let wa = widen(w, &mut w_buf);
-    // Wᵀ as a strided view of W [Cout, Cin·K·K]; gemm packs it, so no transposed copy is needed.
-    let lhs = Mat {
-        data: wa,
-        rows: ckk,
-        cols: g.cout,
-        rs: 1,
-        cs: ckk,
-    };
-    let mut dx = Vec::new();
-    let shared = SharedOut::spare(&mut dx, g.n * in_len);
-    par_chunks(g.n, 1, |chunks| {
-        let (mut grad_buf, mut col_buf, mut img_buf) = (Vec::new(), Vec::new(), Vec::new());
-        for i in chunks.flatten() {
-            let gi = widen(&grad[i * out_len..(i + 1) * out_len], &mut grad_buf);
-            let rhs = Mat {
-                data: gi,
-                rows: g.cout,
-                cols: hwo,
-                rs: hwo,
-                cs: 1,
-            };
-            // SAFETY: image `i` is handed to this thread only; T is a float type.
-            let dst = unsafe { shared.zeroed(i * in_len, in_len) };
-            let mut to_image = |d: &mut [T::Acc]| {
-                if g.pointwise() {
-                    matmul(d, hwo, false, lhs, rhs);
-                } else {
-                    let col = scratch(&mut col_buf, ckk * ld);
-                    matmul(col, ld, false, lhs, rhs);
-                    col2im(g, col, ld, d);
-                }
-            };
-            match T::as_acc_mut(dst) {
-                Some(d) => to_image(d),
-                None => {
-                    let d = scratch(&mut img_buf, in_len);
-                    to_image(d);
-                    T::narrow_into(d, dst);
-                }
-            }
-        }
-    });
-    // SAFETY: as in `forward`: every image's slice was initialized by `zeroed`.
-    unsafe { dx.set_len(g.n * in_len) };
-    dx
-}
-
-/// Bytes of weight-gradient partial sums the slot count allows (see [`chunks_per_slot`]).
-const PARTIAL_SUM_BYTES: usize = 4 << 20;
-
-/// The fewest weight-gradient slots per thread (see [`chunks_per_slot`]).
-const MIN_SLOTS_PER_THREAD: usize = 4;
-
-/// Chunks per weight-gradient slot for `n_chunks` chunks and a `partial_bytes` partial sum.
-///
-/// Slots are the unit the threads share out, so more of them let a thread that falls behind (a
-/// shared 2-core machine) be covered by the others; each costs one weight-sized add, which is
-/// negligible next to its gemms (measured: no difference on one thread between 4 slots and one per
-/// chunk), and one partial-sum buffer while it waits for an earlier slot. So there are as many
-/// slots as fit in [`PARTIAL_SUM_BYTES`] — one per chunk for small weights — but at least
-/// [`MIN_SLOTS_PER_THREAD`] per thread, and at most one per chunk.
-pub(super) fn chunks_per_slot(n_chunks: usize, partial_bytes: usize, threads: usize) -> usize {
-    let slots =
-        (PARTIAL_SUM_BYTES / partial_bytes.max(1)).max(MIN_SLOTS_PER_THREAD * threads.max(1));
-    n_chunks.div_ceil(slots).max(1)
-}
-
-/// `dW = Σₙ grad[n] · col(x[n])ᵀ`, over chunks of images per gemm, summed in a fixed order.
-///
-/// Each gemm adds one chunk's `dWᵀ = col · gradᵀ` (`[Cin·K·K, Cout]`) and the sum is transposed once
-/// at the end: with the long `Cin·K·K` side as the gemm's rows this runs at 110-117 GFLOP/s where
-/// `grad · colᵀ` manages 73-97 (measured per image on the default net's layers).
-///
-/// Determinism: the batch is cut into chunks of `chunk` images (boundaries at multiples of
-/// `chunk`), and runs of consecutive chunks form slots ([`chunks_per_slot`]). A slot's chunks are
-/// accumulated in order into the slot's own buffer, and the slots' sums are added in slot order
-/// ([`OrderedSum`]); threads only decide who computes a slot, never the order of any addition.
-/// So for a given batch size, chunk size and thread count the result is the same bits on every
-/// run. (The chunk size is chosen from the thread count unless forced, and so is the slot
-/// count, so a different thread count may round differently.)
-///
-/// Memory: the partial sums alive at once are the running total plus about one per thread;
-/// at most one per slot (bounded by [`PARTIAL_SUM_BYTES`], or [`MIN_SLOTS_PER_THREAD`] per thread
-/// for large weights) if a thread stalls while the others run ahead.
-fn grad_weight<T: Elem>(g: &Geom, x: &[T], grad: &[T]) -> Vec<T> {
-    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
-    let acc_bytes = std::mem::size_of::<T::Acc>();
-    let threads = num_threads();
-    let chunk = images_per_chunk(g.n, hwo, ckk * hwo * acc_bytes, threads, g.chunk);
-    let n_chunks = g.n.div_ceil(chunk);
-    let chunks_per_slot = chunks_per_slot(n_chunks, ckk * g.cout * acc_bytes, threads);
-    let n_slots = n_chunks.div_ceil(chunks_per_slot);
-    let slot_images = chunks_per_slot * chunk;
-    let sum = OrderedSum::<T::Acc>::new(n_slots, ckk * g.cout);
-    par_chunks(n_slots, 1, |slots| {
-        let (mut img_buf, mut col_buf, mut grad_buf) = (Vec::new(), Vec::new(), Vec::new());
-        for slot in slots.flatten() {
-            let mut acc = sum.buffer();
-            let images = slot * slot_images..((slot + 1) * slot_images).min(g.n);
-            for (c, first) in images.clone().step_by(chunk).enumerate() {
-                let range = first..(first + chunk).min(images.end);
-                let b = range.len();
-                // The chunk's pixels side by side: the gemm's inner dimension is b·Ho·Wo.
-                let kdim = b * hwo;
-                let ld = padded_ld(kdim, acc_bytes);
-                let x0 = &x[first * in_len..(first + 1) * in_len];
-                let lhs = match T::as_acc(x0) {
-                    Some(img) if b == 1 && g.pointwise() && ld == hwo => Mat {
-                        data: img,
-                        rows: ckk,
-                        cols: kdim,
-                        rs: hwo,
-                        cs: 1,
-                    },
-                    _ => {
-                        let col = scratch(&mut col_buf, ckk * ld);
-                        for (j, i) in range.clone().enumerate() {
-                            let img = widen(&x[i * in_len..(i + 1) * in_len], &mut img_buf);
-                            im2col(g, img, &mut col[j * hwo..], ld);
-                        }
-                        Mat {
-                            data: col,
-                            rows: ckk,
-                            cols: kdim,
-                            rs: ld,
-                            cs: 1,
-                        }
-                    }
-                };
-                let g0 = &grad[first * out_len..(first + 1) * out_len];
-                // gradᵀ: pixel-major rows, one column per output channel.
-                let rhs = match T::as_acc(g0) {
-                    Some(gi) if b == 1 => Mat {
-                        data: gi,
-                        rows: kdim,
-                        cols: g.cout,
-                        rs: 1,
-                        cs: hwo,
-                    },
-                    _ => {
-                        // Gather [b, Cout, Ho·Wo] into [Cout, b·Ho·Wo] (widening on the way).
-                        let gm = scratch(&mut grad_buf, g.cout * kdim);
-                        for (j, i) in range.clone().enumerate() {
-                            let gi = &grad[i * out_len..(i + 1) * out_len];
-                            for co in 0..g.cout {
-                                let start = co * kdim + j * hwo;
-                                T::widen_into(
-                                    &gi[co * hwo..(co + 1) * hwo],
-                                    &mut gm[start..start + hwo],
-                                );
-                            }
-                        }
-                        Mat {
-                            data: gm,
-                            rows: kdim,
-                            cols: g.cout,
-                            rs: 1,
-                            cs: kdim,
-                        }
-                    }
-                };
-                // The slot's first chunk overwrites the (reused) buffer, the others add to it.
-                matmul(&mut acc, g.cout, c > 0, lhs, rhs);
-            }
-            sum.add(slot, acc);
-        }
-    });
-    let mut dw = vec![T::ZERO; g.cout * ckk];
-    if let Some(total) = sum.total() {
-        // [Cin·K·K, Cout] -> [Cout, Cin·K·K], one output channel (row of dW) at a time.
-        let mut row = vec![T::Acc::ZERO; ckk];
-        for (co, dst) in dw.chunks_exact_mut(ckk).enumerate() {
-            for (r, v) in row.iter_mut().enumerate() {
-                *v = total[r * g.cout + co];
-            }
-            T::narrow_into(&row, dst);
-        }
-    }
-    dw
-}
-
-// ---------------------------------------------------------------------------------------------
-// Candle ops
-
-/// The contiguous data of a storage/layout pair that should have `shape`.
-fn contiguous<'a, T>(
-    data: &'a [T],
-    l: &Layout,
-    shape: &Shape,
-    what: &str,
-) -> candle_core::Result<&'a [T]> {
-    if l.shape() != shape {
-        candle_core::bail!(
-            "conv2d: {what} has shape {:?}, expected {shape:?}",
-            l.shape()
-        )
-    }
-    match l.contiguous_offsets() {
-        Some((a, b)) if b <= data.len() => Ok(&data[a..b]),
-        _ => candle_core::bail!("conv2d: {what} must be contiguous"),
-    }
-}
-
-/// Dispatches a two-input kernel over the dtypes both storages share.
-macro_rules! dispatch2 {
-    ($s1:expr, $s2:expr, $name:literal, |$a:ident, $b:ident| $body:expr) => {
-        match ($s1, $s2) {
-            (CpuStorage::F32($a), CpuStorage::F32($b)) => CpuStorage::F32($body),
-            (CpuStorage::F64($a), CpuStorage::F64($b)) => CpuStorage::F64($body),
-            (CpuStorage::F16($a), CpuStorage::F16($b)) => CpuStorage::F16($body),
-            (CpuStorage::BF16($a), CpuStorage::BF16($b)) => CpuStorage::BF16($body),
-            (a, b) => candle_core::bail!(
-                "{}: unsupported dtypes {:?} and {:?} (f32, f64, f16, bf16 of one kind)",
-                $name,
-                a.dtype(),
-                b.dtype()
-            ),
-        }
-    };
-}
-
-/// The `cuda_fwd` of one of the three ops below: `$pass` of the CUDA op, its result shaped as
-/// the geometry's `$shape`. The op is cuDNN's ([`super::conv2d_cudnn`]) in a build with the
-/// `cudnn` feature, else im2col + cuBLAS ([`super::conv2d_cuda`]); a chunk forced through
-/// [`conv2d_with_chunk`] is an im2col setting, so it selects the im2col op in either build.
-macro_rules! cuda_pass {
-    ($pass:ident, $shape:ident) => {
-        #[cfg(feature = "cuda")]
-        fn cuda_fwd(
-            &self,
-            s1: &candle_core::CudaStorage,
-            l1: &Layout,
-            s2: &candle_core::CudaStorage,
-            l2: &Layout,
-        ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-            let pass = super::conv2d_cuda::ConvPass::$pass;
-            #[cfg(feature = "cudnn")]
-            if self.geom.chunk.is_none() {
-                let out = super::conv2d_cudnn::launch(pass, &self.geom, s1, l1, s2, l2)?;
-                return Ok((out, self.geom.$shape()));
-            }
-            let out = super::conv2d_cuda::launch(pass, &self.geom, s1, l1, s2, l2)?;
-            Ok((out, self.geom.$shape()))
-        }
-    };
-}
-
-/// The forward op: `(x, w) -> y`, with a gemm backward.
+/// One pass of the convolution `geom` as a Candle op: the forward `(x, w) -> y` (with the gemm
+/// backward), the input gradient `(dy, w) -> dx` or the weight gradient `(x, dy) -> dw`.
 struct Conv2dOp {
     geom: Geom,
+    pass: ConvPass,
+}
+
+impl Conv2dOp {
+    fn new(geom: Geom, pass: ConvPass) -> Self {
+        Conv2dOp { geom, pass }
+    }
+
+    /// The operands have the shapes the geometry was validated with.
+    fn check(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<()> {
+        let [(s1, what1), (s2, what2)] = self.geom.operands(self.pass);
+        expect_dims("conv2d", what1, l1.dims(), s1.dims())?;
+        expect_dims("conv2d", what2, l2.dims(), s2.dims())
+    }
 }
 
 impl CustomOp2 for Conv2dOp {
     fn name(&self) -> &'static str {
-        "memtrain-conv2d"
+        match self.pass {
+            ConvPass::Forward => "memtrain-conv2d",
+            ConvPass::InputGrad => "memtrain-conv2d-grad-input",
+            ConvPass::WeightGrad => "memtrain-conv2d-grad-weight",
+        }
     }
 
     fn cpu_fwd(
@@ -1212,26 +233,52 @@ impl CustomOp2 for Conv2dOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let g = &self.geom;
-        if let (CpuStorage::BF16(x), CpuStorage::BF16(w), true) =
-            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
-        {
-            let x = contiguous(x, l1, &g.x_shape(), "input")?;
-            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
-            return Ok((
-                CpuStorage::BF16(conv2d_bf16::forward(g, x, w)),
-                g.out_shape(),
-            ));
-        }
-        let out = dispatch2!(s1, s2, "memtrain-conv2d", |x, w| {
-            let x = contiguous(x, l1, &g.x_shape(), "input")?;
-            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
-            forward(g, x, w)
-        });
-        Ok((out, g.out_shape()))
+        self.check(l1, l2)?;
+        let (g, pass) = (&self.geom, self.pass);
+        let [(_, what1), (_, what2)] = g.operands(pass);
+        let out = if s1.dtype() == DType::BF16 && bf16_kernel() != Bf16Kernel::Widen {
+            let a = cpu_slice::<bf16>(s1, l1, "conv2d", what1)?;
+            let b = cpu_slice::<bf16>(s2, l2, "conv2d", what2)?;
+            CpuStorage::BF16(conv2d_bf16::run(pass, g, a, b))
+        } else {
+            dispatch_float!(
+                s1.dtype(),
+                [F32, F64, F16, BF16],
+                |T| {
+                    let a = cpu_slice::<T>(s1, l1, "conv2d", what1)?;
+                    let b = cpu_slice::<T>(s2, l2, "conv2d", what2)?;
+                    T::to_cpu_storage_owned(conv2d_cpu::run(pass, g, a, b))
+                },
+                |dt| candle_core::bail!(
+                    "{}: unsupported dtype {dt:?} (f32, f64, f16, bf16)",
+                    self.name()
+                )
+            )
+        };
+        Ok((out, g.result_shape(pass)))
     }
 
-    cuda_pass!(Forward, out_shape);
+    /// The op is cuDNN's ([`super::conv2d_cudnn`]) in a build with the `cudnn` feature, else
+    /// im2col + cuBLAS ([`super::conv2d_cuda`]); a chunk forced through [`conv2d_with_chunk`] is
+    /// an im2col setting, so it selects the im2col op in either build.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.check(l1, l2)?;
+        let (g, pass) = (&self.geom, self.pass);
+        #[cfg(feature = "cudnn")]
+        if g.chunk.is_none() {
+            let out = super::conv2d_cudnn::launch(pass, g, s1, l1, s2, l2)?;
+            return Ok((out, g.result_shape(pass)));
+        }
+        let out = super::conv2d_cuda::launch(pass, g, s1, l1, s2, l2)?;
+        Ok((out, g.result_shape(pass)))
+    }
 
     fn bwd(
         &self,
@@ -1240,6 +287,11 @@ impl CustomOp2 for Conv2dOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // The gradient passes are applied without backward; only the forward has one.
+        if self.pass != ConvPass::Forward {
+            return Err(candle_core::Error::BackwardNotSupported { op: self.name() });
+        }
+        let pass = |pass| Conv2dOp::new(self.geom, pass);
         // Upstream gradients are often broadcasts (e.g. of a sum); the kernels want plain NCHW.
         let grad = grad.contiguous()?;
         // Only tensors that track ops (variables and what is computed from them) lead back to a
@@ -1247,223 +299,11 @@ impl CustomOp2 for Conv2dOp {
         // would never be used: skipping it saves an input-sized buffer and a col2im per step. A
         // checkpoint's recomputation root is a `Var`, so it still gets its gradient.
         let grad_x = if x.track_op() {
-            Some(grad.apply_op2_no_bwd(w, &Conv2dGradInput { geom: self.geom })?)
+            Some(grad.apply_op2_no_bwd(w, &pass(ConvPass::InputGrad))?)
         } else {
             None
         };
-        let grad_w = x.apply_op2_no_bwd(&grad, &Conv2dGradWeight { geom: self.geom })?;
+        let grad_w = x.apply_op2_no_bwd(&grad, &pass(ConvPass::WeightGrad))?;
         Ok((grad_x, Some(grad_w)))
-    }
-}
-
-/// `(grad, w) -> dx`: the input gradient (gemm + col2im).
-struct Conv2dGradInput {
-    geom: Geom,
-}
-
-impl CustomOp2 for Conv2dGradInput {
-    fn name(&self) -> &'static str {
-        "memtrain-conv2d-grad-input"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let g = &self.geom;
-        if let (CpuStorage::BF16(gr), CpuStorage::BF16(w), true) =
-            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
-        {
-            let gr = contiguous(gr, l1, &g.out_shape(), "output gradient")?;
-            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
-            return Ok((
-                CpuStorage::BF16(conv2d_bf16::grad_input(g, gr, w)),
-                g.x_shape(),
-            ));
-        }
-        let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-input", |gr, w| {
-            let gr = contiguous(gr, l1, &g.out_shape(), "output gradient")?;
-            let w = contiguous(w, l2, &g.w_shape(), "weight")?;
-            grad_input(g, gr, w)
-        });
-        Ok((out, g.x_shape()))
-    }
-
-    cuda_pass!(InputGrad, x_shape);
-}
-
-/// `(x, grad) -> dW`: the weight gradient (chunked im2col + gemm).
-struct Conv2dGradWeight {
-    geom: Geom,
-}
-
-impl CustomOp2 for Conv2dGradWeight {
-    fn name(&self) -> &'static str {
-        "memtrain-conv2d-grad-weight"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let g = &self.geom;
-        if let (CpuStorage::BF16(x), CpuStorage::BF16(gr), true) =
-            (s1, s2, bf16_kernel() != Bf16Kernel::Widen)
-        {
-            let x = contiguous(x, l1, &g.x_shape(), "input")?;
-            let gr = contiguous(gr, l2, &g.out_shape(), "output gradient")?;
-            return Ok((
-                CpuStorage::BF16(conv2d_bf16::grad_weight(g, x, gr)),
-                g.w_shape(),
-            ));
-        }
-        let out = dispatch2!(s1, s2, "memtrain-conv2d-grad-weight", |x, gr| {
-            let x = contiguous(x, l1, &g.x_shape(), "input")?;
-            let gr = contiguous(gr, l2, &g.out_shape(), "output gradient")?;
-            grad_weight(g, x, gr)
-        });
-        Ok((out, g.w_shape()))
-    }
-
-    cuda_pass!(WeightGrad, w_shape);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every im2col row against its definition, on the one-copy path (stride 1, output rows as
-    /// wide as the input's: same padding, including a pad wider than the kernel's reach and
-    /// images narrower than the kernel) and on the row-by-row one.
-    #[test]
-    fn im2col_rows_match_brute_force() {
-        for (h, w, k, s, p) in [
-            (5, 7, 3, 1, 1),
-            (4, 4, 5, 1, 2),
-            (6, 3, 1, 1, 0),
-            (2, 2, 3, 1, 1),
-            (1, 1, 3, 1, 1),
-            (5, 6, 3, 1, 0),
-            (6, 5, 3, 2, 1),
-            (3, 4, 5, 1, 3),
-        ] {
-            let cin = 2;
-            let g = Geom::new(&[1, cin, h, w], &[1, cin, k, k], s, p, None).unwrap();
-            let src: Vec<f32> = (0..cin * h * w).map(|i| i as f32 + 1.0).collect();
-            let mut row = vec![f32::NAN; g.ho * g.wo];
-            for r in 0..g.ckk() {
-                let (c, kh, kw) = (r / (k * k), (r / k) % k, r % k);
-                im2col_row(&g, &src, r, &mut row);
-                for oh in 0..g.ho {
-                    for ow in 0..g.wo {
-                        let ih = (oh * s + kh) as isize - p as isize;
-                        let iw = (ow * s + kw) as isize - p as isize;
-                        let inside = (0..h as isize).contains(&ih) && (0..w as isize).contains(&iw);
-                        let want = if inside {
-                            src[c * h * w + ih as usize * w + iw as usize]
-                        } else {
-                            0.0
-                        };
-                        assert_eq!(
-                            row[oh * g.wo + ow].to_bits(),
-                            want.to_bits(),
-                            "h{h} w{w} k{k} s{s} p{p} r{r} ({oh}, {ow})"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn valid_ranges_match_brute_force() {
-        for (k, s, p, len) in [
-            (3, 1, 1, 5),
-            (3, 2, 1, 6),
-            (3, 2, 0, 7),
-            (1, 2, 0, 4),
-            (5, 3, 2, 3),
-        ] {
-            let g = Geom::new(&[1, 1, len, len], &[1, 1, k, k], s, p, None).unwrap();
-            for kx in 0..k {
-                let (lo, hi) = g.valid(kx, len, g.wo);
-                for o in 0..g.wo {
-                    let pos = (o * s + kx) as isize - p as isize;
-                    let inside = pos >= 0 && pos < len as isize;
-                    assert_eq!(
-                        inside,
-                        (lo..hi).contains(&o),
-                        "k{k} s{s} p{p} len{len} kx{kx} o{o}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn chunk_sizing_is_bounded_and_balanced() {
-        // 8×8 maps: four images make the 256-pixel gemm depth.
-        assert_eq!(images_per_chunk(128, 64, 64 << 10, 2, None), 4);
-        // 32×32 maps: one image is deep enough.
-        assert_eq!(images_per_chunk(128, 1024, 1 << 20, 2, None), 1);
-        // 2×2 maps want 128 images, but a 10-image batch is still split over both threads...
-        assert_eq!(images_per_chunk(10, 4, 1024, 2, None), 5);
-        // ...and the budget caps the chunk.
-        assert_eq!(images_per_chunk(1000, 4, 1 << 20, 2, None), 2);
-        // An image bigger than a thread's share still gets a chunk of its own.
-        assert_eq!(images_per_chunk(128, 1, 8 << 20, 2, None), 1);
-        assert_eq!(images_per_chunk(3, 1, 1, 2, Some(7)), 3);
-    }
-
-    #[test]
-    fn slots_are_many_for_small_weights_and_bounded_for_large_ones() {
-        // Default net at batch 128 on 2 threads: 32→32 (36 KiB partials, 128 chunks of one
-        // image) gets 64 slots of 2 images; 128→128 (576 KiB, 32 chunks of 4) gets 8 slots of 4.
-        assert_eq!(chunks_per_slot(128, 288 * 32 * 4, 2), 2);
-        assert_eq!(chunks_per_slot(100, 288 * 32 * 4, 2), 1);
-        assert_eq!(chunks_per_slot(32, 1152 * 128 * 4, 2), 4);
-        // Huge weights still get 4 slots per thread; tiny batches one slot per chunk.
-        assert_eq!(chunks_per_slot(64, 64 << 20, 4), 4);
-        assert_eq!(chunks_per_slot(3, 64 << 20, 2), 1);
-        assert_eq!(chunks_per_slot(0, 1024, 2), 1);
-    }
-
-    #[test]
-    fn ordered_sum_adds_in_slot_order_whatever_the_arrival_order() {
-        // 1e8 + 1 − 1e8 and similar: in f32 the grouping decides the result.
-        let values = [1e8f32, 1.0, -1e8, 1.0, 3.0];
-        let expected = (((values[0] + values[1]) + values[2]) + values[3]) + values[4];
-        for order in [
-            [0, 1, 2, 3, 4],
-            [4, 3, 2, 1, 0],
-            [2, 0, 4, 1, 3],
-            [1, 2, 3, 4, 0],
-        ] {
-            let sum = OrderedSum::<f32>::new(values.len(), 2);
-            for slot in order {
-                let mut buf = sum.buffer();
-                buf.fill(values[slot]);
-                sum.add(slot, buf);
-            }
-            let total = sum.total().unwrap();
-            assert_eq!(total, vec![expected; 2], "arrival order {order:?}");
-        }
-        assert!(OrderedSum::<f32>::new(0, 2).total().is_none());
-    }
-
-    #[test]
-    fn padding_avoids_2kib_strides() {
-        assert_eq!(padded_ld(1024, 4), 1040);
-        assert_eq!(padded_ld(512, 4), 528);
-        assert_eq!(padded_ld(256, 8), 264);
-        assert_eq!(padded_ld(256, 4), 256);
-        assert_eq!(padded_ld(64, 4), 64);
-        assert_eq!(padded_ld(0, 4), 0);
     }
 }

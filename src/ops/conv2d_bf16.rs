@@ -1,8 +1,10 @@
 //! The three CPU passes of [`super::conv2d`] for bf16 inputs on the AVX512-BF16 kernel
 //! ([`super::gemm_bf16`]): operands stay bf16, sums are f32, results are narrowed to bf16 once.
+//! The dispatcher in `conv2d.rs` runs these instead of the generic passes of
+//! [`super::conv2d_cpu`] when the CPU has the kernel.
 //!
 //! Same shapes, threading and summation order across threads as the generic passes in
-//! `conv2d.rs` (per-image work shared out by `par_chunks`, weight-gradient partials added in
+//! `conv2d_cpu.rs` (per-image work shared out by `per_image`, weight-gradient partials added in
 //! slot order by `OrderedSum`), so the op stays bit-for-bit reproducible. What differs is where
 //! the operands come from, to fit the kernel's layout (`A` read in place with contiguous `k`,
 //! `B` packed into pair-interleaved panels):
@@ -17,11 +19,12 @@
 use half::bf16;
 
 use super::bf16_convert::narrow;
-use super::conv2d::{
+use super::conv2d_cpu::{
     chunks_per_slot, col2im, im2col_row, images_per_chunk, num_threads, padded_ld, par_chunks,
-    scratch, Geom, OrderedSum, SharedOut,
+    per_image, scratch, OrderedSum,
 };
 use super::gemm_bf16::{gemm, gemm_prepared, MatRef, PackedB, PreparedA};
+use super::geom::{ConvPass, Geom};
 
 /// Runs the bf16 gemm on operands this file built: their shapes hold by construction, so an
 /// error is a bug here, not a user error.
@@ -43,8 +46,17 @@ fn mul_prepared(dst: &mut [f32], dst_rs: usize, a: &PreparedA<'_>, b: &PackedB) 
     }
 }
 
+/// `pass` of the convolution `g` on its two bf16 operands (`x, w`; `dy, w`; `x, dy`).
+pub(super) fn run(pass: ConvPass, g: &Geom, a: &[bf16], b: &[bf16]) -> Vec<bf16> {
+    match pass {
+        ConvPass::Forward => forward(g, a, b),
+        ConvPass::InputGrad => grad_input(g, a, b),
+        ConvPass::WeightGrad => grad_weight(g, a, b),
+    }
+}
+
 /// `out[n] = W · col(x[n])` for every image.
-pub(super) fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
+fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
     let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
     let a = MatRef {
         data: w,
@@ -53,12 +65,11 @@ pub(super) fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
         rs: ckk,
         cs: 1,
     };
-    let mut out = Vec::new();
-    let shared = SharedOut::spare(&mut out, g.n * out_len);
-    par_chunks(g.n, 1, |chunks| {
-        let (mut packed, mut out_buf) = (PackedB::new(), Vec::new());
-        let a = prepare(a);
-        for i in chunks.flatten() {
+    per_image(
+        g.n,
+        out_len,
+        || (PackedB::new(), Vec::new(), prepare(a)),
+        |(packed, out_buf, a), i, dst: &mut [bf16]| {
             let img = &x[i * in_len..(i + 1) * in_len];
             if g.pointwise() {
                 packed.pack_row_pairs(ckk, hwo, |r, dst| {
@@ -67,21 +78,15 @@ pub(super) fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
             } else {
                 packed.pack_row_pairs(ckk, hwo, |r, dst| im2col_row(g, img, r, dst));
             }
-            let d = scratch(&mut out_buf, out_len);
-            mul_prepared(d, hwo, &a, &packed);
-            // SAFETY: image `i` is handed to this thread only; bf16 zero bits are 0.0.
-            let dst = unsafe { shared.zeroed(i * out_len, out_len) };
+            let d = scratch(out_buf, out_len);
+            mul_prepared(d, hwo, a, packed);
             narrow(d, dst);
-        }
-    });
-    // SAFETY: `par_chunks` hands out every image, and each image's slice was initialized by
-    // `zeroed` (a panic in a thread propagates before this line).
-    unsafe { out.set_len(g.n * out_len) };
-    out
+        },
+    )
 }
 
 /// `dx[n] = col2im(Wᵀ · grad[n])` for every image.
-pub(super) fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
+fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
     let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
     let ld = padded_ld(hwo, 4);
     // Wᵀ [Cin·K·K, Cout], once for the whole batch: the kernel broadcasts pairs along k = Cout.
@@ -98,41 +103,35 @@ pub(super) fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
         rs: g.cout,
         cs: 1,
     };
-    let mut dx = Vec::new();
-    let shared = SharedOut::spare(&mut dx, g.n * in_len);
-    par_chunks(g.n, 1, |chunks| {
-        let (mut packed, mut col_buf, mut img_buf) = (PackedB::new(), Vec::new(), Vec::new());
-        let a = prepare(a);
-        for i in chunks.flatten() {
+    per_image(
+        g.n,
+        in_len,
+        || (PackedB::new(), Vec::new(), Vec::new(), prepare(a)),
+        |(packed, col_buf, img_buf, a), i, dst: &mut [bf16]| {
             let gi = &grad[i * out_len..(i + 1) * out_len];
             packed.pack_row_pairs(g.cout, hwo, |r, dst| {
                 dst.copy_from_slice(&gi[r * hwo..(r + 1) * hwo])
             });
-            let d = scratch(&mut img_buf, in_len);
+            let d = scratch(img_buf, in_len);
             if g.pointwise() {
-                mul_prepared(d, hwo, &a, &packed);
+                mul_prepared(d, hwo, a, packed);
             } else {
-                let col = scratch(&mut col_buf, ckk * ld);
-                mul_prepared(col, ld, &a, &packed);
+                let col = scratch(col_buf, ckk * ld);
+                mul_prepared(col, ld, a, packed);
                 col2im(g, col, ld, d);
             }
-            // SAFETY: image `i` is handed to this thread only; bf16 zero bits are 0.0.
-            let dst = unsafe { shared.zeroed(i * in_len, in_len) };
             narrow(d, dst);
-        }
-    });
-    // SAFETY: as in `forward`: every image's slice was initialized by `zeroed`.
-    unsafe { dx.set_len(g.n * in_len) };
-    dx
+        },
+    )
 }
 
 /// `dW = Σₙ grad[n] · col(x[n])ᵀ`, over chunks of images, summed in slot order as the generic
-/// `grad_weight` in `conv2d.rs` does (the same chunking, so the same determinism).
+/// `grad_weight` in `conv2d_cpu.rs` does (the same chunking, so the same determinism).
 ///
 /// Here `A` is the chunk's output gradient `[Cout, b·Ho·Wo]` (the small operand, read in place
 /// for one image) and `B = colᵀ`, packed column by column straight from im2col rows, so the
 /// product is `dW [Cout, Cin·K·K]` itself, without the generic path's transposes.
-pub(super) fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
+fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
     let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
     let threads = num_threads();
     // The chunk size as the generic path chooses it (its columns are f32), so both paths sum

@@ -28,7 +28,8 @@
 
 use candle_core::DType;
 
-use super::conv2d::Geom;
+pub use super::geom::ConvPass;
+use super::geom::Geom;
 
 /// Upper bound, in bytes, on the column matrix one pass of the CUDA op holds at a time (a chunk is
 /// never smaller than one image, so one image's columns larger than this win over the bound). The
@@ -37,17 +38,6 @@ use super::conv2d::Geom;
 /// 32 MiB is about half of one activation of the default net's first stage at batch 512 in f32
 /// (64 MiB) and still gives gemms of ~27 images per call on its largest layer.
 pub const CUDA_IM2COL_CHUNK_BYTES: usize = 32 << 20;
-
-/// The three passes of the op.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ConvPass {
-    /// `(x, w) -> y`
-    Forward,
-    /// `(dy, w) -> dx`
-    InputGrad,
-    /// `(x, dy) -> dw`
-    WeightGrad,
-}
 
 /// Bytes of scratch the CUDA op allocates for `pass` on a batch of `n` images (`cin` input and
 /// `cout` output channels, `k`×`k` kernel, `ho`×`wo` output, `pointwise` for a 1×1 unstrided
@@ -332,70 +322,52 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaFunction, CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg,
         ValidAsZeroBits,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaDevice, CudaStorage, DType, Layout};
-    use half::{bf16, f16};
+    use candle_core::{CudaDevice, CudaStorage, Layout, WithDType};
 
     use super::{run, Buf, ColLayout, ConvDevice, ConvPass, GemmPlan, Geom};
-    use crate::ops::cuda_util::{contiguous_view, Kernels};
+    use crate::ops::util::{
+        cuda_view, dispatch_float, grid_stride, int32, kernel_source, tf32, Kernels,
+    };
 
-    /// Module name under which the compiled kernels are cached in each `CudaDevice`.
-    const MODULE: &str = "memtrain_conv2d";
-    const SOURCE: &str = concat!(
-        include_str!("kernels/prelude.cuh"),
-        include_str!("kernels/conv2d.cu")
-    );
-    static KERNELS: Kernels = Kernels::new("conv2d", SOURCE);
-    /// Threads per block of the data-movement kernels.
-    const BLOCK: u32 = 256;
-    /// Blocks per launch at most; the kernels loop over the rest (grid-stride).
-    const MAX_BLOCKS: u64 = 1 << 16;
+    static KERNELS: Kernels =
+        Kernels::new("conv2d", "memtrain_conv2d", kernel_source!("conv2d.cu"));
 
-    /// An element type of the op: its cuBLAS data type and kernel-name suffixes.
-    trait Elem: CudaDType + DeviceRepr + ValidAsZeroBits + Copy {
+    /// An element type of the op: its cuBLAS data type and the suffix of its bit-moving kernels
+    /// (the arithmetic kernels take the dtype's name, `WithDType::DTYPE.as_str()`).
+    trait Elem: CudaDType + WithDType + DeviceRepr + ValidAsZeroBits {
         const DATA: blas_sys::cudaDataType;
         /// Suffix of the bit-moving kernels (by size).
         const BITS: &'static str;
-        /// Suffix of the arithmetic kernels (by type).
-        const FLOAT: &'static str;
         /// Half types: the weight gradient is summed in an f32 buffer and cast at the end.
         const HALF: bool;
     }
 
     macro_rules! elem {
-        ($t:ty, $data:ident, $bits:literal, $float:literal, $half:literal) => {
+        ($t:ty, $data:ident, $bits:literal, $half:literal) => {
             impl Elem for $t {
                 const DATA: blas_sys::cudaDataType = blas_sys::cudaDataType::$data;
                 const BITS: &'static str = $bits;
-                const FLOAT: &'static str = $float;
                 const HALF: bool = $half;
             }
         };
     }
-    elem!(f32, CUDA_R_32F, "u32", "f32", false);
-    elem!(f64, CUDA_R_64F, "u64", "f64", false);
-    elem!(f16, CUDA_R_16F, "u16", "f16", true);
-    elem!(bf16, CUDA_R_16BF, "u16", "bf16", true);
+    elem!(f32, CUDA_R_32F, "u32", false);
+    elem!(f64, CUDA_R_64F, "u64", false);
+    elem!(half::f16, CUDA_R_16F, "u16", true);
+    elem!(half::bf16, CUDA_R_16BF, "u16", true);
 
     /// cuBLAS takes 32-bit sizes.
     fn int(what: &str, v: usize) -> candle_core::Result<i32> {
-        i32::try_from(v).map_err(|_| {
-            candle_core::Error::Msg(format!(
-                "conv2d: {what} = {v} is too large for cuBLAS; lower the batch size"
-            ))
-        })
+        int32("conv2d", what, v)
     }
 
-    fn launch_config(total: u64) -> LaunchConfig {
-        let blocks = total.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32;
-        LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        }
+    /// Kernel `{kernel}_{suffix}` on `dev`.
+    fn func(dev: &CudaDevice, kernel: &str, suffix: &str) -> candle_core::Result<CudaFunction> {
+        KERNELS.func(dev, &format!("{kernel}_{suffix}"))
     }
 
     struct CudaConv<'a, T: Elem> {
@@ -486,26 +458,25 @@ mod cuda {
         let beta = if plan.accumulate { 1.0 } else { 0.0 };
         let f64_scalars = [1.0f64, beta];
         let f32_scalars = [1.0f32, beta as f32];
-        let (alpha, beta, compute): (*const c_void, *const c_void, _) = if T::DATA
-            == blas_sys::cudaDataType::CUDA_R_64F
-        {
-            (
-                (&f64_scalars[0] as *const f64).cast(),
-                (&f64_scalars[1] as *const f64).cast(),
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-            )
-        } else {
-            let compute = if T::DATA == blas_sys::cudaDataType::CUDA_R_32F && crate::ops::tf32() {
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        let (alpha, beta, compute): (*const c_void, *const c_void, _) =
+            if T::DATA == blas_sys::cudaDataType::CUDA_R_64F {
+                (
+                    (&f64_scalars[0] as *const f64).cast(),
+                    (&f64_scalars[1] as *const f64).cast(),
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                )
             } else {
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+                let compute = if T::DATA == blas_sys::cudaDataType::CUDA_R_32F && tf32() {
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+                } else {
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+                };
+                (
+                    (&f32_scalars[0] as *const f32).cast(),
+                    (&f32_scalars[1] as *const f32).cast(),
+                    compute,
+                )
             };
-            (
-                (&f32_scalars[0] as *const f32).cast(),
-                (&f32_scalars[1] as *const f32).cast(),
-                compute,
-            )
-        };
         // SAFETY: the plan's shapes, leading dimensions and strides keep every matrix of the
         // batch inside its buffer (`run` derives them from the geometry and the chunk; the CPU
         // tests of this module check them against the CPU op); the scalars outlive the call.
@@ -558,14 +529,11 @@ mod cuda {
 
         fn im2col(&mut self, n0: usize, b: usize, layout: ColLayout) -> candle_core::Result<()> {
             let args = self.col_args(n0, b, layout);
-            let total = (b * self.g.ckk() * self.g.hw_out()) as u64;
-            let func = self.dev.get_or_load_custom_func(
-                &format!("conv_im2col_{}", T::BITS),
-                MODULE,
-                KERNELS.ptx()?,
-            )?;
+            let total = b * self.g.ckk() * self.g.hw_out();
+            let func = func(&self.dev, "conv_im2col", T::BITS)?;
             let col = self.col.as_mut().ok_or_else(|| missing("column"))?;
-            let mut builder = func.builder();
+            let stream = self.dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
             builder.arg(&self.in0);
             builder.arg(col);
             for a in &args {
@@ -573,20 +541,17 @@ mod cuda {
             }
             // SAFETY: the signature is (const T*, T*, 12 × u64); the column buffer holds a chunk
             // of `b` images in either layout and the reads stay inside images n0 .. n0 + b.
-            unsafe { builder.launch(launch_config(total)) }.w()?;
+            unsafe { builder.launch(grid_stride(total)) }.w()?;
             Ok(())
         }
 
         fn gather(&mut self, n0: usize, b: usize) -> candle_core::Result<()> {
             let (cout, hw) = (self.g.cout as u64, self.g.hw_out() as u64);
             let args = [n0 as u64, b as u64, cout, hw];
-            let func = self.dev.get_or_load_custom_func(
-                &format!("conv_gather_{}", T::BITS),
-                MODULE,
-                KERNELS.ptx()?,
-            )?;
+            let func = func(&self.dev, "conv_gather", T::BITS)?;
             let out = self.gathered.as_mut().ok_or_else(|| missing("gather"))?;
-            let mut builder = func.builder();
+            let stream = self.dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
             builder.arg(&self.in1);
             builder.arg(out);
             for a in &args {
@@ -594,20 +559,17 @@ mod cuda {
             }
             // SAFETY: (const T*, T*, 4 × u64); `b · Cout · HW` elements written, all inside the
             // gather buffer, reads inside images n0 .. n0 + b of the output gradient.
-            unsafe { builder.launch(launch_config(b as u64 * cout * hw)) }.w()?;
+            unsafe { builder.launch(grid_stride(b * self.g.cout * self.g.hw_out())) }.w()?;
             Ok(())
         }
 
         fn col2im(&mut self, n0: usize, b: usize, layout: ColLayout) -> candle_core::Result<()> {
             let args = self.col_args(n0, b, layout);
-            let total = (b * self.g.in_image()) as u64;
-            let func = self.dev.get_or_load_custom_func(
-                &format!("conv_col2im_{}", T::FLOAT),
-                MODULE,
-                KERNELS.ptx()?,
-            )?;
+            let total = b * self.g.in_image();
+            let func = func(&self.dev, "conv_col2im", T::DTYPE.as_str())?;
             let col = self.col.as_ref().ok_or_else(|| missing("column"))?;
-            let mut builder = func.builder();
+            let stream = self.dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
             builder.arg(col);
             builder.arg(&mut self.out);
             for a in &args {
@@ -615,7 +577,7 @@ mod cuda {
             }
             // SAFETY: (const T*, T*, 12 × u64); writes images n0 .. n0 + b of the input gradient,
             // reads the chunk's columns.
-            unsafe { builder.launch(launch_config(total)) }.w()?;
+            unsafe { builder.launch(grid_stride(total)) }.w()?;
             Ok(())
         }
 
@@ -683,17 +645,13 @@ mod cuda {
         lb: &Layout,
     ) -> candle_core::Result<CudaStorage> {
         let dev = a.device().clone();
-        let out_len = match pass {
-            ConvPass::Forward => g.n * g.out_image(),
-            ConvPass::InputGrad => g.n * g.in_image(),
-            ConvPass::WeightGrad => g.cout * g.ckk(),
-        };
+        let out_len = g.result_len(pass);
         if out_len == 0 {
             return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<T>(0)?, dev));
         }
         let mut conv = CudaConv {
-            in0: contiguous_view(a.as_cuda_slice::<T>()?, la, "conv2d", "first operand")?,
-            in1: contiguous_view(b.as_cuda_slice::<T>()?, lb, "conv2d", "second operand")?,
+            in0: cuda_view(a, la, "conv2d", "first operand")?,
+            in1: cuda_view(b, lb, "conv2d", "second operand")?,
             // SAFETY: `run` writes every element: each pass covers the whole result, and an empty
             // batch zeroes the weight gradient.
             out: unsafe { dev.alloc::<T>(out_len)? },
@@ -705,18 +663,16 @@ mod cuda {
         };
         run(&mut conv, pass, g, std::mem::size_of::<T>())?;
         if let Some(acc) = conv.acc.take() {
-            let func = dev.get_or_load_custom_func(
-                &format!("conv_cast_{}", T::FLOAT),
-                MODULE,
-                KERNELS.ptx()?,
-            )?;
-            let len = conv.out.len() as u64;
-            let mut builder = func.builder();
+            let func = func(&dev, "conv_cast", T::DTYPE.as_str())?;
+            let len = conv.out.len();
+            let len64 = len as u64;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
             builder.arg(&acc);
             builder.arg(&mut conv.out);
-            builder.arg(&len);
+            builder.arg(&len64);
             // SAFETY: (const float*, T*, u64) over two buffers of `len` elements.
-            unsafe { builder.launch(launch_config(len)) }.w()?;
+            unsafe { builder.launch(grid_stride(len)) }.w()?;
         }
         let out = conv.out;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -731,15 +687,12 @@ mod cuda {
         b: &CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<CudaStorage> {
-        match (a.dtype(), b.dtype()) {
-            (DType::F32, DType::F32) => pass_on::<f32>(pass, g, a, la, b, lb),
-            (DType::F64, DType::F64) => pass_on::<f64>(pass, g, a, la, b, lb),
-            (DType::F16, DType::F16) => pass_on::<f16>(pass, g, a, la, b, lb),
-            (DType::BF16, DType::BF16) => pass_on::<bf16>(pass, g, a, la, b, lb),
-            (da, db) => candle_core::bail!(
-                "conv2d: unsupported dtypes {da:?} and {db:?} (f32, f64, f16, bf16 of one kind)"
-            ),
-        }
+        dispatch_float!(
+            a.dtype(),
+            [F32, F64, F16, BF16],
+            |T| pass_on::<T>(pass, g, a, la, b, lb),
+            |dt| candle_core::bail!("conv2d: unsupported dtype {dt:?} (f32, f64, f16, bf16)"),
+        )
     }
 }
 
@@ -923,11 +876,7 @@ mod tests {
     }
 
     fn run_ref(pass: ConvPass, g: &Geom, in0: Vec<f64>, in1: Vec<f64>) -> (Vec<f64>, usize) {
-        let out_len = match pass {
-            ConvPass::Forward => g.n * g.out_image(),
-            ConvPass::InputGrad => g.n * g.in_image(),
-            ConvPass::WeightGrad => g.cout * g.ckk(),
-        };
+        let out_len = g.result_len(pass);
         let mut dev = Reference {
             g: *g,
             in0,
@@ -965,7 +914,7 @@ mod tests {
         let xt = Tensor::from_vec(x.clone(), (n, cin, h, w), &cpu).unwrap();
         let xv = candle_core::Var::from_tensor(&xt).unwrap();
         let wv = candle_core::Var::from_vec(wt.clone(), (cout, cin, k, k), &cpu).unwrap();
-        let y = super::super::conv2d::conv2d(xv.as_tensor(), wv.as_tensor(), stride, pad).unwrap();
+        let y = crate::ops::conv2d::conv2d(xv.as_tensor(), wv.as_tensor(), stride, pad).unwrap();
         let dyt = Tensor::from_vec(dy.clone(), y.shape(), &cpu).unwrap();
         let grads = (y.clone() * dyt)
             .unwrap()

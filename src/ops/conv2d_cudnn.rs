@@ -113,10 +113,10 @@ mod cuda {
     use candle_core::{CudaDevice, CudaStorage, DType, Layout};
     use half::{bf16, f16};
 
-    use super::super::conv2d::Geom;
-    use super::super::conv2d_cuda::ConvPass;
-    use super::super::cuda_util::contiguous_view;
     use super::CUDNN_WORKSPACE_BYTES;
+    use crate::ops::conv2d_cuda;
+    use crate::ops::geom::{ConvPass, Geom};
+    use crate::ops::util::{cuda_view, dispatch_float, int32, tf32};
 
     /// An element type of the op: its cuDNN compute type and the scaling constants.
     trait Elem: CudnnDataType + CudaDType + DeviceRepr + ValidAsZeroBits + Copy + 'static {
@@ -134,7 +134,7 @@ mod cuda {
         const ZERO: Self = 0.0;
         fn math() -> dnn::cudnnMathType_t {
             // PyTorch's mapping of `allow_tf32`: default math (TF32 allowed) or FMA only.
-            if crate::ops::tf32() {
+            if tf32() {
                 dnn::cudnnMathType_t::CUDNN_DEFAULT_MATH
             } else {
                 dnn::cudnnMathType_t::CUDNN_FMA_MATH
@@ -180,7 +180,7 @@ mod cuda {
             PlanKey {
                 dims: [g.n, g.cin, g.h, g.w, g.cout, g.k, g.stride, g.pad],
                 dtype,
-                tf32: crate::ops::tf32(),
+                tf32: tf32(),
             }
         }
     }
@@ -198,11 +198,7 @@ mod cuda {
 
     /// cuDNN takes `int` sizes.
     fn int(what: &str, v: usize) -> candle_core::Result<i32> {
-        i32::try_from(v).map_err(|_| {
-            candle_core::Error::Msg(format!(
-                "conv2d (cuDNN): {what} = {v} is too large; lower the batch size"
-            ))
-        })
+        int32("conv2d (cuDNN)", what, v)
     }
 
     fn dnn_err(e: CudnnError) -> candle_core::Error {
@@ -400,11 +396,7 @@ mod cuda {
         lb: &Layout,
     ) -> candle_core::Result<CudaStorage> {
         let dev: CudaDevice = a.device().clone();
-        let out_len = match pass {
-            ConvPass::Forward => g.n * g.out_image(),
-            ConvPass::InputGrad => g.n * g.in_image(),
-            ConvPass::WeightGrad => g.cout * g.ckk(),
-        };
+        let out_len = g.result_len(pass);
         // cuDNN rejects empty tensors: an empty batch has an empty result, or a zero weight
         // gradient.
         if g.n == 0 || out_len == 0 {
@@ -413,8 +405,8 @@ mod cuda {
                 dev,
             ));
         }
-        let in0 = contiguous_view(a.as_cuda_slice::<T>()?, la, "conv2d", "first operand")?;
-        let in1 = contiguous_view(b.as_cuda_slice::<T>()?, lb, "conv2d", "second operand")?;
+        let in0 = cuda_view(a, la, "conv2d", "first operand")?;
+        let in1 = cuda_view(b, lb, "conv2d", "second operand")?;
         let key = PlanKey::new(g, a.dtype());
         let ran = STATE.with(|state| -> candle_core::Result<Option<CudaSlice<T>>> {
             let mut state = state.borrow_mut();
@@ -455,7 +447,7 @@ mod cuda {
         })?;
         match ran {
             Some(out) => Ok(CudaStorage::wrap_cuda_slice(out, dev)),
-            None => super::super::conv2d_cuda::launch(pass, g, a, la, b, lb),
+            None => conv2d_cuda::launch(pass, g, a, la, b, lb),
         }
     }
 
@@ -469,15 +461,12 @@ mod cuda {
         b: &CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<CudaStorage> {
-        match (a.dtype(), b.dtype()) {
-            (DType::F32, DType::F32) => pass_on::<f32>(pass, g, a, la, b, lb),
-            (DType::F64, DType::F64) => pass_on::<f64>(pass, g, a, la, b, lb),
-            (DType::F16, DType::F16) => pass_on::<f16>(pass, g, a, la, b, lb),
-            (DType::BF16, DType::BF16) => pass_on::<bf16>(pass, g, a, la, b, lb),
-            (da, db) => candle_core::bail!(
-                "conv2d: unsupported dtypes {da:?} and {db:?} (f32, f64, f16, bf16 of one kind)"
-            ),
-        }
+        dispatch_float!(
+            a.dtype(),
+            [F32, F64, F16, BF16],
+            |T| pass_on::<T>(pass, g, a, la, b, lb),
+            |dt| candle_core::bail!("conv2d: unsupported dtype {dt:?} (f32, f64, f16, bf16)"),
+        )
     }
 }
 

@@ -6,17 +6,22 @@
 //! group, so a depthwise layer costs O(C) kernel launches and O(C²) work and memory. Here the
 //! forward, the input gradient and the weight gradient are each a single pass over the data.
 //!
+//! One op type carries all three passes ([`ConvPass`], as `conv2d`'s op does); the kernel checks
+//! and the output size are the ones `conv2d` makes ([`super::geom::window`]), and dtype dispatch
+//! and operand access go through [`super::util`].
+//!
 //! Layout of the CPU kernels: every `(n, c)` plane is copied once (converted to `f32`) into a
 //! zero-padded scratch plane whose rows are split into `stride` phases (column `x` of a padded row
 //! lives in phase `x % stride` at index `x / stride`). With that layout, the input columns one
 //! kernel tap reads for a whole output row are a *contiguous* slice for any stride, so every hot
-//! loop is a plain `a[i] += w * b[i]` over slices, which the compiler vectorises.
+//! loop is a plain `a[i] += w * b[i]` over slices, which the compiler vectorises. The CUDA kernels
+//! are in `kernels/depthwise.cu`.
 
-use std::sync::Arc;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
-use half::{bf16, f16};
-
+use super::geom::{window, ConvPass};
+use super::util::{cpu_slice, dispatch_float, expect_dims};
 use crate::error::{Error, Result};
 
 /// Depthwise 2D convolution: x [N,C,H,W], w [C,1,K,K] (groups = C, no bias), square stride and padding.
@@ -48,14 +53,12 @@ pub fn depthwise_conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -
             w.device().location()
         )));
     }
-    Geometry::new(x.dims(), w.dims(), stride, padding).map_err(op_error)?;
+    let g = Geometry::new(x.dims(), w.dims(), stride, padding).map_err(op_error)?;
     // The kernels read plain row-major planes; `contiguous` is a no-op (same tensor) when the
     // input already is, and a differentiable copy otherwise.
     let x = x.contiguous()?;
     let w = w.contiguous()?;
-    let op: Arc<Box<dyn CustomOp2 + Send + Sync>> =
-        Arc::new(Box::new(DepthwiseConv2d { stride, padding }));
-    Ok(x.apply_op2_arc(&w, op)?)
+    Ok(x.apply_op2(&w, Depthwise::new(g, ConvPass::Forward))?)
 }
 
 /// The input gradient of [`depthwise_conv2d`] from the output gradient `grad` and `w`, for an
@@ -73,7 +76,7 @@ pub fn depthwise_backward_input(
     check_dtype(grad.dtype()).map_err(op_error)?;
     let g = Geometry::new(x_dims, w.dims(), stride, padding).map_err(op_error)?;
     let grad = grad.to_dtype(w.dtype())?.contiguous()?;
-    Ok(grad.apply_op2_no_bwd(&w.contiguous()?, &DepthwiseInputGrad { g })?)
+    Ok(grad.apply_op2_no_bwd(&w.contiguous()?, &Depthwise::new(g, ConvPass::InputGrad))?)
 }
 
 /// The weight gradient of [`depthwise_conv2d`] from its input `x` and the output gradient
@@ -92,11 +95,14 @@ pub fn depthwise_backward_weight(
     let g = Geometry::new(x.dims(), w_dims, stride, padding).map_err(op_error)?;
     let grad = grad.to_dtype(x.dtype())?.contiguous()?;
     Ok(x.contiguous()?
-        .apply_op2_no_bwd(&grad, &DepthwiseWeightGrad { g })?)
+        .apply_op2_no_bwd(&grad, &Depthwise::new(g, ConvPass::WeightGrad))?)
 }
 
+/// The name of the op in errors.
+const OP: &str = "depthwise_conv2d";
+
 fn op_error(msg: String) -> Error {
-    Error::Candle(candle_core::Error::Msg(format!("depthwise_conv2d: {msg}")))
+    Error::Candle(candle_core::Error::Msg(format!("{OP}: {msg}")))
 }
 
 fn check_dtype(dtype: DType) -> std::result::Result<(), String> {
@@ -136,9 +142,6 @@ impl Geometry {
         let &[wc, one, kh, kw] = w else {
             return Err(format!("w must have shape [C, 1, K, K], got {w:?}"));
         };
-        if stride == 0 {
-            return Err("stride must be at least 1".into());
-        }
         if n == 0 || c == 0 || height == 0 || width == 0 {
             return Err(format!("x has a zero-sized dimension: {x:?}"));
         }
@@ -152,28 +155,17 @@ impl Geometry {
                 "w must have one input channel per filter (depthwise, [C, 1, K, K]), got {w:?}"
             ));
         }
-        if kh != kw {
-            return Err(format!("the kernel must be square, got {kh}x{kw}"));
-        }
-        if kh == 0 {
-            return Err("the kernel size must be at least 1".into());
-        }
-        let (ph, pw) = (height + 2 * pad, width + 2 * pad);
-        if kh > ph || kh > pw {
-            return Err(format!(
-                "kernel {kh}x{kh} is larger than the padded input {ph}x{pw} (input {height}x{width}, padding {pad})"
-            ));
-        }
+        let (k, out_h, out_w) = window(height, width, kh, kw, stride, pad)?;
         Ok(Self {
             n,
             c,
             height,
             width,
-            k: kh,
+            k,
             stride,
             pad,
-            out_h: (ph - kh) / stride + 1,
-            out_w: (pw - kh) / stride + 1,
+            out_h,
+            out_w,
         })
     }
 
@@ -187,6 +179,24 @@ impl Geometry {
 
     fn y_dims(&self) -> [usize; 4] {
         [self.n, self.c, self.out_h, self.out_w]
+    }
+
+    /// The shapes of `pass`'s two operands, each with its name for error messages.
+    fn operands(&self, pass: ConvPass) -> [([usize; 4], &'static str); 2] {
+        match pass {
+            ConvPass::Forward => [(self.x_dims(), "x"), (self.w_dims(), "w")],
+            ConvPass::InputGrad => [(self.y_dims(), "the output gradient"), (self.w_dims(), "w")],
+            ConvPass::WeightGrad => [(self.x_dims(), "x"), (self.y_dims(), "the output gradient")],
+        }
+    }
+
+    /// The shape of `pass`'s result.
+    fn result_dims(&self, pass: ConvPass) -> [usize; 4] {
+        match pass {
+            ConvPass::Forward => self.y_dims(),
+            ConvPass::InputGrad => self.x_dims(),
+            ConvPass::WeightGrad => self.w_dims(),
+        }
     }
 
     fn planes(&self) -> usize {
@@ -211,30 +221,38 @@ impl Geometry {
     }
 }
 
-/// Checks that a backward op sees the shapes its geometry was built for.
-fn expect_dims(what: &str, got: &[usize], want: &[usize]) -> candle_core::Result<()> {
-    if got != want {
-        candle_core::bail!("depthwise_conv2d: {what} has shape {got:?}, expected {want:?}");
+/// One pass of the depthwise convolution `g` as a Candle op: the forward `(x [N,C,H,W],
+/// w [C,1,K,K]) -> y [N,C,Ho,Wo]` (whose `bwd` applies the other two), the input gradient
+/// `(dy, w) -> dx` or the weight gradient `(x, dy) -> dw`, reduced over N, Ho, Wo.
+struct Depthwise {
+    g: Geometry,
+    pass: ConvPass,
+}
+
+impl Depthwise {
+    fn new(g: Geometry, pass: ConvPass) -> Self {
+        Depthwise { g, pass }
     }
-    Ok(())
-}
 
-/// The forward op; its `bwd` applies the two gradient ops below.
-struct DepthwiseConv2d {
-    stride: usize,
-    padding: usize,
-}
+    /// The operands have the shapes the geometry was validated with.
+    fn check(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<()> {
+        let [(d1, what1), (d2, what2)] = self.g.operands(self.pass);
+        expect_dims(OP, what1, l1.dims(), &d1)?;
+        expect_dims(OP, what2, l2.dims(), &d2)
+    }
 
-impl DepthwiseConv2d {
-    fn geometry(&self, x: &Layout, w: &Layout) -> candle_core::Result<Geometry> {
-        Geometry::new(x.dims(), w.dims(), self.stride, self.padding)
-            .map_err(|m| candle_core::Error::Msg(format!("depthwise_conv2d: {m}")))
+    fn result_shape(&self) -> Shape {
+        Shape::from(self.g.result_dims(self.pass).to_vec())
     }
 }
 
-impl CustomOp2 for DepthwiseConv2d {
+impl CustomOp2 for Depthwise {
     fn name(&self) -> &'static str {
-        "depthwise-conv2d"
+        match self.pass {
+            ConvPass::Forward => "depthwise-conv2d",
+            ConvPass::InputGrad => "depthwise-conv2d-input-grad",
+            ConvPass::WeightGrad => "depthwise-conv2d-weight-grad",
+        }
     }
 
     fn cpu_fwd(
@@ -244,9 +262,19 @@ impl CustomOp2 for DepthwiseConv2d {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let g = self.geometry(l1, l2)?;
-        let out = dispatch_cpu(s1, l1, s2, l2, cpu::Forward(&g))?;
-        Ok((out, Shape::from(g.y_dims().to_vec())))
+        self.check(l1, l2)?;
+        let [(_, what1), (_, what2)] = self.g.operands(self.pass);
+        let out = dispatch_float!(
+            s1.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                let a = cpu_slice::<T>(s1, l1, OP, what1)?;
+                let b = cpu_slice::<T>(s2, l2, OP, what2)?;
+                T::to_cpu_storage_owned(cpu::run(self.pass, &self.g, a, b))
+            },
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} (expected F32, F16 or BF16)")
+        );
+        Ok((out, self.result_shape()))
     }
 
     #[cfg(feature = "cuda")]
@@ -257,9 +285,9 @@ impl CustomOp2 for DepthwiseConv2d {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let g = self.geometry(l1, l2)?;
-        let out = cuda::launch(cuda::Kernel::Forward, &g, s1, l1, s2, l2)?;
-        Ok((out, Shape::from(g.y_dims().to_vec())))
+        self.check(l1, l2)?;
+        let out = cuda::launch(self.pass, &self.g, s1, l1, s2, l2)?;
+        Ok((out, self.result_shape()))
     }
 
     fn bwd(
@@ -269,151 +297,27 @@ impl CustomOp2 for DepthwiseConv2d {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = Geometry::new(x.dims(), w.dims(), self.stride, self.padding)
-            .map_err(|m| candle_core::Error::Msg(format!("depthwise_conv2d backward: {m}")))?;
+        // The gradient passes are applied without backward; only the forward has one.
+        if self.pass != ConvPass::Forward {
+            return Err(candle_core::Error::BackwardNotSupported { op: self.name() });
+        }
+        let g = self.g;
         // The incoming gradient can be a broadcast or transposed view; the kernels need rows.
         let grad = grad_res.contiguous()?;
         // Skip a gradient nobody asked for (e.g. the input image of the first layer): it would
         // cost a full activation-sized buffer and a kernel for nothing.
         let dx = if x.track_op() {
-            Some(grad.apply_op2_no_bwd(w, &DepthwiseInputGrad { g })?)
+            Some(grad.apply_op2_no_bwd(w, &Depthwise::new(g, ConvPass::InputGrad))?)
         } else {
             None
         };
         let dw = if w.track_op() {
-            Some(x.apply_op2_no_bwd(&grad, &DepthwiseWeightGrad { g })?)
+            Some(x.apply_op2_no_bwd(&grad, &Depthwise::new(g, ConvPass::WeightGrad))?)
         } else {
             None
         };
         Ok((dx, dw))
     }
-}
-
-/// Input gradient: `(dy [N,C,Ho,Wo], w [C,1,K,K]) -> dx [N,C,H,W]`.
-struct DepthwiseInputGrad {
-    g: Geometry,
-}
-
-impl DepthwiseInputGrad {
-    fn check(&self, dy: &Layout, w: &Layout) -> candle_core::Result<()> {
-        expect_dims("the output gradient", dy.dims(), &self.g.y_dims())?;
-        expect_dims("w", w.dims(), &self.g.w_dims())
-    }
-}
-
-impl CustomOp2 for DepthwiseInputGrad {
-    fn name(&self) -> &'static str {
-        "depthwise-conv2d-input-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.check(l1, l2)?;
-        let g = self.g;
-        let out = dispatch_cpu(s1, l1, s2, l2, cpu::InputGrad(&g))?;
-        Ok((out, Shape::from(g.x_dims().to_vec())))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        self.check(l1, l2)?;
-        let out = cuda::launch(cuda::Kernel::InputGrad, &self.g, s1, l1, s2, l2)?;
-        Ok((out, Shape::from(self.g.x_dims().to_vec())))
-    }
-}
-
-/// Weight gradient: `(x [N,C,H,W], dy [N,C,Ho,Wo]) -> dw [C,1,K,K]`, reduced over N, Ho, Wo.
-struct DepthwiseWeightGrad {
-    g: Geometry,
-}
-
-impl DepthwiseWeightGrad {
-    fn check(&self, x: &Layout, dy: &Layout) -> candle_core::Result<()> {
-        expect_dims("x", x.dims(), &self.g.x_dims())?;
-        expect_dims("the output gradient", dy.dims(), &self.g.y_dims())
-    }
-}
-
-impl CustomOp2 for DepthwiseWeightGrad {
-    fn name(&self) -> &'static str {
-        "depthwise-conv2d-weight-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.check(l1, l2)?;
-        let g = self.g;
-        let out = dispatch_cpu(s1, l1, s2, l2, cpu::WeightGrad(&g))?;
-        Ok((out, Shape::from(g.w_dims().to_vec())))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        self.check(l1, l2)?;
-        let out = cuda::launch(cuda::Kernel::WeightGrad, &self.g, s1, l1, s2, l2)?;
-        Ok((out, Shape::from(self.g.w_dims().to_vec())))
-    }
-}
-
-/// The contiguous elements a layout describes (the ops only ever see contiguous inputs, since
-/// the public function and `bwd` call `contiguous` first; anything else is a bug we report).
-fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => candle_core::bail!("depthwise_conv2d: {what} must be contiguous"),
-    }
-}
-
-/// Runs `kernel` on the two operands' contiguous data for whichever float dtype they hold
-/// (both operands always share one dtype: the public function checks it).
-fn dispatch_cpu<K: cpu::Dispatch>(
-    s1: &CpuStorage,
-    l1: &Layout,
-    s2: &CpuStorage,
-    l2: &Layout,
-    kernel: K,
-) -> candle_core::Result<CpuStorage> {
-    Ok(match (s1, s2) {
-        (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-            CpuStorage::F32(kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?))
-        }
-        (CpuStorage::F16(a), CpuStorage::F16(b)) => {
-            CpuStorage::F16(kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?))
-        }
-        (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
-            CpuStorage::BF16(kernel.call(contiguous(a, l1, "lhs")?, contiguous(b, l2, "rhs")?))
-        }
-        (a, b) => {
-            use candle_core::backend::BackendStorage;
-            candle_core::bail!(
-                "depthwise_conv2d: unsupported dtypes {:?} and {:?} (expected two F32, F16 or BF16)",
-                a.dtype(),
-                b.dtype()
-            )
-        }
-    })
 }
 
 mod cpu {
@@ -423,7 +327,8 @@ mod cpu {
     use std::mem::MaybeUninit;
     use std::sync::Mutex;
 
-    use super::{bf16, f16, Geometry};
+    use super::{ConvPass, Geometry};
+    use crate::ops::util::Float;
 
     /// Below this many multiply-adds, handing work to another thread costs more than it saves.
     const MIN_MACS_PER_CHUNK: usize = 1 << 15;
@@ -431,48 +336,13 @@ mod cpu {
     /// Chunks per worker: enough for the shared cursor to even out uneven progress.
     const CHUNKS_PER_THREAD: usize = 4;
 
-    /// An element type the kernels load from and store to; all arithmetic is `f32`.
-    pub(super) trait Elem: Copy + Send + Sync + 'static {
-        fn to_f32(self) -> f32;
-        fn from_f32(v: f32) -> Self;
-    }
-
-    impl Elem for f32 {
-        #[inline(always)]
-        fn to_f32(self) -> f32 {
-            self
+    /// The three kernels' entry point: `pass` on its two operands (`x, w`; `dy, w`; `x, dy`).
+    pub(super) fn run<T: Float>(pass: ConvPass, g: &Geometry, a: &[T], b: &[T]) -> Vec<T> {
+        match pass {
+            ConvPass::Forward => forward(g, a, b),
+            ConvPass::InputGrad => input_grad(g, a, b),
+            ConvPass::WeightGrad => weight_grad(g, a, b),
         }
-        #[inline(always)]
-        fn from_f32(v: f32) -> Self {
-            v
-        }
-    }
-
-    impl Elem for f16 {
-        #[inline(always)]
-        fn to_f32(self) -> f32 {
-            f16::to_f32(self)
-        }
-        #[inline(always)]
-        fn from_f32(v: f32) -> Self {
-            f16::from_f32(v)
-        }
-    }
-
-    impl Elem for bf16 {
-        #[inline(always)]
-        fn to_f32(self) -> f32 {
-            bf16::to_f32(self)
-        }
-        #[inline(always)]
-        fn from_f32(v: f32) -> Self {
-            bf16::from_f32(v)
-        }
-    }
-
-    /// One of the three kernels, callable at any element type (closures cannot be generic).
-    pub(super) trait Dispatch {
-        fn call<T: Elem>(&self, a: &[T], b: &[T]) -> Vec<T>;
     }
 
     /// One chunk of planes waiting for a worker: its first plane's index and its elements.
@@ -559,7 +429,7 @@ mod cpu {
 
         /// Writes one input plane into the interior; the padding stays as it is (zero, since
         /// loads only ever touch the interior and `input_grad` re-zeroes what it accumulates).
-        fn load<T: Elem>(&mut self, plane: &[T]) {
+        fn load<T: Float>(&mut self, plane: &[T]) {
             let (w, pad, s) = (self.g.width, self.g.pad, self.g.stride);
             for (iy, src) in plane.chunks_exact(w).enumerate() {
                 let base = (iy + pad) * self.row_len;
@@ -582,7 +452,7 @@ mod cpu {
         }
 
         /// Reads the interior back into an input-shaped plane (the inverse of `load`).
-        fn store<T: Elem>(&self, plane: &mut [MaybeUninit<T>]) {
+        fn store<T: Float>(&self, plane: &mut [MaybeUninit<T>]) {
             let (w, pad, s) = (self.g.width, self.g.pad, self.g.stride);
             for (iy, dst) in plane.chunks_exact_mut(w).enumerate() {
                 let base = (iy + pad) * self.row_len;
@@ -610,7 +480,7 @@ mod cpu {
     /// A `len`-element vector that `fill` initialises completely, without first zeroing it: the
     /// kernels write every output element anyway, and zeroing a multi-megabyte output is a
     /// full extra pass over memory (plus, once the allocator reuses freed memory, a `memset`).
-    fn uninit_vec<T: Elem>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    fn uninit_vec<T: Float>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
         let mut v: Vec<MaybeUninit<T>> = Vec::with_capacity(len);
         // SAFETY: `MaybeUninit` elements need no initialisation.
         unsafe { v.set_len(len) };
@@ -630,109 +500,99 @@ mod cpu {
         }
     }
 
-    fn to_f32_row<T: Elem>(dst: &mut [f32], src: &[T]) {
+    fn to_f32_row<T: Float>(dst: &mut [f32], src: &[T]) {
         for (d, &v) in dst.iter_mut().zip(src) {
             *d = v.to_f32();
         }
     }
 
-    fn weights_f32<T: Elem>(w: &[T]) -> Vec<f32> {
+    fn weights_f32<T: Float>(w: &[T]) -> Vec<f32> {
         w.iter().map(|v| v.to_f32()).collect()
     }
 
     /// `y = depthwise(x, w)`.
-    pub(super) struct Forward<'g>(pub(super) &'g Geometry);
-
-    impl Dispatch for Forward<'_> {
-        fn call<T: Elem>(&self, x: &[T], w: &[T]) -> Vec<T> {
-            let g = self.0;
-            let (k, s, out_w) = (g.k, g.stride, g.out_w);
-            let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
-            let wf = weights_f32(w);
-            uninit_vec(g.planes() * out_plane, |y| {
-                parallel_planes(y, out_plane, g.macs_per_plane(), |first, chunk| {
-                    let mut padded = Padded::new(g);
-                    let mut acc = vec![0f32; out_w];
-                    for (i, y_plane) in chunk.chunks_exact_mut(out_plane).enumerate() {
-                        let p = first + i;
-                        padded.load(&x[p * in_plane..(p + 1) * in_plane]);
-                        let wk = &wf[(p % g.c) * k * k..][..k * k];
-                        for (oy, y_row) in y_plane.chunks_exact_mut(out_w).enumerate() {
-                            acc.fill(0.0);
-                            for ky in 0..k {
-                                for kx in 0..k {
-                                    let at = padded.tap(oy * s + ky, kx);
-                                    axpy(&mut acc, wk[ky * k + kx], &padded.buf[at..at + out_w]);
-                                }
-                            }
-                            for (o, &a) in y_row.iter_mut().zip(&acc) {
-                                o.write(T::from_f32(a));
+    fn forward<T: Float>(g: &Geometry, x: &[T], w: &[T]) -> Vec<T> {
+        let (k, s, out_w) = (g.k, g.stride, g.out_w);
+        let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
+        let wf = weights_f32(w);
+        uninit_vec(g.planes() * out_plane, |y| {
+            parallel_planes(y, out_plane, g.macs_per_plane(), |first, chunk| {
+                let mut padded = Padded::new(g);
+                let mut acc = vec![0f32; out_w];
+                for (i, y_plane) in chunk.chunks_exact_mut(out_plane).enumerate() {
+                    let p = first + i;
+                    padded.load(&x[p * in_plane..(p + 1) * in_plane]);
+                    let wk = &wf[(p % g.c) * k * k..][..k * k];
+                    for (oy, y_row) in y_plane.chunks_exact_mut(out_w).enumerate() {
+                        acc.fill(0.0);
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let at = padded.tap(oy * s + ky, kx);
+                                axpy(&mut acc, wk[ky * k + kx], &padded.buf[at..at + out_w]);
                             }
                         }
+                        for (o, &a) in y_row.iter_mut().zip(&acc) {
+                            o.write(T::from_f32(a));
+                        }
                     }
-                })
+                }
             })
-        }
+        })
     }
 
     /// `dx[n,c,iy,ix] = sum over taps hitting (iy, ix) of w[c,ky,kx] * dy[n,c,oy,ox]`. For
     /// stride 1 a forward convolution with rotated filters; otherwise computed by scattering each
     /// output-gradient row into the padded phase layout (the transpose of the forward gather)
     /// and then dropping the padding.
-    pub(super) struct InputGrad<'g>(pub(super) &'g Geometry);
-
-    impl Dispatch for InputGrad<'_> {
-        fn call<T: Elem>(&self, dy: &[T], w: &[T]) -> Vec<T> {
-            let g = self.0;
-            if g.stride == 1 && g.pad < g.k {
-                // With stride 1 the input gradient is itself a depthwise convolution: of dy,
-                // padded by K-1-p, with each filter rotated 180°. The forward kernel's gather
-                // is faster than the scatter below (no accumulation buffer to clear, and each
-                // output row is written once from a small accumulator).
-                let transposed = Geometry {
-                    height: g.out_h,
-                    width: g.out_w,
-                    pad: g.k - 1 - g.pad,
-                    out_h: g.height,
-                    out_w: g.width,
-                    ..*g
-                };
-                // Reversing a filter's K*K row-major taps flips both axes.
-                let rotated: Vec<T> = w
-                    .chunks_exact(g.taps())
-                    .flat_map(|taps| taps.iter().rev().copied())
-                    .collect();
-                return Forward(&transposed).call(dy, &rotated);
-            }
-            let (k, s, out_w) = (g.k, g.stride, g.out_w);
-            let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
-            let wf = weights_f32(w);
-            uninit_vec(g.planes() * in_plane, |dx| {
-                parallel_planes(dx, in_plane, g.macs_per_plane(), |first, chunk| {
-                    let mut padded = Padded::new(g);
-                    let mut dy_f32 = vec![0f32; out_plane];
-                    for (i, dx_plane) in chunk.chunks_exact_mut(in_plane).enumerate() {
-                        let p = first + i;
-                        padded.buf.fill(0.0);
-                        let wk = &wf[(p % g.c) * k * k..][..k * k];
-                        to_f32_row(&mut dy_f32, &dy[p * out_plane..(p + 1) * out_plane]);
-                        // `kx` outermost: taps `kx` and `kx + 1` update overlapping ranges shifted by
-                        // one element, and reading back a just-stored, differently aligned range
-                        // stalls store-to-load forwarding (this order was ~3x faster than ky, kx
-                        // innermost). Within one `kx` the updates stay aligned.
-                        for kx in 0..k {
-                            for (oy, row) in dy_f32.chunks_exact(out_w).enumerate() {
-                                for ky in 0..k {
-                                    let at = padded.tap(oy * s + ky, kx);
-                                    axpy(&mut padded.buf[at..at + out_w], wk[ky * k + kx], row);
-                                }
+    fn input_grad<T: Float>(g: &Geometry, dy: &[T], w: &[T]) -> Vec<T> {
+        if g.stride == 1 && g.pad < g.k {
+            // With stride 1 the input gradient is itself a depthwise convolution: of dy,
+            // padded by K-1-p, with each filter rotated 180°. The forward kernel's gather
+            // is faster than the scatter below (no accumulation buffer to clear, and each
+            // output row is written once from a small accumulator).
+            let transposed = Geometry {
+                height: g.out_h,
+                width: g.out_w,
+                pad: g.k - 1 - g.pad,
+                out_h: g.height,
+                out_w: g.width,
+                ..*g
+            };
+            // Reversing a filter's K*K row-major taps flips both axes.
+            let rotated: Vec<T> = w
+                .chunks_exact(g.taps())
+                .flat_map(|taps| taps.iter().rev().copied())
+                .collect();
+            return forward(&transposed, dy, &rotated);
+        }
+        let (k, s, out_w) = (g.k, g.stride, g.out_w);
+        let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
+        let wf = weights_f32(w);
+        uninit_vec(g.planes() * in_plane, |dx| {
+            parallel_planes(dx, in_plane, g.macs_per_plane(), |first, chunk| {
+                let mut padded = Padded::new(g);
+                let mut dy_f32 = vec![0f32; out_plane];
+                for (i, dx_plane) in chunk.chunks_exact_mut(in_plane).enumerate() {
+                    let p = first + i;
+                    padded.buf.fill(0.0);
+                    let wk = &wf[(p % g.c) * k * k..][..k * k];
+                    to_f32_row(&mut dy_f32, &dy[p * out_plane..(p + 1) * out_plane]);
+                    // `kx` outermost: taps `kx` and `kx + 1` update overlapping ranges shifted by
+                    // one element, and reading back a just-stored, differently aligned range
+                    // stalls store-to-load forwarding (this order was ~3x faster than ky, kx
+                    // innermost). Within one `kx` the updates stay aligned.
+                    for kx in 0..k {
+                        for (oy, row) in dy_f32.chunks_exact(out_w).enumerate() {
+                            for ky in 0..k {
+                                let at = padded.tap(oy * s + ky, kx);
+                                axpy(&mut padded.buf[at..at + out_w], wk[ky * k + kx], row);
                             }
                         }
-                        padded.store(dx_plane);
                     }
-                })
+                    padded.store(dx_plane);
+                }
             })
-        }
+        })
     }
 
     /// `dw[c,ky,kx] = sum over n, oy, ox of dy[n,c,oy,ox] * xpad[n,c,oy*s+ky,ox*s+kx]`.
@@ -740,49 +600,44 @@ mod cpu {
     /// Each plane keeps one `out_w`-wide accumulator row per tap (elementwise multiply-adds
     /// vectorise; a dot product per row would not, as float sums are not reassociated), sums it
     /// once per plane into a per-plane partial, and the partials are then summed over `n`.
-    pub(super) struct WeightGrad<'g>(pub(super) &'g Geometry);
-
-    impl Dispatch for WeightGrad<'_> {
-        fn call<T: Elem>(&self, x: &[T], dy: &[T]) -> Vec<T> {
-            let g = self.0;
-            let (k, s, out_w, taps) = (g.k, g.stride, g.out_w, g.taps());
-            let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
-            let mut partial = vec![0f32; g.planes() * taps];
-            parallel_planes(&mut partial, taps, g.macs_per_plane(), |first, chunk| {
-                let mut padded = Padded::new(g);
-                let mut row = vec![0f32; out_w];
-                let mut acc = vec![0f32; taps * out_w];
-                for (i, part) in chunk.chunks_exact_mut(taps).enumerate() {
-                    let p = first + i;
-                    padded.load(&x[p * in_plane..(p + 1) * in_plane]);
-                    acc.fill(0.0);
-                    let dy_plane = &dy[p * out_plane..(p + 1) * out_plane];
-                    for (oy, dy_row) in dy_plane.chunks_exact(out_w).enumerate() {
-                        to_f32_row(&mut row, dy_row);
-                        for (ky, acc_ky) in acc.chunks_exact_mut(k * out_w).enumerate() {
-                            for (kx, acc_t) in acc_ky.chunks_exact_mut(out_w).enumerate() {
-                                let at = padded.tap(oy * s + ky, kx);
-                                let src = &padded.buf[at..at + out_w];
-                                for ((a, &d), &v) in acc_t.iter_mut().zip(&row).zip(src) {
-                                    *a += d * v;
-                                }
+    fn weight_grad<T: Float>(g: &Geometry, x: &[T], dy: &[T]) -> Vec<T> {
+        let (k, s, out_w, taps) = (g.k, g.stride, g.out_w, g.taps());
+        let (in_plane, out_plane) = (g.in_plane(), g.out_plane());
+        let mut partial = vec![0f32; g.planes() * taps];
+        parallel_planes(&mut partial, taps, g.macs_per_plane(), |first, chunk| {
+            let mut padded = Padded::new(g);
+            let mut row = vec![0f32; out_w];
+            let mut acc = vec![0f32; taps * out_w];
+            for (i, part) in chunk.chunks_exact_mut(taps).enumerate() {
+                let p = first + i;
+                padded.load(&x[p * in_plane..(p + 1) * in_plane]);
+                acc.fill(0.0);
+                let dy_plane = &dy[p * out_plane..(p + 1) * out_plane];
+                for (oy, dy_row) in dy_plane.chunks_exact(out_w).enumerate() {
+                    to_f32_row(&mut row, dy_row);
+                    for (ky, acc_ky) in acc.chunks_exact_mut(k * out_w).enumerate() {
+                        for (kx, acc_t) in acc_ky.chunks_exact_mut(out_w).enumerate() {
+                            let at = padded.tap(oy * s + ky, kx);
+                            let src = &padded.buf[at..at + out_w];
+                            for ((a, &d), &v) in acc_t.iter_mut().zip(&row).zip(src) {
+                                *a += d * v;
                             }
                         }
                     }
-                    for (pt, acc_t) in part.iter_mut().zip(acc.chunks_exact(out_w)) {
-                        *pt = acc_t.iter().sum();
-                    }
                 }
-            });
-            // Planes are ordered (n, c): sum the N partials of each channel.
-            let mut dw = vec![0f32; g.c * taps];
-            for per_n in partial.chunks_exact(g.c * taps) {
-                for (d, &v) in dw.iter_mut().zip(per_n) {
-                    *d += v;
+                for (pt, acc_t) in part.iter_mut().zip(acc.chunks_exact(out_w)) {
+                    *pt = acc_t.iter().sum();
                 }
             }
-            dw.into_iter().map(T::from_f32).collect()
+        });
+        // Planes are ordered (n, c): sum the N partials of each channel.
+        let mut dw = vec![0f32; g.c * taps];
+        for per_n in partial.chunks_exact(g.c * taps) {
+            for (d, &v) in dw.iter_mut().zip(per_n) {
+                *d += v;
+            }
         }
+        dw.into_iter().map(T::from_f32).collect()
     }
 }
 
@@ -794,95 +649,57 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout};
-    use half::{bf16, f16};
+    use candle_core::{CudaStorage, Layout, WithDType};
 
-    use super::Geometry;
-    use crate::ops::cuda_util::{contiguous_view, Kernels};
+    use super::{ConvPass, Geometry, OP};
+    use crate::ops::util::{cuda_view, dispatch_float, kernel_source, uint32, Kernels};
 
-    /// Module name under which the compiled kernels are cached in each `CudaDevice`.
-    const MODULE: &str = "memtrain_depthwise";
+    static KERNELS: Kernels =
+        Kernels::new(OP, "memtrain_depthwise", kernel_source!("depthwise.cu"));
 
     /// Threads per block; a multiple of the warp size, as the reduction assumes.
     const BLOCK: u32 = 256;
 
-    const SOURCE: &str = concat!(
-        include_str!("kernels/prelude.cuh"),
-        include_str!("kernels/depthwise.cu")
-    );
-    static KERNELS: Kernels = Kernels::new("depthwise_conv2d", SOURCE);
-
-    /// Which of the three kernels to launch; all take `(a, b, out, N, C, H, W, K, S, P, Ho, Wo)`.
-    #[derive(Debug, Clone, Copy)]
-    pub(super) enum Kernel {
-        /// `(x, w) -> y`
-        Forward,
-        /// `(dy, w) -> dx`
-        InputGrad,
-        /// `(x, dy) -> dw`
-        WeightGrad,
-    }
-
-    impl Kernel {
-        fn prefix(self) -> &'static str {
-            match self {
-                Kernel::Forward => "depthwise_forward",
-                Kernel::InputGrad => "depthwise_input_grad",
-                Kernel::WeightGrad => "depthwise_weight_grad",
-            }
-        }
-
-        fn out_len(self, g: &Geometry) -> usize {
-            match self {
-                Kernel::Forward => g.planes() * g.out_plane(),
-                Kernel::InputGrad => g.planes() * g.in_plane(),
-                Kernel::WeightGrad => g.c * g.taps(),
-            }
-        }
-
-        fn config(self, g: &Geometry) -> candle_core::Result<LaunchConfig> {
-            let (blocks, per_block_elems) = match self {
-                Kernel::Forward => (g.planes(), g.out_plane()),
-                Kernel::InputGrad => (g.planes(), g.in_plane()),
-                Kernel::WeightGrad => {
-                    return Ok(LaunchConfig {
-                        grid_dim: (u32_dim("C*K*K", g.c * g.taps())?, 1, 1),
-                        block_dim: (BLOCK, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-                }
-            };
-            // Small planes get a smaller block so few threads idle; whole warps either way.
-            let block = per_block_elems.next_multiple_of(32).min(BLOCK as usize);
-            let tiles = per_block_elems.div_ceil(block);
-            if tiles > 65_535 {
-                candle_core::bail!(
-                    "depthwise_conv2d: a {}x{} plane is too large for the CUDA kernel",
-                    g.height.max(g.out_h),
-                    g.width.max(g.out_w)
-                );
-            }
-            Ok(LaunchConfig {
-                grid_dim: (u32_dim("N*C", blocks)?, tiles as u32, 1),
-                block_dim: (block as u32, 1, 1),
-                shared_mem_bytes: 0,
-            })
+    /// The kernel of `pass`; all three take `(a, b, out, N, C, H, W, K, S, P, Ho, Wo)`.
+    fn prefix(pass: ConvPass) -> &'static str {
+        match pass {
+            ConvPass::Forward => "depthwise_forward",
+            ConvPass::InputGrad => "depthwise_input_grad",
+            ConvPass::WeightGrad => "depthwise_weight_grad",
         }
     }
 
-    /// Grid x dimensions and per-plane indices are 32-bit (and signed in places) in the kernels.
-    fn u32_dim(what: &str, v: usize) -> candle_core::Result<u32> {
-        match u32::try_from(v) {
-            Ok(v) if v <= i32::MAX as u32 => Ok(v),
-            _ => candle_core::bail!(
-                "depthwise_conv2d: {what} = {v} is too large for the CUDA kernel"
-            ),
+    fn config(pass: ConvPass, g: &Geometry) -> candle_core::Result<LaunchConfig> {
+        let (blocks, per_block_elems) = match pass {
+            ConvPass::Forward => (g.planes(), g.out_plane()),
+            ConvPass::InputGrad => (g.planes(), g.in_plane()),
+            ConvPass::WeightGrad => {
+                return Ok(LaunchConfig {
+                    grid_dim: (uint32(OP, "C*K*K", g.c * g.taps())?, 1, 1),
+                    block_dim: (BLOCK, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+        };
+        // Small planes get a smaller block so few threads idle; whole warps either way.
+        let block = per_block_elems.next_multiple_of(32).min(BLOCK as usize);
+        let tiles = per_block_elems.div_ceil(block);
+        if tiles > 65_535 {
+            candle_core::bail!(
+                "{OP}: a {}x{} plane is too large for the CUDA kernel",
+                g.height.max(g.out_h),
+                g.width.max(g.out_w)
+            );
         }
+        Ok(LaunchConfig {
+            grid_dim: (uint32(OP, "N*C", blocks)?, tiles as u32, 1),
+            block_dim: (block as u32, 1, 1),
+            shared_mem_bytes: 0,
+        })
     }
 
-    fn run<T: CudaDType + DeviceRepr>(
-        kernel: Kernel,
-        suffix: &str,
+    fn run<T: CudaDType + WithDType + DeviceRepr>(
+        pass: ConvPass,
         g: &Geometry,
         a: &CudaStorage,
         la: &Layout,
@@ -890,30 +707,30 @@ mod cuda {
         lb: &Layout,
     ) -> candle_core::Result<CudaStorage> {
         let dev = a.device().clone();
-        let cfg = kernel.config(g)?;
+        let cfg = config(pass, g)?;
+        // Grid x dimensions and per-plane indices are 32-bit (and signed in places) in the kernels.
         let dims = [
-            u32_dim("N", g.n)?,
-            u32_dim("C", g.c)?,
-            u32_dim("H", g.height)?,
-            u32_dim("W", g.width)?,
-            u32_dim("K", g.k)?,
-            u32_dim("stride", g.stride)?,
-            u32_dim("padding", g.pad)?,
-            u32_dim("Ho", g.out_h)?,
-            u32_dim("Wo", g.out_w)?,
+            uint32(OP, "N", g.n)?,
+            uint32(OP, "C", g.c)?,
+            uint32(OP, "H", g.height)?,
+            uint32(OP, "W", g.width)?,
+            uint32(OP, "K", g.k)?,
+            uint32(OP, "stride", g.stride)?,
+            uint32(OP, "padding", g.pad)?,
+            uint32(OP, "Ho", g.out_h)?,
+            uint32(OP, "Wo", g.out_w)?,
         ];
-        u32_dim("H*W", g.in_plane())?;
-        u32_dim("Ho*Wo", g.out_plane())?;
-        let a = contiguous_view(a.as_cuda_slice::<T>()?, la, "depthwise_conv2d", "lhs")?;
-        let b = contiguous_view(b.as_cuda_slice::<T>()?, lb, "depthwise_conv2d", "rhs")?;
-        let func = dev.get_or_load_custom_func(
-            &format!("{}_{suffix}", kernel.prefix()),
-            MODULE,
-            KERNELS.ptx()?,
-        )?;
+        uint32(OP, "H*W", g.in_plane())?;
+        uint32(OP, "Ho*Wo", g.out_plane())?;
+        let [(_, what_a), (_, what_b)] = g.operands(pass);
+        let a = cuda_view::<T>(a, la, OP, what_a)?;
+        let b = cuda_view::<T>(b, lb, OP, what_b)?;
+        let name = format!("{}_{}", prefix(pass), T::DTYPE.as_str());
+        let func = KERNELS.func(&dev, &name)?;
         // SAFETY: every element is written by the kernel before anything reads it.
-        let out = unsafe { dev.alloc::<T>(kernel.out_len(g))? };
-        let mut builder = func.builder();
+        let out = unsafe { dev.alloc::<T>(g.result_dims(pass).iter().product())? };
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         builder.arg(&a);
         builder.arg(&b);
         builder.arg(&out);
@@ -926,22 +743,20 @@ mod cuda {
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
 
-    /// Launches `kernel` on two same-dtype operands and returns its output storage.
+    /// Launches `pass` on two same-dtype operands and returns its output storage.
     pub(super) fn launch(
-        kernel: Kernel,
+        pass: ConvPass,
         g: &Geometry,
         a: &CudaStorage,
         la: &Layout,
         b: &CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<CudaStorage> {
-        match (a.dtype(), b.dtype()) {
-            (DType::F32, DType::F32) => run::<f32>(kernel, "f32", g, a, la, b, lb),
-            (DType::F16, DType::F16) => run::<f16>(kernel, "f16", g, a, la, b, lb),
-            (DType::BF16, DType::BF16) => run::<bf16>(kernel, "bf16", g, a, la, b, lb),
-            (da, db) => candle_core::bail!(
-                "depthwise_conv2d: unsupported dtypes {da:?} and {db:?} (expected two F32, F16 or BF16)"
-            ),
-        }
+        dispatch_float!(
+            a.dtype(),
+            [F32, F16, BF16],
+            |T| run::<T>(pass, g, a, la, b, lb),
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} (expected F32, F16 or BF16)"),
+        )
     }
 }

@@ -686,6 +686,27 @@ mod avx512 {
 
     use super::{MatRef, PackedB, KC, MR, NR};
 
+    /// `$tile::<rows>($args)` for `rows` in `1..=MR` (12): one tile function per row count, so
+    /// that its accumulators stay in registers.
+    macro_rules! by_rows {
+        ($rows:expr, $tile:ident, $args:expr) => {
+            match $rows {
+                12 => $tile::<12>($args),
+                11 => $tile::<11>($args),
+                10 => $tile::<10>($args),
+                9 => $tile::<9>($args),
+                8 => $tile::<8>($args),
+                7 => $tile::<7>($args),
+                6 => $tile::<6>($args),
+                5 => $tile::<5>($args),
+                4 => $tile::<4>($args),
+                3 => $tile::<3>($args),
+                2 => $tile::<2>($args),
+                _ => $tile::<1>($args),
+            }
+        };
+    }
+
     /// `dst (+)= A·B` over cache blocks of `k` and micro-tiles of `C`.
     ///
     /// # Safety
@@ -761,20 +782,7 @@ mod avx512 {
                         masks,
                         load_c,
                     };
-                    match rows {
-                        12 => tile::<12>(&args),
-                        11 => tile::<11>(&args),
-                        10 => tile::<10>(&args),
-                        9 => tile::<9>(&args),
-                        8 => tile::<8>(&args),
-                        7 => tile::<7>(&args),
-                        6 => tile::<6>(&args),
-                        5 => tile::<5>(&args),
-                        4 => tile::<4>(&args),
-                        3 => tile::<3>(&args),
-                        2 => tile::<2>(&args),
-                        _ => tile::<1>(&args),
-                    }
+                    by_rows!(rows, tile, &args);
                     i0 += MR;
                 }
             }
@@ -850,20 +858,7 @@ mod avx512 {
                         masks,
                         load_c,
                     };
-                    match rows {
-                        12 => tile_fma::<12>(&args),
-                        11 => tile_fma::<11>(&args),
-                        10 => tile_fma::<10>(&args),
-                        9 => tile_fma::<9>(&args),
-                        8 => tile_fma::<8>(&args),
-                        7 => tile_fma::<7>(&args),
-                        6 => tile_fma::<6>(&args),
-                        5 => tile_fma::<5>(&args),
-                        4 => tile_fma::<4>(&args),
-                        3 => tile_fma::<3>(&args),
-                        2 => tile_fma::<2>(&args),
-                        _ => tile_fma::<1>(&args),
-                    }
+                    by_rows!(rows, tile_fma, &args);
                     i0 += MR;
                 }
             }

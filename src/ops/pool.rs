@@ -4,12 +4,13 @@
 //! for a 2x2 window with one maximum the input gradient is a quarter of what it should be, and
 //! ties (common in f16/bf16) get more. This op routes each output gradient to the first maximum
 //! of its window (row-major), as PyTorch does. The backward recomputes the argmax from the input
-//! (which autograd keeps anyway) instead of storing an index tensor.
+//! (which autograd keeps anyway) instead of storing an index tensor. The CUDA kernel is in
+//! `kernels/pool.cu`; dtype dispatch and operand access go through [`super::util`].
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
-use half::{bf16, f16};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 
+use super::util::{cpu_slice, dispatch_float, Float};
 use crate::error::{Error, Result};
 
 /// Max-pool `x` [N,C,H,W] with a 2x2 window and stride 2 (H and W must be even), differentiable.
@@ -35,18 +36,14 @@ pub fn max_pool2x2_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2_no_bwd(&grad, &MaxPoolGrad)?)
 }
 
+/// The name of the op in errors.
+const OP: &str = "max_pool2x2";
+
 struct MaxPool;
 struct MaxPoolGrad;
 
 fn dims(l: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
     l.shape().dims4()
-}
-
-fn contiguous_slice<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s[a..b]),
-        None => candle_core::bail!("max_pool2x2: non-contiguous input"),
-    }
 }
 
 /// Index (0..4) of the first maximum among a window's four values.
@@ -63,50 +60,21 @@ fn argmax4(v: [f32; 4]) -> usize {
     best
 }
 
-trait Elem: Copy + Send + Sync + 'static {
-    fn f(self) -> f32;
-    fn from_f(v: f32) -> Self;
-}
-impl Elem for f32 {
-    fn f(self) -> f32 {
-        self
-    }
-    fn from_f(v: f32) -> Self {
-        v
-    }
-}
-impl Elem for f16 {
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_f(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-impl Elem for bf16 {
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_f(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
-
-fn window<T: Elem>(plane: &[T], w: usize, oy: usize, ox: usize) -> ([f32; 4], [usize; 4]) {
+fn window<T: Float>(plane: &[T], w: usize, oy: usize, ox: usize) -> ([f32; 4], [usize; 4]) {
     let i0 = 2 * oy * w + 2 * ox;
     let idx = [i0, i0 + 1, i0 + w, i0 + w + 1];
     (
         [
-            plane[idx[0]].f(),
-            plane[idx[1]].f(),
-            plane[idx[2]].f(),
-            plane[idx[3]].f(),
+            plane[idx[0]].to_f32(),
+            plane[idx[1]].to_f32(),
+            plane[idx[2]].to_f32(),
+            plane[idx[3]].to_f32(),
         ],
         idx,
     )
 }
 
-fn pool_fwd<T: Elem>(x: &[T], planes: usize, h: usize, w: usize) -> Vec<T> {
+fn pool_fwd<T: Float>(x: &[T], planes: usize, h: usize, w: usize) -> Vec<T> {
     let (ho, wo) = (h / 2, w / 2);
     let mut out = Vec::with_capacity(planes * ho * wo);
     for p in 0..planes {
@@ -121,9 +89,9 @@ fn pool_fwd<T: Elem>(x: &[T], planes: usize, h: usize, w: usize) -> Vec<T> {
     out
 }
 
-fn pool_bwd<T: Elem>(x: &[T], dy: &[T], planes: usize, h: usize, w: usize) -> Vec<T> {
+fn pool_bwd<T: Float>(x: &[T], dy: &[T], planes: usize, h: usize, w: usize) -> Vec<T> {
     let (ho, wo) = (h / 2, w / 2);
-    let mut dx = vec![T::from_f(0.0); planes * h * w];
+    let mut dx = vec![T::ZERO; planes * h * w];
     for p in 0..planes {
         let plane = &x[p * h * w..(p + 1) * h * w];
         let dplane = &mut dx[p * h * w..(p + 1) * h * w];
@@ -146,12 +114,14 @@ impl CustomOp1 for MaxPool {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, c, h, w) = dims(l)?;
         let shape = Shape::from((n, c, h / 2, w / 2));
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(pool_fwd(contiguous_slice(v, l)?, n * c, h, w)),
-            CpuStorage::F16(v) => CpuStorage::F16(pool_fwd(contiguous_slice(v, l)?, n * c, h, w)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(pool_fwd(contiguous_slice(v, l)?, n * c, h, w)),
-            other => candle_core::bail!("max_pool2x2: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = dispatch_float!(
+            s.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                T::to_cpu_storage_owned(pool_fwd::<T>(cpu_slice(s, l, OP, "input")?, n * c, h, w))
+            },
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?}")
+        );
         Ok((out, shape))
     }
 
@@ -162,7 +132,7 @@ impl CustomOp1 for MaxPool {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (n, c, h, w) = dims(l)?;
-        let out = cuda::pool(s, l, None, n * c, h, w)?;
+        let out = cuda::pool(s, l, None)?;
         Ok((out, Shape::from((n, c, h / 2, w / 2))))
     }
 
@@ -187,39 +157,28 @@ impl CustomOp2 for MaxPoolGrad {
         let (n, c, h, w) = dims(xl)?;
         if gl.shape().dims() != [n, c, h / 2, w / 2] {
             candle_core::bail!(
-                "max_pool2x2 backward: gradient shape {:?} does not match input {:?}",
+                "{OP} backward: gradient shape {:?} does not match input {:?}",
                 gl.shape(),
                 xl.shape()
             )
         }
-        let out = match (xs, gs) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(pool_bwd(
-                contiguous_slice(x, xl)?,
-                contiguous_slice(g, gl)?,
-                n * c,
-                h,
-                w,
-            )),
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(pool_bwd(
-                contiguous_slice(x, xl)?,
-                contiguous_slice(g, gl)?,
-                n * c,
-                h,
-                w,
-            )),
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(pool_bwd(
-                contiguous_slice(x, xl)?,
-                contiguous_slice(g, gl)?,
-                n * c,
-                h,
-                w,
-            )),
-            _ => candle_core::bail!(
-                "max_pool2x2 backward: dtype mismatch {:?} vs {:?}",
+        if xs.dtype() != gs.dtype() {
+            candle_core::bail!(
+                "{OP} backward: dtype mismatch {:?} vs {:?}",
                 xs.dtype(),
                 gs.dtype()
-            ),
-        };
+            )
+        }
+        let out = dispatch_float!(
+            xs.dtype(),
+            [F32, F16, BF16],
+            |T| {
+                let x = cpu_slice::<T>(xs, xl, OP, "input")?;
+                let g = cpu_slice::<T>(gs, gl, OP, "gradient")?;
+                T::to_cpu_storage_owned(pool_bwd(x, g, n * c, h, w))
+            },
+            |dt| candle_core::bail!("{OP} backward: unsupported dtype {dt:?}")
+        );
         Ok((out, xl.shape().clone()))
     }
 
@@ -231,60 +190,31 @@ impl CustomOp2 for MaxPoolGrad {
         gs: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (n, c, h, w) = dims(xl)?;
-        let out = cuda::pool(xs, xl, Some((gs, gl)), n * c, h, w)?;
+        let out = cuda::pool(xs, xl, Some((gs, gl)))?;
         Ok((out, xl.shape().clone()))
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    //! NVRTC kernels: one thread per output element (forward) or per window (backward).
+    //! The kernel of `kernels/pool.cu`: one thread per 2x2 window, forward or backward.
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::{CudaStorage, DType, Layout};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaStorage, Layout, WithDType};
 
-    // Plain CUDA C without headers (NVRTC gets no include path): 16-bit types travel as raw
-    // u16 and are widened with a PTX cvt (f16) or a shift (bf16) only for the comparison;
-    // values are copied bit for bit.
-    const SRC: &str = r#"
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-__device__ __forceinline__ float ld_f32(const float* p, u64 i) { return p[i]; }
-__device__ __forceinline__ float ld_f16(const u16* p, u64 i) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i])); return f; }
-__device__ __forceinline__ float ld_bf16(const u16* p, u64 i) { return __uint_as_float(((u32)p[i]) << 16); }
-#define POOL(NAME, T, LD) \
-extern "C" __global__ void NAME(const T* x, const T* dy, T* out, u64 windows, u32 h, u32 w) { \
-    u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; \
-    if (i >= windows) return; \
-    u32 wo = w / 2, ho = h / 2; \
-    u64 p = i / ((u64)ho * wo); \
-    u32 r = (u32)(i % ((u64)ho * wo)), oy = r / wo, ox = r % wo; \
-    u64 base = p * h * w + 2ull * oy * w + 2ull * ox; \
-    u64 idx[4] = {base, base + 1, base + w, base + w + 1}; \
-    int best = 0; float bv = LD(x, idx[0]); \
-    for (int k = 1; k < 4; k++) { float v = LD(x, idx[k]); if (v > bv) { bv = v; best = k; } } \
-    if (dy == 0) { out[i] = x[idx[best]]; } \
-    else { for (int k = 0; k < 4; k++) out[idx[k]] = (k == best) ? dy[i] : (T)0; } \
-}
-POOL(pool_f32, float, ld_f32)
-POOL(pool_f16, u16, ld_f16)
-POOL(pool_bf16, u16, ld_bf16)
-"#;
+    use super::OP;
+    use crate::ops::util::{cuda_view, dispatch_float, kernel_source, Kernels};
 
-    static KERNELS: crate::ops::cuda_util::Kernels =
-        crate::ops::cuda_util::Kernels::new("max_pool2x2", SRC);
+    static KERNELS: Kernels = Kernels::new(OP, "memtrain_pool", kernel_source!("pool.cu"));
 
-    /// Forward (`grad` None) or backward: one thread per 2x2 window.
-    pub fn pool(
+    fn run<T: CudaDType + WithDType + DeviceRepr>(
         x: &CudaStorage,
         xl: &Layout,
         grad: Option<(&CudaStorage, &Layout)>,
-        planes: usize,
-        h: usize,
-        w: usize,
     ) -> candle_core::Result<CudaStorage> {
+        let (n, c, h, w) = super::dims(xl)?;
+        let planes = n * c;
         let dev = x.device().clone();
         let windows = planes * (h / 2) * (w / 2);
         let out_len = if grad.is_some() {
@@ -294,44 +224,48 @@ POOL(pool_bf16, u16, ld_bf16)
         };
         let cfg = LaunchConfig::for_num_elems(windows as u32);
         let (h32, w32, n64) = (h as u32, w as u32, windows as u64);
-        let (xo, _) = xl
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("max_pool2x2: non-contiguous".into()))?;
-        macro_rules! run {
-            ($t:ty, $name:literal) => {{
-                let func = dev.get_or_load_custom_func($name, "memtrain_pool", KERNELS.ptx()?)?;
-                let xs = x.as_cuda_slice::<$t>()?.slice(xo..);
-                let out = unsafe { dev.alloc::<$t>(out_len)? };
-                let mut b = func.builder();
-                b.arg(&xs);
-                let null: u64 = 0;
-                let gslice;
-                match grad {
-                    Some((g, gl)) => {
-                        let (go, _) = gl.contiguous_offsets().ok_or_else(|| {
-                            candle_core::Error::Msg("max_pool2x2: non-contiguous grad".into())
-                        })?;
-                        gslice = g.as_cuda_slice::<$t>()?.slice(go..);
-                        b.arg(&gslice);
-                    }
-                    None => {
-                        b.arg(&null);
-                    }
-                }
-                b.arg(&out);
-                b.arg(&n64);
-                b.arg(&h32);
-                b.arg(&w32);
-                unsafe { b.launch(cfg) }
-                    .map_err(|e| candle_core::Error::Msg(format!("max_pool2x2 kernel: {e}")))?;
-                Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-            }};
+        let func = KERNELS.func(&dev, &format!("pool_{}", T::DTYPE.as_str()))?;
+        let xs = cuda_view::<T>(x, xl, OP, "input")?;
+        // SAFETY: the kernel writes every element of the result (each window's value, or all
+        // four gradients of each window).
+        let out = unsafe { dev.alloc::<T>(out_len)? };
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xs);
+        // The forward passes a null `dy`, which tells the kernel which pass it runs.
+        let null: u64 = 0;
+        let gslice;
+        match grad {
+            Some((g, gl)) => {
+                gslice = cuda_view::<T>(g, gl, OP, "gradient")?;
+                b.arg(&gslice);
+            }
+            None => {
+                b.arg(&null);
+            }
         }
-        match x.dtype() {
-            DType::F32 => run!(f32, "pool_f32"),
-            DType::F16 => run!(half::f16, "pool_f16"),
-            DType::BF16 => run!(half::bf16, "pool_bf16"),
-            dt => candle_core::bail!("max_pool2x2: unsupported dtype {dt:?} on CUDA"),
-        }
+        b.arg(&out);
+        b.arg(&n64);
+        b.arg(&h32);
+        b.arg(&w32);
+        // SAFETY: (const T*, const T*, T*, u64, u32, u32) as the kernel takes them; one thread
+        // per window, each inside the buffers the shapes imply.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| candle_core::Error::Msg(format!("{OP} kernel: {e}")))?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+
+    /// Forward (`grad` None) or backward of the 2x2 max-pool of `x` `[N, C, H, W]`.
+    pub(super) fn pool(
+        x: &CudaStorage,
+        xl: &Layout,
+        grad: Option<(&CudaStorage, &Layout)>,
+    ) -> candle_core::Result<CudaStorage> {
+        dispatch_float!(
+            x.dtype(),
+            [F32, F16, BF16],
+            |T| run::<T>(x, xl, grad),
+            |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} on CUDA"),
+        )
     }
 }

@@ -132,8 +132,13 @@ pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> 
     })
 }
 
+/// The first argument with which a sweep or comparison binary runs as `train_cifar10`: each
+/// point re-runs the sweep's own executable with it ([`TrainerCommand`]; the binary's `main`
+/// answers it through [`crate::app::serve_as_trainer`]), so a sweep needs no other binary.
+pub const TRAINER_ROLE_ARG: &str = "--as-train-cifar10";
+
 /// How a sweep or comparison starts a trainer child: by default its own executable again, with
-/// [`crate::app::TRAINER_ROLE_ARG`] first (so the child is exactly this build, and nothing has to
+/// [`TRAINER_ROLE_ARG`] first (so the child is exactly this build, and nothing has to
 /// be found under `target/`); with `--trainer PATH`, that `train_cifar10` binary.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TrainerCommand {
@@ -157,7 +162,7 @@ impl TrainerCommand {
                 program: std::env::current_exe().map_err(|e| {
                     Error::Child(format!("cannot find the current executable: {e}"))
                 })?,
-                role: Some(crate::app::TRAINER_ROLE_ARG),
+                role: Some(TRAINER_ROLE_ARG),
             }),
         }
     }

@@ -529,17 +529,9 @@ impl<'a> LeanStep<'a> {
                 let w = w.as_detached_tensor().to_dtype(dt)?;
                 let gw = conv2d::conv2d_backward_weight(x, &dh, w.dims(), 1, 1)?;
                 acc.add(base, gw.to_dtype(DType::F32)?)?;
-                if want_dx {
-                    Ok(Some(conv2d::conv2d_backward_input(
-                        &dh,
-                        &w,
-                        x.dims(),
-                        1,
-                        1,
-                    )?))
-                } else {
-                    Ok(None)
-                }
+                Ok(want_dx
+                    .then(|| conv2d::conv2d_backward_input(&dh, &w, x.dims(), 1, 1))
+                    .transpose()?)
             }
             ConvLayer::Separable { dw, pw } => {
                 let dw_t = dw.as_detached_tensor().to_dtype(dt)?;
@@ -548,17 +540,9 @@ impl<'a> LeanStep<'a> {
                 let dd = pointwise_backward(base, d, dh, &pw_t, acc)?;
                 let gdw = depthwise::depthwise_backward_weight(x, &dd, dw_t.dims(), 1, 1)?;
                 acc.add(base, gdw.to_dtype(DType::F32)?)?;
-                if want_dx {
-                    Ok(Some(depthwise::depthwise_backward_input(
-                        &dd,
-                        &dw_t,
-                        x.dims(),
-                        1,
-                        1,
-                    )?))
-                } else {
-                    Ok(None)
-                }
+                Ok(want_dx
+                    .then(|| depthwise::depthwise_backward_input(&dd, &dw_t, x.dims(), 1, 1))
+                    .transpose()?)
             }
         }
     }

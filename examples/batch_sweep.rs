@@ -10,8 +10,7 @@
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};
-use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision};
-use memtrain::memory::parse_size;
+use memtrain::config::{parse_size, ConvKind, GradCheckpointing, OptimizerKind, Precision};
 use memtrain::sweep::batch::{
     cross_product, run_sweep, BatchPlan, Dimension, SweepOptions, DEFAULT_MARGIN,
 };
@@ -67,7 +66,7 @@ struct Args {
         value_name = "LIST",
         hide_possible_values = true
     )]
-    checkpoint: Vec<Checkpointing>,
+    checkpoint: Vec<GradCheckpointing>,
     /// Convolution kinds to sweep, comma-separated (standard, separable)
     #[arg(
         long,

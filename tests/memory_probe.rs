@@ -7,8 +7,9 @@ use memtrain::callbacks::{
     BatchInfo, Callback, EpochBegin, EpochEnd, EpochStats, MemoryCallback, Phase, TrainBegin,
     TrainEnd,
 };
+use memtrain::config::parse_size;
 use memtrain::config::TrainConfig;
-use memtrain::memory::{parse_size, CountingAllocator, CpuProbe, MemoryProbe};
+use memtrain::memory::{CountingAllocator, CpuProbe, MemoryProbe};
 use std::sync::Arc;
 
 #[global_allocator]

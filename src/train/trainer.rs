@@ -203,7 +203,7 @@ fn batch_grads(
             &images[i * mb * 3072..(i + 1) * mb * 3072],
             &labels[i * mb..(i + 1) * mb],
         )?;
-        let segments = t.model.segments(t.config.checkpoint);
+        let segments = t.model.segments(t.config.grad_checkpointing);
         let r = LeanStep::new(&t.model, dtype, segments).run(
             &x,
             &y,
@@ -319,15 +319,10 @@ impl Trainer {
     /// the loading ([`crate::data::DataOptions::stop`]).
     pub fn from_config(config: TrainConfig, options: TrainerOptions) -> Result<Self> {
         config.validate()?;
-        let data = data::load(&data::DataOptions {
-            data_dir: config.data_dir.clone(),
-            download: config.download,
-            val_fraction: config.val_fraction,
-            seed: config.seed,
-            synthetic_train: config.synthetic_train,
-            synthetic_test: config.synthetic_test,
-            stop: options.stop.clone(),
-        })?;
+        let data = data::load(&data::DataOptions::for_config(
+            &config,
+            options.stop.clone(),
+        ))?;
         Trainer::new(config, data, options)
     }
 
@@ -361,12 +356,12 @@ impl Trainer {
             config.pool_cache,
         )?));
         let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
-        if config.checkpoint == crate::config::Checkpointing::Auto {
-            config.checkpoint = resolve_auto_checkpointing(&config, &data, &device)?;
+        if config.grad_checkpointing == crate::config::GradCheckpointing::Auto {
+            config.grad_checkpointing = resolve_auto_checkpointing(&config, &data, &device)?;
             if options.progress {
                 eprintln!(
                     "--checkpoint auto: {} (the estimate's {})",
-                    config.checkpoint,
+                    config.grad_checkpointing,
                     if config.memory_limit.is_some() {
                         "cheapest that fits --memory-limit"
                     } else {
@@ -597,7 +592,7 @@ impl Trainer {
                 &x,
                 &y,
                 self.config.precision.compute_dtype(),
-                self.config.checkpoint,
+                self.config.grad_checkpointing,
                 1.0 / k as f64,
                 &mut acc,
             )?;
@@ -1247,7 +1242,7 @@ fn resolve_auto_checkpointing(
     config: &TrainConfig,
     data: &DataSplits,
     device: &Device,
-) -> Result<crate::config::Checkpointing> {
+) -> Result<crate::config::GradCheckpointing> {
     use crate::memory::estimate::{resolve_checkpointing, Baseline, DataSize, DeviceKind};
     let size = DataSize::loaded(&data.train, &data.test, config);
     resolve_checkpointing(

@@ -465,7 +465,10 @@ impl TrainConfig {
             ));
         }
         if self.width == 0 {
-            return bad("--width must be at least 1 (default 32)".into());
+            return bad(format!(
+                "--width must be at least 1 (default {})",
+                TrainConfig::default().width
+            ));
         }
         if self.width > 4096 {
             return bad(format!("--width {} is too large (max 4096)", self.width));
@@ -589,7 +592,9 @@ impl TrainConfig {
             ));
         }
         if self.prune_every == 0 {
-            return bad("--prune-every must be at least 1 (default 100)".into());
+            return bad(format!(
+                "--prune-every must be at least 1 (default {DEFAULT_PRUNE_EVERY})"
+            ));
         }
         if let Some(end) = self.prune_end {
             if end <= self.prune_begin {

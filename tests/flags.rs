@@ -4,7 +4,7 @@
 
 mod common;
 
-use memtrain::cli::{parse_train_args, TrainArgs, TrainCommand};
+use memtrain::cli::{parse_train_args, TrainArgs};
 use memtrain::config::{GradCheckpointing, TrainConfig};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -171,21 +171,11 @@ fn help_readme_and_config_json_agree_on_every_flag_and_default() {
 
 #[test]
 fn the_default_config_is_an_empty_command_line() {
-    let parsed = parse_train_args(["train_cifar10"]).unwrap().unwrap();
-    let cmd = TrainCommand::try_from(parsed).unwrap();
-    assert_eq!(cmd.config, TrainConfig::default());
+    assert_eq!(common::config_of(&[]).unwrap(), TrainConfig::default());
     assert_eq!(
         memtrain::data::DataOptions::default().synthetic_train,
         TrainConfig::default().synthetic_train
     );
-}
-
-/// The configuration `train_cifar10 ARGS` would run.
-fn config_of(args: &[&str]) -> TrainConfig {
-    let parsed = parse_train_args(std::iter::once("train_cifar10").chain(args.iter().copied()))
-        .unwrap()
-        .expect("not --help");
-    TrainCommand::try_from(parsed).unwrap().config
 }
 
 #[test]
@@ -200,7 +190,7 @@ fn flags_given_with_config_replace_only_their_own_keys() {
     std::fs::write(&file, serde_json::to_string(&base).unwrap()).unwrap();
     let path = file.to_str().unwrap();
 
-    let cfg = config_of(&["--config", path]);
+    let cfg = common::config_of(&["--config", path]).unwrap();
     assert_eq!(
         (cfg.width, cfg.grad_checkpointing, cfg.eval, cfg.augment),
         (8, GradCheckpointing::Blocks, false, true)
@@ -209,7 +199,7 @@ fn flags_given_with_config_replace_only_their_own_keys() {
 
     // Flags whose names are not their keys: `--checkpoint` (grad_checkpointing, key
     // `checkpoint`), `--no-augment` (augment), `--clip-grad-norm 0` (None).
-    let cfg = config_of(&[
+    let cfg = common::config_of(&[
         "--config",
         path,
         "--checkpoint",
@@ -217,7 +207,8 @@ fn flags_given_with_config_replace_only_their_own_keys() {
         "--no-augment",
         "--clip-grad-norm",
         "0",
-    ]);
+    ])
+    .unwrap();
     assert_eq!(
         (cfg.width, cfg.grad_checkpointing, cfg.eval, cfg.augment),
         (8, GradCheckpointing::Stages, false, false)

@@ -8,6 +8,8 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+/// A flag's enum: clap value, serde spelling, `Display` and `FromStr` from one list of
+/// `Variant => "spelling"`; `$what` names the kind in `FromStr`'s error.
 macro_rules! cli_enum {
     ($(#[$meta:meta])* $name:ident ($what:literal) { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
         $(#[$meta])*

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use criterion::{Criterion, SamplingMode, Throughput};
 use memtrain::callbacks::{BatchInfo, Callback};
-use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
 use memtrain::data::{synthetic, Batch, Batcher, BatcherOptions, DataSplits};
 use memtrain::memory::CountingAllocator;
 use memtrain::train::{Trainer, TrainerOptions};
@@ -47,7 +47,7 @@ struct Case {
     name: &'static str,
     precision: Precision,
     accum_steps: usize,
-    checkpoint: Checkpointing,
+    grad_checkpointing: GradCheckpointing,
     conv: ConvKind,
 }
 
@@ -55,14 +55,14 @@ const fn case(
     name: &'static str,
     precision: Precision,
     accum_steps: usize,
-    checkpoint: Checkpointing,
+    grad_checkpointing: GradCheckpointing,
     conv: ConvKind,
 ) -> Case {
     Case {
         name,
         precision,
         accum_steps,
-        checkpoint,
+        grad_checkpointing,
         conv,
     }
 }
@@ -73,49 +73,49 @@ const CASES: [Case; 7] = [
         "baseline",
         Precision::F32,
         1,
-        Checkpointing::None,
+        GradCheckpointing::None,
         ConvKind::Standard,
     ),
     case(
         "f16",
         Precision::F16,
         1,
-        Checkpointing::None,
+        GradCheckpointing::None,
         ConvKind::Standard,
     ),
     case(
         "bf16",
         Precision::Bf16,
         1,
-        Checkpointing::None,
+        GradCheckpointing::None,
         ConvKind::Standard,
     ),
     case(
         "accum4",
         Precision::F32,
         4,
-        Checkpointing::None,
+        GradCheckpointing::None,
         ConvKind::Standard,
     ),
     case(
         "ckpt-stages",
         Precision::F32,
         1,
-        Checkpointing::Stages,
+        GradCheckpointing::Stages,
         ConvKind::Standard,
     ),
     case(
         "separable",
         Precision::F32,
         1,
-        Checkpointing::None,
+        GradCheckpointing::None,
         ConvKind::Separable,
     ),
     case(
         "all",
         Precision::F16,
         4,
-        Checkpointing::Stages,
+        GradCheckpointing::Stages,
         ConvKind::Separable,
     ),
 ];
@@ -212,7 +212,7 @@ fn setup(device: &str, case: &Case) -> memtrain::Result<(Trainer, Batch, Rc<RefC
         batch_size: BATCH,
         accum_steps: case.accum_steps,
         precision: case.precision,
-        checkpoint: case.checkpoint,
+        grad_checkpointing: case.grad_checkpointing,
         conv: case.conv,
         device: Some(device.to_string()),
         synthetic_train: BATCH,

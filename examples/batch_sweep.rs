@@ -10,8 +10,9 @@
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};
-use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision};
-use memtrain::memory::parse_size;
+use memtrain::config::{
+    parse_size, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
+};
 use memtrain::sweep::batch::{
     cross_product, run_sweep, BatchPlan, Dimension, SweepOptions, DEFAULT_MARGIN,
 };
@@ -69,7 +70,7 @@ struct Args {
         value_name = "LIST",
         hide_possible_values = true
     )]
-    checkpoint: Vec<Checkpointing>,
+    checkpoint: Vec<GradCheckpointing>,
     /// Convolution kinds to sweep, comma-separated (standard, separable)
     #[arg(
         long,
@@ -89,8 +90,8 @@ struct Args {
         hide_possible_values = true
     )]
     optimizer: Vec<OptimizerKind>,
-    /// Base width of the CNN (trainer default: 32)
-    #[arg(long)]
+    // Help texts name the trainer's defaults from TrainConfig rather than copies of them.
+    #[arg(long, help = format!("Base width of the CNN (trainer default: {})", TrainConfig::default().width))]
     width: Option<usize>,
     /// CIFAR-10 binary directory (trainer default: synthetic data unless data/cifar-10-batches-bin exists)
     #[arg(long, value_name = "DIR")]
@@ -101,11 +102,10 @@ struct Args {
     /// Memory limit for every point, e.g. 300MiB (CPU: heap budget; CUDA: hard pool limit); drawn in the chart
     #[arg(long, value_name = "SIZE")]
     memory_limit: Option<String>,
-    /// Seed (trainer default: 0)
-    #[arg(long)]
+    #[arg(long, help = format!("Seed (trainer default: {})", TrainConfig::default().seed))]
     seed: Option<u64>,
     /// Smallest synthetic training set; each point gets max(this, batch x steps) images
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = TrainConfig::default().synthetic_train)]
     synthetic_train: usize,
     /// A train_cifar10 binary to run the points with. Default: this program, re-run as the trainer
     #[arg(long, value_name = "PATH")]

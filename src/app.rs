@@ -39,8 +39,8 @@ where
     let resume = match args.resume.clone() {
         Some(dir) => {
             let ck = Checkpoint::find_latest(&dir)?;
-            if args.config.is_none() {
-                args.config = Some(ck.config_path());
+            if args.config_file.is_none() {
+                args.config_file = Some(ck.config_path());
             }
             Some(ck)
         }
@@ -81,15 +81,8 @@ where
                     "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
                 ));
             }
-            let data = crate::data::load(&crate::data::DataOptions {
-                data_dir: cfg.data_dir.clone(),
-                download: cfg.download,
-                val_fraction: cfg.val_fraction,
-                seed: cfg.seed,
-                synthetic_train: cfg.synthetic_train,
-                synthetic_test: cfg.synthetic_test,
-                stop: stop.clone(),
-            })?;
+            let data =
+                crate::data::load(&crate::data::DataOptions::for_config(&cfg, stop.clone()))?;
             let device = DeviceKind::for_spec(cfg.device.as_deref())?;
             let mut opts =
                 PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));

@@ -22,7 +22,9 @@
 //! failure). A step that only exceeds `--memory-limit` is left to the trainer's per-layer check,
 //! which says where it ran out and writes a memory snapshot: there, lowering the batch helps.
 
-use crate::config::{Checkpointing, ConvKind, OptimizerKind, TrainConfig, MIN_SYNTHETIC_IMAGES};
+use crate::config::{
+    ConvKind, GradCheckpointing, OptimizerKind, TrainConfig, MIN_SYNTHETIC_IMAGES,
+};
 use crate::data::cifar::{self, DirFiles};
 use crate::data::{IMAGE_BYTES, RECORD_BYTES};
 use crate::error::{Error, Result};
@@ -349,10 +351,10 @@ impl Ctx {
             // asks for is one the planner finds a plan in.
             Step::Planned => {
                 let mut least: Option<u64> = None;
-                for &checkpoint in Checkpointing::CONCRETE {
+                for &grad_checkpointing in GradCheckpointing::CONCRETE {
                     let mut c = cfg.clone();
                     c.accum_steps = c.batch_size;
-                    c.checkpoint = checkpoint;
+                    c.grad_checkpointing = grad_checkpointing;
                     if let Some(p) = peak(&c)? {
                         least = Some(least.map_or(p, |l| l.min(p)));
                     }

@@ -1,13 +1,10 @@
 //! Command-line flags of `train_cifar10` (and of the children that sweeps and comparisons
-//! start). Each flag maps onto one [`TrainConfig`] field; [`TryFrom`] validates them.
+//! start): the training flags are [`TrainConfig`]'s fields, flattened into [`TrainArgs`] beside
+//! the flags that say what to do with the configuration; [`TryFrom`] validates them.
 //! Doc comments are the `--help` text; the README's flag table is checked against it by a test.
 
-use crate::config::{
-    Checkpointing, ConvKind, OptimizerKind, Precision, Tf32, TrainConfig, DEFAULT_PRUNE_BEGIN,
-    DEFAULT_PRUNE_EVERY, DEFAULT_PRUNE_INITIAL, DEFAULT_TF32,
-};
+use crate::config::{parse_size, TrainConfig};
 use crate::error::{Error, Result};
-use crate::memory::parse_size;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use std::path::PathBuf;
 
@@ -15,122 +12,12 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "train_cifar10", version, about, long_about = None)]
 pub struct TrainArgs {
-    /// CIFAR-10 binary directory (data_batch_*.bin, test_batch.bin; any subset). Default: data/cifar-10-batches-bin if present, else built-in synthetic data
-    #[arg(long, value_name = "DIR")]
-    pub data_dir: Option<PathBuf>,
-    /// Download the full CIFAR-10 through candle-datasets' hub loader (cached)
-    #[arg(long)]
-    pub download: bool,
-    /// Fraction held out for validation when there is no test_batch.bin
-    #[arg(long, default_value_t = 0.1)]
-    pub val_fraction: f64,
-    /// Turn off augmentation (random flip + 4-pixel reflect-pad translation)
-    #[arg(long)]
-    pub no_augment: bool,
-    /// Synthetic training images (only without real data)
-    #[arg(long, default_value_t = 5000)]
-    pub synthetic_train: usize,
-    /// Synthetic test images (only without real data)
-    #[arg(long, default_value_t = 1000)]
-    pub synthetic_test: usize,
-    /// Base width w: stages have w, 2w, 4w channels
-    #[arg(long, default_value_t = 32)]
-    pub width: usize,
-    /// Convolution kind: standard 3x3, or depthwise 3x3 + pointwise 1x1
-    #[arg(long, value_enum, default_value_t = ConvKind::Standard)]
-    pub conv: ConvKind,
-    /// Optimizer: SGD with Nesterov momentum, or AdamW
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
-    pub optimizer: OptimizerKind,
-    /// Peak learning rate of the one-cycle schedule
-    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
-    pub lr: f64,
-    /// Momentum (SGD) or beta1 (AdamW)
-    #[arg(long, default_value_t = 0.9)]
-    pub momentum: f64,
-    /// Weight decay
-    #[arg(long, default_value_t = 5e-4)]
-    pub weight_decay: f64,
-    /// Fraction of the steps spent warming the learning rate up
-    #[arg(long, default_value_t = 0.25)]
-    pub warmup_frac: f64,
-    /// Scale a step's gradients down when their global L2 norm exceeds NORM (0 turns clipping off)
-    #[arg(
-        long,
-        default_value_t = 3.0,
-        value_name = "NORM",
-        allow_negative_numbers = true
-    )]
-    pub clip_grad_norm: f64,
-    /// Number of epochs
-    #[arg(long, default_value_t = 1)]
-    pub epochs: usize,
-    /// Images per optimizer step
-    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
-    pub batch_size: i64,
-    /// Micro-batches per optimizer step (gradient accumulation); must divide --batch-size
-    #[arg(long, default_value_t = 1)]
-    pub accum_steps: usize,
-    /// Stop after this many optimizer steps (cap; the run also ends after --epochs)
-    #[arg(long, value_name = "N")]
-    pub max_steps: Option<usize>,
-    /// Compute precision; weights stay f32 (f16 adds a dynamic loss scaler)
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    pub precision: Precision,
-    /// Gradient checkpointing: keep only each stage's or each block's input and recompute in backward; auto picks the smallest predicted peak (under --memory-limit: the cheapest that fits)
-    #[arg(long, value_enum, default_value_t = Checkpointing::None)]
-    pub checkpoint: Checkpointing,
-    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: heap budget from process start, checked for data set and model before loading and after every layer of the step)
-    #[arg(long, value_name = "SIZE")]
-    pub memory_limit: Option<String>,
-    /// CUDA: return freed pool memory to the driver at every synchronize instead of keeping it
-    #[arg(long)]
-    pub no_pool_cache: bool,
-    /// CUDA: TF32 tensor-core math for f32 convolutions, as PyTorch does by default (the head's matmul stays f32, as in PyTorch). No effect on the CPU or with --precision f16/bf16
-    #[arg(long, value_enum, value_name = "MODE", default_value_t = DEFAULT_TF32)]
-    pub tf32: Tf32,
-    /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
-    #[arg(long)]
-    pub cuda_graph: bool,
-    /// Seed for initialization, data order, augmentation and synthetic data
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Device: cpu, cuda or cuda:N. Default: cuda when built with it and a GPU is present, else cpu
-    #[arg(long)]
-    pub device: Option<String>,
-    /// Run directory. Default: runs/<timestamp>
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-    /// Skip evaluation after each epoch
-    #[arg(long)]
-    pub no_eval: bool,
-    /// Plain log lines instead of progress bars
-    #[arg(long)]
-    pub quiet: bool,
-    /// Save a checkpoint every N optimizer steps (0: only at epoch ends)
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub save_every: usize,
-    /// Keep the peak-memory watermark across epochs instead of resetting it at each epoch start
-    #[arg(long)]
-    pub no_reset_peak: bool,
-    /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in [0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model-sparse.safetensors at the end
-    #[arg(long, value_name = "SPARSITY")]
-    pub prune: Option<f64>,
-    /// Optimizer step at which the pruning schedule starts (needs --prune)
-    #[arg(long, value_name = "STEP", default_value_t = DEFAULT_PRUNE_BEGIN)]
-    pub prune_begin: usize,
-    /// Optimizer step at which --prune's sparsity is reached (needs --prune; at most the run's last step). Default: the run's last step
-    #[arg(long, value_name = "STEP")]
-    pub prune_end: Option<usize>,
-    /// Recompute the pruning masks every N optimizer steps between --prune-begin and --prune-end (needs --prune)
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_PRUNE_EVERY)]
-    pub prune_every: usize,
-    /// Sparsity of the schedule at --prune-begin, at most --prune (needs --prune)
-    #[arg(long, value_name = "SPARSITY", default_value_t = DEFAULT_PRUNE_INITIAL)]
-    pub prune_initial: f64,
+    /// The training flags.
+    #[command(flatten)]
+    pub config: TrainConfig,
     /// Start from a config.json (as written into a run directory); flags given explicitly override it
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
+    #[arg(long = "config", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
     /// Continue the run in RUN_DIR from its newest complete checkpoint
     #[arg(long, value_name = "RUN_DIR")]
     pub resume: Option<PathBuf>,
@@ -142,8 +29,8 @@ pub struct TrainArgs {
     pub overwrite: bool,
     // [plan] begin: the memory-budget planner (src/plan.rs).
     /// Choose micro-batch, accumulation, checkpointing and precision whose predicted peak fits SIZE (e.g. 300MiB) minus a 5% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it); --precision, --checkpoint and --accum-steps given explicitly are kept
-    #[arg(long, value_name = "SIZE")]
-    pub fit_memory: Option<String>,
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub fit_memory: Option<u64>,
     /// Images per optimizer step that --fit-memory keeps (default: --batch-size)
     #[arg(long, value_name = "N")]
     pub effective_batch: Option<usize>,
@@ -154,7 +41,8 @@ pub struct TrainArgs {
     /// Write summary.json only (no per-batch CSV/plots); used by sweep children
     #[arg(long, hide = true)]
     pub summary_only: bool,
-    /// Flags given explicitly on the command line (filled by [`parse_train_args`]).
+    /// Flags given explicitly on the command line, as clap ids: a training flag's id is its
+    /// `config.json` key (filled by [`parse_train_args`]).
     #[arg(skip)]
     pub explicit: Vec<String>,
 }
@@ -182,66 +70,13 @@ pub struct TrainCommand {
     // [plan] end
 }
 
-/// Flag id → config key for the flags whose names differ from the config field.
-const RENAMED: &[(&str, &str)] = &[
-    ("no_augment", "augment"),
-    ("no_pool_cache", "pool_cache"),
-    ("no_eval", "eval"),
-    ("no_reset_peak", "reset_peak_each_epoch"),
-];
-
 impl TryFrom<TrainArgs> for TrainCommand {
     type Error = Error;
 
     fn try_from(a: TrainArgs) -> Result<Self> {
-        if a.batch_size <= 0 {
-            return Err(Error::config(format!(
-                "--batch-size must be a positive integer, got {}",
-                a.batch_size
-            )));
-        }
-        let memory_limit = a.memory_limit.as_deref().map(parse_size).transpose()?;
-        let from_flags = TrainConfig {
-            data_dir: a.data_dir.clone(),
-            download: a.download,
-            val_fraction: a.val_fraction,
-            augment: !a.no_augment,
-            synthetic_train: a.synthetic_train,
-            synthetic_test: a.synthetic_test,
-            width: a.width,
-            conv: a.conv,
-            optimizer: a.optimizer,
-            lr: a.lr,
-            momentum: a.momentum,
-            weight_decay: a.weight_decay,
-            warmup_frac: a.warmup_frac,
-            clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
-            epochs: a.epochs,
-            batch_size: usize::try_from(a.batch_size).unwrap_or(usize::MAX),
-            accum_steps: a.accum_steps,
-            max_steps: a.max_steps,
-            precision: a.precision,
-            checkpoint: a.checkpoint,
-            memory_limit,
-            pool_cache: !a.no_pool_cache,
-            tf32: a.tf32,
-            cuda_graph: a.cuda_graph,
-            seed: a.seed,
-            device: a.device.clone(),
-            out: a.out.clone(),
-            eval: !a.no_eval,
-            quiet: a.quiet,
-            save_every: a.save_every,
-            reset_peak_each_epoch: !a.no_reset_peak,
-            prune: a.prune,
-            prune_begin: a.prune_begin,
-            prune_end: a.prune_end,
-            prune_every: a.prune_every,
-            prune_initial: a.prune_initial,
-        };
         // validate() sees non-default values only; a default value given explicitly is caught here.
         let prune_flag = |id: &str| id.starts_with("prune_");
-        if a.prune.is_none() && a.config.is_none() {
+        if a.config.prune.is_none() && a.config_file.is_none() {
             if let Some(id) = a.explicit.iter().find(|id| prune_flag(id)) {
                 return Err(Error::config(format!(
                     "--{} only applies with --prune SPARSITY; add --prune (e.g. --prune 0.5)",
@@ -249,14 +84,13 @@ impl TryFrom<TrainArgs> for TrainCommand {
                 )));
             }
         }
-        let config = match &a.config {
-            None => from_flags,
-            Some(path) => merge_config_file(path, &from_flags, &a.explicit)?,
+        let config = match &a.config_file {
+            None => a.config,
+            Some(path) => merge_config_file(path, &a.config, &a.explicit)?,
         };
         config.validate()?;
         // [plan] begin
-        let fit_memory = a.fit_memory.as_deref().map(parse_size).transpose()?;
-        if fit_memory.is_none() && (a.effective_batch.is_some() || a.allow_model_change) {
+        if a.fit_memory.is_none() && (a.effective_batch.is_some() || a.allow_model_change) {
             return Err(Error::config(
                 "--effective-batch and --allow-model-change only apply with --fit-memory SIZE",
             ));
@@ -276,7 +110,7 @@ impl TryFrom<TrainArgs> for TrainCommand {
             dry_run: a.dry_run,
             overwrite: a.overwrite,
             summary_only: a.summary_only,
-            fit_memory,
+            fit_memory: a.fit_memory,
             effective_batch: a.effective_batch,
             allow_model_change: a.allow_model_change,
         })
@@ -300,13 +134,9 @@ fn merge_config_file(
             path.display()
         )));
     };
-    for id in explicit {
-        let key = RENAMED
-            .iter()
-            .find(|(f, _)| f == id)
-            .map_or(id.as_str(), |(_, k)| k);
+    for key in explicit {
         if let Some(v) = o.get(key) {
-            b.insert(key.to_string(), v.clone());
+            b.insert(key.clone(), v.clone());
         }
     }
     serde_json::from_value(base).map_err(|e| {
@@ -341,9 +171,14 @@ where
     Ok(Ok(parsed))
 }
 
-/// `--help`/`--version` → Ok(text); anything else → a one-line usage error.
+/// `--help`/`--version` → Ok(text); anything else → a one-line usage error. A value parser's
+/// own [`Error`] (`--batch-size 0`, `--memory-limit 12XB`) is passed on as it is: it already
+/// names the flag and the fix.
 pub fn clap_error(e: clap::Error) -> Result<String> {
     use clap::error::ErrorKind;
+    if let Some(own) = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>()) {
+        return Err(Error::config(own.to_string()));
+    }
     match e.kind() {
         ErrorKind::DisplayHelp
         | ErrorKind::DisplayVersion

@@ -1,14 +1,17 @@
 //! The validated training configuration: one struct that drives the one training loop.
 //!
-//! Flags (see [`crate::cli::TrainArgs`]) map one-to-one onto fields here; conversion validates
-//! them, so a `TrainConfig` that exists is one the trainer can run.
+//! The training flags are the fields of [`TrainConfig`], with their defaults and help text;
+//! [`TrainConfig::validate`] checks them, so a configuration from the command line or a
+//! `config.json` is one the trainer can run.
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+/// A flag's enum: clap value, serde spelling, `Display` and `FromStr` from one list of
+/// `Variant => "spelling"`; `$what` names the kind in `FromStr`'s error.
 macro_rules! cli_enum {
-    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+    ($(#[$meta:meta])* $name:ident ($what:literal) { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
         #[serde(rename_all = "lowercase")]
@@ -35,7 +38,7 @@ macro_rules! cli_enum {
                     $($text => Ok($name::$variant),)+
                     other => Err(Error::config(format!(
                         "unknown {} '{}'; expected one of: {}",
-                        stringify!($name).to_ascii_lowercase(), other,
+                        $what, other,
                         [$($text),+].join(", ")
                     ))),
                 }
@@ -46,7 +49,7 @@ macro_rules! cli_enum {
 
 cli_enum! {
     /// Numeric precision of the forward and backward pass (master weights are always f32).
-    Precision {
+    Precision ("precision") {
         /// Plain f32 everywhere.
         F32 => "f32",
         /// f16 compute with f32 master weights and a dynamic loss scaler.
@@ -57,8 +60,9 @@ cli_enum! {
 }
 
 cli_enum! {
-    /// Gradient checkpointing granularity.
-    Checkpointing {
+    /// Gradient checkpointing granularity: which activations the forward keeps for backward and
+    /// which it recomputes (not the saved training checkpoints of [`crate::train::checkpoint`]).
+    GradCheckpointing ("checkpointing") {
         /// Keep every activation for backward.
         None => "none",
         /// Keep only the input of each of the three stages; recompute each stage in backward.
@@ -71,19 +75,19 @@ cli_enum! {
     }
 }
 
-impl Checkpointing {
+impl GradCheckpointing {
     /// The segmentations themselves (everything but `auto`), cheapest first: no recomputation,
     /// then one recomputed forward in three segments, then in one segment per block.
-    pub const CONCRETE: &'static [Checkpointing] = &[
-        Checkpointing::None,
-        Checkpointing::Stages,
-        Checkpointing::Blocks,
+    pub const CONCRETE: &'static [GradCheckpointing] = &[
+        GradCheckpointing::None,
+        GradCheckpointing::Stages,
+        GradCheckpointing::Blocks,
     ];
 }
 
 cli_enum! {
     /// Convolution kind used inside each block.
-    ConvKind {
+    ConvKind ("convkind") {
         /// Dense 3x3 convolution.
         Standard => "standard",
         /// Depthwise 3x3 followed by pointwise 1x1.
@@ -93,7 +97,7 @@ cli_enum! {
 
 cli_enum! {
     /// Optimizer.
-    OptimizerKind {
+    OptimizerKind ("optimizerkind") {
         /// SGD with Nesterov momentum and coupled weight decay.
         Sgd => "sgd",
         /// AdamW (decoupled weight decay).
@@ -103,7 +107,7 @@ cli_enum! {
 
 cli_enum! {
     /// TF32 tensor-core math for f32 convolutions on CUDA (see [`crate::ops::set_tf32`]).
-    Tf32 {
+    Tf32 ("tf32") {
         /// f32 convolutions multiply in TF32 and sum in f32 (PyTorch's default for convolutions).
         On => "on",
         /// f32 convolutions multiply in f32 (FMA only).
@@ -127,129 +131,239 @@ impl Precision {
 }
 
 /// Everything a training run needs, validated. Saved as `config.json` in the run directory.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// The struct is also the training flags of `train_cifar10` (flattened into
+/// [`crate::cli::TrainArgs`]): each field's doc comment is its `--help` text and its `#[arg]` its
+/// flag and default, so [`TrainConfig::default`] is an empty command line and no default is
+/// written anywhere else. The clap id of every flag is its `config.json` key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+// The group clap would add for the flattened struct is never used, and would show up among the
+// ids of the flags given (`cli::parse_train_args`).
+#[group(skip)]
 #[serde(default)]
 pub struct TrainConfig {
-    /// CIFAR-10 binary directory; `None` means `data/cifar-10-batches-bin` if present, else synthetic.
+    /// CIFAR-10 binary directory (data_batch_*.bin, test_batch.bin; any subset). Default: data/cifar-10-batches-bin if present, else built-in synthetic data
+    #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Fetch the full CIFAR-10 through candle-datasets' hub loader.
+    /// Download the full CIFAR-10 through candle-datasets' hub loader (cached)
+    #[arg(long)]
     pub download: bool,
-    /// Fraction of the training files held out for validation when there is no test_batch.bin.
+    /// Fraction held out for validation when there is no test_batch.bin
+    #[arg(long, default_value_t = 0.1)]
     pub val_fraction: f64,
     /// Random flip + 4-pixel reflect-pad translation of training images.
+    #[arg(
+        long = "no-augment",
+        action = clap::ArgAction::SetFalse,
+        help = "Turn off augmentation (random flip + 4-pixel reflect-pad translation)"
+    )]
     pub augment: bool,
-    /// Number of synthetic training images (used only when there is no real data).
+    /// Synthetic training images (only without real data)
+    #[arg(long, default_value_t = 5000)]
     pub synthetic_train: usize,
-    /// Number of synthetic test images.
+    /// Synthetic test images (only without real data)
+    #[arg(long, default_value_t = 1000)]
     pub synthetic_test: usize,
-    /// Base width w of the CNN (stages have w, 2w, 4w channels).
+    /// Base width w: stages have w, 2w, 4w channels
+    #[arg(long, default_value_t = 32)]
     pub width: usize,
-    /// Convolution kind.
+    /// Convolution kind: standard 3x3, or depthwise 3x3 + pointwise 1x1
+    #[arg(long, value_enum, default_value_t = ConvKind::Standard)]
     pub conv: ConvKind,
-    /// Optimizer.
+    /// Optimizer: SGD with Nesterov momentum, or AdamW
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
     pub optimizer: OptimizerKind,
-    /// Peak learning rate of the one-cycle schedule.
+    /// Peak learning rate of the one-cycle schedule
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
     pub lr: f64,
-    /// Momentum (SGD) or beta1 (AdamW).
+    /// Momentum (SGD) or beta1 (AdamW)
+    #[arg(long, default_value_t = 0.9)]
     pub momentum: f64,
-    /// Weight decay.
+    /// Weight decay
+    #[arg(long, default_value_t = 5e-4)]
     pub weight_decay: f64,
-    /// Fraction of all steps spent warming the learning rate up.
+    /// Fraction of the steps spent warming the learning rate up
+    #[arg(long, default_value_t = 0.25)]
     pub warmup_frac: f64,
-    /// Largest global L2 norm of the gradients: a step whose gradients are longer is scaled
-    /// down to it. `None` turns clipping off.
-    pub clip_grad_norm: Option<f64>,
-    /// Number of epochs.
+    /// Scale a step's gradients down when their global L2 norm exceeds NORM (0 turns clipping off)
+    // `None` turns clipping off. The default is measured (README "A first run that learns"):
+    // without clipping the first epoch's loss climbs to ~25 at gradient norms of 10-25 and the
+    // network dies at chance; 3 keeps 20-epoch accuracy (1 and 2 cost 7 and 3 points there).
+    // The path spelling keeps clap from treating the field as an optional flag: the flag always
+    // has a value, which `parse_clip_norm` maps to `None` for 0.
+    #[arg(
+        long,
+        default_value = "3",
+        value_name = "NORM",
+        value_parser = parse_clip_norm,
+        allow_negative_numbers = true
+    )]
+    pub clip_grad_norm: ::std::option::Option<f64>,
+    /// Number of epochs
+    #[arg(long, default_value_t = 1)]
     pub epochs: usize,
-    /// Images per optimizer step (the effective batch).
+    /// Images per optimizer step
+    #[arg(
+        long,
+        default_value_t = 128,
+        value_parser = parse_batch_size,
+        allow_negative_numbers = true
+    )]
     pub batch_size: usize,
-    /// Micro-batches per optimizer step.
+    /// Micro-batches per optimizer step (gradient accumulation); must divide --batch-size
+    #[arg(long, default_value_t = 1)]
     pub accum_steps: usize,
-    /// Stop after this many optimizer steps (for quick measurements).
+    /// Stop after this many optimizer steps (cap; the run also ends after --epochs)
+    #[arg(long, value_name = "N")]
     pub max_steps: Option<usize>,
-    /// Compute precision.
+    /// Compute precision; weights stay f32 (f16 adds a dynamic loss scaler)
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub precision: Precision,
-    /// Gradient checkpointing granularity.
-    pub checkpoint: Checkpointing,
-    /// Memory budget in bytes (CUDA: a hard pool limit; CPU: checked by the counting allocator).
+    /// Gradient checkpointing: keep only each stage's or each block's input and recompute in backward; auto picks the smallest predicted peak (under --memory-limit: the cheapest that fits)
+    // Flag, clap id and config.json key keep the short spelling users know: `checkpoint`.
+    #[arg(
+        long = "checkpoint",
+        id = "checkpoint",
+        value_name = "CHECKPOINT",
+        value_enum,
+        default_value_t = GradCheckpointing::None
+    )]
+    #[serde(rename = "checkpoint")]
+    pub grad_checkpointing: GradCheckpointing,
+    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: heap budget from process start, checked for data set and model before loading and after every layer of the step)
+    // In bytes.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub memory_limit: Option<u64>,
     /// Keep freed CUDA pool memory between steps (release threshold = max).
+    #[arg(
+        long = "no-pool-cache",
+        action = clap::ArgAction::SetFalse,
+        help = "CUDA: return freed pool memory to the driver at every synchronize instead of keeping it"
+    )]
     pub pool_cache: bool,
-    /// TF32 math for f32 convolutions on CUDA (no effect on the CPU, in f16/bf16 or on the head).
+    /// CUDA: TF32 tensor-core math for f32 convolutions, as PyTorch does by default (the head's matmul stays f32, as in PyTorch). No effect on the CPU or with --precision f16/bf16
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = DEFAULT_TF32)]
     pub tf32: Tf32,
-    /// Capture the forward and backward of the training step as a CUDA graph and replay it
-    /// (`crate::train::graph`); CUDA only.
+    /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
+    #[arg(long)]
     pub cuda_graph: bool,
-    /// Seed for initialization, data order, augmentation and synthetic data.
+    /// Seed for initialization, data order, augmentation and synthetic data
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Device: "cpu", "cuda" or "cuda:N"; `None` picks CUDA when available.
+    /// Device: cpu, cuda or cuda:N. Default: cuda when built with it and a GPU is present, else cpu
+    #[arg(long)]
     pub device: Option<String>,
-    /// Run directory; `None` means `runs/<timestamp>`.
+    /// Run directory. Default: runs/<timestamp>
+    #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Evaluate on the validation/test split after each epoch.
+    #[arg(
+        long = "no-eval",
+        action = clap::ArgAction::SetFalse,
+        help = "Skip evaluation after each epoch"
+    )]
     pub eval: bool,
-    /// Plain log lines instead of progress bars.
+    /// Plain log lines instead of progress bars
+    #[arg(long)]
     pub quiet: bool,
-    /// Save a training checkpoint every N optimizer steps (and at each epoch end); 0 = only at epoch ends.
+    /// Save a checkpoint every N optimizer steps (0: only at epoch ends)
+    #[arg(long, default_value_t = 0, value_name = "N")]
     pub save_every: usize,
     /// Reset the peak-memory watermark at the start of every epoch.
+    #[arg(
+        long = "no-reset-peak",
+        action = clap::ArgAction::SetFalse,
+        help = "Keep the peak-memory watermark across epochs instead of resetting it at each epoch start"
+    )]
     pub reset_peak_each_epoch: bool,
-    /// Target (final) sparsity of magnitude pruning, in [0, 1); `None`: no pruning.
+    /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in [0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model-sparse.safetensors at the end
+    #[arg(long, value_name = "SPARSITY")]
     pub prune: Option<f64>,
-    /// Optimizer step at which the pruning schedule begins.
+    /// Optimizer step at which the pruning schedule starts (needs --prune)
+    #[arg(long, value_name = "STEP", default_value_t = DEFAULT_PRUNE_BEGIN)]
     pub prune_begin: usize,
-    /// Optimizer step at which the schedule reaches `prune`; `None`: the run's last step.
+    /// Optimizer step at which --prune's sparsity is reached (needs --prune; at most the run's last step). Default: the run's last step
+    #[arg(long, value_name = "STEP")]
     pub prune_end: Option<usize>,
-    /// Recompute the masks every this many optimizer steps within [begin, end].
+    /// Recompute the pruning masks every N optimizer steps between --prune-begin and --prune-end (needs --prune)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PRUNE_EVERY)]
     pub prune_every: usize,
-    /// Sparsity the schedule starts from at `prune_begin`.
+    /// Sparsity of the schedule at --prune-begin, at most --prune (needs --prune)
+    #[arg(long, value_name = "SPARSITY", default_value_t = DEFAULT_PRUNE_INITIAL)]
     pub prune_initial: f64,
 }
 
 impl Default for TrainConfig {
+    /// The flags' defaults: the configuration of a command line without flags.
     fn default() -> Self {
-        TrainConfig {
-            data_dir: None,
-            download: false,
-            val_fraction: 0.1,
-            augment: true,
-            synthetic_train: 5000,
-            synthetic_test: 1000,
-            width: 32,
-            conv: ConvKind::Standard,
-            optimizer: OptimizerKind::Sgd,
-            lr: 0.1,
-            momentum: 0.9,
-            weight_decay: 5e-4,
-            warmup_frac: 0.25,
-            // Measured (README "A first run that learns"): without it the first epoch's loss
-            // climbs to ~25 at gradient norms of 10-25 and the network dies at chance; 3 keeps
-            // 20-epoch accuracy (1 and 2 cost 7 and 3 points there).
-            clip_grad_norm: Some(3.0),
-            epochs: 1,
-            batch_size: 128,
-            accum_steps: 1,
-            max_steps: None,
-            precision: Precision::F32,
-            checkpoint: Checkpointing::None,
-            memory_limit: None,
-            pool_cache: true,
-            tf32: DEFAULT_TF32,
-            cuda_graph: false,
-            seed: 0,
-            device: None,
-            out: None,
-            eval: true,
-            quiet: false,
-            save_every: 0,
-            reset_peak_each_epoch: true,
-            prune: None,
-            prune_begin: DEFAULT_PRUNE_BEGIN,
-            prune_end: None,
-            prune_every: DEFAULT_PRUNE_EVERY,
-            prune_initial: DEFAULT_PRUNE_INITIAL,
-        }
+        static DEFAULT: std::sync::OnceLock<TrainConfig> = std::sync::OnceLock::new();
+        DEFAULT
+            .get_or_init(|| {
+                use clap::{Args, FromArgMatches};
+                let cmd = TrainConfig::augment_args(clap::Command::new("defaults"));
+                // Every flag is optional or has a default, so an empty command line parses
+                // (tests/flags.rs checks this default against --help, README and config.json).
+                let matches = cmd
+                    .try_get_matches_from(["defaults"])
+                    .expect("every training flag has a default");
+                TrainConfig::from_arg_matches(&matches).expect("the defaults parse")
+            })
+            .clone()
     }
+}
+
+/// `--batch-size`: read as a signed number so that `-8` gets the same message as `0`; the
+/// message reaches the user as it is (`cli::clap_error`).
+fn parse_batch_size(
+    s: &str,
+) -> std::result::Result<usize, Box<dyn std::error::Error + Send + Sync>> {
+    let n: i64 = s.parse()?;
+    match usize::try_from(n) {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(Box::new(Error::config(format!(
+            "--batch-size must be a positive integer, got {n}"
+        )))),
+    }
+}
+
+/// `--clip-grad-norm`: 0 turns clipping off; other values are checked by
+/// [`TrainConfig::validate`], which also sees those of a config file.
+fn parse_clip_norm(s: &str) -> std::result::Result<Option<f64>, std::num::ParseFloatError> {
+    let norm: f64 = s.parse()?;
+    Ok((norm != 0.0).then_some(norm))
+}
+
+/// Parse a memory size such as `4GiB`, `512MiB`, `1.5GB`, `300kB` or a plain byte count.
+/// Binary (KiB/MiB/GiB/TiB) and decimal (kB/MB/GB/TB) units; `K`/`M`/`G` alone mean binary.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || {
+        Error::config(format!(
+            "memory size '{s}' is not a size; write a number with an optional unit, e.g. 512MiB, 4GiB, 2GB"
+        ))
+    };
+    let value: f64 = num.parse().map_err(|_| bad())?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(bad()),
+    };
+    let bytes = value * mult;
+    if !bytes.is_finite() || !(1.0..=1e18).contains(&bytes) {
+        return Err(bad());
+    }
+    Ok(bytes.round() as u64)
 }
 
 /// `--prune-begin`: the pruning schedule starts with the run (Keras' `begin_step` default).
@@ -353,7 +467,10 @@ impl TrainConfig {
             ));
         }
         if self.width == 0 {
-            return bad("--width must be at least 1 (default 32)".into());
+            return bad(format!(
+                "--width must be at least 1 (default {})",
+                TrainConfig::default().width
+            ));
         }
         if self.width > 4096 {
             return bad(format!("--width {} is too large (max 4096)", self.width));
@@ -477,7 +594,9 @@ impl TrainConfig {
             ));
         }
         if self.prune_every == 0 {
-            return bad("--prune-every must be at least 1 (default 100)".into());
+            return bad(format!(
+                "--prune-every must be at least 1 (default {DEFAULT_PRUNE_EVERY})"
+            ));
         }
         if let Some(end) = self.prune_end {
             if end <= self.prune_begin {
@@ -510,8 +629,8 @@ impl TrainConfig {
         if self.accum_steps > 1 {
             s.push_str(&format!(" accum{}", self.accum_steps));
         }
-        if self.checkpoint != Checkpointing::None {
-            s.push_str(&format!(" ckpt={}", self.checkpoint));
+        if self.grad_checkpointing != GradCheckpointing::None {
+            s.push_str(&format!(" ckpt={}", self.grad_checkpointing));
         }
         if self.conv == ConvKind::Separable {
             s.push_str(" separable");

@@ -8,7 +8,7 @@
 //! relative time per image = precision × (1 + recompute overhead) × micro-batch efficiency.
 //! It is a pure function of the configuration, the budget and the options: nothing is trained.
 
-use crate::config::{Checkpointing, ConvKind, Precision, TrainConfig, MAX_BATCH_SIZE};
+use crate::config::{ConvKind, GradCheckpointing, Precision, TrainConfig, MAX_BATCH_SIZE};
 use crate::error::{Error, Result};
 use crate::memory::estimate::{estimate_with, Baseline, DataSize, DeviceKind, Estimate};
 use crate::memory::format_bytes;
@@ -115,7 +115,7 @@ impl CostModel {
         &self,
         micro_batch: usize,
         precision: Precision,
-        checkpoint: Checkpointing,
+        grad_checkpointing: GradCheckpointing,
         conv: ConvKind,
     ) -> f64 {
         let sep = conv == ConvKind::Separable;
@@ -126,13 +126,13 @@ impl CostModel {
             (Precision::F16, true) => self.f16_separable,
             (Precision::Bf16, true) => self.bf16_separable,
         };
-        let r = match (checkpoint, sep) {
+        let r = match (grad_checkpointing, sep) {
             // `auto` is resolved to one of the others before anything is planned or run.
-            (Checkpointing::None | Checkpointing::Auto, _) => 0.0,
-            (Checkpointing::Stages, false) => self.stages_standard,
-            (Checkpointing::Blocks, false) => self.blocks_standard,
-            (Checkpointing::Stages, true) => self.stages_separable,
-            (Checkpointing::Blocks, true) => self.blocks_separable,
+            (GradCheckpointing::None | GradCheckpointing::Auto, _) => 0.0,
+            (GradCheckpointing::Stages, false) => self.stages_standard,
+            (GradCheckpointing::Blocks, false) => self.blocks_standard,
+            (GradCheckpointing::Stages, true) => self.stages_separable,
+            (GradCheckpointing::Blocks, true) => self.blocks_separable,
         };
         p * (1.0 + r) * self.micro(micro_batch) * if sep { self.separable } else { 1.0 }
     }
@@ -205,7 +205,7 @@ pub struct Fixed {
     /// `--precision` was given.
     pub precision: Option<Precision>,
     /// `--checkpoint none|stages|blocks` was given (`auto` leaves the choice to the plan).
-    pub checkpoint: Option<Checkpointing>,
+    pub grad_checkpointing: Option<GradCheckpointing>,
     /// `--accum-steps` was given.
     pub accum_steps: Option<usize>,
 }
@@ -216,8 +216,9 @@ impl Fixed {
         let given = |id: &str| explicit.iter().any(|e| e == id);
         Fixed {
             precision: given("precision").then_some(cfg.precision),
-            checkpoint: (given("checkpoint") && cfg.checkpoint != Checkpointing::Auto)
-                .then_some(cfg.checkpoint),
+            grad_checkpointing: (given("checkpoint")
+                && cfg.grad_checkpointing != GradCheckpointing::Auto)
+                .then_some(cfg.grad_checkpointing),
             accum_steps: given("accum_steps").then_some(cfg.accum_steps),
         }
     }
@@ -228,7 +229,7 @@ impl Fixed {
         if let Some(p) = self.precision {
             v.push(format!("--precision {p}"));
         }
-        if let Some(c) = self.checkpoint {
+        if let Some(c) = self.grad_checkpointing {
             v.push(format!("--checkpoint {c}"));
         }
         if let Some(k) = self.accum_steps {
@@ -264,8 +265,8 @@ pub struct Plan {
     pub accum_steps: usize,
     /// Compute precision.
     pub precision: Precision,
-    /// Checkpointing.
-    pub checkpoint: Checkpointing,
+    /// Gradient checkpointing.
+    pub grad_checkpointing: GradCheckpointing,
     /// Convolution kind.
     pub conv: ConvKind,
     /// Predicted peak bytes.
@@ -285,7 +286,7 @@ impl Plan {
             self.accum_steps,
             if self.accum_steps == 1 { "" } else { "s" },
             self.precision,
-            self.checkpoint,
+            self.grad_checkpointing,
             self.conv
         )
     }
@@ -323,10 +324,10 @@ impl PlanReport {
     /// combination are left out: they are never faster).
     pub fn runners_up(&self) -> Vec<&Plan> {
         let c = self.chosen();
-        let mut seen = vec![(c.precision, c.checkpoint, c.conv)];
+        let mut seen = vec![(c.precision, c.grad_checkpointing, c.conv)];
         let mut out = Vec::new();
         for p in &self.plans[1..] {
-            let key = (p.precision, p.checkpoint, p.conv);
+            let key = (p.precision, p.grad_checkpointing, p.conv);
             if !seen.contains(&key) {
                 seen.push(key);
                 out.push(p);
@@ -403,10 +404,10 @@ fn difference(cost: &CostModel, chosen: &Plan, p: &Plan) -> String {
     if p.precision != chosen.precision {
         why.push(format!("{} instead of {}", p.precision, chosen.precision));
     }
-    if p.checkpoint != chosen.checkpoint {
+    if p.grad_checkpointing != chosen.grad_checkpointing {
         why.push(format!(
             "checkpoint {} instead of {}",
-            p.checkpoint, chosen.checkpoint
+            p.grad_checkpointing, chosen.grad_checkpointing
         ));
     }
     if p.conv != chosen.conv {
@@ -481,7 +482,7 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
     let reference = opts.cost.time_per_image(
         cfg.micro_batch().max(1),
         cfg.precision,
-        cfg.checkpoint,
+        cfg.grad_checkpointing,
         cfg.conv,
     );
 
@@ -495,8 +496,12 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             {
                 continue;
             }
-            for &checkpoint in Checkpointing::CONCRETE {
-                if opts.fixed.checkpoint.is_some_and(|c| c != checkpoint) {
+            for &grad_checkpointing in GradCheckpointing::CONCRETE {
+                if opts
+                    .fixed
+                    .grad_checkpointing
+                    .is_some_and(|c| c != grad_checkpointing)
+                {
                     continue;
                 }
                 for &precision in Precision::ALL {
@@ -506,18 +511,20 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
                     let mut c = cfg.clone();
                     c.batch_size = effective;
                     c.accum_steps = effective / micro;
-                    c.checkpoint = checkpoint;
+                    c.grad_checkpointing = grad_checkpointing;
                     c.precision = precision;
                     c.conv = conv;
                     let est: Estimate =
                         estimate_with(&c, opts.device, Baseline::Modeled(opts.data))?;
-                    let t = opts.cost.time_per_image(micro, precision, checkpoint, conv);
+                    let t = opts
+                        .cost
+                        .time_per_image(micro, precision, grad_checkpointing, conv);
                     all.push(Plan {
                         config: c,
                         micro_batch: micro,
                         accum_steps: effective / micro,
                         precision,
-                        checkpoint,
+                        grad_checkpointing,
                         conv,
                         predicted_peak: est.peak,
                         time_per_image: t,

@@ -4,7 +4,7 @@
 //! measure each other. Test-sized shapes (width 8, batches of 16 and 32, synthetic data); the
 //! width-32 matrix with train_cifar10 is in docs/results/estimate-accuracy.md.
 
-use memtrain::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::estimate::{
     estimate, estimate_for_specs, estimate_with, model_layer_specs, Baseline, DataSize, DeviceKind,
@@ -44,14 +44,14 @@ fn data() -> DataSplits {
 fn config(
     batch: usize,
     precision: Precision,
-    checkpoint: Checkpointing,
+    checkpoint: GradCheckpointing,
     conv: ConvKind,
 ) -> TrainConfig {
     TrainConfig {
         width: 8,
         batch_size: batch,
         precision,
-        checkpoint,
+        grad_checkpointing: checkpoint,
         conv,
         max_steps: Some(3),
         eval: false,
@@ -134,7 +134,12 @@ fn estimate_matches_the_counting_allocator() {
 
     // Bad input is an error, not a panic.
     let dev = DeviceKind::cpu();
-    let mut bad = config(16, Precision::F32, Checkpointing::None, ConvKind::Standard);
+    let mut bad = config(
+        16,
+        Precision::F32,
+        GradCheckpointing::None,
+        ConvKind::Standard,
+    );
     bad.accum_steps = 3;
     assert!(
         estimate(&bad, dev).is_err(),
@@ -142,7 +147,12 @@ fn estimate_matches_the_counting_allocator() {
     );
     bad.batch_size = 0;
     assert!(estimate(&bad, dev).is_err(), "batch 0");
-    let good = config(16, Precision::F32, Checkpointing::None, ConvKind::Standard);
+    let good = config(
+        16,
+        Precision::F32,
+        GradCheckpointing::None,
+        ConvKind::Standard,
+    );
     let specs = model_layer_specs(8, ConvKind::Standard);
     let base = Baseline::Modeled(DataSize::exact(10, 10));
     assert!(
@@ -173,13 +183,13 @@ fn estimate_matches_the_counting_allocator() {
     }
     assert!(table.contains("predicted peak"));
     assert!(e.peak >= e.forward_peak.max(e.backward_peak).max(e.optimizer_peak));
-    // Checkpointing and half precision save activation memory; the measured baseline replaces
-    // the modelled one.
+    // Gradient checkpointing and half precision save activation memory; the measured baseline
+    // replaces the modelled one.
     let mut f16 = good.clone();
     f16.precision = Precision::F16;
     assert!(estimate_with(&f16, dev, base).unwrap().activation_bytes < e.activation_bytes);
     let mut ck = good.clone();
-    ck.checkpoint = Checkpointing::Stages;
+    ck.grad_checkpointing = GradCheckpointing::Stages;
     assert!(estimate_with(&ck, dev, base).unwrap().activation_bytes < e.activation_bytes);
     let measured = estimate_with(
         &good,
@@ -215,7 +225,7 @@ fn estimate_matches_the_counting_allocator() {
     let mut cases = Vec::new();
     for batch in [16, 32] {
         for precision in [Precision::F32, Precision::F16] {
-            for checkpoint in [Checkpointing::None, Checkpointing::Stages] {
+            for checkpoint in [GradCheckpointing::None, GradCheckpointing::Stages] {
                 for conv in ConvKind::ALL.iter().copied() {
                     cases.push(config(batch, precision, checkpoint, conv));
                 }
@@ -225,7 +235,7 @@ fn estimate_matches_the_counting_allocator() {
     let mut accum = config(
         32,
         Precision::F32,
-        Checkpointing::Stages,
+        GradCheckpointing::Stages,
         ConvKind::Standard,
     );
     accum.accum_steps = 2;
@@ -233,7 +243,7 @@ fn estimate_matches_the_counting_allocator() {
     let mut blocks = config(
         32,
         Precision::Bf16,
-        Checkpointing::Blocks,
+        GradCheckpointing::Blocks,
         ConvKind::Separable,
     );
     blocks.optimizer = OptimizerKind::Adamw;
@@ -241,7 +251,7 @@ fn estimate_matches_the_counting_allocator() {
     // Pruning: the masks (one byte per conv and head weight) and, every step, their
     // recomputation and application after the update.
     for conv in ConvKind::ALL.iter().copied() {
-        let mut pruned = config(32, Precision::F32, Checkpointing::None, conv);
+        let mut pruned = config(32, Precision::F32, GradCheckpointing::None, conv);
         pruned.prune = Some(0.5);
         pruned.prune_every = 1;
         cases.push(pruned);

@@ -4,7 +4,6 @@
 
 mod common;
 
-use memtrain::cli::{parse_train_args, TrainCommand};
 use memtrain::config::{Tf32, TrainConfig, DEFAULT_TF32};
 use std::sync::{Mutex, MutexGuard};
 
@@ -12,13 +11,6 @@ use std::sync::{Mutex, MutexGuard};
 fn trainer_lock() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The configuration `train_cifar10 ARGS` would run.
-fn config_of(args: &[&str]) -> memtrain::Result<TrainConfig> {
-    let parsed = parse_train_args(std::iter::once("train_cifar10").chain(args.iter().copied()))?
-        .expect("not --help");
-    Ok(TrainCommand::try_from(parsed)?.config)
 }
 
 /// Runs the binary with `args` on a tiny CPU-sized run and checks the usage error: exit 2, one
@@ -56,9 +48,12 @@ fn refused(name: &str, args: &[&str], wants: &[&str]) {
 fn tf32_defaults_to_on_and_reaches_the_config() {
     assert_eq!(DEFAULT_TF32, Tf32::On, "README states PyTorch's default");
     assert_eq!(TrainConfig::default().tf32, Tf32::On);
-    assert_eq!(config_of(&[]).unwrap().tf32, Tf32::On);
-    assert_eq!(config_of(&["--tf32", "off"]).unwrap().tf32, Tf32::Off);
-    assert_eq!(config_of(&["--tf32", "on"]).unwrap().tf32, Tf32::On);
+    assert_eq!(common::config_of(&[]).unwrap().tf32, Tf32::On);
+    assert_eq!(
+        common::config_of(&["--tf32", "off"]).unwrap().tf32,
+        Tf32::Off
+    );
+    assert_eq!(common::config_of(&["--tf32", "on"]).unwrap().tf32, Tf32::On);
     // config.json spells it as the flag does, and an old config.json without the key gets the
     // default.
     let json = serde_json::to_value(TrainConfig::default()).unwrap();
@@ -87,7 +82,7 @@ fn tf32_takes_only_on_or_off() {
         &["--tf32", "maybe"],
         &["maybe", "--tf32", "on", "off"],
     );
-    let e = config_of(&["--tf32", "1"]).unwrap_err();
+    let e = common::config_of(&["--tf32", "1"]).unwrap_err();
     assert_eq!(e.exit_code(), 2);
 }
 

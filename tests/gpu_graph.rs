@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::{Mutex, MutexGuard};
 
-use memtrain::config::{Checkpointing, ConvKind, Precision, Tf32, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision, Tf32, TrainConfig};
 
 /// One test at a time: they share the GPU and the process-wide TF32 flag.
 fn gpu_lock() -> MutexGuard<'static, ()> {
@@ -35,21 +35,21 @@ fn captured_steps_equal_eager_steps() {
         (
             Precision::F32,
             1,
-            Checkpointing::None,
+            GradCheckpointing::None,
             ConvKind::Standard,
             1e-5,
         ),
         (
             Precision::F32,
             2,
-            Checkpointing::Stages,
+            GradCheckpointing::Stages,
             ConvKind::Separable,
             1e-5,
         ),
         (
             Precision::Bf16,
             2,
-            Checkpointing::Blocks,
+            GradCheckpointing::Blocks,
             ConvKind::Standard,
             2e-2,
         ),
@@ -57,7 +57,7 @@ fn captured_steps_equal_eager_steps() {
         (
             Precision::F16,
             1,
-            Checkpointing::None,
+            GradCheckpointing::None,
             ConvKind::Standard,
             2e-2,
         ),
@@ -66,7 +66,7 @@ fn captured_steps_equal_eager_steps() {
         let cfg = on_gpu(TrainConfig {
             precision,
             accum_steps,
-            checkpoint,
+            grad_checkpointing: checkpoint,
             conv,
             width: 8,
             batch_size: 32,

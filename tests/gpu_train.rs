@@ -5,7 +5,7 @@
 
 mod common;
 
-use memtrain::config::{Checkpointing, ConvKind, Precision, Tf32, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision, Tf32, TrainConfig};
 use memtrain::Error;
 
 fn on(device: &str, cfg: TrainConfig) -> TrainConfig {
@@ -21,12 +21,12 @@ fn every_combination_trains_on_cuda_and_matches_the_cpu() {
     let (x, y) = common::batch(16, 11);
     for precision in Precision::ALL {
         for accum in [1, 2] {
-            for checkpoint in Checkpointing::ALL {
+            for checkpoint in GradCheckpointing::ALL {
                 for conv in ConvKind::ALL {
                     let cfg = TrainConfig {
                         precision: *precision,
                         accum_steps: accum,
-                        checkpoint: *checkpoint,
+                        grad_checkpointing: *checkpoint,
                         conv: *conv,
                         width: 8,
                         // Exact f32 convolutions: the f32 tolerance is the CPU's, not TF32's

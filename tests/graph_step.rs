@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use memtrain::config::{Checkpointing, ConvKind, Precision};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision};
 use memtrain::model::{Cnn, ModelConfig};
 use memtrain::train::accumulate::GradAccumulator;
 use memtrain::train::lean::{LeanStep, NoObserver};
@@ -33,20 +33,30 @@ fn flat(t: &Tensor) -> Vec<f32> {
 fn the_deferred_in_place_step_equals_the_eager_step() {
     let dev = Device::Cpu;
     let cases = [
-        (Precision::F32, Checkpointing::None, ConvKind::Standard, 1),
         (
             Precision::F32,
-            Checkpointing::Stages,
+            GradCheckpointing::None,
+            ConvKind::Standard,
+            1,
+        ),
+        (
+            Precision::F32,
+            GradCheckpointing::Stages,
             ConvKind::Separable,
             2,
         ),
         (
             Precision::Bf16,
-            Checkpointing::Blocks,
+            GradCheckpointing::Blocks,
             ConvKind::Standard,
             2,
         ),
-        (Precision::F16, Checkpointing::None, ConvKind::Separable, 1),
+        (
+            Precision::F16,
+            GradCheckpointing::None,
+            ConvKind::Separable,
+            1,
+        ),
     ];
     for (precision, checkpoint, conv, k) in cases {
         let label = format!("{precision} {checkpoint} {conv} accum {k}");

@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
 use memtrain::ops::batchnorm::{self as bn, BnParams};
 
 /// Relative tolerance of the gradients: f32 computes the same sums in another order; half types
@@ -22,7 +22,7 @@ fn tolerance(p: Precision) -> f64 {
 fn compare(cfg: TrainConfig, n: usize, seed: u64) {
     let label = format!(
         "{} {} {} accum {} width {}",
-        cfg.precision, cfg.checkpoint, cfg.conv, cfg.accum_steps, cfg.width
+        cfg.precision, cfg.grad_checkpointing, cfg.conv, cfg.accum_steps, cfg.width
     );
     let tol = tolerance(cfg.precision);
     let t = common::trainer(cfg);
@@ -50,15 +50,15 @@ fn compare(cfg: TrainConfig, n: usize, seed: u64) {
 fn every_configuration_matches_autograd() {
     for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
         for checkpoint in [
-            Checkpointing::None,
-            Checkpointing::Stages,
-            Checkpointing::Blocks,
+            GradCheckpointing::None,
+            GradCheckpointing::Stages,
+            GradCheckpointing::Blocks,
         ] {
             for conv in [ConvKind::Standard, ConvKind::Separable] {
                 for accum_steps in [1, 2] {
                     let cfg = TrainConfig {
                         precision,
-                        checkpoint,
+                        grad_checkpointing: checkpoint,
                         conv,
                         accum_steps,
                         ..common::tiny_config()
@@ -72,10 +72,10 @@ fn every_configuration_matches_autograd() {
 
 #[test]
 fn a_wider_net_matches_autograd_in_f32() {
-    for checkpoint in [Checkpointing::None, Checkpointing::Stages] {
+    for checkpoint in [GradCheckpointing::None, GradCheckpointing::Stages] {
         let cfg = TrainConfig {
             width: 12,
-            checkpoint,
+            grad_checkpointing: checkpoint,
             ..common::tiny_config()
         };
         compare(cfg, 16, 11);
@@ -144,12 +144,12 @@ fn zero_and_tiny_gamma_match_autograd() {
 fn running_statistics_are_updated_once_per_step() {
     let mut stats = Vec::new();
     for checkpoint in [
-        Checkpointing::None,
-        Checkpointing::Stages,
-        Checkpointing::Blocks,
+        GradCheckpointing::None,
+        GradCheckpointing::Stages,
+        GradCheckpointing::Blocks,
     ] {
         let t = common::trainer(TrainConfig {
-            checkpoint,
+            grad_checkpointing: checkpoint,
             ..common::tiny_config()
         });
         let (x, y) = common::batch(16, 3);

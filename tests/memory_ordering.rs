@@ -3,7 +3,7 @@
 
 mod common;
 
-use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
 use memtrain::memory::CountingAllocator;
 use memtrain::model::cnn::param_count;
 
@@ -62,7 +62,7 @@ fn each_optimization_lowers_the_peak() {
     check(
         "checkpoint stages",
         training_peak(TrainConfig {
-            checkpoint: Checkpointing::Stages,
+            grad_checkpointing: GradCheckpointing::Stages,
             ..base.clone()
         }),
     );
@@ -73,7 +73,7 @@ fn each_optimization_lowers_the_peak() {
         (
             "checkpoint blocks",
             TrainConfig {
-                checkpoint: Checkpointing::Blocks,
+                grad_checkpointing: GradCheckpointing::Blocks,
                 ..base.clone()
             },
         ),

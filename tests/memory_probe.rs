@@ -3,7 +3,8 @@
 //! One test function on purpose: the counters are process-wide, and the test harness runs
 //! test functions on parallel threads that would allocate in the middle of a measurement.
 
-use memtrain::memory::{parse_size, CountingAllocator, CpuProbe, MemoryProbe, MemoryRecorder};
+use memtrain::config::parse_size;
+use memtrain::memory::{CountingAllocator, CpuProbe, MemoryProbe, MemoryRecorder};
 use memtrain::phase::Phase;
 use std::sync::Arc;
 

@@ -4,7 +4,7 @@
 
 mod common;
 
-use memtrain::config::{Checkpointing, ConvKind, Precision, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
 use memtrain::data::Batch;
 use memtrain::train::precision::LossScaler;
 
@@ -55,12 +55,12 @@ fn checkpointing_gives_identical_gradients_and_statistics() {
         let (x, y) = common::batch(16, 3);
         let mut results = Vec::new();
         for ckpt in [
-            Checkpointing::None,
-            Checkpointing::Stages,
-            Checkpointing::Blocks,
+            GradCheckpointing::None,
+            GradCheckpointing::Stages,
+            GradCheckpointing::Blocks,
         ] {
             let cfg = TrainConfig {
-                checkpoint: ckpt,
+                grad_checkpointing: ckpt,
                 conv,
                 ..common::tiny_config()
             };
@@ -184,12 +184,12 @@ fn f16_gradients_match_f32_within_half_precision() {
 fn every_flag_combination_trains() {
     for precision in Precision::ALL {
         for accum in [1, 2] {
-            for checkpoint in Checkpointing::ALL {
+            for checkpoint in GradCheckpointing::ALL {
                 for conv in ConvKind::ALL {
                     let cfg = TrainConfig {
                         precision: *precision,
                         accum_steps: accum,
-                        checkpoint: *checkpoint,
+                        grad_checkpointing: *checkpoint,
                         conv: *conv,
                         max_steps: Some(2),
                         synthetic_train: 32,

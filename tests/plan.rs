@@ -178,7 +178,7 @@ fn planned_runs_fit_their_budget() {
 #[test]
 fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    use memtrain::config::{Checkpointing, Precision};
+    use memtrain::config::{GradCheckpointing, Precision};
     use memtrain::plan::Fixed;
     let dev = DeviceKind::cpu();
     let cfg = TrainConfig {
@@ -190,7 +190,7 @@ fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
     let fixed = Fixed::from_explicit(&cfg, &explicit);
     assert_eq!(fixed.precision, Some(Precision::F32));
     assert_eq!(fixed.accum_steps, Some(2));
-    assert_eq!(fixed.checkpoint, None, "--checkpoint was not given");
+    assert_eq!(fixed.grad_checkpointing, None, "--checkpoint was not given");
     let mut opts = PlanOptions::new(dev, DataSize::exact(5000, 1000));
     // A budget where, unconstrained, half precision or more accumulation would be chosen.
     let free = plan(&cfg, 100 << 20, &opts).unwrap();
@@ -214,11 +214,11 @@ fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
     assert!(e.contains("--precision f32 --accum-steps 2"), "{e}");
     // --checkpoint auto is a request to choose, not a fixed setting.
     let auto = TrainConfig {
-        checkpoint: Checkpointing::Auto,
+        grad_checkpointing: GradCheckpointing::Auto,
         ..cfg.clone()
     };
     assert_eq!(
-        Fixed::from_explicit(&auto, &["checkpoint".to_string()]).checkpoint,
+        Fixed::from_explicit(&auto, &["checkpoint".to_string()]).grad_checkpointing,
         None
     );
 }

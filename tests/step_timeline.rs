@@ -5,7 +5,7 @@
 
 mod common;
 
-use memtrain::config::{Checkpointing, ConvKind, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, TrainConfig};
 use memtrain::memory::estimate::{
     estimate_with, model_layer_specs, resolve_checkpointing, Baseline, DataSize, DeviceKind,
 };
@@ -38,13 +38,13 @@ fn run(cfg: TrainConfig, name: &str) -> (StepTimeline, std::path::PathBuf) {
 fn one_event_per_layer_with_categories_and_predictions() {
     for (checkpoint, accum, per_micro) in [
         // 6 blocks forward, head forward and backward, 6 blocks backward.
-        (Checkpointing::None, 1, 14),
+        (GradCheckpointing::None, 1, 14),
         // + one recomputation event per segment.
-        (Checkpointing::Stages, 1, 17),
-        (Checkpointing::Blocks, 2, 20),
+        (GradCheckpointing::Stages, 1, 17),
+        (GradCheckpointing::Blocks, 2, 20),
     ] {
         let cfg = TrainConfig {
-            checkpoint,
+            grad_checkpointing: checkpoint,
             accum_steps: accum,
             conv: ConvKind::Separable,
             ..common::tiny_config()
@@ -98,27 +98,27 @@ fn auto_checkpointing_follows_the_estimate() {
     let cfg = TrainConfig {
         width: 16,
         batch_size: 64,
-        checkpoint: Checkpointing::Auto,
+        grad_checkpointing: GradCheckpointing::Auto,
         ..TrainConfig::default()
     };
     let specs = model_layer_specs(16, ConvKind::Standard);
-    let peak = |c: Checkpointing| {
+    let peak = |c: GradCheckpointing| {
         let cfg = TrainConfig {
-            checkpoint: c,
+            grad_checkpointing: c,
             ..cfg.clone()
         };
         estimate_with(&cfg, dev, base).unwrap().peak
     };
     let (none, stages, blocks) = (
-        peak(Checkpointing::None),
-        peak(Checkpointing::Stages),
-        peak(Checkpointing::Blocks),
+        peak(GradCheckpointing::None),
+        peak(GradCheckpointing::Stages),
+        peak(GradCheckpointing::Blocks),
     );
     // Without a limit: the smallest predicted peak.
     let smallest = [
-        (Checkpointing::None, none),
-        (Checkpointing::Stages, stages),
-        (Checkpointing::Blocks, blocks),
+        (GradCheckpointing::None, none),
+        (GradCheckpointing::Stages, stages),
+        (GradCheckpointing::Blocks, blocks),
     ]
     .into_iter()
     .min_by_key(|p| p.1)
@@ -137,7 +137,7 @@ fn auto_checkpointing_follows_the_estimate() {
     };
     assert_eq!(
         resolve_checkpointing(&roomy, &specs, dev, base).unwrap(),
-        Checkpointing::None
+        GradCheckpointing::None
     );
     // A limit only the smallest fits.
     let tight = TrainConfig {
@@ -150,10 +150,10 @@ fn auto_checkpointing_follows_the_estimate() {
     );
     // A trainer built with `auto` trains with what the estimate picked.
     let t = common::trainer(TrainConfig {
-        checkpoint: Checkpointing::Auto,
+        grad_checkpointing: GradCheckpointing::Auto,
         ..common::tiny_config()
     });
-    assert_ne!(t.config.checkpoint, Checkpointing::Auto);
+    assert_ne!(t.config.grad_checkpointing, GradCheckpointing::Auto);
 }
 
 /// The step timeline's watermark splits (`take_event_peak`) and the memory callback's resets do

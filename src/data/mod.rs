@@ -12,6 +12,7 @@ pub use batcher::{
     normalize_into, Batch, Batcher, BatcherOptions, BufferPool, CIFAR_MEAN, CIFAR_STD,
 };
 
+use crate::config::TrainConfig;
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -120,19 +121,25 @@ pub struct DataOptions {
     pub stop: Option<Arc<AtomicBool>>,
 }
 
-impl Default for DataOptions {
-    /// The same defaults as the training config: auto-detect, 10% validation, seed 0,
-    /// 5000/1000 synthetic images.
-    fn default() -> Self {
+impl DataOptions {
+    /// The data settings of `config`; `stop` as [`DataOptions::stop`].
+    pub fn for_config(config: &TrainConfig, stop: Option<Arc<AtomicBool>>) -> Self {
         DataOptions {
-            data_dir: None,
-            download: false,
-            val_fraction: 0.1,
-            seed: 0,
-            synthetic_train: 5000,
-            synthetic_test: 1000,
-            stop: None,
+            data_dir: config.data_dir.clone(),
+            download: config.download,
+            val_fraction: config.val_fraction,
+            seed: config.seed,
+            synthetic_train: config.synthetic_train,
+            synthetic_test: config.synthetic_test,
+            stop,
         }
+    }
+}
+
+impl Default for DataOptions {
+    /// The data settings of the default [`TrainConfig`], loading that cannot be stopped.
+    fn default() -> Self {
+        DataOptions::for_config(&TrainConfig::default(), None)
     }
 }
 

@@ -47,7 +47,7 @@
 //! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
 //! not yet checked against a GPU.
 
-use crate::config::{Checkpointing, ConvKind, OptimizerKind, Precision, TrainConfig};
+use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use crate::data::{IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};
 use crate::error::{Error, Result};
 use crate::memory::format_bytes;
@@ -353,8 +353,8 @@ pub struct Estimate {
     pub accum_steps: usize,
     /// Compute precision.
     pub precision: Precision,
-    /// Checkpointing granularity.
-    pub checkpoint: Checkpointing,
+    /// Gradient checkpointing granularity.
+    pub grad_checkpointing: GradCheckpointing,
     /// Convolution kind.
     pub conv: ConvKind,
     /// Device the estimate is for.
@@ -425,7 +425,7 @@ impl Estimate {
             self.micro_batch,
             self.accum_steps,
             self.precision,
-            self.checkpoint,
+            self.grad_checkpointing,
             self.conv
         );
         s.push_str(
@@ -512,7 +512,7 @@ pub fn estimate_with(
 }
 
 /// What `--checkpoint auto` runs for `cfg`: under a memory limit the first of
-/// [`Checkpointing::CONCRETE`] (cheapest first) whose predicted peak fits the limit, else (or
+/// [`GradCheckpointing::CONCRETE`] (cheapest first) whose predicted peak fits the limit, else (or
 /// when none fits) the one with the smallest predicted peak.
 ///
 /// # Errors
@@ -522,11 +522,11 @@ pub fn resolve_checkpointing(
     specs: &[LayerSpec],
     device: DeviceKind,
     baseline: Baseline,
-) -> Result<Checkpointing> {
+) -> Result<GradCheckpointing> {
     let mut peaks = Vec::new();
-    for &ck in Checkpointing::CONCRETE {
+    for &ck in GradCheckpointing::CONCRETE {
         let mut c = cfg.clone();
-        c.checkpoint = ck;
+        c.grad_checkpointing = ck;
         peaks.push((ck, estimate_for_specs(&c, specs, device, baseline)?.peak));
     }
     if let Some(limit) = cfg.memory_limit {
@@ -537,7 +537,7 @@ pub fn resolve_checkpointing(
     Ok(peaks
         .iter()
         .min_by_key(|(_, p)| *p)
-        .map_or(Checkpointing::None, |&(ck, _)| ck))
+        .map_or(GradCheckpointing::None, |&(ck, _)| ck))
 }
 
 /// The layer list of the CNN for `width` and `conv`, without building the model (no parameters
@@ -559,10 +559,10 @@ pub fn estimate_for_specs(
     baseline: Baseline,
 ) -> Result<Estimate> {
     cfg.validate()?;
-    if cfg.checkpoint == Checkpointing::Auto {
+    if cfg.grad_checkpointing == GradCheckpointing::Auto {
         let chosen = resolve_checkpointing(cfg, specs, device, baseline)?;
         let mut c = cfg.clone();
-        c.checkpoint = chosen;
+        c.grad_checkpointing = chosen;
         return estimate_for_specs(&c, specs, device, baseline);
     }
     let nodes = nodes_from_specs(specs)?;
@@ -572,7 +572,7 @@ pub fn estimate_for_specs(
         .map(|n| n.block + 1)
         .max()
         .unwrap_or(0);
-    let segments = segments(n_blocks, cfg.checkpoint);
+    let segments = segments(n_blocks, cfg.grad_checkpointing);
     let ctx = Ctx {
         n: cfg.micro_batch() as u64,
         s: elem_bytes(cfg.precision.compute_dtype()),
@@ -720,7 +720,7 @@ pub fn estimate_for_specs(
         micro_batch: cfg.micro_batch(),
         accum_steps: cfg.accum_steps,
         precision: cfg.precision,
-        checkpoint: cfg.checkpoint,
+        grad_checkpointing: cfg.grad_checkpointing,
         conv: cfg.conv,
         device,
         param_bytes,
@@ -850,13 +850,14 @@ fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
     Ok(nodes)
 }
 
-/// Checkpointing segments as block ranges, as [`Cnn::segments`](crate::model::Cnn::segments).
+/// Gradient-checkpointing segments as block ranges, as
+/// [`Cnn::segments`](crate::model::Cnn::segments).
 #[allow(clippy::single_range_in_vec_init)] // one segment of all blocks, as the model has it
-fn segments(n: usize, ckpt: Checkpointing) -> Vec<Range<usize>> {
+fn segments(n: usize, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
     match ckpt {
-        Checkpointing::None | Checkpointing::Auto => vec![0..n],
-        Checkpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
-        Checkpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
+        GradCheckpointing::None | GradCheckpointing::Auto => vec![0..n],
+        GradCheckpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
+        GradCheckpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
     }
 }
 

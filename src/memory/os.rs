@@ -39,24 +39,23 @@ impl OsView {
     }
 
     /// One sentence each on what the allocator peak and this view measure, for the reports.
-    pub fn explain(&self, probe: &str) -> String {
-        let allocator = if probe == "cuda-pool" {
-            "pool peak: the most bytes the step's tensors held in the CUDA memory pool at once \
-             (USED_MEM_HIGH), what the training step itself needs"
-        } else {
-            "heap peak: the most bytes the process's allocations held at once (counted at every \
-             malloc and free), what the training step itself needs"
-        };
-        let os = match self {
-            OsView::ProcessRss => {
+    /// The view tells the allocator: the CPU heap probe reports the process's RSS, the CUDA pool
+    /// probe the device-wide view ([`crate::memory::MemoryProbe::os_view`]).
+    pub fn explain(&self) -> String {
+        let (allocator, os) = match self {
+            OsView::ProcessRss => (
+                "heap peak: the most bytes the process's allocations held at once (counted at \
+                 every malloc and free), what the training step itself needs",
                 "RSS: the process's pages resident in physical memory as the kernel sees them \
                  (peak = VmHWM since start); it adds the binary, thread stacks and freed pages the \
-                 allocator has not returned, so it is above the heap and falls slower"
-            }
-            OsView::DeviceWide => {
+                 allocator has not returned, so it is above the heap and falls slower",
+            ),
+            OsView::DeviceWide => (
+                "pool peak: the most bytes the step's tensors held in the CUDA memory pool at once \
+                 (USED_MEM_HIGH), what the training step itself needs",
                 "device-wide: all memory in use on the GPU (what nvidia-smi shows); it adds the \
-                 pool's reserve, the CUDA context, cuBLAS/cuDNN workspaces and other processes"
-            }
+                 pool's reserve, the CUDA context, cuBLAS/cuDNN workspaces and other processes",
+            ),
         };
         format!("{allocator}.\n{os}.\n")
     }

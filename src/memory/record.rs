@@ -132,7 +132,7 @@ impl MemoryLog {
             or_dash(self.os_peak),
         ));
         if let Some(v) = self.os_view {
-            s.push_str(&v.explain(&self.probe));
+            s.push_str(&v.explain());
         }
         s
     }

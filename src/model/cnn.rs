@@ -3,7 +3,7 @@
 use super::init::Init;
 pub use super::layers::Mode;
 use super::layers::{BatchNorm, ConvLayer};
-use crate::config::{Checkpointing, ConvKind};
+use crate::config::{ConvKind, GradCheckpointing};
 use crate::data::NUM_CLASSES;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -225,16 +225,16 @@ impl Cnn {
         self.forward_head(&h, mode)
     }
 
-    /// Checkpointing segments as ranges of blocks: one segment for `none`, one per stage, or one
-    /// per block. The head is always handled separately by the trainer.
+    /// Gradient-checkpointing segments as ranges of blocks: one segment for `none`, one per
+    /// stage, or one per block. The head is always handled separately by the trainer.
     #[allow(clippy::single_range_in_vec_init)] // one segment of all blocks
-    pub fn segments(&self, ckpt: Checkpointing) -> Vec<Range<usize>> {
+    pub fn segments(&self, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
         let n = self.blocks.len();
         match ckpt {
             // `auto` is resolved by the trainer before the step runs; unresolved it is `none`.
-            Checkpointing::None | Checkpointing::Auto => vec![0..n],
-            Checkpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
-            Checkpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
+            GradCheckpointing::None | GradCheckpointing::Auto => vec![0..n],
+            GradCheckpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
+            GradCheckpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
         }
     }
 

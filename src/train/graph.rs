@@ -260,7 +260,7 @@ mod cuda {
             for i in 0..k {
                 let x = self.x.narrow(0, i * mb, mb)?;
                 let y = self.y.narrow(0, i * mb, mb)?;
-                let segments = t.model.segments(t.config.checkpoint);
+                let segments = t.model.segments(t.config.grad_checkpointing);
                 let r = LeanStep::new(&t.model, dtype, segments)
                     .with_stats_in_place()
                     .run_deferred(&x, &y, loss_scale / k as f64, &mut acc, &mut NoObserver)?;

@@ -18,9 +18,9 @@
 //! from the block input. The BatchNorm backward writes its input gradient over a buffer it owns
 //! (the upstream gradient, or `h` after a pool).
 //!
-//! Checkpointing (`segments`): the first forward keeps only each segment's input; the backward
-//! re-runs a segment with saving (same batch statistics, running statistics untouched) and then
-//! runs its tape backward, last segment first. With one segment the step is the plain one.
+//! Gradient checkpointing (`segments`): the first forward keeps only each segment's input; the
+//! backward re-runs a segment with saving (same batch statistics, running statistics untouched)
+//! and then runs its tape backward, last segment first. With one segment the step is the plain one.
 //!
 //! The order of work in the backward is chosen for the peak: for block j with dh_j (the gradient
 //! of its conv output), the input gradient dx_j is computed first, then block j-1's BatchNorm

@@ -14,7 +14,7 @@
 //! the recomputation uses the same batch statistics (same input) without updating them.
 
 use super::accumulate::GradAccumulator;
-use crate::config::Checkpointing;
+use crate::config::GradCheckpointing;
 use crate::error::Result;
 use crate::model::{Cnn, Mode};
 use candle_core::{DType, Tensor, Var};
@@ -50,13 +50,13 @@ pub fn forward_backward(
     x: &Tensor,
     y: &Tensor,
     dtype: DType,
-    ckpt: Checkpointing,
+    ckpt: GradCheckpointing,
     loss_mult: f64,
     acc: &mut GradAccumulator,
 ) -> Result<MicroResult> {
     let xin = x.to_dtype(dtype)?;
     let n = model.blocks.len();
-    if ckpt == Checkpointing::None {
+    if ckpt == GradCheckpointing::None {
         let track = Mode::Train {
             track: true,
             update_stats: true,

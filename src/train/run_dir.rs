@@ -10,6 +10,7 @@
 //! `--overwrite` asks for them to be removed first; a resumed run continues its own files.
 
 use super::checkpoint::CHECKPOINTS_DIR;
+use super::summary::RunStatus;
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
@@ -80,10 +81,16 @@ fn earlier_run(dir: &Path) -> (Vec<&'static str>, bool) {
 }
 
 /// The status an earlier run's `summary.json` records, for the error message.
-fn earlier_status(dir: &Path) -> Option<String> {
+fn earlier_status(dir: &Path) -> Option<RunStatus> {
+    /// Only the status: the rest of an earlier build's summary need not parse.
+    #[derive(serde::Deserialize)]
+    struct StatusOnly {
+        status: RunStatus,
+    }
     let text = crate::io::read_capped(&dir.join(super::summary::SUMMARY_FILE), 1 << 20).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
-    v.get("status")?.as_str().map(str::to_string)
+    serde_json::from_slice::<StatusOnly>(&text)
+        .ok()
+        .map(|s| s.status)
 }
 
 /// Refuse `dir` for a new run when it holds an earlier run's results or checkpoints (no lock

@@ -330,15 +330,10 @@ impl Trainer {
     /// the loading ([`crate::data::DataOptions::stop`]).
     pub fn from_config(config: TrainConfig, options: TrainerOptions) -> Result<Self> {
         config.validate()?;
-        let data = data::load(&data::DataOptions {
-            data_dir: config.data_dir.clone(),
-            download: config.download,
-            val_fraction: config.val_fraction,
-            seed: config.seed,
-            synthetic_train: config.synthetic_train,
-            synthetic_test: config.synthetic_test,
-            stop: options.stop.clone(),
-        })?;
+        let data = data::load(&data::DataOptions::for_config(
+            &config,
+            options.stop.clone(),
+        ))?;
         Trainer::new(config, data, options)
     }
 
@@ -372,12 +367,12 @@ impl Trainer {
             config.pool_cache,
         )?));
         let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
-        if config.checkpoint == crate::config::Checkpointing::Auto {
-            config.checkpoint = resolve_auto_checkpointing(&config, &data, &device)?;
+        if config.grad_checkpointing == crate::config::GradCheckpointing::Auto {
+            config.grad_checkpointing = resolve_auto_checkpointing(&config, &data, &device)?;
             if options.progress {
                 eprintln!(
                     "--checkpoint auto: {} (the estimate's {})",
-                    config.checkpoint,
+                    config.grad_checkpointing,
                     if config.memory_limit.is_some() {
                         "cheapest that fits --memory-limit"
                     } else {
@@ -596,7 +591,7 @@ impl Trainer {
                 &x,
                 &y,
                 self.config.precision.compute_dtype(),
-                self.config.checkpoint,
+                self.config.grad_checkpointing,
                 1.0 / k as f64,
                 &mut acc,
             )?;
@@ -610,7 +605,7 @@ impl Trainer {
         LeanStep::new(
             &self.model,
             self.config.precision.compute_dtype(),
-            self.model.segments(self.config.checkpoint),
+            self.model.segments(self.config.grad_checkpointing),
         )
     }
 
@@ -786,7 +781,7 @@ impl Trainer {
             let mut lean = LeanStep::new(
                 model,
                 config.precision.compute_dtype(),
-                model.segments(config.checkpoint),
+                model.segments(config.grad_checkpointing),
             );
             let mut timeline = TimelineRecorder {
                 probe: timeline_probe,
@@ -1528,7 +1523,7 @@ fn resolve_auto_checkpointing(
     config: &TrainConfig,
     data: &DataSplits,
     device: &Device,
-) -> Result<crate::config::Checkpointing> {
+) -> Result<crate::config::GradCheckpointing> {
     use crate::memory::estimate::{resolve_checkpointing, Baseline, DataSize, DeviceKind};
     let size = DataSize::loaded(&data.train, &data.test, config);
     resolve_checkpointing(

@@ -25,6 +25,14 @@ pub fn tiny_config() -> TrainConfig {
     }
 }
 
+/// The configuration `train_cifar10 ARGS` would run (the flags parsed and validated).
+pub fn config_of(args: &[&str]) -> memtrain::Result<TrainConfig> {
+    use memtrain::cli::{parse_train_args, TrainCommand};
+    let parsed = parse_train_args(std::iter::once("train_cifar10").chain(args.iter().copied()))?
+        .expect("not --help");
+    Ok(TrainCommand::try_from(parsed)?.config)
+}
+
 /// Synthetic train/test splits.
 pub fn splits(n_train: usize, n_test: usize, seed: u64) -> DataSplits {
     let (train, test) = synthetic::splits(n_train, n_test, seed);

@@ -65,7 +65,7 @@ where
     // data set, model and step sized against --memory-limit, --fit-memory and the
     // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
-    crate::bounds::check_inputs(&cfg, cmd.fit_memory, cmd.dry_run)?;
+    crate::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
     // Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None
@@ -74,7 +74,7 @@ where
     };
     // --fit-memory picks micro-batch, accumulation, checkpointing and precision
     // (src/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
-    let (cfg, loaded) = match cmd.fit_memory {
+    let (cfg, loaded) = match cmd.plan.fit_memory {
         Some(budget) => {
             if resume.is_some() {
                 return Err(Error::config(
@@ -86,8 +86,8 @@ where
             let device = DeviceKind::for_spec(cfg.device.as_deref())?;
             let mut opts =
                 PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
-            opts.effective_batch = cmd.effective_batch;
-            opts.allow_model_change = cmd.allow_model_change;
+            opts.effective_batch = cmd.plan.effective_batch;
+            opts.allow_model_change = cmd.plan.allow_model_change;
             // Settings given explicitly are kept, never silently replaced.
             opts.fixed = crate::plan::Fixed::from_explicit(&cfg, &explicit);
             let report = plan(&cfg, budget, &opts)?;

@@ -27,7 +27,21 @@ pub struct TrainArgs {
     /// Replace the results and checkpoints of an earlier run in --out (without it, such an --out is refused)
     #[arg(long)]
     pub overwrite: bool,
-    // [plan] begin: the memory-budget planner (src/plan.rs).
+    /// `--fit-memory` and its companions: the memory-budget planner (src/plan.rs).
+    #[command(flatten)]
+    pub plan: PlanArgs,
+    /// Write summary.json only (no per-batch CSV/plots); used by sweep children
+    #[arg(long, hide = true)]
+    pub summary_only: bool,
+    /// Flags given explicitly on the command line, as clap ids: a training flag's id is its
+    /// `config.json` key (filled by [`parse_train_args`]).
+    #[arg(skip)]
+    pub explicit: Vec<String>,
+}
+
+/// The planner's flags: a memory budget to fit, and what the plan must keep.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PlanArgs {
     /// Choose micro-batch, accumulation, checkpointing and precision whose predicted peak fits SIZE (e.g. 300MiB) minus a 5% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it); --precision, --checkpoint and --accum-steps given explicitly are kept
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub fit_memory: Option<u64>,
@@ -37,14 +51,22 @@ pub struct TrainArgs {
     /// Let --fit-memory also change the convolution kind (standard or separable: a different model)
     #[arg(long)]
     pub allow_model_change: bool,
-    // [plan] end
-    /// Write summary.json only (no per-batch CSV/plots); used by sweep children
-    #[arg(long, hide = true)]
-    pub summary_only: bool,
-    /// Flags given explicitly on the command line, as clap ids: a training flag's id is its
-    /// `config.json` key (filled by [`parse_train_args`]).
-    #[arg(skip)]
-    pub explicit: Vec<String>,
+}
+
+impl PlanArgs {
+    /// The companions only apply with `--fit-memory`, and a plan keeps at least one image.
+    fn validate(&self) -> Result<()> {
+        if self.fit_memory.is_none() && (self.effective_batch.is_some() || self.allow_model_change)
+        {
+            return Err(Error::config(
+                "--effective-batch and --allow-model-change only apply with --fit-memory SIZE",
+            ));
+        }
+        if self.effective_batch == Some(0) {
+            return Err(Error::config("--effective-batch must be at least 1"));
+        }
+        Ok(())
+    }
 }
 
 /// What `train_cifar10` should do.
@@ -60,14 +82,8 @@ pub struct TrainCommand {
     pub overwrite: bool,
     /// Only write summary.json.
     pub summary_only: bool,
-    // [plan] begin
-    /// `--fit-memory`: the memory budget in bytes to plan for.
-    pub fit_memory: Option<u64>,
-    /// `--effective-batch`: images per optimizer step the plan keeps.
-    pub effective_batch: Option<usize>,
-    /// `--allow-model-change`: the plan may change the convolution kind.
-    pub allow_model_change: bool,
-    // [plan] end
+    /// `--fit-memory` and its companions.
+    pub plan: PlanArgs,
 }
 
 impl TryFrom<TrainArgs> for TrainCommand {
@@ -89,16 +105,7 @@ impl TryFrom<TrainArgs> for TrainCommand {
             Some(path) => merge_config_file(path, &a.config, &a.explicit)?,
         };
         config.validate()?;
-        // [plan] begin
-        if a.fit_memory.is_none() && (a.effective_batch.is_some() || a.allow_model_change) {
-            return Err(Error::config(
-                "--effective-batch and --allow-model-change only apply with --fit-memory SIZE",
-            ));
-        }
-        if a.effective_batch == Some(0) {
-            return Err(Error::config("--effective-batch must be at least 1"));
-        }
-        // [plan] end
+        a.plan.validate()?;
         if a.overwrite && a.resume.is_some() {
             return Err(Error::config(
                 "--overwrite starts a new run and --resume continues one; drop one of them",
@@ -110,9 +117,7 @@ impl TryFrom<TrainArgs> for TrainCommand {
             dry_run: a.dry_run,
             overwrite: a.overwrite,
             summary_only: a.summary_only,
-            fit_memory: a.fit_memory,
-            effective_batch: a.effective_batch,
-            allow_model_change: a.allow_model_change,
+            plan: a.plan,
         })
     }
 }

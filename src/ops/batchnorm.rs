@@ -217,11 +217,11 @@ macro_rules! bn_dispatch {
     };
 }
 
-/// The `cuda_fwd` of a `CustomOp3` on `(x, a, b)`: `$kernel::<T>(op, operands.., dims)` on x's
+/// The `cuda_fwd` of a `CustomOp3` on `(x, a, b)`: `cuda::$kernel::<T>(op, operands.., dims)` on x's
 /// dtype, the result shaped by `$shape(dims, x's layout)`. The three such ops differ only in
 /// their kernel and result shape, so their CUDA halves are this one body.
 macro_rules! cuda_fwd3 {
-    ($kernel:path, $shape:path) => {
+    ($kernel:ident, $shape:path) => {
         #[cfg(feature = "cuda")]
         fn cuda_fwd(
             &self,
@@ -233,7 +233,7 @@ macro_rules! cuda_fwd3 {
             l3: &Layout,
         ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
             let d = dims_of(l1)?;
-            let out = bn_dispatch!(s1.dtype(), self.name(), |T| $kernel::<T>(
+            let out = bn_dispatch!(s1.dtype(), self.name(), |T| cuda::$kernel::<T>(
                 self, s1, l1, s2, l2, s3, l3, d
             )?);
             Ok((out, $shape(d, l1)))
@@ -292,7 +292,7 @@ impl CustomOp3 for BnNorm {
         Ok((out, like_x(d, l1)))
     }
 
-    cuda_fwd3!(cuda::norm, like_x);
+    cuda_fwd3!(norm, like_x);
 
     fn bwd(
         &self,
@@ -364,7 +364,7 @@ impl CustomOp3 for BnBwdReduce {
         Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
     }
 
-    cuda_fwd3!(cuda::bwd_reduce, per_channel_pair);
+    cuda_fwd3!(bwd_reduce, per_channel_pair);
 }
 
 impl CustomOp3 for BnBwdInput {
@@ -402,7 +402,7 @@ impl CustomOp3 for BnBwdInput {
         Ok((out, like_x(d, l1)))
     }
 
-    cuda_fwd3!(cuda::bwd_input, like_x);
+    cuda_fwd3!(bwd_input, like_x);
 }
 
 /// The sizes every kernel works with: `hw` is the length of one `[H, W]` plane, planes are laid out

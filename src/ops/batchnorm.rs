@@ -207,6 +207,40 @@ struct BnBwdInput {
     relu: bool,
 }
 
+/// `dispatch_float!` over the activation dtypes every BatchNorm op takes (f32, f16, bf16), any
+/// other dtype an error of op `$name`: the one dispatch of all the ops below.
+macro_rules! bn_dispatch {
+    ($dtype:expr, $name:expr, |$t:ident| $body:expr $(,)?) => {
+        dispatch_float!($dtype, [F32, F16, BF16], |$t| $body, |dt| return Err(
+            unsupported($name, dt)
+        ))
+    };
+}
+
+/// The `cuda_fwd` of a `CustomOp3` on `(x, a, b)`: `cuda::$kernel::<T>(op, operands.., dims)` on x's
+/// dtype, the result shaped by `$shape(dims, x's layout)`. The three such ops differ only in
+/// their kernel and result shape, so their CUDA halves are this one body.
+macro_rules! cuda_fwd3 {
+    ($kernel:ident, $shape:path) => {
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            s1: &candle_core::CudaStorage,
+            l1: &Layout,
+            s2: &candle_core::CudaStorage,
+            l2: &Layout,
+            s3: &candle_core::CudaStorage,
+            l3: &Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+            let d = dims_of(l1)?;
+            let out = bn_dispatch!(s1.dtype(), self.name(), |T| cuda::$kernel::<T>(
+                self, s1, l1, s2, l2, s3, l3, d
+            )?);
+            Ok((out, $shape(d, l1)))
+        }
+    };
+}
+
 impl CustomOp1 for BnStats {
     fn name(&self) -> &'static str {
         "batch-norm-stats"
@@ -214,13 +248,11 @@ impl CustomOp1 for BnStats {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let d = dims_of(l)?;
-        let out = dispatch_float!(
-            s.dtype(),
-            [F32, F16, BF16],
-            |T| cpu::stats::<T>(cpu_slice(s, l, "x")?, d),
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
+        let out = bn_dispatch!(s.dtype(), self.name(), |T| cpu::stats::<T>(
+            cpu_slice(s, l, "x")?,
+            d
+        ));
+        Ok((CpuStorage::F32(out), per_channel_pair(d, l)))
     }
 
     #[cfg(feature = "cuda")]
@@ -230,13 +262,8 @@ impl CustomOp1 for BnStats {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let d = dims_of(l)?;
-        let out = dispatch_float!(
-            s.dtype(),
-            [F32, F16, BF16],
-            |T| cuda::stats::<T>(s, l, d)?,
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((out, Shape::from((2, d.c))))
+        let out = bn_dispatch!(s.dtype(), self.name(), |T| cuda::stats::<T>(s, l, d)?);
+        Ok((out, per_channel_pair(d, l)))
     }
 }
 
@@ -257,39 +284,15 @@ impl CustomOp3 for BnNorm {
         let d = dims_of(l1)?;
         let gamma = cpu_slice::<f32>(s2, l2, "gamma")?;
         let beta = cpu_slice::<f32>(s3, l3, "beta")?;
-        let (guard, sl) = self.stats.storage_and_layout();
-        let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
+        let stats = &held_vec(&self.stats, "batch statistics")?;
         let ch = cpu::NormChannels::new(gamma, beta, stats, d.c, self.eps);
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| {
-                T::to_cpu_storage_owned(cpu::norm::<T>(cpu_slice(s1, l1, "x")?, &ch, d, self.relu))
-            },
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((out, l1.shape().clone()))
+        let out = bn_dispatch!(s1.dtype(), self.name(), |T| {
+            T::to_cpu_storage_owned(cpu::norm::<T>(cpu_slice(s1, l1, "x")?, &ch, d, self.relu))
+        });
+        Ok((out, like_x(d, l1)))
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let d = dims_of(l1)?;
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| cuda::norm::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((out, l1.shape().clone()))
-    }
+    cuda_fwd3!(norm, like_x);
 
     fn bwd(
         &self,
@@ -346,46 +349,22 @@ impl CustomOp3 for BnBwdReduce {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let d = dims_of(l1)?;
-        let (guard, sl) = self.stats.storage_and_layout();
-        let stats = cpu_tensor_slice(&guard, sl, "batch statistics")?;
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| {
-                cpu::bwd_reduce::<T>(
-                    cpu_slice(s1, l1, "x")?,
-                    cpu_slice(s2, l2, "grad_y")?,
-                    cpu_slice(s3, l3, "y")?,
-                    stats,
-                    d,
-                    self.eps,
-                    self.relu,
-                )
-            },
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
+        let stats = &held_vec(&self.stats, "batch statistics")?;
+        let out = bn_dispatch!(s1.dtype(), self.name(), |T| {
+            cpu::bwd_reduce::<T>(
+                cpu_slice(s1, l1, "x")?,
+                cpu_slice(s2, l2, "grad_y")?,
+                cpu_slice(s3, l3, "y")?,
+                stats,
+                d,
+                self.eps,
+                self.relu,
+            )
+        });
+        Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let d = dims_of(l1)?;
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| cuda::bwd_reduce::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((out, Shape::from((2, d.c))))
-    }
+    cuda_fwd3!(bwd_reduce, per_channel_pair);
 }
 
 impl CustomOp3 for BnBwdInput {
@@ -403,50 +382,27 @@ impl CustomOp3 for BnBwdInput {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let d = dims_of(l1)?;
-        let (stats_guard, stats_l) = self.stats.storage_and_layout();
-        let stats = cpu_tensor_slice(&stats_guard, stats_l, "batch statistics")?;
-        let (gamma_guard, gamma_l) = self.gamma.storage_and_layout();
-        let gamma = cpu_tensor_slice(&gamma_guard, gamma_l, "gamma")?;
-        let (sums_guard, sums_l) = self.sums.storage_and_layout();
-        let sums = cpu_tensor_slice(&sums_guard, sums_l, "gradient sums")?;
-        let coef = cpu::InputGradChannels::new(gamma, stats, sums, d, self.eps);
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| {
-                T::to_cpu_storage_owned(cpu::bwd_input::<T>(
-                    cpu_slice(s1, l1, "x")?,
-                    cpu_slice(s2, l2, "grad_y")?,
-                    cpu_slice(s3, l3, "y")?,
-                    &coef,
-                    d,
-                    self.relu,
-                ))
-            },
-            |dt| return Err(unsupported(self.name(), dt))
+        let coef = cpu::InputGradChannels::new(
+            &held_vec(&self.gamma, "gamma")?,
+            &held_vec(&self.stats, "batch statistics")?,
+            &held_vec(&self.sums, "gradient sums")?,
+            d,
+            self.eps,
         );
-        Ok((out, l1.shape().clone()))
+        let out = bn_dispatch!(s1.dtype(), self.name(), |T| {
+            T::to_cpu_storage_owned(cpu::bwd_input::<T>(
+                cpu_slice(s1, l1, "x")?,
+                cpu_slice(s2, l2, "grad_y")?,
+                cpu_slice(s3, l3, "y")?,
+                &coef,
+                d,
+                self.relu,
+            ))
+        });
+        Ok((out, like_x(d, l1)))
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let d = dims_of(l1)?;
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| cuda::bwd_input::<T>(self, s1, l1, s2, l2, s3, l3, d)?,
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((out, l1.shape().clone()))
-    }
+    cuda_fwd3!(bwd_input, like_x);
 }
 
 /// The sizes every kernel works with: `hw` is the length of one `[H, W]` plane, planes are laid out
@@ -765,7 +721,8 @@ struct LeanCtx {
     stats: Vec<f32>,
 }
 
-/// The contiguous f32 data of a small tensor held by an op, copied out of its storage.
+/// The contiguous f32 data of a small tensor held by an op (statistics, gamma, sums: C or 2·C
+/// floats, so the copy is negligible), copied out of its storage.
 fn held_vec(t: &Tensor, what: &str) -> candle_core::Result<Vec<f32>> {
     let (guard, l) = t.storage_and_layout();
     Ok(cpu_tensor_slice(&guard, l, what)?.to_vec())
@@ -787,6 +744,16 @@ impl LeanCtx {
     }
 }
 
+/// The result shape of the ops whose result is shaped like x (their first operand).
+fn like_x(_: Dims, l: &Layout) -> Shape {
+    l.shape().clone()
+}
+
+/// The result shape of the per-channel sums: `[2, C]`.
+fn per_channel_pair(d: Dims, _: &Layout) -> Shape {
+    Shape::from((2, d.c))
+}
+
 fn dims_of(l: &Layout) -> candle_core::Result<Dims> {
     let (n, c, h, w) = l.shape().dims4()?;
     Ok(Dims { n, c, hw: h * w })
@@ -806,12 +773,11 @@ impl candle_core::InplaceOp1 for LeanBn {
         let d = dims_of(l)?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        dispatch_float!(
-            s.dtype(),
-            [F32, F16, BF16],
-            |T| cpu::relu_in_place::<T>(cpu_slice_mut(s, l, "h")?, &ch, d),
-            |dt| return Err(unsupported("bn-relu-in-place", dt))
-        );
+        bn_dispatch!(s.dtype(), "bn-relu-in-place", |T| cpu::relu_in_place::<T>(
+            cpu_slice_mut(s, l, "h")?,
+            &ch,
+            d
+        ));
         Ok(())
     }
 }
@@ -828,12 +794,9 @@ impl CustomOp1 for LeanBn {
             .ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        let out = dispatch_float!(
-            s.dtype(),
-            [F32, F16, BF16],
-            |T| T::to_cpu_storage_owned(cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w)),
-            |dt| return Err(unsupported("bn-relu-pool", dt))
-        );
+        let out = bn_dispatch!(s.dtype(), "bn-relu-pool", |T| T::to_cpu_storage_owned(
+            cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w)
+        ));
         Ok((out, pooled_shape(l)?))
     }
 }
@@ -848,12 +811,12 @@ impl CustomOp1 for PoolArgmax {
         let w = self.lean.pool_w.unwrap_or(1);
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
-        let out = dispatch_float!(
-            s.dtype(),
-            [F32, F16, BF16],
-            |T| cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w),
-            |dt| return Err(unsupported(self.name(), dt))
-        );
+        let out = bn_dispatch!(s.dtype(), self.name(), |T| cpu::relu_pool_argmax::<T>(
+            cpu_slice(s, l, "h")?,
+            &ch,
+            d,
+            w
+        ));
         Ok((CpuStorage::U8(out), pooled_shape(l)?))
     }
 }
@@ -875,23 +838,18 @@ impl CustomOp2 for LeanBn {
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
         let var = &ctx.stats[d.c..];
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| {
-                cpu::bwd_reduce_from_h::<T>(
-                    cpu_slice(s1, l1, "h")?,
-                    cpu_slice(s2, l2, "grad_y")?,
-                    None,
-                    &ch,
-                    var,
-                    d,
-                    self.p.eps as f32,
-                )
-            },
-            |dt| return Err(unsupported("bn-relu-bwd-reduce", dt))
-        );
-        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
+        let out = bn_dispatch!(s1.dtype(), "bn-relu-bwd-reduce", |T| {
+            cpu::bwd_reduce_from_h::<T>(
+                cpu_slice(s1, l1, "h")?,
+                cpu_slice(s2, l2, "grad_y")?,
+                None,
+                &ch,
+                var,
+                d,
+                self.p.eps as f32,
+            )
+        });
+        Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
     }
 }
 
@@ -915,23 +873,18 @@ impl CustomOp3 for PoolBwdReduce {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let var = &ctx.stats[d.c..];
         let am = cpu_slice::<u8>(s3, l3, "argmax")?;
-        let out = dispatch_float!(
-            s1.dtype(),
-            [F32, F16, BF16],
-            |T| {
-                cpu::bwd_reduce_from_h::<T>(
-                    cpu_slice(s1, l1, "h")?,
-                    cpu_slice(s2, l2, "grad_p")?,
-                    Some((am, w)),
-                    &ch,
-                    var,
-                    d,
-                    self.lean.p.eps as f32,
-                )
-            },
-            |dt| return Err(unsupported(self.name(), dt))
-        );
-        Ok((CpuStorage::F32(out), Shape::from((2, d.c))))
+        let out = bn_dispatch!(s1.dtype(), self.name(), |T| {
+            cpu::bwd_reduce_from_h::<T>(
+                cpu_slice(s1, l1, "h")?,
+                cpu_slice(s2, l2, "grad_p")?,
+                Some((am, w)),
+                &ch,
+                var,
+                d,
+                self.lean.p.eps as f32,
+            )
+        });
+        Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
     }
 }
 
@@ -970,21 +923,16 @@ impl candle_core::InplaceOp2 for LeanBwdInput {
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
-        dispatch_float!(
-            h.dtype(),
-            [F32, F16, BF16],
-            |T| {
-                cpu::bwd_input_from_h::<T>(
-                    cpu_slice_mut(dst, dst_l, "grad_y")?,
-                    Some(cpu_slice(h, hl, "h")?),
-                    None,
-                    &ch,
-                    &co,
-                    d,
-                )
-            },
-            |dt| return Err(unsupported(self.name(), dt))
-        );
+        bn_dispatch!(h.dtype(), self.name(), |T| {
+            cpu::bwd_input_from_h::<T>(
+                cpu_slice_mut(dst, dst_l, "grad_y")?,
+                Some(cpu_slice(h, hl, "h")?),
+                None,
+                &ch,
+                &co,
+                d,
+            )
+        });
         Ok(())
     }
 }
@@ -1010,21 +958,16 @@ impl candle_core::InplaceOp3 for LeanBwdInput {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
         let am = cpu_slice::<u8>(am, al, "argmax")?;
-        dispatch_float!(
-            gp.dtype(),
-            [F32, F16, BF16],
-            |T| {
-                cpu::bwd_input_from_h::<T>(
-                    cpu_slice_mut(dst, dst_l, "h")?,
-                    None,
-                    Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
-                    &ch,
-                    &co,
-                    d,
-                )
-            },
-            |dt| return Err(unsupported(self.name(), dt))
-        );
+        bn_dispatch!(gp.dtype(), self.name(), |T| {
+            cpu::bwd_input_from_h::<T>(
+                cpu_slice_mut(dst, dst_l, "h")?,
+                None,
+                Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
+                &ch,
+                &co,
+                d,
+            )
+        });
         Ok(())
     }
 }

@@ -27,8 +27,8 @@ use half::bf16;
 use super::conv2d_bf16;
 use super::conv2d_cpu;
 use super::gemm_bf16::{bf16_kernel, Bf16Kernel};
-use super::geom::{shape_error, ConvPass, Geom};
-use super::util::{cpu_slice, dispatch_float, expect_dims};
+use super::geom::{conv_backward, shape_error, ConvPass, Geom};
+use super::util::{cpu_slice, dispatch_float};
 use crate::error::Result;
 
 pub use super::conv2d_cpu::{im2col_chunk_bytes, IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
@@ -212,18 +212,17 @@ impl Conv2dOp {
     /// The operands have the shapes the geometry was validated with.
     fn check(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<()> {
         let [(s1, what1), (s2, what2)] = self.geom.operands(self.pass);
-        expect_dims("conv2d", what1, l1.dims(), s1.dims())?;
-        expect_dims("conv2d", what2, l2.dims(), s2.dims())
+        ConvPass::check("conv2d", [(s1.dims(), what1), (s2.dims(), what2)], l1, l2)
     }
 }
 
 impl CustomOp2 for Conv2dOp {
     fn name(&self) -> &'static str {
-        match self.pass {
-            ConvPass::Forward => "memtrain-conv2d",
-            ConvPass::InputGrad => "memtrain-conv2d-grad-input",
-            ConvPass::WeightGrad => "memtrain-conv2d-grad-weight",
-        }
+        self.pass.name([
+            "memtrain-conv2d",
+            "memtrain-conv2d-grad-input",
+            "memtrain-conv2d-grad-weight",
+        ])
     }
 
     fn cpu_fwd(
@@ -280,6 +279,8 @@ impl CustomOp2 for Conv2dOp {
         Ok((out, g.result_shape(pass)))
     }
 
+    /// Only the forward has a backward (the gradient passes are applied without one); the
+    /// weight gradient is computed whether `w` tracks ops or not.
     fn bwd(
         &self,
         x: &Tensor,
@@ -287,23 +288,9 @@ impl CustomOp2 for Conv2dOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        // The gradient passes are applied without backward; only the forward has one.
-        if self.pass != ConvPass::Forward {
-            return Err(candle_core::Error::BackwardNotSupported { op: self.name() });
-        }
-        let pass = |pass| Conv2dOp::new(self.geom, pass);
-        // Upstream gradients are often broadcasts (e.g. of a sum); the kernels want plain NCHW.
-        let grad = grad.contiguous()?;
-        // Only tensors that track ops (variables and what is computed from them) lead back to a
-        // variable, so an untracked input's gradient (the data batch entering the first layer)
-        // would never be used: skipping it saves an input-sized buffer and a col2im per step. A
-        // checkpoint's recomputation root is a `Var`, so it still gets its gradient.
-        let grad_x = if x.track_op() {
-            Some(grad.apply_op2_no_bwd(w, &pass(ConvPass::InputGrad))?)
-        } else {
-            None
-        };
-        let grad_w = x.apply_op2_no_bwd(&grad, &pass(ConvPass::WeightGrad))?;
-        Ok((grad_x, Some(grad_w)))
+        // A checkpoint's recomputation root is a `Var`, so it still gets its input gradient.
+        conv_backward(self.pass, self.name(), x, w, grad, false, |pass| {
+            Conv2dOp::new(self.geom, pass)
+        })
     }
 }

@@ -224,6 +224,16 @@ mod cuda {
         ))
     }
 
+    /// [`choose`] for the cuDNN op descriptor `$op` (a `ConvForward`, `ConvBackwardData` or
+    /// `ConvBackwardFilter`): they share `pick_algorithm` and `get_workspace_size` by name, not
+    /// by a trait, hence a macro rather than a generic function.
+    macro_rules! pick {
+        ($op:expr, $fallback:expr $(,)?) => {{
+            let op = $op;
+            choose(op.pick_algorithm(), |a| op.get_workspace_size(a), $fallback)?
+        }};
+    }
+
     impl<T: Elem> Plan<T> {
         fn new(handle: &Arc<Cudnn>, g: &Geom) -> candle_core::Result<Result<Self, CudnnError>> {
             let nchw = dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
@@ -247,45 +257,33 @@ mod cuda {
                     dnn::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
                 )?;
                 conv.set_math_type(T::math())?;
-                let fwd = {
-                    let op = ConvForward {
+                let fwd = pick!(
+                    ConvForward {
                         conv: &conv,
                         x: &x,
                         w: &wd,
                         y: &y,
-                    };
-                    choose(
-                        op.pick_algorithm(),
-                        |a| op.get_workspace_size(a),
-                        dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
-                    )?
-                };
-                let bwd_data = {
-                    let op = ConvBackwardData {
+                    },
+                    dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM
+                );
+                let bwd_data = pick!(
+                    ConvBackwardData {
                         conv: &conv,
                         dx: &x,
                         w: &wd,
                         dy: &y,
-                    };
-                    choose(
-                        op.pick_algorithm(),
-                        |a| op.get_workspace_size(a),
-                        dnn::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0,
-                    )?
-                };
-                let bwd_filter = {
-                    let op = ConvBackwardFilter {
+                    },
+                    dnn::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0
+                );
+                let bwd_filter = pick!(
+                    ConvBackwardFilter {
                         conv: &conv,
                         x: &x,
                         dw: &wd,
                         dy: &y,
-                    };
-                    choose(
-                        op.pick_algorithm(),
-                        |a| op.get_workspace_size(a),
-                        dnn::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
-                    )?
-                };
+                    },
+                    dnn::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0
+                );
                 Ok(Plan {
                     x,
                     w: wd,

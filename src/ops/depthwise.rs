@@ -20,8 +20,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
 
-use super::geom::{window, ConvPass};
-use super::util::{cpu_slice, dispatch_float, expect_dims};
+use super::geom::{conv_backward, window, ConvPass};
+use super::util::{cpu_slice, dispatch_float};
 use crate::error::{Error, Result};
 
 /// Depthwise 2D convolution: x [N,C,H,W], w [C,1,K,K] (groups = C, no bias), square stride and padding.
@@ -183,20 +183,16 @@ impl Geometry {
 
     /// The shapes of `pass`'s two operands, each with its name for error messages.
     fn operands(&self, pass: ConvPass) -> [([usize; 4], &'static str); 2] {
-        match pass {
-            ConvPass::Forward => [(self.x_dims(), "x"), (self.w_dims(), "w")],
-            ConvPass::InputGrad => [(self.y_dims(), "the output gradient"), (self.w_dims(), "w")],
-            ConvPass::WeightGrad => [(self.x_dims(), "x"), (self.y_dims(), "the output gradient")],
-        }
+        pass.operands(
+            (self.x_dims(), "x"),
+            (self.w_dims(), "w"),
+            (self.y_dims(), "the output gradient"),
+        )
     }
 
     /// The shape of `pass`'s result.
     fn result_dims(&self, pass: ConvPass) -> [usize; 4] {
-        match pass {
-            ConvPass::Forward => self.y_dims(),
-            ConvPass::InputGrad => self.x_dims(),
-            ConvPass::WeightGrad => self.w_dims(),
-        }
+        pass.result(self.x_dims(), self.w_dims(), self.y_dims())
     }
 
     fn planes(&self) -> usize {
@@ -237,8 +233,7 @@ impl Depthwise {
     /// The operands have the shapes the geometry was validated with.
     fn check(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<()> {
         let [(d1, what1), (d2, what2)] = self.g.operands(self.pass);
-        expect_dims(OP, what1, l1.dims(), &d1)?;
-        expect_dims(OP, what2, l2.dims(), &d2)
+        ConvPass::check(OP, [(&d1, what1), (&d2, what2)], l1, l2)
     }
 
     fn result_shape(&self) -> Shape {
@@ -248,11 +243,11 @@ impl Depthwise {
 
 impl CustomOp2 for Depthwise {
     fn name(&self) -> &'static str {
-        match self.pass {
-            ConvPass::Forward => "depthwise-conv2d",
-            ConvPass::InputGrad => "depthwise-conv2d-input-grad",
-            ConvPass::WeightGrad => "depthwise-conv2d-weight-grad",
-        }
+        self.pass.name([
+            "depthwise-conv2d",
+            "depthwise-conv2d-input-grad",
+            "depthwise-conv2d-weight-grad",
+        ])
     }
 
     fn cpu_fwd(
@@ -290,6 +285,8 @@ impl CustomOp2 for Depthwise {
         Ok((out, self.result_shape()))
     }
 
+    /// Only the forward has a backward; a gradient nobody asked for (of an untracked `x` or
+    /// `w`) is skipped: it would cost a full buffer and a kernel for nothing.
     fn bwd(
         &self,
         x: &Tensor,
@@ -297,26 +294,9 @@ impl CustomOp2 for Depthwise {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        // The gradient passes are applied without backward; only the forward has one.
-        if self.pass != ConvPass::Forward {
-            return Err(candle_core::Error::BackwardNotSupported { op: self.name() });
-        }
-        let g = self.g;
-        // The incoming gradient can be a broadcast or transposed view; the kernels need rows.
-        let grad = grad_res.contiguous()?;
-        // Skip a gradient nobody asked for (e.g. the input image of the first layer): it would
-        // cost a full activation-sized buffer and a kernel for nothing.
-        let dx = if x.track_op() {
-            Some(grad.apply_op2_no_bwd(w, &Depthwise::new(g, ConvPass::InputGrad))?)
-        } else {
-            None
-        };
-        let dw = if w.track_op() {
-            Some(x.apply_op2_no_bwd(&grad, &Depthwise::new(g, ConvPass::WeightGrad))?)
-        } else {
-            None
-        };
-        Ok((dx, dw))
+        conv_backward(self.pass, self.name(), x, w, grad_res, true, |pass| {
+            Depthwise::new(self.g, pass)
+        })
     }
 }
 

@@ -707,6 +707,70 @@ mod avx512 {
         };
     }
 
+    /// The body both kernels share once their bounds are asserted: `dst (+)= A·B` over cache
+    /// blocks of KC pairs of `k` and micro-tiles of up to MR × NR, each tile computed by
+    /// `$tile::<rows>` (`a_ptr`: A's first element, as the element type `$tile` reads, `lda` its
+    /// row stride). A macro, not a function, so that the loop is expanded inside each kernel and
+    /// compiled with that kernel's target features, exactly as when it was written out twice.
+    ///
+    /// Safety (at the expansion site): the kernel's own contract, with its bounds asserted.
+    macro_rules! blocked {
+        ($tile:ident, $dst:ident, $dst_rs:ident, $accumulate:ident, $a_ptr:expr, $lda:expr,
+         $m:ident, $k:ident, $b:ident) => {{
+            let (m, k, n, b, dst_rs, accumulate) = ($m, $k, $b.n, $b, $dst_rs, $accumulate);
+            let kp = b.kp();
+            if k == 0 {
+                if !accumulate {
+                    for i in 0..m {
+                        $dst[i * dst_rs..i * dst_rs + n].fill(0.0);
+                    }
+                }
+                return;
+            }
+            let full = k / 2;
+            let (a_ptr, lda) = ($a_ptr, $lda);
+            let c_ptr = $dst.as_mut_ptr();
+            let mut p0 = 0;
+            while p0 < kp {
+                let p1 = (p0 + KC).min(kp);
+                // Pairs of this block read whole from A, and whether the block ends with the
+                // zero-extended last element of an odd k.
+                let whole = p1.min(full) - p0;
+                let odd_tail = p1 > full;
+                let load_c = accumulate || p0 > 0;
+                for jp in 0..b.panels() {
+                    let j0 = jp * NR;
+                    let cols = (n - j0).min(NR);
+                    let masks = [col_mask(cols), col_mask(cols.saturating_sub(16))];
+                    let bp = b.words.as_ptr().add((jp * kp + p0) * NR);
+                    let mut i0 = 0;
+                    while i0 < m {
+                        let rows = (m - i0).min(MR);
+                        // SAFETY (all arms): rows i0..i0+rows of A hold k elements from column
+                        // 2·p0 on (A's span asserted by the kernel); the panel block holds
+                        // (p1 − p0)·NR words; the C tile's rows·cols elements lie in `dst` (its
+                        // span asserted by the kernel), and the masks keep loads and stores
+                        // inside `cols`.
+                        let args = Tile {
+                            a: a_ptr.add(i0 * lda + 2 * p0),
+                            lda,
+                            b: bp,
+                            c: c_ptr.add(i0 * dst_rs + j0),
+                            ldc: dst_rs,
+                            whole,
+                            odd_tail,
+                            masks,
+                            load_c,
+                        };
+                        by_rows!(rows, $tile, &args);
+                        i0 += MR;
+                    }
+                }
+                p0 = p1;
+            }
+        }};
+    }
+
     /// `dst (+)= A·B` over cache blocks of `k` and micro-tiles of `C`.
     ///
     /// # Safety
@@ -738,56 +802,8 @@ mod avx512 {
             b.words.len() >= b.panels() * kp * NR,
             "gemm_bf16: B out of bounds"
         );
-        if k == 0 {
-            if !accumulate {
-                for i in 0..m {
-                    dst[i * dst_rs..i * dst_rs + n].fill(0.0);
-                }
-            }
-            return;
-        }
-        let full = k / 2;
         let a_ptr = a.data.as_ptr() as *const u16;
-        let c_ptr = dst.as_mut_ptr();
-        let mut p0 = 0;
-        while p0 < kp {
-            let p1 = (p0 + KC).min(kp);
-            // Pairs of this block read whole from A, and whether the block ends with the
-            // zero-extended last element of an odd k.
-            let whole = p1.min(full) - p0;
-            let odd_tail = p1 > full;
-            let load_c = accumulate || p0 > 0;
-            for jp in 0..b.panels() {
-                let j0 = jp * NR;
-                let cols = (n - j0).min(NR);
-                let masks = [col_mask(cols), col_mask(cols.saturating_sub(16))];
-                let bp = b.words.as_ptr().add((jp * kp + p0) * NR);
-                let mut i0 = 0;
-                while i0 < m {
-                    let rows = (m - i0).min(MR);
-                    let ap = a_ptr.add(i0 * a.rs + 2 * p0);
-                    let cp = c_ptr.add(i0 * dst_rs + j0);
-                    // SAFETY (all arms): rows i0..i0+rows of A hold k elements from column 2·p0
-                    // on (A's span asserted above); the panel block holds (p1 − p0)·NR words;
-                    // the C tile's rows·cols elements lie in `dst` (its span asserted above),
-                    // and the masks keep loads and stores inside `cols`.
-                    let args = Tile {
-                        a: ap,
-                        lda: a.rs,
-                        b: bp,
-                        c: cp,
-                        ldc: dst_rs,
-                        whole,
-                        odd_tail,
-                        masks,
-                        load_c,
-                    };
-                    by_rows!(rows, tile, &args);
-                    i0 += MR;
-                }
-            }
-            p0 = p1;
-        }
+        blocked!(tile, dst, dst_rs, accumulate, a_ptr, a.rs, m, k, b);
     }
 
     /// `dst (+)= A·B` with f32 FMAs: `a` is `A` widened to f32 (`m` rows, stride `lda`), `B`
@@ -821,49 +837,7 @@ mod avx512 {
             b.words.len() >= b.panels() * kp * NR,
             "gemm_bf16: B out of bounds"
         );
-        if k == 0 {
-            if !accumulate {
-                for i in 0..m {
-                    dst[i * dst_rs..i * dst_rs + n].fill(0.0);
-                }
-            }
-            return;
-        }
-        let full = k / 2;
-        let c_ptr = dst.as_mut_ptr();
-        let mut p0 = 0;
-        while p0 < kp {
-            let p1 = (p0 + KC).min(kp);
-            let whole = p1.min(full) - p0;
-            let odd_tail = p1 > full;
-            let load_c = accumulate || p0 > 0;
-            for jp in 0..b.panels() {
-                let j0 = jp * NR;
-                let cols = (n - j0).min(NR);
-                let masks = [col_mask(cols), col_mask(cols.saturating_sub(16))];
-                let bp = b.words.as_ptr().add((jp * kp + p0) * NR);
-                let mut i0 = 0;
-                while i0 < m {
-                    let rows = (m - i0).min(MR);
-                    // SAFETY (all arms): as in `gemm_avx512`, with A's rows i0..i0+rows holding
-                    // k f32 from column 2·p0 on (A's span asserted above).
-                    let args = Tile {
-                        a: a.as_ptr().add(i0 * lda + 2 * p0),
-                        lda,
-                        b: bp,
-                        c: c_ptr.add(i0 * dst_rs + j0),
-                        ldc: dst_rs,
-                        whole,
-                        odd_tail,
-                        masks,
-                        load_c,
-                    };
-                    by_rows!(rows, tile_fma, &args);
-                    i0 += MR;
-                }
-            }
-            p0 = p1;
-        }
+        blocked!(tile_fma, dst, dst_rs, accumulate, a.as_ptr(), lda, m, k, b);
     }
 
     /// `C[R × NR] (+)= A[R × 2·whole (+1)] · Bpanel` with f32 FMAs. Each 32-bit word of `B` holds

@@ -1,10 +1,13 @@
 //! The shapes of the convolution ops, validated once in their public functions and carried by
 //! their passes: [`Geom`] for `conv2d` (shared by its CPU, bf16, im2col-CUDA and cuDNN halves,
 //! which import it from here rather than from the dispatcher in `conv2d.rs`), [`ConvPass`] for
-//! the three passes both convolutions have, and [`window`], the checks of a square kernel over a
-//! padded input that `conv2d` and `depthwise` share.
+//! the three passes both convolutions have (with what their ops share: operand checks, names,
+//! [`conv_backward`]), and [`window`], the checks of a square kernel over a padded input that
+//! `conv2d` and `depthwise` share.
 
-use candle_core::Shape;
+use candle_core::{CustomOp2, Layout, Shape, Tensor};
+
+use super::util::expect_dims;
 
 use crate::error::{Error, Result};
 
@@ -17,6 +20,83 @@ pub enum ConvPass {
     InputGrad,
     /// `(x, dy) -> dw`
     WeightGrad,
+}
+
+impl ConvPass {
+    /// Of a convolution's tensors `x`, `w` and `y` (anything per tensor: a shape, a name), the
+    /// two this pass reads, in its operand order.
+    pub(super) fn operands<T>(self, x: T, w: T, y: T) -> [T; 2] {
+        match self {
+            ConvPass::Forward => [x, w],
+            ConvPass::InputGrad => [y, w],
+            ConvPass::WeightGrad => [x, y],
+        }
+    }
+
+    /// Of `x`, `w` and `y`, the one this pass produces.
+    pub(super) fn result<T>(self, x: T, w: T, y: T) -> T {
+        match self {
+            ConvPass::Forward => y,
+            ConvPass::InputGrad => x,
+            ConvPass::WeightGrad => w,
+        }
+    }
+
+    /// The op name of this pass, of `[forward, input gradient, weight gradient]`.
+    pub(super) fn name(self, names: [&'static str; 3]) -> &'static str {
+        let [forward, input_grad, weight_grad] = names;
+        match self {
+            ConvPass::Forward => forward,
+            ConvPass::InputGrad => input_grad,
+            ConvPass::WeightGrad => weight_grad,
+        }
+    }
+
+    /// Checks that a pass's operands (layouts `l1`, `l2`) have the shapes `want` its geometry
+    /// was validated with, each with its name for the error of op `op`.
+    pub(super) fn check(
+        op: &str,
+        want: [(&[usize], &str); 2],
+        l1: &Layout,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        expect_dims(op, want[0].1, l1.dims(), want[0].0)?;
+        expect_dims(op, want[1].1, l2.dims(), want[1].0)
+    }
+}
+
+/// The backward of a convolution's forward op (`pass`, named `name`), shared by `conv2d` and
+/// `depthwise`: the input gradient only for an `x` that tracks ops (an untracked input, such as
+/// the data batch entering the first layer, never leads back to a variable: skipping it saves an
+/// input-sized buffer and a kernel per step), the weight gradient always or, with
+/// `weight_if_tracked`, likewise only for a tracked `w`; `op(pass)` is the op of a gradient pass.
+pub(super) fn conv_backward<O: CustomOp2>(
+    pass: ConvPass,
+    name: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    weight_if_tracked: bool,
+    op: impl Fn(ConvPass) -> O,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    // The gradient passes are applied without backward; only the forward has one.
+    if pass != ConvPass::Forward {
+        return Err(candle_core::Error::BackwardNotSupported { op: name });
+    }
+    // Upstream gradients are often broadcasts or transposed views (e.g. of a sum); the kernels
+    // want plain NCHW.
+    let grad = grad.contiguous()?;
+    let grad_x = if x.track_op() {
+        Some(grad.apply_op2_no_bwd(w, &op(ConvPass::InputGrad))?)
+    } else {
+        None
+    };
+    let grad_w = if !weight_if_tracked || w.track_op() {
+        Some(x.apply_op2_no_bwd(&grad, &op(ConvPass::WeightGrad))?)
+    } else {
+        None
+    };
+    Ok((grad_x, grad_w))
 }
 
 /// The one error constructor for invalid `conv2d` arguments: they are shape errors in the model,
@@ -147,26 +227,16 @@ impl Geom {
 
     /// The shapes of `pass`'s two operands, each with its name for error messages.
     pub(super) fn operands(&self, pass: ConvPass) -> [(Shape, &'static str); 2] {
-        match pass {
-            ConvPass::Forward => [(self.x_shape(), "input"), (self.w_shape(), "weight")],
-            ConvPass::InputGrad => [
-                (self.out_shape(), "output gradient"),
-                (self.w_shape(), "weight"),
-            ],
-            ConvPass::WeightGrad => [
-                (self.x_shape(), "input"),
-                (self.out_shape(), "output gradient"),
-            ],
-        }
+        pass.operands(
+            (self.x_shape(), "input"),
+            (self.w_shape(), "weight"),
+            (self.out_shape(), "output gradient"),
+        )
     }
 
     /// The shape of `pass`'s result.
     pub(super) fn result_shape(&self, pass: ConvPass) -> Shape {
-        match pass {
-            ConvPass::Forward => self.out_shape(),
-            ConvPass::InputGrad => self.x_shape(),
-            ConvPass::WeightGrad => self.w_shape(),
-        }
+        pass.result(self.x_shape(), self.w_shape(), self.out_shape())
     }
 
     /// Elements of `pass`'s result.

@@ -1,18 +1,25 @@
 //! memtrain: train a small CIFAR-10 CNN on Candle and make its training memory visible and smaller.
 //!
-//! The pieces, one concern per module:
-//! - [`config`]: the validated [`config::TrainConfig`]; [`cli`]: the flags that build it.
-//! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher; [`bounds`]: every
-//!   input sized against the memory budgets before anything is loaded or built.
-//! - [`model`]: the CNN as a list of segments (so checkpointing can recompute them).
-//! - [`ops`]: our own Candle ops (depthwise and gemm-based convolutions).
-//! - [`memory`]: memory probes (counting allocator, CUDA pool), the analytic estimate and the
-//!   memory timeline inside a step; [`phase`]: the step's phases.
-//! - [`train`]: the one training loop, the lean step (a layer tape), mixed precision,
-//!   accumulation, checkpointing, optimizers.
+//! The pieces, one concern per module, in layers (each imports only the ones listed after it):
+//! - [`app`]: the `train_cifar10` application; [`sweep`]: process-isolated batch-size sweeps and
+//!   comparisons (each point the sweep's own executable re-run as the trainer), tables and charts.
+//! - [`train`]: the one training loop and its phased step, [`train::TrainState`] and its storage
+//!   as save/resume checkpoints, the lean step (a layer tape), mixed precision, accumulation,
+//!   gradient checkpointing, optimizers, pruning.
 //! - [`callbacks`]: the Keras/Lightning-style hook trait and the built-in callbacks.
-//! - [`sweep`]: process-isolated batch-size sweeps and comparisons, tables and charts.
+//! - [`plan`], [`bounds`]: a configuration for a memory budget; every input sized against the
+//!   budgets before anything is loaded or built.
+//! - [`memory`]: memory probes (counting allocator, CUDA pool), the trainer's recorder, the
+//!   analytic estimate and the memory timeline inside a step.
+//! - [`model`]: the CNN as a list of blocks (segments for gradient checkpointing).
+//! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
+//! - [`ops`]: our own Candle ops (gemm and depthwise convolutions, BatchNorm, pool, bf16 gemm).
+//! - [`config`]: every training flag and default in [`config::TrainConfig`]; [`cli`]: the other
+//!   flags of `train_cifar10`; [`phase`]: the step's phases; [`device`], [`io`], [`signal`],
+//!   [`error`].
 #![warn(missing_docs)]
+// Module docs explain the private halves they are built from (`cargo doc --document-private-items`).
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod app;
 pub mod bounds;

@@ -32,7 +32,7 @@ const PLANE: usize = 32 * 32;
 /// One batch of normalized images with their labels.
 #[derive(Debug, Clone)]
 pub struct Batch {
-    /// Normalized f32, [len,3,32,32] row-major.
+    /// Normalized f32, `[len, 3, 32, 32]` row-major.
     pub images: Vec<f32>,
     /// Class labels, one per image.
     pub labels: Vec<u32>,

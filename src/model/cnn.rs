@@ -72,7 +72,7 @@ pub struct Cnn {
     pub blocks: Vec<Block>,
     /// Head weight [10, 4w·4·4].
     pub head_w: Var,
-    /// Head bias [10].
+    /// Head bias `[10]`.
     pub head_b: Var,
     device: Device,
 }
@@ -219,7 +219,7 @@ impl Cnn {
         Ok(logits.broadcast_add(&b)?)
     }
 
-    /// Full forward: f32 images [N,3,32,32] → f32 logits [N,10], computing in `dtype`.
+    /// Full forward: f32 images `[N, 3, 32, 32]` → f32 logits `[N, 10]`, computing in `dtype`.
     pub fn forward(&self, x: &Tensor, dtype: DType, mode: Mode) -> Result<Tensor> {
         let h = self.forward_blocks(&x.to_dtype(dtype)?, 0..self.blocks.len(), mode)?;
         self.forward_head(&h, mode)

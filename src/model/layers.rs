@@ -135,7 +135,7 @@ impl BatchNorm {
         })
     }
 
-    /// BatchNorm + ReLU of `x` [N,C,H,W] in its dtype.
+    /// BatchNorm + ReLU of `x` `[N, C, H, W]` in its dtype.
     pub fn forward_relu(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let gamma = mode.param(&self.gamma);
         let beta = mode.param(&self.beta);

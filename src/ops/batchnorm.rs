@@ -477,7 +477,7 @@ fn cpu_tensor_slice<'a>(s: &'a Storage, l: &Layout, what: &str) -> candle_core::
 // materialized, the max-pool op of `ops::pool`), at the cost of transient buffers.
 // ---------------------------------------------------------------------------------------------
 
-/// Per-channel batch mean and biased variance of `h` [N,C,H,W] as an f32 `[2, C]` tensor (row 0
+/// Per-channel batch mean and biased variance of `h` `[N, C, H, W]` as an f32 `[2, C]` tensor (row 0
 /// mean, row 1 variance); no autograd.
 pub fn batch_stats(h: &Tensor) -> Result<Tensor> {
     let h = h.contiguous()?;

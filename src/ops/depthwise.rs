@@ -24,8 +24,8 @@ use super::geom::{conv_backward, window, ConvPass};
 use super::util::{cpu_slice, dispatch_float};
 use crate::error::{Error, Result};
 
-/// Depthwise 2D convolution: x [N,C,H,W], w [C,1,K,K] (groups = C, no bias), square stride and padding.
-/// Differentiable w.r.t. both x and w. Output [N,C,Ho,Wo] with Ho = (H + 2p - K)/s + 1.
+/// Depthwise 2D convolution: x `[N, C, H, W]`, w `[C, 1, K, K]` (groups = C, no bias), square stride and padding.
+/// Differentiable w.r.t. both x and w. Output `[N, C, Ho, Wo]` with Ho = (H + 2p - K)/s + 1.
 ///
 /// Equivalent to `x.conv2d(w, padding, stride, 1, C)` but computed by dedicated kernels (CPU, and
 /// CUDA with the `cuda` feature) in one pass, forward and backward. Supported dtypes: `f32`, `f16`

@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithD
 use super::util::{cpu_slice, dispatch_float, Float};
 use crate::error::{Error, Result};
 
-/// Max-pool `x` [N,C,H,W] with a 2x2 window and stride 2 (H and W must be even), differentiable.
+/// Max-pool `x` `[N, C, H, W]` with a 2x2 window and stride 2 (H and W must be even), differentiable.
 pub fn max_pool2x2(x: &Tensor) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4().map_err(|_| {
         Error::config(format!(

@@ -204,7 +204,7 @@ pub fn save_point(state: &TrainState) -> SavePoint {
     )
 }
 
-/// Per-trainer checkpoint bookkeeping (a field of [`Trainer`]).
+/// Per-trainer checkpoint bookkeeping (a field of [`crate::train::Trainer`]).
 #[derive(Debug, Default)]
 pub struct CheckpointSaver {
     /// Write checkpoints into the run directory (set from `TrainerOptions::log_files`).

@@ -181,7 +181,7 @@ impl<'a> LeanStep<'a> {
         })
     }
 
-    /// Forward and backward of images `x` (f32 [N,3,32,32]) with labels `y` (u32 [N]); the loss is
+    /// Forward and backward of images `x` (f32 `[N, 3, 32, 32]`) with labels `y` (u32 `[N]`); the loss is
     /// multiplied by `loss_mult` (1/K for accumulation, times the loss scale for f16) before the
     /// backward, and the parameter gradients (f32) are added to `acc`.
     pub fn run(

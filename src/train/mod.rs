@@ -1,6 +1,7 @@
 //! The one training loop and its mechanisms: mixed precision with a dynamic loss scaler,
 //! gradient accumulation, gradient checkpointing (recomputation), the optimizers and magnitude
-//! pruning.
+//! pruning; the run's [`TrainState`] and its storage as save/resume checkpoints
+//! ([`checkpoint`]).
 
 pub mod accumulate;
 pub mod checkpoint;

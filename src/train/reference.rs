@@ -40,8 +40,8 @@ pub fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usi
     Ok((loss, correct))
 }
 
-/// Forward and backward of one micro-batch: images `x` (f32 [N,3,32,32] on the model's device),
-/// labels `y` (u32 [N]). The loss is multiplied by `loss_mult` (1/K for accumulation, times the
+/// Forward and backward of one micro-batch: images `x` (f32 `[N, 3, 32, 32]` on the model's device),
+/// labels `y` (u32 `[N]`). The loss is multiplied by `loss_mult` (1/K for accumulation, times the
 /// loss scale for f16) before backward; gradients are added to `acc` (aligned with `vars`).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(

@@ -1,7 +1,14 @@
 //! The one training loop. Every optimization is a branch of configuration inside it, never a
 //! copied loop: precision picks the compute dtype and the loss scaler, `accum_steps` splits each
-//! batch into micro-batches, `checkpoint` picks the segments of [`super::recompute`], and `conv`
-//! picks the layer type when the model is built.
+//! batch into micro-batches, `grad_checkpointing` picks the lean step's segments
+//! ([`super::lean`]), and `conv` picks the layer type when the model is built.
+//!
+//! A step is a plain sequence of phases: per micro-batch [`LeanStep::forward`] then
+//! [`LeanStep::backward`], then the optimizer update. After each, the CPU budget is checked, the
+//! [`MemoryRecorder`] folds the phase's peak and the callbacks' hook runs with the records; an
+//! error in a phase is named with it. The run's state is taken and put back as a
+//! [`TrainState`] ([`Trainer::snapshot`], [`Trainer::restore`]); [`super::checkpoint`] only
+//! stores it.
 
 use super::accumulate::GradAccumulator;
 use super::checkpoint::Checkpoint;
@@ -1227,7 +1234,7 @@ impl Trainer {
     /// A stop request is honoured between steps, between evaluation batches and after every
     /// checkpoint write; the run then saves a checkpoint of exactly where it is (an epoch whose
     /// evaluation was cut short is evaluated again on resume) and returns status `interrupted`.
-    /// A resumed trainer (see [`super::checkpoint::Checkpoint::restore`]) continues the run's
+    /// A resumed trainer (see [`Trainer::resume`]) continues the run's
     /// history, so the summary, epoch table and memory log describe the whole run.
     pub fn fit(&mut self) -> Result<Summary> {
         let result = self.fit_inner();

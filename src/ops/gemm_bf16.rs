@@ -172,7 +172,7 @@ fn gemm_error(msg: String) -> Error {
     Error::Candle(candle_core::Error::Msg(format!("gemm_bf16: {msg}")))
 }
 
-/// The right-hand operand of [`gemm`], packed into the pair-interleaved panels `vdpbf16ps` reads
+/// The right-hand operand of [`gemm()`], packed into the pair-interleaved panels `vdpbf16ps` reads
 /// (see the module docs). The buffer is kept between packs, so a caller that reuses one
 /// `PackedB` allocates only once.
 #[derive(Clone, Debug, Default)]
@@ -381,10 +381,10 @@ pub fn kernel_supported(kernel: Bf16Kernel) -> bool {
     }
 }
 
-/// [`gemm`] on a given kernel instead of the process's choice (for tests and benchmarks).
+/// [`gemm()`] on a given kernel instead of the process's choice (for tests and benchmarks).
 ///
 /// # Errors
-/// As [`gemm`], and when this CPU cannot run `kernel` ([`kernel_supported`]).
+/// As [`gemm()`], and when this CPU cannot run `kernel` ([`kernel_supported`]).
 pub fn gemm_with(
     kernel: Bf16Kernel,
     dst: &mut [f32],

@@ -541,6 +541,76 @@ fn restore_brings_back_every_piece_of_state() {
     }
 }
 
+/// A snapshot taken in memory and restored into a fresh trainer continues bit for bit: both
+/// train the same next steps to the same weights. No file is involved (checkpoints only store
+/// the state); a state of other data or another model is refused before anything changes.
+#[test]
+fn snapshot_and_restore_continue_in_memory() {
+    let cfg = TrainConfig {
+        out: None,
+        ..tiny(Path::new("unused"), Precision::F16)
+    };
+    let batches: Vec<_> = memtrain::data::Batcher::new(
+        Arc::new(splits(&cfg).train),
+        memtrain::data::BatcherOptions {
+            batch_size: cfg.batch_size,
+            shuffle: true,
+            augment: false,
+            drop_last: true,
+            seed: 1,
+            epoch: 0,
+            prefetch: 1,
+            start_batch: 0,
+            recycle: None,
+        },
+    )
+    .collect();
+    let mut a = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions::default()).unwrap();
+    for (i, b) in batches[..2].iter().enumerate() {
+        a.train_step(b, 0, i).unwrap();
+    }
+    let state = a.snapshot(0, 2, None).unwrap();
+    assert_eq!(
+        (state.global_step, state.epoch, state.next_batch),
+        (2, 0, 2)
+    );
+
+    let mut b = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions::default()).unwrap();
+    b.restore(state.clone()).unwrap();
+    assert_eq!((b.global_step, b.start_epoch, b.start_batch), (2, 0, 2));
+    for (i, batch) in batches[2..].iter().enumerate() {
+        let (ra, rb) = (
+            a.train_step(batch, 0, i + 2).unwrap(),
+            b.train_step(batch, 0, i + 2).unwrap(),
+        );
+        assert_eq!(ra.loss.to_bits(), rb.loss.to_bits(), "step {}", i + 2);
+    }
+    for ((n, va), (_, vb)) in a.model.named_vars().iter().zip(b.model.named_vars().iter()) {
+        assert!(
+            bits(va.as_tensor()) == bits(vb.as_tensor()),
+            "parameter {n}"
+        );
+    }
+
+    // Another data set, or a wider model: refused, and the trainer is left as it was.
+    let other = TrainConfig {
+        seed: cfg.seed + 1,
+        ..cfg.clone()
+    };
+    let mut c = Trainer::new(cfg.clone(), splits(&other), TrainerOptions::default()).unwrap();
+    let e = c.restore(state.clone()).unwrap_err().to_string();
+    assert!(e.contains("training data differs"), "{e}");
+    assert_eq!(c.global_step, 0);
+    let wide = TrainConfig {
+        width: 8,
+        ..cfg.clone()
+    };
+    let mut d = Trainer::new(wide, splits(&cfg), TrainerOptions::default()).unwrap();
+    let e = d.restore(state).unwrap_err().to_string();
+    assert!(e.contains("the model needs"), "{e}");
+    assert_eq!(d.global_step, 0);
+}
+
 #[test]
 fn conflicting_config_lists_every_difference() {
     let dir = common::scratch("resume", "conflict").join("run");

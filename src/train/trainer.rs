@@ -899,7 +899,7 @@ impl Trainer {
                 .ok_or_else(|| bad(format!("the model state lacks '{name}'")))?;
             if t.shape() != *shape || t.dtype() != DType::F32 {
                 return Err(bad(format!(
-                    "'{name}' is {:?} {:?} in the checkpoint, the model needs {:?} F32",
+                    "'{name}' is {:?} {:?} in the saved state, the model needs {:?} F32",
                     t.dtype(),
                     t.shape(),
                     shape

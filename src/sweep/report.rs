@@ -38,13 +38,20 @@ use std::path::{Path, PathBuf};
 // CSV
 // ---------------------------------------------------------------------------------------------
 
-/// Quote a CSV field when it contains a comma, quote or line break.
-pub fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_string()
+/// CSV text: the header line (plain comma-separated names) and the rows, each field quoted
+/// where it needs to be (the `csv` crate's RFC 4180 writer), lines ending in `\n`.
+fn csv_text(header: &str, rows: impl IntoIterator<Item = Vec<String>>) -> String {
+    let mut w = csv::WriterBuilder::new()
+        .terminator(csv::Terminator::Any(b'\n'))
+        .from_writer(Vec::new());
+    // Writing into memory cannot fail; a failure would be a bug in the row shapes.
+    w.write_record(header.split(','))
+        .expect("a CSV header writes into memory");
+    for row in rows {
+        w.write_record(&row).expect("a CSV row writes into memory");
     }
+    let bytes = w.into_inner().expect("the CSV writer flushes into memory");
+    String::from_utf8(bytes).expect("CSV of UTF-8 fields is UTF-8")
 }
 
 /// A parsed CSV file: a header and rows of fields.
@@ -57,59 +64,24 @@ pub struct CsvTable {
 }
 
 impl CsvTable {
-    /// Parse CSV text (RFC 4180 quoting; the first record is the header).
+    /// Parse CSV text (RFC 4180 quoting, by the `csv` crate; the first record is the header).
+    /// A row with another number of fields than the header is an error.
     pub fn parse(text: &str) -> Result<CsvTable> {
-        let mut records: Vec<Vec<String>> = Vec::new();
-        let mut field = String::new();
-        let mut record: Vec<String> = Vec::new();
-        let mut chars = text.chars().peekable();
-        let mut in_quotes = false;
-        let mut any = false;
-        while let Some(c) = chars.next() {
-            any = true;
-            if in_quotes {
-                match c {
-                    '"' if chars.peek() == Some(&'"') => {
-                        chars.next();
-                        field.push('"');
-                    }
-                    '"' => in_quotes = false,
-                    c => field.push(c),
-                }
-                continue;
-            }
-            match c {
-                '"' => in_quotes = true,
-                ',' => record.push(std::mem::take(&mut field)),
-                '\r' => {}
-                '\n' => {
-                    record.push(std::mem::take(&mut field));
-                    records.push(std::mem::take(&mut record));
-                    any = false;
-                }
-                c => field.push(c),
-            }
+        let mut reader = csv::ReaderBuilder::new().from_reader(text.as_bytes());
+        let bad = |e: csv::Error| Error::config(format!("CSV: {e}"));
+        let header = reader
+            .headers()
+            .map_err(bad)?
+            .iter()
+            .map(String::from)
+            .collect::<Vec<_>>();
+        if header.is_empty() {
+            return Err(Error::config("CSV: empty file"));
         }
-        if in_quotes {
-            return Err(Error::config("CSV: unterminated quoted field"));
-        }
-        if any {
-            record.push(field);
-            records.push(record);
-        }
-        let mut it = records.into_iter();
-        let header = it.next().ok_or_else(|| Error::config("CSV: empty file"))?;
-        let rows: Vec<Vec<String>> = it.filter(|r| !(r.len() == 1 && r[0].is_empty())).collect();
-        for (i, r) in rows.iter().enumerate() {
-            if r.len() != header.len() {
-                return Err(Error::config(format!(
-                    "CSV: row {} has {} fields, the header has {}",
-                    i + 1,
-                    r.len(),
-                    header.len()
-                )));
-            }
-        }
+        let rows = reader
+            .records()
+            .map(|r| Ok(r.map_err(bad)?.iter().map(String::from).collect()))
+            .collect::<Result<Vec<Vec<String>>>>()?;
         Ok(CsvTable { header, rows })
     }
 
@@ -146,6 +118,12 @@ fn opt_u64(v: Option<u64>) -> String {
 
 fn opt_f64(v: Option<f64>, digits: usize) -> String {
     v.map(|x| format!("{x:.digits$}")).unwrap_or_default()
+}
+
+/// A path as text, or empty.
+fn path_cell(p: Option<&Path>) -> String {
+    p.map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 fn opt_i32(v: Option<i32>) -> String {
@@ -225,40 +203,29 @@ pub fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
 /// relative to the sweep's directory, when its run wrote one.
 pub fn sweep_csv(r: &SweepResult) -> String {
     let front = pareto_front(&sweep_frontier_points(r));
-    let mut s = format!("{SWEEP_CSV_HEADER}\n");
-    for (p, on) in r.points.iter().zip(front) {
+    let rows = r.points.iter().zip(front).map(|(p, on)| {
         let run = &p.run;
-        let _ = writeln!(
-            s,
-            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{}",
-            csv_field(&p.configuration),
-            p.batch_size,
-            run.status.as_str(),
+        vec![
+            p.configuration.clone(),
+            p.batch_size.to_string(),
+            run.status.as_str().to_string(),
             opt_u64(run.peak_bytes()),
             opt_u64(run.baseline_bytes()),
             opt_u64(run.peak_above_baseline()),
             opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
             opt_u64(run.reserved_peak_bytes()),
             opt_f64(run.images_per_sec(), 2),
-            on,
-            run.summary
-                .as_ref()
-                .map(|s| s.steps.to_string())
-                .unwrap_or_default(),
-            run.wall_secs,
+            on.to_string(),
+            opt_u64(run.summary.as_ref().map(|s| s.steps as u64)),
+            format!("{:.3}", run.wall_secs),
             opt_i32(run.exit_code),
             opt_i32(run.signal),
-            csv_field(&run.note),
-            csv_field(&run.run_dir.to_string_lossy()),
-            csv_field(
-                &p.oom_snapshot
-                    .as_deref()
-                    .map(|p| p.to_string_lossy())
-                    .unwrap_or_default()
-            ),
-        );
-    }
-    s
+            run.note.clone(),
+            run.run_dir.to_string_lossy().into_owned(),
+            path_cell(p.oom_snapshot.as_deref()),
+        ]
+    });
+    csv_text(SWEEP_CSV_HEADER, rows)
 }
 
 /// The sweep as a markdown table (rows grouped by configuration, sorted by batch size; the
@@ -382,14 +349,11 @@ pub fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
 /// out-of-memory run's snapshot, relative to the comparison's directory, when it wrote one.
 pub fn compare_csv(r: &CompareResult) -> String {
     let front = pareto_front(&compare_frontier_points(r));
-    let mut s = format!("{COMPARE_CSV_HEADER}\n");
-    for (e, on) in r.entries.iter().zip(front) {
+    let rows = r.entries.iter().zip(front).map(|(e, on)| {
         let run = &e.run;
-        let _ = writeln!(
-            s,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{},{}",
-            csv_field(&e.label),
-            run.status.as_str(),
+        vec![
+            e.label.clone(),
+            run.status.as_str().to_string(),
             opt_u64(run.peak_bytes()),
             opt_f64(e.peak_change_pct, 2),
             opt_u64(run.baseline_bytes()),
@@ -398,27 +362,19 @@ pub fn compare_csv(r: &CompareResult) -> String {
             opt_u64(run.reserved_peak_bytes()),
             opt_f64(run.images_per_sec(), 2),
             opt_f64(e.speed_change_pct, 2),
-            on,
+            on.to_string(),
             opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
-            run.summary
-                .as_ref()
-                .map(|s| s.steps.to_string())
-                .unwrap_or_default(),
-            run.wall_secs,
+            opt_u64(run.summary.as_ref().map(|s| s.steps as u64)),
+            format!("{:.3}", run.wall_secs),
             opt_i32(run.exit_code),
             opt_i32(run.signal),
-            csv_field(&run.note),
-            csv_field(&run.run_dir.to_string_lossy()),
-            csv_field(&e.flags.join(" ")),
-            csv_field(
-                &e.oom_snapshot
-                    .as_deref()
-                    .map(|p| p.to_string_lossy())
-                    .unwrap_or_default()
-            ),
-        );
-    }
-    s
+            run.note.clone(),
+            run.run_dir.to_string_lossy().into_owned(),
+            e.flags.join(" "),
+            path_cell(e.oom_snapshot.as_deref()),
+        ]
+    });
+    csv_text(COMPARE_CSV_HEADER, rows)
 }
 
 /// The comparison as a markdown table; changes are relative to the first configuration, the

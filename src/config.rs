@@ -253,7 +253,7 @@ pub struct TrainConfig {
     /// Device: cpu, cuda or cuda:N. Default: cuda when built with it and a GPU is present, else cpu
     #[arg(long)]
     pub device: Option<String>,
-    /// Run directory. Default: runs/`<timestamp>`
+    /// Run directory. Default: runs/TIMESTAMP-PID
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Evaluate on the validation/test split after each epoch.

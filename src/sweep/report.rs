@@ -120,6 +120,29 @@ fn opt_f64(v: Option<f64>, digits: usize) -> String {
     v.map(|x| format!("{x:.digits$}")).unwrap_or_default()
 }
 
+/// The CSV columns baseline_bytes, peak_above_baseline_bytes, step_peak_bytes and
+/// reserved_peak_bytes of a child run (sweeps and comparisons alike).
+fn memory_cells(run: &ChildRun) -> [String; 4] {
+    [
+        opt_u64(run.baseline_bytes()),
+        opt_u64(run.peak_above_baseline()),
+        opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
+        opt_u64(run.reserved_peak_bytes()),
+    ]
+}
+
+/// The CSV columns steps, wall_secs, exit_code, signal, note and run_dir of a child run.
+fn outcome_cells(run: &ChildRun) -> [String; 6] {
+    [
+        opt_u64(run.summary.as_ref().map(|s| s.steps as u64)),
+        format!("{:.3}", run.wall_secs),
+        opt_i32(run.exit_code),
+        opt_i32(run.signal),
+        run.note.clone(),
+        run.run_dir.to_string_lossy().into_owned(),
+    ]
+}
+
 /// A path as text, or empty.
 fn path_cell(p: Option<&Path>) -> String {
     p.map(|p| p.to_string_lossy().into_owned())
@@ -205,25 +228,17 @@ pub fn sweep_csv(r: &SweepResult) -> String {
     let front = pareto_front(&sweep_frontier_points(r));
     let rows = r.points.iter().zip(front).map(|(p, on)| {
         let run = &p.run;
-        vec![
+        let mut row = vec![
             p.configuration.clone(),
             p.batch_size.to_string(),
             run.status.as_str().to_string(),
             opt_u64(run.peak_bytes()),
-            opt_u64(run.baseline_bytes()),
-            opt_u64(run.peak_above_baseline()),
-            opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
-            opt_u64(run.reserved_peak_bytes()),
-            opt_f64(run.images_per_sec(), 2),
-            on.to_string(),
-            opt_u64(run.summary.as_ref().map(|s| s.steps as u64)),
-            format!("{:.3}", run.wall_secs),
-            opt_i32(run.exit_code),
-            opt_i32(run.signal),
-            run.note.clone(),
-            run.run_dir.to_string_lossy().into_owned(),
-            path_cell(p.oom_snapshot.as_deref()),
-        ]
+        ];
+        row.extend(memory_cells(run));
+        row.extend([opt_f64(run.images_per_sec(), 2), on.to_string()]);
+        row.extend(outcome_cells(run));
+        row.push(path_cell(p.oom_snapshot.as_deref()));
+        row
     });
     csv_text(SWEEP_CSV_HEADER, rows)
 }
@@ -351,28 +366,22 @@ pub fn compare_csv(r: &CompareResult) -> String {
     let front = pareto_front(&compare_frontier_points(r));
     let rows = r.entries.iter().zip(front).map(|(e, on)| {
         let run = &e.run;
-        vec![
+        let mut row = vec![
             e.label.clone(),
             run.status.as_str().to_string(),
             opt_u64(run.peak_bytes()),
             opt_f64(e.peak_change_pct, 2),
-            opt_u64(run.baseline_bytes()),
-            opt_u64(run.peak_above_baseline()),
-            opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
-            opt_u64(run.reserved_peak_bytes()),
+        ];
+        row.extend(memory_cells(run));
+        row.extend([
             opt_f64(run.images_per_sec(), 2),
             opt_f64(e.speed_change_pct, 2),
             on.to_string(),
             opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
-            opt_u64(run.summary.as_ref().map(|s| s.steps as u64)),
-            format!("{:.3}", run.wall_secs),
-            opt_i32(run.exit_code),
-            opt_i32(run.signal),
-            run.note.clone(),
-            run.run_dir.to_string_lossy().into_owned(),
-            e.flags.join(" "),
-            path_cell(e.oom_snapshot.as_deref()),
-        ]
+        ]);
+        row.extend(outcome_cells(run));
+        row.extend([e.flags.join(" "), path_cell(e.oom_snapshot.as_deref())]);
+        row
     });
     csv_text(COMPARE_CSV_HEADER, rows)
 }

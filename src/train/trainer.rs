@@ -882,7 +882,6 @@ impl Trainer {
                 self.steps_per_epoch
             )));
         }
-        let bad = |m: String| Error::Checkpoint(m);
 
         // Check: every parameter and buffer present with its shape, nothing unknown.
         let vars = self.model.named_vars();
@@ -896,9 +895,9 @@ impl Trainer {
             let t = state
                 .model
                 .get(*name)
-                .ok_or_else(|| bad(format!("the model state lacks '{name}'")))?;
+                .ok_or_else(|| Error::Checkpoint(format!("the model state lacks '{name}'")))?;
             if t.shape() != *shape || t.dtype() != DType::F32 {
-                return Err(bad(format!(
+                return Err(Error::Checkpoint(format!(
                     "'{name}' is {:?} {:?} in the saved state, the model needs {:?} F32",
                     t.dtype(),
                     t.shape(),
@@ -911,7 +910,7 @@ impl Trainer {
                 .model
                 .keys()
                 .find(|k| !expected.iter().any(|(n, _)| n == k));
-            return Err(bad(format!(
+            return Err(Error::Checkpoint(format!(
                 "the model state holds an unknown tensor '{}'",
                 unknown.map_or("?", |s| s)
             )));
@@ -923,27 +922,29 @@ impl Trainer {
                 .filter(|(slot, _)| *slot == "s1" || *slot == "s2")
                 .and_then(|(_, i)| i.parse::<usize>().ok())
                 .ok_or_else(|| {
-                    bad(format!(
+                    Error::Checkpoint(format!(
                         "the optimizer state holds an unknown tensor '{name}'"
                     ))
                 })?;
-            let (pname, var) = vars
-                .get(idx)
-                .ok_or_else(|| bad(format!("optimizer state '{name}' has no parameter")))?;
+            let (pname, var) = vars.get(idx).ok_or_else(|| {
+                Error::Checkpoint(format!("optimizer state '{name}' has no parameter"))
+            })?;
             if t.shape() != var.shape() || t.dtype() != DType::F32 {
-                return Err(bad(format!(
+                return Err(Error::Checkpoint(format!(
                     "optimizer state '{name}' does not match the shape of '{pname}'"
                 )));
             }
             opt_state.push((name.clone(), t.to_device(&self.device)?));
         }
         if state.scaler.is_some() != self.scaler.is_some() {
-            return Err(bad(
-                "the loss-scaler state does not match --precision".into()
+            return Err(Error::Checkpoint(
+                "the loss-scaler state does not match --precision".into(),
             ));
         }
         if state.masks.is_some() != self.pruner.is_some() {
-            return Err(bad("the pruning masks do not match --prune".into()));
+            return Err(Error::Checkpoint(
+                "the pruning masks do not match --prune".into(),
+            ));
         }
         // Checked (and built) before anything is changed; applied below.
         let pruner = match (state.masks, &self.pruner) {

@@ -9,8 +9,8 @@ use crate::memory::estimate::{DataSize, DeviceKind};
 use crate::memory::format_bytes;
 use crate::model::cnn::param_count;
 use crate::plan::{plan, PlanOptions};
-use crate::train::checkpoint::Checkpoint;
 use crate::train::run_dir::{check_new, Claim};
+use crate::train::snapshot::Snapshot;
 use crate::train::trainer::default_run_dir;
 use crate::train::{Trainer, TrainerOptions};
 
@@ -21,7 +21,7 @@ use crate::train::{Trainer, TrainerOptions};
 ///
 /// # Errors
 /// Any [`Error`], one line; [`exit`] turns it into the process's exit code. A run stopped by a
-/// signal returns [`Error::Interrupted`] after saving a checkpoint and `summary.json`.
+/// signal returns [`Error::Interrupted`] after saving a snapshot and `summary.json`.
 pub fn train<I, T>(args: I) -> Result<()>
 where
     I: IntoIterator<Item = T>,
@@ -34,11 +34,11 @@ where
             return Ok(());
         }
     };
-    // --resume: the newest complete checkpoint's config.json is the base configuration, so only
+    // --resume: the newest complete snapshot's config.json is the base configuration, so only
     // flags given explicitly change it; conflicting ones are refused before anything is written.
     let resume = match args.resume.clone() {
         Some(dir) => {
-            let ck = Checkpoint::find_latest(&dir)?;
+            let ck = Snapshot::find_latest(&dir)?;
             if args.config_file.is_none() {
                 args.config_file = Some(ck.config_path());
             }
@@ -66,7 +66,7 @@ where
     // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
     crate::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
-    // Ctrl-C/SIGTERM: finish the step, save a checkpoint and summary.json, exit 130.
+    // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None
     } else {
@@ -75,25 +75,12 @@ where
     // --fit-memory picks micro-batch, accumulation, checkpointing and precision
     // (src/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
     let (cfg, loaded) = match cmd.plan.fit_memory {
-        Some(budget) => {
-            if resume.is_some() {
-                return Err(Error::config(
-                    "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
-                ));
-            }
-            let data =
-                crate::data::load(&crate::data::DataOptions::for_config(&cfg, stop.clone()))?;
-            let device = DeviceKind::for_spec(cfg.device.as_deref())?;
-            let mut opts =
-                PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
-            opts.effective_batch = cmd.plan.effective_batch;
-            opts.allow_model_change = cmd.plan.allow_model_change;
-            // Settings given explicitly are kept, never silently replaced.
-            opts.fixed = crate::plan::Fixed::from_explicit(&cfg, &explicit);
-            let report = plan(&cfg, budget, &opts)?;
-            print!("{}", report.render(4));
-            (report.chosen().config.clone(), Some(data))
+        Some(_) if resume.is_some() => {
+            return Err(Error::config(
+                "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
+            ));
         }
+        Some(budget) => fit_memory(cfg, budget, &cmd, &explicit, stop.clone())?,
         None => (cfg, None),
     };
     println!(
@@ -128,21 +115,7 @@ where
         print!("{}", e.table());
     }
     if let Some(ck) = &resume {
-        trainer.resume(ck)?;
-        for warning in &ck.skipped {
-            eprintln!("warning: {warning}");
-        }
-        println!(
-            "resuming from {} (step {}, epoch {}, batch {})",
-            ck.dir.display(),
-            ck.state.global_step,
-            ck.state.epoch,
-            ck.state.next_batch
-        );
-        let changes = ck.noted_changes(&trainer.config);
-        if !changes.is_empty() {
-            println!("resuming with changed settings: {}", changes.join("; "));
-        }
+        resume_from(&mut trainer, ck)?;
     }
     println!("{}", trainer.data_description());
     println!(
@@ -165,12 +138,70 @@ where
         // The run's results are still (re)written below: a kill after the last step can have
         // left its evaluation or its summary undone.
         println!(
-            "no steps left to train: the checkpoint is at step {} of {}; pass a larger --epochs to continue training",
+            "no steps left to train: the snapshot is at step {} of {}; pass a larger --epochs to continue training",
             trainer.global_step,
             trainer.total_steps()
         );
     }
     let summary = trainer.fit()?;
+    print_results(&trainer, &summary);
+    write_results(&trainer, &summary, cmd.summary_only)?;
+    println!("results in {}", trainer.run_dir().display());
+    if summary.status == crate::train::RunStatus::Interrupted {
+        let dir = trainer.run_dir().display();
+        return Err(Error::Interrupted(format!(
+            "stopped after step {} of {}; snapshot and summary.json saved; continue with --resume {dir}",
+            summary.steps,
+            trainer.total_steps()
+        )));
+    }
+    Ok(())
+}
+
+/// `--fit-memory BUDGET`: load the data, plan micro-batch, accumulation, checkpointing and
+/// precision for it, print the plan, and return the chosen configuration with the data it was
+/// planned for. Settings given explicitly (`explicit`) are kept, never silently replaced.
+fn fit_memory(
+    cfg: crate::config::TrainConfig,
+    budget: u64,
+    cmd: &TrainCommand,
+    explicit: &[String],
+    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+) -> Result<(crate::config::TrainConfig, Option<crate::data::DataSplits>)> {
+    let data = crate::data::load(&crate::data::DataOptions::for_config(&cfg, stop))?;
+    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+    let mut opts = PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
+    opts.effective_batch = cmd.plan.effective_batch;
+    opts.allow_model_change = cmd.plan.allow_model_change;
+    opts.fixed = crate::plan::Fixed::from_explicit(&cfg, explicit);
+    let report = plan(&cfg, budget, &opts)?;
+    print!("{}", report.render(4));
+    Ok((report.chosen().config.clone(), Some(data)))
+}
+
+/// Put the snapshot `ck` back into `trainer` and say so, with what it skipped and what changed.
+fn resume_from(trainer: &mut Trainer, ck: &Snapshot) -> Result<()> {
+    trainer.resume(ck)?;
+    for warning in &ck.skipped {
+        eprintln!("warning: {warning}");
+    }
+    println!(
+        "resuming from {} (step {}, epoch {}, batch {})",
+        ck.dir.display(),
+        ck.state.global_step,
+        ck.state.epoch,
+        ck.state.next_batch
+    );
+    let changes = ck.noted_changes(&trainer.config);
+    if !changes.is_empty() {
+        println!("resuming with changed settings: {}", changes.join("; "));
+    }
+    Ok(())
+}
+
+/// The run's results on stdout: the memory report, predicted against measured, the headline
+/// and, for `--prune`, the sparsity reached.
+fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
     print!("{}", trainer.memory_log().report());
     // predicted versus measured.
     if let (Some(p), Some(err)) = (summary.predicted_peak_bytes, summary.prediction_error_pct) {
@@ -203,8 +234,17 @@ where
     if let Some(p) = &summary.pruning {
         print!("{}", p.render());
     }
-    if cmd.summary_only {
-        // Sweep children: summary.json only (no CSV files, checkpoints or charts).
+}
+
+/// The run's result files: `summary.json` alone for a sweep child (`summary_only`), otherwise
+/// the memory charts (the CSV and JSON files are written during the run).
+fn write_results(
+    trainer: &Trainer,
+    summary: &crate::train::Summary,
+    summary_only: bool,
+) -> Result<()> {
+    if summary_only {
+        // Sweep children: summary.json only (no CSV files, snapshots or charts).
         crate::io::create_dir(trainer.run_dir())?;
         crate::io::write_json_atomic(
             &trainer.run_dir().join(crate::train::summary::SUMMARY_FILE),
@@ -227,15 +267,6 @@ where
         ) {
             eprintln!("warning: step timeline chart not written: {e}");
         }
-    }
-    println!("results in {}", trainer.run_dir().display());
-    if summary.status == crate::train::RunStatus::Interrupted {
-        let dir = trainer.run_dir().display();
-        return Err(Error::Interrupted(format!(
-            "stopped after step {} of {}; checkpoint and summary.json saved; continue with --resume {dir}",
-            summary.steps,
-            trainer.total_steps()
-        )));
     }
     Ok(())
 }

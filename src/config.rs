@@ -61,7 +61,7 @@ cli_enum! {
 
 cli_enum! {
     /// Gradient checkpointing granularity: which activations the forward keeps for backward and
-    /// which it recomputes (not the saved training checkpoints of [`crate::train::checkpoint`]).
+    /// which it recomputes (not the saved training checkpoints of [`crate::train::snapshot`]).
     GradCheckpointing ("checkpointing") {
         /// Keep every activation for backward.
         None => "none",

@@ -70,11 +70,11 @@ pub enum Error {
     #[error("{0}")]
     Device(String),
 
-    /// Saving or loading a training checkpoint failed.
-    #[error("checkpoint: {0}")]
-    Checkpoint(String),
+    /// Saving or loading a snapshot of the training state (save/resume) failed.
+    #[error("snapshot: {0}")]
+    Snapshot(String),
 
-    /// Training was interrupted by a signal (SIGINT/SIGTERM) after a checkpoint was written.
+    /// Training was interrupted by a signal (SIGINT/SIGTERM) after a snapshot was written.
     #[error("interrupted: {0}")]
     Interrupted(String),
 

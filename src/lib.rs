@@ -36,6 +36,7 @@ pub mod ops;
 pub mod phase;
 pub mod plan;
 pub mod signal;
+pub mod step;
 pub mod sweep;
 pub mod train;
 

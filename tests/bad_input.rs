@@ -24,7 +24,7 @@ fn good_labels(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i % 10) as u8).collect()
 }
 
-/// A run directory with one complete checkpoint (2 steps, width 4), made once and copied per case.
+/// A run directory with one complete snapshot (2 steps, width 4), made once and copied per case.
 fn source_run() -> &'static Path {
     static SRC: OnceLock<PathBuf> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -38,9 +38,9 @@ fn source_run() -> &'static Path {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(dir
-            .join("checkpoints")
+            .join("snapshots")
             .join("step-000002")
-            .join("checkpoint.json")
+            .join("snapshot.json")
             .is_file());
         dir
     })
@@ -73,7 +73,7 @@ fn data_dir(dir: &Path, files: &[(&str, Vec<u8>)]) -> Vec<String> {
 fn resume_copy(dir: &Path, damage: fn(&Path)) -> Vec<String> {
     let run = dir.join("run");
     copy_dir(source_run(), &run);
-    damage(&run.join("checkpoints").join("step-000002"));
+    damage(&run.join("snapshots").join("step-000002"));
     vec!["--resume".into(), run.display().to_string()]
 }
 
@@ -191,14 +191,14 @@ fn cases() -> Vec<Case> {
             fix: "writable directory",
         },
         Case {
-            name: "--out holding another run's checkpoints",
+            name: "--out holding another run's snapshots",
             setup: |d| {
                 let run = d.join("run");
                 copy_dir(source_run(), &run);
                 vec!["--out".into(), run.display().to_string()]
             },
             code: 2,
-            problem: "already holds checkpoints",
+            problem: "already holds snapshots",
             fix: "--resume",
         },
         Case {
@@ -216,17 +216,17 @@ fn cases() -> Vec<Case> {
             fix: "run directory",
         },
         Case {
-            name: "--resume of a directory without checkpoints",
+            name: "--resume of a directory without snapshots",
             setup: |d| {
                 std::fs::create_dir_all(d.join("run")).unwrap();
                 vec!["--resume".into(), d.join("run").display().to_string()]
             },
             code: 2,
-            problem: "no checkpoint",
+            problem: "no snapshot",
             fix: "without --resume",
         },
         Case {
-            name: "--resume of a corrupted checkpoint",
+            name: "--resume of a corrupted snapshot",
             setup: |d| {
                 resume_copy(d, |ck| {
                     let f = ck.join("model.safetensors");
@@ -241,7 +241,7 @@ fn cases() -> Vec<Case> {
             fix: "without --resume",
         },
         Case {
-            name: "--resume of a truncated checkpoint",
+            name: "--resume of a truncated snapshot",
             setup: |d| {
                 resume_copy(d, |ck| {
                     let f = ck.join("optimizer.safetensors");
@@ -254,8 +254,8 @@ fn cases() -> Vec<Case> {
             fix: "without --resume",
         },
         Case {
-            name: "--resume of a checkpoint without its manifest",
-            setup: |d| resume_copy(d, |ck| std::fs::remove_file(ck.join("checkpoint.json")).unwrap()),
+            name: "--resume of a snapshot without its manifest",
+            setup: |d| resume_copy(d, |ck| std::fs::remove_file(ck.join("snapshot.json")).unwrap()),
             code: 1,
             problem: "incomplete",
             fix: "without --resume",
@@ -268,7 +268,7 @@ fn cases() -> Vec<Case> {
                 a
             },
             code: 2,
-            problem: "width: checkpoint 4, now 8; precision: checkpoint f32, now f16; seed: checkpoint 0, now 3",
+            problem: "width: snapshot 4, now 8; precision: snapshot f32, now f16; seed: snapshot 0, now 3",
             fix: "drop those flags",
         },
         Case {

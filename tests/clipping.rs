@@ -46,7 +46,7 @@ fn norm(v: &[f64]) -> f64 {
 fn a_long_step_is_scaled_to_the_limit_with_its_direction_kept() {
     let free_cfg = one_step(None);
     // The learning rate of step 0 of the one-cycle schedule.
-    let lr = memtrain::train::optim::one_cycle_lr(0, 1, free_cfg.lr, free_cfg.warmup_frac);
+    let lr = memtrain::step::optim::one_cycle_lr(0, 1, free_cfg.lr, free_cfg.warmup_frac);
     let free = first_update(free_cfg.clone());
     let grad_norm = norm(&free) / (lr * (1.0 + free_cfg.momentum));
     let limit = grad_norm / 4.0;
@@ -120,9 +120,9 @@ fn divergence_advice_is_true_for_the_run_at_hand() {
     assert_eq!(o.status.code(), Some(1), "{stderr}");
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("non-finite"), "{stderr}");
-    // An f32 run without clipping and without a checkpoint: no advice that cannot apply.
+    // An f32 run without clipping and without a snapshot: no advice that cannot apply.
     assert!(stderr.contains("--clip-grad-norm 3"), "{stderr}");
     assert!(!stderr.contains("--precision f32"), "{stderr}");
-    assert!(stderr.contains("no checkpoint was saved"), "{stderr}");
+    assert!(stderr.contains("no snapshot was saved"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,8 +8,8 @@ mod common;
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use memtrain::config::{ConvKind, GradCheckpointing, Precision};
 use memtrain::model::{Cnn, ModelConfig};
-use memtrain::train::accumulate::GradAccumulator;
-use memtrain::train::lean::{LeanStep, NoObserver};
+use memtrain::step::accumulate::GradAccumulator;
+use memtrain::step::tape::{LeanStep, NoObserver};
 
 /// Address of an f32 CPU tensor's buffer.
 fn buffer_address(t: &Tensor) -> usize {

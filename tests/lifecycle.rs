@@ -1,16 +1,16 @@
 //! A run's life across kills, signals, resumes and second processes: the logs keep every finished
 //! step, a resumed run's files describe the whole run (equal to an uninterrupted run's in
-//! everything but timings and memory readings), an interrupted evaluation is redone, checkpoint
+//! everything but timings and memory readings), an interrupted evaluation is redone, snapshot
 //! metadata is covered by the integrity check, one process writes a run directory at a time,
 //! finished results are never replaced unasked, and a divergence keeps the last healthy
-//! checkpoint.
+//! snapshot.
 
 mod common;
 
 use common::{
     assert_ok, copy_dir, flags, run_trainer as run, snapshot, spawn_trainer as spawn, text,
 };
-use memtrain::train::checkpoint::{Checkpoint, CHECKPOINTS_DIR, DIVERGED_DIR, MANIFEST_FILE};
+use memtrain::train::snapshot::{Snapshot, DIVERGED_DIR, MANIFEST_FILE, SNAPSHOTS_DIR};
 use memtrain::train::{RunStatus, Trainer, TrainerOptions};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// 16 steps per epoch, 3 epochs, evaluation on, a checkpoint every 3 steps.
+/// 16 steps per epoch, 3 epochs, evaluation on, a snapshot every 3 steps.
 const FAST: &str =
     "--synthetic-train 512 --synthetic-test 64 --width 8 --batch-size 32 --epochs 3 \
                     --save-every 3 --quiet --device cpu --seed 3";
@@ -198,7 +198,7 @@ fn slow_eval_reference() -> &'static Path {
 }
 
 fn step_dirs(run_dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR))
+    let mut names: Vec<String> = std::fs::read_dir(run_dir.join(SNAPSHOTS_DIR))
         .unwrap()
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -212,8 +212,8 @@ fn newest_step_dir(run_dir: &Path) -> PathBuf {
     let name = step_dirs(run_dir)
         .into_iter()
         .rfind(|n| n.starts_with("step-"))
-        .expect("a checkpoint");
-    run_dir.join(CHECKPOINTS_DIR).join(name)
+        .expect("a snapshot");
+    run_dir.join(SNAPSHOTS_DIR).join(name)
 }
 
 fn one_line_error(out: &Output, code: i32, needle: &str) {
@@ -338,7 +338,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
     assert_eq!(summary.status, RunStatus::Interrupted);
     assert_eq!(summary.steps, 0);
     drop(t);
-    let ck = Checkpoint::find_latest(&dir).expect("a checkpoint of the start");
+    let ck = Snapshot::find_latest(&dir).expect("a snapshot of the start");
     assert_eq!(ck.state.global_step, 0);
     let options = TrainerOptions {
         log_files: true,
@@ -352,7 +352,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Integrity of every checkpoint file, metadata included
+// Integrity of every snapshot file, metadata included
 
 /// A finished FAST run copied to a fresh directory.
 fn finished_copy(name: &str) -> PathBuf {
@@ -363,7 +363,7 @@ fn finished_copy(name: &str) -> PathBuf {
 
 #[test]
 fn a_changed_byte_in_checkpoint_metadata_is_detected() {
-    // The flip the issue reported: an epoch counter in checkpoint.json; then a file's hash in
+    // The flip the issue reported: an epoch counter in snapshot.json; then a file's hash in
     // it, and a byte of history.json (covered by the manifest like the tensors).
     let edits: [(&str, &str, &str); 3] = [
         (MANIFEST_FILE, "\"epoch\": 3", "\"epoch\": 4"),
@@ -378,15 +378,15 @@ fn a_changed_byte_in_checkpoint_metadata_is_detected() {
         assert!(text_before.contains(from), "{file} holds {from}");
         std::fs::write(&path, text_before.replacen(from, to, 1)).unwrap();
         let out = run(&resume_args(&dir));
-        assert_ok(&out, "resuming past a damaged newest checkpoint");
+        assert_ok(&out, "resuming past a damaged newest snapshot");
         let stderr = text(&out.stderr);
         assert!(
             stderr
                 .lines()
                 .any(|l| l.starts_with("warning:") && l.contains(&newest.display().to_string())),
-            "{file}: the damaged checkpoint is named:\n{stderr}"
+            "{file}: the damaged snapshot is named:\n{stderr}"
         );
-        // The older checkpoint's steps were trained again, to the same end.
+        // The older snapshot's steps were trained again, to the same end.
         assert_same_run(&dir, fast_reference());
         let _ = std::fs::remove_dir_all(dir.parent().unwrap());
     }
@@ -411,7 +411,7 @@ fn a_fifo_in_place_of_a_checkpoint_file_does_not_block() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let out = finish(child);
-    assert_ok(&out, "resuming with a FIFO as a checkpoint file");
+    assert_ok(&out, "resuming with a FIFO as a snapshot file");
     assert!(text(&out.stderr).contains("not a regular file"));
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
@@ -419,12 +419,12 @@ fn a_fifo_in_place_of_a_checkpoint_file_does_not_block() {
 #[test]
 fn an_older_format_checkpoint_is_named_as_such() {
     let dir = finished_copy("old-format");
-    // Version 1 wrote the state unsigned; make every checkpoint look like that.
+    // Version 1 wrote the state unsigned; make every snapshot look like that.
     for name in step_dirs(&dir)
         .into_iter()
         .filter(|n| n.starts_with("step-"))
     {
-        let path = dir.join(CHECKPOINTS_DIR).join(name).join(MANIFEST_FILE);
+        let path = dir.join(SNAPSHOTS_DIR).join(name).join(MANIFEST_FILE);
         let mut state = json(&path)["state"].clone();
         state["version"] = 1.into();
         std::fs::write(&path, serde_json::to_vec(&state).unwrap()).unwrap();
@@ -432,20 +432,20 @@ fn an_older_format_checkpoint_is_named_as_such() {
     one_line_error(
         &run(&resume_args(&dir)),
         1,
-        "checkpoint format version 1 (this build reads version 2)",
+        "snapshot format version 1 (this build reads version 2)",
     );
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
 // ---------------------------------------------------------------------------------------------
-// Kills during checkpoint pruning
+// Kills during snapshot pruning
 
 #[test]
 fn leftovers_of_a_kill_during_pruning_are_removed_by_the_resume() {
     let dir = finished_copy("prune-kill");
-    let root = dir.join(CHECKPOINTS_DIR);
+    let root = dir.join(SNAPSHOTS_DIR);
     let newest = newest_step_dir(&dir);
-    // What a kill in the middle of pruning leaves: an old checkpoint not yet removed, one
+    // What a kill in the middle of pruning leaves: an old snapshot not yet removed, one
     // half-removed (its manifest gone), and one renamed for removal.
     copy_dir(&newest, &root.join("step-000003"));
     copy_dir(&newest, &root.join("step-000006"));
@@ -458,7 +458,7 @@ fn leftovers_of_a_kill_during_pruning_are_removed_by_the_resume() {
     assert_eq!(
         names,
         vec!["step-000045".to_string(), "step-000048".to_string()],
-        "only the newest two checkpoints stay"
+        "only the newest two snapshots stay"
     );
     // A second resume has nothing to warn about.
     let out = run(&resume_args(&dir));
@@ -513,9 +513,9 @@ fn a_second_process_on_the_same_run_directory_is_refused() {
     );
     signal(&first, libc::SIGKILL);
     let _ = finish(first);
-    // The run goes on from its checkpoint (the SIGKILL above may have left a half-written one,
+    // The run goes on from its snapshot (the SIGKILL above may have left a half-written one,
     // which the resume skips; the refused processes wrote nothing).
-    Checkpoint::find_latest(&dir).expect("the run is still resumable");
+    Snapshot::find_latest(&dir).expect("the run is still resumable");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
@@ -531,16 +531,16 @@ fn finished_results_are_refused_unless_overwrite() {
     one_line_error(
         &run(&with_out(FAST, &dir)),
         2,
-        "already holds checkpoints of an earlier run",
+        "already holds snapshots of an earlier run",
     );
     assert!(
         before == snapshot(&dir),
         "the refused run changed the directory"
     );
 
-    // Without checkpoints (a sweep child's or a run with checkpoints removed) the results alone
+    // Without snapshots (a sweep child's or a run with snapshots removed) the results alone
     // are enough to refuse.
-    std::fs::remove_dir_all(dir.join(CHECKPOINTS_DIR)).unwrap();
+    std::fs::remove_dir_all(dir.join(SNAPSHOTS_DIR)).unwrap();
     one_line_error(
         &run(&with_out(FAST, &dir)),
         2,
@@ -564,13 +564,13 @@ fn finished_results_are_refused_unless_overwrite() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Divergence keeps the checkpoint from before the loss blew up
+// Divergence keeps the snapshot from before the loss blew up
 
 #[test]
 fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     let dir = common::scratch("lifecycle", "diverge").join("run");
     // lr 20 without clipping: the loss climbs over several steps (22, 494, 3e4, ...) before the
-    // state turns non-finite, so a checkpoint after every step holds wrecked weights.
+    // state turns non-finite, so a snapshot after every step holds wrecked weights.
     let args = flags(
         "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --no-eval --epochs 3 \
          --lr 20 --clip-grad-norm 0 --save-every 1 --quiet --device cpu --seed 0",
@@ -581,31 +581,31 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     one_line_error(
         &out,
         1,
-        "the checkpoint from before the loss blew up (step ",
+        "the snapshot from before the loss blew up (step ",
     );
-    let ck = Checkpoint::find_latest(&dir).expect("the healthy checkpoint stays");
-    assert!(ck.healthy, "the newest checkpoint left is healthy");
+    let ck = Snapshot::find_latest(&dir).expect("the healthy snapshot stays");
+    assert!(ck.healthy, "the newest snapshot left is healthy");
     let stderr = text(&out.stderr);
     assert!(
         stderr.contains(&format!("(step {})", ck.state.global_step)),
         "the message names it: {stderr}"
     );
-    let aside = dir.join(CHECKPOINTS_DIR).join(DIVERGED_DIR);
+    let aside = dir.join(SNAPSHOTS_DIR).join(DIVERGED_DIR);
     assert!(
         std::fs::read_dir(&aside).unwrap().count() > 0,
-        "the unhealthy checkpoints are kept aside"
+        "the unhealthy snapshots are kept aside"
     );
-    // Every loss the healthy checkpoint was trained through was sane.
+    // Every loss the healthy snapshot was trained through was sane.
     let losses = csv_columns(&dir.join("batches.csv"), &["global_step", "loss"]);
     for row in &losses[..ck.state.global_step] {
         let loss: f64 = row.split(',').nth(1).unwrap().parse().unwrap();
-        assert!(loss <= memtrain::train::checkpoint::DIVERGED_LOSS, "{row}");
+        assert!(loss <= memtrain::train::snapshot::DIVERGED_LOSS, "{row}");
     }
     let mut again = resume_args(&dir);
     again.extend(flags("--lr 0.05"));
     assert_ok(
         &run(&again),
-        "resuming the healthy checkpoint with a lower --lr",
+        "resuming the healthy snapshot with a lower --lr",
     );
     assert_eq!(json(&dir.join("summary.json"))["status"], "ok");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -614,8 +614,8 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
 #[test]
 fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
     // A run cut by --max-steps inside an epoch evaluates there; extended by a resume with a
-    // larger --max-steps, it continues the epoch. With a checkpoint after every step the epoch
-    // end is a second checkpoint of the same step, not a skipped one.
+    // larger --max-steps, it continues the epoch. With a snapshot after every step the epoch
+    // end is a second snapshot of the same step, not a skipped one.
     let root = common::scratch("lifecycle", "max-steps-cut");
     let mut tables = Vec::new();
     for save_every in ["0", "1"] {

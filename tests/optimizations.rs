@@ -6,7 +6,7 @@ mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
 use memtrain::data::Batch;
-use memtrain::train::precision::LossScaler;
+use memtrain::step::precision::LossScaler;
 
 fn batch(n: usize, seed: u64) -> Batch {
     let (images, labels) = common::batch(n, seed);

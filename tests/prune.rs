@@ -11,13 +11,11 @@ use common::{
 
 use candle_core::{DType, Device, Tensor};
 use memtrain::config::{ConvKind, OptimizerKind, TrainConfig};
-use memtrain::train::checkpoint::{
-    Checkpoint, CHECKPOINTS_DIR, MASKS_FILE, MODEL_FILE, OPTIMIZER_FILE,
-};
 use memtrain::train::prune::{
     is_pruned, load_sparse, magnitude_mask, save_sparse, zeros_for, IndexEncoding, Schedule,
     DENSE_MODEL_FILE, POWER, SPARSE_MODEL_FILE,
 };
+use memtrain::train::snapshot::{Snapshot, MASKS_FILE, MODEL_FILE, OPTIMIZER_FILE, SNAPSHOTS_DIR};
 use memtrain::train::{Trainer, TrainerOptions};
 use std::collections::HashMap;
 use std::path::Path;
@@ -473,7 +471,7 @@ fn bad_prune_flags_exit_2_with_one_line() {
 // ---------------------------------------------------------------------------------------------
 // Resume
 
-/// 8 steps per epoch, 20 epochs (160 steps), a checkpoint every 2 steps; the schedule spans the
+/// 8 steps per epoch, 20 epochs (160 steps), a snapshot every 2 steps; the schedule spans the
 /// kill so masks are recomputed both before and after the resume.
 fn resume_args(out: &Path) -> Vec<String> {
     let mut a = flags(
@@ -486,7 +484,7 @@ fn resume_args(out: &Path) -> Vec<String> {
 }
 
 fn last_checkpoint(run_dir: &Path) -> Option<usize> {
-    std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR))
+    std::fs::read_dir(run_dir.join(SNAPSHOTS_DIR))
         .ok()?
         .filter_map(|e| e.ok())
         .filter_map(|e| {
@@ -519,7 +517,7 @@ fn killed_and_resumed_pruned_run_is_bit_identical() {
         );
         assert!(
             start.elapsed() < Duration::from_secs(120),
-            "no checkpoint 20 in 2 minutes"
+            "no snapshot 20 in 2 minutes"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -537,7 +535,7 @@ fn killed_and_resumed_pruned_run_is_bit_identical() {
     assert_ok(&out, "the resumed run");
     assert!(text(&out.stdout).contains("resuming from"));
 
-    let step = |d: &Path| d.join(CHECKPOINTS_DIR).join("step-000160");
+    let step = |d: &Path| d.join(SNAPSHOTS_DIR).join("step-000160");
     for file in [MODEL_FILE, OPTIMIZER_FILE, MASKS_FILE] {
         assert_same(
             &tensors(&step(&dir).join(file)),
@@ -557,16 +555,16 @@ fn killed_and_resumed_pruned_run_is_bit_identical() {
         "every mask prunes"
     );
 
-    // The masks file is covered by the checkpoint's hashes: a damaged one is skipped.
+    // The masks file is covered by the snapshot's hashes: a damaged one is skipped.
     let newest = step(&dir).join(MASKS_FILE);
     let mut bytes = std::fs::read(&newest).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
     std::fs::write(&newest, bytes).unwrap();
-    let ck = Checkpoint::find_latest(&dir).unwrap();
+    let ck = Snapshot::find_latest(&dir).unwrap();
     assert!(
         ck.state.global_step < 160,
-        "fell back to an older checkpoint"
+        "fell back to an older snapshot"
     );
     assert!(
         ck.skipped
@@ -583,7 +581,7 @@ fn killed_and_resumed_pruned_run_is_bit_identical() {
     let out = run(&changed);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(
-        text(&out.stderr).contains("prune_every: checkpoint 6, now 7"),
+        text(&out.stderr).contains("prune_every: snapshot 6, now 7"),
         "{}",
         text(&out.stderr)
     );

@@ -1,6 +1,6 @@
 //! Checkpoints and resume: a run killed with SIGKILL or stopped with SIGINT and then resumed ends
-//! with bit-identical weights to an uninterrupted run; a diverging run leaves the last checkpoint
-//! intact; a damaged newest checkpoint is skipped for an older one.
+//! with bit-identical weights to an uninterrupted run; a diverging run leaves the last snapshot
+//! intact; a damaged newest snapshot is skipped for an older one.
 //!
 //! Most tests run the `train_cifar10` example as a child process (built on first use; a no-op
 //! after `cargo test`, which builds the examples anyway).
@@ -15,8 +15,8 @@ use candle_core::{Device, Tensor};
 use memtrain::callbacks::{BatchInfo, Callback};
 use memtrain::config::{Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::train::checkpoint::{
-    Checkpoint, CHECKPOINTS_DIR, LATEST_FILE, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE,
+use memtrain::train::snapshot::{
+    Snapshot, LATEST_FILE, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE, SNAPSHOTS_DIR,
 };
 use memtrain::train::{Trainer, TrainerOptions};
 use std::collections::HashMap;
@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// Flags of every child run: 8 steps per epoch, 20 epochs (160 steps), a checkpoint every 2 steps.
+/// Flags of every child run: 8 steps per epoch, 20 epochs (160 steps), a snapshot every 2 steps.
 fn run_args(out: &Path) -> Vec<String> {
     let mut a: Vec<String> =
         "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --epochs 20 \
@@ -55,9 +55,9 @@ fn spawn(args: &[String]) -> Child {
         .expect("train_cifar10 starts")
 }
 
-/// Steps of the complete checkpoints in `run_dir`, ascending.
+/// Steps of the complete snapshots in `run_dir`, ascending.
 fn checkpoint_steps(run_dir: &Path) -> Vec<usize> {
-    let Ok(entries) = std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR)) else {
+    let Ok(entries) = std::fs::read_dir(run_dir.join(SNAPSHOTS_DIR)) else {
         return Vec::new();
     };
     let mut steps: Vec<usize> = entries
@@ -74,21 +74,19 @@ fn checkpoint_steps(run_dir: &Path) -> Vec<usize> {
 }
 
 fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
-    run_dir
-        .join(CHECKPOINTS_DIR)
-        .join(format!("step-{step:06}"))
+    run_dir.join(SNAPSHOTS_DIR).join(format!("step-{step:06}"))
 }
 
-/// Wait until `child` has written a checkpoint of at least `step`; fails if it exits first.
+/// Wait until `child` has written a snapshot of at least `step`; fails if it exits first.
 fn wait_for_checkpoint(child: &mut Child, run_dir: &Path, step: usize) {
     let start = Instant::now();
     while checkpoint_steps(run_dir).last().is_none_or(|&s| s < step) {
         if let Some(status) = child.try_wait().unwrap() {
-            panic!("the child exited ({status}) before writing checkpoint {step}");
+            panic!("the child exited ({status}) before writing snapshot {step}");
         }
         assert!(
             start.elapsed() < Duration::from_secs(120),
-            "no checkpoint {step} after 2 minutes"
+            "no snapshot {step} after 2 minutes"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -125,7 +123,7 @@ fn assert_same_tensors(a: &Path, b: &Path) {
     }
 }
 
-/// Model and optimizer of two checkpoints are bit-identical, and so are their counters.
+/// Model and optimizer of two snapshots are bit-identical, and so are their counters.
 fn assert_same_checkpoint(a: &Path, b: &Path) {
     assert_same_tensors(&a.join(MODEL_FILE), &b.join(MODEL_FILE));
     assert_same_tensors(&a.join(OPTIMIZER_FILE), &b.join(OPTIMIZER_FILE));
@@ -161,20 +159,20 @@ fn reference() -> &'static Path {
         assert_eq!(
             checkpoint_steps(&dir).last(),
             Some(&TOTAL_STEPS),
-            "final checkpoint of the uninterrupted run"
+            "final snapshot of the uninterrupted run"
         );
         dir
     })
 }
 
-/// The final checkpoint of the reference run.
+/// The final snapshot of the reference run.
 fn reference_final() -> PathBuf {
     step_dir(reference(), TOTAL_STEPS)
 }
 
-/// No temporary or half-replaced checkpoint directories are left.
+/// No temporary or half-replaced snapshot directories are left.
 fn assert_no_leftovers(run_dir: &Path) {
-    let left: Vec<String> = std::fs::read_dir(run_dir.join(CHECKPOINTS_DIR))
+    let left: Vec<String> = std::fs::read_dir(run_dir.join(SNAPSHOTS_DIR))
         .unwrap()
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -204,7 +202,7 @@ fn kill_9_mid_run_then_resume_gives_bit_identical_weights() {
         "the run finished before it could be killed; give it more --epochs"
     );
     let killed_at = *checkpoint_steps(&dir).last().unwrap();
-    assert!(killed_at < TOTAL_STEPS, "killed after the last checkpoint");
+    assert!(killed_at < TOTAL_STEPS, "killed after the last snapshot");
 
     let mut resume = args.clone();
     resume.extend(["--resume".to_string(), dir.display().to_string()]);
@@ -221,10 +219,10 @@ fn kill_9_mid_run_then_resume_gives_bit_identical_weights() {
     assert_eq!(
         checkpoint_steps(&dir).len(),
         2,
-        "only the last two checkpoints are kept"
+        "only the last two snapshots are kept"
     );
     assert_eq!(
-        std::fs::read_to_string(dir.join(CHECKPOINTS_DIR).join(LATEST_FILE))
+        std::fs::read_to_string(dir.join(SNAPSHOTS_DIR).join(LATEST_FILE))
             .unwrap()
             .trim(),
         format!("step-{TOTAL_STEPS:06}")
@@ -270,7 +268,7 @@ fn sigint_saves_checkpoint_and_summary_then_exits_130_and_resumes() {
     assert_eq!(summary["status"], "interrupted");
     let steps = summary["steps"].as_u64().unwrap() as usize;
     assert!((6..TOTAL_STEPS).contains(&steps), "stopped at step {steps}");
-    // The step in flight was finished and saved: the newest checkpoint is the summary's step.
+    // The step in flight was finished and saved: the newest snapshot is the summary's step.
     assert_eq!(checkpoint_steps(&dir).last(), Some(&steps));
     assert_no_leftovers(&dir);
 
@@ -296,7 +294,7 @@ fn damaged_newest_checkpoint_is_skipped_with_a_warning() {
     let mut resume = run_args(&dir);
     resume.extend(["--resume".to_string(), dir.display().to_string()]);
     let out = run(&resume);
-    assert_ok(&out, "resuming past a damaged checkpoint");
+    assert_ok(&out, "resuming past a damaged snapshot");
     let stderr = text(&out.stderr);
     assert!(
         stderr.lines().any(|l| l.starts_with("warning:")
@@ -306,9 +304,9 @@ fn damaged_newest_checkpoint_is_skipped_with_a_warning() {
     );
     assert!(
         text(&out.stdout).contains(&format!("step {}", TOTAL_STEPS - 2)),
-        "resumed from the older checkpoint"
+        "resumed from the older snapshot"
     );
-    // The two steps from the older checkpoint were trained again and the damaged one replaced.
+    // The two steps from the older snapshot were trained again and the damaged one replaced.
     assert_same_checkpoint(&newest, &reference_final());
     assert_no_leftovers(&dir);
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -328,7 +326,7 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
         text(&out.stdout)
     );
 
-    // Flags left out come from the checkpoint; --epochs may grow.
+    // Flags left out come from the snapshot; --epochs may grow.
     let out = run(&[
         "--resume".to_string(),
         dir.display().to_string(),
@@ -337,7 +335,7 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
     ]);
     assert_ok(&out, "extending a finished run");
     assert!(
-        text(&out.stdout).contains("epochs: checkpoint 20, now 21"),
+        text(&out.stdout).contains("epochs: snapshot 20, now 21"),
         "stdout:\n{}",
         text(&out.stdout)
     );
@@ -346,8 +344,8 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
 }
 
 /// A huge learning rate after one good epoch makes the run fail with a one-line non-finite
-/// error. Nothing is written after the failure: with checkpoints only at epoch ends the
-/// checkpoint directory is byte for byte what it was; with one after every step the newest is
+/// error. Nothing is written after the failure: with snapshots only at epoch ends the
+/// snapshot directory is byte for byte what it was; with one after every step the newest is
 /// the last step that succeeded, and it loads with finite weights.
 fn diverging_run_leaves_checkpoint_intact(precision: &str) {
     let root = common::scratch("resume", &format!("diverge-{precision}"));
@@ -363,7 +361,7 @@ fn diverging_run_leaves_checkpoint_intact(precision: &str) {
         first.extend(["--epochs", "1", "--out"].map(String::from));
         first.push(dir.display().to_string());
         assert_ok(&run(&first), "the first epoch");
-        let before = snapshot(&dir.join(CHECKPOINTS_DIR));
+        let before = snapshot(&dir.join(SNAPSHOTS_DIR));
         assert_eq!(checkpoint_steps(&dir), vec![8]);
 
         let mut diverge = base.clone();
@@ -395,8 +393,8 @@ fn diverging_run_leaves_checkpoint_intact(precision: &str) {
         assert_no_leftovers(&dir);
         if save_every == "0" {
             assert!(
-                before == snapshot(&dir.join(CHECKPOINTS_DIR)),
-                "the checkpoints changed after the failure"
+                before == snapshot(&dir.join(SNAPSHOTS_DIR)),
+                "the snapshots changed after the failure"
             );
             continue;
         }
@@ -413,11 +411,11 @@ fn diverging_run_leaves_checkpoint_intact(precision: &str) {
                 .unwrap()
         };
         let failed = num_after("epoch ") * 8 + num_after("batch ");
-        let ck = Checkpoint::find_latest(&dir).expect("the newest checkpoint loads");
+        let ck = Snapshot::find_latest(&dir).expect("the newest snapshot loads");
         assert!(ck.skipped.is_empty());
         assert_eq!(
             ck.state.global_step, failed,
-            "the newest checkpoint is the last step that succeeded"
+            "the newest snapshot is the last step that succeeded"
         );
         for (name, t) in tensors(&ck.dir.join(MODEL_FILE)) {
             assert!(
@@ -501,7 +499,7 @@ fn restore_brings_back_every_piece_of_state() {
         assert_eq!(summary.status, memtrain::train::RunStatus::Interrupted);
         assert_eq!(a.global_step, 3);
 
-        let ck = Checkpoint::find_latest(&dir).unwrap();
+        let ck = Snapshot::find_latest(&dir).unwrap();
         assert!(ck.skipped.is_empty());
         assert_eq!(
             (ck.state.global_step, ck.state.epoch, ck.state.next_batch),
@@ -542,7 +540,7 @@ fn restore_brings_back_every_piece_of_state() {
 }
 
 /// A snapshot taken in memory and restored into a fresh trainer continues bit for bit: both
-/// train the same next steps to the same weights. No file is involved (checkpoints only store
+/// train the same next steps to the same weights. No file is involved (snapshots only store
 /// the state); a state of other data or another model is refused before anything changes.
 #[test]
 fn snapshot_and_restore_continue_in_memory() {
@@ -628,7 +626,7 @@ fn conflicting_config_lists_every_difference() {
     )
     .unwrap();
     t.fit().unwrap();
-    let ck = Checkpoint::find_latest(&dir).unwrap();
+    let ck = Snapshot::find_latest(&dir).unwrap();
     let now = TrainConfig {
         width: 8,
         precision: Precision::Bf16,
@@ -640,14 +638,14 @@ fn conflicting_config_lists_every_difference() {
         .expect_err("a conflict")
         .to_string();
     assert!(
-        err.contains("width: checkpoint 4, now 8; precision: checkpoint f32, now bf16"),
+        err.contains("width: snapshot 4, now 8; precision: snapshot f32, now bf16"),
         "{err}"
     );
     assert!(!err.contains("epochs"), "epochs may change: {err}");
     assert!(!err.contains('\n'));
     assert_eq!(
         ck.noted_changes(&now),
-        vec!["epochs: checkpoint 2, now 5".to_string()]
+        vec!["epochs: snapshot 2, now 5".to_string()]
     );
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }

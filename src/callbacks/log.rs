@@ -5,9 +5,9 @@
 //! `memory.json` is rewritten atomically at each epoch end and at the end (`summary.json` is
 //! written by the trainer once the run's last memory reading is in).
 //!
-//! A resumed run first repairs the files to its checkpoint: `batches.csv` keeps the rows of the
-//! steps before the checkpoint (rows of later steps, and a row torn by the kill, are dropped)
-//! and `epochs.csv` is rewritten from the ended epochs the checkpoint carries, so both describe
+//! A resumed run first repairs the files to its snapshot: `batches.csv` keeps the rows of the
+//! steps before the snapshot (rows of later steps, and a row torn by the kill, are dropped)
+//! and `epochs.csv` is rewritten from the ended epochs the snapshot carries, so both describe
 //! the whole run, as an uninterrupted run's would.
 
 use super::{BatchInfo, Callback, EpochEnd, EpochStats, TrainBegin, TrainEnd};
@@ -139,14 +139,14 @@ impl MetricsLogger {
 impl Callback for MetricsLogger {
     fn on_train_begin(&mut self, ctx: &TrainBegin<'_>) -> Result<()> {
         let (batches_path, epochs_path) = (self.dir.join(BATCHES_CSV), self.dir.join(EPOCHS_CSV));
-        // Resuming keeps the rows of the steps before the checkpoint and drops the rest; a new
+        // Resuming keeps the rows of the steps before the snapshot and drops the rest; a new
         // run starts both files with their headers.
         let batches = if ctx.global_step > 0 {
             let kept = kept_batch_rows(&batches_path, ctx.global_step);
             let rows = kept.lines().count() - 1;
             if rows < ctx.global_step {
                 eprintln!(
-                    "warning: {} held the rows of {rows} of the {} steps before the checkpoint; the others are lost (the file was removed or replaced)",
+                    "warning: {} held the rows of {rows} of the {} steps before the snapshot; the others are lost (the file was removed or replaced)",
                     batches_path.display(),
                     ctx.global_step
                 );

@@ -3,7 +3,7 @@
 //!
 //! At batch 128 this network is launch-bound on an H100: its kernels are short and there are
 //! hundreds of them per step. A graph replays all of them from one host call. What makes the
-//! lean step ([`super::lean`]) capturable:
+//! lean step ([`crate::step::tape`]) capturable:
 //!
 //! - **Allocation-stable.** Every step allocates the same buffers in the same order. Allocations
 //!   made while capturing become the graph's own (stream-ordered allocations are capturable); a
@@ -13,9 +13,9 @@
 //!   allocated when the next launch begins, and this frees them in the launch, at the same
 //!   addresses.
 //! - **Nothing waits for the device.** The step reads nothing back while it runs
-//!   ([`super::lean::LeanStep::run_deferred`] leaves the loss on the device); the batch is copied
+//!   ([`crate::step::tape::LeanStep::run_deferred`] leaves the loss on the device); the batch is copied
 //!   into two static input tensors *before* the launch; BatchNorm running statistics are written
-//!   into their tensors in place ([`super::lean::LeanStep::with_stats_in_place`]), since the graph
+//!   into their tensors in place ([`crate::step::tape::LeanStep::with_stats_in_place`]), since the graph
 //!   keeps using the addresses it saw; parameters are read from the `Var`s, which the optimizer
 //!   updates in place. The few small host-to-device uploads inside Candle ops (the class indices of
 //!   the loss, strides of non-contiguous operands) are served by Candle's graph upload cache,
@@ -201,8 +201,9 @@ mod cuda {
     use super::{next_action, BatchGrads, GraphAction, GraphStats};
     use crate::data::IMAGE_BYTES;
     use crate::error::{Error, Result};
-    use crate::train::accumulate::GradAccumulator;
-    use crate::train::lean::{LeanStep, NoObserver};
+    use crate::step::accumulate::GradAccumulator;
+    use crate::step::tape::{LeanStep, NoObserver};
+    use crate::step::{for_each_micro_batch, BatchInput};
     use crate::train::Trainer;
 
     /// What the captured body returns: device tensors that a replay rewrites in place.
@@ -252,21 +253,19 @@ mod cuda {
 
         /// The step's forward and backward on the static inputs, reading nothing back.
         fn body(&self, t: &Trainer, loss_scale: f64) -> Result<Outputs> {
-            let k = t.config.accum_steps;
-            let mb = self.y.dim(0)? / k;
             let dtype = t.config.precision.compute_dtype();
             let mut acc = GradAccumulator::new(t.vars().len());
-            let (mut losses, mut corrects) = (Vec::with_capacity(k), Vec::with_capacity(k));
-            for i in 0..k {
-                let x = self.x.narrow(0, i * mb, mb)?;
-                let y = self.y.narrow(0, i * mb, mb)?;
+            let batch = BatchInput::Device {
+                x: &self.x,
+                y: &self.y,
+            };
+            let results = for_each_micro_batch(batch, t.config.accum_steps, loss_scale, |mb| {
                 let segments = t.model.segments(t.config.grad_checkpointing);
-                let r = LeanStep::new(&t.model, dtype, segments)
+                LeanStep::new(&t.model, dtype, segments)
                     .with_stats_in_place()
-                    .run_deferred(&x, &y, loss_scale / k as f64, &mut acc, &mut NoObserver)?;
-                losses.push(r.loss);
-                corrects.push(r.correct);
-            }
+                    .run_deferred(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
+            })?;
+            let (losses, corrects) = results.into_iter().map(|r| (r.loss, r.correct)).unzip();
             Ok(Outputs {
                 losses,
                 corrects,

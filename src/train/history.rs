@@ -1,8 +1,8 @@
 //! The run's history: what the summary, the epoch table and the memory log need from the steps
 //! already taken, so that a resumed run reports the whole run, not only the part after the
-//! checkpoint.
+//! snapshot.
 //!
-//! Every checkpoint stores it (`history.json`, hashed like the other files), beside the memory
+//! Every snapshot stores it (`history.json`, hashed like the other files), beside the memory
 //! log of the steps and ended epochs (`memory.json`). A run interrupted
 //! inside an epoch, or after the epoch's last step but before its evaluation, keeps the epoch's
 //! running sums in [`RunHistory::progress`]; the resumed run adds its steps to them and then

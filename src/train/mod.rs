@@ -1,18 +1,24 @@
-//! The one training loop and its mechanisms: mixed precision with a dynamic loss scaler,
-//! gradient accumulation, gradient checkpointing (recomputation), the optimizers and magnitude
-//! pruning; the run's [`TrainState`] and its storage as save/resume checkpoints
-//! ([`checkpoint`]).
+//! A training run around the step ([`crate::step`]): the [`Trainer`] and the loop that drives it,
+//! each concern in its own module.
+//!
+//! - [`trainer`]: a run and how it is built from a [`crate::TrainConfig`];
+//! - [`fit`]: the training loop (epochs, evaluation, snapshots, callbacks);
+//! - [`phases`]: one optimizer step as phases with memory readings and hooks;
+//! - [`resume`], [`state`], [`snapshot`], [`history`]: save/resume — the run's [`TrainState`],
+//!   taken and put back, and its storage in the run directory;
+//! - [`diagnose`]: out-of-memory snapshots and divergence advice;
+//! - [`prune`]: magnitude pruning; [`graph`]: `--cuda-graph`; [`summary`]: `summary.json`;
+//!   [`run_dir`]: one writer per run directory.
 
-pub mod accumulate;
-pub mod checkpoint;
+pub mod diagnose;
+pub mod fit;
 pub mod graph;
 pub mod history;
-pub mod lean;
-pub mod optim;
-pub mod precision;
+pub mod phases;
 pub mod prune;
-pub mod reference;
+pub mod resume;
 pub mod run_dir;
+pub mod snapshot;
 pub mod state;
 pub mod summary;
 pub mod trainer;

@@ -14,7 +14,7 @@
 //! - **Keeping them zero**: after every optimizer step the masks are applied again, since the
 //!   update (momentum, weight decay) moves pruned weights away from 0; the optimizer state of a
 //!   pruned weight is zeroed too, so no momentum is kept for a weight that no longer exists and a
-//!   checkpoint's state is the state of the pruned model. The schedule only grows the sparsity
+//!   snapshot's state is the state of the pruned model. The schedule only grows the sparsity
 //!   (`initial ≤ final`), and a pruned weight is exactly 0, the smallest magnitude, so a
 //!   recomputed mask keeps every weight pruned before.
 //! - **Memory**: a mask is one byte per pruned weight (`DType::U8`), allocated with the trainer
@@ -27,9 +27,9 @@
 //!   `i / 8`) or `W.indices` (u32 flat indices), whichever is smaller: the bitmask below about
 //!   97% sparsity (n/8 bytes against 4 bytes per kept weight). Every other tensor is stored dense.
 
-use super::optim::Optimizer;
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
+use crate::step::optim::Optimizer;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -38,7 +38,7 @@ use std::path::Path;
 /// Exponent of the polynomial decay (Keras' `PolynomialDecay` default).
 pub const POWER: f64 = 3.0;
 /// The final dense model of a pruned run, in the run directory (parameters and BatchNorm
-/// statistics, as a checkpoint's `model.safetensors`).
+/// statistics, as a snapshot's `model.safetensors`).
 pub const DENSE_MODEL_FILE: &str = "model.safetensors";
 /// The same model in the sparse form of [`save_sparse`], in the run directory.
 pub const SPARSE_MODEL_FILE: &str = "model-sparse.safetensors";
@@ -238,7 +238,7 @@ impl Pruner {
         Ok(())
     }
 
-    /// The masks by parameter name (for checkpoints).
+    /// The masks by parameter name (for snapshots).
     pub fn masks(&self) -> Vec<(String, Tensor)> {
         self.layers
             .iter()
@@ -249,15 +249,15 @@ impl Pruner {
     /// Restore masks saved by [`Pruner::masks`]: every pruned parameter's mask, u8, of its shape.
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] naming a missing, unknown or misshapen mask.
+    /// [`Error::Snapshot`] naming a missing, unknown or misshapen mask.
     pub fn load_masks(&mut self, mut named: HashMap<String, Tensor>) -> Result<()> {
         let mut loaded = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let t = named
                 .remove(&l.name)
-                .ok_or_else(|| Error::Checkpoint(format!("no pruning mask for '{}'", l.name)))?;
+                .ok_or_else(|| Error::Snapshot(format!("no pruning mask for '{}'", l.name)))?;
             if t.dtype() != DType::U8 || t.shape() != l.mask.shape() {
-                return Err(Error::Checkpoint(format!(
+                return Err(Error::Snapshot(format!(
                     "pruning mask '{}' is {:?} {:?}, the parameter needs {:?} U8",
                     l.name,
                     t.dtype(),
@@ -274,7 +274,7 @@ impl Pruner {
             loaded.push((t.to_device(l.mask.device())?, zeros));
         }
         if let Some(name) = named.keys().next() {
-            return Err(Error::Checkpoint(format!(
+            return Err(Error::Snapshot(format!(
                 "a pruning mask for '{name}', which is not a pruned parameter"
             )));
         }
@@ -557,4 +557,42 @@ pub fn load_sparse(path: &Path, device: &Device) -> Result<HashMap<String, Tenso
         out.insert(name, t.to_device(device)?);
     }
     Ok(out)
+}
+
+impl super::Trainer {
+    /// The reached sparsity of a `--prune` run; at the end of a completed run that writes files,
+    /// also the final model dense and sparse in the run directory, with their sizes.
+    pub(super) fn finish_pruning(&self, interrupted: bool) -> Result<Option<PruneReport>> {
+        let Some(pruner) = &self.pruner else {
+            return Ok(None);
+        };
+        let mut report = pruner.report(&self.vars)?;
+        if self.log_files && !interrupted {
+            let tensors: Vec<(String, Tensor)> = self
+                .model
+                .named_vars()
+                .into_iter()
+                .map(|(n, v)| (n, v.as_detached_tensor()))
+                .chain(self.model.named_buffers())
+                .collect();
+            let dense_path = self.run_dir.join(DENSE_MODEL_FILE);
+            let dense = tensors
+                .iter()
+                .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?)))
+                .collect::<Result<std::collections::HashMap<_, _>>>()?;
+            save_atomic(&dense_path, &dense)?;
+            drop(dense);
+            let (sparse_bytes, encodings) =
+                save_sparse(&self.run_dir.join(SPARSE_MODEL_FILE), &tensors)?;
+            for layer in &mut report.layers {
+                layer.encoding = encodings
+                    .iter()
+                    .find(|(n, _)| *n == layer.name)
+                    .map(|(_, e)| *e);
+            }
+            report.dense_file_bytes = Some(file_size(&dense_path)?);
+            report.sparse_file_bytes = Some(sparse_bytes);
+        }
+        Ok(Some(report))
+    }
 }

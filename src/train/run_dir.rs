@@ -6,10 +6,10 @@
 //! directory (a second run with the same `--out`, or two `--resume` of one run) is refused with
 //! a one-line error before it writes anything.
 //!
-//! A new run refuses a directory that holds an earlier run's results or checkpoints, unless
+//! A new run refuses a directory that holds an earlier run's results or snapshots, unless
 //! `--overwrite` asks for them to be removed first; a resumed run continues its own files.
 
-use super::checkpoint::CHECKPOINTS_DIR;
+use super::snapshot::{snapshots_root, LEGACY_SNAPSHOTS_DIR, SNAPSHOTS_DIR};
 use super::summary::RunStatus;
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions, TryLockError};
@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 /// The lock file inside a run directory.
 pub const LOCK_FILE: &str = ".lock";
 
-/// Files a run writes into its directory (besides [`CHECKPOINTS_DIR`]): what `--overwrite`
+/// Files a run writes into its directory (besides [`SNAPSHOTS_DIR`]): what `--overwrite`
 /// removes and what makes a directory "hold results".
 pub const RESULT_FILES: &[&str] = &[
     super::summary::SUMMARY_FILE,
@@ -39,13 +39,13 @@ pub const RESULT_FILES: &[&str] = &[
 /// How a run uses its directory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Claim {
-    /// A new run: the directory must not hold another run's results or checkpoints, unless
+    /// A new run: the directory must not hold another run's results or snapshots, unless
     /// `overwrite` (then they are removed once the lock is held).
     New {
         /// `--overwrite`.
         overwrite: bool,
     },
-    /// `--resume`: the directory's own checkpoint and logs are continued.
+    /// `--resume`: the directory's own snapshot and logs are continued.
     Resume,
     /// Lock only (library callers that manage the directory themselves).
     #[default]
@@ -67,17 +67,17 @@ impl RunDirLock {
 }
 
 /// What in `dir` belongs to an earlier run: its result files present and whether it has
-/// checkpoints.
+/// snapshots.
 fn earlier_run(dir: &Path) -> (Vec<&'static str>, bool) {
     let files = RESULT_FILES
         .iter()
         .copied()
         .filter(|f| dir.join(f).exists())
         .collect();
-    let checkpoints = std::fs::read_dir(dir.join(CHECKPOINTS_DIR))
+    let snapshots = std::fs::read_dir(snapshots_root(dir))
         .map(|mut d| d.next().is_some())
         .unwrap_or(false);
-    (files, checkpoints)
+    (files, snapshots)
 }
 
 /// The status an earlier run's `summary.json` records, for the error message.
@@ -93,17 +93,17 @@ fn earlier_status(dir: &Path) -> Option<RunStatus> {
         .map(|s| s.status)
 }
 
-/// Refuse `dir` for a new run when it holds an earlier run's results or checkpoints (no lock
+/// Refuse `dir` for a new run when it holds an earlier run's results or snapshots (no lock
 /// taken: for failing early, before data is loaded). With `overwrite` nothing is refused.
 pub fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
     if overwrite || !dir.is_dir() {
         return Ok(());
     }
     let shown = dir.display();
-    let (files, checkpoints) = earlier_run(dir);
-    if checkpoints {
+    let (files, snapshots) = earlier_run(dir);
+    if snapshots {
         return Err(Error::config(format!(
-            "--out {shown} already holds checkpoints of an earlier run; continue it with --resume {shown}, replace it with --overwrite, or pass a new --out"
+            "--out {shown} already holds snapshots of an earlier run; continue it with --resume {shown}, replace it with --overwrite, or pass a new --out"
         )));
     }
     if !files.is_empty() {
@@ -155,7 +155,7 @@ pub fn claim(dir: &Path, claim: Claim) -> Result<RunDirLock> {
     })
 }
 
-/// Remove an earlier run's result files and checkpoints (`--overwrite`); other files stay.
+/// Remove an earlier run's result files and snapshots (`--overwrite`); other files stay.
 fn remove_earlier_run(dir: &Path) -> Result<()> {
     for name in RESULT_FILES {
         let path = dir.join(name);
@@ -165,10 +165,13 @@ fn remove_earlier_run(dir: &Path) -> Result<()> {
             Err(e) => return Err(Error::io(&path, e)),
         }
     }
-    let ck = dir.join(CHECKPOINTS_DIR);
-    match std::fs::remove_dir_all(&ck) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::io(&ck, e)),
+    for folder in [SNAPSHOTS_DIR, LEGACY_SNAPSHOTS_DIR] {
+        let path = dir.join(folder);
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(&path, e)),
+        }
     }
+    Ok(())
 }

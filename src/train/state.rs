@@ -2,13 +2,13 @@
 //!
 //! [`Trainer::snapshot`](super::Trainer::snapshot) takes it and
 //! [`Trainer::restore`](super::Trainer::restore) puts it back; saving and loading it is
-//! [`super::checkpoint`]'s business alone (files, hashes, atomic directories), so storage never
+//! [`super::snapshot`]'s business alone (files, hashes, atomic directories), so storage never
 //! reaches into the trainer and the trainer knows nothing of files. Tensors are held on the CPU,
-//! where a checkpoint reads and writes them.
+//! where a snapshot reads and writes them.
 
 use super::history::RunHistory;
-use super::precision::LossScaler;
 use crate::memory::MemoryLog;
+use crate::step::precision::LossScaler;
 use candle_core::Tensor;
 use std::collections::HashMap;
 
@@ -30,7 +30,7 @@ pub struct TrainState {
     /// Parameters by name ([`crate::model::Cnn::named_vars`]) and BatchNorm running statistics
     /// ([`crate::model::Cnn::named_buffers`]), f32 on the CPU.
     pub model: HashMap<String, Tensor>,
-    /// Optimizer state tensors by name ([`super::optim::Optimizer::state`]: `s1.<i>`, `s2.<i>`).
+    /// Optimizer state tensors by name ([`crate::step::optim::Optimizer::state`]: `s1.<i>`, `s2.<i>`).
     pub optimizer: HashMap<String, Tensor>,
     /// The optimizer's own step count (Adam bias correction; differs from `global_step` when the
     /// f16 loss scaler skipped steps).

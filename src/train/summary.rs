@@ -1,5 +1,8 @@
 //! `summary.json`: the headline numbers of a run.
 
+use super::Trainer;
+use crate::callbacks::EpochStats;
+use crate::device::device_name;
 use serde::{Deserialize, Serialize};
 
 /// The summary's file in a run directory.
@@ -96,4 +99,83 @@ pub struct Summary {
     /// What a `--cuda-graph` run captured: kernels per step, replays, graph memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_graph: Option<super::graph::GraphStats>,
+}
+
+/// Images per second of step time after skipping the warm-up steps (the first 3, or a quarter
+/// of the steps when there are fewer than 12). None with fewer than 2 steps.
+pub fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
+    if steps.len() < 2 {
+        return None;
+    }
+    let skip = 3.min(steps.len() / 4).max(1);
+    let (images, secs) = steps[skip..]
+        .iter()
+        .fold((0usize, 0f64), |(i, s), (n, t)| (i + n, s + t));
+    Some(images as f64 / secs.max(1e-9))
+}
+
+impl Trainer {
+    /// The summary of the whole run: `epochs` (the ended ones first, `ended` of them) and the
+    /// history's totals.
+    pub(super) fn summary(
+        &self,
+        epochs: &[EpochStats],
+        ended: usize,
+        interrupted: bool,
+        wall: f64,
+        pruning: Option<super::prune::PruneReport>,
+    ) -> Summary {
+        let mem = self.memory_log();
+        let os = self.probe.os_memory();
+        let predicted = if self.probe.available() {
+            self.memory_estimate().map(|e| e.peak)
+        } else {
+            None
+        };
+        let last = epochs.last();
+        Summary {
+            label: self.config.label(),
+            device: device_name(&self.device),
+            probe: self.probe.name().to_string(),
+            probe_available: self.probe.available(),
+            num_params: self.model.num_params(),
+            param_bytes: self.model.num_params() as u64 * 4,
+            peak_bytes: mem.peak_bytes,
+            peak_phase: mem.peak_phase.map(|p| p.to_string()),
+            baseline_bytes: mem.baseline_bytes,
+            step_peak_bytes: mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0),
+            reserved_peak_bytes: mem.reserved_peak,
+            os_view: self.probe.os_view(),
+            os_current_bytes: os.map(|o| o.current),
+            os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak),
+            memory_limit: self.config.memory_limit,
+            // The analytic estimate (src/memory/estimate.rs) against the measured peak.
+            predicted_peak_bytes: predicted,
+            prediction_error_pct: predicted.and_then(|p| prediction_error(p, mem.peak_bytes)),
+            images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
+            steady_images_per_sec: steady_throughput(&self.history.step_times),
+            steps: self.global_step,
+            epochs_completed: ended,
+            images: self.history.images,
+            final_train_loss: last.map(|e| e.train_loss),
+            final_test_accuracy: last.and_then(|e| e.eval_accuracy),
+            final_test_loss: last.and_then(|e| e.eval_loss),
+            eval_is_validation: self.eval_is_validation,
+            loss_scale: self.scaler.as_ref().map(|s| s.scale),
+            skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
+            status: if interrupted {
+                RunStatus::Interrupted
+            } else {
+                RunStatus::Ok
+            },
+            wall_secs: wall,
+            pruning,
+            cuda_graph: self.cuda_graph.stats(),
+        }
+    }
+}
+
+/// `(predicted - measured) / measured` in percent; `None` without a measurement.
+fn prediction_error(predicted: u64, measured: u64) -> Option<f64> {
+    (measured > 0).then(|| (predicted as f64 - measured as f64) / measured as f64 * 100.0)
 }

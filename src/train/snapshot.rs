@@ -1,16 +1,16 @@
-//! Training checkpoints: the storage of a [`TrainState`], everything that influences the rest of
+//! Training snapshots: the storage of a [`TrainState`], everything that influences the rest of
 //! a run, so that a resumed run continues bit for bit where the saved one was. The trainer takes
 //! the state ([`crate::train::Trainer::snapshot`]) and puts it back
 //! ([`crate::train::Trainer::restore`]); this module only writes, finds, checks and prunes the
-//! files, and keeps the [`CheckpointSaver`]'s bookkeeping (which states are saved, which are
+//! files, and keeps the [`SnapshotSaver`]'s bookkeeping (which states are saved, which are
 //! healthy).
 //!
 //! Layout inside the run directory:
 //!
 //! ```text
-//! checkpoints/
-//!   latest                      "step-000024": the newest checkpoint's directory name
-//!   step-000016/                the previous checkpoint (the last two are kept)
+//! snapshots/
+//!   latest                      "step-000024": the newest snapshot's directory name
+//!   step-000016/                the previous snapshot (the last two are kept)
 //!   step-000024/
 //!     model.safetensors         parameters by name (Cnn::named_vars) + BatchNorm running statistics
 //!     optimizer.safetensors     momentum buffers / Adam moments (Optimizer::state: s1.<i>, s2.<i>)
@@ -19,17 +19,21 @@
 //!     history.json              the run so far: ended epochs, the epoch in progress, totals
 //!                               (src/train/history.rs), so a resumed run reports the whole run
 //!     memory.json               the memory log of the steps and ended epochs so far
-//!     checkpoint.json           counters, data position, loss scaler, data fingerprint, and the
+//!     snapshot.json             counters, data position, loss scaler, data fingerprint, and the
 //!                               size and hash of the files above (written last), itself signed:
 //!                               {"state": {...}, "hash": hash of the state's exact bytes}
-//!   diverged/                   checkpoints set aside after a divergence (see below)
+//!   diverged/                   snapshots set aside after a divergence (see below)
 //! ```
 //!
-//! A checkpoint is written into `checkpoints/.tmp-step-N-PID/`, every file fsynced, then the
+//! Run directories written before save/resume was called "snapshot" hold the same files under
+//! `checkpoints/` with the manifest named `checkpoint.json`; they resume unchanged and go on
+//! saving into their `checkpoints/` folder ([`snapshots_root`]).
+//!
+//! A snapshot is written into `snapshots/.tmp-step-N-PID/`, every file fsynced, then the
 //! directory is renamed to `step-N`; only after that does `latest` change (atomically) and the
-//! older checkpoints get pruned (each renamed to `.old-step-…` before it is deleted, so a kill
+//! older snapshots get pruned (each renamed to `.old-step-…` before it is deleted, so a kill
 //! mid-deletion leaves a leftover the next save or resume removes, never a half-deleted
-//! `step-N`). A crash at any moment leaves the previous checkpoint complete. On `--resume`, the
+//! `step-N`). A crash at any moment leaves the previous snapshot complete. On `--resume`, the
 //! newest `step-N` whose manifest signature holds and whose files all match the sizes and hashes
 //! in it is used; damaged or incomplete ones are skipped with a warning when an older complete one
 //! exists, and removed once the resumed run holds the run directory's lock.
@@ -41,32 +45,37 @@
 //! batch equal to the steps per epoch means the epoch's steps are all trained but its end (the
 //! evaluation) is not done: the resumed run evaluates before it goes on.
 //!
-//! **Divergence.** A checkpoint is *healthy* when every step since the previous checkpoint had a
+//! **Divergence.** A snapshot is *healthy* when every step since the previous snapshot had a
 //! finite loss of at most [`DIVERGED_LOSS`] (four times the loss of guessing uniformly among the
 //! ten classes: a network that far off has blown up) or was skipped by the loss scaler. Pruning
-//! always keeps the newest healthy checkpoint besides the newest [`KEEP`]. When training stops on
-//! a non-finite loss or state, the checkpoints newer than the newest healthy one are moved into
-//! `checkpoints/diverged/`, so `--resume` (with a lower `--lr`) continues from before the loss
+//! always keeps the newest healthy snapshot besides the newest [`KEEP`]. When training stops on
+//! a non-finite loss or state, the snapshots newer than the newest healthy one are moved into
+//! `snapshots/diverged/`, so `--resume` (with a lower `--lr`) continues from before the loss
 //! blew up rather than from weights already wrecked.
 
 use super::history::{RunHistory, StepResult};
-use super::precision::LossScaler;
 use super::state::TrainState;
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
 use crate::io::hash_bytes;
 use crate::memory::MemoryLog;
+use crate::step::precision::LossScaler;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// Folder of the checkpoints inside a run directory.
-pub const CHECKPOINTS_DIR: &str = "checkpoints";
-/// File in [`CHECKPOINTS_DIR`] naming the newest checkpoint's directory.
+/// Folder of the snapshots inside a run directory (see [`snapshots_root`]).
+pub const SNAPSHOTS_DIR: &str = "snapshots";
+/// The folder that run directories written before save/resume was named "snapshot" use; such a
+/// run still resumes, and goes on saving there ([`snapshots_root`]).
+pub const LEGACY_SNAPSHOTS_DIR: &str = "checkpoints";
+/// File in [`SNAPSHOTS_DIR`] naming the newest snapshot's directory.
 pub const LATEST_FILE: &str = "latest";
-/// The manifest of one checkpoint (written last).
-pub const MANIFEST_FILE: &str = "checkpoint.json";
+/// The manifest of one snapshot (written last).
+pub const MANIFEST_FILE: &str = "snapshot.json";
+/// The manifest's name in snapshots written before the rename (same content).
+pub const LEGACY_MANIFEST_FILE: &str = "checkpoint.json";
 /// Parameters and BatchNorm running statistics.
 pub const MODEL_FILE: &str = "model.safetensors";
 /// Optimizer state tensors.
@@ -74,32 +83,34 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Pruning masks (`--prune` runs only): with the global step, which is the schedule's position,
 /// they make a resumed pruned run continue exactly.
 pub const MASKS_FILE: &str = "masks.safetensors";
-/// The training configuration of the checkpoint.
+/// The training configuration of the snapshot.
 pub const CONFIG_FILE: &str = "config.json";
-/// The run's history up to the checkpoint ([`RunHistory`]).
+/// The run's history up to the snapshot ([`RunHistory`]).
 pub const HISTORY_FILE: &str = "history.json";
-/// The memory log up to the checkpoint ([`MemoryLog`]).
+/// The memory log up to the snapshot ([`MemoryLog`]).
 pub const MEMORY_FILE: &str = "memory.json";
-/// Folder in [`CHECKPOINTS_DIR`] where checkpoints written after the loss blew up are moved.
+/// Folder in [`SNAPSHOTS_DIR`] where snapshots written after the loss blew up are moved.
 pub const DIVERGED_DIR: &str = "diverged";
-/// How many complete checkpoints are kept (the newest healthy one is kept besides).
+/// How many complete snapshots are kept (the newest healthy one is kept besides).
 pub const KEEP: usize = 2;
-/// A step loss above this, or a non-finite one, makes the next checkpoint unhealthy: four times
+/// A step loss above this, or a non-finite one, makes the next snapshot unhealthy: four times
 /// ln(10), the cross-entropy of a uniform guess among the ten classes.
 pub const DIVERGED_LOSS: f64 = 4.0 * std::f64::consts::LN_10;
 
 /// `format` field of every manifest.
-const FORMAT: &str = "memtrain-checkpoint";
+const FORMAT: &str = "memtrain-snapshot";
+/// `format` of the manifests written before the rename (same content), still read.
+const LEGACY_FORMAT: &str = "memtrain-checkpoint";
 /// Manifest version this build writes and reads (2: signed manifest, history, memory log).
 const VERSION: u32 = 2;
-/// Prefix of a complete checkpoint directory.
+/// Prefix of a complete snapshot directory.
 const STEP_PREFIX: &str = "step-";
-/// Prefix of a checkpoint directory being written.
+/// Prefix of a snapshot directory being written.
 const TMP_PREFIX: &str = ".tmp-step-";
-/// Prefix of a checkpoint directory being replaced by a newer write of the same step.
+/// Prefix of a snapshot directory being replaced by a newer write of the same step.
 const OLD_PREFIX: &str = ".old-step-";
 
-/// Fields that decide what the training computes; a resumed run must match the checkpoint in all.
+/// Fields that decide what the training computes; a resumed run must match the snapshot in all.
 /// (The training data itself is compared by fingerprint, so a moved data directory still resumes.)
 const MUST_MATCH: &[&str] = &[
     "width",
@@ -129,7 +140,7 @@ const NOTED: &[&str] = &[
     "clip_grad_norm",
 ];
 
-/// Size and hash of one file of a checkpoint.
+/// Size and hash of one file of a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
     /// Size in bytes.
@@ -138,21 +149,21 @@ pub struct FileEntry {
     pub hash: String,
 }
 
-/// The contents of `checkpoint.json`: the counters and positions of a checkpoint.
+/// The contents of `checkpoint.json`: the counters and positions of a snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     /// Always `memtrain-checkpoint`.
     pub format: String,
     /// Manifest version ([`VERSION`]).
     pub version: u32,
-    /// Optimizer steps taken (the step the checkpoint is named after).
+    /// Optimizer steps taken (the step the snapshot is named after).
     pub global_step: usize,
     /// Epoch the run continues in.
     pub epoch: usize,
     /// Batch within `epoch` the run continues with; equal to `steps_per_epoch` when the epoch's
     /// steps are all trained and its evaluation is still to do.
     pub next_batch: usize,
-    /// Whether every step since the previous checkpoint had a sane loss (see the module docs).
+    /// Whether every step since the previous snapshot had a sane loss (see the module docs).
     pub healthy: bool,
     /// The optimizer's own step count (Adam bias correction; differs from `global_step` when
     /// the f16 loss scaler skipped steps).
@@ -169,23 +180,23 @@ pub struct Manifest {
     pub train_fingerprint: String,
     /// The data description line of the run.
     pub data_description: String,
-    /// Size and hash of every other file of the checkpoint.
+    /// Size and hash of every other file of the snapshot.
     pub files: BTreeMap<String, FileEntry>,
 }
 
-/// A complete checkpoint read from disk (tensors held on the CPU until restored).
-pub struct Checkpoint {
+/// A complete snapshot read from disk (tensors held on the CPU until restored).
+pub struct Snapshot {
     /// The run directory it belongs to.
     pub run_dir: PathBuf,
-    /// Its own directory (`<run>/checkpoints/step-N`).
+    /// Its own directory (`<run>/snapshots/step-N`).
     pub dir: PathBuf,
     /// The training state it holds.
     pub state: TrainState,
-    /// Whether every step since the checkpoint before it had a sane loss (see the module docs).
+    /// Whether every step since the snapshot before it had a sane loss (see the module docs).
     pub healthy: bool,
     /// The configuration it was trained with.
     pub config: TrainConfig,
-    /// One line per newer checkpoint that was skipped as damaged or incomplete (print as warnings).
+    /// One line per newer snapshot that was skipped as damaged or incomplete (print as warnings).
     pub skipped: Vec<String>,
 }
 
@@ -204,37 +215,37 @@ pub fn save_point(state: &TrainState) -> SavePoint {
     )
 }
 
-/// Per-trainer checkpoint bookkeeping (a field of [`crate::train::Trainer`]).
+/// Per-trainer snapshot bookkeeping (a field of [`crate::train::Trainer`]).
 #[derive(Debug, Default)]
-pub struct CheckpointSaver {
-    /// Write checkpoints into the run directory (set from `TrainerOptions::log_files`).
+pub struct SnapshotSaver {
+    /// Write snapshots into the run directory (set from `TrainerOptions::log_files`).
     pub enabled: bool,
-    /// The [`SavePoint`] of the newest checkpoint written or restored.
+    /// The [`SavePoint`] of the newest snapshot written or restored.
     last: Option<SavePoint>,
-    /// Global step of the newest healthy checkpoint on disk.
+    /// Global step of the newest healthy snapshot on disk.
     last_healthy: Option<usize>,
-    /// A step since the newest checkpoint had a loss past [`DIVERGED_LOSS`] or a non-finite one.
+    /// A step since the newest snapshot had a loss past [`DIVERGED_LOSS`] or a non-finite one.
     unhealthy_since_save: bool,
-    /// Whether the newest checkpoint is healthy (a second save of the same step, at another
+    /// Whether the newest snapshot is healthy (a second save of the same step, at another
     /// position, inherits it).
     last_was_healthy: bool,
 }
 
-impl CheckpointSaver {
-    /// A saver that writes checkpoints when `enabled`.
+impl SnapshotSaver {
+    /// A saver that writes snapshots when `enabled`.
     pub fn new(enabled: bool) -> Self {
-        CheckpointSaver {
+        SnapshotSaver {
             enabled,
             ..Default::default()
         }
     }
 
-    /// Global step of the newest checkpoint this trainer wrote or restored.
+    /// Global step of the newest snapshot this trainer wrote or restored.
     pub fn last_step(&self) -> Option<usize> {
         self.last.map(|l| l.0)
     }
 
-    /// Global step of the newest healthy checkpoint: the one a diverged run is resumed from.
+    /// Global step of the newest healthy snapshot: the one a diverged run is resumed from.
     pub fn last_healthy(&self) -> Option<usize> {
         self.last_healthy
     }
@@ -244,7 +255,7 @@ impl CheckpointSaver {
         self.enabled && self.last != Some(point)
     }
 
-    /// Take a finished step into account for the next checkpoint's health.
+    /// Take a finished step into account for the next snapshot's health.
     pub(crate) fn note_step(&mut self, r: &StepResult) {
         let sane = r.loss.is_finite() && r.loss <= DIVERGED_LOSS;
         if !(r.skipped || sane) {
@@ -253,7 +264,7 @@ impl CheckpointSaver {
     }
 }
 
-/// Name of the directory of the checkpoint at `step`.
+/// Name of the directory of the snapshot at `step`.
 pub fn step_dir_name(step: usize) -> String {
     format!("{STEP_PREFIX}{step:06}")
 }
@@ -286,7 +297,7 @@ fn list_steps(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     Ok(out)
 }
 
-/// Leftovers of interrupted writes under `root`: checkpoint directories (`.tmp-step-*`,
+/// Leftovers of interrupted writes under `root`: snapshot directories (`.tmp-step-*`,
 /// `.old-step-*`) and temporary files of the `latest` pointer (`.latest.*.tmp`, see
 /// [`crate::io::write_atomic`]).
 fn list_leftovers(root: &Path) -> Vec<PathBuf> {
@@ -339,7 +350,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<FileEntry> {
 /// Save named tensors as safetensors at `path`, fsync, and return the manifest entry.
 fn write_tensors(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<FileEntry> {
     candle_core::safetensors::save(tensors, path)
-        .map_err(|e| Error::Checkpoint(format!("{}: cannot write ({e})", path.display())))?;
+        .map_err(|e| Error::Snapshot(format!("{}: cannot write ({e})", path.display())))?;
     // Read back what was written: the hash then covers the bytes actually on disk.
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     std::fs::File::open(path)
@@ -351,10 +362,10 @@ fn write_tensors(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<FileE
     })
 }
 
-impl CheckpointSaver {
-    /// Write `state` (trained with `config`) as a checkpoint into `<run_dir>/checkpoints`, point
+impl SnapshotSaver {
+    /// Write `state` (trained with `config`) as a snapshot into `<run_dir>/snapshots`, point
     /// `latest` at it and prune the older ones. Returns its directory. The caller has checked
-    /// [`CheckpointSaver::wants`] and that the state is finite.
+    /// [`SnapshotSaver::wants`] and that the state is finite.
     pub fn save(
         &mut self,
         run_dir: &Path,
@@ -364,17 +375,17 @@ impl CheckpointSaver {
         let point = save_point(state);
         let step = state.global_step;
         let config_json = serde_json::to_vec_pretty(config)
-            .map_err(|e| Error::Checkpoint(format!("cannot serialize the config: {e}")))?;
+            .map_err(|e| Error::Snapshot(format!("cannot serialize the config: {e}")))?;
         let history_json = serde_json::to_vec(&state.history)
-            .map_err(|e| Error::Checkpoint(format!("cannot serialize the history: {e}")))?;
+            .map_err(|e| Error::Snapshot(format!("cannot serialize the history: {e}")))?;
         let memory_json = serde_json::to_vec(&state.memory)
-            .map_err(|e| Error::Checkpoint(format!("cannot serialize the memory log: {e}")))?;
+            .map_err(|e| Error::Snapshot(format!("cannot serialize the memory log: {e}")))?;
         let healthy = match self.last {
             Some((last, ..)) if last == step => self.last_was_healthy,
             _ => !self.unhealthy_since_save,
         };
 
-        let root = run_dir.join(CHECKPOINTS_DIR);
+        let root = snapshots_root(run_dir);
         std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
         let name = step_dir_name(step);
         let tmp = root.join(format!("{TMP_PREFIX}{step:06}-{}", std::process::id()));
@@ -430,7 +441,7 @@ impl CheckpointSaver {
         let dest = root.join(&name);
         if dest.exists() {
             // A same-step directory from an earlier process (e.g. a damaged one that resume skipped):
-            // move it aside rather than delete it first, so some checkpoint always exists.
+            // move it aside rather than delete it first, so some snapshot always exists.
             let old = root.join(format!("{OLD_PREFIX}{step:06}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&old);
             std::fs::rename(&dest, &old).map_err(|e| Error::io(&dest, e))?;
@@ -453,10 +464,10 @@ impl CheckpointSaver {
 
     /// A run resumed from `ck`: its state counts as saved, its health as known, and (saving
     /// being on, so the run directory is this process's) what an interrupted save or prune left,
-    /// and the damaged checkpoints the resume skipped, are removed.
-    pub fn resumed(&mut self, ck: &Checkpoint) {
+    /// and the damaged snapshots the resume skipped, are removed.
+    pub fn resumed(&mut self, ck: &Snapshot) {
         let step = ck.state.global_step;
-        let root = ck.run_dir.join(CHECKPOINTS_DIR);
+        let root = snapshots_root(&ck.run_dir);
         self.last = Some(save_point(&ck.state));
         self.unhealthy_since_save = false;
         self.last_was_healthy = ck.healthy;
@@ -470,14 +481,14 @@ impl CheckpointSaver {
         }
     }
 
-    /// After a divergence: move the checkpoints newer than the newest healthy one into
-    /// `checkpoints/diverged/` (replacing what an earlier divergence left there), so that
+    /// After a divergence: move the snapshots newer than the newest healthy one into
+    /// `snapshots/diverged/` (replacing what an earlier divergence left there), so that
     /// `--resume` continues from before the loss blew up. Returns how many were moved.
     pub fn set_aside_diverged(&mut self, run_dir: &Path) -> usize {
         if !self.enabled {
             return 0;
         }
-        let root = run_dir.join(CHECKPOINTS_DIR);
+        let root = snapshots_root(run_dir);
         let keep = self.last_healthy;
         let Ok(steps) = list_steps(&root) else {
             return 0;
@@ -513,11 +524,11 @@ impl CheckpointSaver {
     }
 }
 
-/// Keep the checkpoint at `current`, the newest one before it and the newest healthy one;
-/// remove the rest and any leftovers of interrupted writes. Checkpoints past `current` can only
+/// Keep the snapshot at `current`, the newest one before it and the newest healthy one;
+/// remove the rest and any leftovers of interrupted writes. Snapshots past `current` can only
 /// be damaged ones a resume skipped (it always continues from the newest complete one), so they
 /// go too. Each is renamed to a leftover name first, so a kill mid-deletion leaves a leftover the
-/// next call removes. Best effort: a checkpoint that cannot be removed costs disk space, not
+/// next call removes. Best effort: a snapshot that cannot be removed costs disk space, not
 /// correctness.
 fn prune(root: &Path, current: usize, healthy: Option<usize>) {
     let Ok(steps) = list_steps(root) else { return };
@@ -547,7 +558,7 @@ fn sign(state: &Manifest) -> Result<Vec<u8>> {
         hash: String,
     }
     let fail =
-        |e: serde_json::Error| Error::Checkpoint(format!("cannot serialize the manifest: {e}"));
+        |e: serde_json::Error| Error::Snapshot(format!("cannot serialize the manifest: {e}"));
     let raw = serde_json::value::RawValue::from_string(
         serde_json::to_string_pretty(state).map_err(fail)?,
     )
@@ -573,7 +584,7 @@ fn verify(bytes: &[u8]) -> std::result::Result<Manifest, Reason> {
                 .and_then(|v| v.get("version")?.as_u64());
             return Err(match version {
                 Some(v) => {
-                    format!("checkpoint format version {v} (this build reads version {VERSION})")
+                    format!("snapshot format version {v} (this build reads version {VERSION})")
                 }
                 None => format!("damaged {MANIFEST_FILE} ({e})"),
             });
@@ -587,15 +598,39 @@ fn verify(bytes: &[u8]) -> std::result::Result<Manifest, Reason> {
     serde_json::from_str(signed.state.get()).map_err(|e| format!("damaged {MANIFEST_FILE} ({e})"))
 }
 
-/// Why a checkpoint directory cannot be used (one phrase, for warnings and errors).
+/// The snapshots' folder of `run_dir`: [`SNAPSHOTS_DIR`], or [`LEGACY_SNAPSHOTS_DIR`] in a run
+/// directory written before the rename (so such a run resumes and keeps one folder).
+pub fn snapshots_root(run_dir: &Path) -> PathBuf {
+    let root = run_dir.join(SNAPSHOTS_DIR);
+    let legacy = run_dir.join(LEGACY_SNAPSHOTS_DIR);
+    if !root.exists() && legacy.is_dir() {
+        legacy
+    } else {
+        root
+    }
+}
+
+/// The manifest of the snapshot directory `dir`: [`MANIFEST_FILE`], or [`LEGACY_MANIFEST_FILE`]
+/// in a snapshot written before the rename.
+fn manifest_path(dir: &Path) -> PathBuf {
+    let path = dir.join(MANIFEST_FILE);
+    let legacy = dir.join(LEGACY_MANIFEST_FILE);
+    if !path.exists() && legacy.exists() {
+        legacy
+    } else {
+        path
+    }
+}
+
+/// Why a snapshot directory cannot be used (one phrase, for warnings and errors).
 type Reason = String;
 
 /// A manifest is a few KiB; anything past this is not one.
 const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
-/// Read and verify one checkpoint directory.
-fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Checkpoint, Reason> {
-    let manifest_path = dir.join(MANIFEST_FILE);
+/// Read and verify one snapshot directory.
+fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Snapshot, Reason> {
+    let manifest_path = manifest_path(dir);
     let text = match crate::io::read_capped(&manifest_path, MAX_MANIFEST_BYTES) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -604,14 +639,14 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
         Err(e) => return Err(format!("cannot read {MANIFEST_FILE} ({e})")),
     };
     let state = verify(&text)?;
-    if state.format != FORMAT {
+    if state.format != FORMAT && state.format != LEGACY_FORMAT {
         return Err(format!(
-            "{MANIFEST_FILE} is not a memtrain checkpoint manifest"
+            "{MANIFEST_FILE} is not a memtrain snapshot manifest"
         ));
     }
     if state.version != VERSION {
         return Err(format!(
-            "checkpoint format version {} (this build reads version {VERSION})",
+            "snapshot format version {} (this build reads version {VERSION})",
             state.version
         ));
     }
@@ -709,7 +744,7 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Chec
             state.epoch, state.next_batch
         ));
     }
-    Ok(Checkpoint {
+    Ok(Snapshot {
         run_dir: run_dir.to_path_buf(),
         dir: dir.to_path_buf(),
         healthy: state.healthy,
@@ -748,31 +783,25 @@ fn show(v: Option<&serde_json::Value>) -> String {
     }
 }
 
-/// `field: checkpoint A, now B` for each field in `keys` that differs.
+/// `field: snapshot A, now B` for each field in `keys` that differs.
 fn differences(then: &TrainConfig, now: &TrainConfig, keys: &[&str]) -> Vec<String> {
     let (Ok(a), Ok(b)) = (serde_json::to_value(then), serde_json::to_value(now)) else {
         return vec!["the configuration cannot be compared".into()];
     };
     keys.iter()
         .filter(|k| a.get(**k) != b.get(**k))
-        .map(|k| {
-            format!(
-                "{k}: checkpoint {}, now {}",
-                show(a.get(*k)),
-                show(b.get(*k))
-            )
-        })
+        .map(|k| format!("{k}: snapshot {}, now {}", show(a.get(*k)), show(b.get(*k))))
         .collect()
 }
 
-impl Checkpoint {
-    /// The newest complete checkpoint of the run in `run_dir`.
+impl Snapshot {
+    /// The newest complete snapshot of the run in `run_dir`.
     ///
-    /// Damaged or incomplete newer ones are skipped and listed in [`Checkpoint::skipped`]. Errors
-    /// (one line each): `run_dir` missing or not a directory, or no checkpoint in it
-    /// ([`Error::Config`]); no complete checkpoint ([`Error::Checkpoint`], naming the newest
+    /// Damaged or incomplete newer ones are skipped and listed in [`Snapshot::skipped`]. Errors
+    /// (one line each): `run_dir` missing or not a directory, or no snapshot in it
+    /// ([`Error::Config`]); no complete snapshot ([`Error::Snapshot`], naming the newest
     /// one's problem).
-    pub fn find_latest(run_dir: &Path) -> Result<Checkpoint> {
+    pub fn find_latest(run_dir: &Path) -> Result<Snapshot> {
         let shown = run_dir.display();
         match std::fs::metadata(run_dir) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -788,11 +817,11 @@ impl Checkpoint {
             }
             Ok(_) => {}
         }
-        let root = run_dir.join(CHECKPOINTS_DIR);
+        let root = snapshots_root(run_dir);
         let steps = list_steps(&root)?;
         if steps.is_empty() {
             return Err(Error::config(format!(
-                "--resume {shown}: no checkpoint in {} (the run stopped before its first checkpoint, or this is not a run directory); start a new run without --resume",
+                "--resume {shown}: no snapshot in {} (the run stopped before its first snapshot, or this is not a run directory); start a new run without --resume",
                 root.display()
             )));
         }
@@ -814,31 +843,31 @@ impl Checkpoint {
                 }
                 Err(reason) => {
                     skipped.push(format!(
-                        "{}: {reason}; using an older checkpoint",
+                        "{}: {reason}; using an older snapshot",
                         dir.display()
                     ));
                     first_failure.get_or_insert(format!("{}: {reason}", dir.display()));
                 }
             }
         }
-        Err(Error::Checkpoint(format!(
-            "{}; no older complete checkpoint to fall back to; start a new run without --resume",
+        Err(Error::Snapshot(format!(
+            "{}; no older complete snapshot to fall back to; start a new run without --resume",
             first_failure.unwrap_or_default()
         )))
     }
 
-    /// The path of the checkpoint's `config.json` (usable as `--config`).
+    /// The path of the snapshot's `config.json` (usable as `--config`).
     pub fn config_path(&self) -> PathBuf {
         self.dir.join(CONFIG_FILE)
     }
 
-    /// Check that `now` may continue this checkpoint and return the run's configuration: `now`
+    /// Check that `now` may continue this snapshot and return the run's configuration: `now`
     /// with `out` set to the run directory.
     ///
     /// Settings that decide the computation (width, conv, optimizer, batch size, accumulation,
     /// precision, gradient checkpointing, seed, augmentation) must match, or the error lists every
-    /// difference as `width: checkpoint 32, now 16; ...`. `--out`, when given, must name the run
-    /// directory. Other changes are allowed; see [`Checkpoint::noted_changes`].
+    /// difference as `width: snapshot 32, now 16; ...`. `--out`, when given, must name the run
+    /// directory. Other changes are allowed; see [`Snapshot::noted_changes`].
     pub fn resume_config(&self, now: &TrainConfig, out_given: bool) -> Result<TrainConfig> {
         let mut diffs = differences(&self.config, now, MUST_MATCH);
         if out_given {
@@ -858,7 +887,7 @@ impl Checkpoint {
         }
         if !diffs.is_empty() {
             return Err(Error::config(format!(
-                "--resume {}: the configuration conflicts with the checkpoint ({}); drop those flags to continue with the checkpoint's settings, or start a new run with another --out",
+                "--resume {}: the configuration conflicts with the snapshot ({}); drop those flags to continue with the snapshot's settings, or start a new run with another --out",
                 self.run_dir.display(),
                 diffs.join("; ")
             )));
@@ -870,17 +899,17 @@ impl Checkpoint {
     }
 
     /// Allowed changes that alter the rest of the run (epochs, max steps, learning-rate
-    /// schedule and optimizer hyperparameters), as `field: checkpoint A, now B`.
+    /// schedule and optimizer hyperparameters), as `field: snapshot A, now B`.
     pub fn noted_changes(&self, now: &TrainConfig) -> Vec<String> {
         differences(&self.config, now, NOTED)
     }
 }
 
-/// The newest checkpoint at or before `step` whose manifest says healthy (signature checked;
+/// The newest snapshot at or before `step` whose manifest says healthy (signature checked;
 /// files are not read).
 fn newest_healthy(root: &Path, step: usize) -> Option<usize> {
     list_steps(root).ok()?.into_iter().find_map(|(s, dir)| {
-        let bytes = crate::io::read_capped(&dir.join(MANIFEST_FILE), MAX_MANIFEST_BYTES).ok()?;
+        let bytes = crate::io::read_capped(&manifest_path(&dir), MAX_MANIFEST_BYTES).ok()?;
         (s <= step && verify(&bytes).ok()?.healthy).then_some(s)
     })
 }

@@ -1,6 +1,6 @@
 //! Forward and backward of one micro-batch through Candle's autograd, with gradient
 //! checkpointing by recomputation and a surrogate loss: the reference implementation that the
-//! lean step ([`super::lean`]) is tested against (`Trainer::reference_grads`). Training uses the
+//! lean step ([`super::tape`]) is tested against (`Trainer::reference_grads`). Training uses the
 //! lean step; this one keeps every forward tensor until its `backward` returns.
 //!
 //! Without checkpointing the whole network is one autograd graph: every activation saved for
@@ -14,19 +14,11 @@
 //! the recomputation uses the same batch statistics (same input) without updating them.
 
 use super::accumulate::GradAccumulator;
+use super::micro::MicroResult;
 use crate::config::GradCheckpointing;
 use crate::error::Result;
 use crate::model::{Cnn, Mode};
 use candle_core::{DType, Tensor, Var};
-
-/// Loss and accuracy of one micro-batch.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct MicroResult {
-    /// Mean cross-entropy (unscaled).
-    pub loss: f64,
-    /// Correct top-1 predictions.
-    pub correct: usize,
-}
 
 /// Mean cross-entropy (f32) and correct count for f32 logits and u32 labels.
 pub fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {

@@ -7,7 +7,7 @@
 //! records last block first, so a saved tensor is freed as soon as the backward that needs it has
 //! run, activation gradients are freed as soon as the next one is computed, and parameter
 //! gradients go straight into one buffer per parameter ([`GradAccumulator`]). Candle's autograd
-//! (`super::reference`) stays as the test oracle.
+//! (`super::oracle`) stays as the test oracle.
 //!
 //! What a [conv → BatchNorm → ReLU (→ 2x2 max-pool)] block saves: its conv output `h` and the
 //! per-channel batch statistics ([`crate::ops::batchnorm`] explains why `h` rather than the ReLU
@@ -28,6 +28,7 @@
 //! h_{j-1} for the weight gradient. Alive at the worst moment: h_{j-1}, dh_j, dx_j.
 
 use super::accumulate::GradAccumulator;
+use super::micro::MicroResult;
 use crate::error::Result;
 use crate::model::layers::{BatchNorm, ConvLayer};
 use crate::model::Cnn;
@@ -65,15 +66,6 @@ pub trait StepObserver {
 pub struct NoObserver;
 
 impl StepObserver for NoObserver {}
-
-/// Loss and accuracy of one micro-batch.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct MicroResult {
-    /// Mean cross-entropy (unscaled).
-    pub loss: f64,
-    /// Correct top-1 predictions.
-    pub correct: usize,
-}
 
 /// What a block keeps for its backward: the conv output and the normalization's parameters.
 struct Saved {

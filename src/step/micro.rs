@@ -1,0 +1,194 @@
+//! The one micro-batch loop (gradient accumulation): a batch of N images is split into K equal
+//! micro-batches of N/K, and each runs forward and backward into the same gradient accumulator
+//! before the optimizer sees anything. Memory follows the micro-batch, the update follows the
+//! batch.
+//!
+//! Every path that computes a batch's gradients goes through [`for_each_micro_batch`]: the
+//! trainer's step (forward and backward as separate phases with their hooks), the lean step
+//! without hooks, the autograd oracle it is tested against, and the captured CUDA graph. Each
+//! passes what one micro-batch does; the split, the loss multiplier and the order live here.
+
+use crate::data::IMAGE_BYTES;
+use crate::error::{Error, Result};
+use candle_core::{Device, Tensor};
+
+/// Loss and accuracy of one micro-batch, or of a whole batch ([`MicroResult::mean`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MicroResult {
+    /// Mean cross-entropy (unscaled).
+    pub loss: f64,
+    /// Correct top-1 predictions.
+    pub correct: usize,
+}
+
+impl MicroResult {
+    /// The batch's result from its micro-batches': the mean of the equal-sized micro-batches'
+    /// mean losses, and the sum of their correct counts.
+    pub fn mean(results: &[MicroResult]) -> MicroResult {
+        let k = results.len() as f64;
+        // Summed in micro-batch order, each term divided first: the order every path used.
+        results.iter().fold(
+            MicroResult {
+                loss: 0.0,
+                correct: 0,
+            },
+            |acc, r| MicroResult {
+                loss: acc.loss + r.loss / k,
+                correct: acc.correct + r.correct,
+            },
+        )
+    }
+}
+
+/// Where a batch is: on the host (copied to the device one micro-batch at a time, so only one
+/// micro-batch of images is on the device at once) or already on the device (a captured CUDA
+/// graph reads its inputs from fixed addresses, so its micro-batches are views of them).
+#[derive(Clone, Copy)]
+pub enum BatchInput<'a> {
+    /// f32 images (`[N, 3, 32, 32]` flattened) and u32 labels on the host.
+    Host {
+        /// The images, [`IMAGE_BYTES`] values each.
+        images: &'a [f32],
+        /// One label per image.
+        labels: &'a [u32],
+        /// The device the micro-batches go to.
+        device: &'a Device,
+    },
+    /// Images `[N, 3, 32, 32]` and labels `[N]` on the device.
+    Device {
+        /// The images.
+        x: &'a Tensor,
+        /// The labels.
+        y: &'a Tensor,
+    },
+}
+
+impl BatchInput<'_> {
+    fn len(&self) -> Result<usize> {
+        match self {
+            BatchInput::Host { images, labels, .. } => {
+                if images.len() != labels.len() * IMAGE_BYTES {
+                    return Err(Error::config(format!(
+                        "a batch of {} labels holds {} image values, not {} per image",
+                        labels.len(),
+                        images.len(),
+                        IMAGE_BYTES
+                    )));
+                }
+                Ok(labels.len())
+            }
+            BatchInput::Device { y, .. } => Ok(y.dim(0)?),
+        }
+    }
+
+    /// Images and labels `start..start + len` on the device.
+    fn slice(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            BatchInput::Host {
+                images,
+                labels,
+                device,
+            } => (
+                Tensor::from_slice(
+                    &images[start * IMAGE_BYTES..(start + len) * IMAGE_BYTES],
+                    (len, 3, 32, 32),
+                    device,
+                )?,
+                Tensor::from_slice(&labels[start..start + len], len, device)?,
+            ),
+            BatchInput::Device { x, y } => (x.narrow(0, start, len)?, y.narrow(0, start, len)?),
+        })
+    }
+}
+
+/// One micro-batch, as [`for_each_micro_batch`] hands it to the work it runs.
+pub struct MicroBatch {
+    /// Index of the micro-batch in its batch (0-based).
+    pub index: usize,
+    /// Its images `[N/K, 3, 32, 32]` (f32) on the device.
+    pub x: Tensor,
+    /// Its labels `[N/K]` (u32) on the device.
+    pub y: Tensor,
+    /// What its mean loss is multiplied by before the backward: the loss scale (f16) over K, so
+    /// that the K gradients add up to the gradient of the batch's mean loss (times the scale).
+    pub loss_mult: f64,
+}
+
+/// Runs `work` on each of the `k` micro-batches of `batch`, in order, and returns what each
+/// returned. The micro-batch's tensors are dropped when its work returns, before the next one is
+/// made. A batch that does not split into `k` equal parts is a usage error.
+pub fn for_each_micro_batch<R>(
+    batch: BatchInput<'_>,
+    k: usize,
+    loss_scale: f64,
+    mut work: impl FnMut(MicroBatch) -> Result<R>,
+) -> Result<Vec<R>> {
+    let n = batch.len()?;
+    if k == 0 || !n.is_multiple_of(k) {
+        return Err(Error::config(format!(
+            "a batch of {n} images cannot be split into {k} micro-batches"
+        )));
+    }
+    let size = n / k;
+    let loss_mult = loss_scale / k as f64;
+    let mut results = Vec::with_capacity(k);
+    for index in 0..k {
+        let (x, y) = batch.slice(index * size, size)?;
+        results.push(work(MicroBatch {
+            index,
+            x,
+            y,
+            loss_mult,
+        })?);
+    }
+    Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mean_weights_micro_batches_equally_and_sums_correct_counts() {
+        let r = MicroResult::mean(&[
+            MicroResult {
+                loss: 1.0,
+                correct: 2,
+            },
+            MicroResult {
+                loss: 3.0,
+                correct: 5,
+            },
+        ]);
+        assert_eq!(r.loss, 2.0);
+        assert_eq!(r.correct, 7);
+    }
+
+    #[test]
+    fn micro_batches_are_the_batch_in_order_with_the_loss_over_k() -> Result<()> {
+        let dev = Device::Cpu;
+        let n = 6;
+        let images: Vec<f32> = (0..n * IMAGE_BYTES).map(|i| i as f32).collect();
+        let labels: Vec<u32> = (0..n as u32).collect();
+        let batch = BatchInput::Host {
+            images: &images,
+            labels: &labels,
+            device: &dev,
+        };
+        let seen = for_each_micro_batch(batch, 3, 8.0, |mb| {
+            assert_eq!(mb.loss_mult, 8.0 / 3.0);
+            Ok((mb.index, mb.y.to_vec1::<u32>()?, mb.x.dims().to_vec()))
+        })?;
+        assert_eq!(
+            seen,
+            vec![
+                (0, vec![0, 1], vec![2, 3, 32, 32]),
+                (1, vec![2, 3], vec![2, 3, 32, 32]),
+                (2, vec![4, 5], vec![2, 3, 32, 32]),
+            ]
+        );
+        let err = for_each_micro_batch(batch, 4, 1.0, |_| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("cannot be split into 4"), "{err}");
+        Ok(())
+    }
+}

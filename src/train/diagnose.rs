@@ -1,0 +1,107 @@
+//! What went wrong, and what to do: the out-of-memory snapshot of a step that did not fit, and the
+//! advice after a loss or gradient became non-finite, both true for the run at hand.
+
+use super::Trainer;
+use crate::error::Error;
+use crate::memory::timeline::{OomSnapshot, StepTimeline, OOM_SNAPSHOT_FILE};
+
+impl Trainer {
+    /// Write [`OOM_SNAPSHOT_FILE`] for a step that ran out of memory and return the error
+    /// naming it; when the snapshot cannot be written, the error says so and stays as it was.
+    pub(super) fn write_oom_snapshot(&self, e: Error, timeline: StepTimeline) -> Error {
+        let Error::OutOfMemory {
+            limit,
+            epoch,
+            batch,
+            phase,
+            snapshot: None,
+        } = e
+        else {
+            return e;
+        };
+        let estimate = self.memory_estimate();
+        let timeline = self.with_predictions(timeline, estimate.as_ref());
+        let failed_at = match timeline.events.last() {
+            Some(last) => format!(
+                "{phase}; last event recorded: {} of {} (micro-batch {})",
+                last.phase, last.layer, last.micro_batch
+            ),
+            None => format!("{phase}, before the first layer event"),
+        };
+        let path = self.run_dir.join(OOM_SNAPSHOT_FILE);
+        let mut error = Error::OutOfMemory {
+            limit,
+            epoch,
+            batch,
+            phase,
+            snapshot: None,
+        };
+        let snapshot = OomSnapshot {
+            error: error.to_string(),
+            failed_at,
+            config: &self.config,
+            timeline,
+            estimate,
+        };
+        let written = crate::io::create_dir(&self.run_dir)
+            .and_then(|()| crate::io::write_json_atomic(&path, &snapshot));
+        match written {
+            Ok(()) => {
+                if let Error::OutOfMemory { snapshot, .. } = &mut error {
+                    *snapshot = Some(path);
+                }
+            }
+            Err(w) => eprintln!("warning: memory snapshot not written: {w}"),
+        }
+        error
+    }
+
+    /// What to do after the loss or the gradients became non-finite, true for this run: a lower
+    /// `--lr` always; f32 only for a half-precision run; clipping only when off; resuming only
+    /// when a healthy snapshot (from before the loss blew up) exists: [`Trainer::fit`] moves
+    /// the newer ones aside, so `--resume` takes it.
+    pub(crate) fn divergence_advice(&self) -> String {
+        let mut fixes = vec!["lower --lr".to_string()];
+        if self.config.precision != crate::config::Precision::F32 {
+            fixes.push("use --precision f32".into());
+        }
+        if self.config.clip_grad_norm.is_none() {
+            fixes.push("clip the gradients (--clip-grad-norm 3)".into());
+        }
+        let fixes = fixes.join(", or ");
+        let newest = self
+            .snapshots
+            .last_step()
+            .filter(|_| self.snapshots.enabled);
+        let healthy = self
+            .snapshots
+            .last_healthy()
+            .filter(|_| self.snapshots.enabled);
+        let aside = if newest > healthy {
+            format!(
+                " (the snapshots after it, written while the loss was blowing up, are moved to {})",
+                super::snapshot::snapshots_root(&self.run_dir)
+                    .join(super::snapshot::DIVERGED_DIR)
+                    .display()
+            )
+        } else {
+            String::new()
+        };
+        match healthy {
+            Some(step) => format!(
+                "{fixes}; the snapshot from before the loss blew up (step {step}) is kept{aside}: \
+                 resume it with --resume {} and such a change, or start again",
+                self.run_dir.display()
+            ),
+            None if newest.is_some() => format!(
+                "{fixes}, and start again (every snapshot was written while the loss was above \
+                 {:.1}; they are moved to {})",
+                super::snapshot::DIVERGED_LOSS,
+                super::snapshot::snapshots_root(&self.run_dir)
+                    .join(super::snapshot::DIVERGED_DIR)
+                    .display()
+            ),
+            None => format!("{fixes}, and start again (no snapshot was saved before this)"),
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The training loop: epochs of steps, an evaluation after each epoch, a snapshot at each epoch
+//! end (and every `--save-every` steps), and the callbacks' hooks around all of it. The step is
+//! [`super::phases`]; resuming, failure reports, pruning and the summary are their own modules,
+//! which the loop calls.
+
+use super::history::EpochProgress;
+use super::summary::Summary;
+use super::Trainer;
+use crate::callbacks::{Callback, EpochBegin, EpochEnd, EpochStats, TrainBegin, TrainEnd};
+use crate::data::{Batcher, BatcherOptions, Dataset};
+use crate::device::device_name;
+use crate::error::{Error, Result};
+use crate::model::Mode;
+use crate::step::oracle::loss_and_correct;
+use candle_core::Tensor;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Trainer {
+    /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, no graph), in
+    /// micro-batches so evaluation never needs more memory than a training micro-batch.
+    /// `None` when a stop was requested before or during it (checked between batches).
+    pub fn evaluate(&self, data: &Arc<Dataset>) -> Result<Option<(f64, f64)>> {
+        let bs = self.config.micro_batch().max(1);
+        let batcher = Batcher::new(
+            data.clone(),
+            BatcherOptions {
+                batch_size: bs,
+                shuffle: false,
+                augment: false,
+                drop_last: false,
+                seed: self.config.seed,
+                epoch: 0,
+                prefetch: 2,
+                start_batch: 0,
+                // The training batches' buffers: evaluation needs no more of its own.
+                recycle: Some(self.batch_buffers.clone()),
+            },
+        );
+        let dtype = self.config.precision.compute_dtype();
+        let (mut loss_sum, mut correct, mut n) = (0.0, 0usize, 0usize);
+        for b in batcher {
+            if self.stop_requested() {
+                return Ok(None);
+            }
+            let x = Tensor::from_slice(&b.images, (b.len, 3, 32, 32), &self.device)?;
+            let y = Tensor::from_slice(&b.labels, b.len, &self.device)?;
+            let logits = self.model.forward(&x, dtype, Mode::Eval)?;
+            let (loss, c) = loss_and_correct(&logits, &y)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64 * b.len as f64;
+            correct += c;
+            n += b.len;
+            self.batch_buffers.put(b.images);
+        }
+        if n == 0 {
+            return Ok(Some((f64::NAN, 0.0)));
+        }
+        Ok(Some((loss_sum / n as f64, correct as f64 / n as f64)))
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
+    }
+
+    /// Train for the configured epochs (or `--max-steps`), evaluating after each epoch.
+    ///
+    /// A stop request is honoured between steps, between evaluation batches and after every
+    /// snapshot write; the run then saves a snapshot of exactly where it is (an epoch whose
+    /// evaluation was cut short is evaluated again on resume) and returns status `interrupted`.
+    /// A resumed trainer (see [`Trainer::resume`]) continues the run's
+    /// history, so the summary, epoch table and memory log describe the whole run.
+    pub fn fit(&mut self) -> Result<Summary> {
+        let result = self.fit_inner();
+        if let Err(Error::NonFinite { .. }) = &result {
+            // The advice in the error names the healthy snapshot this leaves as the newest.
+            self.snapshots.set_aside_diverged(&self.run_dir);
+        }
+        result
+    }
+
+    fn fit_inner(&mut self) -> Result<Summary> {
+        let wall = Instant::now();
+        self.train_begin()?;
+        // The epoch cut short by an interruption, for this process's summary and callbacks.
+        let mut cut_short: Option<EpochStats> = None;
+        let mut epoch = self.start_epoch;
+        while epoch < self.config.epochs {
+            if self.stop_requested() {
+                cut_short = Some(EpochStats::default());
+                break;
+            }
+            match self.run_epoch(epoch)? {
+                EpochEnded::Nothing => break,
+                EpochEnded::Interrupted(stats) => {
+                    cut_short = Some(stats);
+                    break;
+                }
+                EpochEnded::Done => {}
+            }
+            epoch += 1;
+            self.start_batch = 0;
+        }
+        self.train_end(epoch, cut_short, wall)
+    }
+
+    /// The run's beginning: the memory recorder's and the callbacks'.
+    fn train_begin(&mut self) -> Result<()> {
+        let dev_name = device_name(&self.device);
+        self.memory.train_begin();
+        self.callbacks.on_train_begin(&TrainBegin {
+            config: &self.config,
+            run_dir: &self.run_dir,
+            device: &dev_name,
+            num_params: self.model.num_params(),
+            steps_per_epoch: self.steps_per_epoch,
+            total_steps: self.total_steps,
+            global_step: self.global_step,
+            start_epoch: self.start_epoch,
+            ended_epochs: &self.history.epochs,
+            train_images: self.train.len(),
+            eval_images: self.eval.len(),
+            probe: &*self.probe,
+            memory: self.memory.log(),
+        })
+    }
+
+    /// One epoch: its steps (from `start_batch` when it is the epoch the run starts in), its
+    /// evaluation, its end hooks and its snapshot.
+    fn run_epoch(&mut self, epoch: usize) -> Result<EpochEnded> {
+        let cfg = self.config.clone();
+        let first = if epoch == self.start_epoch {
+            self.start_batch
+        } else {
+            0
+        };
+        // An epoch begun by an earlier process continues its sums (and may only lack its
+        // evaluation: then no step is left to train, but the epoch still ends).
+        let carried = self.history.progress.take().filter(|p| p.epoch == epoch);
+        let steps = (self.steps_per_epoch - first).min(self.total_steps - self.global_step);
+        if steps == 0 && carried.is_none() {
+            return Ok(EpochEnded::Nothing);
+        }
+        self.memory.epoch_begin(epoch, cfg.reset_peak_each_epoch);
+        self.callbacks.on_epoch_begin(&EpochBegin {
+            epoch,
+            num_epochs: cfg.epochs,
+            steps,
+            global_step: self.global_step,
+            reset_peak: cfg.reset_peak_each_epoch,
+            probe: &*self.probe,
+            memory: self.memory.log(),
+        })?;
+        let mut progress = carried.unwrap_or_else(|| EpochProgress::new(epoch, cfg.lr));
+        let (next, mut interrupted) = self.train_steps(epoch, first, steps, &mut progress)?;
+        let eval = if cfg.eval && !interrupted {
+            let e = self.evaluate(&self.eval.clone())?;
+            interrupted = e.is_none();
+            e
+        } else {
+            None
+        };
+        let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        let stats = progress.stats(eval, loss_scale);
+        self.memory.epoch_end(epoch);
+        self.callbacks.on_epoch_end(&EpochEnd {
+            stats: &stats,
+            num_epochs: cfg.epochs,
+            probe: &*self.probe,
+            memory: self.memory.log(),
+        })?;
+        if interrupted {
+            // A snapshot of exactly here: the resumed run finishes this epoch's steps (if any
+            // are left) and evaluates it.
+            self.start_batch = next;
+            self.save_snapshot(epoch, next, Some(&progress))?;
+            return Ok(EpochEnded::Interrupted(stats));
+        }
+        self.history.epochs.push(stats);
+        // A snapshot at each epoch end; an epoch cut short by --max-steps keeps its position so
+        // that a longer --max-steps continues it.
+        let (epoch_next, batch_next) = if next >= self.steps_per_epoch {
+            (epoch + 1, 0)
+        } else {
+            (epoch, next)
+        };
+        self.save_snapshot(epoch_next, batch_next, None)?;
+        Ok(EpochEnded::Done)
+    }
+
+    /// `steps` steps of `epoch` from batch `first`, added to `progress`, with a snapshot every
+    /// `--save-every` steps. Returns the next batch and whether a stop request ended them early.
+    fn train_steps(
+        &mut self,
+        epoch: usize,
+        first: usize,
+        steps: usize,
+        progress: &mut EpochProgress,
+    ) -> Result<(usize, bool)> {
+        let cfg = &self.config;
+        let batcher = Batcher::new(
+            self.train.clone(),
+            BatcherOptions {
+                batch_size: cfg.batch_size,
+                shuffle: true,
+                augment: cfg.augment,
+                drop_last: true,
+                seed: cfg.seed,
+                epoch,
+                prefetch: 2,
+                start_batch: first,
+                recycle: Some(self.batch_buffers.clone()),
+            },
+        );
+        let save_every = cfg.save_every;
+        let mut next = first;
+        // Seconds from step to step, waiting for data and writing snapshots included.
+        let mut tick = Instant::now();
+        for batch in batcher.take(steps) {
+            let r = self.train_step(&batch, epoch, batch.index)?;
+            next = batch.index + 1;
+            self.batch_buffers.put(batch.images);
+            let secs = tick.elapsed().as_secs_f64();
+            tick = Instant::now();
+            progress.add(&r);
+            progress.train_secs += secs;
+            self.history.images += r.images;
+            self.history.train_secs += secs;
+            // A snapshot every --save-every steps (a state is never saved twice).
+            if save_every > 0 && self.global_step.is_multiple_of(save_every) {
+                self.save_snapshot(epoch, next, Some(progress))?;
+            }
+            if self.stop_requested() {
+                return Ok((next, true));
+            }
+        }
+        Ok((next, false))
+    }
+
+    /// The run's end at `epoch`: a snapshot of the start for a run stopped before its first step,
+    /// pruning's files, the summary, the end hooks and the run's last files.
+    fn train_end(
+        &mut self,
+        epoch: usize,
+        cut_short: Option<EpochStats>,
+        wall: Instant,
+    ) -> Result<Summary> {
+        let interrupted = cut_short.is_some();
+        if interrupted && self.snapshots.last_step().is_none() {
+            // Stopped before the first step: a snapshot of the start, so --resume can finish.
+            self.save_snapshot(epoch, self.start_batch, None)?;
+        }
+        self.start_epoch = epoch;
+        let pruning = self.finish_pruning(interrupted)?;
+        // The run's epochs; an interrupted run also shows the part of the epoch it trained.
+        let mut epochs = self.history.epochs.clone();
+        epochs.extend(cut_short.filter(|s| s.steps > 0));
+        // The last memory reading goes in before the summary, which reports the run's peak.
+        self.memory.train_end();
+        let summary = self.summary(
+            &epochs,
+            self.history.epochs.len(),
+            interrupted,
+            wall.elapsed().as_secs_f64(),
+            pruning,
+        );
+        self.callbacks.on_train_end(&TrainEnd {
+            epochs: &epochs,
+            global_step: self.global_step,
+            images_per_sec: summary.images_per_sec,
+            interrupted,
+            probe: &*self.probe,
+            memory: self.memory.log(),
+        })?;
+        if self.log_files && !self.timeline.events.is_empty() {
+            crate::io::write_json_atomic(
+                &self
+                    .run_dir
+                    .join(crate::memory::timeline::STEP_TIMELINE_FILE),
+                &self.step_timeline(),
+            )?;
+        }
+        if self.log_files {
+            crate::io::write_json_atomic(
+                &self.run_dir.join(super::summary::SUMMARY_FILE),
+                &summary,
+            )?;
+        }
+        Ok(summary)
+    }
+}
+
+/// How [`Trainer::run_epoch`] ended.
+enum EpochEnded {
+    /// No step was left to train and no epoch to finish: the run is done.
+    Nothing,
+    /// A stop request cut the epoch short (its snapshot is written).
+    Interrupted(EpochStats),
+    /// The epoch ended (its snapshot is written).
+    Done,
+}

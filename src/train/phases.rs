@@ -1,0 +1,520 @@
+//! One optimizer step as a plain sequence of phases: for each micro-batch the forward phase and
+//! the backward phase ([`crate::step::tape`], through the one micro-batch loop
+//! [`crate::step::for_each_micro_batch`]), then the optimizer phase. After each phase the CPU
+//! budget is checked, the [`MemoryRecorder`] folds the phase's peak and the callbacks' hook runs
+//! with the records; an error in a phase is named with it. Inside the phases, every layer event
+//! is a reading of the step's memory timeline.
+
+use super::history::StepResult;
+use super::Trainer;
+use crate::callbacks::{BatchInfo, Callback, CallbackList};
+use crate::data::Batch;
+use crate::error::{Error, Result};
+use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
+use crate::memory::{format_bytes, is_device_oom, MemoryLog, MemoryProbe, MemoryRecorder};
+use crate::phase::Phase;
+use crate::step::accumulate::GradAccumulator;
+use crate::step::optim::one_cycle_lr;
+use crate::step::tape::{LeanStep, NoObserver, StepEvent, StepObserver};
+use crate::step::{for_each_micro_batch, BatchInput, MicroResult};
+use candle_core::{DType, Tensor};
+use std::time::Instant;
+
+/// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
+/// must stay within the limit.
+fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phase) -> Result<()> {
+    match probe.limit() {
+        Some(limit) if probe.available() && probe.peak() > limit => Err(Error::OutOfMemory {
+            limit: format_bytes(limit),
+            epoch,
+            batch,
+            phase: phase.to_string(),
+            snapshot: None,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The squared global L2 norm of the gradients; not finite when any gradient is not.
+fn squared_norm(grads: &[Option<Tensor>]) -> Result<f64> {
+    let mut sum = 0f64;
+    for g in grads.iter().flatten() {
+        sum += g
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok(sum)
+}
+
+/// The timeline's name of the optimizer event of a step the loss scaler skipped.
+pub(super) const SKIPPED_UPDATE: &str = "optimizer (skipped)";
+
+/// `current` bytes split into categories: the step's constant ones (`fixed`), its gradient
+/// buffers and saved activations, and the rest as transient. When less is in use than the
+/// categories account for (something that was in use at the step's start was freed during it),
+/// `other` shrinks, so the categories always add up to `current`.
+fn split_categories(fixed: CategoryBytes, grads: u64, saved: u64, current: u64) -> CategoryBytes {
+    let step = fixed.params + fixed.optimizer + grads + saved;
+    let other = fixed.other.min(current.saturating_sub(step));
+    CategoryBytes {
+        grads,
+        saved,
+        other,
+        transient: current.saturating_sub(step + other),
+        ..fixed
+    }
+}
+
+/// The step being trained, for the callbacks' contexts and error messages.
+#[derive(Debug, Clone, Copy)]
+struct StepInfo {
+    epoch: usize,
+    batch: usize,
+    global_step: usize,
+    accum_steps: usize,
+    images: usize,
+    lr: f64,
+    loss_scale: Option<f64>,
+}
+
+impl StepInfo {
+    /// The callbacks' context at micro-batch `micro`, before the step's results are known.
+    fn context<'a>(
+        &self,
+        micro: usize,
+        probe: &'a dyn MemoryProbe,
+        memory: &'a MemoryLog,
+    ) -> BatchInfo<'a> {
+        BatchInfo {
+            epoch: self.epoch,
+            batch: self.batch,
+            global_step: self.global_step,
+            micro_batch: micro,
+            accum_steps: self.accum_steps,
+            images: self.images,
+            loss: None,
+            correct: None,
+            lr: self.lr,
+            loss_scale: self.loss_scale,
+            skipped: false,
+            step_secs: None,
+            grad_norm: None,
+            probe,
+            memory,
+        }
+    }
+
+    /// Turn a Candle out-of-memory error in `phase` of this step into [`Error::OutOfMemory`].
+    fn name_oom(&self, limit: Option<u64>, phase: Phase) -> impl Fn(Error) -> Error {
+        let (epoch, batch) = (self.epoch, self.batch);
+        move |e| match e {
+            Error::Candle(ce) if is_device_oom(&ce) => Error::OutOfMemory {
+                limit: limit
+                    .map(format_bytes)
+                    .unwrap_or_else(|| "device memory".into()),
+                epoch,
+                batch,
+                phase: phase.to_string(),
+                snapshot: None,
+            },
+            other => other,
+        }
+    }
+}
+
+/// The end of a forward or backward phase of micro-batch `micro`: the CPU budget is checked
+/// against the peak since the last boundary, the memory recorder folds that peak into the phase,
+/// and the callbacks' hook runs with the record.
+fn phase_end(
+    callbacks: &mut CallbackList,
+    memory: &mut MemoryRecorder,
+    probe: &dyn MemoryProbe,
+    step: &StepInfo,
+    micro: usize,
+    phase: Phase,
+) -> Result<()> {
+    check_budget(probe, step.epoch, step.batch, phase)?;
+    memory.phase_end(phase);
+    let ctx = step.context(micro, probe, memory.log());
+    match phase {
+        Phase::Forward => callbacks.on_after_forward(&ctx),
+        Phase::Backward => callbacks.on_after_backward(&ctx),
+        Phase::Optimizer | Phase::Eval | Phase::Other => Ok(()),
+    }
+}
+
+/// The memory timeline of a step as its layer events come in: each event's reading, split into
+/// categories, and the CPU budget checked against the event's peak.
+struct TimelineRecorder<'a> {
+    probe: &'a TimelineProbe,
+    step: &'a StepInfo,
+    micro: usize,
+    /// Categories constant over the step (params, optimizer state, the rest at the start).
+    fixed: CategoryBytes,
+    events: &'a mut Vec<TimelineEvent>,
+}
+
+impl TimelineRecorder<'_> {
+    /// Record an event with the probe's reading; the budget is checked against its peak.
+    fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<()> {
+        let peak = self.probe.take_event_peak();
+        let current = self.probe.current();
+        self.events.push(TimelineEvent {
+            index: self.events.len(),
+            phase,
+            layer: layer.to_string(),
+            micro_batch: self.micro,
+            current_bytes: current,
+            peak_bytes: peak,
+            categories: split_categories(self.fixed, grads, saved, current),
+            predicted_peak_bytes: None,
+            predicted_current_bytes: None,
+        });
+        match self.probe.limit() {
+            Some(limit) if self.probe.available() && peak > limit => Err(Error::OutOfMemory {
+                limit: format_bytes(limit),
+                epoch: self.step.epoch,
+                batch: self.step.batch,
+                phase: format!("{phase} at {layer}"),
+                snapshot: None,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl StepObserver for TimelineRecorder<'_> {
+    fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+        self.record(e.phase, e.layer, e.saved_bytes, e.grad_bytes)
+    }
+}
+
+impl Trainer {
+    /// The step's constant memory categories for a step that starts with `start_bytes` in use:
+    /// parameters and BatchNorm statistics, optimizer state, and the rest of what is in use.
+    fn fixed_categories(&self, start_bytes: u64) -> CategoryBytes {
+        let params = self.model.num_params() as u64 * 4
+            + self
+                .model
+                .named_buffers()
+                .iter()
+                .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+                .sum::<u64>();
+        let optimizer = self.optimizer.state_bytes();
+        CategoryBytes {
+            params,
+            optimizer,
+            other: start_bytes.saturating_sub(params + optimizer),
+            ..CategoryBytes::default()
+        }
+    }
+
+    /// The batch `images`/`labels` on the host, for the micro-batch loop.
+    fn host_batch<'a>(&'a self, images: &'a [f32], labels: &'a [u32]) -> BatchInput<'a> {
+        BatchInput::Host {
+            images,
+            labels,
+            device: &self.device,
+        }
+    }
+
+    /// Gradients of the mean loss over a batch (f32, aligned with [`Trainer::vars`]), computed
+    /// exactly as a training step would (micro-batches, precision, checkpointing) but without
+    /// an optimizer step and without hooks. BatchNorm running statistics are updated as in a step.
+    pub fn compute_grads(
+        &self,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<(f64, Vec<Option<Tensor>>)> {
+        if let Some(r) = self.cuda_graph.grads(self, images, labels, 1.0) {
+            return r.map(|(loss, _, grads)| (loss, grads));
+        }
+        let mut acc = GradAccumulator::new(self.vars.len());
+        let batch = self.host_batch(images, labels);
+        let results = for_each_micro_batch(batch, self.config.accum_steps, 1.0, |mb| {
+            self.lean_step()
+                .run(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
+        })?;
+        Ok((MicroResult::mean(&results).loss, acc.into_grads()))
+    }
+
+    /// [`Trainer::compute_grads`] through Candle's autograd instead of the lean step: the oracle
+    /// the lean step is tested against (same micro-batches, precision and checkpointing).
+    pub fn reference_grads(
+        &self,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<(f64, Vec<Option<Tensor>>)> {
+        let mut acc = GradAccumulator::new(self.vars.len());
+        let batch = self.host_batch(images, labels);
+        let results = for_each_micro_batch(batch, self.config.accum_steps, 1.0, |mb| {
+            crate::step::oracle::forward_backward(
+                &self.model,
+                &self.vars,
+                &mb.x,
+                &mb.y,
+                self.config.precision.compute_dtype(),
+                self.config.grad_checkpointing,
+                mb.loss_mult,
+                &mut acc,
+            )
+        })?;
+        Ok((MicroResult::mean(&results).loss, acc.into_grads()))
+    }
+
+    /// The lean step of one micro-batch, in the run's precision and gradient-checkpointing segments.
+    fn lean_step(&self) -> LeanStep<'_> {
+        LeanStep::new(
+            &self.model,
+            self.config.precision.compute_dtype(),
+            self.model.segments(self.config.grad_checkpointing),
+        )
+    }
+
+    /// One optimizer step on a batch: for each of the K micro-batches the forward phase and the
+    /// backward phase, then the optimizer phase, each followed by its memory reading and hook.
+    pub fn train_step(
+        &mut self,
+        batch: &Batch,
+        epoch: usize,
+        batch_idx: usize,
+    ) -> Result<StepResult> {
+        let step = StepInfo {
+            epoch,
+            batch: batch_idx,
+            global_step: self.global_step,
+            accum_steps: self.config.accum_steps,
+            images: batch.len,
+            lr: one_cycle_lr(
+                self.global_step,
+                self.total_steps,
+                self.config.lr,
+                self.config.warmup_frac,
+            ),
+            loss_scale: self.scaler.as_ref().map(|s| s.scale),
+        };
+        let t0 = Instant::now();
+        // The step's memory timeline; kept outside the step so a failing step leaves the
+        // events up to the failure for the OOM snapshot.
+        let mut events = Vec::new();
+        let mut start_bytes = self.probe.current();
+        let result = self.step_phases(&step, batch, &mut events, &mut start_bytes, t0);
+        let timeline = StepTimeline {
+            label: self.config.label(),
+            probe: self.probe.name().to_string(),
+            global_step: self.global_step,
+            start_bytes,
+            events,
+        };
+        match result {
+            Ok(r) => {
+                self.timeline = timeline;
+                self.global_step += 1;
+                self.history
+                    .step_times
+                    .push((r.images, t0.elapsed().as_secs_f64()));
+                self.snapshots.note_step(&r);
+                Ok(r)
+            }
+            Err(e) if e.is_oom() && self.oom_snapshot => Err(self.write_oom_snapshot(e, timeline)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The phases of [`Trainer::train_step`] in order, with their hooks; `events` and
+    /// `start_bytes` receive the timeline as it is made.
+    fn step_phases(
+        &mut self,
+        step: &StepInfo,
+        batch: &Batch,
+        events: &mut Vec<TimelineEvent>,
+        start_bytes: &mut u64,
+        t0: Instant,
+    ) -> Result<StepResult> {
+        let limit = self.config.memory_limit;
+        let probe = self.probe.clone();
+        self.memory.step_begin();
+        self.callbacks
+            .on_batch_begin(&step.context(0, &*probe, self.memory.log()))?;
+        *start_bytes = probe.current();
+        let fixed = self.fixed_categories(*start_bytes);
+        let (loss, correct, grads) = self.forward_backward(step, batch, fixed, events)?;
+        if !loss.is_finite() && self.scaler.is_none() {
+            return Err(Error::NonFinite {
+                what: "loss".into(),
+                epoch: step.epoch,
+                batch: step.batch,
+                phase: "forward".into(),
+                advice: self.divergence_advice(),
+            });
+        }
+        let (skipped, grad_norm) = self
+            .apply_update(grads, step)
+            .map_err(step.name_oom(limit, Phase::Optimizer))?;
+        self.device.synchronize()?;
+        check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
+        let current = probe.current();
+        events.push(TimelineEvent {
+            index: events.len(),
+            phase: Phase::Optimizer,
+            // A step the loss scaler skipped has no update (and no prediction).
+            layer: if skipped {
+                SKIPPED_UPDATE.into()
+            } else {
+                "optimizer".into()
+            },
+            micro_batch: step.accum_steps - 1,
+            current_bytes: current,
+            peak_bytes: self.timeline_probe.take_event_peak(),
+            categories: split_categories(fixed, 0, 0, current),
+            predicted_peak_bytes: None,
+            predicted_current_bytes: None,
+        });
+        self.memory
+            .step_end(step.epoch, step.batch, step.global_step);
+        let end = BatchInfo {
+            loss: Some(loss),
+            correct: Some(correct),
+            skipped,
+            step_secs: Some(t0.elapsed().as_secs_f64()),
+            grad_norm: Some(grad_norm),
+            ..step.context(step.accum_steps - 1, &*probe, self.memory.log())
+        };
+        self.callbacks.on_batch_end(&end)?;
+        Ok(StepResult {
+            loss,
+            correct,
+            images: batch.len,
+            skipped,
+            lr: step.lr,
+        })
+    }
+
+    /// The forward and backward phases of every micro-batch of a batch (the loss multiplied by
+    /// the loss scale, the gradients still scaled): `(mean loss, correct, f32 gradients)`.
+    fn forward_backward(
+        &mut self,
+        step: &StepInfo,
+        batch: &Batch,
+        fixed: CategoryBytes,
+        events: &mut Vec<TimelineEvent>,
+    ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
+        let limit = self.config.memory_limit;
+        let k = step.accum_steps;
+        if let Some(r) = self.cuda_graph.grads(
+            self,
+            &batch.images,
+            &batch.labels,
+            step.loss_scale.unwrap_or(1.0),
+        ) {
+            // One launch ran both phases of every micro-batch; their hooks follow it.
+            let r = r.map_err(step.name_oom(limit, Phase::Forward))?;
+            let probe = self.probe.clone();
+            for micro in 0..k {
+                for phase in [Phase::Forward, Phase::Backward] {
+                    phase_end(
+                        &mut self.callbacks,
+                        &mut self.memory,
+                        &*probe,
+                        step,
+                        micro,
+                        phase,
+                    )?;
+                }
+            }
+            return Ok(r);
+        }
+        let mut acc = GradAccumulator::new(self.vars.len());
+        // The lean step borrows the model while the hooks borrow the callbacks and the recorder:
+        // disjoint fields.
+        let Trainer {
+            model,
+            config,
+            callbacks,
+            memory,
+            probe,
+            timeline_probe,
+            device,
+            ..
+        } = self;
+        let batch = BatchInput::Host {
+            images: &batch.images,
+            labels: &batch.labels,
+            device,
+        };
+        let results = for_each_micro_batch(batch, k, step.loss_scale.unwrap_or(1.0), |mb| {
+            let mut lean = LeanStep::new(
+                model,
+                config.precision.compute_dtype(),
+                model.segments(config.grad_checkpointing),
+            );
+            let mut timeline = TimelineRecorder {
+                probe: timeline_probe,
+                step,
+                micro: mb.index,
+                fixed,
+                events: &mut *events,
+            };
+            let (r, tape) = lean
+                .forward(&mb.x, &mb.y, mb.loss_mult, &acc, &mut timeline)
+                .map_err(step.name_oom(limit, Phase::Forward))?;
+            phase_end(callbacks, memory, &**probe, step, mb.index, Phase::Forward)?;
+            lean.backward(tape, &mut acc, &mut timeline)
+                .map_err(step.name_oom(limit, Phase::Backward))?;
+            phase_end(callbacks, memory, &**probe, step, mb.index, Phase::Backward)?;
+            Ok(r)
+        })?;
+        let r = MicroResult::mean(&results);
+        Ok((r.loss, r.correct, acc.into_grads()))
+    }
+
+    /// The optimizer phase: unscale (f16), check finiteness, clip, step. Returns whether the loss
+    /// scaler skipped the step, and the gradients' global norm before clipping.
+    fn apply_update(&mut self, grads: Vec<Option<Tensor>>, step: &StepInfo) -> Result<(bool, f64)> {
+        let grads = match step.loss_scale {
+            Some(s) => grads
+                .into_iter()
+                .map(|g| g.map(|g| g * (1.0 / s)).transpose())
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            None => grads,
+        };
+        let squared = squared_norm(&grads)?;
+        let finite = squared.is_finite();
+        // Clipping by the global norm (PyTorch's `clip_grad_norm_`): the whole step shrinks, its
+        // direction is kept. A non-finite step is left to the scaler or the error below.
+        let grads = match self.config.clip_grad_norm {
+            Some(max) if finite && squared.sqrt() > max => {
+                let factor = max / squared.sqrt();
+                grads
+                    .into_iter()
+                    .map(|g| g.map(|g| g * factor).transpose())
+                    .collect::<candle_core::Result<Vec<_>>>()?
+            }
+            _ => grads,
+        };
+        let apply = match self.scaler.as_mut() {
+            Some(s) => s.update(finite),
+            None if !finite => {
+                return Err(Error::NonFinite {
+                    what: "gradient".into(),
+                    epoch: step.epoch,
+                    batch: step.batch,
+                    phase: "backward".into(),
+                    advice: self.divergence_advice(),
+                })
+            }
+            None => true,
+        };
+        if apply {
+            self.optimizer.step(&self.vars, &grads, step.lr)?;
+        }
+        drop(grads);
+        // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
+        if let Some(p) = self.pruner.as_mut() {
+            p.after_step(self.global_step + 1, &self.vars, &mut self.optimizer)?;
+        }
+        Ok((!apply, squared.sqrt()))
+    }
+}

@@ -343,6 +343,36 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
+/// A run directory written before save/resume was named "snapshot" — `checkpoints/` with
+/// `checkpoint.json` manifests, made by `train_cifar10` of commit fcb54e6 (2 of 8 steps, width 2;
+/// tests/data/legacy-run) — resumes, and goes on saving into its own `checkpoints/` folder.
+#[test]
+fn a_run_directory_from_before_the_rename_resumes() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/legacy-run");
+    let dir = common::scratch("resume", "legacy").join("run");
+    copy_dir(&fixture, &dir);
+    let out = run(&[
+        "--resume".to_string(),
+        dir.display().to_string(),
+        "--max-steps".into(),
+        "4".into(),
+    ]);
+    assert_ok(&out, "resuming a run directory from before the rename");
+    assert!(
+        text(&out.stdout).contains("resuming from") && text(&out.stdout).contains("(step 2,"),
+        "stdout:\n{}",
+        text(&out.stdout)
+    );
+    let legacy = dir.join(memtrain::train::snapshot::LEGACY_SNAPSHOTS_DIR);
+    let newest = std::fs::read_to_string(legacy.join(LATEST_FILE)).unwrap();
+    assert_eq!(newest.trim(), "step-000004", "saved next to the old snapshots");
+    assert!(legacy.join("step-000004").join(MANIFEST_FILE).is_file());
+    assert!(!dir.join(SNAPSHOTS_DIR).exists(), "one snapshot folder per run");
+    let ck = Snapshot::find_latest(&dir).expect("the newest snapshot loads");
+    assert_eq!(ck.state.global_step, 4);
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
 /// A huge learning rate after one good epoch makes the run fail with a one-line non-finite
 /// error. Nothing is written after the failure: with snapshots only at epoch ends the
 /// snapshot directory is byte for byte what it was; with one after every step the newest is

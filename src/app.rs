@@ -114,7 +114,9 @@ where
     if let Some(e) = trainer.memory_estimate() {
         print!("{}", e.table());
     }
-    if let Some(ck) = &resume {
+    let resuming = resume.is_some();
+    if let Some(ck) = resume {
+        // Consumed: the loaded tensors are freed once they are in the model.
         resume_from(&mut trainer, ck)?;
     }
     println!("{}", trainer.data_description());
@@ -134,7 +136,7 @@ where
     if cmd.dry_run {
         return Ok(());
     }
-    if resume.is_some() && trainer.global_step >= trainer.total_steps() {
+    if resuming && trainer.global_step >= trainer.total_steps() {
         // The run's results are still (re)written below: a kill after the last step can have
         // left its evaluation or its summary undone.
         println!(
@@ -179,13 +181,13 @@ fn fit_memory(
     Ok((report.chosen().config.clone(), Some(data)))
 }
 
-/// Put the snapshot `ck` back into `trainer` and say so, with what it skipped and what changed.
-fn resume_from(trainer: &mut Trainer, ck: &Snapshot) -> Result<()> {
-    trainer.resume(ck)?;
+/// Put the snapshot `ck` back into `trainer` (consuming it, so that nothing loaded outlives the
+/// restore) and say so, with what it skipped and what changed.
+fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
     for warning in &ck.skipped {
         eprintln!("warning: {warning}");
     }
-    println!(
+    let resumed = format!(
         "resuming from {} (step {}, epoch {}, batch {})",
         ck.dir.display(),
         ck.state.global_step,
@@ -193,6 +195,8 @@ fn resume_from(trainer: &mut Trainer, ck: &Snapshot) -> Result<()> {
         ck.state.next_batch
     );
     let changes = ck.noted_changes(&trainer.config);
+    trainer.resume(ck)?;
+    println!("{resumed}");
     if !changes.is_empty() {
         println!("resuming with changed settings: {}", changes.join("; "));
     }

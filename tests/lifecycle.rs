@@ -345,7 +345,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
         ..Default::default()
     };
     let mut t = Trainer::new(ck.resume_config(&cfg, false).unwrap(), data(), options).unwrap();
-    t.resume(&ck).unwrap();
+    t.resume(ck).unwrap();
     let summary = t.fit().unwrap();
     assert_eq!((summary.status, summary.steps), (RunStatus::Ok, 4));
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());

@@ -343,6 +343,61 @@ fn finished_run_says_nothing_to_do_and_extends_with_more_epochs() {
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
+/// `column` of `batches.csv` in `run_dir`, by global step.
+fn batch_column(run_dir: &Path, column: &str) -> HashMap<usize, u64> {
+    let text = std::fs::read_to_string(run_dir.join("batches.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let at = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let (step, col) = (at("global_step"), at(column));
+    lines
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[step].parse().unwrap(), f[col].parse().unwrap())
+        })
+        .collect()
+}
+
+/// A resumed run is the same run in memory too: what it loaded from the snapshot is freed once
+/// it is in the model, so its steps start from (and peak at) what the uninterrupted run's do. A
+/// snapshot kept alive beside the model holds at least one copy of the parameters.
+#[test]
+fn a_resumed_run_holds_no_more_memory_than_the_uninterrupted_one() {
+    let root = common::scratch("resume", "memory");
+    let args = |dir: &Path, epochs: &str| {
+        let mut a = run_args(dir);
+        let i = a.iter().position(|f| f == "--epochs").unwrap();
+        a[i + 1] = epochs.into();
+        a
+    };
+    let whole = root.join("whole");
+    assert_ok(&run(&args(&whole, "2")), "the uninterrupted run");
+    let part = root.join("part");
+    assert_ok(&run(&args(&part, "1")), "the first epoch");
+    let mut resume = args(&part, "2");
+    resume.extend(["--resume".to_string(), part.display().to_string()]);
+    assert_ok(&run(&resume), "resuming for the second epoch");
+
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(whole.join("summary.json")).unwrap())
+            .unwrap();
+    let params = summary["param_bytes"].as_u64().unwrap();
+    for column in ["start_bytes", "peak_bytes"] {
+        let (a, b) = (batch_column(&whole, column), batch_column(&part, column));
+        // The second epoch's steps after the resumed run's first (which reads the data again).
+        for step in 10..16 {
+            let extra = b[&step].saturating_sub(a[&step]);
+            assert!(
+                extra < params / 2,
+                "step {step}: the resumed run's {column} is {extra} bytes above the uninterrupted \
+                 run's ({} parameter bytes)",
+                params
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// A run directory written before save/resume was named "snapshot" — `checkpoints/` with
 /// `checkpoint.json` manifests, made by `train_cifar10` of commit fcb54e6 (2 of 8 steps, width 2;
 /// tests/data/legacy-run) — resumes, and goes on saving into its own `checkpoints/` folder.
@@ -537,7 +592,7 @@ fn restore_brings_back_every_piece_of_state() {
         );
         let cfg_b = ck.resume_config(&cfg, false).unwrap();
         let mut b = Trainer::new(cfg_b, splits(&cfg), TrainerOptions::default()).unwrap();
-        b.resume(&ck).unwrap();
+        b.resume(ck).unwrap();
 
         assert_eq!((b.global_step, b.start_epoch, b.start_batch), (3, 0, 3));
         assert_eq!(b.optimizer.steps, a.optimizer.steps);

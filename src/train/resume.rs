@@ -168,13 +168,22 @@ impl Trainer {
     }
 
     /// Continue the run saved in `ck`: [`Trainer::restore`] of its state (a mismatch is named
-    /// with the snapshot's directory), and the snapshot counts as this run's newest.
-    pub fn resume(&mut self, ck: &Snapshot) -> Result<()> {
-        self.restore(ck.state.clone()).map_err(|e| match e {
-            Error::Snapshot(m) => Error::Snapshot(format!("{}: {m}", ck.dir.display())),
+    /// with the snapshot's directory), and the snapshot counts as this run's newest. `ck` is
+    /// consumed: its tensors are copied into the model and freed, never kept beside it.
+    pub fn resume(&mut self, ck: Snapshot) -> Result<()> {
+        let point = super::snapshot::save_point(&ck.state);
+        let Snapshot {
+            run_dir,
+            dir,
+            state,
+            healthy,
+            ..
+        } = ck;
+        self.restore(state).map_err(|e| match e {
+            Error::Snapshot(m) => Error::Snapshot(format!("{}: {m}", dir.display())),
             other => other,
         })?;
-        self.snapshots.resumed(ck);
+        self.snapshots.resumed(&run_dir, point, healthy);
         Ok(())
     }
 

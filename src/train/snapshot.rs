@@ -465,13 +465,13 @@ impl SnapshotSaver {
     /// A run resumed from `ck`: its state counts as saved, its health as known, and (saving
     /// being on, so the run directory is this process's) what an interrupted save or prune left,
     /// and the damaged snapshots the resume skipped, are removed.
-    pub fn resumed(&mut self, ck: &Snapshot) {
-        let step = ck.state.global_step;
-        let root = snapshots_root(&ck.run_dir);
-        self.last = Some(save_point(&ck.state));
+    pub fn resumed(&mut self, run_dir: &Path, point: SavePoint, healthy: bool) {
+        let step = point.0;
+        let root = snapshots_root(run_dir);
+        self.last = Some(point);
         self.unhealthy_since_save = false;
-        self.last_was_healthy = ck.healthy;
-        self.last_healthy = if ck.healthy {
+        self.last_was_healthy = healthy;
+        self.last_healthy = if healthy {
             Some(step)
         } else {
             newest_healthy(&root, step)

@@ -614,7 +614,7 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
 #[test]
 fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
     // A run cut by --max-steps inside an epoch evaluates there; extended by a resume with a
-    // larger --max-steps, it continues the epoch. With a snapshot after every step the epoch
+    // larger --max-steps, it continues the epoch and ends it once. With a snapshot after every step the epoch
     // end is a second snapshot of the same step, not a skipped one.
     let root = common::scratch("lifecycle", "max-steps-cut");
     let mut tables = Vec::new();
@@ -627,6 +627,11 @@ fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
         first.extend(["--save-every".into(), save_every.into(), "--out".into()]);
         first.push(dir.display().to_string());
         assert_ok(&run(&first), "the cut run");
+        // The cut run reports the part of the epoch it trained, evaluated.
+        let cut = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+        let rows: Vec<&str> = cut.lines().skip(1).collect();
+        assert_eq!(rows.len(), 1, "{cut}");
+        assert!(rows[0].starts_with("0,1,"), "{cut}");
         let mut more = resume_args(&dir);
         more.extend(flags("--max-steps 3"));
         assert_ok(&run(&more), "the extended run");
@@ -634,6 +639,7 @@ fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
     }
     assert_eq!(tables[0], tables[1]);
     let epochs: Vec<&str> = tables[0].iter().map(|r| &r[..1]).collect();
-    assert_eq!(epochs, ["0", "0", "1"], "{:?}", tables[0]);
+    // The extension ends the cut epoch once: its row replaces the cut run's.
+    assert_eq!(epochs, ["0", "1"], "{:?}", tables[0]);
     let _ = std::fs::remove_dir_all(&root);
 }

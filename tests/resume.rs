@@ -398,6 +398,49 @@ fn a_resumed_run_holds_no_more_memory_than_the_uninterrupted_one() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A run stopped by `--max-steps` inside an epoch and resumed with a larger `--max-steps` ends
+/// that epoch once: one row per epoch in `epochs.csv` (the first with all its steps), and as many
+/// completed epochs in `summary.json` as the run that never stopped.
+#[test]
+fn a_longer_max_steps_continues_the_epoch_it_cut_and_ends_it_once() {
+    let root = common::scratch("resume", "max-steps");
+    let args = |dir: &Path, max_steps: &str| {
+        let mut a = run_args(dir);
+        a.extend(["--max-steps".to_string(), max_steps.into()]);
+        a
+    };
+    let whole = root.join("whole");
+    assert_ok(&run(&args(&whole, "12")), "the uninterrupted run");
+    let part = root.join("part");
+    assert_ok(&run(&args(&part, "4")), "the first 4 steps");
+    let mut resume = args(&part, "12");
+    resume.extend(["--resume".to_string(), part.display().to_string()]);
+    assert_ok(&run(&resume), "resuming with --max-steps 12");
+
+    let rows = |dir: &Path| -> Vec<(String, String)> {
+        let text = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+        text.lines()
+            .skip(1)
+            .map(|l| {
+                let f: Vec<&str> = l.split(',').collect();
+                (f[0].to_string(), f[1].to_string())
+            })
+            .collect()
+    };
+    let expected = vec![("0".to_string(), "8".to_string()), ("1".into(), "4".into())];
+    assert_eq!(rows(&whole), expected, "epoch, steps of the uninterrupted run");
+    assert_eq!(rows(&part), expected, "epoch, steps of the resumed run");
+    let completed = |dir: &Path| {
+        let s: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap())
+                .unwrap();
+        (s["epochs_completed"].as_u64(), s["steps"].as_u64())
+    };
+    assert_eq!(completed(&part), completed(&whole));
+    assert_eq!(completed(&whole), (Some(1), Some(12)));
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// A run directory written before save/resume was named "snapshot" — `checkpoints/` with
 /// `checkpoint.json` manifests, made by `train_cifar10` of commit fcb54e6 (2 of 8 steps, width 2;
 /// tests/data/legacy-run) — resumes, and goes on saving into its own `checkpoints/` folder.

@@ -82,17 +82,25 @@ impl Trainer {
     fn fit_inner(&mut self) -> Result<Summary> {
         let wall = Instant::now();
         self.train_begin()?;
-        // The epoch cut short by an interruption, for this process's summary and callbacks.
+        // The epoch cut short by an interruption or by --max-steps, for this process's summary
+        // and callbacks.
         let mut cut_short: Option<EpochStats> = None;
+        let mut interrupted = false;
         let mut epoch = self.start_epoch;
         while epoch < self.config.epochs {
             if self.stop_requested() {
                 cut_short = Some(EpochStats::default());
+                interrupted = true;
                 break;
             }
             match self.run_epoch(epoch)? {
                 EpochEnded::Nothing => break,
                 EpochEnded::Interrupted(stats) => {
+                    cut_short = Some(stats);
+                    interrupted = true;
+                    break;
+                }
+                EpochEnded::MaxSteps(stats) => {
                     cut_short = Some(stats);
                     break;
                 }
@@ -101,7 +109,7 @@ impl Trainer {
             epoch += 1;
             self.start_batch = 0;
         }
-        self.train_end(epoch, cut_short, wall)
+        self.train_end(epoch, cut_short, interrupted, wall)
     }
 
     /// The run's beginning: the memory recorder's and the callbacks'.
@@ -176,15 +184,15 @@ impl Trainer {
             self.save_snapshot(epoch, next, Some(&progress))?;
             return Ok(EpochEnded::Interrupted(stats));
         }
+        if next < self.steps_per_epoch {
+            // Cut short by --max-steps: this run reports the part it trained, but the epoch has
+            // not ended. The snapshot keeps it in progress, so that a longer --max-steps
+            // continues it and ends it once (one row in epochs.csv, one ended epoch).
+            self.save_snapshot(epoch, next, Some(&progress))?;
+            return Ok(EpochEnded::MaxSteps(stats));
+        }
         self.history.epochs.push(stats);
-        // A snapshot at each epoch end; an epoch cut short by --max-steps keeps its position so
-        // that a longer --max-steps continues it.
-        let (epoch_next, batch_next) = if next >= self.steps_per_epoch {
-            (epoch + 1, 0)
-        } else {
-            (epoch, next)
-        };
-        self.save_snapshot(epoch_next, batch_next, None)?;
+        self.save_snapshot(epoch + 1, 0, None)?;
         Ok(EpochEnded::Done)
     }
 
@@ -237,15 +245,16 @@ impl Trainer {
         Ok((next, false))
     }
 
-    /// The run's end at `epoch`: a snapshot of the start for a run stopped before its first step,
+    /// The run's end at `epoch`, with the epoch `cut_short` by a stop request (`interrupted`) or
+    /// by `--max-steps`: a snapshot of the start for a run stopped before its first step,
     /// pruning's files, the summary, the end hooks and the run's last files.
     fn train_end(
         &mut self,
         epoch: usize,
         cut_short: Option<EpochStats>,
+        interrupted: bool,
         wall: Instant,
     ) -> Result<Summary> {
-        let interrupted = cut_short.is_some();
         if interrupted && self.snapshots.last_step().is_none() {
             // Stopped before the first step: a snapshot of the start, so --resume can finish.
             self.save_snapshot(epoch, self.start_batch, None)?;
@@ -296,6 +305,9 @@ enum EpochEnded {
     Nothing,
     /// A stop request cut the epoch short (its snapshot is written).
     Interrupted(EpochStats),
+    /// `--max-steps` ended the run inside the epoch (its snapshot, the epoch in progress, is
+    /// written).
+    MaxSteps(EpochStats),
     /// The epoch ended (its snapshot is written).
     Done,
 }

@@ -8,7 +8,7 @@
 mod common;
 
 use common::{
-    assert_ok, bits, copy_dir, run_trainer as run, snapshot, text, trainer_command as command,
+    assert_ok, bits, copy_dir, flags, run_trainer as run, snapshot, text, trainer_command as command,
 };
 
 use candle_core::{Device, Tensor};
@@ -439,6 +439,37 @@ fn a_longer_max_steps_continues_the_epoch_it_cut_and_ends_it_once() {
     assert_eq!(completed(&part), completed(&whole));
     assert_eq!(completed(&whole), (Some(1), Some(12)));
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A run killed during its last evaluation, after its last step's snapshot, is resumed with no
+/// step left to train: it evaluates, finishes with status ok, and still leaves the step timeline
+/// (JSON, PNG, SVG) of its last step.
+#[test]
+fn a_resume_with_no_step_left_still_writes_the_step_timeline() {
+    let dir = common::scratch("resume", "no-step-left").join("run");
+    // A long evaluation (20,000 images) after the last step's snapshot: the kill lands in it.
+    let args: Vec<String> = flags(
+        "--synthetic-train 64 --synthetic-test 20000 --width 4 --batch-size 32 --epochs 1 \
+         --save-every 1 --quiet --device cpu --seed 7",
+    )
+    .into_iter()
+    .chain(["--out".to_string(), dir.display().to_string()])
+    .collect();
+    let mut child = spawn(&args);
+    wait_for_checkpoint(&mut child, &dir, 2);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !dir.join("summary.json").exists(),
+        "the kill landed after the run ended; the test needs a longer evaluation"
+    );
+    let out = run(&["--resume".to_string(), dir.display().to_string()]);
+    assert_ok(&out, "resuming with no step left");
+    assert!(text(&out.stdout).contains("no steps left to train"));
+    for file in ["step_timeline.json", "step_timeline.png", "step_timeline.svg"] {
+        assert!(dir.join(file).is_file(), "{file} missing");
+    }
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
 /// A run directory written before save/resume was named "snapshot" — `checkpoints/` with

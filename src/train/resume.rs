@@ -226,9 +226,18 @@ impl Trainer {
                 advice: self.divergence_advice(),
             });
         }
-        self.snapshots
-            .save(&self.run_dir, &state, &self.config)
-            .map(Some)
+        let dir = self.snapshots.save(&self.run_dir, &state, &self.config)?;
+        // The newest step's memory timeline goes with the snapshot: a run resumed with no step
+        // left to train (killed during its last evaluation) still has it for its charts.
+        if !self.timeline.events.is_empty() {
+            crate::io::write_json_atomic(
+                &self
+                    .run_dir
+                    .join(crate::memory::timeline::STEP_TIMELINE_FILE),
+                &self.step_timeline(),
+            )?;
+        }
+        Ok(Some(dir))
     }
 }
 

@@ -587,3 +587,46 @@ fn killed_and_resumed_pruned_run_is_bit_identical() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A finished pruned run resumed with more `--epochs` (which moves the schedule's default end to
+/// the new last step) revives no pruned weight: every mask keeps the zeros it had, and every
+/// pruned layer stays at the target sparsity or above.
+#[test]
+fn a_longer_resumed_run_revives_no_pruned_weight() {
+    let dir = common::scratch("prune", "longer").join("run");
+    let args = |epochs: &str| {
+        let mut a = flags(
+            "--synthetic-train 128 --synthetic-test 16 --width 4 --batch-size 32 --prune 0.5 \
+             --prune-every 1 --quiet --no-eval --device cpu --seed 3 --epochs",
+        );
+        a.extend([epochs.to_string(), "--out".into(), dir.display().to_string()]);
+        a
+    };
+    assert_ok(&run(&args("2")), "the pruned run");
+    let newest = |dir: &Path| Snapshot::find_latest(dir).expect("a snapshot").dir;
+    let first = tensors(&newest(&dir).join(MASKS_FILE));
+    let mut more = args("4");
+    more.extend(["--resume".to_string(), dir.display().to_string()]);
+    assert_ok(&run(&more), "resuming it for two more epochs");
+    let last_dir = newest(&dir);
+    let (masks, model) = (
+        tensors(&last_dir.join(MASKS_FILE)),
+        tensors(&last_dir.join(MODEL_FILE)),
+    );
+    assert!(!first.is_empty());
+    for (name, before) in &first {
+        let (before, after) = (u8s(before), u8s(&masks[name]));
+        let weights = values(&model[name]);
+        let revived = (0..before.len())
+            .filter(|&i| before[i] == 0 && (after[i] != 0 || weights[i] != 0.0))
+            .count();
+        assert_eq!(revived, 0, "{name}: weights pruned before are live again");
+        let zeros = after.iter().filter(|&&m| m == 0).count();
+        assert!(
+            zeros >= zeros_for(0.5, after.len()),
+            "{name}: sparsity fell to {zeros} of {}",
+            after.len()
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}

@@ -131,6 +131,13 @@ pub fn zeros_for(sparsity: f64, n: usize) -> usize {
 /// The mask (1 = kept, 0 = pruned) that zeroes the `zeros` weights of smallest magnitude,
 /// ties broken by the lower flat index.
 pub fn magnitude_mask(weights: &[f32], zeros: usize) -> Vec<u8> {
+    magnitude_mask_after(weights, &[], zeros)
+}
+
+/// [`magnitude_mask`] after an earlier mask `before` (1 = kept, 0 = pruned; empty: none): the
+/// weights it pruned go first, so a recomputed mask of at least as many zeros prunes every one of
+/// them again, whatever their magnitudes and ties.
+pub fn magnitude_mask_after(weights: &[f32], before: &[u8], zeros: usize) -> Vec<u8> {
     let mut mask = vec![1u8; weights.len()];
     let zeros = zeros.min(weights.len());
     if zeros == 0 {
@@ -138,10 +145,12 @@ pub fn magnitude_mask(weights: &[f32], zeros: usize) -> Vec<u8> {
     }
     // |w| as bits orders like |w| for finite values; the index makes every key unique, so the
     // selected set does not depend on the selection algorithm.
+    // Bit 63 (free: |w|'s bits are at most 31 wide) puts the weights pruned before first.
+    let kept_before = |i: usize| u64::from(before.get(i).is_none_or(|&m| m != 0));
     let mut keys: Vec<u64> = weights
         .iter()
         .enumerate()
-        .map(|(i, w)| (u64::from(w.abs().to_bits()) << 32) | i as u64)
+        .map(|(i, w)| (kept_before(i) << 63) | (u64::from(w.abs().to_bits()) << 32) | i as u64)
         .collect();
     if zeros < keys.len() {
         keys.select_nth_unstable(zeros);
@@ -213,13 +222,17 @@ impl Pruner {
         self.apply(vars, optimizer)
     }
 
-    /// Recompute every mask for `sparsity` from the parameters' magnitudes.
+    /// Recompute every mask for `sparsity` from the parameters' magnitudes. A mask never prunes
+    /// fewer weights than it did, and keeps every weight it pruned pruned: a schedule that asks
+    /// for less (a resumed run whose longer length moved the schedule's default end) revives
+    /// nothing.
     pub fn update_masks(&mut self, sparsity: f64, vars: &[Var]) -> Result<()> {
         for l in &mut self.layers {
             let var = &vars[l.index];
             let w = var.as_detached_tensor().flatten_all()?.to_vec1::<f32>()?;
-            let zeros = zeros_for(sparsity, w.len());
-            let mask = magnitude_mask(&w, zeros);
+            let before = l.mask.flatten_all()?.to_vec1::<u8>()?;
+            let zeros = zeros_for(sparsity, w.len()).max(l.zeros);
+            let mask = magnitude_mask_after(&w, &before, zeros);
             drop(w);
             l.mask = Tensor::from_vec(mask, var.shape(), var.device())?;
             l.zeros = zeros;

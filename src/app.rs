@@ -210,9 +210,9 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
     // predicted versus measured.
     if let (Some(p), Some(err)) = (summary.predicted_peak_bytes, summary.prediction_error_pct) {
         println!(
-            "predicted peak {} vs measured {}: error {err:+.1}%",
+            "predicted step peak {} vs measured {}: error {err:+.1}%",
             format_bytes(p),
-            format_bytes(summary.peak_bytes)
+            format_bytes(summary.step_peak_bytes)
         );
     }
     println!(

@@ -134,3 +134,42 @@ fn real_cifar_subset_beats_chance_in_two_epochs() {
         "validation accuracy {acc} <= 30% after 2 epochs"
     );
 }
+
+/// The prediction error is the step's: the estimate predicts a training step's peak, so
+/// `prediction_error_pct` compares it with the measured step peak, also when the run's own peak
+/// is reached while the data loads (phase "other": width 1 on the real subset, whose loading
+/// peak is above its tiny step's).
+#[test]
+fn the_prediction_error_is_against_the_step_peak() {
+    let Some(data) = common::real_subset() else {
+        eprintln!("skipped: ../shared/data/cifar10-subset is not present");
+        return;
+    };
+    let dir = common::scratch("training", "prediction-error");
+    let out = common::run_trainer(&[
+        "--width",
+        "1",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "3",
+        "--no-eval",
+        "--quiet",
+        "--out",
+        dir.join("run").to_str().unwrap(),
+    ]);
+    common::assert_ok(&out, "a width-1 run on the real subset");
+    let s: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("run").join("summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(s["peak_phase"], "other", "the run's peak is the loading's: {s}");
+    let predicted = s["predicted_peak_bytes"].as_f64().unwrap();
+    let step = s["step_peak_bytes"].as_f64().unwrap();
+    let error = s["prediction_error_pct"].as_f64().unwrap();
+    assert_eq!(error, (predicted - step) / step * 100.0);
+    assert!(error.abs() < 5.0, "the step's prediction is off by {error}%");
+    let _ = std::fs::remove_dir_all(&dir);
+}

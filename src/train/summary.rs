@@ -62,9 +62,11 @@ pub struct Summary {
     pub os_peak_bytes: Option<u64>,
     /// The configured memory limit.
     pub memory_limit: Option<u64>,
-    /// Predicted peak bytes from the analytic estimate.
+    /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
-    /// (predicted - measured) / measured, in percent.
+    /// (predicted − measured) / measured, in percent, against the measured step peak
+    /// (`step_peak_bytes`), which is what the estimate predicts; the run's peak can also fall
+    /// while the data loads or during evaluation.
     pub prediction_error_pct: Option<f64>,
     /// Training throughput over all steps, images per second (data waits included, evaluation excluded).
     pub images_per_sec: f64,
@@ -133,6 +135,7 @@ impl Trainer {
             None
         };
         let last = epochs.last();
+        let step_peak = mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0);
         Summary {
             label: self.config.label(),
             device: device_name(&self.device),
@@ -143,7 +146,7 @@ impl Trainer {
             peak_bytes: mem.peak_bytes,
             peak_phase: mem.peak_phase.map(|p| p.to_string()),
             baseline_bytes: mem.baseline_bytes,
-            step_peak_bytes: mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0),
+            step_peak_bytes: step_peak,
             reserved_peak_bytes: mem.reserved_peak,
             os_view: self.probe.os_view(),
             os_current_bytes: os.map(|o| o.current),
@@ -151,7 +154,7 @@ impl Trainer {
             memory_limit: self.config.memory_limit,
             // The analytic estimate (src/memory/estimate.rs) against the measured peak.
             predicted_peak_bytes: predicted,
-            prediction_error_pct: predicted.and_then(|p| prediction_error(p, mem.peak_bytes)),
+            prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
             steady_images_per_sec: steady_throughput(&self.history.step_times),
             steps: self.global_step,

@@ -181,6 +181,13 @@ fn cases() -> Vec<Case> {
             fix: "lower --batch-size",
         },
         Case {
+            name: "--epochs whose steps cannot be counted",
+            setup: |_| flags("--epochs 6148914691236517206 --synthetic-train 96 --batch-size 32"),
+            code: 2,
+            problem: "more steps than can be counted",
+            fix: "lower --epochs",
+        },
+        Case {
             name: "--out under a regular file",
             setup: |d| {
                 std::fs::write(d.join("file"), b"x").unwrap();

@@ -130,7 +130,12 @@ impl Trainer {
             )));
         }
         let steps_per_epoch = data.train.len() / config.batch_size;
-        let by_epochs = steps_per_epoch * config.epochs;
+        let by_epochs = steps_per_epoch.checked_mul(config.epochs).ok_or_else(|| {
+            Error::config(format!(
+                "--epochs {} × {steps_per_epoch} steps per epoch is more steps than can be counted; lower --epochs",
+                config.epochs
+            ))
+        })?;
         let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
         // Checked before anything is created: the schedule's end depends on the run's length.
         let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;

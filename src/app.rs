@@ -257,20 +257,17 @@ fn write_results(
     } else {
         let title = format!("Memory per training step: {}", summary.label);
         let limit = summary.memory_limit;
-        if let Err(e) = crate::sweep::report::write_run_memory_chart(
+        // A chart that cannot be written (a full disk) fails the run like any other result file.
+        crate::sweep::report::write_run_memory_chart(
             trainer.run_dir(),
             &title,
             Some(summary.baseline_bytes),
             limit,
-        ) {
-            eprintln!("warning: memory chart not written: {e}");
-        }
-        if let Err(e) = crate::sweep::step_chart::write_step_timeline_chart(
+        )?;
+        crate::sweep::step_chart::write_step_timeline_chart(
             trainer.run_dir(),
             &format!("Memory inside one training step: {}", summary.label),
-        ) {
-            eprintln!("warning: step timeline chart not written: {e}");
-        }
+        )?;
     }
     Ok(())
 }

@@ -630,3 +630,19 @@ fn a_longer_resumed_run_revives_no_pruned_weight() {
     }
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
+
+/// A model file that cannot be written is an I/O failure of the run (exit 1), never a usage
+/// error (exit 2): here its directory does not exist, as a full disk would fail the same write.
+#[test]
+fn a_model_file_that_cannot_be_written_is_an_io_error() {
+    let dir = common::scratch("prune", "unwritable");
+    let path = dir.join("missing").join(SPARSE_MODEL_FILE);
+    let t = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
+    let err = save_sparse(&path, &[("head.weight".to_string(), t)]).unwrap_err();
+    assert!(
+        matches!(err, memtrain::Error::Io { .. }),
+        "{err:?} should be an I/O error"
+    );
+    assert_eq!(err.exit_code(), 1, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -488,8 +488,12 @@ pub fn save_sparse(
 /// Write named tensors as safetensors at `path`, atomically.
 pub fn save_atomic(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     crate::io::write_atomic_with(path, |tmp| {
-        candle_core::safetensors::save(tensors, tmp)
-            .map_err(|e| Error::config(format!("{}: cannot write ({e})", path.display())))
+        // A failed write (a full disk, a missing directory) is an I/O error of the run, never a
+        // usage error.
+        candle_core::safetensors::save(tensors, tmp).map_err(|e| match e {
+            candle_core::Error::Io(io) => Error::io(path, io),
+            other => Error::io(path, std::io::Error::other(other.to_string())),
+        })
     })
 }
 

@@ -89,6 +89,7 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
                 epoch: 0,
                 batch: 0,
                 phase: format!("the predicted {} peak ({})", est.peak_phase, size(step)),
+                advice: crate::advice::out_of_memory(cfg, est.peak_phase == "optimizer"),
                 snapshot: None,
             });
         }

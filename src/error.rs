@@ -34,8 +34,7 @@ pub enum Error {
     /// A training step needed more memory than the configured limit allows.
     #[error(
         "out of memory: {phase} of batch {batch} (epoch {epoch}) needed more than the {limit} limit; \
-         lower --batch-size, raise --accum-steps, use --checkpoint stages or --precision f16/bf16, \
-         or raise --memory-limit{}",
+         {advice}{}",
         .snapshot.as_ref().map(|p| format!(" (memory snapshot: {})", p.display())).unwrap_or_default()
     )]
     OutOfMemory {
@@ -47,6 +46,8 @@ pub enum Error {
         batch: usize,
         /// Phase of the step: forward, backward or optimizer (with the layer, when known).
         phase: String,
+        /// What to do, true for the run at hand (`crate::advice::out_of_memory`).
+        advice: String,
         /// The [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] written for this failure.
         snapshot: Option<PathBuf>,
     },

@@ -21,6 +21,7 @@
 // Module docs explain the private halves they are built from (`cargo doc --document-private-items`).
 #![allow(rustdoc::private_intra_doc_links)]
 
+pub(crate) mod advice;
 pub mod app;
 pub mod bounds;
 pub mod callbacks;

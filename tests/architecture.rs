@@ -269,7 +269,10 @@ fn no_source_file_over_800_lines_of_code() {
             }
         }
     }
-    assert!(big.is_empty(), "files over 800 lines of non-test code: {big:?}");
+    assert!(
+        big.is_empty(),
+        "files over 800 lines of non-test code: {big:?}"
+    );
 }
 
 #[test]

@@ -578,11 +578,7 @@ fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     let mut first = args.clone();
     first.extend(["--out".into(), dir.display().to_string()]);
     let out = run(&first);
-    one_line_error(
-        &out,
-        1,
-        "the snapshot from before the loss blew up (step ",
-    );
+    one_line_error(&out, 1, "the snapshot from before the loss blew up (step ");
     let ck = Snapshot::find_latest(&dir).expect("the healthy snapshot stays");
     assert!(ck.healthy, "the newest snapshot left is healthy");
     let stderr = text(&out.stderr);

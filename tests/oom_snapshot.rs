@@ -124,3 +124,41 @@ fn a_summary_only_child_leaves_a_snapshot_too() {
     assert!(out.join(OOM_SNAPSHOT_FILE).is_file());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The out-of-memory advice is true for the run: a run that already checkpoints every block in
+/// bf16 is not told to use `--checkpoint stages` or a half precision.
+#[test]
+fn the_advice_names_only_what_the_run_does_not_use_yet() {
+    let dir = std::env::temp_dir().join(format!("memtrain-oom-advice-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = dir.join("run");
+    let o = train(
+        &[
+            BASE,
+            &[
+                "--precision",
+                "bf16",
+                "--checkpoint",
+                "blocks",
+                "--memory-limit",
+                "5MiB",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    let line = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    assert!(line.contains("out of memory"), "{line}");
+    assert!(
+        line.contains("lower --batch-size") && line.contains("raise --memory-limit"),
+        "{line}"
+    );
+    assert!(
+        !line.contains("--checkpoint") && !line.contains("--precision"),
+        "advice the run already follows: {line}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

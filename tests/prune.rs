@@ -562,10 +562,7 @@ fn killed_and_resumed_pruned_run_is_bit_identical() {
     bytes[last] ^= 1;
     std::fs::write(&newest, bytes).unwrap();
     let ck = Snapshot::find_latest(&dir).unwrap();
-    assert!(
-        ck.state.global_step < 160,
-        "fell back to an older snapshot"
-    );
+    assert!(ck.state.global_step < 160, "fell back to an older snapshot");
     assert!(
         ck.skipped
             .iter()
@@ -599,7 +596,11 @@ fn a_longer_resumed_run_revives_no_pruned_weight() {
             "--synthetic-train 128 --synthetic-test 16 --width 4 --batch-size 32 --prune 0.5 \
              --prune-every 1 --quiet --no-eval --device cpu --seed 3 --epochs",
         );
-        a.extend([epochs.to_string(), "--out".into(), dir.display().to_string()]);
+        a.extend([
+            epochs.to_string(),
+            "--out".into(),
+            dir.display().to_string(),
+        ]);
         a
     };
     assert_ok(&run(&args("2")), "the pruned run");

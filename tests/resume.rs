@@ -8,7 +8,8 @@
 mod common;
 
 use common::{
-    assert_ok, bits, copy_dir, flags, run_trainer as run, snapshot, text, trainer_command as command,
+    assert_ok, bits, copy_dir, flags, run_trainer as run, snapshot, text,
+    trainer_command as command,
 };
 
 use candle_core::{Device, Tensor};
@@ -428,7 +429,11 @@ fn a_longer_max_steps_continues_the_epoch_it_cut_and_ends_it_once() {
             .collect()
     };
     let expected = vec![("0".to_string(), "8".to_string()), ("1".into(), "4".into())];
-    assert_eq!(rows(&whole), expected, "epoch, steps of the uninterrupted run");
+    assert_eq!(
+        rows(&whole),
+        expected,
+        "epoch, steps of the uninterrupted run"
+    );
     assert_eq!(rows(&part), expected, "epoch, steps of the resumed run");
     let completed = |dir: &Path| {
         let s: serde_json::Value =
@@ -466,7 +471,11 @@ fn a_resume_with_no_step_left_still_writes_the_step_timeline() {
     let out = run(&["--resume".to_string(), dir.display().to_string()]);
     assert_ok(&out, "resuming with no step left");
     assert!(text(&out.stdout).contains("no steps left to train"));
-    for file in ["step_timeline.json", "step_timeline.png", "step_timeline.svg"] {
+    for file in [
+        "step_timeline.json",
+        "step_timeline.png",
+        "step_timeline.svg",
+    ] {
         assert!(dir.join(file).is_file(), "{file} missing");
     }
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -494,9 +503,16 @@ fn a_run_directory_from_before_the_rename_resumes() {
     );
     let legacy = dir.join(memtrain::train::snapshot::LEGACY_SNAPSHOTS_DIR);
     let newest = std::fs::read_to_string(legacy.join(LATEST_FILE)).unwrap();
-    assert_eq!(newest.trim(), "step-000004", "saved next to the old snapshots");
+    assert_eq!(
+        newest.trim(),
+        "step-000004",
+        "saved next to the old snapshots"
+    );
     assert!(legacy.join("step-000004").join(MANIFEST_FILE).is_file());
-    assert!(!dir.join(SNAPSHOTS_DIR).exists(), "one snapshot folder per run");
+    assert!(
+        !dir.join(SNAPSHOTS_DIR).exists(),
+        "one snapshot folder per run"
+    );
     let ck = Snapshot::find_latest(&dir).expect("the newest snapshot loads");
     assert_eq!(ck.state.global_step, 4);
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());

@@ -165,11 +165,17 @@ fn the_prediction_error_is_against_the_step_peak() {
         &std::fs::read_to_string(dir.join("run").join("summary.json")).unwrap(),
     )
     .unwrap();
-    assert_eq!(s["peak_phase"], "other", "the run's peak is the loading's: {s}");
+    assert_eq!(
+        s["peak_phase"], "other",
+        "the run's peak is the loading's: {s}"
+    );
     let predicted = s["predicted_peak_bytes"].as_f64().unwrap();
     let step = s["step_peak_bytes"].as_f64().unwrap();
     let error = s["prediction_error_pct"].as_f64().unwrap();
     assert_eq!(error, (predicted - step) / step * 100.0);
-    assert!(error.abs() < 5.0, "the step's prediction is off by {error}%");
+    assert!(
+        error.abs() < 5.0,
+        "the step's prediction is off by {error}%"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

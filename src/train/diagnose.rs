@@ -14,6 +14,7 @@ impl Trainer {
             epoch,
             batch,
             phase,
+            advice,
             snapshot: None,
         } = e
         else {
@@ -34,6 +35,7 @@ impl Trainer {
             epoch,
             batch,
             phase,
+            advice,
             snapshot: None,
         };
         let snapshot = OomSnapshot {
@@ -54,6 +56,16 @@ impl Trainer {
             Err(w) => eprintln!("warning: memory snapshot not written: {w}"),
         }
         error
+    }
+
+    /// `e` with the advice of an out-of-memory error filled in for this run's configuration
+    /// and the phase that ran out (other errors unchanged).
+    pub(super) fn advise_oom(&self, mut e: Error) -> Error {
+        if let Error::OutOfMemory { phase, advice, .. } = &mut e {
+            let in_update = phase.starts_with(&crate::phase::Phase::Optimizer.to_string());
+            *advice = crate::advice::out_of_memory(&self.config, in_update);
+        }
+        e
     }
 
     /// What to do after the loss or the gradients became non-finite, true for this run: a lower

@@ -29,6 +29,8 @@ fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phas
             epoch,
             batch,
             phase: phase.to_string(),
+            // Filled in by the trainer, which knows the configuration (`Trainer::advise_oom`).
+            advice: String::new(),
             snapshot: None,
         }),
         _ => Ok(()),
@@ -117,6 +119,7 @@ impl StepInfo {
                 epoch,
                 batch,
                 phase: phase.to_string(),
+                advice: String::new(),
                 snapshot: None,
             },
             other => other,
@@ -178,6 +181,7 @@ impl TimelineRecorder<'_> {
                 epoch: self.step.epoch,
                 batch: self.step.batch,
                 phase: format!("{phase} at {layer}"),
+                advice: String::new(),
                 snapshot: None,
             }),
             _ => Ok(()),
@@ -318,7 +322,14 @@ impl Trainer {
                 self.snapshots.note_step(&r);
                 Ok(r)
             }
-            Err(e) if e.is_oom() && self.oom_snapshot => Err(self.write_oom_snapshot(e, timeline)),
+            Err(e) if e.is_oom() => {
+                let e = self.advise_oom(e);
+                if self.oom_snapshot {
+                    Err(self.write_oom_snapshot(e, timeline))
+                } else {
+                    Err(e)
+                }
+            }
             Err(e) => Err(e),
         }
     }

@@ -27,41 +27,15 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let mut args = match parse_train_args(args)? {
-        Ok(a) => a,
-        Err(help) => {
-            print!("{help}");
-            return Ok(());
-        }
+    let Some(Setup {
+        cmd,
+        cfg,
+        resume,
+        explicit,
+    }) = setup(args)?
+    else {
+        return Ok(());
     };
-    // --resume: the newest complete snapshot's config.json is the base configuration, so only
-    // flags given explicitly change it; conflicting ones are refused before anything is written.
-    let resume = match args.resume.clone() {
-        Some(dir) => {
-            let ck = Snapshot::find_latest(&dir)?;
-            if args.config_file.is_none() {
-                args.config_file = Some(ck.config_path());
-            }
-            Some(ck)
-        }
-        None => None,
-    };
-    let out_given = args.explicit.iter().any(|f| f == "out");
-    let explicit = args.explicit.clone();
-    let cmd = TrainCommand::try_from(args)?;
-    let mut cfg = match &resume {
-        Some(ck) => ck.resume_config(&cmd.config, out_given)?,
-        None => {
-            // Checked again under the run directory's lock; here to fail before loading data.
-            if let Some(out) = &cmd.config.out {
-                check_new(out, cmd.overwrite)?;
-            }
-            cmd.config.clone()
-        }
-    };
-    if !cmd.dry_run && cfg.out.is_none() {
-        cfg.out = Some(default_run_dir());
-    }
     // data set, model and step sized against --memory-limit, --fit-memory and the
     // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
@@ -75,11 +49,6 @@ where
     // --fit-memory picks micro-batch, accumulation, checkpointing and precision
     // (src/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
     let (cfg, loaded) = match cmd.plan.fit_memory {
-        Some(_) if resume.is_some() => {
-            return Err(Error::config(
-                "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
-            ));
-        }
         Some(budget) => fit_memory(cfg, budget, &cmd, &explicit, stop.clone())?,
         None => (cfg, None),
     };
@@ -119,20 +88,7 @@ where
         // Consumed: the loaded tensors are freed once they are in the model.
         resume_from(&mut trainer, ck)?;
     }
-    println!("{}", trainer.data_description());
-    println!(
-        "device {} | probe {}{} | {} steps/epoch, {} steps | run dir {}",
-        crate::device::device_name(&trainer.device),
-        trainer.probe().name(),
-        if trainer.probe().available() {
-            ""
-        } else {
-            " (unavailable)"
-        },
-        trainer.steps_per_epoch(),
-        trainer.total_steps(),
-        trainer.run_dir().display()
-    );
+    print_start(&trainer);
     if cmd.dry_run {
         return Ok(());
     }
@@ -158,6 +114,88 @@ where
         )));
     }
     Ok(())
+}
+
+/// A run's command line resolved: the command, the configuration (a resumed run's from its
+/// snapshot), the snapshot to resume and the flags given explicitly.
+struct Setup {
+    cmd: TrainCommand,
+    cfg: crate::config::TrainConfig,
+    resume: Option<Snapshot>,
+    explicit: Vec<String>,
+}
+
+/// Parse `args` into a [`Setup`]; `None` after printing `--help`. Every usage error of the
+/// command line is found here, before anything is loaded or written.
+fn setup<I, T>(args: I) -> Result<Option<Setup>>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let mut args = match parse_train_args(args)? {
+        Ok(a) => a,
+        Err(help) => {
+            print!("{help}");
+            return Ok(None);
+        }
+    };
+    // --resume: the newest complete snapshot's config.json is the base configuration, so only
+    // flags given explicitly change it; conflicting ones are refused before anything is written.
+    let resume = match args.resume.clone() {
+        Some(dir) => {
+            let ck = Snapshot::find_latest(&dir)?;
+            if args.config_file.is_none() {
+                args.config_file = Some(ck.config_path());
+            }
+            Some(ck)
+        }
+        None => None,
+    };
+    let out_given = args.explicit.iter().any(|f| f == "out");
+    let explicit = args.explicit.clone();
+    let cmd = TrainCommand::try_from(args)?;
+    let mut cfg = match &resume {
+        Some(ck) => ck.resume_config(&cmd.config, out_given)?,
+        None => {
+            // Checked again under the run directory's lock; here to fail before loading data.
+            if let Some(out) = &cmd.config.out {
+                check_new(out, cmd.overwrite)?;
+            }
+            cmd.config.clone()
+        }
+    };
+    if !cmd.dry_run && cfg.out.is_none() {
+        cfg.out = Some(default_run_dir());
+    }
+    if resume.is_some() && cmd.plan.fit_memory.is_some() {
+        return Err(Error::config(
+            "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
+        ));
+    }
+    Ok(Some(Setup {
+        cmd,
+        cfg,
+        resume,
+        explicit,
+    }))
+}
+
+/// What the run is about to do: its data, device, probe, steps and run directory.
+fn print_start(trainer: &Trainer) {
+    println!("{}", trainer.data_description());
+    println!(
+        "device {} | probe {}{} | {} steps/epoch, {} steps | run dir {}",
+        crate::device::device_name(&trainer.device),
+        trainer.probe().name(),
+        if trainer.probe().available() {
+            ""
+        } else {
+            " (unavailable)"
+        },
+        trainer.steps_per_epoch(),
+        trainer.total_steps(),
+        trainer.run_dir().display()
+    );
 }
 
 /// `--fit-memory BUDGET`: load the data, plan micro-batch, accumulation, checkpointing and

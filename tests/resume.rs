@@ -779,9 +779,34 @@ fn snapshot_and_restore_continue_in_memory() {
         ..cfg.clone()
     };
     let mut d = Trainer::new(wide, splits(&cfg), TrainerOptions::default()).unwrap();
-    let e = d.restore(state).unwrap_err().to_string();
+    let e = d.restore(state.clone()).unwrap_err().to_string();
     assert!(e.contains("the model needs"), "{e}");
     assert_eq!(d.global_step, 0);
+
+    // A NaN weight, or an optimizer state emptied, is refused: a run never saves either.
+    let mut nan = state.clone();
+    let (name, w) = nan
+        .model
+        .iter()
+        .next()
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .unwrap();
+    let mut values = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    values[0] = f32::NAN;
+    nan.model.insert(
+        name,
+        Tensor::from_vec(values, w.shape(), &Device::Cpu).unwrap(),
+    );
+    let mut e_nan = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions::default()).unwrap();
+    let e = e_nan.restore(nan).unwrap_err().to_string();
+    assert!(e.contains("NaN or infinite"), "{e}");
+    assert_eq!(e_nan.global_step, 0);
+    let mut empty = state;
+    empty.optimizer.clear();
+    let mut e_opt = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions::default()).unwrap();
+    let e = e_opt.restore(empty).unwrap_err().to_string();
+    assert!(e.contains("optimizer state holds 0 tensors"), "{e}");
+    assert_eq!(e_opt.global_step, 0);
 }
 
 #[test]

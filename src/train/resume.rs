@@ -89,6 +89,13 @@ impl Trainer {
         let vars = self.model.named_vars();
         let buffers = self.model.named_buffers();
         check_model_state(&state, &vars, &buffers)?;
+        // A diverged state is never saved, so a non-finite value is one put there since.
+        if let Some(what) = non_finite(&state, &buffers)? {
+            return Err(Error::Snapshot(format!(
+                "the saved {what} hold NaN or infinite values, which a run never saves (the \
+                 snapshot was altered); resume an older snapshot or start again"
+            )));
+        }
         let opt_state = self.checked_optimizer_state(&state, &vars)?;
         if state.scaler.is_some() != self.scaler.is_some() {
             return Err(Error::Snapshot(
@@ -163,6 +170,26 @@ impl Trainer {
                 )));
             }
             opt_state.push((name.clone(), t.to_device(&self.device)?));
+        }
+        // Every applied update leaves one state tensor per parameter (SGD's momentum), or two
+        // (AdamW's moments); before the first, none.
+        let per_param = match self.config.optimizer {
+            crate::config::OptimizerKind::Sgd => 1,
+            crate::config::OptimizerKind::Adamw => 2,
+        };
+        let expected = if state.optimizer_steps > 0 {
+            per_param * vars.len()
+        } else {
+            0
+        };
+        if opt_state.len() != expected {
+            return Err(Error::Snapshot(format!(
+                "the optimizer state holds {} tensors where {} optimizer steps of --optimizer {} \
+                 leave {expected} (the snapshot was altered); resume an older snapshot or start again",
+                opt_state.len(),
+                state.optimizer_steps,
+                self.config.optimizer
+            )));
         }
         Ok(opt_state)
     }

@@ -152,7 +152,7 @@ pub struct FileEntry {
 /// The contents of `checkpoint.json`: the counters and positions of a snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
-    /// Always `memtrain-checkpoint`.
+    /// `memtrain-snapshot` (`memtrain-checkpoint` in snapshots written before the rename).
     pub format: String,
     /// Manifest version ([`VERSION`]).
     pub version: u32,
@@ -628,8 +628,75 @@ type Reason = String;
 /// A manifest is a few KiB; anything past this is not one.
 const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
-/// Read and verify one snapshot directory.
+/// Read and verify one snapshot directory: its signed manifest, every file it lists (sizes and
+/// hashes), their contents and the data position they describe.
 fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Snapshot, Reason> {
+    let state = read_manifest(dir, step)?;
+    let contents = read_listed_files(dir, &state)?;
+    let config: TrainConfig = serde_json::from_slice(&contents[CONFIG_FILE])
+        .map_err(|e| format!("damaged {CONFIG_FILE} ({e})"))?;
+    let history: RunHistory = serde_json::from_slice(&contents[HISTORY_FILE])
+        .map_err(|e| format!("damaged {HISTORY_FILE} ({e})"))?;
+    let memory: MemoryLog = serde_json::from_slice(&contents[MEMORY_FILE])
+        .map_err(|e| format!("damaged {MEMORY_FILE} ({e})"))?;
+    config
+        .validate()
+        .map_err(|e| format!("invalid {CONFIG_FILE} ({e})"))?;
+    let model = candle_core::safetensors::load_buffer(&contents[MODEL_FILE], &Device::Cpu)
+        .map_err(|e| format!("damaged {MODEL_FILE} ({})", first_line(&e.to_string())))?;
+    let optimizer = candle_core::safetensors::load_buffer(&contents[OPTIMIZER_FILE], &Device::Cpu)
+        .map_err(|e| format!("damaged {OPTIMIZER_FILE} ({})", first_line(&e.to_string())))?;
+    let masks = contents
+        .get(MASKS_FILE)
+        .map(|bytes| {
+            candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
+                .map_err(|e| format!("damaged {MASKS_FILE} ({})", first_line(&e.to_string())))
+        })
+        .transpose()?;
+    if masks.is_some() != config.prune.is_some() {
+        return Err(format!(
+            "{MASKS_FILE} is {} but the config {} --prune",
+            if masks.is_some() {
+                "present"
+            } else {
+                "missing"
+            },
+            if config.prune.is_some() {
+                "has"
+            } else {
+                "has no"
+            }
+        ));
+    }
+    check_position(&state, &history)?;
+    Ok(Snapshot {
+        run_dir: run_dir.to_path_buf(),
+        dir: dir.to_path_buf(),
+        healthy: state.healthy,
+        state: TrainState {
+            global_step: state.global_step,
+            epoch: state.epoch,
+            next_batch: state.next_batch,
+            steps_per_epoch: state.steps_per_epoch,
+            total_steps: state.total_steps,
+            model,
+            optimizer,
+            optimizer_steps: state.optimizer_steps,
+            scaler: state.scaler,
+            masks,
+            train_images: state.train_images,
+            train_fingerprint: state.train_fingerprint,
+            data_description: state.data_description,
+            history,
+            memory,
+        },
+        config,
+        skipped: Vec::new(),
+    })
+}
+
+/// The verified manifest of the snapshot directory `dir` of step `step`.
+fn read_manifest(dir: &Path, step: usize) -> std::result::Result<Manifest, Reason> {
     let manifest_path = manifest_path(dir);
     let text = match crate::io::read_capped(&manifest_path, MAX_MANIFEST_BYTES) {
         Ok(t) => t,
@@ -656,6 +723,15 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Snap
             state.global_step
         ));
     }
+    Ok(state)
+}
+
+/// The files the manifest `state` lists, read from `dir` and checked against its sizes and
+/// hashes, by name.
+fn read_listed_files(
+    dir: &Path,
+    state: &Manifest,
+) -> std::result::Result<HashMap<&'static str, Vec<u8>>, Reason> {
     let mut contents = HashMap::new();
     // The masks file is listed (so size and hash are checked) exactly when the run prunes.
     let masks_listed = state.files.contains_key(MASKS_FILE);
@@ -694,41 +770,11 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Snap
         }
         contents.insert(name, bytes);
     }
-    let config: TrainConfig = serde_json::from_slice(&contents[CONFIG_FILE])
-        .map_err(|e| format!("damaged {CONFIG_FILE} ({e})"))?;
-    let history: RunHistory = serde_json::from_slice(&contents[HISTORY_FILE])
-        .map_err(|e| format!("damaged {HISTORY_FILE} ({e})"))?;
-    let memory: MemoryLog = serde_json::from_slice(&contents[MEMORY_FILE])
-        .map_err(|e| format!("damaged {MEMORY_FILE} ({e})"))?;
-    config
-        .validate()
-        .map_err(|e| format!("invalid {CONFIG_FILE} ({e})"))?;
-    let model = candle_core::safetensors::load_buffer(&contents[MODEL_FILE], &Device::Cpu)
-        .map_err(|e| format!("damaged {MODEL_FILE} ({})", first_line(&e.to_string())))?;
-    let optimizer = candle_core::safetensors::load_buffer(&contents[OPTIMIZER_FILE], &Device::Cpu)
-        .map_err(|e| format!("damaged {OPTIMIZER_FILE} ({})", first_line(&e.to_string())))?;
-    let masks = contents
-        .get(MASKS_FILE)
-        .map(|bytes| {
-            candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
-                .map_err(|e| format!("damaged {MASKS_FILE} ({})", first_line(&e.to_string())))
-        })
-        .transpose()?;
-    if masks.is_some() != config.prune.is_some() {
-        return Err(format!(
-            "{MASKS_FILE} is {} but the config {} --prune",
-            if masks.is_some() {
-                "present"
-            } else {
-                "missing"
-            },
-            if config.prune.is_some() {
-                "has"
-            } else {
-                "has no"
-            }
-        ));
-    }
+    Ok(contents)
+}
+
+/// The manifest's data position (epoch, next batch) is one the history can continue from.
+fn check_position(state: &Manifest, history: &RunHistory) -> std::result::Result<(), Reason> {
     if state.steps_per_epoch == 0 || state.next_batch > state.steps_per_epoch {
         return Err(format!(
             "{MANIFEST_FILE} has batch {} of an epoch of {} steps",
@@ -744,30 +790,7 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Snap
             state.epoch, state.next_batch
         ));
     }
-    Ok(Snapshot {
-        run_dir: run_dir.to_path_buf(),
-        dir: dir.to_path_buf(),
-        healthy: state.healthy,
-        state: TrainState {
-            global_step: state.global_step,
-            epoch: state.epoch,
-            next_batch: state.next_batch,
-            steps_per_epoch: state.steps_per_epoch,
-            total_steps: state.total_steps,
-            model,
-            optimizer,
-            optimizer_steps: state.optimizer_steps,
-            scaler: state.scaler,
-            masks,
-            train_images: state.train_images,
-            train_fingerprint: state.train_fingerprint,
-            data_description: state.data_description,
-            history,
-            memory,
-        },
-        config,
-        skipped: Vec::new(),
-    })
+    Ok(())
 }
 
 fn first_line(s: &str) -> String {

@@ -233,6 +233,18 @@ fn cases() -> Vec<Case> {
             fix: "without --resume",
         },
         Case {
+            name: "--resume of a directory with results but no snapshot",
+            setup: |d| {
+                let run = d.join("run");
+                std::fs::create_dir_all(&run).unwrap();
+                std::fs::write(run.join("summary.json"), b"{}").unwrap();
+                vec!["--resume".into(), run.display().to_string()]
+            },
+            code: 2,
+            problem: "no snapshot",
+            fix: "--overwrite",
+        },
+        Case {
             name: "--resume of a corrupted snapshot",
             setup: |d| {
                 resume_copy(d, |ck| {

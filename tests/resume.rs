@@ -481,6 +481,43 @@ fn a_resume_with_no_step_left_still_writes_the_step_timeline() {
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
+/// `--resume` of a run directory that a live run holds, before that run's first snapshot, says
+/// so (and what to do), rather than "no snapshot".
+#[test]
+fn resuming_a_directory_held_by_a_live_run_says_so() {
+    let dir = common::scratch("resume", "live").join("run");
+    // Slow steps and no snapshot before the epoch's end: a long window with the lock held.
+    let args: Vec<String> = flags(
+        "--synthetic-train 2560 --synthetic-test 16 --width 64 --batch-size 256 --epochs 1 \
+         --quiet --no-eval --device cpu",
+    )
+    .into_iter()
+    .chain(["--out".to_string(), dir.display().to_string()])
+    .collect();
+    let mut child = spawn(&args);
+    let start = Instant::now();
+    while !std::fs::read_to_string(dir.join("batches.csv")).is_ok_and(|t| t.lines().count() > 1) {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no step after 2 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = run(&["--resume".to_string(), dir.display().to_string()]);
+    let still_running = child.try_wait().unwrap().is_none();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(still_running, "the run ended before the resume was tried");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("a running memtrain process holds this run directory"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
 /// A run directory written before save/resume was named "snapshot" — `checkpoints/` with
 /// `checkpoint.json` manifests, made by `train_cifar10` of commit fcb54e6 (2 of 8 steps, width 2;
 /// tests/data/legacy-run) — resumes, and goes on saving into its own `checkpoints/` folder.

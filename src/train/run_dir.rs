@@ -118,6 +118,20 @@ pub fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
+/// Whether a live process holds `dir`'s lock (a run writing into it right now). Takes the lock
+/// for a moment when it is free, and never creates the lock file.
+pub fn in_use(dir: &Path) -> bool {
+    let Ok(file) = OpenOptions::new().write(true).open(dir.join(LOCK_FILE)) else {
+        return false;
+    };
+    matches!(file.try_lock(), Err(TryLockError::WouldBlock))
+}
+
+/// Whether `dir` holds an earlier run's result files (see [`RESULT_FILES`]).
+pub fn holds_results(dir: &Path) -> bool {
+    !earlier_run(dir).0.is_empty()
+}
+
 /// Create `dir` if needed, take its lock, and prepare it for `claim`.
 ///
 /// Errors: another process holds the lock ([`Error::Config`]); `claim` is

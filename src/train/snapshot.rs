@@ -817,6 +817,32 @@ fn differences(then: &TrainConfig, now: &TrainConfig, keys: &[&str]) -> Vec<Stri
         .collect()
 }
 
+/// The error for `--resume` of `run_dir` whose snapshot folder `root` holds none: what the
+/// directory is, and the way forward that works for it.
+fn no_snapshot(run_dir: &Path, root: &Path) -> Error {
+    let shown = run_dir.display();
+    if super::run_dir::in_use(run_dir) {
+        return Error::config(format!(
+            "--resume {shown}: a running memtrain process holds this run directory and has not \
+             saved its first snapshot yet; wait for it to end (Ctrl-C stops it with a snapshot), \
+             then resume"
+        ));
+    }
+    let way_forward = if super::run_dir::holds_results(run_dir) {
+        format!(
+            "its results have no snapshot to continue from; start a new run with another --out, \
+             or with --out {shown} --overwrite to replace them"
+        )
+    } else {
+        "start a new run without --resume".to_string()
+    };
+    Error::config(format!(
+        "--resume {shown}: no snapshot in {} (the run stopped before its first snapshot, or this \
+         is not a run directory); {way_forward}",
+        root.display()
+    ))
+}
+
 impl Snapshot {
     /// The newest complete snapshot of the run in `run_dir`.
     ///
@@ -843,10 +869,7 @@ impl Snapshot {
         let root = snapshots_root(run_dir);
         let steps = list_steps(&root)?;
         if steps.is_empty() {
-            return Err(Error::config(format!(
-                "--resume {shown}: no snapshot in {} (the run stopped before its first snapshot, or this is not a run directory); start a new run without --resume",
-                root.display()
-            )));
+            return Err(no_snapshot(run_dir, &root));
         }
         let mut skipped: Vec<String> = list_leftovers(&root)
             .into_iter()

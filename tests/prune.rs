@@ -647,3 +647,55 @@ fn a_model_file_that_cannot_be_written_is_an_io_error() {
     assert_eq!(err.exit_code(), 1, "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Masks are checked against the run they belong to: an edited mask in a snapshot — all ones,
+/// all zeros, or inverted — is refused on resume, before anything trains.
+#[test]
+fn edited_masks_are_refused_on_resume() {
+    let cfg = TrainConfig {
+        prune_every: 1,
+        ..pruned_config(0.5)
+    };
+    let splits = || common::splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    let mut t = Trainer::new(cfg.clone(), splits(), TrainerOptions::default()).unwrap();
+    let batches: Vec<_> = memtrain::data::Batcher::new(
+        std::sync::Arc::new(splits().train),
+        memtrain::data::BatcherOptions {
+            batch_size: cfg.batch_size,
+            shuffle: false,
+            augment: false,
+            drop_last: true,
+            seed: 1,
+            epoch: 0,
+            prefetch: 1,
+            start_batch: 0,
+            recycle: None,
+        },
+    )
+    .collect();
+    for (i, b) in batches.iter().enumerate() {
+        t.train_step(b, 0, i).unwrap();
+    }
+    let state = t.snapshot(0, batches.len(), None).unwrap();
+    let mut fresh = Trainer::new(cfg.clone(), splits(), TrainerOptions::default()).unwrap();
+    fresh
+        .restore(state.clone())
+        .expect("the untouched snapshot restores");
+
+    let edits: [(&str, fn(u8) -> u8); 3] = [
+        ("all ones", |_| 1),
+        ("all zeros", |_| 0),
+        ("inverted", |m| 1 - m),
+    ];
+    for (what, edit) in edits {
+        let mut edited = state.clone();
+        for mask in edited.masks.as_mut().unwrap().values_mut() {
+            let values: Vec<u8> = u8s(mask).into_iter().map(edit).collect();
+            *mask = Tensor::from_vec(values, mask.shape(), &Device::Cpu).unwrap();
+        }
+        let mut t = Trainer::new(cfg.clone(), splits(), TrainerOptions::default()).unwrap();
+        let e = t.restore(edited).unwrap_err().to_string();
+        assert!(e.contains("the masks were altered"), "{what}: {e}");
+        assert_eq!(t.global_step, 0, "{what}: nothing restored");
+    }
+}

@@ -298,6 +298,49 @@ impl Pruner {
         Ok(())
     }
 
+    /// Check loaded masks against the run they belong to: after `step` optimizer steps each
+    /// mask prunes at least what the schedule's last update asked for, and every weight it prunes
+    /// is zero in `weights` (the saved parameters by name), as pruning leaves it. An edited mask
+    /// (all ones, all zeros, inverted) fails one of the two.
+    pub fn check_masks(&self, step: usize, weights: &HashMap<String, Tensor>) -> Result<()> {
+        let last_update = (0..=step.min(self.schedule.end))
+            .rev()
+            .find(|&u| self.schedule.updates_at(u));
+        for l in &self.layers {
+            let mask = l.mask.flatten_all()?.to_vec1::<u8>()?;
+            let expected =
+                last_update.map_or(0, |u| zeros_for(self.schedule.sparsity(u), mask.len()));
+            if l.zeros < expected {
+                return Err(Error::Snapshot(format!(
+                    "the pruning mask of '{}' prunes {} of {} weights where the schedule had pruned \
+                     {expected} by step {step} (the masks were altered); resume an older snapshot or \
+                     start again",
+                    l.name,
+                    l.zeros,
+                    mask.len()
+                )));
+            }
+            let w = weights
+                .get(&l.name)
+                .ok_or_else(|| Error::Snapshot(format!("no saved weights for '{}'", l.name)))?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let live = mask
+                .iter()
+                .zip(&w)
+                .filter(|(&m, &v)| m == 0 && v != 0.0)
+                .count();
+            if live > 0 {
+                return Err(Error::Snapshot(format!(
+                    "the pruning mask of '{}' prunes {live} weights that are not zero in the saved \
+                     model (the masks were altered); resume an older snapshot or start again",
+                    l.name
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Reached sparsity per pruned parameter and overall, counted from the weights themselves.
     pub fn report(&self, vars: &[Var]) -> Result<PruneReport> {
         let mut layers = Vec::with_capacity(self.layers.len());

@@ -112,6 +112,7 @@ impl Trainer {
             (Some(masks), Some(p)) => {
                 let mut fresh = super::prune::Pruner::new(*p.schedule(), &vars)?;
                 fresh.load_masks(masks)?;
+                fresh.check_masks(state.global_step, &state.model)?;
                 Some(fresh)
             }
             _ => None,

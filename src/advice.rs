@@ -6,7 +6,7 @@ use crate::config::{GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 /// The fixes for a step of `cfg` that needed more memory than it had, in the order to try them.
 /// `in_update`: it ran out in the optimizer phase, where parameters, gradients and optimizer
 /// state are alive but no activation is, so only the optimizer or the model can help.
-pub fn out_of_memory(cfg: &TrainConfig, in_update: bool) -> String {
+pub(crate) fn out_of_memory(cfg: &TrainConfig, in_update: bool) -> String {
     let mut fixes: Vec<&str> = Vec::new();
     if in_update {
         if cfg.optimizer == OptimizerKind::Adamw {

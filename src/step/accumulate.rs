@@ -86,7 +86,7 @@ impl GradAccumulator {
     }
 
     /// Take every gradient found in `store` for `vars`.
-    pub fn add_from_store(
+    pub(crate) fn add_from_store(
         &mut self,
         vars: &[Var],
         store: &mut candle_core::backprop::GradStore,

@@ -44,7 +44,7 @@ impl MicroResult {
 /// micro-batch of images is on the device at once) or already on the device (a captured CUDA
 /// graph reads its inputs from fixed addresses, so its micro-batches are views of them).
 #[derive(Clone, Copy)]
-pub enum BatchInput<'a> {
+pub(crate) enum BatchInput<'a> {
     /// f32 images (`[N, 3, 32, 32]` flattened) and u32 labels on the host.
     Host {
         /// The images, [`IMAGE_BYTES`] values each.
@@ -55,6 +55,7 @@ pub enum BatchInput<'a> {
         device: &'a Device,
     },
     /// Images `[N, 3, 32, 32]` and labels `[N]` on the device.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // a captured CUDA graph's inputs
     Device {
         /// The images.
         x: &'a Tensor,
@@ -102,7 +103,7 @@ impl BatchInput<'_> {
 }
 
 /// One micro-batch, as [`for_each_micro_batch`] hands it to the work it runs.
-pub struct MicroBatch {
+pub(crate) struct MicroBatch {
     /// Index of the micro-batch in its batch (0-based).
     pub index: usize,
     /// Its images `[N/K, 3, 32, 32]` (f32) on the device.
@@ -117,7 +118,7 @@ pub struct MicroBatch {
 /// Runs `work` on each of the `k` micro-batches of `batch`, in order, and returns what each
 /// returned. The micro-batch's tensors are dropped when its work returns, before the next one is
 /// made. A batch that does not split into `k` equal parts is a usage error.
-pub fn for_each_micro_batch<R>(
+pub(crate) fn for_each_micro_batch<R>(
     batch: BatchInput<'_>,
     k: usize,
     loss_scale: f64,

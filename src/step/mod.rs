@@ -22,4 +22,4 @@ pub mod oracle;
 pub mod precision;
 pub mod tape;
 
-pub use micro::{for_each_micro_batch, BatchInput, MicroBatch, MicroResult};
+pub(crate) use micro::{for_each_micro_batch, BatchInput, MicroResult};

@@ -99,7 +99,7 @@ impl Optimizer {
     /// Zero the state of parameter `index` where `mask` (u8, the parameter's shape) is 0, so a
     /// pruned weight carries no momentum (or Adam moments) into later steps: see
     /// [`super::prune`].
-    pub fn mask_state(&mut self, index: usize, mask: &Tensor) -> Result<()> {
+    pub(crate) fn mask_state(&mut self, index: usize, mask: &Tensor) -> Result<()> {
         for slot in [&mut self.state1, &mut self.state2] {
             if let Some(s) = slot.get_mut(index).and_then(Option::as_mut) {
                 *s = mask.where_cond(s, &s.zeros_like()?)?;
@@ -109,7 +109,7 @@ impl Optimizer {
     }
 
     /// Bytes of the state tensors held now.
-    pub fn state_bytes(&self) -> u64 {
+    pub(crate) fn state_bytes(&self) -> u64 {
         self.state1
             .iter()
             .chain(&self.state2)
@@ -132,7 +132,7 @@ impl Optimizer {
     }
 
     /// Restore state saved by [`Optimizer::state`] (`steps` is restored separately).
-    pub fn load_state(&mut self, named: Vec<(String, Tensor)>) -> Result<()> {
+    pub(crate) fn load_state(&mut self, named: Vec<(String, Tensor)>) -> Result<()> {
         for (name, t) in named {
             let bad = || Error::Snapshot(format!("unknown optimizer state '{name}'"));
             let (slot, idx) = name.split_once('.').ok_or_else(bad)?;

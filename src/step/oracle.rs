@@ -21,7 +21,7 @@ use crate::model::{Cnn, Mode};
 use candle_core::{DType, Tensor, Var};
 
 /// Mean cross-entropy (f32) and correct count for f32 logits and u32 labels.
-pub fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
+pub(crate) fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     let loss = candle_nn::loss::cross_entropy(logits, labels)?;
     let pred = logits.detach().argmax(1)?;
     let correct = pred

@@ -624,7 +624,7 @@ fn bn_params(
 
 /// Mean cross-entropy of f32 `logits` [N, 10] for u32 `labels`, the correct count, and the
 /// gradient of `loss_mult · loss` with respect to the logits: `(softmax − onehot) · loss_mult / N`.
-pub fn loss_and_grad(
+pub(crate) fn loss_and_grad(
     logits: &Tensor,
     labels: &Tensor,
     loss_mult: f64,
@@ -639,7 +639,7 @@ pub fn loss_and_grad(
 
 /// [`loss_and_grad`] with the loss (f32) and the correct count (u32) left on the device as
 /// scalars: nothing is read back, so a captured CUDA graph can contain it.
-pub fn loss_and_grad_deferred(
+pub(crate) fn loss_and_grad_deferred(
     logits: &Tensor,
     labels: &Tensor,
     loss_mult: f64,

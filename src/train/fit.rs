@@ -21,7 +21,7 @@ impl Trainer {
     /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, no graph), in
     /// micro-batches so evaluation never needs more memory than a training micro-batch.
     /// `None` when a stop was requested before or during it (checked between batches).
-    pub fn evaluate(&self, data: &Arc<Dataset>) -> Result<Option<(f64, f64)>> {
+    pub(crate) fn evaluate(&self, data: &Arc<Dataset>) -> Result<Option<(f64, f64)>> {
         let bs = self.config.micro_batch().max(1);
         let batcher = Batcher::new(
             data.clone(),

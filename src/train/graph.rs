@@ -76,7 +76,8 @@ pub struct GraphStats {
 impl GraphStats {
     /// Counts the nodes of a graph from their `CUgraphNodeType` codes (kernel 0, memcpy 1,
     /// memset 2, mem-alloc 10, mem-free 11, as numbered by the CUDA driver API).
-    pub fn count_nodes(&mut self, codes: impl IntoIterator<Item = u32>) {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA capture
+    pub(crate) fn count_nodes(&mut self, codes: impl IntoIterator<Item = u32>) {
         let (mut n, mut kernel, mut memcpy, mut memset, mut alloc, mut free, mut other) =
             (0, 0, 0, 0, 0, 0, 0);
         for code in codes {
@@ -106,7 +107,8 @@ pub(crate) type BatchGrads = (f64, usize, Vec<Option<candle_core::Tensor>>);
 
 /// What the next step of a `--cuda-graph` run does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GraphAction {
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA capture
+pub(crate) enum GraphAction {
     /// Run the step's code eagerly (the warm-up: loads kernels, fills caches).
     Eager,
     /// Capture the step into a new graph, then launch it.
@@ -117,7 +119,8 @@ pub enum GraphAction {
 
 /// The next action given whether the warm-up step has run, the key (loss multiplier's bits)
 /// of the graph captured so far, and this step's key.
-pub fn next_action(warm: bool, captured: Option<u64>, key: u64) -> GraphAction {
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA capture
+pub(crate) fn next_action(warm: bool, captured: Option<u64>, key: u64) -> GraphAction {
     match (warm, captured) {
         (false, _) => GraphAction::Eager,
         (true, Some(k)) if k == key => GraphAction::Replay,
@@ -127,7 +130,7 @@ pub fn next_action(warm: bool, captured: Option<u64>, key: u64) -> GraphAction {
 
 /// The `--cuda-graph` state of a trainer: nothing unless the run captures its step.
 #[derive(Default)]
-pub struct GraphSlot {
+pub(crate) struct GraphSlot {
     #[cfg(feature = "cuda")]
     step: std::cell::RefCell<Option<cuda::CapturedStep>>,
 }

@@ -137,7 +137,7 @@ pub fn magnitude_mask(weights: &[f32], zeros: usize) -> Vec<u8> {
 /// [`magnitude_mask`] after an earlier mask `before` (1 = kept, 0 = pruned; empty: none): the
 /// weights it pruned go first, so a recomputed mask of at least as many zeros prunes every one of
 /// them again, whatever their magnitudes and ties.
-pub fn magnitude_mask_after(weights: &[f32], before: &[u8], zeros: usize) -> Vec<u8> {
+pub(crate) fn magnitude_mask_after(weights: &[f32], before: &[u8], zeros: usize) -> Vec<u8> {
     let mut mask = vec![1u8; weights.len()];
     let zeros = zeros.min(weights.len());
     if zeros == 0 {
@@ -210,7 +210,7 @@ impl Pruner {
     /// The trainer's one call, after optimizer step number `step` (counting from 1): recompute
     /// the masks when the schedule says so, then apply them to the parameters and zero the
     /// optimizer state of the pruned weights.
-    pub fn after_step(
+    pub(crate) fn after_step(
         &mut self,
         step: usize,
         vars: &[Var],
@@ -226,7 +226,7 @@ impl Pruner {
     /// fewer weights than it did, and keeps every weight it pruned pruned: a schedule that asks
     /// for less (a resumed run whose longer length moved the schedule's default end) revives
     /// nothing.
-    pub fn update_masks(&mut self, sparsity: f64, vars: &[Var]) -> Result<()> {
+    pub(crate) fn update_masks(&mut self, sparsity: f64, vars: &[Var]) -> Result<()> {
         for l in &mut self.layers {
             let var = &vars[l.index];
             let w = var.as_detached_tensor().flatten_all()?.to_vec1::<f32>()?;
@@ -263,7 +263,7 @@ impl Pruner {
     ///
     /// # Errors
     /// [`Error::Snapshot`] naming a missing, unknown or misshapen mask.
-    pub fn load_masks(&mut self, mut named: HashMap<String, Tensor>) -> Result<()> {
+    pub(crate) fn load_masks(&mut self, mut named: HashMap<String, Tensor>) -> Result<()> {
         let mut loaded = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let t = named
@@ -302,7 +302,7 @@ impl Pruner {
     /// mask prunes at least what the schedule's last update asked for, and every weight it prunes
     /// is zero in `weights` (the saved parameters by name), as pruning leaves it. An edited mask
     /// (all ones, all zeros, inverted) fails one of the two.
-    pub fn check_masks(&self, step: usize, weights: &HashMap<String, Tensor>) -> Result<()> {
+    pub(crate) fn check_masks(&self, step: usize, weights: &HashMap<String, Tensor>) -> Result<()> {
         let last_update = (0..=step.min(self.schedule.end))
             .rev()
             .find(|&u| self.schedule.updates_at(u));
@@ -529,7 +529,7 @@ pub fn save_sparse(
 }
 
 /// Write named tensors as safetensors at `path`, atomically.
-pub fn save_atomic(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
+pub(crate) fn save_atomic(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     crate::io::write_atomic_with(path, |tmp| {
         // A failed write (a full disk, a missing directory) is an I/O error of the run, never a
         // usage error.
@@ -541,7 +541,7 @@ pub fn save_atomic(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()>
 }
 
 /// Size of a file in bytes.
-pub fn file_size(path: &Path) -> Result<u64> {
+pub(crate) fn file_size(path: &Path) -> Result<u64> {
     Ok(std::fs::metadata(path)
         .map_err(|e| Error::io(path, e))?
         .len())

@@ -13,14 +13,14 @@ use super::snapshot::{snapshots_root, LEGACY_SNAPSHOTS_DIR, SNAPSHOTS_DIR};
 use super::summary::RunStatus;
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions, TryLockError};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The lock file inside a run directory.
-pub const LOCK_FILE: &str = ".lock";
+pub(crate) const LOCK_FILE: &str = ".lock";
 
 /// Files a run writes into its directory (besides [`SNAPSHOTS_DIR`]): what `--overwrite`
 /// removes and what makes a directory "hold results".
-pub const RESULT_FILES: &[&str] = &[
+pub(crate) const RESULT_FILES: &[&str] = &[
     super::summary::SUMMARY_FILE,
     "config.json",
     crate::callbacks::log::BATCHES_CSV,
@@ -54,16 +54,8 @@ pub enum Claim {
 
 /// The held lock of a run directory; released when dropped or when the process ends.
 #[derive(Debug)]
-pub struct RunDirLock {
+pub(crate) struct RunDirLock {
     _file: File,
-    dir: PathBuf,
-}
-
-impl RunDirLock {
-    /// The locked directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
 }
 
 /// What in `dir` belongs to an earlier run: its result files present and whether it has
@@ -95,7 +87,7 @@ fn earlier_status(dir: &Path) -> Option<RunStatus> {
 
 /// Refuse `dir` for a new run when it holds an earlier run's results or snapshots (no lock
 /// taken: for failing early, before data is loaded). With `overwrite` nothing is refused.
-pub fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
+pub(crate) fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
     if overwrite || !dir.is_dir() {
         return Ok(());
     }
@@ -120,7 +112,7 @@ pub fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
 
 /// Whether a live process holds `dir`'s lock (a run writing into it right now). Takes the lock
 /// for a moment when it is free, and never creates the lock file.
-pub fn in_use(dir: &Path) -> bool {
+pub(crate) fn in_use(dir: &Path) -> bool {
     let Ok(file) = OpenOptions::new().write(true).open(dir.join(LOCK_FILE)) else {
         return false;
     };
@@ -128,7 +120,7 @@ pub fn in_use(dir: &Path) -> bool {
 }
 
 /// Whether `dir` holds an earlier run's result files (see [`RESULT_FILES`]).
-pub fn holds_results(dir: &Path) -> bool {
+pub(crate) fn holds_results(dir: &Path) -> bool {
     !earlier_run(dir).0.is_empty()
 }
 
@@ -137,7 +129,7 @@ pub fn holds_results(dir: &Path) -> bool {
 /// Errors: another process holds the lock ([`Error::Config`]); `claim` is
 /// [`Claim::New`] without `overwrite` and the directory holds an earlier run (see
 /// [`check_new`]).
-pub fn claim(dir: &Path, claim: Claim) -> Result<RunDirLock> {
+pub(crate) fn claim(dir: &Path, claim: Claim) -> Result<RunDirLock> {
     crate::io::create_dir(dir)?;
     let path = dir.join(LOCK_FILE);
     // Never written to: a refused resume leaves the run directory exactly as it was.
@@ -163,10 +155,7 @@ pub fn claim(dir: &Path, claim: Claim) -> Result<RunDirLock> {
             remove_earlier_run(dir)?;
         }
     }
-    Ok(RunDirLock {
-        _file: file,
-        dir: dir.to_path_buf(),
-    })
+    Ok(RunDirLock { _file: file })
 }
 
 /// Remove an earlier run's result files and snapshots (`--overwrite`); other files stay.

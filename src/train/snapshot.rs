@@ -75,7 +75,7 @@ pub const LATEST_FILE: &str = "latest";
 /// The manifest of one snapshot (written last).
 pub const MANIFEST_FILE: &str = "snapshot.json";
 /// The manifest's name in snapshots written before the rename (same content).
-pub const LEGACY_MANIFEST_FILE: &str = "checkpoint.json";
+pub(crate) const LEGACY_MANIFEST_FILE: &str = "checkpoint.json";
 /// Parameters and BatchNorm running statistics.
 pub const MODEL_FILE: &str = "model.safetensors";
 /// Optimizer state tensors.
@@ -84,15 +84,15 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// they make a resumed pruned run continue exactly.
 pub const MASKS_FILE: &str = "masks.safetensors";
 /// The training configuration of the snapshot.
-pub const CONFIG_FILE: &str = "config.json";
+pub(crate) const CONFIG_FILE: &str = "config.json";
 /// The run's history up to the snapshot ([`RunHistory`]).
-pub const HISTORY_FILE: &str = "history.json";
+pub(crate) const HISTORY_FILE: &str = "history.json";
 /// The memory log up to the snapshot ([`MemoryLog`]).
-pub const MEMORY_FILE: &str = "memory.json";
+pub(crate) const MEMORY_FILE: &str = "memory.json";
 /// Folder in [`SNAPSHOTS_DIR`] where snapshots written after the loss blew up are moved.
 pub const DIVERGED_DIR: &str = "diverged";
 /// How many complete snapshots are kept (the newest healthy one is kept besides).
-pub const KEEP: usize = 2;
+pub(crate) const KEEP: usize = 2;
 /// A step loss above this, or a non-finite one, makes the next snapshot unhealthy: four times
 /// ln(10), the cross-entropy of a uniform guess among the ten classes.
 pub const DIVERGED_LOSS: f64 = 4.0 * std::f64::consts::LN_10;
@@ -142,7 +142,7 @@ const NOTED: &[&str] = &[
 
 /// Size and hash of one file of a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileEntry {
+pub(crate) struct FileEntry {
     /// Size in bytes.
     pub bytes: u64,
     /// [`hash_bytes`] of the content, 16 hex digits.
@@ -151,7 +151,7 @@ pub struct FileEntry {
 
 /// The contents of `checkpoint.json`: the counters and positions of a snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
+pub(crate) struct Manifest {
     /// `memtrain-snapshot` (`memtrain-checkpoint` in snapshots written before the rename).
     pub format: String,
     /// Manifest version ([`VERSION`]).
@@ -203,10 +203,10 @@ pub struct Snapshot {
 /// What makes a saved state distinct: (global step, epoch, next batch, ended epochs). The same
 /// state is never saved twice, but an epoch's end at the same position after a `--max-steps`
 /// cut is a new state.
-pub type SavePoint = (usize, usize, usize, usize);
+pub(crate) type SavePoint = (usize, usize, usize, usize);
 
 /// The [`SavePoint`] of a state.
-pub fn save_point(state: &TrainState) -> SavePoint {
+pub(crate) fn save_point(state: &TrainState) -> SavePoint {
     (
         state.global_step,
         state.epoch,
@@ -217,7 +217,7 @@ pub fn save_point(state: &TrainState) -> SavePoint {
 
 /// Per-trainer snapshot bookkeeping (a field of [`crate::train::Trainer`]).
 #[derive(Debug, Default)]
-pub struct SnapshotSaver {
+pub(crate) struct SnapshotSaver {
     /// Write snapshots into the run directory (set from `TrainerOptions::log_files`).
     pub enabled: bool,
     /// The [`SavePoint`] of the newest snapshot written or restored.
@@ -241,12 +241,12 @@ impl SnapshotSaver {
     }
 
     /// Global step of the newest snapshot this trainer wrote or restored.
-    pub fn last_step(&self) -> Option<usize> {
+    pub(crate) fn last_step(&self) -> Option<usize> {
         self.last.map(|l| l.0)
     }
 
     /// Global step of the newest healthy snapshot: the one a diverged run is resumed from.
-    pub fn last_healthy(&self) -> Option<usize> {
+    pub(crate) fn last_healthy(&self) -> Option<usize> {
         self.last_healthy
     }
 
@@ -265,7 +265,7 @@ impl SnapshotSaver {
 }
 
 /// Name of the directory of the snapshot at `step`.
-pub fn step_dir_name(step: usize) -> String {
+pub(crate) fn step_dir_name(step: usize) -> String {
     format!("{STEP_PREFIX}{step:06}")
 }
 
@@ -484,7 +484,7 @@ impl SnapshotSaver {
     /// After a divergence: move the snapshots newer than the newest healthy one into
     /// `snapshots/diverged/` (replacing what an earlier divergence left there), so that
     /// `--resume` continues from before the loss blew up. Returns how many were moved.
-    pub fn set_aside_diverged(&mut self, run_dir: &Path) -> usize {
+    pub(crate) fn set_aside_diverged(&mut self, run_dir: &Path) -> usize {
         if !self.enabled {
             return 0;
         }
@@ -600,7 +600,7 @@ fn verify(bytes: &[u8]) -> std::result::Result<Manifest, Reason> {
 
 /// The snapshots' folder of `run_dir`: [`SNAPSHOTS_DIR`], or [`LEGACY_SNAPSHOTS_DIR`] in a run
 /// directory written before the rename (so such a run resumes and keeps one folder).
-pub fn snapshots_root(run_dir: &Path) -> PathBuf {
+pub(crate) fn snapshots_root(run_dir: &Path) -> PathBuf {
     let root = run_dir.join(SNAPSHOTS_DIR);
     let legacy = run_dir.join(LEGACY_SNAPSHOTS_DIR);
     if !root.exists() && legacy.is_dir() {
@@ -903,7 +903,7 @@ impl Snapshot {
     }
 
     /// The path of the snapshot's `config.json` (usable as `--config`).
-    pub fn config_path(&self) -> PathBuf {
+    pub(crate) fn config_path(&self) -> PathBuf {
         self.dir.join(CONFIG_FILE)
     }
 

@@ -6,7 +6,7 @@ use crate::device::device_name;
 use serde::{Deserialize, Serialize};
 
 /// The summary's file in a run directory.
-pub const SUMMARY_FILE: &str = "summary.json";
+pub(crate) const SUMMARY_FILE: &str = "summary.json";
 
 /// How a run ended, as `summary.json` spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -105,7 +105,7 @@ pub struct Summary {
 
 /// Images per second of step time after skipping the warm-up steps (the first 3, or a quarter
 /// of the steps when there are fewer than 12). None with fewer than 2 steps.
-pub fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
+pub(crate) fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
     if steps.len() < 2 {
         return None;
     }

@@ -31,8 +31,8 @@ pub struct TrainerOptions {
     pub progress: bool,
     /// Write config/CSV/summary files into the run directory.
     pub log_files: bool,
-    /// On out-of-memory in a step, write [`OOM_SNAPSHOT_FILE`] into the run directory (creating
-    /// it if needed, so that summary-only sweep children leave one too).
+    /// On out-of-memory in a step, write [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] into the
+    /// run directory (creating it if needed, so that summary-only sweep children leave one too).
     pub oom_snapshot: bool,
     /// Set to true (e.g. by a signal handler) to stop after the current step, or between
     /// evaluation batches.
@@ -85,7 +85,7 @@ pub struct Trainer {
     pub(crate) steps_per_epoch: usize,
     pub(crate) total_steps: usize,
     /// Snapshot writing (on when `TrainerOptions::log_files`); see [`super::snapshot`].
-    pub snapshots: super::snapshot::SnapshotSaver,
+    pub(crate) snapshots: super::snapshot::SnapshotSaver,
     /// The run so far (restored from a snapshot when resuming): ended epochs, the epoch in
     /// progress, totals and step times.
     pub(crate) history: super::history::RunHistory,
@@ -99,7 +99,7 @@ pub struct Trainer {
 
 /// `runs/<UTC timestamp>-<pid>` for a run without `--out` (the pid keeps two runs started in the
 /// same second apart).
-pub fn default_run_dir() -> PathBuf {
+pub(crate) fn default_run_dir() -> PathBuf {
     PathBuf::from("runs").join(format!(
         "{}-{}",
         chrono::Utc::now().format("%Y%m%d-%H%M%S"),
@@ -222,7 +222,7 @@ impl Trainer {
     }
 
     /// The one line describing the data source and split.
-    pub fn data_description(&self) -> &str {
+    pub(crate) fn data_description(&self) -> &str {
         &self.data_description
     }
 
@@ -275,7 +275,7 @@ impl Trainer {
     }
 
     /// Optimizer steps per epoch.
-    pub fn steps_per_epoch(&self) -> usize {
+    pub(crate) fn steps_per_epoch(&self) -> usize {
         self.steps_per_epoch
     }
 

@@ -1,5 +1,5 @@
 //! One definition of every training flag: the `--help` of `train_cifar10`, the `config.json` a
-//! default run writes and the README's flag table name the same flags with the same defaults,
+//! default run writes and the flag table of `docs/flags.md` name the same flags with the same defaults,
 //! and a flag given with `--config` overrides its own `config.json` key.
 
 mod common;
@@ -46,21 +46,19 @@ fn help_flags(help: &str) -> BTreeMap<String, Option<String>> {
     flags
 }
 
-/// Every flag of the README's flag table with its default cell (`None` for `off` and `—`).
-fn readme_flags() -> BTreeMap<String, Option<String>> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
-    let readme = std::fs::read_to_string(path).unwrap();
-    let begin = readme
+/// Every flag of the documented flag table (`docs/flags.md`, kept equal to `--help` by
+/// tests/readme.rs) with its default cell (`None` for `off` and `—`).
+fn documented_flags() -> BTreeMap<String, Option<String>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/flags.md");
+    let page = std::fs::read_to_string(path).unwrap();
+    let begin = page
         .find("<!-- flags:begin")
         .expect("flag table start marker");
-    let end = readme
+    let end = page
         .find("<!-- flags:end -->")
         .expect("flag table end marker");
     let mut flags = BTreeMap::new();
-    for row in readme[begin..end]
-        .lines()
-        .filter(|l| l.starts_with("| `--"))
-    {
+    for row in page[begin..end].lines().filter(|l| l.starts_with("| `--")) {
         let cells: Vec<&str> = row.split(" | ").collect();
         let flag = cells[0]
             .trim_start_matches("| `--")
@@ -75,7 +73,7 @@ fn readme_flags() -> BTreeMap<String, Option<String>> {
         };
         assert!(
             flags.insert(flag.clone(), default).is_none(),
-            "--{flag} twice in the README table"
+            "--{flag} twice in the table of docs/flags.md"
         );
     }
     flags
@@ -100,16 +98,16 @@ fn flag_of_id() -> BTreeMap<String, String> {
 }
 
 #[test]
-fn help_readme_and_config_json_agree_on_every_flag_and_default() {
+fn help_docs_and_config_json_agree_on_every_flag_and_default() {
     let help = help_flags(&help_text());
-    let readme = readme_flags();
+    let documented = documented_flags();
     assert!(
         help.len() > 40,
         "too few flags parsed from --help: {help:?}"
     );
     assert_eq!(
-        help, readme,
-        "--help and the README table differ (flags or defaults); run UPDATE_README=1 cargo test --release --test readme"
+        help, documented,
+        "--help and the table of docs/flags.md differ (flags or defaults); run UPDATE_README=1 cargo test --release --test readme"
     );
 
     let help_text = help_text();
@@ -137,7 +135,7 @@ fn help_readme_and_config_json_agree_on_every_flag_and_default() {
         };
         assert!(
             agrees,
-            "--{flag}: --help and the README show {shown:?} ({}), config.json has {key}: {value}",
+            "--{flag}: --help and docs/flags.md show {shown:?} ({}), config.json has {key}: {value}",
             if takes_value {
                 "takes a value"
             } else {

@@ -297,14 +297,15 @@ fn no_function_over_100_lines() {
 /// memory recorder, in the README's reading order ("Read the code").
 const CORE: &[&str] = &[
     "src/step/mod.rs",
+    "src/model/cnn.rs",
+    "src/model/layers.rs",
     "src/step/tape.rs",
     "src/step/micro.rs",
     "src/step/accumulate.rs",
     "src/step/precision.rs",
     "src/step/optim.rs",
-    "src/model/layers.rs",
-    "src/train/fit.rs",
     "src/train/phases.rs",
+    "src/train/fit.rs",
     "src/memory/record.rs",
 ];
 

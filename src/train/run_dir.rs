@@ -9,11 +9,27 @@
 //! A new run refuses a directory that holds an earlier run's results or snapshots, unless
 //! `--overwrite` asks for them to be removed first; a resumed run continues its own files.
 
-use super::snapshot::{snapshots_root, LEGACY_SNAPSHOTS_DIR, SNAPSHOTS_DIR};
 use super::summary::RunStatus;
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions, TryLockError};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Folder of the snapshots inside a run directory (see [`snapshots_root`]).
+pub const SNAPSHOTS_DIR: &str = "snapshots";
+/// The folder that run directories written before save/resume was named "snapshot" use; such a
+/// run still resumes, and goes on saving there ([`snapshots_root`]).
+pub const LEGACY_SNAPSHOTS_DIR: &str = "checkpoints";
+/// The snapshots' folder of `run_dir`: [`SNAPSHOTS_DIR`], or [`LEGACY_SNAPSHOTS_DIR`] in a run
+/// directory written before the rename (so such a run resumes and keeps one folder).
+pub(crate) fn snapshots_root(run_dir: &Path) -> PathBuf {
+    let root = run_dir.join(SNAPSHOTS_DIR);
+    let legacy = run_dir.join(LEGACY_SNAPSHOTS_DIR);
+    if !root.exists() && legacy.is_dir() {
+        legacy
+    } else {
+        root
+    }
+}
 
 /// The lock file inside a run directory.
 pub(crate) const LOCK_FILE: &str = ".lock";

@@ -65,11 +65,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// Folder of the snapshots inside a run directory (see [`snapshots_root`]).
-pub const SNAPSHOTS_DIR: &str = "snapshots";
-/// The folder that run directories written before save/resume was named "snapshot" use; such a
-/// run still resumes, and goes on saving there ([`snapshots_root`]).
-pub const LEGACY_SNAPSHOTS_DIR: &str = "checkpoints";
+pub(crate) use super::run_dir::snapshots_root;
+pub use super::run_dir::{LEGACY_SNAPSHOTS_DIR, SNAPSHOTS_DIR};
 /// File in [`SNAPSHOTS_DIR`] naming the newest snapshot's directory.
 pub const LATEST_FILE: &str = "latest";
 /// The manifest of one snapshot (written last).
@@ -596,18 +593,6 @@ fn verify(bytes: &[u8]) -> std::result::Result<Manifest, Reason> {
         ));
     }
     serde_json::from_str(signed.state.get()).map_err(|e| format!("damaged {MANIFEST_FILE} ({e})"))
-}
-
-/// The snapshots' folder of `run_dir`: [`SNAPSHOTS_DIR`], or [`LEGACY_SNAPSHOTS_DIR`] in a run
-/// directory written before the rename (so such a run resumes and keeps one folder).
-pub(crate) fn snapshots_root(run_dir: &Path) -> PathBuf {
-    let root = run_dir.join(SNAPSHOTS_DIR);
-    let legacy = run_dir.join(LEGACY_SNAPSHOTS_DIR);
-    if !root.exists() && legacy.is_dir() {
-        legacy
-    } else {
-        root
-    }
 }
 
 /// The manifest of the snapshot directory `dir`: [`MANIFEST_FILE`], or [`LEGACY_MANIFEST_FILE`]

@@ -282,7 +282,7 @@ pub struct TrainConfig {
     /// Optimizer step at which the pruning schedule starts (needs --prune)
     #[arg(long, value_name = "STEP", default_value_t = DEFAULT_PRUNE_BEGIN)]
     pub prune_begin: usize,
-    /// Optimizer step at which --prune's sparsity is reached (needs --prune; at most the run's last step). Default: the run's last step
+    /// Optimizer step at which --prune's sparsity is reached (needs --prune; at most the run's last step). Default: three quarters of the way from --prune-begin to the run's last step, so the rest fine-tunes the final masks
     #[arg(long, value_name = "STEP")]
     pub prune_end: Option<usize>,
     /// Recompute the pruning masks every N optimizer steps between --prune-begin and --prune-end (needs --prune)

@@ -112,9 +112,10 @@ fn schedule_follows_the_polynomial_decay_and_the_frequency() {
     let updates: Vec<usize> = (0..300).filter(|&t| odd.updates_at(t)).collect();
     assert_eq!(updates, vec![10, 50, 90, 110]);
 
-    // The end defaults to the run's last step; past it, or not after begin, is refused.
+    // The end defaults to three quarters of the run (the rest fine-tunes); past the run's last
+    // step, or not after begin, is refused.
     let default_end = Schedule::for_run(&pruned_config(0.5), 37).unwrap().unwrap();
-    assert_eq!((default_end.begin, default_end.end), (0, 37));
+    assert_eq!((default_end.begin, default_end.end), (0, 27));
     assert_eq!(default_end.every, memtrain::config::DEFAULT_PRUNE_EVERY);
     let err = Schedule::for_run(&cfg, 100).unwrap_err().to_string();
     assert!(
@@ -698,4 +699,32 @@ fn edited_masks_are_refused_on_resume() {
         assert!(e.contains("the masks were altered"), "{what}: {e}");
         assert_eq!(t.global_step, 0, "{what}: nothing restored");
     }
+}
+
+/// The default schedule leaves steps to fine-tune the final masks: its end is three quarters of
+/// the way from the begin step to the run's last step, so even a short run trains its pruned
+/// model before it ends (an end at the last step applies the biggest cut after the last update).
+#[test]
+fn the_default_schedule_ends_before_the_run_does() {
+    use memtrain::train::prune::default_end;
+    assert_eq!(default_end(0, 100), 75);
+    assert_eq!(default_end(20, 100), 80);
+    assert_eq!(default_end(0, 3), 2, "at least one step to fine-tune");
+    assert_eq!(default_end(0, 2), 1);
+    assert_eq!(default_end(0, 1), 1, "a one-step run has no room");
+    for total in 2..300 {
+        let end = default_end(0, total);
+        assert!(end < total && end >= 1, "{total}: end {end}");
+    }
+    // Through the trainer: a 3-epoch run's schedule ends before its last step, and the masks
+    // reach the target sparsity there.
+    let cfg = TrainConfig {
+        epochs: 3,
+        max_steps: None,
+        ..pruned_config(0.8)
+    };
+    let total = 3 * (cfg.synthetic_train / cfg.batch_size);
+    let s = Schedule::for_run(&cfg, total).unwrap().unwrap();
+    assert!(s.end < total, "end {} of {total} steps", s.end);
+    assert_eq!(s.sparsity(s.end), 0.8);
 }

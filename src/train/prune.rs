@@ -69,10 +69,24 @@ pub struct Schedule {
     pub power: f64,
 }
 
+/// The default `--prune-end` of a run of `total_steps` that starts pruning at `begin`: three
+/// quarters of the way to the last step, leaving the rest (at least one step when the run has
+/// two or more after `begin`) to fine-tune the final masks.
+pub fn default_end(begin: usize, total_steps: usize) -> usize {
+    let span = total_steps.saturating_sub(begin);
+    if span < 2 {
+        return total_steps;
+    }
+    (begin + span * 3 / 4).clamp(begin + 1, total_steps - 1)
+}
+
 impl Schedule {
     /// The schedule of `cfg` for a run of `total_steps` optimizer steps; `None` without `--prune`.
-    /// `--prune-end` defaults to `total_steps`, the run's last step. An end past the last step is
-    /// refused rather than clamped: the run would stop short of the sparsity asked for.
+    /// `--prune-end` defaults to [`default_end`]: three quarters of the way from the begin step to
+    /// the run's last step, so the last quarter fine-tunes the final masks (an end at the last
+    /// step would apply its biggest cut after the last update, and a short run would end there,
+    /// untrained). An end past the last step is refused rather than clamped: the run would stop
+    /// short of the sparsity asked for.
     ///
     /// # Errors
     /// [`Error::Config`] when the end is past the run or not after the begin step.
@@ -80,7 +94,9 @@ impl Schedule {
         let Some(target) = cfg.prune else {
             return Ok(None);
         };
-        let end = cfg.prune_end.unwrap_or(total_steps);
+        let end = cfg
+            .prune_end
+            .unwrap_or_else(|| default_end(cfg.prune_begin, total_steps));
         if end > total_steps {
             return Err(Error::config(format!(
                 "--prune-end {end} is past the run's last step {total_steps} (--epochs x steps per epoch, capped by --max-steps); lower --prune-end or train longer"

@@ -51,6 +51,7 @@ use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, Train
 use crate::data::{IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};
 use crate::error::{Error, Result};
 use crate::memory::format_bytes;
+use crate::model::cnn::segments;
 use crate::model::LayerSpec;
 use crate::ops::conv2d_cuda::ConvPass;
 use candle_core::DType;
@@ -848,17 +849,6 @@ fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
         return Err(bad("the model has no blocks before the head".into()));
     }
     Ok(nodes)
-}
-
-/// Gradient-checkpointing segments as block ranges, as
-/// [`Cnn::segments`](crate::model::Cnn::segments).
-#[allow(clippy::single_range_in_vec_init)] // one segment of all blocks, as the model has it
-fn segments(n: usize, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
-    match ckpt {
-        GradCheckpointing::None | GradCheckpointing::Auto => vec![0..n],
-        GradCheckpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
-        GradCheckpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
-    }
 }
 
 fn elem_bytes(dtype: DType) -> u64 {

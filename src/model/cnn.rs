@@ -225,22 +225,28 @@ impl Cnn {
         self.forward_head(&h, mode)
     }
 
-    /// Gradient-checkpointing segments as ranges of blocks: one segment for `none`, one per
-    /// stage, or one per block. The head is always handled separately by the trainer.
-    #[allow(clippy::single_range_in_vec_init)] // one segment of all blocks
+    /// Gradient-checkpointing segments as ranges of this model's blocks ([`segments`]).
     pub fn segments(&self, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
-        let n = self.blocks.len();
-        match ckpt {
-            // `auto` is resolved by the trainer before the step runs; unresolved it is `none`.
-            GradCheckpointing::None | GradCheckpointing::Auto => vec![0..n],
-            GradCheckpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
-            GradCheckpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
-        }
+        segments(self.blocks.len(), ckpt)
     }
 
     /// Per-layer description for an input of 32x32 images.
     pub fn layer_specs(&self) -> Vec<LayerSpec> {
         layer_specs_for(self.config.width, self.config.conv)
+    }
+}
+
+/// Gradient checkpointing's segmentation of `n` blocks (two per stage) as block ranges: one
+/// segment for `none`, one per stage, or one per block. A segment's forward keeps only its input;
+/// its backward recomputes it. The head is always handled separately. The one definition, used by
+/// the step ([`Cnn::segments`]) and by the memory estimate.
+#[allow(clippy::single_range_in_vec_init)] // one segment of all blocks
+pub fn segments(n: usize, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
+    match ckpt {
+        // `auto` is resolved by the trainer before the step runs; unresolved it is `none`.
+        GradCheckpointing::None | GradCheckpointing::Auto => vec![0..n],
+        GradCheckpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
+        GradCheckpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
     }
 }
 

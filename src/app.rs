@@ -5,10 +5,10 @@
 use crate::cli::{parse_train_args, TrainCommand};
 use crate::config::ConvKind;
 use crate::error::{Error, Result};
-use crate::memory::estimate::{DataSize, DeviceKind};
 use crate::memory::format_bytes;
 use crate::model::cnn::param_count;
-use crate::plan::{plan, PlanOptions};
+use crate::predict::plan::{plan, PlanOptions};
+use crate::predict::{DataSize, DeviceKind};
 use crate::train::run_dir::{check_new, Claim};
 use crate::train::snapshot::Snapshot;
 use crate::train::trainer::default_run_dir;
@@ -39,7 +39,7 @@ where
     // data set, model and step sized against --memory-limit, --fit-memory and the
     // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
-    crate::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
+    crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
     // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None
@@ -213,7 +213,7 @@ fn fit_memory(
     let mut opts = PlanOptions::new(device, DataSize::loaded(&data.train, &data.test, &cfg));
     opts.effective_batch = cmd.plan.effective_batch;
     opts.allow_model_change = cmd.plan.allow_model_change;
-    opts.fixed = crate::plan::Fixed::from_explicit(&cfg, explicit);
+    opts.fixed = crate::predict::plan::Fixed::from_explicit(&cfg, explicit);
     let report = plan(&cfg, budget, &opts)?;
     print!("{}", report.render(4));
     Ok((report.chosen().config.clone(), Some(data)))

@@ -23,7 +23,6 @@
 
 pub(crate) mod advice;
 pub mod app;
-pub mod bounds;
 pub mod callbacks;
 pub mod cli;
 pub mod config;
@@ -35,7 +34,7 @@ pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod phase;
-pub mod plan;
+pub mod predict;
 pub mod signal;
 pub mod step;
 pub mod sweep;

@@ -700,7 +700,7 @@ fn sizes_never_overflow() {
         memory_limit: Some(1 << 30),
         ..Default::default()
     };
-    let e = memtrain::bounds::check_inputs(&cfg, None, false).unwrap_err();
+    let e = memtrain::predict::bounds::check_inputs(&cfg, None, false).unwrap_err();
     assert_eq!(e.exit_code(), 2, "{e}");
     assert!(e.to_string().contains("--synthetic-train ≤"), "{e}");
 }

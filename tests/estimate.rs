@@ -1,4 +1,4 @@
-//! The analytic memory estimate (`memtrain::memory::estimate`) against the counting allocator.
+//! The analytic memory estimate (`memtrain::predict`) against the counting allocator.
 //!
 //! One test function: the allocator's counters are process-wide, so two trainings at once would
 //! measure each other. Test-sized shapes (width 8, batches of 16 and 32, synthetic data); the
@@ -6,11 +6,11 @@
 
 use memtrain::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::memory::estimate::{
-    estimate, estimate_for_specs, estimate_with, model_layer_specs, Baseline, DataSize, DeviceKind,
-};
 use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::model::{Cnn, LayerSpec, ModelConfig};
+use memtrain::predict::{
+    estimate, estimate_for_specs, estimate_with, model_layer_specs, Baseline, DataSize, DeviceKind,
+};
 use memtrain::train::{Trainer, TrainerOptions};
 
 #[global_allocator]

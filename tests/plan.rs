@@ -1,12 +1,12 @@
-//! The memory-budget planner (`memtrain::plan`): plans fit their budget, in prediction and when run.
+//! The memory-budget planner (`memtrain::predict::plan`): plans fit their budget, in prediction and when run.
 //!
 //! One test function: the counting allocator's counters are process-wide.
 
 use memtrain::config::TrainConfig;
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::memory::estimate::{DataSize, DeviceKind};
 use memtrain::memory::{format_bytes, CountingAllocator};
-use memtrain::plan::{plan, smallest_feasible_budget, PlanOptions, SAFETY_MARGIN};
+use memtrain::predict::plan::{plan, smallest_feasible_budget, PlanOptions, SAFETY_MARGIN};
+use memtrain::predict::{DataSize, DeviceKind};
 use memtrain::train::{Trainer, TrainerOptions};
 
 #[global_allocator]
@@ -179,7 +179,7 @@ fn planned_runs_fit_their_budget() {
 fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     use memtrain::config::{GradCheckpointing, Precision};
-    use memtrain::plan::Fixed;
+    use memtrain::predict::plan::Fixed;
     let dev = DeviceKind::cpu();
     let cfg = TrainConfig {
         precision: Precision::F32,

@@ -6,11 +6,11 @@
 mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, TrainConfig};
-use memtrain::memory::estimate::{
-    estimate_with, model_layer_specs, resolve_checkpointing, Baseline, DataSize, DeviceKind,
-};
 use memtrain::memory::timeline::{StepTimeline, STEP_TIMELINE_FILE};
 use memtrain::memory::CountingAllocator;
+use memtrain::predict::{
+    estimate_with, model_layer_specs, resolve_checkpointing, Baseline, DataSize, DeviceKind,
+};
 use memtrain::train::TrainerOptions;
 
 #[global_allocator]

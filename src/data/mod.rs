@@ -196,7 +196,7 @@ pub fn load(opts: &DataOptions) -> Result<DataSplits> {
         )));
     }
     // A count whose bytes do not even have an address is refused here rather than left to
-    // abort in the allocator; whether a possible size fits is `crate::bounds`'s concern.
+    // abort in the allocator; whether a possible size fits is `crate::predict::bounds`'s concern.
     for (flag, n) in [
         ("--synthetic-train", opts.synthetic_train),
         ("--synthetic-test", opts.synthetic_test),

@@ -5,7 +5,6 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod estimate;
 pub mod os;
 pub mod probe;
 pub mod record;

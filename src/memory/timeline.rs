@@ -191,5 +191,5 @@ pub struct OomSnapshot<'a> {
     /// The failing step up to the failure, with the estimate's prediction for each event.
     pub timeline: StepTimeline,
     /// The memory estimate of this configuration, when it could be made.
-    pub estimate: Option<crate::memory::estimate::Estimate>,
+    pub estimate: Option<crate::predict::Estimate>,
 }

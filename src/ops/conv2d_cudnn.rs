@@ -488,7 +488,7 @@ mod tests {
 
     #[test]
     fn the_cuda_estimate_counts_the_conv_ops_persistent_bytes() {
-        use crate::memory::estimate::{estimate, DeviceKind};
+        use crate::predict::{estimate, DeviceKind};
         let e = estimate(&crate::config::TrainConfig::default(), DeviceKind::Cuda).unwrap();
         assert_eq!(e.runtime_bytes, cuda_runtime_bytes());
     }

@@ -252,7 +252,7 @@ impl Trainer {
     pub(super) fn with_predictions(
         &self,
         mut t: StepTimeline,
-        estimate: Option<&crate::memory::estimate::Estimate>,
+        estimate: Option<&crate::predict::Estimate>,
     ) -> StepTimeline {
         if let Some(e) = estimate.filter(|_| self.probe.available()) {
             // The estimate predicts an applied update; a skipped one gets no prediction.
@@ -296,8 +296,8 @@ impl Trainer {
 
     /// The analytic memory estimate of this run (the model's layer list, the loaded data set as
     /// the baseline); `None` when the device has no probe or the model cannot be estimated.
-    pub fn memory_estimate(&self) -> Option<crate::memory::estimate::Estimate> {
-        use crate::memory::estimate::{estimate_for_specs, Baseline, DataSize, DeviceKind};
+    pub fn memory_estimate(&self) -> Option<crate::predict::Estimate> {
+        use crate::predict::{estimate_for_specs, Baseline, DataSize, DeviceKind};
         let data = DataSize::loaded(&self.train, &self.eval, &self.config);
         let device = DeviceKind::of(&self.device);
         estimate_for_specs(
@@ -318,7 +318,7 @@ fn resolve_auto_checkpointing(
     device: &Device,
     progress: bool,
 ) -> Result<()> {
-    use crate::memory::estimate::{resolve_checkpointing, Baseline, DataSize, DeviceKind};
+    use crate::predict::{resolve_checkpointing, Baseline, DataSize, DeviceKind};
     if config.grad_checkpointing != crate::config::GradCheckpointing::Auto {
         return Ok(());
     }

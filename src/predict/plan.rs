@@ -3,15 +3,15 @@
 //! A plan is a micro-batch size (a divisor of the effective batch, the rest made up by gradient
 //! accumulation), a checkpointing granularity, a compute precision and (only when the model may
 //! change) a convolution kind. [`plan`] predicts the peak of every candidate with the analytic
-//! estimate ([`crate::memory::estimate`]), keeps those at or below the budget minus a safety
+//! estimate ([`crate::predict`]), keeps those at or below the budget minus a safety
 //! margin ([`SAFETY_MARGIN`], 5%), and ranks them by a simple throughput model ([`CostModel`]):
 //! relative time per image = precision × (1 + recompute overhead) × micro-batch efficiency.
 //! It is a pure function of the configuration, the budget and the options: nothing is trained.
 
 use crate::config::{ConvKind, GradCheckpointing, Precision, TrainConfig, MAX_BATCH_SIZE};
 use crate::error::{Error, Result};
-use crate::memory::estimate::{estimate_with, Baseline, DataSize, DeviceKind, Estimate};
 use crate::memory::format_bytes;
+use crate::predict::{estimate_with, Baseline, DataSize, DeviceKind, Estimate};
 use std::fmt::Write as _;
 
 /// Fraction of the budget kept free: a plan must predict at most `(1 - SAFETY_MARGIN) × budget`.
@@ -473,12 +473,49 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             "--effective-batch must be between 1 and {MAX_BATCH_SIZE}, got {effective}"
         )));
     }
+    let usable = (budget as f64 * (1.0 - opts.margin)).floor() as u64;
+    let mut all = candidates(cfg, effective, opts)?;
+    let considered = all.len();
+    // Fastest first; at equal speed the larger micro-batch (BatchNorm statistics over more
+    // images, fewer accumulation steps), then the smaller peak.
+    all.sort_by(|a, b| {
+        a.time_per_image
+            .total_cmp(&b.time_per_image)
+            .then(a.accum_steps.cmp(&b.accum_steps))
+            .then(a.predicted_peak.cmp(&b.predicted_peak))
+    });
+    let (fit, over): (Vec<Plan>, Vec<Plan>) =
+        all.into_iter().partition(|p| p.predicted_peak <= usable);
+    if fit.is_empty() {
+        return Err(too_small(cfg, budget, effective, opts, &over));
+    }
+    let best = fit[0].time_per_image;
+    let rejected_faster: Vec<Plan> = over
+        .into_iter()
+        .filter(|p| p.time_per_image < best)
+        .take(3)
+        .collect();
+    Ok(PlanReport {
+        budget,
+        usable,
+        margin: opts.margin,
+        effective_batch: effective,
+        plans: fit,
+        rejected_faster,
+        considered,
+        cost: opts.cost,
+    })
+}
+
+/// Every plan for `effective` images per step that keeps the settings `opts` fixes: each
+/// micro-batch size that divides it, each checkpointing, precision and (with
+/// `--allow-model-change`) conv kind, with its predicted peak and modelled speed.
+fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result<Vec<Plan>> {
     let convs: Vec<ConvKind> = if opts.allow_model_change {
         ConvKind::ALL.to_vec()
     } else {
         vec![cfg.conv]
     };
-    let usable = (budget as f64 * (1.0 - opts.margin)).floor() as u64;
     let reference = opts.cost.time_per_image(
         cfg.micro_batch().max(1),
         cfg.precision,
@@ -534,62 +571,45 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             }
         }
     }
-    let considered = all.len();
-    // Fastest first; at equal speed the larger micro-batch (BatchNorm statistics over more
-    // images, fewer accumulation steps), then the smaller peak.
-    all.sort_by(|a, b| {
-        a.time_per_image
-            .total_cmp(&b.time_per_image)
-            .then(a.accum_steps.cmp(&b.accum_steps))
-            .then(a.predicted_peak.cmp(&b.predicted_peak))
-    });
-    let (fit, over): (Vec<Plan>, Vec<Plan>) =
-        all.into_iter().partition(|p| p.predicted_peak <= usable);
-    if fit.is_empty() {
-        let smallest = over
-            .iter()
-            .min_by_key(|p| p.predicted_peak)
-            .ok_or_else(|| {
-                Error::config(format!(
-                    "--fit-memory: no plan keeps {} with {effective} images per step; leave those \
-                     flags out to let the plan choose them, or give an --effective-batch they divide",
-                    opts.fixed.describe()
-                ))
-            })?;
-        let needed = (smallest.predicted_peak as f64 / (1.0 - opts.margin)).ceil() as u64;
-        return Err(Error::config(format!(
-            "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {:.0}% safety margin the budget must be at least {}{}",
-            format_bytes(budget),
-            smallest.describe(),
-            format_bytes(smallest.predicted_peak),
-            opts.margin * 100.0,
-            format_bytes(needed),
-            if opts.fixed == Fixed::default() {
-                other_model_hint(cfg, opts, needed)?
-            } else {
-                format!(
-                    " (keeping {} as given; leave those flags out to let the plan choose them)",
-                    opts.fixed.describe()
-                )
-            }
-        )));
-    }
-    let best = fit[0].time_per_image;
-    let rejected_faster: Vec<Plan> = over
-        .into_iter()
-        .filter(|p| p.time_per_image < best)
-        .take(3)
-        .collect();
-    Ok(PlanReport {
-        budget,
-        usable,
-        margin: opts.margin,
-        effective_batch: effective,
-        plans: fit,
-        rejected_faster,
-        considered,
-        cost: opts.cost,
-    })
+    Ok(all)
+}
+
+/// The error for a budget that no plan fits: the smallest plan (`over` holds every plan), what it
+/// predicts, and the budget it needs with the safety margin.
+fn too_small(
+    cfg: &TrainConfig,
+    budget: u64,
+    effective: usize,
+    opts: &PlanOptions,
+    over: &[Plan],
+) -> Error {
+    let Some(smallest) = over.iter().min_by_key(|p| p.predicted_peak) else {
+        return Error::config(format!(
+            "--fit-memory: no plan keeps {} with {effective} images per step; leave those \
+             flags out to let the plan choose them, or give an --effective-batch they divide",
+            opts.fixed.describe()
+        ));
+    };
+    let needed = (smallest.predicted_peak as f64 / (1.0 - opts.margin)).ceil() as u64;
+    let hint = if opts.fixed == Fixed::default() {
+        match other_model_hint(cfg, opts, needed) {
+            Ok(h) => h,
+            Err(e) => return e,
+        }
+    } else {
+        format!(
+            " (keeping {} as given; leave those flags out to let the plan choose them)",
+            opts.fixed.describe()
+        )
+    };
+    Error::config(format!(
+        "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {:.0}% safety margin the budget must be at least {}{hint}",
+        format_bytes(budget),
+        smallest.describe(),
+        format_bytes(smallest.predicted_peak),
+        opts.margin * 100.0,
+        format_bytes(needed),
+    ))
 }
 
 /// Without `--allow-model-change`: where the other conv kind needs a smaller budget, say so.

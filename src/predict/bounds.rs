@@ -6,7 +6,7 @@
 //!   ([`cifar::scan_dir`] refuses what is not a regular file of whole records; nothing is read),
 //!   including what loading holds for a moment beyond the loaded splits;
 //! - the model at its width: parameters, BatchNorm statistics, pruning masks, gradients and
-//!   optimizer state, from the analytic estimate ([`crate::memory::estimate`]);
+//!   optimizer state, from the analytic estimate ([`crate::predict`]);
 //! - the training step: its predicted peak (batch buffers and activations, the batch × width
 //!   products),
 //!
@@ -28,11 +28,11 @@ use crate::config::{
 use crate::data::cifar::{self, DirFiles};
 use crate::data::{IMAGE_BYTES, RECORD_BYTES};
 use crate::error::{Error, Result};
-use crate::memory::estimate::{
-    estimate_with, grown_capacity, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
-};
 use crate::memory::os::{headroom, Headroom};
 use crate::memory::{format_bytes, CountingAllocator};
+use crate::predict::{
+    estimate_with, grown_capacity, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
+};
 use std::path::{Path, PathBuf};
 
 /// Check, before anything is loaded or built, that the data set, the model and (unless
@@ -178,7 +178,7 @@ impl Budget {
             });
         }
         if let Some(fit) = fit {
-            let margin = crate::plan::SAFETY_MARGIN;
+            let margin = crate::predict::plan::SAFETY_MARGIN;
             let usable = (fit as f64 * (1.0 - margin)).floor() as u64;
             all.push(Budget {
                 kind: Kind::Fit,
@@ -225,7 +225,9 @@ impl Budget {
             )),
             Kind::Fit if machine.is_none_or(within) => Some(format!(
                 "raise --fit-memory to at least {}",
-                at_least((total as f64 / (1.0 - crate::plan::SAFETY_MARGIN)).ceil() as u64)
+                at_least(
+                    (total as f64 / (1.0 - crate::predict::plan::SAFETY_MARGIN)).ceil() as u64
+                )
             )),
             _ => None,
         }
@@ -346,7 +348,7 @@ impl Ctx {
             // The estimate's runtime bytes are part of what the process holds.
             Step::AsConfigured => Ok(peak(cfg)?.map(|p| {
                 let step = p.saturating_sub(RUNTIME_OVERHEAD_BYTES) as f64;
-                (step / (1.0 - crate::plan::SAFETY_MARGIN)).ceil() as u64
+                (step / (1.0 - crate::predict::plan::SAFETY_MARGIN)).ceil() as u64
             })),
             // As the planner counts it (runtime included), so that a budget raised to what this
             // asks for is one the planner finds a plan in.

@@ -1,0 +1,791 @@
+//! Analytic, per-layer prediction of training memory.
+//!
+//! [`estimate`] predicts, for a [`TrainConfig`], what the memory probe will measure: the bytes of
+//! the parameters, gradients and optimizer state, the activations saved for backward (in the
+//! compute dtype, with checkpointing and gradient accumulation taken into account), the transient
+//! buffers (im2col columns of each convolution, casts of the f32 master weights, activation
+//! gradients), and on the CPU the process baseline (the data set held in memory, the batch
+//! buffers, the model). Besides the peak per phase it predicts every layer event of the step's
+//! memory timeline ([`Estimate::events`], matched to `step_timeline.json` by the trainer).
+//!
+//! It is derived from the model's layer list ([`model_layer_specs`], the same list as
+//! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)), not from a hand-written total: the
+//! estimate replays, op by op, the allocations and frees the lean step (`src/train/lean.rs`)
+//! makes, in the order it makes them. The rules it replays:
+//!
+//! - **Forward**: each block's conv output h is kept for the backward (with 2·C floats of batch
+//!   statistics) and its output (the ReLU output, or the pool's) is a new tensor that lives until
+//!   the next block has used it; inside a checkpointed segment's first forward nothing is kept and
+//!   BatchNorm + ReLU runs in place. Under f16/bf16 each weight is cast to a half copy per use.
+//!   The convolution allocates per thread one image's im2col column
+//!   ([`crate::ops::conv2d::im2col_chunk_bytes`]) and, in half precision, widened f32 copies of
+//!   one input and one output image. A separable block's depthwise output is freed once the
+//!   pointwise convolution has run.
+//! - **Backward**, per block in the tape's order: the pool's output and byte argmax recomputed
+//!   from h; the conv's input gradient; the BatchNorm backward written over a buffer it owns (no
+//!   allocation but its `[2, C]` sums); the block input recomputed in place over the previous h;
+//!   the weight gradient, whose chunks of images are gathered into im2col columns and summed in
+//!   per-slot partials. A checkpoint segment is re-run with saving first.
+//! - **Accumulation**: the first micro-batch's gradients are the buffers; later ones are added in
+//!   place and dropped.
+//! - **Optimizer** (`src/train/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
+//!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
+//! - **Pruning** (`--prune`, `src/train/prune.rs`): one u8 mask per pruned weight (conv and head
+//!   weights), allocated with the model, so part of the baseline; after the update, with the
+//!   gradients freed, one layer at a time: recomputing a mask copies the weights to the host
+//!   with an 8-byte sort key each (CPU), applying it allocates a zero tensor and the result.
+//! - **Baseline (CPU)**: the counting allocator measures the whole process heap, so the training
+//!   split and the evaluation split (bytes as loaded), the f32 master weights and BatchNorm
+//!   statistics, the batcher's index permutation, four f32 batch buffers of the full batch size
+//!   (recycled from step to step) and the gemm crate's per-thread packing buffers are part of
+//!   every measurement.
+//!
+//! On the CPU the estimate is calibrated against the counting allocator (see
+//! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (the conv op's chunked
+//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build the one cuDNN
+//! workspace of `ops::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`; cuBLAS workspaces, the pool's rounding and
+//! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
+//! not yet checked against a GPU.
+
+use super::replay::*;
+use super::sim::*;
+use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
+use crate::data::{IMAGE_BYTES, RECORD_BYTES};
+use crate::error::Result;
+use crate::memory::format_bytes;
+use crate::model::cnn::segments;
+use crate::model::LayerSpec;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Bytes the process holds besides the data set and the model when training begins on the CPU
+/// (argument parsing, the candle thread pool, progress bars, the memory log, standard I/O
+/// buffers). Measured: the CPU probe's baseline minus the data set and the model (22 KB with
+/// real CIFAR-10 and with synthetic data, once the generator's templates are counted).
+pub const RUNTIME_OVERHEAD_BYTES: u64 = 24 << 10;
+
+/// Transient bytes per weight of the largest pruned layer while its mask is recomputed and applied
+/// (`src/train/prune.rs`): on the CPU the f32 host copy (4), the sort key (8) and the new mask (1);
+/// on CUDA the zero tensor and the masked result (4 + 4), the host work not being device memory.
+pub(super) const PRUNE_TRANSIENT_PER_WEIGHT_CPU: u64 = 13;
+pub(super) const PRUNE_TRANSIENT_PER_WEIGHT_CUDA: u64 = 8;
+
+/// Bytes the synthetic data generator keeps for the life of the process once it has run
+/// (`src/data/synthetic.rs`): 10 class templates of 3 × 38 × 38 f32 (the image plus a 3-pixel
+/// shift margin on each side) and their 30 plane means.
+pub const SYNTHETIC_TEMPLATE_BYTES: u64 = (10 * 3 * 38 * 38 + 10 * 3) * 4;
+
+/// Whether `cfg` trains on the built-in synthetic data (no `--download`, no `--data-dir` and no
+/// `data/cifar-10-batches-bin`), as [`crate::data::load`] decides.
+pub fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
+    !cfg.download && cfg.data_dir.is_none() && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
+}
+
+/// Batches alive at once on the CPU besides the data set: the one being trained, two in the
+/// prefetch channel (`prefetch: 2`) and one the worker has built and is waiting to send.
+pub const BATCHES_IN_FLIGHT: usize = 4;
+
+/// Where training runs, as far as memory is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum DeviceKind {
+    /// The CPU with `threads` compute threads (Candle's CPU pool workers plus the caller): every
+    /// thread of a convolution holds its own im2col column.
+    Cpu {
+        /// Threads that run per-image convolution work at once.
+        threads: usize,
+        /// Bytes of the L2 cache: the gemm crate keeps one L2-sized packing buffer per thread
+        /// that has run a matrix product, for the life of the thread.
+        l2_cache_bytes: u64,
+    },
+    /// A CUDA device: the probe measures the memory pool, so the data set and host batches are
+    /// not part of the measurement.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The CPU of this process, with as many threads as Candle's CPU pool uses.
+    pub fn cpu() -> Self {
+        DeviceKind::Cpu {
+            threads: candle_core::utils::barrier_pool().n_workers() + 1,
+            l2_cache_bytes: l2_cache_bytes(),
+        }
+    }
+
+    /// The kind of a Candle device.
+    pub fn of(device: &candle_core::Device) -> Self {
+        if device.is_cpu() {
+            DeviceKind::cpu()
+        } else {
+            DeviceKind::Cuda
+        }
+    }
+
+    /// The kind a `--device` value selects without opening the device: `cpu`, `cuda`/`cuda:N`,
+    /// or (no value) CUDA when this build has it and a GPU is present, else the CPU.
+    ///
+    /// # Errors
+    /// When the value is not a device spec.
+    pub fn for_spec(spec: Option<&str>) -> Result<Self> {
+        match spec {
+            Some(s) => {
+                crate::device::parse_device_spec(s)?;
+                if s.trim().eq_ignore_ascii_case("cpu") {
+                    Ok(DeviceKind::cpu())
+                } else {
+                    Ok(DeviceKind::Cuda)
+                }
+            }
+            None if candle_core::utils::cuda_is_available() => Ok(DeviceKind::Cuda),
+            None => Ok(DeviceKind::cpu()),
+        }
+    }
+
+    /// Whether this is the CPU (where the probe counts the whole process heap, data set included).
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, DeviceKind::Cpu { .. })
+    }
+
+    pub(super) fn threads(&self) -> usize {
+        match self {
+            DeviceKind::Cpu { threads, .. } => (*threads).max(1),
+            DeviceKind::Cuda => 1,
+        }
+    }
+}
+
+/// The L2 cache size of CPU 0 (Linux sysfs), or 1 MiB where it cannot be read.
+pub(super) fn l2_cache_bytes() -> u64 {
+    const FALLBACK: u64 = 1 << 20;
+    let base = Path::new("/sys/devices/system/cpu/cpu0/cache");
+    for i in 0..8 {
+        let dir = base.join(format!("index{i}"));
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).map(|s| s.trim().to_string());
+        let (Ok(level), Ok(kind), Ok(size)) = (read("level"), read("type"), read("size")) else {
+            continue;
+        };
+        if level == "2" && kind != "Instruction" {
+            let (num, mult) = match size.strip_suffix('K') {
+                Some(n) => (n, 1024),
+                None => match size.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (size.as_str(), 1),
+                },
+            };
+            if let Ok(v) = num.parse::<u64>() {
+                return v * mult;
+            }
+        }
+    }
+    FALLBACK
+}
+
+/// The data set as far as memory is concerned: how many images each split holds and how many
+/// bytes the loaded splits occupy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataSize {
+    /// Training images (batches per epoch follow from it).
+    pub train_images: usize,
+    /// Evaluation images (test or validation split).
+    pub test_images: usize,
+    /// Heap bytes of both loaded splits (pixels and labels, with the capacity slack of the loader).
+    pub resident_bytes: u64,
+}
+
+impl DataSize {
+    /// Splits of `train` and `test` images held exactly (pixels plus one label byte each), as the
+    /// validation split produces them.
+    pub fn exact(train_images: usize, test_images: usize) -> Self {
+        DataSize {
+            train_images,
+            test_images,
+            // Saturating: a count no machine holds must compare as too large, not wrap.
+            resident_bytes: (train_images as u64)
+                .saturating_add(test_images as u64)
+                .saturating_mul(RECORD_BYTES as u64),
+        }
+    }
+
+    /// Synthetic splits: held exactly, plus the generator's templates
+    /// ([`SYNTHETIC_TEMPLATE_BYTES`]).
+    pub fn synthetic(train_images: usize, test_images: usize) -> Self {
+        let mut d = DataSize::exact(train_images, test_images);
+        d.resident_bytes = d.resident_bytes.saturating_add(SYNTHETIC_TEMPLATE_BYTES);
+        d
+    }
+
+    /// The size of loaded splits (their allocated capacity), plus the synthetic generator's
+    /// templates when `cfg` trains on synthetic data.
+    pub fn loaded(
+        train: &crate::data::Dataset,
+        test: &crate::data::Dataset,
+        cfg: &TrainConfig,
+    ) -> Self {
+        let bytes = |d: &crate::data::Dataset| (d.images.capacity() + d.labels.capacity()) as u64;
+        let generator = if uses_synthetic_data(cfg) {
+            SYNTHETIC_TEMPLATE_BYTES
+        } else {
+            0
+        };
+        DataSize {
+            train_images: train.len(),
+            test_images: test.len(),
+            resident_bytes: bytes(train) + bytes(test) + generator,
+        }
+    }
+
+    /// The data the config will load, found without loading it: the synthetic sizes, the record
+    /// counts of the CIFAR-10 files in `--data-dir` (or `data/cifar-10-batches-bin`), or the full
+    /// CIFAR-10 for `--download`.
+    ///
+    /// # Errors
+    /// When a data directory is named but holds no readable CIFAR-10 training files.
+    pub fn for_config(cfg: &TrainConfig) -> Result<Self> {
+        if cfg.download {
+            return Ok(DataSize::exact(50_000, 10_000));
+        }
+        let default_dir = Path::new(crate::data::DEFAULT_DATA_DIR);
+        let dir = match &cfg.data_dir {
+            Some(d) => Some(d.as_path()),
+            None if default_dir.is_dir() => Some(default_dir),
+            None => None,
+        };
+        match dir {
+            Some(d) => DataSize::for_dir(d, cfg.val_fraction),
+            None => Ok(DataSize::synthetic(cfg.synthetic_train, cfg.synthetic_test)),
+        }
+    }
+
+    /// Sizes of a CIFAR-10 binary directory, from the file sizes ([`crate::data::cifar::scan_dir`],
+    /// which also refuses files that are not CIFAR-10 binary files).
+    pub(super) fn for_dir(dir: &Path, val_fraction: f64) -> Result<Self> {
+        let files = crate::data::cifar::scan_dir(dir)?;
+        Ok(DataSize::for_files(&files, val_fraction))
+    }
+
+    /// Sizes of the checked files of a CIFAR-10 binary directory, as
+    /// [`crate::data::cifar::load_dir`] will hold them.
+    pub fn for_files(files: &crate::data::cifar::DirFiles, val_fraction: f64) -> Self {
+        let train_parts: Vec<usize> = files.train.iter().map(|(_, n)| *n).collect();
+        let n: usize = train_parts.iter().sum();
+        match &files.test {
+            Some((_, test)) => {
+                // The training files are appended one after another: the vectors keep the
+                // capacity their growth left them with.
+                let parts_px: Vec<usize> = train_parts.iter().map(|p| p * IMAGE_BYTES).collect();
+                let resident =
+                    grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
+                DataSize {
+                    train_images: n,
+                    test_images: *test,
+                    resident_bytes: resident as u64,
+                }
+            }
+            None => {
+                let (train, val) = crate::data::cifar::split_sizes(n, val_fraction);
+                DataSize::exact(train, val)
+            }
+        }
+    }
+}
+
+/// Capacity of a `Vec<u8>` after `extend_from_slice` of each part in turn (amortized doubling).
+pub(crate) fn grown_capacity(parts: &[usize]) -> usize {
+    let (mut len, mut cap) = (0usize, 0usize);
+    for &p in parts {
+        let need = len + p;
+        if need > cap {
+            cap = need.max(cap * 2).max(8);
+        }
+        len = need;
+    }
+    cap
+}
+
+/// What is measured besides training's own allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    /// Model the process baseline from the data set (CPU) or from nothing but the model (CUDA).
+    Modeled(DataSize),
+    /// A measured baseline: the bytes in use when training begins (data set, model, runtime),
+    /// e.g. `MemoryLog::baseline_bytes` of an earlier run. The batches in flight, which the
+    /// batcher allocates after that reading, are still added.
+    Measured {
+        /// Bytes in use when training began.
+        bytes: u64,
+        /// Training images (for the number of prefetched batches).
+        train_images: usize,
+    },
+}
+
+/// The prediction for one layer of the model.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LayerEstimate {
+    /// Layer name, e.g. `stage1.block2.conv`.
+    pub name: String,
+    /// Kind, as in [`LayerSpec::kind`].
+    pub kind: &'static str,
+    /// Output shape per image (C, H, W).
+    pub output_shape: (usize, usize, usize),
+    /// Trainable parameters.
+    pub params: usize,
+    /// Bytes of one micro-batch of this layer's output in the compute dtype (f32 for the head).
+    pub output_bytes: u64,
+    /// Bytes this layer keeps from the forward to the backward pass of a micro-batch: its output
+    /// (and, under f16, its cast weights) without checkpointing; with checkpointing only a
+    /// segment's last layer keeps its output (the next segment's saved input).
+    pub saved_bytes: u64,
+    /// Bytes alive only while the layer recomputes inside its checkpointed segment (0 without
+    /// checkpointing).
+    pub recompute_bytes: u64,
+    /// Largest transient allocation of the layer's forward or backward beyond its inputs and
+    /// outputs: im2col columns, widened f32 copies, weight casts, gradient buffers.
+    pub transient_bytes: u64,
+}
+
+/// The predicted memory of a training configuration, per layer and per phase.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Estimate {
+    /// One row per layer of the model, in forward order.
+    pub layers: Vec<LayerEstimate>,
+    /// Images per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub accum_steps: usize,
+    /// Compute precision.
+    pub precision: Precision,
+    /// Gradient checkpointing granularity.
+    pub grad_checkpointing: GradCheckpointing,
+    /// Convolution kind.
+    pub conv: ConvKind,
+    /// Device the estimate is for.
+    pub device: DeviceKind,
+    /// f32 master weights.
+    pub param_bytes: u64,
+    /// f32 gradients (accumulated over micro-batches).
+    pub grad_bytes: u64,
+    /// Optimizer state (momentum; AdamW's two moments).
+    pub optimizer_bytes: u64,
+    /// Pruning masks (`--prune`): one byte per pruned weight; part of the baseline.
+    pub mask_bytes: u64,
+    /// Activations alive at the end of a micro-batch's forward pass (saved for backward, or the
+    /// checkpoints), in the compute dtype.
+    pub activation_bytes: u64,
+    /// Bytes in use when training begins (CPU: data set, model, runtime; CUDA: model).
+    pub baseline_bytes: u64,
+    /// Host batches in flight during a step (0 on CUDA).
+    pub batch_bytes: u64,
+    /// Buffers the runtime allocates at the first step and keeps (the gemm crate's per-thread
+    /// packing buffers on the CPU; the cuDNN workspace on CUDA in a `cudnn` build).
+    pub runtime_bytes: u64,
+    /// Highest bytes in use during the forward passes.
+    pub forward_peak: u64,
+    /// Highest bytes in use during the backward passes (recomputation included).
+    pub backward_peak: u64,
+    /// Highest bytes in use during the optimizer step.
+    pub optimizer_peak: u64,
+    /// The predicted peak: the highest of the three phases.
+    pub peak: u64,
+    /// The phase of the peak: `forward`, `backward` or `optimizer`.
+    pub peak_phase: &'static str,
+    /// The steady-state step's events (every micro-batch's layer events, then the optimizer), as
+    /// the trainer's memory timeline records them.
+    pub events: Vec<EventPrediction>,
+}
+
+impl Estimate {
+    /// The same estimate with `bytes` more in use throughout (e.g. what a host process holds
+    /// before it loads the data): baseline and peaks shift, the layers do not.
+    pub fn offset(mut self, bytes: u64) -> Self {
+        self.baseline_bytes += bytes;
+        self.forward_peak += bytes;
+        self.backward_peak += bytes;
+        self.optimizer_peak += bytes;
+        self.peak += bytes;
+        for e in &mut self.events {
+            e.peak_bytes += bytes;
+            e.current_bytes += bytes;
+        }
+        self
+    }
+
+    /// `(predicted - measured) / measured` in percent; `None` when nothing was measured.
+    pub fn error_pct(&self, measured: u64) -> Option<f64> {
+        (measured > 0).then(|| (self.peak as f64 - measured as f64) / measured as f64 * 100.0)
+    }
+
+    /// The per-layer table (layer, output shape, parameters, saved activations, recompute,
+    /// transient) followed by the totals and the predicted peak per phase, as markdown.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "memory estimate ({}; micro-batch {} x {} step(s), {}, checkpoint {}, {} conv)\n",
+            match self.device {
+                DeviceKind::Cpu { threads, .. } => format!("cpu, {threads} threads"),
+                DeviceKind::Cuda => "cuda, first-order".to_string(),
+            },
+            self.micro_batch,
+            self.accum_steps,
+            self.precision,
+            self.grad_checkpointing,
+            self.conv
+        );
+        s.push_str(
+            "| layer | output (C×H×W) | params | saved for backward | recomputed | transient |\n",
+        );
+        s.push_str("|---|---|---:|---:|---:|---:|\n");
+        let dash = |b: u64| {
+            if b == 0 {
+                "-".to_string()
+            } else {
+                format_bytes(b)
+            }
+        };
+        for l in &self.layers {
+            let (c, h, w) = l.output_shape;
+            let _ = writeln!(
+                s,
+                "| {} | {c}×{h}×{w} | {} | {} | {} | {} |",
+                l.name,
+                l.params,
+                dash(l.saved_bytes),
+                dash(l.recompute_bytes),
+                dash(l.transient_bytes)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "parameters {} | gradients {} | optimizer state {} | activations at end of forward {}",
+            format_bytes(self.param_bytes),
+            format_bytes(self.grad_bytes),
+            format_bytes(self.optimizer_bytes),
+            format_bytes(self.activation_bytes)
+        );
+        if self.mask_bytes > 0 {
+            let _ = writeln!(s, "pruning masks {}", format_bytes(self.mask_bytes));
+        }
+        let _ = writeln!(
+            s,
+            "baseline {} (data set, model, runtime) | batches in flight {} | {} {}",
+            format_bytes(self.baseline_bytes),
+            format_bytes(self.batch_bytes),
+            if self.device.is_cpu() {
+                "gemm buffers"
+            } else {
+                "conv workspace"
+            },
+            format_bytes(self.runtime_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "predicted peak {} ({}) | forward {} | backward {} | optimizer {}",
+            format_bytes(self.peak),
+            self.peak_phase,
+            format_bytes(self.forward_peak),
+            format_bytes(self.backward_peak),
+            format_bytes(self.optimizer_peak)
+        );
+        s
+    }
+}
+
+/// Predict the memory of training `cfg` on `device`, with the data set sized from the config
+/// ([`DataSize::for_config`]).
+///
+/// # Errors
+/// When the config is invalid or its data directory cannot be sized.
+pub fn estimate(cfg: &TrainConfig, device: DeviceKind) -> Result<Estimate> {
+    let data = DataSize::for_config(cfg)?;
+    estimate_with(cfg, device, Baseline::Modeled(data))
+}
+
+/// Predict the memory of training `cfg` on `device` with the given baseline.
+///
+/// # Errors
+/// When the config is invalid.
+pub fn estimate_with(
+    cfg: &TrainConfig,
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Estimate> {
+    cfg.validate()?;
+    let specs = model_layer_specs(cfg.width, cfg.conv);
+    estimate_for_specs(cfg, &specs, device, baseline)
+}
+
+/// What `--checkpoint auto` runs for `cfg`: under a memory limit the first of
+/// [`GradCheckpointing::CONCRETE`] (cheapest first) whose predicted peak fits the limit, else (or
+/// when none fits) the one with the smallest predicted peak.
+///
+/// # Errors
+/// As [`estimate_for_specs`].
+pub fn resolve_checkpointing(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<GradCheckpointing> {
+    let mut peaks = Vec::new();
+    for &ck in GradCheckpointing::CONCRETE {
+        let mut c = cfg.clone();
+        c.grad_checkpointing = ck;
+        peaks.push((ck, estimate_for_specs(&c, specs, device, baseline)?.peak));
+    }
+    if let Some(limit) = cfg.memory_limit {
+        if let Some(&(ck, _)) = peaks.iter().find(|(_, p)| *p <= limit) {
+            return Ok(ck);
+        }
+    }
+    Ok(peaks
+        .iter()
+        .min_by_key(|(_, p)| *p)
+        .map_or(GradCheckpointing::None, |&(ck, _)| ck))
+}
+
+/// The layer list of the CNN for `width` and `conv`, without building the model (no parameters
+/// are allocated); the model's own list, see [`crate::model::cnn::layer_specs_for`].
+pub fn model_layer_specs(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
+    crate::model::cnn::layer_specs_for(width, conv)
+}
+
+/// Predict the memory of training `cfg` on `device` for the model described by `specs` (e.g. a
+/// built model's [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)).
+///
+/// # Errors
+/// When the config is invalid, or `specs` is not a list of blocks followed by one linear head
+/// (an unknown layer kind, a shape that does not chain).
+pub fn estimate_for_specs(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Estimate> {
+    cfg.validate()?;
+    if cfg.grad_checkpointing == GradCheckpointing::Auto {
+        let chosen = resolve_checkpointing(cfg, specs, device, baseline)?;
+        let mut c = cfg.clone();
+        c.grad_checkpointing = chosen;
+        return estimate_for_specs(&c, specs, device, baseline);
+    }
+    let nodes = nodes_from_specs(specs)?;
+    let n_blocks = nodes
+        .iter()
+        .filter(|n| n.op != Op::Head)
+        .map(|n| n.block + 1)
+        .max()
+        .unwrap_or(0);
+    let segments = segments(n_blocks, cfg.grad_checkpointing);
+    let ctx = Ctx {
+        n: cfg.micro_batch() as u64,
+        s: elem_bytes(cfg.precision.compute_dtype()),
+        dtype: cfg.precision.compute_dtype(),
+        device,
+    };
+    let sizes = Sizes::of(cfg, &nodes, device);
+    let (baseline_bytes, batch_bytes) = baseline_and_batches(cfg, baseline, device, &sizes);
+    let gemm_slabs = runtime_bytes(cfg, device);
+    let mut sim = Sim::new(nodes.len());
+    sim.cur = baseline_bytes + batch_bytes + gemm_slabs;
+    let (activation_bytes, events) = replay_steps(&mut sim, cfg, &ctx, &nodes, &segments, &sizes);
+    let peaks = sim.peaks;
+    let (peak, peak_phase) = [
+        (peaks[0], "forward"),
+        (peaks[1], "backward"),
+        (peaks[2], "optimizer"),
+    ]
+    .into_iter()
+    .fold((0, "forward"), |a, b| if b.0 > a.0 { b } else { a });
+
+    let layers = nodes
+        .iter()
+        .zip(&sim.layers)
+        .map(|(n, r)| LayerEstimate {
+            name: n.name.clone(),
+            kind: n.kind,
+            output_shape: n.out,
+            params: n.params,
+            output_bytes: n.out_bytes(&ctx),
+            saved_bytes: r.saved,
+            recompute_bytes: r.recompute,
+            transient_bytes: r.transient,
+        })
+        .collect();
+    Ok(Estimate {
+        layers,
+        micro_batch: cfg.micro_batch(),
+        accum_steps: cfg.accum_steps,
+        precision: cfg.precision,
+        grad_checkpointing: cfg.grad_checkpointing,
+        conv: cfg.conv,
+        device,
+        param_bytes: sizes.param_bytes,
+        grad_bytes: sizes.param_bytes,
+        optimizer_bytes: sizes.optimizer_bytes,
+        mask_bytes: sizes.mask_bytes,
+        activation_bytes,
+        baseline_bytes,
+        batch_bytes,
+        runtime_bytes: gemm_slabs,
+        forward_peak: peaks[0],
+        backward_peak: peaks[1],
+        optimizer_peak: peaks[2],
+        peak,
+        peak_phase,
+        events,
+    })
+}
+
+/// The sizes a step of `cfg` holds whatever its batch: parameters (and the largest one), BatchNorm
+/// statistics, optimizer state, pruning masks and the masks' recomputation transient.
+pub(super) struct Sizes {
+    pub(super) param_bytes: u64,
+    pub(super) max_param: u64,
+    pub(super) bn_stats: u64,
+    pub(super) optimizer_bytes: u64,
+    pub(super) mask_bytes: u64,
+    pub(super) prune_transient: u64,
+}
+
+impl Sizes {
+    fn of(cfg: &TrainConfig, nodes: &[Node], device: DeviceKind) -> Sizes {
+        let param_counts: Vec<u64> = nodes.iter().flat_map(|n| n.param_tensors()).collect();
+        let param_bytes: u64 = param_counts.iter().map(|p| p * 4).sum();
+        let max_param = param_counts.iter().copied().max().unwrap_or(0) * 4;
+        let bn_stats: u64 = nodes
+            .iter()
+            .filter(|n| n.op == Op::Bn)
+            .map(|n| n.out.0 as u64 * 2 * 4)
+            .sum();
+        let optimizer_bytes = match cfg.optimizer {
+            OptimizerKind::Sgd => param_bytes,
+            OptimizerKind::Adamw => 2 * param_bytes,
+        };
+        // The pruned weights: convolutions and the head's weight (its first tensor), not biases.
+        let pruned: Vec<u64> = if cfg.prune.is_some() {
+            nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::Conv { .. } | Op::Depthwise | Op::Head))
+                .filter_map(|n| n.param_tensors().first().copied())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let prune_transient = pruned.iter().copied().max().unwrap_or(0)
+            * if device.is_cpu() {
+                PRUNE_TRANSIENT_PER_WEIGHT_CPU
+            } else {
+                PRUNE_TRANSIENT_PER_WEIGHT_CUDA
+            };
+        Sizes {
+            param_bytes,
+            max_param,
+            bn_stats,
+            optimizer_bytes,
+            mask_bytes: pruned.iter().sum(),
+            prune_transient,
+        }
+    }
+}
+
+/// What is in use when training begins, and the batches the batcher adds (CPU).
+fn baseline_and_batches(
+    cfg: &TrainConfig,
+    baseline: Baseline,
+    device: DeviceKind,
+    sizes: &Sizes,
+) -> (u64, u64) {
+    let model = sizes.param_bytes + sizes.bn_stats + sizes.mask_bytes;
+    let (baseline_bytes, train_images) = match baseline {
+        Baseline::Measured {
+            bytes,
+            train_images,
+        } => (bytes, train_images),
+        Baseline::Modeled(data) if device.is_cpu() => (
+            data.resident_bytes + model + RUNTIME_OVERHEAD_BYTES,
+            data.train_images,
+        ),
+        Baseline::Modeled(data) => (model, data.train_images),
+    };
+    let batch_bytes = if device.is_cpu() {
+        let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
+        let batches = (train_images / cfg.batch_size.max(1)).max(1);
+        let in_flight = BATCHES_IN_FLIGHT.min(batches) as u64;
+        // The batcher's permutation of the training split lives for the epoch.
+        in_flight * per_batch + train_images as u64 * 8
+    } else {
+        0
+    };
+    (baseline_bytes, batch_bytes)
+}
+
+/// The gemm crate's per-thread L2 packing buffers, allocated by the first matrix product on each
+/// thread and kept: the convolution threads (the head's products run single-threaded on the
+/// calling thread, one of them; see `ops::linear`). On CUDA, the cuDNN workspace of a `cudnn`
+/// build, allocated by the first convolution and kept.
+fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
+    match device {
+        DeviceKind::Cpu {
+            threads,
+            l2_cache_bytes,
+        } => threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes,
+        DeviceKind::Cuda => crate::ops::conv2d_cudnn::cuda_runtime_bytes(),
+    }
+}
+
+/// Two optimizer steps replayed: step 1 builds the optimizer state, step 2 carries it through
+/// forward and backward — the steady state, whose events are the prediction of the timeline.
+/// Returns the largest activation bytes of a micro-batch and the second step's events.
+fn replay_steps(
+    sim: &mut Sim,
+    cfg: &TrainConfig,
+    ctx: &Ctx,
+    nodes: &[Node],
+    segments: &[std::ops::Range<usize>],
+    sizes: &Sizes,
+) -> (u64, Vec<EventPrediction>) {
+    let mut activation_bytes = 0;
+    let mut events = Vec::new();
+    for step in 0..2 {
+        let state = if step == 0 { 0 } else { sizes.optimizer_bytes };
+        sim.cur += state;
+        sim.event_peak = sim.cur;
+        events.clear();
+        let mut acc_live = false;
+        for _ in 0..cfg.accum_steps {
+            sim.phase = Phase::Forward;
+            let (r, ev) = micro_batch(sim, ctx, nodes, segments, acc_live);
+            activation_bytes = activation_bytes.max(r);
+            events.extend(ev);
+            acc_live = true;
+        }
+        optimizer_phase(sim, cfg, step == 0, sizes);
+        events.push(EventPrediction {
+            phase: "optimizer",
+            layer: "optimizer".into(),
+            peak_bytes: sim.event_peak,
+            current_bytes: sim.cur,
+            saved_bytes: 0,
+        });
+        sim.free(state);
+    }
+    (activation_bytes, events)
+}
+
+/// The optimizer phase: the accumulated f32 gradients are alive and the update runs one parameter
+/// at a time (`first`: the step that also allocates the optimizer state); then the gradients are
+/// freed and pruning recomputes its masks.
+fn optimizer_phase(sim: &mut Sim, cfg: &TrainConfig, first: bool, sizes: &Sizes) {
+    sim.phase = Phase::Optimizer;
+    let (param_bytes, max_param) = (sizes.param_bytes, sizes.max_param);
+    if cfg.precision == Precision::F16 {
+        // Unscaling replaces each gradient by a scaled copy.
+        sim.spike(max_param);
+    }
+    match cfg.optimizer {
+        // g + w·wd, momentum·m + g, g + buf·m, d·lr: four parameter-sized temporaries at most,
+        // the first step also allocating the new state as it goes.
+        OptimizerKind::Sgd => sim.spike(if first { param_bytes } else { 0 } + 3 * max_param),
+        // m1, v, their bias-corrected copies, sqrt, the update: about six.
+        OptimizerKind::Adamw => sim.spike(if first { 2 * param_bytes } else { 0 } + 6 * max_param),
+    }
+    sim.free(param_bytes);
+    sim.spike(sizes.prune_transient);
+}

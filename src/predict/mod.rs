@@ -1,0 +1,13 @@
+//! Memory before it is used: the analytic estimate of a run ([`estimate`]: replays the step's
+//! allocations layer by layer, [`sim`], [`scratch`], [`replay`]), the planner that picks a
+//! configuration for a budget ([`plan`]), and the check that sizes every input against the
+//! budgets before anything is loaded or built ([`bounds`]).
+
+pub mod bounds;
+pub mod estimate;
+pub mod plan;
+mod replay;
+mod scratch;
+mod sim;
+
+pub use estimate::*;

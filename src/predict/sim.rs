@@ -1,0 +1,217 @@
+//! The estimate's model of a step: the layer graph as nodes ([`Node`]), the context of one
+//! micro-batch ([`Ctx`]) and the simulation of bytes in use ([`Sim`]), replayed allocation by
+//! allocation.
+
+use crate::data::NUM_CLASSES;
+use crate::error::{Error, Result};
+use crate::model::LayerSpec;
+use candle_core::DType;
+
+use super::estimate::*;
+
+// ---------------------------------------------------------------------------------------------
+// The model as the simulation sees it.
+
+/// One op of the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Op {
+    /// Dense convolution (`memtrain-conv2d`), stride 1.
+    Conv { k: usize, pad: usize },
+    /// Depthwise 3x3 convolution.
+    Depthwise,
+    /// BatchNorm fused with ReLU.
+    Bn,
+    /// 2x2 max-pool.
+    Pool,
+    /// Flatten + linear layer in f32.
+    Head,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Node {
+    pub(super) name: String,
+    pub(super) kind: &'static str,
+    pub(super) op: Op,
+    pub(super) inp: (usize, usize, usize),
+    pub(super) out: (usize, usize, usize),
+    pub(super) params: usize,
+    pub(super) block: usize,
+}
+
+pub(super) fn elems(shape: (usize, usize, usize)) -> u64 {
+    (shape.0 * shape.1 * shape.2) as u64
+}
+
+impl Node {
+    pub(super) fn in_bytes(&self, c: &Ctx) -> u64 {
+        c.n * elems(self.inp) * c.s
+    }
+
+    pub(super) fn out_bytes(&self, c: &Ctx) -> u64 {
+        c.n * elems(self.out) * if matches!(self.op, Op::Head) { 4 } else { c.s }
+    }
+
+    /// Element counts of the parameter tensors (BatchNorm: gamma and beta; head: weight and bias).
+    pub(super) fn param_tensors(&self) -> Vec<u64> {
+        match self.op {
+            Op::Conv { .. } | Op::Depthwise => vec![self.params as u64],
+            Op::Bn => vec![self.out.0 as u64; 2],
+            Op::Pool => vec![],
+            Op::Head => vec![
+                self.params.saturating_sub(NUM_CLASSES) as u64,
+                NUM_CLASSES as u64,
+            ],
+        }
+    }
+}
+
+pub(super) fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
+    let bad = |m: String| Error::config(format!("memory estimate: {m}"));
+    let mut nodes = Vec::with_capacity(specs.len());
+    let mut prev: Option<(usize, usize, usize)> = None;
+    for s in specs {
+        let op = match s.kind {
+            "conv3x3" => Op::Conv { k: 3, pad: 1 },
+            "pointwise1x1" => Op::Conv { k: 1, pad: 0 },
+            "depthwise3x3" => Op::Depthwise,
+            "bn_relu" => Op::Bn,
+            "maxpool2" => Op::Pool,
+            "linear" => Op::Head,
+            other => return Err(bad(format!("layer {} has unknown kind '{other}'", s.name))),
+        };
+        if let Some(p) = prev {
+            let chained = if op == Op::Head {
+                elems(p) == elems(s.input)
+            } else {
+                p == s.input
+            };
+            if !chained {
+                return Err(bad(format!(
+                    "layer {} takes {:?} but the previous layer gives {:?}",
+                    s.name, s.input, p
+                )));
+            }
+        }
+        if elems(s.input) == 0 || elems(s.output) == 0 {
+            return Err(bad(format!("layer {} has an empty shape", s.name)));
+        }
+        prev = Some(s.output);
+        nodes.push(Node {
+            name: s.name.clone(),
+            kind: s.kind,
+            op,
+            inp: s.input,
+            out: s.output,
+            params: s.params,
+            block: s.block,
+        });
+    }
+    match nodes.last() {
+        Some(n) if n.op == Op::Head => {}
+        _ => return Err(bad("the layer list must end with the linear head".into())),
+    }
+    if nodes[..nodes.len() - 1].iter().any(|n| n.op == Op::Head) {
+        return Err(bad("the linear head must be the last layer".into()));
+    }
+    if nodes.first().is_some_and(|n| n.op == Op::Head) {
+        return Err(bad("the model has no blocks before the head".into()));
+    }
+    Ok(nodes)
+}
+
+pub(super) fn elem_bytes(dtype: DType) -> u64 {
+    dtype.size_in_bytes() as u64
+}
+
+/// Per-micro-batch constants.
+pub(super) struct Ctx {
+    /// Images per micro-batch.
+    pub(super) n: u64,
+    /// Bytes per element of the compute dtype.
+    pub(super) s: u64,
+    pub(super) dtype: DType,
+    pub(super) device: DeviceKind,
+}
+
+impl Ctx {
+    pub(super) fn half(&self) -> bool {
+        self.s < 4
+    }
+
+    /// Threads busy on `n` independent images (one image per task).
+    pub(super) fn busy(&self, tasks: u64) -> u64 {
+        (self.device.threads() as u64).min(tasks.max(1))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulation: bytes in use, replayed allocation by allocation.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    Forward = 0,
+    Backward = 1,
+    Optimizer = 2,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct LayerRec {
+    pub(super) saved: u64,
+    pub(super) recompute: u64,
+    pub(super) transient: u64,
+}
+
+pub(super) struct Sim {
+    pub(super) cur: u64,
+    pub(super) peaks: [u64; 3],
+    pub(super) phase: Phase,
+    pub(super) layers: Vec<LayerRec>,
+    /// Highest `cur` since [`Sim::mark`].
+    pub(super) local_peak: u64,
+    /// Highest `cur` since the previous event.
+    pub(super) event_peak: u64,
+}
+
+impl Sim {
+    pub(super) fn new(layers: usize) -> Self {
+        Sim {
+            cur: 0,
+            peaks: [0; 3],
+            phase: Phase::Forward,
+            layers: vec![LayerRec::default(); layers],
+            local_peak: 0,
+            event_peak: 0,
+        }
+    }
+
+    pub(super) fn alloc(&mut self, b: u64) {
+        self.cur += b;
+        let p = &mut self.peaks[self.phase as usize];
+        *p = (*p).max(self.cur);
+        self.local_peak = self.local_peak.max(self.cur);
+        self.event_peak = self.event_peak.max(self.cur);
+    }
+
+    pub(super) fn free(&mut self, b: u64) {
+        self.cur = self.cur.saturating_sub(b);
+    }
+
+    /// A buffer allocated and freed again.
+    pub(super) fn spike(&mut self, b: u64) {
+        self.alloc(b);
+        self.free(b);
+    }
+
+    /// Start measuring one layer's transient memory.
+    pub(super) fn mark(&mut self) -> u64 {
+        self.local_peak = self.cur;
+        self.cur
+    }
+
+    /// Record the transient memory of layer `i` since `mark` returned `start`.
+    pub(super) fn record(&mut self, i: usize, start: u64) {
+        let t = self.local_peak.saturating_sub(start.max(self.cur));
+        let r = &mut self.layers[i].transient;
+        *r = (*r).max(t);
+    }
+}

@@ -14,6 +14,16 @@ use std::sync::Once;
 /// Result type of the drawing code (plotters' errors, boxed).
 pub(crate) type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
 
+/// A chart panel with f64 axes, as the charts' parts draw into it.
+pub(crate) type Panel<'a, DB> = ChartContext<
+    'a,
+    DB,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// What drawing into a panel can fail with.
+pub(crate) type DrawError<DB> = DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>;
+
 /// Series colours (Tableau 10).
 pub(crate) const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),

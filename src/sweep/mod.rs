@@ -13,6 +13,7 @@ pub(crate) mod chart;
 pub mod compare;
 pub mod frontier;
 pub mod report;
+mod report_charts;
 pub mod results;
 pub mod step_chart;
 

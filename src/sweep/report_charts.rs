@@ -1,0 +1,580 @@
+//! The charts of sweeps, comparisons and single runs ([`super::report`] writes them): a bar per
+//! configuration, per-batch memory lines, and the sweep's peak memory and images/s against batch
+//! size.
+
+use super::chart::{shorten, Chart, DrawError, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use super::report::pct_cell;
+use super::results::SweepResult;
+use super::{ChildRun, Status};
+use crate::memory::format_bytes;
+use plotters::coord::ranged1d::SegmentValue;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+/// One bar of a [`BarChart`].
+#[derive(Debug, Clone)]
+pub(super) struct Bar {
+    pub(super) label: String,
+    pub(super) bytes: Option<u64>,
+    pub(super) status: Status,
+    pub(super) change_pct: Option<f64>,
+}
+
+/// Horizontal bars of peak memory, one per configuration, labelled with their values.
+pub(super) struct BarChart {
+    pub(super) title: String,
+    pub(super) bars: Vec<Bar>,
+}
+
+impl Chart for BarChart {
+    fn size(&self) -> (u32, u32) {
+        (1200, (170 + 64 * self.bars.len() as u32).max(360))
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let n = self.bars.len().max(1);
+        let max = self
+            .bars
+            .iter()
+            .filter_map(|b| b.bytes)
+            .max()
+            .unwrap_or(1024 * 1024);
+        let unit = MemUnit::for_max(max);
+        let xmax = unit.of(max).max(1e-3) * 1.32;
+        let labels: Vec<String> = self.bars.iter().map(|b| shorten(&b.label, 38)).collect();
+        let label_w = labels.iter().map(|l| l.chars().count()).max().unwrap_or(8) as u32 * 10 + 24;
+        // Bars top to bottom in the given order: bar i sits at row n-1-i.
+        let row = |i: usize| n - 1 - i;
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 28))
+            .margin(20)
+            .x_label_area_size(56)
+            .y_label_area_size(label_w.clamp(100, 420))
+            // plotters' integer ranges include their end: rows 0..=n-1.
+            .build_cartesian_2d(0f64..xmax, (0..n - 1).into_segmented())?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .x_desc(format!("peak memory ({})", unit.name))
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(r) | SegmentValue::Exact(r) => {
+                    labels.get(n - 1 - *r).cloned().unwrap_or_default()
+                }
+                SegmentValue::Last => String::new(),
+            })
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .draw()?;
+        for (i, b) in self.bars.iter().enumerate() {
+            let r = row(i);
+            let color = PALETTE[i % PALETTE.len()];
+            match b.bytes {
+                Some(bytes) => {
+                    let mut rect = Rectangle::new(
+                        [
+                            (0.0, SegmentValue::Exact(r)),
+                            (unit.of(bytes), SegmentValue::Exact(r + 1)),
+                        ],
+                        color.filled(),
+                    );
+                    rect.set_margin(9, 9, 0, 0);
+                    chart.draw_series(std::iter::once(rect))?;
+                    let mut text = unit.fmt(bytes);
+                    if let Some(p) = b.change_pct {
+                        text.push_str(&format!(" ({})", pct_cell(Some(p))));
+                    }
+                    let style = TextStyle::from((FONT, 18).into_font())
+                        .pos(Pos::new(HPos::Left, VPos::Center));
+                    chart.draw_series(std::iter::once(
+                        EmptyElement::at((unit.of(bytes), SegmentValue::CenterOf(r)))
+                            + Text::new(text, (8, 0), style),
+                    ))?;
+                }
+                None => {
+                    let style = TextStyle::from((FONT, 18).into_font())
+                        .color(&RGBColor(200, 30, 30))
+                        .pos(Pos::new(HPos::Left, VPos::Center));
+                    let text = match b.status {
+                        Status::Oom => "out of memory".to_string(),
+                        _ => "failed".to_string(),
+                    };
+                    chart.draw_series(std::iter::once(
+                        EmptyElement::at((0.0, SegmentValue::CenterOf(r)))
+                            + Text::new(text, (8, 0), style),
+                    ))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A line of a [`TimelineChart`]: (x, bytes) points.
+#[derive(Debug, Clone)]
+pub(super) struct Series {
+    pub(super) label: String,
+    pub(super) points: Vec<(f64, u64)>,
+    pub(super) color: Option<RGBColor>,
+    pub(super) thin: bool,
+}
+
+/// A horizontal reference line.
+#[derive(Debug, Clone)]
+pub(super) struct HLine {
+    pub(super) label: String,
+    pub(super) bytes: u64,
+    pub(super) color: RGBColor,
+}
+
+/// Memory per training step: one line per series, optional horizontal reference lines.
+pub(super) struct TimelineChart {
+    pub(super) title: String,
+    pub(super) y_desc: String,
+    pub(super) series: Vec<Series>,
+    pub(super) hlines: Vec<HLine>,
+}
+
+impl Chart for TimelineChart {
+    fn size(&self) -> (u32, u32) {
+        (1200, 700)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let max_bytes = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.1))
+            .chain(self.hlines.iter().map(|h| h.bytes))
+            .max()
+            .unwrap_or(1024 * 1024)
+            .max(1);
+        let unit = MemUnit::for_max(max_bytes);
+        let max_x = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.0))
+            .fold(0.0f64, f64::max);
+        let (x0, x1) = if max_x < 1.0 {
+            (-0.5, 1.5)
+        } else {
+            let pad = (0.02 * max_x).max(0.1);
+            (-pad, max_x + pad)
+        };
+        // Headroom above the highest line for the legend (upper right), one band per entry.
+        let entries = (self.series.len() + self.hlines.len()) as f64;
+        let ymax = unit.of(max_bytes) * (1.1 + 0.06 * entries);
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 28))
+            .margin(20)
+            .x_label_area_size(56)
+            .y_label_area_size(90)
+            .build_cartesian_2d(x0..x1, 0f64..ymax)?;
+        chart
+            .configure_mesh()
+            .x_desc("training step (global)")
+            .y_desc(format!("{} ({})", self.y_desc, unit.name))
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .x_label_formatter(&|x| {
+                if (x - x.round()).abs() < 1e-6 {
+                    format!("{}", x.round() as i64)
+                } else {
+                    String::new()
+                }
+            })
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(246, 246, 246))
+            .draw()?;
+        for h in &self.hlines {
+            let y = unit.of(h.bytes);
+            let color = h.color;
+            chart
+                .draw_series(DashedLineSeries::new(
+                    vec![(x0, y), (x1, y)],
+                    12,
+                    8,
+                    color.stroke_width(2),
+                ))?
+                .label(h.label.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2))
+                });
+        }
+        for (i, s) in self.series.iter().enumerate() {
+            let color = s.color.unwrap_or(PALETTE[i % PALETTE.len()]);
+            let width = if s.thin { 2 } else { 3 };
+            let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
+                .label(shorten(&s.label, 60))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+                });
+            if pts.len() <= 80 {
+                chart.draw_series(
+                    pts.iter()
+                        .map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())),
+                )?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font((FONT, 17))
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(180, 180, 180))
+            .draw()?;
+        Ok(())
+    }
+}
+
+/// One point of a [`SweepChart`].
+#[derive(Debug, Clone)]
+pub(super) struct SweepDot {
+    pub(super) batch: usize,
+    pub(super) status: Status,
+    pub(super) peak: Option<u64>,
+    pub(super) ips: Option<f64>,
+}
+
+/// Peak memory (top) and images/s (bottom) versus batch size, one line per configuration.
+pub(super) struct SweepChart {
+    pub(super) title: String,
+    pub(super) configs: Vec<(String, Vec<SweepDot>)>,
+    pub(super) limit: Option<u64>,
+    /// `--find-max` results: the largest batch that fits, per configuration (same order).
+    pub(super) maxima: Vec<Option<usize>>,
+}
+
+impl SweepChart {
+    pub(super) fn from_result(r: &SweepResult) -> SweepChart {
+        let dot = |p: &ChildRun, batch| SweepDot {
+            batch,
+            status: p.status,
+            peak: p.peak_bytes(),
+            ips: p.images_per_sec(),
+        };
+        let configs = r
+            .configurations
+            .iter()
+            .map(|v| {
+                (
+                    v.label.clone(),
+                    r.points_of(&v.label)
+                        .iter()
+                        .map(|p| dot(&p.run, p.batch_size))
+                        .collect(),
+                )
+            })
+            .collect();
+        let maxima = r
+            .configurations
+            .iter()
+            .map(|v| {
+                r.max_batches
+                    .iter()
+                    .find(|m| m.configuration == v.label)
+                    .and_then(|m| m.max_batch)
+            })
+            .collect();
+        SweepChart {
+            maxima,
+            title: format!(
+                "Batch-size sweep ({} training step{} per point)",
+                r.steps,
+                if r.steps == 1 { "" } else { "s" }
+            ),
+            configs,
+            limit: r.memory_limit,
+        }
+    }
+}
+
+impl Chart for SweepChart {
+    fn size(&self) -> (u32, u32) {
+        (1200, 1000)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let x = SweepAxis::of(self);
+        let root = root.titled(&self.title, (FONT, 28))?;
+        let (top, bottom) = root.split_vertically((root.dim_in_pixel().1 as f64 * 0.58) as u32);
+        self.draw_memory(&top, &x)?;
+        self.draw_speed(&bottom, &x)
+    }
+}
+
+/// The batch-size axis shared by the sweep chart's two panels: log2 when the batches span a
+/// factor of 4 or more.
+pub(super) struct SweepAxis {
+    pub(super) log: bool,
+    pub(super) range: (f64, f64),
+    pub(super) labels: usize,
+    pub(super) desc: &'static str,
+}
+
+impl SweepAxis {
+    pub(super) fn of(chart: &SweepChart) -> SweepAxis {
+        let dots = || chart.configs.iter().flat_map(|(_, d)| d.iter());
+        let bmin = dots().map(|d| d.batch).min().unwrap_or(1).max(1);
+        let bmax = dots().map(|d| d.batch).max().unwrap_or(1).max(bmin);
+        let log = bmax as f64 / bmin as f64 >= 4.0;
+        let xv = |b: usize| if log { (b as f64).log2() } else { b as f64 };
+        let (x0, x1) = if log {
+            (xv(bmin) - 0.25, xv(bmax) + 0.25)
+        } else {
+            let pad = ((bmax - bmin) as f64 * 0.08).max(4.0);
+            (bmin as f64 - pad, bmax as f64 + pad)
+        };
+        SweepAxis {
+            log,
+            range: (x0, x1),
+            labels: if log {
+                ((x1 - x0).ceil() as usize * 2).max(2)
+            } else {
+                10
+            },
+            desc: if log {
+                "batch size (images per step, log scale)"
+            } else {
+                "batch size (images per step)"
+            },
+        }
+    }
+
+    /// Where batch size `b` sits on the axis.
+    fn x(&self, b: usize) -> f64 {
+        if self.log {
+            (b as f64).log2()
+        } else {
+            b as f64
+        }
+    }
+
+    /// The tick label at `x`: batch sizes at powers of two on a log axis.
+    fn label(&self, x: &f64) -> String {
+        if self.log {
+            if (x - x.round()).abs() < 1e-6 {
+                format!("{}", 2f64.powf(x.round()).round() as u64)
+            } else {
+                String::new()
+            }
+        } else {
+            format!("{}", x.round() as i64)
+        }
+    }
+
+    /// A panel over this axis and `0..ymax`, its mesh drawn with `y_desc`.
+    fn panel<'a, DB: DrawingBackend>(
+        &self,
+        area: &'a DrawingArea<DB, Shift>,
+        ymax: f64,
+        y_desc: &str,
+    ) -> Result<Panel<'a, DB>, DrawError<DB>>
+    where
+        DB::ErrorType: 'static,
+    {
+        let (x0, x1) = self.range;
+        let mut c = ChartBuilder::on(area)
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(90)
+            .build_cartesian_2d(x0..x1, 0f64..ymax)?;
+        c.configure_mesh()
+            .x_desc(self.desc)
+            .y_desc(y_desc)
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .x_labels(self.labels)
+            .x_label_formatter(&|x| self.label(x))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(246, 246, 246))
+            .draw()?;
+        Ok(c)
+    }
+}
+
+impl SweepChart {
+    /// The top panel: peak memory per batch size, one line per configuration, the limit, the
+    /// `--find-max` results, and markers where a point ran out of memory or failed.
+    fn draw_memory<DB: DrawingBackend>(
+        &self,
+        area: &DrawingArea<DB, Shift>,
+        x: &SweepAxis,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let max_bytes = self
+            .configs
+            .iter()
+            .flat_map(|(_, d)| d.iter())
+            .filter_map(|d| d.peak)
+            .chain(self.limit)
+            .max()
+            .unwrap_or(1024 * 1024)
+            .max(1);
+        let unit = MemUnit::for_max(max_bytes);
+        let ymax = unit.of(max_bytes) * 1.15;
+        // Where OOM points sit: on the limit line, or near the top without a limit.
+        let oom_y = self.limit.map(|l| unit.of(l)).unwrap_or(ymax * 0.93);
+        let mut mem = x.panel(area, ymax, &format!("peak memory ({})", unit.name))?;
+        let (x0, x1) = x.range;
+        if let Some(l) = self.limit {
+            let y = unit.of(l);
+            let red = RGBColor(200, 30, 30);
+            mem.draw_series(DashedLineSeries::new(
+                vec![(x0, y), (x1, y)],
+                12,
+                8,
+                red.stroke_width(2),
+            ))?
+            .label(format!("memory limit ({})", format_bytes(l)))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2)));
+        }
+        let (mut any_oom, mut any_failed) = (false, false);
+        for (i, (label, d)) in self.configs.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let ok: Vec<(f64, f64)> = d
+                .iter()
+                .filter(|p| p.status == Status::Ok)
+                .filter_map(|p| p.peak.map(|b| (x.x(p.batch), unit.of(b))))
+                .collect();
+            mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(3)))?
+                .label(shorten(label, 50))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+                });
+            mem.draw_series(ok.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+            if let Some(Some(m)) = self.maxima.get(i) {
+                if let Some(p) = d.iter().find(|p| p.batch == *m).and_then(|p| p.peak) {
+                    let style = TextStyle::from((FONT, 17).into_font())
+                        .color(&color)
+                        .pos(Pos::new(HPos::Left, VPos::Top));
+                    mem.draw_series(std::iter::once(
+                        EmptyElement::at((x.x(*m), unit.of(p)))
+                            + Text::new(format!("max {m}"), (8, 6), style),
+                    ))?;
+                }
+            }
+            let (oom, failed) = self.draw_failures(&mut mem, i, d, x, oom_y)?;
+            any_oom |= oom;
+            any_failed |= failed;
+        }
+        self.marker_legend(&mut mem, any_oom, any_failed)?;
+        mem.configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .label_font((FONT, 17))
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(180, 180, 180))
+            .draw()?;
+        Ok(())
+    }
+
+    /// Configuration `i`'s points that did not run (`d`), at height `oom_y`: a cross for out of
+    /// memory, a triangle for another failure. Returns whether it drew each kind.
+    fn draw_failures<DB: DrawingBackend>(
+        &self,
+        mem: &mut Panel<'_, DB>,
+        i: usize,
+        d: &[SweepDot],
+        x: &SweepAxis,
+        oom_y: f64,
+    ) -> Result<(bool, bool), DrawError<DB>>
+    where
+        DB::ErrorType: 'static,
+    {
+        let color = PALETTE[i % PALETTE.len()];
+        let (mut any_oom, mut any_failed) = (false, false);
+        // Markers of different configurations at the same batch size sit side by side.
+        let dx = (i as i32 * 2 - (self.configs.len() as i32 - 1)) * 8;
+        for p in d.iter().filter(|p| p.status != Status::Ok) {
+            let at = (x.x(p.batch), oom_y);
+            if p.status == Status::Oom {
+                any_oom = true;
+                mem.draw_series(std::iter::once(
+                    EmptyElement::at(at) + Cross::new((dx, 0), 8, color.stroke_width(3)),
+                ))?;
+            } else {
+                any_failed = true;
+                mem.draw_series(std::iter::once(
+                    EmptyElement::at(at) + TriangleMarker::new((dx, 0), 8, color.stroke_width(2)),
+                ))?;
+            }
+        }
+        Ok((any_oom, any_failed))
+    }
+
+    /// Legend entries explaining the failure markers that were drawn.
+    fn marker_legend<DB: DrawingBackend>(
+        &self,
+        mem: &mut Panel<'_, DB>,
+        any_oom: bool,
+        any_failed: bool,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let black = RGBColor(40, 40, 40);
+        if any_oom {
+            mem.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
+                .label(if self.limit.is_some() {
+                    "out of memory (drawn on the limit)"
+                } else {
+                    "out of memory"
+                })
+                .legend(move |(x, y)| Cross::new((x + 12, y), 7, black.stroke_width(3)));
+        }
+        if any_failed {
+            mem.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
+                .label("failed (not memory)")
+                .legend(move |(x, y)| TriangleMarker::new((x + 12, y), 7, black.stroke_width(2)));
+        }
+        Ok(())
+    }
+
+    /// The bottom panel: images/s per batch size, one line per configuration.
+    fn draw_speed<DB: DrawingBackend>(
+        &self,
+        area: &DrawingArea<DB, Shift>,
+        x: &SweepAxis,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let max_ips = self
+            .configs
+            .iter()
+            .flat_map(|(_, d)| d.iter())
+            .filter_map(|d| d.ips)
+            .fold(0.0f64, f64::max)
+            .max(1e-3)
+            * 1.15;
+        let mut speed = x.panel(area, max_ips, "throughput (images/s)")?;
+        for (i, (_, d)) in self.configs.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let pts: Vec<(f64, f64)> = d
+                .iter()
+                .filter_map(|p| {
+                    p.ips
+                        .filter(|_| p.status == Status::Ok)
+                        .map(|v| (x.x(p.batch), v))
+                })
+                .collect();
+            speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
+            speed.draw_series(pts.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+        }
+        Ok(())
+    }
+}

@@ -11,7 +11,7 @@
 //! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
 //! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
 
-use super::chart::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
+use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT, PALETTE};
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use crate::phase::Phase;
@@ -487,183 +487,265 @@ impl Chart for StepChart<'_> {
             .light_line_style(RGBColor(240, 240, 240))
             .draw()?;
 
-        // Phase regions: shaded background, a separator and a label at the top of each.
         let regs = regions(events);
-        let multi_micro = events.iter().any(|e| e.micro_batch > 0);
-        for r in &regs {
-            let (shade, _) = phase_colors(r.phase);
-            chart.draw_series(std::iter::once(Rectangle::new(
-                [(r.first as f64 - 0.5, 0.0), (r.last as f64 + 0.5, ymax)],
-                shade.filled(),
-            )))?;
-        }
-
-        // Stacked categories: band k spans the sum of the categories below it to that sum plus
-        // its own bytes, one polygon per band (no overdraw, so the SVG stays exact).
-        let mut lower = vec![0f64; n];
-        for (k, (_, color)) in STACK.iter().enumerate() {
-            let upper: Vec<f64> = events
-                .iter()
-                .zip(&lower)
-                .map(|(e, lo)| lo + unit.of(stack_values(&e.categories)[k]))
-                .collect();
-            if upper.iter().zip(&lower).any(|(u, l)| u > l) {
-                // Each band runs flat across the outer half-slots of the first and last events,
-                // so the stack fills the plot from edge to edge.
-                let xs: Vec<f64> = std::iter::once(-0.5)
-                    .chain((0..n).map(|i| i as f64))
-                    .chain(std::iter::once(n as f64 - 0.5))
-                    .collect();
-                let at = |v: &[f64], j: usize| v[j.saturating_sub(1).min(n - 1)];
-                let mut poly: Vec<(f64, f64)> = xs
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &x)| (x, at(&upper, j)))
-                    .collect();
-                poly.extend(
-                    xs.iter()
-                        .enumerate()
-                        .rev()
-                        .map(|(j, &x)| (x, at(&lower, j))),
-                );
-                chart.draw_series(std::iter::once(Polygon::new(poly, color.mix(0.9).filled())))?;
-            }
-            lower = upper;
-        }
-
-        // Separators and labels drawn over the areas, so the boundaries stay visible there.
+        draw_regions(&mut chart, &regs, ymax)?;
+        draw_stack(&mut chart, events, &unit)?;
         let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n as f64;
-        for (i, r) in regs.iter().enumerate() {
-            if i > 0 {
-                let x = r.first as f64 - 0.5;
-                chart.draw_series(DashedLineSeries::new(
-                    vec![(x, 0.0), (x, ymax)],
-                    6,
-                    5,
-                    RGBColor(110, 110, 110).stroke_width(1),
-                ))?;
-            }
-            let (_, ink) = phase_colors(r.phase);
-            let style = TextStyle::from((FONT, 17).into_font().style(FontStyle::Bold))
-                .color(&ink)
-                .pos(Pos::new(HPos::Center, VPos::Top));
-            let width = (r.last - r.first + 1) as f64 * px_per_event - 6.0;
-            let name = r.phase.to_string();
-            let mut candidates = Vec::new();
-            if multi_micro {
-                candidates.push(format!("{name} (micro-batch {})", r.micro_batch + 1));
-                candidates.push(format!("{name} {}", r.micro_batch + 1));
-            } else {
-                candidates.push(name.clone());
-            }
-            candidates.push(name.chars().take(3).collect::<String>() + ".");
-            let fits = candidates.into_iter().find(|c| {
-                root.estimate_text_size(c, &style)
-                    .map(|(tw, _)| (tw as f64) <= width)
-                    .unwrap_or(false)
-            });
-            if let Some(text) = fits {
-                let cx = (r.first + r.last) as f64 / 2.0;
-                chart.draw_series(std::iter::once(
-                    EmptyElement::at((cx, ymax)) + Text::new(text, (0, 6), style),
-                ))?;
-            }
-        }
-
-        // The prediction: dashed, broken where an event has none.
-        let mut segment: Vec<(f64, f64)> = Vec::new();
-        let mut segments: Vec<Vec<(f64, f64)>> = Vec::new();
-        for (i, e) in events.iter().enumerate() {
-            match e.predicted_peak_bytes {
-                Some(p) => segment.push((i as f64, unit.of(p))),
-                None => {
-                    if !segment.is_empty() {
-                        segments.push(std::mem::take(&mut segment));
-                    }
-                }
-            }
-        }
-        if !segment.is_empty() {
-            segments.push(segment);
-        }
-        for s in segments {
-            if s.len() == 1 {
-                chart.draw_series(std::iter::once(
-                    EmptyElement::at(s[0])
-                        + PathElement::new(vec![(-8, 0), (8, 0)], PREDICTED_COLOR.stroke_width(3)),
-                ))?;
-            } else {
-                chart.draw_series(DashedLineSeries::new(
-                    s,
-                    10,
-                    6,
-                    PREDICTED_COLOR.stroke_width(3),
-                ))?;
-            }
-        }
-
-        // The measured peak between events, with a marker per event while they stay apart.
-        let peaks: Vec<(f64, f64)> = events
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (i as f64, unit.of(e.peak_bytes)))
-            .collect();
-        chart.draw_series(LineSeries::new(peaks.clone(), PEAK_COLOR.stroke_width(2)))?;
-        if px_per_event >= 6.0 {
-            chart.draw_series(
-                peaks
-                    .iter()
-                    .map(|&p| Circle::new(p, 4, PEAK_COLOR.filled())),
-            )?;
-        }
-        // Name the step's peak where it happens.
-        if let Some((i, e)) = events.iter().enumerate().reduce(|best, e| {
-            if e.1.peak_bytes > best.1.peak_bytes {
-                e
-            } else {
-                best
-            }
-        }) {
-            let hpos = if (i as f64) < n as f64 * 0.15 {
-                HPos::Left
-            } else if (i as f64) > n as f64 * 0.85 {
-                HPos::Right
-            } else {
-                HPos::Center
-            };
-            let style = TextStyle::from((FONT, 17).into_font().style(FontStyle::Bold))
-                .color(&PEAK_COLOR)
-                .pos(Pos::new(hpos, VPos::Bottom));
-            chart.draw_series(std::iter::once(
-                EmptyElement::at((i as f64, unit.of(e.peak_bytes)))
-                    + Circle::new((0, 0), 6, PEAK_COLOR.stroke_width(2))
-                    + Text::new(format!("peak {}", unit.fmt(e.peak_bytes)), (0, -10), style),
-            ))?;
-        }
-
-        // Layer names under the axis, rotated, thinned to one every `every` events when dense.
-        let every = (18.0 / px_per_event.max(1e-3)).ceil().max(1.0) as usize;
-        for (i, name) in names.iter().enumerate() {
-            if i % every != 0 {
-                continue;
-            }
-            let (px, py) = chart.backend_coord(&(i as f64, 0.0));
-            let base = root.get_base_pixel();
-            let at = (px - base.0, py - base.1);
-            root.draw(&PathElement::new(
-                vec![(at.0, at.1), (at.0, at.1 + 5)],
-                TEXT_COLOR.stroke_width(1),
-            ))?;
-            root.draw(&Text::new(
-                name.clone(),
-                (at.0, at.1 + 8),
-                label_style.clone(),
-            ))?;
-        }
-
+        draw_region_labels(&mut chart, root, &regs, events, ymax, px_per_event)?;
+        draw_prediction(&mut chart, events, &unit)?;
+        draw_peaks(&mut chart, events, &unit, px_per_event)?;
+        draw_layer_names(&chart, root, &names, &label_style, px_per_event)?;
         draw_legend(&panel, 90, &self.legend_rows(&unit))?;
         Ok(())
     }
+}
+
+/// Phase regions of the step chart: a shaded background per phase (and micro-batch).
+fn draw_regions<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    regs: &[Region],
+    ymax: f64,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    // Phase regions: shaded background, a separator and a label at the top of each.
+    for r in regs {
+        let (shade, _) = phase_colors(r.phase);
+        chart.draw_series(std::iter::once(Rectangle::new(
+            [(r.first as f64 - 0.5, 0.0), (r.last as f64 + 0.5, ymax)],
+            shade.filled(),
+        )))?;
+    }
+    Ok(())
+}
+
+/// The stacked memory categories: band k spans the sum of the categories below it to that sum
+/// plus its own bytes.
+fn draw_stack<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    events: &[TimelineEvent],
+    unit: &MemUnit,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let n = events.len();
+    // Stacked categories: band k spans the sum of the categories below it to that sum plus
+    // its own bytes, one polygon per band (no overdraw, so the SVG stays exact).
+    let mut lower = vec![0f64; n];
+    for (k, (_, color)) in STACK.iter().enumerate() {
+        let upper: Vec<f64> = events
+            .iter()
+            .zip(&lower)
+            .map(|(e, lo)| lo + unit.of(stack_values(&e.categories)[k]))
+            .collect();
+        if upper.iter().zip(&lower).any(|(u, l)| u > l) {
+            // Each band runs flat across the outer half-slots of the first and last events,
+            // so the stack fills the plot from edge to edge.
+            let xs: Vec<f64> = std::iter::once(-0.5)
+                .chain((0..n).map(|i| i as f64))
+                .chain(std::iter::once(n as f64 - 0.5))
+                .collect();
+            let at = |v: &[f64], j: usize| v[j.saturating_sub(1).min(n - 1)];
+            let mut poly: Vec<(f64, f64)> = xs
+                .iter()
+                .enumerate()
+                .map(|(j, &x)| (x, at(&upper, j)))
+                .collect();
+            poly.extend(
+                xs.iter()
+                    .enumerate()
+                    .rev()
+                    .map(|(j, &x)| (x, at(&lower, j))),
+            );
+            chart.draw_series(std::iter::once(Polygon::new(poly, color.mix(0.9).filled())))?;
+        }
+        lower = upper;
+    }
+    Ok(())
+}
+
+/// The separators between phase regions and each region's label, the longest that fits.
+fn draw_region_labels<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    root: &DrawingArea<DB, Shift>,
+    regs: &[Region],
+    events: &[TimelineEvent],
+    ymax: f64,
+    px_per_event: f64,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let multi_micro = events.iter().any(|e| e.micro_batch > 0);
+    // Separators and labels drawn over the areas, so the boundaries stay visible there.
+    for (i, r) in regs.iter().enumerate() {
+        if i > 0 {
+            let x = r.first as f64 - 0.5;
+            chart.draw_series(DashedLineSeries::new(
+                vec![(x, 0.0), (x, ymax)],
+                6,
+                5,
+                RGBColor(110, 110, 110).stroke_width(1),
+            ))?;
+        }
+        let (_, ink) = phase_colors(r.phase);
+        let style = TextStyle::from((FONT, 17).into_font().style(FontStyle::Bold))
+            .color(&ink)
+            .pos(Pos::new(HPos::Center, VPos::Top));
+        let width = (r.last - r.first + 1) as f64 * px_per_event - 6.0;
+        let name = r.phase.to_string();
+        let mut candidates = Vec::new();
+        if multi_micro {
+            candidates.push(format!("{name} (micro-batch {})", r.micro_batch + 1));
+            candidates.push(format!("{name} {}", r.micro_batch + 1));
+        } else {
+            candidates.push(name.clone());
+        }
+        candidates.push(name.chars().take(3).collect::<String>() + ".");
+        let fits = candidates.into_iter().find(|c| {
+            root.estimate_text_size(c, &style)
+                .map(|(tw, _)| (tw as f64) <= width)
+                .unwrap_or(false)
+        });
+        if let Some(text) = fits {
+            let cx = (r.first + r.last) as f64 / 2.0;
+            chart.draw_series(std::iter::once(
+                EmptyElement::at((cx, ymax)) + Text::new(text, (0, 6), style),
+            ))?;
+        }
+    }
+    Ok(())
+}
+
+/// The estimate's prediction per event: dashed, broken where an event has none.
+fn draw_prediction<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    events: &[TimelineEvent],
+    unit: &MemUnit,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    // The prediction: dashed, broken where an event has none.
+    let mut segment: Vec<(f64, f64)> = Vec::new();
+    let mut segments: Vec<Vec<(f64, f64)>> = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        match e.predicted_peak_bytes {
+            Some(p) => segment.push((i as f64, unit.of(p))),
+            None => {
+                if !segment.is_empty() {
+                    segments.push(std::mem::take(&mut segment));
+                }
+            }
+        }
+    }
+    if !segment.is_empty() {
+        segments.push(segment);
+    }
+    for s in segments {
+        if s.len() == 1 {
+            chart.draw_series(std::iter::once(
+                EmptyElement::at(s[0])
+                    + PathElement::new(vec![(-8, 0), (8, 0)], PREDICTED_COLOR.stroke_width(3)),
+            ))?;
+        } else {
+            chart.draw_series(DashedLineSeries::new(
+                s,
+                10,
+                6,
+                PREDICTED_COLOR.stroke_width(3),
+            ))?;
+        }
+    }
+    Ok(())
+}
+
+/// The measured peak between events (a marker per event while they stay apart), and the step's
+/// peak named where it happens.
+fn draw_peaks<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    events: &[TimelineEvent],
+    unit: &MemUnit,
+    px_per_event: f64,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let n = events.len();
+    // The measured peak between events, with a marker per event while they stay apart.
+    let peaks: Vec<(f64, f64)> = events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (i as f64, unit.of(e.peak_bytes)))
+        .collect();
+    chart.draw_series(LineSeries::new(peaks.clone(), PEAK_COLOR.stroke_width(2)))?;
+    if px_per_event >= 6.0 {
+        chart.draw_series(
+            peaks
+                .iter()
+                .map(|&p| Circle::new(p, 4, PEAK_COLOR.filled())),
+        )?;
+    }
+    // Name the step's peak where it happens.
+    if let Some((i, e)) = events.iter().enumerate().reduce(|best, e| {
+        if e.1.peak_bytes > best.1.peak_bytes {
+            e
+        } else {
+            best
+        }
+    }) {
+        let hpos = if (i as f64) < n as f64 * 0.15 {
+            HPos::Left
+        } else if (i as f64) > n as f64 * 0.85 {
+            HPos::Right
+        } else {
+            HPos::Center
+        };
+        let style = TextStyle::from((FONT, 17).into_font().style(FontStyle::Bold))
+            .color(&PEAK_COLOR)
+            .pos(Pos::new(hpos, VPos::Bottom));
+        chart.draw_series(std::iter::once(
+            EmptyElement::at((i as f64, unit.of(e.peak_bytes)))
+                + Circle::new((0, 0), 6, PEAK_COLOR.stroke_width(2))
+                + Text::new(format!("peak {}", unit.fmt(e.peak_bytes)), (0, -10), style),
+        ))?;
+    }
+    Ok(())
+}
+
+/// The layer names under the axis, rotated, thinned to one every few events when dense.
+fn draw_layer_names<DB: DrawingBackend>(
+    chart: &Panel<'_, DB>,
+    root: &DrawingArea<DB, Shift>,
+    names: &[String],
+    label_style: &TextStyle,
+    px_per_event: f64,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    // Layer names under the axis, rotated, thinned to one every `every` events when dense.
+    let every = (18.0 / px_per_event.max(1e-3)).ceil().max(1.0) as usize;
+    for (i, name) in names.iter().enumerate() {
+        if i % every != 0 {
+            continue;
+        }
+        let (px, py) = chart.backend_coord(&(i as f64, 0.0));
+        let base = root.get_base_pixel();
+        let at = (px - base.0, py - base.1);
+        root.draw(&PathElement::new(
+            vec![(at.0, at.1), (at.0, at.1 + 5)],
+            TEXT_COLOR.stroke_width(1),
+        ))?;
+        root.draw(&Text::new(
+            name.clone(),
+            (at.0, at.1 + 8),
+            label_style.clone(),
+        ))?;
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -683,7 +683,8 @@ fn edited_masks_are_refused_on_resume() {
         .restore(state.clone())
         .expect("the untouched snapshot restores");
 
-    let edits: [(&str, fn(u8) -> u8); 3] = [
+    type Edit = fn(u8) -> u8;
+    let edits: [(&str, Edit); 3] = [
         ("all ones", |_| 1),
         ("all zeros", |_| 0),
         ("inverted", |m| 1 - m),

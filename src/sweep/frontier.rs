@@ -5,7 +5,7 @@
 //! [`pareto_front`] is pure; [`write_frontier_chart`] draws `frontier.{png,svg}` with the machinery
 //! of `sweep::chart`. Sweeps and comparisons build their points in [`super::report`].
 
-use super::chart::{render, shorten, Chart, DrawResult, MemUnit, FONT, PALETTE};
+use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT, PALETTE};
 use crate::error::Result;
 use crate::memory::format_bytes;
 use plotters::coord::Shift;
@@ -103,6 +103,71 @@ struct FrontierChart<'a> {
     limit: Option<u64>,
 }
 
+impl FrontierChart<'_> {
+    /// The frontier as a staircase with its points filled, the dominated points hollow, and
+    /// every point's label. `measured`: (point index, peak bytes, images/s) of the points that ran.
+    fn draw_points<DB: DrawingBackend>(
+        &self,
+        chart: &mut Panel<'_, DB>,
+        measured: &[(usize, u64, f64)],
+        unit: &MemUnit,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        // Blue, so that it is not mistaken for the red memory limit.
+        let front = PALETTE[0];
+        let other = PALETTE[7];
+        let sorted = frontier_sorted(self.points, &self.on);
+        let mut steps: Vec<(f64, f64)> = Vec::with_capacity(sorted.len() * 2);
+        for (k, &(b, v)) in sorted.iter().enumerate() {
+            if k > 0 {
+                steps.push((unit.of(b), sorted[k - 1].1));
+            }
+            steps.push((unit.of(b), v));
+        }
+        chart
+            .draw_series(LineSeries::new(steps, front.stroke_width(3)))?
+            .label("Pareto frontier (no other point uses less memory and runs faster)")
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 24, y)], front.stroke_width(3))
+            });
+        chart.draw_series(
+            measured
+                .iter()
+                .filter(|m| self.on[m.0])
+                .map(|m| Circle::new((unit.of(m.1), m.2), 7, front.filled())),
+        )?;
+        let dominated: Vec<&(usize, u64, f64)> =
+            measured.iter().filter(|m| !self.on[m.0]).collect();
+        let hollow = chart.draw_series(
+            dominated
+                .iter()
+                .map(|m| Circle::new((unit.of(m.1), m.2), 6, other.stroke_width(2))),
+        )?;
+        if !dominated.is_empty() {
+            hollow
+                .label("dominated")
+                .legend(move |(x, y)| Circle::new((x + 12, y), 6, other.stroke_width(2)));
+        }
+        for &(i, b, v) in measured {
+            let color = if self.on[i] {
+                RGBColor(40, 40, 40)
+            } else {
+                RGBColor(110, 110, 110)
+            };
+            let style = TextStyle::from((FONT, 15).into_font())
+                .color(&color)
+                .pos(Pos::new(HPos::Left, VPos::Bottom));
+            chart.draw_series(std::iter::once(
+                EmptyElement::at((unit.of(b), v))
+                    + Text::new(shorten(&self.points[i].label, 40), (8, -6), style),
+            ))?;
+        }
+        Ok(())
+    }
+}
+
 impl Chart for FrontierChart<'_> {
     fn size(&self) -> (u32, u32) {
         (1200, 800)
@@ -168,55 +233,7 @@ impl Chart for FrontierChart<'_> {
                 });
         }
 
-        // Blue, so that it is not mistaken for the red memory limit.
-        let front = PALETTE[0];
-        let other = PALETTE[7];
-        let sorted = frontier_sorted(self.points, &self.on);
-        let mut steps: Vec<(f64, f64)> = Vec::with_capacity(sorted.len() * 2);
-        for (k, &(b, v)) in sorted.iter().enumerate() {
-            if k > 0 {
-                steps.push((unit.of(b), sorted[k - 1].1));
-            }
-            steps.push((unit.of(b), v));
-        }
-        chart
-            .draw_series(LineSeries::new(steps, front.stroke_width(3)))?
-            .label("Pareto frontier (no other point uses less memory and runs faster)")
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 24, y)], front.stroke_width(3))
-            });
-        chart.draw_series(
-            measured
-                .iter()
-                .filter(|m| self.on[m.0])
-                .map(|m| Circle::new((unit.of(m.1), m.2), 7, front.filled())),
-        )?;
-        let dominated: Vec<&(usize, u64, f64)> =
-            measured.iter().filter(|m| !self.on[m.0]).collect();
-        let hollow = chart.draw_series(
-            dominated
-                .iter()
-                .map(|m| Circle::new((unit.of(m.1), m.2), 6, other.stroke_width(2))),
-        )?;
-        if !dominated.is_empty() {
-            hollow
-                .label("dominated")
-                .legend(move |(x, y)| Circle::new((x + 12, y), 6, other.stroke_width(2)));
-        }
-        for &(i, b, v) in &measured {
-            let color = if self.on[i] {
-                RGBColor(40, 40, 40)
-            } else {
-                RGBColor(110, 110, 110)
-            };
-            let style = TextStyle::from((FONT, 15).into_font())
-                .color(&color)
-                .pos(Pos::new(HPos::Left, VPos::Bottom));
-            chart.draw_series(std::iter::once(
-                EmptyElement::at((unit.of(b), v))
-                    + Text::new(shorten(&self.points[i].label, 40), (8, -6), style),
-            ))?;
-        }
+        self.draw_points(&mut chart, &measured, &unit)?;
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperLeft)

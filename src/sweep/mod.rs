@@ -474,27 +474,7 @@ pub fn run_child(
                 trainer.program.display()
             ))
         })?;
-    let mut timed_out = false;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break s,
-            Ok(None) => {}
-            Err(e) => {
-                return Err(Error::Child(format!(
-                    "waiting for {}: {e}",
-                    trainer.program.display()
-                )))
-            }
-        }
-        if timeout.is_some_and(|t| start.elapsed() >= t) {
-            let _ = child.kill();
-            timed_out = true;
-            break child.wait().map_err(|e| {
-                Error::Child(format!("waiting for {}: {e}", trainer.program.display()))
-            })?;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (status, timed_out) = wait_for(&mut child, trainer, start, timeout)?;
     let wall_secs = start.elapsed().as_secs_f64();
     let stderr_text = std::fs::read(&stderr_path)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -517,8 +497,56 @@ pub fn run_child(
     };
     if timed_out {
         run.note = format!("timed out after {:.0} s and was killed", wall_secs);
-    } else if status.success() {
-        match std::fs::read_to_string(&summary_path) {
+    } else {
+        judge(&mut run, status, &summary_path, &stderr_text)?;
+    }
+    Ok(run)
+}
+
+/// Wait for `child` to end, killing it once `timeout` has passed since `start`. Returns its exit
+/// status and whether it was killed for the timeout.
+fn wait_for(
+    child: &mut std::process::Child,
+    trainer: &TrainerCommand,
+    start: Instant,
+    timeout: Option<Duration>,
+) -> Result<(std::process::ExitStatus, bool)> {
+    let mut timed_out = false;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) => {}
+            Err(e) => {
+                return Err(Error::Child(format!(
+                    "waiting for {}: {e}",
+                    trainer.program.display()
+                )))
+            }
+        }
+        if timeout.is_some_and(|t| start.elapsed() >= t) {
+            let _ = child.kill();
+            timed_out = true;
+            break child.wait().map_err(|e| {
+                Error::Child(format!("waiting for {}: {e}", trainer.program.display()))
+            })?;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Ok((status, timed_out))
+}
+
+/// What a child that ended with `status` measured or why it failed, into `run`: its
+/// `summary.json` (`summary_path`) when it exited 0, out of memory or another failure named from
+/// the last line of its stderr (`stderr_text`). A usage error (exit 2) fails every point the same
+/// way, so it is returned as the sweep's error.
+fn judge(
+    run: &mut ChildRun,
+    status: std::process::ExitStatus,
+    summary_path: &Path,
+    stderr_text: &str,
+) -> Result<()> {
+    if status.success() {
+        match std::fs::read_to_string(summary_path) {
             Ok(text) => match serde_json::from_str::<Summary>(&text) {
                 Ok(s) => {
                     if s.status == crate::train::RunStatus::Ok {
@@ -532,32 +560,32 @@ pub fn run_child(
             },
             Err(e) => run.note = format!("exited 0 but wrote no {} ({e})", summary_path.display()),
         }
-    } else if let Some(msg) = oom_message(&stderr_text) {
+    } else if let Some(msg) = oom_message(stderr_text) {
         run.status = Status::Oom;
         run.note = msg;
-    } else if exit_code == Some(2) {
+    } else if run.exit_code == Some(2) {
         // A usage error fails every point the same way: stop at the first with the trainer's
         // own message (exit 2), and leave no point directory behind to block a retry.
-        let _ = std::fs::remove_dir_all(run_dir);
+        let _ = std::fs::remove_dir_all(&run.run_dir);
         return Err(Error::config(format!(
             "the trainer refused the flags of this point ({}): {}",
-            args.join(" "),
-            last_line(&stderr_text)
+            run.args.join(" "),
+            last_line(stderr_text)
         )));
     } else {
-        let how = match (exit_code, signal) {
+        let how = match (run.exit_code, run.signal) {
             (_, Some(sig)) => format!("killed by {}", signal_name(sig)),
             (Some(code), _) => format!("exit status {code}"),
             _ => "ended abnormally".to_string(),
         };
-        let last = last_line(&stderr_text);
+        let last = last_line(stderr_text);
         run.note = if last.is_empty() {
             how
         } else {
             format!("{how}: {last}")
         };
     }
-    Ok(run)
+    Ok(())
 }
 
 /// Progress across the points of a sweep or comparison: an indicatif bar on a terminal, plain

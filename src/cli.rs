@@ -176,6 +176,19 @@ where
     Ok(Ok(parsed))
 }
 
+/// The training configuration that trainer `flags` select, parsed exactly as `train_cifar10`
+/// parses them but not yet validated as a whole (a sweep adds each point's batch size later).
+/// A flag the trainer would refuse is the same one-line usage error here.
+pub fn flags_config(flags: &[String]) -> Result<TrainConfig> {
+    let args = std::iter::once("train_cifar10").chain(flags.iter().map(String::as_str));
+    match parse_train_args(args)? {
+        Ok(parsed) => Ok(parsed.config),
+        Err(_help) => Err(Error::config(
+            "--help is not a training flag; pass the flags a point trains with",
+        )),
+    }
+}
+
 /// `--help`/`--version` → Ok(text); anything else → a one-line usage error. A value parser's
 /// own [`Error`] (`--batch-size 0`, `--memory-limit 12XB`) is passed on as it is: it already
 /// names the flag and the fix.

@@ -1,9 +1,8 @@
 //! Batch-size sweeps, comparisons and charts: the example binaries run as a user would run them
 //! (each point a child process of `train_cifar10`), on the CPU with tiny widths and few steps.
 
-use memtrain::sweep::batch::{
-    accum_steps_of, cross_product, recommended_batch, BatchPlan, Dimension, SweepResult,
-};
+use memtrain::cli::flags_config;
+use memtrain::sweep::batch::{cross_product, recommended_batch, BatchPlan, Dimension, SweepResult};
 use memtrain::sweep::compare::{CompareResult, RunSpec};
 use memtrain::sweep::report::{read_memory_log, CsvTable, COMPARE_CSV_HEADER, SWEEP_CSV_HEADER};
 use memtrain::sweep::{merge_flags, oom_message, split_flags, Status};
@@ -881,21 +880,19 @@ fn cross_product_labels_the_varying_dimensions() {
         "accum=4"
     );
     assert_eq!(
-        cross_product(&[d("accum-steps", &["4"])])[0].accum_steps(),
+        cross_product(&[d("accum-steps", &["4"])])[0]
+            .accum_steps()
+            .unwrap(),
         4
     );
+    // Read as the trainer reads flags: the default when absent, a usage error when invalid.
+    assert_eq!(cross_product(&[])[0].accum_steps().unwrap(), 1);
     let f = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-    assert_eq!(
-        accum_steps_of(&f(&[
-            "--width",
-            "4",
-            "--accum-steps=2",
-            "--accum-steps",
-            "8"
-        ])),
-        8
-    );
-    assert_eq!(accum_steps_of(&f(&["--accum-steps", "zero"])), 1);
+    let parsed = flags_config(&f(&["--width", "4", "--accum-steps=8"])).unwrap();
+    assert_eq!(parsed.accum_steps, 8);
+    let err = flags_config(&f(&["--accum-steps", "zero"])).unwrap_err();
+    assert_eq!(err.exit_code(), 2, "{err}");
+    assert!(err.to_string().contains("--accum-steps"), "{err}");
 }
 
 #[test]

@@ -3,8 +3,7 @@
 //! Every point is one child process of the trainer (see [`super::run_child`]).
 
 pub use super::results::{
-    accum_steps_of, describe_max, BatchPlan, MaxBatch, SweepPoint, SweepResult, Variant,
-    DEFAULT_MARGIN,
+    describe_max, BatchPlan, MaxBatch, SweepPoint, SweepResult, Variant, DEFAULT_MARGIN,
 };
 use super::{
     describe, merge_flags, oom_snapshot_link, run_child, slug, ChildRun, Progress, Status,
@@ -257,7 +256,8 @@ impl Runner<'_> {
         granularity: usize,
         margin: f64,
     ) -> Result<MaxBatch> {
-        let accum = accum_steps_of(&merge_flags(&[&self.opts.common, &variant.flags]));
+        let flags = merge_flags(&[&self.opts.common, &variant.flags]);
+        let accum = crate::cli::flags_config(&flags)?.accum_steps;
         let mut mb = self.search(variant, start, max_batch, granularity, accum)?;
         mb.margin = margin;
         mb.recommended = mb

@@ -16,29 +16,11 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// Gradient accumulation steps this variant asks for (1 when not given).
-    pub fn accum_steps(&self) -> usize {
-        accum_steps_of(&self.flags)
+    /// Gradient accumulation steps this variant asks for (the trainer's default when not given),
+    /// read from its flags as the trainer parses them.
+    pub fn accum_steps(&self) -> crate::Result<usize> {
+        Ok(crate::cli::flags_config(&self.flags)?.accum_steps)
     }
-}
-
-/// The `--accum-steps` value in a flag list (the last one given; 1 when absent or invalid).
-pub fn accum_steps_of(flags: &[String]) -> usize {
-    let mut accum = 1;
-    for (i, f) in flags.iter().enumerate() {
-        let value = if f == "--accum-steps" {
-            flags.get(i + 1).map(String::as_str)
-        } else {
-            f.strip_prefix("--accum-steps=")
-        };
-        if let Some(a) = value
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&a| a > 0)
-        {
-            accum = a;
-        }
-    }
-    accum
 }
 
 /// Default `--margin` of `--find-max`: the recommended batch is 5% below the largest that fits,

@@ -18,7 +18,7 @@
 //!   the next block has used it; inside a checkpointed segment's first forward nothing is kept and
 //!   BatchNorm + ReLU runs in place. Under f16/bf16 each weight is cast to a half copy per use.
 //!   The convolution allocates per thread one image's im2col column
-//!   ([`crate::ops::conv2d::im2col_chunk_bytes`]) and, in half precision, widened f32 copies of
+//!   ([`memtrain_kernels::conv2d::im2col_chunk_bytes`]) and, in half precision, widened f32 copies of
 //!   one input and one output image. A separable block's depthwise output is freed once the
 //!   pointwise convolution has run.
 //! - **Backward**, per block in the tape's order: the pool's output and byte argmax recomputed
@@ -42,8 +42,8 @@
 //!
 //! On the CPU the estimate is calibrated against the counting allocator (see
 //! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (the conv op's chunked
-//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build the one cuDNN
-//! workspace of `ops::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`; cuBLAS workspaces, the pool's rounding and
+//! columns from `memtrain_kernels::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build the one cuDNN
+//! workspace of `memtrain_kernels::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`; cuBLAS workspaces, the pool's rounding and
 //! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
 //! not yet checked against a GPU.
 
@@ -52,8 +52,8 @@ use crate::data::{IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};
 use crate::error::{Error, Result};
 use crate::memory::format_bytes;
 use crate::model::LayerSpec;
-use crate::ops::conv2d_cuda::ConvPass;
 use candle_core::DType;
+use memtrain_kernels::conv2d_cuda::ConvPass;
 use std::fmt::Write as _;
 use std::ops::Range;
 use std::path::Path;
@@ -633,14 +633,14 @@ pub fn estimate_for_specs(
 
     // The gemm crate's per-thread L2 packing buffers, allocated by the first matrix product on
     // each thread and kept: the convolution threads (the head's products run single-threaded
-    // on the calling thread, one of them; see `ops::linear`). On CUDA, the cuDNN workspace of a
+    // on the calling thread, one of them; see `memtrain_kernels::linear`). On CUDA, the cuDNN workspace of a
     // `cudnn` build, allocated by the first convolution and kept.
     let gemm_slabs = match device {
         DeviceKind::Cpu {
             threads,
             l2_cache_bytes,
         } => threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes,
-        DeviceKind::Cuda => crate::ops::conv2d_cudnn::cuda_runtime_bytes(),
+        DeviceKind::Cuda => memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes(),
     };
 
     let mut sim = Sim::new(nodes.len());
@@ -962,7 +962,7 @@ impl Sim {
 fn one_column(c: &Ctx, nd: &Node, k: usize) -> u64 {
     let (cin, _, _) = nd.inp;
     let (_, ho, wo) = nd.out;
-    crate::ops::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64
+    memtrain_kernels::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64
 }
 
 /// Whether a 1x1 convolution multiplies the image in place: rows that need no padding (a padded
@@ -973,12 +973,12 @@ fn pointwise_in_place(c: &Ctx, nd: &Node, k: usize, pad: usize) -> bool {
 }
 
 /// Scratch of one pass of the CUDA conv2d op: one chunk of columns for the im2col op (see
-/// `ops::conv2d_cuda`), none for cuDNN (its workspace is in `runtime_bytes`).
+/// `memtrain_kernels::conv2d_cuda`), none for cuDNN (its workspace is in `runtime_bytes`).
 fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: ConvPass) -> u64 {
     let (cin, h, w) = nd.inp;
     let (cout, ho, wo) = nd.out;
     let pointwise = k == 1 && pad == 0 && (h, w) == (ho, wo);
-    crate::ops::conv2d_cudnn::cuda_pass_scratch_bytes(
+    memtrain_kernels::conv2d_cudnn::cuda_pass_scratch_bytes(
         pass,
         c.n as usize,
         cin,
@@ -1044,9 +1044,9 @@ fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     c.busy(c.n) * (col + widen) + wbuf
 }
 
-/// Images per weight-gradient chunk, as `images_per_chunk` in `src/ops/conv2d.rs`.
+/// Images per weight-gradient chunk, as `images_per_chunk` in `kernels/src/conv2d_cpu.rs`.
 fn wgrad_chunk(n: usize, hw_out: usize, per_image: usize, threads: usize) -> usize {
-    use crate::ops::conv2d::{IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
+    use memtrain_kernels::conv2d::{IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
     let n = n.max(1);
     let threads = threads.max(1);
     let wanted = MIN_GEMM_DEPTH.div_ceil(hw_out.max(1));
@@ -1054,7 +1054,7 @@ fn wgrad_chunk(n: usize, hw_out: usize, per_image: usize, threads: usize) -> usi
     wanted.min(by_budget).min(n.div_ceil(threads)).max(1)
 }
 
-/// Weight-gradient slots per thread (`SLOTS_PER_THREAD` in `src/ops/conv2d.rs`).
+/// Weight-gradient slots per thread (`MIN_SLOTS_PER_THREAD` in `kernels/src/conv2d_cpu.rs`).
 const WGRAD_SLOTS_PER_THREAD: usize = 4;
 
 /// Peak scratch of the weight-gradient pass (columns, gathered gradients, widened images and the
@@ -1082,7 +1082,7 @@ fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
     let cols = if in_place {
         0
     } else {
-        crate::ops::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64
+        memtrain_kernels::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64
     };
     let gathered = if !c.half() && chunk == 1 {
         0

@@ -97,11 +97,6 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
     diff / scale
 }
 
-/// [`rel_diff`] as f32, for the op tests' f32 tolerances.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    rel_diff(a, b) as f32
-}
-
 /// Every parameter of a trainer, as host vectors.
 pub fn params(t: &Trainer) -> Vec<Tensor> {
     t.vars()

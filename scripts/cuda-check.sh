@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Type-check memtrain with the `cuda` feature, and with `cuda,cudnn`, on a machine without a GPU.
+# Type-check memtrain and memtrain-kernels (the whole workspace) with the `cuda` feature, and with
+# `cuda,cudnn`, on a machine without a GPU.
 # Called by CI (.ci/run); also fine to run by hand.
 #
 #   scripts/cuda-check.sh [extra cargo args...]
@@ -32,14 +33,14 @@ export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 echo "[cuda-check] CARGO_TARGET_DIR=$CARGO_TARGET_DIR CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP" >&2
 cd "$repo"
 rc=0
-# Every CUDA kernel of the ops lives in src/ops/kernels/*.cu and is compiled to PTX here too:
+# Every CUDA kernel of the ops lives in kernels/cu/*.cu and is compiled to PTX here too:
 # NVRTC compiles them only at run time, on a GPU machine, so a syntax error would otherwise first
-# show there. Each is compiled after kernels/prelude.cuh, as `kernel_source!` in src/ops/util.rs
-# concatenates them for NVRTC.
+# show there. Each is compiled after kernels/cu/prelude.cuh, as `kernel_source!` in
+# kernels/src/util.rs concatenates them for NVRTC.
 kernel_tmp=$(mktemp -d)
 trap 'rm -f "$env_file"; rm -rf "$kernel_tmp"' EXIT
-for cu in src/ops/kernels/*.cu; do
-  cat src/ops/kernels/prelude.cuh "$cu" > "$kernel_tmp/$(basename "$cu")"
+for cu in kernels/cu/*.cu; do
+  cat kernels/cu/prelude.cuh "$cu" > "$kernel_tmp/$(basename "$cu")"
   if nvcc --ptx -arch="sm_$CUDA_COMPUTE_CAP" "$kernel_tmp/$(basename "$cu")" -o /dev/null; then
     echo "[cuda-check] nvcc compiled $cu" >&2
   else
@@ -47,11 +48,13 @@ for cu in src/ops/kernels/*.cu; do
     rc=1
   fi
 done
-cargo check --release --features cuda --all-targets "$@" || rc=$?
-echo "[cuda-check] cargo check --release --features cuda --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
-# The cuDNN convolutions (src/ops/conv2d_cudnn.rs) exist only with `cudnn`; a second check with
+# --workspace: the kernels crate's own tests and benches too (`--features` names the feature of
+# every package that has it).
+cargo check --release --workspace --features cuda --all-targets "$@" || rc=$?
+echo "[cuda-check] cargo check --release --workspace --features cuda --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
+# The cuDNN convolutions (kernels/src/conv2d_cudnn.rs) exist only with `cudnn`; a second check with
 # it (its own artifacts for cudarc and the crates above it in the same target dir, so both stay
 # incremental; candle-kernels' nvcc build is shared).
-cargo check --release --features cuda,cudnn --all-targets "$@" || rc=$?
-echo "[cuda-check] cargo check --release --features cuda,cudnn --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
+cargo check --release --workspace --features cuda,cudnn --all-targets "$@" || rc=$?
+echo "[cuda-check] cargo check --release --workspace --features cuda,cudnn --all-targets: rc=$rc, elapsed $(( $(date +%s) - start ))s" >&2
 exit "$rc"

@@ -51,7 +51,7 @@ PIP_PKGS=(
   'nvidia-cublas==13.0.*'
   'nvidia-curand==10.4.0.*'
   'nvidia-cuda-nvrtc==13.0.*'
-  # cuDNN for `--features cudnn` (src/ops/conv2d_cudnn.rs): 9.13 is the first cuDNN release
+  # cuDNN for `--features cudnn` (kernels/src/conv2d_cudnn.rs): 9.13 is the first cuDNN release
   # built for CUDA 13.0. ~350 MB; its libcudnn.so.9 also goes on LD_LIBRARY_PATH at run time.
   'nvidia-cudnn-cu13==9.13.*'
 )

@@ -106,7 +106,7 @@ cli_enum! {
 }
 
 cli_enum! {
-    /// TF32 tensor-core math for f32 convolutions on CUDA (see [`crate::ops::set_tf32`]).
+    /// TF32 tensor-core math for f32 convolutions on CUDA (see [`memtrain_kernels::set_tf32`]).
     Tf32 ("tf32") {
         /// f32 convolutions multiply in TF32 and sum in f32 (PyTorch's default for convolutions).
         On => "on",
@@ -434,6 +434,12 @@ pub fn check_keys(path: &std::path::Path, value: &serde_json::Value) -> Result<(
 /// Fewest images `--synthetic-train` and `--synthetic-test` accept (one per class).
 pub const MIN_SYNTHETIC_IMAGES: usize = 10;
 
+/// The usage error of `--download` in a build without the `download` cargo feature (which brings
+/// candle-datasets' Hugging Face hub loader and its HTTP, parquet and image stack).
+pub const DOWNLOAD_NOT_BUILT: &str = "--download needs a build with the `download` cargo feature (the Hugging Face \
+     hub loader), which this binary lacks; run `cargo run --release --features download --example train_cifar10 -- \
+     --download`, or pass --data-dir DIR";
+
 /// Largest batch the trainer accepts; beyond this a typo is more likely than intent.
 pub const MAX_BATCH_SIZE: usize = 1 << 20;
 
@@ -511,6 +517,9 @@ impl TrainConfig {
                 "--val-fraction must be in (0, 1), got {}",
                 self.val_fraction
             ));
+        }
+        if self.download && !cfg!(feature = "download") {
+            return bad(DOWNLOAD_NOT_BUILT.into());
         }
         if self.epochs == 0 {
             // `--max-steps` only caps the steps of the epochs: with none there is nothing to run.

@@ -13,10 +13,13 @@
 //!   analytic estimate and the memory timeline inside a step.
 //! - [`model`]: the CNN as a list of blocks (segments for gradient checkpointing).
 //! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
-//! - [`ops`]: our own Candle ops (gemm and depthwise convolutions, BatchNorm, pool, bf16 gemm).
 //! - [`config`]: every training flag and default in [`config::TrainConfig`]; [`cli`]: the other
 //!   flags of `train_cifar10`; [`phase`]: the step's phases; [`device`], [`io`], [`signal`],
 //!   [`error`].
+//!
+//! The ops the model and the step run on (depthwise and bounded-scratch convolutions, BatchNorm
+//! with an in-place backward, the 2x2 max-pool, bf16 gemm) are their own crate,
+//! [`memtrain_kernels`] (`kernels/`), which knows nothing of the trainer.
 #![warn(missing_docs)]
 // Module docs explain the private halves they are built from (`cargo doc --document-private-items`).
 #![allow(rustdoc::private_intra_doc_links)]
@@ -32,7 +35,6 @@ pub mod error;
 pub mod io;
 pub mod memory;
 pub mod model;
-pub mod ops;
 pub mod phase;
 pub mod predict;
 pub mod signal;

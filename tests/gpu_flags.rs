@@ -71,7 +71,7 @@ fn the_trainer_sets_the_ops_math_mode_from_the_config() {
             tf32: mode,
             ..common::tiny_config()
         });
-        assert_eq!(memtrain::ops::tf32(), want, "--tf32 {mode}");
+        assert_eq!(memtrain_kernels::tf32(), want, "--tf32 {mode}");
     }
 }
 

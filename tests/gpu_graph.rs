@@ -149,7 +149,7 @@ fn tf32_convolutions_stay_within_tf32_tolerance_of_the_cpu() {
             tf32: mode,
             ..cfg.clone()
         }));
-        assert_eq!(memtrain::ops::tf32(), mode == Tf32::On);
+        assert_eq!(memtrain_kernels::tf32(), mode == Tf32::On);
         let (lg, gg) = gpu.compute_grads(&x, &y).unwrap();
         assert!(
             (lg - lc).abs() <= tol * lc.abs(),

@@ -218,6 +218,18 @@ fn oom_is_recognised_through_candle_wrappers() {
     )));
 }
 
+/// The estimate counts what the CUDA conv op keeps allocated between steps in this build: the
+/// cuDNN workspace with `cudnn`, nothing for the im2col op. No GPU needed.
+#[test]
+fn the_cuda_estimate_counts_the_conv_ops_persistent_bytes() {
+    use memtrain::predict::{estimate, DeviceKind};
+    let e = estimate(&memtrain::TrainConfig::default(), DeviceKind::Cuda).unwrap();
+    assert_eq!(
+        e.runtime_bytes,
+        memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes()
+    );
+}
+
 /// The conv2d op's CUDA passes hold one chunk of columns at a time: the pool peak of a forward and
 /// backward of the default net's largest layer (32→32 channels at 32×32, batch 512, f32) stays
 /// within the tensors themselves plus `cuda_scratch_bytes`, where a whole-batch im2col (Candle's
@@ -225,8 +237,8 @@ fn oom_is_recognised_through_candle_wrappers() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn conv2d_scratch_is_one_chunk() -> anyhow::Result<()> {
-    use memtrain::ops::conv2d::conv2d;
-    use memtrain::ops::conv2d_cuda::{cuda_scratch_bytes, ConvPass};
+    use memtrain_kernels::conv2d::conv2d;
+    use memtrain_kernels::conv2d_cuda::{cuda_scratch_bytes, ConvPass};
     let _gpu = gpu_lock();
     let device = cuda();
     let probe = CudaPoolProbe::new(&device, None, false)?;

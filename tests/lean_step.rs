@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
-use memtrain::ops::batchnorm::{self as bn, BnParams};
+use memtrain_kernels::batchnorm::{self as bn, BnParams};
 
 /// Relative tolerance of the gradients: f32 computes the same sums in another order; half types
 /// round every stored activation, so two orders of work differ by more.
@@ -212,7 +212,7 @@ fn fused_pool_equals_pool_of_relu_output() {
             .unwrap();
         let p = params_for(&h, 1);
         let y = bn::bn_relu(&h, &p).unwrap();
-        let want = memtrain::ops::pool::max_pool2x2(&y).unwrap();
+        let want = memtrain_kernels::pool::max_pool2x2(&y).unwrap();
         let got = bn::bn_relu_pool(&h, &p).unwrap();
         assert_eq!(
             got.to_dtype(DType::F32)
@@ -266,7 +266,7 @@ fn lean_batch_norm_backward_equals_autograd() {
             bn::batch_norm_train(hv.as_tensor(), gv.as_tensor(), bv.as_tensor(), 1e-5, true)
                 .unwrap();
         let out = if pool {
-            memtrain::ops::pool::max_pool2x2(&y).unwrap()
+            memtrain_kernels::pool::max_pool2x2(&y).unwrap()
         } else {
             y
         };

@@ -4,7 +4,8 @@
 //! candle-datasets has a reader for these files too, but it insists on all six files of exactly
 //! 10,000 records and reports a short file as a bare I/O error. This reader accepts any subset of
 //! the training files, checks size and labels, and names the file and byte offset of any problem.
-//! candle-datasets is still used for `--download` (its Hugging Face hub loader).
+//! candle-datasets is still used for `--download` (its Hugging Face hub loader), in a build with
+//! the `download` cargo feature; without it [`download`] is a usage error.
 
 use super::{
     mix_seed, DataSplits, Dataset, CIFAR_BINARY_URL, IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES,
@@ -411,7 +412,11 @@ pub fn load_dir_with_stop(
     })
 }
 
+// The conversion of the hub loader's tensors below is compiled in every build, so that its unit
+// test runs without the `download` feature; only the loader itself needs candle-datasets.
+
 /// Where the hub loader gets the data from, used as the "path" of download errors.
+#[cfg_attr(not(feature = "download"), allow(dead_code))]
 const HUB_SOURCE: &str = "https://huggingface.co/datasets/cifar10";
 
 /// Download the full CIFAR-10 (50,000 train, 10,000 test images) through candle-datasets' hub
@@ -419,6 +424,7 @@ const HUB_SOURCE: &str = "https://huggingface.co/datasets/cifar10";
 ///
 /// Any failure (offline, no cache) becomes one error line telling how to get the binary version
 /// by hand.
+#[cfg(feature = "download")]
 pub fn download() -> Result<DataSplits> {
     let fail = |why: String| Error::Data {
         path: PathBuf::from(HUB_SOURCE),
@@ -446,7 +452,15 @@ pub fn download() -> Result<DataSplits> {
     })
 }
 
+/// Without the `download` feature there is no hub loader: the usage error
+/// [`crate::config::DOWNLOAD_NOT_BUILT`] (which [`crate::TrainConfig::validate`] gives first).
+#[cfg(not(feature = "download"))]
+pub fn download() -> Result<DataSplits> {
+    Err(Error::config(crate::config::DOWNLOAD_NOT_BUILT))
+}
+
 /// The first line of a possibly multi-line message, so errors stay one line.
+#[cfg(feature = "download")]
 fn first_line(s: &str) -> String {
     s.lines().next().unwrap_or("").to_string()
 }
@@ -456,6 +470,7 @@ fn first_line(s: &str) -> String {
 /// The loader returns f32 images in 0..1 shaped `[n, 3, 32, 32]`, but built with
 /// `permute((0, 3, 2, 1))` from image-rs's (height, width, channel) buffer, so its last two axes
 /// are (width, height): transposing them back gives the row-major planes of the binary files.
+#[cfg_attr(not(feature = "download"), allow(dead_code))]
 fn hub_tensors_to_dataset(
     images: &candle_core::Tensor,
     labels: &candle_core::Tensor,

@@ -40,7 +40,7 @@ impl Block {
         let h = self.conv.forward(x, mode)?;
         let h = self.bn.forward_relu(&h, mode)?;
         if self.pool {
-            crate::ops::pool::max_pool2x2(&h)
+            Ok(memtrain_kernels::pool::max_pool2x2(&h)?)
         } else {
             Ok(h)
         }
@@ -213,8 +213,8 @@ impl Cnn {
         let logits = if w.track_op() {
             x.matmul(&w.t()?)?
         } else {
-            // No graph: the single-threaded product (see `ops::linear`).
-            crate::ops::linear::matmul(&x, &w.t()?)?
+            // No graph: the single-threaded product (see `memtrain_kernels::linear`).
+            memtrain_kernels::linear::matmul(&x, &w.t()?)?
         };
         Ok(logits.broadcast_add(&b)?)
     }

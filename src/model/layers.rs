@@ -5,8 +5,8 @@
 use super::init::Init;
 use crate::config::ConvKind;
 use crate::error::Result;
-use crate::ops;
 use candle_core::{DType, Device, Tensor, Var};
+use memtrain_kernels::{batchnorm, conv2d, depthwise};
 use std::sync::Mutex;
 
 /// Whether the forward pass builds a graph for backward and updates BatchNorm statistics.
@@ -91,10 +91,10 @@ impl ConvLayer {
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let dt = x.dtype();
         match self {
-            ConvLayer::Standard { w } => ops::conv2d::conv2d(x, &mode.param(w).to_dtype(dt)?, 1, 1),
+            ConvLayer::Standard { w } => Ok(conv2d::conv2d(x, &mode.param(w).to_dtype(dt)?, 1, 1)?),
             ConvLayer::Separable { dw, pw } => {
-                let h = ops::depthwise::depthwise_conv2d(x, &mode.param(dw).to_dtype(dt)?, 1, 1)?;
-                ops::conv2d::conv2d(&h, &mode.param(pw).to_dtype(dt)?, 1, 0)
+                let h = depthwise::depthwise_conv2d(x, &mode.param(dw).to_dtype(dt)?, 1, 1)?;
+                Ok(conv2d::conv2d(&h, &mode.param(pw).to_dtype(dt)?, 1, 0)?)
             }
         }
     }
@@ -154,11 +154,12 @@ impl BatchNorm {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .clone();
-                ops::batchnorm::batch_norm_eval(x, &gamma, &beta, &rm, &rv, self.eps, true)
+                Ok(batchnorm::batch_norm_eval(
+                    x, &gamma, &beta, &rm, &rv, self.eps, true,
+                )?)
             }
             Mode::Train { update_stats, .. } => {
-                let (y, mean, var) =
-                    ops::batchnorm::batch_norm_train(x, &gamma, &beta, self.eps, true)?;
+                let (y, mean, var) = batchnorm::batch_norm_train(x, &gamma, &beta, self.eps, true)?;
                 if update_stats {
                     let (n, _, h, w) = x.dims4()?;
                     let count = (n * h * w) as f64;

@@ -18,7 +18,7 @@
 //!   the next block has used it; inside a checkpointed segment's first forward nothing is kept and
 //!   BatchNorm + ReLU runs in place. Under f16/bf16 each weight is cast to a half copy per use.
 //!   The convolution allocates per thread one image's im2col column
-//!   ([`crate::ops::conv2d::im2col_chunk_bytes`]) and, in half precision, widened f32 copies of
+//!   ([`memtrain_kernels::conv2d::im2col_chunk_bytes`]) and, in half precision, widened f32 copies of
 //!   one input and one output image. A separable block's depthwise output is freed once the
 //!   pointwise convolution has run.
 //! - **Backward**, per block in the tape's order: the pool's output and byte argmax recomputed
@@ -42,8 +42,8 @@
 //!
 //! On the CPU the estimate is calibrated against the counting allocator (see
 //! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (the conv op's chunked
-//! columns from `ops::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build the one cuDNN
-//! workspace of `ops::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`; cuBLAS workspaces, the pool's rounding and
+//! columns from `memtrain_kernels::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build the one cuDNN
+//! workspace of `memtrain_kernels::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`; cuBLAS workspaces, the pool's rounding and
 //! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
 //! not yet checked against a GPU.
 
@@ -718,7 +718,7 @@ fn baseline_and_batches(
 
 /// The gemm crate's per-thread L2 packing buffers, allocated by the first matrix product on each
 /// thread and kept: the convolution threads (the head's products run single-threaded on the
-/// calling thread, one of them; see `ops::linear`). On CUDA, the cuDNN workspace of a `cudnn`
+/// calling thread, one of them; see `memtrain_kernels::linear`). On CUDA, the cuDNN workspace of a `cudnn`
 /// build, allocated by the first convolution and kept.
 fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
     match device {
@@ -726,7 +726,7 @@ fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
             threads,
             l2_cache_bytes,
         } => threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes,
-        DeviceKind::Cuda => crate::ops::conv2d_cudnn::cuda_runtime_bytes(),
+        DeviceKind::Cuda => memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes(),
     }
 }
 

@@ -2,7 +2,7 @@
 //! widened half-precision images, weight casts, the weight gradient's chunks and partial sums,
 //! the depthwise op's padded planes; and the replay of each conv and depthwise pass with them.
 
-use crate::ops::conv2d_cuda::ConvPass;
+use memtrain_kernels::conv2d_cuda::ConvPass;
 
 use super::sim::*;
 
@@ -10,7 +10,7 @@ use super::sim::*;
 pub(super) fn one_column(c: &Ctx, nd: &Node, k: usize) -> u64 {
     let (cin, _, _) = nd.inp;
     let (_, ho, wo) = nd.out;
-    crate::ops::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64
+    memtrain_kernels::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64
 }
 
 /// Whether a 1x1 convolution multiplies the image in place: rows that need no padding (a padded
@@ -21,12 +21,12 @@ pub(super) fn pointwise_in_place(c: &Ctx, nd: &Node, k: usize, pad: usize) -> bo
 }
 
 /// Scratch of one pass of the CUDA conv2d op: one chunk of columns for the im2col op (see
-/// `ops::conv2d_cuda`), none for cuDNN (its workspace is in `runtime_bytes`).
+/// `memtrain_kernels::conv2d_cuda`), none for cuDNN (its workspace is in `runtime_bytes`).
 pub(super) fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: ConvPass) -> u64 {
     let (cin, h, w) = nd.inp;
     let (cout, ho, wo) = nd.out;
     let pointwise = k == 1 && pad == 0 && (h, w) == (ho, wo);
-    crate::ops::conv2d_cudnn::cuda_pass_scratch_bytes(
+    memtrain_kernels::conv2d_cudnn::cuda_pass_scratch_bytes(
         pass,
         c.n as usize,
         cin,
@@ -92,9 +92,9 @@ pub(super) fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     c.busy(c.n) * (col + widen) + wbuf
 }
 
-/// Images per weight-gradient chunk, as `images_per_chunk` in `src/ops/conv2d.rs`.
+/// Images per weight-gradient chunk, as `images_per_chunk` in `kernels/src/conv2d_cpu.rs`.
 pub(super) fn wgrad_chunk(n: usize, hw_out: usize, per_image: usize, threads: usize) -> usize {
-    use crate::ops::conv2d::{IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
+    use memtrain_kernels::conv2d::{IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
     let n = n.max(1);
     let threads = threads.max(1);
     let wanted = MIN_GEMM_DEPTH.div_ceil(hw_out.max(1));
@@ -102,7 +102,7 @@ pub(super) fn wgrad_chunk(n: usize, hw_out: usize, per_image: usize, threads: us
     wanted.min(by_budget).min(n.div_ceil(threads)).max(1)
 }
 
-/// Weight-gradient slots per thread (`SLOTS_PER_THREAD` in `src/ops/conv2d.rs`).
+/// Weight-gradient slots per thread (`MIN_SLOTS_PER_THREAD` in `kernels/src/conv2d_cpu.rs`).
 pub(super) const WGRAD_SLOTS_PER_THREAD: usize = 4;
 
 /// Peak scratch of the weight-gradient pass (columns, gathered gradients, widened images and the
@@ -130,7 +130,7 @@ pub(super) fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u
     let cols = if in_place {
         0
     } else {
-        crate::ops::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64
+        memtrain_kernels::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64
     };
     let gathered = if !c.half() && chunk == 1 {
         0

@@ -10,7 +10,7 @@
 //! (`super::oracle`) stays as the test oracle.
 //!
 //! What a [conv → BatchNorm → ReLU (→ 2x2 max-pool)] block saves: its conv output `h` and the
-//! per-channel batch statistics ([`crate::ops::batchnorm`] explains why `h` rather than the ReLU
+//! per-channel batch statistics ([`memtrain_kernels::batchnorm`] explains why `h` rather than the ReLU
 //! output). Everything else is recomputed from `h` where it is needed: the block's output (the
 //! next conv's input, needed for that conv's weight gradient) is rewritten in place over `h`
 //! once the BatchNorm backward is done with it; a pool's output and its argmax (a byte per
@@ -32,10 +32,10 @@ use super::micro::MicroResult;
 use crate::error::Result;
 use crate::model::layers::{BatchNorm, ConvLayer};
 use crate::model::Cnn;
-use crate::ops::batchnorm::{self as bn, BnParams};
-use crate::ops::{conv2d, depthwise, linear};
 use crate::phase::Phase;
 use candle_core::{DType, Tensor, D};
+use memtrain_kernels::batchnorm::{self as bn, BnParams};
+use memtrain_kernels::{conv2d, depthwise, linear};
 use std::ops::Range;
 
 /// One layer event of the step, as the tape sees it.
@@ -554,19 +554,20 @@ fn pointwise_backward(
     acc.add(base + 1, gpw.to_dtype(DType::F32)?)?;
     let d_dims = d.dims().to_vec();
     drop(d);
-    conv2d::conv2d_backward_input(&dh, pw, &d_dims, 1, 0)
+    Ok(conv2d::conv2d_backward_input(&dh, pw, &d_dims, 1, 0)?)
 }
 
 /// The conv of a block on `x` (compute dtype), without autograd.
 fn conv_forward(conv: &ConvLayer, x: &Tensor) -> Result<Tensor> {
     let dt = x.dtype();
-    match conv {
+    let h = match conv {
         ConvLayer::Standard { w } => conv2d::conv2d(x, &w.as_detached_tensor().to_dtype(dt)?, 1, 1),
         ConvLayer::Separable { dw, pw } => {
             let d = depthwise::depthwise_conv2d(x, &dw.as_detached_tensor().to_dtype(dt)?, 1, 1)?;
             conv2d::conv2d(&d, &pw.as_detached_tensor().to_dtype(dt)?, 1, 0)
         }
-    }
+    };
+    Ok(h?)
 }
 
 /// The normalization parameters of a block for conv output `h`: batch statistics (running

@@ -141,7 +141,7 @@ impl Trainer {
         let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
         let device = select_device(config.device.as_deref())?;
         // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
-        crate::ops::set_tf32(config.tf32 == crate::config::Tf32::On);
+        memtrain_kernels::set_tf32(config.tf32 == crate::config::Tf32::On);
         let cuda_graph = super::graph::GraphSlot::for_run(&config, &device)?;
         if device.is_cpu() {
             // Every op allocates its output; without this, glibc maps and unmaps the large ones

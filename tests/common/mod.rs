@@ -97,11 +97,6 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
     diff / scale
 }
 
-/// [`rel_diff`] as f32, for the op tests' f32 tolerances.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    rel_diff(a, b) as f32
-}
-
 /// Every parameter of a trainer, as host vectors.
 pub fn params(t: &Trainer) -> Vec<Tensor> {
     t.vars()
@@ -147,10 +142,16 @@ pub fn example_binary(name: &str) -> PathBuf {
         cmd.arg("--release");
     }
     // The features of this test build, so the example is built from the same artifacts.
-    if cfg!(feature = "cudnn") {
-        cmd.args(["--features", "cuda,cudnn"]);
-    } else if cfg!(feature = "cuda") {
-        cmd.args(["--features", "cuda"]);
+    let features: Vec<&str> = [
+        ("cuda", cfg!(feature = "cuda")),
+        ("cudnn", cfg!(feature = "cudnn")),
+        ("download", cfg!(feature = "download")),
+    ]
+    .into_iter()
+    .filter_map(|(name, on)| on.then_some(name))
+    .collect();
+    if !features.is_empty() {
+        cmd.args(["--features", &features.join(",")]);
     }
     let out = cmd.output().expect("cargo runs");
     assert!(

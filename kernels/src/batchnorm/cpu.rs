@@ -1,0 +1,647 @@
+//! CPU kernels.
+
+use super::*;
+
+/// Elements are converted to f32 in blocks of this many, in a stack buffer (L1-resident); it is
+/// also the unit whose f32 sum is added to an f64 accumulator, so that a plane of any size sums
+/// accurately.
+const BLK: usize = 256;
+
+/// Below this many elements a pass runs on the calling thread: waking the pool costs more.
+const PAR_MIN_ELEMS: usize = 1 << 15;
+
+/// An activation dtype (f32, f16, bf16): a [`Float`] whose arithmetic type is f32.
+pub(super) trait Elem: Float<Acc = f32> {}
+
+impl<T: Float<Acc = f32>> Elem for T {}
+
+/// One block of `src` as f32: the data itself for f32, else converted into `buf`.
+#[inline(always)]
+fn block<'a, T: Elem>(src: &'a [T], buf: &'a mut [f32; BLK]) -> &'a [f32] {
+    match T::as_acc(src) {
+        Some(s) => s,
+        None => {
+            let b = &mut buf[..src.len()];
+            T::widen(src, b);
+            b
+        }
+    }
+}
+
+/// A raw pointer the pool's workers may share; each writes a disjoint range.
+#[derive(Clone, Copy)]
+struct SharedMut<U>(*mut U);
+// SAFETY: only used to hand disjoint sub-slices of one buffer to worker threads.
+unsafe impl<U: Send> Send for SharedMut<U> {}
+unsafe impl<U: Send> Sync for SharedMut<U> {}
+
+impl<U> SharedMut<U> {
+    /// # Safety
+    /// `start..start + len` must be in bounds and not accessed by anyone else meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, start: usize, len: usize) -> &mut [U] {
+        std::slice::from_raw_parts_mut(self.0.add(start), len)
+    }
+}
+
+/// Runs `f` over ranges of planes covering `0..planes`, on Candle's persistent CPU thread pool
+/// (no thread spawned per call) when there is enough work, else on the calling thread.
+fn for_planes(d: Dims, f: impl Fn(Range<usize>) + Sync) {
+    let planes = d.planes();
+    let pool = candle_core::utils::barrier_pool();
+    if planes * d.hw < PAR_MIN_ELEMS || pool.n_workers() == 0 || planes == 1 {
+        f(0..planes)
+    } else {
+        pool.execute_chunked(planes, f)
+    }
+}
+
+/// Computes one value per plane in parallel (`f(plane index, plane data)`).
+fn per_plane<T: Elem, U: Copy + Default + Send>(
+    x: &[T],
+    d: Dims,
+    f: impl Fn(usize, &[T]) -> U + Sync,
+) -> Vec<U> {
+    per_plane_with(x, d, || (), |_, p, plane| f(p, plane))
+}
+
+/// [`per_plane`] with a scratch value made once per worker's range of planes (`scratch()`),
+/// not once per plane.
+fn per_plane_with<T: Elem, U: Copy + Default + Send, S>(
+    x: &[T],
+    d: Dims,
+    scratch: impl Fn() -> S + Sync,
+    f: impl Fn(&mut S, usize, &[T]) -> U + Sync,
+) -> Vec<U> {
+    let mut out = vec![U::default(); d.planes()];
+    let ptr = SharedMut(out.as_mut_ptr());
+    for_planes(d, |r| {
+        // SAFETY: the pool hands out disjoint plane ranges within 0..planes.
+        let o = unsafe { ptr.range(r.start, r.len()) };
+        let mut s = scratch();
+        for (p, slot) in r.zip(o.iter_mut()) {
+            *slot = f(&mut s, p, &x[p * d.hw..(p + 1) * d.hw]);
+        }
+    });
+    out
+}
+
+/// Sums per-plane partials into per-channel totals (planes are `n * c + channel`).
+fn per_channel<U: Copy>(part: &[U], d: Dims, zero: U, add: impl Fn(U, U) -> U) -> Vec<U> {
+    let mut acc = vec![zero; d.c];
+    for chunk in part.chunks_exact(d.c) {
+        for (a, &v) in acc.iter_mut().zip(chunk) {
+            *a = add(*a, v);
+        }
+    }
+    acc
+}
+
+// The reductions below keep eight independent f32 lanes so that the loops vectorize (a single
+// accumulator would force strictly sequential float adds); chunks_exact lets LLVM drop the
+// bounds checks. They are called once per block and kept out of line: inlined into the plane
+// loops, LLVM turned the ReLU mask into one branch per lane (measured 10-30× slower).
+
+/// `Σ x`.
+#[inline(never)]
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let xs = x.chunks_exact(8);
+    let tail: f32 = xs.remainder().iter().sum();
+    for xc in xs {
+        for l in 0..8 {
+            acc[l] += xc[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `Σ (x - mu)²`.
+#[inline(never)]
+fn sum_sq_dev(x: &[f32], mu: f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let xs = x.chunks_exact(8);
+    let tail: f32 = xs.remainder().iter().map(|&v| (v - mu) * (v - mu)).sum();
+    for xc in xs {
+        for l in 0..8 {
+            let t = xc[l] - mu;
+            acc[l] += t * t;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `g` where `y > 0`, else +0. Done with a bit mask rather than a branch or a select: ReLU
+/// inputs are positive about half the time at random, so a branch mispredicts every other
+/// element (measured 10× slower), and the and-mask vectorizes.
+#[inline(always)]
+fn relu_mask(g: f32, y: f32) -> f32 {
+    f32::from_bits(g.to_bits() & ((y > 0.0) as u32).wrapping_neg())
+}
+
+/// `(Σ g', Σ g'·(x - mu))` with `g' = g` where `y > 0` (or everywhere when `y` is `None`), else 0.
+#[inline(never)]
+fn grad_sums(x: &[f32], g: &[f32], y: Option<&[f32]>, mu: f32) -> (f32, f32) {
+    let (mut sg, mut sgx) = ([0f32; 8], [0f32; 8]);
+    let n = x.len() / 8 * 8;
+    let (mut tg, mut tgx) = (0f32, 0f32);
+    match y {
+        Some(y) => {
+            for ((xc, gc), yc) in x
+                .chunks_exact(8)
+                .zip(g.chunks_exact(8))
+                .zip(y.chunks_exact(8))
+            {
+                for l in 0..8 {
+                    let gm = relu_mask(gc[l], yc[l]);
+                    sg[l] += gm;
+                    sgx[l] += gm * (xc[l] - mu);
+                }
+            }
+            for i in n..x.len() {
+                let gm = relu_mask(g[i], y[i]);
+                tg += gm;
+                tgx += gm * (x[i] - mu);
+            }
+        }
+        None => {
+            for (xc, gc) in x.chunks_exact(8).zip(g.chunks_exact(8)) {
+                for l in 0..8 {
+                    sg[l] += gc[l];
+                    sgx[l] += gc[l] * (xc[l] - mu);
+                }
+            }
+            for i in n..x.len() {
+                tg += g[i];
+                tgx += g[i] * (x[i] - mu);
+            }
+        }
+    }
+    (sg.iter().sum::<f32>() + tg, sgx.iter().sum::<f32>() + tgx)
+}
+
+/// `out = (x - mu) * s + b`, then ReLU.
+#[inline(never)]
+fn normalize(x: &[f32], mu: f32, s: f32, b: f32, relu: bool, out: &mut [f32]) {
+    if relu {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = ((v - mu) * s + b).max(0.0);
+        }
+    } else {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = (v - mu) * s + b;
+        }
+    }
+}
+
+/// `out = a·(g' + b·(x - mu) + k)` with `g'` the ReLU-masked gradient (`[mu, a, b, k]`).
+#[inline(never)]
+fn input_grad(x: &[f32], g: &[f32], y: Option<&[f32]>, [mu, a, b, k]: [f32; 4], out: &mut [f32]) {
+    match y {
+        Some(y) => {
+            for (((o, &xv), &gv), &yv) in out.iter_mut().zip(x).zip(g).zip(y) {
+                *o = a * (relu_mask(gv, yv) + b * (xv - mu) + k);
+            }
+        }
+        None => {
+            for ((o, &xv), &gv) in out.iter_mut().zip(x).zip(g) {
+                *o = a * (gv + b * (xv - mu) + k);
+            }
+        }
+    }
+}
+
+/// Per-channel mean and biased variance, two-pass, as `[mean; var]` (length 2·C).
+pub(super) fn stats<T: Elem>(x: &[T], d: Dims) -> Vec<f32> {
+    let m = d.m() as f64;
+    let sums = per_plane(x, d, |_, plane| {
+        let mut buf = [0f32; BLK];
+        plane
+            .chunks(BLK)
+            .map(|c| sum(block(c, &mut buf)) as f64)
+            .sum::<f64>()
+    });
+    let mean: Vec<f32> = per_channel(&sums, d, 0.0, |a, b| a + b)
+        .iter()
+        .map(|s| (s / m) as f32)
+        .collect();
+    let sq = per_plane(x, d, |p, plane| {
+        let mu = mean[p % d.c];
+        let mut buf = [0f32; BLK];
+        plane
+            .chunks(BLK)
+            .map(|c| sum_sq_dev(block(c, &mut buf), mu) as f64)
+            .sum::<f64>()
+    });
+    let var = per_channel(&sq, d, 0.0, |a, b| a + b);
+    mean.iter()
+        .copied()
+        .chain(var.iter().map(|s| (s / m) as f32))
+        .collect()
+}
+
+/// Per-channel constants of the normalization: `y = (x - mean) * scale + beta`.
+pub(super) struct NormChannels {
+    mean: Vec<f32>,
+    scale: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+impl NormChannels {
+    pub(super) fn new(gamma: &[f32], beta: &[f32], stats: &[f32], c: usize, eps: f32) -> Self {
+        let (mean, var) = stats.split_at(c);
+        let scale = gamma
+            .iter()
+            .zip(var)
+            .map(|(&g, &v)| (g as f64 * invstd(v, eps)) as f32)
+            .collect();
+        Self {
+            mean: mean.to_vec(),
+            scale,
+            beta: beta.to_vec(),
+        }
+    }
+}
+
+/// `1 / sqrt(var + eps)` in f64 (computed once per channel, so the precision is free).
+fn invstd(var: f32, eps: f32) -> f64 {
+    1.0 / (var as f64 + eps as f64).sqrt()
+}
+
+/// The normalization (+ ReLU) pass.
+pub(super) fn norm<T: Elem>(x: &[T], ch: &NormChannels, d: Dims, relu: bool) -> Vec<T> {
+    let mut y = T::zeros(x.len());
+    let ptr = SharedMut(y.as_mut_ptr());
+    for_planes(d, |r| {
+        let mut buf = [0f32; BLK];
+        let mut res = [0f32; BLK];
+        for p in r {
+            let c = p % d.c;
+            let (mu, s, b) = (ch.mean[c], ch.scale[c], ch.beta[c]);
+            // SAFETY: planes are disjoint ranges of y; the pool hands each plane to one worker.
+            let out = unsafe { ptr.range(p * d.hw, d.hw) };
+            for (xc, oc) in x[p * d.hw..(p + 1) * d.hw]
+                .chunks(BLK)
+                .zip(out.chunks_mut(BLK))
+            {
+                let xb = block(xc, &mut buf);
+                let rb = &mut res[..xb.len()];
+                normalize(xb, mu, s, b, relu, rb);
+                T::narrow(rb, oc);
+            }
+        }
+    });
+    y
+}
+
+/// `[Σg'·x̂; Σg']` per channel from per-plane `(Σg', Σg'·(x - mean))` partials.
+fn gamma_beta_grads(part: &[(f64, f64)], d: Dims, var: &[f32], eps: f32) -> Vec<f32> {
+    let tot = per_channel(part, d, (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let grad_gamma = tot
+        .iter()
+        .zip(var)
+        .map(|(t, &v)| (t.1 * invstd(v, eps)) as f32);
+    let grad_beta = tot.iter().map(|t| t.0 as f32);
+    grad_gamma.chain(grad_beta).collect()
+}
+
+/// Per-channel `[Σg'·x̂ (grad_gamma); Σg' (grad_beta)]`, where `g'` is grad_y masked by `y > 0`
+/// when the ReLU is fused.
+pub(super) fn bwd_reduce<T: Elem>(
+    x: &[T],
+    gy: &[T],
+    y: &[T],
+    stats: &[f32],
+    d: Dims,
+    eps: f32,
+    relu: bool,
+) -> Vec<f32> {
+    let (mean, var) = stats.split_at(d.c);
+    let part = per_plane(x, d, |p, xp| {
+        let mu = mean[p % d.c];
+        let range = p * d.hw..(p + 1) * d.hw;
+        let (gp, yp) = (&gy[range.clone()], &y[range]);
+        let (mut bx, mut bg, mut by) = ([0f32; BLK], [0f32; BLK], [0f32; BLK]);
+        let mut acc = (0f64, 0f64);
+        for start in (0..d.hw).step_by(BLK) {
+            let end = (start + BLK).min(d.hw);
+            let xb = block(&xp[start..end], &mut bx);
+            let gb = block(&gp[start..end], &mut bg);
+            let yb = if relu {
+                Some(block(&yp[start..end], &mut by))
+            } else {
+                None
+            };
+            let (sg, sgx) = grad_sums(xb, gb, yb, mu);
+            acc.0 += sg as f64;
+            acc.1 += sgx as f64;
+        }
+        acc
+    });
+    gamma_beta_grads(&part, d, var, eps)
+}
+
+/// Per-channel constants of the input gradient:
+/// `grad_x = a·(g' + b·(x - mean) + k)` with `a = gamma·invstd`, `b = -invstd·grad_gamma/M`,
+/// `k = -grad_beta/M`. Written with `x - mean` (not `b·x + const`) so that a large mean does not
+/// cancel away the precision.
+pub(super) struct InputGradChannels {
+    mean: Vec<f32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    k: Vec<f32>,
+}
+
+impl InputGradChannels {
+    pub(super) fn new(gamma: &[f32], stats: &[f32], sums: &[f32], d: Dims, eps: f32) -> Self {
+        let (mean, var) = stats.split_at(d.c);
+        let (grad_gamma, grad_beta) = sums.split_at(d.c);
+        let m = d.m() as f64;
+        let (mut a, mut b, mut k) = (Vec::new(), Vec::new(), Vec::new());
+        for c in 0..d.c {
+            let inv = invstd(var[c], eps);
+            let ac = gamma[c] as f64 * inv;
+            a.push(ac as f32);
+            b.push((-inv * grad_gamma[c] as f64 / m) as f32);
+            k.push((-(grad_beta[c] as f64) / m) as f32);
+        }
+        Self {
+            mean: mean.to_vec(),
+            a,
+            b,
+            k,
+        }
+    }
+}
+
+/// The input-gradient pass.
+pub(super) fn bwd_input<T: Elem>(
+    x: &[T],
+    gy: &[T],
+    y: &[T],
+    co: &InputGradChannels,
+    d: Dims,
+    relu: bool,
+) -> Vec<T> {
+    let mut out = T::zeros(x.len());
+    let ptr = SharedMut(out.as_mut_ptr());
+    for_planes(d, |r| {
+        let (mut bx, mut bg, mut by, mut res) =
+            ([0f32; BLK], [0f32; BLK], [0f32; BLK], [0f32; BLK]);
+        for p in r {
+            let c = p % d.c;
+            let (mu, a, b, k) = (co.mean[c], co.a[c], co.b[c], co.k[c]);
+            let base = p * d.hw;
+            // SAFETY: planes are disjoint ranges of out; the pool hands each plane to one worker.
+            let op = unsafe { ptr.range(base, d.hw) };
+            for start in (0..d.hw).step_by(BLK) {
+                let end = (start + BLK).min(d.hw);
+                let xb = block(&x[base + start..base + end], &mut bx);
+                let gb = block(&gy[base + start..base + end], &mut bg);
+                let yb = if relu {
+                    Some(block(&y[base + start..base + end], &mut by))
+                } else {
+                    None
+                };
+                let rb = &mut res[..xb.len()];
+                input_grad(xb, gb, yb, [mu, a, b, k], rb);
+                T::narrow(rb, &mut op[start..end]);
+            }
+        }
+    });
+    out
+}
+
+// ---- The lean step's kernels: BatchNorm + ReLU (+ 2x2 max-pool) recomputed from the saved
+// ---- pre-normalization tensor h, forward and backward, in place where the data allows.
+
+/// `y(h) = relu((h - mean)·scale + beta)` of a block, rounded to T and widened back, so that a
+/// recomputed ReLU output (and its mask) is bit-identical to the one the forward stored in T.
+#[inline(always)]
+fn y_of<T: Elem>(hb: &[f32], ch: &NormChannels, c: usize, tmp: &mut [T], out: &mut [f32]) {
+    normalize(hb, ch.mean[c], ch.scale[c], ch.beta[c], true, out);
+    T::round(out, tmp);
+}
+
+/// `h := relu(bn(h))`, in place.
+pub(super) fn relu_in_place<T: Elem>(h: &mut [T], ch: &NormChannels, d: Dims) {
+    let ptr = SharedMut(h.as_mut_ptr());
+    for_planes(d, |r| {
+        let (mut buf, mut res) = ([0f32; BLK], [0f32; BLK]);
+        for p in r {
+            let c = p % d.c;
+            // SAFETY: planes are disjoint ranges of h; the pool hands each plane to one worker.
+            let plane = unsafe { ptr.range(p * d.hw, d.hw) };
+            for hc in plane.chunks_mut(BLK) {
+                let n = hc.len();
+                T::widen(hc, &mut buf[..n]);
+                normalize(
+                    &buf[..n],
+                    ch.mean[c],
+                    ch.scale[c],
+                    ch.beta[c],
+                    true,
+                    &mut res[..n],
+                );
+                T::narrow(&res[..n], hc);
+            }
+        }
+    });
+}
+
+/// One plane of `y(h)` as f32 (rounded through T) into `y`, and the plane of h widened into `hf`.
+fn plane_y<T: Elem>(
+    h: &[T],
+    ch: &NormChannels,
+    c: usize,
+    hf: &mut [f32],
+    y: &mut [f32],
+    tmp: &mut [T],
+) {
+    T::widen(h, hf);
+    for (hc, yc) in hf.chunks(BLK).zip(y.chunks_mut(BLK)) {
+        y_of::<T>(hc, ch, c, tmp, yc);
+    }
+}
+
+/// The 2x2 max-pool of `y(h)` per plane (`w` = plane width): `emit(plane, window, argmax, y)`.
+fn pool_planes<T: Elem>(
+    h: &[T],
+    ch: &NormChannels,
+    d: Dims,
+    w: usize,
+    emit: impl Fn(usize, usize, usize, f32) + Sync,
+) {
+    let (ho, wo) = (d.hw / w / 2, w / 2);
+    for_planes(d, |r| {
+        let (mut hf, mut y) = (vec![0f32; d.hw], vec![0f32; d.hw]);
+        let mut tmp = T::zeros(BLK);
+        for p in r {
+            plane_y::<T>(
+                &h[p * d.hw..(p + 1) * d.hw],
+                ch,
+                p % d.c,
+                &mut hf,
+                &mut y,
+                &mut tmp,
+            );
+            for oy in 0..ho {
+                for ox in 0..wo {
+                    let i0 = 2 * oy * w + 2 * ox;
+                    let v = [y[i0], y[i0 + 1], y[i0 + w], y[i0 + w + 1]];
+                    let mut best = 0;
+                    for k in 1..4 {
+                        // Strictly greater: the first maximum wins ties (as `crate::pool`).
+                        if v[k] > v[best] {
+                            best = k;
+                        }
+                    }
+                    emit(p, oy * wo + ox, best, v[best]);
+                }
+            }
+        }
+    });
+}
+
+/// `maxpool2x2(relu(bn(h)))` without materializing the full-size ReLU output.
+pub(super) fn relu_pool<T: Elem>(h: &[T], ch: &NormChannels, d: Dims, w: usize) -> Vec<T> {
+    let per = d.hw / 4;
+    let mut out = T::zeros(d.planes() * per);
+    let ptr = SharedMut(out.as_mut_ptr());
+    pool_planes::<T>(h, ch, d, w, |p, o, _, v| {
+        // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
+        unsafe { ptr.range(p * per + o, 1)[0] = T::from_f32(v) };
+    });
+    out
+}
+
+/// The argmax (0..4, row-major in the window) of every 2x2 window of `relu(bn(h))`.
+pub(super) fn relu_pool_argmax<T: Elem>(h: &[T], ch: &NormChannels, d: Dims, w: usize) -> Vec<u8> {
+    let per = d.hw / 4;
+    let mut out = vec![0u8; d.planes() * per];
+    let ptr = SharedMut(out.as_mut_ptr());
+    pool_planes::<T>(h, ch, d, w, |p, o, k, _| {
+        // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
+        unsafe { ptr.range(p * per + o, 1)[0] = k as u8 };
+    });
+    out
+}
+
+/// Where the upstream gradient of a pooled plane lands: `gp` scattered to each window's argmax
+/// (zero elsewhere), as a dense f32 plane.
+fn scatter_plane<T: Elem>(gp: &[T], am: &[u8], w: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    let wo = w / 2;
+    for (o, (&g, &k)) in gp.iter().zip(am).enumerate() {
+        let (oy, ox) = (o / wo, o % wo);
+        let k = k as usize & 3;
+        out[(2 * oy + k / 2) * w + 2 * ox + k % 2] = g.to_f32();
+    }
+}
+
+/// Per-channel `[Σg'·x̂; Σg']` of BatchNorm + ReLU (+ pool) from the saved pre-normalization h:
+/// `g'` is the upstream gradient (`g`, or `gp` scattered through `argmax` when `pool_w` is
+/// given) masked where the recomputed `y(h)` is 0. Summed in blocks of `BLK` (f32) and the
+/// blocks in f64, like [`bwd_reduce`], so both paths agree to rounding.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn bwd_reduce_from_h<T: Elem>(
+    h: &[T],
+    g: &[T],
+    argmax: Option<(&[u8], usize)>,
+    ch: &NormChannels,
+    var: &[f32],
+    d: Dims,
+    eps: f32,
+) -> Vec<f32> {
+    let per = d.hw / 4;
+    let scratch = || {
+        let plane = || vec![0f32; d.hw];
+        (plane(), plane(), plane(), T::zeros(BLK))
+    };
+    let part = per_plane_with(h, d, scratch, |(hf, y, gf, tmp), p, hp| {
+        let c = p % d.c;
+        plane_y::<T>(hp, ch, c, hf, y, tmp);
+        match argmax {
+            Some((am, w)) => scatter_plane(
+                &g[p * per..(p + 1) * per],
+                &am[p * per..(p + 1) * per],
+                w,
+                gf,
+            ),
+            None => T::widen(&g[p * d.hw..(p + 1) * d.hw], gf),
+        }
+        let mut acc = (0f64, 0f64);
+        for start in (0..d.hw).step_by(BLK) {
+            let end = (start + BLK).min(d.hw);
+            let (sg, sgx) = grad_sums(
+                &hf[start..end],
+                &gf[start..end],
+                Some(&y[start..end]),
+                ch.mean[c],
+            );
+            acc.0 += sg as f64;
+            acc.1 += sgx as f64;
+        }
+        acc
+    });
+    gamma_beta_grads(&part, d, var, eps)
+}
+
+/// The input gradient of BatchNorm + ReLU (+ pool) from h, written over `dst`: over the
+/// upstream gradient when there is no pool (`dst` = g), over h itself after a pool (`dst` = h,
+/// `src` = `gp`). Each element of the result depends only on the same element of h and of
+/// g', so one plane is widened into scratch before it is overwritten.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn bwd_input_from_h<T: Elem>(
+    dst: &mut [T],
+    h: Option<&[T]>,
+    gp_argmax: Option<(&[T], &[u8], usize)>,
+    ch: &NormChannels,
+    co: &InputGradChannels,
+    d: Dims,
+) {
+    let per = d.hw / 4;
+    let ptr = SharedMut(dst.as_mut_ptr());
+    for_planes(d, |r| {
+        let (mut hf, mut y, mut gf, mut res) = (
+            vec![0f32; d.hw],
+            vec![0f32; d.hw],
+            vec![0f32; d.hw],
+            vec![0f32; d.hw],
+        );
+        let mut tmp = T::zeros(BLK);
+        for p in r {
+            let c = p % d.c;
+            // SAFETY: planes are disjoint ranges of dst; the pool hands each plane to one worker.
+            let out = unsafe { ptr.range(p * d.hw, d.hw) };
+            match (h, gp_argmax) {
+                // No pool: h is a separate tensor, dst holds the upstream gradient.
+                (Some(h), _) => {
+                    plane_y::<T>(
+                        &h[p * d.hw..(p + 1) * d.hw],
+                        ch,
+                        c,
+                        &mut hf,
+                        &mut y,
+                        &mut tmp,
+                    );
+                    T::widen(out, &mut gf);
+                }
+                // After a pool: dst holds h, the gradient comes from the pooled plane.
+                (None, Some((gp, am, w))) => {
+                    plane_y::<T>(out, ch, c, &mut hf, &mut y, &mut tmp);
+                    scatter_plane(
+                        &gp[p * per..(p + 1) * per],
+                        &am[p * per..(p + 1) * per],
+                        w,
+                        &mut gf,
+                    );
+                }
+                (None, None) => unreachable!("bwd_input_from_h needs h or the pooled gradient"),
+            }
+            let k = [co.mean[c], co.a[c], co.b[c], co.k[c]];
+            input_grad(&hf, &gf, Some(&y), k, &mut res);
+            T::narrow(&res, out);
+        }
+    });
+}

@@ -1,0 +1,495 @@
+//! The passes of a lean training step (a layer tape, such as memtrain's): BatchNorm + ReLU
+//! recomputed from the saved pre-normalization tensor h instead of autograd keeping x and y.
+//!
+//! Why h and not the ReLU output y (in-place activated BatchNorm keeps y): with a plain ReLU, y
+//! does not determine the normalized value where the ReLU clipped, and the BatchNorm input gradient
+//! needs it there too (`grad_h = γ·invstd·(g' − Σg'/M − x̂·Σg'x̂/M)` is non-zero at clipped
+//! positions through the x̂ term). Keeping h loses nothing, has no division by γ (so γ = 0 is an
+//! ordinary value), and y is recomputed bit-identically from h with the statistics of the forward.
+//! On the CPU every pass below is one fused kernel, and the backward overwrites a buffer it owns
+//! instead of allocating; on other devices the same results come from the ops of [`super`] (y
+//! materialized, the max-pool op of [`crate::pool`]), at the cost of transient buffers.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType,
+};
+
+use super::{
+    check_inputs, cpu, cpu_slice, cpu_slice_mut, dims_of, held_vec, per_channel_pair, unsupported,
+    BnBwdInput, BnBwdReduce, BnNorm, BnStats, Dims,
+};
+use crate::util::dispatch_float;
+
+/// Per-channel batch mean and biased variance of `h` `[N, C, H, W]` as an f32 `[2, C]` tensor (row 0
+/// mean, row 1 variance); no autograd.
+pub fn batch_stats(h: &Tensor) -> Result<Tensor> {
+    let h = h.contiguous()?;
+    h.apply_op1_no_bwd(&BnStats)
+}
+
+/// Running statistics of PyTorch's convention from batch `stats` ([2, C], biased variance over
+/// `count` elements per channel): `(1-m)·old + m·batch`, the variance made unbiased.
+pub fn update_running(
+    running_mean: &Tensor,
+    running_var: &Tensor,
+    stats: &Tensor,
+    count: usize,
+    momentum: f64,
+) -> Result<(Tensor, Tensor)> {
+    let mean = stats.get(0)?;
+    let var = stats.get(1)?;
+    let unbiased = if count > 1 {
+        (var * (count as f64 / (count as f64 - 1.0)))?
+    } else {
+        var
+    };
+    let m = momentum;
+    let rm = ((running_mean * (1.0 - m))? + (mean * m)?)?;
+    let rv = ((running_var * (1.0 - m))? + (unbiased * m)?)?;
+    Ok((rm, rv))
+}
+
+/// The per-channel parameters every lean BatchNorm pass reads.
+#[derive(Clone)]
+pub struct BnParams {
+    /// Scale γ, f32 `[C]` (detached).
+    pub gamma: Tensor,
+    /// Shift β, f32 `[C]` (detached).
+    pub beta: Tensor,
+    /// Batch statistics of the forward, f32 `[2, C]` (see [`batch_stats`]).
+    pub stats: Tensor,
+    /// Numerical epsilon.
+    pub eps: f64,
+    /// True when `stats` are the batch's own statistics (training); false when they are fixed
+    /// running statistics (a frozen BatchNorm), whose backward has no batch-statistics terms.
+    pub batch_stats: bool,
+}
+
+impl BnParams {
+    fn norm_op(&self) -> BnNorm {
+        BnNorm {
+            stats: self.stats.clone(),
+            eps: self.eps as f32,
+            relu: true,
+        }
+    }
+
+    fn lean(&self) -> LeanBn {
+        LeanBn {
+            p: self.clone(),
+            pool_w: None,
+        }
+    }
+}
+
+/// `relu(bn(h))` into a new tensor of h's dtype, with the statistics in `p`; no autograd.
+pub fn bn_relu(h: &Tensor, p: &BnParams) -> Result<Tensor> {
+    check_inputs("bn_relu", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let h = h.contiguous()?;
+    h.apply_op3_no_bwd(&p.gamma, &p.beta, &p.norm_op())
+}
+
+/// `relu(bn(h))`, written over `h` on the CPU (the caller gives up `h`); a new tensor elsewhere.
+pub fn bn_relu_in_place(h: Tensor, p: &BnParams) -> Result<Tensor> {
+    if !h.device().is_cpu() || !h.is_contiguous() {
+        return bn_relu(&h, p);
+    }
+    check_inputs("bn_relu_in_place", &h, &p.gamma, &p.beta, p.eps, &[])?;
+    h.inplace_op1(&p.lean())?;
+    Ok(h)
+}
+
+fn pool_width(op: &str, h: &Tensor) -> Result<usize> {
+    let (_, _, hh, w) = h.dims4()?;
+    if hh % 2 != 0 || w % 2 != 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "{op}: needs even H and W, got {hh}x{w}"
+        )));
+    }
+    Ok(w)
+}
+
+/// `maxpool2x2(relu(bn(h)))`; on the CPU without materializing `relu(bn(h))`.
+pub fn bn_relu_pool(h: &Tensor, p: &BnParams) -> Result<Tensor> {
+    check_inputs("bn_relu_pool", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let w = pool_width("bn_relu_pool", h)?;
+    if !h.device().is_cpu() {
+        return crate::pool::max_pool2x2(&bn_relu(h, p)?);
+    }
+    let h = h.contiguous()?;
+    h.apply_op1_no_bwd(&LeanBn {
+        p: p.clone(),
+        pool_w: Some(w),
+    })
+}
+
+/// The argmax of every 2x2 window of `relu(bn(h))` as one u8 per pooled element (0..4, row-major,
+/// first maximum on ties), or `None` on devices without the kernel (their pool backward
+/// recomputes the ReLU output instead).
+pub fn bn_relu_pool_argmax(h: &Tensor, p: &BnParams) -> Result<Option<Tensor>> {
+    check_inputs("bn_relu_pool_argmax", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let w = pool_width("bn_relu_pool_argmax", h)?;
+    if !h.device().is_cpu() {
+        return Ok(None);
+    }
+    let h = h.contiguous()?;
+    Ok(Some(h.apply_op1_no_bwd(&PoolArgmax {
+        lean: LeanBn {
+            p: p.clone(),
+            pool_w: Some(w),
+        },
+    })?))
+}
+
+/// Gradients of one BatchNorm + ReLU: `(grad_h, grad_gamma, grad_beta)`, the last two f32 `[C]`.
+pub type BnGrads = (Tensor, Tensor, Tensor);
+
+/// Backward of `y = relu(bn(h))` from the saved `h` and the upstream gradient `g` (h's dtype and
+/// shape). `g` is consumed: on the CPU the input gradient is written over it.
+pub fn bn_relu_backward(h: &Tensor, g: Tensor, p: &BnParams) -> Result<BnGrads> {
+    check_inputs("bn_relu_backward", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let h = h.contiguous()?;
+    let g = g.to_dtype(h.dtype())?.contiguous()?;
+    if !h.device().is_cpu() {
+        let y = bn_relu(&h, p)?;
+        return backward_via_y(&h, &g, &y, p);
+    }
+    let sums = h.apply_op2_no_bwd(&g, &p.lean())?;
+    g.inplace_op2(
+        &h,
+        &LeanBwdInput {
+            lean: p.lean(),
+            sums: sums.clone(),
+        },
+    )?;
+    Ok((g, sums.get(0)?, sums.get(1)?))
+}
+
+/// Backward of `p = maxpool2x2(relu(bn(h)))` from the saved `h`, the gradient `gp` of the pooled
+/// output and the window argmax of [`bn_relu_pool_argmax`] (`None`: recomputed through the ReLU
+/// output). `h` is consumed: on the CPU the input gradient is written over it.
+pub fn bn_relu_pool_backward(
+    h: Tensor,
+    gp: &Tensor,
+    argmax: Option<&Tensor>,
+    p: &BnParams,
+) -> Result<BnGrads> {
+    check_inputs("bn_relu_pool_backward", &h, &p.gamma, &p.beta, p.eps, &[])?;
+    let w = pool_width("bn_relu_pool_backward", &h)?;
+    let h = h.contiguous()?;
+    let gp = gp.to_dtype(h.dtype())?.contiguous()?;
+    match argmax {
+        Some(am) if h.device().is_cpu() => {
+            let am = am.contiguous()?;
+            let lean = LeanBn {
+                p: p.clone(),
+                pool_w: Some(w),
+            };
+            let sums = h.apply_op3_no_bwd(&gp, &am, &PoolBwdReduce { lean: lean.clone() })?;
+            h.inplace_op3(
+                &gp,
+                &am,
+                &LeanBwdInput {
+                    lean,
+                    sums: sums.clone(),
+                },
+            )?;
+            Ok((h, sums.get(0)?, sums.get(1)?))
+        }
+        _ => {
+            let y = bn_relu(&h, p)?;
+            let g = crate::pool::max_pool2x2_backward(&y, &gp)?;
+            backward_via_y(&h, &g, &y, p)
+        }
+    }
+}
+
+/// The BatchNorm + ReLU backward through the ops autograd uses (devices without the lean kernels).
+fn backward_via_y(h: &Tensor, g: &Tensor, y: &Tensor, p: &BnParams) -> Result<BnGrads> {
+    let sums = h.apply_op3_no_bwd(
+        g,
+        y,
+        &BnBwdReduce {
+            stats: p.stats.clone(),
+            eps: p.eps as f32,
+            relu: true,
+        },
+    )?;
+    let input_sums = if p.batch_stats {
+        sums.clone()
+    } else {
+        sums.zeros_like()?
+    };
+    let gh = h.apply_op3_no_bwd(
+        g,
+        y,
+        &BnBwdInput {
+            stats: p.stats.clone(),
+            gamma: p.gamma.clone(),
+            sums: input_sums,
+            eps: p.eps as f32,
+            relu: true,
+        },
+    )?;
+    Ok((gh, sums.get(0)?, sums.get(1)?))
+}
+
+/// The lean kernels' shared state: parameters, and the plane width when a 2x2 pool follows.
+#[derive(Clone)]
+struct LeanBn {
+    p: BnParams,
+    pool_w: Option<usize>,
+}
+
+/// Argmax of the pooled windows (a separate type: `LeanBn`'s `CustomOp1` is the pooled values).
+struct PoolArgmax {
+    lean: LeanBn,
+}
+
+/// Per-channel sums of the backward after a pool: (h, gp, argmax) → `[Σg'x̂; Σg']`.
+struct PoolBwdReduce {
+    lean: LeanBn,
+}
+
+/// The input gradient written in place (over g without a pool, over h after one).
+struct LeanBwdInput {
+    lean: LeanBn,
+    sums: Tensor,
+}
+
+/// The host copies of the per-channel tensors a lean kernel reads (C floats each).
+struct LeanCtx {
+    gamma: Vec<f32>,
+    beta: Vec<f32>,
+    stats: Vec<f32>,
+}
+
+impl LeanBn {
+    fn ctx(&self) -> candle_core::Result<LeanCtx> {
+        Ok(LeanCtx {
+            gamma: held_vec(&self.p.gamma, "gamma")?,
+            beta: held_vec(&self.p.beta, "beta")?,
+            stats: held_vec(&self.p.stats, "batch statistics")?,
+        })
+    }
+}
+
+impl LeanCtx {
+    fn norm(&self, c: usize, eps: f64) -> cpu::NormChannels {
+        cpu::NormChannels::new(&self.gamma, &self.beta, &self.stats, c, eps as f32)
+    }
+}
+
+fn pooled_shape(l: &Layout) -> candle_core::Result<Shape> {
+    let (n, c, h, w) = l.shape().dims4()?;
+    Ok(Shape::from((n, c, h / 2, w / 2)))
+}
+
+impl candle_core::InplaceOp1 for LeanBn {
+    fn name(&self) -> &'static str {
+        "bn-relu-in-place"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let d = dims_of(l)?;
+        let ctx = self.ctx()?;
+        let ch = ctx.norm(d.c, self.p.eps);
+        bn_dispatch!(s.dtype(), "bn-relu-in-place", |T| cpu::relu_in_place::<T>(
+            cpu_slice_mut(s, l, "h")?,
+            &ch,
+            d
+        ));
+        Ok(())
+    }
+}
+
+impl CustomOp1 for LeanBn {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l)?;
+        let w = self
+            .pool_w
+            .ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
+        let ctx = self.ctx()?;
+        let ch = ctx.norm(d.c, self.p.eps);
+        let out = bn_dispatch!(s.dtype(), "bn-relu-pool", |T| T::to_cpu_storage_owned(
+            cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w)
+        ));
+        Ok((out, pooled_shape(l)?))
+    }
+}
+
+impl CustomOp1 for PoolArgmax {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool-argmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l)?;
+        let w = self.lean.pool_w.unwrap_or(1);
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let out = bn_dispatch!(s.dtype(), self.name(), |T| cpu::relu_pool_argmax::<T>(
+            cpu_slice(s, l, "h")?,
+            &ch,
+            d,
+            w
+        ));
+        Ok((CpuStorage::U8(out), pooled_shape(l)?))
+    }
+}
+
+/// Sums of the BatchNorm + ReLU backward without a pool: (h, g) → `[Σg'x̂; Σg']`.
+impl CustomOp2 for LeanBn {
+    fn name(&self) -> &'static str {
+        "bn-relu-bwd-reduce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l1)?;
+        let ctx = self.ctx()?;
+        let ch = ctx.norm(d.c, self.p.eps);
+        let var = &ctx.stats[d.c..];
+        let out = bn_dispatch!(s1.dtype(), "bn-relu-bwd-reduce", |T| {
+            cpu::bwd_reduce_from_h::<T>(
+                cpu_slice(s1, l1, "h")?,
+                cpu_slice(s2, l2, "grad_y")?,
+                None,
+                &ch,
+                var,
+                d,
+                self.p.eps as f32,
+            )
+        });
+        Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
+    }
+}
+
+impl CustomOp3 for PoolBwdReduce {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool-bwd-reduce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l1)?;
+        let w = self.lean.pool_w.unwrap_or(1);
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let var = &ctx.stats[d.c..];
+        let am = cpu_slice::<u8>(s3, l3, "argmax")?;
+        let out = bn_dispatch!(s1.dtype(), self.name(), |T| {
+            cpu::bwd_reduce_from_h::<T>(
+                cpu_slice(s1, l1, "h")?,
+                cpu_slice(s2, l2, "grad_p")?,
+                Some((am, w)),
+                &ch,
+                var,
+                d,
+                self.lean.p.eps as f32,
+            )
+        });
+        Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
+    }
+}
+
+impl LeanBwdInput {
+    fn coef(&self, ctx: &LeanCtx, d: Dims) -> candle_core::Result<cpu::InputGradChannels> {
+        // Fixed statistics: grad_h = γ·invstd·g', i.e. the batch-statistics terms with zero sums.
+        let sums = if self.lean.p.batch_stats {
+            held_vec(&self.sums, "gradient sums")?
+        } else {
+            vec![0.0; 2 * d.c]
+        };
+        Ok(cpu::InputGradChannels::new(
+            &ctx.gamma,
+            &ctx.stats,
+            &sums,
+            d,
+            self.lean.p.eps as f32,
+        ))
+    }
+}
+
+/// Without a pool: dst = g (overwritten with grad_h), src = h.
+impl candle_core::InplaceOp2 for LeanBwdInput {
+    fn name(&self) -> &'static str {
+        "bn-relu-bwd-input-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        h: &CpuStorage,
+        hl: &Layout,
+    ) -> candle_core::Result<()> {
+        let d = dims_of(dst_l)?;
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let co = self.coef(&ctx, d)?;
+        bn_dispatch!(h.dtype(), self.name(), |T| {
+            cpu::bwd_input_from_h::<T>(
+                cpu_slice_mut(dst, dst_l, "grad_y")?,
+                Some(cpu_slice(h, hl, "h")?),
+                None,
+                &ch,
+                &co,
+                d,
+            )
+        });
+        Ok(())
+    }
+}
+
+/// After a pool: dst = h (overwritten with grad_h), srcs = (gp, argmax).
+impl candle_core::InplaceOp3 for LeanBwdInput {
+    fn name(&self) -> &'static str {
+        "bn-relu-pool-bwd-input-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        gp: &CpuStorage,
+        gl: &Layout,
+        am: &CpuStorage,
+        al: &Layout,
+    ) -> candle_core::Result<()> {
+        let d = dims_of(dst_l)?;
+        let w = self.lean.pool_w.unwrap_or(1);
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let co = self.coef(&ctx, d)?;
+        let am = cpu_slice::<u8>(am, al, "argmax")?;
+        bn_dispatch!(gp.dtype(), self.name(), |T| {
+            cpu::bwd_input_from_h::<T>(
+                cpu_slice_mut(dst, dst_l, "h")?,
+                None,
+                Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
+                &ch,
+                &co,
+                d,
+            )
+        });
+        Ok(())
+    }
+}

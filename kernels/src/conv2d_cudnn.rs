@@ -1,0 +1,519 @@
+//! The conv2d op on CUDA through cuDNN (cargo feature `cudnn`, on top of `cuda`): forward,
+//! backward-data (input gradient) and backward-filter (weight gradient) through cudarc's
+//! `ConvForward`, `ConvBackwardData` and `ConvBackwardFilter`.
+//!
+//! Why not Candle's own `cudnn` feature: it covers only the forward, and it builds the
+//! descriptors, asks cuDNN's heuristics for an algorithm and allocates a workspace on every call.
+//! Here, per thread and GPU (shared by every Candle `CudaDevice` of that GPU the thread opens:
+//! they all run on the same per-thread default stream of the same primary context):
+//!
+//! - one cuDNN handle on that stream (cuDNN handles are neither `Send` nor `Sync`, and Candle's
+//!   CUDA stream is the per-thread default stream, so per-thread state is also per-stream state);
+//! - one plan per (shape, stride, padding, dtype, math mode): the tensor, filter and convolution
+//!   descriptors and the algorithm of each of the three passes, chosen once;
+//! - one workspace of [`CUDNN_WORKSPACE_BYTES`], allocated by the first cuDNN convolution and
+//!   reused by every later one, for the rest of the thread's life (a process that builds many
+//!   trainers, like memtrain's GPU tests, holds one, not one per trainer). Each pass runs the
+//!   algorithm cuDNN's heuristics rank first when its workspace fits in that budget, else the pass's algorithm that needs none. A fixed size
+//!   rather than the largest need so far: a memory estimate (memtrain's, through
+//!   [`cuda_runtime_bytes`]) then knows it exactly without asking cuDNN, and it is the same
+//!   budget the im2col op ([`super::conv2d_cuda::CUDA_IM2COL_CHUNK_BYTES`]) gives its columns, so
+//!   switching ops changes how long the scratch lives, not how large it is.
+//!
+//! Layout: NCHW, the layout of every tensor in the model; NHWC (which cuDNN's tensor-core kernels
+//! prefer for half types) would need a transpose around each convolution or a channels-last
+//! model, and has not been measured. Math: f32 convolutions use TF32 tensor cores when
+//! [`super::set_tf32`] is on (memtrain's `--tf32 on`; cuDNN's default math type) and FMA-only math when it is
+//! off; f16/bf16 convolutions multiply on tensor cores and sum in f32 (compute type f32, as
+//! PyTorch does); f64 stays f64.
+//!
+//! A shape cuDNN reports as not supported falls back to the im2col op, with a one-time warning.
+//! Nothing in this file has run on a GPU yet: it is type-checked by `scripts/cuda-check.sh` and
+//! its numbers are checked against the CPU by the GPU tests (this crate's `tests/conv2d.rs` with
+//! `--features cuda,cudnn`) when a GPU is at hand.
+
+// Without the feature only the constants below are used (by a memory estimate).
+#![cfg_attr(not(feature = "cudnn"), allow(dead_code))]
+
+/// Bytes of the cuDNN workspace: allocated once per thread and GPU by the first cuDNN
+/// convolution, kept for the rest of the thread, shared by every convolution and pass. An
+/// algorithm that needs more is not used (see the module docs).
+pub const CUDNN_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Whether this build runs CUDA convolutions through cuDNN (the `cudnn` feature) instead of the
+/// im2col + cuBLAS op.
+pub(crate) const ENABLED: bool = cfg!(feature = "cudnn");
+
+/// Bytes the CUDA conv op keeps allocated between steps in this build: the cuDNN workspace
+/// with the `cudnn` feature, nothing for the im2col op (its columns are freed after each pass).
+pub fn cuda_runtime_bytes() -> u64 {
+    if ENABLED {
+        CUDNN_WORKSPACE_BYTES as u64
+    } else {
+        0
+    }
+}
+
+/// Transient bytes one pass of the CUDA conv op allocates besides its result, in this build:
+/// none with cuDNN (it works in the persistent workspace), the im2col op's columns otherwise
+/// ([`super::conv2d_cuda::cuda_scratch_bytes`], same arguments).
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_pass_scratch_bytes(
+    pass: super::conv2d_cuda::ConvPass,
+    n: usize,
+    cin: usize,
+    cout: usize,
+    k: usize,
+    ho: usize,
+    wo: usize,
+    pointwise: bool,
+    dtype: candle_core::DType,
+) -> u64 {
+    if ENABLED {
+        0
+    } else {
+        super::conv2d_cuda::cuda_scratch_bytes(pass, n, cin, cout, k, ho, wo, pointwise, dtype)
+    }
+}
+
+/// The algorithm one pass runs: cuDNN's first-ranked one (`best`, an error when the heuristics
+/// found none) when its workspace (`size`) fits in `budget`, else `fallback` when that fits;
+/// `None` when neither does. An error of `size` is returned as it is.
+fn choose_algorithm<A: Copy, E>(
+    best: Result<A, E>,
+    size: impl Fn(A) -> Result<usize, E>,
+    fallback: A,
+    budget: usize,
+) -> Result<Option<A>, E> {
+    if let Ok(a) = best {
+        if size(a)? <= budget {
+            return Ok(Some(a));
+        }
+    }
+    Ok((size(fallback)? <= budget).then_some(fallback))
+}
+
+#[cfg(feature = "cudnn")]
+pub(super) use cuda::launch;
+
+#[cfg(feature = "cudnn")]
+mod cuda {
+    use std::any::Any;
+    use std::cell::RefCell;
+    use std::collections::{HashMap, HashSet};
+    use std::sync::Arc;
+
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::cudnn::{
+        sys as dnn, ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, Cudnn,
+        CudnnDataType, CudnnError, FilterDescriptor, TensorDescriptor,
+    };
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaDevice, CudaStorage, DType, Layout};
+    use half::{bf16, f16};
+
+    use super::CUDNN_WORKSPACE_BYTES;
+    use crate::conv2d_cuda;
+    use crate::geom::{ConvPass, Geom};
+    use crate::util::{cuda_view, dispatch_float, int32, tf32};
+
+    /// An element type of the op: its cuDNN compute type and the scaling constants.
+    trait Elem: CudnnDataType + CudaDType + DeviceRepr + ValidAsZeroBits + Copy + 'static {
+        /// The type cuDNN multiplies and sums in (f32 for f32 and the half types, f64 for f64).
+        type Compute: CudnnDataType + 'static;
+        const ONE: Self;
+        const ZERO: Self;
+        /// The math type: whether tensor cores (TF32 for f32) may be used.
+        fn math() -> dnn::cudnnMathType_t;
+    }
+
+    impl Elem for f32 {
+        type Compute = f32;
+        const ONE: Self = 1.0;
+        const ZERO: Self = 0.0;
+        fn math() -> dnn::cudnnMathType_t {
+            // PyTorch's mapping of `allow_tf32`: default math (TF32 allowed) or FMA only.
+            if tf32() {
+                dnn::cudnnMathType_t::CUDNN_DEFAULT_MATH
+            } else {
+                dnn::cudnnMathType_t::CUDNN_FMA_MATH
+            }
+        }
+    }
+
+    impl Elem for f64 {
+        type Compute = f64;
+        const ONE: Self = 1.0;
+        const ZERO: Self = 0.0;
+        fn math() -> dnn::cudnnMathType_t {
+            dnn::cudnnMathType_t::CUDNN_DEFAULT_MATH
+        }
+    }
+
+    macro_rules! half_elem {
+        ($t:ty) => {
+            impl Elem for $t {
+                type Compute = f32;
+                const ONE: Self = <$t>::ONE;
+                const ZERO: Self = <$t>::ZERO;
+                fn math() -> dnn::cudnnMathType_t {
+                    dnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH
+                }
+            }
+        };
+    }
+    half_elem!(f16);
+    half_elem!(bf16);
+
+    /// What identifies a plan: the geometry (without the im2col op's forced chunk), the dtype
+    /// and the math mode (`--tf32` may differ between two trainers of one process).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    struct PlanKey {
+        dims: [usize; 8],
+        dtype: DType,
+        tf32: bool,
+    }
+
+    impl PlanKey {
+        fn new(g: &Geom, dtype: DType) -> Self {
+            PlanKey {
+                dims: [g.n, g.cin, g.h, g.w, g.cout, g.k, g.stride, g.pad],
+                dtype,
+                tf32: tf32(),
+            }
+        }
+    }
+
+    /// The descriptors of one convolution and the algorithm of each pass.
+    struct Plan<T: Elem> {
+        x: TensorDescriptor<T>,
+        w: FilterDescriptor<T>,
+        y: TensorDescriptor<T>,
+        conv: ConvDescriptor<T::Compute>,
+        fwd: dnn::cudnnConvolutionFwdAlgo_t,
+        bwd_data: dnn::cudnnConvolutionBwdDataAlgo_t,
+        bwd_filter: dnn::cudnnConvolutionBwdFilterAlgo_t,
+    }
+
+    /// cuDNN takes `int` sizes.
+    fn int(what: &str, v: usize) -> candle_core::Result<i32> {
+        int32("conv2d (cuDNN)", what, v)
+    }
+
+    fn dnn_err(e: CudnnError) -> candle_core::Error {
+        candle_core::Error::Msg(format!("conv2d (cuDNN): {e}"))
+    }
+
+    /// cuDNN 9 numbers the statuses of an unsupported configuration 3000-3999.
+    fn unsupported(e: &CudnnError) -> bool {
+        (e.0 as u32) / 1000 == 3
+    }
+
+    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`]; `fallback` is an algorithm
+    /// that needs no workspace.
+    fn choose<A: Copy>(
+        best: Result<A, CudnnError>,
+        size: impl Fn(A) -> Result<usize, CudnnError>,
+        fallback: A,
+    ) -> Result<A, CudnnError> {
+        // Neither fitting is not expected (the fallbacks need no workspace); it is reported as
+        // unsupported, so that the im2col op takes the shape over.
+        super::choose_algorithm(best, size, fallback, CUDNN_WORKSPACE_BYTES)?.ok_or(CudnnError(
+            dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE,
+        ))
+    }
+
+    /// [`choose`] for the cuDNN op descriptor `$op` (a `ConvForward`, `ConvBackwardData` or
+    /// `ConvBackwardFilter`): they share `pick_algorithm` and `get_workspace_size` by name, not
+    /// by a trait, hence a macro rather than a generic function.
+    macro_rules! pick {
+        ($op:expr, $fallback:expr $(,)?) => {{
+            let op = $op;
+            choose(op.pick_algorithm(), |a| op.get_workspace_size(a), $fallback)?
+        }};
+    }
+
+    impl<T: Elem> Plan<T> {
+        fn new(handle: &Arc<Cudnn>, g: &Geom) -> candle_core::Result<Result<Self, CudnnError>> {
+            let nchw = dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
+            let (n, cin, h, w) = (
+                int("N", g.n)?,
+                int("Cin", g.cin)?,
+                int("H", g.h)?,
+                int("W", g.w)?,
+            );
+            let (cout, k) = (int("Cout", g.cout)?, int("K", g.k)?);
+            let (ho, wo) = (int("Ho", g.ho)?, int("Wo", g.wo)?);
+            let (s, p) = (int("stride", g.stride)?, int("padding", g.pad)?);
+            let build = || -> Result<Self, CudnnError> {
+                let x = handle.create_4d_tensor::<T>(nchw, [n, cin, h, w])?;
+                let wd = handle.create_4d_filter::<T>(nchw, [cout, cin, k, k])?;
+                let y = handle.create_4d_tensor::<T>(nchw, [n, cout, ho, wo])?;
+                let mut conv = handle.create_conv2d::<T::Compute>(
+                    [p, p],
+                    [s, s],
+                    [1, 1],
+                    dnn::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                )?;
+                conv.set_math_type(T::math())?;
+                let fwd = pick!(
+                    ConvForward {
+                        conv: &conv,
+                        x: &x,
+                        w: &wd,
+                        y: &y,
+                    },
+                    dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM
+                );
+                let bwd_data = pick!(
+                    ConvBackwardData {
+                        conv: &conv,
+                        dx: &x,
+                        w: &wd,
+                        dy: &y,
+                    },
+                    dnn::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0
+                );
+                let bwd_filter = pick!(
+                    ConvBackwardFilter {
+                        conv: &conv,
+                        x: &x,
+                        dw: &wd,
+                        dy: &y,
+                    },
+                    dnn::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0
+                );
+                Ok(Plan {
+                    x,
+                    w: wd,
+                    y,
+                    conv,
+                    fwd,
+                    bwd_data,
+                    bwd_filter,
+                })
+            };
+            Ok(build())
+        }
+
+        /// Runs `pass` from the op's two inputs into `out`, in `ws`.
+        fn run(
+            &self,
+            pass: ConvPass,
+            in0: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
+            in1: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
+            out: &mut CudaSlice<T>,
+            ws: &mut CudaSlice<u8>,
+        ) -> Result<(), CudnnError> {
+            let scale = (T::ONE, T::ZERO);
+            // SAFETY (all three): the descriptors were built from the geometry the wrapper
+            // validated, the views cover exactly the contiguous operands of that geometry (x or
+            // dy, w or dy as the pass says), `out` has the result's element count, and the
+            // workspace is at least what the chosen algorithm needs (`choose`). Everything runs
+            // on the handle's stream, which is Candle's.
+            unsafe {
+                match pass {
+                    ConvPass::Forward => ConvForward {
+                        conv: &self.conv,
+                        x: &self.x,
+                        w: &self.w,
+                        y: &self.y,
+                    }
+                    .launch(self.fwd, Some(ws), scale, in0, in1, out),
+                    ConvPass::InputGrad => ConvBackwardData {
+                        conv: &self.conv,
+                        dx: &self.x,
+                        w: &self.w,
+                        dy: &self.y,
+                    }
+                    .launch(self.bwd_data, Some(ws), scale, out, in1, in0),
+                    ConvPass::WeightGrad => ConvBackwardFilter {
+                        conv: &self.conv,
+                        x: &self.x,
+                        dw: &self.w,
+                        dy: &self.y,
+                    }
+                    .launch(self.bwd_filter, Some(ws), scale, in0, out, in1),
+                }
+            }
+        }
+    }
+
+    /// Which state a device uses: its GPU and the stream Candle runs it on (the same for every
+    /// `CudaDevice` of that GPU opened on this thread).
+    #[derive(Clone, Copy, PartialEq, Eq, Hash)]
+    struct StreamKey {
+        ordinal: usize,
+        stream: usize,
+    }
+
+    impl StreamKey {
+        fn of(dev: &CudaDevice) -> Self {
+            let stream = dev.cuda_stream();
+            StreamKey {
+                ordinal: stream.context().ordinal(),
+                stream: stream.cu_stream() as usize,
+            }
+        }
+    }
+
+    /// This thread's cuDNN state for one GPU and stream.
+    struct DeviceState {
+        handle: Arc<Cudnn>,
+        workspace: Option<CudaSlice<u8>>,
+        /// `Plan<T>` per key; `None` where cuDNN does not support the convolution.
+        plans: HashMap<PlanKey, Option<Box<dyn Any>>>,
+    }
+
+    thread_local! {
+        // Per thread because cuDNN handles are neither Send nor Sync (Candle keeps its own
+        // handles the same way).
+        static STATE: RefCell<HashMap<StreamKey, DeviceState>> = RefCell::new(HashMap::new());
+    }
+
+    /// Shapes already reported as falling back to the im2col op (one warning each).
+    fn warn_fallback(key: PlanKey, e: &CudnnError) {
+        use std::sync::Mutex;
+        static WARNED: Mutex<Option<HashSet<PlanKey>>> = Mutex::new(None);
+        let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+        if warned.get_or_insert_with(HashSet::new).insert(key) {
+            eprintln!(
+                "warning: cuDNN does not support conv2d {:?} in {:?} ({e}); using the im2col + cuBLAS op for it",
+                key.dims, key.dtype
+            );
+        }
+    }
+
+    fn pass_on<T: Elem>(
+        pass: ConvPass,
+        g: &Geom,
+        a: &CudaStorage,
+        la: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        let dev: CudaDevice = a.device().clone();
+        let out_len = g.result_len(pass);
+        // cuDNN rejects empty tensors: an empty batch has an empty result, or a zero weight
+        // gradient.
+        if g.n == 0 || out_len == 0 {
+            return Ok(CudaStorage::wrap_cuda_slice(
+                dev.alloc_zeros::<T>(out_len)?,
+                dev,
+            ));
+        }
+        let in0 = cuda_view(a, la, "conv2d", "first operand")?;
+        let in1 = cuda_view(b, lb, "conv2d", "second operand")?;
+        let key = PlanKey::new(g, a.dtype());
+        let ran = STATE.with(|state| -> candle_core::Result<Option<CudaSlice<T>>> {
+            let mut state = state.borrow_mut();
+            let st = match state.entry(StreamKey::of(&dev)) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => v.insert(DeviceState {
+                    handle: Cudnn::new(dev.cuda_stream()).map_err(dnn_err)?,
+                    workspace: None,
+                    plans: HashMap::new(),
+                }),
+            };
+            if !st.plans.contains_key(&key) {
+                let plan = match Plan::<T>::new(&st.handle, g)? {
+                    Ok(p) => Some(Box::new(p) as Box<dyn Any>),
+                    Err(e) if unsupported(&e) => {
+                        warn_fallback(key, &e);
+                        None
+                    }
+                    Err(e) => return Err(dnn_err(e)),
+                };
+                st.plans.insert(key, plan);
+            }
+            let Some(plan) = st.plans.get(&key).and_then(|p| p.as_ref()) else {
+                return Ok(None);
+            };
+            let plan = plan.downcast_ref::<Plan<T>>().ok_or_else(|| {
+                candle_core::Error::Msg("conv2d (cuDNN): plan of another dtype".into())
+            })?;
+            if st.workspace.is_none() {
+                // SAFETY: cuDNN only writes scratch here before reading it.
+                st.workspace = Some(unsafe { dev.alloc::<u8>(CUDNN_WORKSPACE_BYTES)? });
+            }
+            let ws = st.workspace.as_mut().expect("allocated above");
+            // SAFETY: every element of the result is written by the pass (beta = 0).
+            let mut out = unsafe { dev.alloc::<T>(out_len)? };
+            plan.run(pass, &in0, &in1, &mut out, ws).map_err(dnn_err)?;
+            Ok(Some(out))
+        })?;
+        match ran {
+            Some(out) => Ok(CudaStorage::wrap_cuda_slice(out, dev)),
+            None => conv2d_cuda::launch(pass, g, a, la, b, lb),
+        }
+    }
+
+    /// Runs `pass` of the convolution `g` on two same-dtype operands through cuDNN and returns
+    /// its result storage (through the im2col op for a shape cuDNN does not support).
+    pub(crate) fn launch(
+        pass: ConvPass,
+        g: &Geom,
+        a: &CudaStorage,
+        la: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        dispatch_float!(
+            a.dtype(),
+            [F32, F64, F16, BF16],
+            |T| pass_on::<T>(pass, g, a, la, b, lb),
+            |dt| candle_core::bail!("conv2d: unsupported dtype {dt:?} (f32, f64, f16, bf16)"),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_ranked_algorithm_runs_when_its_workspace_fits() {
+        let size = |a: u8| -> Result<usize, ()> { Ok([0, 10, 100][a as usize]) };
+        assert_eq!(choose_algorithm(Ok(1), size, 0, 50), Ok(Some(1)));
+        assert_eq!(choose_algorithm(Ok(2), size, 0, 100), Ok(Some(2)));
+        // Too large for the budget, or no ranking at all: the fallback.
+        assert_eq!(choose_algorithm(Ok(2), size, 0, 50), Ok(Some(0)));
+        assert_eq!(choose_algorithm(Err(()), size, 0, 50), Ok(Some(0)));
+        // Nothing fits.
+        assert_eq!(choose_algorithm(Ok(2), size, 1, 5), Ok(None));
+        // A failing size query is an error, not a choice.
+        assert_eq!(choose_algorithm(Ok(0), |_| Err("bad"), 0, 50), Err("bad"));
+    }
+
+    #[test]
+    fn the_estimate_sees_the_workspace_only_in_a_cudnn_build() {
+        use super::super::conv2d_cuda::{cuda_scratch_bytes, ConvPass};
+        let args = (
+            ConvPass::Forward,
+            512,
+            32,
+            32,
+            3,
+            32,
+            32,
+            false,
+            candle_core::DType::F32,
+        );
+        let im2col = cuda_scratch_bytes(
+            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
+        );
+        let here = cuda_pass_scratch_bytes(
+            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
+        );
+        if ENABLED {
+            assert_eq!(
+                (here, cuda_runtime_bytes()),
+                (0, CUDNN_WORKSPACE_BYTES as u64)
+            );
+        } else {
+            assert_eq!((here, cuda_runtime_bytes()), (im2col, 0));
+            assert!(im2col > 0);
+        }
+    }
+}

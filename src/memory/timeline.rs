@@ -176,20 +176,3 @@ impl crate::memory::MemoryProbe for TimelineProbe {
         self.inner.sync()
     }
 }
-
-/// What a run that stopped on out-of-memory leaves in its run directory
-/// ([`OOM_SNAPSHOT_FILE`]), in the spirit of PyTorch's OOM observer and memory snapshot: the
-/// failing step's events up to the failure, the configuration and its memory estimate.
-#[derive(Debug, Clone, Serialize)]
-pub struct OomSnapshot<'a> {
-    /// The error, as printed.
-    pub error: String,
-    /// Where the step failed: the phase and the last layer event recorded.
-    pub failed_at: String,
-    /// The configuration that ran out of memory.
-    pub config: &'a crate::config::TrainConfig,
-    /// The failing step up to the failure, with the estimate's prediction for each event.
-    pub timeline: StepTimeline,
-    /// The memory estimate of this configuration, when it could be made.
-    pub estimate: Option<crate::predict::Estimate>,
-}

@@ -7,7 +7,99 @@ use crate::error::{Error, Result};
 use crate::model::LayerSpec;
 use candle_core::DType;
 
-use super::estimate::*;
+/// Where training runs, as far as memory is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum DeviceKind {
+    /// The CPU with `threads` compute threads (Candle's CPU pool workers plus the caller): every
+    /// thread of a convolution holds its own im2col column.
+    Cpu {
+        /// Threads that run per-image convolution work at once.
+        threads: usize,
+        /// Bytes of the L2 cache: the gemm crate keeps one L2-sized packing buffer per thread
+        /// that has run a matrix product, for the life of the thread.
+        l2_cache_bytes: u64,
+    },
+    /// A CUDA device: the probe measures the memory pool, so the data set and host batches are
+    /// not part of the measurement.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The CPU of this process, with as many threads as Candle's CPU pool uses.
+    pub fn cpu() -> Self {
+        DeviceKind::Cpu {
+            threads: candle_core::utils::barrier_pool().n_workers() + 1,
+            l2_cache_bytes: l2_cache_bytes(),
+        }
+    }
+
+    /// The kind of a Candle device.
+    pub fn of(device: &candle_core::Device) -> Self {
+        if device.is_cpu() {
+            DeviceKind::cpu()
+        } else {
+            DeviceKind::Cuda
+        }
+    }
+
+    /// The kind a `--device` value selects without opening the device: `cpu`, `cuda`/`cuda:N`,
+    /// or (no value) CUDA when this build has it and a GPU is present, else the CPU.
+    ///
+    /// # Errors
+    /// When the value is not a device spec.
+    pub fn for_spec(spec: Option<&str>) -> Result<Self> {
+        match spec {
+            Some(s) => {
+                crate::device::parse_device_spec(s)?;
+                if s.trim().eq_ignore_ascii_case("cpu") {
+                    Ok(DeviceKind::cpu())
+                } else {
+                    Ok(DeviceKind::Cuda)
+                }
+            }
+            None if candle_core::utils::cuda_is_available() => Ok(DeviceKind::Cuda),
+            None => Ok(DeviceKind::cpu()),
+        }
+    }
+
+    /// Whether this is the CPU (where the probe counts the whole process heap, data set included).
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, DeviceKind::Cpu { .. })
+    }
+
+    pub(super) fn threads(&self) -> usize {
+        match self {
+            DeviceKind::Cpu { threads, .. } => (*threads).max(1),
+            DeviceKind::Cuda => 1,
+        }
+    }
+}
+
+/// The L2 cache size of CPU 0 (Linux sysfs), or 1 MiB where it cannot be read.
+pub(super) fn l2_cache_bytes() -> u64 {
+    const FALLBACK: u64 = 1 << 20;
+    let base = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    for i in 0..8 {
+        let dir = base.join(format!("index{i}"));
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).map(|s| s.trim().to_string());
+        let (Ok(level), Ok(kind), Ok(size)) = (read("level"), read("type"), read("size")) else {
+            continue;
+        };
+        if level == "2" && kind != "Instruction" {
+            let (num, mult) = match size.strip_suffix('K') {
+                Some(n) => (n, 1024),
+                None => match size.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (size.as_str(), 1),
+                },
+            };
+            if let Ok(v) = num.parse::<u64>() {
+                return v * mult;
+            }
+        }
+    }
+    FALLBACK
+}
 
 // ---------------------------------------------------------------------------------------------
 // The model as the simulation sees it.

@@ -162,18 +162,6 @@ fn md_cell(s: &str) -> String {
     s.replace('|', "\\|").replace('\n', " ")
 }
 
-/// Signed percentage, e.g. `-23.4%`.
-pub(super) fn pct_cell(v: Option<f64>) -> String {
-    v.map(|p| {
-        if p.abs() < 0.05 {
-            "±0.0%".to_string()
-        } else {
-            format!("{p:+.1}%")
-        }
-    })
-    .unwrap_or_else(|| "-".into())
-}
-
 /// The `frontier` cell of a markdown table.
 fn frontier_cell(on: bool) -> &'static str {
     if on {

@@ -3,7 +3,6 @@
 //! size.
 
 use super::chart::{shorten, Chart, DrawError, DrawResult, MemUnit, Panel, FONT, PALETTE};
-use super::report::pct_cell;
 use super::results::SweepResult;
 use super::{ChildRun, Status};
 use crate::memory::format_bytes;
@@ -577,4 +576,16 @@ impl SweepChart {
         }
         Ok(())
     }
+}
+
+/// Signed percentage, e.g. `-23.4%`.
+pub(super) fn pct_cell(v: Option<f64>) -> String {
+    v.map(|p| {
+        if p.abs() < 0.05 {
+            "±0.0%".to_string()
+        } else {
+            format!("{p:+.1}%")
+        }
+    })
+    .unwrap_or_else(|| "-".into())
 }

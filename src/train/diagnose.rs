@@ -3,7 +3,8 @@
 
 use super::Trainer;
 use crate::error::Error;
-use crate::memory::timeline::{OomSnapshot, StepTimeline, OOM_SNAPSHOT_FILE};
+use crate::memory::timeline::{StepTimeline, OOM_SNAPSHOT_FILE};
+use serde::Serialize;
 
 impl Trainer {
     /// Write [`OOM_SNAPSHOT_FILE`] for a step that ran out of memory and return the error
@@ -116,4 +117,21 @@ impl Trainer {
             None => format!("{fixes}, and start again (no snapshot was saved before this)"),
         }
     }
+}
+
+/// What a run that stopped on out-of-memory leaves in its run directory
+/// ([`OOM_SNAPSHOT_FILE`]), in the spirit of PyTorch's OOM observer and memory snapshot: the
+/// failing step's events up to the failure, the configuration and its memory estimate.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct OomSnapshot<'a> {
+    /// The error, as printed.
+    pub error: String,
+    /// Where the step failed: the phase and the last layer event recorded.
+    pub failed_at: String,
+    /// The configuration that ran out of memory.
+    pub config: &'a crate::config::TrainConfig,
+    /// The failing step up to the failure, with the estimate's prediction for each event.
+    pub timeline: StepTimeline,
+    /// The memory estimate of this configuration, when it could be made.
+    pub estimate: Option<crate::predict::Estimate>,
 }

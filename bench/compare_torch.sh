@@ -15,7 +15,7 @@
 # What is timed: S optimizer steps after the same number of warm-up steps on both sides. For
 # PyTorch, bench/torch_reference.py's wall clock over the timed steps; for memtrain, the run's
 # summary.json `steady_images_per_sec` (images / summed step time of the steps after the warm-up
-# steps that src/train/trainer.rs `steady_throughput` skips). Each side runs R times, alternating
+# steps that src/train/summary.rs `steady_throughput` skips). Each side runs R times, alternating
 # which goes first; the table shows the median img/s of each and the ratio memtrain/PyTorch.
 #
 # Exit status: 0 on success, 2 for a bad flag, 1 when a setup step or a run fails.
@@ -152,7 +152,7 @@ if [ -n "$out" ]; then
 fi
 
 # ---- step counts -------------------------------------------------------------------------------
-# memtrain's steady_throughput (src/train/trainer.rs) skips max(1, min(3, n/4)) of n steps. Pick
+# memtrain's steady_throughput (src/train/summary.rs) skips max(1, min(3, n/4)) of n steps. Pick
 # the smallest run length n whose steady part is exactly --steps, and give PyTorch the same number
 # of warm-up steps, so both time the same steps after the same warm-up.
 skip_of() {
@@ -164,8 +164,8 @@ skip_of() {
 total=$((steps + 1))
 while [ $((total - $(skip_of $total))) -ne "$steps" ]; do total=$((total + 1)); done
 warmup=$(skip_of $total)
-if ! grep -q 'let skip = 3.min(steps.len() / 4).max(1);' "$repo/src/train/trainer.rs" 2>/dev/null; then
-  echo "warning: src/train/trainer.rs steady_throughput no longer has the warm-up rule this script mirrors (skip max(1, min(3, n/4))); the two sides may time different steps" >&2
+if ! grep -q 'let skip = 3.min(steps.len() / 4).max(1);' "$repo/src/train/summary.rs" 2>/dev/null; then
+  echo "warning: src/train/summary.rs steady_throughput no longer has the warm-up rule this script mirrors (skip max(1, min(3, n/4))); the two sides may time different steps" >&2
 fi
 
 # ---- PyTorch and memtrain (bench/lib.sh) ------------------------------------------------------

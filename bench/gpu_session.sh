@@ -3,7 +3,7 @@
 #
 #   bench/gpu_session.sh BIN_DIR OUT_DIR
 #
-# BIN_DIR holds CUDA builds (see README, Build for CUDA; preferably `--features cuda,cudnn`):
+# BIN_DIR holds CUDA builds (see docs/cuda.md; preferably `--features cuda,cudnn`):
 # train_cifar10, batch_sweep and the test binaries gpu_graph, conv2d, gpu_train, gpu_memory, pool,
 # batchnorm, depthwise (named without cargo's hash suffix). Results land in OUT_DIR: gpu.txt
 # (GPU, driver, libraries, which conv op the build runs), session.log, tests.log, memtrain.jsonl

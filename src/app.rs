@@ -37,7 +37,7 @@ where
         return Ok(());
     };
     // data set, model and step sized against --memory-limit, --fit-memory and the
-    // machine before anything is loaded or built (src/bounds.rs); from here on Ctrl-C/SIGTERM
+    // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
     crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
     // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
@@ -47,7 +47,7 @@ where
         Some(crate::signal::install_stop_handler()?)
     };
     // --fit-memory picks micro-batch, accumulation, checkpointing and precision
-    // (src/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
+    // (src/predict/plan.rs) for the loaded data, and the run uses the chosen plan (--dry-run: printed only).
     let (cfg, loaded) = match cmd.plan.fit_memory {
         Some(budget) => fit_memory(cfg, budget, &cmd, &explicit, stop.clone())?,
         None => (cfg, None),
@@ -79,7 +79,7 @@ where
         Some(data) => Trainer::new(cfg, data, options)?, // the data the plan was made for
         None => Trainer::from_config(cfg, options)?,
     };
-    // the predicted memory of this model and data, per layer (src/memory/estimate.rs).
+    // the predicted memory of this model and data, per layer (src/predict/).
     if let Some(e) = trainer.memory_estimate() {
         print!("{}", e.table());
     }

@@ -1,7 +1,7 @@
 //! Command-line flags of `train_cifar10` (and of the children that sweeps and comparisons
 //! start): the training flags are [`TrainConfig`]'s fields, flattened into [`TrainArgs`] beside
 //! the flags that say what to do with the configuration; [`TryFrom`] validates them.
-//! Doc comments are the `--help` text; the README's flag table is checked against it by a test.
+//! Doc comments are the `--help` text; the flag table in docs/flags.md is checked against it by a test.
 
 use crate::config::{parse_size, TrainConfig};
 use crate::error::{Error, Result};
@@ -27,7 +27,7 @@ pub struct TrainArgs {
     /// Replace the results and checkpoints of an earlier run in --out (without it, such an --out is refused)
     #[arg(long)]
     pub overwrite: bool,
-    /// `--fit-memory` and its companions: the memory-budget planner (src/plan.rs).
+    /// `--fit-memory` and its companions: the memory-budget planner (src/predict/plan.rs).
     #[command(flatten)]
     pub plan: PlanArgs,
     /// Write summary.json only (no per-batch CSV/plots); used by sweep children
@@ -221,7 +221,7 @@ fn one_line(msg: &str) -> String {
 }
 
 /// The markdown table of every visible flag of [`TrainArgs`] with its default and help text:
-/// the README's flag table is this string (a test keeps them equal).
+/// the flag table in docs/flags.md is this string (a test keeps them equal).
 pub fn flag_table() -> String {
     let mut cmd = TrainArgs::command();
     // Building resolves each argument's action and value count.

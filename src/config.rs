@@ -186,7 +186,7 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 0.25)]
     pub warmup_frac: f64,
     /// Scale a step's gradients down when their global L2 norm exceeds NORM (0 turns clipping off)
-    // `None` turns clipping off. The default is measured (README "A first run that learns"):
+    // `None` turns clipping off. The default is measured (docs/memory.md, "A first run that learns"):
     // without clipping the first epoch's loss climbs to ~25 at gradient norms of 10-25 and the
     // network dies at chance; 3 keeps 20-epoch accuracy (1 and 2 cost 7 and 3 points there).
     // The path spelling keeps clap from treating the field as an optional flag: the flag always
@@ -571,7 +571,7 @@ impl TrainConfig {
         }
         if !cfg!(feature = "cuda") {
             return Err(Error::config(
-                "--cuda-graph needs a CUDA device, and this binary was built without CUDA; rebuild with --features cuda (see README, Build for CUDA) or drop --cuda-graph",
+                "--cuda-graph needs a CUDA device, and this binary was built without CUDA; rebuild with --features cuda (see docs/cuda.md) or drop --cuda-graph",
             ));
         }
         Ok(())

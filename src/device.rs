@@ -74,7 +74,7 @@ fn cuda_device(n: usize) -> Result<Device> {
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(n: usize) -> Result<Device> {
     Err(Error::Device(format!(
-        "--device cuda:{n}: this binary was built without CUDA; rebuild with --features cuda (see README, Build for CUDA) or use --device cpu"
+        "--device cuda:{n}: this binary was built without CUDA; rebuild with --features cuda (see docs/cuda.md) or use --device cpu"
     )))
 }
 

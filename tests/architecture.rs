@@ -5,8 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Module path of a source file: `src/train/trainer.rs` → `train::trainer`, `src/ops/mod.rs` →
-/// `ops`, `src/lib.rs` → `` (the crate root).
+/// Module path of a source file: `src/train/trainer.rs` → `train::trainer`, `src/step/mod.rs` →
+/// `step`, `src/lib.rs` → `` (the crate root).
 fn module_of(rel: &Path) -> String {
     let s = rel.with_extension("").to_string_lossy().replace('/', "::");
     let s = s.strip_suffix("::mod").unwrap_or(&s).to_string();

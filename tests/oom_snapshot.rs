@@ -103,7 +103,7 @@ fn a_summary_only_child_leaves_a_snapshot_too() {
     // Sweep children write only summary.json; their OOM points still get a snapshot to link.
     let dir = common::temp_dir("oom-snapshot-child");
     // Above what the data set and model need (a limit below that is refused before loading,
-    // src/bounds.rs), below the step's peak.
+    // src/predict/bounds.rs), below the step's peak.
     let (baseline, peak) = unlimited_step_peak(&dir);
     let limit = (baseline + (peak - baseline) / 2).to_string();
     let out = dir.join("point");

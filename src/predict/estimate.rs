@@ -10,7 +10,7 @@
 //!
 //! It is derived from the model's layer list ([`model_layer_specs`], the same list as
 //! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)), not from a hand-written total: the
-//! estimate replays, op by op, the allocations and frees the lean step (`src/train/lean.rs`)
+//! estimate replays, op by op, the allocations and frees the lean step (`src/step/tape.rs`)
 //! makes, in the order it makes them. The rules it replays:
 //!
 //! - **Forward**: each block's conv output h is kept for the backward (with 2·C floats of batch
@@ -28,7 +28,7 @@
 //!   per-slot partials. A checkpoint segment is re-run with saving first.
 //! - **Accumulation**: the first micro-batch's gradients are the buffers; later ones are added in
 //!   place and dropped.
-//! - **Optimizer** (`src/train/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
+//! - **Optimizer** (`src/step/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
 //!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
 //! - **Pruning** (`--prune`, `src/train/prune.rs`): one u8 mask per pruned weight (conv and head
 //!   weights), allocated with the model, so part of the baseline; after the update, with the

@@ -79,7 +79,7 @@ pub(super) fn bn_reduce(sim: &mut Sim, c: &Ctx, b: &BlockNodes, nodes: &[Node]) 
     sim.alloc(ch * 8);
 }
 
-/// The lean step's replay (`src/train/lean.rs`), event by event.
+/// The lean step's replay (`src/step/tape.rs`), event by event.
 pub(super) struct Lean<'a> {
     pub(super) c: &'a Ctx,
     pub(super) nodes: &'a [Node],

@@ -152,7 +152,7 @@ impl Trainer {
             os_current_bytes: os.map(|o| o.current),
             os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak),
             memory_limit: self.config.memory_limit,
-            // The analytic estimate (src/memory/estimate.rs) against the measured peak.
+            // The analytic estimate (src/predict/) against the measured peak.
             predicted_peak_bytes: predicted,
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),

@@ -78,7 +78,7 @@ cli_enum! {
 impl GradCheckpointing {
     /// The segmentations themselves (everything but `auto`), cheapest first: no recomputation,
     /// then one recomputed forward in three segments, then in one segment per block.
-    pub const CONCRETE: &'static [GradCheckpointing] = &[
+    pub(crate) const CONCRETE: &'static [GradCheckpointing] = &[
         GradCheckpointing::None,
         GradCheckpointing::Stages,
         GradCheckpointing::Blocks,
@@ -367,18 +367,18 @@ pub fn parse_size(s: &str) -> Result<u64> {
 }
 
 /// `--prune-begin`: the pruning schedule starts with the run (Keras' `begin_step` default).
-pub const DEFAULT_PRUNE_BEGIN: usize = 0;
+pub(crate) const DEFAULT_PRUNE_BEGIN: usize = 0;
 /// `--prune-every`: masks are recomputed every 100 optimizer steps (Keras' `frequency` default).
 pub const DEFAULT_PRUNE_EVERY: usize = 100;
 /// `--prune-initial`: the schedule starts from a dense model (Keras' `initial_sparsity` default).
-pub const DEFAULT_PRUNE_INITIAL: f64 = 0.0;
+pub(crate) const DEFAULT_PRUNE_INITIAL: f64 = 0.0;
 
 /// Largest config file read: a `config.json` is about 1 KiB, so anything near this is not one.
-pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// The text of a config file: refused unless it is a regular file of at most
 /// [`MAX_CONFIG_BYTES`] (a FIFO would block and `/dev/zero` never ends).
-pub fn read_config_text(path: &std::path::Path) -> Result<String> {
+pub(crate) fn read_config_text(path: &std::path::Path) -> Result<String> {
     use std::io::Read;
     let bad = |why: String| {
         Error::config(format!(
@@ -405,7 +405,7 @@ pub fn read_config_text(path: &std::path::Path) -> Result<String> {
 
 /// Refuse keys of a config object that `TrainConfig` does not have (a typo such as
 /// `batchsize` would otherwise be ignored), naming the nearest valid key.
-pub fn check_keys(path: &std::path::Path, value: &serde_json::Value) -> Result<()> {
+pub(crate) fn check_keys(path: &std::path::Path, value: &serde_json::Value) -> Result<()> {
     let Some(obj) = value.as_object() else {
         return Ok(());
     };
@@ -432,7 +432,7 @@ pub fn check_keys(path: &std::path::Path, value: &serde_json::Value) -> Result<(
 }
 
 /// Fewest images `--synthetic-train` and `--synthetic-test` accept (one per class).
-pub const MIN_SYNTHETIC_IMAGES: usize = 10;
+pub(crate) const MIN_SYNTHETIC_IMAGES: usize = 10;
 
 /// The usage error of `--download` in a build without the `download` cargo feature (which brings
 /// candle-datasets' Hugging Face hub loader and its HTTP, parquet and image stack).
@@ -441,7 +441,7 @@ pub const DOWNLOAD_NOT_BUILT: &str = "--download needs a build with the `downloa
      --download`, or pass --data-dir DIR";
 
 /// Largest batch the trainer accepts; beyond this a typo is more likely than intent.
-pub const MAX_BATCH_SIZE: usize = 1 << 20;
+pub(crate) const MAX_BATCH_SIZE: usize = 1 << 20;
 
 impl TrainConfig {
     /// Images per micro-batch (`batch_size / accum_steps`).

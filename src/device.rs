@@ -5,7 +5,7 @@ use candle_core::Device;
 
 /// A parsed `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceSpec {
+pub(crate) enum DeviceSpec {
     /// The CPU.
     Cpu,
     /// CUDA device with this ordinal.
@@ -13,7 +13,7 @@ pub enum DeviceSpec {
 }
 
 /// Parse `cpu`, `cuda` or `cuda:N`.
-pub fn parse_device_spec(s: &str) -> Result<DeviceSpec> {
+pub(crate) fn parse_device_spec(s: &str) -> Result<DeviceSpec> {
     let t = s.trim().to_ascii_lowercase();
     if t == "cpu" {
         return Ok(DeviceSpec::Cpu);
@@ -79,7 +79,7 @@ fn cuda_device(n: usize) -> Result<Device> {
 }
 
 /// A short name for reports: "cpu" or "cuda:N".
-pub fn device_name(dev: &Device) -> String {
+pub(crate) fn device_name(dev: &Device) -> String {
     match dev.location() {
         candle_core::DeviceLocation::Cpu => "cpu".to_string(),
         candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Write `bytes` to `path` atomically (temp file + fsync + rename in the same directory).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, |tmp| {
         let mut f = std::fs::File::create(tmp).map_err(|e| Error::io(path, e))?;
         f.write_all(bytes).map_err(|e| Error::io(path, e))
@@ -16,7 +16,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Create `path` atomically through `write`, which writes the whole file at the temporary path
 /// it is given (in the same directory); that file is then fsynced and renamed over `path`. For
 /// writers that only write to a path, such as Candle's safetensors `save`.
-pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+pub(crate) fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -45,7 +48,7 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -
 }
 
 /// Serialize `value` as pretty JSON and write it atomically.
-pub fn write_json_atomic<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+pub(crate) fn write_json_atomic<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
     let text = serde_json::to_string_pretty(value)
         .map_err(|e| Error::io(path, std::io::Error::other(e)))?;
     write_atomic(path, text.as_bytes())
@@ -76,7 +79,7 @@ pub fn create_dir(path: &Path) -> Result<()> {
 /// through a cap, so a file that grows meanwhile cannot make the read unbounded either.
 /// Errors: [`std::io::ErrorKind::InvalidInput`] for anything but a regular file,
 /// [`std::io::ErrorKind::FileTooLarge`] past `max`, or the read's own error.
-pub fn read_capped(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+pub(crate) fn read_capped(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     use std::io::{Error as IoError, ErrorKind, Read};
     let meta = std::fs::metadata(path)?;
     if !meta.is_file() {
@@ -103,7 +106,7 @@ pub fn read_capped(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
 
 /// A 64-bit FNV-1a-style hash over little-endian 8-byte words (the tail zero-padded, the length
 /// mixed in last). Not cryptographic: it detects damaged or truncated files and changed data.
-pub fn hash_bytes(bytes: &[u8]) -> u64 {
+pub(crate) fn hash_bytes(bytes: &[u8]) -> u64 {
     const PRIME: u64 = 0x0000_0100_0000_01B3;
     let mut h: u64 = 0xCBF2_9CE4_8422_2325;
     let mut chunks = bytes.chunks_exact(8);

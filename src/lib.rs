@@ -1,16 +1,21 @@
 //! memtrain: train a small CIFAR-10 CNN on Candle and make its training memory visible and smaller.
 //!
+//! Start with [`step`]: one training step and its four memory optimizations (mixed precision,
+//! gradient accumulation, gradient checkpointing, depthwise-separable convolutions), in about
+//! 2,300 lines with the loop ([`train::fit`]) and the recorder ([`memory::record`]).
+//!
 //! The pieces, one concern per module, in layers (each imports only the ones listed after it):
 //! - [`app`]: the `train_cifar10` application; [`sweep`]: process-isolated batch-size sweeps and
 //!   comparisons (each point the sweep's own executable re-run as the trainer), tables and charts.
-//! - [`train`]: the one training loop and its phased step, [`train::TrainState`] and its storage
-//!   as save/resume checkpoints, the lean step (a layer tape), mixed precision, accumulation,
-//!   gradient checkpointing, optimizers, pruning.
+//! - [`train`]: a run around the step — the [`train::Trainer`], the loop, save/resume (the run's
+//!   [`train::TrainState`] and its snapshots), failure reports, pruning, the summary.
+//! - [`step`]: the lean step (a layer tape), the one micro-batch loop, accumulation, precision,
+//!   the optimizers, and Candle's autograd as the tests' oracle.
 //! - [`callbacks`]: the Keras/Lightning-style hook trait and the built-in callbacks.
-//! - [`plan`], [`bounds`]: a configuration for a memory budget; every input sized against the
-//!   budgets before anything is loaded or built.
-//! - [`memory`]: memory probes (counting allocator, CUDA pool), the trainer's recorder, the
-//!   analytic estimate and the memory timeline inside a step.
+//! - [`predict`]: the analytic memory estimate, the `--fit-memory` planner, and every input sized
+//!   against the budgets before anything is loaded or built.
+//! - [`memory`]: memory probes (counting allocator, CUDA pool), the trainer's recorder and the
+//!   memory timeline inside a step.
 //! - [`model`]: the CNN as a list of blocks (segments for gradient checkpointing).
 //! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
 //! - [`config`]: every training flag and default in [`config::TrainConfig`]; [`cli`]: the other

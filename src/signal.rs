@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Exit code of a run stopped by a signal: 128 + SIGINT, what shells report for Ctrl-C.
-pub const INTERRUPTED_EXIT_CODE: i32 = 130;
+pub(crate) const INTERRUPTED_EXIT_CODE: i32 = 130;
 
 /// Install handlers for SIGINT and SIGTERM and return the flag they set, to be passed as
 /// [`TrainerOptions::stop`](crate::train::TrainerOptions::stop).

@@ -33,11 +33,11 @@ pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy
 /// Largest `batches.csv` a resume reads back (about three million steps' rows).
 const MAX_LOG_BYTES: u64 = 1 << 30;
 /// The typed memory log ([`MemoryLog`]); charts and reports read it rather than the CSV.
-pub const MEMORY_JSON: &str = "memory.json";
+pub(crate) const MEMORY_JSON: &str = "memory.json";
 /// Per-step rows.
-pub const BATCHES_CSV: &str = "batches.csv";
+pub(crate) const BATCHES_CSV: &str = "batches.csv";
 /// Per-epoch rows.
-pub const EPOCHS_CSV: &str = "epochs.csv";
+pub(crate) const EPOCHS_CSV: &str = "epochs.csv";
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()

@@ -201,7 +201,7 @@ pub trait Callback {
 
 /// Dispatches every hook to a list of callbacks, in order.
 #[derive(Default)]
-pub struct CallbackList {
+pub(crate) struct CallbackList {
     callbacks: Vec<Box<dyn Callback>>,
 }
 
@@ -222,21 +222,6 @@ impl CallbackList {
     /// A list of callbacks, called in the given order.
     pub fn new(callbacks: Vec<Box<dyn Callback>>) -> Self {
         CallbackList { callbacks }
-    }
-
-    /// Append a callback.
-    pub fn push(&mut self, cb: Box<dyn Callback>) {
-        self.callbacks.push(cb);
-    }
-
-    /// Number of callbacks.
-    pub fn len(&self) -> usize {
-        self.callbacks.len()
-    }
-
-    /// True when there are none.
-    pub fn is_empty(&self) -> bool {
-        self.callbacks.is_empty()
     }
 }
 

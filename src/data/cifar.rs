@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
 /// The name of the test file in a CIFAR-10 binary directory.
-pub const TEST_FILE: &str = "test_batch.bin";
+pub(crate) const TEST_FILE: &str = "test_batch.bin";
 
 /// Tag mixed into the seed of the validation split, so it differs from every other stream.
 const SPLIT_TAG: u64 = 0x5711_7000;
@@ -34,7 +34,7 @@ fn how_to_get() -> String {
 /// Records in one file of the CIFAR-10 binary version: `data_batch_1.bin` .. `data_batch_5.bin`
 /// and `test_batch.bin` hold 10,000 each. A larger file is none of them, and is refused before a
 /// byte of it is read (a multi-GB file would otherwise be read into memory whole).
-pub const MAX_RECORDS_PER_FILE: usize = 10_000;
+pub(crate) const MAX_RECORDS_PER_FILE: usize = 10_000;
 
 /// Bytes read between two looks at the stop flag: a 30 MB file is read in a few chunks.
 const READ_CHUNK: u64 = 4 << 20;
@@ -108,7 +108,7 @@ fn checked_records(path: &Path, meta: &std::fs::Metadata) -> Result<usize> {
 ///
 /// Errors name the file: missing or unreadable, not a regular file, empty, a size that is not a
 /// multiple of 3073 bytes (with the offset of the truncated last record), or too large.
-pub fn check_file(path: &Path) -> Result<usize> {
+pub(crate) fn check_file(path: &Path) -> Result<usize> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     checked_records(path, &meta)
 }
@@ -122,7 +122,7 @@ pub fn read_file(path: &Path) -> Result<Dataset> {
 }
 
 /// [`read_file`], giving up with [`Error::Interrupted`] between chunks once `stop` is set.
-pub fn read_file_with_stop(path: &Path, stop: Option<&AtomicBool>) -> Result<Dataset> {
+pub(crate) fn read_file_with_stop(path: &Path, stop: Option<&AtomicBool>) -> Result<Dataset> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let records = check_file(path)?;
@@ -244,7 +244,7 @@ fn percent(frac: f64) -> String {
 }
 
 /// How many of `n` images [`validation_split`] leaves for training and holds out for validation.
-pub fn split_sizes(n: usize, val_fraction: f64) -> (usize, usize) {
+pub(crate) fn split_sizes(n: usize, val_fraction: f64) -> (usize, usize) {
     let n_val = ((n as f64 * val_fraction).round() as usize)
         .max(1)
         .min(n.saturating_sub(1));
@@ -269,7 +269,7 @@ pub fn validation_split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, 
 /// The files of a CIFAR-10 binary directory that [`load_dir`] reads, each checked by
 /// [`check_file`] but none read yet: their record counts size the data set before it is loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DirFiles {
+pub(crate) struct DirFiles {
     /// `data_batch_N.bin` in order of N, with their numbers of records.
     pub train: Vec<(PathBuf, usize)>,
     /// `test_batch.bin` with its number of records, when the directory has one.
@@ -286,7 +286,7 @@ impl DirFiles {
 /// Find and check the files of a CIFAR-10 binary directory without reading them: `dir` must be
 /// a directory holding at least one `data_batch_N.bin`, and every training file and
 /// `test_batch.bin` (if present) must pass [`check_file`].
-pub fn scan_dir(dir: &Path) -> Result<DirFiles> {
+pub(crate) fn scan_dir(dir: &Path) -> Result<DirFiles> {
     let data_err = |msg: String| Error::Data {
         path: dir.to_path_buf(),
         msg,

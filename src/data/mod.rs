@@ -30,7 +30,7 @@ pub const NUM_CLASSES: usize = 10;
 pub const DEFAULT_DATA_DIR: &str = "data/cifar-10-batches-bin";
 
 /// The URL of the CIFAR-10 binary version, for error messages and docs.
-pub const CIFAR_BINARY_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
+pub(crate) const CIFAR_BINARY_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
 
 /// Images in CIFAR layout: per image 3072 bytes = R plane, G plane, B plane, each 32x32 row-major.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -62,7 +62,7 @@ impl Dataset {
 
     /// Image count and the hashes of the labels and pixels, as one string: a checkpoint's
     /// run continues only on data with the same fingerprint, wherever it is stored.
-    pub fn fingerprint(&self) -> String {
+    pub(crate) fn fingerprint(&self) -> String {
         format!(
             "{}:{:016x}:{:016x}",
             self.len(),
@@ -123,7 +123,7 @@ pub struct DataOptions {
 
 impl DataOptions {
     /// The data settings of `config`; `stop` as [`DataOptions::stop`].
-    pub fn for_config(config: &TrainConfig, stop: Option<Arc<AtomicBool>>) -> Self {
+    pub(crate) fn for_config(config: &TrainConfig, stop: Option<Arc<AtomicBool>>) -> Self {
         DataOptions {
             data_dir: config.data_dir.clone(),
             download: config.download,

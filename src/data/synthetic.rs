@@ -153,6 +153,6 @@ pub fn splits(n_train: usize, n_test: usize, seed: u64) -> (Dataset, Dataset) {
 }
 
 /// The seed of the test split of [`splits`].
-pub fn test_seed(seed: u64) -> u64 {
+pub(crate) fn test_seed(seed: u64) -> u64 {
     mix_seed(&[seed, TEST_TAG])
 }

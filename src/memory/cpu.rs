@@ -117,9 +117,4 @@ impl CountingAllocator {
     pub fn is_installed() -> bool {
         ACTIVE.load(Ordering::Relaxed)
     }
-
-    /// Number of allocations served so far.
-    pub fn total_allocations() -> u64 {
-        TOTAL_ALLOCS.load(Ordering::Relaxed)
-    }
 }

@@ -15,7 +15,7 @@ pub use cpu::{retain_freed_memory, CountingAllocator};
 pub use os::{OsMemory, OsView};
 pub use probe::{CpuProbe, MemoryProbe};
 pub use record::{BatchMemory, EpochMemory, MemoryLog, MemoryRecorder};
-pub use select::probe_for;
+pub(crate) use select::probe_for;
 
 /// Format bytes with a binary unit, e.g. `12.34 MiB`.
 pub fn format_bytes(bytes: u64) -> String {
@@ -34,13 +34,13 @@ pub fn format_bytes(bytes: u64) -> String {
 }
 
 /// Bytes as MiB (for tables and charts).
-pub fn mib(bytes: u64) -> f64 {
+pub(crate) fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// True when a Candle error is a device out-of-memory (CUDA_ERROR_OUT_OF_MEMORY or an
 /// allocation failure), which the trainer reports as [`crate::Error::OutOfMemory`].
-pub fn is_device_oom(e: &candle_core::Error) -> bool {
+pub(crate) fn is_device_oom(e: &candle_core::Error) -> bool {
     #[cfg(feature = "cuda")]
     if cuda::is_cuda_oom(e) {
         return true;

@@ -87,7 +87,7 @@ impl MemoryProbe for CpuProbe {
 
 /// A probe for a device memtrain cannot measure.
 #[derive(Debug, Clone, Copy)]
-pub struct UnavailableProbe;
+pub(crate) struct UnavailableProbe;
 
 impl MemoryProbe for UnavailableProbe {
     fn name(&self) -> &str {

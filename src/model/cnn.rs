@@ -180,7 +180,7 @@ impl Cnn {
     }
 
     /// Overwrite a running statistic by name (for loading checkpoints).
-    pub fn set_buffer(&self, name: &str, value: Tensor) -> Result<()> {
+    pub(crate) fn set_buffer(&self, name: &str, value: Tensor) -> Result<()> {
         for b in &self.blocks {
             let target = if name == format!("{}.bn.running_mean", b.name) {
                 &b.bn.running_mean
@@ -196,7 +196,12 @@ impl Cnn {
     }
 
     /// Run blocks `range` on `x` (compute dtype).
-    pub fn forward_blocks(&self, x: &Tensor, range: Range<usize>, mode: Mode) -> Result<Tensor> {
+    pub(crate) fn forward_blocks(
+        &self,
+        x: &Tensor,
+        range: Range<usize>,
+        mode: Mode,
+    ) -> Result<Tensor> {
         let mut h = x.clone();
         for b in &self.blocks[range] {
             h = b.forward(&h, mode)?;
@@ -206,7 +211,7 @@ impl Cnn {
 
     /// The head: flatten, then the linear layer in f32 (logits and softmax stay in f32 under
     /// mixed precision; it is also the only matmul, which Candle's CPU backend lacks in bf16).
-    pub fn forward_head(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+    pub(crate) fn forward_head(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let x = x.to_dtype(DType::F32)?.flatten_from(1)?;
         let w = mode.param(&self.head_w);
         let b = mode.param(&self.head_b);
@@ -252,7 +257,7 @@ pub fn segments(n: usize, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
 
 /// The layers of the model for `width` and `conv`, in order, for 32x32 inputs: the one description
 /// of the architecture's shapes, used by [`Cnn::layer_specs`] and the memory estimate.
-pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
+pub(crate) fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
     let w = width;
     let chans = [
         (3, w),

@@ -17,7 +17,7 @@ impl Init {
     }
 
     /// `n` normal samples with standard deviation `std` (Box-Muller).
-    pub fn normal(&mut self, n: usize, std: f64) -> Vec<f32> {
+    pub(crate) fn normal(&mut self, n: usize, std: f64) -> Vec<f32> {
         let mut out = Vec::with_capacity(n + 1);
         while out.len() < n {
             let u1: f64 = self.rng.random::<f64>().max(f64::MIN_POSITIVE);
@@ -32,7 +32,7 @@ impl Init {
     }
 
     /// `n` uniform samples in [-bound, bound).
-    pub fn uniform(&mut self, n: usize, bound: f64) -> Vec<f32> {
+    pub(crate) fn uniform(&mut self, n: usize, bound: f64) -> Vec<f32> {
         (0..n)
             .map(|_| ((self.rng.random::<f64>() * 2.0 - 1.0) * bound) as f32)
             .collect()

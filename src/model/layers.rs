@@ -28,7 +28,7 @@ pub enum Mode {
 impl Mode {
     /// The parameter as the forward pass should see it: the variable itself when tracking
     /// gradients, a detached view otherwise (no graph, so intermediates are freed as they go).
-    pub fn param(&self, v: &Var) -> Tensor {
+    pub(crate) fn param(&self, v: &Var) -> Tensor {
         match self {
             Mode::Train { track: true, .. } => v.as_tensor().clone(),
             _ => v.as_detached_tensor(),
@@ -136,7 +136,7 @@ impl BatchNorm {
     }
 
     /// BatchNorm + ReLU of `x` `[N, C, H, W]` in its dtype.
-    pub fn forward_relu(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+    pub(crate) fn forward_relu(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let gamma = mode.param(&self.gamma);
         let beta = mode.param(&self.beta);
         if self.frozen && mode != Mode::Eval {

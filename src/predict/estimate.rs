@@ -63,7 +63,7 @@ use std::path::Path;
 /// (argument parsing, the candle thread pool, progress bars, the memory log, standard I/O
 /// buffers). Measured: the CPU probe's baseline minus the data set and the model (22 KB with
 /// real CIFAR-10 and with synthetic data, once the generator's templates are counted).
-pub const RUNTIME_OVERHEAD_BYTES: u64 = 24 << 10;
+pub(crate) const RUNTIME_OVERHEAD_BYTES: u64 = 24 << 10;
 
 /// Transient bytes per weight of the largest pruned layer while its mask is recomputed and applied
 /// (`src/train/prune.rs`): on the CPU the f32 host copy (4), the sort key (8) and the new mask (1);
@@ -74,17 +74,17 @@ pub(super) const PRUNE_TRANSIENT_PER_WEIGHT_CUDA: u64 = 8;
 /// Bytes the synthetic data generator keeps for the life of the process once it has run
 /// (`src/data/synthetic.rs`): 10 class templates of 3 × 38 × 38 f32 (the image plus a 3-pixel
 /// shift margin on each side) and their 30 plane means.
-pub const SYNTHETIC_TEMPLATE_BYTES: u64 = (10 * 3 * 38 * 38 + 10 * 3) * 4;
+pub(crate) const SYNTHETIC_TEMPLATE_BYTES: u64 = (10 * 3 * 38 * 38 + 10 * 3) * 4;
 
 /// Whether `cfg` trains on the built-in synthetic data (no `--download`, no `--data-dir` and no
 /// `data/cifar-10-batches-bin`), as [`crate::data::load`] decides.
-pub fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
+pub(crate) fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
     !cfg.download && cfg.data_dir.is_none() && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
 }
 
 /// Batches alive at once on the CPU besides the data set: the one being trained, two in the
 /// prefetch channel (`prefetch: 2`) and one the worker has built and is waiting to send.
-pub const BATCHES_IN_FLIGHT: usize = 4;
+pub(crate) const BATCHES_IN_FLIGHT: usize = 4;
 
 /// The data set as far as memory is concerned: how many images each split holds and how many
 /// bytes the loaded splits occupy.
@@ -146,7 +146,7 @@ impl DataSize {
     ///
     /// # Errors
     /// When a data directory is named but holds no readable CIFAR-10 training files.
-    pub fn for_config(cfg: &TrainConfig) -> Result<Self> {
+    pub(crate) fn for_config(cfg: &TrainConfig) -> Result<Self> {
         if cfg.download {
             return Ok(DataSize::exact(50_000, 10_000));
         }
@@ -171,7 +171,7 @@ impl DataSize {
 
     /// Sizes of the checked files of a CIFAR-10 binary directory, as
     /// [`crate::data::cifar::load_dir`] will hold them.
-    pub fn for_files(files: &crate::data::cifar::DirFiles, val_fraction: f64) -> Self {
+    pub(crate) fn for_files(files: &crate::data::cifar::DirFiles, val_fraction: f64) -> Self {
         let train_parts: Vec<usize> = files.train.iter().map(|(_, n)| *n).collect();
         let n: usize = train_parts.iter().sum();
         match &files.test {
@@ -313,11 +313,6 @@ impl Estimate {
             e.current_bytes += bytes;
         }
         self
-    }
-
-    /// `(predicted - measured) / measured` in percent; `None` when nothing was measured.
-    pub fn error_pct(&self, measured: u64) -> Option<f64> {
-        (measured > 0).then(|| (self.peak as f64 - measured as f64) / measured as f64 * 100.0)
     }
 
     /// The per-layer table (layer, output shape, parameters, saved activations, recompute,

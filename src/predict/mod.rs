@@ -1,4 +1,4 @@
-//! Memory before it is used: the analytic estimate of a run ([`estimate`]: replays the step's
+//! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: replays the step's
 //! allocations layer by layer, [`sim`], [`scratch`], [`replay`]), the planner that picks a
 //! configuration for a budget ([`plan`]), and the check that sizes every input against the
 //! budgets before anything is loaded or built ([`bounds`]).
@@ -11,3 +11,4 @@ mod scratch;
 mod sim;
 
 pub use estimate::*;
+pub use replay::EventPrediction;

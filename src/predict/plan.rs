@@ -102,7 +102,7 @@ impl CostModel {
     };
 
     /// The model for a device kind.
-    pub fn for_device(device: DeviceKind) -> Self {
+    pub(crate) fn for_device(device: DeviceKind) -> Self {
         match device {
             DeviceKind::Cpu { threads, .. } => CostModel::cpu(threads),
             DeviceKind::Cuda => CostModel::CUDA,
@@ -322,7 +322,7 @@ impl PlanReport {
     /// The best plan of every other combination of precision, checkpointing and conv kind, in
     /// rank order (plans that only use a smaller micro-batch than a better-ranked one of the same
     /// combination are left out: they are never faster).
-    pub fn runners_up(&self) -> Vec<&Plan> {
+    pub(crate) fn runners_up(&self) -> Vec<&Plan> {
         let c = self.chosen();
         let mut seen = vec![(c.precision, c.grad_checkpointing, c.conv)];
         let mut out = Vec::new();

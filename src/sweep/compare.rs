@@ -6,9 +6,7 @@
 //! `step_timeline.json`, overlaid ([`write_step_timeline_overlays`]).
 
 pub use super::results::{CompareEntry, CompareResult};
-use super::{
-    describe, merge_flags, oom_snapshot_link, run_child, slug, split_flags, Progress, Status,
-};
+use super::{describe, merge_flags, oom_snapshot_link, run_child, slug, split_flags, Progress};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -221,9 +219,4 @@ pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Resul
         }
     }
     write_step_timeline_overlay(&timelines, &dir.join(STEP_TIMELINE_CHART))
-}
-
-/// True when every entry finished.
-pub fn all_ok(result: &CompareResult) -> bool {
-    result.entries.iter().all(|e| e.run.status == Status::Ok)
 }

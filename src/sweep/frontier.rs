@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 
 /// Stem of the chart files (`frontier.png`, `frontier.svg`) in a sweep's or comparison's output
 /// directory.
-pub const FRONTIER_CHART: &str = "frontier";
+pub(crate) const FRONTIER_CHART: &str = "frontier";
 
 /// The one-line legend under a markdown table whose `frontier` column marks points with `✓`.
-pub const FRONTIER_LEGEND: &str = "✓ frontier: no other point that ran has both lower-or-equal peak memory and higher-or-equal img/s (one of them strictly); drawn in frontier.png";
+pub(crate) const FRONTIER_LEGEND: &str = "✓ frontier: no other point that ran has both lower-or-equal peak memory and higher-or-equal img/s (one of them strictly); drawn in frontier.png";
 
 /// One measured point: a label, its peak memory and its throughput (`None` when not measured,
 /// e.g. a run that ran out of memory).

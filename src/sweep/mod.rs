@@ -97,14 +97,14 @@ impl ChildRun {
     }
 
     /// Peak bytes above the baseline (what training itself added), when the run finished.
-    pub fn peak_above_baseline(&self) -> Option<u64> {
+    pub(crate) fn peak_above_baseline(&self) -> Option<u64> {
         self.summary
             .as_ref()
             .map(|s| s.peak_bytes.saturating_sub(s.baseline_bytes))
     }
 
     /// Highest reserved bytes of the CUDA pool (absent on the CPU).
-    pub fn reserved_peak_bytes(&self) -> Option<u64> {
+    pub(crate) fn reserved_peak_bytes(&self) -> Option<u64> {
         self.summary.as_ref().and_then(|s| s.reserved_peak_bytes)
     }
 
@@ -136,7 +136,7 @@ pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> 
 /// The first argument with which a sweep or comparison binary runs as `train_cifar10`: each
 /// point re-runs the sweep's own executable with it ([`TrainerCommand`]; the binary's `main`
 /// answers it through [`crate::app::serve_as_trainer`]), so a sweep needs no other binary.
-pub const TRAINER_ROLE_ARG: &str = "--as-train-cifar10";
+pub(crate) const TRAINER_ROLE_ARG: &str = "--as-train-cifar10";
 
 /// How a sweep or comparison starts a trainer child: by default its own executable again, with
 /// [`TRAINER_ROLE_ARG`] first (so the child is exactly this build, and nothing has to
@@ -269,7 +269,7 @@ fn flag_groups(tokens: &[String]) -> Vec<Vec<String>> {
 }
 
 /// The flag names present in `tokens`.
-pub fn flag_names(tokens: &[String]) -> Vec<String> {
+pub(crate) fn flag_names(tokens: &[String]) -> Vec<String> {
     tokens
         .iter()
         .filter_map(|t| flag_name(t))
@@ -298,7 +298,7 @@ pub fn merge_flags(lists: &[&[String]]) -> Vec<String> {
 }
 
 /// A file- and directory-name-safe slug of `s` (lowercase ASCII letters, digits, `-`, `.`).
-pub fn slug(s: &str) -> String {
+pub(crate) fn slug(s: &str) -> String {
     let mut out = String::new();
     for c in s.chars() {
         if c.is_ascii_alphanumeric() || c == '.' {
@@ -319,7 +319,7 @@ pub fn slug(s: &str) -> String {
 }
 
 /// Quote `s` for a shell command line when it needs quoting.
-pub fn shell_quote(s: &str) -> String {
+pub(crate) fn shell_quote(s: &str) -> String {
     if !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
@@ -350,7 +350,7 @@ pub fn default_out_dir(prefix: &str) -> PathBuf {
 
 /// Refuse to write into `dir` when it already holds entries (results of an earlier sweep or
 /// comparison), so that old runs are never mixed with, or mistaken for, new ones.
-pub fn ensure_fresh(dir: &Path) -> Result<()> {
+pub(crate) fn ensure_fresh(dir: &Path) -> Result<()> {
     let non_empty = std::fs::read_dir(dir)
         .map(|mut d| d.next().is_some())
         .unwrap_or(false);
@@ -419,7 +419,7 @@ fn last_line(text: &str) -> String {
 }
 
 /// `--timeout 0` would kill every point at once: refused.
-pub fn check_timeout(timeout: Option<Duration>) -> Result<()> {
+pub(crate) fn check_timeout(timeout: Option<Duration>) -> Result<()> {
     if timeout == Some(Duration::ZERO) {
         return Err(Error::config(
             "--timeout must be at least 1 second (leave it out for no limit)",
@@ -447,7 +447,7 @@ pub fn all_failed<'a>(mut runs: impl Iterator<Item = &'a ChildRun>) -> Result<()
 /// `stderr.log` in `run_dir` (created), wait for it (killing it after `timeout`), and classify the
 /// outcome. Fails when the child cannot be started at all, and with [`Error::Config`] when it
 /// refused its flags (exit status 2): a usage error would fail every point alike.
-pub fn run_child(
+pub(crate) fn run_child(
     trainer: &TrainerCommand,
     args: &[String],
     run_dir: &Path,
@@ -590,7 +590,7 @@ fn judge(
 
 /// Progress across the points of a sweep or comparison: an indicatif bar on a terminal, plain
 /// lines on stderr otherwise, nothing when disabled.
-pub struct Progress {
+pub(crate) struct Progress {
     bar: Option<indicatif::ProgressBar>,
     plain: bool,
     total: u64,
@@ -652,7 +652,7 @@ impl Progress {
     }
 
     /// All points are done.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }

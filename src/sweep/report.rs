@@ -200,7 +200,7 @@ pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,b
 
 /// One frontier point per point of the sweep (same order as `r.points`), labelled
 /// `<configuration> b<batch>`; only points that ran ok are measured.
-pub fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
+pub(crate) fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
     r.points
         .iter()
         .map(|p| frontier_point(format!("{} b{}", p.configuration, p.batch_size), &p.run))
@@ -309,7 +309,7 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
 }
 
 /// Write `sweep.json`, `sweep.csv` and `sweep.md` into `dir` (atomically).
-pub fn write_sweep_files(dir: &Path, r: &SweepResult) -> Result<()> {
+pub(crate) fn write_sweep_files(dir: &Path, r: &SweepResult) -> Result<()> {
     write_json_atomic(&dir.join("sweep.json"), r)?;
     write_atomic(&dir.join("sweep.csv"), sweep_csv(r).as_bytes())?;
     write_atomic(&dir.join("sweep.md"), sweep_markdown(r).as_bytes())
@@ -338,7 +338,7 @@ pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_chang
 
 /// One frontier point per configuration of the comparison (same order as `r.entries`), labelled
 /// with the configuration's label; only runs that finished ok are measured.
-pub fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
+pub(crate) fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
     r.entries
         .iter()
         .map(|e| frontier_point(e.label.clone(), &e.run))
@@ -464,7 +464,7 @@ pub fn compare_markdown(r: &CompareResult) -> String {
 }
 
 /// Write `compare.json`, `compare.csv` and `compare.md` into `dir` (atomically).
-pub fn write_compare_files(dir: &Path, r: &CompareResult) -> Result<()> {
+pub(crate) fn write_compare_files(dir: &Path, r: &CompareResult) -> Result<()> {
     write_json_atomic(&dir.join("compare.json"), r)?;
     write_atomic(&dir.join("compare.csv"), compare_csv(r).as_bytes())?;
     write_atomic(&dir.join("compare.md"), compare_markdown(r).as_bytes())
@@ -531,7 +531,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
 /// Draw `memory.png` and `memory.svg` into a run directory from its `memory.json`: the peak of
 /// every step, the bytes still in use after it, the CUDA pool's reserved bytes when measured,
 /// and horizontal lines for the baseline and the memory limit when given.
-pub fn write_run_memory_chart(
+pub(crate) fn write_run_memory_chart(
     run_dir: &Path,
     title: &str,
     baseline: Option<u64>,

@@ -117,7 +117,7 @@ pub struct SweepResult {
 
 impl SweepResult {
     /// The points of one configuration, sorted by batch size.
-    pub fn points_of(&self, configuration: &str) -> Vec<&SweepPoint> {
+    pub(crate) fn points_of(&self, configuration: &str) -> Vec<&SweepPoint> {
         let mut v: Vec<&SweepPoint> = self
             .points
             .iter()

@@ -23,12 +23,12 @@ use std::path::{Path, PathBuf};
 
 /// Stem of the chart files (`step_timeline.png`, `step_timeline.svg`), in a run directory and in a
 /// comparison's output directory.
-pub const STEP_TIMELINE_CHART: &str = "step_timeline";
+pub(crate) const STEP_TIMELINE_CHART: &str = "step_timeline";
 
 /// Read a step timeline written by the trainer. `Ok(None)` when the file does not exist (runs of
 /// older versions, sweep children); a file that exists but does not parse is an [`Error::Data`]
 /// naming it.
-pub fn read_step_timeline(path: &Path) -> Result<Option<StepTimeline>> {
+pub(crate) fn read_step_timeline(path: &Path) -> Result<Option<StepTimeline>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),

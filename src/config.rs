@@ -276,7 +276,7 @@ pub struct TrainConfig {
         help = "Keep the peak-memory watermark across epochs instead of resetting it at each epoch start"
     )]
     pub reset_peak_each_epoch: bool,
-    /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in [0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model-sparse.safetensors at the end
+    /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in (0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model-sparse.safetensors at the end
     #[arg(long, value_name = "SPARSITY")]
     pub prune: Option<f64>,
     /// Optimizer step at which the pruning schedule starts (needs --prune)
@@ -593,8 +593,15 @@ impl TrainConfig {
         };
         if !target.is_finite() || !(0.0..1.0).contains(&target) {
             return bad(format!(
-                "--prune must be a sparsity in [0, 1) (0.5 zeroes half of each layer's weights), got {target}"
+                "--prune must be a sparsity in (0, 1) (0.5 zeroes half of each layer's weights), got {target}"
             ));
+        }
+        if target == 0.0 {
+            // A "sparse" model of nothing pruned is larger than the dense one (its index data).
+            return bad(
+                "--prune 0 prunes nothing; leave --prune out, or give a sparsity such as 0.5"
+                    .into(),
+            );
         }
         if !self.prune_initial.is_finite() || !(0.0..=target).contains(&self.prune_initial) {
             return bad(format!(

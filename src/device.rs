@@ -18,8 +18,14 @@ pub(crate) fn parse_device_spec(s: &str) -> Result<DeviceSpec> {
     if t == "cpu" {
         return Ok(DeviceSpec::Cpu);
     }
-    if t == "cuda" || t == "gpu" {
+    if t == "cuda" {
         return Ok(DeviceSpec::Cuda(0));
+    }
+    if t == "gpu" || t.starts_with("gpu:") {
+        // Not an alias: every later message would name a device the user never typed.
+        return Err(Error::config(format!(
+            "--device '{s}' is not a device; the GPU is spelled cuda or cuda:N"
+        )));
     }
     if let Some(n) = t.strip_prefix("cuda:") {
         return n.parse::<usize>().map(DeviceSpec::Cuda).map_err(|_| {

@@ -181,6 +181,13 @@ fn cases() -> Vec<Case> {
             fix: "lower --batch-size",
         },
         Case {
+            name: "--device gpu (not an alias of cuda)",
+            setup: |_| flags("--device gpu"),
+            code: 2,
+            problem: "--device 'gpu' is not a device",
+            fix: "cuda or cuda:N",
+        },
+        Case {
             name: "--epochs whose steps cannot be counted",
             setup: |_| flags("--epochs 6148914691236517206 --synthetic-train 96 --batch-size 32"),
             code: 2,

@@ -396,9 +396,13 @@ fn bad_prune_flags_exit_2_with_one_line() {
     let base = "--device cpu --width 4 --synthetic-train 64 --synthetic-test 16 --batch-size 32 --epochs 1 --quiet --no-eval";
     // (flags, words the line must contain). The run has 2 steps.
     let cases: &[(&str, &[&str])] = &[
-        ("--prune 1.0", &["--prune", "[0, 1)"]),
-        ("--prune=-0.1", &["--prune", "[0, 1)"]),
-        ("--prune NaN", &["--prune", "[0, 1)"]),
+        ("--prune 1.0", &["--prune", "(0, 1)"]),
+        ("--prune=-0.1", &["--prune", "(0, 1)"]),
+        ("--prune NaN", &["--prune", "(0, 1)"]),
+        (
+            "--prune 0",
+            &["--prune 0 prunes nothing", "leave --prune out"],
+        ),
         ("--prune half", &["half", "--help"]),
         (
             "--prune-every 5",

@@ -30,7 +30,7 @@ use super::gemm_bf16::{bf16_kernel, Bf16Kernel};
 use super::geom::{conv_backward, shape_error, ConvPass, Geom};
 use super::util::{cpu_slice, dispatch_float};
 
-pub use super::conv2d_cpu::{im2col_chunk_bytes, IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
+pub use super::conv2d_cpu::{im2col_chunk_bytes, PassScratch, IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
 
 /// 2D convolution `x [N, Cin, H, W] * w [Cout, Cin, K, K]` (no bias, groups 1) with a square
 /// `stride` and zero `padding`, differentiable with respect to `x` and `w`.
@@ -194,6 +194,40 @@ fn conv2d_impl(
     let x = x.contiguous()?;
     let w = w.contiguous()?;
     x.apply_op2(&w, Conv2dOp::new(geom, ConvPass::Forward))
+}
+
+/// What `pass` of [`conv2d`] allocates on the CPU besides its result, for an input of shape
+/// `x_dims` and a weight of `w_dims` in `dtype` on `threads` threads, on the kernels this CPU
+/// runs: computed by the functions the pass sizes its buffers with, so it is what the pass
+/// allocates (but for a few hundred bytes of gemm's bookkeeping and Candle's tensor
+/// descriptors), whatever the threads' scheduling. The memory estimate's source for the op.
+///
+/// # Errors
+/// When the shapes are not a valid convolution (as [`conv2d`]).
+pub fn cpu_pass_scratch(
+    pass: ConvPass,
+    x_dims: &[usize],
+    w_dims: &[usize],
+    stride: usize,
+    padding: usize,
+    dtype: DType,
+    threads: usize,
+) -> Result<PassScratch> {
+    let g = Geom::new(x_dims, w_dims, stride, padding, None)?;
+    Ok(if !cpu_uses_gemm_crate(dtype) {
+        conv2d_bf16::pass_scratch(pass, &g, threads)
+    } else {
+        let native = matches!(dtype, DType::F32 | DType::F64);
+        let acc = if dtype == DType::F64 { 8 } else { 4 };
+        conv2d_cpu::pass_scratch(pass, &g, native, acc, threads)
+    })
+}
+
+/// Whether [`conv2d`] multiplies with the `gemm` crate on the CPU for `dtype` (whose threads
+/// then each keep an L2-sized packing buffer): every dtype but bf16 on a CPU with the AVX-512
+/// bf16 kernels ([`super::gemm_bf16`]), which pack into buffers of their own.
+pub fn cpu_uses_gemm_crate(dtype: DType) -> bool {
+    !(dtype == DType::BF16 && bf16_kernel() != Bf16Kernel::Widen)
 }
 
 /// One pass of the convolution `geom` as a Candle op: the forward `(x, w) -> y` (with the gemm

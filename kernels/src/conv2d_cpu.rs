@@ -25,12 +25,12 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 use candle_core::DType;
 
 use super::geom::{ConvPass, Geom};
-use super::util::{Acc, Float};
+use super::util::{gemm_packing_bytes, Acc, Float};
 
 /// Upper bound, in bytes, on the column buffers the weight-gradient pass holds at once (all threads
 /// together). A chunk is never smaller than one image per thread, so one image's column matrix
@@ -100,6 +100,17 @@ pub(super) fn num_threads() -> usize {
     candle_core::utils::barrier_pool().n_workers() + 1
 }
 
+/// Threads that get work when `items` work items are shared out by [`par_chunks`] (one item
+/// each) on `threads` threads: one when there is at most one item (it runs on the calling
+/// thread), else at most one per item.
+pub(super) fn busy_threads(items: usize, threads: usize) -> usize {
+    if items <= 1 {
+        items
+    } else {
+        threads.clamp(1, items)
+    }
+}
+
 /// Images per weight-gradient chunk: enough for [`MIN_GEMM_DEPTH`] output pixels, but no more than
 /// fit in this thread's share of [`IM2COL_CHUNK_BYTES`] or than an even split of the batch (so that
 /// every thread gets work); at least one.
@@ -141,6 +152,48 @@ fn widen<'a, T: Float>(src: &'a [T], buf: &'a mut Vec<T::Acc>) -> &'a [T::Acc] {
             T::widen(src, dst);
             dst
         }
+    }
+}
+
+/// The scratch of a parallel section's threads, made in full on the calling thread before the
+/// section starts (one set per thread that can get work, [`busy_threads`]) and handed out as
+/// the threads take their first item.
+///
+/// Made lazily on each thread instead, the sets of two threads were alive at once or one after
+/// the other depending on when the second thread got going, so the op's peak depended on the
+/// scheduling (by a set, a few hundred KiB at test sizes). Made up front, every set is alive
+/// from the start of the section to its end, and the peak is the same on every run.
+///
+/// Each set also holds `reserve` bytes for the `gemm` crate's packing buffer (see
+/// [`gemm_packing_bytes`]), which gemm allocates inside every product, where no one can hand
+/// it ours: a thread frees its reservation when it takes its set, before its first product, so
+/// the bytes in use while the threads run never exceed those at the start of the section,
+/// whether or not their products overlap.
+pub(super) struct ThreadSets<S> {
+    sets: Vec<Mutex<Option<(S, Vec<u8>)>>>,
+    taken: AtomicUsize,
+}
+
+impl<S: Send> ThreadSets<S> {
+    /// `busy` sets made by `make`, each with a reservation of `reserve` bytes.
+    pub(super) fn new(busy: usize, reserve: usize, make: impl Fn() -> S) -> Self {
+        let sets = (0..busy)
+            .map(|_| Mutex::new(Some((make(), Vec::with_capacity(reserve)))))
+            .collect();
+        Self {
+            sets,
+            taken: AtomicUsize::new(0),
+        }
+    }
+
+    /// A set for the calling thread, which then owns it (and frees it, on itself, when done),
+    /// its reservation freed; called once per thread, at its first item (so no more often than
+    /// there are sets).
+    pub(super) fn take(&self) -> S {
+        let i = self.taken.fetch_add(1, Ordering::Relaxed);
+        let mut slot = self.sets[i].lock().unwrap_or_else(|e| e.into_inner());
+        let (set, _reservation) = slot.take().expect("conv2d: a thread set taken twice");
+        set
     }
 }
 
@@ -413,25 +466,31 @@ where
 }
 
 /// The results of `n` images, `len` elements each, computed in parallel: `fill(scratch, i, dst)`
-/// writes image `i`'s result into `dst` (zeroed first) on whichever thread takes the image, and
-/// `make_scratch()` makes each thread's buffers once. The forward and input-gradient passes (here
-/// and in [`super::conv2d_bf16`]) are each one call of this.
-pub(super) fn per_image<T: Float, S>(
+/// writes image `i`'s result into `dst` (zeroed first) on whichever thread takes the image.
+/// `make_scratch()` makes one thread's buffers at their full size, for every thread that can get
+/// an image, before the threads start ([`ThreadSets`], with `reserve` bytes for gemm's packing).
+/// The forward and input-gradient passes (here and in [`super::conv2d_bf16`]) are each one call
+/// of this.
+pub(super) fn per_image<T: Float, S: Send>(
     n: usize,
     len: usize,
-    make_scratch: impl Fn() -> S + Sync,
+    reserve: usize,
+    make_scratch: impl Fn() -> S,
     fill: impl Fn(&mut S, usize, &mut [T]) + Sync,
 ) -> Vec<T> {
     let mut out = Vec::new();
     let shared = SharedOut::spare(&mut out, n * len);
+    let sets = ThreadSets::new(busy_threads(n, num_threads()), reserve, make_scratch);
     par_chunks(n, 1, |chunks| {
-        let mut scratch = make_scratch();
+        let mut set = None;
         for i in chunks.flatten() {
+            let scratch = set.get_or_insert_with(|| sets.take());
             // SAFETY: image `i` is handed to this thread only; a float type's zero bits are 0.0.
             let dst = unsafe { shared.zeroed(i * len, len) };
-            fill(&mut scratch, i, dst);
+            fill(scratch, i, dst);
         }
     });
+    drop(sets);
     // SAFETY: `par_chunks` hands out every image, and each image's slice was initialized by
     // `zeroed` (a panic in a thread propagates before this line).
     unsafe { out.set_len(n * len) };
@@ -443,45 +502,96 @@ pub(super) fn per_image<T: Float, S>(
 /// every run.
 ///
 /// A finished partial is added as soon as every earlier slot has been, and its buffer is then
-/// reused for a later slot; partials only wait while an earlier slot is still being computed. So
-/// the buffers alive at once are the running total plus about one per thread (at most one per
-/// slot if a thread stalls for a long time).
+/// reused for a later slot; partials only wait while an earlier slot is still being computed.
+/// The buffers are made up front, a fixed number of them ([`partial_buffers`]: the running total,
+/// one per thread and a spare), so the bytes they hold do not depend on the scheduling: a
+/// thread that runs out of buffers because an earlier slot is still being computed waits for
+/// one instead of allocating another (before, the partials of a stalled thread's later slots
+/// piled up, one per slot).
 pub(super) struct OrderedSum<A> {
     len: usize,
     state: Mutex<SumState<A>>,
+    /// Signalled when a buffer is freed or the last slot is added.
+    freed: Condvar,
 }
 
 struct SumState<A> {
     /// The first slot not yet added to `total`.
     next: usize,
     total: Option<Vec<A>>,
+    /// Set when a thread panicked: no more buffers are handed out.
+    abandoned: bool,
     /// Finished partials waiting for an earlier slot, by slot.
     waiting: Vec<Option<Vec<A>>>,
-    /// Buffers of partials already added, for the next slots.
+    /// Buffers free for the next slots (allocated, not yet initialized before their first use).
     free: Vec<Vec<A>>,
 }
 
+/// Partial-sum buffers of the weight gradient for `slots` slots on `threads` threads, at most one
+/// per slot: the running total (the first slot's buffer), one per thread, and one spare, so that
+/// a thread that finishes a slot while an earlier one is still being computed can start the
+/// next instead of waiting (measured on a loaded 2-core machine: without the spare, a thread
+/// waited a third of the default net's last weight-gradient pass; with it, almost never).
+pub(super) fn partial_buffers(slots: usize, threads: usize) -> usize {
+    slots.min(threads + 2)
+}
+
 impl<A: Acc> OrderedSum<A> {
-    pub(super) fn new(slots: usize, len: usize) -> Self {
+    /// A sum of `slots` partials of `len` elements, with `buffers` buffers (at least one when
+    /// there is a slot).
+    pub(super) fn new(slots: usize, len: usize, buffers: usize) -> Self {
+        let buffers = if slots > 0 { buffers.max(1) } else { 0 };
         Self {
             len,
             state: Mutex::new(SumState {
                 next: 0,
                 total: None,
+                abandoned: false,
                 waiting: (0..slots).map(|_| None).collect(),
-                free: Vec::new(),
+                free: (0..buffers).map(|_| Vec::with_capacity(len)).collect(),
             }),
+            freed: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, SumState<A>> {
+    fn lock(&self) -> MutexGuard<'_, SumState<A>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A buffer of `len` elements for one slot's partial (stale contents).
-    pub(super) fn buffer(&self) -> Vec<A> {
-        let reused = self.lock().free.pop();
-        reused.unwrap_or_else(|| vec![A::ZERO; self.len])
+    /// A buffer of `len` elements for one slot's partial (stale contents), waiting until one is
+    /// free; `None` once every slot has been added.
+    ///
+    /// Take the buffer before taking the slot: a thread that holds a slot then always has its
+    /// buffer, so the first slot not yet added is always being computed, and a waiting thread
+    /// always gets a buffer when it is added.
+    pub(super) fn buffer(&self) -> Option<Vec<A>> {
+        let mut st = self.lock();
+        let mut buf = loop {
+            if let Some(b) = st.free.pop() {
+                break b;
+            }
+            if st.next == st.waiting.len() || st.abandoned {
+                return None;
+            }
+            st = self.freed.wait(st).unwrap_or_else(|e| e.into_inner());
+        };
+        drop(st);
+        // The first use of a buffer fills it, on the thread that uses it.
+        buf.resize(self.len, A::ZERO);
+        Some(buf)
+    }
+
+    /// A guard for one thread's part of the sum: if the thread panics, the guard's drop wakes the
+    /// threads waiting for a buffer (which then get none), so the panic reaches the caller
+    /// instead of leaving them waiting for a slot that will never be added.
+    pub(super) fn guard(&self) -> SumGuard<'_, A> {
+        SumGuard(self)
+    }
+
+    /// Returns a buffer taken with [`Self::buffer`] that got no slot.
+    pub(super) fn give_back(&self, buf: Vec<A>) {
+        self.lock().free.push(buf);
+        self.freed.notify_all();
     }
 
     /// Hands over the partial sum of `slot`.
@@ -504,9 +614,11 @@ impl<A: Acc> OrderedSum<A> {
             }
             st.next += 1;
         }
+        drop(guard);
+        self.freed.notify_all();
     }
 
-    /// The sum of all slots (`None` when there were none).
+    /// The sum of all slots (`None` when there were none); the other buffers are freed first.
     pub(super) fn total(self) -> Option<Vec<A>> {
         let st = self.state.into_inner().unwrap_or_else(|e| e.into_inner());
         assert_eq!(
@@ -514,7 +626,189 @@ impl<A: Acc> OrderedSum<A> {
             st.waiting.len(),
             "conv2d: a weight-gradient slot was never summed"
         );
+        drop(st.free);
         st.total
+    }
+}
+
+/// See [`OrderedSum::guard`].
+pub(super) struct SumGuard<'a, A: Acc>(&'a OrderedSum<A>);
+
+impl<A: Acc> Drop for SumGuard<'_, A> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.lock().abandoned = true;
+            self.0.freed.notify_all();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the passes allocate
+
+/// The heap one pass of the op holds besides its result, as its code allocates it (the sizes
+/// below are the ones the passes make their buffers with): what the memory estimate predicts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PassScratch {
+    /// Bytes held while the threads run: one full set of buffers per thread that gets work,
+    /// with its reservation for gemm's packing ([`ThreadSets`]), what the calling thread made for
+    /// all of them (a widened or transposed weight) and the weight gradient's partial sums. The
+    /// forward and the input gradient allocate their result before this, the weight gradient
+    /// after.
+    pub section: usize,
+    /// The weight gradient's bytes besides its result while that is written (the running total,
+    /// and in the generic passes one transposed row); 0 for the other passes.
+    pub tail: usize,
+}
+
+/// One thread's buffers of a pass: element counts in the gemm type (0 for a buffer the pass
+/// does not need) and the bytes of its reservation for gemm's packing.
+pub(super) struct Sets<const B: usize> {
+    pub(super) lens: [usize; B],
+    pub(super) reserve: usize,
+}
+
+/// Whether `T` is its own gemm type (f32, f64): no widened copies.
+fn native<T: Float>() -> bool {
+    T::as_acc(&[]).is_some()
+}
+
+/// The forward's buffers: the widened image, the column matrix (none when the pointwise
+/// convolution multiplies the image in place) and the widened output image.
+fn forward_sets(g: &Geom, native: bool, acc: usize) -> Sets<3> {
+    let (ckk, hwo) = (g.ckk(), g.hw_out());
+    let ld = padded_ld(hwo, acc);
+    let in_place = g.pointwise() && ld == hwo;
+    let widened = |len| if native { 0 } else { len };
+    let (col, rs) = if in_place { (0, hwo) } else { (ckk * ld, ld) };
+    Sets {
+        lens: [widened(g.in_image()), col, widened(g.out_image())],
+        reserve: gemm_packing_bytes([g.cout, hwo, ckk], hwo, (ckk, 1), (rs, 1), acc),
+    }
+}
+
+/// The input gradient's buffers: the widened output gradient, the column matrix (none for a
+/// pointwise convolution) and the widened image.
+fn grad_input_sets(g: &Geom, native: bool, acc: usize) -> Sets<3> {
+    let (ckk, hwo) = (g.ckk(), g.hw_out());
+    let ld = padded_ld(hwo, acc);
+    let widened = |len| if native { 0 } else { len };
+    let (col, dst_rs) = if g.pointwise() {
+        (0, hwo)
+    } else {
+        (ckk * ld, ld)
+    };
+    Sets {
+        lens: [widened(g.out_image()), col, widened(g.in_image())],
+        reserve: gemm_packing_bytes([ckk, hwo, g.cout], dst_rs, (1, ckk), (hwo, 1), acc),
+    }
+}
+
+/// How the weight gradient shares out its batch (see `grad_weight`), here and in
+/// [`super::conv2d_bf16`].
+pub(super) struct WgradPlan {
+    /// Images per chunk (one gemm).
+    pub(super) chunk: usize,
+    /// Images per slot (a whole number of chunks; one partial sum).
+    pub(super) slot_images: usize,
+    pub(super) n_slots: usize,
+    /// Threads that get a slot.
+    pub(super) busy: usize,
+    /// Partial-sum buffers ([`partial_buffers`]).
+    pub(super) buffers: usize,
+}
+
+impl WgradPlan {
+    /// The plan for `g` with `acc`-byte sums on `threads` threads.
+    pub(super) fn new(g: &Geom, acc: usize, threads: usize) -> Self {
+        let (ckk, hwo) = (g.ckk(), g.hw_out());
+        let chunk = images_per_chunk(g.n, hwo, ckk * hwo * acc, threads, g.chunk);
+        let n_chunks = g.n.div_ceil(chunk);
+        let per_slot = chunks_per_slot(n_chunks, ckk * g.cout * acc, threads);
+        let n_slots = n_chunks.div_ceil(per_slot);
+        Self {
+            chunk,
+            slot_images: per_slot * chunk,
+            n_slots,
+            busy: busy_threads(n_slots, threads),
+            buffers: partial_buffers(n_slots, threads),
+        }
+    }
+
+    /// The images of `slot` of a batch of `n`.
+    pub(super) fn slot(&self, slot: usize, n: usize) -> Range<usize> {
+        slot * self.slot_images..((slot + 1) * self.slot_images).min(n)
+    }
+
+    /// The chunk sizes a batch of `n` has: chunks start at multiples of `chunk` (slots are whole
+    /// numbers of chunks), so all are full but the last.
+    pub(super) fn chunk_sizes(&self, n: usize) -> impl Iterator<Item = usize> {
+        [self.chunk.min(n), n % self.chunk]
+            .into_iter()
+            .filter(|&b| b > 0)
+    }
+}
+
+/// The weight gradient's buffers: the widened image, the chunk's column matrix (none for one
+/// image of a pointwise f32 convolution, read in place) and the gathered output gradient (none
+/// for one image in f32, read in place), each for its largest chunk.
+fn grad_weight_sets(g: &Geom, native: bool, acc: usize, plan: &WgradPlan) -> Sets<3> {
+    let (ckk, hwo) = (g.ckk(), g.hw_out());
+    let mut sets = Sets {
+        lens: [if native { 0 } else { g.in_image() }, 0, 0],
+        reserve: 0,
+    };
+    for b in plan.chunk_sizes(g.n) {
+        let ld = padded_ld(b * hwo, acc);
+        let in_place = native && b == 1 && g.pointwise() && ld == hwo;
+        let (col, rs) = if in_place { (0, hwo) } else { (ckk * ld, ld) };
+        let (gathered, cs) = if native && b == 1 {
+            (0, hwo)
+        } else {
+            (g.cout * b * hwo, b * hwo)
+        };
+        let packing = gemm_packing_bytes([ckk, g.cout, b * hwo], g.cout, (rs, 1), (1, cs), acc);
+        sets.lens[1] = sets.lens[1].max(col);
+        sets.lens[2] = sets.lens[2].max(gathered);
+        sets.reserve = sets.reserve.max(packing);
+    }
+    sets
+}
+
+/// What `pass` of `g` allocates besides its result in the generic passes, for `threads` threads
+/// and a storage type that is (`native`) or widens to its `acc`-byte gemm type.
+pub(super) fn pass_scratch(
+    pass: ConvPass,
+    g: &Geom,
+    native: bool,
+    acc: usize,
+    threads: usize,
+) -> PassScratch {
+    let per_set = |s: Sets<3>| s.lens.iter().sum::<usize>() * acc + s.reserve;
+    let weight = if native { 0 } else { g.cout * g.ckk() * acc };
+    let busy = busy_threads(g.n, threads);
+    match pass {
+        ConvPass::Forward => PassScratch {
+            section: weight + busy * per_set(forward_sets(g, native, acc)),
+            tail: 0,
+        },
+        ConvPass::InputGrad => PassScratch {
+            section: weight + busy * per_set(grad_input_sets(g, native, acc)),
+            tail: 0,
+        },
+        ConvPass::WeightGrad => {
+            let plan = WgradPlan::new(g, acc, threads);
+            let partial = g.ckk() * g.cout * acc;
+            let sets = per_set(grad_weight_sets(g, native, acc, &plan));
+            PassScratch {
+                section: plan.buffers * partial + plan.busy * sets,
+                tail: if plan.n_slots > 0 {
+                    partial + g.ckk() * acc
+                } else {
+                    0
+                },
+            }
+        }
     }
 }
 
@@ -547,11 +841,13 @@ fn forward<T: Float>(g: &Geom, x: &[T], w: &[T]) -> Vec<T> {
         rs: ckk,
         cs: 1,
     };
+    let sets = forward_sets(g, native::<T>(), std::mem::size_of::<T::Acc>());
     per_image(
         g.n,
         out_len,
-        || (Vec::new(), Vec::new(), Vec::new()),
-        |(img_buf, col_buf, out_buf), i, dst: &mut [T]| {
+        sets.reserve,
+        || sets.lens.map(Vec::with_capacity),
+        |[img_buf, col_buf, out_buf], i, dst: &mut [T]| {
             let img = widen(&x[i * in_len..(i + 1) * in_len], img_buf);
             let rhs = if in_place {
                 Mat {
@@ -598,11 +894,13 @@ fn grad_input<T: Float>(g: &Geom, grad: &[T], w: &[T]) -> Vec<T> {
         rs: 1,
         cs: ckk,
     };
+    let sets = grad_input_sets(g, native::<T>(), std::mem::size_of::<T::Acc>());
     per_image(
         g.n,
         in_len,
-        || (Vec::new(), Vec::new(), Vec::new()),
-        |(grad_buf, col_buf, img_buf), i, dst: &mut [T]| {
+        sets.reserve,
+        || sets.lens.map(Vec::with_capacity),
+        |[grad_buf, col_buf, img_buf], i, dst: &mut [T]| {
             let gi = widen(&grad[i * out_len..(i + 1) * out_len], grad_buf);
             let rhs = Mat {
                 data: gi,
@@ -643,9 +941,11 @@ const MIN_SLOTS_PER_THREAD: usize = 4;
 /// Slots are the unit the threads share out, so more of them let a thread that falls behind (a
 /// shared 2-core machine) be covered by the others; each costs one weight-sized add, which is
 /// negligible next to its gemms (measured: no difference on one thread between 4 slots and one per
-/// chunk), and one partial-sum buffer while it waits for an earlier slot. So there are as many
-/// slots as fit in [`PARTIAL_SUM_BYTES`] — one per chunk for small weights — but at least
-/// [`MIN_SLOTS_PER_THREAD`] per thread, and at most one per chunk.
+/// chunk). So there are as many slots as fit in [`PARTIAL_SUM_BYTES`] — one per chunk for small
+/// weights — but at least [`MIN_SLOTS_PER_THREAD`] per thread, and at most one per chunk. (That
+/// bound dates from when a slot waiting for an earlier one held a buffer of its own; the buffers
+/// are now a fixed few, [`partial_buffers`], but the slot count decides how the sum is grouped,
+/// so it stays as it was.)
 pub(super) fn chunks_per_slot(n_chunks: usize, partial_bytes: usize, threads: usize) -> usize {
     let slots =
         (PARTIAL_SUM_BYTES / partial_bytes.max(1)).max(MIN_SLOTS_PER_THREAD * threads.max(1));
@@ -666,94 +966,42 @@ pub(super) fn chunks_per_slot(n_chunks: usize, partial_bytes: usize, threads: us
 /// run. (The chunk size is chosen from the thread count unless forced, and so is the slot
 /// count, so a different thread count may round differently.)
 ///
-/// Memory: the partial sums alive at once are the running total plus about one per thread;
-/// at most one per slot (bounded by [`PARTIAL_SUM_BYTES`], or [`MIN_SLOTS_PER_THREAD`] per thread
-/// for large weights) if a thread stalls while the others run ahead.
+/// Memory ([`pass_scratch`]): the partial-sum buffers ([`partial_buffers`]) and one full set of
+/// buffers per busy thread ([`ThreadSets`]) are made before the threads start, so what the pass
+/// holds does not depend on how they are scheduled; the sum is finished (its other buffers
+/// freed) before the result is allocated.
 fn grad_weight<T: Float>(g: &Geom, x: &[T], grad: &[T]) -> Vec<T> {
-    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
+    let ckk = g.ckk();
     let acc_bytes = std::mem::size_of::<T::Acc>();
-    let threads = num_threads();
-    let chunk = images_per_chunk(g.n, hwo, ckk * hwo * acc_bytes, threads, g.chunk);
-    let n_chunks = g.n.div_ceil(chunk);
-    let chunks_per_slot = chunks_per_slot(n_chunks, ckk * g.cout * acc_bytes, threads);
-    let n_slots = n_chunks.div_ceil(chunks_per_slot);
-    let slot_images = chunks_per_slot * chunk;
-    let sum = OrderedSum::<T::Acc>::new(n_slots, ckk * g.cout);
-    par_chunks(n_slots, 1, |slots| {
-        let (mut img_buf, mut col_buf, mut grad_buf) = (Vec::new(), Vec::new(), Vec::new());
-        for slot in slots.flatten() {
-            let mut acc = sum.buffer();
-            let images = slot * slot_images..((slot + 1) * slot_images).min(g.n);
-            for (c, first) in images.clone().step_by(chunk).enumerate() {
-                let range = first..(first + chunk).min(images.end);
-                let b = range.len();
-                // The chunk's pixels side by side: the gemm's inner dimension is b·Ho·Wo.
-                let kdim = b * hwo;
-                let ld = padded_ld(kdim, acc_bytes);
-                let x0 = &x[first * in_len..(first + 1) * in_len];
-                let lhs = match T::as_acc(x0) {
-                    Some(img) if b == 1 && g.pointwise() && ld == hwo => Mat {
-                        data: img,
-                        rows: ckk,
-                        cols: kdim,
-                        rs: hwo,
-                        cs: 1,
-                    },
-                    _ => {
-                        let col = scratch(&mut col_buf, ckk * ld);
-                        for (j, i) in range.clone().enumerate() {
-                            let img = widen(&x[i * in_len..(i + 1) * in_len], &mut img_buf);
-                            im2col(g, img, &mut col[j * hwo..], ld);
-                        }
-                        Mat {
-                            data: col,
-                            rows: ckk,
-                            cols: kdim,
-                            rs: ld,
-                            cs: 1,
-                        }
-                    }
-                };
-                let g0 = &grad[first * out_len..(first + 1) * out_len];
-                // gradᵀ: pixel-major rows, one column per output channel.
-                let rhs = match T::as_acc(g0) {
-                    Some(gi) if b == 1 => Mat {
-                        data: gi,
-                        rows: kdim,
-                        cols: g.cout,
-                        rs: 1,
-                        cs: hwo,
-                    },
-                    _ => {
-                        // Gather [b, Cout, Ho·Wo] into [Cout, b·Ho·Wo] (widening on the way).
-                        let gm = scratch(&mut grad_buf, g.cout * kdim);
-                        for (j, i) in range.clone().enumerate() {
-                            let gi = &grad[i * out_len..(i + 1) * out_len];
-                            for co in 0..g.cout {
-                                let start = co * kdim + j * hwo;
-                                T::widen(
-                                    &gi[co * hwo..(co + 1) * hwo],
-                                    &mut gm[start..start + hwo],
-                                );
-                            }
-                        }
-                        Mat {
-                            data: gm,
-                            rows: kdim,
-                            cols: g.cout,
-                            rs: 1,
-                            cs: kdim,
-                        }
-                    }
-                };
+    let plan = WgradPlan::new(g, acc_bytes, num_threads());
+    let sum = OrderedSum::<T::Acc>::new(plan.n_slots, ckk * g.cout, plan.buffers);
+    let lens = grad_weight_sets(g, native::<T>(), acc_bytes, &plan);
+    let sets = ThreadSets::new(plan.busy, lens.reserve, || {
+        lens.lens.map(Vec::with_capacity)
+    });
+    par_chunks(plan.n_slots, 1, |slots| {
+        let _guard = sum.guard();
+        let mut set = None;
+        while let Some(mut acc) = sum.buffer() {
+            let Some(slot) = slots.next().map(|r| r.start) else {
+                sum.give_back(acc);
+                break;
+            };
+            let [img_buf, col_buf, grad_buf] = set.get_or_insert_with(|| sets.take());
+            let images = plan.slot(slot, g.n);
+            for (c, first) in images.clone().step_by(plan.chunk).enumerate() {
+                let range = first..(first + plan.chunk).min(images.end);
                 // The slot's first chunk overwrites the (reused) buffer, the others add to it.
-                matmul(&mut acc, g.cout, c > 0, lhs, rhs);
+                let bufs = [&mut *img_buf, &mut *col_buf, &mut *grad_buf];
+                grad_weight_chunk(g, x, grad, range, c > 0, &mut acc, bufs);
             }
             sum.add(slot, acc);
         }
     });
+    drop(sets);
+    let total = sum.total();
     let mut dw = vec![T::ZERO; g.cout * ckk];
-    if let Some(total) = sum.total() {
+    if let Some(total) = total {
         // [Cin·K·K, Cout] -> [Cout, Cin·K·K], one output channel (row of dW) at a time.
         let mut row = vec![T::Acc::ZERO; ckk];
         for (co, dst) in dw.chunks_exact_mut(ckk).enumerate() {
@@ -764,6 +1012,80 @@ fn grad_weight<T: Float>(g: &Geom, x: &[T], grad: &[T]) -> Vec<T> {
         }
     }
     dw
+}
+
+/// One chunk of the weight gradient: the images `range` multiplied into `acc` (`dWᵀ`, added to
+/// it with `accumulate`), with the thread's buffers `[widened image, columns, gathered gradient]`.
+fn grad_weight_chunk<T: Float>(
+    g: &Geom,
+    x: &[T],
+    grad: &[T],
+    range: Range<usize>,
+    accumulate: bool,
+    acc: &mut [T::Acc],
+    [img_buf, col_buf, grad_buf]: [&mut Vec<T::Acc>; 3],
+) {
+    let (ckk, hwo, in_len, out_len) = (g.ckk(), g.hw_out(), g.in_image(), g.out_image());
+    let acc_bytes = std::mem::size_of::<T::Acc>();
+    let first = range.start;
+    let b = range.len();
+    // The chunk's pixels side by side: the gemm's inner dimension is b·Ho·Wo.
+    let kdim = b * hwo;
+    let ld = padded_ld(kdim, acc_bytes);
+    let x0 = &x[first * in_len..(first + 1) * in_len];
+    let lhs = match T::as_acc(x0) {
+        Some(img) if b == 1 && g.pointwise() && ld == hwo => Mat {
+            data: img,
+            rows: ckk,
+            cols: kdim,
+            rs: hwo,
+            cs: 1,
+        },
+        _ => {
+            let col = scratch(col_buf, ckk * ld);
+            for (j, i) in range.clone().enumerate() {
+                let img = widen(&x[i * in_len..(i + 1) * in_len], img_buf);
+                im2col(g, img, &mut col[j * hwo..], ld);
+            }
+            Mat {
+                data: col,
+                rows: ckk,
+                cols: kdim,
+                rs: ld,
+                cs: 1,
+            }
+        }
+    };
+    let g0 = &grad[first * out_len..(first + 1) * out_len];
+    // gradᵀ: pixel-major rows, one column per output channel.
+    let rhs = match T::as_acc(g0) {
+        Some(gi) if b == 1 => Mat {
+            data: gi,
+            rows: kdim,
+            cols: g.cout,
+            rs: 1,
+            cs: hwo,
+        },
+        _ => {
+            // Gather [b, Cout, Ho·Wo] into [Cout, b·Ho·Wo] (widening on the way).
+            let gm = scratch(grad_buf, g.cout * kdim);
+            for (j, i) in range.clone().enumerate() {
+                let gi = &grad[i * out_len..(i + 1) * out_len];
+                for co in 0..g.cout {
+                    let start = co * kdim + j * hwo;
+                    T::widen(&gi[co * hwo..(co + 1) * hwo], &mut gm[start..start + hwo]);
+                }
+            }
+            Mat {
+                data: gm,
+                rows: kdim,
+                cols: g.cout,
+                rs: 1,
+                cs: kdim,
+            }
+        }
+    };
+    matmul(acc, g.cout, accumulate, lhs, rhs);
 }
 
 #[cfg(test)]
@@ -852,16 +1174,17 @@ mod tests {
             [2, 0, 4, 1, 3],
             [1, 2, 3, 4, 0],
         ] {
-            let sum = OrderedSum::<f32>::new(values.len(), 2);
+            // One buffer per slot: arrivals in any order never wait for one.
+            let sum = OrderedSum::<f32>::new(values.len(), 2, values.len());
             for slot in order {
-                let mut buf = sum.buffer();
+                let mut buf = sum.buffer().expect("a buffer while slots remain");
                 buf.fill(values[slot]);
                 sum.add(slot, buf);
             }
             let total = sum.total().unwrap();
             assert_eq!(total, vec![expected; 2], "arrival order {order:?}");
         }
-        assert!(OrderedSum::<f32>::new(0, 2).total().is_none());
+        assert!(OrderedSum::<f32>::new(0, 2, 3).total().is_none());
     }
 
     #[test]

@@ -172,12 +172,14 @@ fn gemm_error(msg: String) -> Error {
 }
 
 /// The right-hand operand of [`gemm()`], packed into the pair-interleaved panels `vdpbf16ps` reads
-/// (see the module docs). The buffer is kept between packs, so a caller that reuses one
-/// `PackedB` allocates only once.
+/// (see the module docs). The buffers are kept between packs, so a caller that reuses one
+/// `PackedB` allocates only once (or never, after [`PackedB::reserve`]).
 #[derive(Clone, Debug, Default)]
 pub struct PackedB {
     /// `panels · kp · NR` words, panel-major.
     words: Vec<u32>,
+    /// The rows (or a panel's columns) gathered before they are interleaved.
+    gather: Vec<bf16>,
     k: usize,
     n: usize,
 }
@@ -205,6 +207,26 @@ impl PackedB {
 
     fn panels(&self) -> usize {
         self.n.div_ceil(NR)
+    }
+
+    /// Elements of the words (u32) and of the gather buffer (bf16) for `k × n` matrices of every
+    /// `k` in `ks`, packed by rows, or by columns (`by_columns`: [`Self::pack_columns`],
+    /// [`Self::pack`] of a transposed view).
+    pub(super) fn lens(ks: &[usize], n: usize, by_columns: bool) -> (usize, usize) {
+        let words = |k: usize| n.div_ceil(NR) * k.div_ceil(2) * NR;
+        let gather = |k: usize| if by_columns { NR * gather_ld(k) } else { 2 * n };
+        let max = |f: &dyn Fn(usize) -> usize| ks.iter().map(|&k| f(k)).max().unwrap_or(0);
+        (max(&words), max(&gather))
+    }
+
+    /// Grows the buffers to their size for `k × n` matrices of every `k` in `ks` (by rows or
+    /// `by_columns`), so that packing them allocates nothing.
+    pub fn reserve(&mut self, ks: &[usize], n: usize, by_columns: bool) {
+        let (words, gather) = Self::lens(ks, n, by_columns);
+        self.words
+            .reserve_exact(words.saturating_sub(self.words.len()));
+        self.gather
+            .reserve_exact(gather.saturating_sub(self.gather.len()));
     }
 
     /// Resizes for a `k × n` matrix; the contents are stale until every pair is written.
@@ -249,7 +271,10 @@ impl PackedB {
             return;
         }
         let kp = self.kp();
-        let mut pair = vec![bf16::ZERO; 2 * n];
+        if self.gather.len() < 2 * n {
+            self.gather.resize(2 * n, bf16::ZERO);
+        }
+        let pair = &mut self.gather[..2 * n];
         for p in 0..kp {
             let (lo, hi) = pair.split_at_mut(n);
             row(2 * p, lo);
@@ -283,14 +308,12 @@ impl PackedB {
         }
         let kp = self.kp();
         let full = k / 2;
-        // Column stride of the gather buffer: even (whole words), and not a multiple of 2 KiB,
-        // so the NR columns read side by side do not share L1 sets.
-        let mut ld = 2 * kp;
-        if (ld * 2).is_multiple_of(2048) {
-            ld += 32;
+        let (ld, panels) = (gather_ld(k), self.panels());
+        if self.gather.len() < NR * ld {
+            self.gather.resize(NR * ld, bf16::ZERO);
         }
-        let mut cols = vec![bf16::ZERO; NR * ld];
-        for jp in 0..self.panels() {
+        let cols = &mut self.gather[..NR * ld];
+        for jp in 0..panels {
             let width = (n - jp * NR).min(NR);
             for jj in 0..width {
                 let dst = &mut cols[jj * ld..jj * ld + k];
@@ -319,6 +342,13 @@ impl PackedB {
             }
         }
     }
+}
+
+/// Column stride of [`PackedB::pack_columns`]'s gather buffer for `k` rows: even (whole words),
+/// and not a multiple of 2 KiB, so the NR columns read side by side do not share L1 sets.
+fn gather_ld(k: usize) -> usize {
+    let ld = 2 * k.div_ceil(2);
+    ld + if (ld * 2).is_multiple_of(2048) { 32 } else { 0 }
 }
 
 /// One packed word: `lo` in the low half (the even row of the pair), `hi` in the high half.
@@ -407,31 +437,44 @@ pub fn gemm_with(
 /// a profile, mostly on the last stage, whose images are 8×8 pixels).
 ///
 /// For [`Bf16Kernel::Avx512Fma`] it holds `A` widened to f32 in the thread's reusable buffer
-/// (taken on creation, given back on drop, so a steady stream of gemms allocates nothing); the
-/// other kernels read `A` as it is.
+/// (taken on creation, given back on drop, so a steady stream of gemms allocates nothing) or in
+/// the caller's ([`PreparedA::with_buffer`]); the other kernels read `A` as it is.
 pub struct PreparedA<'a> {
     a: MatRef<'a>,
     kernel: Bf16Kernel,
     /// `A` in f32 with row stride `lda` (the FMA kernel only; empty otherwise).
     wide: Vec<f32>,
     lda: usize,
+    /// Whether `wide` is the thread's buffer (given back on drop).
+    lent: bool,
 }
 
 impl<'a> PreparedA<'a> {
-    /// `a` prepared for the process's kernel ([`bf16_kernel`]).
-    ///
-    /// # Errors
-    /// As [`PreparedA::with_kernel`].
-    pub(crate) fn new(a: MatRef<'a>) -> Result<Self> {
-        Self::with_kernel(bf16_kernel(), a)
-    }
-
     /// `a` prepared for `kernel`.
     ///
     /// # Errors
     /// When this CPU cannot run `kernel`, `A`'s columns are not contiguous (`a.cs != 1`, with
     /// more than one row and column), or the view does not lie inside its slice.
     pub fn with_kernel(kernel: Bf16Kernel, a: MatRef<'a>) -> Result<Self> {
+        Self::prepare(kernel, a, None)
+    }
+
+    /// `a` prepared for the process's kernel, widened (by the FMA kernel) into `buf` rather
+    /// than the thread's buffer, so that a caller who sized `buf` (`m × a_stride(k)` f32) knows
+    /// what the gemms allocate: nothing. [`PreparedA::into_buffer`] gives `buf` back.
+    ///
+    /// # Errors
+    /// As [`PreparedA::with_kernel`].
+    pub fn with_buffer(a: MatRef<'a>, buf: Vec<f32>) -> Result<Self> {
+        Self::prepare(bf16_kernel(), a, Some(buf))
+    }
+
+    /// The buffer of [`PreparedA::with_buffer`] (empty for the other kernels).
+    pub fn into_buffer(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.wide)
+    }
+
+    fn prepare(kernel: Bf16Kernel, a: MatRef<'a>, buf: Option<Vec<f32>>) -> Result<Self> {
         if !kernel_supported(kernel) {
             return Err(gemm_error(format!(
                 "this CPU cannot run the {kernel:?} kernel"
@@ -444,14 +487,18 @@ impl<'a> PreparedA<'a> {
             )));
         }
         a.check("A")?;
+        let lent = buf.is_none();
         let mut prepared = PreparedA {
             a,
             kernel,
-            wide: Vec::new(),
+            wide: buf.unwrap_or_default(),
             lda: 0,
+            lent,
         };
         if kernel == Bf16Kernel::Avx512Fma && a.rows > 0 {
-            prepared.wide = A_F32.with(|buf| std::mem::take(&mut *buf.borrow_mut()));
+            if lent {
+                prepared.wide = A_F32.with(|buf| std::mem::take(&mut *buf.borrow_mut()));
+            }
             prepared.lda = widen_a(a, &mut prepared.wide);
         }
         Ok(prepared)
@@ -460,7 +507,7 @@ impl<'a> PreparedA<'a> {
 
 impl Drop for PreparedA<'_> {
     fn drop(&mut self) {
-        if self.wide.capacity() > 0 {
+        if self.lent && self.wide.capacity() > 0 {
             let wide = std::mem::take(&mut self.wide);
             // Keep the bigger buffer when two were alive on this thread at once.
             A_F32.with(|buf| {
@@ -535,16 +582,23 @@ fn widen_a(a: MatRef<'_>, buf: &mut Vec<f32>) -> usize {
     widen_a_body(a, buf)
 }
 
+/// Row stride of `A` with `k` columns widened for [`Bf16Kernel::Avx512Fma`] (see [`widen_a`]).
+pub(super) fn a_stride(k: usize) -> usize {
+    if k > 0 && (k * 4).is_multiple_of(2048) {
+        k + 16
+    } else {
+        k.max(1)
+    }
+}
+
 /// The body of [`widen_a`] (vectorizes when inlined into an AVX-512 function).
 #[inline(always)]
 fn widen_a_body(a: MatRef<'_>, buf: &mut Vec<f32>) -> usize {
     let (m, k) = (a.rows, a.cols);
-    let lda = if k > 0 && (k * 4).is_multiple_of(2048) {
-        k + 16
-    } else {
-        k.max(1)
-    };
+    let lda = a_stride(k);
     if buf.len() < m * lda {
+        // Exactly this size (no amortized growth), as a caller's buffer is sized.
+        buf.reserve_exact(m * lda - buf.len());
         buf.resize(m * lda, 0.0);
     }
     for i in 0..m {

@@ -7,7 +7,19 @@
 //! (ten outputs), so on the CPU they run single-threaded on the calling thread; elsewhere (and for
 //! other dtypes) this is Candle's matmul.
 
+use super::util::gemm_packing_bytes;
 use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
+
+/// Bytes [`matmul`] allocates besides its result on the CPU for `a` [m, k] and `b` [k, n] with
+/// strides `(row, column)`: the gemm crate's packed operand
+/// ([`crate::util::gemm_packing_bytes`]).
+pub fn matmul_scratch_bytes(
+    [m, k, n]: [usize; 3],
+    a_strides: (usize, usize),
+    b_strides: (usize, usize),
+) -> usize {
+    gemm_packing_bytes([m, n, k], n, a_strides, b_strides, 4)
+}
 
 /// `a · b` for 2-D `a` [m, k] and `b` [k, n] of any strides (e.g. a transposed view); no autograd.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {

@@ -9,7 +9,9 @@
 //! - CUDA launches (`cuda` feature): [`Kernels`], a kernel file compiled with NVRTC once per
 //!   process and loaded once per device, [`kernel_source!`], [`grid_stride`], [`int32`] and
 //!   [`uint32`];
-//! - the TF32 switch, [`set_tf32`] (re-exported as `crate::set_tf32`).
+//! - the TF32 switch, [`set_tf32`] (re-exported as `crate::set_tf32`);
+//! - [`gemm_packing_bytes`], what the `gemm` crate allocates inside a product (for the memory
+//!   estimate of the ops that call it).
 //!
 //! Nothing here imports an op (only `bf16_convert`'s slice conversions, for [`Float`]): the ops
 //! import this module, never the other way round.
@@ -20,6 +22,64 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, WithDType};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+
+// ---------------------------------------------------------------------------------------------
+// The gemm crate's packing
+
+/// Bytes the `gemm` crate allocates inside one product (`gemm::gemm`, no parallelism) of `lhs` (`m × k`, strides
+/// `(rs, cs)`) by `rhs` (`k × n`) into a destination with row stride `dst_rs`, for `elem`-byte
+/// values: the packed copy of an operand that its micro-kernel cannot read in place, made and
+/// freed in every call. (Its L2-sized buffer, made once per thread, is part of the estimate's
+/// baseline.)
+///
+/// This follows gemm-common 0.19 (`gemm_basic_generic`) for the products the ops make. gemm
+/// works on a column-major destination, so for ours (row-major) it swaps the operands; in its
+/// terms (`m'`, `n'`, `k`): nothing for tiny f32 products (`m'·n' ≤ 256` with unit strides, its
+/// horizontal kernels) or a depth `k ≤ 2`; else the left operand is prepacked unless it is
+/// column-major with `m'` a multiple of the SIMD width (`kc`-deep panels of `MR` rows), and the
+/// right one is packed when its rows are strided and `m' > 2·MR` (`kc` rows of `n'` rounded up to
+/// `NR`), each rounded up to a cache line. `kc` is the whole depth up to 512; beyond that, 512
+/// for products of at most 64×64, else the depth split evenly into blocks of at most 512 (its
+/// choice on x86-64 L1 caches). `MR`, `NR` and the width are those of its AVX-512 f32 kernel
+/// (64, 8, 16), the largest of its x86 kernels, which makes this an upper bound on other CPUs.
+/// Left out: a flag per `MR` rows (a few hundred bytes at most).
+pub(crate) fn gemm_packing_bytes(
+    [m, n, k]: [usize; 3],
+    dst_rs: usize,
+    lhs: (usize, usize),
+    rhs: (usize, usize),
+    elem: usize,
+) -> usize {
+    // gemm's view: a row-major destination swaps the operands and transposes both.
+    let (m, n, (lhs_rs, lhs_cs), (rhs_rs, _)) = if dst_rs > 1 {
+        (n, m, (rhs.1, rhs.0), (lhs.1, lhs.0))
+    } else {
+        (m, n, lhs, rhs)
+    };
+    let tiny = elem == 4 && lhs_cs == 1 && rhs_rs == 1 && m * n <= 256;
+    if m == 0 || n == 0 || k <= 2 || tiny {
+        return 0;
+    }
+    let lanes = 64 / elem;
+    let (mr, nr) = (4 * lanes, 8);
+    let kc = if k <= 512 || (m <= 64 && n <= 64) {
+        k.min(512)
+    } else {
+        k.div_ceil(k.div_ceil(512))
+    };
+    let line = |elems: usize| (elems * elem).next_multiple_of(64);
+    let packed_rhs = if m > if rhs_rs != 1 { 2 * mr } else { 128 * mr } {
+        line(kc * n.next_multiple_of(nr))
+    } else {
+        0
+    };
+    let prepacked_lhs = if lhs_rs != 1 || !m.is_multiple_of(lanes) {
+        line(kc * m.next_multiple_of(mr))
+    } else {
+        0
+    };
+    packed_rhs + prepacked_lhs
+}
 
 // ---------------------------------------------------------------------------------------------
 // Element types

@@ -623,11 +623,17 @@ fn baseline_and_batches(
 /// calling thread, one of them; see `memtrain_kernels::linear`). On CUDA, the cuDNN workspace of a `cudnn`
 /// build, allocated by the first convolution and kept.
 fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
+    let dtype = cfg.precision.compute_dtype();
     match device {
+        // Without the gemm crate in the convolutions (the AVX-512 bf16 kernels), only the
+        // calling thread's head products make one.
         DeviceKind::Cpu {
             threads,
             l2_cache_bytes,
-        } => threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes,
+        } if memtrain_kernels::conv2d::cpu_uses_gemm_crate(dtype) => {
+            threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes
+        }
+        DeviceKind::Cpu { l2_cache_bytes, .. } => l2_cache_bytes,
         DeviceKind::Cuda => memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes(),
     }
 }

@@ -364,8 +364,10 @@ fn head_step(l: &mut Lean, sim: &mut Sim, head: usize, feat: u64) -> u64 {
         sim.free(feat);
     }
     let logits = hd.out_bytes(c);
+    let packing = head_packing(c, hd);
     // matmul, bias add, loss (log-softmax, gather), softmax, one-hot, the gradient.
     sim.alloc(logits);
+    sim.spike(packing[0]);
     sim.alloc(logits);
     sim.free(logits);
     sim.spike(6 * logits);
@@ -375,12 +377,15 @@ fn head_step(l: &mut Lean, sim: &mut Sim, head: usize, feat: u64) -> u64 {
     sim.phase = Phase::Backward;
     // Head backward: weight and bias gradients, then the feature gradient in the compute dtype.
     let wsize = hd.params.saturating_sub(NUM_CLASSES) as u64 * 4;
-    sim.alloc(wsize + NUM_CLASSES as u64 * 4);
+    sim.alloc(wsize);
+    sim.spike(packing[1]);
+    sim.alloc(NUM_CLASSES as u64 * 4);
     if acc_live {
         sim.free(wsize + NUM_CLASSES as u64 * 4);
     }
     sim.free(feat32.max(feat)); // the f32 features
     sim.alloc(feat32);
+    sim.spike(packing[2]);
     if c.half() {
         sim.alloc(feat);
         sim.free(feat32);
@@ -427,4 +432,21 @@ fn segments_backward(
             0
         };
     }
+}
+
+/// What the head's three products allocate besides their results on the CPU (the gemm crate's
+/// packed operand, [`memtrain_kernels::linear::matmul_scratch_bytes`]): the logits `feat · Wᵀ`,
+/// the weight gradient `dlogitsᵀ · feat` and the feature gradient `dlogits · W`.
+fn head_packing(c: &Ctx, hd: &Node) -> [u64; 3] {
+    if !c.device.is_cpu() {
+        return [0; 3];
+    }
+    let (n, f, k) = (c.n as usize, elems(hd.inp) as usize, NUM_CLASSES);
+    let bytes = memtrain_kernels::linear::matmul_scratch_bytes;
+    [
+        bytes([n, f, k], (f, 1), (1, f)),
+        bytes([k, n, f], (1, k), (f, 1)),
+        bytes([n, k, f], (k, 1), (f, 1)),
+    ]
+    .map(|b| b as u64)
 }

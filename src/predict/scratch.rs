@@ -6,20 +6,6 @@ use memtrain_kernels::conv2d_cuda::ConvPass;
 
 use super::sim::*;
 
-/// Per-image im2col column of a convolution (one per busy thread), as the op sizes it.
-pub(super) fn one_column(c: &Ctx, nd: &Node, k: usize) -> u64 {
-    let (cin, _, _) = nd.inp;
-    let (_, ho, wo) = nd.out;
-    memtrain_kernels::conv2d::im2col_chunk_bytes(1, cin, k, ho, wo, c.dtype) as u64
-}
-
-/// Whether a 1x1 convolution multiplies the image in place: rows that need no padding (a padded
-/// column is larger than the image itself).
-pub(super) fn pointwise_in_place(c: &Ctx, nd: &Node, k: usize, pad: usize) -> bool {
-    let (cin, h, w) = nd.inp;
-    k == 1 && pad == 0 && one_column(c, nd, k) == (cin * h * w * 4) as u64
-}
-
 /// Scratch of one pass of the CUDA conv2d op: one chunk of columns for the im2col op (see
 /// `memtrain_kernels::conv2d_cuda`), none for cuDNN (its workspace is in `runtime_bytes`).
 pub(super) fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: ConvPass) -> u64 {
@@ -39,115 +25,50 @@ pub(super) fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: 
     )
 }
 
-/// Bytes of the forward pass's scratch of a convolution on `n` images: one im2col column per busy
-/// thread (none for an in-place 1x1 convolution) and, for half types, one widened input and one
-/// widened output image per thread; plus the widened weights.
-pub(super) fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
+/// What one pass of a convolution holds on the CPU besides its result, as the op reports it
+/// ([`memtrain_kernels::conv2d::cpu_pass_scratch`]).
+fn cpu_conv_scratch(
+    c: &Ctx,
+    nd: &Node,
+    k: usize,
+    pad: usize,
+    pass: ConvPass,
+) -> memtrain_kernels::conv2d::PassScratch {
     let (cin, h, w) = nd.inp;
-    let (cout, ho, wo) = nd.out;
+    let x_dims = [c.n as usize, cin, h, w];
+    let w_dims = [nd.out.0, cin, k, k];
+    let threads = c.device.threads();
+    memtrain_kernels::conv2d::cpu_pass_scratch(pass, &x_dims, &w_dims, 1, pad, c.dtype, threads)
+        .unwrap_or_default()
+}
+
+/// Bytes of the forward pass's scratch of a convolution on `n` images (its output allocated
+/// first): per busy thread an im2col column (none for an in-place 1x1 convolution), widened
+/// images for half types and gemm's packing, plus the widened weights.
+pub(super) fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
     if !c.device.is_cpu() {
         return cuda_conv_scratch(c, nd, k, pad, ConvPass::Forward);
     }
-    let col = if pointwise_in_place(c, nd, k, pad) {
-        0
-    } else {
-        one_column(c, nd, k)
-    };
-    let widen = if c.half() {
-        ((cin * h * w) + (cout * ho * wo)) as u64 * 4
-    } else {
-        0
-    };
-    let wbuf = if c.half() {
-        (cout * cin * k * k) as u64 * 4
-    } else {
-        0
-    };
-    c.busy(c.n) * (col + widen) + wbuf
+    cpu_conv_scratch(c, nd, k, pad, ConvPass::Forward).section as u64
 }
 
-/// Scratch of the input-gradient pass: per busy thread one column (none for 1x1) and, for half
-/// types, the widened output gradient and input images; plus the widened weights.
+/// Scratch of the input-gradient pass (its output allocated first), as [`conv_fwd_scratch`].
 pub(super) fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
-    let (cin, h, w) = nd.inp;
-    let (cout, ho, wo) = nd.out;
     if !c.device.is_cpu() {
         return cuda_conv_scratch(c, nd, k, pad, ConvPass::InputGrad);
     }
-    let col = if k == 1 && pad == 0 {
-        0
-    } else {
-        one_column(c, nd, k)
-    };
-    let widen = if c.half() {
-        ((cin * h * w) + (cout * ho * wo)) as u64 * 4
-    } else {
-        0
-    };
-    let wbuf = if c.half() {
-        (cout * cin * k * k) as u64 * 4
-    } else {
-        0
-    };
-    c.busy(c.n) * (col + widen) + wbuf
+    cpu_conv_scratch(c, nd, k, pad, ConvPass::InputGrad).section as u64
 }
 
-/// Images per weight-gradient chunk, as `images_per_chunk` in `kernels/src/conv2d_cpu.rs`.
-pub(super) fn wgrad_chunk(n: usize, hw_out: usize, per_image: usize, threads: usize) -> usize {
-    use memtrain_kernels::conv2d::{IM2COL_CHUNK_BYTES, MIN_GEMM_DEPTH};
-    let n = n.max(1);
-    let threads = threads.max(1);
-    let wanted = MIN_GEMM_DEPTH.div_ceil(hw_out.max(1));
-    let by_budget = IM2COL_CHUNK_BYTES / threads / per_image.max(1);
-    wanted.min(by_budget).min(n.div_ceil(threads)).max(1)
-}
-
-/// Weight-gradient slots per thread (`MIN_SLOTS_PER_THREAD` in `kernels/src/conv2d_cpu.rs`).
-pub(super) const WGRAD_SLOTS_PER_THREAD: usize = 4;
-
-/// Peak scratch of the weight-gradient pass (columns, gathered gradients, widened images and the
-/// partial sums) and the partial-sum buffers still alive when the result is allocated.
-///
-/// The batch is cut into chunks of images and the chunks into slots; each busy thread sums its
-/// slot into a weight-sized f32 buffer, and the slots are added in order into a running total
-/// whose spent buffers are reused: about one buffer per thread plus the total.
+/// Scratch of the weight-gradient pass (columns, gathered gradients, widened images, gemm's
+/// packing and the partial sums, made before its threads start), and the bytes still held
+/// (the running total) when the result is allocated.
 pub(super) fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
-    let (cin, h, w) = nd.inp;
-    let (cout, ho, wo) = nd.out;
-    let ckk = cin * k * k;
     if !c.device.is_cpu() {
         return (cuda_conv_scratch(c, nd, k, pad, ConvPass::WeightGrad), 0);
     }
-    let n = c.n as usize;
-    let threads = c.device.threads();
-    let hwo = ho * wo;
-    let chunk = wgrad_chunk(n, hwo, ckk * hwo * 4, threads);
-    let n_chunks = n.div_ceil(chunk);
-    let per_slot = n_chunks.div_ceil(WGRAD_SLOTS_PER_THREAD * threads).max(1);
-    let slots = n_chunks.div_ceil(per_slot);
-    let busy = if slots <= 1 { 1 } else { threads.min(slots) } as u64;
-    let in_place = !c.half() && chunk == 1 && pointwise_in_place(c, nd, k, pad);
-    let cols = if in_place {
-        0
-    } else {
-        memtrain_kernels::conv2d::im2col_chunk_bytes(n, cin, k, ho, wo, c.dtype) as u64
-    };
-    let gathered = if !c.half() && chunk == 1 {
-        0
-    } else {
-        (cout * chunk * hwo * 4) as u64
-    };
-    let widened = if c.half() {
-        (cin * h * w * 4) as u64
-    } else {
-        0
-    };
-    let acc = (ckk * cout * 4) as u64;
-    let buffers = slots.min(threads + 1) as u64;
-    (
-        cols + busy * (gathered + widened) + buffers * acc,
-        buffers * acc,
-    )
+    let s = cpu_conv_scratch(c, nd, k, pad, ConvPass::WeightGrad);
+    (s.section as u64, s.tail as u64)
 }
 
 /// The transient scratch of a node's forward (the conv op's columns and widened images, the

@@ -269,6 +269,9 @@ pub struct TrainConfig {
     /// Save a checkpoint every N optimizer steps (0: only at epoch ends)
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub save_every: usize,
+    /// Optimizer step (0-based, as in batches.csv) whose every allocation and free memory_snapshot.pickle records, for PyTorch's memory_viz (CPU runs). Default: the run's last step
+    #[arg(long, value_name = "N")]
+    pub memory_snapshot_step: Option<usize>,
     /// Reset the peak-memory watermark at the start of every epoch.
     #[arg(
         long = "no-reset-peak",

@@ -12,6 +12,8 @@
 //! - [`step`]: the lean step (a layer tape), the one micro-batch loop, accumulation, precision,
 //!   the optimizers, and Candle's autograd as the tests' oracle.
 //! - [`callbacks`]: the Keras/Lightning-style hook trait and the built-in callbacks.
+//! - [`export`]: the viewers' formats — TensorBoard event files, PyTorch's memory snapshot,
+//!   Perfetto's trace.
 //! - [`predict`]: the analytic memory estimate, the `--fit-memory` planner, and every input sized
 //!   against the budgets before anything is loaded or built.
 //! - [`memory`]: memory probes (counting allocator, CUDA pool), the trainer's recorder and the
@@ -37,6 +39,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod export;
 pub mod io;
 pub mod memory;
 pub mod model;

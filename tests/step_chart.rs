@@ -50,6 +50,7 @@ fn timeline(label: &str, scale: u64, recompute: bool) -> StepTimeline {
             predicted_peak_bytes: (phase != Phase::Optimizer)
                 .then_some(current + extra + extra / 4),
             predicted_current_bytes: None,
+            end_us: None,
         });
     };
     let base = CategoryBytes {

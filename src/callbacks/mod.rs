@@ -11,9 +11,11 @@
 
 pub mod log;
 pub mod progress;
+pub mod tensorboard;
 
 pub use log::MetricsLogger;
 pub use progress::ProgressCallback;
+pub use tensorboard::TensorBoardLogger;
 
 use crate::config::TrainConfig;
 use crate::error::Result;

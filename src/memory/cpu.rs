@@ -8,10 +8,14 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use super::trace::{self, Action, Trace};
+
 static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static ACTIVE: AtomicBool = AtomicBool::new(false);
 static TOTAL_ALLOCS: AtomicU64 = AtomicU64::new(0);
+/// Live bytes when the running trace started.
+static TRACE_START: AtomicU64 = AtomicU64::new(0);
 
 /// Tells the C allocator to keep freed heap memory in the process for reuse (glibc on Linux; a
 /// no-op elsewhere). Idempotent; the trainer calls it when it trains on the CPU.
@@ -61,39 +65,93 @@ fn sub(size: usize) {
     CURRENT.fetch_sub(size as u64, Ordering::Relaxed);
 }
 
-// SAFETY: every method forwards to `System` with the caller's layout unchanged; the counters
-// are plain atomics and never allocate.
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
+/// An allocation counted (and traced while a trace is on) after `System` served it.
+#[inline]
+fn counted_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
+    let serve = || {
+        // SAFETY: the caller's layout, unchanged (GlobalAlloc's contract holds for it).
+        let p = unsafe {
+            if zeroed {
+                System.alloc_zeroed(layout)
+            } else {
+                System.alloc(layout)
+            }
+        };
         if !p.is_null() {
             add(layout.size());
         }
         p
+    };
+    if !trace::ON.load(Ordering::Relaxed) {
+        return serve();
+    }
+    trace::locked(|b| {
+        let p = serve();
+        if !p.is_null() {
+            b.push(Action::Alloc, p as u64, layout.size() as u64);
+        }
+        p
+    })
+}
+
+// SAFETY: every method forwards to `System` with the caller's layout unchanged; the counters
+// are plain atomics and the trace writes into a buffer it owns: neither allocates.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        counted_alloc(layout, false)
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            add(layout.size());
-        }
-        p
+        counted_alloc(layout, true)
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        sub(layout.size());
+        if !trace::ON.load(Ordering::Relaxed) {
+            System.dealloc(ptr, layout);
+            sub(layout.size());
+            return;
+        }
+        trace::locked(|b| {
+            System.dealloc(ptr, layout);
+            sub(layout.size());
+            b.push(Action::Free, ptr as u64, layout.size() as u64);
+        })
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            // Count the move as alloc-new then free-old so the peak sees both blocks, as a
-            // worst case for a realloc that had to copy.
-            add(new_size);
-            sub(layout.size());
+        let resize = |b: Option<&mut trace::Buffer>| {
+            let p = System.realloc(ptr, layout, new_size);
+            if p.is_null() {
+                return p;
+            }
+            let (old, new) = (layout.size() as u64, new_size as u64);
+            if p == ptr {
+                // Grown or shrunk in place: the old and the new block were never both alive.
+                if new >= old {
+                    add((new - old) as usize);
+                } else {
+                    sub((old - new) as usize);
+                }
+                if let Some(b) = b {
+                    b.push(Action::Free, ptr as u64, old);
+                    b.push(Action::Alloc, p as u64, new);
+                }
+            } else {
+                // Moved: count alloc-new then free-old so the peak sees both blocks, as they
+                // were while the contents were copied.
+                add(new_size);
+                sub(layout.size());
+                if let Some(b) = b {
+                    b.push(Action::Alloc, p as u64, new);
+                    b.push(Action::Free, ptr as u64, old);
+                }
+            }
+            p
+        };
+        if !trace::ON.load(Ordering::Relaxed) {
+            return resize(None);
         }
-        p
+        trace::locked(|b| resize(Some(b)))
     }
 }
 
@@ -110,7 +168,35 @@ impl CountingAllocator {
 
     /// Set the high-water mark to the current live bytes.
     pub fn reset_peak() {
-        PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+        let reset = || PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+        if trace::ON.load(Ordering::Relaxed) {
+            // Under the trace's lock, so that no traced allocation's peak falls between the
+            // load and the store: the peak then is exactly the trace's.
+            trace::locked(|_| reset());
+        } else {
+            reset();
+        }
+    }
+
+    /// Start tracing every allocation and free ([`super::trace`]) and reset the high-water mark,
+    /// both at one moment; false when a trace is already on or its buffer cannot be had.
+    pub fn start_trace() -> bool {
+        trace::begin(|| {
+            let now = CURRENT.load(Ordering::Relaxed);
+            TRACE_START.store(now, Ordering::Relaxed);
+            PEAK.store(now, Ordering::Relaxed);
+        })
+    }
+
+    /// Stop the trace and take it; `None` when none was on.
+    pub fn stop_trace() -> Option<Trace> {
+        let start = TRACE_START.load(Ordering::Relaxed);
+        trace::end(|| CURRENT.load(Ordering::Relaxed)).map(|(end_bytes, entries, dropped)| Trace {
+            start_bytes: start,
+            end_bytes,
+            entries,
+            dropped,
+        })
     }
 
     /// True once this allocator has served an allocation, i.e. it is the process's global allocator.

@@ -10,6 +10,7 @@ pub mod probe;
 pub mod record;
 pub mod select;
 pub mod timeline;
+pub mod trace;
 
 pub use cpu::{retain_freed_memory, CountingAllocator};
 pub use os::{OsMemory, OsView};

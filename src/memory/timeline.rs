@@ -66,6 +66,9 @@ pub struct TimelineEvent {
     /// The estimate's prediction of `current_bytes` at this event, when it has one.
     #[serde(default)]
     pub predicted_current_bytes: Option<u64>,
+    /// Microseconds from the step's start to this event (`step_trace.json`'s time axis).
+    #[serde(default)]
+    pub end_us: Option<u64>,
 }
 
 /// The events of one optimizer step.

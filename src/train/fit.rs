@@ -288,6 +288,7 @@ impl Trainer {
                     .join(crate::memory::timeline::STEP_TIMELINE_FILE),
                 &self.step_timeline(),
             )?;
+            self.write_step_trace()?;
         }
         if self.log_files {
             crate::io::write_json_atomic(

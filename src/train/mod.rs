@@ -22,6 +22,7 @@ pub mod snapshot;
 pub mod state;
 pub mod summary;
 pub mod trainer;
+pub mod viewers;
 
 pub use state::TrainState;
 pub use summary::{RunStatus, Summary};

@@ -79,6 +79,8 @@ struct StepInfo {
     images: usize,
     lr: f64,
     loss_scale: Option<f64>,
+    /// When the step began (the timeline's events are timed from here).
+    started: Instant,
 }
 
 impl StepInfo {
@@ -162,6 +164,7 @@ struct TimelineRecorder<'a> {
 impl TimelineRecorder<'_> {
     /// Record an event with the probe's reading; the budget is checked against its peak.
     fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<()> {
+        crate::memory::trace::mark();
         let peak = self.probe.take_event_peak();
         let current = self.probe.current();
         self.events.push(TimelineEvent {
@@ -174,6 +177,7 @@ impl TimelineRecorder<'_> {
             categories: split_categories(self.fixed, grads, saved, current),
             predicted_peak_bytes: None,
             predicted_current_bytes: None,
+            end_us: Some(self.step.started.elapsed().as_micros() as u64),
         });
         match self.probe.limit() {
             Some(limit) if self.probe.available() && peak > limit => Err(Error::OutOfMemory {
@@ -285,7 +289,9 @@ impl Trainer {
         epoch: usize,
         batch_idx: usize,
     ) -> Result<StepResult> {
+        let t0 = Instant::now();
         let step = StepInfo {
+            started: t0,
             epoch,
             batch: batch_idx,
             global_step: self.global_step,
@@ -299,12 +305,13 @@ impl Trainer {
             ),
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
         };
-        let t0 = Instant::now();
         // The step's memory timeline; kept outside the step so a failing step leaves the
         // events up to the failure for the OOM snapshot.
         let mut events = Vec::new();
         let mut start_bytes = self.probe.current();
         let result = self.step_phases(&step, batch, &mut events, &mut start_bytes, t0);
+        // A failed step's trace ends here (a step that ended well stopped it before its end).
+        self.tracer.end();
         let timeline = StepTimeline {
             label: self.config.label(),
             probe: self.probe.name().to_string(),
@@ -320,11 +327,13 @@ impl Trainer {
                     .step_times
                     .push((r.images, t0.elapsed().as_secs_f64()));
                 self.snapshots.note_step(&r);
+                self.write_step_snapshot(step.global_step);
                 Ok(r)
             }
             Err(e) if e.is_oom() => {
                 let e = self.advise_oom(e);
                 if self.oom_snapshot {
+                    self.write_oom_pickle(&timeline);
                     Err(self.write_oom_snapshot(e, timeline))
                 } else {
                     Err(e)
@@ -347,6 +356,8 @@ impl Trainer {
         let limit = self.config.memory_limit;
         let probe = self.probe.clone();
         self.memory.step_begin();
+        // Traced from the moment the step's peak starts (the trace resets the watermark).
+        self.tracer.begin(step.global_step);
         self.callbacks
             .on_batch_begin(&step.context(0, &*probe, self.memory.log()))?;
         *start_bytes = probe.current();
@@ -366,6 +377,8 @@ impl Trainer {
             .map_err(step.name_oom(limit, Phase::Optimizer))?;
         self.device.synchronize()?;
         check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
+        crate::memory::trace::mark();
+        let peak_bytes = self.timeline_probe.take_event_peak();
         let current = probe.current();
         events.push(TimelineEvent {
             index: events.len(),
@@ -378,11 +391,14 @@ impl Trainer {
             },
             micro_batch: step.accum_steps - 1,
             current_bytes: current,
-            peak_bytes: self.timeline_probe.take_event_peak(),
+            peak_bytes,
             categories: split_categories(fixed, 0, 0, current),
             predicted_peak_bytes: None,
             predicted_current_bytes: None,
+            end_us: Some(step.started.elapsed().as_micros() as u64),
         });
+        // The trace ends where the step's peak does (the next reading folds it).
+        self.tracer.end();
         self.memory
             .step_end(step.epoch, step.batch, step.global_step);
         let end = BatchInfo {

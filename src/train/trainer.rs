@@ -7,7 +7,9 @@
 //! in [`super::summary`] and pruning's end of run in [`super::prune`].
 
 use super::phases::SKIPPED_UPDATE;
-use crate::callbacks::{Callback, CallbackList, MetricsLogger, ProgressCallback};
+use crate::callbacks::{
+    Callback, CallbackList, MetricsLogger, ProgressCallback, TensorBoardLogger,
+};
 use crate::config::TrainConfig;
 use crate::data::{self, DataSplits, Dataset};
 use crate::device::select_device;
@@ -95,6 +97,8 @@ pub struct Trainer {
     pub(crate) pruner: Option<super::prune::Pruner>,
     /// `--cuda-graph`: the captured forward and backward ([`super::graph`]).
     pub(crate) cuda_graph: super::graph::GraphSlot,
+    /// Which steps' allocations are traced for the memory snapshot ([`super::viewers`]).
+    pub(crate) tracer: super::viewers::StepTracer,
 }
 
 /// `runs/<UTC timestamp>-<pid>` for a run without `--out` (the pid keeps two runs started in the
@@ -137,6 +141,12 @@ impl Trainer {
             ))
         })?;
         let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
+        if let Some(n) = config.memory_snapshot_step.filter(|n| *n >= total_steps) {
+            return Err(Error::config(format!(
+                "--memory-snapshot-step {n} is past the run's last step ({}): steps count from 0; pick one below {total_steps} or drop the flag (default: the last step)",
+                total_steps.saturating_sub(1)
+            )));
+        }
         // Checked before anything is created: the schedule's end depends on the run's length.
         let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
         let device = select_device(config.device.as_deref())?;
@@ -180,7 +190,14 @@ impl Trainer {
         let pruner = prune_schedule
             .map(|s| super::prune::Pruner::new(s, &model.named_vars()))
             .transpose()?;
+        let tracer = super::viewers::StepTracer::for_run(
+            &config,
+            total_steps,
+            options.log_files,
+            probe.name(),
+        );
         Ok(Trainer {
+            tracer,
             memory: MemoryRecorder::new(probe.clone()),
             device,
             model,
@@ -358,6 +375,7 @@ fn callback_list(
     }
     if log_files {
         list.push(Box::new(MetricsLogger::new(run_dir)));
+        list.push(Box::new(TensorBoardLogger::new(run_dir)));
     }
     list.extend(extra);
     CallbackList::new(list)

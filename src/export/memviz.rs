@@ -1,0 +1,283 @@
+//! PyTorch's memory snapshot (`torch.cuda.memory._snapshot()`, opened at pytorch.org/memory_viz
+//! and by `torch.cuda._memory_viz`) from one step's allocation trace ([`crate::memory::trace`]).
+//!
+//! The format: a dict with `segments` (the state when the snapshot is taken: the end of the
+//! trace) and `device_traces` (one list per device of `alloc` / `free_requested` /
+//! `free_completed` / `oom` entries, each with `addr`, `size`, `stream` and `frames`). The viewer
+//! walks the trace backwards from the segments, so the two must agree: here every block alive at
+//! the end is a segment of its own (the CPU heap has no allocator segments), and what was alive
+//! before the step and still is at its end is one block at address 0 (the counting allocator
+//! knows its total, not its blocks). Every traced allocation carries a frame naming the layer
+//! event it happened in, e.g. `stage2.block1 backward`.
+
+use crate::error::{Error, Result};
+use crate::memory::timeline::{StepTimeline, TimelineEvent};
+use crate::memory::trace::{Action, Trace};
+use crate::phase::Phase;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// File name of the snapshot of the chosen step in a run directory.
+pub const MEMORY_SNAPSHOT_FILE: &str = "memory_snapshot.pickle";
+/// File name of the snapshot of a step that ran out of memory.
+pub const OOM_SNAPSHOT_PICKLE: &str = "oom_snapshot.pickle";
+
+/// One frame of a stack, as PyTorch records it (innermost first).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Frame {
+    /// Where: here the step, micro-batch and the word `event`.
+    pub filename: String,
+    /// The layer event's index in the step.
+    pub line: u64,
+    /// What: the layer event, e.g. `stage2.block1 backward`.
+    pub name: String,
+}
+
+/// One entry of a device trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceEvent {
+    /// `alloc`, `free_requested`, `free_completed` or `oom`.
+    pub action: String,
+    /// Address of the block (0 for `oom`).
+    pub addr: u64,
+    /// Bytes of the block; for `oom`, the bytes over the limit.
+    pub size: u64,
+    /// Always 0 (one stream).
+    pub stream: u64,
+    /// Where it happened.
+    pub frames: Vec<Frame>,
+    /// For `oom` only: the bytes the limit left free before the failing event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_free: Option<u64>,
+}
+
+/// A block of a segment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Block {
+    /// Address (the segment's: one block a segment).
+    pub address: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes asked for (the same: the counting allocator sees requested sizes).
+    pub requested_size: u64,
+    /// Always `active_allocated`.
+    pub state: String,
+    /// Where it was allocated.
+    pub frames: Vec<Frame>,
+}
+
+/// A segment: here one live block of the heap at the end of the trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// Device index (0).
+    pub device: u64,
+    /// Address.
+    pub address: u64,
+    /// Bytes.
+    pub total_size: u64,
+    /// Bytes in allocated blocks.
+    pub allocated_size: u64,
+    /// Bytes in active blocks.
+    pub active_size: u64,
+    /// Bytes asked for.
+    pub requested_size: u64,
+    /// Always 0.
+    pub stream: u64,
+    /// `large` or `small` (PyTorch's split at 1 MiB).
+    pub segment_type: String,
+    /// Always false.
+    pub is_expandable: bool,
+    /// Its blocks (one).
+    pub blocks: Vec<Block>,
+}
+
+/// The snapshot: what `pickle.load` of a `torch.cuda.memory._snapshot()` file gives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemorySnapshot {
+    /// The heap at the end of the trace.
+    pub segments: Vec<Segment>,
+    /// One trace (device 0).
+    pub device_traces: Vec<Vec<TraceEvent>>,
+}
+
+/// A step that ran out of memory: the limit and the peak at the failing event.
+#[derive(Debug, Clone, Copy)]
+pub struct OomMark {
+    /// The `--memory-limit` in bytes.
+    pub limit: u64,
+    /// The highest bytes in use up to the failure.
+    pub peak: u64,
+}
+
+/// What a frame calls a layer event: `stage2.block1 backward`, `stage2.block1 recompute`,
+/// `optimizer`.
+fn event_name(e: &TimelineEvent) -> String {
+    if e.phase == Phase::Optimizer || e.layer.contains("recompute") {
+        e.layer.clone()
+    } else {
+        format!("{} {}", e.layer, e.phase)
+    }
+}
+
+/// The frames of the interval that ends with event `k` of `timeline` (after the last event:
+/// the end of the step).
+fn frames_for(timeline: &StepTimeline, k: usize) -> Vec<Frame> {
+    let (name, micro) = match timeline.events.get(k) {
+        Some(e) => (event_name(e), e.micro_batch),
+        None => (
+            "end of the step".to_string(),
+            timeline.events.last().map_or(0, |e| e.micro_batch),
+        ),
+    };
+    vec![Frame {
+        filename: format!(
+            "memtrain step {} micro-batch {micro} event",
+            timeline.global_step
+        ),
+        line: k as u64,
+        name,
+    }]
+}
+
+fn segment(address: u64, size: u64, frames: Vec<Frame>) -> Segment {
+    Segment {
+        device: 0,
+        address,
+        total_size: size,
+        allocated_size: size,
+        active_size: size,
+        requested_size: size,
+        stream: 0,
+        segment_type: if size >= 1 << 20 { "large" } else { "small" }.into(),
+        is_expandable: false,
+        blocks: vec![Block {
+            address,
+            size,
+            requested_size: size,
+            state: "active_allocated".into(),
+            frames,
+        }],
+    }
+}
+
+fn trace_event(action: &str, addr: u64, size: u64, frames: Vec<Frame>) -> TraceEvent {
+    TraceEvent {
+        action: action.into(),
+        addr,
+        size,
+        stream: 0,
+        frames,
+        device_free: None,
+    }
+}
+
+/// The snapshot of `trace`, its layer events named by `timeline` (the same step), with an `oom`
+/// entry at the end for a step that ran out of memory. An incomplete trace (dropped entries)
+/// is refused: its replay would not be the step.
+pub fn snapshot(
+    trace: &Trace,
+    timeline: &StepTimeline,
+    oom: Option<OomMark>,
+) -> Result<MemorySnapshot> {
+    if trace.dropped > 0 {
+        return Err(Error::config(format!(
+            "the step made more than {} allocations and {} were not traced",
+            trace.entries.len(),
+            trace.dropped
+        )));
+    }
+    let mut events = Vec::with_capacity(trace.entries.len() * 2);
+    // Blocks allocated in the trace and alive: address -> (size, frames).
+    let mut alive: BTreeMap<u64, (u64, Vec<Frame>)> = BTreeMap::new();
+    // Bytes of blocks from before the trace that it frees.
+    let mut freed_earlier = 0u64;
+    let mut k = 0;
+    let mut frames = frames_for(timeline, 0);
+    for e in &trace.entries {
+        match e.action {
+            Action::Mark => {
+                k += 1;
+                frames = frames_for(timeline, k);
+            }
+            Action::Alloc => {
+                events.push(trace_event("alloc", e.addr, e.size, frames.clone()));
+                alive.insert(e.addr, (e.size, frames.clone()));
+            }
+            Action::Free => {
+                if alive.remove(&e.addr).is_none() {
+                    freed_earlier += e.size;
+                }
+                // PyTorch records a free as requested, then completed (once its stream is done).
+                events.push(trace_event(
+                    "free_requested",
+                    e.addr,
+                    e.size,
+                    frames.clone(),
+                ));
+                events.push(trace_event(
+                    "free_completed",
+                    e.addr,
+                    e.size,
+                    frames.clone(),
+                ));
+            }
+        }
+    }
+    if let Some(o) = oom {
+        let mut oom = trace_event("oom", 0, o.peak.saturating_sub(o.limit), frames);
+        oom.device_free = Some(o.limit.saturating_sub(trace.start_bytes));
+        events.push(oom);
+    }
+    let before = trace.start_bytes.saturating_sub(freed_earlier);
+    let mut segments = Vec::with_capacity(alive.len() + 1);
+    if before > 0 {
+        let frames = vec![Frame {
+            filename: format!("memtrain step {} start", timeline.global_step),
+            line: 0,
+            name: "in use before the step (data set, parameters, optimizer state, buffers)".into(),
+        }];
+        segments.push(segment(0, before, frames));
+    }
+    segments.extend(
+        alive
+            .into_iter()
+            .map(|(addr, (size, frames))| segment(addr, size, frames)),
+    );
+    Ok(MemorySnapshot {
+        segments,
+        device_traces: vec![events],
+    })
+}
+
+/// Write `snapshot` as a pickle at `path`, atomically.
+pub fn write(path: &Path, snapshot: &MemorySnapshot) -> Result<()> {
+    let bytes = serde_pickle::to_vec(snapshot, serde_pickle::SerOptions::new())
+        .map_err(|e| Error::io(path, std::io::Error::other(e.to_string())))?;
+    crate::io::write_atomic(path, &bytes)
+}
+
+/// The most bytes alive at once in `snapshot`, replayed as the viewer does: from the segments
+/// (the end) back to the start, then forward through the trace.
+pub fn replay_peak(snapshot: &MemorySnapshot) -> u64 {
+    let end: i128 = snapshot
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state == "active_allocated")
+        .map(|b| b.size as i128)
+        .sum();
+    let trace = snapshot.device_traces.first().map_or(&[][..], |t| &t[..]);
+    let delta = |e: &TraceEvent| match e.action.as_str() {
+        "alloc" => e.size as i128,
+        "free_completed" => -(e.size as i128),
+        _ => 0,
+    };
+    let mut now = end - trace.iter().map(delta).sum::<i128>();
+    let mut peak = now;
+    for e in trace {
+        now += delta(e);
+        peak = peak.max(now);
+    }
+    peak.max(0) as u64
+}

@@ -1,0 +1,117 @@
+//! The run's files for other viewers that the trainer writes itself (TensorBoard's is a
+//! callback): the allocation trace of one step as PyTorch's memory snapshot, and the step
+//! timeline as a Perfetto trace.
+//!
+//! Which steps are traced: the snapshot step (`--memory-snapshot-step`, the run's last by
+//! default), and with `--memory-limit` every step, so that a step that runs out of memory leaves
+//! its snapshot too. Only CPU runs with the counting allocator installed trace: on CUDA the heap
+//! is not the memory the step is limited by.
+
+use super::Trainer;
+use crate::error::Result;
+use crate::export::memviz::{self, OomMark, MEMORY_SNAPSHOT_FILE, OOM_SNAPSHOT_PICKLE};
+use crate::export::perfetto::{step_trace, STEP_TRACE_FILE};
+use crate::memory::timeline::StepTimeline;
+use crate::memory::trace::Trace;
+use crate::memory::CountingAllocator;
+use std::path::PathBuf;
+
+/// Which steps to trace, and the trace of the step that just ended.
+#[derive(Debug, Default)]
+pub(crate) struct StepTracer {
+    /// The step whose snapshot is written (None: tracing is off for this run).
+    snapshot_step: Option<usize>,
+    /// Trace every step (a memory limit is set: an out-of-memory step keeps its trace).
+    every_step: bool,
+    /// The finished trace of the newest traced step.
+    taken: Option<Trace>,
+}
+
+impl StepTracer {
+    /// The tracer of a run of `total_steps` steps that writes files (`log_files`) on a device
+    /// whose probe is `probe_name`.
+    pub(crate) fn for_run(
+        config: &crate::config::TrainConfig,
+        total_steps: usize,
+        log_files: bool,
+        probe_name: &str,
+    ) -> Self {
+        let on = log_files && probe_name == "cpu-heap" && total_steps > 0;
+        StepTracer {
+            snapshot_step: on.then(|| config.memory_snapshot_step.unwrap_or(total_steps - 1)),
+            every_step: on && config.memory_limit.is_some(),
+            taken: None,
+        }
+    }
+
+    /// A step begins: trace it when it is chosen (and the counting allocator is installed).
+    pub(crate) fn begin(&mut self, global_step: usize) {
+        self.taken = None;
+        let chosen = self.snapshot_step == Some(global_step) || self.every_step;
+        if chosen && CountingAllocator::is_installed() && !CountingAllocator::start_trace() {
+            eprintln!("warning: the memory snapshot's trace could not start; no snapshot");
+        }
+    }
+
+    /// The step's measured part ended (or the step failed): stop the trace, keep it.
+    pub(crate) fn end(&mut self) {
+        if crate::memory::trace::ON.load(std::sync::atomic::Ordering::Relaxed) {
+            self.taken = CountingAllocator::stop_trace();
+        }
+    }
+}
+
+impl Trainer {
+    /// After a step that ended well: write the memory snapshot when it is the chosen step.
+    pub(super) fn write_step_snapshot(&mut self, global_step: usize) {
+        let Some(trace) = self.tracer.taken.take() else {
+            return;
+        };
+        if self.tracer.snapshot_step != Some(global_step) {
+            return;
+        }
+        let path = self.run_dir.join(MEMORY_SNAPSHOT_FILE);
+        let timeline = self.timeline.clone();
+        if let Err(e) = write_snapshot(&path, &trace, &timeline, None) {
+            eprintln!("warning: {MEMORY_SNAPSHOT_FILE} not written: {e}");
+        }
+    }
+
+    /// After a step that ran out of memory: stop its trace and write its memory snapshot next
+    /// to the JSON one; the path when written.
+    pub(super) fn write_oom_pickle(&mut self, timeline: &StepTimeline) -> Option<PathBuf> {
+        self.tracer.end();
+        let trace = self.tracer.taken.take()?;
+        let limit = self.config.memory_limit?;
+        let path = self.run_dir.join(OOM_SNAPSHOT_PICKLE);
+        let oom = OomMark {
+            limit,
+            peak: trace.peak_bytes(),
+        };
+        match write_snapshot(&path, &trace, timeline, Some(oom)) {
+            Ok(()) => Some(path),
+            Err(e) => {
+                eprintln!("warning: {OOM_SNAPSHOT_PICKLE} not written: {e}");
+                None
+            }
+        }
+    }
+
+    /// `step_trace.json` of the newest step's timeline.
+    pub(super) fn write_step_trace(&self) -> Result<()> {
+        crate::io::write_json_atomic(
+            &self.run_dir.join(STEP_TRACE_FILE),
+            &step_trace(&self.timeline),
+        )
+    }
+}
+
+fn write_snapshot(
+    path: &std::path::Path,
+    trace: &Trace,
+    timeline: &StepTimeline,
+    oom: Option<OomMark>,
+) -> Result<()> {
+    let snapshot = memviz::snapshot(trace, timeline, oom)?;
+    memviz::write(path, &snapshot)
+}

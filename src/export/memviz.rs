@@ -183,18 +183,18 @@ pub fn snapshot(
     if trace.dropped > 0 {
         return Err(Error::config(format!(
             "the step made more than {} allocations and {} were not traced",
-            trace.entries.len(),
+            trace.entries().len(),
             trace.dropped
         )));
     }
-    let mut events = Vec::with_capacity(trace.entries.len() * 2);
+    let mut events = Vec::with_capacity(trace.entries().len() * 2);
     // Blocks allocated in the trace and alive: address -> (size, frames).
     let mut alive: BTreeMap<u64, (u64, Vec<Frame>)> = BTreeMap::new();
     // Bytes of blocks from before the trace that it frees.
     let mut freed_earlier = 0u64;
     let mut k = 0;
     let mut frames = frames_for(timeline, 0);
-    for e in &trace.entries {
+    for e in trace.entries() {
         match e.action {
             Action::Mark => {
                 k += 1;

@@ -191,12 +191,7 @@ impl CountingAllocator {
     /// Stop the trace and take it; `None` when none was on.
     pub fn stop_trace() -> Option<Trace> {
         let start = TRACE_START.load(Ordering::Relaxed);
-        trace::end(|| CURRENT.load(Ordering::Relaxed)).map(|(end_bytes, entries, dropped)| Trace {
-            start_bytes: start,
-            end_bytes,
-            entries,
-            dropped,
-        })
+        trace::end(start, || CURRENT.load(Ordering::Relaxed))
     }
 
     /// True once this allocator has served an allocation, i.e. it is the process's global allocator.

@@ -47,24 +47,86 @@ pub struct TraceEntry {
     pub action: Action,
 }
 
-/// A finished trace, taken by `CountingAllocator::stop_trace`.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// The entries of a trace in the buffer the trace wrote them into: still [`System`]'s, so that
+/// taking a trace allocates nothing the step's peak could count.
+struct SystemEntries {
+    ptr: *mut TraceEntry,
+    cap: usize,
+    len: usize,
+}
+
+// SAFETY: the buffer is owned by this value alone once the trace has ended.
+unsafe impl Send for SystemEntries {}
+
+impl Drop for SystemEntries {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `begin` with this layout; owned by this value alone.
+        unsafe { System.dealloc(self.ptr as *mut u8, layout(self.cap)) };
+    }
+}
+
+/// Where a trace's entries live.
+enum Entries {
+    System(SystemEntries),
+    Owned(Vec<TraceEntry>),
+}
+
+/// A finished trace, taken by `CountingAllocator::stop_trace` (or made by [`Trace::new`]).
 pub struct Trace {
     /// Live heap bytes when the trace started.
     pub start_bytes: u64,
     /// Live heap bytes when it stopped (`start_bytes` plus the allocations less the frees).
     pub end_bytes: u64,
-    /// The entries in the order the allocator counted them.
-    pub entries: Vec<TraceEntry>,
     /// Entries lost because the buffer was full (the trace is then incomplete).
     pub dropped: usize,
+    entries: Entries,
+}
+
+impl std::fmt::Debug for Trace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trace")
+            .field("start_bytes", &self.start_bytes)
+            .field("end_bytes", &self.end_bytes)
+            .field("dropped", &self.dropped)
+            .field("entries", &self.entries().len())
+            .finish()
+    }
 }
 
 impl Trace {
+    /// A trace of `entries` from `start_bytes` (for tests and tools; the allocator makes its own).
+    pub fn new(start_bytes: u64, entries: Vec<TraceEntry>) -> Self {
+        let mut t = Trace {
+            start_bytes,
+            end_bytes: start_bytes,
+            dropped: 0,
+            entries: Entries::Owned(entries),
+        };
+        let (alloc, free) = t
+            .entries()
+            .iter()
+            .fold((0u64, 0u64), |(a, f), e| match e.action {
+                Action::Alloc => (a + e.size, f),
+                Action::Free => (a, f + e.size),
+                Action::Mark => (a, f),
+            });
+        t.end_bytes = (start_bytes + alloc).saturating_sub(free);
+        t
+    }
+
+    /// The entries in the order the allocator counted them.
+    pub fn entries(&self) -> &[TraceEntry] {
+        match &self.entries {
+            // SAFETY: the first `len` entries were written by `push` before the trace ended.
+            Entries::System(s) => unsafe { std::slice::from_raw_parts(s.ptr, s.len) },
+            Entries::Owned(v) => v,
+        }
+    }
+
     /// The highest live bytes while the trace ran: the start, then every value the counter took.
     pub fn peak_bytes(&self) -> u64 {
         let (mut now, mut peak) = (self.start_bytes as i128, self.start_bytes as i128);
-        for e in &self.entries {
+        for e in self.entries() {
             match e.action {
                 Action::Alloc => now += e.size as i128,
                 Action::Free => now -= e.size as i128,
@@ -172,9 +234,10 @@ pub(crate) fn begin(under_lock: impl FnOnce()) -> bool {
     started
 }
 
-/// Turn the trace off and take its entries; `under_lock` runs under the lock first, at the
-/// moment the trace ends. `None` when no trace was on.
-pub(crate) fn end<R>(under_lock: impl FnOnce() -> R) -> Option<(R, Vec<TraceEntry>, usize)> {
+/// Turn the trace off and take it, from `start_bytes`; `under_lock` runs under the lock first, at
+/// the moment the trace ends, and gives the live bytes then. `None` when no trace was on.
+/// Allocates nothing: the entries stay in the trace's own buffer.
+pub(crate) fn end(start_bytes: u64, under_lock: impl FnOnce() -> u64) -> Option<Trace> {
     let (r, buf) = locked(|b| {
         let r = under_lock();
         ON.store(false, Ordering::Relaxed);
@@ -190,12 +253,16 @@ pub(crate) fn end<R>(under_lock: impl FnOnce() -> R) -> Option<(R, Vec<TraceEntr
     if buf.ptr.is_null() {
         return None;
     }
-    // Copied out with the trace off: this Vec is an ordinary (counted) allocation after the step.
-    // SAFETY: the first `len` entries were written by `push`.
-    let entries = unsafe { std::slice::from_raw_parts(buf.ptr, buf.len) }.to_vec();
-    // SAFETY: allocated in `begin` with this layout; no one else holds it now.
-    unsafe { System.dealloc(buf.ptr as *mut u8, layout(buf.cap)) };
-    Some((r, entries, buf.dropped))
+    Some(Trace {
+        start_bytes,
+        end_bytes: r,
+        dropped: buf.dropped,
+        entries: Entries::System(SystemEntries {
+            ptr: buf.ptr,
+            cap: buf.cap,
+            len: buf.len,
+        }),
+    })
 }
 
 /// Mark a layer event in the trace (the step timeline's next event); nothing when off.

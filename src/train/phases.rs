@@ -333,8 +333,10 @@ impl Trainer {
             Err(e) if e.is_oom() => {
                 let e = self.advise_oom(e);
                 if self.oom_snapshot {
+                    // After the JSON snapshot, which makes the run directory if need be.
+                    let e = self.write_oom_snapshot(e, timeline.clone());
                     self.write_oom_pickle(&timeline);
-                    Err(self.write_oom_snapshot(e, timeline))
+                    Err(e)
                 } else {
                     Err(e)
                 }

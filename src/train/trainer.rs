@@ -126,27 +126,7 @@ impl Trainer {
     /// Build a trainer on already loaded data.
     pub fn new(mut config: TrainConfig, data: DataSplits, options: TrainerOptions) -> Result<Self> {
         config.validate()?;
-        if data.train.len() < config.batch_size {
-            return Err(Error::config(format!(
-                "the training split has {} images, fewer than --batch-size {}; lower --batch-size",
-                data.train.len(),
-                config.batch_size
-            )));
-        }
-        let steps_per_epoch = data.train.len() / config.batch_size;
-        let by_epochs = steps_per_epoch.checked_mul(config.epochs).ok_or_else(|| {
-            Error::config(format!(
-                "--epochs {} × {steps_per_epoch} steps per epoch is more steps than can be counted; lower --epochs",
-                config.epochs
-            ))
-        })?;
-        let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
-        if let Some(n) = config.memory_snapshot_step.filter(|n| *n >= total_steps) {
-            return Err(Error::config(format!(
-                "--memory-snapshot-step {n} is past the run's last step ({}): steps count from 0; pick one below {total_steps} or drop the flag (default: the last step)",
-                total_steps.saturating_sub(1)
-            )));
-        }
+        let (steps_per_epoch, total_steps) = run_length(&config, data.train.len())?;
         // Checked before anything is created: the schedule's end depends on the run's length.
         let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
         let device = select_device(config.device.as_deref())?;
@@ -190,12 +170,7 @@ impl Trainer {
         let pruner = prune_schedule
             .map(|s| super::prune::Pruner::new(s, &model.named_vars()))
             .transpose()?;
-        let tracer = super::viewers::StepTracer::for_run(
-            &config,
-            total_steps,
-            options.log_files,
-            probe.name(),
-        );
+        let tracer = super::viewers::StepTracer::for_run(&config, total_steps, &options, &*probe)?;
         Ok(Trainer {
             tracer,
             memory: MemoryRecorder::new(probe.clone()),
@@ -325,6 +300,25 @@ impl Trainer {
         )
         .ok()
     }
+}
+
+/// Steps per epoch and in the whole run of `config` on `train_images` training images.
+fn run_length(config: &TrainConfig, train_images: usize) -> Result<(usize, usize)> {
+    if train_images < config.batch_size {
+        return Err(Error::config(format!(
+            "the training split has {train_images} images, fewer than --batch-size {}; lower --batch-size",
+            config.batch_size
+        )));
+    }
+    let steps_per_epoch = train_images / config.batch_size;
+    let by_epochs = steps_per_epoch.checked_mul(config.epochs).ok_or_else(|| {
+        Error::config(format!(
+            "--epochs {} × {steps_per_epoch} steps per epoch is more steps than can be counted; lower --epochs",
+            config.epochs
+        ))
+    })?;
+    let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
+    Ok((steps_per_epoch, total_steps))
 }
 
 /// `--checkpoint auto` replaced by the segmentation the run trains with, from the estimate of this

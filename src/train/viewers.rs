@@ -28,20 +28,30 @@ pub(crate) struct StepTracer {
 }
 
 impl StepTracer {
-    /// The tracer of a run of `total_steps` steps that writes files (`log_files`) on a device
-    /// whose probe is `probe_name`.
+    /// The tracer of a run of `total_steps` steps with `options` on a device read by `probe`;
+    /// a `--memory-snapshot-step` past the run is refused.
     pub(crate) fn for_run(
         config: &crate::config::TrainConfig,
         total_steps: usize,
-        log_files: bool,
-        probe_name: &str,
-    ) -> Self {
-        let on = log_files && probe_name == "cpu-heap" && total_steps > 0;
-        StepTracer {
-            snapshot_step: on.then(|| config.memory_snapshot_step.unwrap_or(total_steps - 1)),
-            every_step: on && config.memory_limit.is_some(),
-            taken: None,
+        options: &super::TrainerOptions,
+        probe: &dyn crate::memory::MemoryProbe,
+    ) -> Result<Self> {
+        if let Some(n) = config.memory_snapshot_step.filter(|n| *n >= total_steps) {
+            return Err(crate::error::Error::config(format!(
+                "--memory-snapshot-step {n} is past the run's last step ({}): steps count from 0; pick one below {total_steps} or drop the flag (default: the last step)",
+                total_steps.saturating_sub(1)
+            )));
         }
+        let heap = probe.name() == "cpu-heap" && total_steps > 0;
+        if config.memory_snapshot_step.is_some() && !heap {
+            eprintln!("note: --memory-snapshot-step traces the CPU heap; this run's memory is the device's, so no memory_snapshot.pickle is written");
+        }
+        Ok(StepTracer {
+            snapshot_step: (heap && options.log_files)
+                .then(|| config.memory_snapshot_step.unwrap_or(total_steps - 1)),
+            every_step: heap && options.oom_snapshot && config.memory_limit.is_some(),
+            taken: None,
+        })
     }
 
     /// A step begins: trace it when it is chosen (and the counting allocator is installed).

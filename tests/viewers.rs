@@ -491,6 +491,8 @@ fn an_out_of_memory_step_leaves_its_snapshot_with_an_oom_entry() {
     let trace = list(&list(field(&snapshot, "device_traces"))[0]);
     let last = trace.last().unwrap();
     assert_eq!(string(field(last, "action")), "oom");
+    let name = string(field(&list(field(last, "frames"))[0], "name"));
+    assert!(name.starts_with("out of memory at stage"), "{name}");
     assert!(
         replayed_peak(&snapshot) > limit as i128,
         "the trace went over the limit"

@@ -225,6 +225,11 @@ pub fn snapshot(
         }
     }
     if let Some(o) = oom {
+        // The failing event is the last one recorded (the budget is checked at each event).
+        let mut frames = frames_for(timeline, timeline.events.len().saturating_sub(1));
+        for f in &mut frames {
+            f.name = format!("out of memory at {}", f.name);
+        }
         let mut oom = trace_event("oom", 0, o.peak.saturating_sub(o.limit), frames);
         oom.device_free = Some(o.limit.saturating_sub(trace.start_bytes));
         events.push(oom);

@@ -270,5 +270,9 @@ fn an_older_config_json_reads_back() {
         let want = older.get(k).unwrap_or(&default[k]);
         assert_eq!(v, want, "{k}");
     }
-    assert!(older.as_object().unwrap().keys().all(|k| now.get(k).is_some()));
+    assert!(older
+        .as_object()
+        .unwrap()
+        .keys()
+        .all(|k| now.get(k).is_some()));
 }

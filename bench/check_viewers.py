@@ -21,6 +21,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import sys
 
 results = []
@@ -29,6 +30,28 @@ results = []
 def check(name, ok, detail=""):
     results.append(bool(ok))
     print(f"{'ok' if ok else 'FAILED'}: {name}{': ' + detail if detail else ''}")
+
+
+# The opcodes the unpickler of pytorch.org/memory_viz (torch/utils/viz/MemoryViz.js) reads: a
+# snapshot dropped into the page must use no other.
+MEMORY_VIZ_OPCODES = {
+    "PROTO", "APPEND", "APPENDS", "LIST", "TUPLE", "NEWFALSE", "NEWTRUE", "NONE", "BINGET",
+    "BININT", "BININT1", "BININT2", "EMPTY_DICT", "EMPTY_LIST", "FRAME", "LONG1", "LONG_BINGET",
+    "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "SETITEMS", "SETITEM", "DICT", "SHORT_BINUNICODE",
+    "BINUNICODE", "STOP", "EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "BINFLOAT",
+}
+
+
+def load_snapshot(label, path):
+    with open(path, "rb") as f:
+        data = f.read()
+    ops = list(pickletools.genops(data))
+    names = {op.name for op, _, _ in ops}
+    check(f"{label}: only opcodes memory_viz's unpickler reads", names <= MEMORY_VIZ_OPCODES, ", ".join(sorted(names)))
+    # A LONG1 wider than 8 bytes becomes a BigInt there, which its arithmetic rejects.
+    wide = [pos for op, _, pos in ops if op.name == "LONG1" and data[pos + 1] > 8]
+    check(f"{label}: every integer fits memory_viz's Number", not wide, f"{len(wide)} wider than 8 bytes")
+    return pickle.loads(data)
 
 
 def replay_peak(snapshot):
@@ -123,8 +146,7 @@ def snapshot_step(run, memory):
 def main():
     run = sys.argv[1]
     memory = tensorboard(run)
-    with open(os.path.join(run, "memory_snapshot.pickle"), "rb") as f:
-        snapshot = pickle.load(f)
+    snapshot = load_snapshot("memory_snapshot.pickle", os.path.join(run, "memory_snapshot.pickle"))
     check("memory_snapshot.pickle: pickle.load", set(snapshot) >= {"segments", "device_traces"})
     trace = snapshot["device_traces"][0]
     names = {fr["name"] for e in trace for fr in e["frames"]}
@@ -151,8 +173,7 @@ def main():
     check("step_trace.json: counter totals equal step_timeline.json", totals)
 
     if len(sys.argv) > 2:
-        with open(os.path.join(sys.argv[2], "oom_snapshot.pickle"), "rb") as f:
-            oom = pickle.load(f)
+        oom = load_snapshot("oom_snapshot.pickle", os.path.join(sys.argv[2], "oom_snapshot.pickle"))
         last = oom["device_traces"][0][-1]
         check("oom_snapshot.pickle: ends with an oom entry", last["action"] == "oom", last["frames"][0]["name"])
         memory_viz_helpers("oom_snapshot.pickle", oom)

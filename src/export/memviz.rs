@@ -23,13 +23,17 @@ pub const MEMORY_SNAPSHOT_FILE: &str = "memory_snapshot.pickle";
 /// File name of the snapshot of a step that ran out of memory.
 pub const OOM_SNAPSHOT_PICKLE: &str = "oom_snapshot.pickle";
 
+// Integers are i64 in the pickled structs: serde-pickle writes a u64 above i32 as a 9-byte
+// LONG1, which memory_viz's unpickler turns into a BigInt that its arithmetic rejects; an i64 is
+// 8 bytes, read as a Number. Addresses and sizes are far below 2^63.
+
 /// One frame of a stack, as PyTorch records it (innermost first).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Frame {
     /// Where: here the step, micro-batch and the word `event`.
     pub filename: String,
     /// The layer event's index in the step.
-    pub line: u64,
+    pub line: i64,
     /// What: the layer event, e.g. `stage2.block1 backward`.
     pub name: String,
 }
@@ -40,27 +44,27 @@ pub struct TraceEvent {
     /// `alloc`, `free_requested`, `free_completed` or `oom`.
     pub action: String,
     /// Address of the block (0 for `oom`).
-    pub addr: u64,
+    pub addr: i64,
     /// Bytes of the block; for `oom`, the bytes over the limit.
-    pub size: u64,
+    pub size: i64,
     /// Always 0 (one stream).
-    pub stream: u64,
+    pub stream: i64,
     /// Where it happened.
     pub frames: Vec<Frame>,
     /// For `oom` only: the bytes the limit left free before the failing event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device_free: Option<u64>,
+    pub device_free: Option<i64>,
 }
 
 /// A block of a segment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Block {
     /// Address (the segment's: one block a segment).
-    pub address: u64,
+    pub address: i64,
     /// Bytes.
-    pub size: u64,
+    pub size: i64,
     /// Bytes asked for (the same: the counting allocator sees requested sizes).
-    pub requested_size: u64,
+    pub requested_size: i64,
     /// Always `active_allocated`.
     pub state: String,
     /// Where it was allocated.
@@ -71,19 +75,19 @@ pub struct Block {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Segment {
     /// Device index (0).
-    pub device: u64,
+    pub device: i64,
     /// Address.
-    pub address: u64,
+    pub address: i64,
     /// Bytes.
-    pub total_size: u64,
+    pub total_size: i64,
     /// Bytes in allocated blocks.
-    pub allocated_size: u64,
+    pub allocated_size: i64,
     /// Bytes in active blocks.
-    pub active_size: u64,
+    pub active_size: i64,
     /// Bytes asked for.
-    pub requested_size: u64,
+    pub requested_size: i64,
     /// Always 0.
-    pub stream: u64,
+    pub stream: i64,
     /// `large` or `small` (PyTorch's split at 1 MiB).
     pub segment_type: String,
     /// Always false.
@@ -135,12 +139,18 @@ fn frames_for(timeline: &StepTimeline, k: usize) -> Vec<Frame> {
             "memtrain step {} micro-batch {micro} event",
             timeline.global_step
         ),
-        line: k as u64,
+        line: int(k as u64),
         name,
     }]
 }
 
+/// `v` as the pickle's integer (addresses and sizes are far below `i64::MAX`).
+fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
 fn segment(address: u64, size: u64, frames: Vec<Frame>) -> Segment {
+    let (address, size) = (int(address), int(size));
     Segment {
         device: 0,
         address,
@@ -164,8 +174,8 @@ fn segment(address: u64, size: u64, frames: Vec<Frame>) -> Segment {
 fn trace_event(action: &str, addr: u64, size: u64, frames: Vec<Frame>) -> TraceEvent {
     TraceEvent {
         action: action.into(),
-        addr,
-        size,
+        addr: int(addr),
+        size: int(size),
         stream: 0,
         frames,
         device_free: None,
@@ -231,7 +241,7 @@ pub fn snapshot(
             f.name = format!("out of memory at {}", f.name);
         }
         let mut oom = trace_event("oom", 0, o.peak.saturating_sub(o.limit), frames);
-        oom.device_free = Some(o.limit.saturating_sub(trace.start_bytes));
+        oom.device_free = Some(int(o.limit.saturating_sub(trace.start_bytes)));
         events.push(oom);
     }
     let before = trace.start_bytes.saturating_sub(freed_earlier);

@@ -14,8 +14,6 @@ static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static ACTIVE: AtomicBool = AtomicBool::new(false);
 static TOTAL_ALLOCS: AtomicU64 = AtomicU64::new(0);
-/// Live bytes when the running trace started.
-static TRACE_START: AtomicU64 = AtomicU64::new(0);
 
 /// Tells the C allocator to keep freed heap memory in the process for reuse (glibc on Linux; a
 /// no-op elsewhere). Idempotent; the trainer calls it when it trains on the CPU.
@@ -178,20 +176,29 @@ impl CountingAllocator {
         }
     }
 
+    /// The high-water mark, and reset it to the current live bytes. While a trace is on, both in
+    /// one step under its lock, so that the trace's peak and the readings' agree exactly.
+    pub fn take_peak() -> u64 {
+        let take = || PEAK.swap(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+        if trace::ON.load(Ordering::Relaxed) {
+            trace::locked(|_| take())
+        } else {
+            take()
+        }
+    }
+
     /// Start tracing every allocation and free ([`super::trace`]) and reset the high-water mark,
     /// both at one moment; false when a trace is already on or its buffer cannot be had.
     pub fn start_trace() -> bool {
         trace::begin(|| {
             let now = CURRENT.load(Ordering::Relaxed);
-            TRACE_START.store(now, Ordering::Relaxed);
             PEAK.store(now, Ordering::Relaxed);
         })
     }
 
     /// Stop the trace and take it; `None` when none was on.
     pub fn stop_trace() -> Option<Trace> {
-        let start = TRACE_START.load(Ordering::Relaxed);
-        trace::end(start, || CURRENT.load(Ordering::Relaxed))
+        trace::end(|| CURRENT.load(Ordering::Relaxed))
     }
 
     /// True once this allocator has served an allocation, i.e. it is the process's global allocator.

@@ -19,6 +19,13 @@ pub trait MemoryProbe: Send + Sync {
     fn peak(&self) -> u64;
     /// Reset the high-water mark to the current use.
     fn reset_peak(&self);
+    /// The high-water mark, and reset it: one step where the probe can (so that no allocation
+    /// by another thread between the reading and the reset is lost), else `peak` then `reset_peak`.
+    fn take_peak(&self) -> u64 {
+        let p = self.peak();
+        self.reset_peak();
+        p
+    }
     /// The configured hard limit or budget, if any.
     fn limit(&self) -> Option<u64>;
     /// Bytes reserved by the allocator (CUDA pool), if the probe knows.
@@ -73,6 +80,9 @@ impl MemoryProbe for CpuProbe {
     }
     fn reset_peak(&self) {
         CountingAllocator::reset_peak()
+    }
+    fn take_peak(&self) -> u64 {
+        CountingAllocator::take_peak()
     }
     fn limit(&self) -> Option<u64> {
         self.limit

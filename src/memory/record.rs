@@ -211,9 +211,8 @@ impl MemoryRecorder {
     /// Read and reset the watermark, folding the reading into the step, epoch and run maxima.
     fn fold(&mut self, phase: Phase) -> u64 {
         self.probe.sync();
-        let peak = self.probe.peak();
         let reserved = self.probe.reserved_peak();
-        self.probe.reset_peak();
+        let peak = self.probe.take_peak();
         max_phase(&mut self.epoch_peak, peak, phase);
         if peak > self.log.peak_bytes {
             self.log.peak_bytes = peak;

@@ -128,11 +128,9 @@ impl TimelineProbe {
     /// The highest bytes in use since the previous event, and start a new event interval.
     pub fn take_event_peak(&self) -> u64 {
         use std::sync::atomic::Ordering::SeqCst;
-        let p = self.inner.peak();
+        let p = self.inner.take_peak();
         self.carried.fetch_max(p, SeqCst);
-        let e = self.event_carried.swap(0, SeqCst).max(p);
-        self.inner.reset_peak();
-        e
+        self.event_carried.swap(0, SeqCst).max(p)
     }
 }
 
@@ -152,10 +150,13 @@ impl crate::memory::MemoryProbe for TimelineProbe {
             .max(self.carried.load(std::sync::atomic::Ordering::SeqCst))
     }
     fn reset_peak(&self) {
+        self.take_peak();
+    }
+    fn take_peak(&self) -> u64 {
         use std::sync::atomic::Ordering::SeqCst;
-        self.event_carried.fetch_max(self.inner.peak(), SeqCst);
-        self.carried.store(0, SeqCst);
-        self.inner.reset_peak();
+        let p = self.inner.take_peak();
+        self.event_carried.fetch_max(p, SeqCst);
+        p.max(self.carried.swap(0, SeqCst))
     }
     fn limit(&self) -> Option<u64> {
         self.inner.limit()

@@ -73,7 +73,8 @@ enum Entries {
 
 /// A finished trace, taken by `CountingAllocator::stop_trace` (or made by [`Trace::new`]).
 pub struct Trace {
-    /// Live heap bytes when the trace started.
+    /// Live heap bytes when the trace started: the end less the traced allocations plus the
+    /// traced frees (see [`end`] for why it is not read at the start).
     pub start_bytes: u64,
     /// Live heap bytes when it stopped (`start_bytes` plus the allocations less the frees).
     pub end_bytes: u64,
@@ -102,16 +103,20 @@ impl Trace {
             dropped: 0,
             entries: Entries::Owned(entries),
         };
-        let (alloc, free) = t
-            .entries()
-            .iter()
-            .fold((0u64, 0u64), |(a, f), e| match e.action {
-                Action::Alloc => (a + e.size, f),
-                Action::Free => (a, f + e.size),
-                Action::Mark => (a, f),
-            });
-        t.end_bytes = (start_bytes + alloc).saturating_sub(free);
+        t.end_bytes = (start_bytes as i128 + t.net_bytes()).max(0) as u64;
         t
+    }
+
+    /// The traced allocations less the traced frees.
+    fn net_bytes(&self) -> i128 {
+        self.entries()
+            .iter()
+            .map(|e| match e.action {
+                Action::Alloc => e.size as i128,
+                Action::Free => -(e.size as i128),
+                Action::Mark => 0,
+            })
+            .sum()
     }
 
     /// The entries in the order the allocator counted them.
@@ -234,10 +239,15 @@ pub(crate) fn begin(under_lock: impl FnOnce()) -> bool {
     started
 }
 
-/// Turn the trace off and take it, from `start_bytes`; `under_lock` runs under the lock first, at
-/// the moment the trace ends, and gives the live bytes then. `None` when no trace was on.
-/// Allocates nothing: the entries stay in the trace's own buffer.
-pub(crate) fn end(start_bytes: u64, under_lock: impl FnOnce() -> u64) -> Option<Trace> {
+/// Turn the trace off and take it; `under_lock` runs under the lock first, at the moment the
+/// trace ends, and gives the live bytes then. `None` when no trace was on. Allocates nothing:
+/// the entries stay in the trace's own buffer.
+///
+/// The start is the end less what the trace added: an allocator call on another thread that
+/// read [`ON`] just before the trace began counts its bytes after the start was read, untraced,
+/// but every call after that is traced under the lock, so the end is exact and the start taken
+/// from it makes the replay equal the counter from the first traced entry on.
+pub(crate) fn end(under_lock: impl FnOnce() -> u64) -> Option<Trace> {
     let (r, buf) = locked(|b| {
         let r = under_lock();
         ON.store(false, Ordering::Relaxed);
@@ -253,8 +263,8 @@ pub(crate) fn end(start_bytes: u64, under_lock: impl FnOnce() -> u64) -> Option<
     if buf.ptr.is_null() {
         return None;
     }
-    Some(Trace {
-        start_bytes,
+    let mut trace = Trace {
+        start_bytes: r,
         end_bytes: r,
         dropped: buf.dropped,
         entries: Entries::System(SystemEntries {
@@ -262,7 +272,9 @@ pub(crate) fn end(start_bytes: u64, under_lock: impl FnOnce() -> u64) -> Option<
             cap: buf.cap,
             len: buf.len,
         }),
-    })
+    };
+    trace.start_bytes = (r as i128 - trace.net_bytes()).max(0) as u64;
+    Some(trace)
 }
 
 /// Mark a layer event in the trace (the step timeline's next event); nothing when off.

@@ -310,15 +310,13 @@ fn write_results(
     Ok(())
 }
 
-/// When this process was started with [`crate::sweep::TRAINER_ROLE_ARG`] first, run [`train`] with the rest
-/// of the command line and exit; otherwise return. Sweep and comparison binaries call it first
-/// in `main` (and install the counting allocator, which the trainer's CPU measurements need).
+/// When this process was started as a point of its own sweep or comparison
+/// ([`crate::sweep::TRAINER_ROLE_ENV`]), run [`train`] with its command line and exit; otherwise
+/// return. Sweep and comparison binaries call it first in `main` (and install the counting
+/// allocator, which the trainer's CPU measurements need).
 pub fn serve_as_trainer() {
-    let mut args = std::env::args_os().skip(1);
-    if args
-        .next()
-        .is_some_and(|a| a == crate::sweep::TRAINER_ROLE_ARG)
-    {
+    if std::env::var_os(crate::sweep::TRAINER_ROLE_ENV).is_some_and(|v| v == "1") {
+        let args = std::env::args_os().skip(1);
         exit(train(std::iter::once("train_cifar10".into()).chain(args)))
     }
 }

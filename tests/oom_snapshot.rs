@@ -107,19 +107,16 @@ fn a_summary_only_child_leaves_a_snapshot_too() {
     let (baseline, peak) = unlimited_step_peak(&dir);
     let limit = (baseline + (peak - baseline) / 2).to_string();
     let out = dir.join("point");
-    let o = train(
+    let o = common::trainer_command(
         &[
             BASE,
-            &[
-                "--out",
-                out.to_str().unwrap(),
-                "--memory-limit",
-                &limit,
-                "--summary-only",
-            ],
+            &["--out", out.to_str().unwrap(), "--memory-limit", &limit],
         ]
         .concat(),
-    );
+    )
+    .env(memtrain::cli::SUMMARY_ONLY_ENV, "1")
+    .output()
+    .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(out.join(OOM_SNAPSHOT_FILE).is_file());
     let _ = std::fs::remove_dir_all(&dir);

@@ -318,7 +318,7 @@ impl Trainer {
                 self.global_step += 1;
                 self.history
                     .step_times
-                    .push((r.images, t0.elapsed().as_secs_f64()));
+                    .push(r.images, t0.elapsed().as_secs_f64());
                 self.snapshots.note_step(&r);
                 Ok(r)
             }

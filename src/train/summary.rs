@@ -103,19 +103,6 @@ pub struct Summary {
     pub cuda_graph: Option<super::graph::GraphStats>,
 }
 
-/// Images per second of step time after skipping the warm-up steps (the first 3, or a quarter
-/// of the steps when there are fewer than 12). None with fewer than 2 steps.
-pub(crate) fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
-    if steps.len() < 2 {
-        return None;
-    }
-    let skip = 3.min(steps.len() / 4).max(1);
-    let (images, secs) = steps[skip..]
-        .iter()
-        .fold((0usize, 0f64), |(i, s), (n, t)| (i + n, s + t));
-    Some(images as f64 / secs.max(1e-9))
-}
-
 impl Trainer {
     /// The summary of the whole run: `epochs` (the ended ones first, `ended` of them) and the
     /// history's totals.
@@ -135,7 +122,7 @@ impl Trainer {
             None
         };
         let last = epochs.last();
-        let step_peak = mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0);
+        let step_peak = mem.step_peak_bytes;
         Summary {
             label: self.config.label(),
             device: device_name(&self.device),
@@ -156,7 +143,7 @@ impl Trainer {
             predicted_peak_bytes: predicted,
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
-            steady_images_per_sec: steady_throughput(&self.history.step_times),
+            steady_images_per_sec: self.history.step_times.steady(),
             steps: self.global_step,
             epochs_completed: ended,
             images: self.history.images,

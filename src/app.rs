@@ -243,6 +243,22 @@ fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
 
 /// The run's results on stdout: the memory report, predicted against measured, the headline
 /// and, for `--prune`, the sparsity reached.
+///
+/// An accuracy over fewer than this many images says little (one image is a whole point).
+const MEANINGFUL_EVAL_IMAGES: usize = 100;
+
+/// What an accuracy measured on `n` images is worth, when that is little.
+fn small_eval_caveat(n: usize) -> String {
+    if n >= MEANINGFUL_EVAL_IMAGES {
+        return String::new();
+    }
+    format!(
+        " (on only {n} image{}, {:.0} points each: raise --val-fraction or add test_batch.bin for a figure that means something)",
+        if n == 1 { "" } else { "s" },
+        100.0 / n.max(1) as f64
+    )
+}
+
 fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
     print!("{}", trainer.memory_log().report());
     // predicted versus measured.
@@ -262,13 +278,14 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
         summary
             .final_test_accuracy
             .map(|a| format!(
-                " | {} accuracy {:.2}%",
+                " | {} accuracy {:.2}%{}",
                 if summary.eval_is_validation {
                     "validation"
                 } else {
                     "test"
                 },
-                a * 100.0
+                a * 100.0,
+                small_eval_caveat(summary.eval_images)
             ))
             .unwrap_or_default()
     );

@@ -87,6 +87,9 @@ pub struct Summary {
     pub final_test_loss: Option<f64>,
     /// True when the evaluation split is a held-out part of the training files.
     pub eval_is_validation: bool,
+    /// Images the accuracy and loss were evaluated on.
+    #[serde(default)]
+    pub eval_images: usize,
     /// Final loss scale (f16).
     pub loss_scale: Option<f64>,
     /// Steps skipped by the loss scaler.
@@ -151,6 +154,7 @@ impl Trainer {
             final_test_accuracy: last.and_then(|e| e.eval_accuracy),
             final_test_loss: last.and_then(|e| e.eval_loss),
             eval_is_validation: self.eval_is_validation,
+            eval_images: self.eval.len(),
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
             status: if interrupted {

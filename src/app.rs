@@ -40,6 +40,12 @@ where
     // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
     crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
+    // CUDA asked of a build without it: a real run is refused before any planning or loading; a
+    // dry run still prints the CUDA prediction (it needs no GPU), then says what is missing.
+    let no_cuda = crate::device::cuda_not_built(cfg.device.as_deref());
+    if let (Some(e), false) = (&no_cuda, cmd.dry_run) {
+        return Err(Error::Device(e.to_string()));
+    }
     // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None
@@ -75,6 +81,12 @@ where
         },
         ..Default::default()
     };
+    if let Some(e) = no_cuda {
+        let estimate = crate::predict::estimate(&cfg, DeviceKind::Cuda)?;
+        print!("{}", estimate.table());
+        println!("dry run only: {e}");
+        return Ok(());
+    }
     let mut trainer = match loaded {
         Some(data) => Trainer::new(cfg, data, options)?, // the data the plan was made for
         None => Trainer::from_config(cfg, options)?,

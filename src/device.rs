@@ -84,6 +84,15 @@ fn cuda_device(n: usize) -> Result<Device> {
     )))
 }
 
+/// The error of a CUDA `spec` (`cuda`, `cuda:N`) in a build without CUDA, which can predict a
+/// CUDA run (`--dry-run`, `--fit-memory --dry-run`) but not train one; `None` otherwise.
+pub(crate) fn cuda_not_built(spec: Option<&str>) -> Option<Error> {
+    match spec.map(parse_device_spec) {
+        Some(Ok(DeviceSpec::Cuda(n))) if !cfg!(feature = "cuda") => cuda_device(n).err(),
+        _ => None,
+    }
+}
+
 /// A short name for reports: "cpu" or "cuda:N".
 pub(crate) fn device_name(dev: &Device) -> String {
     match dev.location() {

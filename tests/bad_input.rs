@@ -424,3 +424,24 @@ fn the_base_flags_are_valid() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// CUDA asked of a build without it: a dry run still prints the CUDA prediction (it needs no GPU)
+/// and says what is missing; `--fit-memory` refuses before it plans, so no plan is printed for a
+/// run that cannot start.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_in_a_build_without_it_is_predicted_but_not_planned_or_run() {
+    let dry = run(&["--dry-run", "--device", "cuda", "--width", "4"]);
+    assert_eq!(dry.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&dry.stdout);
+    assert!(stdout.contains("predicted peak"), "{stdout}");
+    assert!(stdout.contains("dry run only: --device cuda:0: this binary was built without CUDA"));
+
+    let plan = run(&["--fit-memory", "200MiB", "--device", "cuda", "--width", "4"]);
+    assert_eq!(plan.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&plan.stdout);
+    assert!(!stdout.contains("runner-up"), "no plan before the refusal: {stdout}");
+    let stderr = String::from_utf8_lossy(&plan.stderr);
+    assert!(stderr.contains("built without CUDA") && stderr.contains("--device cpu"));
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+}

@@ -40,12 +40,9 @@ where
     // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
     crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
-    // CUDA asked of a build without it: a real run is refused before any planning or loading; a
-    // dry run still prints the CUDA prediction (it needs no GPU), then says what is missing.
+    // CUDA asked of a build without it (a real run was refused in `setup`): the dry run still
+    // prints the CUDA prediction, which needs no GPU, then says what is missing.
     let no_cuda = crate::device::cuda_not_built(cfg.device.as_deref());
-    if let (Some(e), false) = (&no_cuda, cmd.dry_run) {
-        return Err(Error::Device(e.to_string()));
-    }
     // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None
@@ -82,10 +79,7 @@ where
         ..Default::default()
     };
     if let Some(e) = no_cuda {
-        let estimate = crate::predict::estimate(&cfg, DeviceKind::Cuda)?;
-        print!("{}", estimate.table());
-        println!("dry run only: {e}");
-        return Ok(());
+        return print_cuda_estimate(&cfg, &e);
     }
     let mut trainer = match loaded {
         Some(data) => Trainer::new(cfg, data, options)?, // the data the plan was made for
@@ -179,6 +173,13 @@ where
     if !cmd.dry_run && cfg.out.is_none() {
         cfg.out = Some(default_run_dir());
     }
+    // Before any planning or loading: a run this build cannot start.
+    if let (Some(e), false) = (
+        crate::device::cuda_not_built(cfg.device.as_deref()),
+        cmd.dry_run,
+    ) {
+        return Err(e);
+    }
     if resume.is_some() && cmd.plan.fit_memory.is_some() {
         return Err(Error::config(
             "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
@@ -190,6 +191,14 @@ where
         resume,
         explicit,
     }))
+}
+
+/// `--dry-run` of a CUDA run in a build without CUDA: the prediction, then what is missing.
+fn print_cuda_estimate(cfg: &crate::config::TrainConfig, missing: &Error) -> Result<()> {
+    let estimate = crate::predict::estimate(cfg, DeviceKind::Cuda)?;
+    print!("{}", estimate.table());
+    println!("dry run only: {missing}");
+    Ok(())
 }
 
 /// What the run is about to do: its data, device, probe, steps and run directory.

@@ -440,7 +440,10 @@ fn cuda_in_a_build_without_it_is_predicted_but_not_planned_or_run() {
     let plan = run(&["--fit-memory", "200MiB", "--device", "cuda", "--width", "4"]);
     assert_eq!(plan.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&plan.stdout);
-    assert!(!stdout.contains("runner-up"), "no plan before the refusal: {stdout}");
+    assert!(
+        !stdout.contains("runner-up"),
+        "no plan before the refusal: {stdout}"
+    );
     let stderr = String::from_utf8_lossy(&plan.stderr);
     assert!(stderr.contains("built without CUDA") && stderr.contains("--device cpu"));
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");

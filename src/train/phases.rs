@@ -361,17 +361,20 @@ impl Trainer {
                 advice: self.divergence_advice(),
             });
         }
-        let (skipped, grad_norm) = self
+        let update = self
             .apply_update(grads, step)
-            .map_err(step.name_oom(limit, Phase::Optimizer))?;
-        self.device.synchronize()?;
-        check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
+            .map_err(step.name_oom(limit, Phase::Optimizer));
+        if update.is_ok() {
+            self.device.synchronize()?;
+        }
+        // The update's event goes on the timeline before its budget is judged, so that an
+        // out-of-memory snapshot of this phase shows the failing event.
         let current = probe.current();
         events.push(TimelineEvent {
             index: events.len(),
             phase: Phase::Optimizer,
             // A step the loss scaler skipped has no update (and no prediction).
-            layer: if skipped {
+            layer: if matches!(update, Ok((true, _))) {
                 SKIPPED_UPDATE.into()
             } else {
                 "optimizer".into()
@@ -383,6 +386,8 @@ impl Trainer {
             predicted_peak_bytes: None,
             predicted_current_bytes: None,
         });
+        let (skipped, grad_norm) = update?;
+        check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
         self.memory
             .step_end(step.epoch, step.batch, step.global_step);
         let end = BatchInfo {

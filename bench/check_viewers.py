@@ -4,10 +4,10 @@ bench/check_viewers.sh, which documents it).
     python check_viewers.py RUN_DIR [OOM_RUN_DIR]
 
 - events.out.tfevents.*: tensorboard's EventAccumulator (the reader behind TensorBoard's
-  dashboards) loads it; every step's scalars once, equal to batches.csv and memory.json.
+  dashboards) loads it; every step's scalars once, equal to batches.csv.
 - memory_snapshot.pickle: pickle.load, then PyTorch's torch.cuda._memory_viz helpers
   (trace_plot, segment_plot, segsum, trace, memory, segments) run on it; replayed as memory_viz
-  does, its peak equals the step's measured peak in memory.json, exactly.
+  does, its peak equals the step's measured peak in batches.csv, exactly.
 - step_trace.json: a Trace Event Format object whose slices and counters match
   step_timeline.json.
 - OOM_RUN_DIR/oom_snapshot.pickle (optional): the same helpers, and its last entry is `oom`.
@@ -123,37 +123,35 @@ def tensorboard(run):
     losses = [e.value for e in acc.Scalars("train/loss")]
     same = all(np.float32(float(r["loss"])) == np.float32(v) for r, v in zip(rows, losses))
     check("tensorboard: train/loss equals batches.csv", same)
-    with open(os.path.join(run, "memory.json")) as f:
-        memory = json.load(f)
     peaks = [e.value for e in acc.Scalars("memory/step_peak_MiB")]
-    want_peaks = [np.float32(b["peak_bytes"] / 2**20) for b in memory["batches"]]
-    check("tensorboard: memory/step_peak_MiB equals memory.json", peaks == want_peaks)
+    want_peaks = [np.float32(int(r["peak_bytes"]) / 2**20) for r in rows]
+    check("tensorboard: memory/step_peak_MiB equals batches.csv", peaks == want_peaks)
     epoch_tags = ["epoch/train_loss", "epoch/train_accuracy", "epoch/peak_MiB", "epoch/eval_peak_MiB"]
     missing = [t for t in epoch_tags if t not in tags["scalars"]]
     check("tensorboard: per-epoch scalars", not missing, ", ".join(epoch_tags))
     config = acc.Tensors("config")
     text = config[0].tensor_proto.string_val[0].decode() if config else ""
     check("tensorboard: the configuration as text", '"batch_size"' in text)
-    return memory
+    return rows
 
 
-def snapshot_step(run, memory):
+def snapshot_step(run, rows):
     with open(os.path.join(run, "config.json")) as f:
         step = json.load(f).get("memory_snapshot_step")
-    return memory["batches"][-1]["global_step"] if step is None else step
+    return int(rows[-1]["global_step"]) if step is None else step
 
 
 def main():
     run = sys.argv[1]
-    memory = tensorboard(run)
+    rows = tensorboard(run)
     snapshot = load_snapshot("memory_snapshot.pickle", os.path.join(run, "memory_snapshot.pickle"))
     check("memory_snapshot.pickle: pickle.load", set(snapshot) >= {"segments", "device_traces"})
     trace = snapshot["device_traces"][0]
     names = {fr["name"] for e in trace for fr in e["frames"]}
     check("memory_snapshot.pickle: frames name layer events", "stage2.block1 backward" in names, f"{len(names)} names")
     memory_viz_helpers("memory_snapshot.pickle", snapshot)
-    step = snapshot_step(run, memory)
-    measured = next(b["peak_bytes"] for b in memory["batches"] if b["global_step"] == step)
+    step = snapshot_step(run, rows)
+    measured = next(int(r["peak_bytes"]) for r in rows if int(r["global_step"]) == step)
     replayed = replay_peak(snapshot)
     check(
         "memory_snapshot.pickle: replayed peak == measured step peak",

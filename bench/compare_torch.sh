@@ -229,8 +229,8 @@ PY
 
 run_memtrain() { # repeat index; sets val to the run's img/s
   local r=$1 dir="$work/memtrain-$1" log="$work/memtrain-$1.log" rc=0
-  (cd "$work" && "${limit[@]}" "${pin[@]}" env "${thread_env[@]}" "$bin" \
-    --device cpu --max-steps "$total" --epochs "$total" --no-eval --quiet --summary-only \
+  (cd "$work" && "${limit[@]}" "${pin[@]}" env "${thread_env[@]}" MEMTRAIN_SUMMARY_ONLY=1 "$bin" \
+    --device cpu --max-steps "$total" --epochs "$total" --no-eval --quiet \
     --out "$dir" --batch-size "$batch" --width "$width" --precision "$precision" \
     --accum-steps "$accum" --checkpoint "$checkpoint" --conv "$conv" "${mt_data[@]}") \
     >"$log" 2>&1 || rc=$?

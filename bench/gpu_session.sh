@@ -88,7 +88,7 @@ run_memtrain() { # bin file name flags... ; appends {"name":..., summary..., ste
   local lim; lim=$(limit_for 90 20)
   [ "$lim" -gt 0 ] || { log "memtrain $name ($file) skipped: budget"; return; }
   local dir="/tmp/mt-$file-$name"; rm -rf "$dir" "$dir.log"
-  # Not --summary-only: step_timeline.json gives the step-added peak (pool bytes at the newest
+  # Not summary-only (MEMTRAIN_SUMMARY_ONLY): step_timeline.json gives the step-added peak (pool bytes at the newest
   # step's events minus its start).
   timeout "$lim" "$bin/train_cifar10" --device cuda --max-steps "$STEPS" --synthetic-train 13000 --synthetic-test 100 \
     --no-eval --quiet --tf32 "$TF32" --out "$dir" "$@" > "$dir.log" 2>&1

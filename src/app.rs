@@ -40,6 +40,9 @@ where
     // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
     crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
+    // CUDA asked of a build without it (a real run was refused in `setup`): the dry run still
+    // prints the CUDA prediction, which needs no GPU, then says what is missing.
+    let no_cuda = crate::device::cuda_not_built(cfg.device.as_deref());
     // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None
@@ -75,6 +78,9 @@ where
         },
         ..Default::default()
     };
+    if let Some(e) = no_cuda {
+        return print_cuda_estimate(&cfg, &e);
+    }
     let mut trainer = match loaded {
         Some(data) => Trainer::new(cfg, data, options)?, // the data the plan was made for
         None => Trainer::from_config(cfg, options)?,
@@ -167,6 +173,13 @@ where
     if !cmd.dry_run && cfg.out.is_none() {
         cfg.out = Some(default_run_dir());
     }
+    // Before any planning or loading: a run this build cannot start.
+    if let (Some(e), false) = (
+        crate::device::cuda_not_built(cfg.device.as_deref()),
+        cmd.dry_run,
+    ) {
+        return Err(e);
+    }
     if resume.is_some() && cmd.plan.fit_memory.is_some() {
         return Err(Error::config(
             "--fit-memory cannot be combined with --resume (a run keeps its batch settings); start a new run",
@@ -178,6 +191,14 @@ where
         resume,
         explicit,
     }))
+}
+
+/// `--dry-run` of a CUDA run in a build without CUDA: the prediction, then what is missing.
+fn print_cuda_estimate(cfg: &crate::config::TrainConfig, missing: &Error) -> Result<()> {
+    let estimate = crate::predict::estimate(cfg, DeviceKind::Cuda)?;
+    print!("{}", estimate.table());
+    println!("dry run only: {missing}");
+    Ok(())
 }
 
 /// What the run is about to do: its data, device, probe, steps and run directory.
@@ -243,6 +264,22 @@ fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
 
 /// The run's results on stdout: the memory report, predicted against measured, the headline
 /// and, for `--prune`, the sparsity reached.
+///
+/// An accuracy over fewer than this many images says little (one image is a whole point).
+const MEANINGFUL_EVAL_IMAGES: usize = 100;
+
+/// What an accuracy measured on `n` images is worth, when that is little.
+fn small_eval_caveat(n: usize) -> String {
+    if n >= MEANINGFUL_EVAL_IMAGES {
+        return String::new();
+    }
+    format!(
+        " (on only {n} image{}, {:.0} points each: raise --val-fraction or add test_batch.bin for a figure that means something)",
+        if n == 1 { "" } else { "s" },
+        100.0 / n.max(1) as f64
+    )
+}
+
 fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
     print!("{}", trainer.memory_log().report());
     // predicted versus measured.
@@ -262,13 +299,14 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
         summary
             .final_test_accuracy
             .map(|a| format!(
-                " | {} accuracy {:.2}%",
+                " | {} accuracy {:.2}%{}",
                 if summary.eval_is_validation {
                     "validation"
                 } else {
                     "test"
                 },
-                a * 100.0
+                a * 100.0,
+                small_eval_caveat(summary.eval_images)
             ))
             .unwrap_or_default()
     );
@@ -310,15 +348,13 @@ fn write_results(
     Ok(())
 }
 
-/// When this process was started with [`crate::sweep::TRAINER_ROLE_ARG`] first, run [`train`] with the rest
-/// of the command line and exit; otherwise return. Sweep and comparison binaries call it first
-/// in `main` (and install the counting allocator, which the trainer's CPU measurements need).
+/// When this process was started as a point of its own sweep or comparison
+/// ([`crate::sweep::TRAINER_ROLE_ENV`]), run [`train`] with its command line and exit; otherwise
+/// return. Sweep and comparison binaries call it first in `main` (and install the counting
+/// allocator, which the trainer's CPU measurements need).
 pub fn serve_as_trainer() {
-    let mut args = std::env::args_os().skip(1);
-    if args
-        .next()
-        .is_some_and(|a| a == crate::sweep::TRAINER_ROLE_ARG)
-    {
+    if std::env::var_os(crate::sweep::TRAINER_ROLE_ENV).is_some_and(|v| v == "1") {
+        let args = std::env::args_os().skip(1);
         exit(train(std::iter::once("train_cifar10".into()).chain(args)))
     }
 }

@@ -30,9 +30,6 @@ pub struct TrainArgs {
     /// `--fit-memory` and its companions: the memory-budget planner (src/predict/plan.rs).
     #[command(flatten)]
     pub plan: PlanArgs,
-    /// Write summary.json only (no per-batch CSV/plots); used by sweep children
-    #[arg(long, hide = true)]
-    pub summary_only: bool,
     /// Flags given explicitly on the command line, as clap ids: a training flag's id is its
     /// `config.json` key (filled by [`parse_train_args`]).
     #[arg(skip)]
@@ -69,6 +66,17 @@ impl PlanArgs {
     }
 }
 
+/// The environment variable that batch sweeps set to `1` for every point they start: the run
+/// writes `summary.json` only, no per-batch files, snapshots or charts. An environment variable
+/// rather than a flag, so that no user-facing command accepts a flag meant for a sweep's children;
+/// scripts that want the same lean output (bench/compare_torch.sh) set it too.
+pub const SUMMARY_ONLY_ENV: &str = "MEMTRAIN_SUMMARY_ONLY";
+
+/// Whether [`SUMMARY_ONLY_ENV`] is `1` in this process's environment.
+fn summary_only_requested() -> bool {
+    std::env::var_os(SUMMARY_ONLY_ENV).is_some_and(|v| v == "1")
+}
+
 /// What `train_cifar10` should do.
 #[derive(Debug, Clone)]
 pub struct TrainCommand {
@@ -80,7 +88,7 @@ pub struct TrainCommand {
     pub dry_run: bool,
     /// Replace an earlier run's results in the run directory.
     pub overwrite: bool,
-    /// Only write summary.json.
+    /// Only write summary.json: set for the points of batch sweeps ([`SUMMARY_ONLY_ENV`]).
     pub summary_only: bool,
     /// `--fit-memory` and its companions.
     pub plan: PlanArgs,
@@ -116,7 +124,7 @@ impl TryFrom<TrainArgs> for TrainCommand {
             resume: a.resume,
             dry_run: a.dry_run,
             overwrite: a.overwrite,
-            summary_only: a.summary_only,
+            summary_only: summary_only_requested(),
             plan: a.plan,
         })
     }

@@ -149,7 +149,7 @@ pub struct TrainConfig {
     #[arg(long)]
     pub download: bool,
     /// Fraction held out for validation when there is no test_batch.bin
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
     pub val_fraction: f64,
     /// Random flip + 4-pixel reflect-pad translation of training images.
     #[arg(
@@ -159,13 +159,13 @@ pub struct TrainConfig {
     )]
     pub augment: bool,
     /// Synthetic training images (only without real data)
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true)]
     pub synthetic_train: usize,
     /// Synthetic test images (only without real data)
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, allow_negative_numbers = true)]
     pub synthetic_test: usize,
     /// Base width w: stages have w, 2w, 4w channels
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
     pub width: usize,
     /// Convolution kind: standard 3x3, or depthwise 3x3 + pointwise 1x1
     #[arg(long, value_enum, default_value_t = ConvKind::Standard)]
@@ -177,13 +177,13 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
     pub lr: f64,
     /// Momentum (SGD) or beta1 (AdamW)
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
     pub momentum: f64,
     /// Weight decay
-    #[arg(long, default_value_t = 5e-4)]
+    #[arg(long, default_value_t = 5e-4, allow_negative_numbers = true)]
     pub weight_decay: f64,
     /// Fraction of the steps spent warming the learning rate up
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = 0.25, allow_negative_numbers = true)]
     pub warmup_frac: f64,
     /// Scale a step's gradients down when their global L2 norm exceeds NORM (0 turns clipping off)
     // `None` turns clipping off. The default is measured (docs/memory.md, "A first run that learns"):
@@ -198,9 +198,10 @@ pub struct TrainConfig {
         value_parser = parse_clip_norm,
         allow_negative_numbers = true
     )]
+    #[serde(deserialize_with = "clip_norm_from_json")]
     pub clip_grad_norm: ::std::option::Option<f64>,
     /// Number of epochs
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub epochs: usize,
     /// Images per optimizer step
     #[arg(
@@ -211,10 +212,10 @@ pub struct TrainConfig {
     )]
     pub batch_size: usize,
     /// Micro-batches per optimizer step (gradient accumulation); must divide --batch-size
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub accum_steps: usize,
     /// Stop after this many optimizer steps (cap; the run also ends after --epochs)
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub max_steps: Option<usize>,
     /// Compute precision; weights stay f32 (f16 adds a dynamic loss scaler)
     #[arg(long, value_enum, default_value_t = Precision::F32)]
@@ -248,7 +249,7 @@ pub struct TrainConfig {
     #[arg(long)]
     pub cuda_graph: bool,
     /// Seed for initialization, data order, augmentation and synthetic data
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
     /// Device: cpu, cuda or cuda:N. Default: cuda when built with it and a GPU is present, else cpu
     #[arg(long)]
@@ -267,7 +268,12 @@ pub struct TrainConfig {
     #[arg(long)]
     pub quiet: bool,
     /// Save a checkpoint every N optimizer steps (0: only at epoch ends)
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub save_every: usize,
     /// Optimizer step (0-based, as in batches.csv) whose every allocation and free memory_snapshot.pickle records, for PyTorch's memory_viz (CPU runs). Default: the run's last step
     #[arg(long, value_name = "N")]
@@ -280,19 +286,19 @@ pub struct TrainConfig {
     )]
     pub reset_peak_each_epoch: bool,
     /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in (0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model-sparse.safetensors at the end
-    #[arg(long, value_name = "SPARSITY")]
+    #[arg(long, value_name = "SPARSITY", allow_negative_numbers = true)]
     pub prune: Option<f64>,
     /// Optimizer step at which the pruning schedule starts (needs --prune)
-    #[arg(long, value_name = "STEP", default_value_t = DEFAULT_PRUNE_BEGIN)]
+    #[arg(long, value_name = "STEP", default_value_t = DEFAULT_PRUNE_BEGIN, allow_negative_numbers = true)]
     pub prune_begin: usize,
     /// Optimizer step at which --prune's sparsity is reached (needs --prune; at most the run's last step). Default: three quarters of the way from --prune-begin to the run's last step, so the rest fine-tunes the final masks
-    #[arg(long, value_name = "STEP")]
+    #[arg(long, value_name = "STEP", allow_negative_numbers = true)]
     pub prune_end: Option<usize>,
     /// Recompute the pruning masks every N optimizer steps between --prune-begin and --prune-end (needs --prune)
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_PRUNE_EVERY)]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PRUNE_EVERY, allow_negative_numbers = true)]
     pub prune_every: usize,
     /// Sparsity of the schedule at --prune-begin, at most --prune (needs --prune)
-    #[arg(long, value_name = "SPARSITY", default_value_t = DEFAULT_PRUNE_INITIAL)]
+    #[arg(long, value_name = "SPARSITY", default_value_t = DEFAULT_PRUNE_INITIAL, allow_negative_numbers = true)]
     pub prune_initial: f64,
 }
 
@@ -334,6 +340,14 @@ fn parse_batch_size(
 fn parse_clip_norm(s: &str) -> std::result::Result<Option<f64>, std::num::ParseFloatError> {
     let norm: f64 = s.parse()?;
     Ok((norm != 0.0).then_some(norm))
+}
+
+/// `clip_grad_norm` in a config file: `null` or 0 turn clipping off, as `--clip-grad-norm 0` does.
+fn clip_norm_from_json<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<f64>, D::Error> {
+    let norm: Option<f64> = serde::Deserialize::deserialize(d)?;
+    Ok(norm.filter(|&n| n != 0.0))
 }
 
 /// Parse a memory size such as `4GiB`, `512MiB`, `1.5GB`, `300kB` or a plain byte count.
@@ -403,7 +417,77 @@ pub(crate) fn read_config_text(path: &std::path::Path) -> Result<String> {
             MAX_CONFIG_BYTES / 1024
         )));
     }
+    // Editors on Windows save UTF-8 with a byte-order mark, which JSON parsers reject at 1:1.
+    let text = match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    };
+    // JSON allows a key twice and serde_json keeps the last; a config file that says two things
+    // about one setting is a mistake the user should hear about.
+    serde_json::from_str::<NoDuplicateKeys>(&text)
+        .map_err(|e| bad(format!("not valid JSON ({e})")))?;
     Ok(text)
+}
+
+/// Deserializes any JSON value and fails on an object that names a key twice (the error names
+/// the key); what it read is thrown away.
+struct NoDuplicateKeys;
+
+impl<'de> serde::Deserialize<'de> for NoDuplicateKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_any(NoDuplicateKeys)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for NoDuplicateKeys {
+    type Value = NoDuplicateKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!(
+                    "key \"{key}\" appears twice; keep one"
+                )));
+            }
+            map.next_value::<NoDuplicateKeys>()?;
+        }
+        Ok(NoDuplicateKeys)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        while seq.next_element::<NoDuplicateKeys>()?.is_some() {}
+        Ok(NoDuplicateKeys)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_i64<E>(self, _: i64) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_u64<E>(self, _: u64) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_f64<E>(self, _: f64) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_str<E>(self, _: &str) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_unit<E>(self) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
 }
 
 /// Refuse keys of a config object that `TrainConfig` does not have (a typo such as

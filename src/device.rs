@@ -84,6 +84,44 @@ fn cuda_device(n: usize) -> Result<Device> {
     )))
 }
 
+/// The error of a CUDA `spec` (`cuda`, `cuda:N`) in a build without CUDA, which can predict a
+/// CUDA run (`--dry-run`, `--fit-memory --dry-run`) but not train one; `None` otherwise.
+pub(crate) fn cuda_not_built(spec: Option<&str>) -> Option<Error> {
+    match spec.map(parse_device_spec) {
+        Some(Ok(DeviceSpec::Cuda(n))) if !cfg!(feature = "cuda") => cuda_device(n).err(),
+        _ => None,
+    }
+}
+
+/// Before the first step on a GPU: every pass of the custom kernels run once there and on the
+/// CPU, whose implementations are tested exhaustively, and compared
+/// ([`memtrain_kernels::selfcheck`]), in f32 and in the run's `compute` dtype. A pass that
+/// differs stops the run with an [`Error::Device`] naming it.
+pub fn self_check_kernels(device: &Device, compute: candle_core::DType) -> Result<()> {
+    self_check_kernels_with(device, compute, &|_, t| Ok(t))
+}
+
+/// [`self_check_kernels`] with `alter` applied to each pass's result on `device` (see
+/// [`memtrain_kernels::selfcheck::check_device_with`]): how the tests inject a wrong kernel.
+pub fn self_check_kernels_with(
+    device: &Device,
+    compute: candle_core::DType,
+    alter: &dyn Fn(&str, candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+) -> Result<()> {
+    let mut dtypes = vec![candle_core::DType::F32];
+    if compute != candle_core::DType::F32 {
+        dtypes.push(compute);
+    }
+    match memtrain_kernels::selfcheck::check_device_with(device, &dtypes, alter)? {
+        None => Ok(()),
+        Some(m) => Err(Error::Device(format!(
+            "self-check on {} before the first step: {m}; the run stops rather than train on a \
+             wrong kernel: use --device cpu, and report this line with the output of nvidia-smi",
+            device_name(device)
+        ))),
+    }
+}
+
 /// A short name for reports: "cpu" or "cuda:N".
 pub(crate) fn device_name(dev: &Device) -> String {
     match dev.location() {

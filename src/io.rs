@@ -56,6 +56,13 @@ pub(crate) fn write_json_atomic<T: serde::Serialize>(path: &Path, value: &T) -> 
 
 /// Create a directory (and parents) with an error that names it and says what to do.
 pub fn create_dir(path: &Path) -> Result<()> {
+    // `create_dir_all` on something that is there but is no directory says only "File exists".
+    if let Some(what) = not_a_directory(path) {
+        return Err(Error::config(format!(
+            "--out {}: {what}, not a directory; pass a new or existing directory with --out",
+            path.display()
+        )));
+    }
     std::fs::create_dir_all(path).map_err(|e| {
         Error::config(format!(
             "cannot create output directory {}: {e}; pass a writable directory with --out",
@@ -72,6 +79,31 @@ pub fn create_dir(path: &Path) -> Result<()> {
     })?;
     let _ = std::fs::remove_file(probe);
     Ok(())
+}
+
+/// What `path` is when it exists but is not a directory (nor a link to one), in words.
+fn not_a_directory(path: &Path) -> Option<String> {
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    let ft = meta.file_type();
+    if ft.is_symlink() {
+        let target = std::fs::read_link(path)
+            .map(|t| t.display().to_string())
+            .unwrap_or_default();
+        return match std::fs::metadata(path) {
+            Err(_) => Some(format!("a dangling symbolic link (to {target})")),
+            Ok(m) if !m.is_dir() => Some(format!("a symbolic link to {target}, which is a file")),
+            Ok(_) => None,
+        };
+    }
+    use std::os::unix::fs::FileTypeExt;
+    match () {
+        _ if ft.is_dir() => None,
+        _ if ft.is_file() => Some("an existing file".into()),
+        _ if ft.is_char_device() || ft.is_block_device() => Some("a device".into()),
+        _ if ft.is_fifo() => Some("a FIFO".into()),
+        _ if ft.is_socket() => Some("a socket".into()),
+        _ => Some("not a directory".into()),
+    }
 }
 
 /// Read a whole file that must be a regular file of at most `max` bytes. Checked with `stat`

@@ -30,3 +30,21 @@ impl std::fmt::Display for Phase {
         })
     }
 }
+
+impl std::str::FromStr for Phase {
+    type Err = String;
+
+    /// The spelling of [`Phase`]'s `Display` (as `batches.csv` and the tables write it).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [
+            Phase::Forward,
+            Phase::Backward,
+            Phase::Optimizer,
+            Phase::Eval,
+            Phase::Other,
+        ]
+        .into_iter()
+        .find(|p| p.to_string() == s)
+        .ok_or_else(|| format!("not a phase: '{s}'"))
+    }
+}

@@ -101,6 +101,13 @@ fn cases() -> Vec<Case> {
         Case { name: "config is a FIFO", setup: |d| { let p = d.join("fifo.json"); assert!(std::process::Command::new("mkfifo").arg(&p).status().unwrap().success()); vec!["--config".into(), p.display().to_string()] }, code: 2, problem: "not a regular file", fix: "config.json" },
         Case { name: "config is /dev/zero", setup: |_| flags("--config /dev/zero"), code: 2, problem: "not a regular file", fix: "config.json" },
         Case { name: "config far too large", setup: |d| { let p = d.join("big.json"); std::fs::write(&p, vec![b' '; 2 << 20]).unwrap(); vec!["--config".into(), p.display().to_string()] }, code: 2, problem: "larger than", fix: "config.json" },
+        Case { name: "negative prune sparsity", setup: |_| flags("--prune -0.1"), code: 2, problem: "--prune", fix: "(0, 1)" },
+        Case { name: "negative momentum", setup: |_| flags("--momentum -0.5"), code: 2, problem: "--momentum", fix: "[0, 1)" },
+        Case { name: "config names a key twice", setup: |d| { let p = d.join("dup.json"); std::fs::write(&p, r#"{"epochs": 1, "width": 4, "epochs": 2}"#).unwrap(); vec!["--config".into(), p.display().to_string()] }, code: 2, problem: "\"epochs\" appears twice", fix: "keep one" },
+        Case { name: "internal --summary-only from a user", setup: |_| flags("--summary-only"), code: 2, problem: "--summary-only", fix: "--help" },
+        Case { name: "--out is /dev/null", setup: |_| flags("--out /dev/null"), code: 2, problem: "a device, not a directory", fix: "--out" },
+        Case { name: "--out is a dangling symlink", setup: |d| { let l = d.join("dangling"); std::os::unix::fs::symlink(d.join("nowhere"), &l).unwrap(); vec!["--out".into(), l.display().to_string()] }, code: 2, problem: "dangling symbolic link", fix: "--out" },
+        Case { name: "--out is a data file", setup: |d| { let f = d.join("data_batch_1.bin"); std::fs::write(&f, records(&good_labels(4))).unwrap(); vec!["--out".into(), f.display().to_string()] }, code: 2, problem: "an existing file, not a directory", fix: "--out" },
         Case { name: "validation fraction above 1", setup: |_| flags("--val-fraction 1.5"), code: 2, problem: "--val-fraction", fix: "(0, 1)" },
         Case { name: "unparsable memory size", setup: |_| flags("--memory-limit 12XB"), code: 2, problem: "12XB", fix: "4GiB" },
         Case { name: "memory size without a number", setup: |_| flags("--memory-limit GiB"), code: 2, problem: "GiB", fix: "512MiB" },
@@ -264,7 +271,7 @@ fn cases() -> Vec<Case> {
             },
             code: 1,
             problem: "damaged",
-            fix: "without --resume",
+            fix: "--overwrite",
         },
         Case {
             name: "--resume of a truncated snapshot",
@@ -277,14 +284,14 @@ fn cases() -> Vec<Case> {
             },
             code: 1,
             problem: "truncated",
-            fix: "without --resume",
+            fix: "--overwrite",
         },
         Case {
             name: "--resume of a snapshot without its manifest",
             setup: |d| resume_copy(d, |ck| std::fs::remove_file(ck.join("snapshot.json")).unwrap()),
             code: 1,
             problem: "incomplete",
-            fix: "without --resume",
+            fix: "--overwrite",
         },
         Case {
             name: "--resume with a conflicting config",
@@ -416,4 +423,28 @@ fn the_base_flags_are_valid() {
         String::from_utf8_lossy(&out.stderr)
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// CUDA asked of a build without it: a dry run still prints the CUDA prediction (it needs no GPU)
+/// and says what is missing; `--fit-memory` refuses before it plans, so no plan is printed for a
+/// run that cannot start.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_in_a_build_without_it_is_predicted_but_not_planned_or_run() {
+    let dry = run(&["--dry-run", "--device", "cuda", "--width", "4"]);
+    assert_eq!(dry.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&dry.stdout);
+    assert!(stdout.contains("predicted peak"), "{stdout}");
+    assert!(stdout.contains("dry run only: --device cuda:0: this binary was built without CUDA"));
+
+    let plan = run(&["--fit-memory", "200MiB", "--device", "cuda", "--width", "4"]);
+    assert_eq!(plan.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&plan.stdout);
+    assert!(
+        !stdout.contains("runner-up"),
+        "no plan before the refusal: {stdout}"
+    );
+    let stderr = String::from_utf8_lossy(&plan.stderr);
+    assert!(stderr.contains("built without CUDA") && stderr.contains("--device cpu"));
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
 }

@@ -1,5 +1,7 @@
 //! Data loading: CIFAR-10 binary files (good and bad), synthetic data, and the batcher.
 
+mod common;
+
 use memtrain::data::batcher::num_batches;
 use memtrain::data::{
     cifar, load, normalize_into, synthetic, Batch, Batcher, BatcherOptions, DataOptions, Dataset,
@@ -774,4 +776,37 @@ fn recycled_buffers_give_the_same_batches() {
     // 8 batches through a prefetch of 2: the one held here, two in the channel, one being
     // built; never a new buffer per batch.
     assert!(addresses.len() <= 4, "{} distinct buffers", addresses.len());
+}
+
+#[test]
+fn an_accuracy_over_a_handful_of_images_says_so() {
+    // 20 images with a 1% validation split: one image is held out, so the accuracy moves in
+    // steps of 100 points; the result line says that rather than print "100.00%" bare.
+    let dir = TempDir::new("tiny-val");
+    let labels: Vec<u8> = (0..20).map(|i| (i % 10) as u8).collect();
+    write(dir.path(), "data_batch_1.bin", &records(0, &labels));
+    let out = common::run_trainer(&[
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--val-fraction",
+        "0.01",
+        "--batch-size",
+        "4",
+        "--width",
+        "4",
+        "--quiet",
+        "--out",
+        dir.path().join("run").to_str().unwrap(),
+    ]);
+    common::assert_ok(&out, "training on 19 images");
+    let stdout = common::text(&out.stdout);
+    assert!(
+        stdout.contains("validation accuracy")
+            && stdout.contains("(on only 1 image, 100 points each"),
+        "{stdout}"
+    );
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("run/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(s["eval_images"], 1);
 }

@@ -214,6 +214,24 @@ fn flags_given_with_config_replace_only_their_own_keys() {
     assert_eq!(cfg.clip_grad_norm, None);
 }
 
+#[test]
+fn config_files_read_as_an_editor_saves_them_and_0_turns_clipping_off() {
+    let dir = common::scratch("flags", "bom");
+    // A UTF-8 byte-order mark (Windows editors save one) and `clip_grad_norm: 0`, which means
+    // what `--clip-grad-norm 0` means.
+    let file = dir.join("config.json");
+    std::fs::write(&file, "\u{feff}{\"width\": 8, \"clip_grad_norm\": 0}").unwrap();
+    let cfg = common::config_of(&["--config", file.to_str().unwrap()]).unwrap();
+    assert_eq!((cfg.width, cfg.clip_grad_norm), (8, None));
+    // A key given twice is refused, naming it.
+    std::fs::write(&file, r#"{"width": 8, "width": 16}"#).unwrap();
+    let e = common::config_of(&["--config", file.to_str().unwrap()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"width\" appears twice"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A run directory's `config.json` from before gradient checkpointing got its own field name
 /// (written by a run of `--width 4 --max-steps 1 --checkpoint stages --no-augment`) still reads
 /// back to the same keys and values: `--resume` of an older run keeps working.

@@ -152,19 +152,14 @@ fn assert_same_run(got: &Path, want: &Path) {
         json(&got.join("memory.json")),
         json(&want.join("memory.json")),
     );
-    let steps = |m: &Value| -> Vec<(u64, u64, u64)> {
-        m["batches"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| {
-                (
-                    b["epoch"].as_u64().unwrap(),
-                    b["batch"].as_u64().unwrap(),
-                    b["global_step"].as_u64().unwrap(),
-                )
-            })
-            .collect()
+    let steps = |m: &Value| -> (u64, u64, u64, u64) {
+        let b = &m["last_batch"];
+        (
+            m["steps"].as_u64().unwrap(),
+            b["epoch"].as_u64().unwrap(),
+            b["batch"].as_u64().unwrap(),
+            b["global_step"].as_u64().unwrap(),
+        )
     };
     assert_eq!(steps(&g), steps(&w), "memory.json steps");
     let epochs = |m: &Value| -> Vec<(u64, u64)> {

@@ -16,7 +16,7 @@ fn training_peak(cfg: TrainConfig) -> u64 {
     let s = t.fit().unwrap();
     assert!(s.probe_available);
     let log = t.memory_log();
-    let b = &log.batches[1];
+    let b = log.last_batch.as_ref().unwrap();
     eprintln!(
         "  {}: forward {} backward {} optimizer {} (baseline {})",
         s.label, b.forward_peak, b.backward_peak, b.optimizer_peak, s.baseline_bytes

@@ -61,6 +61,7 @@ fn counting_allocator_and_peak_nesting() {
     rec.epoch_begin(0, true);
     let base = probe.current();
     let big = 8 << 20;
+    let mut steps = Vec::new();
     for b in 0..3 {
         rec.step_begin();
         let fwd: Vec<u8> = vec![1; if b == 0 { big } else { 1 << 20 }];
@@ -70,18 +71,20 @@ fn counting_allocator_and_peak_nesting() {
         rec.phase_end(Phase::Backward);
         drop(bwd);
         rec.step_end(0, b, b);
+        steps.push(rec.log().last_batch.clone().expect("the step's record"));
     }
     rec.epoch_end(0);
     rec.train_end();
     let log = rec.log();
-    assert_eq!(log.batches.len(), 3);
-    let b0 = &log.batches[0];
+    assert_eq!(log.steps, 3);
+    assert_eq!(log.last_batch.as_ref(), steps.last());
+    let b0 = &steps[0];
     assert_eq!(b0.phase, Phase::Forward);
     assert!(
         b0.peak_bytes >= base + big as u64,
         "batch 0 peak holds the 8 MiB forward buffer"
     );
-    for b in &log.batches[1..] {
+    for b in &steps[1..] {
         assert_eq!(
             b.phase,
             Phase::Backward,

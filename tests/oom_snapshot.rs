@@ -107,19 +107,16 @@ fn a_summary_only_child_leaves_a_snapshot_too() {
     let (baseline, peak) = unlimited_step_peak(&dir);
     let limit = (baseline + (peak - baseline) / 2).to_string();
     let out = dir.join("point");
-    let o = train(
+    let o = common::trainer_command(
         &[
             BASE,
-            &[
-                "--out",
-                out.to_str().unwrap(),
-                "--memory-limit",
-                &limit,
-                "--summary-only",
-            ],
+            &["--out", out.to_str().unwrap(), "--memory-limit", &limit],
         ]
         .concat(),
-    );
+    )
+    .env(memtrain::cli::SUMMARY_ONLY_ENV, "1")
+    .output()
+    .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(out.join(OOM_SNAPSHOT_FILE).is_file());
     let _ = std::fs::remove_dir_all(&dir);
@@ -160,5 +157,71 @@ fn the_advice_names_only_what_the_run_does_not_use_yet() {
         !line.contains("--checkpoint") && !line.contains("--precision"),
         "advice the run already follows: {line}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_out_of_memory_in_the_optimizer_shows_its_event_and_advice_that_helps() {
+    // AdamW at batch 2: the first step's peak is the update, which makes the two state tensors.
+    let dir = common::temp_dir("oom-snapshot-optimizer");
+    let flags = [
+        "--device",
+        "cpu",
+        "--optimizer",
+        "adamw",
+        "--batch-size",
+        "2",
+        "--synthetic-train",
+        "64",
+        "--synthetic-test",
+        "10",
+        "--max-steps",
+        "1",
+        "--no-eval",
+        "--quiet",
+    ];
+    let free = dir.join("free");
+    let o = train(&[&flags[..], &["--out", free.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let csv = std::fs::read_to_string(free.join("batches.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let row: Vec<&str> = csv.lines().nth(1).unwrap().split(',').collect();
+    let col = |name: &str| -> u64 {
+        row[header.iter().position(|h| *h == name).unwrap()]
+            .parse()
+            .unwrap()
+    };
+    let (backward, optimizer) = (col("backward_peak"), col("optimizer_peak"));
+    assert!(optimizer > backward, "the update is the step's peak here");
+    let limit = (backward + (optimizer - backward) / 2).to_string();
+    let out = dir.join("limited");
+    let o = train(
+        &[
+            &flags[..],
+            &["--out", out.to_str().unwrap(), "--memory-limit", &limit],
+        ]
+        .concat(),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("out of memory: optimizer"), "{stderr}");
+    assert!(
+        stderr.contains("--optimizer sgd"),
+        "advice that helps: {stderr}"
+    );
+    let snap: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join(OOM_SNAPSHOT_FILE)).unwrap()).unwrap();
+    let last = snap["timeline"]["events"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (last["phase"].as_str(), last["layer"].as_str()),
+        (Some("optimizer"), Some("optimizer")),
+        "{last}"
+    );
+    assert!(last["peak_bytes"].as_u64().unwrap() > limit.parse::<u64>().unwrap());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -84,9 +84,11 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
     let summary = t.fit().unwrap();
     let log = t.memory_log();
     assert_eq!(log.os_view, Some(OsView::ProcessRss));
-    assert_eq!(log.batches.len(), 3);
+    let steps = memtrain::callbacks::log::read_batch_log(&dir).unwrap();
+    assert_eq!(steps.len(), 3);
+    assert_eq!(log.last_batch.as_ref(), steps.last());
     let mut last_peak = 0;
-    for b in &log.batches {
+    for b in &steps {
         let (cur, peak) = (b.os_current.unwrap(), b.os_peak.unwrap());
         assert!(
             cur > 0 && peak >= cur,
@@ -123,7 +125,7 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
     let rss: u64 = cols[cols.len() - 2]
         .parse()
         .expect("os_current is a number");
-    assert_eq!(rss, log.batches[0].os_current.unwrap());
+    assert_eq!(rss, steps[0].os_current.unwrap());
     let epochs = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
     assert!(EPOCH_CSV_HEADER.ends_with(",os_current,os_peak"));
     let row: Vec<&str> = epochs.lines().nth(1).unwrap().split(',').collect();

@@ -1,10 +1,11 @@
 //! Batch-size sweeps, comparisons and charts: the example binaries run as a user would run them
 //! (each point a child process of `train_cifar10`), on the CPU with tiny widths and few steps.
 
+use memtrain::callbacks::log::read_batch_log;
 use memtrain::cli::flags_config;
 use memtrain::sweep::batch::{cross_product, recommended_batch, BatchPlan, Dimension, SweepResult};
 use memtrain::sweep::compare::{CompareResult, RunSpec};
-use memtrain::sweep::report::{read_memory_log, CsvTable, COMPARE_CSV_HEADER, SWEEP_CSV_HEADER};
+use memtrain::sweep::report::{CsvTable, COMPARE_CSV_HEADER, SWEEP_CSV_HEADER};
 use memtrain::sweep::{merge_flags, oom_message, split_flags, Status};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -227,15 +228,9 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
             "--synthetic-test",
             "10",
         ])
-        .args([
-            "--no-eval",
-            "--quiet",
-            "--summary-only",
-            "--memory-limit",
-            limit,
-            "--out",
-        ])
+        .args(["--no-eval", "--quiet", "--memory-limit", limit, "--out"])
         .arg(&direct)
+        .env(memtrain::cli::SUMMARY_ONLY_ENV, "1")
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
@@ -496,7 +491,7 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
         assert_eq!(s.steps, 3);
         assert!(s.final_test_accuracy.is_some());
         // Each run directory has its own memory log and memory chart (train_cifar10 draws it).
-        assert_eq!(read_memory_log(&e.run.run_dir).unwrap().batches.len(), 3);
+        assert_eq!(read_batch_log(&e.run.run_dir).unwrap().len(), 3);
         assert_eq!(png_size(&e.run.run_dir.join("memory.png")), (1200, 700));
         check_svg(&e.run.run_dir.join("memory.svg"), 1200, 700);
     }

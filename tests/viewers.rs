@@ -40,12 +40,17 @@ fn json(path: &Path) -> Json {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
-/// The run's measured peak of step `step` (memory.json).
+/// The run's measured peak of step `step` (its row of batches.csv).
 fn measured_step_peak(dir: &Path, step: u64) -> u64 {
-    let m = json(&dir.join("memory.json"));
-    let b = m["batches"].as_array().unwrap();
-    let rec = b.iter().find(|b| b["global_step"] == step).unwrap();
-    rec["peak_bytes"].as_u64().unwrap()
+    let csv = std::fs::read_to_string(dir.join("batches.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let at = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let row: Vec<&str> = lines
+        .map(|l| l.split(',').collect::<Vec<_>>())
+        .find(|r| r[at("global_step")] == step.to_string())
+        .unwrap();
+    row[at("peak_bytes")].parse().unwrap()
 }
 
 fn event_file(dir: &Path) -> PathBuf {

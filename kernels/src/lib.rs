@@ -22,6 +22,8 @@
 //!   it), which the convolutions use for bf16 on the CPU; [`bf16_convert`]: bf16 <-> f32 slices.
 //! - [`pool::max_pool2x2`]: 2x2 max-pool whose backward routes each gradient to the window's
 //!   first maximum (Candle 0.11's scales it by the number of tied maxima over four).
+//! - [`selfcheck::check_device`]: every pass of the ops above run once on a device and on the
+//!   CPU, compared, so that a wrong CUDA kernel is named before it trains anything.
 //! - [`linear::matmul`]: small products (a classifier head) on the calling thread, so the heap
 //!   does not depend on which pool threads picked up work; no autograd.
 //!
@@ -76,6 +78,8 @@
 //!                    step's passes from h, cpu.rs and cuda.rs their kernels
 //! pool.rs            2x2 max-pool with a correct backward
 //! linear.rs          the single-threaded matmul
+//! selfcheck.rs       every pass run once on a device and on the CPU and compared (a run on a GPU
+//!                    does this before its first step)
 //! gemm_bf16.rs       bf16 gemm micro-kernels; bf16_convert.rs: bf16 <-> f32 slices
 //! cu/*.cu            every CUDA kernel (conv2d, depthwise, batchnorm, pool), each compiled by NVRTC
 //!                    after cu/prelude.cuh (half types, load/store), and by memtrain's
@@ -101,6 +105,7 @@ pub mod gemm_bf16;
 mod geom;
 pub mod linear;
 pub mod pool;
+pub mod selfcheck;
 mod util;
 
 pub use util::{set_tf32, tf32};

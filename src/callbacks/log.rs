@@ -13,7 +13,7 @@
 use super::{BatchInfo, Callback, EpochEnd, EpochStats, TrainBegin, TrainEnd};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
-use crate::memory::{EpochMemory, MemoryLog};
+use crate::memory::{BatchMemory, EpochMemory, MemoryLog};
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;
@@ -32,7 +32,7 @@ pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_
 pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak,os_current,os_peak";
 /// Largest `batches.csv` a resume reads back (about three million steps' rows).
 const MAX_LOG_BYTES: u64 = 1 << 30;
-/// The typed memory log ([`MemoryLog`]); charts and reports read it rather than the CSV.
+/// The memory log ([`MemoryLog`]): the run's maxima and one record per epoch.
 pub(crate) const MEMORY_JSON: &str = "memory.json";
 /// Per-step rows.
 pub(crate) const BATCHES_CSV: &str = "batches.csv";
@@ -103,6 +103,85 @@ fn epoch_row(s: &EpochStats, mem: Option<&EpochMemory>) -> String {
     row
 }
 
+/// The memory record of every step of the run in `run_dir`, read back from its `batches.csv`
+/// (the memory log keeps only the newest step's; charts read them all from here).
+pub fn read_batch_log(run_dir: &Path) -> Result<Vec<BatchMemory>> {
+    let path = run_dir.join(BATCHES_CSV);
+    let bytes = crate::io::read_capped(&path, MAX_LOG_BYTES).map_err(|e| Error::io(&path, e))?;
+    let bad = |msg: String| Error::Data {
+        path: path.clone(),
+        msg: format!("not a memtrain batches.csv ({msg})"),
+    };
+    let mut reader = csv::Reader::from_reader(bytes.as_slice());
+    let header = reader.headers().map_err(|e| bad(e.to_string()))?.clone();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| h == name)
+            .ok_or_else(|| bad(format!("no column {name}")))
+    };
+    let cols: Vec<usize> = BATCH_MEMORY_COLUMNS
+        .iter()
+        .map(|c| col(c))
+        .collect::<Result<_>>()?;
+    let mut out = Vec::new();
+    for row in reader.records() {
+        let row = row.map_err(|e| bad(e.to_string()))?;
+        let field = |i: usize| row.get(cols[i]).unwrap_or("");
+        let num = |i: usize| -> Result<u64> {
+            field(i)
+                .parse()
+                .map_err(|_| bad(format!("{} = '{}'", BATCH_MEMORY_COLUMNS[i], field(i))))
+        };
+        let opt_num = |i: usize| -> Result<Option<u64>> {
+            if field(i).is_empty() {
+                Ok(None)
+            } else {
+                num(i).map(Some)
+            }
+        };
+        if field(3).is_empty() {
+            // A step without memory readings (no probe).
+            continue;
+        }
+        out.push(BatchMemory {
+            epoch: num(0)? as usize,
+            batch: num(1)? as usize,
+            global_step: num(2)? as usize,
+            peak_bytes: num(3)?,
+            phase: field(4)
+                .parse()
+                .map_err(|_| bad(format!("peak_phase = '{}'", field(4))))?,
+            start_bytes: num(5)?,
+            end_bytes: num(6)?,
+            forward_peak: num(7)?,
+            backward_peak: num(8)?,
+            optimizer_peak: num(9)?,
+            reserved_peak: opt_num(10)?,
+            os_current: opt_num(11)?,
+            os_peak: opt_num(12)?,
+        });
+    }
+    Ok(out)
+}
+
+/// The columns of `batches.csv` that make up a [`BatchMemory`], in its fields' order.
+const BATCH_MEMORY_COLUMNS: [&str; 13] = [
+    "epoch",
+    "batch",
+    "global_step",
+    "peak_bytes",
+    "peak_phase",
+    "start_bytes",
+    "end_bytes",
+    "forward_peak",
+    "backward_peak",
+    "optimizer_peak",
+    "reserved_peak",
+    "os_current",
+    "os_peak",
+];
+
 /// Open `path` for appending.
 fn append_to(path: &Path) -> Result<File> {
     File::options()
@@ -169,7 +248,7 @@ impl Callback for MetricsLogger {
 
     fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
         // The step's record is the last: the trainer records it before this hook.
-        let mem = ctx.memory.batches.last();
+        let mem = ctx.memory.last_batch.as_ref();
         let mut row = format!(
             "{},{},{},{},{},{},{},{},{},{}",
             ctx.epoch,

@@ -136,7 +136,7 @@ impl Callback for TensorBoardLogger {
         if let Some(secs) = ctx.step_secs.filter(|s| *s > 0.0) {
             values.push(("train/images_per_sec", ctx.images as f64 / secs));
         }
-        if let Some(m) = ctx.memory.batches.last() {
+        if let Some(m) = ctx.memory.last_batch.as_ref() {
             values.push(("memory/step_peak_MiB", mib(m.peak_bytes)));
             values.push((
                 "memory/step_added_MiB",

@@ -228,6 +228,25 @@ pub fn load(opts: &DataOptions) -> Result<DataSplits> {
     })
 }
 
+/// Training images that [`load`] will give for `opts` when they come from CIFAR-10 files, counted
+/// from the files' sizes without reading them; `None` for synthetic data (its size is a flag) and
+/// for the hub download (known only once fetched). Sweeps bound their search with it.
+pub(crate) fn real_train_images(opts: &DataOptions) -> Result<Option<usize>> {
+    let default_dir = Path::new(DEFAULT_DATA_DIR);
+    let dir = match &opts.data_dir {
+        _ if opts.download => return Ok(None),
+        Some(dir) => dir.as_path(),
+        None if default_dir.is_dir() => default_dir,
+        None => return Ok(None),
+    };
+    let files = cifar::scan_dir(dir)?;
+    let n = files.train_images();
+    Ok(Some(match files.test {
+        Some(_) => n,
+        None => cifar::split_sizes(n, opts.val_fraction).0,
+    }))
+}
+
 /// One step of splitmix64: a strong 64-bit mixer, so nearby seeds give unrelated streams.
 fn splitmix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);

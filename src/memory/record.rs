@@ -68,7 +68,26 @@ pub struct EpochMemory {
     pub os_peak: Option<u64>,
 }
 
-/// Everything the memory callback recorded.
+/// Running sums of the steps of the epoch in progress: what its [`EpochMemory`] row needs, kept
+/// in the log (and so in snapshots) so that a resumed epoch's row covers its earlier steps too.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct EpochSteps {
+    /// Epoch index.
+    pub epoch: usize,
+    /// Steps recorded in it so far.
+    pub steps: usize,
+    /// Sum of their step peaks (for the mean).
+    pub peak_sum_bytes: u64,
+    /// The highest of them and its phase.
+    pub peak_bytes: u64,
+    /// Phase of `peak_bytes`.
+    pub phase: Option<Phase>,
+}
+
+/// Everything the memory recorder recorded. Its size does not grow with the number of steps:
+/// the per-step records go to `batches.csv` as each step ends (and reach callbacks as
+/// [`MemoryLog::last_batch`]); the log keeps the newest, the run's maxima and one record per
+/// epoch. Snapshots store it whole, so they do not grow with the steps either.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct MemoryLog {
     /// Probe name.
@@ -89,13 +108,48 @@ pub struct MemoryLog {
     /// The OS view's high-water mark at the last reading.
     #[serde(default)]
     pub os_peak: Option<u64>,
-    /// Per-step records.
-    pub batches: Vec<BatchMemory>,
+    /// Steps recorded over the run (the rows of `batches.csv`).
+    #[serde(default)]
+    pub steps: usize,
+    /// Highest step peak over the run (training steps only: loading and evaluation excluded).
+    #[serde(default)]
+    pub step_peak_bytes: u64,
+    /// The newest step's record.
+    #[serde(default)]
+    pub last_batch: Option<BatchMemory>,
+    /// The epoch in progress so far.
+    #[serde(default)]
+    pub epoch_steps: EpochSteps,
     /// Per-epoch records.
     pub epochs: Vec<EpochMemory>,
+    /// Every step's record, as logs written before the log stopped growing with the steps held
+    /// them (read only, by [`MemoryLog::upgrade`]).
+    #[serde(default, rename = "batches", skip_serializing)]
+    legacy_batches: Vec<BatchMemory>,
 }
 
 impl MemoryLog {
+    /// A log read from a snapshot written before the per-step records left it: its running
+    /// figures are computed from those records, which are then dropped.
+    pub(crate) fn upgrade(mut self) -> Self {
+        let batches = std::mem::take(&mut self.legacy_batches);
+        let Some(last) = batches.last() else {
+            return self;
+        };
+        self.steps = batches.len();
+        self.step_peak_bytes = batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0);
+        let mut sums = EpochSteps {
+            epoch: last.epoch,
+            ..Default::default()
+        };
+        for b in batches.iter().filter(|b| b.epoch == last.epoch) {
+            sums.add(b);
+        }
+        self.epoch_steps = sums;
+        self.last_batch = Some(last.clone());
+        self
+    }
+
     /// The memory report: one row per epoch.
     pub fn report(&self) -> String {
         if !self.available {
@@ -138,6 +192,18 @@ impl MemoryLog {
     }
 }
 
+impl EpochSteps {
+    /// Count one step's record.
+    fn add(&mut self, b: &BatchMemory) {
+        self.steps += 1;
+        self.peak_sum_bytes = self.peak_sum_bytes.saturating_add(b.peak_bytes);
+        if b.peak_bytes > self.peak_bytes || self.phase.is_none() {
+            self.peak_bytes = b.peak_bytes;
+            self.phase = Some(b.phase);
+        }
+    }
+}
+
 /// Running maxima of the step in progress.
 #[derive(Debug, Default, Clone)]
 struct StepMax {
@@ -156,7 +222,6 @@ pub struct MemoryRecorder {
     step: StepMax,
     epoch_peak: (u64, Phase),
     epoch_eval: u64,
-    epoch_first_batch: usize,
 }
 
 fn max_phase(cur: &mut (u64, Phase), bytes: u64, phase: Phase) {
@@ -179,7 +244,6 @@ impl MemoryRecorder {
             step: StepMax::default(),
             epoch_peak: (0, Phase::Other),
             epoch_eval: 0,
-            epoch_first_batch: 0,
         }
     }
 
@@ -194,7 +258,7 @@ impl MemoryRecorder {
         self.log = MemoryLog {
             probe: self.log.probe.clone(),
             available: self.log.available,
-            ..earlier
+            ..earlier.upgrade()
         };
     }
 
@@ -230,7 +294,7 @@ impl MemoryRecorder {
         self.probe.sync();
         let cur = self.probe.current();
         self.log.available = self.probe.available();
-        if self.log.batches.is_empty() {
+        if self.log.steps == 0 {
             self.log.baseline_bytes = cur;
         }
         self.fold(Phase::Other);
@@ -250,20 +314,18 @@ impl MemoryRecorder {
         };
         self.epoch_eval = 0;
         // Steps of this epoch recorded by an earlier process (a resumed run) belong to it.
-        let first = self
-            .log
-            .batches
-            .iter()
-            .rposition(|b| b.epoch != epoch)
-            .map_or(0, |i| i + 1);
-        let earlier = self.log.batches[first..]
-            .iter()
-            .map(|b| (b.peak_bytes, b.phase))
-            .max_by_key(|p| p.0);
-        if let Some((bytes, phase)) = earlier {
-            max_phase(&mut self.epoch_peak, bytes, phase);
+        let sums = &self.log.epoch_steps;
+        match sums.phase {
+            Some(phase) if sums.epoch == epoch => {
+                max_phase(&mut self.epoch_peak, sums.peak_bytes, phase)
+            }
+            _ => {
+                self.log.epoch_steps = EpochSteps {
+                    epoch,
+                    ..Default::default()
+                }
+            }
         }
-        self.epoch_first_batch = first;
     }
 
     /// An optimizer step begins.
@@ -309,30 +371,40 @@ impl MemoryRecorder {
             os_peak: None,
         };
         let os = self.read_os();
-        self.log.batches.push(BatchMemory {
+        let rec = BatchMemory {
             os_current: os.map(|o| o.current),
             os_peak: os.map(|o| o.peak),
             ..rec
-        });
+        };
+        self.log.steps += 1;
+        self.log.step_peak_bytes = self.log.step_peak_bytes.max(rec.peak_bytes);
+        if self.log.epoch_steps.epoch != epoch {
+            self.log.epoch_steps = EpochSteps {
+                epoch,
+                ..Default::default()
+            };
+        }
+        self.log.epoch_steps.add(&rec);
+        self.log.last_batch = Some(rec);
     }
 
     /// Epoch `epoch` ended after its evaluation: its record is the log's last epoch.
     pub fn epoch_end(&mut self, epoch: usize) {
         self.epoch_eval = self.fold(Phase::Eval);
-        let first = self.epoch_first_batch.min(self.log.batches.len());
-        let batches = &self.log.batches[first..];
-        let mean = if batches.is_empty() {
-            0
-        } else {
-            batches.iter().map(|b| b.peak_bytes as u128).sum::<u128>() as u64 / batches.len() as u64
+        // The sums stay until the next epoch begins: a snapshot of an epoch cut short (by a stop
+        // or --max-steps) is taken after this, and the resumed run continues them.
+        let sums = &self.log.epoch_steps;
+        let (steps, sum) = match sums.epoch == epoch {
+            true => (sums.steps, sums.peak_sum_bytes),
+            false => (0, 0),
         };
         let rec = EpochMemory {
             epoch,
             peak_bytes: self.epoch_peak.0,
             phase: self.epoch_peak.1,
-            mean_batch_peak: mean,
+            mean_batch_peak: sum / steps.max(1) as u64,
             eval_peak: self.epoch_eval,
-            batches: batches.len(),
+            batches: steps,
             os_current: None,
             os_peak: None,
         };

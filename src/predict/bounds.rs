@@ -293,7 +293,7 @@ impl Ctx {
             }
             Source::Dir(_, files) => {
                 let size = DataSize::for_files(files, cfg.val_fraction);
-                (size, dir_loading_peak(files, &size))
+                (size, dir_loading_peak(files, cfg.val_fraction))
             }
             Source::Download(size) => {
                 let size = *size;
@@ -531,25 +531,48 @@ impl Ctx {
     }
 }
 
-/// The most bytes [`cifar::load_dir`] holds at once for `files` (loaded size `size`): while the
-/// training files are appended, the grown vectors of pixels and labels (a growth holds the old
-/// and the new block), plus the file read and its parsed records; then either the test file read
-/// and parsed beside the training split, or the training split beside its two subsets.
-fn dir_loading_peak(files: &DirFiles, size: &DataSize) -> u64 {
-    let largest = files.train.iter().map(|(_, n)| *n).max().unwrap_or(0);
-    let train = files.train_images();
-    let grown = |per: usize| {
-        let parts: Vec<usize> = files.train.iter().map(|(_, n)| n * per).collect();
-        grown_capacity(&parts) as u64
+/// The most heap bytes [`cifar::load_dir`] holds at once for `files`, walking its allocations in
+/// their order (as the counting allocator counts them: a growing `Vec` holds its old and new
+/// block at once):
+/// - per training file: the file read whole (`RECORD_BYTES` per image), parsed beside it into
+///   pixels and labels, then appended to the training split's vectors, which grow by doubling;
+/// - then the test file read and parsed beside the training split, or, without one, the
+///   validation split's index lists (`order`, then its two halves) and the two subsets.
+fn dir_loading_peak(files: &DirFiles, val_fraction: f64) -> u64 {
+    let (record, image) = (RECORD_BYTES as u64, IMAGE_BYTES as u64);
+    // The images appended so far, per file: the vectors' capacities follow from them.
+    let mut appended: Vec<usize> = Vec::with_capacity(files.train.len());
+    let capacity = |parts: &[usize], per: usize| {
+        let bytes: Vec<usize> = parts.iter().map(|n| n * per).collect();
+        grown_capacity(&bytes) as u64
     };
-    let train_bytes = grown(IMAGE_BYTES) + grown(1);
-    let appending = train_bytes + train_bytes / 2 + 2 * (largest * RECORD_BYTES) as u64;
+    let mut peak = 0u64;
+    for &(_, n) in &files.train {
+        let (pixels, labels) = (capacity(&appended, IMAGE_BYTES), capacity(&appended, 1));
+        let parsed = n as u64 * (image + 1);
+        peak = peak.max(pixels + labels + n as u64 * record + parsed);
+        appended.push(n);
+        let (grown_pixels, grown_labels) =
+            (capacity(&appended, IMAGE_BYTES), capacity(&appended, 1));
+        if grown_pixels > pixels {
+            peak = peak.max(pixels + grown_pixels + labels + parsed);
+        }
+        if grown_labels > labels {
+            peak = peak.max(grown_pixels + labels + grown_labels + parsed);
+        }
+    }
+    let held = capacity(&appended, IMAGE_BYTES) + capacity(&appended, 1);
     let after = match &files.test {
-        Some((_, test)) => train_bytes + 2 * (test * RECORD_BYTES) as u64,
-        // The split's index lists (8 bytes per image, twice) and the two subsets.
-        None => train_bytes + (train * 16) as u64 + size.resident_bytes,
+        Some((_, test)) => held + *test as u64 * (record + image + 1),
+        None => {
+            let n = files.train_images();
+            let (train, val) = cifar::split_sizes(n, val_fraction);
+            let idx = 8 * n as u64;
+            // `order` and its two halves; then the halves and both subsets.
+            (held + 2 * idx).max(held + idx + (train + val) as u64 * (image + 1))
+        }
     };
-    appending.max(after)
+    peak.max(after)
 }
 
 /// The largest `v` in `lo..=hi` with `ok(v)`, for an `ok` that holds up to some value and not

@@ -193,6 +193,66 @@ struct Runner<'a> {
 }
 
 impl Runner<'_> {
+    /// The run directory and trainer flags of one point.
+    fn point_args(&self, variant: &Variant, batch: usize) -> (PathBuf, Vec<String>) {
+        let opts = self.opts;
+        let name = format!("{}-b{batch:05}", slug(&variant.label));
+        let dir = opts.out.join("points").join(name);
+        let synthetic = opts
+            .synthetic_train
+            .max(batch.saturating_mul(opts.steps))
+            .max(10);
+        let mut fixed = vec![
+            "--batch-size".to_string(),
+            batch.to_string(),
+            "--max-steps".into(),
+            opts.steps.to_string(),
+            // As many epochs as steps: a batch that leaves one step per epoch still runs every
+            // step the point reports.
+            "--epochs".into(),
+            opts.steps.to_string(),
+            "--synthetic-train".into(),
+            synthetic.to_string(),
+            "--no-eval".into(),
+            "--quiet".into(),
+            "--out".into(),
+            dir.to_string_lossy().into_owned(),
+        ];
+        if let Some(limit) = opts.memory_limit {
+            fixed.push("--memory-limit".into());
+            fixed.push(limit.to_string());
+        }
+        (dir, merge_flags(&[&opts.common, &variant.flags, &fixed]))
+    }
+
+    /// Usage errors before any point runs ([`super::preflight`]): every point of a list, or the
+    /// first batch of each configuration's search.
+    fn preflight(&self) -> Result<()> {
+        let opts = self.opts;
+        let mut points = Vec::new();
+        for variant in &opts.variants {
+            let batches = match &opts.plan {
+                BatchPlan::List(sizes) => sizes.clone(),
+                BatchPlan::FindMax {
+                    start, max_batch, ..
+                } => {
+                    // The search's first batch (see `search`); flags the trainer refuses are
+                    // left for its dry run to name.
+                    let flags = merge_flags(&[&opts.common, &variant.flags]);
+                    let accum = crate::cli::flags_config(&flags).map_or(1, |c| c.accum_steps);
+                    vec![round_up(*start, accum)
+                        .min(*max_batch / accum.max(1) * accum)
+                        .max(1)]
+                }
+            };
+            for b in batches {
+                let what = format!("{} batch {b}", variant.label);
+                points.push((what, self.point_args(variant, b).1));
+            }
+        }
+        super::preflight(&opts.trainer, &points)
+    }
+
     /// Run one point (or reuse it when this configuration already ran that batch size).
     fn point(&mut self, variant: &Variant, batch: usize) -> Result<ChildRun> {
         if let Some(p) = self
@@ -209,33 +269,10 @@ impl Runner<'_> {
                 "sweep stopped before all points ran".into(),
             ));
         }
-        let name = format!("{}-b{batch:05}", slug(&variant.label));
-        let dir = opts.out.join("points").join(name);
-        let synthetic = opts
-            .synthetic_train
-            .max(batch.saturating_mul(opts.steps))
-            .max(10);
-        let mut fixed = vec![
-            "--batch-size".to_string(),
-            batch.to_string(),
-            "--max-steps".into(),
-            opts.steps.to_string(),
-            "--synthetic-train".into(),
-            synthetic.to_string(),
-            "--no-eval".into(),
-            "--quiet".into(),
-            "--summary-only".into(),
-            "--out".into(),
-            dir.to_string_lossy().into_owned(),
-        ];
-        if let Some(limit) = opts.memory_limit {
-            fixed.push("--memory-limit".into());
-            fixed.push(limit.to_string());
-        }
-        let args = merge_flags(&[&opts.common, &variant.flags, &fixed]);
+        let (dir, args) = self.point_args(variant, batch);
         let what = format!("{} batch {batch}", variant.label);
         self.progress.start(&what);
-        let run = run_child(&opts.trainer, &args, &dir, opts.timeout)?;
+        let run = run_child(&opts.trainer.summary_only(), &args, &dir, opts.timeout)?;
         self.progress.finish(&describe(&what, &run));
         self.result.points.push(SweepPoint {
             configuration: variant.label.clone(),
@@ -257,13 +294,60 @@ impl Runner<'_> {
         margin: f64,
     ) -> Result<MaxBatch> {
         let flags = merge_flags(&[&self.opts.common, &variant.flags]);
-        let accum = crate::cli::flags_config(&flags)?.accum_steps;
-        let mut mb = self.search(variant, start, max_batch, granularity, accum)?;
+        let config = crate::cli::flags_config(&flags)?;
+        let accum = config.accum_steps;
+        // A batch cannot exceed the training split: with real data the search stops there.
+        let data = crate::data::DataOptions::for_config(&config, None);
+        let images = crate::data::real_train_images(&data)?.filter(|&n| n < max_batch);
+        let mut mb = self.search(
+            variant,
+            start.min(images.unwrap_or(start)),
+            images.unwrap_or(max_batch),
+            granularity,
+            accum,
+        )?;
+        if let (Some(n), true) = (images, mb.capped) {
+            mb.note = format!("the data set's {n} training images");
+        }
         mb.margin = margin;
         mb.recommended = mb
             .max_batch
             .map(|m| recommended_batch(m, margin, granularity, accum));
         Ok(mb)
+    }
+
+    /// Binary search on multiples of `step` (each rounded up to a multiple of `accum`) between a
+    /// batch that fits (`lo`, or 0) and one that ran out of memory (`hi`); returns the narrowed
+    /// pair. A failed point ends it with `note` set.
+    fn bisect(
+        &mut self,
+        variant: &Variant,
+        mut lo: usize,
+        mut hi: usize,
+        step: usize,
+        accum: usize,
+        note: &mut String,
+    ) -> Result<(usize, usize)> {
+        while hi > lo && hi - lo > step {
+            let steps = (hi - lo) / step;
+            let mut mid = lo + (steps / 2).max(1) * step;
+            mid = round_up(mid, step).min(hi - 1).max(lo + 1);
+            mid = round_up(mid, accum);
+            if mid >= hi || mid <= lo {
+                break;
+            }
+            self.progress.add(1);
+            let run = self.point(variant, mid)?;
+            match run.status {
+                Status::Ok => lo = mid,
+                Status::Oom => hi = mid,
+                Status::Failed => {
+                    *note = format!("search stopped: batch {mid} failed ({})", run.note);
+                    break;
+                }
+            }
+        }
+        Ok((lo, hi))
     }
 
     /// Doubling, then binary search, for one configuration with `accum` accumulation steps.
@@ -316,27 +400,13 @@ impl Runner<'_> {
                 }
             }
         }
-        // Phase 2: binary search on multiples of g between the last fit (or 0) and the first OOM.
-        let mut lo = mb.max_batch.unwrap_or(0);
-        let mut hi = mb.first_oom.unwrap_or(b);
-        while hi > lo && hi - lo > g {
-            let steps = (hi - lo) / g;
-            let mut mid = lo + (steps / 2).max(1) * g;
-            mid = round_up(mid, g).min(hi - 1).max(lo + 1);
-            mid = round_up(mid, accum);
-            if mid >= hi || mid <= lo {
-                break;
-            }
-            self.progress.add(1);
-            let run = self.point(variant, mid)?;
-            match run.status {
-                Status::Ok => lo = mid,
-                Status::Oom => hi = mid,
-                Status::Failed => {
-                    mb.note = format!("search stopped: batch {mid} failed ({})", run.note);
-                    break;
-                }
-            }
+        // Phase 2: binary search on multiples of g between the last fit (or 0) and the first OOM;
+        // when not even g fits, on multiples of `accum` below it, so that a batch smaller than
+        // the granularity that fits is still found.
+        let (lo, hi) = (mb.max_batch.unwrap_or(0), mb.first_oom.unwrap_or(b));
+        let (mut lo, mut hi) = self.bisect(variant, lo, hi, g, accum, &mut mb.note)?;
+        if lo == 0 && mb.note.is_empty() {
+            (lo, hi) = self.bisect(variant, lo, hi, accum, accum, &mut mb.note)?;
         }
         mb.max_batch = (lo > 0).then_some(lo);
         mb.first_oom = Some(hi);
@@ -354,8 +424,6 @@ impl Runner<'_> {
 /// charts are drawn by [`super::report::write_sweep_report`].
 pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
     validate(opts)?;
-    super::ensure_fresh(&opts.out.join("points"))?;
-    crate::io::create_dir(&opts.out)?;
     let planned = match &opts.plan {
         BatchPlan::List(b) => b.len() * opts.variants.len(),
         BatchPlan::FindMax { .. } => opts.variants.len(),
@@ -374,6 +442,9 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
         },
         progress: Progress::new(planned as u64, opts.progress),
     };
+    runner.preflight()?;
+    super::ensure_fresh(&opts.out.join("points"))?;
+    crate::io::create_dir(&opts.out)?;
     let outcome = (|| -> Result<()> {
         for variant in &opts.variants {
             match &opts.plan {

@@ -140,6 +140,29 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
         }
     }
     super::check_timeout(opts.timeout)?;
+    let points: Vec<(String, PathBuf, Vec<String>)> = opts
+        .runs
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let dir = opts
+                .out
+                .join("runs")
+                .join(format!("{:02}-{}", i + 1, slug(&spec.label)));
+            let fixed = vec![
+                "--quiet".to_string(),
+                "--out".to_string(),
+                dir.to_string_lossy().into_owned(),
+            ];
+            let args = merge_flags(&[&opts.common, &spec.flags, &fixed]);
+            (format!("--run '{}'", spec.label), dir, args)
+        })
+        .collect();
+    let dry: Vec<(String, Vec<String>)> = points
+        .iter()
+        .map(|(w, _, a)| (w.clone(), a.clone()))
+        .collect();
+    super::preflight(&opts.trainer, &dry)?;
     super::ensure_fresh(&opts.out.join("runs"))?;
     crate::io::create_dir(&opts.out)?;
     let mut result = CompareResult {
@@ -149,24 +172,14 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
         interrupted: false,
     };
     let mut progress = Progress::new(opts.runs.len() as u64, opts.progress);
-    for (i, spec) in opts.runs.iter().enumerate() {
+    for (spec, (_, dir, args)) in opts.runs.iter().zip(&points) {
         if opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
             result.interrupted = true;
             super::report::write_compare_files(&opts.out, &result)?;
             break;
         }
-        let dir = opts
-            .out
-            .join("runs")
-            .join(format!("{:02}-{}", i + 1, slug(&spec.label)));
-        let fixed = vec![
-            "--quiet".to_string(),
-            "--out".to_string(),
-            dir.to_string_lossy().into_owned(),
-        ];
-        let args = merge_flags(&[&opts.common, &spec.flags, &fixed]);
         progress.start(&spec.label);
-        let run = run_child(&opts.trainer, &args, &dir, opts.timeout)?;
+        let run = run_child(&opts.trainer, args, dir, opts.timeout)?;
         progress.finish(&describe(&spec.label, &run));
         result.entries.push(CompareEntry {
             label: spec.label.clone(),

@@ -133,18 +133,28 @@ pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> 
     })
 }
 
-/// The first argument with which a sweep or comparison binary runs as `train_cifar10`: each
-/// point re-runs the sweep's own executable with it ([`TrainerCommand`]; the binary's `main`
-/// answers it through [`crate::app::serve_as_trainer`]), so a sweep needs no other binary.
-pub(crate) const TRAINER_ROLE_ARG: &str = "--as-train-cifar10";
+/// The environment variable (set to `1`) with which a sweep or comparison binary runs as
+/// `train_cifar10`: each point re-runs the sweep's own executable with it ([`TrainerCommand`];
+/// the binary's `main` answers it through [`crate::app::serve_as_trainer`]), so a sweep needs no
+/// other binary. An environment variable rather than a flag: no user-facing command accepts it.
+pub(crate) const TRAINER_ROLE_ENV: &str = "MEMTRAIN_AS_TRAINER";
 
-/// How a sweep or comparison starts a trainer child: by default its own executable again, with
-/// [`TRAINER_ROLE_ARG`] first (so the child is exactly this build, and nothing has to
-/// be found under `target/`); with `--trainer PATH`, that `train_cifar10` binary.
+/// What Linux calls the running executable. Spawning it rather than the path the executable was
+/// started from keeps every point on the build the sweep started with, even when `cargo build`
+/// replaces the file at that path meanwhile (the old file lives on while it runs).
+const RUNNING_EXE: &str = "/proc/self/exe";
+
+/// How a sweep or comparison starts a trainer child: by default its own executable again, in the
+/// trainer's role ([`TRAINER_ROLE_ENV`]; the child is exactly this build, and nothing has to be
+/// found under `target/`); with `--trainer PATH`, that `train_cifar10` binary.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TrainerCommand {
+    /// The program as the user knows it (shown in messages).
     program: PathBuf,
-    role: Option<&'static str>,
+    /// True when the program is this executable, re-run in the trainer's role.
+    own: bool,
+    /// Children write `summary.json` only ([`crate::cli::SUMMARY_ONLY_ENV`]).
+    summary_only: bool,
 }
 
 impl TrainerCommand {
@@ -153,7 +163,8 @@ impl TrainerCommand {
         match explicit {
             Some(p) if p.is_file() => Ok(TrainerCommand {
                 program: p.to_path_buf(),
-                role: None,
+                own: false,
+                summary_only: false,
             }),
             Some(p) => Err(Error::config(format!(
                 "--trainer {}: no such file; pass the path of a train_cifar10 binary, or leave --trainer out to re-run this program as the trainer",
@@ -163,15 +174,35 @@ impl TrainerCommand {
                 program: std::env::current_exe().map_err(|e| {
                     Error::Child(format!("cannot find the current executable: {e}"))
                 })?,
-                role: Some(TRAINER_ROLE_ARG),
+                own: true,
+                summary_only: false,
             }),
+        }
+    }
+
+    /// The same trainer, its children writing `summary.json` only (batch-sweep points).
+    pub(crate) fn summary_only(&self) -> Self {
+        TrainerCommand {
+            summary_only: true,
+            ..self.clone()
         }
     }
 
     /// The command for trainer flags `args`, not yet started.
     fn command(&self, args: &[String]) -> Command {
-        let mut cmd = Command::new(&self.program);
-        cmd.args(self.role).args(args);
+        let own_image = Path::new(RUNNING_EXE);
+        let mut cmd = if self.own && own_image.exists() {
+            Command::new(own_image)
+        } else {
+            Command::new(&self.program)
+        };
+        if self.own {
+            cmd.env(TRAINER_ROLE_ENV, "1");
+        }
+        if self.summary_only {
+            cmd.env(crate::cli::SUMMARY_ONLY_ENV, "1");
+        }
+        cmd.args(args);
         cmd
     }
 
@@ -439,6 +470,37 @@ pub fn all_failed<'a>(mut runs: impl Iterator<Item = &'a ChildRun>) -> Result<()
             "every point failed; the first: {}",
             first.note
         )));
+    }
+    Ok(())
+}
+
+/// Find usage errors before any work: run the trainer of every point with `--dry-run` added. A
+/// dry run reads the flags, the config file and the data set's size exactly as the real run will,
+/// prints its estimate and writes nothing, in well under a second. A point the trainer refuses
+/// (exit status 2) stops the whole command with the trainer's own message, naming the point, so
+/// that a typo in the tenth configuration does not cost nine runs first. A point predicted not to
+/// fit is no usage error: it is run and recorded as out of memory.
+pub(crate) fn preflight(trainer: &TrainerCommand, points: &[(String, Vec<String>)]) -> Result<()> {
+    for (what, args) in points {
+        let out = trainer
+            .command(args)
+            .arg("--dry-run")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| {
+                Error::Child(format!(
+                    "cannot start {}: {e}; pass the path of a train_cifar10 binary with --trainer",
+                    trainer.program.display()
+                ))
+            })?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() == Some(2) && oom_message(&stderr).is_none() {
+            return Err(Error::config(format!(
+                "{what}: the trainer refuses its flags ({}): {}; nothing was run",
+                args.join(" "),
+                last_line(&stderr)
+            )));
+        }
     }
     Ok(())
 }

@@ -10,7 +10,7 @@
 //!   frontier marked; see [`super::frontier`]).
 //! - [`write_compare_report`]: `compare.{json,csv,md}`, `peak_memory.{png,svg}` (a bar per
 //!   configuration, labelled with its value), `memory_timeline.{png,svg}` (per-batch peak
-//!   memory of every configuration, from each run's `memory.json`) and `frontier.{png,svg}`.
+//!   memory of every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
 //!
 //! The markdown tables mark the frontier points in a `frontier` column, and link each
 //! out-of-memory point's `oom_snapshot.json` when its run wrote one.
@@ -23,7 +23,7 @@ use super::frontier::{
 use super::report_charts::*;
 use super::results::{CompareResult, SweepResult};
 use super::{ChildRun, Status};
-use crate::callbacks::log::MEMORY_JSON;
+use crate::callbacks::log::{read_batch_log, BATCHES_CSV, MEMORY_JSON};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
 use crate::memory::format_bytes;
@@ -493,10 +493,10 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
     let mut files = render(&bars, &dir.join("peak_memory"))?;
     let mut series = Vec::new();
     for e in &r.entries {
-        if !e.run.run_dir.join(MEMORY_JSON).is_file() {
+        if !e.run.run_dir.join(BATCHES_CSV).is_file() {
             continue;
         }
-        let rows = read_memory_log(&e.run.run_dir)?.batches;
+        let rows = read_batch_log(&e.run.run_dir)?;
         if rows.is_empty() {
             continue;
         }
@@ -528,7 +528,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
     Ok(files)
 }
 
-/// Draw `memory.png` and `memory.svg` into a run directory from its `memory.json`: the peak of
+/// Draw `memory.png` and `memory.svg` into a run directory from its `batches.csv`: the peak of
 /// every step, the bytes still in use after it, the CUDA pool's reserved bytes when measured,
 /// and horizontal lines for the baseline and the memory limit when given.
 pub(crate) fn write_run_memory_chart(
@@ -537,7 +537,7 @@ pub(crate) fn write_run_memory_chart(
     baseline: Option<u64>,
     limit: Option<u64>,
 ) -> Result<Vec<PathBuf>> {
-    let rows = read_memory_log(run_dir)?.batches;
+    let rows = read_batch_log(run_dir)?;
     let mut series = vec![
         Series {
             label: "peak during step".into(),

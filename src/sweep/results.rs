@@ -191,8 +191,13 @@ pub fn describe_max(mb: &MaxBatch, limit: Option<u64>) -> String {
         .unwrap_or_default();
     let mut s = match (mb.max_batch, mb.first_oom) {
         (Some(m), _) if mb.capped => format!(
-            "{}: batch {m} fits{within} (the --max-batch cap; larger not tried)",
-            mb.configuration
+            "{}: batch {m} fits{within} (the search's upper bound, {}; larger not tried)",
+            mb.configuration,
+            if mb.note.is_empty() {
+                "--max-batch"
+            } else {
+                &mb.note
+            }
         ),
         (Some(m), Some(o)) => format!(
             "{}: largest batch that fits{within}: {m} (batch {o} runs out of memory)",
@@ -212,7 +217,8 @@ pub fn describe_max(mb: &MaxBatch, limit: Option<u64>) -> String {
         ));
     }
     // "even batch N ran out of memory" repeats what the line already says.
-    let redundant = mb.max_batch.is_none() && mb.note.starts_with("even batch");
+    // A cap's reason is already in the line.
+    let redundant = (mb.max_batch.is_none() && mb.note.starts_with("even batch")) || mb.capped;
     if !mb.note.is_empty() && !redundant {
         s.push_str(&format!(" [{}]", mb.note));
     }

@@ -98,6 +98,86 @@ pub struct RunHistory {
     pub images: usize,
     /// Seconds of training steps of the whole run so far.
     pub train_secs: f64,
-    /// (images, seconds) of every step, for the steady-state throughput.
-    pub step_times: Vec<(usize, f64)>,
+    /// Images and seconds of the steps, for the steady-state throughput.
+    pub step_times: StepTimes,
+}
+
+/// Steps kept one by one: enough to skip any warm-up [`StepTimes::steady`] can ask for.
+const WARMUP_WINDOW: usize = 12;
+
+/// Images and seconds of a run's steps, in constant space: the first [`WARMUP_WINDOW`] one by one
+/// (the warm-up to skip depends on how many steps there are), the rest as sums.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StepTimes {
+    /// (images, seconds) of the first steps.
+    pub head: Vec<(usize, f64)>,
+    /// Steps after them.
+    pub tail_steps: usize,
+    /// Their images.
+    pub tail_images: usize,
+    /// Their seconds.
+    pub tail_secs: f64,
+}
+
+impl StepTimes {
+    /// Count one step.
+    pub fn push(&mut self, images: usize, secs: f64) {
+        if self.head.len() < WARMUP_WINDOW {
+            self.head.push((images, secs));
+        } else {
+            self.tail_steps += 1;
+            self.tail_images += images;
+            self.tail_secs += secs;
+        }
+    }
+
+    /// Images per second of step time after skipping the warm-up steps (the first 3, or a
+    /// quarter of the steps when there are fewer than 12). `None` with fewer than 2 steps.
+    pub fn steady(&self) -> Option<f64> {
+        let steps = self.head.len() + self.tail_steps;
+        if steps < 2 {
+            return None;
+        }
+        let skip = 3.min(steps / 4).max(1);
+        let (images, secs) = self.head[skip..]
+            .iter()
+            .fold((self.tail_images, self.tail_secs), |(i, s), (n, t)| {
+                (i + n, s + t)
+            });
+        Some(images as f64 / secs.max(1e-9))
+    }
+}
+
+impl<'de> Deserialize<'de> for StepTimes {
+    /// Also reads the list of every step's (images, seconds) that snapshots held before.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Sums {
+            head: Vec<(usize, f64)>,
+            tail_steps: usize,
+            tail_images: usize,
+            tail_secs: f64,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Stored {
+            Sums(Sums),
+            EveryStep(Vec<(usize, f64)>),
+        }
+        Ok(match Stored::deserialize(d)? {
+            Stored::Sums(s) => StepTimes {
+                head: s.head,
+                tail_steps: s.tail_steps,
+                tail_images: s.tail_images,
+                tail_secs: s.tail_secs,
+            },
+            Stored::EveryStep(steps) => {
+                let mut t = StepTimes::default();
+                for (images, secs) in steps {
+                    t.push(images, secs);
+                }
+                t
+            }
+        })
+    }
 }

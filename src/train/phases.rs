@@ -325,7 +325,7 @@ impl Trainer {
                 self.global_step += 1;
                 self.history
                     .step_times
-                    .push((r.images, t0.elapsed().as_secs_f64()));
+                    .push(r.images, t0.elapsed().as_secs_f64());
                 self.snapshots.note_step(&r);
                 self.write_step_snapshot(step.global_step);
                 Ok(r)
@@ -374,11 +374,14 @@ impl Trainer {
                 advice: self.divergence_advice(),
             });
         }
-        let (skipped, grad_norm) = self
+        let update = self
             .apply_update(grads, step)
-            .map_err(step.name_oom(limit, Phase::Optimizer))?;
-        self.device.synchronize()?;
-        check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
+            .map_err(step.name_oom(limit, Phase::Optimizer));
+        if update.is_ok() {
+            self.device.synchronize()?;
+        }
+        // The update's event goes on the timeline before its budget is judged, so that an
+        // out-of-memory snapshot of this phase shows the failing event.
         crate::memory::trace::mark();
         let peak_bytes = self.timeline_probe.take_event_peak();
         let current = probe.current();
@@ -386,7 +389,7 @@ impl Trainer {
             index: events.len(),
             phase: Phase::Optimizer,
             // A step the loss scaler skipped has no update (and no prediction).
-            layer: if skipped {
+            layer: if matches!(update, Ok((true, _))) {
                 SKIPPED_UPDATE.into()
             } else {
                 "optimizer".into()
@@ -399,6 +402,8 @@ impl Trainer {
             predicted_current_bytes: None,
             end_us: Some(step.started.elapsed().as_micros() as u64),
         });
+        let (skipped, grad_norm) = update?;
+        check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
         // The trace ends where the step's peak does (the next reading folds it).
         self.tracer.end();
         self.memory

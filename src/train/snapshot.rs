@@ -881,9 +881,12 @@ impl Snapshot {
                 }
             }
         }
+        // A new run would refuse this directory (it holds snapshots): name an --out that works.
         Err(Error::Snapshot(format!(
-            "{}; no older complete snapshot to fall back to; start a new run without --resume",
-            first_failure.unwrap_or_default()
+            "{}; no older complete snapshot to fall back to; start a new run with another --out, \
+             or with --out {} --overwrite to replace this one",
+            first_failure.unwrap_or_default(),
+            run_dir.display()
         )))
     }
 

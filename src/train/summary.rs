@@ -87,6 +87,9 @@ pub struct Summary {
     pub final_test_loss: Option<f64>,
     /// True when the evaluation split is a held-out part of the training files.
     pub eval_is_validation: bool,
+    /// Images the accuracy and loss were evaluated on.
+    #[serde(default)]
+    pub eval_images: usize,
     /// Final loss scale (f16).
     pub loss_scale: Option<f64>,
     /// Steps skipped by the loss scaler.
@@ -101,19 +104,6 @@ pub struct Summary {
     /// What a `--cuda-graph` run captured: kernels per step, replays, graph memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_graph: Option<super::graph::GraphStats>,
-}
-
-/// Images per second of step time after skipping the warm-up steps (the first 3, or a quarter
-/// of the steps when there are fewer than 12). None with fewer than 2 steps.
-pub(crate) fn steady_throughput(steps: &[(usize, f64)]) -> Option<f64> {
-    if steps.len() < 2 {
-        return None;
-    }
-    let skip = 3.min(steps.len() / 4).max(1);
-    let (images, secs) = steps[skip..]
-        .iter()
-        .fold((0usize, 0f64), |(i, s), (n, t)| (i + n, s + t));
-    Some(images as f64 / secs.max(1e-9))
 }
 
 impl Trainer {
@@ -135,7 +125,7 @@ impl Trainer {
             None
         };
         let last = epochs.last();
-        let step_peak = mem.batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0);
+        let step_peak = mem.step_peak_bytes;
         Summary {
             label: self.config.label(),
             device: device_name(&self.device),
@@ -156,7 +146,7 @@ impl Trainer {
             predicted_peak_bytes: predicted,
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
-            steady_images_per_sec: steady_throughput(&self.history.step_times),
+            steady_images_per_sec: self.history.step_times.steady(),
             steps: self.global_step,
             epochs_completed: ended,
             images: self.history.images,
@@ -164,6 +154,7 @@ impl Trainer {
             final_test_accuracy: last.and_then(|e| e.eval_accuracy),
             final_test_loss: last.and_then(|e| e.eval_loss),
             eval_is_validation: self.eval_is_validation,
+            eval_images: self.eval.len(),
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
             status: if interrupted {

@@ -129,15 +129,8 @@ impl Trainer {
         let (steps_per_epoch, total_steps) = run_length(&config, data.train.len())?;
         // Checked before anything is created: the schedule's end depends on the run's length.
         let prune_schedule = super::prune::Schedule::for_run(&config, total_steps)?;
-        let device = select_device(config.device.as_deref())?;
-        // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
-        memtrain_kernels::set_tf32(config.tf32 == crate::config::Tf32::On);
+        let device = prepare_device(&config)?;
         let cuda_graph = super::graph::GraphSlot::for_run(&config, &device)?;
-        if device.is_cpu() {
-            // Every op allocates its output; without this, glibc maps and unmaps the large ones
-            // on every step (see `retain_freed_memory`).
-            crate::memory::retain_freed_memory();
-        }
         let timeline_probe = Arc::new(TimelineProbe::new(probe_for(
             &device,
             config.memory_limit,
@@ -319,6 +312,24 @@ fn run_length(config: &TrainConfig, train_images: usize) -> Result<(usize, usize
     })?;
     let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
     Ok((steps_per_epoch, total_steps))
+}
+
+/// The run's device, made ready: TF32 set, the CUDA kernels checked against the CPU's, or the
+/// CPU allocator told to keep freed memory.
+fn prepare_device(config: &TrainConfig) -> Result<Device> {
+    let device = select_device(config.device.as_deref())?;
+    // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
+    memtrain_kernels::set_tf32(config.tf32 == crate::config::Tf32::On);
+    if device.is_cpu() {
+        // Every op allocates its output; without this, glibc maps and unmaps the large ones
+        // on every step (see `retain_freed_memory`).
+        crate::memory::retain_freed_memory();
+    } else {
+        // The CUDA kernels rarely meet a GPU in testing: each is compared with the CPU's once,
+        // in milliseconds, before anything trains on it (and before the probe's baseline).
+        crate::device::self_check_kernels(&device, config.precision.compute_dtype())?;
+    }
+    Ok(device)
 }
 
 /// `--checkpoint auto` replaced by the segmentation the run trains with, from the estimate of this

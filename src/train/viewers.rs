@@ -81,8 +81,7 @@ impl Trainer {
             return;
         }
         let path = self.run_dir.join(MEMORY_SNAPSHOT_FILE);
-        let timeline = self.timeline.clone();
-        if let Err(e) = write_snapshot(&path, &trace, &timeline, None) {
+        if let Err(e) = write_snapshot(&path, &trace, &self.timeline, None) {
             eprintln!("warning: {MEMORY_SNAPSHOT_FILE} not written: {e}");
         }
     }

@@ -3,7 +3,8 @@
 //! Install it in a binary with
 //! `#[global_allocator] static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAllocator;`.
 //! It counts every live heap byte of the process (all threads) and the high-water mark exactly,
-//! at the cost of two relaxed atomic operations per allocation.
+//! at the cost of a few relaxed atomic operations per allocation, one of them the load that tells
+//! whether a step's allocations are being traced ([`super::trace`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -10,7 +10,8 @@
 //!   dropped entries is not written).
 //! - While it is on, the allocator counts and appends under one spin lock, so the trace's order
 //!   is the order of the live-byte counter across all threads: replaying it gives every value the
-//!   counter had, and its maximum is the step's measured peak exactly.
+//!   counter had from its first entry on (its start is taken from its end, see [`end`]), and its
+//!   maximum is the step's measured peak exactly.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::UnsafeCell;

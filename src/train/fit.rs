@@ -289,6 +289,7 @@ impl Trainer {
                 &self.step_timeline(),
             )?;
             self.write_step_trace()?;
+            self.write_memory_snapshot();
         }
         if self.log_files {
             crate::io::write_json_atomic(

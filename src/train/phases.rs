@@ -327,7 +327,7 @@ impl Trainer {
                     .step_times
                     .push(r.images, t0.elapsed().as_secs_f64());
                 self.snapshots.note_step(&r);
-                self.write_step_snapshot(step.global_step);
+                self.keep_step_trace(step.global_step);
                 Ok(r)
             }
             Err(e) if e.is_oom() => {

@@ -25,6 +25,9 @@ pub(crate) struct StepTracer {
     every_step: bool,
     /// The finished trace of the newest traced step.
     taken: Option<Trace>,
+    /// The chosen step's trace, kept for the end of the run, with its timeline when that is not
+    /// the run's newest (the trace's entries are the system allocator's, in no reading).
+    kept: Option<(Trace, Option<StepTimeline>)>,
 }
 
 impl StepTracer {
@@ -51,6 +54,7 @@ impl StepTracer {
                 .then(|| config.memory_snapshot_step.unwrap_or(total_steps - 1)),
             every_step: heap && options.oom_snapshot && config.memory_limit.is_some(),
             taken: None,
+            kept: None,
         })
     }
 
@@ -72,16 +76,29 @@ impl StepTracer {
 }
 
 impl Trainer {
-    /// After a step that ended well: write the memory snapshot when it is the chosen step.
-    pub(super) fn write_step_snapshot(&mut self, global_step: usize) {
+    /// After a step that ended well: keep its trace when it is the chosen step. The snapshot is
+    /// written at the end of the run ([`Trainer::write_memory_snapshot`]), after the last memory
+    /// reading: building it allocates megabytes that no phase of the run should count.
+    pub(super) fn keep_step_trace(&mut self, global_step: usize) {
         let Some(trace) = self.tracer.taken.take() else {
             return;
         };
         if self.tracer.snapshot_step != Some(global_step) {
             return;
         }
+        // The run's last step's timeline stays the trainer's; an earlier one's is kept here.
+        let timeline = (global_step + 1 < self.total_steps).then(|| self.timeline.clone());
+        self.tracer.kept = Some((trace, timeline));
+    }
+
+    /// `memory_snapshot.pickle` of the chosen step, when it was trained.
+    pub(super) fn write_memory_snapshot(&mut self) {
+        let Some((trace, timeline)) = self.tracer.kept.take() else {
+            return;
+        };
         let path = self.run_dir.join(MEMORY_SNAPSHOT_FILE);
-        if let Err(e) = write_snapshot(&path, &trace, &self.timeline, None) {
+        let timeline = timeline.as_ref().unwrap_or(&self.timeline);
+        if let Err(e) = write_snapshot(&path, &trace, timeline, None) {
             eprintln!("warning: {MEMORY_SNAPSHOT_FILE} not written: {e}");
         }
     }

@@ -231,7 +231,7 @@ pub struct TrainConfig {
     )]
     #[serde(rename = "checkpoint")]
     pub grad_checkpointing: GradCheckpointing,
-    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: heap budget from process start, checked for data set and model before loading and after every layer of the step)
+    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
     // In bytes.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub memory_limit: Option<u64>,

@@ -43,6 +43,7 @@ impl Trainer {
             error: error.to_string(),
             failed_at,
             config: &self.config,
+            heap_budget_bytes: self.probe.limit(),
             timeline,
             estimate,
         };
@@ -130,6 +131,9 @@ pub(crate) struct OomSnapshot<'a> {
     pub failed_at: String,
     /// The configuration that ran out of memory.
     pub config: &'a crate::config::TrainConfig,
+    /// The heap budget the step ran against: on the CPU, `--memory-limit` less what the process
+    /// holds outside its heap; on CUDA, the pool's limit.
+    pub heap_budget_bytes: Option<u64>,
     /// The failing step up to the failure, with the estimate's prediction for each event.
     pub timeline: StepTimeline,
     /// The memory estimate of this configuration, when it could be made.

@@ -310,9 +310,14 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
     // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
     memtrain_kernels::set_tf32(config.tf32 == crate::config::Tf32::On);
     if device.is_cpu() {
-        // Every op allocates its output; without this, glibc maps and unmaps the large ones
-        // on every step (see `retain_freed_memory`).
-        crate::memory::retain_freed_memory();
+        match config.memory_limit {
+            // The limit is the process's resident memory: freed blocks go back to the kernel,
+            // so that it follows the heap (see `return_freed_memory`).
+            Some(_) => crate::memory::return_freed_memory(),
+            // Every op allocates its output; without this, glibc maps and unmaps the large ones
+            // on every step (see `retain_freed_memory`).
+            None => crate::memory::retain_freed_memory(),
+        }
     } else {
         // The CUDA kernels rarely meet a GPU in testing: each is compared with the CPU's once,
         // in milliseconds, before anything trains on it (and before the probe's baseline).

@@ -40,6 +40,10 @@ where
     // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
     crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
+    // --checkpoint auto under --memory-limit: refused here when no segmentation fits.
+    if cmd.plan.fit_memory.is_none() {
+        crate::predict::check_auto_checkpointing(&cfg)?;
+    }
     // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None

@@ -490,6 +490,22 @@ pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
     choose_checkpointing(cfg, &specs, device, Baseline::Modeled(data)).map(|_| ())
 }
 
+/// Every segmentation's prediction for `cfg`, on the device and with the data its flags name
+/// (sized from the files, nothing loaded), `none` first: what a budget sweep spans.
+///
+/// # Errors
+/// As [`estimate_for_specs`], or when the device or the data directory is not usable.
+pub fn all_schedules(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
+    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+    let data = DataSize::for_config(cfg)?;
+    let all = TrainConfig {
+        memory_limit: Some(cfg.memory_limit.unwrap_or(u64::MAX / 2)),
+        ..cfg.clone()
+    };
+    schedule_candidates(&all, &specs, device, Baseline::Modeled(data))
+}
+
 /// The segmentation the estimate of a `--checkpoint auto` config describes: the choice of
 /// [`choose_checkpointing`], or where nothing fits the limit the smallest predicted peak (the
 /// trainer refuses such a run; an estimate still shows what it would need).

@@ -8,18 +8,26 @@
 #   bench/budget_sweep.sh [OUT_STEM] [RUN_DIR]
 #       (defaults docs/results/budget-sweep and runs/budget-sweep)
 #
-# Batch 128, width 32, 30 optimizer steps, no evaluation; the real subset at
-# ../shared/data/cifar10-subset when present, else the built-in synthetic data (DATA_DIR
-# overrides, POINTS the number of limits, STEPS the steps per run). Writes OUT_STEM.csv, .png and
-# .svg and prints a markdown table (img/s: each run's fastest step after the first, the reading
-# least disturbed by other work on the machine); exits 1 if a run fails or an auto run's measured
+# Batch 128, width 32, 20 optimizer steps, no evaluation, each run 3 times in turn; the real
+# subset at ../shared/data/cifar10-subset when present, else the built-in synthetic data
+# (DATA_DIR overrides, POINTS the number of limits, STEPS the steps per run, ROUNDS the runs per
+# point). Writes OUT_STEM.csv, .png and .svg and prints a markdown table: per point the highest
+# measured peak of its runs, and img/s of the fastest step after the first of them all (a step can
+# only be slowed by other work on the machine); exits 1 if a run fails or an auto run's measured
 # peak exceeds its limit.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 stem=${1:-$repo/docs/results/budget-sweep}
 out=${2:-$repo/runs/budget-sweep}
 points=${POINTS:-8}
-steps=${STEPS:-30}
+steps=${STEPS:-20}
+rounds=${ROUNDS:-3}
+for v in "POINTS=$points" "STEPS=$steps" "ROUNDS=$rounds"; do
+  [[ ${v#*=} =~ ^[1-9][0-9]{0,5}$ ]] || {
+    echo "error: ${v%%=*} must be a positive whole number, got '${v#*=}'" >&2
+    exit 2
+  }
+done
 cd "$repo"
 data=${DATA_DIR-}
 if [ -z "$data" ] && [ -d "$repo/../shared/data/cifar10-subset" ]; then
@@ -49,14 +57,25 @@ run() { # name, extra flags...
 }
 
 mapfile -t limits < <("$bin/budget_sweep" limits --points "$points" -- "${flags[@]}")
-chart=()
-for l in "${limits[@]}"; do
-  run "limit-$l" --checkpoint auto --memory-limit "$l"
-  chart+=(--point "$out/limit-$l")
+names=()
+for l in "${limits[@]}"; do names+=("limit-$l"); done
+names+=(none stages blocks)
+# Rounds in turn, so that a burst of other work on the machine slows one run of a point, not all.
+for r in $(seq 1 "$rounds"); do
+  for n in "${names[@]}"; do
+    case $n in
+      limit-*) run "$n-r$r" --checkpoint auto --memory-limit "${n#limit-}" ;;
+      *) run "$n-r$r" --checkpoint "$n" ;;
+    esac
+  done
 done
-for c in none stages blocks; do
-  run "$c" --checkpoint "$c"
-  chart+=(--named "$out/$c")
+chart=()
+for n in "${names[@]}"; do
+  dirs=$(for r in $(seq 1 "$rounds"); do printf '%s,' "$out/$n-r$r"; done)
+  case $n in
+    limit-*) chart+=(--point "${dirs%,}") ;;
+    *) chart+=(--named "${dirs%,}") ;;
+  esac
 done
 "$bin/budget_sweep" chart --out "$stem" \
   --title="--checkpoint auto --memory-limit sweep (batch 128, width 32, $what, CPU)" \

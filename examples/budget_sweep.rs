@@ -51,12 +51,13 @@ enum What {
             default_value = "memory budget sweep: --checkpoint auto --memory-limit"
         )]
         title: String,
-        /// Run directory of a `--checkpoint auto --memory-limit` run
-        #[arg(long)]
-        point: Vec<PathBuf>,
-        /// Run directory of a named schedule run without a limit
-        #[arg(long)]
-        named: Vec<PathBuf>,
+        /// Run directories of one `--checkpoint auto --memory-limit` point, comma-separated (its
+        /// repeated runs: the highest peak and the fastest step of them all)
+        #[arg(long, value_name = "DIRS")]
+        point: Vec<String>,
+        /// Run directories of one named schedule run without a limit, comma-separated
+        #[arg(long, value_name = "DIRS")]
+        named: Vec<String>,
     },
 }
 
@@ -160,11 +161,27 @@ fn write_atomic(path: &Path, text: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn chart(out: &Path, title: &str, auto: &[PathBuf], named: &[PathBuf]) -> anyhow::Result<()> {
+/// The repeated runs of one point as one: the same schedule and limit, the highest measured peak,
+/// the fastest step.
+fn read_group(dirs: &str, auto: bool) -> anyhow::Result<(BudgetPoint, u64)> {
+    let mut runs = dirs.split(',').map(|d| read_point(Path::new(d), auto));
+    let (mut point, flops) = runs.next().context("an empty run list")??;
+    for r in runs {
+        let (p, _) = r?;
+        if (&p.schedule, p.limit) != (&point.schedule, point.limit) {
+            bail!("{dirs}: the runs of one point trained different schedules or limits");
+        }
+        point.measured_peak = point.measured_peak.max(p.measured_peak);
+        point.images_per_sec = point.images_per_sec.max(p.images_per_sec);
+    }
+    Ok((point, flops))
+}
+
+fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::Result<()> {
     let mut rows = Vec::new();
-    for (dirs, is_auto) in [(auto, true), (named, false)] {
-        for d in dirs {
-            rows.push(read_point(d, is_auto)?);
+    for (groups, is_auto) in [(auto, true), (named, false)] {
+        for g in groups {
+            rows.push(read_group(g, is_auto)?);
         }
     }
     let mut csv = String::from(
@@ -178,8 +195,9 @@ fn chart(out: &Path, title: &str, auto: &[PathBuf], named: &[PathBuf]) -> anyhow
             (p.predicted_peak as f64 - p.measured_peak as f64) / p.measured_peak as f64 * 100.0;
         let fits = p.limit.map(|l| p.measured_peak <= l);
         over += usize::from(fits == Some(false));
+        // Quoted: `segments:1,2` has commas.
         csv.push_str(&format!(
-            "{},{},{},{},{:.2},{},{:.1},{}\n",
+            "\"{}\",{},{},{},{:.2},{},{:.1},{}\n",
             p.schedule,
             p.limit.map_or(String::new(), |l| l.to_string()),
             p.predicted_peak,

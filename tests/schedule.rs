@@ -407,3 +407,69 @@ fn out_of_memory_advice_names_only_smaller_schedules() {
     }
     assert!(advised >= 1, "some run gets a schedule advised");
 }
+
+/// `train_cifar10 --checkpoint auto --memory-limit` below what any segmentation fits: one line
+/// naming the smallest predicted peak and the limit it needs, exit 2, and no run directory.
+#[test]
+fn nothing_fits_is_a_usage_error_before_any_work() {
+    let _s = serial();
+    let cfg = TrainConfig {
+        synthetic_train: 256,
+        synthetic_test: 16,
+        ..small_config()
+    };
+    // The child computes with one thread (`common::trainer_command`).
+    let dev = match DeviceKind::cpu() {
+        DeviceKind::Cpu { l2_cache_bytes, .. } => DeviceKind::Cpu {
+            threads: 1,
+            l2_cache_bytes,
+        },
+        other => other,
+    };
+    let base = Baseline::Modeled(DataSize::synthetic(256, 16));
+    let least = GradCheckpointing::all_segmentations()
+        .into_iter()
+        .map(|ck| {
+            let c = TrainConfig {
+                grad_checkpointing: ck,
+                ..cfg.clone()
+            };
+            estimate_with(&c, dev, base).unwrap().peak
+        })
+        .min()
+        .unwrap();
+    let dir = common::scratch("schedule", "nothing-fits");
+    let out_dir = dir.join("run");
+    let limit = least.to_string();
+    let out = common::run_trainer(&[
+        "--width",
+        "8",
+        "--batch-size",
+        "32",
+        "--synthetic-train",
+        "256",
+        "--synthetic-test",
+        "16",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        "auto",
+        "--memory-limit",
+        &limit,
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let err = common::text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("no segmentation"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains(&format_bytes(least)), "{line}");
+    assert!(
+        line.contains(&format_bytes(limit_for(least, SAFETY_MARGIN))),
+        "{line}"
+    );
+    assert!(!out_dir.exists(), "nothing written");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -30,7 +30,10 @@ pub use super::schedule::SAFETY_MARGIN;
 /// `docs/results/estimate-accuracy.md`): without f16/bf16 arithmetic half types are widened to
 /// f32 for the gemms, so at this batch both cost a little more than f32; recomputation adds part
 /// of a forward pass; one-image micro-batches leave the second thread idle; 128-image
-/// micro-batches cost no more than 64-image ones.
+/// micro-batches cost no more than 64-image ones. The recompute factors were measured when every
+/// segment was re-run; the last one now saves in its forward (`crate::step`), so they overstate
+/// the cost of stages and blocks (`stages` re-runs 63% of the forward's FLOPs at width 32, `blocks`
+/// 76%): an upper bound until they are measured again.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     /// Time per image of f16 relative to f32, standard conv.

@@ -194,3 +194,49 @@ pub fn nothing_fits(candidates: &[Candidate], limit: u64, margin: f64, advice: &
         format_bytes(limit_for(s.predicted_peak, margin)),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limit_for_is_the_smallest_limit_a_peak_fits() {
+        for peak in [1u64, 19, 1 << 20, 80_839_100, 95_052_476, u64::MAX >> 12] {
+            for margin in [0.0, 0.05, 0.2] {
+                let l = limit_for(peak, margin);
+                assert!(usable_bytes(l, margin) >= peak, "{peak} {margin}");
+                assert!(usable_bytes(l - 1, margin) < peak, "{peak} {margin}");
+            }
+        }
+    }
+
+    #[test]
+    fn pick_prefers_less_recomputation_then_the_smaller_peak() {
+        let c = |mask, predicted_peak, recompute_flops| Candidate {
+            checkpointing: GradCheckpointing::from_cuts(mask),
+            predicted_peak,
+            recompute_flops,
+        };
+        let all = [
+            c(0, 100, 0),
+            c(0b10, 80, 5),
+            c(0b11, 78, 5),
+            c(0b11111, 70, 9),
+        ];
+        assert_eq!(
+            pick(&all, None, 0.05),
+            Some(3),
+            "no limit: the smallest peak"
+        );
+        assert_eq!(pick(&all, Some(200), 0.05), Some(0));
+        // 100 does not fit 104 less 5% (98.8); 80 and 78 recompute alike: the smaller peak.
+        assert_eq!(pick(&all, Some(104), 0.05), Some(2));
+        assert_eq!(pick(&all, Some(74), 0.05), Some(3));
+        assert_eq!(pick(&all, Some(73), 0.05), None);
+        let e = nothing_fits(&all, 73, 0.05, "raise --memory-limit").to_string();
+        assert!(
+            e.contains("blocks") && e.contains("raise --memory-limit"),
+            "{e}"
+        );
+    }
+}

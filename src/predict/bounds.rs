@@ -77,6 +77,10 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
         }
     }
     refuse_predicted_overrun(cfg, &ctx, &needs, fit_memory)?;
+    // --checkpoint auto under --memory-limit: refused here when no segmentation fits.
+    if fit_memory.is_none() {
+        crate::predict::check_auto_checkpointing(cfg)?;
+    }
     // The step: its batch buffers and activations grow with batch × width. Beyond what the
     // machine can give, the allocator would abort the process part-way through the first step.
     // (A training split smaller than one batch never gets there: the trainer refuses it.)
@@ -123,7 +127,9 @@ fn refuse_predicted_overrun(
     ) else {
         return Ok(());
     };
-    let trains = ctx.data(cfg).0.train_images >= cfg.batch_size;
+    // `--checkpoint auto` chooses under the limit itself, or says that nothing fits.
+    let auto = cfg.grad_checkpointing == GradCheckpointing::Auto;
+    let trains = ctx.data(cfg).0.train_images >= cfg.batch_size && !auto;
     let escape = std::env::var_os(RUN_PAST_PREDICTION_ENV).is_some_and(|v| v == "1");
     let reserve = RssReserve::of_process();
     let resident = reserve.resident(est.peak);

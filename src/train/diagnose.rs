@@ -65,9 +65,22 @@ impl Trainer {
     pub(super) fn advise_oom(&self, mut e: Error) -> Error {
         if let Error::OutOfMemory { phase, advice, .. } = &mut e {
             let in_update = phase.starts_with(&crate::phase::Phase::Optimizer.to_string());
-            *advice = crate::advice::out_of_memory(&self.config, in_update);
+            *advice =
+                crate::advice::out_of_memory_with(&self.config, in_update, self.smaller_schedule());
         }
         e
+    }
+
+    /// A segmentation the estimate predicts to need less than this run's, for the advice.
+    fn smaller_schedule(&self) -> Option<crate::advice::SmallerSchedule> {
+        use crate::predict::{smaller_schedule, Baseline, DataSize, DeviceKind};
+        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
+        smaller_schedule(
+            &self.config,
+            &self.model.layer_specs(),
+            DeviceKind::of(&self.device),
+            Baseline::Modeled(data),
+        )
     }
 
     /// What to do after the loss or the gradients became non-finite, true for this run: a lower

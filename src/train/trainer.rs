@@ -327,33 +327,37 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
 }
 
 /// `--checkpoint auto` replaced by the segmentation the run trains with, from the estimate of this
-/// run's data (announced when `progress`); any other choice is left as it is.
+/// run's data; refused (a usage error, before the model is built) when `--memory-limit` leaves no
+/// segmentation room. When `progress`, the run's segments and recomputed FLOPs are announced
+/// (with why, for `auto`).
 fn resolve_auto_checkpointing(
     config: &mut TrainConfig,
     data: &DataSplits,
     device: &Device,
     progress: bool,
 ) -> Result<()> {
-    use crate::predict::{resolve_checkpointing, Baseline, DataSize, DeviceKind};
-    if config.grad_checkpointing != crate::config::GradCheckpointing::Auto {
-        return Ok(());
-    }
-    let size = DataSize::loaded(&data.train, &data.test, config);
-    config.grad_checkpointing = resolve_checkpointing(
-        config,
-        &crate::model::cnn::layer_specs_for(config.width, config.conv),
-        DeviceKind::of(device),
-        Baseline::Modeled(size),
-    )?;
-    if progress {
+    use crate::config::{GradCheckpointing, CNN_BLOCKS};
+    use crate::predict::schedule::{format_flops, format_segments, recompute_flops};
+    use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
+    let specs = crate::model::cnn::layer_specs_for(config.width, config.conv);
+    if config.grad_checkpointing == GradCheckpointing::Auto {
+        let size = DataSize::loaded(&data.train, &data.test, config);
+        let choice = choose_checkpointing(
+            config,
+            &specs,
+            DeviceKind::of(device),
+            Baseline::Modeled(size),
+        )?;
+        config.grad_checkpointing = choice.chosen.checkpointing;
+        if progress {
+            eprintln!("{}", choice.describe(CNN_BLOCKS));
+        }
+    } else if progress && config.grad_checkpointing != GradCheckpointing::None {
+        let ck = config.grad_checkpointing;
         eprintln!(
-            "--checkpoint auto: {} (the estimate's {})",
-            config.grad_checkpointing,
-            if config.memory_limit.is_some() {
-                "cheapest that fits --memory-limit"
-            } else {
-                "smallest peak"
-            }
+            "--checkpoint {ck}: segments {}, recomputes {} per step",
+            format_segments(&crate::model::cnn::segments(CNN_BLOCKS, ck)),
+            format_flops(recompute_flops(&specs, ck, config.batch_size))
         );
     }
     Ok(())

@@ -324,10 +324,10 @@ pub fn needed_limits(base: impl Fn() -> Command) -> (u64, u64) {
             return None;
         }
         let stderr = text(&out.stderr);
-        let tail = stderr
-            .rsplit("raise --memory-limit to at least ")
-            .next()
-            .filter(|_| stderr.contains("raise --memory-limit to at least "))
+        // "raise --memory-limit to at least X", or `--checkpoint auto`'s "needs --memory-limit X".
+        let tail = ["raise --memory-limit to at least ", "needs --memory-limit "]
+            .iter()
+            .find_map(|p| stderr.rsplit_once(p).map(|(_, t)| t))
             .unwrap_or_else(|| panic!("no needed limit in: {stderr}"));
         let mut words = tail.split_whitespace();
         let value: f64 = words.next().unwrap().parse().unwrap();

@@ -173,6 +173,10 @@ where
     if !cmd.dry_run && cfg.out.is_none() {
         cfg.out = Some(default_run_dir());
     }
+    if cfg.memory_limit.is_some() && DeviceKind::for_spec(cfg.device.as_deref())?.is_cpu() {
+        // Before the data loads: the limit counts the process's resident memory from the start.
+        crate::memory::return_freed_memory();
+    }
     // Before any planning or loading: a run this build cannot start.
     if let (Some(e), false) = (
         crate::device::cuda_not_built(cfg.device.as_deref()),
@@ -217,6 +221,14 @@ fn print_start(trainer: &Trainer) {
         trainer.total_steps(),
         trainer.run_dir().display()
     );
+    if let (Some(limit), Some(heap)) = (trainer.probe().os_limit(), trainer.probe().limit()) {
+        println!(
+            "memory limit {} of resident memory, as the kernel counts it: a heap budget of {}, \
+             the rest for the binary, thread stacks and the allocator",
+            format_bytes(limit),
+            format_bytes(heap)
+        );
+    }
 }
 
 /// `--fit-memory BUDGET`: load the data, plan micro-batch, accumulation, checkpointing and

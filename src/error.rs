@@ -52,6 +52,11 @@ pub enum Error {
         snapshot: Option<PathBuf>,
     },
 
+    /// A training step predicted to need more memory than `--memory-limit`, refused before
+    /// anything ran (usage error, exit code 2; sweeps record it as an out-of-memory point).
+    #[error("out of memory (predicted; nothing was run): {0}")]
+    WontFit(String),
+
     /// The loss or a gradient became NaN/inf where no loss scaler can recover.
     #[error("non-finite {what} at epoch {epoch}, batch {batch} ({phase}); {advice}")]
     NonFinite {
@@ -106,7 +111,7 @@ impl Error {
     /// 130 for an interruption.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Config(_) => 2,
+            Error::Config(_) | Error::WontFit(_) => 2,
             Error::Interrupted(_) => 130,
             _ => 1,
         }

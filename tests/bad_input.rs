@@ -87,6 +87,8 @@ fn cases() -> Vec<Case> {
         Case { name: "accumulation 0", setup: |_| flags("--accum-steps 0"), code: 2, problem: "--accum-steps", fix: "at least 1" },
         Case { name: "unknown precision", setup: |_| flags("--precision f8"), code: 2, problem: "f8", fix: "bf16" },
         Case { name: "unknown checkpointing", setup: |_| flags("--checkpoint layers"), code: 2, problem: "layers", fix: "stages" },
+        Case { name: "segment boundary out of range", setup: |_| flags("--checkpoint segments:0,7"), code: 2, problem: "--checkpoint segments:0,7", fix: "segments:2,4" },
+        Case { name: "segment boundaries out of order", setup: |_| flags("--checkpoint segments:4,2"), code: 2, problem: "--checkpoint segments:4,2", fix: "increasing" },
         Case { name: "unknown conv kind", setup: |_| flags("--conv grouped"), code: 2, problem: "grouped", fix: "separable" },
         Case { name: "unknown optimizer", setup: |_| flags("--optimizer lamb"), code: 2, problem: "lamb", fix: "adamw" },
         Case { name: "width 0", setup: |_| flags("--width 0"), code: 2, problem: "--width", fix: "at least 1" },

@@ -53,6 +53,9 @@ fn every_configuration_matches_autograd() {
             GradCheckpointing::None,
             GradCheckpointing::Stages,
             GradCheckpointing::Blocks,
+            // segments:2 (stage 1 recomputed, stages 2 and 3 saved) and segments:1,3,4.
+            GradCheckpointing::from_cuts(0b00010),
+            GradCheckpointing::from_cuts(0b01101),
         ] {
             for conv in [ConvKind::Standard, ConvKind::Separable] {
                 for accum_steps in [1, 2] {
@@ -147,6 +150,7 @@ fn running_statistics_are_updated_once_per_step() {
         GradCheckpointing::None,
         GradCheckpointing::Stages,
         GradCheckpointing::Blocks,
+        GradCheckpointing::from_cuts(0b00010),
     ] {
         let t = common::trainer(TrainConfig {
             grad_checkpointing: checkpoint,

@@ -6,6 +6,7 @@ mod common;
 
 use common::run_trainer as train;
 use memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
+use memtrain::predict::bounds::RUN_PAST_PREDICTION_ENV;
 
 const BASE: &[&str] = &[
     "--device",
@@ -23,6 +24,20 @@ const BASE: &[&str] = &[
     "--quiet",
     "--no-eval",
 ];
+
+/// `train_cifar10 flags` under a `--memory-limit` its step is predicted not to fit, started
+/// anyway ([`RUN_PAST_PREDICTION_ENV`]) so that the per-layer check finds where it runs out.
+fn train_past_prediction(flags: &[&str]) -> std::process::Output {
+    common::trainer_command(flags)
+        .env(RUN_PAST_PREDICTION_ENV, "1")
+        .output()
+        .unwrap()
+}
+
+/// The `--memory-limit` under which `flags`' heap budget is `heap`.
+fn limit_for(flags: &[&str], heap: u64) -> u64 {
+    common::limit_for_heap(|| common::trainer_command(flags), heap)
+}
 
 /// The step-added peak of this configuration, from a run without a limit.
 fn unlimited_step_peak(dir: &std::path::Path) -> (u64, u64) {
@@ -45,10 +60,12 @@ fn unlimited_step_peak(dir: &std::path::Path) -> (u64, u64) {
 fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
     let dir = common::temp_dir("oom-snapshot");
     let (baseline, peak) = unlimited_step_peak(&dir);
-    // A limit between the forward's needs and the step's peak: the backward fails part-way.
-    let limit = baseline + (peak - baseline) * 97 / 100;
+    // A heap budget between the forward's needs and the step's peak: the backward fails
+    // part-way.
+    let budget = baseline + (peak - baseline) * 97 / 100;
+    let limit = limit_for(BASE, budget);
     let out = dir.join("limited");
-    let o = train(
+    let o = train_past_prediction(
         &[
             BASE,
             &[
@@ -73,14 +90,17 @@ fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     assert_eq!(s["config"]["memory_limit"].as_u64(), Some(limit));
     assert_eq!(s["config"]["width"].as_u64(), Some(8));
+    // The heap budget the process had under that limit (it measures what it holds outside the
+    // heap itself, so it can differ from the one asked for by a few pages).
+    let budget = s["heap_budget_bytes"].as_u64().unwrap();
     assert!(s["error"].as_str().unwrap().contains("out of memory"));
     let events = s["timeline"]["events"].as_array().unwrap();
     assert!(!events.is_empty());
     let last = events.last().unwrap();
-    // The failing event is the last one recorded, and the only one over the limit.
-    assert!(last["peak_bytes"].as_u64().unwrap() > limit, "{last}");
+    // The failing event is the last one recorded, and the only one over the heap budget.
+    assert!(last["peak_bytes"].as_u64().unwrap() > budget, "{last}");
     for e in &events[..events.len() - 1] {
-        assert!(e["peak_bytes"].as_u64().unwrap() <= limit, "{e}");
+        assert!(e["peak_bytes"].as_u64().unwrap() <= budget, "{e}");
     }
     assert!(
         events.iter().any(|e| e["phase"] == "backward"),
@@ -92,7 +112,7 @@ fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
         .contains(last["layer"].as_str().unwrap()));
     // The estimate: the whole configuration, and a prediction for each event recorded.
     let est = &s["estimate"];
-    assert!(est["peak"].as_u64().unwrap() > limit);
+    assert!(est["peak"].as_u64().unwrap() > budget);
     assert!(est["events"].as_array().unwrap().len() > events.len());
     assert!(events.iter().all(|e| e["predicted_peak_bytes"].is_u64()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -105,7 +125,7 @@ fn a_summary_only_child_leaves_a_snapshot_too() {
     // Above what the data set and model need (a limit below that is refused before loading,
     // src/predict/bounds.rs), below the step's peak.
     let (baseline, peak) = unlimited_step_peak(&dir);
-    let limit = (baseline + (peak - baseline) / 2).to_string();
+    let limit = limit_for(BASE, baseline + (peak - baseline) / 2).to_string();
     let out = dir.join("point");
     let o = common::trainer_command(
         &[
@@ -115,6 +135,7 @@ fn a_summary_only_child_leaves_a_snapshot_too() {
         .concat(),
     )
     .env(memtrain::cli::SUMMARY_ONLY_ENV, "1")
+    .env(RUN_PAST_PREDICTION_ENV, "1")
     .output()
     .unwrap();
     assert_eq!(o.status.code(), Some(1));
@@ -129,19 +150,14 @@ fn the_advice_names_only_what_the_run_does_not_use_yet() {
     let dir = std::env::temp_dir().join(format!("memtrain-oom-advice-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let out = dir.join("run");
-    let o = train(
+    let flags = [BASE, &["--precision", "bf16", "--checkpoint", "blocks"]].concat();
+    // Room for the data set and the model, not for the step.
+    let (model, step) = common::needed_limits(|| common::trainer_command(&flags));
+    let limit = (model + (step - model) / 2).to_string();
+    let o = train_past_prediction(
         &[
-            BASE,
-            &[
-                "--precision",
-                "bf16",
-                "--checkpoint",
-                "blocks",
-                "--memory-limit",
-                "5MiB",
-                "--out",
-                out.to_str().unwrap(),
-            ],
+            &flags[..],
+            &["--memory-limit", &limit, "--out", out.to_str().unwrap()],
         ]
         .concat(),
     );
@@ -193,9 +209,10 @@ fn an_out_of_memory_in_the_optimizer_shows_its_event_and_advice_that_helps() {
     };
     let (backward, optimizer) = (col("backward_peak"), col("optimizer_peak"));
     assert!(optimizer > backward, "the update is the step's peak here");
-    let limit = (backward + (optimizer - backward) / 2).to_string();
+    let budget = backward + (optimizer - backward) / 2;
+    let limit = limit_for(&flags, budget).to_string();
     let out = dir.join("limited");
-    let o = train(
+    let o = train_past_prediction(
         &[
             &flags[..],
             &["--out", out.to_str().unwrap(), "--memory-limit", &limit],
@@ -222,6 +239,6 @@ fn an_out_of_memory_in_the_optimizer_shows_its_event_and_advice_that_helps() {
         (Some("optimizer"), Some("optimizer")),
         "{last}"
     );
-    assert!(last["peak_bytes"].as_u64().unwrap() > limit.parse::<u64>().unwrap());
+    assert!(last["peak_bytes"].as_u64().unwrap() > snap["heap_budget_bytes"].as_u64().unwrap());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -100,40 +100,32 @@ fn find_max_stops_at_the_data_set_and_every_point_runs_its_steps() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The absolute peak of one sweep-like point at `batch`, measured.
-fn point_peak(dir: &Path, batch: usize) -> u64 {
-    let out = dir.join(format!("probe-{batch}"));
-    let o = common::run_trainer(&[
-        "--device",
-        "cpu",
-        "--width",
-        "32",
-        "--batch-size",
-        &batch.to_string(),
-        "--max-steps",
-        "1",
-        "--epochs",
-        "1",
-        "--synthetic-train",
-        "10",
-        "--synthetic-test",
-        "10",
-        "--no-eval",
-        "--quiet",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    common::assert_ok(&o, "probe run");
-    let s: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
-    s["peak_bytes"].as_u64().unwrap()
+/// The `--memory-limit` one sweep-like point at `batch` needs, as its trainer predicts it.
+fn point_limit(batch: usize) -> u64 {
+    common::needed_limits(|| {
+        let mut c = Command::new(common::trainer_binary());
+        c.args([
+            "--device",
+            "cpu",
+            "--width",
+            "32",
+            "--batch-size",
+            &batch.to_string(),
+        ])
+        .args(["--max-steps", "1", "--epochs", "1", "--synthetic-train"])
+        .arg((batch.max(10)).to_string())
+        .args(["--synthetic-test", "10", "--no-eval", "--quiet"]);
+        c
+    })
+    .1
 }
 
 #[test]
 fn find_max_finds_a_batch_below_the_granularity() {
     let dir = scratch("sweep-limits", "granularity");
-    // A limit halfway between batch 1's peak and batch 8's: only batches below 8 fit.
-    let (small, eight) = (point_peak(&dir, 1), point_peak(&dir, 8));
+    // A limit halfway between what batch 1 needs and what batch 8 needs: only batches below 8
+    // fit.
+    let (small, eight) = (point_limit(1), point_limit(8));
     assert!(eight > small);
     let limit = (small + (eight - small) / 2).to_string();
     let out = dir.join("sweep");

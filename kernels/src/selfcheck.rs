@@ -72,8 +72,7 @@ pub fn check_device_with(
             let want = pass(&Device::Cpu, dtype)?;
             let error = relative_error(&alter(kernel, got)?, &want)?;
             let tolerance = tolerance(dtype);
-            // Written so that NaN fails too.
-            if !(error <= tolerance) {
+            if error.is_nan() || error > tolerance {
                 return Ok(Some(Mismatch {
                     kernel,
                     dtype,

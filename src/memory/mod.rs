@@ -12,7 +12,7 @@ pub mod select;
 pub mod timeline;
 pub mod trace;
 
-pub use cpu::{retain_freed_memory, CountingAllocator};
+pub use cpu::{retain_freed_memory, return_freed_memory, CountingAllocator};
 pub use os::{OsMemory, OsView};
 pub use probe::{CpuProbe, MemoryProbe};
 pub use record::{BatchMemory, EpochMemory, EpochSteps, MemoryLog, MemoryRecorder};

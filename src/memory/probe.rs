@@ -26,8 +26,13 @@ pub trait MemoryProbe: Send + Sync {
         self.reset_peak();
         p
     }
-    /// The configured hard limit or budget, if any.
+    /// The configured hard limit or budget of what this probe counts, if any.
     fn limit(&self) -> Option<u64>;
+    /// A limit on the OS view ([`MemoryProbe::os_memory`]'s current reading), if any: on the
+    /// CPU, `--memory-limit` itself, which the process's resident memory must stay within.
+    fn os_limit(&self) -> Option<u64> {
+        None
+    }
     /// Bytes reserved by the allocator (CUDA pool), if the probe knows.
     fn reserved(&self) -> Option<u64> {
         None
@@ -56,12 +61,28 @@ pub trait MemoryProbe: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct CpuProbe {
     limit: Option<u64>,
+    os_limit: Option<u64>,
 }
 
 impl CpuProbe {
-    /// A probe with an optional budget (checked by the trainer after every layer event of a step).
+    /// A probe with an optional heap budget (checked by the trainer after every layer event of a
+    /// step).
     pub fn new(limit: Option<u64>) -> Self {
-        CpuProbe { limit }
+        CpuProbe {
+            limit,
+            os_limit: None,
+        }
+    }
+
+    /// A probe for a process that must fit `limit` as the kernel counts it (`--memory-limit`):
+    /// its resident memory at most `limit`, and so its heap at most
+    /// [`super::os::RssReserve::heap_budget`] of it.
+    pub fn for_process_limit(limit: Option<u64>) -> Self {
+        let reserve = super::os::RssReserve::of_process();
+        CpuProbe {
+            limit: limit.map(|l| reserve.heap_budget(l)),
+            os_limit: limit,
+        }
     }
 }
 
@@ -86,6 +107,9 @@ impl MemoryProbe for CpuProbe {
     }
     fn limit(&self) -> Option<u64> {
         self.limit
+    }
+    fn os_limit(&self) -> Option<u64> {
+        self.os_limit
     }
     fn os_view(&self) -> Option<OsView> {
         process_rss().map(|_| OsView::ProcessRss)

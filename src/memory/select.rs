@@ -13,7 +13,7 @@ pub(crate) fn probe_for(
 ) -> crate::Result<std::sync::Arc<dyn MemoryProbe>> {
     let _ = pool_cache;
     match device {
-        Device::Cpu => Ok(std::sync::Arc::new(CpuProbe::new(limit))),
+        Device::Cpu => Ok(std::sync::Arc::new(CpuProbe::for_process_limit(limit))),
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => Ok(std::sync::Arc::new(super::cuda::CudaPoolProbe::new(
             device, limit, pool_cache,

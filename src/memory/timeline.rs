@@ -161,6 +161,9 @@ impl crate::memory::MemoryProbe for TimelineProbe {
     fn limit(&self) -> Option<u64> {
         self.inner.limit()
     }
+    fn os_limit(&self) -> Option<u64> {
+        self.inner.os_limit()
+    }
     fn reserved(&self) -> Option<u64> {
         self.inner.reserved()
     }

@@ -3,7 +3,7 @@
 use super::init::Init;
 pub use super::layers::Mode;
 use super::layers::{BatchNorm, ConvLayer};
-use crate::config::{ConvKind, GradCheckpointing};
+use crate::config::{ConvKind, GradCheckpointing, CNN_BLOCKS};
 use crate::data::NUM_CLASSES;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -241,25 +241,29 @@ impl Cnn {
     }
 }
 
-/// Gradient checkpointing's segmentation of `n` blocks (two per stage) as block ranges: one
-/// segment for `none`, one per stage, or one per block. A segment's forward keeps only its input;
-/// its backward recomputes it. The head is always handled separately. The one definition, used by
-/// the step ([`Cnn::segments`]) and by the memory estimate.
-#[allow(clippy::single_range_in_vec_init)] // one segment of all blocks
+/// Gradient checkpointing's segmentation of `n` blocks as block ranges: one segment for `none`,
+/// one per stage, one per block, or the segments a `segments:` list cuts. Every segment but the
+/// last keeps only its input in the forward and is recomputed in the backward; the last saves as
+/// it goes. The head is always handled separately. The one definition, used by the step
+/// ([`Cnn::segments`]) and by the memory estimate.
 pub fn segments(n: usize, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
-    match ckpt {
-        // `auto` is resolved by the trainer before the step runs; unresolved it is `none`.
-        GradCheckpointing::None | GradCheckpointing::Auto => vec![0..n],
-        GradCheckpointing::Stages => (0..n).step_by(2).map(|i| i..(i + 2).min(n)).collect(),
-        GradCheckpointing::Blocks => (0..n).map(|i| i..i + 1).collect(),
+    // `auto` is resolved by the trainer before the step runs; unresolved it is `none`.
+    let boundaries = ckpt.boundaries().unwrap_or_default();
+    let mut out = Vec::new();
+    let mut start = 0;
+    for b in boundaries.into_iter().filter(|&b| b < n) {
+        out.push(start..b);
+        start = b;
     }
+    out.push(start..n);
+    out
 }
 
 /// The layers of the model for `width` and `conv`, in order, for 32x32 inputs: the one description
 /// of the architecture's shapes, used by [`Cnn::layer_specs`] and the memory estimate.
 pub(crate) fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
     let w = width;
-    let chans = [
+    let chans: [(usize, usize); CNN_BLOCKS] = [
         (3, w),
         (w, w),
         (w, 2 * w),
@@ -336,7 +340,8 @@ pub(crate) fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
 pub fn param_count(width: usize, conv: ConvKind) -> usize {
     let w = width;
     let (w2, w4) = (w.saturating_mul(2), w.saturating_mul(4));
-    let chans = [(3, w), (w, w), (w, w2), (w2, w2), (w2, w4), (w4, w4)];
+    let chans: [(usize, usize); CNN_BLOCKS] =
+        [(3, w), (w, w), (w, w2), (w2, w2), (w2, w4), (w4, w4)];
     let convs = chans.iter().fold(0usize, |sum, &(i, o)| {
         let weights = match conv {
             ConvKind::Standard => o.saturating_mul(i).saturating_mul(9),

@@ -28,7 +28,7 @@ use crate::config::{
 use crate::data::cifar::{self, DirFiles};
 use crate::data::{IMAGE_BYTES, RECORD_BYTES};
 use crate::error::{Error, Result};
-use crate::memory::os::{headroom, Headroom};
+use crate::memory::os::{headroom, Headroom, RssReserve};
 use crate::memory::{format_bytes, CountingAllocator};
 use crate::predict::{
     estimate_with, grown_capacity, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
@@ -76,6 +76,11 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
             return Err(ctx.refusal(cfg, b, &needs)?);
         }
     }
+    refuse_predicted_overrun(cfg, &ctx, &needs, fit_memory)?;
+    // --checkpoint auto under --memory-limit: refused here when no segmentation fits.
+    if fit_memory.is_none() {
+        crate::predict::check_auto_checkpointing(cfg)?;
+    }
     // The step: its batch buffers and activations grow with batch × width. Beyond what the
     // machine can give, the allocator would abort the process part-way through the first step.
     // (A training split smaller than one batch never gets there: the trainer refuses it.)
@@ -95,6 +100,61 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
         }
     }
     Ok(())
+}
+
+/// The environment variable that, set to `1`, lets a CPU run whose step is predicted not to fit
+/// `--memory-limit` start anyway, so that the per-layer check finds where it runs out and writes
+/// its out-of-memory snapshot (the tests of that path use it; so can a user who wants to see it).
+pub const RUN_PAST_PREDICTION_ENV: &str = "MEMTRAIN_RUN_PAST_PREDICTION";
+
+/// The estimate's largest error on the step peak in this repository's measurements
+/// (docs/results/estimate-accuracy.md): a predicted overrun within it may still fit.
+const ESTIMATE_ERROR: f64 = 0.02;
+
+/// A CPU step predicted to need more than `--memory-limit` (heap and what the process holds
+/// outside it) is refused before anything runs, dry runs included; `--fit-memory` plans its own.
+fn refuse_predicted_overrun(
+    cfg: &TrainConfig,
+    ctx: &Ctx,
+    needs: &Needs,
+    fit_memory: Option<u64>,
+) -> Result<()> {
+    let (Some(limit), Some(est), true, None) = (
+        cfg.memory_limit,
+        &needs.estimate,
+        ctx.device.is_cpu(),
+        fit_memory,
+    ) else {
+        return Ok(());
+    };
+    // `--checkpoint auto` chooses under the limit itself, or says that nothing fits.
+    let auto = cfg.grad_checkpointing == GradCheckpointing::Auto;
+    let trains = ctx.data(cfg).0.train_images >= cfg.batch_size && !auto;
+    let escape = std::env::var_os(RUN_PAST_PREDICTION_ENV).is_some_and(|v| v == "1");
+    let reserve = RssReserve::of_process();
+    let resident = reserve.resident(est.peak);
+    if !trains || escape || est.peak <= reserve.heap_budget(limit) {
+        return Ok(());
+    }
+    let close = resident as f64 <= limit as f64 * (1.0 + ESTIMATE_ERROR);
+    Err(Error::WontFit(format!(
+        "the step's predicted {} peak is {} of heap, {} of resident memory with the binary, \
+         thread stacks and allocator, above --memory-limit {}{}; {}, or raise --memory-limit to \
+         at least {}",
+        est.peak_phase,
+        format_bytes(est.peak),
+        format_bytes(resident),
+        format_bytes(limit),
+        if close {
+            " (within the estimate's 2% error, so it might just fit)"
+        } else {
+            ""
+        },
+        crate::advice::out_of_memory(cfg, est.peak_phase == "optimizer")
+            .trim_end_matches(", or raise --memory-limit")
+            .replace(" or raise --memory-limit", ""),
+        at_least(resident)
+    )))
 }
 
 /// Where the data comes from, found without loading it.
@@ -167,11 +227,25 @@ impl Budget {
         let held = if cpu { held } else { 0 };
         let mut all = Vec::new();
         if let Some(limit) = limit {
+            // On the CPU the limit is the process's resident memory: the heap gets what the
+            // binary, thread stacks and allocator leave of it.
+            let (heap, what) = match cpu {
+                true => {
+                    let heap = RssReserve::of_process().heap_budget(limit);
+                    let what = format!(
+                        "--memory-limit is {} (resident memory; a heap budget of {})",
+                        format_bytes(limit),
+                        format_bytes(heap)
+                    );
+                    (heap, what)
+                }
+                false => (limit, format!("--memory-limit is {}", format_bytes(limit))),
+            };
             all.push(Budget {
                 kind: Kind::Limit,
-                room: limit.saturating_sub(held),
+                room: heap.saturating_sub(held),
                 held,
-                what: format!("--memory-limit is {}", format_bytes(limit)),
+                what,
                 source: "",
                 host: cpu,
                 model: true,
@@ -221,7 +295,11 @@ impl Budget {
         match self.kind {
             Kind::Limit if machine.is_none_or(within) => Some(format!(
                 "raise --memory-limit to at least {}",
-                at_least(total)
+                // A CPU limit holds the heap and what the process has outside it.
+                at_least(match self.host {
+                    true => RssReserve::of_process().resident(total),
+                    false => total,
+                })
             )),
             Kind::Fit if machine.is_none_or(within) => Some(format!(
                 "raise --fit-memory to at least {}",

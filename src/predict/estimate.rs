@@ -25,7 +25,7 @@
 //!   from h; the conv's input gradient; the BatchNorm backward written over a buffer it owns (no
 //!   allocation but its `[2, C]` sums); the block input recomputed in place over the previous h;
 //!   the weight gradient, whose chunks of images are gathered into im2col columns and summed in
-//!   per-slot partials. A checkpoint segment is re-run with saving first.
+//!   per-slot partials. A checkpoint segment (every one but the last) is re-run with saving first.
 //! - **Accumulation**: the first micro-batch's gradients are the buffers; later ones are added in
 //!   place and dropped.
 //! - **Optimizer** (`src/step/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
@@ -48,6 +48,9 @@
 //! not yet checked against a GPU.
 
 use super::replay::*;
+use super::schedule::{
+    nothing_fits, pick, recompute_flops, Candidate, ScheduleChoice, SAFETY_MARGIN,
+};
 pub use super::sim::DeviceKind;
 use super::sim::*;
 use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
@@ -413,9 +416,122 @@ pub fn estimate_with(
     estimate_for_specs(cfg, &specs, device, baseline)
 }
 
-/// What `--checkpoint auto` runs for `cfg`: under a memory limit the first of
-/// [`GradCheckpointing::CONCRETE`] (cheapest first) whose predicted peak fits the limit, else (or
-/// when none fits) the one with the smallest predicted peak.
+/// Every segmentation `--checkpoint auto` may run for `cfg`, with its predicted peak and
+/// recomputed FLOPs: under `--memory-limit` all 32, else the named ones (none, stages, blocks).
+///
+/// # Errors
+/// As [`estimate_for_specs`].
+pub fn schedule_candidates(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Vec<Candidate>> {
+    let all = match cfg.memory_limit {
+        Some(_) => GradCheckpointing::all_segmentations(),
+        None => GradCheckpointing::CONCRETE.to_vec(),
+    };
+    let mut out = Vec::with_capacity(all.len());
+    for ck in all {
+        let mut c = cfg.clone();
+        c.grad_checkpointing = ck;
+        out.push(Candidate {
+            checkpointing: ck,
+            predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.peak,
+            recompute_flops: recompute_flops(specs, ck, cfg.batch_size),
+        });
+    }
+    Ok(out)
+}
+
+/// What `--checkpoint auto` runs for `cfg` ([`schedule::pick`]): without a limit the smallest
+/// predicted peak of none, stages and blocks; under `--memory-limit` the least recomputation of
+/// every segmentation whose predicted peak fits with [`SAFETY_MARGIN`] kept free.
+///
+/// # Errors
+/// As [`estimate_for_specs`]; and when no segmentation fits the limit, a one-line message naming
+/// the smallest predicted peak and the limit it needs.
+pub fn choose_checkpointing(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<ScheduleChoice> {
+    let candidates = schedule_candidates(cfg, specs, device, baseline)?;
+    match pick(
+        &candidates,
+        heap_limit(cfg.memory_limit, device),
+        SAFETY_MARGIN,
+    ) {
+        Some(i) => Ok(ScheduleChoice {
+            chosen: candidates[i],
+            limit: heap_limit(cfg.memory_limit, device),
+            margin: SAFETY_MARGIN,
+            considered: candidates.len(),
+        }),
+        None => Err(nothing_fits(
+            &candidates,
+            cfg.memory_limit.unwrap_or(0),
+            SAFETY_MARGIN,
+            &|heap| limit_for_heap(heap, device),
+            &crate::advice::out_of_memory(cfg, false),
+        )),
+    }
+}
+
+/// What `--memory-limit` leaves the estimate's (heap) peak on `device`: on the CPU, where the
+/// limit is the process's resident memory, the heap budget under it
+/// ([`crate::memory::os::RssReserve`]); on CUDA the pool limit itself.
+pub fn heap_limit(limit: Option<u64>, device: DeviceKind) -> Option<u64> {
+    match device.is_cpu() {
+        true => limit.map(|l| crate::memory::os::RssReserve::of_process().heap_budget(l)),
+        false => limit,
+    }
+}
+
+/// The `--memory-limit` that leaves a heap of `heap` bytes on `device` (see [`heap_limit`]).
+pub fn limit_for_heap(heap: u64, device: DeviceKind) -> u64 {
+    match device.is_cpu() {
+        true => crate::memory::os::RssReserve::of_process().resident(heap),
+        false => heap,
+    }
+}
+
+/// For `--checkpoint auto` under `--memory-limit`: a usage error before anything is loaded when
+/// no segmentation fits (the data set sized from its files); any other config passes. The
+/// trainer chooses again with the loaded data.
+///
+/// # Errors
+/// [`choose_checkpointing`]'s, or when the data directory cannot be sized.
+pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
+    if cfg.grad_checkpointing != GradCheckpointing::Auto || cfg.memory_limit.is_none() {
+        return Ok(());
+    }
+    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+    let data = DataSize::for_config(cfg)?;
+    choose_checkpointing(cfg, &specs, device, Baseline::Modeled(data)).map(|_| ())
+}
+
+/// Every segmentation's prediction for `cfg`, on the device and with the data its flags name
+/// (sized from the files, nothing loaded), `none` first: what a budget sweep spans.
+///
+/// # Errors
+/// As [`estimate_for_specs`], or when the device or the data directory is not usable.
+pub fn all_schedules(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
+    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+    let data = DataSize::for_config(cfg)?;
+    let all = TrainConfig {
+        memory_limit: Some(cfg.memory_limit.unwrap_or(u64::MAX / 2)),
+        ..cfg.clone()
+    };
+    schedule_candidates(&all, &specs, device, Baseline::Modeled(data))
+}
+
+/// The segmentation the estimate of a `--checkpoint auto` config describes: the choice of
+/// [`choose_checkpointing`], or where nothing fits the limit the smallest predicted peak (the
+/// trainer refuses such a run; an estimate still shows what it would need).
 ///
 /// # Errors
 /// As [`estimate_for_specs`].
@@ -425,21 +541,48 @@ pub fn resolve_checkpointing(
     device: DeviceKind,
     baseline: Baseline,
 ) -> Result<GradCheckpointing> {
-    let mut peaks = Vec::new();
-    for &ck in GradCheckpointing::CONCRETE {
-        let mut c = cfg.clone();
-        c.grad_checkpointing = ck;
-        peaks.push((ck, estimate_for_specs(&c, specs, device, baseline)?.peak));
-    }
-    if let Some(limit) = cfg.memory_limit {
-        if let Some(&(ck, _)) = peaks.iter().find(|(_, p)| *p <= limit) {
-            return Ok(ck);
-        }
-    }
-    Ok(peaks
-        .iter()
-        .min_by_key(|(_, p)| *p)
-        .map_or(GradCheckpointing::None, |&(ck, _)| ck))
+    let candidates = schedule_candidates(cfg, specs, device, baseline)?;
+    let i = pick(
+        &candidates,
+        heap_limit(cfg.memory_limit, device),
+        SAFETY_MARGIN,
+    )
+    .or_else(|| pick(&candidates, None, SAFETY_MARGIN))
+    .unwrap_or(0);
+    Ok(candidates
+        .get(i)
+        .map_or(GradCheckpointing::None, |c| c.checkpointing))
+}
+
+/// The segmentation to advise a run of `cfg` whose step ran out of memory: under
+/// `--memory-limit` the one `--checkpoint auto` would pick, else (or when none fits) the one
+/// with the smallest predicted peak; `None` when the estimate fails or that is the run's own.
+/// [`crate::advice::out_of_memory_with`] advises it only if it predicts less than the run's own.
+pub(crate) fn smaller_schedule(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Option<crate::advice::SmallerSchedule> {
+    let current = estimate_for_specs(cfg, specs, device, baseline).ok()?.peak;
+    let mut all = cfg.clone();
+    all.memory_limit = Some(cfg.memory_limit.unwrap_or(u64::MAX / 2));
+    let candidates = schedule_candidates(&all, specs, device, baseline).ok()?;
+    let smaller = |c: &&Candidate| c.predicted_peak < current;
+    let chosen = pick(
+        &candidates,
+        heap_limit(cfg.memory_limit, device),
+        SAFETY_MARGIN,
+    )
+    .map(|i| &candidates[i])
+    .filter(smaller)
+    .or_else(|| candidates.iter().min_by_key(|c| c.predicted_peak))
+    .filter(smaller)?;
+    (chosen.checkpointing != cfg.grad_checkpointing).then_some(crate::advice::SmallerSchedule {
+        checkpointing: chosen.checkpointing,
+        predicted_peak: chosen.predicted_peak,
+        current_peak: current,
+    })
 }
 
 /// The layer list of the CNN for `width` and `conv`, without building the model (no parameters

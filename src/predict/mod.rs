@@ -1,12 +1,14 @@
 //! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: replays the step's
 //! allocations layer by layer, [`sim`], [`scratch`], [`replay`]), the planner that picks a
-//! configuration for a budget ([`plan`]), and the check that sizes every input against the
+//! configuration for a budget ([`plan`]), gradient checkpointing's schedules and `--checkpoint
+//! auto`'s choice ([`schedule`]), and the check that sizes every input against the
 //! budgets before anything is loaded or built ([`bounds`]).
 
 pub mod bounds;
 pub mod estimate;
 pub mod plan;
 mod replay;
+pub mod schedule;
 mod scratch;
 mod sim;
 

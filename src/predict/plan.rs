@@ -14,10 +14,9 @@ use crate::memory::format_bytes;
 use crate::predict::{estimate_with, Baseline, DataSize, DeviceKind, Estimate};
 use std::fmt::Write as _;
 
-/// Fraction of the budget kept free: a plan must predict at most `(1 - SAFETY_MARGIN) × budget`.
-/// The estimate is within ±3% of the CPU measurement on the calibration matrix; 5% covers that
-/// plus run-to-run variation (e.g. whether Candle's matmul wakes a second rayon thread).
-pub const SAFETY_MARGIN: f64 = 0.05;
+/// Fraction of the budget kept free: a plan must predict at most `(1 - SAFETY_MARGIN) × budget`
+/// (the same margin as `--checkpoint auto`'s; its measured basis is given there).
+pub use super::schedule::SAFETY_MARGIN;
 
 /// Relative cost of the options: time per image of a plan, relative to f32 / standard conv / no
 /// checkpointing at a micro-batch in the efficient range, is
@@ -31,7 +30,10 @@ pub const SAFETY_MARGIN: f64 = 0.05;
 /// `docs/results/estimate-accuracy.md`): without f16/bf16 arithmetic half types are widened to
 /// f32 for the gemms, so at this batch both cost a little more than f32; recomputation adds part
 /// of a forward pass; one-image micro-batches leave the second thread idle; 128-image
-/// micro-batches cost no more than 64-image ones.
+/// micro-batches cost no more than 64-image ones. The recompute factors were measured when every
+/// segment was re-run; the last one now saves in its forward (`crate::step`), so they overstate
+/// the cost of stages and blocks (`stages` re-runs 63% of the forward's FLOPs at width 32, `blocks`
+/// 76%): an upper bound until they are measured again.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     /// Time per image of f16 relative to f32, standard conv.
@@ -133,6 +135,10 @@ impl CostModel {
             (GradCheckpointing::Blocks, false) => self.blocks_standard,
             (GradCheckpointing::Stages, true) => self.stages_separable,
             (GradCheckpointing::Blocks, true) => self.blocks_separable,
+            // A segmentation of its own recomputes at most what `blocks` does (every block
+            // before the last boundary): modelled as costly, an upper bound.
+            (GradCheckpointing::Segments(_), false) => self.blocks_standard,
+            (GradCheckpointing::Segments(_), true) => self.blocks_separable,
         };
         p * (1.0 + r) * self.micro(micro_batch) * if sep { self.separable } else { 1.0 }
     }
@@ -533,14 +539,12 @@ fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result
             {
                 continue;
             }
-            for &grad_checkpointing in GradCheckpointing::CONCRETE {
-                if opts
-                    .fixed
-                    .grad_checkpointing
-                    .is_some_and(|c| c != grad_checkpointing)
-                {
-                    continue;
-                }
+            // A fixed segmentation (named or `segments:…`) is the only one tried.
+            let schedules = opts
+                .fixed
+                .grad_checkpointing
+                .map_or(GradCheckpointing::CONCRETE.to_vec(), |c| vec![c]);
+            for grad_checkpointing in schedules {
                 for &precision in Precision::ALL {
                     if opts.fixed.precision.is_some_and(|p| p != precision) {
                         continue;

@@ -308,7 +308,8 @@ pub(super) fn micro_batch(
         saved: 0,
         events: Vec::new(),
     };
-    let one = segments.len() == 1;
+    // The last segment saves in the forward; the others keep only their inputs.
+    let last = segments.len() - 1;
     // The micro-batch as an f32 tensor (+ labels), and its copy in the compute dtype.
     let x32 = c.n * (IMAGE_BYTES as u64 * 4 + 4);
     sim.alloc(x32);
@@ -325,12 +326,12 @@ pub(super) fn micro_batch(
     // Whether the current input is held elsewhere (the data, or a segment input).
     let mut cur_is_input;
     let mut seg_inputs = Vec::new();
-    for seg in segments {
+    for (si, seg) in segments.iter().enumerate() {
         seg_inputs.push(cur_in);
         l.saved += cur_in;
         cur_is_input = true;
         for j in seg.clone() {
-            l.block_fwd(sim, j, one);
+            l.block_fwd(sim, j, si == last);
             if !cur_is_input {
                 sim.free(cur_in);
             }
@@ -397,7 +398,7 @@ fn head_step(l: &mut Lean, sim: &mut Sim, head: usize, feat: u64) -> u64 {
 }
 
 /// The backward of every segment, last first, from `g`, the bytes of the last block's output
-/// gradient: each checkpointed segment re-run with saving, then its blocks' backward; the
+/// gradient: each segment but the last re-run with saving, then its blocks' backward; the
 /// segments' saved inputs (`seg_inputs`) freed as they are used.
 fn segments_backward(
     l: &mut Lean,
@@ -407,10 +408,11 @@ fn segments_backward(
     mut g: u64,
 ) {
     let (c, nodes) = (l.c, l.nodes);
-    let one = segments.len() == 1;
+    let last = segments.len().saturating_sub(1);
     for (si, seg) in segments.iter().enumerate().rev() {
         let input = seg_inputs.pop().unwrap_or(0);
-        if !one {
+        // The last segment saved in the forward; the others are re-run with saving.
+        if si != last {
             for j in seg.clone() {
                 l.block_fwd_out(sim, j, true, j + 1 < seg.end);
                 if j > seg.start {

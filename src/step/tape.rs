@@ -18,9 +18,11 @@
 //! from the block input. The BatchNorm backward writes its input gradient over a buffer it owns
 //! (the upstream gradient, or `h` after a pool).
 //!
-//! Gradient checkpointing (`segments`): the first forward keeps only each segment's input; the
-//! backward re-runs a segment with saving (same batch statistics, running statistics untouched)
-//! and then runs its tape backward, last segment first. With one segment the step is the plain one.
+//! Gradient checkpointing (`segments`): the first forward keeps only each segment's input, except
+//! in the last segment, which saves as it goes (its backward comes right after the head's, so
+//! re-running it would only cost time); the backward re-runs every other segment with saving
+//! (same batch statistics, running statistics untouched) and then runs its tape backward, last
+//! segment first. With one segment the step is the plain one.
 //!
 //! The order of work in the backward is chosen for the peak: for block j with dh_j (the gradient
 //! of its conv output), the input gradient dx_j is computed first, then block j-1's BatchNorm
@@ -238,17 +240,17 @@ impl<'a> LeanStep<'a> {
         defer: bool,
     ) -> Result<(HeadResult, Tape)> {
         let xin = x.to_dtype(self.dtype)?;
-        let one_segment = self.segments.len() == 1;
-        // Forward: with one segment the blocks save as they go; with checkpointing only the
-        // segment inputs are kept.
+        // Forward: the last segment's blocks save as they go (all of them without
+        // checkpointing); every other segment keeps only its input.
+        let last = self.segments.len() - 1;
         let mut inputs: Vec<Tensor> = Vec::new();
         let mut saved: Vec<Saved> = Vec::new();
         let mut h = xin;
-        for seg in self.segments.clone() {
+        for (si, seg) in self.segments.clone().into_iter().enumerate() {
             inputs.push(h.clone());
             self.saved_bytes += bytes(&h);
             for j in seg {
-                let (out, s) = self.block_forward(j, &h, one_segment, true)?;
+                let (out, s) = self.block_forward(j, &h, si == last, true)?;
                 if let Some(s) = s {
                     self.saved_bytes += bytes(&s.h);
                     saved.push(s);
@@ -299,7 +301,7 @@ impl<'a> LeanStep<'a> {
             feat_dims,
             dlogits,
         } = tape;
-        let one_segment = self.segments.len() == 1;
+        let last = self.segments.len() - 1;
         let hw = self.model.head_w.as_detached_tensor();
         let nvars = self.var_base[self.model.blocks.len()];
         acc.add(nvars, linear::matmul(&dlogits.t()?, &feat)?)?;
@@ -315,7 +317,8 @@ impl<'a> LeanStep<'a> {
         let segments = self.segments.clone();
         for (si, seg) in segments.iter().enumerate().rev() {
             let input = inputs.pop().expect("one input per segment");
-            let seg_saved = if one_segment {
+            // The last segment saved in the forward; the others are re-run with saving.
+            let seg_saved = if si == last {
                 std::mem::take(&mut saved)
             } else {
                 let mut s = Vec::new();

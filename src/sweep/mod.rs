@@ -1,6 +1,7 @@
 //! Process-isolated measurements: batch-size sweeps ([`batch`]), configuration comparisons
 //! ([`compare`]), their tables and charts ([`report`]), the memory–speed frontier
-//! ([`frontier`]) and the chart machinery they share (`chart`).
+//! ([`frontier`]), the budget sweep's chart ([`budget_chart`]) and the chart machinery they share
+//! (`chart`).
 //!
 //! Every measured point runs the `train_cifar10` example binary in its own child process, so an
 //! out-of-memory error or a crash in one point cannot affect the next, and each point starts from
@@ -9,6 +10,7 @@
 //! status or signal. Neither stops the sweep.
 
 pub mod batch;
+pub mod budget_chart;
 pub(crate) mod chart;
 pub mod compare;
 pub mod frontier;

@@ -43,6 +43,7 @@ impl Trainer {
             error: error.to_string(),
             failed_at,
             config: &self.config,
+            heap_budget_bytes: self.probe.limit(),
             timeline,
             estimate,
         };
@@ -64,9 +65,22 @@ impl Trainer {
     pub(super) fn advise_oom(&self, mut e: Error) -> Error {
         if let Error::OutOfMemory { phase, advice, .. } = &mut e {
             let in_update = phase.starts_with(&crate::phase::Phase::Optimizer.to_string());
-            *advice = crate::advice::out_of_memory(&self.config, in_update);
+            *advice =
+                crate::advice::out_of_memory_with(&self.config, in_update, self.smaller_schedule());
         }
         e
+    }
+
+    /// A segmentation the estimate predicts to need less than this run's, for the advice.
+    fn smaller_schedule(&self) -> Option<crate::advice::SmallerSchedule> {
+        use crate::predict::{smaller_schedule, Baseline, DataSize, DeviceKind};
+        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
+        smaller_schedule(
+            &self.config,
+            &self.model.layer_specs(),
+            DeviceKind::of(&self.device),
+            Baseline::Modeled(data),
+        )
     }
 
     /// What to do after the loss or the gradients became non-finite, true for this run: a lower
@@ -130,6 +144,9 @@ pub(crate) struct OomSnapshot<'a> {
     pub failed_at: String,
     /// The configuration that ran out of memory.
     pub config: &'a crate::config::TrainConfig,
+    /// The heap budget the step ran against: on the CPU, `--memory-limit` less what the process
+    /// holds outside its heap; on CUDA, the pool's limit.
+    pub heap_budget_bytes: Option<u64>,
     /// The failing step up to the failure, with the estimate's prediction for each event.
     pub timeline: StepTimeline,
     /// The memory estimate of this configuration, when it could be made.

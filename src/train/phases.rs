@@ -23,9 +23,29 @@ use std::time::Instant;
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
 /// must stay within the limit.
 fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phase) -> Result<()> {
+    // The OS view too: the CPU's limit is the resident memory as the kernel counts it (the heap
+    // budget under it is what normally runs out first; this catches what the reserve missed).
+    let over_os = |limit: u64| probe.os_memory().is_some_and(|m| m.current > limit);
+    if let Some(limit) = probe.os_limit().filter(|&l| over_os(l)) {
+        return Err(Error::OutOfMemory {
+            limit: format!("{} resident-memory", format_bytes(limit)),
+            epoch,
+            batch,
+            phase: phase.to_string(),
+            advice: String::new(),
+            snapshot: None,
+        });
+    }
     match probe.limit() {
         Some(limit) if probe.available() && probe.peak() > limit => Err(Error::OutOfMemory {
-            limit: format_bytes(limit),
+            limit: match probe.os_limit() {
+                Some(os) => format!(
+                    "{} heap budget of the {} limit",
+                    format_bytes(limit),
+                    format_bytes(os)
+                ),
+                None => format_bytes(limit),
+            },
             epoch,
             batch,
             phase: phase.to_string(),

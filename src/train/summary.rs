@@ -60,8 +60,22 @@ pub struct Summary {
     pub os_current_bytes: Option<u64>,
     /// The OS view's high-water mark over the run (CPU: the kernel's VmHWM since start).
     pub os_peak_bytes: Option<u64>,
-    /// The configured memory limit.
+    /// The configured memory limit (on the CPU: the process's resident memory, as the kernel
+    /// counts it).
     pub memory_limit: Option<u64>,
+    /// The heap budget under `memory_limit` on the CPU: the limit less what the process holds
+    /// outside its heap ([`crate::memory::os::RssReserve`]); the trainer checks the heap against
+    /// it after every layer, and the resident memory against the limit.
+    #[serde(default)]
+    pub heap_budget_bytes: Option<u64>,
+    /// Gradient checkpointing's segments the run trained with, as `[start, end)` block ranges
+    /// (one segment: nothing recomputed; `--checkpoint auto` resolved).
+    #[serde(default)]
+    pub checkpoint_segments: Vec<[usize; 2]>,
+    /// FLOPs the backward recomputes per optimizer step (the convolutions of every segment but
+    /// the last; `crate::predict::schedule::recompute_flops`).
+    #[serde(default)]
+    pub recompute_flops: u64,
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
     /// (predicted − measured) / measured, in percent, against the measured step peak
@@ -142,6 +156,18 @@ impl Trainer {
             os_current_bytes: os.map(|o| o.current),
             os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak),
             memory_limit: self.config.memory_limit,
+            heap_budget_bytes: self.probe.os_limit().and(self.probe.limit()),
+            checkpoint_segments: self
+                .model
+                .segments(self.config.grad_checkpointing)
+                .iter()
+                .map(|r| [r.start, r.end])
+                .collect(),
+            recompute_flops: crate::predict::schedule::recompute_flops(
+                &self.model.layer_specs(),
+                self.config.grad_checkpointing,
+                self.config.batch_size,
+            ),
             // The analytic estimate (src/predict/) against the measured peak.
             predicted_peak_bytes: predicted,
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),

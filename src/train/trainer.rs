@@ -321,9 +321,14 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
     // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
     memtrain_kernels::set_tf32(config.tf32 == crate::config::Tf32::On);
     if device.is_cpu() {
-        // Every op allocates its output; without this, glibc maps and unmaps the large ones
-        // on every step (see `retain_freed_memory`).
-        crate::memory::retain_freed_memory();
+        match config.memory_limit {
+            // The limit is the process's resident memory: freed blocks go back to the kernel,
+            // so that it follows the heap (see `return_freed_memory`).
+            Some(_) => crate::memory::return_freed_memory(),
+            // Every op allocates its output; without this, glibc maps and unmaps the large ones
+            // on every step (see `retain_freed_memory`).
+            None => crate::memory::retain_freed_memory(),
+        }
     } else {
         // The CUDA kernels rarely meet a GPU in testing: each is compared with the CPU's once,
         // in milliseconds, before anything trains on it (and before the probe's baseline).
@@ -333,33 +338,37 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
 }
 
 /// `--checkpoint auto` replaced by the segmentation the run trains with, from the estimate of this
-/// run's data (announced when `progress`); any other choice is left as it is.
+/// run's data; refused (a usage error, before the model is built) when `--memory-limit` leaves no
+/// segmentation room. When `progress`, the run's segments and recomputed FLOPs are announced
+/// (with why, for `auto`).
 fn resolve_auto_checkpointing(
     config: &mut TrainConfig,
     data: &DataSplits,
     device: &Device,
     progress: bool,
 ) -> Result<()> {
-    use crate::predict::{resolve_checkpointing, Baseline, DataSize, DeviceKind};
-    if config.grad_checkpointing != crate::config::GradCheckpointing::Auto {
-        return Ok(());
-    }
-    let size = DataSize::loaded(&data.train, &data.test, config);
-    config.grad_checkpointing = resolve_checkpointing(
-        config,
-        &crate::model::cnn::layer_specs_for(config.width, config.conv),
-        DeviceKind::of(device),
-        Baseline::Modeled(size),
-    )?;
-    if progress {
+    use crate::config::{GradCheckpointing, CNN_BLOCKS};
+    use crate::predict::schedule::{format_flops, format_segments, recompute_flops};
+    use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
+    let specs = crate::model::cnn::layer_specs_for(config.width, config.conv);
+    if config.grad_checkpointing == GradCheckpointing::Auto {
+        let size = DataSize::loaded(&data.train, &data.test, config);
+        let choice = choose_checkpointing(
+            config,
+            &specs,
+            DeviceKind::of(device),
+            Baseline::Modeled(size),
+        )?;
+        config.grad_checkpointing = choice.chosen.checkpointing;
+        if progress {
+            eprintln!("{}", choice.describe(CNN_BLOCKS));
+        }
+    } else if progress && config.grad_checkpointing != GradCheckpointing::None {
+        let ck = config.grad_checkpointing;
         eprintln!(
-            "--checkpoint auto: {} (the estimate's {})",
-            config.grad_checkpointing,
-            if config.memory_limit.is_some() {
-                "cheapest that fits --memory-limit"
-            } else {
-                "smallest peak"
-            }
+            "--checkpoint {ck}: segments {}, recomputes {} per step",
+            format_segments(&crate::model::cnn::segments(CNN_BLOCKS, ck)),
+            format_flops(recompute_flops(&specs, ck, config.batch_size))
         );
     }
     Ok(())

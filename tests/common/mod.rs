@@ -309,3 +309,63 @@ pub fn values(t: &Tensor) -> Vec<f32> {
 pub fn bits(t: &Tensor) -> Vec<u32> {
     values(t).into_iter().map(f32::to_bits).collect()
 }
+
+/// The `--memory-limit`s in bytes that a run needs, as its refusals name them ("raise
+/// --memory-limit to at least X"): first for its data set and model, then for its training step
+/// as well. `base` makes the run's command (program, flags, environment); the limit and
+/// `--dry-run` are added to it.
+pub fn needed_limits(base: impl Fn() -> Command) -> (u64, u64) {
+    let at_least = |limit: u64| -> Option<u64> {
+        let out = base()
+            .args(["--memory-limit", &limit.to_string(), "--dry-run"])
+            .output()
+            .expect("the trainer starts");
+        if out.status.success() {
+            return None;
+        }
+        let stderr = text(&out.stderr);
+        // "raise --memory-limit to at least X", or `--checkpoint auto`'s "needs --memory-limit X".
+        let tail = ["raise --memory-limit to at least ", "needs --memory-limit "]
+            .iter()
+            .find_map(|p| stderr.rsplit_once(p).map(|(_, t)| t))
+            .unwrap_or_else(|| panic!("no needed limit in: {stderr}"));
+        let mut words = tail.split_whitespace();
+        let value: f64 = words.next().unwrap().parse().unwrap();
+        let unit = match words.next().unwrap().trim_end_matches([';', ',', '.']) {
+            "KiB" => 1u64 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            _ => 1,
+        };
+        Some((value * unit as f64).ceil() as u64)
+    };
+    let data_and_model = at_least(1 << 20).expect("1 MiB holds no run");
+    let mut step = data_and_model;
+    // Each refusal names what its own check needs; the next check may need more.
+    while let Some(more) = at_least(step) {
+        assert!(more > step, "the needed limit must grow");
+        step = more;
+    }
+    (data_and_model, step)
+}
+
+/// The `--memory-limit` in bytes under which a CPU run's heap budget is `heap`: what the run
+/// predicts its process holds beyond the heap, read off its refusal and its predicted peak, added
+/// to the heap with the allocator's slack (`memtrain::memory::os::RssReserve`).
+pub fn limit_for_heap(base: impl Fn() -> Command, heap: u64) -> u64 {
+    let out = base()
+        .args(["--memory-limit", "64GiB", "--dry-run"])
+        .output()
+        .expect("the trainer starts");
+    let stdout = text(&out.stdout);
+    let predicted: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("predicted peak "))
+        .and_then(|l| l.split(" MiB").next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no predicted peak in: {stdout}"));
+    let predicted = predicted * 1048576.0;
+    let slack = 1.0 + memtrain::memory::os::RSS_HEAP_SLACK;
+    let outside = needed_limits(base).1 as f64 - predicted * slack;
+    (heap as f64 * slack + outside).ceil() as u64
+}

@@ -1,0 +1,250 @@
+//! The two ends of `bench/budget_sweep.sh`: the `--memory-limit` values to sweep, and the chart
+//! and table of the runs.
+//!
+//! ```text
+//! cargo run --release --example budget_sweep -- limits --points 8 -- --batch-size 128 --width 32
+//! cargo run --release --example budget_sweep -- chart --out docs/results/budget-sweep \
+//!     --point runs/budget-sweep/limit-1 … --named runs/budget-sweep/none …
+//! ```
+//! `limits` prints one limit in bytes per line, evenly spaced from the smallest that any
+//! segmentation fits (its predicted peak plus the estimate's error margin) to the one the plain
+//! step fits, and the 32 segmentations' predictions on stderr. `chart` reads each run
+//! directory's summary.json and config.json and writes `<out>.csv`, `<out>.png`, `<out>.svg`
+//! and a markdown table on stdout; it exits 1 when an `auto` run's peak exceeded its limit. A
+//! run's img/s is that of its fastest step after the first (see `fastest_step`).
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use memtrain::memory::format_bytes;
+use memtrain::predict::all_schedules;
+use memtrain::predict::schedule::{format_flops, limit_for, SAFETY_MARGIN};
+use memtrain::sweep::budget_chart::{write_budget_chart, BudgetPoint};
+use std::path::{Path, PathBuf};
+
+/// The memory limits of a budget sweep, and its chart.
+#[derive(Debug, Parser)]
+#[command(name = "budget_sweep", version, long_about = None)]
+struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Debug, Subcommand)]
+enum What {
+    /// Print the --memory-limit values to sweep, one per line in bytes
+    Limits {
+        /// How many limits
+        #[arg(long, default_value_t = 8)]
+        points: usize,
+        /// The training flags of the runs (after --)
+        #[arg(last = true)]
+        flags: Vec<String>,
+    },
+    /// Draw the chart and write the CSV of finished runs
+    Chart {
+        /// Output stem: writes STEM.csv, STEM.png and STEM.svg
+        #[arg(long)]
+        out: PathBuf,
+        /// Chart title
+        #[arg(
+            long,
+            default_value = "memory budget sweep: --checkpoint auto --memory-limit"
+        )]
+        title: String,
+        /// Run directories of one `--checkpoint auto --memory-limit` point, comma-separated (its
+        /// repeated runs: the highest peak and the fastest step of them all)
+        #[arg(long, value_name = "DIRS")]
+        point: Vec<String>,
+        /// Run directories of one named schedule run without a limit, comma-separated
+        #[arg(long, value_name = "DIRS")]
+        named: Vec<String>,
+    },
+}
+
+fn limits(points: usize, flags: &[String]) -> anyhow::Result<()> {
+    if points < 2 {
+        bail!("--points must be at least 2, got {points}");
+    }
+    let cfg = memtrain::cli::flags_config(flags)?;
+    let mut peaks = Vec::new();
+    for c in all_schedules(&cfg)? {
+        eprintln!(
+            "{:>16}: predicted peak {:>10}, recomputes {}",
+            c.checkpointing.to_string(),
+            format_bytes(c.predicted_peak),
+            format_flops(c.recompute_flops)
+        );
+        peaks.push((c.checkpointing, c.predicted_peak));
+    }
+    let least = peaks.iter().map(|p| p.1).min().unwrap_or(0);
+    let plain = peaks[0].1;
+    let (lo, hi) = (
+        limit_for(least, SAFETY_MARGIN),
+        limit_for(plain, SAFETY_MARGIN),
+    );
+    eprintln!(
+        "limits from {} (the smallest predicted peak {} + {:.0}% margin) to {} (none's {} + margin)",
+        format_bytes(lo),
+        format_bytes(least),
+        SAFETY_MARGIN * 100.0,
+        format_bytes(hi),
+        format_bytes(plain)
+    );
+    for k in 0..points as u64 {
+        println!("{}", lo + (hi - lo) * k / (points as u64 - 1));
+    }
+    Ok(())
+}
+
+/// One run directory as a point, with its recomputed FLOPs.
+fn read_point(dir: &Path, auto: bool) -> anyhow::Result<(BudgetPoint, u64)> {
+    let read = |f: &str| -> anyhow::Result<serde_json::Value> {
+        let p = dir.join(f);
+        let text = std::fs::read_to_string(&p).with_context(|| format!("{}", p.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", p.display()))
+    };
+    let (summary, config) = (read("summary.json")?, read("config.json")?);
+    let num = |k: &str| summary[k].as_u64();
+    let limit = num("memory_limit");
+    if auto != limit.is_some() {
+        bail!(
+            "{}: a{} run expected, memory_limit is {:?}",
+            dir.display(),
+            if auto { "n auto" } else { " named" },
+            limit
+        );
+    }
+    let point = BudgetPoint {
+        schedule: config["checkpoint"].as_str().unwrap_or("?").to_string(),
+        limit,
+        predicted_peak: num("predicted_peak_bytes")
+            .with_context(|| format!("{}: no predicted peak", dir.display()))?,
+        measured_peak: num("peak_bytes").unwrap_or(0),
+        images_per_sec: fastest_step(dir)?,
+    };
+    Ok((point, num("recompute_flops").unwrap_or(0)))
+}
+
+/// Images per second of the fastest step after the first (batches.csv): on a machine shared with
+/// other work a step can only be slowed down, so the fastest is the least disturbed reading.
+fn fastest_step(dir: &Path) -> anyhow::Result<f64> {
+    let p = dir.join("batches.csv");
+    let text = std::fs::read_to_string(&p).with_context(|| format!("{}", p.display()))?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name);
+    let (Some(step), Some(images), Some(secs)) =
+        (col("global_step"), col("images"), col("step_secs"))
+    else {
+        bail!(
+            "{}: no global_step, images and step_secs columns",
+            p.display()
+        );
+    };
+    let best = lines
+        .map(|l| l.split(',').collect::<Vec<&str>>())
+        .filter(|f| f.get(step).and_then(|s| s.parse::<usize>().ok()) > Some(0))
+        .filter_map(|f| {
+            Some(f.get(images)?.parse::<f64>().ok()? / f.get(secs)?.parse::<f64>().ok()?)
+        })
+        .fold(0.0f64, f64::max);
+    if best <= 0.0 {
+        bail!("{}: fewer than 2 timed steps", p.display());
+    }
+    Ok(best)
+}
+
+fn write_atomic(path: &Path, text: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension("csv.tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("{}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("{}", path.display()))?;
+    Ok(())
+}
+
+/// The repeated runs of one point as one: the same schedule and limit, the highest measured peak,
+/// the fastest step.
+fn read_group(dirs: &str, auto: bool) -> anyhow::Result<(BudgetPoint, u64)> {
+    let mut runs = dirs.split(',').map(|d| read_point(Path::new(d), auto));
+    let (mut point, flops) = runs.next().context("an empty run list")??;
+    for r in runs {
+        let (p, _) = r?;
+        if (&p.schedule, p.limit) != (&point.schedule, point.limit) {
+            bail!("{dirs}: the runs of one point trained different schedules or limits");
+        }
+        point.measured_peak = point.measured_peak.max(p.measured_peak);
+        point.images_per_sec = point.images_per_sec.max(p.images_per_sec);
+    }
+    Ok((point, flops))
+}
+
+fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    for (groups, is_auto) in [(auto, true), (named, false)] {
+        for g in groups {
+            rows.push(read_group(g, is_auto)?);
+        }
+    }
+    let mut csv = String::from(
+        "schedule,memory_limit_bytes,predicted_peak_bytes,measured_peak_bytes,prediction_error_pct,fits,images_per_sec,recompute_flops\n",
+    );
+    println!("| --memory-limit | auto chose | recomputes | predicted peak | measured peak | error | fits | img/s |");
+    println!("|---:|---|---:|---:|---:|---:|---|---:|");
+    let mut over = 0;
+    for (p, flops) in &rows {
+        let err =
+            (p.predicted_peak as f64 - p.measured_peak as f64) / p.measured_peak as f64 * 100.0;
+        let fits = p.limit.map(|l| p.measured_peak <= l);
+        over += usize::from(fits == Some(false));
+        // Quoted: `segments:1,2` has commas.
+        csv.push_str(&format!(
+            "\"{}\",{},{},{},{:.2},{},{:.1},{}\n",
+            p.schedule,
+            p.limit.map_or(String::new(), |l| l.to_string()),
+            p.predicted_peak,
+            p.measured_peak,
+            err,
+            fits.map_or(String::new(), |f| f.to_string()),
+            p.images_per_sec,
+            flops
+        ));
+        println!(
+            "| {} | {} | {} | {} | {} | {err:+.2}% | {} | {:.0} |",
+            p.limit.map_or("— (named)".into(), format_bytes),
+            p.schedule,
+            format_flops(*flops),
+            format_bytes(p.predicted_peak),
+            format_bytes(p.measured_peak),
+            fits.map_or("—", |f| if f { "yes" } else { "NO" }),
+            p.images_per_sec
+        );
+    }
+    write_atomic(&out.with_extension("csv"), &csv)?;
+    let points: Vec<BudgetPoint> = rows.into_iter().map(|r| r.0).collect();
+    for f in write_budget_chart(&points, title, out)? {
+        eprintln!("wrote {}", f.display());
+    }
+    if over > 0 {
+        bail!("{over} auto run(s) measured more than their --memory-limit");
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let r = match &args.what {
+        What::Limits { points, flags } => limits(*points, flags),
+        What::Chart {
+            out,
+            title,
+            point,
+            named,
+        } => chart(out, title, point, named),
+    };
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! Gradient checkpointing's schedules: what a segmentation recomputes, and which one
+//! `--checkpoint auto` runs.
+//!
+//! A segmentation cuts the chain of blocks into segments ([`crate::model::cnn::segments`]); every
+//! segment but the last keeps only its input in the forward and is re-run in the backward, so
+//! the recomputed work is the forward of the blocks before the last boundary. On this uneven
+//! chain (stage 1 holds most of the activation bytes and a small share of the FLOPs) the cheapest
+//! schedule for a budget is often none of the named ones: `segments:2` recomputes only stage 1.
+//!
+//! With six blocks there are 32 segmentations, so [`pick`] looks at every one (the estimate of
+//! each is a replay of one step's allocations, microseconds); a longer chain would want dynamic
+//! programming over the boundaries instead. The choice is a pure function of the candidates'
+//! predictions, the limit and the margin, so a test can check it against brute force.
+
+use crate::config::GradCheckpointing;
+use crate::error::Error;
+use crate::memory::format_bytes;
+use crate::model::LayerSpec;
+use std::ops::Range;
+
+/// Fraction of a memory budget kept free for the estimate's error: a plan or a schedule must
+/// predict at most `(1 - SAFETY_MARGIN) × budget`, so it fits when the measurement exceeds the
+/// prediction by up to 1/(1 − 0.05) − 1 = 5.3%. Measured: at width 32 the CPU estimate is within
+/// 2.2% of the counting allocator in 24 of 25 configurations and 4.8% in the worst
+/// (docs/results/estimate-accuracy.md, `bench/estimate_accuracy.sh`), and tests/estimate.rs
+/// holds it to 3.5% at the test shapes; `--checkpoint auto` at a 76.3 MiB limit once picked a
+/// schedule predicted at 76.15 MiB that measured 76.98 MiB (+1.1%) with no margin, and ran out.
+pub const SAFETY_MARGIN: f64 = 0.05;
+
+/// The largest predicted peak that fits `limit` with `margin` kept free.
+pub fn usable_bytes(limit: u64, margin: f64) -> u64 {
+    (limit as f64 * (1.0 - margin)).floor() as u64
+}
+
+/// The smallest limit that a predicted `peak` fits with `margin` kept free.
+pub fn limit_for(peak: u64, margin: f64) -> u64 {
+    let mut limit = (peak as f64 / (1.0 - margin)).ceil() as u64;
+    // Rounding may leave it one byte short.
+    while usable_bytes(limit, margin) < peak {
+        limit += 1;
+    }
+    limit
+}
+
+/// One segmentation with its prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// The segmentation.
+    pub checkpointing: GradCheckpointing,
+    /// Its predicted peak bytes.
+    pub predicted_peak: u64,
+    /// The FLOPs it recomputes per optimizer step ([`recompute_flops`]).
+    pub recompute_flops: u64,
+}
+
+/// What `--checkpoint auto` chose, and from what.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduleChoice {
+    /// The chosen segmentation with its prediction.
+    pub chosen: Candidate,
+    /// What `--memory-limit` leaves the estimate's peak, when given (on the CPU the heap budget
+    /// under the process's limit).
+    pub limit: Option<u64>,
+    /// The margin kept free of the limit.
+    pub margin: f64,
+    /// Segmentations considered.
+    pub considered: usize,
+}
+
+impl ScheduleChoice {
+    /// One line for the start of a run: what was chosen, its segments and recomputed FLOPs, why.
+    pub fn describe(&self, blocks: usize) -> String {
+        let c = &self.chosen;
+        let why = match self.limit {
+            Some(limit) => format!(
+                "the least recomputation of {} segmentations whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {:.0}% error margin ({})",
+                self.considered,
+                format_bytes(limit),
+                self.margin * 100.0,
+                format_bytes(usable_bytes(limit, self.margin))
+            ),
+            None => format!(
+                "the smallest predicted peak of {}",
+                named_list(GradCheckpointing::CONCRETE)
+            ),
+        };
+        format!(
+            "--checkpoint auto: {} (segments {}, recomputes {} per step; predicted peak {}): {why}",
+            c.checkpointing,
+            format_segments(&crate::model::cnn::segments(blocks, c.checkpointing)),
+            format_flops(c.recompute_flops),
+            format_bytes(c.predicted_peak)
+        )
+    }
+}
+
+/// `none, stages, blocks`.
+fn named_list(v: &[GradCheckpointing]) -> String {
+    v.iter()
+        .map(|c| c.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Block ranges as `[0,2) [2,6)`.
+pub fn format_segments(segments: &[Range<usize>]) -> String {
+    segments
+        .iter()
+        .map(|r| format!("[{},{})", r.start, r.end))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// FLOPs with an SI prefix, e.g. `2.65 GFLOP`.
+pub fn format_flops(f: u64) -> String {
+    let f = f as f64;
+    if f >= 1e9 {
+        format!("{:.2} GFLOP", f / 1e9)
+    } else if f >= 1e6 {
+        format!("{:.2} MFLOP", f / 1e6)
+    } else {
+        format!("{f:.0} FLOP")
+    }
+}
+
+/// FLOPs of one image's forward through `spec` counted as recomputed work: the multiply-adds of
+/// the convolutions, two FLOPs each. BatchNorm, ReLU and pooling (a few FLOPs per element, under
+/// 2% of a block's work at width 32) are left out, so two segmentations that re-run the same
+/// convolutions count alike and the smaller predicted peak decides between them.
+fn conv_flops_per_image(spec: &LayerSpec) -> u64 {
+    let (c, h, w) = spec.output;
+    let out = (c * h * w) as u64;
+    match spec.kind {
+        // Weights per output channel (C_in × 3 × 3, or C_in for 1×1) = params / C_out.
+        "conv3x3" | "pointwise1x1" => 2 * out * (spec.params / c.max(1)) as u64,
+        // One 3×3 filter per channel.
+        "depthwise3x3" => 2 * out * 9,
+        _ => 0,
+    }
+}
+
+/// The FLOPs `ckpt` recomputes in one optimizer step of `images` images (all micro-batches):
+/// the convolutions of every block before the last segment boundary, which the backward re-runs.
+pub fn recompute_flops(specs: &[LayerSpec], ckpt: GradCheckpointing, images: usize) -> u64 {
+    let blocks = specs
+        .iter()
+        .filter(|s| s.kind != "linear")
+        .map(|s| s.block + 1)
+        .max()
+        .unwrap_or(0);
+    let segs = crate::model::cnn::segments(blocks, ckpt);
+    let recomputed = segs.last().map_or(0, |s| s.start);
+    let per_image: u64 = specs
+        .iter()
+        .filter(|s| s.kind != "linear" && s.block < recomputed)
+        .map(conv_flops_per_image)
+        .sum();
+    per_image * images as u64
+}
+
+/// The index of the candidate `--checkpoint auto` runs. Without a limit: the smallest predicted
+/// peak. Under `limit`: of those whose predicted peak is at most [`usable_bytes`], the least
+/// recomputed FLOPs, then the smaller peak, then the fewer segments; `None` when none fits.
+/// Ties beyond those go to the earlier candidate.
+pub fn pick(candidates: &[Candidate], limit: Option<u64>, margin: f64) -> Option<usize> {
+    let segments = |c: &Candidate| c.checkpointing.boundaries().map_or(0, |b| b.len());
+    match limit {
+        None => (0..candidates.len()).min_by_key(|&i| candidates[i].predicted_peak),
+        Some(limit) => {
+            let usable = usable_bytes(limit, margin);
+            (0..candidates.len())
+                .filter(|&i| candidates[i].predicted_peak <= usable)
+                .min_by_key(|&i| {
+                    let c = &candidates[i];
+                    (c.recompute_flops, c.predicted_peak, segments(c))
+                })
+        }
+    }
+}
+
+/// The error for a `--memory-limit` that no segmentation fits: the smallest predicted peak, the
+/// limit it needs with the margin, and `advice`: what else would shrink the step.
+/// `to_limit` turns a heap peak into the `--memory-limit` that holds it (on the CPU the limit
+/// also holds what the process has outside its heap).
+pub fn nothing_fits(
+    candidates: &[Candidate],
+    limit: u64,
+    margin: f64,
+    to_limit: &dyn Fn(u64) -> u64,
+    advice: &str,
+) -> Error {
+    let smallest = candidates.iter().min_by_key(|c| c.predicted_peak);
+    let Some(s) = smallest else {
+        return Error::config("--checkpoint auto: no segmentation to choose from");
+    };
+    Error::config(format!(
+        "--checkpoint auto --memory-limit {}: no segmentation of the {} fits; the smallest predicted peak is {} ({}), which with the estimate's {:.0}% error margin needs --memory-limit {} or more; {advice}",
+        format_bytes(limit),
+        candidates.len(),
+        format_bytes(s.predicted_peak),
+        s.checkpointing,
+        margin * 100.0,
+        format_bytes(to_limit(limit_for(s.predicted_peak, margin))),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limit_for_is_the_smallest_limit_a_peak_fits() {
+        for peak in [1u64, 19, 1 << 20, 80_839_100, 95_052_476, u64::MAX >> 12] {
+            for margin in [0.0, 0.05, 0.2] {
+                let l = limit_for(peak, margin);
+                assert!(usable_bytes(l, margin) >= peak, "{peak} {margin}");
+                assert!(usable_bytes(l - 1, margin) < peak, "{peak} {margin}");
+            }
+        }
+    }
+
+    #[test]
+    fn pick_prefers_less_recomputation_then_the_smaller_peak() {
+        let c = |mask, predicted_peak, recompute_flops| Candidate {
+            checkpointing: GradCheckpointing::from_cuts(mask),
+            predicted_peak,
+            recompute_flops,
+        };
+        let all = [
+            c(0, 100, 0),
+            c(0b10, 80, 5),
+            c(0b11, 78, 5),
+            c(0b11111, 70, 9),
+        ];
+        assert_eq!(
+            pick(&all, None, 0.05),
+            Some(3),
+            "no limit: the smallest peak"
+        );
+        assert_eq!(pick(&all, Some(200), 0.05), Some(0));
+        // 100 does not fit 104 less 5% (98.8); 80 and 78 recompute alike: the smaller peak.
+        assert_eq!(pick(&all, Some(104), 0.05), Some(2));
+        assert_eq!(pick(&all, Some(74), 0.05), Some(3));
+        assert_eq!(pick(&all, Some(73), 0.05), None);
+        let e = nothing_fits(&all, 73, 0.05, &|h| h, "raise --memory-limit").to_string();
+        assert!(
+            e.contains("blocks") && e.contains("raise --memory-limit"),
+            "{e}"
+        );
+    }
+}

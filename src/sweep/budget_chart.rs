@@ -1,0 +1,231 @@
+//! The budget sweep's chart (`bench/budget_sweep.sh`): each `--checkpoint auto --memory-limit`
+//! run at (measured peak, images/s) with its predicted peak beside it and its limit marked, and
+//! the named schedules (none, stages, blocks, run without a limit) on the same axes.
+//!
+//! Drawn with the machinery of `sweep::chart` into `<stem>.png` and `<stem>.svg`; the points and
+//! their CSV come from `examples/budget_sweep.rs`.
+
+use super::chart::{render, Chart, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use crate::error::Result;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use std::path::{Path, PathBuf};
+
+/// One run of the budget sweep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetPoint {
+    /// The schedule it trained with (`segments:1,2`, `stages`, …).
+    pub schedule: String,
+    /// `--memory-limit` of an `auto` run; `None` for a named schedule run without a limit.
+    pub limit: Option<u64>,
+    /// The estimate's predicted step peak.
+    pub predicted_peak: u64,
+    /// The measured peak (the whole process heap, what the limit bounds).
+    pub measured_peak: u64,
+    /// Images per second (the example takes each run's fastest step after the first).
+    pub images_per_sec: f64,
+}
+
+/// Draw `<stem>.png` and `<stem>.svg`; returns the files written (none without a point).
+pub fn write_budget_chart(
+    points: &[BudgetPoint],
+    title: &str,
+    stem: &Path,
+) -> Result<Vec<PathBuf>> {
+    if points.is_empty() {
+        return Ok(Vec::new());
+    }
+    render(
+        &BudgetChart {
+            title: title.to_string(),
+            points,
+        },
+        stem,
+    )
+}
+
+struct BudgetChart<'a> {
+    title: String,
+    points: &'a [BudgetPoint],
+}
+
+const LIMIT: RGBColor = RGBColor(200, 30, 30);
+const NAMED: RGBColor = RGBColor(230, 120, 20);
+
+impl BudgetChart<'_> {
+    /// The `auto` runs: limit tick, dotted line to the measured peak, predicted (ring) and
+    /// measured (dot) peaks in one colour per chosen schedule, named in the legend.
+    fn draw_auto<DB: DrawingBackend>(
+        &self,
+        chart: &mut Panel<'_, DB>,
+        unit: &MemUnit,
+        tick: f64,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let auto: Vec<&BudgetPoint> = self.points.iter().filter(|p| p.limit.is_some()).collect();
+        for p in &auto {
+            let (l, m, y) = (
+                unit.of(p.limit.unwrap_or(0)),
+                unit.of(p.measured_peak),
+                p.images_per_sec,
+            );
+            chart.draw_series(DashedLineSeries::new(
+                vec![(m, y), (l, y)],
+                4,
+                4,
+                RGBColor(150, 150, 150).stroke_width(1),
+            ))?;
+        }
+        chart
+            .draw_series(auto.iter().map(|p| {
+                let (l, y) = (unit.of(p.limit.unwrap_or(0)), p.images_per_sec);
+                PathElement::new(vec![(l, y - tick), (l, y + tick)], LIMIT.stroke_width(3))
+            }))?
+            .label("--memory-limit of an auto run (its measured peak lies left of it)")
+            .legend(|(x, y)| {
+                PathElement::new(
+                    vec![(x + 12, y - 8), (x + 12, y + 8)],
+                    LIMIT.stroke_width(3),
+                )
+            });
+        // Blue, green, purple, brown, pink, olive, cyan: not the limit's red or the named orange.
+        let colours = [0, 2, 4, 5, 6, 8, 9].map(|i| PALETTE[i]);
+        let mut schedules: Vec<&str> = Vec::new();
+        for p in &auto {
+            if !schedules.contains(&p.schedule.as_str()) {
+                schedules.push(&p.schedule);
+            }
+        }
+        for (k, s) in schedules.iter().enumerate() {
+            let c = colours[k % colours.len()];
+            let mine: Vec<&&BudgetPoint> = auto.iter().filter(|p| p.schedule == *s).collect();
+            let rings = chart.draw_series(mine.iter().map(|p| {
+                Circle::new(
+                    (unit.of(p.predicted_peak), p.images_per_sec),
+                    9,
+                    c.stroke_width(2),
+                )
+            }))?;
+            if k == 0 {
+                let grey = RGBColor(90, 90, 90);
+                rings
+                    .label("ring: predicted peak, beside the measured dot of the same run")
+                    .legend(move |(x, y)| Circle::new((x + 12, y), 8, grey.stroke_width(2)));
+            }
+            chart
+                .draw_series(mine.iter().map(|p| {
+                    Circle::new((unit.of(p.measured_peak), p.images_per_sec), 5, c.filled())
+                }))?
+                .label(format!("--checkpoint auto chose {s}"))
+                .legend(move |(x, y)| Circle::new((x + 12, y), 5, c.filled()));
+        }
+        Ok(())
+    }
+
+    /// The named schedules run without a limit: triangles at the measured peak, hollow at the
+    /// predicted, labelled.
+    fn draw_named<DB: DrawingBackend>(
+        &self,
+        chart: &mut Panel<'_, DB>,
+        unit: &MemUnit,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let named: Vec<&BudgetPoint> = self.points.iter().filter(|p| p.limit.is_none()).collect();
+        if named.is_empty() {
+            return Ok(());
+        }
+        chart
+            .draw_series(named.iter().map(|p| {
+                TriangleMarker::new(
+                    (unit.of(p.predicted_peak), p.images_per_sec),
+                    11,
+                    NAMED.stroke_width(2),
+                )
+            }))?
+            .label("named schedule, predicted peak")
+            .legend(|(x, y)| TriangleMarker::new((x + 12, y), 9, NAMED.stroke_width(2)));
+        chart
+            .draw_series(named.iter().map(|p| {
+                TriangleMarker::new(
+                    (unit.of(p.measured_peak), p.images_per_sec),
+                    6,
+                    NAMED.filled(),
+                )
+            }))?
+            .label("named schedule, measured peak (no limit)")
+            .legend(|(x, y)| TriangleMarker::new((x + 12, y), 6, NAMED.filled()));
+        for p in named {
+            let style = TextStyle::from((FONT, 16).into_font())
+                .color(&NAMED)
+                .pos(Pos::new(HPos::Left, VPos::Top));
+            chart.draw_series(std::iter::once(
+                EmptyElement::at((unit.of(p.measured_peak), p.images_per_sec))
+                    + Text::new(p.schedule.clone(), (10, 6), style),
+            ))?;
+        }
+        Ok(())
+    }
+}
+
+impl Chart for BudgetChart<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1200, 800)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let bytes =
+            |p: &BudgetPoint| [p.predicted_peak, p.measured_peak, p.limit.unwrap_or(0)].into_iter();
+        let max = self.points.iter().flat_map(bytes).max().unwrap_or(1).max(1);
+        let min = self
+            .points
+            .iter()
+            .flat_map(bytes)
+            .filter(|&b| b > 0)
+            .min()
+            .unwrap_or(0);
+        let unit = MemUnit::for_max(max);
+        let span = (unit.of(max) - unit.of(min)).max(1.0);
+        let (xmin, xmax) = (unit.of(min) - span * 0.1, unit.of(max) + span * 0.08);
+        let ymax = self
+            .points
+            .iter()
+            .map(|p| p.images_per_sec)
+            .fold(0.0f64, f64::max)
+            .max(1e-3)
+            * 1.45;
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 26))
+            .margin(20)
+            .x_label_area_size(56)
+            .y_label_area_size(90)
+            .build_cartesian_2d(xmin..xmax, 0f64..ymax)?;
+        chart
+            .configure_mesh()
+            .x_desc(format!("peak memory ({}), lower is better", unit.name))
+            .y_desc("throughput (images/s of the fastest step), higher is better")
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17))
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(246, 246, 246))
+            .draw()?;
+        self.draw_auto(&mut chart, &unit, ymax * 0.02)?;
+        self.draw_named(&mut chart, &unit)?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .label_font((FONT, 16))
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(180, 180, 180))
+            .draw()?;
+        Ok(())
+    }
+}

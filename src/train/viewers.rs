@@ -2,9 +2,9 @@
 //! callback): the allocation trace of one step as PyTorch's memory snapshot, and the step
 //! timeline as a Perfetto trace.
 //!
-//! Which steps are traced: the snapshot step (`--memory-snapshot-step`, the run's last by
-//! default), and with `--memory-limit` every step, so that a step that runs out of memory leaves
-//! its snapshot too. Only CPU runs with the counting allocator installed trace: on CUDA the heap
+//! Which step is traced: the snapshot step (`--memory-snapshot-step`, the run's last by
+//! default). When that step runs out of memory, its trace becomes `oom_snapshot.pickle`. Only one
+//! step: the trace's buffer is resident memory, which `--memory-limit` counts. Only CPU runs with the counting allocator installed trace: on CUDA the heap
 //! is not the memory the step is limited by.
 
 use super::Trainer;
@@ -21,8 +21,6 @@ use std::path::PathBuf;
 pub(crate) struct StepTracer {
     /// The step whose snapshot is written (None: tracing is off for this run).
     snapshot_step: Option<usize>,
-    /// Trace every step (a memory limit is set: an out-of-memory step keeps its trace).
-    every_step: bool,
     /// The finished trace of the newest traced step.
     taken: Option<Trace>,
     /// The chosen step's trace, kept for the end of the run, with its timeline when that is not
@@ -52,7 +50,6 @@ impl StepTracer {
         Ok(StepTracer {
             snapshot_step: (heap && options.log_files)
                 .then(|| config.memory_snapshot_step.unwrap_or(total_steps - 1)),
-            every_step: heap && options.oom_snapshot && config.memory_limit.is_some(),
             taken: None,
             kept: None,
         })
@@ -61,7 +58,7 @@ impl StepTracer {
     /// A step begins: trace it when it is chosen (and the counting allocator is installed).
     pub(crate) fn begin(&mut self, global_step: usize) {
         self.taken = None;
-        let chosen = self.snapshot_step == Some(global_step) || self.every_step;
+        let chosen = self.snapshot_step == Some(global_step);
         if chosen && CountingAllocator::is_installed() && !CountingAllocator::start_trace() {
             eprintln!("warning: the memory snapshot's trace could not start; no snapshot");
         }

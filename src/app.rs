@@ -82,6 +82,9 @@ where
     // the predicted memory of this model and data, per layer (src/predict/).
     if let Some(e) = trainer.memory_estimate() {
         print!("{}", e.table());
+        if let Some(rows) = trainer.what_if() {
+            print!("{}", crate::predict::what_if_table(&rows));
+        }
     }
     let resuming = resume.is_some();
     if let Some(ck) = resume {

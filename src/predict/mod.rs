@@ -1,6 +1,7 @@
 //! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: replays the step's
 //! allocations layer by layer, [`sim`], [`scratch`], [`replay`]), the planner that picks a
-//! configuration for a budget ([`plan`]), and the check that sizes every input against the
+//! configuration for a budget ([`plan`]), what each optimization would save
+//! ([`what_if`]), and the check that sizes every input against the
 //! budgets before anything is loaded or built ([`bounds`]).
 
 pub mod bounds;
@@ -9,6 +10,8 @@ pub mod plan;
 mod replay;
 mod scratch;
 mod sim;
+pub mod what_if;
 
 pub use estimate::*;
 pub use replay::EventPrediction;
+pub use what_if::{what_if, what_if_table, WhatIf};

@@ -64,6 +64,10 @@ pub struct Summary {
     pub memory_limit: Option<u64>,
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
+    /// What each memory optimization alone and all together would make of the predicted peak
+    /// ([`crate::predict::what_if`]); `None` where there is no estimate (no memory probe).
+    #[serde(default)]
+    pub what_if: Option<Vec<crate::predict::WhatIf>>,
     /// (predicted − measured) / measured, in percent, against the measured step peak
     /// (`step_peak_bytes`), which is what the estimate predicts; the run's peak can also fall
     /// while the data loads or during evaluation.
@@ -154,6 +158,7 @@ impl Trainer {
             memory_limit: self.config.memory_limit,
             // The analytic estimate (src/predict/) against the measured peak.
             predicted_peak_bytes: predicted,
+            what_if: predicted.and_then(|_| self.what_if()),
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
             steady_images_per_sec: steady_throughput(&self.history.step_times),
@@ -175,6 +180,21 @@ impl Trainer {
             pruning,
             cuda_graph: self.cuda_graph.stats(),
         }
+    }
+}
+
+impl Trainer {
+    /// The what-if rows of this run's configuration, data and device
+    /// ([`crate::predict::what_if`]); `None` when they cannot be estimated.
+    pub fn what_if(&self) -> Option<Vec<crate::predict::WhatIf>> {
+        use crate::predict::{Baseline, DataSize, DeviceKind};
+        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
+        crate::predict::what_if(
+            &self.config,
+            DeviceKind::of(&self.device),
+            Baseline::Modeled(data),
+        )
+        .ok()
     }
 }
 

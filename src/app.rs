@@ -297,7 +297,7 @@ fn write_results(
         )?;
     } else {
         let title = format!("Memory per training step: {}", summary.label);
-        let limit = summary.memory_limit;
+        let limit = summary.memory_limit_bytes;
         // A chart that cannot be written (a full disk) fails the run like any other result file.
         crate::sweep::report::write_run_memory_chart(
             trainer.run_dir(),

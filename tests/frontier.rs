@@ -204,7 +204,7 @@ fn sweep(dir: &Path) -> SweepResult {
     SweepResult {
         command: "batch_sweep".into(),
         steps: 1,
-        memory_limit: None,
+        memory_limit_bytes: None,
         plan: BatchPlan::List(vec![32, 64, 128]),
         configurations: ["f32", "f16"]
             .iter()

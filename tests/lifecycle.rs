@@ -172,7 +172,7 @@ fn assert_same_run(got: &Path, want: &Path) {
             .as_array()
             .unwrap()
             .iter()
-            .map(|e| (e["epoch"].as_u64().unwrap(), e["batches"].as_u64().unwrap()))
+            .map(|e| (e["epoch"].as_u64().unwrap(), e["steps"].as_u64().unwrap()))
             .collect()
     };
     assert_eq!(epochs(&g), epochs(&w), "memory.json epochs");

@@ -71,19 +71,19 @@ fn counting_allocator_and_peak_nesting() {
         drop(bwd);
         rec.step_end(0, b, b);
     }
-    rec.epoch_end(0);
+    rec.epoch_end(0, true);
     rec.train_end();
     let log = rec.log();
     assert_eq!(log.batches.len(), 3);
     let b0 = &log.batches[0];
-    assert_eq!(b0.phase, Phase::Forward);
+    assert_eq!(b0.peak_phase, Phase::Forward);
     assert!(
         b0.peak_bytes >= base + big as u64,
         "batch 0 peak holds the 8 MiB forward buffer"
     );
     for b in &log.batches[1..] {
         assert_eq!(
-            b.phase,
+            b.peak_phase,
             Phase::Backward,
             "2 MiB backward beats 1 MiB forward"
         );
@@ -94,7 +94,7 @@ fn counting_allocator_and_peak_nesting() {
         log.epochs[0].peak_bytes, b0.peak_bytes,
         "epoch peak survives batch-level resets"
     );
-    assert_eq!(log.epochs[0].phase, Phase::Forward);
+    assert_eq!(log.epochs[0].peak_phase, Phase::Forward);
     assert!(
         log.peak_bytes >= b0.peak_bytes,
         "run peak nests over the epoch peak"

@@ -12,14 +12,16 @@ use crate::phase::Phase;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// Memory of one optimizer step.
+/// Memory of one optimizer step. Epochs and steps are numbered from 1, as the screen shows them
+/// (logs of older versions, numbered from 0, are renumbered when read: [`MemoryLog::numbered`]);
+/// renamed keys are read under their old names too.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct BatchMemory {
-    /// Epoch index.
+    /// Epoch number (the first is 1).
     pub epoch: usize,
-    /// Step index within the epoch.
+    /// Step number within the epoch (the first is 1).
     pub batch: usize,
-    /// Step index in the run.
+    /// Step number in the run (the first is 1).
     pub global_step: usize,
     /// Bytes in use when the step began.
     pub start_bytes: u64,
@@ -28,44 +30,56 @@ pub struct BatchMemory {
     /// Highest bytes in use during the step.
     pub peak_bytes: u64,
     /// Phase of `peak_bytes`.
-    pub phase: Phase,
+    #[serde(alias = "phase")]
+    pub peak_phase: Phase,
     /// Peak during forward passes.
-    pub forward_peak: u64,
+    #[serde(alias = "forward_peak")]
+    pub forward_peak_bytes: u64,
     /// Peak during backward passes.
-    pub backward_peak: u64,
+    #[serde(alias = "backward_peak")]
+    pub backward_peak_bytes: u64,
     /// Peak during the optimizer step.
-    pub optimizer_peak: u64,
-    /// Peak reserved bytes (CUDA pool) during the step.
-    pub reserved_peak: Option<u64>,
+    #[serde(alias = "optimizer_peak")]
+    pub optimizer_peak_bytes: u64,
+    /// Peak reserved bytes (CUDA pool) during the step; `None` on the CPU.
+    #[serde(alias = "reserved_peak")]
+    pub reserved_peak_bytes: Option<u64>,
     /// What the OS sees at the end of the step ([`MemoryLog::os_view`]): process RSS on the
     /// CPU, device-wide use on CUDA.
-    pub os_current: Option<u64>,
+    #[serde(alias = "os_current")]
+    pub os_current_bytes: Option<u64>,
     /// Its high-water mark at the end of the step (since process start on the CPU; the highest
     /// reading so far on CUDA).
-    pub os_peak: Option<u64>,
+    #[serde(alias = "os_peak")]
+    pub os_peak_bytes: Option<u64>,
 }
 
 /// Memory of one epoch.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct EpochMemory {
-    /// Epoch index.
+    /// Epoch number (the first is 1).
     pub epoch: usize,
     /// Highest bytes in use during the epoch (steps and evaluation).
     pub peak_bytes: u64,
     /// Phase of `peak_bytes`.
-    pub phase: Phase,
+    #[serde(alias = "phase")]
+    pub peak_phase: Phase,
     /// Mean over the epoch's steps of the step peak.
-    pub mean_batch_peak: u64,
-    /// Peak during the evaluation.
-    pub eval_peak: u64,
+    #[serde(alias = "mean_batch_peak")]
+    pub mean_step_peak_bytes: u64,
+    /// Peak during the evaluation; `None` when the epoch was not evaluated (`--no-eval`, or a
+    /// run stopped before it).
+    #[serde(alias = "eval_peak")]
+    pub eval_peak_bytes: Option<u64>,
     /// Steps recorded.
-    pub batches: usize,
+    #[serde(alias = "batches")]
+    pub steps: usize,
     /// What the OS sees at the end of the epoch (after its evaluation).
-    #[serde(default)]
-    pub os_current: Option<u64>,
+    #[serde(default, alias = "os_current")]
+    pub os_current_bytes: Option<u64>,
     /// Its high-water mark at the end of the epoch.
-    #[serde(default)]
-    pub os_peak: Option<u64>,
+    #[serde(default, alias = "os_peak")]
+    pub os_peak_bytes: Option<u64>,
 }
 
 /// Everything the memory callback recorded.
@@ -82,13 +96,18 @@ pub struct MemoryLog {
     /// Phase of `peak_bytes`.
     pub peak_phase: Option<Phase>,
     /// Highest reserved bytes (CUDA pool) over the run.
-    pub reserved_peak: Option<u64>,
+    #[serde(alias = "reserved_peak")]
+    pub reserved_peak_bytes: Option<u64>,
     /// Which OS view the `os_*` fields hold (process RSS or device-wide), when it can be read.
     #[serde(default)]
     pub os_view: Option<OsView>,
     /// The OS view's high-water mark at the last reading.
+    #[serde(default, alias = "os_peak")]
+    pub os_peak_bytes: Option<u64>,
+    /// The number of the first epoch and step: 1 in logs written from this version on; absent
+    /// (0) in older logs, numbered from 0, which [`MemoryLog::numbered`] renumbers.
     #[serde(default)]
-    pub os_peak: Option<u64>,
+    pub first_number: usize,
     /// Per-step records.
     pub batches: Vec<BatchMemory>,
     /// Per-epoch records.
@@ -96,6 +115,23 @@ pub struct MemoryLog {
 }
 
 impl MemoryLog {
+    /// The log with epochs and steps numbered from 1 (a log of an older version, numbered from
+    /// 0, renumbered).
+    pub fn numbered(mut self) -> Self {
+        if self.first_number == 0 {
+            for b in &mut self.batches {
+                b.epoch += 1;
+                b.batch += 1;
+                b.global_step += 1;
+            }
+            for e in &mut self.epochs {
+                e.epoch += 1;
+            }
+            self.first_number = 1;
+        }
+        self
+    }
+
     /// The memory report: one row per epoch.
     pub fn report(&self) -> String {
         if !self.available {
@@ -114,13 +150,13 @@ impl MemoryLog {
         for e in &self.epochs {
             s.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} | {} |\n",
-                e.epoch + 1,
+                e.epoch,
                 format_bytes(e.peak_bytes),
-                format_bytes(e.mean_batch_peak),
-                e.phase,
-                format_bytes(e.eval_peak),
-                or_dash(e.os_current),
-                or_dash(e.os_peak),
+                format_bytes(e.mean_step_peak_bytes),
+                e.peak_phase,
+                or_dash(e.eval_peak_bytes),
+                or_dash(e.os_current_bytes),
+                or_dash(e.os_peak_bytes),
             ));
         }
         s.push_str(&format!(
@@ -129,14 +165,21 @@ impl MemoryLog {
             self.peak_phase
                 .map(|p| p.to_string())
                 .unwrap_or_else(|| "-".into()),
-            or_dash(self.os_peak),
+            or_dash(self.os_peak_bytes),
         ));
+        if self.peak_phase == Some(Phase::Other) {
+            s.push_str(PHASE_OTHER_NOTE);
+            s.push('\n');
+        }
         if let Some(v) = self.os_view {
             s.push_str(&v.explain());
         }
         s
     }
 }
+
+/// What a peak in phase "other" means, for the report and the docs.
+pub const PHASE_OTHER_NOTE: &str = "phase \"other\": the peak fell outside the training step and the evaluation (loading the data, building the model, between steps, saving a snapshot); a configuration's training peak is its step peak (summary.json step_peak_bytes), which sweeps and comparisons report.";
 
 /// Running maxima of the step in progress.
 #[derive(Debug, Default, Clone)]
@@ -171,6 +214,7 @@ impl MemoryRecorder {
         let log = MemoryLog {
             probe: probe.name().to_string(),
             available: probe.available(),
+            first_number: 1,
             ..Default::default()
         };
         MemoryRecorder {
@@ -194,7 +238,7 @@ impl MemoryRecorder {
         self.log = MemoryLog {
             probe: self.log.probe.clone(),
             available: self.log.available,
-            ..earlier
+            ..earlier.numbered()
         };
     }
 
@@ -203,8 +247,8 @@ impl MemoryRecorder {
     fn read_os(&mut self) -> Option<OsMemory> {
         let os = self.probe.os_memory()?;
         self.log.os_view = self.probe.os_view();
-        let peak = self.log.os_peak.unwrap_or(0).max(os.peak);
-        self.log.os_peak = Some(peak);
+        let peak = self.log.os_peak_bytes.unwrap_or(0).max(os.peak);
+        self.log.os_peak_bytes = Some(peak);
         Some(OsMemory { peak, ..os })
     }
 
@@ -220,7 +264,7 @@ impl MemoryRecorder {
             self.log.peak_phase = Some(phase);
         }
         if let Some(r) = reserved {
-            self.log.reserved_peak = Some(self.log.reserved_peak.unwrap_or(0).max(r));
+            self.log.reserved_peak_bytes = Some(self.log.reserved_peak_bytes.unwrap_or(0).max(r));
             self.step.reserved = Some(self.step.reserved.unwrap_or(0).max(r));
         }
         peak
@@ -237,7 +281,7 @@ impl MemoryRecorder {
         self.fold(Phase::Other);
     }
 
-    /// Epoch `epoch` begins; with `reset_peak` its peak starts from what is in use now rather
+    /// Epoch `epoch` (its index: 0 for the first) begins; with `reset_peak` its peak starts from what is in use now rather
     /// than from the run's peak.
     pub fn epoch_begin(&mut self, epoch: usize, reset_peak: bool) {
         self.fold(Phase::Other);
@@ -255,11 +299,11 @@ impl MemoryRecorder {
             .log
             .batches
             .iter()
-            .rposition(|b| b.epoch != epoch)
+            .rposition(|b| b.epoch != epoch + 1)
             .map_or(0, |i| i + 1);
         let earlier = self.log.batches[first..]
             .iter()
-            .map(|b| (b.peak_bytes, b.phase))
+            .map(|b| (b.peak_bytes, b.peak_phase))
             .max_by_key(|p| p.0);
         if let Some((bytes, phase)) = earlier {
             max_phase(&mut self.epoch_peak, bytes, phase);
@@ -287,7 +331,8 @@ impl MemoryRecorder {
         }
     }
 
-    /// The step (its optimizer phase included) ended: its record is the log's last batch.
+    /// The step (its optimizer phase included) ended: its record is the log's last batch. The
+    /// arguments are indices (0 for the first); the record numbers them from 1.
     pub fn step_end(&mut self, epoch: usize, batch: usize, global_step: usize) {
         self.phase_end(Phase::Optimizer);
         let s = &self.step;
@@ -295,31 +340,33 @@ impl MemoryRecorder {
         max_phase(&mut peak, s.bwd, Phase::Backward);
         max_phase(&mut peak, s.opt, Phase::Optimizer);
         let rec = BatchMemory {
-            epoch,
-            batch,
-            global_step,
+            epoch: epoch + 1,
+            batch: batch + 1,
+            global_step: global_step + 1,
             start_bytes: s.start,
             end_bytes: self.probe.current(),
             peak_bytes: peak.0,
-            phase: peak.1,
-            forward_peak: s.fwd,
-            backward_peak: s.bwd,
-            optimizer_peak: s.opt,
-            reserved_peak: s.reserved,
-            os_current: None,
-            os_peak: None,
+            peak_phase: peak.1,
+            forward_peak_bytes: s.fwd,
+            backward_peak_bytes: s.bwd,
+            optimizer_peak_bytes: s.opt,
+            reserved_peak_bytes: s.reserved,
+            os_current_bytes: None,
+            os_peak_bytes: None,
         };
         let os = self.read_os();
         self.log.batches.push(BatchMemory {
-            os_current: os.map(|o| o.current),
-            os_peak: os.map(|o| o.peak),
+            os_current_bytes: os.map(|o| o.current),
+            os_peak_bytes: os.map(|o| o.peak),
             ..rec
         });
     }
 
-    /// Epoch `epoch` ended after its evaluation: its record is the log's last epoch.
-    pub fn epoch_end(&mut self, epoch: usize) {
-        self.epoch_eval = self.fold(Phase::Eval);
+    /// Epoch `epoch` (its index) ended, after its evaluation when `evaluated`: its record is the
+    /// log's last epoch.
+    pub fn epoch_end(&mut self, epoch: usize, evaluated: bool) {
+        // Without an evaluation, what was read since the last step is not the evaluation's.
+        self.epoch_eval = self.fold(if evaluated { Phase::Eval } else { Phase::Other });
         let first = self.epoch_first_batch.min(self.log.batches.len());
         let batches = &self.log.batches[first..];
         let mean = if batches.is_empty() {
@@ -328,19 +375,19 @@ impl MemoryRecorder {
             batches.iter().map(|b| b.peak_bytes as u128).sum::<u128>() as u64 / batches.len() as u64
         };
         let rec = EpochMemory {
-            epoch,
+            epoch: epoch + 1,
             peak_bytes: self.epoch_peak.0,
-            phase: self.epoch_peak.1,
-            mean_batch_peak: mean,
-            eval_peak: self.epoch_eval,
-            batches: batches.len(),
-            os_current: None,
-            os_peak: None,
+            peak_phase: self.epoch_peak.1,
+            mean_step_peak_bytes: mean,
+            eval_peak_bytes: evaluated.then_some(self.epoch_eval),
+            steps: batches.len(),
+            os_current_bytes: None,
+            os_peak_bytes: None,
         };
         let os = self.read_os();
         self.log.epochs.push(EpochMemory {
-            os_current: os.map(|o| o.current),
-            os_peak: os.map(|o| o.peak),
+            os_current_bytes: os.map(|o| o.current),
+            os_peak_bytes: os.map(|o| o.peak),
             ..rec
         });
     }

@@ -75,7 +75,7 @@ pub struct StepTimeline {
     pub label: String,
     /// Probe name (`cpu-heap`, `cuda-pool`).
     pub probe: String,
-    /// Global step the timeline was recorded at.
+    /// The step's number in the run (the first is 1), as in `batches.csv`.
     pub global_step: usize,
     /// Bytes in use when the step began.
     pub start_bytes: u64,

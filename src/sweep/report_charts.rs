@@ -292,7 +292,7 @@ impl SweepChart {
                 if r.steps == 1 { "" } else { "s" }
             ),
             configs,
-            limit: r.memory_limit,
+            limit: r.memory_limit_bytes,
         }
     }
 }

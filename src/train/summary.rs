@@ -60,8 +60,9 @@ pub struct Summary {
     pub os_current_bytes: Option<u64>,
     /// The OS view's high-water mark over the run (CPU: the kernel's VmHWM since start).
     pub os_peak_bytes: Option<u64>,
-    /// The configured memory limit.
-    pub memory_limit: Option<u64>,
+    /// The configured memory limit (`--memory-limit`), in bytes.
+    #[serde(alias = "memory_limit")]
+    pub memory_limit_bytes: Option<u64>,
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
     /// What each memory optimization alone and all together would make of the predicted peak
@@ -151,11 +152,11 @@ impl Trainer {
             peak_phase: mem.peak_phase.map(|p| p.to_string()),
             baseline_bytes: mem.baseline_bytes,
             step_peak_bytes: step_peak,
-            reserved_peak_bytes: mem.reserved_peak,
+            reserved_peak_bytes: mem.reserved_peak_bytes,
             os_view: self.probe.os_view(),
             os_current_bytes: os.map(|o| o.current),
-            os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak),
-            memory_limit: self.config.memory_limit,
+            os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak_bytes),
+            memory_limit_bytes: self.config.memory_limit,
             // The analytic estimate (src/predict/) against the measured peak.
             predicted_peak_bytes: predicted,
             what_if: predicted.and_then(|_| self.what_if()),

@@ -428,7 +428,7 @@ fn a_longer_max_steps_continues_the_epoch_it_cut_and_ends_it_once() {
             })
             .collect()
     };
-    let expected = vec![("0".to_string(), "8".to_string()), ("1".into(), "4".into())];
+    let expected = vec![("1".to_string(), "8".to_string()), ("2".into(), "4".into())];
     assert_eq!(
         rows(&whole),
         expected,

@@ -336,7 +336,7 @@ fn overlay_draws_one_line_per_configuration() {
         "ckpt-stages",
         "f16",
         "accum4",
-        "position in the step",
+        "aligned across configurations",
     ] {
         assert_contains(&texts, want);
     }

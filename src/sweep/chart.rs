@@ -24,12 +24,12 @@ pub(crate) type Panel<'a, DB> = ChartContext<
 /// What drawing into a panel can fail with.
 pub(crate) type DrawError<DB> = DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>;
 
-/// Series colours (Tableau 10).
-pub(crate) const PALETTE: [RGBColor; 10] = [
+/// Series colours: Tableau 10 without its red, which is the memory limit's ([`LIMIT_COLOR`]);
+/// [`series_color`] continues past them with colours of their own.
+pub(crate) const PALETTE: [RGBColor; 9] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
@@ -37,6 +37,110 @@ pub(crate) const PALETTE: [RGBColor; 10] = [
     RGBColor(188, 189, 34),
     RGBColor(23, 190, 207),
 ];
+
+/// The memory limit's line (always dashed, in the plot and in the legend) and the failure texts.
+pub(crate) const LIMIT_COLOR: RGBColor = RGBColor(200, 30, 30);
+
+/// The colour of series `i`: the palette first, then hues spread by the golden angle (kept away
+/// from the limit's red) at two lightnesses, so no two of any number of series share a colour.
+pub(crate) fn series_color(i: usize) -> RGBColor {
+    if let Some(&c) = PALETTE.get(i) {
+        return c;
+    }
+    let k = i - PALETTE.len();
+    // Hues 30°–330°: red (0°) is the limit's.
+    let hue = 30.0 + ((k as f64 + 0.5) * 137.508) % 300.0;
+    let light = if k % 2 == 0 { 0.42 } else { 0.58 };
+    let HSLColor(h, s, l) = HSLColor(hue / 360.0, 0.65, light);
+    let rgb = HSLColor(h, s, l).to_rgba();
+    RGBColor(rgb.0, rgb.1, rgb.2)
+}
+
+/// Line width of series `i` of `n`: drawn in order, each wider than the ones drawn over it, so a
+/// series that coincides with a later one still shows as its outline.
+pub(crate) fn series_width(i: usize, n: usize) -> u32 {
+    3 + 2 * (n.saturating_sub(1 + i)).min(2) as u32
+}
+
+/// A legend swatch of a dashed line, as the plot draws the memory limit.
+pub(crate) fn dashed_swatch(
+    (x, y): (i32, i32),
+    color: RGBColor,
+) -> plotters::element::DashedPathElement<std::vec::IntoIter<(i32, i32)>, i32> {
+    plotters::element::DashedPathElement::new(
+        vec![(x, y), (x + 24, y)],
+        6,
+        3,
+        color.stroke_width(2),
+    )
+}
+
+/// Pixel boxes of labels already placed on a chart, so that the next label is put where it
+/// overlaps none of them (or left out, for the caller to list elsewhere).
+#[derive(Default)]
+pub(crate) struct LabelBoxes {
+    boxes: Vec<(i32, i32, i32, i32)>,
+}
+
+impl LabelBoxes {
+    /// Reserve a box (x0, y0, x1, y1) in pixels: a marker, or a label placed by other means.
+    pub(crate) fn reserve(&mut self, b: (i32, i32, i32, i32)) {
+        self.boxes.push(b);
+    }
+
+    /// The first of `candidates` (top-left corners) at which a `w` × `h` box overlaps no box
+    /// placed so far and stays inside `bounds`; it is reserved. `None` when every one overlaps.
+    pub(crate) fn place(
+        &mut self,
+        candidates: &[(i32, i32)],
+        (w, h): (i32, i32),
+        bounds: (i32, i32, i32, i32),
+    ) -> Option<(i32, i32)> {
+        let inside = |b: (i32, i32, i32, i32)| {
+            b.0 >= bounds.0 && b.1 >= bounds.1 && b.2 <= bounds.2 && b.3 <= bounds.3
+        };
+        let free = |b: (i32, i32, i32, i32)| {
+            self.boxes
+                .iter()
+                .all(|o| b.2 <= o.0 || o.2 <= b.0 || b.3 <= o.1 || o.3 <= b.1)
+        };
+        let at = candidates
+            .iter()
+            .copied()
+            .find(|&(x, y)| inside((x, y, x + w, y + h)) && free((x, y, x + w, y + h)))?;
+        self.boxes.push((at.0, at.1, at.0 + w, at.1 + h));
+        Some(at)
+    }
+}
+
+/// Where a line from a point at pixel `p` to its label's box `(x, y, w, h)` should end, when the
+/// label is far enough from the point to need one (the nearest point of the box).
+pub(crate) fn leader_end(
+    p: (i32, i32),
+    (x, y): (i32, i32),
+    (w, h): (i32, i32),
+) -> Option<(i32, i32)> {
+    let end = (p.0.clamp(x, x + w), p.1.clamp(y, y + h));
+    let (dx, dy) = (end.0 - p.0, end.1 - p.1);
+    (dx * dx + dy * dy > 14 * 14).then_some(end)
+}
+
+/// Spots around a point at pixel `(px, py)` for a `w` × `h` label, nearest first, then the same
+/// farther out: right above, right below, left above, left below, above, below.
+pub(crate) fn label_spots((px, py): (i32, i32), (w, h): (i32, i32)) -> Vec<(i32, i32)> {
+    let mut out = Vec::new();
+    for d in [8, 22, 40, 64, 96, 130] {
+        out.extend([
+            (px + d, py - h - d / 2),
+            (px + d, py + d / 2),
+            (px - w - d, py - h - d / 2),
+            (px - w - d, py + d / 2),
+            (px - w / 2, py - h - d),
+            (px - w / 2, py + d),
+        ]);
+    }
+    out
+}
 
 pub(crate) const FONT: &str = "sans-serif";
 

@@ -16,7 +16,7 @@
 //! out-of-memory point's `oom_snapshot.json` when its run wrote one.
 //! - [`write_run_memory_chart`]: `memory.{png,svg}` of one run directory.
 
-use super::chart::{render, PALETTE};
+use super::chart::{render, LIMIT_COLOR, PALETTE};
 use super::frontier::{
     pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART, FRONTIER_LEGEND,
 };
@@ -641,7 +641,7 @@ pub(crate) fn write_run_memory_chart(
         hlines.push(HLine {
             label: format!("memory limit ({})", format_bytes(l)),
             bytes: l,
-            color: RGBColor(200, 30, 30),
+            color: LIMIT_COLOR,
         });
     }
     let chart = TimelineChart {

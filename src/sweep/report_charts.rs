@@ -2,7 +2,10 @@
 //! configuration, per-batch memory lines, and the sweep's peak memory and images/s against batch
 //! size.
 
-use super::chart::{shorten, Chart, DrawError, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use super::chart::{
+    dashed_swatch, label_spots, leader_end, series_color, series_width, shorten, Chart, DrawError,
+    DrawResult, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
+};
 use super::results::SweepResult;
 use super::{ChildRun, Status};
 use crate::memory::format_bytes;
@@ -71,7 +74,7 @@ impl Chart for BarChart {
             .draw()?;
         for (i, b) in self.bars.iter().enumerate() {
             let r = row(i);
-            let color = PALETTE[i % PALETTE.len()];
+            let color = series_color(i);
             match b.bytes {
                 Some(bytes) => {
                     let mut rect = Rectangle::new(
@@ -96,7 +99,7 @@ impl Chart for BarChart {
                 }
                 None => {
                     let style = TextStyle::from((FONT, 18).into_font())
-                        .color(&RGBColor(200, 30, 30))
+                        .color(&LIMIT_COLOR)
                         .pos(Pos::new(HPos::Left, VPos::Center));
                     let text = match b.status {
                         Status::Oom => "out of memory".to_string(),
@@ -203,19 +206,18 @@ impl Chart for TimelineChart {
                     color.stroke_width(2),
                 ))?
                 .label(h.label.clone())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2))
-                });
+                .legend(move |p| dashed_swatch(p, color));
         }
+        let n = self.series.len();
         for (i, s) in self.series.iter().enumerate() {
-            let color = s.color.unwrap_or(PALETTE[i % PALETTE.len()]);
-            let width = if s.thin { 2 } else { 3 };
+            let color = s.color.unwrap_or(series_color(i));
+            let width = if s.thin { 2 } else { series_width(i, n) };
             let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect();
             chart
                 .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
                 .label(shorten(&s.label, 60))
                 .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
                 });
             if pts.len() <= 80 {
                 chart.draw_series(
@@ -432,45 +434,43 @@ impl SweepChart {
         let (x0, x1) = x.range;
         if let Some(l) = self.limit {
             let y = unit.of(l);
-            let red = RGBColor(200, 30, 30);
             mem.draw_series(DashedLineSeries::new(
                 vec![(x0, y), (x1, y)],
                 12,
                 8,
-                red.stroke_width(2),
+                LIMIT_COLOR.stroke_width(2),
             ))?
             .label(format!("memory limit ({})", format_bytes(l)))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2)));
+            .legend(move |p| dashed_swatch(p, LIMIT_COLOR));
         }
         let (mut any_oom, mut any_failed) = (false, false);
+        let n = self.configs.len();
+        let mut maxima = Vec::new();
         for (i, (label, d)) in self.configs.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
+            let color = series_color(i);
+            let width = series_width(i, n);
             let ok: Vec<(f64, f64)> = d
                 .iter()
                 .filter(|p| p.status == Status::Ok)
                 .filter_map(|p| p.peak.map(|b| (x.x(p.batch), unit.of(b))))
                 .collect();
-            mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(3)))?
+            mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(width)))?
                 .label(shorten(label, 50))
                 .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
                 });
-            mem.draw_series(ok.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+            let r = 3 + width as i32 / 2;
+            mem.draw_series(ok.iter().map(|&p| Circle::new(p, r, color.filled())))?;
             if let Some(Some(m)) = self.maxima.get(i) {
                 if let Some(p) = d.iter().find(|p| p.batch == *m).and_then(|p| p.peak) {
-                    let style = TextStyle::from((FONT, 17).into_font())
-                        .color(&color)
-                        .pos(Pos::new(HPos::Left, VPos::Top));
-                    mem.draw_series(std::iter::once(
-                        EmptyElement::at((x.x(*m), unit.of(p)))
-                            + Text::new(format!("max {m}"), (8, 6), style),
-                    ))?;
+                    maxima.push((i, *m, (x.x(*m), unit.of(p))));
                 }
             }
             let (oom, failed) = self.draw_failures(&mut mem, i, d, x, oom_y)?;
             any_oom |= oom;
             any_failed |= failed;
         }
+        draw_max_labels(&mut mem, &self.configs, &maxima)?;
         self.marker_legend(&mut mem, any_oom, any_failed)?;
         mem.configure_series_labels()
             .position(SeriesLabelPosition::UpperLeft)
@@ -494,7 +494,7 @@ impl SweepChart {
     where
         DB::ErrorType: 'static,
     {
-        let color = PALETTE[i % PALETTE.len()];
+        let color = series_color(i);
         let (mut any_oom, mut any_failed) = (false, false);
         // Markers of different configurations at the same batch size sit side by side.
         let dx = (i as i32 * 2 - (self.configs.len() as i32 - 1)) * 8;
@@ -561,8 +561,10 @@ impl SweepChart {
             .max(1e-3)
             * 1.15;
         let mut speed = x.panel(area, max_ips, "throughput (images/s)")?;
+        let n = self.configs.len();
         for (i, (_, d)) in self.configs.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
+            let color = series_color(i);
+            let width = series_width(i, n);
             let pts: Vec<(f64, f64)> = d
                 .iter()
                 .filter_map(|p| {
@@ -571,11 +573,70 @@ impl SweepChart {
                         .map(|v| (x.x(p.batch), v))
                 })
                 .collect();
-            speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
-            speed.draw_series(pts.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+            speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
+            let r = 3 + width as i32 / 2;
+            speed.draw_series(pts.iter().map(|&p| Circle::new(p, r, color.filled())))?;
         }
         Ok(())
     }
+}
+
+/// The `--find-max` results as "max N" labels, each beside its point where it overlaps no other
+/// label and no point of the panel; one that fits nowhere is named in the upper right instead.
+/// `maxima`: (configuration index, batch, point).
+fn draw_max_labels<DB: DrawingBackend>(
+    mem: &mut Panel<'_, DB>,
+    configs: &[(String, Vec<SweepDot>)],
+    maxima: &[(usize, usize, (f64, f64))],
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let area = mem.plotting_area().strip_coord_spec();
+    let (x0, y0) = area.get_base_pixel();
+    let (w, h) = area.dim_in_pixel();
+    // Labels stay clear of the legend box in the upper left.
+    let legend_h = 30 * (configs.len() as i32 + 3);
+    let bounds = (x0, y0, x0 + w as i32, y0 + h as i32);
+    let mut boxes = LabelBoxes::default();
+    boxes.reserve((x0, y0, x0 + 420, y0 + legend_h));
+    for &(_, _, p) in maxima {
+        let (px, py) = mem.backend_coord(&p);
+        boxes.reserve((px - 7, py - 7, px + 7, py + 7));
+    }
+    let mut elsewhere = Vec::new();
+    for &(i, m, p) in maxima {
+        let color = series_color(i);
+        let style = TextStyle::from((FONT, 17).into_font()).color(&color);
+        let text = format!("max {m}");
+        let size = area.estimate_text_size(&text, &style)?;
+        let size = (size.0 as i32 + 2, size.1 as i32 + 2);
+        let (px, py) = mem.backend_coord(&p);
+        match boxes.place(&label_spots((px, py), size), size, bounds) {
+            Some((lx, ly)) => {
+                if let Some(end) = leader_end((px, py), (lx, ly), size) {
+                    area.draw(&PathElement::new(
+                        vec![(px - x0, py - y0), (end.0 - x0, end.1 - y0)],
+                        color.stroke_width(1),
+                    ))?;
+                }
+                area.draw(&Text::new(text, (lx - x0 + 1, ly - y0 + 1), style))?
+            }
+            None => elsewhere.push(format!("{}: max {m}", shorten(&configs[i].0, 30))),
+        }
+    }
+    const INK: RGBColor = RGBColor(60, 60, 60);
+    let style = TextStyle::from((FONT, 15).into_font())
+        .color(&INK)
+        .pos(Pos::new(HPos::Right, VPos::Top));
+    for (k, line) in elsewhere.into_iter().enumerate() {
+        area.draw(&Text::new(
+            line,
+            (w as i32 - 8, 8 + 20 * k as i32),
+            style.clone(),
+        ))?;
+    }
+    Ok(())
 }
 
 /// Signed percentage, e.g. `-23.4%`.

@@ -11,7 +11,9 @@
 //! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
 //! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
 
-use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use super::chart::{
+    render, series_color, series_width, shorten, Chart, DrawResult, MemUnit, Panel, FONT,
+};
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use crate::phase::Phase;
@@ -63,9 +65,10 @@ pub fn write_step_timeline_chart(run_dir: &Path, title: &str) -> Result<Vec<Path
 
 /// Draw `<base>.png` and `<base>.svg`: for every `(label, timeline)` a line of the measured peak
 /// above the step's start (`peak_bytes - start_bytes`) at each event. Configurations have
-/// different numbers of events (checkpointing adds recompute events, accumulation repeats the
-/// passes), so x is the position in the step, event index ÷ last index (0% = first event,
-/// 100% = last). Timelines without events are left out; with none left, nothing is written.
+/// different events (checkpointing adds recompute events, accumulation repeats the passes), so
+/// the x axis is their events merged by layer: the same layer in the same phase and micro-batch
+/// sits at the same x in every line, an event only some have gets its own slot. Timelines
+/// without events are left out; with none left, nothing is written.
 pub fn write_step_timeline_overlay(
     timelines: &[(String, StepTimeline)],
     base: &Path,
@@ -95,6 +98,11 @@ const STACK: [(&str, RGBColor); 6] = [
     ("transient (op outputs, workspaces)", RGBColor(23, 190, 207)),
 ];
 
+/// What event `e` allocated and freed before it ended: its peak above what is in use after it.
+fn freed_within(e: &TimelineEvent) -> u64 {
+    e.peak_bytes.saturating_sub(e.categories.total())
+}
+
 /// The bytes of each category in [`STACK`] order.
 fn stack_values(c: &CategoryBytes) -> [u64; 6] {
     [
@@ -106,6 +114,11 @@ fn stack_values(c: &CategoryBytes) -> [u64; 6] {
         c.transient,
     ]
 }
+
+/// The band on top of the stack: what the event allocated and freed again before it ended (its
+/// peak minus what is in use after it), so that the stack reaches the measured peak and the
+/// stack at the peak event is the peak's composition.
+const FREED: (&str, RGBColor) = ("freed within the event", RGBColor(158, 218, 229));
 
 const PEAK_COLOR: RGBColor = RGBColor(25, 25, 25);
 const PREDICTED_COLOR: RGBColor = RGBColor(214, 39, 40);
@@ -157,8 +170,8 @@ where
 enum Swatch {
     /// A filled box.
     Fill(RGBColor),
-    /// A line with a marker.
-    Line(RGBColor),
+    /// A line of the given width with a marker.
+    Line(RGBColor, u32),
     /// A dashed line.
     Dashed(RGBColor),
     /// A phase marker (black).
@@ -231,8 +244,8 @@ where
                         RGBColor(120, 120, 120).stroke_width(1),
                     ))?;
                 }
-                Swatch::Line(c) => {
-                    panel.draw(&PathElement::new(vec![(x0, y), (x1, y)], c.stroke_width(3)))?;
+                Swatch::Line(c, w) => {
+                    panel.draw(&PathElement::new(vec![(x0, y), (x1, y)], c.stroke_width(w)))?;
                     panel.draw(&Circle::new(((x0 + x1) / 2, y), 4, c.filled()))?;
                 }
                 Swatch::Dashed(c) => {
@@ -333,11 +346,16 @@ impl StepChart<'_> {
                 best
             }
         });
-        let mut rows = vec![LegendRow::heading("in use after each event")];
+        let mut rows = vec![LegendRow::heading("each event's peak, by category")];
         rows.push(LegendRow::text("(value at the peak event)"));
         let at_peak = peak_event
             .map(|e| stack_values(&e.categories))
             .unwrap_or_default();
+        rows.push(LegendRow::entry(
+            Swatch::Fill(FREED.1),
+            FREED.0,
+            unit.fmt(peak_event.map_or(0, freed_within)),
+        ));
         for (k, (label, color)) in STACK.iter().enumerate().rev() {
             rows.push(LegendRow::entry(
                 Swatch::Fill(*color),
@@ -348,16 +366,17 @@ impl StepChart<'_> {
         rows.push(LegendRow::gap());
         let peak = t.peak_bytes();
         rows.push(LegendRow::entry(
-            Swatch::Line(PEAK_COLOR),
+            Swatch::Line(PEAK_COLOR, 2),
             "measured peak",
             unit.fmt(peak),
         ));
         if let Some(e) = peak_event {
-            rows.push(LegendRow::text(format!(
-                "at {} of {}",
-                e.phase,
-                shorten(&e.layer, 24)
-            )));
+            let at = if e.layer.starts_with("recompute") {
+                format!("at {}", e.layer)
+            } else {
+                format!("at {} of {}", e.phase, e.layer)
+            };
+            rows.push(LegendRow::text(shorten(&at, 38)));
         }
         if events.iter().any(|e| e.predicted_peak_bytes.is_some()) {
             // Compared over the events that have a prediction (the trainer predicts the passes,
@@ -456,7 +475,7 @@ impl Chart for StepChart<'_> {
             .color(&TEXT_COLOR)
             .transform(FontTransform::Rotate270)
             .pos(Pos::new(HPos::Right, VPos::Center));
-        let names: Vec<String> = events.iter().map(|e| shorten(&e.layer, 26)).collect();
+        let names: Vec<String> = events.iter().map(|e| shorten(&e.layer, 40)).collect();
         let longest = names
             .iter()
             .map(|s| {
@@ -492,8 +511,9 @@ impl Chart for StepChart<'_> {
         draw_stack(&mut chart, events, &unit)?;
         let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n as f64;
         draw_region_labels(&mut chart, root, &regs, events, ymax, px_per_event)?;
-        draw_prediction(&mut chart, events, &unit)?;
+        // The prediction over the measurement: where they agree, its dashes stay visible.
         draw_peaks(&mut chart, events, &unit, px_per_event)?;
+        draw_prediction(&mut chart, events, &unit)?;
         draw_layer_names(&chart, root, &names, &label_style, px_per_event)?;
         draw_legend(&panel, 90, &self.legend_rows(&unit))?;
         Ok(())
@@ -534,11 +554,17 @@ where
     // Stacked categories: band k spans the sum of the categories below it to that sum plus
     // its own bytes, one polygon per band (no overdraw, so the SVG stays exact).
     let mut lower = vec![0f64; n];
-    for (k, (_, color)) in STACK.iter().enumerate() {
+    let bands = STACK.iter().chain(std::iter::once(&FREED));
+    for (k, (_, color)) in bands.enumerate() {
         let upper: Vec<f64> = events
             .iter()
             .zip(&lower)
-            .map(|(e, lo)| lo + unit.of(stack_values(&e.categories)[k]))
+            .map(|(e, lo)| {
+                lo + unit.of(match k {
+                    6 => freed_within(e),
+                    _ => stack_values(&e.categories)[k],
+                })
+            })
             .collect();
         if upper.iter().zip(&lower).any(|(u, l)| u > l) {
             // Each band runs flat across the outer half-slots of the first and last events,
@@ -752,23 +778,57 @@ where
 // Several runs: the peak above the step's start, overlaid
 // ---------------------------------------------------------------------------------------------
 
-/// One line per configuration over the step's position (0–100%).
+/// One line per configuration over the step's layer events, aligned by event.
 struct OverlayChart<'a> {
     lines: Vec<&'a (String, StepTimeline)>,
 }
 
-/// Position of event `i` of `n` in the step, in percent (a lone event sits at 0%).
-fn position_pct(i: usize, n: usize) -> f64 {
-    if n <= 1 {
-        0.0
-    } else {
-        i as f64 / (n - 1) as f64 * 100.0
+/// What identifies an event across configurations: phase, layer, micro-batch, and how many
+/// times the same three came before in the step.
+type EventKey = (Phase, String, usize, usize);
+
+fn event_keys(t: &StepTimeline) -> Vec<EventKey> {
+    let mut seen: Vec<(Phase, &str, usize)> = Vec::new();
+    t.events
+        .iter()
+        .map(|e| {
+            // One optimizer update per step, whatever micro-batch came last.
+            let micro = if e.phase == Phase::Optimizer {
+                0
+            } else {
+                e.micro_batch
+            };
+            let k = (e.phase, e.layer.as_str(), micro);
+            let nth = seen.iter().filter(|s| **s == k).count();
+            seen.push(k);
+            (e.phase, e.layer.clone(), micro, nth)
+        })
+        .collect()
+}
+
+/// The events of every timeline merged into one order that keeps each timeline's own order: an
+/// event the timelines share (the same layer in the same phase and micro-batch) gets one slot,
+/// so configurations line up by layer; an event only some have (a recomputation) gets its own.
+fn merged_events(lines: &[&(String, StepTimeline)]) -> Vec<EventKey> {
+    let mut order: Vec<EventKey> = Vec::new();
+    for (_, t) in lines {
+        let mut at = 0;
+        for k in event_keys(t) {
+            match order[at..].iter().position(|o| *o == k) {
+                Some(p) => at += p + 1,
+                None => {
+                    order.insert(at, k);
+                    at += 1;
+                }
+            }
+        }
     }
+    order
 }
 
 impl Chart for OverlayChart<'_> {
     fn size(&self) -> (u32, u32) {
-        (1500, 800)
+        (1500, 850)
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
@@ -786,22 +846,52 @@ impl Chart for OverlayChart<'_> {
             .max(1024 * 1024);
         let unit = MemUnit::for_max(max_bytes);
         let ymax = unit.of(max_bytes) * 1.1;
+        let order = merged_events(&self.lines);
+        let n = order.len();
         let (w, _) = root.dim_in_pixel();
         let (plot_area, panel) = root.split_horizontally(w - 390);
+        let label_style = TextStyle::from((FONT, 14).into_font())
+            .color(&TEXT_COLOR)
+            .transform(FontTransform::Rotate270)
+            .pos(Pos::new(HPos::Right, VPos::Center));
+        // The backward's events say so (the markers do too), a later micro-batch's its number.
+        let names: Vec<String> = order
+            .iter()
+            .map(|(phase, layer, micro, _)| {
+                let mut name = match phase {
+                    Phase::Backward if !layer.starts_with("recompute") => format!("bwd {layer}"),
+                    _ => layer.clone(),
+                };
+                if *micro > 0 {
+                    name.push_str(&format!(" (micro {})", micro + 1));
+                }
+                shorten(&name, 40)
+            })
+            .collect();
+        let longest = names
+            .iter()
+            .map(|s| {
+                plot_area
+                    .estimate_text_size(s, &label_style)
+                    .map(|(tw, _)| tw)
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
         let mut chart = ChartBuilder::on(&plot_area)
             .caption("Peak memory inside one training step", (FONT, 28))
             .margin(20)
-            .x_label_area_size(70)
+            .x_label_area_size((longest + 50).clamp(70, 260))
             .y_label_area_size(90)
-            .build_cartesian_2d(-2f64..102f64, 0f64..ymax)?;
+            .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)?;
         chart
             .configure_mesh()
-            .x_desc("position in the step: event index ÷ last index (0% first forward event, 100% last event)")
+            .disable_x_mesh()
+            .x_labels(0)
+            .x_desc("layer event of the step, aligned across configurations")
             .y_desc(format!("peak above the step's start ({})", unit.name))
             .axis_desc_style((FONT, 18))
             .label_style((FONT, 17))
-            .x_labels(11)
-            .x_label_formatter(&|x| format!("{x:.0}%"))
             .y_label_formatter(&|y| format!("{y:.0}"))
             .light_line_style(RGBColor(244, 244, 244))
             .draw()?;
@@ -809,28 +899,34 @@ impl Chart for OverlayChart<'_> {
             LegendRow::heading("configuration"),
             LegendRow::text("(highest peak above the start)"),
         ];
+        let lines = self.lines.len();
         for (i, (label, t)) in self.lines.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
-            let n = t.events.len();
-            let pts: Vec<(f64, f64)> = t
-                .events
+            let color = series_color(i);
+            let width = series_width(i, lines);
+            let keys = event_keys(t);
+            let pts: Vec<(f64, f64)> = keys
                 .iter()
-                .enumerate()
-                .map(|(j, e)| (position_pct(j, n), unit.of(above(t, e))))
+                .zip(&t.events)
+                .filter_map(|(k, e)| {
+                    let x = order.iter().position(|o| o == k)?;
+                    Some((x as f64, unit.of(above(t, e))))
+                })
                 .collect();
-            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
-            if n <= 120 {
+            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
+            if t.events.len() <= 120 {
                 for (p, e) in pts.iter().zip(&t.events) {
-                    phase_marker(&mut chart, *p, e.phase, color, 4)?;
+                    phase_marker(&mut chart, *p, e.phase, color, 2 + width as i32 / 2)?;
                 }
             }
             let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
             rows.push(LegendRow::entry(
-                Swatch::Line(color),
+                Swatch::Line(color, width),
                 shorten(label, 24),
                 format!("+{}", unit.fmt(top)),
             ));
         }
+        let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n.max(1) as f64;
+        draw_layer_names(&chart, root, &names, &label_style, px_per_event)?;
         rows.push(LegendRow::gap());
         rows.push(LegendRow::heading("markers: phase of the event"));
         for p in [Phase::Forward, Phase::Backward, Phase::Optimizer] {

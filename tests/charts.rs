@@ -315,3 +315,62 @@ fn the_overlap_check_finds_overlapping_labels() {
     assert_no_overlap(&svg);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn compare_charts_keep_cjk_and_emoji_labels_and_twelve_bar_colours() {
+    use memtrain::sweep::report::write_compare_report;
+    use memtrain::sweep::results::{CompareEntry, CompareResult};
+    let dir = tmp("compare");
+    let labels: Vec<String> = ["基线", "训练 f16", "🚀 fast"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain((0..9).map(|i| format!("config {i}")))
+        .collect();
+    let mut r = CompareResult {
+        command: "compare".into(),
+        common: Vec::new(),
+        entries: labels
+            .iter()
+            .enumerate()
+            .map(|(i, l)| CompareEntry {
+                label: l.clone(),
+                flags: Vec::new(),
+                run: run(
+                    &dir.join(format!("run{i}")),
+                    30.0 + i as f64,
+                    400.0 - i as f64,
+                ),
+                peak_change_pct: None,
+                speed_change_pct: None,
+                oom_snapshot: None,
+            })
+            .collect(),
+        interrupted: false,
+    };
+    r.update_changes();
+    write_compare_report(&dir, &r).unwrap();
+    for chart in ["peak_memory.svg", "frontier.svg"] {
+        assert_no_overlap(&dir.join(chart));
+        let texts: Vec<String> = text_boxes(&dir.join(chart))
+            .into_iter()
+            .map(|t| t.0)
+            .collect();
+        // The SVG keeps the labels as they are (a browser draws them with its fonts).
+        assert!(texts.iter().any(|t| t.contains("训练 f16")), "{texts:?}");
+        assert!(texts.iter().any(|t| t.contains("🚀 fast")), "{texts:?}");
+    }
+    let svg = std::fs::read_to_string(dir.join("peak_memory.svg")).unwrap();
+    let doc = roxmltree::Document::parse(&svg).unwrap();
+    let mut fills: Vec<&str> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("rect"))
+        .filter_map(|n| n.attribute("fill"))
+        .filter(|f| *f != "#FFFFFF")
+        .collect();
+    fills.sort();
+    fills.dedup();
+    assert!(fills.len() >= 12, "one colour per bar: {fills:?}");
+    if std::env::var_os("MEMTRAIN_KEEP_CHARTS").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

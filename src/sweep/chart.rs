@@ -2,7 +2,8 @@
 //! the palette, the memory axis unit and [`render`], which draws a [`Chart`] to PNG and SVG.
 //!
 //! Charts render text with DejaVu Sans embedded in the binary (the `dejavu` crate), so they need
-//! no system fonts. Both files are written atomically (see [`crate::io::write_atomic`]).
+//! no system fonts; in the PNG a character it has no glyph for (CJK, emoji) is written as its
+//! code point (`[U+8BAD]`) instead of an empty box ([`png_text`]), the SVG keeps it. Both files are written atomically (see [`crate::io::write_atomic`]).
 
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
@@ -41,18 +42,21 @@ pub(crate) const PALETTE: [RGBColor; 9] = [
 /// The memory limit's line (always dashed, in the plot and in the legend) and the failure texts.
 pub(crate) const LIMIT_COLOR: RGBColor = RGBColor(200, 30, 30);
 
-/// The colour of series `i`: the palette first, then hues spread by the golden angle (kept away
-/// from the limit's red) at two lightnesses, so no two of any number of series share a colour.
+/// The colour of series `i`: the palette first, then ten hues (red, the limit's, left out) at
+/// three lightnesses, then hues spread by the golden angle: no two series share a colour, and
+/// the first 39 are far apart.
 pub(crate) fn series_color(i: usize) -> RGBColor {
     if let Some(&c) = PALETTE.get(i) {
         return c;
     }
     let k = i - PALETTE.len();
-    // Hues 30°–330°: red (0°) is the limit's.
-    let hue = 30.0 + ((k as f64 + 0.5) * 137.508) % 300.0;
-    let light = if k % 2 == 0 { 0.42 } else { 0.58 };
-    let HSLColor(h, s, l) = HSLColor(hue / 360.0, 0.65, light);
-    let rgb = HSLColor(h, s, l).to_rgba();
+    let (hue, light) = if k < 30 {
+        (35.0 + 29.0 * (k % 10) as f64, [0.33, 0.5, 0.68][k / 10])
+    } else {
+        let h = 40.0 + ((k as f64) * 137.508) % 280.0;
+        (h, [0.42, 0.58][k % 2])
+    };
+    let rgb = HSLColor(hue / 360.0, 0.7, light).to_rgba();
     RGBColor(rgb.0, rgb.1, rgb.2)
 }
 
@@ -209,6 +213,124 @@ fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
     )
 }
 
+/// Whether the embedded DejaVu Sans has a glyph for `c` (CJK and emoji it has not).
+fn font_covers(c: char) -> bool {
+    use ab_glyph::Font as _;
+    static FONT: std::sync::OnceLock<Option<ab_glyph::FontRef<'static>>> =
+        std::sync::OnceLock::new();
+    FONT.get_or_init(|| ab_glyph::FontRef::try_from_slice(dejavu::sans::regular()).ok())
+        .as_ref()
+        .is_none_or(|f| c.is_control() || f.glyph_id(c).0 != 0)
+}
+
+/// `text` as the PNG draws it: a character the embedded font has no glyph for (CJK, emoji)
+/// becomes its code point, `[U+8BAD]`, rather than an empty box, so that labels stay readable
+/// and distinct. The SVG twin keeps the text as it is (a browser renders it with its own fonts).
+pub(crate) fn png_text(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.chars().all(font_covers) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if font_covers(c) {
+            out.push(c);
+        } else {
+            out.push_str(&format!("[U+{:04X}]", c as u32));
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// A bitmap backend whose texts go through [`png_text`] (drawn and measured alike, so that
+/// label placement sees the text as drawn).
+struct PngBackend<'a>(BitMapBackend<'a>);
+
+impl DrawingBackend for PngBackend<'_> {
+    type ErrorType = <BitMapBackend<'static> as DrawingBackend>::ErrorType;
+
+    fn get_size(&self) -> (u32, u32) {
+        self.0.get_size()
+    }
+    fn ensure_prepared(&mut self) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.ensure_prepared()
+    }
+    fn present(&mut self) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.present()
+    }
+    fn draw_pixel(
+        &mut self,
+        point: plotters_backend::BackendCoord,
+        color: plotters_backend::BackendColor,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_pixel(point, color)
+    }
+    fn draw_line<S: plotters_backend::BackendStyle>(
+        &mut self,
+        from: plotters_backend::BackendCoord,
+        to: plotters_backend::BackendCoord,
+        style: &S,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_line(from, to, style)
+    }
+    fn draw_rect<S: plotters_backend::BackendStyle>(
+        &mut self,
+        upper_left: plotters_backend::BackendCoord,
+        bottom_right: plotters_backend::BackendCoord,
+        style: &S,
+        fill: bool,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_rect(upper_left, bottom_right, style, fill)
+    }
+    fn draw_path<S: plotters_backend::BackendStyle, I: IntoIterator<Item = (i32, i32)>>(
+        &mut self,
+        path: I,
+        style: &S,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_path(path, style)
+    }
+    fn draw_circle<S: plotters_backend::BackendStyle>(
+        &mut self,
+        center: plotters_backend::BackendCoord,
+        radius: u32,
+        style: &S,
+        fill: bool,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_circle(center, radius, style, fill)
+    }
+    fn fill_polygon<S: plotters_backend::BackendStyle, I: IntoIterator<Item = (i32, i32)>>(
+        &mut self,
+        vert: I,
+        style: &S,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.fill_polygon(vert, style)
+    }
+    fn draw_text<T: plotters_backend::BackendTextStyle>(
+        &mut self,
+        text: &str,
+        style: &T,
+        pos: plotters_backend::BackendCoord,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_text(&png_text(text), style, pos)
+    }
+    fn estimate_text_size<T: plotters_backend::BackendTextStyle>(
+        &self,
+        text: &str,
+        style: &T,
+    ) -> Result<(u32, u32), BackendError<Self::ErrorType>> {
+        self.0.estimate_text_size(&png_text(text), style)
+    }
+    fn blit_bitmap(
+        &mut self,
+        pos: plotters_backend::BackendCoord,
+        size: (u32, u32),
+        src: &[u8],
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.blit_bitmap(pos, size, src)
+    }
+}
+
+type BackendError<E> = plotters_backend::DrawingErrorKind<E>;
+
 /// Render `chart` to `<stem>.png` and `<stem>.svg` (each written atomically); returns both paths.
 pub(crate) fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
     ensure_fonts();
@@ -217,7 +339,7 @@ pub(crate) fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
     let svg_path = stem.with_extension("svg");
     let mut rgb = vec![255u8; w as usize * h as usize * 3];
     {
-        let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
+        let root = PngBackend(BitMapBackend::with_buffer(&mut rgb, (w, h))).into_drawing_area();
         root.fill(&WHITE).map_err(|e| chart_error(&png_path, e))?;
         chart.draw(&root).map_err(|e| chart_error(&png_path, e))?;
         root.present().map_err(|e| chart_error(&png_path, e))?;
@@ -254,5 +376,39 @@ pub(crate) fn shorten(s: &str, max: usize) -> String {
             "{}…",
             s.chars().take(max.saturating_sub(1)).collect::<String>()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn png_text_spells_out_what_the_font_lacks() {
+        assert_eq!(png_text("训练 f16 🚀"), "[U+8BAD][U+7EC3] f16 [U+1F680]");
+        // What DejaVu Sans draws stays as it is: the charts' own signs and accented Latin.
+        for s in ["f32 b128", "−23.4% ✓ … – ×", "réseau Ω"] {
+            assert_eq!(png_text(s), s);
+        }
+    }
+
+    #[test]
+    fn series_colours_are_distinct_and_never_the_limit_red() {
+        let colours: Vec<RGBColor> = (0..39).map(series_color).collect();
+        for (i, a) in colours.iter().enumerate() {
+            assert_ne!(*a, LIMIT_COLOR);
+            // Far from the limit's red: not a strong red (high R, low G and B).
+            assert!(!(a.0 > 170 && a.1 < 90 && a.2 < 90), "{i}: {a:?}");
+            for b in &colours[i + 1..] {
+                let d = (a.0 as i32 - b.0 as i32).abs()
+                    + (a.1 as i32 - b.1 as i32).abs()
+                    + (a.2 as i32 - b.2 as i32).abs();
+                assert!(d > 20, "{a:?} and {b:?} look alike");
+            }
+        }
+        let many: Vec<RGBColor> = (0..300).map(series_color).collect();
+        for (i, a) in many.iter().enumerate() {
+            assert!(!many[i + 1..].contains(a), "series {i}: {a:?} repeats");
+        }
     }
 }

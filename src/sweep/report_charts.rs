@@ -3,8 +3,8 @@
 //! size.
 
 use super::chart::{
-    dashed_swatch, label_spots, leader_end, series_color, series_width, shorten, Chart, DrawError,
-    DrawResult, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
+    dashed_swatch, label_spots, leader_end, png_text, series_color, series_width, shorten, Chart,
+    DrawError, DrawResult, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
 };
 use super::results::SweepResult;
 use super::{ChildRun, Status};
@@ -48,7 +48,14 @@ impl Chart for BarChart {
         let unit = MemUnit::for_max(max);
         let xmax = unit.of(max).max(1e-3) * 1.32;
         let labels: Vec<String> = self.bars.iter().map(|b| shorten(&b.label, 38)).collect();
-        let label_w = labels.iter().map(|l| l.chars().count()).max().unwrap_or(8) as u32 * 10 + 24;
+        // Wide enough for the PNG's spelling too (code points for what the font lacks).
+        let label_w = labels
+            .iter()
+            .map(|l| png_text(l).chars().count())
+            .max()
+            .unwrap_or(8) as u32
+            * 10
+            + 24;
         // Bars top to bottom in the given order: bar i sits at row n-1-i.
         let row = |i: usize| n - 1 - i;
         let mut chart = ChartBuilder::on(root)

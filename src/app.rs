@@ -229,11 +229,11 @@ fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
         eprintln!("warning: {warning}");
     }
     let resumed = format!(
-        "resuming from {} (step {}, epoch {}, batch {})",
+        "resuming from {} (after step {}: epoch {}, batch {} next)",
         ck.dir.display(),
         ck.state.global_step,
-        ck.state.epoch,
-        ck.state.next_batch
+        ck.state.epoch + 1,
+        ck.state.next_batch + 1
     );
     let changes = ck.noted_changes(&trainer.config);
     trainer.resume(ck)?;
@@ -256,8 +256,13 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
             format_bytes(summary.step_peak_bytes)
         );
     }
+    // A peak outside training (phase "other") is not the configuration's: name the step peak.
+    let training = match summary.peak_phase.as_deref() {
+        Some("other") => format!("; training peak {}", format_bytes(summary.step_peak_bytes)),
+        _ => String::new(),
+    };
     println!(
-        "peak {} ({}) | {:.1} img/s | {} steps{}",
+        "peak {} ({}{training}) | {:.1} img/s | {} steps{}",
         format_bytes(summary.peak_bytes),
         summary.peak_phase.as_deref().unwrap_or("-"),
         summary.images_per_sec,

@@ -242,7 +242,8 @@ fn step(label: &str, scale: u64) -> memtrain::memory::timeline::StepTimeline {
 
 #[test]
 fn step_charts_have_no_overlapping_labels_and_the_overlay_aligns_by_layer() {
-    use memtrain::sweep::step_chart::{write_step_timeline_chart, write_step_timeline_overlay};
+    use memtrain::sweep::step_chart::write_step_timeline_chart;
+    use memtrain::sweep::step_overlay::write_step_timeline_overlay;
     let dir = tmp("step");
     let t = step("bs128 f32 ckpt=stages", 1);
     std::fs::write(

@@ -237,3 +237,38 @@ impl Callback for MetricsLogger {
         self.write_memory(ctx.memory)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `batches.csv` of a version that numbered from 0 and named the columns without `_bytes`
+    /// keeps its rows on resume, renumbered from 1 under the new header; rows of steps after the
+    /// snapshot and a torn last row go.
+    #[test]
+    fn an_older_batches_csv_is_kept_renumbered() {
+        let dir = std::env::temp_dir().join(format!("memtrain-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(BATCHES_CSV);
+        let row = |e: usize, b: usize, g: usize| {
+            format!("{e},{b},{g},32,2.3,0.1,,0,0.5,1.0,100,backward,10,20,90,100,30,,50,60\n")
+        };
+        let text = format!(
+            "{OLD_BATCH_CSV_HEADER}\n{}{}{}0,3,3,32",
+            row(0, 0, 0),
+            row(0, 1, 1),
+            row(0, 2, 2)
+        );
+        std::fs::write(&path, text).unwrap();
+        let kept = kept_batch_rows(&path, 2);
+        let lines: Vec<&str> = kept.lines().collect();
+        assert_eq!(lines[0], BATCH_CSV_HEADER);
+        assert_eq!(lines.len(), 3, "{kept}");
+        assert!(lines[1].starts_with("1,1,1,32,"), "{kept}");
+        assert!(lines[2].starts_with("1,2,2,32,"), "{kept}");
+        // The same file in today's numbering keeps the same rows unchanged.
+        std::fs::write(&path, &kept).unwrap();
+        assert_eq!(kept_batch_rows(&path, 2), kept);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -16,6 +16,7 @@ pub mod report;
 mod report_charts;
 pub mod results;
 pub mod step_chart;
+pub mod step_overlay;
 
 use crate::error::{Error, Result};
 use crate::train::Summary;

@@ -4,16 +4,14 @@
 //! - [`write_step_timeline_chart`]: `step_timeline.{png,svg}` of one run directory: the bytes in
 //!   use after every layer event as stacked areas by category, the measured peak between events,
 //!   the estimate's prediction, and the forward, backward and optimizer regions of the step.
-//! - [`write_step_timeline_overlay`]: one line per configuration of the peak above the step's
-//!   start over the step, for comparisons.
+//! - `step_overlay::write_step_timeline_overlay`: one line per configuration of the peak above
+//!   the step's start over the step, for comparisons (its own module, drawn with the pieces here).
 //!
 //! Both are drawn with the machinery of `sweep::chart` (embedded fonts, PNG and SVG, atomic
 //! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
 //! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
 
-use super::chart::{
-    render, series_color, series_width, shorten, Chart, DrawResult, MemUnit, Panel, FONT,
-};
+use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT};
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use crate::phase::Phase;
@@ -63,26 +61,6 @@ pub fn write_step_timeline_chart(run_dir: &Path, title: &str) -> Result<Vec<Path
     render(&chart, &run_dir.join(STEP_TIMELINE_CHART))
 }
 
-/// Draw `<base>.png` and `<base>.svg`: for every `(label, timeline)` a line of the measured peak
-/// above the step's start (`peak_bytes - start_bytes`) at each event. Configurations have
-/// different events (checkpointing adds recompute events, accumulation repeats the passes), so
-/// the x axis is their events merged by layer: the same layer in the same phase and micro-batch
-/// sits at the same x in every line, an event only some have gets its own slot. Timelines
-/// without events are left out; with none left, nothing is written.
-pub fn write_step_timeline_overlay(
-    timelines: &[(String, StepTimeline)],
-    base: &Path,
-) -> Result<Vec<PathBuf>> {
-    let lines: Vec<&(String, StepTimeline)> = timelines
-        .iter()
-        .filter(|(_, t)| !t.events.is_empty())
-        .collect();
-    if lines.is_empty() {
-        return Ok(Vec::new());
-    }
-    render(&OverlayChart { lines }, base)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Shared pieces
 // ---------------------------------------------------------------------------------------------
@@ -122,7 +100,7 @@ const FREED: (&str, RGBColor) = ("freed within the event", RGBColor(158, 218, 22
 
 const PEAK_COLOR: RGBColor = RGBColor(25, 25, 25);
 const PREDICTED_COLOR: RGBColor = RGBColor(214, 39, 40);
-const TEXT_COLOR: RGBColor = RGBColor(50, 50, 50);
+pub(super) const TEXT_COLOR: RGBColor = RGBColor(50, 50, 50);
 
 /// Background shade and label colour of a phase region.
 fn phase_colors(p: Phase) -> (RGBColor, RGBColor) {
@@ -136,7 +114,7 @@ fn phase_colors(p: Phase) -> (RGBColor, RGBColor) {
 
 /// A marker at pixel offset `(0, 0)` of an event, by phase (so a line's passes can be told apart
 /// without the background regions): circle forward, triangle backward, square otherwise.
-fn phase_marker<DB: DrawingBackend>(
+pub(super) fn phase_marker<DB: DrawingBackend>(
     chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
     at: (f64, f64),
     phase: Phase,
@@ -167,7 +145,7 @@ where
 
 /// How a legend entry is drawn.
 #[derive(Debug, Clone, Copy)]
-enum Swatch {
+pub(super) enum Swatch {
     /// A filled box.
     Fill(RGBColor),
     /// A line of the given width with a marker.
@@ -179,7 +157,7 @@ enum Swatch {
 }
 
 /// One row of a legend panel: swatch, label, and a value aligned right.
-struct LegendRow {
+pub(super) struct LegendRow {
     swatch: Option<Swatch>,
     label: String,
     value: String,
@@ -187,7 +165,11 @@ struct LegendRow {
 }
 
 impl LegendRow {
-    fn entry(swatch: Swatch, label: impl Into<String>, value: impl Into<String>) -> Self {
+    pub(super) fn entry(
+        swatch: Swatch,
+        label: impl Into<String>,
+        value: impl Into<String>,
+    ) -> Self {
         LegendRow {
             swatch: Some(swatch),
             label: label.into(),
@@ -196,7 +178,7 @@ impl LegendRow {
         }
     }
 
-    fn heading(label: impl Into<String>) -> Self {
+    pub(super) fn heading(label: impl Into<String>) -> Self {
         LegendRow {
             swatch: None,
             label: label.into(),
@@ -205,7 +187,7 @@ impl LegendRow {
         }
     }
 
-    fn text(label: impl Into<String>) -> Self {
+    pub(super) fn text(label: impl Into<String>) -> Self {
         LegendRow {
             swatch: None,
             label: label.into(),
@@ -214,13 +196,13 @@ impl LegendRow {
         }
     }
 
-    fn gap() -> Self {
+    pub(super) fn gap() -> Self {
         LegendRow::text("")
     }
 }
 
 /// Draw legend rows top-down into `panel` (its own pixel coordinates), starting at `top`.
-fn draw_legend<DB: DrawingBackend>(
+pub(super) fn draw_legend<DB: DrawingBackend>(
     panel: &DrawingArea<DB, Shift>,
     top: i32,
     rows: &[LegendRow],
@@ -404,40 +386,48 @@ impl StepChart<'_> {
             value: unit.fmt(t.start_bytes),
             ..LegendRow::text("in use at the step's start")
         });
-        rows.push(LegendRow::gap());
-        rows.push(LegendRow::heading("regions of the step"));
-        let mut seen: Vec<Phase> = Vec::new();
-        for e in events {
-            if !seen.contains(&e.phase) {
-                seen.push(e.phase);
-            }
-        }
-        for p in seen {
-            rows.push(LegendRow::entry(
-                Swatch::Fill(phase_colors(p).0),
-                p.to_string(),
-                "",
-            ));
-        }
-        rows.push(LegendRow::gap());
-        let micro = events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
-        let mut about = format!("step {}", t.global_step);
-        if !t.probe.is_empty() {
-            about.push_str(&format!(", probe {}", t.probe));
-        }
-        rows.push(LegendRow::text(about));
-        rows.push(LegendRow::text(format!(
-            "{} event{}{}",
-            events.len(),
-            if events.len() == 1 { "" } else { "s" },
-            if micro > 1 {
-                format!(", {micro} micro-batches")
-            } else {
-                String::new()
-            }
-        )));
+        rows.extend(about_rows(t));
         rows
     }
+}
+
+/// The legend's last rows: the step's regions, which step it is and how many events it has.
+fn about_rows(t: &StepTimeline) -> Vec<LegendRow> {
+    let events = &t.events;
+    let mut rows = Vec::new();
+    rows.push(LegendRow::gap());
+    rows.push(LegendRow::heading("regions of the step"));
+    let mut seen: Vec<Phase> = Vec::new();
+    for e in events {
+        if !seen.contains(&e.phase) {
+            seen.push(e.phase);
+        }
+    }
+    for p in seen {
+        rows.push(LegendRow::entry(
+            Swatch::Fill(phase_colors(p).0),
+            p.to_string(),
+            "",
+        ));
+    }
+    rows.push(LegendRow::gap());
+    let micro = events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
+    let mut about = format!("step {}", t.global_step);
+    if !t.probe.is_empty() {
+        about.push_str(&format!(", probe {}", t.probe));
+    }
+    rows.push(LegendRow::text(about));
+    rows.push(LegendRow::text(format!(
+        "{} event{}{}",
+        events.len(),
+        if events.len() == 1 { "" } else { "s" },
+        if micro > 1 {
+            format!(", {micro} micro-batches")
+        } else {
+            String::new()
+        }
+    )));
+    rows
 }
 
 impl Chart for StepChart<'_> {
@@ -742,7 +732,7 @@ where
 }
 
 /// The layer names under the axis, rotated, thinned to one every few events when dense.
-fn draw_layer_names<DB: DrawingBackend>(
+pub(super) fn draw_layer_names<DB: DrawingBackend>(
     chart: &Panel<'_, DB>,
     root: &DrawingArea<DB, Shift>,
     names: &[String],
@@ -772,167 +762,4 @@ where
         ))?;
     }
     Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
-// Several runs: the peak above the step's start, overlaid
-// ---------------------------------------------------------------------------------------------
-
-/// One line per configuration over the step's layer events, aligned by event.
-struct OverlayChart<'a> {
-    lines: Vec<&'a (String, StepTimeline)>,
-}
-
-/// What identifies an event across configurations: phase, layer, micro-batch, and how many
-/// times the same three came before in the step.
-type EventKey = (Phase, String, usize, usize);
-
-fn event_keys(t: &StepTimeline) -> Vec<EventKey> {
-    let mut seen: Vec<(Phase, &str, usize)> = Vec::new();
-    t.events
-        .iter()
-        .map(|e| {
-            // One optimizer update per step, whatever micro-batch came last.
-            let micro = if e.phase == Phase::Optimizer {
-                0
-            } else {
-                e.micro_batch
-            };
-            let k = (e.phase, e.layer.as_str(), micro);
-            let nth = seen.iter().filter(|s| **s == k).count();
-            seen.push(k);
-            (e.phase, e.layer.clone(), micro, nth)
-        })
-        .collect()
-}
-
-/// The events of every timeline merged into one order that keeps each timeline's own order: an
-/// event the timelines share (the same layer in the same phase and micro-batch) gets one slot,
-/// so configurations line up by layer; an event only some have (a recomputation) gets its own.
-fn merged_events(lines: &[&(String, StepTimeline)]) -> Vec<EventKey> {
-    let mut order: Vec<EventKey> = Vec::new();
-    for (_, t) in lines {
-        let mut at = 0;
-        for k in event_keys(t) {
-            match order[at..].iter().position(|o| *o == k) {
-                Some(p) => at += p + 1,
-                None => {
-                    order.insert(at, k);
-                    at += 1;
-                }
-            }
-        }
-    }
-    order
-}
-
-impl Chart for OverlayChart<'_> {
-    fn size(&self) -> (u32, u32) {
-        (1500, 850)
-    }
-
-    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
-    where
-        DB::ErrorType: 'static,
-    {
-        let above =
-            |t: &StepTimeline, e: &TimelineEvent| e.peak_bytes.saturating_sub(t.start_bytes);
-        let max_bytes = self
-            .lines
-            .iter()
-            .flat_map(|(_, t)| t.events.iter().map(move |e| above(t, e)))
-            .max()
-            .unwrap_or(0)
-            .max(1024 * 1024);
-        let unit = MemUnit::for_max(max_bytes);
-        let ymax = unit.of(max_bytes) * 1.1;
-        let order = merged_events(&self.lines);
-        let n = order.len();
-        let (w, _) = root.dim_in_pixel();
-        let (plot_area, panel) = root.split_horizontally(w - 390);
-        let label_style = TextStyle::from((FONT, 14).into_font())
-            .color(&TEXT_COLOR)
-            .transform(FontTransform::Rotate270)
-            .pos(Pos::new(HPos::Right, VPos::Center));
-        // The backward's events say so (the markers do too), a later micro-batch's its number.
-        let names: Vec<String> = order
-            .iter()
-            .map(|(phase, layer, micro, _)| {
-                let mut name = match phase {
-                    Phase::Backward if !layer.starts_with("recompute") => format!("bwd {layer}"),
-                    _ => layer.clone(),
-                };
-                if *micro > 0 {
-                    name.push_str(&format!(" (micro {})", micro + 1));
-                }
-                shorten(&name, 40)
-            })
-            .collect();
-        let longest = names
-            .iter()
-            .map(|s| {
-                plot_area
-                    .estimate_text_size(s, &label_style)
-                    .map(|(tw, _)| tw)
-                    .unwrap_or(0)
-            })
-            .max()
-            .unwrap_or(0);
-        let mut chart = ChartBuilder::on(&plot_area)
-            .caption("Peak memory inside one training step", (FONT, 28))
-            .margin(20)
-            .x_label_area_size((longest + 50).clamp(70, 260))
-            .y_label_area_size(90)
-            .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(0)
-            .x_desc("layer event of the step, aligned across configurations")
-            .y_desc(format!("peak above the step's start ({})", unit.name))
-            .axis_desc_style((FONT, 18))
-            .label_style((FONT, 17))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .light_line_style(RGBColor(244, 244, 244))
-            .draw()?;
-        let mut rows = vec![
-            LegendRow::heading("configuration"),
-            LegendRow::text("(highest peak above the start)"),
-        ];
-        let lines = self.lines.len();
-        for (i, (label, t)) in self.lines.iter().enumerate() {
-            let color = series_color(i);
-            let width = series_width(i, lines);
-            let keys = event_keys(t);
-            let pts: Vec<(f64, f64)> = keys
-                .iter()
-                .zip(&t.events)
-                .filter_map(|(k, e)| {
-                    let x = order.iter().position(|o| o == k)?;
-                    Some((x as f64, unit.of(above(t, e))))
-                })
-                .collect();
-            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
-            if t.events.len() <= 120 {
-                for (p, e) in pts.iter().zip(&t.events) {
-                    phase_marker(&mut chart, *p, e.phase, color, 2 + width as i32 / 2)?;
-                }
-            }
-            let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
-            rows.push(LegendRow::entry(
-                Swatch::Line(color, width),
-                shorten(label, 24),
-                format!("+{}", unit.fmt(top)),
-            ));
-        }
-        let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n.max(1) as f64;
-        draw_layer_names(&chart, root, &names, &label_style, px_per_event)?;
-        rows.push(LegendRow::gap());
-        rows.push(LegendRow::heading("markers: phase of the event"));
-        for p in [Phase::Forward, Phase::Backward, Phase::Optimizer] {
-            rows.push(LegendRow::entry(Swatch::Marker(p), p.to_string(), ""));
-        }
-        draw_legend(&panel, 90, &rows)?;
-        Ok(())
-    }
 }

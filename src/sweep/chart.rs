@@ -66,6 +66,16 @@ pub(crate) fn series_width(i: usize, n: usize) -> u32 {
     3 + 2 * (n.saturating_sub(1 + i)).min(2) as u32
 }
 
+/// For every series (its points, in drawing order), the first earlier series with exactly the
+/// same points, if any: drawn dashed over it and named in the legend, it cannot hide it.
+pub(crate) fn same_as(series: &[Vec<(f64, f64)>]) -> Vec<Option<usize>> {
+    series
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (0..i).find(|&j| !s.is_empty() && series[j] == *s))
+        .collect()
+}
+
 /// A legend swatch of a dashed line, as the plot draws the memory limit.
 pub(crate) fn dashed_swatch(
     (x, y): (i32, i32),

@@ -3,8 +3,8 @@
 //! size.
 
 use super::chart::{
-    dashed_swatch, label_spots, leader_end, png_text, series_color, series_width, shorten, Chart,
-    DrawError, DrawResult, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
+    dashed_swatch, label_spots, leader_end, png_text, same_as, series_color, series_width, shorten,
+    Chart, DrawError, DrawResult, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
 };
 use super::results::SweepResult;
 use super::{ChildRun, Status};
@@ -148,6 +148,59 @@ pub(super) struct TimelineChart {
     pub(super) hlines: Vec<HLine>,
 }
 
+impl TimelineChart {
+    /// Every series as a line (with a marker per point while they stay apart); one identical to
+    /// an earlier series is dashed over it and named in the legend.
+    fn draw_lines<DB: DrawingBackend>(
+        &self,
+        chart: &mut Panel<'_, DB>,
+        unit: &MemUnit,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let n = self.series.len();
+        let all: Vec<Vec<(f64, f64)>> = self
+            .series
+            .iter()
+            .map(|s| s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect())
+            .collect();
+        let same = same_as(&all);
+        for (i, (s, pts)) in self.series.iter().zip(all).enumerate() {
+            let color = s.color.unwrap_or(series_color(i));
+            let width = if s.thin { 2 } else { series_width(i, n) };
+            let mut label = shorten(&s.label, 60);
+            if let Some(j) = same[i] {
+                // Identical to an earlier line: dashed over it, so both stay visible.
+                label = format!("{label} (= {})", shorten(&self.series[j].label, 20));
+                chart
+                    .draw_series(DashedLineSeries::new(
+                        pts.clone(),
+                        10,
+                        8,
+                        color.stroke_width(width),
+                    ))?
+                    .label(label)
+                    .legend(move |p| dashed_swatch(p, color));
+            } else {
+                chart
+                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
+                    .label(label)
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
+                    });
+            }
+            if pts.len() <= 80 {
+                chart.draw_series(
+                    pts.iter()
+                        .map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Chart for TimelineChart {
     fn size(&self) -> (u32, u32) {
         (1200, 700)
@@ -215,24 +268,7 @@ impl Chart for TimelineChart {
                 .label(h.label.clone())
                 .legend(move |p| dashed_swatch(p, color));
         }
-        let n = self.series.len();
-        for (i, s) in self.series.iter().enumerate() {
-            let color = s.color.unwrap_or(series_color(i));
-            let width = if s.thin { 2 } else { series_width(i, n) };
-            let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect();
-            chart
-                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
-                .label(shorten(&s.label, 60))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
-                });
-            if pts.len() <= 80 {
-                chart.draw_series(
-                    pts.iter()
-                        .map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())),
-                )?;
-            }
-        }
+        self.draw_lines(&mut chart, &unit)?;
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperRight)
@@ -453,19 +489,42 @@ impl SweepChart {
         let (mut any_oom, mut any_failed) = (false, false);
         let n = self.configs.len();
         let mut maxima = Vec::new();
-        for (i, (label, d)) in self.configs.iter().enumerate() {
+        let all: Vec<Vec<(f64, f64)>> = self
+            .configs
+            .iter()
+            .map(|(_, d)| {
+                d.iter()
+                    .filter(|p| p.status == Status::Ok)
+                    .filter_map(|p| p.peak.map(|b| (x.x(p.batch), unit.of(b))))
+                    .collect()
+            })
+            .collect();
+        let same = same_as(&all);
+        for (i, ((label, d), ok)) in self.configs.iter().zip(all).enumerate() {
             let color = series_color(i);
             let width = series_width(i, n);
-            let ok: Vec<(f64, f64)> = d
-                .iter()
-                .filter(|p| p.status == Status::Ok)
-                .filter_map(|p| p.peak.map(|b| (x.x(p.batch), unit.of(b))))
-                .collect();
-            mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(width)))?
-                .label(shorten(label, 50))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
-                });
+            if let Some(j) = same[i] {
+                // Identical to an earlier configuration: dashed over it, named in the legend.
+                let label = format!(
+                    "{} (= {})",
+                    shorten(label, 40),
+                    shorten(&self.configs[j].0, 20)
+                );
+                mem.draw_series(DashedLineSeries::new(
+                    ok.clone(),
+                    10,
+                    8,
+                    color.stroke_width(width),
+                ))?
+                .label(label)
+                .legend(move |p| dashed_swatch(p, color));
+            } else {
+                mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(width)))?
+                    .label(shorten(label, 50))
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
+                    });
+            }
             let r = 3 + width as i32 / 2;
             mem.draw_series(ok.iter().map(|&p| Circle::new(p, r, color.filled())))?;
             if let Some(Some(m)) = self.maxima.get(i) {

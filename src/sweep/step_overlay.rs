@@ -3,7 +3,9 @@
 //! of them merged by layer so that the same layer sits at the same x in every line. Drawn with the
 //! step chart's legend panel and layer names ([`super::step_chart`]).
 
-use super::chart::{render, series_color, series_width, shorten, Chart, DrawResult, MemUnit, FONT};
+use super::chart::{
+    render, same_as, series_color, series_width, shorten, Chart, DrawResult, MemUnit, Panel, FONT,
+};
 use super::step_chart::{
     draw_layer_names, draw_legend, phase_marker, LegendRow, Swatch, TEXT_COLOR,
 };
@@ -94,11 +96,77 @@ fn axis_names(order: &[EventKey]) -> Vec<String> {
                 _ => layer.clone(),
             };
             if *micro > 0 {
-                name.push_str(&format!(" (micro {})", micro + 1));
+                name.push_str(&format!(" (mb {})", micro + 1));
             }
-            shorten(&name, 40)
+            shorten(&name, 36)
         })
         .collect()
+}
+
+impl OverlayChart<'_> {
+    /// One line per configuration over the merged events `order`, its legend row added to
+    /// `rows`; a line identical to an earlier one is dashed over it and named.
+    fn draw_lines<DB: DrawingBackend>(
+        &self,
+        chart: &mut Panel<'_, DB>,
+        order: &[EventKey],
+        unit: &MemUnit,
+        rows: &mut Vec<LegendRow>,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let above =
+            |t: &StepTimeline, e: &TimelineEvent| e.peak_bytes.saturating_sub(t.start_bytes);
+        let lines = self.lines.len();
+        let points: Vec<Vec<(f64, f64)>> = self
+            .lines
+            .iter()
+            .map(|(_, t)| {
+                event_keys(t)
+                    .iter()
+                    .zip(&t.events)
+                    .filter_map(|(k, e)| {
+                        let x = order.iter().position(|o| o == k)?;
+                        Some((x as f64, unit.of(above(t, e))))
+                    })
+                    .collect()
+            })
+            .collect();
+        let same = same_as(&points);
+        for (i, ((label, t), pts)) in self.lines.iter().zip(&points).enumerate() {
+            let color = series_color(i);
+            let width = series_width(i, lines);
+            let mut name = shorten(label, 24);
+            match same[i] {
+                // Identical to an earlier line: dashed over it, so both stay visible.
+                Some(j) => {
+                    chart.draw_series(DashedLineSeries::new(
+                        pts.clone(),
+                        10,
+                        8,
+                        color.stroke_width(width),
+                    ))?;
+                    name = format!("{name} (= {})", shorten(&self.lines[j].0, 12));
+                }
+                None => {
+                    chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
+                }
+            }
+            if t.events.len() <= 120 {
+                for (p, e) in pts.iter().zip(&t.events) {
+                    phase_marker(chart, *p, e.phase, color, 2 + width as i32 / 2)?;
+                }
+            }
+            let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
+            rows.push(LegendRow::entry(
+                Swatch::Line(color, width),
+                name,
+                format!("+{}", unit.fmt(top)),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Chart for OverlayChart<'_> {
@@ -143,7 +211,7 @@ impl Chart for OverlayChart<'_> {
         let mut chart = ChartBuilder::on(&plot_area)
             .caption("Peak memory inside one training step", (FONT, 28))
             .margin(20)
-            .x_label_area_size((longest + 50).clamp(70, 260))
+            .x_label_area_size((longest + 50).clamp(70, 300))
             .y_label_area_size(90)
             .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)?;
         chart
@@ -161,32 +229,7 @@ impl Chart for OverlayChart<'_> {
             LegendRow::heading("configuration"),
             LegendRow::text("(highest peak above the start)"),
         ];
-        let lines = self.lines.len();
-        for (i, (label, t)) in self.lines.iter().enumerate() {
-            let color = series_color(i);
-            let width = series_width(i, lines);
-            let keys = event_keys(t);
-            let pts: Vec<(f64, f64)> = keys
-                .iter()
-                .zip(&t.events)
-                .filter_map(|(k, e)| {
-                    let x = order.iter().position(|o| o == k)?;
-                    Some((x as f64, unit.of(above(t, e))))
-                })
-                .collect();
-            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
-            if t.events.len() <= 120 {
-                for (p, e) in pts.iter().zip(&t.events) {
-                    phase_marker(&mut chart, *p, e.phase, color, 2 + width as i32 / 2)?;
-                }
-            }
-            let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
-            rows.push(LegendRow::entry(
-                Swatch::Line(color, width),
-                shorten(label, 24),
-                format!("+{}", unit.fmt(top)),
-            ));
-        }
+        self.draw_lines(&mut chart, &order, &unit, &mut rows)?;
         let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n.max(1) as f64;
         draw_layer_names(&chart, root, &names, &label_style, px_per_event)?;
         rows.push(LegendRow::gap());

@@ -66,13 +66,21 @@ pub(crate) fn series_width(i: usize, n: usize) -> u32 {
     3 + 2 * (n.saturating_sub(1 + i)).min(2) as u32
 }
 
-/// For every series (its points, in drawing order), the first earlier series with exactly the
-/// same points, if any: drawn dashed over it and named in the legend, it cannot hide it.
-pub(crate) fn same_as(series: &[Vec<(f64, f64)>]) -> Vec<Option<usize>> {
+/// For every series (its points, in drawing order), the first earlier series it would cover: the
+/// same x values, every y within `tol` (in y units: a pixel or two of the plot) of the earlier
+/// one's. Drawn dashed over it and named in the legend, it cannot hide it.
+pub(crate) fn same_as(series: &[Vec<(f64, f64)>], tol: f64) -> Vec<Option<usize>> {
+    let covers = |a: &[(f64, f64)], b: &[(f64, f64)]| {
+        !a.is_empty()
+            && a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(p, q)| p.0 == q.0 && (p.1 - q.1).abs() <= tol)
+    };
     series
         .iter()
         .enumerate()
-        .map(|(i, s)| (0..i).find(|&j| !s.is_empty() && series[j] == *s))
+        .map(|(i, s)| (0..i).find(|&j| covers(s, &series[j])))
         .collect()
 }
 

@@ -165,7 +165,8 @@ impl TimelineChart {
             .iter()
             .map(|s| s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect())
             .collect();
-        let same = same_as(&all);
+        // Lines within about two pixels of each other would cover one another.
+        let same = same_as(&all, 0.004 * chart.y_range().end);
         for (i, (s, pts)) in self.series.iter().zip(all).enumerate() {
             let color = s.color.unwrap_or(series_color(i));
             let width = if s.thin { 2 } else { series_width(i, n) };
@@ -219,16 +220,21 @@ impl Chart for TimelineChart {
             .unwrap_or(1024 * 1024)
             .max(1);
         let unit = MemUnit::for_max(max_bytes);
-        let max_x = self
-            .series
-            .iter()
-            .flat_map(|s| s.points.iter().map(|p| p.0))
-            .fold(0.0f64, f64::max);
-        let (x0, x1) = if max_x < 1.0 {
+        let xs = || {
+            self.series
+                .iter()
+                .flat_map(|s| s.points.iter().map(|p| p.0))
+        };
+        let max_x = xs().fold(f64::MIN, f64::max);
+        let min_x = xs().fold(f64::MAX, f64::min);
+        // Steps count from 1: the axis spans the steps drawn, with a little room either side.
+        let (x0, x1) = if min_x > max_x {
             (-0.5, 1.5)
+        } else if max_x - min_x < 1.0 {
+            (min_x - 1.0, max_x + 1.0)
         } else {
-            let pad = (0.02 * max_x).max(0.1);
-            (-pad, max_x + pad)
+            let pad = (0.02 * (max_x - min_x)).max(0.1);
+            (min_x - pad, max_x + pad)
         };
         // Headroom above the highest line for the legend (upper right), one band per entry.
         let entries = (self.series.len() + self.hlines.len()) as f64;
@@ -499,7 +505,7 @@ impl SweepChart {
                     .collect()
             })
             .collect();
-        let same = same_as(&all);
+        let same = same_as(&all, 0.004 * ymax);
         for (i, ((label, d), ok)) in self.configs.iter().zip(all).enumerate() {
             let color = series_color(i);
             let width = series_width(i, n);

@@ -133,7 +133,8 @@ impl OverlayChart<'_> {
                     .collect()
             })
             .collect();
-        let same = same_as(&points);
+        // Lines within about two pixels of each other would cover one another.
+        let same = same_as(&points, 0.004 * chart.y_range().end);
         for (i, ((label, t), pts)) in self.lines.iter().zip(&points).enumerate() {
             let color = series_color(i);
             let width = series_width(i, lines);
@@ -159,8 +160,14 @@ impl OverlayChart<'_> {
                 }
             }
             let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
+            // The legend draws each line as the plot does: dashed where it is drawn dashed.
+            let swatch = if same[i].is_some() {
+                Swatch::Dashed(color)
+            } else {
+                Swatch::Line(color, width)
+            };
             rows.push(LegendRow::entry(
-                Swatch::Line(color, width),
+                swatch,
                 name,
                 format!("+{}", unit.fmt(top)),
             ));

@@ -63,21 +63,7 @@ where
         cfg.conv,
         cfg.label()
     );
-    let options = TrainerOptions {
-        progress: true,
-        log_files: !cmd.dry_run && !cmd.summary_only,
-        oom_snapshot: !cmd.dry_run,
-        stop,
-        // One writer per run directory; a new run never replaces finished results unasked.
-        claim: if resume.is_some() {
-            Claim::Resume
-        } else {
-            Claim::New {
-                overwrite: cmd.overwrite,
-            }
-        },
-        ..Default::default()
-    };
+    let options = trainer_options(&cmd, resume.is_some(), stop);
     if let Some(e) = no_cuda {
         return print_cuda_estimate(&cfg, &e);
     }
@@ -88,6 +74,9 @@ where
     // the predicted memory of this model and data, per layer (src/predict/).
     if let Some(e) = trainer.memory_estimate() {
         print!("{}", e.table());
+        if let Some(rows) = trainer.what_if() {
+            print!("{}", crate::predict::what_if_table(&rows));
+        }
     }
     let resuming = resume.is_some();
     if let Some(ck) = resume {
@@ -120,6 +109,30 @@ where
         )));
     }
     Ok(())
+}
+
+/// What the trainer of `cmd` is asked to do beside training: progress, files, the out-of-memory
+/// snapshot, the stop flag, and how it claims its run directory.
+fn trainer_options(
+    cmd: &TrainCommand,
+    resuming: bool,
+    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+) -> TrainerOptions {
+    TrainerOptions {
+        progress: true,
+        log_files: !cmd.dry_run && !cmd.summary_only,
+        oom_snapshot: !cmd.dry_run,
+        stop,
+        // One writer per run directory; a new run never replaces finished results unasked.
+        claim: if resuming {
+            Claim::Resume
+        } else {
+            Claim::New {
+                overwrite: cmd.overwrite,
+            }
+        },
+        ..Default::default()
+    }
 }
 
 /// A run's command line resolved: the command, the configuration (a resumed run's from its
@@ -259,11 +272,11 @@ fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
         eprintln!("warning: {warning}");
     }
     let resumed = format!(
-        "resuming from {} (step {}, epoch {}, batch {})",
+        "resuming from {} (after step {}: epoch {}, batch {} next)",
         ck.dir.display(),
         ck.state.global_step,
-        ck.state.epoch,
-        ck.state.next_batch
+        ck.state.epoch + 1,
+        ck.state.next_batch + 1
     );
     let changes = ck.noted_changes(&trainer.config);
     trainer.resume(ck)?;
@@ -302,8 +315,13 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
             format_bytes(summary.step_peak_bytes)
         );
     }
+    // A peak outside training (phase "other") is not the configuration's: name the step peak.
+    let training = match summary.peak_phase.as_deref() {
+        Some("other") => format!("; training peak {}", format_bytes(summary.step_peak_bytes)),
+        _ => String::new(),
+    };
     println!(
-        "peak {} ({}) | {:.1} img/s | {} steps{}",
+        "peak {} ({}{training}) | {:.1} img/s | {} steps{}",
         format_bytes(summary.peak_bytes),
         summary.peak_phase.as_deref().unwrap_or("-"),
         summary.images_per_sec,
@@ -344,7 +362,7 @@ fn write_results(
         )?;
     } else {
         let title = format!("Memory per training step: {}", summary.label);
-        let limit = summary.memory_limit;
+        let limit = summary.memory_limit_bytes;
         // A chart that cannot be written (a full disk) fails the run like any other result file.
         crate::sweep::report::write_run_memory_chart(
             trainer.run_dir(),

@@ -32,9 +32,12 @@ pub enum Error {
     },
 
     /// A training step needed more memory than the configured limit allows.
+    // Batches and epochs are numbered from 1 in messages, as on the screen and in the files.
     #[error(
-        "out of memory: {phase} of batch {batch} (epoch {epoch}) needed more than the {limit} limit; \
+        "out of memory: {phase} of batch {} (epoch {}) needed more than the {limit} limit; \
          {advice}{}",
+        .batch + 1,
+        .epoch + 1,
         .snapshot.as_ref().map(|p| format!(" (memory snapshot: {})", p.display())).unwrap_or_default()
     )]
     OutOfMemory {
@@ -58,7 +61,7 @@ pub enum Error {
     WontFit(String),
 
     /// The loss or a gradient became NaN/inf where no loss scaler can recover.
-    #[error("non-finite {what} at epoch {epoch}, batch {batch} ({phase}); {advice}")]
+    #[error("non-finite {what} at epoch {}, batch {} ({phase}); {advice}", .epoch + 1, .batch + 1)]
     NonFinite {
         /// What was non-finite ("loss", "gradient").
         what: String,

@@ -182,6 +182,7 @@ fn run(dir: &Path, status: Status, peak_mib: u64, ips: f64) -> ChildRun {
         wall_secs: 1.0,
         summary: (status == Status::Ok).then(|| Summary {
             peak_bytes: peak_mib * MIB,
+            step_peak_bytes: peak_mib * MIB,
             baseline_bytes: MIB,
             images_per_sec: ips,
             status: memtrain::train::RunStatus::Ok,
@@ -204,7 +205,7 @@ fn sweep(dir: &Path) -> SweepResult {
     SweepResult {
         command: "batch_sweep".into(),
         steps: 1,
-        memory_limit: None,
+        memory_limit_bytes: None,
         plan: BatchPlan::List(vec![32, 64, 128]),
         configurations: ["f32", "f16"]
             .iter()

@@ -167,7 +167,7 @@ fn assert_same_run(got: &Path, want: &Path) {
             .as_array()
             .unwrap()
             .iter()
-            .map(|e| (e["epoch"].as_u64().unwrap(), e["batches"].as_u64().unwrap()))
+            .map(|e| (e["epoch"].as_u64().unwrap(), e["steps"].as_u64().unwrap()))
             .collect()
     };
     assert_eq!(epochs(&g), epochs(&w), "memory.json epochs");
@@ -622,7 +622,7 @@ fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
         let cut = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
         let rows: Vec<&str> = cut.lines().skip(1).collect();
         assert_eq!(rows.len(), 1, "{cut}");
-        assert!(rows[0].starts_with("0,1,"), "{cut}");
+        assert!(rows[0].starts_with("1,1,"), "{cut}");
         let mut more = resume_args(&dir);
         more.extend(flags("--max-steps 3"));
         assert_ok(&run(&more), "the extended run");
@@ -631,6 +631,6 @@ fn a_max_steps_cut_epoch_keeps_its_evaluation_whatever_the_save_interval() {
     assert_eq!(tables[0], tables[1]);
     let epochs: Vec<&str> = tables[0].iter().map(|r| &r[..1]).collect();
     // The extension ends the cut epoch once: its row replaces the cut run's.
-    assert_eq!(epochs, ["0", "1"], "{:?}", tables[0]);
+    assert_eq!(epochs, ["1", "2"], "{:?}", tables[0]);
     let _ = std::fs::remove_dir_all(&root);
 }

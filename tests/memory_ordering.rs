@@ -19,7 +19,11 @@ fn training_peak(cfg: TrainConfig) -> u64 {
     let b = log.last_batch.as_ref().unwrap();
     eprintln!(
         "  {}: forward {} backward {} optimizer {} (baseline {})",
-        s.label, b.forward_peak, b.backward_peak, b.optimizer_peak, s.baseline_bytes
+        s.label,
+        b.forward_peak_bytes,
+        b.backward_peak_bytes,
+        b.optimizer_peak_bytes,
+        s.baseline_bytes
     );
     s.step_peak_bytes - s.baseline_bytes
 }

@@ -73,20 +73,20 @@ fn counting_allocator_and_peak_nesting() {
         rec.step_end(0, b, b);
         steps.push(rec.log().last_batch.clone().expect("the step's record"));
     }
-    rec.epoch_end(0);
+    rec.epoch_end(0, true);
     rec.train_end();
     let log = rec.log();
     assert_eq!(log.steps, 3);
     assert_eq!(log.last_batch.as_ref(), steps.last());
     let b0 = &steps[0];
-    assert_eq!(b0.phase, Phase::Forward);
+    assert_eq!(b0.peak_phase, Phase::Forward);
     assert!(
         b0.peak_bytes >= base + big as u64,
         "batch 0 peak holds the 8 MiB forward buffer"
     );
     for b in &steps[1..] {
         assert_eq!(
-            b.phase,
+            b.peak_phase,
             Phase::Backward,
             "2 MiB backward beats 1 MiB forward"
         );
@@ -97,7 +97,7 @@ fn counting_allocator_and_peak_nesting() {
         log.epochs[0].peak_bytes, b0.peak_bytes,
         "epoch peak survives batch-level resets"
     );
-    assert_eq!(log.epochs[0].phase, Phase::Forward);
+    assert_eq!(log.epochs[0].peak_phase, Phase::Forward);
     assert!(
         log.peak_bytes >= b0.peak_bytes,
         "run peak nests over the epoch peak"

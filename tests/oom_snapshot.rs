@@ -207,7 +207,7 @@ fn an_out_of_memory_in_the_optimizer_shows_its_event_and_advice_that_helps() {
             .parse()
             .unwrap()
     };
-    let (backward, optimizer) = (col("backward_peak"), col("optimizer_peak"));
+    let (backward, optimizer) = (col("backward_peak_bytes"), col("optimizer_peak_bytes"));
     assert!(optimizer > backward, "the update is the step's peak here");
     let budget = backward + (optimizer - backward) / 2;
     let limit = limit_for(&flags, budget).to_string();

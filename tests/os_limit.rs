@@ -143,7 +143,7 @@ fn the_batch_find_max_reports_runs_to_completion_in_a_cgroup_of_the_limit() {
         text(&o.stderr)
     );
     let s = summary(&run);
-    assert_eq!(s["memory_limit"], LIMIT_MIB << 20);
+    assert_eq!(s["memory_limit_bytes"], LIMIT_MIB << 20);
     assert!(s["heap_budget_bytes"].as_u64().unwrap() < LIMIT_MIB << 20);
     let _ = std::fs::remove_dir_all(&dir);
 }

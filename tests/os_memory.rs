@@ -89,7 +89,7 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
     assert_eq!(log.last_batch.as_ref(), steps.last());
     let mut last_peak = 0;
     for b in &steps {
-        let (cur, peak) = (b.os_current.unwrap(), b.os_peak.unwrap());
+        let (cur, peak) = (b.os_current_bytes.unwrap(), b.os_peak_bytes.unwrap());
         assert!(
             cur > 0 && peak >= cur,
             "batch {}: RSS {cur}, peak {peak}",
@@ -102,9 +102,9 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
         last_peak = peak;
     }
     let e = &log.epochs[0];
-    assert!(e.os_current.unwrap() > 0 && e.os_peak.unwrap() >= last_peak);
+    assert!(e.os_current_bytes.unwrap() > 0 && e.os_peak_bytes.unwrap() >= last_peak);
     assert_eq!(summary.os_view, Some(OsView::ProcessRss));
-    assert!(summary.os_peak_bytes.unwrap() >= e.os_peak.unwrap());
+    assert!(summary.os_peak_bytes.unwrap() >= e.os_peak_bytes.unwrap());
     assert!(summary.os_current_bytes.unwrap() > 0);
 
     // The report explains the two views, and the CSV files carry the columns.
@@ -118,20 +118,20 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
         "{report}"
     );
     let batches = std::fs::read_to_string(dir.join("batches.csv")).unwrap();
-    assert!(BATCH_CSV_HEADER.ends_with(",os_current,os_peak"));
+    assert!(BATCH_CSV_HEADER.ends_with(",os_current_bytes,os_peak_bytes"));
     let first = batches.lines().nth(1).unwrap();
     let cols: Vec<&str> = first.split(',').collect();
     assert_eq!(cols.len(), BATCH_CSV_HEADER.split(',').count());
     let rss: u64 = cols[cols.len() - 2]
         .parse()
-        .expect("os_current is a number");
-    assert_eq!(rss, steps[0].os_current.unwrap());
+        .expect("os_current_bytes is a number");
+    assert_eq!(rss, steps[0].os_current_bytes.unwrap());
     let epochs = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
-    assert!(EPOCH_CSV_HEADER.ends_with(",os_current,os_peak"));
+    assert!(EPOCH_CSV_HEADER.ends_with(",os_current_bytes,os_peak_bytes"));
     let row: Vec<&str> = epochs.lines().nth(1).unwrap().split(',').collect();
     assert_eq!(
         row.last().unwrap().parse::<u64>().unwrap(),
-        e.os_peak.unwrap()
+        e.os_peak_bytes.unwrap()
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -428,7 +428,7 @@ fn a_longer_max_steps_continues_the_epoch_it_cut_and_ends_it_once() {
             })
             .collect()
     };
-    let expected = vec![("0".to_string(), "8".to_string()), ("1".into(), "4".into())];
+    let expected = vec![("1".to_string(), "8".to_string()), ("2".into(), "4".into())];
     assert_eq!(
         rows(&whole),
         expected,
@@ -534,7 +534,7 @@ fn a_run_directory_from_before_the_rename_resumes() {
     ]);
     assert_ok(&out, "resuming a run directory from before the rename");
     assert!(
-        text(&out.stdout).contains("resuming from") && text(&out.stdout).contains("(step 2,"),
+        text(&out.stdout).contains("resuming from") && text(&out.stdout).contains("(after step 2:"),
         "stdout:\n{}",
         text(&out.stdout)
     );
@@ -610,7 +610,8 @@ fn diverging_run_leaves_checkpoint_intact(precision: &str) {
             );
             continue;
         }
-        // "... at epoch E, batch B ...": the failing step is global step E*8 + B (0-based).
+        // "... at epoch E, batch B ..." (from 1): the failing step is global step (E-1)*8 + B-1
+        // (0-based).
         let num_after = |key: &str| -> usize {
             let rest = &stderr[stderr
                 .find(key)
@@ -622,7 +623,7 @@ fn diverging_run_leaves_checkpoint_intact(precision: &str) {
                 .parse()
                 .unwrap()
         };
-        let failed = num_after("epoch ") * 8 + num_after("batch ");
+        let failed = (num_after("epoch ") - 1) * 8 + num_after("batch ") - 1;
         let ck = Snapshot::find_latest(&dir).expect("the newest snapshot loads");
         assert!(ck.skipped.is_empty());
         assert_eq!(

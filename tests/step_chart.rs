@@ -4,7 +4,8 @@
 use memtrain::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use memtrain::phase::Phase;
 use memtrain::sweep::compare::{write_step_timeline_overlays, CompareEntry, CompareResult};
-use memtrain::sweep::step_chart::{write_step_timeline_chart, write_step_timeline_overlay};
+use memtrain::sweep::step_chart::write_step_timeline_chart;
+use memtrain::sweep::step_overlay::write_step_timeline_overlay;
 use memtrain::sweep::{ChildRun, Status};
 use std::path::{Path, PathBuf};
 
@@ -337,7 +338,7 @@ fn overlay_draws_one_line_per_configuration() {
         "ckpt-stages",
         "f16",
         "accum4",
-        "position in the step",
+        "aligned across configurations",
     ] {
         assert_contains(&texts, want);
     }

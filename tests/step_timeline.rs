@@ -137,8 +137,13 @@ fn auto_checkpointing_follows_the_estimate() {
         .into_iter()
         .map(peak)
         .collect();
+    // (A CPU limit is the process's: `limit_for_heap` adds what it holds beyond its heap.)
+    use memtrain::predict::limit_for_heap;
     let roomy = TrainConfig {
-        memory_limit: Some(limit_for(*all.iter().max().unwrap(), SAFETY_MARGIN)),
+        memory_limit: Some(limit_for_heap(
+            limit_for(*all.iter().max().unwrap(), SAFETY_MARGIN),
+            dev,
+        )),
         ..cfg.clone()
     };
     assert_eq!(
@@ -149,7 +154,7 @@ fn auto_checkpointing_follows_the_estimate() {
     let least = *all.iter().min().unwrap();
     let tight_limit = limit_for(least, SAFETY_MARGIN);
     let tight = TrainConfig {
-        memory_limit: Some(tight_limit),
+        memory_limit: Some(limit_for_heap(tight_limit, dev)),
         ..cfg.clone()
     };
     let chosen = resolve_checkpointing(&tight, &specs, dev, base).unwrap();

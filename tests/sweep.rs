@@ -388,7 +388,7 @@ fn oom_and_killed_points_are_recorded_and_the_sweep_goes_on() {
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
         stdout.contains(
-            "| configuration | batch | status | peak MiB (total) | baseline MiB (at start) |"
+            "| configuration | batch size | status | training peak MiB (total) | baseline MiB (at start) |"
         ),
         "{stdout}"
     );
@@ -476,7 +476,8 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
     assert!(o.status.success());
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
-        stdout.contains("| configuration | status | peak MiB (total) | peak vs baseline |"),
+        stdout
+            .contains("| configuration | status | training peak MiB (total) | peak vs baseline |"),
         "{stdout}"
     );
     assert!(

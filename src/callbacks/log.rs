@@ -26,10 +26,14 @@ pub struct MetricsLogger {
     epochs: Option<File>,
 }
 
-/// Header of `batches.csv`.
-pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,grad_norm,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,os_current,os_peak";
-/// Header of `epochs.csv`.
-pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_batch_peak,eval_peak,os_current,os_peak";
+/// Header of `batches.csv` (every column in docs/outputs.md). Epochs and steps are numbered from
+/// 1, as on the screen; byte columns end in `_bytes`.
+pub const BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,grad_norm,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak_bytes,backward_peak_bytes,optimizer_peak_bytes,reserved_peak_bytes,os_current_bytes,os_peak_bytes";
+/// Header of `epochs.csv` (every column in docs/outputs.md).
+pub const EPOCH_CSV_HEADER: &str = "epoch,steps,images,train_loss,train_accuracy,eval_loss,eval_accuracy,images_per_sec,train_secs,lr,loss_scale,skipped_steps,peak_bytes,peak_phase,mean_step_peak_bytes,eval_peak_bytes,os_current_bytes,os_peak_bytes";
+/// The header `batches.csv` had before the columns were renamed and numbered from 1: a resumed
+/// run of an older version keeps its rows, renumbered.
+const OLD_BATCH_CSV_HEADER: &str = "epoch,batch,global_step,images,loss,lr,loss_scale,skipped,step_secs,grad_norm,peak_bytes,peak_phase,start_bytes,end_bytes,forward_peak,backward_peak,optimizer_peak,reserved_peak,os_current,os_peak";
 /// Largest `batches.csv` a resume reads back (about three million steps' rows).
 const MAX_LOG_BYTES: u64 = 1 << 30;
 /// The memory log ([`MemoryLog`]): the run's maxima and one record per epoch.
@@ -43,8 +47,9 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
 }
 
-/// The header and the complete rows of an existing `batches.csv` for the steps before
-/// `global_step`; just the header when the file is missing or has another header.
+/// The header and the complete rows of an existing `batches.csv` for the `global_step` steps
+/// before the snapshot (a file of an older version renumbered from 1); just the header when the
+/// file is missing or has another header.
 fn kept_batch_rows(path: &Path, global_step: usize) -> String {
     let mut out = format!("{BATCH_CSV_HEADER}\n");
     // Read capped and only if regular: a FIFO put in its place must not block the resume.
@@ -53,16 +58,32 @@ fn kept_batch_rows(path: &Path, global_step: usize) -> String {
     };
     let text = String::from_utf8_lossy(&bytes);
     let mut lines = text.split_inclusive('\n');
-    if lines.next().map(str::trim_end) != Some(BATCH_CSV_HEADER) {
-        return out;
-    }
+    let old = match lines.next().map(str::trim_end) {
+        Some(BATCH_CSV_HEADER) => false,
+        Some(OLD_BATCH_CSV_HEADER) => true,
+        _ => return out,
+    };
     let columns = BATCH_CSV_HEADER.split(',').count();
     for line in lines {
         // A row torn by a kill has no newline or too few columns.
         let complete = line.ends_with('\n') && line.split(',').count() == columns;
-        let step = line.split(',').nth(2).and_then(|v| v.parse::<usize>().ok());
-        if complete && step.is_some_and(|s| s < global_step) {
-            out.push_str(line);
+        if !complete {
+            continue;
+        }
+        let mut fields: Vec<String> = line.trim_end().split(',').map(String::from).collect();
+        if old {
+            // epoch, batch and global_step counted from 0.
+            for f in &mut fields[..3] {
+                match f.parse::<usize>() {
+                    Ok(v) => *f = (v + 1).to_string(),
+                    Err(_) => continue,
+                }
+            }
+        }
+        let step = fields[2].parse::<usize>().ok();
+        if step.is_some_and(|s| (1..=global_step).contains(&s)) {
+            out.push_str(&fields.join(","));
+            out.push('\n');
         }
     }
     out
@@ -72,7 +93,7 @@ fn kept_batch_rows(path: &Path, global_step: usize) -> String {
 fn epoch_row(s: &EpochStats, mem: Option<&EpochMemory>) -> String {
     let mut row = format!(
         "{},{},{},{},{},{},{},{},{},{},{},{}",
-        s.epoch,
+        s.epoch + 1,
         s.steps,
         s.images,
         s.train_loss,
@@ -91,11 +112,11 @@ fn epoch_row(s: &EpochStats, mem: Option<&EpochMemory>) -> String {
                 row,
                 ",{},{},{},{},{},{}",
                 m.peak_bytes,
-                m.phase,
-                m.mean_batch_peak,
-                m.eval_peak,
-                opt(m.os_current),
-                opt(m.os_peak)
+                m.peak_phase,
+                m.mean_step_peak_bytes,
+                opt(m.eval_peak_bytes),
+                opt(m.os_current_bytes),
+                opt(m.os_peak_bytes)
             );
         }
         None => row.push_str(",,,,,,\n"),
@@ -149,17 +170,17 @@ pub fn read_batch_log(run_dir: &Path) -> Result<Vec<BatchMemory>> {
             batch: num(1)? as usize,
             global_step: num(2)? as usize,
             peak_bytes: num(3)?,
-            phase: field(4)
+            peak_phase: field(4)
                 .parse()
                 .map_err(|_| bad(format!("peak_phase = '{}'", field(4))))?,
             start_bytes: num(5)?,
             end_bytes: num(6)?,
-            forward_peak: num(7)?,
-            backward_peak: num(8)?,
-            optimizer_peak: num(9)?,
-            reserved_peak: opt_num(10)?,
-            os_current: opt_num(11)?,
-            os_peak: opt_num(12)?,
+            forward_peak_bytes: num(7)?,
+            backward_peak_bytes: num(8)?,
+            optimizer_peak_bytes: num(9)?,
+            reserved_peak_bytes: opt_num(10)?,
+            os_current_bytes: opt_num(11)?,
+            os_peak_bytes: opt_num(12)?,
         });
     }
     Ok(out)
@@ -174,12 +195,12 @@ const BATCH_MEMORY_COLUMNS: [&str; 13] = [
     "peak_phase",
     "start_bytes",
     "end_bytes",
-    "forward_peak",
-    "backward_peak",
-    "optimizer_peak",
-    "reserved_peak",
-    "os_current",
-    "os_peak",
+    "forward_peak_bytes",
+    "backward_peak_bytes",
+    "optimizer_peak_bytes",
+    "reserved_peak_bytes",
+    "os_current_bytes",
+    "os_peak_bytes",
 ];
 
 /// Open `path` for appending.
@@ -236,7 +257,7 @@ impl Callback for MetricsLogger {
         };
         let mut epochs = format!("{EPOCH_CSV_HEADER}\n");
         for s in ctx.ended_epochs {
-            let mem = ctx.memory.epochs.iter().find(|e| e.epoch == s.epoch);
+            let mem = ctx.memory.epochs.iter().find(|e| e.epoch == s.epoch + 1);
             epochs.push_str(&epoch_row(s, mem));
         }
         write_atomic(&batches_path, batches.as_bytes())?;
@@ -251,9 +272,9 @@ impl Callback for MetricsLogger {
         let mem = ctx.memory.last_batch.as_ref();
         let mut row = format!(
             "{},{},{},{},{},{},{},{},{},{}",
-            ctx.epoch,
-            ctx.batch,
-            ctx.global_step,
+            ctx.epoch + 1,
+            ctx.batch + 1,
+            ctx.global_step + 1,
             ctx.images,
             opt(ctx.loss),
             ctx.lr,
@@ -268,15 +289,15 @@ impl Callback for MetricsLogger {
                     row,
                     ",{},{},{},{},{},{},{},{},{},{}",
                     m.peak_bytes,
-                    m.phase,
+                    m.peak_phase,
                     m.start_bytes,
                     m.end_bytes,
-                    m.forward_peak,
-                    m.backward_peak,
-                    m.optimizer_peak,
-                    opt(m.reserved_peak),
-                    opt(m.os_current),
-                    opt(m.os_peak)
+                    m.forward_peak_bytes,
+                    m.backward_peak_bytes,
+                    m.optimizer_peak_bytes,
+                    opt(m.reserved_peak_bytes),
+                    opt(m.os_current_bytes),
+                    opt(m.os_peak_bytes)
                 );
             }
             None => row.push_str(",,,,,,,,,,\n"),
@@ -293,5 +314,40 @@ impl Callback for MetricsLogger {
     fn on_train_end(&mut self, ctx: &TrainEnd<'_>) -> Result<()> {
         // summary.json is the trainer's: it is complete only after the last memory reading.
         self.write_memory(ctx.memory)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `batches.csv` of a version that numbered from 0 and named the columns without `_bytes`
+    /// keeps its rows on resume, renumbered from 1 under the new header; rows of steps after the
+    /// snapshot and a torn last row go.
+    #[test]
+    fn an_older_batches_csv_is_kept_renumbered() {
+        let dir = std::env::temp_dir().join(format!("memtrain-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(BATCHES_CSV);
+        let row = |e: usize, b: usize, g: usize| {
+            format!("{e},{b},{g},32,2.3,0.1,,0,0.5,1.0,100,backward,10,20,90,100,30,,50,60\n")
+        };
+        let text = format!(
+            "{OLD_BATCH_CSV_HEADER}\n{}{}{}0,3,3,32",
+            row(0, 0, 0),
+            row(0, 1, 1),
+            row(0, 2, 2)
+        );
+        std::fs::write(&path, text).unwrap();
+        let kept = kept_batch_rows(&path, 2);
+        let lines: Vec<&str> = kept.lines().collect();
+        assert_eq!(lines[0], BATCH_CSV_HEADER);
+        assert_eq!(lines.len(), 3, "{kept}");
+        assert!(lines[1].starts_with("1,1,1,32,"), "{kept}");
+        assert!(lines[2].starts_with("1,2,2,32,"), "{kept}");
+        // The same file in today's numbering keeps the same rows unchanged.
+        std::fs::write(&path, &kept).unwrap();
+        assert_eq!(kept_batch_rows(&path, 2), kept);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

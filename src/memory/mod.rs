@@ -15,7 +15,9 @@ pub mod trace;
 pub use cpu::{retain_freed_memory, return_freed_memory, CountingAllocator};
 pub use os::{OsMemory, OsView};
 pub use probe::{CpuProbe, MemoryProbe};
-pub use record::{BatchMemory, EpochMemory, EpochSteps, MemoryLog, MemoryRecorder};
+pub use record::{
+    BatchMemory, EpochMemory, EpochSteps, MemoryLog, MemoryRecorder, PHASE_OTHER_NOTE,
+};
 pub(crate) use select::probe_for;
 
 /// Format bytes with a binary unit, e.g. `12.34 MiB`.

@@ -12,14 +12,16 @@ use crate::phase::Phase;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// Memory of one optimizer step.
+/// Memory of one optimizer step. Epochs and steps are numbered from 1, as the screen shows them
+/// (logs of older versions, numbered from 0, are renumbered when read: [`MemoryLog::numbered`]);
+/// renamed keys are read under their old names too.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct BatchMemory {
-    /// Epoch index.
+    /// Epoch number (the first is 1).
     pub epoch: usize,
-    /// Step index within the epoch.
+    /// Step number within the epoch (the first is 1).
     pub batch: usize,
-    /// Step index in the run.
+    /// Step number in the run (the first is 1).
     pub global_step: usize,
     /// Bytes in use when the step began.
     pub start_bytes: u64,
@@ -28,60 +30,56 @@ pub struct BatchMemory {
     /// Highest bytes in use during the step.
     pub peak_bytes: u64,
     /// Phase of `peak_bytes`.
-    pub phase: Phase,
+    #[serde(alias = "phase")]
+    pub peak_phase: Phase,
     /// Peak during forward passes.
-    pub forward_peak: u64,
+    #[serde(alias = "forward_peak")]
+    pub forward_peak_bytes: u64,
     /// Peak during backward passes.
-    pub backward_peak: u64,
+    #[serde(alias = "backward_peak")]
+    pub backward_peak_bytes: u64,
     /// Peak during the optimizer step.
-    pub optimizer_peak: u64,
-    /// Peak reserved bytes (CUDA pool) during the step.
-    pub reserved_peak: Option<u64>,
+    #[serde(alias = "optimizer_peak")]
+    pub optimizer_peak_bytes: u64,
+    /// Peak reserved bytes (CUDA pool) during the step; `None` on the CPU.
+    #[serde(alias = "reserved_peak")]
+    pub reserved_peak_bytes: Option<u64>,
     /// What the OS sees at the end of the step ([`MemoryLog::os_view`]): process RSS on the
     /// CPU, device-wide use on CUDA.
-    pub os_current: Option<u64>,
+    #[serde(alias = "os_current")]
+    pub os_current_bytes: Option<u64>,
     /// Its high-water mark at the end of the step (since process start on the CPU; the highest
     /// reading so far on CUDA).
-    pub os_peak: Option<u64>,
+    #[serde(alias = "os_peak")]
+    pub os_peak_bytes: Option<u64>,
 }
 
 /// Memory of one epoch.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct EpochMemory {
-    /// Epoch index.
+    /// Epoch number (the first is 1).
     pub epoch: usize,
     /// Highest bytes in use during the epoch (steps and evaluation).
     pub peak_bytes: u64,
     /// Phase of `peak_bytes`.
-    pub phase: Phase,
+    #[serde(alias = "phase")]
+    pub peak_phase: Phase,
     /// Mean over the epoch's steps of the step peak.
-    pub mean_batch_peak: u64,
-    /// Peak during the evaluation.
-    pub eval_peak: u64,
+    #[serde(alias = "mean_batch_peak")]
+    pub mean_step_peak_bytes: u64,
+    /// Peak during the evaluation; `None` when the epoch was not evaluated (`--no-eval`, or a
+    /// run stopped before it).
+    #[serde(alias = "eval_peak")]
+    pub eval_peak_bytes: Option<u64>,
     /// Steps recorded.
-    pub batches: usize,
-    /// What the OS sees at the end of the epoch (after its evaluation).
-    #[serde(default)]
-    pub os_current: Option<u64>,
-    /// Its high-water mark at the end of the epoch.
-    #[serde(default)]
-    pub os_peak: Option<u64>,
-}
-
-/// Running sums of the steps of the epoch in progress: what its [`EpochMemory`] row needs, kept
-/// in the log (and so in snapshots) so that a resumed epoch's row covers its earlier steps too.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct EpochSteps {
-    /// Epoch index.
-    pub epoch: usize,
-    /// Steps recorded in it so far.
+    #[serde(alias = "batches")]
     pub steps: usize,
-    /// Sum of their step peaks (for the mean).
-    pub peak_sum_bytes: u64,
-    /// The highest of them and its phase.
-    pub peak_bytes: u64,
-    /// Phase of `peak_bytes`.
-    pub phase: Option<Phase>,
+    /// What the OS sees at the end of the epoch (after its evaluation).
+    #[serde(default, alias = "os_current")]
+    pub os_current_bytes: Option<u64>,
+    /// Its high-water mark at the end of the epoch.
+    #[serde(default, alias = "os_peak")]
+    pub os_peak_bytes: Option<u64>,
 }
 
 /// Everything the memory recorder recorded. Its size does not grow with the number of steps:
@@ -101,13 +99,18 @@ pub struct MemoryLog {
     /// Phase of `peak_bytes`.
     pub peak_phase: Option<Phase>,
     /// Highest reserved bytes (CUDA pool) over the run.
-    pub reserved_peak: Option<u64>,
+    #[serde(alias = "reserved_peak")]
+    pub reserved_peak_bytes: Option<u64>,
     /// Which OS view the `os_*` fields hold (process RSS or device-wide), when it can be read.
     #[serde(default)]
     pub os_view: Option<OsView>,
     /// The OS view's high-water mark at the last reading.
+    #[serde(default, alias = "os_peak")]
+    pub os_peak_bytes: Option<u64>,
+    /// The number of the first epoch and step: 1 in logs written from this version on; absent
+    /// (0) in older logs, numbered from 0, which [`MemoryLog::numbered`] renumbers.
     #[serde(default)]
-    pub os_peak: Option<u64>,
+    pub first_number: usize,
     /// Steps recorded over the run (the rows of `batches.csv`).
     #[serde(default)]
     pub steps: usize,
@@ -128,20 +131,70 @@ pub struct MemoryLog {
     legacy_batches: Vec<BatchMemory>,
 }
 
+/// Running sums of the steps of the epoch in progress: what its [`EpochMemory`] row needs, kept
+/// in the log (and so in snapshots) so that a resumed epoch's row covers its earlier steps too.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct EpochSteps {
+    /// Epoch number (the first is 1; 0: none yet).
+    pub epoch: usize,
+    /// Steps recorded in it so far.
+    pub steps: usize,
+    /// Sum of their step peaks (for the mean).
+    pub peak_sum_bytes: u64,
+    /// The highest of them.
+    pub peak_bytes: u64,
+    /// Phase of `peak_bytes`.
+    pub peak_phase: Option<Phase>,
+}
+
+impl EpochSteps {
+    /// Sums for epoch number `epoch`, no step yet.
+    fn new(epoch: usize) -> Self {
+        EpochSteps {
+            epoch,
+            ..Default::default()
+        }
+    }
+
+    /// Count one step's record.
+    fn add(&mut self, b: &BatchMemory) {
+        self.steps += 1;
+        self.peak_sum_bytes = self.peak_sum_bytes.saturating_add(b.peak_bytes);
+        if b.peak_bytes > self.peak_bytes || self.peak_phase.is_none() {
+            self.peak_bytes = b.peak_bytes;
+            self.peak_phase = Some(b.peak_phase);
+        }
+    }
+}
+
 impl MemoryLog {
+    /// The log with epochs and steps numbered from 1 (a log of an older version, numbered from
+    /// 0, renumbered).
+    pub fn numbered(mut self) -> Self {
+        if self.first_number == 0 {
+            for b in &mut self.legacy_batches {
+                b.epoch += 1;
+                b.batch += 1;
+                b.global_step += 1;
+            }
+            for e in &mut self.epochs {
+                e.epoch += 1;
+            }
+            self.first_number = 1;
+        }
+        self
+    }
+
     /// A log read from a snapshot written before the per-step records left it: its running
     /// figures are computed from those records, which are then dropped.
-    pub(crate) fn upgrade(mut self) -> Self {
+    pub fn upgrade(mut self) -> Self {
         let batches = std::mem::take(&mut self.legacy_batches);
         let Some(last) = batches.last() else {
             return self;
         };
         self.steps = batches.len();
         self.step_peak_bytes = batches.iter().map(|b| b.peak_bytes).max().unwrap_or(0);
-        let mut sums = EpochSteps {
-            epoch: last.epoch,
-            ..Default::default()
-        };
+        let mut sums = EpochSteps::new(last.epoch);
         for b in batches.iter().filter(|b| b.epoch == last.epoch) {
             sums.add(b);
         }
@@ -168,13 +221,13 @@ impl MemoryLog {
         for e in &self.epochs {
             s.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} | {} |\n",
-                e.epoch + 1,
+                e.epoch,
                 format_bytes(e.peak_bytes),
-                format_bytes(e.mean_batch_peak),
-                e.phase,
-                format_bytes(e.eval_peak),
-                or_dash(e.os_current),
-                or_dash(e.os_peak),
+                format_bytes(e.mean_step_peak_bytes),
+                e.peak_phase,
+                or_dash(e.eval_peak_bytes),
+                or_dash(e.os_current_bytes),
+                or_dash(e.os_peak_bytes),
             ));
         }
         s.push_str(&format!(
@@ -183,8 +236,12 @@ impl MemoryLog {
             self.peak_phase
                 .map(|p| p.to_string())
                 .unwrap_or_else(|| "-".into()),
-            or_dash(self.os_peak),
+            or_dash(self.os_peak_bytes),
         ));
+        if self.peak_phase == Some(Phase::Other) {
+            s.push_str(PHASE_OTHER_NOTE);
+            s.push('\n');
+        }
         if let Some(v) = self.os_view {
             s.push_str(&v.explain());
         }
@@ -192,17 +249,8 @@ impl MemoryLog {
     }
 }
 
-impl EpochSteps {
-    /// Count one step's record.
-    fn add(&mut self, b: &BatchMemory) {
-        self.steps += 1;
-        self.peak_sum_bytes = self.peak_sum_bytes.saturating_add(b.peak_bytes);
-        if b.peak_bytes > self.peak_bytes || self.phase.is_none() {
-            self.peak_bytes = b.peak_bytes;
-            self.phase = Some(b.phase);
-        }
-    }
-}
+/// What a peak in phase "other" means, for the report and the docs.
+pub const PHASE_OTHER_NOTE: &str = "phase \"other\": the peak fell outside the training step and the evaluation (loading the data, building the model, between steps, saving a snapshot); a configuration's training peak is its step peak (summary.json step_peak_bytes), which sweeps and comparisons report.";
 
 /// Running maxima of the step in progress.
 #[derive(Debug, Default, Clone)]
@@ -236,6 +284,7 @@ impl MemoryRecorder {
         let log = MemoryLog {
             probe: probe.name().to_string(),
             available: probe.available(),
+            first_number: 1,
             ..Default::default()
         };
         MemoryRecorder {
@@ -258,7 +307,7 @@ impl MemoryRecorder {
         self.log = MemoryLog {
             probe: self.log.probe.clone(),
             available: self.log.available,
-            ..earlier.upgrade()
+            ..earlier.numbered().upgrade()
         };
     }
 
@@ -267,8 +316,8 @@ impl MemoryRecorder {
     fn read_os(&mut self) -> Option<OsMemory> {
         let os = self.probe.os_memory()?;
         self.log.os_view = self.probe.os_view();
-        let peak = self.log.os_peak.unwrap_or(0).max(os.peak);
-        self.log.os_peak = Some(peak);
+        let peak = self.log.os_peak_bytes.unwrap_or(0).max(os.peak);
+        self.log.os_peak_bytes = Some(peak);
         Some(OsMemory { peak, ..os })
     }
 
@@ -283,7 +332,7 @@ impl MemoryRecorder {
             self.log.peak_phase = Some(phase);
         }
         if let Some(r) = reserved {
-            self.log.reserved_peak = Some(self.log.reserved_peak.unwrap_or(0).max(r));
+            self.log.reserved_peak_bytes = Some(self.log.reserved_peak_bytes.unwrap_or(0).max(r));
             self.step.reserved = Some(self.step.reserved.unwrap_or(0).max(r));
         }
         peak
@@ -300,7 +349,7 @@ impl MemoryRecorder {
         self.fold(Phase::Other);
     }
 
-    /// Epoch `epoch` begins; with `reset_peak` its peak starts from what is in use now rather
+    /// Epoch `epoch` (its index: 0 for the first) begins; with `reset_peak` its peak starts from what is in use now rather
     /// than from the run's peak.
     pub fn epoch_begin(&mut self, epoch: usize, reset_peak: bool) {
         self.fold(Phase::Other);
@@ -315,16 +364,11 @@ impl MemoryRecorder {
         self.epoch_eval = 0;
         // Steps of this epoch recorded by an earlier process (a resumed run) belong to it.
         let sums = &self.log.epoch_steps;
-        match sums.phase {
-            Some(phase) if sums.epoch == epoch => {
+        match sums.peak_phase {
+            Some(phase) if sums.epoch == epoch + 1 => {
                 max_phase(&mut self.epoch_peak, sums.peak_bytes, phase)
             }
-            _ => {
-                self.log.epoch_steps = EpochSteps {
-                    epoch,
-                    ..Default::default()
-                }
-            }
+            _ => self.log.epoch_steps = EpochSteps::new(epoch + 1),
         }
     }
 
@@ -348,7 +392,8 @@ impl MemoryRecorder {
         }
     }
 
-    /// The step (its optimizer phase included) ended: its record is the log's last batch.
+    /// The step (its optimizer phase included) ended: its record is the log's last batch. The
+    /// arguments are indices (0 for the first); the record numbers them from 1.
     pub fn step_end(&mut self, epoch: usize, batch: usize, global_step: usize) {
         self.phase_end(Phase::Optimizer);
         let s = &self.step;
@@ -356,62 +401,61 @@ impl MemoryRecorder {
         max_phase(&mut peak, s.bwd, Phase::Backward);
         max_phase(&mut peak, s.opt, Phase::Optimizer);
         let rec = BatchMemory {
-            epoch,
-            batch,
-            global_step,
+            epoch: epoch + 1,
+            batch: batch + 1,
+            global_step: global_step + 1,
             start_bytes: s.start,
             end_bytes: self.probe.current(),
             peak_bytes: peak.0,
-            phase: peak.1,
-            forward_peak: s.fwd,
-            backward_peak: s.bwd,
-            optimizer_peak: s.opt,
-            reserved_peak: s.reserved,
-            os_current: None,
-            os_peak: None,
+            peak_phase: peak.1,
+            forward_peak_bytes: s.fwd,
+            backward_peak_bytes: s.bwd,
+            optimizer_peak_bytes: s.opt,
+            reserved_peak_bytes: s.reserved,
+            os_current_bytes: None,
+            os_peak_bytes: None,
         };
         let os = self.read_os();
         let rec = BatchMemory {
-            os_current: os.map(|o| o.current),
-            os_peak: os.map(|o| o.peak),
+            os_current_bytes: os.map(|o| o.current),
+            os_peak_bytes: os.map(|o| o.peak),
             ..rec
         };
         self.log.steps += 1;
         self.log.step_peak_bytes = self.log.step_peak_bytes.max(rec.peak_bytes);
-        if self.log.epoch_steps.epoch != epoch {
-            self.log.epoch_steps = EpochSteps {
-                epoch,
-                ..Default::default()
-            };
+        if self.log.epoch_steps.epoch != rec.epoch {
+            self.log.epoch_steps = EpochSteps::new(rec.epoch);
         }
         self.log.epoch_steps.add(&rec);
         self.log.last_batch = Some(rec);
     }
 
-    /// Epoch `epoch` ended after its evaluation: its record is the log's last epoch.
-    pub fn epoch_end(&mut self, epoch: usize) {
-        self.epoch_eval = self.fold(Phase::Eval);
+    /// Epoch `epoch` (its index) ended, after its evaluation when `evaluated`: its record is the
+    /// log's last epoch.
+    pub fn epoch_end(&mut self, epoch: usize, evaluated: bool) {
+        // Without an evaluation, what was read since the last step is not the evaluation's.
+        self.epoch_eval = self.fold(if evaluated { Phase::Eval } else { Phase::Other });
         // The sums stay until the next epoch begins: a snapshot of an epoch cut short (by a stop
         // or --max-steps) is taken after this, and the resumed run continues them.
         let sums = &self.log.epoch_steps;
-        let (steps, sum) = match sums.epoch == epoch {
+        let (steps, sum) = match sums.epoch == epoch + 1 {
             true => (sums.steps, sums.peak_sum_bytes),
             false => (0, 0),
         };
         let rec = EpochMemory {
-            epoch,
+            epoch: epoch + 1,
             peak_bytes: self.epoch_peak.0,
-            phase: self.epoch_peak.1,
-            mean_batch_peak: sum / steps.max(1) as u64,
-            eval_peak: self.epoch_eval,
-            batches: steps,
-            os_current: None,
-            os_peak: None,
+            peak_phase: self.epoch_peak.1,
+            mean_step_peak_bytes: sum / steps.max(1) as u64,
+            eval_peak_bytes: evaluated.then_some(self.epoch_eval),
+            steps,
+            os_current_bytes: None,
+            os_peak_bytes: None,
         };
         let os = self.read_os();
         self.log.epochs.push(EpochMemory {
-            os_current: os.map(|o| o.current),
-            os_peak: os.map(|o| o.peak),
+            os_current_bytes: os.map(|o| o.current),
+            os_peak_bytes: os.map(|o| o.peak),
             ..rec
         });
     }

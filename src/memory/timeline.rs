@@ -50,8 +50,8 @@ pub struct TimelineEvent {
     pub index: usize,
     /// Forward, backward or optimizer.
     pub phase: Phase,
-    /// The layer (e.g. `stage1.block2`, `head`, `optimizer`), with `recompute` for a
-    /// checkpoint segment's recomputation.
+    /// The layer (e.g. `stage1.block2`, `head`, `optimizer`), or for a checkpoint segment's
+    /// recomputation `recompute` and the segment (`recompute stage1.block1–block2`).
     pub layer: String,
     /// Micro-batch index (gradient accumulation).
     pub micro_batch: usize,
@@ -78,7 +78,7 @@ pub struct StepTimeline {
     pub label: String,
     /// Probe name (`cpu-heap`, `cuda-pool`).
     pub probe: String,
-    /// Global step the timeline was recorded at.
+    /// The step's number in the run (the first is 1), as in `batches.csv`.
     pub global_step: usize,
     /// Bytes in use when the step began.
     pub start_bytes: u64,

@@ -259,6 +259,22 @@ pub fn segments(n: usize, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
     out
 }
 
+/// The name of the event that recomputes a checkpointed segment from its first block `first` to
+/// its last `last`: `recompute stage1.block1–block2` (the stage left out of the last block when
+/// both are in the same stage), `recompute stage1.block2–stage2.block1`, or `recompute
+/// stage1.block1` for a one-block segment. The one spelling, used by the step's timeline and the
+/// estimate's events, which are matched by name.
+pub fn recompute_label(first: &str, last: &str) -> String {
+    if first == last {
+        return format!("recompute {first}");
+    }
+    let tail = match (first.split_once('.'), last.split_once('.')) {
+        (Some((a, _)), Some((b, rest))) if a == b => rest,
+        _ => last,
+    };
+    format!("recompute {first}–{tail}")
+}
+
 /// The layers of the model for `width` and `conv`, in order, for 32x32 inputs: the one description
 /// of the architecture's shapes, used by [`Cnn::layer_specs`] and the memory estimate.
 pub(crate) fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {

@@ -240,15 +240,19 @@ pub struct LayerEstimate {
     pub params: usize,
     /// Bytes of one micro-batch of this layer's output in the compute dtype (f32 for the head).
     pub output_bytes: u64,
-    /// Bytes this layer keeps from the forward to the backward pass of a micro-batch: its output
-    /// (and, under f16, its cast weights) without checkpointing; with checkpointing only a
-    /// segment's last layer keeps its output (the next segment's saved input).
+    /// Activation bytes this layer keeps from the forward to the backward pass of a micro-batch,
+    /// as the tape keeps them: without checkpointing a block's conv output h (on the conv that
+    /// makes it: the pointwise conv of a separable block); with checkpointing only each
+    /// segment's input, on the layer that made it (the previous block's last layer). The column
+    /// adds up to [`Estimate::activation_bytes`] with [`Estimate::input_saved_bytes`].
     pub saved_bytes: u64,
-    /// Bytes alive only while the layer recomputes inside its checkpointed segment (0 without
-    /// checkpointing).
+    /// Activation bytes this layer makes again in the backward pass and keeps for its own
+    /// backward: the h of every block of a checkpointed segment (0 without checkpointing). The
+    /// column adds up to [`Estimate::recomputed_bytes`].
     pub recompute_bytes: u64,
     /// Largest transient allocation of the layer's forward or backward beyond its inputs and
-    /// outputs: im2col columns, widened f32 copies, weight casts, gradient buffers.
+    /// outputs: im2col columns, widened f32 copies, weight casts, gradient buffers. Not a column
+    /// to add up: the transients of different layers are never alive together.
     pub transient_bytes: u64,
 }
 
@@ -278,8 +282,17 @@ pub struct Estimate {
     /// Pruning masks (`--prune`): one byte per pruned weight; part of the baseline.
     pub mask_bytes: u64,
     /// Activations alive at the end of a micro-batch's forward pass (saved for backward, or the
-    /// checkpoints), in the compute dtype.
+    /// checkpoints), in the compute dtype: the sum of the layers' `saved_bytes` and
+    /// `input_saved_bytes`.
     pub activation_bytes: u64,
+    /// Shape of one input image (C, H, W).
+    pub input_shape: (usize, usize, usize),
+    /// Of `activation_bytes`, the micro-batch's input in the compute dtype (the first segment's
+    /// input), which no layer makes.
+    pub input_saved_bytes: u64,
+    /// Activation bytes the backward pass recomputes and keeps for a segment's backward, per
+    /// micro-batch (the sum of the layers' `recompute_bytes`; 0 without checkpointing).
+    pub recomputed_bytes: u64,
     /// Bytes in use when training begins (CPU: data set, model, runtime; CUDA: model).
     pub baseline_bytes: u64,
     /// Host batches in flight during a step (0 on CUDA).
@@ -318,8 +331,10 @@ impl Estimate {
         self
     }
 
-    /// The per-layer table (layer, output shape, parameters, saved activations, recompute,
-    /// transient) followed by the totals and the predicted peak per phase, as markdown.
+    /// The per-layer table (layer, output shape, parameters, activations saved for the backward,
+    /// activations recomputed in it, largest transient) with a total row, followed by the
+    /// totals and the predicted peak per phase, as markdown. The params, saved and recomputed
+    /// columns add up to their total row, which is the line under the table.
     pub fn table(&self) -> String {
         let mut s = format!(
             "memory estimate ({}; micro-batch {} x {} step(s), {}, checkpoint {}, {} conv)\n",
@@ -334,7 +349,7 @@ impl Estimate {
             self.conv
         );
         s.push_str(
-            "| layer | output (C×H×W) | params | saved for backward | recomputed | transient |\n",
+            "| layer | output (C×H×W) | params | saved for backward | recomputed in backward | largest transient |\n",
         );
         s.push_str("|---|---|---:|---:|---:|---:|\n");
         let dash = |b: u64| {
@@ -344,6 +359,12 @@ impl Estimate {
                 format_bytes(b)
             }
         };
+        let (c, h, w) = self.input_shape;
+        let _ = writeln!(
+            s,
+            "| input (micro-batch) | {c}×{h}×{w} | 0 | {} | - | - |",
+            dash(self.input_saved_bytes)
+        );
         for l in &self.layers {
             let (c, h, w) = l.output_shape;
             let _ = writeln!(
@@ -356,13 +377,25 @@ impl Estimate {
                 dash(l.transient_bytes)
             );
         }
+        let params: usize = self.layers.iter().map(|l| l.params).sum();
         let _ = writeln!(
             s,
-            "parameters {} | gradients {} | optimizer state {} | activations at end of forward {}",
+            "| total | | {params} | {} | {} | |",
+            format_bytes(self.activation_bytes),
+            format_bytes(self.recomputed_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "saved for backward {} per micro-batch (activations at end of forward) | recomputed in backward {} per micro-batch",
+            format_bytes(self.activation_bytes),
+            format_bytes(self.recomputed_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "parameters {} | gradients {} | optimizer state {}",
             format_bytes(self.param_bytes),
             format_bytes(self.grad_bytes),
             format_bytes(self.optimizer_bytes),
-            format_bytes(self.activation_bytes)
         );
         if self.mask_bytes > 0 {
             let _ = writeln!(s, "pruning masks {}", format_bytes(self.mask_bytes));
@@ -639,17 +672,19 @@ pub fn estimate_for_specs(
     .into_iter()
     .fold((0, "forward"), |a, b| if b.0 > a.0 { b } else { a });
 
+    let kept = kept_activations(&nodes, &segments, &ctx);
     let layers = nodes
         .iter()
         .zip(&sim.layers)
-        .map(|(n, r)| LayerEstimate {
+        .zip(&kept.layers)
+        .map(|((n, r), &(saved, recompute))| LayerEstimate {
             name: n.name.clone(),
             kind: n.kind,
             output_shape: n.out,
             params: n.params,
             output_bytes: n.out_bytes(&ctx),
-            saved_bytes: r.saved,
-            recompute_bytes: r.recompute,
+            saved_bytes: saved,
+            recompute_bytes: recompute,
             transient_bytes: r.transient,
         })
         .collect();
@@ -666,6 +701,9 @@ pub fn estimate_for_specs(
         optimizer_bytes: sizes.optimizer_bytes,
         mask_bytes: sizes.mask_bytes,
         activation_bytes,
+        input_shape: nodes[0].inp,
+        input_saved_bytes: kept.input,
+        recomputed_bytes: kept.layers.iter().map(|l| l.1).sum(),
         baseline_bytes,
         batch_bytes,
         runtime_bytes: gemm_slabs,
@@ -676,6 +714,45 @@ pub fn estimate_for_specs(
         peak_phase,
         events,
     })
+}
+
+/// Which layer keeps which activations for the backward of one micro-batch, by the tape's
+/// rules (`src/step/tape.rs`, replayed in `replay::micro_batch`).
+struct Kept {
+    /// The micro-batch's input, saved as the first segment's input.
+    input: u64,
+    /// Per node: (saved from the forward, recomputed in the backward).
+    layers: Vec<(u64, u64)>,
+}
+
+/// Each segment's input is saved: the micro-batch's input for the first, else the output of the
+/// previous block's last layer. Inside one segment spanning the model every block's h is saved
+/// on the conv that makes it; inside checkpointed segments it is recomputed there instead.
+fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx) -> Kept {
+    let blocks = blocks_of(nodes);
+    let mut layers = vec![(0u64, 0u64); nodes.len()];
+    let mut input = 0;
+    for (i, seg) in segments.iter().enumerate() {
+        // The last segment (the only one without checkpointing) keeps its conv outputs in the
+        // forward and is not recomputed; the others keep their input and recompute the rest.
+        let last = i + 1 == segments.len();
+        if seg.start == 0 {
+            input = c.n * IMAGE_BYTES as u64 * c.s;
+        } else {
+            let prev = &blocks[seg.start - 1];
+            layers[prev.pool.unwrap_or(prev.bn)].0 += prev.out_bytes(c, nodes);
+        }
+        for b in &blocks[seg.clone()] {
+            let conv = *b.convs.last().unwrap_or(&b.bn);
+            let h = b.h_bytes(c, nodes);
+            if last {
+                layers[conv].0 += h;
+            } else {
+                layers[conv].1 += h;
+            }
+        }
+    }
+    Kept { input, layers }
 }
 
 /// The sizes a step of `cfg` holds whatever its batch: parameters (and the largest one), BatchNorm

@@ -1,7 +1,8 @@
 //! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: replays the step's
 //! allocations layer by layer, [`sim`], [`scratch`], [`replay`]), the planner that picks a
 //! configuration for a budget ([`plan`]), gradient checkpointing's schedules and `--checkpoint
-//! auto`'s choice ([`schedule`]), and the check that sizes every input against the
+//! auto`'s choice ([`schedule`]), what each optimization would save ([`what_if`]), and the check
+//! that sizes every input against the
 //! budgets before anything is loaded or built ([`bounds`]).
 
 pub mod bounds;
@@ -11,6 +12,8 @@ mod replay;
 pub mod schedule;
 mod scratch;
 mod sim;
+pub mod what_if;
 
 pub use estimate::*;
 pub use replay::EventPrediction;
+pub use what_if::{what_if, what_if_table, WhatIf};

@@ -419,7 +419,10 @@ fn segments_backward(
                     sim.free(l.blocks[j - 1].out_bytes(c, nodes));
                 }
             }
-            let name = format!("{} recompute", l.blocks[seg.start].name);
+            let name = crate::model::cnn::recompute_label(
+                &l.blocks[seg.start].name,
+                &l.blocks[seg.end - 1].name,
+            );
             l.event(sim, Phase::Backward, name);
         }
         let dx = si > 0;

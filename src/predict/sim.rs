@@ -248,8 +248,6 @@ pub(super) enum Phase {
 
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct LayerRec {
-    pub(super) saved: u64,
-    pub(super) recompute: u64,
     pub(super) transient: u64,
 }
 

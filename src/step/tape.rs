@@ -45,7 +45,8 @@ use std::ops::Range;
 pub struct StepEvent<'a> {
     /// Forward or backward.
     pub phase: Phase,
-    /// The layer that finished (a block name, `head`, or `<block> recompute`).
+    /// The layer that finished (a block name, `head`, or `recompute <segment>`, see
+    /// [`crate::model::cnn::recompute_label`]).
     pub layer: &'a str,
     /// Activation bytes the tape holds for the backward at this moment.
     pub saved_bytes: u64,
@@ -337,7 +338,10 @@ impl<'a> LeanStep<'a> {
                     s.push(sv);
                 }
                 drop(h);
-                let label = format!("{} recompute", self.name(seg.start));
+                let label = crate::model::cnn::recompute_label(
+                    self.name(seg.start),
+                    self.name(seg.end - 1),
+                );
                 self.emit_named(obs, Phase::Backward, &label, acc)?;
                 s
             };

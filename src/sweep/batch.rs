@@ -433,7 +433,7 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
         result: SweepResult {
             command: opts.command.clone(),
             steps: opts.steps,
-            memory_limit: opts.memory_limit,
+            memory_limit_bytes: opts.memory_limit,
             plan: opts.plan.clone(),
             configurations: opts.variants.clone(),
             points: Vec::new(),

@@ -2,7 +2,8 @@
 //! the palette, the memory axis unit and [`render`], which draws a [`Chart`] to PNG and SVG.
 //!
 //! Charts render text with DejaVu Sans embedded in the binary (the `dejavu` crate), so they need
-//! no system fonts. Both files are written atomically (see [`crate::io::write_atomic`]).
+//! no system fonts; in the PNG a character it has no glyph for (CJK, emoji) is written as its
+//! code point (`[U+8BAD]`) instead of an empty box ([`png_text`]), the SVG keeps it. Both files are written atomically (see [`crate::io::write_atomic`]).
 
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
@@ -24,12 +25,12 @@ pub(crate) type Panel<'a, DB> = ChartContext<
 /// What drawing into a panel can fail with.
 pub(crate) type DrawError<DB> = DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>;
 
-/// Series colours (Tableau 10).
-pub(crate) const PALETTE: [RGBColor; 10] = [
+/// Series colours: Tableau 10 without its red, which is the memory limit's ([`LIMIT_COLOR`]);
+/// [`series_color`] continues past them with colours of their own.
+pub(crate) const PALETTE: [RGBColor; 9] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
@@ -37,6 +38,131 @@ pub(crate) const PALETTE: [RGBColor; 10] = [
     RGBColor(188, 189, 34),
     RGBColor(23, 190, 207),
 ];
+
+/// The memory limit's line (always dashed, in the plot and in the legend) and the failure texts.
+pub(crate) const LIMIT_COLOR: RGBColor = RGBColor(200, 30, 30);
+
+/// The colour of series `i`: the palette first, then ten hues (red, the limit's, left out) at
+/// three lightnesses, then hues spread by the golden angle: no two series share a colour, and
+/// the first 39 are far apart.
+pub(crate) fn series_color(i: usize) -> RGBColor {
+    if let Some(&c) = PALETTE.get(i) {
+        return c;
+    }
+    let k = i - PALETTE.len();
+    let (hue, light) = if k < 30 {
+        (35.0 + 29.0 * (k % 10) as f64, [0.33, 0.5, 0.68][k / 10])
+    } else {
+        let h = 40.0 + ((k as f64) * 137.508) % 280.0;
+        (h, [0.42, 0.58][k % 2])
+    };
+    let rgb = HSLColor(hue / 360.0, 0.7, light).to_rgba();
+    RGBColor(rgb.0, rgb.1, rgb.2)
+}
+
+/// Line width of series `i` of `n`: drawn in order, each wider than the ones drawn over it, so a
+/// series that coincides with a later one still shows as its outline.
+pub(crate) fn series_width(i: usize, n: usize) -> u32 {
+    3 + 2 * (n.saturating_sub(1 + i)).min(2) as u32
+}
+
+/// For every series (its points, in drawing order), the first earlier series it would cover: the
+/// same x values, every y within `tol` (in y units: a pixel or two of the plot) of the earlier
+/// one's. Drawn dashed over it and named in the legend, it cannot hide it.
+pub(crate) fn same_as(series: &[Vec<(f64, f64)>], tol: f64) -> Vec<Option<usize>> {
+    let covers = |a: &[(f64, f64)], b: &[(f64, f64)]| {
+        !a.is_empty()
+            && a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(p, q)| p.0 == q.0 && (p.1 - q.1).abs() <= tol)
+    };
+    series
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (0..i).find(|&j| covers(s, &series[j])))
+        .collect()
+}
+
+/// A legend swatch of a dashed line, as the plot draws the memory limit.
+pub(crate) fn dashed_swatch(
+    (x, y): (i32, i32),
+    color: RGBColor,
+) -> plotters::element::DashedPathElement<std::vec::IntoIter<(i32, i32)>, i32> {
+    plotters::element::DashedPathElement::new(
+        vec![(x, y), (x + 24, y)],
+        6,
+        3,
+        color.stroke_width(2),
+    )
+}
+
+/// Pixel boxes of labels already placed on a chart, so that the next label is put where it
+/// overlaps none of them (or left out, for the caller to list elsewhere).
+#[derive(Default)]
+pub(crate) struct LabelBoxes {
+    boxes: Vec<(i32, i32, i32, i32)>,
+}
+
+impl LabelBoxes {
+    /// Reserve a box (x0, y0, x1, y1) in pixels: a marker, or a label placed by other means.
+    pub(crate) fn reserve(&mut self, b: (i32, i32, i32, i32)) {
+        self.boxes.push(b);
+    }
+
+    /// The first of `candidates` (top-left corners) at which a `w` × `h` box overlaps no box
+    /// placed so far and stays inside `bounds`; it is reserved. `None` when every one overlaps.
+    pub(crate) fn place(
+        &mut self,
+        candidates: &[(i32, i32)],
+        (w, h): (i32, i32),
+        bounds: (i32, i32, i32, i32),
+    ) -> Option<(i32, i32)> {
+        let inside = |b: (i32, i32, i32, i32)| {
+            b.0 >= bounds.0 && b.1 >= bounds.1 && b.2 <= bounds.2 && b.3 <= bounds.3
+        };
+        let free = |b: (i32, i32, i32, i32)| {
+            self.boxes
+                .iter()
+                .all(|o| b.2 <= o.0 || o.2 <= b.0 || b.3 <= o.1 || o.3 <= b.1)
+        };
+        let at = candidates
+            .iter()
+            .copied()
+            .find(|&(x, y)| inside((x, y, x + w, y + h)) && free((x, y, x + w, y + h)))?;
+        self.boxes.push((at.0, at.1, at.0 + w, at.1 + h));
+        Some(at)
+    }
+}
+
+/// Where a line from a point at pixel `p` to its label's box `(x, y, w, h)` should end, when the
+/// label is far enough from the point to need one (the nearest point of the box).
+pub(crate) fn leader_end(
+    p: (i32, i32),
+    (x, y): (i32, i32),
+    (w, h): (i32, i32),
+) -> Option<(i32, i32)> {
+    let end = (p.0.clamp(x, x + w), p.1.clamp(y, y + h));
+    let (dx, dy) = (end.0 - p.0, end.1 - p.1);
+    (dx * dx + dy * dy > 14 * 14).then_some(end)
+}
+
+/// Spots around a point at pixel `(px, py)` for a `w` × `h` label, nearest first, then the same
+/// farther out: right above, right below, left above, left below, above, below.
+pub(crate) fn label_spots((px, py): (i32, i32), (w, h): (i32, i32)) -> Vec<(i32, i32)> {
+    let mut out = Vec::new();
+    for d in [8, 22, 40, 64, 96, 130] {
+        out.extend([
+            (px + d, py - h - d / 2),
+            (px + d, py + d / 2),
+            (px - w - d, py - h - d / 2),
+            (px - w - d, py + d / 2),
+            (px - w / 2, py - h - d),
+            (px - w / 2, py + d),
+        ]);
+    }
+    out
+}
 
 pub(crate) const FONT: &str = "sans-serif";
 
@@ -105,6 +231,124 @@ fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
     )
 }
 
+/// Whether the embedded DejaVu Sans has a glyph for `c` (CJK and emoji it has not).
+fn font_covers(c: char) -> bool {
+    use ab_glyph::Font as _;
+    static FONT: std::sync::OnceLock<Option<ab_glyph::FontRef<'static>>> =
+        std::sync::OnceLock::new();
+    FONT.get_or_init(|| ab_glyph::FontRef::try_from_slice(dejavu::sans::regular()).ok())
+        .as_ref()
+        .is_none_or(|f| c.is_control() || f.glyph_id(c).0 != 0)
+}
+
+/// `text` as the PNG draws it: a character the embedded font has no glyph for (CJK, emoji)
+/// becomes its code point, `[U+8BAD]`, rather than an empty box, so that labels stay readable
+/// and distinct. The SVG twin keeps the text as it is (a browser renders it with its own fonts).
+pub(crate) fn png_text(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.chars().all(font_covers) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if font_covers(c) {
+            out.push(c);
+        } else {
+            out.push_str(&format!("[U+{:04X}]", c as u32));
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// A bitmap backend whose texts go through [`png_text`] (drawn and measured alike, so that
+/// label placement sees the text as drawn).
+struct PngBackend<'a>(BitMapBackend<'a>);
+
+impl DrawingBackend for PngBackend<'_> {
+    type ErrorType = <BitMapBackend<'static> as DrawingBackend>::ErrorType;
+
+    fn get_size(&self) -> (u32, u32) {
+        self.0.get_size()
+    }
+    fn ensure_prepared(&mut self) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.ensure_prepared()
+    }
+    fn present(&mut self) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.present()
+    }
+    fn draw_pixel(
+        &mut self,
+        point: plotters_backend::BackendCoord,
+        color: plotters_backend::BackendColor,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_pixel(point, color)
+    }
+    fn draw_line<S: plotters_backend::BackendStyle>(
+        &mut self,
+        from: plotters_backend::BackendCoord,
+        to: plotters_backend::BackendCoord,
+        style: &S,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_line(from, to, style)
+    }
+    fn draw_rect<S: plotters_backend::BackendStyle>(
+        &mut self,
+        upper_left: plotters_backend::BackendCoord,
+        bottom_right: plotters_backend::BackendCoord,
+        style: &S,
+        fill: bool,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_rect(upper_left, bottom_right, style, fill)
+    }
+    fn draw_path<S: plotters_backend::BackendStyle, I: IntoIterator<Item = (i32, i32)>>(
+        &mut self,
+        path: I,
+        style: &S,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_path(path, style)
+    }
+    fn draw_circle<S: plotters_backend::BackendStyle>(
+        &mut self,
+        center: plotters_backend::BackendCoord,
+        radius: u32,
+        style: &S,
+        fill: bool,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_circle(center, radius, style, fill)
+    }
+    fn fill_polygon<S: plotters_backend::BackendStyle, I: IntoIterator<Item = (i32, i32)>>(
+        &mut self,
+        vert: I,
+        style: &S,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.fill_polygon(vert, style)
+    }
+    fn draw_text<T: plotters_backend::BackendTextStyle>(
+        &mut self,
+        text: &str,
+        style: &T,
+        pos: plotters_backend::BackendCoord,
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.draw_text(&png_text(text), style, pos)
+    }
+    fn estimate_text_size<T: plotters_backend::BackendTextStyle>(
+        &self,
+        text: &str,
+        style: &T,
+    ) -> Result<(u32, u32), BackendError<Self::ErrorType>> {
+        self.0.estimate_text_size(&png_text(text), style)
+    }
+    fn blit_bitmap(
+        &mut self,
+        pos: plotters_backend::BackendCoord,
+        size: (u32, u32),
+        src: &[u8],
+    ) -> Result<(), BackendError<Self::ErrorType>> {
+        self.0.blit_bitmap(pos, size, src)
+    }
+}
+
+type BackendError<E> = plotters_backend::DrawingErrorKind<E>;
+
 /// Render `chart` to `<stem>.png` and `<stem>.svg` (each written atomically); returns both paths.
 pub(crate) fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
     ensure_fonts();
@@ -113,7 +357,7 @@ pub(crate) fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
     let svg_path = stem.with_extension("svg");
     let mut rgb = vec![255u8; w as usize * h as usize * 3];
     {
-        let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
+        let root = PngBackend(BitMapBackend::with_buffer(&mut rgb, (w, h))).into_drawing_area();
         root.fill(&WHITE).map_err(|e| chart_error(&png_path, e))?;
         chart.draw(&root).map_err(|e| chart_error(&png_path, e))?;
         root.present().map_err(|e| chart_error(&png_path, e))?;
@@ -150,5 +394,39 @@ pub(crate) fn shorten(s: &str, max: usize) -> String {
             "{}…",
             s.chars().take(max.saturating_sub(1)).collect::<String>()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn png_text_spells_out_what_the_font_lacks() {
+        assert_eq!(png_text("训练 f16 🚀"), "[U+8BAD][U+7EC3] f16 [U+1F680]");
+        // What DejaVu Sans draws stays as it is: the charts' own signs and accented Latin.
+        for s in ["f32 b128", "−23.4% ✓ … – ×", "réseau Ω"] {
+            assert_eq!(png_text(s), s);
+        }
+    }
+
+    #[test]
+    fn series_colours_are_distinct_and_never_the_limit_red() {
+        let colours: Vec<RGBColor> = (0..39).map(series_color).collect();
+        for (i, a) in colours.iter().enumerate() {
+            assert_ne!(*a, LIMIT_COLOR);
+            // Far from the limit's red: not a strong red (high R, low G and B).
+            assert!(!(a.0 > 170 && a.1 < 90 && a.2 < 90), "{i}: {a:?}");
+            for b in &colours[i + 1..] {
+                let d = (a.0 as i32 - b.0 as i32).abs()
+                    + (a.1 as i32 - b.1 as i32).abs()
+                    + (a.2 as i32 - b.2 as i32).abs();
+                assert!(d > 20, "{a:?} and {b:?} look alike");
+            }
+        }
+        let many: Vec<RGBColor> = (0..300).map(series_color).collect();
+        for (i, a) in many.iter().enumerate() {
+            assert!(!many[i + 1..].contains(a), "series {i}: {a:?} repeats");
+        }
     }
 }

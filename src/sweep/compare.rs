@@ -220,7 +220,8 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
 /// written. Runs without the file (older trainers, failed runs) are skipped; with none, nothing is
 /// written. A file that exists but does not parse is an error naming it.
 pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Result<Vec<PathBuf>> {
-    use super::step_chart::{read_step_timeline, write_step_timeline_overlay, STEP_TIMELINE_CHART};
+    use super::step_chart::{read_step_timeline, STEP_TIMELINE_CHART};
+    use super::step_overlay::write_step_timeline_overlay;
     let mut timelines = Vec::new();
     for e in &result.entries {
         let path = e

@@ -5,12 +5,14 @@
 //! [`pareto_front`] is pure; [`write_frontier_chart`] draws `frontier.{png,svg}` with the machinery
 //! of `sweep::chart`. Sweeps and comparisons build their points in [`super::report`].
 
-use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use super::chart::{
+    dashed_swatch, label_spots, leader_end, render, shorten, Chart, DrawResult, LabelBoxes,
+    MemUnit, Panel, FONT, LIMIT_COLOR, PALETTE,
+};
 use crate::error::Result;
 use crate::memory::format_bytes;
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 
 /// Stem of the chart files (`frontier.png`, `frontier.svg`) in a sweep's or comparison's output
@@ -117,7 +119,7 @@ impl FrontierChart<'_> {
     {
         // Blue, so that it is not mistaken for the red memory limit.
         let front = PALETTE[0];
-        let other = PALETTE[7];
+        let other = PALETTE[6];
         let sorted = frontier_sorted(self.points, &self.on);
         let mut steps: Vec<(f64, f64)> = Vec::with_capacity(sorted.len() * 2);
         for (k, &(b, v)) in sorted.iter().enumerate() {
@@ -150,19 +152,78 @@ impl FrontierChart<'_> {
                 .label("dominated")
                 .legend(move |(x, y)| Circle::new((x + 12, y), 6, other.stroke_width(2)));
         }
-        for &(i, b, v) in measured {
-            let color = if self.on[i] {
-                RGBColor(40, 40, 40)
-            } else {
-                RGBColor(110, 110, 110)
-            };
-            let style = TextStyle::from((FONT, 15).into_font())
-                .color(&color)
-                .pos(Pos::new(HPos::Left, VPos::Bottom));
-            chart.draw_series(std::iter::once(
-                EmptyElement::at((unit.of(b), v))
-                    + Text::new(shorten(&self.points[i].label, 40), (8, -6), style),
-            ))?;
+        self.draw_labels(chart, measured, unit)
+    }
+
+    /// Every point's label where it overlaps no other label or marker (frontier points first);
+    /// a label that fits nowhere near its point is numbered there and listed under the plot.
+    fn draw_labels<DB: DrawingBackend>(
+        &self,
+        chart: &mut Panel<'_, DB>,
+        measured: &[(usize, u64, f64)],
+        unit: &MemUnit,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let area = chart.plotting_area().strip_coord_spec();
+        let (x0, y0) = area.get_base_pixel();
+        let (w, h) = area.dim_in_pixel();
+        let bounds = (x0, y0, x0 + w as i32, y0 + h as i32);
+        let pixel = |m: &(usize, u64, f64)| chart.backend_coord(&(unit.of(m.1), m.2));
+        let mut boxes = LabelBoxes::default();
+        // The legend, upper left: the limit, the frontier and "dominated" at most.
+        boxes.reserve((x0, y0, x0 + 640, y0 + 100));
+        for m in measured {
+            let (px, py) = pixel(m);
+            boxes.reserve((px - 8, py - 8, px + 8, py + 8));
+        }
+        let mut order: Vec<&(usize, u64, f64)> = measured.iter().collect();
+        order.sort_by_key(|m| !self.on[m.0]);
+        let mut unplaced = Vec::new();
+        for m in order {
+            let i = m.0;
+            const ON: RGBColor = RGBColor(40, 40, 40);
+            const OFF: RGBColor = RGBColor(110, 110, 110);
+            let style =
+                TextStyle::from((FONT, 15).into_font()).color(if self.on[i] { &ON } else { &OFF });
+            let text = shorten(&self.points[i].label, 40);
+            let size = area.estimate_text_size(&text, &style)?;
+            let size = (size.0 as i32 + 2, size.1 as i32 + 2);
+            let (px, py) = pixel(m);
+            match boxes.place(&label_spots((px, py), size), size, bounds) {
+                Some((lx, ly)) => {
+                    leader(&area, (px - x0, py - y0), (lx - x0, ly - y0), size)?;
+                    area.draw(&Text::new(text, (lx - x0 + 1, ly - y0 + 1), style))?;
+                }
+                None => unplaced.push((m, text, style)),
+            }
+        }
+        // Numbered markers for the rest, their labels in a box at the lower right.
+        let lines: Vec<String> = unplaced
+            .iter()
+            .enumerate()
+            .map(|(k, (_, text, _))| format!("{}: {text}", k + 1))
+            .collect();
+        for (k, (m, _, style)) in unplaced.iter().enumerate() {
+            let tag = (k + 1).to_string();
+            let size = area.estimate_text_size(&tag, style)?;
+            let size = (size.0 as i32 + 2, size.1 as i32 + 2);
+            let (px, py) = pixel(m);
+            if let Some((lx, ly)) = boxes.place(&label_spots((px, py), size), size, bounds) {
+                leader(&area, (px - x0, py - y0), (lx - x0, ly - y0), size)?;
+                area.draw(&Text::new(tag, (lx - x0 + 1, ly - y0 + 1), style.clone()))?;
+            }
+        }
+        const NOTE: RGBColor = RGBColor(60, 60, 60);
+        let style = TextStyle::from((FONT, 15).into_font()).color(&NOTE);
+        for (k, line) in lines.iter().rev().enumerate() {
+            let size = area.estimate_text_size(line, &style)?;
+            let at = (
+                w as i32 - size.0 as i32 - 10,
+                h as i32 - 10 - (k as i32 + 1) * (size.1 as i32 + 4),
+            );
+            area.draw(&Text::new(line.clone(), at, style.clone()))?;
         }
         Ok(())
     }
@@ -219,18 +280,15 @@ impl Chart for FrontierChart<'_> {
 
         if let Some(l) = self.limit {
             let x = unit.of(l);
-            let red = RGBColor(200, 30, 30);
             chart
                 .draw_series(DashedLineSeries::new(
                     vec![(x, 0.0), (x, ymax)],
                     12,
                     8,
-                    red.stroke_width(2),
+                    LIMIT_COLOR.stroke_width(2),
                 ))?
                 .label(format!("memory limit ({})", format_bytes(l)))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2))
-                });
+                .legend(move |p| dashed_swatch(p, LIMIT_COLOR));
         }
 
         self.draw_points(&mut chart, &measured, &unit)?;
@@ -243,4 +301,23 @@ impl Chart for FrontierChart<'_> {
             .draw()?;
         Ok(())
     }
+}
+
+/// A thin grey line from a point to its label, when the label had to move away from it.
+fn leader<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    point: (i32, i32),
+    at: (i32, i32),
+    size: (i32, i32),
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    if let Some(end) = leader_end(point, at, size) {
+        area.draw(&PathElement::new(
+            vec![point, end],
+            RGBColor(150, 150, 150).stroke_width(1),
+        ))?;
+    }
+    Ok(())
 }

@@ -18,6 +18,7 @@ pub mod report;
 mod report_charts;
 pub mod results;
 pub mod step_chart;
+pub mod step_overlay;
 
 use crate::error::{Error, Result};
 use crate::train::Summary;
@@ -88,9 +89,19 @@ pub struct ChildRun {
 }
 
 impl ChildRun {
-    /// Peak bytes the probe measured (absolute: includes the baseline), when the run finished.
+    /// The configuration's training peak: the highest step peak the probe measured (absolute:
+    /// includes the baseline), when the run finished. A run's peak outside its steps (phase
+    /// "other": loading the data; or the evaluation) is [`ChildRun::run_peak_bytes`], not this.
     pub fn peak_bytes(&self) -> Option<u64> {
-        self.summary.as_ref().map(|s| s.peak_bytes)
+        self.summary.as_ref().map(|s| s.step_peak_bytes)
+    }
+
+    /// The run's peak over the whole process (data loading and evaluation included) and its
+    /// phase, when the run finished.
+    pub(crate) fn run_peak(&self) -> Option<(u64, Option<&str>)> {
+        self.summary
+            .as_ref()
+            .map(|s| (s.peak_bytes, s.peak_phase.as_deref()))
     }
 
     /// Bytes in use when training began (data, model, probe baseline), when the run finished.
@@ -98,11 +109,11 @@ impl ChildRun {
         self.summary.as_ref().map(|s| s.baseline_bytes)
     }
 
-    /// Peak bytes above the baseline (what training itself added), when the run finished.
+    /// The training peak above the baseline (what training itself added), when the run finished.
     pub(crate) fn peak_above_baseline(&self) -> Option<u64> {
         self.summary
             .as_ref()
-            .map(|s| s.peak_bytes.saturating_sub(s.baseline_bytes))
+            .map(|s| s.step_peak_bytes.saturating_sub(s.baseline_bytes))
     }
 
     /// Highest reserved bytes of the CUDA pool (absent on the CPU).

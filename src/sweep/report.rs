@@ -16,7 +16,7 @@
 //! out-of-memory point's `oom_snapshot.json` when its run wrote one.
 //! - [`write_run_memory_chart`]: `memory.{png,svg}` of one run directory.
 
-use super::chart::{render, PALETTE};
+use super::chart::{render, LIMIT_COLOR, PALETTE};
 use super::frontier::{
     pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART, FRONTIER_LEGEND,
 };
@@ -101,10 +101,12 @@ pub fn read_memory_log(run_dir: &Path) -> Result<MemoryLog> {
     let path = run_dir.join(MEMORY_JSON);
     let bytes =
         crate::io::read_capped(&path, MAX_MEMORY_LOG_BYTES).map_err(|e| Error::io(&path, e))?;
-    serde_json::from_slice(&bytes).map_err(|e| Error::Data {
-        path: path.clone(),
-        msg: format!("not a memtrain memory log ({e})"),
-    })
+    serde_json::from_slice(&bytes)
+        .map(MemoryLog::numbered)
+        .map_err(|e| Error::Data {
+            path: path.clone(),
+            msg: format!("not a memtrain memory log ({e})"),
+        })
 }
 
 /// A memory log is a few hundred bytes per step; this is millions of steps.
@@ -118,15 +120,40 @@ fn opt_f64(v: Option<f64>, digits: usize) -> String {
     v.map(|x| format!("{x:.digits$}")).unwrap_or_default()
 }
 
-/// The CSV columns baseline_bytes, peak_above_baseline_bytes, step_peak_bytes and
-/// reserved_peak_bytes of a child run (sweeps and comparisons alike).
-fn memory_cells(run: &ChildRun) -> [String; 4] {
+/// The CSV columns baseline_bytes, peak_above_baseline_bytes, run_peak_bytes, run_peak_phase
+/// and reserved_peak_bytes of a child run (sweeps and comparisons alike).
+fn memory_cells(run: &ChildRun) -> [String; 5] {
+    let run_peak = run.run_peak();
     [
         opt_u64(run.baseline_bytes()),
         opt_u64(run.peak_above_baseline()),
-        opt_u64(run.summary.as_ref().map(|s| s.step_peak_bytes)),
+        opt_u64(run_peak.map(|p| p.0)),
+        run_peak
+            .and_then(|p| p.1)
+            .map(String::from)
+            .unwrap_or_default(),
         opt_u64(run.reserved_peak_bytes()),
     ]
+}
+
+/// What a run's `step_timeline.json` says of its last step: the bytes the step added above its
+/// start at its peak, and the most activation bytes the tape held for the backward. `None` when
+/// the run wrote no timeline (it failed, or an older version ran it).
+fn step_figures(run: &ChildRun) -> Option<(u64, u64)> {
+    let path = run
+        .run_dir
+        .join(crate::memory::timeline::STEP_TIMELINE_FILE);
+    let t = super::step_chart::read_step_timeline(&path).ok()??;
+    if t.events.is_empty() {
+        return None;
+    }
+    let saved = t
+        .events
+        .iter()
+        .map(|e| e.categories.saved)
+        .max()
+        .unwrap_or(0);
+    Some((t.peak_bytes().saturating_sub(t.start_bytes), saved))
 }
 
 /// The CSV columns steps, wall_secs, exit_code, signal, note and run_dir of a child run.
@@ -196,7 +223,7 @@ fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `sweep.csv`.
-pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,frontier,steps,wall_secs,exit_code,signal,note,run_dir,oom_snapshot";
+pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,images_per_sec,frontier,steps,wall_secs,exit_code,signal,note,run_dir,oom_snapshot";
 
 /// One frontier point per point of the sweep (same order as `r.points`), labelled
 /// `<configuration> b<batch>`; only points that ran ok are measured.
@@ -239,7 +266,7 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
         .any(|p| p.run.reserved_peak_bytes().is_some());
     let snapshots = r.points.iter().any(|p| p.oom_snapshot.is_some());
     let front = pareto_front(&sweep_frontier_points(r));
-    let mut s = String::from("| configuration | batch | status | peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
+    let mut s = String::from("| configuration | batch size | status | training peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
@@ -299,10 +326,15 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
     if front.iter().any(|&on| on) {
         let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
     }
+    s.push_str(&other_note(r.points.iter().map(|p| &p.run)));
     if !r.max_batches.is_empty() {
         s.push('\n');
         for mb in &r.max_batches {
-            let _ = writeln!(s, "- {}", super::results::describe_max(mb, r.memory_limit));
+            let _ = writeln!(
+                s,
+                "- {}",
+                super::results::describe_max(mb, r.memory_limit_bytes)
+            );
         }
     }
     s
@@ -323,7 +355,7 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
     files.extend(write_frontier_chart(
         &sweep_frontier_points(r),
         "Peak memory against speed: every configuration and batch size that ran",
-        r.memory_limit,
+        r.memory_limit_bytes,
         &dir.join(FRONTIER_CHART),
     )?);
     Ok(files)
@@ -334,7 +366,7 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `compare.csv`.
-pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,step_peak_bytes,reserved_peak_bytes,images_per_sec,speed_change_pct,frontier,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_snapshot";
+pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,step_added_bytes,saved_activation_bytes,images_per_sec,speed_change_pct,frontier,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_snapshot";
 
 /// One frontier point per configuration of the comparison (same order as `r.entries`), labelled
 /// with the configuration's label; only runs that finished ok are measured.
@@ -359,7 +391,10 @@ pub fn compare_csv(r: &CompareResult) -> String {
             opt_f64(e.peak_change_pct, 2),
         ];
         row.extend(memory_cells(run));
+        let step = step_figures(run);
         row.extend([
+            opt_u64(step.map(|s| s.0)),
+            opt_u64(step.map(|s| s.1)),
             opt_f64(run.images_per_sec(), 2),
             opt_f64(e.speed_change_pct, 2),
             on.to_string(),
@@ -390,13 +425,13 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     let front = pareto_front(&compare_frontier_points(r));
     let base = r.entries.first().map(|e| e.label.as_str()).unwrap_or("");
     let mut s = format!(
-        "| configuration | status | peak MiB (total) | peak vs {} | peak − baseline MiB |",
+        "| configuration | status | training peak MiB (total) | peak vs {} | peak − baseline MiB |",
         md_cell(base)
     );
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
-    s.push_str(" img/s | img/s vs first | frontier |");
+    s.push_str(" step adds MiB | saved MiB | img/s | img/s vs first | frontier |");
     if accuracy {
         s.push_str(" accuracy |");
     }
@@ -407,7 +442,7 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     if reserved {
         s.push_str("---:|");
     }
-    s.push_str("---:|---:|:---:|");
+    s.push_str("---:|---:|---:|---:|:---:|");
     if accuracy {
         s.push_str("---:|");
     }
@@ -429,6 +464,13 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         if reserved {
             let _ = write!(s, " {} |", mib_cell(run.reserved_peak_bytes()));
         }
+        let step = step_figures(run);
+        let _ = write!(
+            s,
+            " {} | {} |",
+            mib_cell(step.map(|s| s.0)),
+            mib_cell(step.map(|s| s.1))
+        );
         let _ = write!(
             s,
             " {} | {} | {} |",
@@ -460,7 +502,25 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     if front.iter().any(|&on| on) {
         let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
     }
+    s.push_str(&other_note(r.entries.iter().map(|e| &e.run)));
     s
+}
+
+/// Under a table: the training peak is the step peak; when a run's whole-process peak fell
+/// outside training (phase "other"), what that means, with the runs named by their directory.
+fn other_note<'a>(runs: impl Iterator<Item = &'a ChildRun>) -> String {
+    let other: Vec<String> = runs
+        .filter(|r| r.run_peak().is_some_and(|p| p.1 == Some("other")))
+        .map(|r| r.run_dir.display().to_string())
+        .collect();
+    if other.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nThe training peak is the highest step peak. {} ({}).\n",
+        crate::memory::PHASE_OTHER_NOTE,
+        other.join(", ")
+    )
 }
 
 /// Write `compare.json`, `compare.csv` and `compare.md` into `dir` (atomically).
@@ -558,12 +618,12 @@ pub(crate) fn write_run_memory_chart(
             thin: true,
         },
     ];
-    if rows.iter().any(|b| b.reserved_peak.is_some()) {
+    if rows.iter().any(|b| b.reserved_peak_bytes.is_some()) {
         series.push(Series {
             label: "reserved by the CUDA pool".into(),
             points: rows
                 .iter()
-                .filter_map(|b| b.reserved_peak.map(|r| (b.global_step as f64, r)))
+                .filter_map(|b| b.reserved_peak_bytes.map(|r| (b.global_step as f64, r)))
                 .collect(),
             color: Some(PALETTE[1]),
             thin: true,
@@ -581,7 +641,7 @@ pub(crate) fn write_run_memory_chart(
         hlines.push(HLine {
             label: format!("memory limit ({})", format_bytes(l)),
             bytes: l,
-            color: RGBColor(200, 30, 30),
+            color: LIMIT_COLOR,
         });
     }
     let chart = TimelineChart {

@@ -2,7 +2,10 @@
 //! configuration, per-batch memory lines, and the sweep's peak memory and images/s against batch
 //! size.
 
-use super::chart::{shorten, Chart, DrawError, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use super::chart::{
+    dashed_swatch, label_spots, leader_end, png_text, same_as, series_color, series_width, shorten,
+    Chart, DrawError, DrawResult, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
+};
 use super::results::SweepResult;
 use super::{ChildRun, Status};
 use crate::memory::format_bytes;
@@ -45,7 +48,14 @@ impl Chart for BarChart {
         let unit = MemUnit::for_max(max);
         let xmax = unit.of(max).max(1e-3) * 1.32;
         let labels: Vec<String> = self.bars.iter().map(|b| shorten(&b.label, 38)).collect();
-        let label_w = labels.iter().map(|l| l.chars().count()).max().unwrap_or(8) as u32 * 10 + 24;
+        // Wide enough for the PNG's spelling too (code points for what the font lacks).
+        let label_w = labels
+            .iter()
+            .map(|l| png_text(l).chars().count())
+            .max()
+            .unwrap_or(8) as u32
+            * 10
+            + 24;
         // Bars top to bottom in the given order: bar i sits at row n-1-i.
         let row = |i: usize| n - 1 - i;
         let mut chart = ChartBuilder::on(root)
@@ -71,7 +81,7 @@ impl Chart for BarChart {
             .draw()?;
         for (i, b) in self.bars.iter().enumerate() {
             let r = row(i);
-            let color = PALETTE[i % PALETTE.len()];
+            let color = series_color(i);
             match b.bytes {
                 Some(bytes) => {
                     let mut rect = Rectangle::new(
@@ -96,7 +106,7 @@ impl Chart for BarChart {
                 }
                 None => {
                     let style = TextStyle::from((FONT, 18).into_font())
-                        .color(&RGBColor(200, 30, 30))
+                        .color(&LIMIT_COLOR)
                         .pos(Pos::new(HPos::Left, VPos::Center));
                     let text = match b.status {
                         Status::Oom => "out of memory".to_string(),
@@ -138,6 +148,60 @@ pub(super) struct TimelineChart {
     pub(super) hlines: Vec<HLine>,
 }
 
+impl TimelineChart {
+    /// Every series as a line (with a marker per point while they stay apart); one identical to
+    /// an earlier series is dashed over it and named in the legend.
+    fn draw_lines<DB: DrawingBackend>(
+        &self,
+        chart: &mut Panel<'_, DB>,
+        unit: &MemUnit,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let n = self.series.len();
+        let all: Vec<Vec<(f64, f64)>> = self
+            .series
+            .iter()
+            .map(|s| s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect())
+            .collect();
+        // Lines within about two pixels of each other would cover one another.
+        let same = same_as(&all, 0.004 * chart.y_range().end);
+        for (i, (s, pts)) in self.series.iter().zip(all).enumerate() {
+            let color = s.color.unwrap_or(series_color(i));
+            let width = if s.thin { 2 } else { series_width(i, n) };
+            let mut label = shorten(&s.label, 60);
+            if let Some(j) = same[i] {
+                // Identical to an earlier line: dashed over it, so both stay visible.
+                label = format!("{label} (= {})", shorten(&self.series[j].label, 20));
+                chart
+                    .draw_series(DashedLineSeries::new(
+                        pts.clone(),
+                        10,
+                        8,
+                        color.stroke_width(width),
+                    ))?
+                    .label(label)
+                    .legend(move |p| dashed_swatch(p, color));
+            } else {
+                chart
+                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
+                    .label(label)
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
+                    });
+            }
+            if pts.len() <= 80 {
+                chart.draw_series(
+                    pts.iter()
+                        .map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Chart for TimelineChart {
     fn size(&self) -> (u32, u32) {
         (1200, 700)
@@ -156,16 +220,21 @@ impl Chart for TimelineChart {
             .unwrap_or(1024 * 1024)
             .max(1);
         let unit = MemUnit::for_max(max_bytes);
-        let max_x = self
-            .series
-            .iter()
-            .flat_map(|s| s.points.iter().map(|p| p.0))
-            .fold(0.0f64, f64::max);
-        let (x0, x1) = if max_x < 1.0 {
+        let xs = || {
+            self.series
+                .iter()
+                .flat_map(|s| s.points.iter().map(|p| p.0))
+        };
+        let max_x = xs().fold(f64::MIN, f64::max);
+        let min_x = xs().fold(f64::MAX, f64::min);
+        // Steps count from 1: the axis spans the steps drawn, with a little room either side.
+        let (x0, x1) = if min_x > max_x {
             (-0.5, 1.5)
+        } else if max_x - min_x < 1.0 {
+            (min_x - 1.0, max_x + 1.0)
         } else {
-            let pad = (0.02 * max_x).max(0.1);
-            (-pad, max_x + pad)
+            let pad = (0.02 * (max_x - min_x)).max(0.1);
+            (min_x - pad, max_x + pad)
         };
         // Headroom above the highest line for the legend (upper right), one band per entry.
         let entries = (self.series.len() + self.hlines.len()) as f64;
@@ -203,27 +272,9 @@ impl Chart for TimelineChart {
                     color.stroke_width(2),
                 ))?
                 .label(h.label.clone())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2))
-                });
+                .legend(move |p| dashed_swatch(p, color));
         }
-        for (i, s) in self.series.iter().enumerate() {
-            let color = s.color.unwrap_or(PALETTE[i % PALETTE.len()]);
-            let width = if s.thin { 2 } else { 3 };
-            let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, b)| (x, unit.of(b))).collect();
-            chart
-                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
-                .label(shorten(&s.label, 60))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
-                });
-            if pts.len() <= 80 {
-                chart.draw_series(
-                    pts.iter()
-                        .map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())),
-                )?;
-            }
-        }
+        self.draw_lines(&mut chart, &unit)?;
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperRight)
@@ -292,7 +343,7 @@ impl SweepChart {
                 if r.steps == 1 { "" } else { "s" }
             ),
             configs,
-            limit: r.memory_limit,
+            limit: r.memory_limit_bytes,
         }
     }
 }
@@ -432,45 +483,66 @@ impl SweepChart {
         let (x0, x1) = x.range;
         if let Some(l) = self.limit {
             let y = unit.of(l);
-            let red = RGBColor(200, 30, 30);
             mem.draw_series(DashedLineSeries::new(
                 vec![(x0, y), (x1, y)],
                 12,
                 8,
-                red.stroke_width(2),
+                LIMIT_COLOR.stroke_width(2),
             ))?
             .label(format!("memory limit ({})", format_bytes(l)))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2)));
+            .legend(move |p| dashed_swatch(p, LIMIT_COLOR));
         }
         let (mut any_oom, mut any_failed) = (false, false);
-        for (i, (label, d)) in self.configs.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
-            let ok: Vec<(f64, f64)> = d
-                .iter()
-                .filter(|p| p.status == Status::Ok)
-                .filter_map(|p| p.peak.map(|b| (x.x(p.batch), unit.of(b))))
-                .collect();
-            mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(3)))?
-                .label(shorten(label, 50))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
-                });
-            mem.draw_series(ok.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+        let n = self.configs.len();
+        let mut maxima = Vec::new();
+        let all: Vec<Vec<(f64, f64)>> = self
+            .configs
+            .iter()
+            .map(|(_, d)| {
+                d.iter()
+                    .filter(|p| p.status == Status::Ok)
+                    .filter_map(|p| p.peak.map(|b| (x.x(p.batch), unit.of(b))))
+                    .collect()
+            })
+            .collect();
+        let same = same_as(&all, 0.004 * ymax);
+        for (i, ((label, d), ok)) in self.configs.iter().zip(all).enumerate() {
+            let color = series_color(i);
+            let width = series_width(i, n);
+            if let Some(j) = same[i] {
+                // Identical to an earlier configuration: dashed over it, named in the legend.
+                let label = format!(
+                    "{} (= {})",
+                    shorten(label, 40),
+                    shorten(&self.configs[j].0, 20)
+                );
+                mem.draw_series(DashedLineSeries::new(
+                    ok.clone(),
+                    10,
+                    8,
+                    color.stroke_width(width),
+                ))?
+                .label(label)
+                .legend(move |p| dashed_swatch(p, color));
+            } else {
+                mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(width)))?
+                    .label(shorten(label, 50))
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
+                    });
+            }
+            let r = 3 + width as i32 / 2;
+            mem.draw_series(ok.iter().map(|&p| Circle::new(p, r, color.filled())))?;
             if let Some(Some(m)) = self.maxima.get(i) {
                 if let Some(p) = d.iter().find(|p| p.batch == *m).and_then(|p| p.peak) {
-                    let style = TextStyle::from((FONT, 17).into_font())
-                        .color(&color)
-                        .pos(Pos::new(HPos::Left, VPos::Top));
-                    mem.draw_series(std::iter::once(
-                        EmptyElement::at((x.x(*m), unit.of(p)))
-                            + Text::new(format!("max {m}"), (8, 6), style),
-                    ))?;
+                    maxima.push((i, *m, (x.x(*m), unit.of(p))));
                 }
             }
             let (oom, failed) = self.draw_failures(&mut mem, i, d, x, oom_y)?;
             any_oom |= oom;
             any_failed |= failed;
         }
+        draw_max_labels(&mut mem, &self.configs, &maxima)?;
         self.marker_legend(&mut mem, any_oom, any_failed)?;
         mem.configure_series_labels()
             .position(SeriesLabelPosition::UpperLeft)
@@ -494,7 +566,7 @@ impl SweepChart {
     where
         DB::ErrorType: 'static,
     {
-        let color = PALETTE[i % PALETTE.len()];
+        let color = series_color(i);
         let (mut any_oom, mut any_failed) = (false, false);
         // Markers of different configurations at the same batch size sit side by side.
         let dx = (i as i32 * 2 - (self.configs.len() as i32 - 1)) * 8;
@@ -561,8 +633,10 @@ impl SweepChart {
             .max(1e-3)
             * 1.15;
         let mut speed = x.panel(area, max_ips, "throughput (images/s)")?;
+        let n = self.configs.len();
         for (i, (_, d)) in self.configs.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
+            let color = series_color(i);
+            let width = series_width(i, n);
             let pts: Vec<(f64, f64)> = d
                 .iter()
                 .filter_map(|p| {
@@ -571,11 +645,70 @@ impl SweepChart {
                         .map(|v| (x.x(p.batch), v))
                 })
                 .collect();
-            speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
-            speed.draw_series(pts.iter().map(|&p| Circle::new(p, 5, color.filled())))?;
+            speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
+            let r = 3 + width as i32 / 2;
+            speed.draw_series(pts.iter().map(|&p| Circle::new(p, r, color.filled())))?;
         }
         Ok(())
     }
+}
+
+/// The `--find-max` results as "max N" labels, each beside its point where it overlaps no other
+/// label and no point of the panel; one that fits nowhere is named in the upper right instead.
+/// `maxima`: (configuration index, batch, point).
+fn draw_max_labels<DB: DrawingBackend>(
+    mem: &mut Panel<'_, DB>,
+    configs: &[(String, Vec<SweepDot>)],
+    maxima: &[(usize, usize, (f64, f64))],
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let area = mem.plotting_area().strip_coord_spec();
+    let (x0, y0) = area.get_base_pixel();
+    let (w, h) = area.dim_in_pixel();
+    // Labels stay clear of the legend box in the upper left.
+    let legend_h = 30 * (configs.len() as i32 + 3);
+    let bounds = (x0, y0, x0 + w as i32, y0 + h as i32);
+    let mut boxes = LabelBoxes::default();
+    boxes.reserve((x0, y0, x0 + 420, y0 + legend_h));
+    for &(_, _, p) in maxima {
+        let (px, py) = mem.backend_coord(&p);
+        boxes.reserve((px - 7, py - 7, px + 7, py + 7));
+    }
+    let mut elsewhere = Vec::new();
+    for &(i, m, p) in maxima {
+        let color = series_color(i);
+        let style = TextStyle::from((FONT, 17).into_font()).color(&color);
+        let text = format!("max {m}");
+        let size = area.estimate_text_size(&text, &style)?;
+        let size = (size.0 as i32 + 2, size.1 as i32 + 2);
+        let (px, py) = mem.backend_coord(&p);
+        match boxes.place(&label_spots((px, py), size), size, bounds) {
+            Some((lx, ly)) => {
+                if let Some(end) = leader_end((px, py), (lx, ly), size) {
+                    area.draw(&PathElement::new(
+                        vec![(px - x0, py - y0), (end.0 - x0, end.1 - y0)],
+                        color.stroke_width(1),
+                    ))?;
+                }
+                area.draw(&Text::new(text, (lx - x0 + 1, ly - y0 + 1), style))?
+            }
+            None => elsewhere.push(format!("{}: max {m}", shorten(&configs[i].0, 30))),
+        }
+    }
+    const INK: RGBColor = RGBColor(60, 60, 60);
+    let style = TextStyle::from((FONT, 15).into_font())
+        .color(&INK)
+        .pos(Pos::new(HPos::Right, VPos::Top));
+    for (k, line) in elsewhere.into_iter().enumerate() {
+        area.draw(&Text::new(
+            line,
+            (w as i32 - 8, 8 + 20 * k as i32),
+            style.clone(),
+        ))?;
+    }
+    Ok(())
 }
 
 /// Signed percentage, e.g. `-23.4%`.

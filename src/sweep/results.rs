@@ -100,8 +100,9 @@ pub struct SweepResult {
     pub command: String,
     /// Training steps per point.
     pub steps: usize,
-    /// The memory limit given to the children.
-    pub memory_limit: Option<u64>,
+    /// The memory limit given to the children (`--memory-limit`), in bytes.
+    #[serde(alias = "memory_limit")]
+    pub memory_limit_bytes: Option<u64>,
     /// The plan.
     pub plan: BatchPlan,
     /// Configurations, in order.

@@ -4,14 +4,14 @@
 //! - [`write_step_timeline_chart`]: `step_timeline.{png,svg}` of one run directory: the bytes in
 //!   use after every layer event as stacked areas by category, the measured peak between events,
 //!   the estimate's prediction, and the forward, backward and optimizer regions of the step.
-//! - [`write_step_timeline_overlay`]: one line per configuration of the peak above the step's
-//!   start over the step, for comparisons.
+//! - `step_overlay::write_step_timeline_overlay`: one line per configuration of the peak above
+//!   the step's start over the step, for comparisons (its own module, drawn with the pieces here).
 //!
 //! Both are drawn with the machinery of `sweep::chart` (embedded fonts, PNG and SVG, atomic
 //! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
 //! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
 
-use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT};
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use crate::phase::Phase;
@@ -61,25 +61,6 @@ pub fn write_step_timeline_chart(run_dir: &Path, title: &str) -> Result<Vec<Path
     render(&chart, &run_dir.join(STEP_TIMELINE_CHART))
 }
 
-/// Draw `<base>.png` and `<base>.svg`: for every `(label, timeline)` a line of the measured peak
-/// above the step's start (`peak_bytes - start_bytes`) at each event. Configurations have
-/// different numbers of events (checkpointing adds recompute events, accumulation repeats the
-/// passes), so x is the position in the step, event index ÷ last index (0% = first event,
-/// 100% = last). Timelines without events are left out; with none left, nothing is written.
-pub fn write_step_timeline_overlay(
-    timelines: &[(String, StepTimeline)],
-    base: &Path,
-) -> Result<Vec<PathBuf>> {
-    let lines: Vec<&(String, StepTimeline)> = timelines
-        .iter()
-        .filter(|(_, t)| !t.events.is_empty())
-        .collect();
-    if lines.is_empty() {
-        return Ok(Vec::new());
-    }
-    render(&OverlayChart { lines }, base)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Shared pieces
 // ---------------------------------------------------------------------------------------------
@@ -95,6 +76,11 @@ const STACK: [(&str, RGBColor); 6] = [
     ("transient (op outputs, workspaces)", RGBColor(23, 190, 207)),
 ];
 
+/// What event `e` allocated and freed before it ended: its peak above what is in use after it.
+fn freed_within(e: &TimelineEvent) -> u64 {
+    e.peak_bytes.saturating_sub(e.categories.total())
+}
+
 /// The bytes of each category in [`STACK`] order.
 fn stack_values(c: &CategoryBytes) -> [u64; 6] {
     [
@@ -107,9 +93,14 @@ fn stack_values(c: &CategoryBytes) -> [u64; 6] {
     ]
 }
 
+/// The band on top of the stack: what the event allocated and freed again before it ended (its
+/// peak minus what is in use after it), so that the stack reaches the measured peak and the
+/// stack at the peak event is the peak's composition.
+const FREED: (&str, RGBColor) = ("freed within the event", RGBColor(158, 218, 229));
+
 const PEAK_COLOR: RGBColor = RGBColor(25, 25, 25);
 const PREDICTED_COLOR: RGBColor = RGBColor(214, 39, 40);
-const TEXT_COLOR: RGBColor = RGBColor(50, 50, 50);
+pub(super) const TEXT_COLOR: RGBColor = RGBColor(50, 50, 50);
 
 /// Background shade and label colour of a phase region.
 fn phase_colors(p: Phase) -> (RGBColor, RGBColor) {
@@ -123,7 +114,7 @@ fn phase_colors(p: Phase) -> (RGBColor, RGBColor) {
 
 /// A marker at pixel offset `(0, 0)` of an event, by phase (so a line's passes can be told apart
 /// without the background regions): circle forward, triangle backward, square otherwise.
-fn phase_marker<DB: DrawingBackend>(
+pub(super) fn phase_marker<DB: DrawingBackend>(
     chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
     at: (f64, f64),
     phase: Phase,
@@ -154,11 +145,11 @@ where
 
 /// How a legend entry is drawn.
 #[derive(Debug, Clone, Copy)]
-enum Swatch {
+pub(super) enum Swatch {
     /// A filled box.
     Fill(RGBColor),
-    /// A line with a marker.
-    Line(RGBColor),
+    /// A line of the given width with a marker.
+    Line(RGBColor, u32),
     /// A dashed line.
     Dashed(RGBColor),
     /// A phase marker (black).
@@ -166,7 +157,7 @@ enum Swatch {
 }
 
 /// One row of a legend panel: swatch, label, and a value aligned right.
-struct LegendRow {
+pub(super) struct LegendRow {
     swatch: Option<Swatch>,
     label: String,
     value: String,
@@ -174,7 +165,11 @@ struct LegendRow {
 }
 
 impl LegendRow {
-    fn entry(swatch: Swatch, label: impl Into<String>, value: impl Into<String>) -> Self {
+    pub(super) fn entry(
+        swatch: Swatch,
+        label: impl Into<String>,
+        value: impl Into<String>,
+    ) -> Self {
         LegendRow {
             swatch: Some(swatch),
             label: label.into(),
@@ -183,7 +178,7 @@ impl LegendRow {
         }
     }
 
-    fn heading(label: impl Into<String>) -> Self {
+    pub(super) fn heading(label: impl Into<String>) -> Self {
         LegendRow {
             swatch: None,
             label: label.into(),
@@ -192,7 +187,7 @@ impl LegendRow {
         }
     }
 
-    fn text(label: impl Into<String>) -> Self {
+    pub(super) fn text(label: impl Into<String>) -> Self {
         LegendRow {
             swatch: None,
             label: label.into(),
@@ -201,13 +196,13 @@ impl LegendRow {
         }
     }
 
-    fn gap() -> Self {
+    pub(super) fn gap() -> Self {
         LegendRow::text("")
     }
 }
 
 /// Draw legend rows top-down into `panel` (its own pixel coordinates), starting at `top`.
-fn draw_legend<DB: DrawingBackend>(
+pub(super) fn draw_legend<DB: DrawingBackend>(
     panel: &DrawingArea<DB, Shift>,
     top: i32,
     rows: &[LegendRow],
@@ -231,8 +226,8 @@ where
                         RGBColor(120, 120, 120).stroke_width(1),
                     ))?;
                 }
-                Swatch::Line(c) => {
-                    panel.draw(&PathElement::new(vec![(x0, y), (x1, y)], c.stroke_width(3)))?;
+                Swatch::Line(c, w) => {
+                    panel.draw(&PathElement::new(vec![(x0, y), (x1, y)], c.stroke_width(w)))?;
                     panel.draw(&Circle::new(((x0 + x1) / 2, y), 4, c.filled()))?;
                 }
                 Swatch::Dashed(c) => {
@@ -333,11 +328,16 @@ impl StepChart<'_> {
                 best
             }
         });
-        let mut rows = vec![LegendRow::heading("in use after each event")];
+        let mut rows = vec![LegendRow::heading("each event's peak, by category")];
         rows.push(LegendRow::text("(value at the peak event)"));
         let at_peak = peak_event
             .map(|e| stack_values(&e.categories))
             .unwrap_or_default();
+        rows.push(LegendRow::entry(
+            Swatch::Fill(FREED.1),
+            FREED.0,
+            unit.fmt(peak_event.map_or(0, freed_within)),
+        ));
         for (k, (label, color)) in STACK.iter().enumerate().rev() {
             rows.push(LegendRow::entry(
                 Swatch::Fill(*color),
@@ -348,16 +348,17 @@ impl StepChart<'_> {
         rows.push(LegendRow::gap());
         let peak = t.peak_bytes();
         rows.push(LegendRow::entry(
-            Swatch::Line(PEAK_COLOR),
+            Swatch::Line(PEAK_COLOR, 2),
             "measured peak",
             unit.fmt(peak),
         ));
         if let Some(e) = peak_event {
-            rows.push(LegendRow::text(format!(
-                "at {} of {}",
-                e.phase,
-                shorten(&e.layer, 24)
-            )));
+            let at = if e.layer.starts_with("recompute") {
+                format!("at {}", e.layer)
+            } else {
+                format!("at {} of {}", e.phase, e.layer)
+            };
+            rows.push(LegendRow::text(shorten(&at, 38)));
         }
         if events.iter().any(|e| e.predicted_peak_bytes.is_some()) {
             // Compared over the events that have a prediction (the trainer predicts the passes,
@@ -385,40 +386,48 @@ impl StepChart<'_> {
             value: unit.fmt(t.start_bytes),
             ..LegendRow::text("in use at the step's start")
         });
-        rows.push(LegendRow::gap());
-        rows.push(LegendRow::heading("regions of the step"));
-        let mut seen: Vec<Phase> = Vec::new();
-        for e in events {
-            if !seen.contains(&e.phase) {
-                seen.push(e.phase);
-            }
-        }
-        for p in seen {
-            rows.push(LegendRow::entry(
-                Swatch::Fill(phase_colors(p).0),
-                p.to_string(),
-                "",
-            ));
-        }
-        rows.push(LegendRow::gap());
-        let micro = events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
-        let mut about = format!("step {}", t.global_step);
-        if !t.probe.is_empty() {
-            about.push_str(&format!(", probe {}", t.probe));
-        }
-        rows.push(LegendRow::text(about));
-        rows.push(LegendRow::text(format!(
-            "{} event{}{}",
-            events.len(),
-            if events.len() == 1 { "" } else { "s" },
-            if micro > 1 {
-                format!(", {micro} micro-batches")
-            } else {
-                String::new()
-            }
-        )));
+        rows.extend(about_rows(t));
         rows
     }
+}
+
+/// The legend's last rows: the step's regions, which step it is and how many events it has.
+fn about_rows(t: &StepTimeline) -> Vec<LegendRow> {
+    let events = &t.events;
+    let mut rows = Vec::new();
+    rows.push(LegendRow::gap());
+    rows.push(LegendRow::heading("regions of the step"));
+    let mut seen: Vec<Phase> = Vec::new();
+    for e in events {
+        if !seen.contains(&e.phase) {
+            seen.push(e.phase);
+        }
+    }
+    for p in seen {
+        rows.push(LegendRow::entry(
+            Swatch::Fill(phase_colors(p).0),
+            p.to_string(),
+            "",
+        ));
+    }
+    rows.push(LegendRow::gap());
+    let micro = events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
+    let mut about = format!("step {}", t.global_step);
+    if !t.probe.is_empty() {
+        about.push_str(&format!(", probe {}", t.probe));
+    }
+    rows.push(LegendRow::text(about));
+    rows.push(LegendRow::text(format!(
+        "{} event{}{}",
+        events.len(),
+        if events.len() == 1 { "" } else { "s" },
+        if micro > 1 {
+            format!(", {micro} micro-batches")
+        } else {
+            String::new()
+        }
+    )));
+    rows
 }
 
 impl Chart for StepChart<'_> {
@@ -456,7 +465,7 @@ impl Chart for StepChart<'_> {
             .color(&TEXT_COLOR)
             .transform(FontTransform::Rotate270)
             .pos(Pos::new(HPos::Right, VPos::Center));
-        let names: Vec<String> = events.iter().map(|e| shorten(&e.layer, 26)).collect();
+        let names: Vec<String> = events.iter().map(|e| shorten(&e.layer, 40)).collect();
         let longest = names
             .iter()
             .map(|s| {
@@ -492,8 +501,9 @@ impl Chart for StepChart<'_> {
         draw_stack(&mut chart, events, &unit)?;
         let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n as f64;
         draw_region_labels(&mut chart, root, &regs, events, ymax, px_per_event)?;
-        draw_prediction(&mut chart, events, &unit)?;
+        // The prediction over the measurement: where they agree, its dashes stay visible.
         draw_peaks(&mut chart, events, &unit, px_per_event)?;
+        draw_prediction(&mut chart, events, &unit)?;
         draw_layer_names(&chart, root, &names, &label_style, px_per_event)?;
         draw_legend(&panel, 90, &self.legend_rows(&unit))?;
         Ok(())
@@ -534,11 +544,17 @@ where
     // Stacked categories: band k spans the sum of the categories below it to that sum plus
     // its own bytes, one polygon per band (no overdraw, so the SVG stays exact).
     let mut lower = vec![0f64; n];
-    for (k, (_, color)) in STACK.iter().enumerate() {
+    let bands = STACK.iter().chain(std::iter::once(&FREED));
+    for (k, (_, color)) in bands.enumerate() {
         let upper: Vec<f64> = events
             .iter()
             .zip(&lower)
-            .map(|(e, lo)| lo + unit.of(stack_values(&e.categories)[k]))
+            .map(|(e, lo)| {
+                lo + unit.of(match k {
+                    6 => freed_within(e),
+                    _ => stack_values(&e.categories)[k],
+                })
+            })
             .collect();
         if upper.iter().zip(&lower).any(|(u, l)| u > l) {
             // Each band runs flat across the outer half-slots of the first and last events,
@@ -716,7 +732,7 @@ where
 }
 
 /// The layer names under the axis, rotated, thinned to one every few events when dense.
-fn draw_layer_names<DB: DrawingBackend>(
+pub(super) fn draw_layer_names<DB: DrawingBackend>(
     chart: &Panel<'_, DB>,
     root: &DrawingArea<DB, Shift>,
     names: &[String],
@@ -746,97 +762,4 @@ where
         ))?;
     }
     Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
-// Several runs: the peak above the step's start, overlaid
-// ---------------------------------------------------------------------------------------------
-
-/// One line per configuration over the step's position (0–100%).
-struct OverlayChart<'a> {
-    lines: Vec<&'a (String, StepTimeline)>,
-}
-
-/// Position of event `i` of `n` in the step, in percent (a lone event sits at 0%).
-fn position_pct(i: usize, n: usize) -> f64 {
-    if n <= 1 {
-        0.0
-    } else {
-        i as f64 / (n - 1) as f64 * 100.0
-    }
-}
-
-impl Chart for OverlayChart<'_> {
-    fn size(&self) -> (u32, u32) {
-        (1500, 800)
-    }
-
-    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
-    where
-        DB::ErrorType: 'static,
-    {
-        let above =
-            |t: &StepTimeline, e: &TimelineEvent| e.peak_bytes.saturating_sub(t.start_bytes);
-        let max_bytes = self
-            .lines
-            .iter()
-            .flat_map(|(_, t)| t.events.iter().map(move |e| above(t, e)))
-            .max()
-            .unwrap_or(0)
-            .max(1024 * 1024);
-        let unit = MemUnit::for_max(max_bytes);
-        let ymax = unit.of(max_bytes) * 1.1;
-        let (w, _) = root.dim_in_pixel();
-        let (plot_area, panel) = root.split_horizontally(w - 390);
-        let mut chart = ChartBuilder::on(&plot_area)
-            .caption("Peak memory inside one training step", (FONT, 28))
-            .margin(20)
-            .x_label_area_size(70)
-            .y_label_area_size(90)
-            .build_cartesian_2d(-2f64..102f64, 0f64..ymax)?;
-        chart
-            .configure_mesh()
-            .x_desc("position in the step: event index ÷ last index (0% first forward event, 100% last event)")
-            .y_desc(format!("peak above the step's start ({})", unit.name))
-            .axis_desc_style((FONT, 18))
-            .label_style((FONT, 17))
-            .x_labels(11)
-            .x_label_formatter(&|x| format!("{x:.0}%"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .light_line_style(RGBColor(244, 244, 244))
-            .draw()?;
-        let mut rows = vec![
-            LegendRow::heading("configuration"),
-            LegendRow::text("(highest peak above the start)"),
-        ];
-        for (i, (label, t)) in self.lines.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
-            let n = t.events.len();
-            let pts: Vec<(f64, f64)> = t
-                .events
-                .iter()
-                .enumerate()
-                .map(|(j, e)| (position_pct(j, n), unit.of(above(t, e))))
-                .collect();
-            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
-            if n <= 120 {
-                for (p, e) in pts.iter().zip(&t.events) {
-                    phase_marker(&mut chart, *p, e.phase, color, 4)?;
-                }
-            }
-            let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
-            rows.push(LegendRow::entry(
-                Swatch::Line(color),
-                shorten(label, 24),
-                format!("+{}", unit.fmt(top)),
-            ));
-        }
-        rows.push(LegendRow::gap());
-        rows.push(LegendRow::heading("markers: phase of the event"));
-        for p in [Phase::Forward, Phase::Backward, Phase::Optimizer] {
-            rows.push(LegendRow::entry(Swatch::Marker(p), p.to_string(), ""));
-        }
-        draw_legend(&panel, 90, &rows)?;
-        Ok(())
-    }
 }

@@ -169,8 +169,9 @@ impl Trainer {
             None
         };
         let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        let evaluated = eval.is_some();
         let stats = progress.stats(eval, loss_scale);
-        self.memory.epoch_end(epoch);
+        self.memory.epoch_end(epoch, evaluated);
         self.callbacks.on_epoch_end(&EpochEnd {
             stats: &stats,
             num_epochs: cfg.epochs,

@@ -335,7 +335,8 @@ impl Trainer {
         let timeline = StepTimeline {
             label: self.config.label(),
             probe: self.probe.name().to_string(),
-            global_step: self.global_step,
+            // Numbered from 1, as in batches.csv and memory.json.
+            global_step: self.global_step + 1,
             start_bytes,
             events,
         };

@@ -60,12 +60,13 @@ pub struct Summary {
     pub os_current_bytes: Option<u64>,
     /// The OS view's high-water mark over the run (CPU: the kernel's VmHWM since start).
     pub os_peak_bytes: Option<u64>,
-    /// The configured memory limit (on the CPU: the process's resident memory, as the kernel
-    /// counts it).
-    pub memory_limit: Option<u64>,
-    /// The heap budget under `memory_limit` on the CPU: the limit less what the process holds
-    /// outside its heap ([`crate::memory::os::RssReserve`]); the trainer checks the heap against
-    /// it after every layer, and the resident memory against the limit.
+    /// The configured memory limit (`--memory-limit`), in bytes (on the CPU: the process's
+    /// resident memory, as the kernel counts it).
+    #[serde(alias = "memory_limit")]
+    pub memory_limit_bytes: Option<u64>,
+    /// The heap budget under `memory_limit_bytes` on the CPU: the limit less what the process
+    /// holds outside its heap ([`crate::memory::os::RssReserve`]); the trainer checks the heap
+    /// against it after every layer, and the resident memory against the limit.
     #[serde(default)]
     pub heap_budget_bytes: Option<u64>,
     /// Gradient checkpointing's segments the run trained with, as `[start, end)` block ranges
@@ -78,6 +79,10 @@ pub struct Summary {
     pub recompute_flops: u64,
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
+    /// What each memory optimization alone and all together would make of the predicted peak
+    /// ([`crate::predict::what_if`]); `None` where there is no estimate (no memory probe).
+    #[serde(default)]
+    pub what_if: Option<Vec<crate::predict::WhatIf>>,
     /// (predicted − measured) / measured, in percent, against the measured step peak
     /// (`step_peak_bytes`), which is what the estimate predicts; the run's peak can also fall
     /// while the data loads or during evaluation.
@@ -151,11 +156,11 @@ impl Trainer {
             peak_phase: mem.peak_phase.map(|p| p.to_string()),
             baseline_bytes: mem.baseline_bytes,
             step_peak_bytes: step_peak,
-            reserved_peak_bytes: mem.reserved_peak,
+            reserved_peak_bytes: mem.reserved_peak_bytes,
             os_view: self.probe.os_view(),
             os_current_bytes: os.map(|o| o.current),
-            os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak),
-            memory_limit: self.config.memory_limit,
+            os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak_bytes),
+            memory_limit_bytes: self.config.memory_limit,
             heap_budget_bytes: self.probe.os_limit().and(self.probe.limit()),
             checkpoint_segments: self
                 .model
@@ -170,6 +175,7 @@ impl Trainer {
             ),
             // The analytic estimate (src/predict/) against the measured peak.
             predicted_peak_bytes: predicted,
+            what_if: predicted.and_then(|_| self.what_if()),
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
             steady_images_per_sec: self.history.step_times.steady(),
@@ -192,6 +198,21 @@ impl Trainer {
             pruning,
             cuda_graph: self.cuda_graph.stats(),
         }
+    }
+}
+
+impl Trainer {
+    /// The what-if rows of this run's configuration, data and device
+    /// ([`crate::predict::what_if`]); `None` when they cannot be estimated.
+    pub fn what_if(&self) -> Option<Vec<crate::predict::WhatIf>> {
+        use crate::predict::{Baseline, DataSize, DeviceKind};
+        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
+        crate::predict::what_if(
+            &self.config,
+            DeviceKind::of(&self.device),
+            Baseline::Modeled(data),
+        )
+        .ok()
     }
 }
 

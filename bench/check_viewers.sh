@@ -88,7 +88,7 @@ echo "== $bin ${common[*]} --out $tmp/run"
 }
 # A --memory-limit 3% under the run's resident peak, started past the prediction that refuses it
 # (MEMTRAIN_RUN_PAST_PREDICTION=1): its one step runs out part-way, and that step is the traced one.
-limit=$("$py" -c 'import csv,sys; r=list(csv.DictReader(open(sys.argv[1]))); print(int(r[0]["os_peak"]) * 97 // 100)' "$tmp/run/batches.csv")
+limit=$("$py" -c 'import csv,sys; r=list(csv.DictReader(open(sys.argv[1]))); print(int(r[0]["os_peak_bytes"]) * 97 // 100)' "$tmp/run/batches.csv")
 echo "== $bin --device cpu --max-steps 1 --quiet --memory-limit $limit --out $tmp/oom (stops on out of memory)"
 if MEMTRAIN_RUN_PAST_PREDICTION=1 "$bin" --device cpu --max-steps 1 --quiet --memory-limit "$limit" --out "$tmp/oom" >"$tmp/oom.log" 2>&1; then
   fail "the run with --memory-limit $limit did not run out of memory"

@@ -436,7 +436,7 @@ pub struct TrainConfig {
         allow_negative_numbers = true
     )]
     pub save_every: usize,
-    /// Optimizer step (0-based, as in batches.csv) whose every allocation and free memory_snapshot.pickle records, for PyTorch's memory_viz (CPU runs). Default: the run's last step
+    /// Optimizer step (from 1, as in batches.csv) whose every allocation and free memory_snapshot.pickle records, for PyTorch's memory_viz (CPU runs). Default: the run's last step
     #[arg(long, value_name = "N")]
     pub memory_snapshot_step: Option<usize>,
     /// Reset the peak-memory watermark at the start of every epoch.

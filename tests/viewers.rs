@@ -261,7 +261,7 @@ fn a_three_step_cpu_run_leaves_the_three_viewer_files() {
     let losses = scalars(&ev, "train/loss");
     assert_eq!(
         losses.iter().map(|s| s.0).collect::<Vec<_>>(),
-        vec![0, 1, 2]
+        vec![1, 2, 3]
     );
     let csv = std::fs::read_to_string(dir.join("batches.csv")).unwrap();
     let first_loss: f64 = csv
@@ -285,7 +285,7 @@ fn a_three_step_cpu_run_leaves_the_three_viewer_files() {
     }
     let peaks = scalars(&ev, "memory/step_peak_MiB");
     let mib = |b: u64| (b as f64 / (1024.0 * 1024.0)) as f32;
-    assert_eq!(peaks[2], (2, mib(measured_step_peak(&dir, 2))));
+    assert_eq!(peaks[2], (3, mib(measured_step_peak(&dir, 3))));
     for tag in [
         "epoch/train_loss",
         "epoch/train_accuracy",
@@ -295,7 +295,7 @@ fn a_three_step_cpu_run_leaves_the_three_viewer_files() {
     ] {
         assert_eq!(
             scalars(&ev, tag).iter().map(|s| s.0).collect::<Vec<_>>(),
-            vec![0],
+            vec![1],
             "{tag}"
         );
     }
@@ -316,7 +316,7 @@ fn a_three_step_cpu_run_leaves_the_three_viewer_files() {
     );
     assert_eq!(
         replayed_peak(&snapshot),
-        measured_step_peak(&dir, 2) as i128,
+        measured_step_peak(&dir, 3) as i128,
         "the replayed trace's peak is the step's measured peak"
     );
 
@@ -376,16 +376,16 @@ fn the_chosen_step_is_snapshot_and_a_step_past_the_run_is_refused() {
             "3",
             "--no-eval",
             "--memory-snapshot-step",
-            "1",
+            "2",
         ],
     );
     let snapshot = read_pickle(&dir.join(MEMORY_SNAPSHOT_FILE));
     let trace = &list(field(&snapshot, "device_traces"))[0];
     let frame = &list(field(&list(trace)[0], "frames"))[0];
-    assert!(string(field(frame, "filename")).starts_with("memtrain step 1 "));
+    assert!(string(field(frame, "filename")).starts_with("memtrain step 2 "));
     assert_eq!(
         replayed_peak(&snapshot),
-        measured_step_peak(&dir, 1) as i128
+        measured_step_peak(&dir, 2) as i128
     );
 
     let o = train(
@@ -396,7 +396,7 @@ fn the_chosen_step_is_snapshot_and_a_step_past_the_run_is_refused() {
                 "3",
                 "--no-eval",
                 "--memory-snapshot-step",
-                "3",
+                "4",
             ],
             &["--out", dir.join("past").to_str().unwrap()],
         ]
@@ -406,7 +406,7 @@ fn the_chosen_step_is_snapshot_and_a_step_past_the_run_is_refused() {
     let err = common::text(&o.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
-        err.contains("--memory-snapshot-step 3") && err.contains("below 3"),
+        err.contains("--memory-snapshot-step 4") && err.contains("from 1 to 3"),
         "{err}"
     );
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -450,14 +450,14 @@ fn a_resumed_run_continues_the_event_file_without_duplicate_steps() {
     let steps: Vec<i64> = scalars(&ev, "train/loss").iter().map(|s| s.0).collect();
     assert_eq!(
         steps,
-        (0..6).collect::<Vec<_>>(),
+        (1..=6).collect::<Vec<_>>(),
         "every step once, in order"
     );
     let epochs: Vec<i64> = scalars(&ev, "epoch/train_loss")
         .iter()
         .map(|s| s.0)
         .collect();
-    assert_eq!(epochs, vec![0, 1], "each epoch once");
+    assert_eq!(epochs, vec![1, 2], "each epoch once");
     let versions = ev
         .iter()
         .filter(|e| matches!(e.what, Some(What::FileVersion(_))));

@@ -1,9 +1,9 @@
 //! [`TensorBoardLogger`]: the run's TensorBoard event file, as Keras' TensorBoard callback and
 //! Lightning's default logger write one (`tensorboard --logdir runs/` shows every run).
 //!
-//! Per step (at the global step, 0-based as in `batches.csv`): loss, learning rate, img/s,
+//! Per step (at the step's number, from 1 as in `batches.csv`): loss, learning rate, img/s,
 //! gradient norm, the step's peak, the bytes it added over its start, and RSS. Per epoch (at the
-//! epoch index): train and eval loss and accuracy, the epoch's and the evaluation's peak. The
+//! epoch's number, from 1): train and eval loss and accuracy, the epoch's and the evaluation's peak. The
 //! configuration as text. Memory is in MiB: a summary scalar is an f32.
 //!
 //! A resumed run continues the same file: it first keeps the records of the steps before its
@@ -60,7 +60,8 @@ fn kept(event: &Event, global_step: usize, ended: usize) -> bool {
                 .iter()
                 .all(|v| matches!(v.value, Some(tb::Value::Tensor(_))));
             let limit = if per_epoch { ended } else { global_step };
-            is_text || (event.step >= 0 && (event.step as usize) < limit)
+            // Steps and epochs are numbered from 1: the first `limit` are kept.
+            is_text || (event.step >= 1 && (event.step as usize) <= limit)
         }
         _ => true,
     }
@@ -143,10 +144,11 @@ impl Callback for TensorBoardLogger {
                 mib(m.peak_bytes.saturating_sub(m.start_bytes)),
             ));
             if ctx.memory.os_view == Some(OsView::ProcessRss) {
-                values.extend(m.os_current.map(|b| ("memory/rss_MiB", mib(b))));
+                values.extend(m.os_current_bytes.map(|b| ("memory/rss_MiB", mib(b))));
             }
         }
-        self.write(&tb::scalars(ctx.global_step as i64, &values))
+        // Numbered from 1, as in batches.csv.
+        self.write(&tb::scalars(ctx.global_step as i64 + 1, &values))
     }
 
     fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> Result<()> {
@@ -159,8 +161,8 @@ impl Callback for TensorBoardLogger {
         values.extend(s.eval_accuracy.map(|v| ("epoch/eval_accuracy", v)));
         if let Some(m) = ctx.memory.epochs.last() {
             values.push(("epoch/peak_MiB", mib(m.peak_bytes)));
-            values.push(("epoch/eval_peak_MiB", mib(m.eval_peak)));
+            values.extend(m.eval_peak_bytes.map(|b| ("epoch/eval_peak_MiB", mib(b))));
         }
-        self.write(&tb::scalars(s.epoch as i64, &values))
+        self.write(&tb::scalars(s.epoch as i64 + 1, &values))
     }
 }

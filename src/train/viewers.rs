@@ -37,10 +37,12 @@ impl StepTracer {
         options: &super::TrainerOptions,
         probe: &dyn crate::memory::MemoryProbe,
     ) -> Result<Self> {
-        if let Some(n) = config.memory_snapshot_step.filter(|n| *n >= total_steps) {
+        if let Some(n) = config
+            .memory_snapshot_step
+            .filter(|n| *n == 0 || *n > total_steps)
+        {
             return Err(crate::error::Error::config(format!(
-                "--memory-snapshot-step {n} is past the run's last step ({}): steps count from 0; pick one below {total_steps} or drop the flag (default: the last step)",
-                total_steps.saturating_sub(1)
+                "--memory-snapshot-step {n} is not a step of this run: steps count from 1, as in batches.csv; pick one from 1 to {total_steps} or drop the flag (default: the last step)"
             )));
         }
         let heap = probe.name() == "cpu-heap" && total_steps > 0;
@@ -48,8 +50,11 @@ impl StepTracer {
             eprintln!("note: --memory-snapshot-step traces the CPU heap; this run's memory is the device's, so no memory_snapshot.pickle is written");
         }
         Ok(StepTracer {
-            snapshot_step: (heap && options.log_files)
-                .then(|| config.memory_snapshot_step.unwrap_or(total_steps - 1)),
+            snapshot_step: (heap && options.log_files).then(|| {
+                config
+                    .memory_snapshot_step
+                    .map_or(total_steps - 1, |n| n - 1)
+            }),
             taken: None,
             kept: None,
         })

@@ -241,6 +241,7 @@ fn step(label: &str, scale: u64) -> memtrain::memory::timeline::StepTimeline {
                 categories,
                 predicted_peak_bytes: Some(categories.total() + (index as u64 % 3) * MIB),
                 predicted_current_bytes: None,
+                end_us: None,
             }
         })
         .collect();

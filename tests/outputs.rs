@@ -244,7 +244,9 @@ fn every_file_column_and_key_is_documented_and_written() {
         for e in std::fs::read_dir(d).unwrap() {
             let name = e.unwrap().file_name().to_string_lossy().into_owned();
             // Chart pairs are written `name.png`/`.svg`.
+            // TensorBoard's event file is named by its time and host.
             let stem = match name.rsplit_once('.') {
+                _ if name.starts_with("events.out.tfevents.") => "events.out.tfevents.".into(),
                 Some((stem, "svg" | "png")) => format!("{stem}."),
                 _ => name.clone(),
             };

@@ -23,38 +23,42 @@ use std::time::Instant;
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
 /// must stay within the limit.
 fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phase) -> Result<()> {
-    // The OS view too: the CPU's limit is the resident memory as the kernel counts it (the heap
-    // budget under it is what normally runs out first; this catches what the reserve missed).
+    over_budget(probe, probe.peak(), epoch, batch, phase.to_string())
+}
+
+/// The out-of-memory error when `peak` (the probe's count over a phase or a layer event) is over
+/// the probe's budget, or the OS view over its limit: on the CPU the limit is the resident
+/// memory as the kernel counts it, and the heap budget under it is what normally runs out first;
+/// the OS view catches what the reserve under the budget missed.
+fn over_budget(
+    probe: &dyn MemoryProbe,
+    peak: u64,
+    epoch: usize,
+    batch: usize,
+    phase: String,
+) -> Result<()> {
     let over_os = |limit: u64| probe.os_memory().is_some_and(|m| m.current > limit);
-    if let Some(limit) = probe.os_limit().filter(|&l| over_os(l)) {
-        return Err(Error::OutOfMemory {
-            limit: format!("{} resident-memory", format_bytes(limit)),
-            epoch,
-            batch,
-            phase: phase.to_string(),
-            advice: String::new(),
-            snapshot: None,
-        });
-    }
-    match probe.limit() {
-        Some(limit) if probe.available() && probe.peak() > limit => Err(Error::OutOfMemory {
-            limit: match probe.os_limit() {
-                Some(os) => format!(
-                    "{} heap budget of the {} limit",
-                    format_bytes(limit),
-                    format_bytes(os)
-                ),
-                None => format_bytes(limit),
-            },
-            epoch,
-            batch,
-            phase: phase.to_string(),
-            // Filled in by the trainer, which knows the configuration (`Trainer::advise_oom`).
-            advice: String::new(),
-            snapshot: None,
-        }),
-        _ => Ok(()),
-    }
+    let limit = match (probe.os_limit(), probe.limit()) {
+        (Some(os), _) if over_os(os) => format!("{} resident-memory", format_bytes(os)),
+        (os, Some(budget)) if probe.available() && peak > budget => match os {
+            Some(os) => format!(
+                "{} heap budget of the {}",
+                format_bytes(budget),
+                format_bytes(os)
+            ),
+            None => format_bytes(budget),
+        },
+        _ => return Ok(()),
+    };
+    Err(Error::OutOfMemory {
+        limit,
+        epoch,
+        batch,
+        phase,
+        // Filled in by the trainer, which knows the configuration (`Trainer::advise_oom`).
+        advice: String::new(),
+        snapshot: None,
+    })
 }
 
 /// The squared global L2 norm of the gradients; not finite when any gradient is not.
@@ -199,17 +203,13 @@ impl TimelineRecorder<'_> {
             predicted_current_bytes: None,
             end_us: Some(self.step.started.elapsed().as_micros() as u64),
         });
-        match self.probe.limit() {
-            Some(limit) if self.probe.available() && peak > limit => Err(Error::OutOfMemory {
-                limit: format_bytes(limit),
-                epoch: self.step.epoch,
-                batch: self.step.batch,
-                phase: format!("{phase} at {layer}"),
-                advice: String::new(),
-                snapshot: None,
-            }),
-            _ => Ok(()),
-        }
+        over_budget(
+            &*self.probe,
+            peak,
+            self.step.epoch,
+            self.step.batch,
+            format!("{phase} at {layer}"),
+        )
     }
 }
 

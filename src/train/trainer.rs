@@ -361,11 +361,11 @@ fn resolve_auto_checkpointing(
         )?;
         config.grad_checkpointing = choice.chosen.checkpointing;
         if progress {
-            eprintln!("{}", choice.describe(CNN_BLOCKS));
+            println!("{}", choice.describe(CNN_BLOCKS));
         }
     } else if progress && config.grad_checkpointing != GradCheckpointing::None {
         let ck = config.grad_checkpointing;
-        eprintln!(
+        println!(
             "--checkpoint {ck}: segments {}, recomputes {} per step",
             format_segments(&crate::model::cnn::segments(CNN_BLOCKS, ck)),
             format_flops(recompute_flops(&specs, ck, config.batch_size))

@@ -39,6 +39,15 @@ fn limit_for(flags: &[&str], heap: u64) -> u64 {
     common::limit_for_heap(|| common::trainer_command(flags), heap)
 }
 
+/// The first step's memory record of `flags` run without a limit into `out`.
+fn first_step(flags: &[&str], out: &std::path::Path) -> memtrain::memory::BatchMemory {
+    let o = train(&[flags, &["--out", out.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    memtrain::callbacks::log::read_batch_log(out)
+        .unwrap()
+        .remove(0)
+}
+
 /// The step-added peak of this configuration, from a run without a limit.
 fn unlimited_step_peak(dir: &std::path::Path) -> (u64, u64) {
     let out = dir.join("unlimited");
@@ -63,18 +72,8 @@ fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
     // (1.4 MiB here), so a heap budget halfway between them stays above the forward's needs
     // whatever a process measures for its reserve (which differs by a few hundred KiB).
     let flags = [BASE, &["--checkpoint", "blocks"]].concat();
-    let free = dir.join("free");
-    let o = train(&[&flags[..], &["--out", free.to_str().unwrap()]].concat());
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let csv = std::fs::read_to_string(free.join("batches.csv")).unwrap();
-    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
-    let row: Vec<&str> = csv.lines().nth(1).unwrap().split(',').collect();
-    let col = |name: &str| -> u64 {
-        row[header.iter().position(|h| *h == name).unwrap()]
-            .parse()
-            .unwrap()
-    };
-    let (forward, peak) = (col("forward_peak_bytes"), col("peak_bytes"));
+    let first = first_step(&flags, &dir.join("free"));
+    let (forward, peak) = (first.forward_peak_bytes, first.peak_bytes);
     assert!(peak > forward + (1 << 20), "forward {forward}, step {peak}");
     let budget = forward + (peak - forward) / 2;
     let limit = limit_for(&flags, budget);
@@ -210,18 +209,8 @@ fn an_out_of_memory_in_the_optimizer_shows_its_event_and_advice_that_helps() {
         "--no-eval",
         "--quiet",
     ];
-    let free = dir.join("free");
-    let o = train(&[&flags[..], &["--out", free.to_str().unwrap()]].concat());
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let csv = std::fs::read_to_string(free.join("batches.csv")).unwrap();
-    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
-    let row: Vec<&str> = csv.lines().nth(1).unwrap().split(',').collect();
-    let col = |name: &str| -> u64 {
-        row[header.iter().position(|h| *h == name).unwrap()]
-            .parse()
-            .unwrap()
-    };
-    let (backward, optimizer) = (col("backward_peak_bytes"), col("optimizer_peak_bytes"));
+    let first = first_step(&flags, &dir.join("free"));
+    let (backward, optimizer) = (first.backward_peak_bytes, first.optimizer_peak_bytes);
     assert!(optimizer > backward, "the update is the step's peak here");
     let budget = backward + (optimizer - backward) / 2;
     let limit = limit_for(&flags, budget).to_string();

@@ -157,3 +157,103 @@ pub(crate) fn hash_bytes(bytes: &[u8]) -> u64 {
     }
     (h ^ bytes.len() as u64).wrapping_mul(PRIME)
 }
+
+/// Deserializes any JSON value and fails on an object that names a key twice (the error names
+/// the key); what it read is thrown away.
+pub(crate) struct NoDuplicateKeys;
+
+impl<'de> serde::Deserialize<'de> for NoDuplicateKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_any(NoDuplicateKeys)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for NoDuplicateKeys {
+    type Value = NoDuplicateKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!(
+                    "key \"{key}\" appears twice; keep one"
+                )));
+            }
+            map.next_value::<NoDuplicateKeys>()?;
+        }
+        Ok(NoDuplicateKeys)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        while seq.next_element::<NoDuplicateKeys>()?.is_some() {}
+        Ok(NoDuplicateKeys)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_i64<E>(self, _: i64) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_u64<E>(self, _: u64) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_f64<E>(self, _: f64) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_str<E>(self, _: &str) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+    fn visit_unit<E>(self) -> std::result::Result<Self::Value, E> {
+        Ok(NoDuplicateKeys)
+    }
+}
+
+/// Largest config file read: a `config.json` is about 1 KiB, so anything near this is not one.
+pub(crate) const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The text of a config file: refused unless it is a regular file of at most
+/// [`MAX_CONFIG_BYTES`] (a FIFO would block and `/dev/zero` never ends).
+pub(crate) fn read_config_text(path: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    let bad = |why: String| {
+        Error::config(format!(
+            "--config {}: {why}; pass a config.json from a run directory",
+            path.display()
+        ))
+    };
+    let meta = std::fs::metadata(path).map_err(|e| bad(format!("cannot read it ({e})")))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text))
+        .map_err(|e| bad(format!("cannot read it ({e})")))?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(bad(format!(
+            "larger than {} KiB, so not a config file",
+            MAX_CONFIG_BYTES / 1024
+        )));
+    }
+    // Editors on Windows save UTF-8 with a byte-order mark, which JSON parsers reject at 1:1.
+    let text = match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    };
+    // JSON allows a key twice and serde_json keeps the last; a config file that says two things
+    // about one setting is a mistake the user should hear about.
+    serde_json::from_str::<crate::io::NoDuplicateKeys>(&text)
+        .map_err(|e| bad(format!("not valid JSON ({e})")))?;
+    Ok(text)
+}

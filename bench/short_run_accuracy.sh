@@ -54,7 +54,7 @@ rows = []
 for d in dirs:
     s = json.load(open(os.path.join(d, "summary.json")))
     losses = [float(r["loss"]) for r in csv.DictReader(open(os.path.join(d, "batches.csv")))
-              if r["epoch"] == "0"]
+              if r["epoch"] == "1"]
     rows.append({"run": os.path.basename(d), "accuracy": s["final_test_accuracy"],
                  "eval_is_validation": s["eval_is_validation"],
                  "max_first_epoch_loss": max(losses), "final_train_loss": s["final_train_loss"]})

@@ -59,6 +59,24 @@ cli_enum! {
     }
 }
 
+cli_enum! {
+    /// How the step stores the conv outputs it keeps for the backward.
+    ActivationStorage ("activation storage") {
+        /// As computed, in the compute dtype (exact gradients).
+        None => "none",
+        /// One byte per element with a scale and an offset per channel (lossy: the backward reads
+        /// values within half a step of the forward's; [`memtrain_kernels::quantize`]).
+        Int8 => "int8",
+    }
+}
+
+impl ActivationStorage {
+    /// Whether the gradients differ from the exact step's.
+    pub fn is_lossy(&self) -> bool {
+        *self != ActivationStorage::None
+    }
+}
+
 /// The conv blocks of the CNN (two per stage, three stages): the chain gradient checkpointing
 /// cuts into segments. `model::cnn`'s layer list is typed by it, so the two cannot disagree.
 pub const CNN_BLOCKS: usize = 6;
@@ -392,6 +410,9 @@ pub struct TrainConfig {
     )]
     #[serde(rename = "checkpoint")]
     pub grad_checkpointing: GradCheckpointing,
+    /// Store each block's saved conv output as one byte per element with a scale and offset per channel, dequantized in the backward (lossy: gradients differ from the exact step's); segment inputs and the images stay exact
+    #[arg(long, value_enum, value_name = "HOW", default_value_t = ActivationStorage::None)]
+    pub compress_activations: ActivationStorage,
     /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
     // In bytes.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
@@ -803,6 +824,12 @@ impl TrainConfig {
         }
         if let Some(p) = self.prune {
             s.push_str(&format!(" prune{p}"));
+        }
+        if self.compress_activations.is_lossy() {
+            s.push_str(&format!(
+                " {}-activations (lossy)",
+                self.compress_activations
+            ));
         }
         s
     }

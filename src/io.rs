@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Write `bytes` to `path` atomically (temp file + fsync + rename in the same directory).
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, |tmp| {
         let mut f = std::fs::File::create(tmp).map_err(|e| Error::io(path, e))?;
         f.write_all(bytes).map_err(|e| Error::io(path, e))

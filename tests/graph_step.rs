@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use memtrain::config::{ConvKind, GradCheckpointing, Precision};
+use memtrain::config::{ActivationStorage, ConvKind, GradCheckpointing, Precision};
 use memtrain::model::{Cnn, ModelConfig};
 use memtrain::step::accumulate::GradAccumulator;
 use memtrain::step::tape::{LeanStep, NoObserver};
@@ -82,13 +82,23 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
                 y.narrow(0, i * 8, 8).unwrap(),
             );
             let mult = 1024.0 / k as f64;
-            let e = LeanStep::new(&eager, dtype, eager.segments(checkpoint))
-                .run(&xi, &yi, mult, &mut acc_e, &mut NoObserver)
-                .unwrap();
-            let g = LeanStep::new(&graph, dtype, graph.segments(checkpoint))
-                .with_stats_in_place()
-                .run_deferred(&xi, &yi, mult, &mut acc_g, &mut NoObserver)
-                .unwrap();
+            let e = LeanStep::new(
+                &eager,
+                dtype,
+                eager.segments(checkpoint),
+                ActivationStorage::None,
+            )
+            .run(&xi, &yi, mult, &mut acc_e, &mut NoObserver)
+            .unwrap();
+            let g = LeanStep::new(
+                &graph,
+                dtype,
+                graph.segments(checkpoint),
+                ActivationStorage::None,
+            )
+            .with_stats_in_place()
+            .run_deferred(&xi, &yi, mult, &mut acc_g, &mut NoObserver)
+            .unwrap();
             assert_eq!(
                 g.loss.to_scalar::<f32>().unwrap() as f64,
                 e.loss,

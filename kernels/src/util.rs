@@ -9,6 +9,8 @@
 //! - CUDA launches (`cuda` feature): [`Kernels`], a kernel file compiled with NVRTC once per
 //!   process and loaded once per device, [`kernel_source!`], [`grid_stride`], [`int32`] and
 //!   [`uint32`];
+//! - plane-parallel CPU passes: [`for_planes`] on Candle's thread pool, [`SharedMut`] for their
+//!   disjoint writes;
 //! - the TF32 switch, [`set_tf32`] (re-exported as `crate::set_tf32`);
 //! - [`gemm_packing_bytes`], what the `gemm` crate allocates inside a product (for the memory
 //!   estimate of the ops that call it).
@@ -239,6 +241,40 @@ half_float!(
     super::bf16_convert::narrow,
     |buf: &mut [f32], _: &mut [bf16]| super::bf16_convert::round(buf)
 );
+
+// ---------------------------------------------------------------------------------------------
+// Plane-parallel CPU passes
+
+/// Below this many elements a pass runs on the calling thread: waking the pool costs more.
+const PAR_MIN_ELEMS: usize = 1 << 15;
+
+/// A raw pointer the pool's workers may share; each writes a disjoint range.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMut<U>(pub(crate) *mut U);
+// SAFETY: only used to hand disjoint sub-slices of one buffer to worker threads.
+unsafe impl<U: Send> Send for SharedMut<U> {}
+unsafe impl<U: Send> Sync for SharedMut<U> {}
+
+impl<U> SharedMut<U> {
+    /// # Safety
+    /// `start..start + len` must be in bounds and not accessed by anyone else meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn range(&self, start: usize, len: usize) -> &mut [U] {
+        std::slice::from_raw_parts_mut(self.0.add(start), len)
+    }
+}
+
+/// Runs `f` over ranges of planes covering `0..planes` (each of `hw` elements), on Candle's
+/// persistent CPU thread pool (no thread spawned per call) when there is enough work, else on the
+/// calling thread.
+pub(crate) fn for_planes(planes: usize, hw: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    let pool = candle_core::utils::barrier_pool();
+    if planes * hw < PAR_MIN_ELEMS || pool.n_workers() == 0 || planes == 1 {
+        f(0..planes)
+    } else {
+        pool.execute_chunked(planes, f)
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Dtype dispatch

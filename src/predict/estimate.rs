@@ -53,7 +53,9 @@ use super::schedule::{
 };
 pub use super::sim::DeviceKind;
 use super::sim::*;
-use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
+use crate::config::{
+    ActivationStorage, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
+};
 use crate::data::{IMAGE_BYTES, RECORD_BYTES};
 use crate::error::Result;
 use crate::memory::format_bytes;
@@ -656,6 +658,7 @@ pub fn estimate_for_specs(
         s: elem_bytes(cfg.precision.compute_dtype()),
         dtype: cfg.precision.compute_dtype(),
         device,
+        int8: cfg.compress_activations == ActivationStorage::Int8,
     };
     let sizes = Sizes::of(cfg, &nodes, device);
     let (baseline_bytes, batch_bytes) = baseline_and_batches(cfg, baseline, device, &sizes);
@@ -746,7 +749,7 @@ fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx
             let conv = *b.convs.last().unwrap_or(&b.bn);
             let h = b.h_bytes(c, nodes);
             if last {
-                layers[conv].0 += h;
+                layers[conv].0 += c.kept(h, b.channels(nodes));
             } else {
                 layers[conv].1 += h;
             }

@@ -32,6 +32,10 @@ impl BlockNodes {
     pub(super) fn in_bytes(&self, c: &Ctx, nodes: &[Node]) -> u64 {
         nodes[self.convs[0]].in_bytes(c)
     }
+    /// Bytes the tape keeps of the block's conv output (see [`Ctx::kept`]).
+    pub(super) fn kept_bytes(&self, c: &Ctx, nodes: &[Node]) -> u64 {
+        c.kept(self.h_bytes(c, nodes), self.channels(nodes))
+    }
     /// Bytes of the byte-per-element argmax of the pool (0 without one).
     pub(super) fn argmax_bytes(&self, c: &Ctx, nodes: &[Node]) -> u64 {
         self.pool.map_or(0, |p| c.n * elems(nodes[p].out))
@@ -136,7 +140,23 @@ impl Lean<'_> {
         let start = sim.mark();
         bn_reduce(sim, c, b, nodes);
         let (h, out) = (b.h_bytes(c, nodes), b.out_bytes(c, nodes));
-        if save {
+        if save && c.int8 {
+            // The per-plane ranges, the per-channel ranges, the codes; then h is normalized in
+            // place (or pooled and freed), or freed when no output is wanted.
+            let ch = b.channels(nodes);
+            sim.spike(c.n * ch * 8);
+            sim.alloc(ch * 8);
+            sim.alloc(h / c.s);
+            self.saved += b.kept_bytes(c, nodes);
+            match (output, b.pool.is_some()) {
+                (true, true) => {
+                    sim.alloc(out);
+                    sim.free(h);
+                }
+                (true, false) => {}
+                (false, _) => sim.free(h),
+            }
+        } else if save {
             if output {
                 sim.alloc(out);
             }
@@ -151,14 +171,26 @@ impl Lean<'_> {
         sim.record(b.bn, start);
     }
 
+    /// Block j's kept conv output made a tensor again for its backward: nothing to do for the
+    /// exact record; the codes decoded into a fresh h, then freed.
+    pub(super) fn restore(&self, sim: &mut Sim, j: usize) {
+        let (c, nodes) = (self.c, self.nodes);
+        if c.int8 {
+            let b = &self.blocks[j];
+            sim.alloc(b.h_bytes(c, nodes));
+            sim.free(b.kept_bytes(c, nodes));
+        }
+    }
+
     /// Block j's BatchNorm (+ pool) backward from the gradient of its output (`g` bytes alive):
     /// leaves dh_j alive.
     pub(super) fn bn_bwd(&mut self, sim: &mut Sim, j: usize, g: u64) {
         let (c, nodes) = (self.c, self.nodes);
+        self.saved -= self.blocks[j].kept_bytes(c, nodes);
+        self.restore(sim, j);
         let b = &self.blocks[j];
         let h = b.h_bytes(c, nodes);
         let ch = b.channels(nodes);
-        self.saved -= h;
         if b.pool.is_some() {
             let am = b.argmax_bytes(c, nodes);
             sim.alloc(am);
@@ -215,8 +247,9 @@ impl Lean<'_> {
         let (c, nodes, acc) = (self.c, self.nodes, self.acc_live);
         let prev_h = self.blocks[j - 1].h_bytes(c, nodes);
         let ch = self.blocks[j - 1].channels(nodes);
-        self.saved -= prev_h;
+        self.saved -= self.blocks[j - 1].kept_bytes(c, nodes);
         if self.blocks[j - 1].pool.is_some() {
+            self.restore(sim, j - 1);
             let p = self.blocks[j].in_bytes(c, nodes);
             let am = self.blocks[j - 1].argmax_bytes(c, nodes);
             sim.alloc(p);
@@ -232,6 +265,7 @@ impl Lean<'_> {
         let b = &self.blocks[j];
         let dh = b.h_bytes(c, nodes);
         if b.separable() {
+            self.restore(sim, j - 1);
             let (dw, pw) = (b.convs[0], b.convs[1]);
             sim.alloc(prev_h); // y, fresh
             conv_node_fwd(sim, c, dw, &nodes[dw]);
@@ -248,13 +282,18 @@ impl Lean<'_> {
             depthwise_wgrad(sim, c, dw, &nodes[dw], acc);
             sim.free(prev_h + d);
         } else {
+            // The weight gradient from a fresh y, dx_j, then h_{j-1} (decoded only now).
             let i = b.convs[0];
+            sim.alloc(prev_h);
+            conv_wgrad(sim, c, i, &nodes[i], acc);
+            sim.free(prev_h);
             conv_dgrad(sim, c, i, &nodes[i]);
+            sim.free(dh);
+            self.restore(sim, j - 1);
             bn_reduce(sim, c, &self.blocks[j - 1], nodes);
             sim.free(ch * 8);
             self.acc_bn(sim, ch);
-            conv_wgrad(sim, c, i, &nodes[i], acc);
-            sim.free(prev_h + dh);
+            sim.free(prev_h);
         }
     }
 

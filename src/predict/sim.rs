@@ -223,11 +223,23 @@ pub(super) struct Ctx {
     pub(super) s: u64,
     pub(super) dtype: DType,
     pub(super) device: DeviceKind,
+    /// The blocks' conv outputs are kept as 8-bit codes (`--compress-activations int8`).
+    pub(super) int8: bool,
 }
 
 impl Ctx {
     pub(super) fn half(&self) -> bool {
         self.s < 4
+    }
+
+    /// Bytes the tape keeps of a conv output of `h` bytes and `ch` channels: the tensor, or a
+    /// byte per element and an f32 offset and step per channel.
+    pub(super) fn kept(&self, h: u64, ch: u64) -> u64 {
+        if self.int8 {
+            h / self.s + ch * 8
+        } else {
+            h
+        }
     }
 
     /// Threads busy on `n` independent images (one image per task).

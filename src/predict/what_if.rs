@@ -4,11 +4,13 @@
 //! ([`what_if_table`]) and written into `summary.json` (`what_if`).
 //!
 //! Every row keeps the run's other settings (batch size, width, optimizer, pruning, data,
-//! device); only the four optimization flags change, the ones not named in a row's `flags` at
-//! their defaults (`--precision f32 --accum-steps 1 --checkpoint none --conv standard`).
+//! device); only the optimization flags change, the ones not named in a row's `flags` at their
+//! defaults (`--precision f32 --accum-steps 1 --checkpoint none --conv standard
+//! --compress-activations none`). The lossy `int8` row stands apart: `all` combines the four
+//! exact optimizations.
 
 use super::estimate::{estimate_for_specs, model_layer_specs, Baseline, DeviceKind};
-use crate::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
+use crate::config::{ActivationStorage, ConvKind, GradCheckpointing, Precision, TrainConfig};
 use crate::error::Result;
 use crate::memory::format_bytes;
 use serde::{Deserialize, Serialize};
@@ -18,7 +20,7 @@ use std::fmt::Write as _;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WhatIf {
     /// Short name: `none`, `f16`, `bf16`, `accum4`, `ckpt-stages`, `ckpt-blocks`, `separable`,
-    /// `all`.
+    /// `all`, `int8 (lossy)`.
     pub label: String,
     /// The optimization flags of the row (the others at their defaults), e.g.
     /// `["--precision", "f16"]`; empty for `none`.
@@ -47,6 +49,7 @@ struct Opts {
     accum: usize,
     ckpt: GradCheckpointing,
     conv: ConvKind,
+    storage: ActivationStorage,
 }
 
 impl Opts {
@@ -55,6 +58,7 @@ impl Opts {
         accum: 1,
         ckpt: GradCheckpointing::None,
         conv: ConvKind::Standard,
+        storage: ActivationStorage::None,
     };
 
     /// The flags that differ from the defaults.
@@ -72,6 +76,12 @@ impl Opts {
         if self.conv != ConvKind::Standard {
             f.extend(["--conv".to_string(), self.conv.to_string()]);
         }
+        if self.storage != ActivationStorage::None {
+            f.extend([
+                "--compress-activations".to_string(),
+                self.storage.to_string(),
+            ]);
+        }
         f
     }
 
@@ -81,6 +91,7 @@ impl Opts {
         c.accum_steps = self.accum;
         c.grad_checkpointing = self.ckpt;
         c.conv = self.conv;
+        c.compress_activations = self.storage;
         let specs = model_layer_specs(c.width, c.conv);
         Ok(estimate_for_specs(&c, &specs, device, baseline)?.peak)
     }
@@ -145,6 +156,14 @@ pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Res
         }
     };
     rows.push(("all".into(), all));
+    // The lossy lever last, apart from the four exact ones that `all` combines.
+    rows.push((
+        "int8 (lossy)".into(),
+        Opts {
+            storage: ActivationStorage::Int8,
+            ..none
+        },
+    ));
     let base = none.peak(cfg, device, baseline)?;
     rows.into_iter()
         .map(|(label, o)| {

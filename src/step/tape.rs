@@ -30,7 +30,9 @@
 //! h_{j-1} for the weight gradient. Alive at the worst moment: h_{j-1}, dh_j, dx_j.
 
 use super::accumulate::GradAccumulator;
+use super::compress::Kept;
 use super::micro::MicroResult;
+use crate::config::ActivationStorage;
 use crate::error::Result;
 use crate::model::layers::{BatchNorm, ConvLayer};
 use crate::model::Cnn;
@@ -70,9 +72,10 @@ pub struct NoObserver;
 
 impl StepObserver for NoObserver {}
 
-/// What a block keeps for its backward: the conv output and the normalization's parameters.
+/// What a block keeps for its backward: the conv output (exact, or compressed: see
+/// [`super::compress`]) and the normalization's parameters.
 struct Saved {
-    h: Tensor,
+    h: Kept,
     bn: BnParams,
 }
 
@@ -114,13 +117,21 @@ pub struct LeanStep<'a> {
     /// Index in `Cnn::vars` of each block's first parameter.
     var_base: Vec<usize>,
     saved_bytes: u64,
+    /// How the blocks' conv outputs are kept.
+    storage: ActivationStorage,
     /// Write the BatchNorm running statistics into their tensors instead of replacing them.
     stats_in_place: bool,
 }
 
 impl<'a> LeanStep<'a> {
-    /// A step computing in `dtype` with checkpoint `segments` (ranges of blocks covering them all).
-    pub fn new(model: &'a Cnn, dtype: DType, segments: Vec<Range<usize>>) -> Self {
+    /// A step computing in `dtype` with checkpoint `segments` (ranges of blocks covering them all),
+    /// keeping the blocks' conv outputs as `storage` says.
+    pub fn new(
+        model: &'a Cnn,
+        dtype: DType,
+        segments: Vec<Range<usize>>,
+        storage: ActivationStorage,
+    ) -> Self {
         let mut var_base = Vec::new();
         let mut i = 0;
         for b in &model.blocks {
@@ -134,6 +145,7 @@ impl<'a> LeanStep<'a> {
             segments,
             var_base,
             saved_bytes: 0,
+            storage,
             stats_in_place: false,
         }
     }
@@ -253,7 +265,7 @@ impl<'a> LeanStep<'a> {
             for j in seg {
                 let (out, s) = self.block_forward(j, &h, si == last, true)?;
                 if let Some(s) = s {
-                    self.saved_bytes += bytes(&s.h);
+                    self.saved_bytes += s.h.bytes();
                     saved.push(s);
                 }
                 h = out;
@@ -334,7 +346,7 @@ impl<'a> LeanStep<'a> {
                     } else {
                         self.block_save(j, &h)?
                     };
-                    self.saved_bytes += bytes(&sv.h);
+                    self.saved_bytes += sv.h.bytes();
                     s.push(sv);
                 }
                 drop(h);
@@ -371,12 +383,20 @@ impl<'a> LeanStep<'a> {
         let h = conv_forward(&b.conv, x)?;
         let params = bn_params(&b.bn, &h, update_stats, self.stats_in_place)?;
         if save {
-            let out = if b.pool {
-                bn::bn_relu_pool(&h, &params)?
-            } else {
-                bn::bn_relu(&h, &params)?
+            let kept = Kept::store(&h, self.storage)?;
+            let out = match (&kept, b.pool) {
+                (_, true) => bn::bn_relu_pool(&h, &params)?,
+                // The exact record is h itself: the output needs a buffer of its own.
+                (Kept::Exact(_), false) => bn::bn_relu(&h, &params)?,
+                (Kept::Int8(_), false) => bn::bn_relu_in_place(h, &params)?,
             };
-            Ok((out, Some(Saved { h, bn: params })))
+            Ok((
+                out,
+                Some(Saved {
+                    h: kept,
+                    bn: params,
+                }),
+            ))
         } else if b.pool {
             Ok((bn::bn_relu_pool(&h, &params)?, None))
         } else {
@@ -390,7 +410,10 @@ impl<'a> LeanStep<'a> {
         let b = &self.model.blocks[j];
         let h = conv_forward(&b.conv, x)?;
         let bn = bn_params(&b.bn, &h, false, self.stats_in_place)?;
-        Ok(Saved { h, bn })
+        Ok(Saved {
+            h: Kept::store(&h, self.storage)?,
+            bn,
+        })
     }
 
     /// The backward of blocks `seg` from `g_out` (gradient of the segment's output) with the
@@ -412,7 +435,7 @@ impl<'a> LeanStep<'a> {
         let mut j = j;
         while j > seg.start {
             let prev = saved.pop().expect("a saved record per block");
-            self.saved_bytes -= bytes(&prev.h);
+            self.saved_bytes -= prev.h.bytes();
             dh = self.inner_backward(j, prev, dh, acc)?;
             self.emit(obs, Phase::Backward, j, acc)?;
             j -= 1;
@@ -430,12 +453,13 @@ impl<'a> LeanStep<'a> {
         g: Tensor,
         acc: &mut GradAccumulator,
     ) -> Result<Tensor> {
-        self.saved_bytes -= bytes(&s.h);
+        self.saved_bytes -= s.h.bytes();
+        let h = s.h.restore()?;
         let (dh, dgamma, dbeta) = if self.model.blocks[j].pool {
-            let am = bn::bn_relu_pool_argmax(&s.h, &s.bn)?;
-            bn::bn_relu_pool_backward(s.h, &g, am.as_ref(), &s.bn)?
+            let am = bn::bn_relu_pool_argmax(&h, &s.bn)?;
+            bn::bn_relu_pool_backward(h, &g, am.as_ref(), &s.bn)?
         } else {
-            bn::bn_relu_backward(&s.h, g, &s.bn)?
+            bn::bn_relu_backward(&h, g, &s.bn)?
         };
         self.add_bn_grads(j, dgamma, dbeta, acc)?;
         Ok(dh)
@@ -467,13 +491,14 @@ impl<'a> LeanStep<'a> {
         if blocks[j - 1].pool {
             // Block j's input is the pool output: small, so recompute it (and the argmax) first,
             // finish block j, then run block j-1's backward over h_{j-1} in place.
-            let p = bn::bn_relu_pool(&prev.h, &prev.bn)?;
-            let am = bn::bn_relu_pool_argmax(&prev.h, &prev.bn)?;
+            let h = prev.h.restore()?;
+            let p = bn::bn_relu_pool(&h, &prev.bn)?;
+            let am = bn::bn_relu_pool_argmax(&h, &prev.bn)?;
             let dx = self
                 .conv_backward(j, &p, dh, true, acc)?
                 .expect("input gradient requested");
             drop(p);
-            let (dh_prev, dg, db) = bn::bn_relu_pool_backward(prev.h, &dx, am.as_ref(), &prev.bn)?;
+            let (dh_prev, dg, db) = bn::bn_relu_pool_backward(h, &dx, am.as_ref(), &prev.bn)?;
             self.add_bn_grads(j - 1, dg, db, acc)?;
             return Ok(dh_prev);
         }
@@ -481,29 +506,38 @@ impl<'a> LeanStep<'a> {
         match &blocks[j].conv {
             ConvLayer::Standard { w } => {
                 let w = w.as_detached_tensor().to_dtype(dt)?;
-                let dx = conv2d::conv2d_backward_input(&dh, &w, prev.h.dims(), 1, 1)?;
-                let (dh_prev, dg, db) = bn::bn_relu_backward(&prev.h, dx, &prev.bn)?;
+                // The weight gradient first, from block j's input recomputed into a buffer of its
+                // own; then dx_j; only then is h_{j-1} needed, for its BatchNorm backward. Three
+                // large buffers at most (h_{j-1}, dh_j, and y or dx_j); two when h_{j-1} is
+                // compressed, as it is decoded only at the end.
+                let gw = {
+                    let y = prev.h.output(&prev.bn)?;
+                    conv2d::conv2d_backward_weight(&y, &dh, w.dims(), 1, 1)?
+                };
+                acc.add(base, gw.to_dtype(DType::F32)?)?;
+                let dx = conv2d::conv2d_backward_input(&dh, &w, &prev.h.dims(), 1, 1)?;
+                drop(dh);
+                let h = prev.h.restore()?;
+                let (dh_prev, dg, db) = bn::bn_relu_backward(&h, dx, &prev.bn)?;
                 self.add_bn_grads(j - 1, dg, db, acc)?;
-                let y = bn::bn_relu_in_place(prev.h, &prev.bn)?;
-                let dw = conv2d::conv2d_backward_weight(&y, &dh, w.dims(), 1, 1)?;
-                acc.add(base, dw.to_dtype(DType::F32)?)?;
                 Ok(dh_prev)
             }
             ConvLayer::Separable { dw, pw } => {
+                let h = prev.h.restore()?;
                 let dw_t = dw.as_detached_tensor().to_dtype(dt)?;
                 let pw_t = pw.as_detached_tensor().to_dtype(dt)?;
                 // The depthwise output is recomputed from a fresh block input that is freed right
                 // away; the input is rewritten over h_{j-1} again for the depthwise gradient.
                 let d = {
-                    let y = bn::bn_relu(&prev.h, &prev.bn)?;
+                    let y = bn::bn_relu(&h, &prev.bn)?;
                     depthwise::depthwise_conv2d(&y, &dw_t, 1, 1)?
                 };
                 let d_dims = d.dims().to_vec();
                 let dd = pointwise_backward(base, d, dh, &pw_t, acc)?;
                 let dx = depthwise::depthwise_backward_input(&dd, &dw_t, &d_dims, 1, 1)?;
-                let (dh_prev, dg, db) = bn::bn_relu_backward(&prev.h, dx, &prev.bn)?;
+                let (dh_prev, dg, db) = bn::bn_relu_backward(&h, dx, &prev.bn)?;
                 self.add_bn_grads(j - 1, dg, db, acc)?;
-                let y = bn::bn_relu_in_place(prev.h, &prev.bn)?;
+                let y = bn::bn_relu_in_place(h, &prev.bn)?;
                 let gdw = depthwise::depthwise_backward_weight(&y, &dd, dw_t.dims(), 1, 1)?;
                 acc.add(base, gdw.to_dtype(DType::F32)?)?;
                 Ok(dh_prev)

@@ -492,10 +492,12 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         if snapshots {
             let _ = write!(s, " {} |", snapshot_cell(e.oom_snapshot.as_deref()));
         }
-        let note = if run.status == Status::Ok {
-            String::new()
-        } else {
+        let note = if run.status != Status::Ok {
             run.note.clone()
+        } else if run.summary.as_ref().is_some_and(|s| s.lossy) {
+            "lossy: int8 saved activations".to_string()
+        } else {
+            String::new()
         };
         let _ = writeln!(s, " {} |", md_cell(&note));
     }

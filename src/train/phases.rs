@@ -298,6 +298,7 @@ impl Trainer {
             &self.model,
             self.config.precision.compute_dtype(),
             self.model.segments(self.config.grad_checkpointing),
+            self.config.compress_activations,
         )
     }
 
@@ -504,6 +505,7 @@ impl Trainer {
                 model,
                 config.precision.compute_dtype(),
                 model.segments(config.grad_checkpointing),
+                config.compress_activations,
             );
             let mut timeline = TimelineRecorder {
                 probe: timeline_probe,

@@ -77,6 +77,10 @@ pub struct Summary {
     /// the last; `crate::predict::schedule::recompute_flops`).
     #[serde(default)]
     pub recompute_flops: u64,
+    /// True when the run's gradients are not the exact step's: `--compress-activations int8`
+    /// kept the blocks' conv outputs as 8-bit codes.
+    #[serde(default)]
+    pub lossy: bool,
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
     /// What each memory optimization alone and all together would make of the predicted peak
@@ -173,6 +177,7 @@ impl Trainer {
                 self.config.grad_checkpointing,
                 self.config.batch_size,
             ),
+            lossy: self.config.compress_activations.is_lossy(),
             // The analytic estimate (src/predict/) against the measured peak.
             predicted_peak_bytes: predicted,
             what_if: predicted.and_then(|_| self.what_if()),

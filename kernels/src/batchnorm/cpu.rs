@@ -1,14 +1,12 @@
 //! CPU kernels.
 
 use super::*;
+use crate::util::SharedMut;
 
 /// Elements are converted to f32 in blocks of this many, in a stack buffer (L1-resident); it is
 /// also the unit whose f32 sum is added to an f64 accumulator, so that a plane of any size sums
 /// accurately.
 const BLK: usize = 256;
-
-/// Below this many elements a pass runs on the calling thread: waking the pool costs more.
-const PAR_MIN_ELEMS: usize = 1 << 15;
 
 /// An activation dtype (f32, f16, bf16): a [`Float`] whose arithmetic type is f32.
 pub(super) trait Elem: Float<Acc = f32> {}
@@ -28,32 +26,9 @@ fn block<'a, T: Elem>(src: &'a [T], buf: &'a mut [f32; BLK]) -> &'a [f32] {
     }
 }
 
-/// A raw pointer the pool's workers may share; each writes a disjoint range.
-#[derive(Clone, Copy)]
-struct SharedMut<U>(*mut U);
-// SAFETY: only used to hand disjoint sub-slices of one buffer to worker threads.
-unsafe impl<U: Send> Send for SharedMut<U> {}
-unsafe impl<U: Send> Sync for SharedMut<U> {}
-
-impl<U> SharedMut<U> {
-    /// # Safety
-    /// `start..start + len` must be in bounds and not accessed by anyone else meanwhile.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn range(&self, start: usize, len: usize) -> &mut [U] {
-        std::slice::from_raw_parts_mut(self.0.add(start), len)
-    }
-}
-
-/// Runs `f` over ranges of planes covering `0..planes`, on Candle's persistent CPU thread pool
-/// (no thread spawned per call) when there is enough work, else on the calling thread.
+/// Runs `f` over ranges of planes covering `0..planes` ([`crate::util::for_planes`]).
 fn for_planes(d: Dims, f: impl Fn(Range<usize>) + Sync) {
-    let planes = d.planes();
-    let pool = candle_core::utils::barrier_pool();
-    if planes * d.hw < PAR_MIN_ELEMS || pool.n_workers() == 0 || planes == 1 {
-        f(0..planes)
-    } else {
-        pool.execute_chunked(planes, f)
-    }
+    crate::util::for_planes(d.planes(), d.hw, f)
 }
 
 /// Computes one value per plane in parallel (`f(plane index, plane data)`).

@@ -1,0 +1,134 @@
+//! The gradient error of `--compress-activations int8`: per parameter, the relative L2 error and
+//! the cosine of the int8 step's gradient against the exact step's, on one batch of held-out
+//! images, with the same weights.
+//!
+//! ```text
+//! cargo run --release --example int8_error -- --data-dir ../shared/data/cifar10-subset \
+//!     --warmup-steps 100 --json docs/results/int8-error.json
+//! ```
+//! The network first trains `--warmup-steps` exact steps (at initialization the gradients are
+//! not those of training), then the same batch goes through the exact and the int8 step in each
+//! precision. Any training flag of `train_cifar10` is accepted (`--batch-size`, `--width`,
+//! `--conv`, …); `--precision` is swept, `--compress-activations` is what is compared.
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Tensor};
+use clap::Parser;
+use memtrain::config::{ActivationStorage, Precision, TrainConfig};
+use memtrain::data::batcher::normalize_into;
+use memtrain::data::{self, DataOptions};
+use memtrain::train::{Trainer, TrainerOptions};
+use std::path::PathBuf;
+
+/// Gradient error of int8 saved activations against the exact step.
+#[derive(Debug, Parser)]
+#[command(name = "int8_error", version, long_about = None)]
+struct Args {
+    /// Exact training steps before the measurement
+    #[arg(long, default_value_t = 100)]
+    warmup_steps: usize,
+    /// Also write the table as JSON to this file
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    train: TrainConfig,
+}
+
+/// One parameter's error in one precision.
+#[derive(serde::Serialize)]
+struct Row {
+    precision: String,
+    parameter: String,
+    relative_l2: f64,
+    cosine: f64,
+}
+
+/// Relative L2 error and cosine of `a` against `b`.
+fn error(a: &Tensor, b: &Tensor) -> anyhow::Result<(f64, f64)> {
+    let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let dot: f64 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let diff: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+    Ok((norm(&diff) / norm(&b), dot / (norm(&a) * norm(&b))))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut cfg = args.train;
+    if cfg.compress_activations != ActivationStorage::None {
+        bail!(
+            "--compress-activations: int8_error compares none with int8 itself; leave the flag out"
+        );
+    }
+    let work = std::env::temp_dir().join(format!("memtrain-int8-error-{}", std::process::id()));
+    cfg.out = Some(work.clone());
+    cfg.eval = false;
+    cfg.quiet = true;
+    cfg.max_steps = Some(args.warmup_steps.max(1));
+    cfg.epochs = cfg.epochs.max(1000);
+    cfg.validate()?;
+    let splits = data::load(&DataOptions {
+        data_dir: cfg.data_dir.clone(),
+        download: cfg.download,
+        val_fraction: cfg.val_fraction,
+        seed: cfg.seed,
+        synthetic_train: cfg.synthetic_train,
+        synthetic_test: cfg.synthetic_test,
+        stop: None,
+    })?;
+    let n = cfg.batch_size;
+    if splits.test.len() < n {
+        bail!(
+            "the held-out split has {} images, fewer than --batch-size {n}; lower --batch-size",
+            splits.test.len()
+        );
+    }
+    let mut images = vec![0f32; n * 3072];
+    for i in 0..n {
+        normalize_into(splits.test.image(i), &mut images[i * 3072..(i + 1) * 3072]);
+    }
+    let labels: Vec<u32> = (0..n).map(|i| splits.test.label(i) as u32).collect();
+    println!("{}", splits.description);
+
+    let mut t = Trainer::new(cfg, splits, TrainerOptions::default())?;
+    if args.warmup_steps > 0 {
+        t.fit().context("the exact warm-up training")?;
+    }
+    let names: Vec<String> = t.model.named_vars().into_iter().map(|(n, _)| n).collect();
+    let mut rows = Vec::new();
+    println!("\n| precision | parameter | relative L2 | cosine |\n|---|---|---:|---:|");
+    for p in Precision::ALL {
+        t.config.precision = *p;
+        let mut grads = Vec::new();
+        for storage in [ActivationStorage::None, ActivationStorage::Int8] {
+            t.config.compress_activations = storage;
+            grads.push(t.compute_grads(&images, &labels)?.1);
+        }
+        for (name, (g, r)) in names.iter().zip(grads[1].iter().zip(&grads[0])) {
+            let (g, r) = (
+                g.as_ref().context("no gradient")?,
+                r.as_ref().context("no gradient")?,
+            );
+            let (rel, cos) = error(g, r)?;
+            println!("| {p} | {name} | {rel:.4} | {cos:.5} |");
+            rows.push(Row {
+                precision: p.to_string(),
+                parameter: name.clone(),
+                relative_l2: rel,
+                cosine: cos,
+            });
+        }
+    }
+    std::fs::remove_dir_all(&work).ok();
+    if let Some(path) = args.json {
+        let json = serde_json::to_vec_pretty(&serde_json::json!({
+            "warmup_steps": args.warmup_steps,
+            "batch_size": n,
+            "rows": rows,
+        }))?;
+        memtrain::io::write_atomic(&path, &json)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,73 @@
+//! Compressed saved activations (`--compress-activations int8`): the one lossy optimization.
+//!
+//! Every block keeps its conv output h for the backward (see [`super::tape`]); that is the floor
+//! of exact storage, 56 MiB of the plain f32 step's 57.5 MiB at batch 128. Stored as one byte per
+//! element with an offset and a step per channel ([`memtrain_kernels::quantize`]), h takes a
+//! quarter of its f32 bytes (half of f16's or bf16's), and the backward reads a value within half
+//! a step of the one the forward computed: the BatchNorm backward, the ReLU mask, the pool's
+//! argmax and the next conv's weight gradient all see that value, so the gradients are close to
+//! the exact step's but not equal. The segment inputs of gradient checkpointing and the images
+//! stay exact: a recomputed segment starts from what the first forward saw.
+//!
+//! What it costs in memory besides the codes: the backward decodes h into a fresh buffer of the
+//! compute dtype just before it needs it, so a block's backward holds the decoded h where the
+//! exact step held the saved one.
+
+use crate::config::ActivationStorage;
+use crate::error::Result;
+use candle_core::Tensor;
+use memtrain_kernels::batchnorm::{self as bn, BnParams};
+use memtrain_kernels::quantize::{self, QuantizedU8};
+
+/// A block's conv output as the tape keeps it.
+pub(crate) enum Kept {
+    /// The tensor itself.
+    Exact(Tensor),
+    /// Its 8-bit codes.
+    Int8(QuantizedU8),
+}
+
+impl Kept {
+    /// `h` stored as `how` says (`h` is only read: the forward goes on with it).
+    pub(crate) fn store(h: &Tensor, how: ActivationStorage) -> Result<Kept> {
+        Ok(match how {
+            ActivationStorage::None => Kept::Exact(h.clone()),
+            ActivationStorage::Int8 => Kept::Int8(quantize::quantize(h)?),
+        })
+    }
+
+    /// The tensor for the backward: the saved one, or a fresh decoding. The record is consumed,
+    /// so the codes are freed as the decoded tensor takes their place.
+    pub(crate) fn restore(self) -> Result<Tensor> {
+        Ok(match self {
+            Kept::Exact(h) => h,
+            Kept::Int8(q) => quantize::dequantize(&q)?,
+        })
+    }
+
+    /// `relu(bn(h))` into a buffer of its own, the record kept (the block's output, which the
+    /// next conv's weight gradient reads).
+    pub(crate) fn output(&self, p: &BnParams) -> Result<Tensor> {
+        Ok(match self {
+            Kept::Exact(h) => bn::bn_relu(h, p)?,
+            // The decoding is a fresh tensor: normalize it where it lies.
+            Kept::Int8(q) => bn::bn_relu_in_place(quantize::dequantize(q)?, p)?,
+        })
+    }
+
+    /// The shape of the kept tensor.
+    pub(crate) fn dims(&self) -> Vec<usize> {
+        match self {
+            Kept::Exact(h) => h.dims().to_vec(),
+            Kept::Int8(q) => q.codes.dims().to_vec(),
+        }
+    }
+
+    /// Bytes held for the backward.
+    pub(crate) fn bytes(&self) -> u64 {
+        match self {
+            Kept::Exact(h) => (h.elem_count() * h.dtype().size_in_bytes()) as u64,
+            Kept::Int8(q) => q.bytes() as u64,
+        }
+    }
+}

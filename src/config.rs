@@ -77,6 +77,10 @@ impl ActivationStorage {
     }
 }
 
+/// The most batches `--prefetch` may prepare ahead: the channel's slots are allocated up front,
+/// and past a few batches the worker is only ahead, not faster.
+pub const MAX_PREFETCH: usize = 64;
+
 /// The conv blocks of the CNN (two per stage, three stages): the chain gradient checkpointing
 /// cuts into segments. `model::cnn`'s layer list is typed by it, so the two cannot disagree.
 pub const CNN_BLOCKS: usize = 6;
@@ -430,6 +434,9 @@ pub struct TrainConfig {
     /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
     #[arg(long)]
     pub cuda_graph: bool,
+    /// Batches prepared ahead of the one being trained, on a background thread (tf.data's prefetch); 0 prepares each batch on the training thread when it is needed. Each costs a batch of f32 images (1.5 MiB at batch 128), counted in the estimate's batches in flight
+    #[arg(long, value_name = "N", default_value_t = crate::data::batcher::DEFAULT_PREFETCH, allow_negative_numbers = true)]
+    pub prefetch: usize,
     /// Seed for initialization, data order, augmentation and synthetic data
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
@@ -641,6 +648,13 @@ impl TrainConfig {
                 self.batch_size,
                 self.accum_steps,
                 self.accum_steps * (self.batch_size / self.accum_steps).max(1)
+            ));
+        }
+        if self.prefetch > MAX_PREFETCH {
+            return bad(format!(
+                "--prefetch {} is more batches ahead than ever helps (max {MAX_PREFETCH}; default {})",
+                self.prefetch,
+                crate::data::batcher::DEFAULT_PREFETCH
             ));
         }
         if self.width == 0 {

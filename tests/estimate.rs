@@ -250,6 +250,37 @@ fn estimate_matches_the_counting_allocator() {
     );
     accum.accum_steps = 2;
     cases.push(accum);
+    // int8 saved activations (codes and ranges in the forward, a decoding per backward), alone,
+    // with checkpointing and separable convolutions, in f32 and f16 (bf16 after the f32 cases
+    // would find the gemm buffers they left, see above).
+    for (precision, checkpoint, conv) in [
+        (Precision::F32, GradCheckpointing::None, ConvKind::Standard),
+        (
+            Precision::F16,
+            GradCheckpointing::Stages,
+            ConvKind::Standard,
+        ),
+        (
+            Precision::F32,
+            GradCheckpointing::Blocks,
+            ConvKind::Separable,
+        ),
+    ] {
+        let mut int8 = config(32, precision, checkpoint, conv);
+        int8.compress_activations = memtrain::config::ActivationStorage::Int8;
+        cases.push(int8);
+    }
+    // --prefetch: the batches in flight are prefetch + 1.
+    for prefetch in [0, 1, 6] {
+        let mut p = config(
+            32,
+            Precision::F32,
+            GradCheckpointing::None,
+            ConvKind::Standard,
+        );
+        p.prefetch = prefetch;
+        cases.push(p);
+    }
     // Pruning: the masks (one byte per conv and head weight) and, every step, their
     // recomputation and application after the update.
     for conv in ConvKind::ALL.iter().copied() {
@@ -266,8 +297,9 @@ fn estimate_matches_the_counting_allocator() {
         let err = (predicted as f64 - measured as f64) / measured as f64 * 100.0;
         worst = worst.max(err.abs());
         report.push_str(&format!(
-            "{:<32} predicted {:>10} measured {:>10} error {err:+.2}%\n",
+            "{:<32} prefetch {} predicted {:>10} measured {:>10} error {err:+.2}%\n",
             cfg.label(),
+            cfg.prefetch,
             format_bytes(predicted),
             format_bytes(measured)
         ));

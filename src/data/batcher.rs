@@ -1,8 +1,9 @@
 //! Turns a [`Dataset`] into normalized f32 batches, prepared ahead on a background thread.
 //!
 //! This is the tf.data `prefetch` idea: while the model trains on batch i, a worker thread
-//! shuffles, augments and normalizes batch i+1 (up to `prefetch` batches ahead, through a bounded
-//! channel). Every random choice is seeded from (seed, epoch) for the order and from
+//! shuffles, augments and normalizes batch i+1 (up to `prefetch` batches ahead: one it has built
+//! and waits to hand over, the rest in a bounded channel; with `prefetch` 0 there is no thread,
+//! and each batch is built when it is asked for). Every random choice is seeded from (seed, epoch) for the order and from
 //! (seed, epoch, batch index) for augmentation, so the batches are identical whatever the thread
 //! timing and wherever an epoch is resumed with `start_batch`.
 
@@ -26,6 +27,9 @@ const ORDER_TAG: u64 = 0x0DE2_0000;
 const AUGMENT_TAG: u64 = 0xA06_0000;
 /// Reflect padding of the random translation, in pixels.
 const PAD: usize = 4;
+/// Batches the trainer has prepared ahead by default (`--prefetch`), measured in
+/// docs/speed.md: the fewest that keep img/s within 2% of the best.
+pub const DEFAULT_PREFETCH: usize = 3;
 /// Pixels per channel plane.
 const PLANE: usize = 32 * 32;
 
@@ -57,7 +61,8 @@ pub struct BatcherOptions {
     pub seed: u64,
     /// Epoch number; with the seed it picks the order and the augmentation.
     pub epoch: usize,
-    /// Batches prepared ahead on the background thread (>=1).
+    /// Batches prepared ahead of the one being used, on a background thread; 0: no thread, a
+    /// batch is built when `next` asks for it. Batches alive at once: `prefetch + 1`.
     pub prefetch: usize,
     /// Skip the first N batches of the epoch (for resuming mid-epoch); the remaining batches are
     /// identical to those of an unskipped run.
@@ -102,7 +107,7 @@ impl BufferPool {
 }
 
 impl Default for BatcherOptions {
-    /// Batches of 128 in dataset order, no augmentation, 2 batches prefetched.
+    /// Batches of 128 in dataset order, no augmentation, [`DEFAULT_PREFETCH`] batches ahead.
     fn default() -> Self {
         BatcherOptions {
             batch_size: 128,
@@ -111,7 +116,7 @@ impl Default for BatcherOptions {
             drop_last: false,
             seed: 0,
             epoch: 0,
-            prefetch: 2,
+            prefetch: DEFAULT_PREFETCH,
             start_batch: 0,
             recycle: None,
         }
@@ -299,7 +304,16 @@ impl Batcher {
         });
         let start = opts.start_batch.min(num_batches);
         let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = sync_channel(opts.prefetch.max(1));
+        if opts.prefetch == 0 {
+            return Batcher {
+                source: Source::Inline(producer),
+                num_batches,
+                next: start,
+                stop,
+            };
+        }
+        // The worker holds one finished batch while it waits to send: the channel holds the rest.
+        let (tx, rx) = sync_channel(opts.prefetch - 1);
         let worker_stop = Arc::clone(&stop);
         let worker = Arc::clone(&producer);
         let spawned = std::thread::Builder::new()

@@ -87,10 +87,6 @@ pub(crate) fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
     !cfg.download && cfg.data_dir.is_none() && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
 }
 
-/// Batches alive at once on the CPU besides the data set: the one being trained, two in the
-/// prefetch channel (`prefetch: 2`) and one the worker has built and is waiting to send.
-pub(crate) const BATCHES_IN_FLIGHT: usize = 4;
-
 /// The data set as far as memory is concerned: how many images each split holds and how many
 /// bytes the loaded splits occupy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -299,6 +295,9 @@ pub struct Estimate {
     pub baseline_bytes: u64,
     /// Host batches in flight during a step (0 on CUDA).
     pub batch_bytes: u64,
+    /// `--prefetch`: batches prepared ahead of the one being trained (with it, the batches in
+    /// flight on the CPU).
+    pub prefetch: usize,
     /// Buffers the runtime allocates at the first step and keeps (the gemm crate's per-thread
     /// packing buffers on the CPU; the cuDNN workspace on CUDA in a `cudnn` build).
     pub runtime_bytes: u64,
@@ -404,9 +403,10 @@ impl Estimate {
         }
         let _ = writeln!(
             s,
-            "baseline {} (data set, model, runtime) | batches in flight {} | {} {}",
+            "baseline {} (data set, model, runtime) | batches in flight {} (--prefetch {} + 1) | {} {}",
             format_bytes(self.baseline_bytes),
             format_bytes(self.batch_bytes),
+            self.prefetch,
             if self.device.is_cpu() {
                 "gemm buffers"
             } else {
@@ -709,6 +709,7 @@ pub fn estimate_for_specs(
         recomputed_bytes: kept.layers.iter().map(|l| l.1).sum(),
         baseline_bytes,
         batch_bytes,
+        prefetch: cfg.prefetch,
         runtime_bytes: gemm_slabs,
         forward_peak: peaks[0],
         backward_peak: peaks[1],
@@ -832,7 +833,8 @@ fn baseline_and_batches(
     let batch_bytes = if device.is_cpu() {
         let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
         let batches = (train_images / cfg.batch_size.max(1)).max(1);
-        let in_flight = BATCHES_IN_FLIGHT.min(batches) as u64;
+        // The one being trained and `--prefetch` prepared ahead (no more than an epoch has).
+        let in_flight = (cfg.prefetch + 1).min(batches) as u64;
         // The batcher's permutation of the training split lives for the epoch.
         in_flight * per_batch + train_images as u64 * 8
     } else {

@@ -32,7 +32,7 @@ impl Trainer {
                 drop_last: false,
                 seed: self.config.seed,
                 epoch: 0,
-                prefetch: 2,
+                prefetch: self.config.prefetch,
                 start_batch: 0,
                 // The training batches' buffers: evaluation needs no more of its own.
                 recycle: Some(self.batch_buffers.clone()),
@@ -216,7 +216,7 @@ impl Trainer {
                 drop_last: true,
                 seed: cfg.seed,
                 epoch,
-                prefetch: 2,
+                prefetch: cfg.prefetch,
                 start_batch: first,
                 recycle: Some(self.batch_buffers.clone()),
             },

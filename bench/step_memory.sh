@@ -11,6 +11,11 @@
 # step minus the heap bytes in use when that step began. It is what a step needs on top of what the
 # process already holds (parameters, optimizer state, the data set), so it is comparable between
 # two processes whose fixed parts (a Python interpreter and libtorch against a Rust binary) differ.
+# Beside it, the peak above the pre-training heap: the step's peak minus the heap before the first
+# step (data, model and optimizer built; no gradient, momentum or batch buffer yet: memtrain's
+# summary.json baseline_bytes, torch_reference.py's pretrain_bytes). It also counts what sits
+# between steps (gradients, momentum, batches prepared ahead). The "counted ratio" takes the larger
+# of the two figures on each side (issue 23's measure).
 #
 # memtrain: its counting global allocator (src/memory/cpu.rs) counts the bytes every allocation
 # asks for, exactly; batches.csv has start_bytes (at the step's start, just before the input
@@ -310,11 +315,16 @@ def torch_result(name):
     return json.loads(lines[-1])
 
 
-def figures(steps):
+def figures(steps, pretrain):
     added = [s["peak_bytes"] - s["start_bytes"] for s in steps if s["timed"]]
     if not added:
         sys.exit("error: a run recorded no step after the warm-up steps")
+    above = [s["peak_bytes"] - pretrain for s in steps if s["timed"]]
+    counted = max(int(statistics.median(added)), int(statistics.median(above)))
     return {"step_added_median_bytes": int(statistics.median(added)),
+            "pretrain_bytes": pretrain,
+            "above_pretrain_median_bytes": int(statistics.median(above)),
+            "counted_bytes": counted,
             "step_added_min_bytes": min(added),
             "step_added_max_bytes": max(added),
             "step_added_bytes": [s["peak_bytes"] - s["start_bytes"] for s in steps],
@@ -341,21 +351,24 @@ res = {
 }
 rows = []
 for name in e["CONFIGS"].split():
-    mt = figures(memtrain_steps(name))
+    summary = json.load(open(os.path.join(work, f"memtrain-{name}", "summary.json")))
+    mt = figures(memtrain_steps(name), summary["baseline_bytes"])
     tr = torch_result(name)
     sm = tr.get("step_memory")
-    if not sm:
-        sys.exit(f"error: torch_reference.py's output for {name} has no step_memory")
-    pt = figures(sm["steps"])
+    if not sm or "pretrain_bytes" not in sm:
+        sys.exit(f"error: torch_reference.py's output for {name} has no step_memory with pretrain_bytes")
+    pt = figures(sm["steps"], sm["pretrain_bytes"])
     pt["process_peak_bytes"] = sm.get("process_peak_bytes")
     pt["unknown_frees"] = sm.get("unknown_frees")
     pt["threads"] = tr.get("threads")
     mt["command"] = cmd(f"memtrain-{name}.cmd")
     pt["command"] = cmd(f"torch-{name}.cmd")
     ratio = mt["step_added_median_bytes"] / pt["step_added_median_bytes"]
+    counted_ratio = mt["counted_bytes"] / pt["counted_bytes"]
     res["configs"][name] = {"checkpoint": "none" if name == "plain" else name,
-                            "memtrain": mt, "pytorch": pt, "ratio_memtrain_over_pytorch": ratio}
-    rows.append((name, mt, pt, ratio))
+                            "memtrain": mt, "pytorch": pt, "ratio_memtrain_over_pytorch": ratio,
+                            "counted_ratio_memtrain_over_pytorch": counted_ratio}
+    rows.append((name, mt, pt, ratio, counted_ratio))
 if e["CROSS"] == "1":
     peak, cur, allocs, unknown = (int(v) for v in open(os.path.join(work, "crosscheck.report")).read().split())
     s = json.load(open(os.path.join(work, "memtrain-crosscheck", "summary.json")))
@@ -375,12 +388,17 @@ with open(sys.argv[1], "w") as f:
 mib = lambda b: f"{b / MIB:.1f}"
 print()
 span = lambda r: f"{mib(r['step_added_min_bytes'])}-{mib(r['step_added_max_bytes'])}"
-print("| config | memtrain MiB | PyTorch MiB | ratio memtrain/PyTorch | memtrain min-max MiB | PyTorch min-max MiB |")
-print("|---|---:|---:|---:|---:|---:|")
-for name, mt, pt, ratio in rows:
+print("| config | memtrain MiB | PyTorch MiB | ratio memtrain/PyTorch | memtrain min-max MiB | PyTorch min-max MiB "
+      "| memtrain above pre-training MiB | PyTorch above pre-training MiB | counted ratio |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for name, mt, pt, ratio, counted in rows:
     print(f"| {name} | {mib(mt['step_added_median_bytes'])} | {mib(pt['step_added_median_bytes'])} "
-          f"| {ratio:.2f} | {span(mt)} | {span(pt)} |")
+          f"| {ratio:.2f} | {span(mt)} | {span(pt)} | {mib(mt['above_pretrain_median_bytes'])} "
+          f"| {mib(pt['above_pretrain_median_bytes'])} | {counted:.2f} |")
 print()
+print("above pre-training: the step's peak minus the heap before training began (data, model and "
+      "optimizer built; memtrain's baseline_bytes); counted ratio: the larger of the two figures "
+      "on each side, memtrain over PyTorch")
 n = int(e["STEPS"]) - warmup
 print(f"MiB: step-added heap peak (peak - start of the step), median of {n} step(s) after {warmup} "
       f"warm-up steps; memtrain {e['MT_VERSION']} (Candle {e['CANDLE_VERSION']}, commit "

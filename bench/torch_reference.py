@@ -166,6 +166,11 @@ def main():
     mb = a.batch_size // a.accum_steps
 
     step_mem = []
+    # The heap before training: data, model and optimizer built, no gradient or momentum buffer
+    # yet (both are made by the first step), as memtrain's baseline_bytes is read.
+    if mc is not None:
+        gc.collect()
+        pretrain_bytes = mc.mc_current()
     cuda_steps = []  # (start, peak) of each timed step on CUDA
 
     def step(i):
@@ -256,6 +261,7 @@ def main():
             "steps": step_mem,
             "step_added_bytes": [s["peak_bytes"] - s["start_bytes"] for s in step_mem],
             "process_peak_bytes": mc.mc_peak_total(),
+            "pretrain_bytes": pretrain_bytes,
             "unknown_frees": mc.mc_unknown_frees(),
         }
     print(json.dumps(out))

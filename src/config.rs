@@ -77,6 +77,16 @@ impl ActivationStorage {
     }
 }
 
+/// Batches the trainer prepares ahead on the CPU by default (`--prefetch`): the fewest whose img/s
+/// is within 2% of the best (`bench/prefetch.sh`, docs/speed.md). Building a batch of 128 takes
+/// about 1% of a CPU step, so a worker thread, which competes with the step's threads for the
+/// same cores, gains nothing measurable there.
+pub const DEFAULT_PREFETCH_CPU: usize = 0;
+/// The default on CUDA, where a step is several times faster than building its batch on the
+/// host would let it be without overlap. Not measured on a GPU yet: it is the earlier fixed
+/// value (two in the channel, one waiting).
+pub const DEFAULT_PREFETCH_CUDA: usize = 3;
+
 /// The most batches `--prefetch` may prepare ahead: the channel's slots are allocated up front,
 /// and past a few batches the worker is only ahead, not faster.
 pub const MAX_PREFETCH: usize = 64;
@@ -434,9 +444,9 @@ pub struct TrainConfig {
     /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
     #[arg(long)]
     pub cuda_graph: bool,
-    /// Batches prepared ahead of the one being trained, on a background thread (tf.data's prefetch); 0 prepares each batch on the training thread when it is needed. Each costs a batch of f32 images (1.5 MiB at batch 128), counted in the estimate's batches in flight
-    #[arg(long, value_name = "N", default_value_t = crate::data::batcher::DEFAULT_PREFETCH, allow_negative_numbers = true)]
-    pub prefetch: usize,
+    /// Batches prepared ahead of the one being trained, on a background thread (tf.data's prefetch); 0 prepares each batch on the training thread when it is needed. Each costs a batch of f32 images (1.5 MiB at batch 128), counted in the estimate's batches in flight. Default: 0 on the CPU (measured: no slower), 3 on CUDA
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub prefetch: Option<usize>,
     /// Seed for initialization, data order, augmentation and synthetic data
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
@@ -650,13 +660,7 @@ impl TrainConfig {
                 self.accum_steps * (self.batch_size / self.accum_steps).max(1)
             ));
         }
-        if self.prefetch > MAX_PREFETCH {
-            return bad(format!(
-                "--prefetch {} is more batches ahead than ever helps (max {MAX_PREFETCH}; default {})",
-                self.prefetch,
-                crate::data::batcher::DEFAULT_PREFETCH
-            ));
-        }
+        self.validate_prefetch()?;
         if self.width == 0 {
             return bad(format!(
                 "--width must be at least 1 (default {})",
@@ -736,6 +740,17 @@ impl TrainConfig {
 
     /// `--cuda-graph`: only on a CUDA device, and not under `--memory-limit`. Whether an automatic
     /// device turned out to be a GPU is checked when the trainer opens it.
+    fn validate_prefetch(&self) -> Result<()> {
+        if let Some(n) = self.prefetch.filter(|&n| n > MAX_PREFETCH) {
+            return Err(Error::config(format!(
+                "--prefetch {n} is more batches ahead than ever helps (max {MAX_PREFETCH}; default {} on the CPU, {} on CUDA)",
+                DEFAULT_PREFETCH_CPU,
+                DEFAULT_PREFETCH_CUDA
+            )));
+        }
+        Ok(())
+    }
+
     fn validate_cuda_graph(&self) -> Result<()> {
         if !self.cuda_graph {
             return Ok(());
@@ -822,6 +837,15 @@ impl TrainConfig {
         })?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// `--prefetch`, or its default for the device (`cuda`: a CUDA device, else the CPU).
+    pub fn prefetch_batches(&self, cuda: bool) -> usize {
+        self.prefetch.unwrap_or(if cuda {
+            DEFAULT_PREFETCH_CUDA
+        } else {
+            DEFAULT_PREFETCH_CPU
+        })
     }
 
     /// A short human-readable label of the memory-relevant settings, e.g. `bs128 f16 accum4 ckpt=stages sep`.

@@ -278,7 +278,7 @@ fn estimate_matches_the_counting_allocator() {
             GradCheckpointing::None,
             ConvKind::Standard,
         );
-        p.prefetch = prefetch;
+        p.prefetch = Some(prefetch);
         cases.push(p);
     }
     // Pruning: the masks (one byte per conv and head weight) and, every step, their
@@ -299,7 +299,7 @@ fn estimate_matches_the_counting_allocator() {
         report.push_str(&format!(
             "{:<32} prefetch {} predicted {:>10} measured {:>10} error {err:+.2}%\n",
             cfg.label(),
-            cfg.prefetch,
+            cfg.prefetch_batches(false),
             format_bytes(predicted),
             format_bytes(measured)
         ));

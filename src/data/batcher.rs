@@ -27,9 +27,6 @@ const ORDER_TAG: u64 = 0x0DE2_0000;
 const AUGMENT_TAG: u64 = 0xA06_0000;
 /// Reflect padding of the random translation, in pixels.
 const PAD: usize = 4;
-/// Batches the trainer has prepared ahead by default (`--prefetch`), measured in
-/// docs/speed.md: the fewest that keep img/s within 2% of the best.
-pub const DEFAULT_PREFETCH: usize = 3;
 /// Pixels per channel plane.
 const PLANE: usize = 32 * 32;
 
@@ -107,7 +104,7 @@ impl BufferPool {
 }
 
 impl Default for BatcherOptions {
-    /// Batches of 128 in dataset order, no augmentation, [`DEFAULT_PREFETCH`] batches ahead.
+    /// Batches of 128 in dataset order, no augmentation, [`crate::config::DEFAULT_PREFETCH_CUDA`] batches ahead.
     fn default() -> Self {
         BatcherOptions {
             batch_size: 128,
@@ -116,7 +113,7 @@ impl Default for BatcherOptions {
             drop_last: false,
             seed: 0,
             epoch: 0,
-            prefetch: DEFAULT_PREFETCH,
+            prefetch: crate::config::DEFAULT_PREFETCH_CUDA,
             start_batch: 0,
             recycle: None,
         }

@@ -709,7 +709,7 @@ pub fn estimate_for_specs(
         recomputed_bytes: kept.layers.iter().map(|l| l.1).sum(),
         baseline_bytes,
         batch_bytes,
-        prefetch: cfg.prefetch,
+        prefetch: cfg.prefetch_batches(!device.is_cpu()),
         runtime_bytes: gemm_slabs,
         forward_peak: peaks[0],
         backward_peak: peaks[1],
@@ -834,7 +834,7 @@ fn baseline_and_batches(
         let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
         let batches = (train_images / cfg.batch_size.max(1)).max(1);
         // The one being trained and `--prefetch` prepared ahead (no more than an epoch has).
-        let in_flight = (cfg.prefetch + 1).min(batches) as u64;
+        let in_flight = (cfg.prefetch_batches(false) + 1).min(batches) as u64;
         // The batcher's permutation of the training split lives for the epoch.
         in_flight * per_batch + train_images as u64 * 8
     } else {

@@ -479,7 +479,7 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             "--effective-batch must be between 1 and {MAX_BATCH_SIZE}, got {effective}"
         )));
     }
-    let usable = (budget as f64 * (1.0 - opts.margin)).floor() as u64;
+    let usable = super::schedule::usable_bytes(budget, opts.margin);
     let mut all = candidates(cfg, effective, opts)?;
     let considered = all.len();
     // Fastest first; at equal speed the larger micro-batch (BatchNorm statistics over more
@@ -646,7 +646,7 @@ pub fn smallest_feasible_budget(cfg: &TrainConfig, opts: &PlanOptions) -> Result
     match plan(cfg, u64::MAX / 2, opts) {
         Ok(r) => {
             let min = r.plans.iter().map(|p| p.predicted_peak).min().unwrap_or(0);
-            Ok((min as f64 / (1.0 - opts.margin)).ceil() as u64)
+            Ok(super::schedule::limit_for(min, opts.margin))
         }
         Err(e) => Err(e),
     }

@@ -126,16 +126,20 @@ impl Lean<'_> {
     }
 
     /// Block j's forward: the output is left alive; with `save` h (and its statistics) too.
-    /// The block input is not freed here.
-    pub(super) fn block_fwd(&mut self, sim: &mut Sim, j: usize, save: bool) {
-        self.block_fwd_out(sim, j, save, true)
-    }
-
-    /// [`Lean::block_fwd`]; with `save` and without `output` (the last block of a
-    /// recomputation, whose output the first forward already used) only h is made.
-    pub(super) fn block_fwd_out(&mut self, sim: &mut Sim, j: usize, save: bool, output: bool) {
+    /// `input` bytes (the block input, 0 when a segment input or the batch holds it) are freed
+    /// after the conv. Without `output` (the last block of a recomputation, whose output the
+    /// first forward already used) only h is made.
+    pub(super) fn block_fwd(
+        &mut self,
+        sim: &mut Sim,
+        j: usize,
+        save: bool,
+        output: bool,
+        input: u64,
+    ) {
         let (c, nodes) = (self.c, self.nodes);
         self.conv_fwd(sim, j);
+        sim.free(input);
         let b = &self.blocks[j];
         let start = sim.mark();
         bn_reduce(sim, c, b, nodes);
@@ -370,10 +374,7 @@ pub(super) fn micro_batch(
         l.saved += cur_in;
         cur_is_input = true;
         for j in seg.clone() {
-            l.block_fwd(sim, j, si == last);
-            if !cur_is_input {
-                sim.free(cur_in);
-            }
+            l.block_fwd(sim, j, si == last, true, if cur_is_input { 0 } else { cur_in });
             cur_in = l.blocks[j].out_bytes(c, nodes);
             cur_is_input = false;
             let name = l.blocks[j].name.clone();
@@ -453,10 +454,12 @@ fn segments_backward(
         // The last segment saved in the forward; the others are re-run with saving.
         if si != last {
             for j in seg.clone() {
-                l.block_fwd_out(sim, j, true, j + 1 < seg.end);
-                if j > seg.start {
-                    sim.free(l.blocks[j - 1].out_bytes(c, nodes));
-                }
+                let input = if j > seg.start {
+                    l.blocks[j - 1].out_bytes(c, nodes)
+                } else {
+                    0
+                };
+                l.block_fwd(sim, j, true, j + 1 < seg.end, input);
             }
             let name = crate::model::cnn::recompute_label(
                 &l.blocks[seg.start].name,

@@ -27,14 +27,28 @@ use std::ops::Range;
 /// schedule predicted at 76.15 MiB that measured 76.98 MiB (+1.1%) with no margin, and ran out.
 pub const SAFETY_MARGIN: f64 = 0.05;
 
-/// The largest predicted peak that fits `limit` with `margin` kept free.
+/// Bytes a non-zero margin keeps free at least: the step's small buffers the estimate leaves out
+/// (per-thread plane scratch, running-statistics temporaries, about 0.2 MiB; tests/estimate.rs),
+/// which 5% of a budget of a few MiB does not cover.
+pub const MARGIN_FLOOR_BYTES: u64 = 256 << 10;
+
+/// The largest predicted peak that fits `limit` with `margin` kept free (and, for a non-zero
+/// margin, at least [`MARGIN_FLOOR_BYTES`]).
 pub fn usable_bytes(limit: u64, margin: f64) -> u64 {
-    (limit as f64 * (1.0 - margin)).floor() as u64
+    let by_fraction = (limit as f64 * (1.0 - margin)).floor() as u64;
+    if margin > 0.0 {
+        by_fraction.min(limit.saturating_sub(MARGIN_FLOOR_BYTES))
+    } else {
+        by_fraction
+    }
 }
 
 /// The smallest limit that a predicted `peak` fits with `margin` kept free.
 pub fn limit_for(peak: u64, margin: f64) -> u64 {
     let mut limit = (peak as f64 / (1.0 - margin)).ceil() as u64;
+    if margin > 0.0 {
+        limit = limit.max(peak.saturating_add(MARGIN_FLOOR_BYTES));
+    }
     // Rounding may leave it one byte short.
     while usable_bytes(limit, margin) < peak {
         limit += 1;

@@ -263,7 +263,7 @@ impl<'a> LeanStep<'a> {
             inputs.push(h.clone());
             self.saved_bytes += bytes(&h);
             for j in seg {
-                let (out, s) = self.block_forward(j, &h, si == last, true)?;
+                let (out, s) = self.block_forward(j, h, si == last, true)?;
                 if let Some(s) = s {
                     self.saved_bytes += s.h.bytes();
                     saved.push(s);
@@ -336,20 +336,18 @@ impl<'a> LeanStep<'a> {
             } else {
                 let mut s = Vec::new();
                 let mut h = input.clone();
-                for j in seg.clone() {
-                    // The segment's output was already used by the first forward: its last
-                    // block only makes h.
-                    let sv = if j + 1 < seg.end {
-                        let (out, sv) = self.block_forward(j, &h, true, false)?;
-                        h = out;
-                        sv.expect("saving forward")
-                    } else {
-                        self.block_save(j, &h)?
-                    };
+                for j in seg.start..seg.end - 1 {
+                    let (out, sv) = self.block_forward(j, h, true, false)?;
+                    h = out;
+                    let sv = sv.expect("saving forward");
                     self.saved_bytes += sv.h.bytes();
                     s.push(sv);
                 }
-                drop(h);
+                // The segment's output was already used by the first forward: its last block
+                // only makes h.
+                let sv = self.block_save(seg.end - 1, h)?;
+                self.saved_bytes += sv.h.bytes();
+                s.push(sv);
                 let label = crate::model::cnn::recompute_label(
                     self.name(seg.start),
                     self.name(seg.end - 1),
@@ -372,15 +370,18 @@ impl<'a> LeanStep<'a> {
     /// Block j's forward on `x`: conv, batch statistics (running statistics updated when
     /// `update_stats`), then BatchNorm + ReLU (+ pool) into a new tensor. With `save`, h and the
     /// normalization's parameters are returned for the backward; without, h is normalized in place.
+    /// `x` is given up after the conv: unless a segment input holds it, it is freed before the
+    /// block's output exists.
     fn block_forward(
         &self,
         j: usize,
-        x: &Tensor,
+        x: Tensor,
         save: bool,
         update_stats: bool,
     ) -> Result<(Tensor, Option<Saved>)> {
         let b = &self.model.blocks[j];
-        let h = conv_forward(&b.conv, x)?;
+        let h = conv_forward(&b.conv, &x)?;
+        drop(x);
         let params = bn_params(&b.bn, &h, update_stats, self.stats_in_place)?;
         if save {
             let kept = Kept::store(&h, self.storage)?;
@@ -405,10 +406,11 @@ impl<'a> LeanStep<'a> {
     }
 
     /// Block j's conv and batch statistics on `x` (running statistics untouched): the saved
-    /// record alone, for the last block of a recomputed segment.
-    fn block_save(&self, j: usize, x: &Tensor) -> Result<Saved> {
+    /// record alone, for the last block of a recomputed segment. `x` is given up after the conv.
+    fn block_save(&self, j: usize, x: Tensor) -> Result<Saved> {
         let b = &self.model.blocks[j];
-        let h = conv_forward(&b.conv, x)?;
+        let h = conv_forward(&b.conv, &x)?;
+        drop(x);
         let bn = bn_params(&b.bn, &h, false, self.stats_in_place)?;
         Ok(Saved {
             h: Kept::store(&h, self.storage)?,

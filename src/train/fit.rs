@@ -32,7 +32,7 @@ impl Trainer {
                 drop_last: false,
                 seed: self.config.seed,
                 epoch: 0,
-                prefetch: self.config.prefetch,
+                prefetch: self.config.prefetch_batches(self.device.is_cuda()),
                 start_batch: 0,
                 // The training batches' buffers: evaluation needs no more of its own.
                 recycle: Some(self.batch_buffers.clone()),
@@ -216,7 +216,7 @@ impl Trainer {
                 drop_last: true,
                 seed: cfg.seed,
                 epoch,
-                prefetch: cfg.prefetch,
+                prefetch: cfg.prefetch_batches(self.device.is_cuda()),
                 start_batch: first,
                 recycle: Some(self.batch_buffers.clone()),
             },

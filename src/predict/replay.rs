@@ -374,7 +374,13 @@ pub(super) fn micro_batch(
         l.saved += cur_in;
         cur_is_input = true;
         for j in seg.clone() {
-            l.block_fwd(sim, j, si == last, true, if cur_is_input { 0 } else { cur_in });
+            l.block_fwd(
+                sim,
+                j,
+                si == last,
+                true,
+                if cur_is_input { 0 } else { cur_in },
+            );
             cur_in = l.blocks[j].out_bytes(c, nodes);
             cur_is_input = false;
             let name = l.blocks[j].name.clone();

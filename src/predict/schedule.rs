@@ -227,6 +227,9 @@ mod tests {
         for peak in [1u64, 19, 1 << 20, 80_839_100, 95_052_476, u64::MAX >> 12] {
             for margin in [0.0, 0.05, 0.2] {
                 let l = limit_for(peak, margin);
+                if margin > 0.0 {
+                    assert!(l - peak >= MARGIN_FLOOR_BYTES, "{peak} {margin}: the floor");
+                }
                 assert!(usable_bytes(l, margin) >= peak, "{peak} {margin}");
                 assert!(usable_bytes(l - 1, margin) < peak, "{peak} {margin}");
             }
@@ -235,9 +238,11 @@ mod tests {
 
     #[test]
     fn pick_prefers_less_recomputation_then_the_smaller_peak() {
-        let c = |mask, predicted_peak, recompute_flops| Candidate {
+        // In MiB, where the 5% margin is larger than MARGIN_FLOOR_BYTES.
+        const M: u64 = 1 << 20;
+        let c = |mask, predicted_peak: u64, recompute_flops| Candidate {
             checkpointing: GradCheckpointing::from_cuts(mask),
-            predicted_peak,
+            predicted_peak: predicted_peak * M,
             recompute_flops,
         };
         let all = [
@@ -251,12 +256,12 @@ mod tests {
             Some(3),
             "no limit: the smallest peak"
         );
-        assert_eq!(pick(&all, Some(200), 0.05), Some(0));
+        assert_eq!(pick(&all, Some(200 * M), 0.05), Some(0));
         // 100 does not fit 104 less 5% (98.8); 80 and 78 recompute alike: the smaller peak.
-        assert_eq!(pick(&all, Some(104), 0.05), Some(2));
-        assert_eq!(pick(&all, Some(74), 0.05), Some(3));
-        assert_eq!(pick(&all, Some(73), 0.05), None);
-        let e = nothing_fits(&all, 73, 0.05, &|h| h, "raise --memory-limit").to_string();
+        assert_eq!(pick(&all, Some(104 * M), 0.05), Some(2));
+        assert_eq!(pick(&all, Some(74 * M), 0.05), Some(3));
+        assert_eq!(pick(&all, Some(73 * M), 0.05), None);
+        let e = nothing_fits(&all, 73 * M, 0.05, &|h| h, "raise --memory-limit").to_string();
         assert!(
             e.contains("blocks") && e.contains("raise --memory-limit"),
             "{e}"

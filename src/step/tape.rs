@@ -12,8 +12,8 @@
 //! What a [conv → BatchNorm → ReLU (→ 2x2 max-pool)] block saves: its conv output `h` and the
 //! per-channel batch statistics ([`memtrain_kernels::batchnorm`] explains why `h` rather than the ReLU
 //! output). Everything else is recomputed from `h` where it is needed: the block's output (the
-//! next conv's input, needed for that conv's weight gradient) is rewritten in place over `h`
-//! once the BatchNorm backward is done with it; a pool's output and its argmax (a byte per
+//! next conv's input, needed for that conv's weight gradient) is recomputed from `h` when that
+//! gradient is taken; a pool's output and its argmax (a byte per
 //! pooled element) come from `h` in one pass; a separable block's depthwise output is recomputed
 //! from the block input. The BatchNorm backward writes its input gradient over a buffer it owns
 //! (the upstream gradient, or `h` after a pool).
@@ -25,9 +25,11 @@
 //! segment first. With one segment the step is the plain one.
 //!
 //! The order of work in the backward is chosen for the peak: for block j with dh_j (the gradient
-//! of its conv output), the input gradient dx_j is computed first, then block j-1's BatchNorm
-//! backward turns it into dh_{j-1} in place, then block j's input is recomputed in place over
-//! h_{j-1} for the weight gradient. Alive at the worst moment: h_{j-1}, dh_j, dx_j.
+//! of its conv output), block j's input is recomputed from h_{j-1} into a buffer of its own for
+//! the weight gradient and freed, then the input gradient dx_j is computed and dh_j freed, then
+//! block j-1's BatchNorm backward turns dx_j into dh_{j-1} in place. Alive at the worst moment:
+//! h_{j-1}, dh_j and one of the two; with compressed activations ([`super::compress`]) h_{j-1} is
+//! decoded only for that last BatchNorm backward, so two large buffers at most.
 
 use super::accumulate::GradAccumulator;
 use super::compress::Kept;

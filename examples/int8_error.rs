@@ -8,7 +8,7 @@
 //! ```
 //! The network first trains `--warmup-steps` exact steps (at initialization the gradients are
 //! not those of training), then the same batch goes through the exact and the int8 step in each
-//! precision. Any training flag of `train_cifar10` is accepted (`--batch-size`, `--width`,
+//! precision; for scale, the exact f16 and bf16 gradients are compared with the exact f32 ones. Any training flag of `train_cifar10` is accepted (`--batch-size`, `--width`,
 //! `--conv`, …); `--precision` is swept, `--compress-activations` is what is compared.
 
 use anyhow::{bail, Context};
@@ -37,10 +37,32 @@ struct Args {
 /// One parameter's error in one precision.
 #[derive(serde::Serialize)]
 struct Row {
-    precision: String,
+    compared: String,
     parameter: String,
     relative_l2: f64,
     cosine: f64,
+}
+
+/// One row per parameter: the error of gradients `got` against `reference`, printed.
+fn compare(
+    what: &str,
+    names: &[String],
+    got: &[Option<Tensor>],
+    reference: &[Option<Tensor>],
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for (name, (g, r)) in names.iter().zip(got.iter().zip(reference)) {
+        let (g, r) = (g.as_ref().context("no gradient")?, r.as_ref().context("no gradient")?);
+        let (rel, cos) = error(g, r)?;
+        println!("| {what} | {name} | {rel:.4} | {cos:.5} |");
+        rows.push(Row {
+            compared: what.to_string(),
+            parameter: name.clone(),
+            relative_l2: rel,
+            cosine: cos,
+        });
+    }
+    Ok(rows)
 }
 
 /// Relative L2 error and cosine of `a` against `b`.
@@ -97,28 +119,21 @@ fn main() -> anyhow::Result<()> {
     }
     let names: Vec<String> = t.model.named_vars().into_iter().map(|(n, _)| n).collect();
     let mut rows = Vec::new();
-    println!("\n| precision | parameter | relative L2 | cosine |\n|---|---|---:|---:|");
+    println!("\n| compared | parameter | relative L2 | cosine |\n|---|---|---:|---:|");
+    // Every precision's exact gradients, and its int8 ones.
+    let mut exact = Vec::new();
     for p in Precision::ALL {
         t.config.precision = *p;
-        let mut grads = Vec::new();
-        for storage in [ActivationStorage::None, ActivationStorage::Int8] {
-            t.config.compress_activations = storage;
-            grads.push(t.compute_grads(&images, &labels)?.1);
-        }
-        for (name, (g, r)) in names.iter().zip(grads[1].iter().zip(&grads[0])) {
-            let (g, r) = (
-                g.as_ref().context("no gradient")?,
-                r.as_ref().context("no gradient")?,
-            );
-            let (rel, cos) = error(g, r)?;
-            println!("| {p} | {name} | {rel:.4} | {cos:.5} |");
-            rows.push(Row {
-                precision: p.to_string(),
-                parameter: name.clone(),
-                relative_l2: rel,
-                cosine: cos,
-            });
-        }
+        t.config.compress_activations = ActivationStorage::None;
+        let e = t.compute_grads(&images, &labels)?.1;
+        t.config.compress_activations = ActivationStorage::Int8;
+        let q = t.compute_grads(&images, &labels)?.1;
+        rows.extend(compare(&format!("{p} int8 vs {p} exact"), &names, &q, &e)?);
+        exact.push(e);
+    }
+    // For scale: what half precision alone changes, against the exact f32 step.
+    for (p, e) in Precision::ALL.iter().zip(&exact).skip(1) {
+        rows.extend(compare(&format!("{p} exact vs f32 exact"), &names, e, &exact[0])?);
     }
     std::fs::remove_dir_all(&work).ok();
     if let Some(path) = args.json {

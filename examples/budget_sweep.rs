@@ -16,7 +16,7 @@
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use memtrain::memory::format_bytes;
-use memtrain::predict::all_schedules;
+use memtrain::predict::{all_schedules, limit_for_heap, DeviceKind};
 use memtrain::predict::schedule::{format_flops, limit_for, SAFETY_MARGIN};
 use memtrain::sweep::budget_chart::{write_budget_chart, BudgetPoint};
 use std::path::{Path, PathBuf};
@@ -78,12 +78,15 @@ fn limits(points: usize, flags: &[String]) -> anyhow::Result<()> {
     }
     let least = peaks.iter().map(|p| p.1).min().unwrap_or(0);
     let plain = peaks[0].1;
-    let (lo, hi) = (
-        limit_for(least, SAFETY_MARGIN),
-        limit_for(plain, SAFETY_MARGIN),
-    );
+    // On the CPU a limit is the process's resident memory: the heap a peak needs plus what the
+    // trainer holds outside its heap. Each process measures that itself, and two differ by up to
+    // 0.35 MiB, so the limits keep a MiB more than this process's figure.
+    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+    let slack = if device.is_cpu() { 1 << 20 } else { 0 };
+    let limit = |peak| limit_for_heap(limit_for(peak, SAFETY_MARGIN), device) + slack;
+    let (lo, hi) = (limit(least), limit(plain));
     eprintln!(
-        "limits from {} (the smallest predicted peak {} + {:.0}% margin) to {} (none's {} + margin)",
+        "limits from {} (the smallest predicted peak {} + {:.0}% margin, as resident memory) to {} (none's {} + margin)",
         format_bytes(lo),
         format_bytes(least),
         SAFETY_MARGIN * 100.0,
@@ -96,8 +99,9 @@ fn limits(points: usize, flags: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One run directory as a point, with its recomputed FLOPs.
-fn read_point(dir: &Path, auto: bool) -> anyhow::Result<(BudgetPoint, u64)> {
+/// One run directory as a point (its step peak, the heap the estimate predicts), with its
+/// recomputed FLOPs and its resident peak (what a CPU `--memory-limit` bounds).
+fn read_point(dir: &Path, auto: bool) -> anyhow::Result<(BudgetPoint, u64, u64)> {
     let read = |f: &str| -> anyhow::Result<serde_json::Value> {
         let p = dir.join(f);
         let text = std::fs::read_to_string(&p).with_context(|| format!("{}", p.display()))?;
@@ -105,10 +109,10 @@ fn read_point(dir: &Path, auto: bool) -> anyhow::Result<(BudgetPoint, u64)> {
     };
     let (summary, config) = (read("summary.json")?, read("config.json")?);
     let num = |k: &str| summary[k].as_u64();
-    let limit = num("memory_limit");
+    let limit = num("memory_limit_bytes");
     if auto != limit.is_some() {
         bail!(
-            "{}: a{} run expected, memory_limit is {:?}",
+            "{}: a{} run expected, memory_limit_bytes is {:?}",
             dir.display(),
             if auto { "n auto" } else { " named" },
             limit
@@ -119,10 +123,11 @@ fn read_point(dir: &Path, auto: bool) -> anyhow::Result<(BudgetPoint, u64)> {
         limit,
         predicted_peak: num("predicted_peak_bytes")
             .with_context(|| format!("{}: no predicted peak", dir.display()))?,
-        measured_peak: num("peak_bytes").unwrap_or(0),
+        measured_peak: num("step_peak_bytes").unwrap_or(0),
         images_per_sec: fastest_step(dir)?,
     };
-    Ok((point, num("recompute_flops").unwrap_or(0)))
+    let resident = num("os_peak_bytes").unwrap_or(0);
+    Ok((point, num("recompute_flops").unwrap_or(0), resident))
 }
 
 /// Images per second of the fastest step after the first (batches.csv): on a machine shared with
@@ -143,7 +148,8 @@ fn fastest_step(dir: &Path) -> anyhow::Result<f64> {
     };
     let best = lines
         .map(|l| l.split(',').collect::<Vec<&str>>())
-        .filter(|f| f.get(step).and_then(|s| s.parse::<usize>().ok()) > Some(0))
+        // Steps count from 1: the first is the warm-up.
+        .filter(|f| f.get(step).and_then(|s| s.parse::<usize>().ok()) > Some(1))
         .filter_map(|f| {
             Some(f.get(images)?.parse::<f64>().ok()? / f.get(secs)?.parse::<f64>().ok()?)
         })
@@ -154,27 +160,21 @@ fn fastest_step(dir: &Path) -> anyhow::Result<f64> {
     Ok(best)
 }
 
-fn write_atomic(path: &Path, text: &str) -> anyhow::Result<()> {
-    let tmp = path.with_extension("csv.tmp");
-    std::fs::write(&tmp, text).with_context(|| format!("{}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("{}", path.display()))?;
-    Ok(())
-}
-
 /// The repeated runs of one point as one: the same schedule and limit, the highest measured peak,
-/// the fastest step.
-fn read_group(dirs: &str, auto: bool) -> anyhow::Result<(BudgetPoint, u64)> {
+/// the fastest step, the highest resident peak.
+fn read_group(dirs: &str, auto: bool) -> anyhow::Result<(BudgetPoint, u64, u64)> {
     let mut runs = dirs.split(',').map(|d| read_point(Path::new(d), auto));
-    let (mut point, flops) = runs.next().context("an empty run list")??;
+    let (mut point, flops, mut resident) = runs.next().context("an empty run list")??;
     for r in runs {
-        let (p, _) = r?;
+        let (p, _, rss) = r?;
+        resident = resident.max(rss);
         if (&p.schedule, p.limit) != (&point.schedule, point.limit) {
             bail!("{dirs}: the runs of one point trained different schedules or limits");
         }
         point.measured_peak = point.measured_peak.max(p.measured_peak);
         point.images_per_sec = point.images_per_sec.max(p.images_per_sec);
     }
-    Ok((point, flops))
+    Ok((point, flops, resident))
 }
 
 fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::Result<()> {
@@ -185,40 +185,45 @@ fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::
         }
     }
     let mut csv = String::from(
-        "schedule,memory_limit_bytes,predicted_peak_bytes,measured_peak_bytes,prediction_error_pct,fits,images_per_sec,recompute_flops\n",
+        "schedule,memory_limit_bytes,predicted_peak_bytes,measured_peak_bytes,prediction_error_pct,resident_peak_bytes,fits,images_per_sec,recompute_flops\n",
     );
-    println!("| --memory-limit | auto chose | recomputes | predicted peak | measured peak | error | fits | img/s |");
-    println!("|---:|---|---:|---:|---:|---:|---|---:|");
+    println!("| --memory-limit | auto chose | recomputes | predicted step peak | measured step peak | error | resident peak | fits | img/s |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---|---:|");
     let mut over = 0;
-    for (p, flops) in &rows {
+    for (p, flops, resident) in &rows {
         let err =
             (p.predicted_peak as f64 - p.measured_peak as f64) / p.measured_peak as f64 * 100.0;
-        let fits = p.limit.map(|l| p.measured_peak <= l);
+        // A CPU limit is the resident memory (the heap the estimate predicts sits inside it).
+        let fits = p.limit.map(|l| *resident <= l);
         over += usize::from(fits == Some(false));
         // Quoted: `segments:1,2` has commas.
         csv.push_str(&format!(
-            "\"{}\",{},{},{},{:.2},{},{:.1},{}\n",
+            "\"{}\",{},{},{},{:.2},{},{},{:.1},{}\n",
             p.schedule,
             p.limit.map_or(String::new(), |l| l.to_string()),
             p.predicted_peak,
             p.measured_peak,
             err,
+            resident,
             fits.map_or(String::new(), |f| f.to_string()),
             p.images_per_sec,
             flops
         ));
         println!(
-            "| {} | {} | {} | {} | {} | {err:+.2}% | {} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {err:+.2}% | {} | {} | {:.0} |",
             p.limit.map_or("— (named)".into(), format_bytes),
             p.schedule,
             format_flops(*flops),
             format_bytes(p.predicted_peak),
             format_bytes(p.measured_peak),
+            format_bytes(*resident),
             fits.map_or("—", |f| if f { "yes" } else { "NO" }),
             p.images_per_sec
         );
     }
-    write_atomic(&out.with_extension("csv"), &csv)?;
+    let csv_path = out.with_extension("csv");
+    memtrain::io::write_atomic(&csv_path, csv.as_bytes())
+        .with_context(|| format!("{}", csv_path.display()))?;
     let points: Vec<BudgetPoint> = rows.into_iter().map(|r| r.0).collect();
     for f in write_budget_chart(&points, title, out)? {
         eprintln!("wrote {}", f.display());

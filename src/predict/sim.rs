@@ -47,7 +47,7 @@ impl DeviceKind {
     ///
     /// # Errors
     /// When the value is not a device spec.
-    pub(crate) fn for_spec(spec: Option<&str>) -> Result<Self> {
+    pub fn for_spec(spec: Option<&str>) -> Result<Self> {
         match spec {
             Some(s) => {
                 crate::device::parse_device_spec(s)?;
@@ -63,7 +63,7 @@ impl DeviceKind {
     }
 
     /// Whether this is the CPU (where the probe counts the whole process heap, data set included).
-    pub(crate) fn is_cpu(&self) -> bool {
+    pub fn is_cpu(&self) -> bool {
         matches!(self, DeviceKind::Cpu { .. })
     }
 

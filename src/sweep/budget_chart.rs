@@ -84,7 +84,7 @@ impl BudgetChart<'_> {
                 let (l, y) = (unit.of(p.limit.unwrap_or(0)), p.images_per_sec);
                 PathElement::new(vec![(l, y - tick), (l, y + tick)], LIMIT.stroke_width(3))
             }))?
-            .label("--memory-limit of an auto run (its measured peak lies left of it)")
+            .label("--memory-limit (resident memory) of an auto run; its step peak lies left of it")
             .legend(|(x, y)| {
                 PathElement::new(
                     vec![(x + 12, y - 8), (x + 12, y + 8)],
@@ -92,7 +92,7 @@ impl BudgetChart<'_> {
                 )
             });
         // Blue, green, purple, brown, pink, olive, cyan: not the limit's red or the named orange.
-        let colours = [0, 2, 4, 5, 6, 8, 9].map(|i| PALETTE[i]);
+        let colours = [0, 2, 3, 4, 5, 7, 8].map(|i| PALETTE[i]);
         let mut schedules: Vec<&str> = Vec::new();
         for p in &auto {
             if !schedules.contains(&p.schedule.as_str()) {

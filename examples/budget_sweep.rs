@@ -16,8 +16,8 @@
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use memtrain::memory::format_bytes;
-use memtrain::predict::{all_schedules, limit_for_heap, DeviceKind};
 use memtrain::predict::schedule::{format_flops, limit_for, SAFETY_MARGIN};
+use memtrain::predict::{all_schedules, limit_for_heap, DeviceKind};
 use memtrain::sweep::budget_chart::{write_budget_chart, BudgetPoint};
 use std::path::{Path, PathBuf};
 

@@ -52,7 +52,10 @@ fn compare(
 ) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (name, (g, r)) in names.iter().zip(got.iter().zip(reference)) {
-        let (g, r) = (g.as_ref().context("no gradient")?, r.as_ref().context("no gradient")?);
+        let (g, r) = (
+            g.as_ref().context("no gradient")?,
+            r.as_ref().context("no gradient")?,
+        );
         let (rel, cos) = error(g, r)?;
         println!("| {what} | {name} | {rel:.4} | {cos:.5} |");
         rows.push(Row {
@@ -133,7 +136,12 @@ fn main() -> anyhow::Result<()> {
     }
     // For scale: what half precision alone changes, against the exact f32 step.
     for (p, e) in Precision::ALL.iter().zip(&exact).skip(1) {
-        rows.extend(compare(&format!("{p} exact vs f32 exact"), &names, e, &exact[0])?);
+        rows.extend(compare(
+            &format!("{p} exact vs f32 exact"),
+            &names,
+            e,
+            &exact[0],
+        )?);
     }
     std::fs::remove_dir_all(&work).ok();
     if let Some(path) = args.json {

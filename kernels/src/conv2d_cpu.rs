@@ -155,6 +155,9 @@ fn widen<'a, T: Float>(src: &'a [T], buf: &'a mut Vec<T::Acc>) -> &'a [T::Acc] {
     }
 }
 
+/// One thread's set (its scratch and its gemm reservation) until a thread takes it.
+type ThreadSet<S> = Mutex<Option<(S, Vec<u8>)>>;
+
 /// The scratch of a parallel section's threads, made in full on the calling thread before the
 /// section starts (one set per thread that can get work, [`busy_threads`]) and handed out as
 /// the threads take their first item.
@@ -170,7 +173,7 @@ fn widen<'a, T: Float>(src: &'a [T], buf: &'a mut Vec<T::Acc>) -> &'a [T::Acc] {
 /// the bytes in use while the threads run never exceed those at the start of the section,
 /// whether or not their products overlap.
 pub(super) struct ThreadSets<S> {
-    sets: Vec<Mutex<Option<(S, Vec<u8>)>>>,
+    sets: Vec<ThreadSet<S>>,
     taken: AtomicUsize,
 }
 

@@ -331,7 +331,7 @@ impl PackedB {
                 done = kp / 16 * 16;
                 // SAFETY: AVX512F is present; `cols` holds NR columns of `ld >= 2·kp` values
                 // and `panel` kp·NR words, so every block of `done` lies inside both.
-                unsafe { avx512::transpose_words(&cols, ld, done, panel) };
+                unsafe { avx512::transpose_words(cols, ld, done, panel) };
             }
             for (p, dst) in panel.chunks_exact_mut(NR).enumerate().skip(done) {
                 for (jj, d) in dst[..width].iter_mut().enumerate() {

@@ -204,7 +204,7 @@ impl TimelineRecorder<'_> {
             end_us: Some(self.step.started.elapsed().as_micros() as u64),
         });
         over_budget(
-            &*self.probe,
+            self.probe,
             peak,
             self.step.epoch,
             self.step.batch,

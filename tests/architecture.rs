@@ -304,6 +304,7 @@ const CORE: &[&str] = &[
     "src/step/accumulate.rs",
     "src/step/precision.rs",
     "src/step/optim.rs",
+    "src/step/compress.rs",
     "src/train/phases.rs",
     "src/train/fit.rs",
     "src/memory/record.rs",

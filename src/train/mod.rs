@@ -12,6 +12,7 @@
 
 pub mod diagnose;
 pub mod fit;
+pub mod grads;
 pub mod graph;
 pub mod history;
 pub mod phases;

@@ -15,7 +15,7 @@ use crate::memory::{format_bytes, is_device_oom, MemoryLog, MemoryProbe, MemoryR
 use crate::phase::Phase;
 use crate::step::accumulate::GradAccumulator;
 use crate::step::optim::one_cycle_lr;
-use crate::step::tape::{LeanStep, NoObserver, StepEvent, StepObserver};
+use crate::step::tape::{LeanStep, StepEvent, StepObserver};
 use crate::step::{for_each_micro_batch, BatchInput, MicroResult};
 use candle_core::{DType, Tensor};
 use std::time::Instant;
@@ -237,69 +237,6 @@ impl Trainer {
             other: start_bytes.saturating_sub(params + optimizer),
             ..CategoryBytes::default()
         }
-    }
-
-    /// The batch `images`/`labels` on the host, for the micro-batch loop.
-    fn host_batch<'a>(&'a self, images: &'a [f32], labels: &'a [u32]) -> BatchInput<'a> {
-        BatchInput::Host {
-            images,
-            labels,
-            device: &self.device,
-        }
-    }
-
-    /// Gradients of the mean loss over a batch (f32, aligned with [`Trainer::vars`]), computed
-    /// exactly as a training step would (micro-batches, precision, checkpointing) but without
-    /// an optimizer step and without hooks. BatchNorm running statistics are updated as in a step.
-    pub fn compute_grads(
-        &self,
-        images: &[f32],
-        labels: &[u32],
-    ) -> Result<(f64, Vec<Option<Tensor>>)> {
-        if let Some(r) = self.cuda_graph.grads(self, images, labels, 1.0) {
-            return r.map(|(loss, _, grads)| (loss, grads));
-        }
-        let mut acc = GradAccumulator::new(self.vars.len());
-        let batch = self.host_batch(images, labels);
-        let results = for_each_micro_batch(batch, self.config.accum_steps, 1.0, |mb| {
-            self.lean_step()
-                .run(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
-        })?;
-        Ok((MicroResult::mean(&results).loss, acc.into_grads()))
-    }
-
-    /// [`Trainer::compute_grads`] through Candle's autograd instead of the lean step: the oracle
-    /// the lean step is tested against (same micro-batches, precision and checkpointing).
-    pub fn reference_grads(
-        &self,
-        images: &[f32],
-        labels: &[u32],
-    ) -> Result<(f64, Vec<Option<Tensor>>)> {
-        let mut acc = GradAccumulator::new(self.vars.len());
-        let batch = self.host_batch(images, labels);
-        let results = for_each_micro_batch(batch, self.config.accum_steps, 1.0, |mb| {
-            crate::step::oracle::forward_backward(
-                &self.model,
-                &self.vars,
-                &mb.x,
-                &mb.y,
-                self.config.precision.compute_dtype(),
-                self.config.grad_checkpointing,
-                mb.loss_mult,
-                &mut acc,
-            )
-        })?;
-        Ok((MicroResult::mean(&results).loss, acc.into_grads()))
-    }
-
-    /// The lean step of one micro-batch, in the run's precision and gradient-checkpointing segments.
-    fn lean_step(&self) -> LeanStep<'_> {
-        LeanStep::new(
-            &self.model,
-            self.config.precision.compute_dtype(),
-            self.model.segments(self.config.grad_checkpointing),
-            self.config.compress_activations,
-        )
     }
 
     /// One optimizer step on a batch: for each of the K micro-batches the forward phase and the

@@ -260,7 +260,17 @@ fn fit_memory(
     opts.effective_batch = cmd.plan.effective_batch;
     opts.allow_model_change = cmd.plan.allow_model_change;
     opts.fixed = crate::predict::plan::Fixed::from_explicit(&cfg, explicit);
-    let report = plan(&cfg, budget, &opts)?;
+    // On the CPU the budget is resident memory, as --memory-limit's: plan for the heap it leaves.
+    let heap = crate::predict::heap_limit(Some(budget), device).unwrap_or(budget);
+    if heap != budget {
+        opts.resident_budget = Some(budget);
+        println!(
+            "--fit-memory {}: resident memory; the heap it leaves the run is {}",
+            crate::memory::format_bytes(budget),
+            crate::memory::format_bytes(heap)
+        );
+    }
+    let report = plan(&cfg, heap, &opts)?;
     print!("{}", report.render(4));
     Ok((report.chosen().config.clone(), Some(data)))
 }

@@ -2,6 +2,8 @@
 //!
 //! One test function: the counting allocator's counters are process-wide.
 
+mod common;
+
 use memtrain::config::TrainConfig;
 use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::{format_bytes, CountingAllocator};
@@ -221,4 +223,64 @@ fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
         Fixed::from_explicit(&auto, &["checkpoint".to_string()]).grad_checkpointing,
         None
     );
+}
+
+/// On the CPU `--fit-memory SIZE` is resident memory, as `--memory-limit SIZE` is: the plan is
+/// made for the heap SIZE leaves, so a plan for SIZE trains under `--memory-limit SIZE`. (A plan
+/// for SIZE of heap chose the plain step here, which the limit then stopped for want of heap.)
+#[test]
+fn a_cpu_fit_memory_budget_is_resident_memory() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let flags = [
+        "--width",
+        "8",
+        "--batch-size",
+        "32",
+        "--synthetic-train",
+        "256",
+        "--synthetic-test",
+        "16",
+        "--device",
+        "cpu",
+    ];
+    // The resident limit the plain step needs, as its refusals name it; 1.5 MiB less leaves
+    // room for a micro-batch of 16 but not for the plain step (2 MiB more heap).
+    let (_, plain) = common::needed_limits(|| common::trainer_command(&flags));
+    let budget = (plain - (3 << 19)).to_string();
+    let dir = common::scratch("plan", "fit-resident");
+    let out_dir = dir.join("run");
+    let mut args: Vec<&str> = flags.to_vec();
+    args.extend([
+        "--fit-memory",
+        &budget,
+        "--memory-limit",
+        &budget,
+        "--max-steps",
+        "3",
+        "--no-eval",
+        "--quiet",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let out = common::run_trainer(&args);
+    let (stdout, stderr) = (common::text(&out.stdout), common::text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("resident memory; the heap it leaves the run is"),
+        "{stdout}"
+    );
+    let chosen = stdout
+        .lines()
+        .find(|l| l.starts_with("chosen:"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(!chosen.contains("micro-batch 32 × 1 step"), "{chosen}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap())
+            .unwrap();
+    let rss = summary["os_peak_bytes"].as_u64().unwrap();
+    assert!(
+        rss <= budget.parse::<u64>().unwrap(),
+        "resident peak {rss} > {budget}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

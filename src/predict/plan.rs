@@ -203,6 +203,9 @@ pub struct PlanOptions {
     pub cost: CostModel,
     /// Settings the user fixed with explicit flags: the plan keeps them (or finds none).
     pub fixed: Fixed,
+    /// The resident memory the user gave, when the budget [`plan`] gets is the heap it leaves (a
+    /// CPU `--fit-memory`): messages then speak of resident memory, as the flag does.
+    pub resident_budget: Option<u64>,
 }
 
 /// What `--fit-memory` must not change: the settings given explicitly on the command line.
@@ -256,6 +259,7 @@ impl PlanOptions {
             margin: SAFETY_MARGIN,
             cost: CostModel::for_device(device),
             fixed: Fixed::default(),
+            resident_budget: None,
         }
     }
 }
@@ -594,7 +598,7 @@ fn too_small(
             opts.fixed.describe()
         ));
     };
-    let needed = (smallest.predicted_peak as f64 / (1.0 - opts.margin)).ceil() as u64;
+    let needed = super::schedule::limit_for(smallest.predicted_peak, opts.margin);
     let hint = if opts.fixed == Fixed::default() {
         match other_model_hint(cfg, opts, needed) {
             Ok(h) => h,
@@ -606,9 +610,18 @@ fn too_small(
             opts.fixed.describe()
         )
     };
+    // A resident budget needs the heap plus what the process holds outside it.
+    let (shown, needed, memory) = match opts.resident_budget {
+        Some(r) => (
+            r,
+            super::limit_for_heap(needed, opts.device),
+            " of resident memory",
+        ),
+        None => (budget, needed, ""),
+    };
     Error::config(format!(
-        "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {:.0}% safety margin the budget must be at least {}{hint}",
-        format_bytes(budget),
+        "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {:.0}% safety margin the budget must be at least {}{memory}{hint}",
+        format_bytes(shown),
         smallest.describe(),
         format_bytes(smallest.predicted_peak),
         opts.margin * 100.0,

@@ -5,7 +5,9 @@
 //! that sizes every input against the
 //! budgets before anything is loaded or built ([`bounds`]).
 
+mod baseline;
 pub mod bounds;
+mod choose;
 pub mod estimate;
 pub mod plan;
 mod replay;
@@ -14,6 +16,9 @@ mod scratch;
 mod sim;
 pub mod what_if;
 
+pub(crate) use baseline::{grown_capacity, RUNTIME_OVERHEAD_BYTES};
+pub use choose::*;
 pub use estimate::*;
 pub use replay::EventPrediction;
+pub use schedule::{heap_limit, limit_for_heap};
 pub use what_if::{what_if, what_if_table, WhatIf};

@@ -92,7 +92,7 @@ impl BudgetChart<'_> {
                 )
             });
         // Blue, green, purple, brown, pink, olive, cyan: not the limit's red or the named orange.
-        let colours = [0, 2, 4, 5, 6, 8, 9].map(|i| PALETTE[i]);
+        let colours = [0, 2, 3, 4, 5, 7, 8].map(|i| PALETTE[i]);
         let mut schedules: Vec<&str> = Vec::new();
         for p in &auto {
             if !schedules.contains(&p.schedule.as_str()) {

@@ -324,8 +324,9 @@ pub fn schedule_candidates(
 }
 
 /// The segmentation the estimate of a `--checkpoint auto` config describes: the choice of
-/// [`choose_checkpointing`], or where nothing fits the limit the smallest predicted peak (the
-/// trainer refuses such a run; an estimate still shows what it would need).
+/// [`choose_checkpointing`](super::choose::choose_checkpointing), or where nothing fits the
+/// limit the smallest predicted peak (the trainer refuses such a run; an estimate still shows
+/// what it would need).
 ///
 /// # Errors
 /// As [`estimate_for_specs`].

@@ -47,183 +47,27 @@
 //! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
 //! not yet checked against a GPU.
 
+use super::baseline::RUNTIME_OVERHEAD_BYTES;
+pub use super::baseline::{Baseline, DataSize};
 use super::replay::*;
-use super::schedule::{
-    nothing_fits, pick, recompute_flops, Candidate, ScheduleChoice, SAFETY_MARGIN,
-};
+use super::schedule::{heap_limit, pick, recompute_flops, Candidate, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
 use crate::config::{
     ActivationStorage, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
 };
-use crate::data::{IMAGE_BYTES, RECORD_BYTES};
+use crate::data::IMAGE_BYTES;
 use crate::error::Result;
 use crate::memory::format_bytes;
 use crate::model::cnn::segments;
 use crate::model::LayerSpec;
 use std::fmt::Write as _;
-use std::path::Path;
-
-/// Bytes the process holds besides the data set and the model when training begins on the CPU
-/// (argument parsing, the candle thread pool, progress bars, the memory log, standard I/O
-/// buffers). Measured: the CPU probe's baseline minus the data set and the model (22 KB with
-/// real CIFAR-10 and with synthetic data, once the generator's templates are counted).
-pub(crate) const RUNTIME_OVERHEAD_BYTES: u64 = 24 << 10;
 
 /// Transient bytes per weight of the largest pruned layer while its mask is recomputed and applied
 /// (`src/train/prune.rs`): on the CPU the f32 host copy (4), the sort key (8) and the new mask (1);
 /// on CUDA the zero tensor and the masked result (4 + 4), the host work not being device memory.
 pub(super) const PRUNE_TRANSIENT_PER_WEIGHT_CPU: u64 = 13;
 pub(super) const PRUNE_TRANSIENT_PER_WEIGHT_CUDA: u64 = 8;
-
-/// Bytes the synthetic data generator keeps for the life of the process once it has run
-/// (`src/data/synthetic.rs`): 10 class templates of 3 × 38 × 38 f32 (the image plus a 3-pixel
-/// shift margin on each side) and their 30 plane means.
-pub(crate) const SYNTHETIC_TEMPLATE_BYTES: u64 = (10 * 3 * 38 * 38 + 10 * 3) * 4;
-
-/// Whether `cfg` trains on the built-in synthetic data (no `--download`, no `--data-dir` and no
-/// `data/cifar-10-batches-bin`), as [`crate::data::load`] decides.
-pub(crate) fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
-    !cfg.download && cfg.data_dir.is_none() && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
-}
-
-/// The data set as far as memory is concerned: how many images each split holds and how many
-/// bytes the loaded splits occupy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DataSize {
-    /// Training images (batches per epoch follow from it).
-    pub train_images: usize,
-    /// Evaluation images (test or validation split).
-    pub test_images: usize,
-    /// Heap bytes of both loaded splits (pixels and labels, with the capacity slack of the loader).
-    pub resident_bytes: u64,
-}
-
-impl DataSize {
-    /// Splits of `train` and `test` images held exactly (pixels plus one label byte each), as the
-    /// validation split produces them.
-    pub fn exact(train_images: usize, test_images: usize) -> Self {
-        DataSize {
-            train_images,
-            test_images,
-            // Saturating: a count no machine holds must compare as too large, not wrap.
-            resident_bytes: (train_images as u64)
-                .saturating_add(test_images as u64)
-                .saturating_mul(RECORD_BYTES as u64),
-        }
-    }
-
-    /// Synthetic splits: held exactly, plus the generator's templates
-    /// ([`SYNTHETIC_TEMPLATE_BYTES`]).
-    pub fn synthetic(train_images: usize, test_images: usize) -> Self {
-        let mut d = DataSize::exact(train_images, test_images);
-        d.resident_bytes = d.resident_bytes.saturating_add(SYNTHETIC_TEMPLATE_BYTES);
-        d
-    }
-
-    /// The size of loaded splits (their allocated capacity), plus the synthetic generator's
-    /// templates when `cfg` trains on synthetic data.
-    pub fn loaded(
-        train: &crate::data::Dataset,
-        test: &crate::data::Dataset,
-        cfg: &TrainConfig,
-    ) -> Self {
-        let bytes = |d: &crate::data::Dataset| (d.images.capacity() + d.labels.capacity()) as u64;
-        let generator = if uses_synthetic_data(cfg) {
-            SYNTHETIC_TEMPLATE_BYTES
-        } else {
-            0
-        };
-        DataSize {
-            train_images: train.len(),
-            test_images: test.len(),
-            resident_bytes: bytes(train) + bytes(test) + generator,
-        }
-    }
-
-    /// The data the config will load, found without loading it: the synthetic sizes, the record
-    /// counts of the CIFAR-10 files in `--data-dir` (or `data/cifar-10-batches-bin`), or the full
-    /// CIFAR-10 for `--download`.
-    ///
-    /// # Errors
-    /// When a data directory is named but holds no readable CIFAR-10 training files.
-    pub(crate) fn for_config(cfg: &TrainConfig) -> Result<Self> {
-        if cfg.download {
-            return Ok(DataSize::exact(50_000, 10_000));
-        }
-        let default_dir = Path::new(crate::data::DEFAULT_DATA_DIR);
-        let dir = match &cfg.data_dir {
-            Some(d) => Some(d.as_path()),
-            None if default_dir.is_dir() => Some(default_dir),
-            None => None,
-        };
-        match dir {
-            Some(d) => DataSize::for_dir(d, cfg.val_fraction),
-            None => Ok(DataSize::synthetic(cfg.synthetic_train, cfg.synthetic_test)),
-        }
-    }
-
-    /// Sizes of a CIFAR-10 binary directory, from the file sizes ([`crate::data::cifar::scan_dir`],
-    /// which also refuses files that are not CIFAR-10 binary files).
-    pub(super) fn for_dir(dir: &Path, val_fraction: f64) -> Result<Self> {
-        let files = crate::data::cifar::scan_dir(dir)?;
-        Ok(DataSize::for_files(&files, val_fraction))
-    }
-
-    /// Sizes of the checked files of a CIFAR-10 binary directory, as
-    /// [`crate::data::cifar::load_dir`] will hold them.
-    pub(crate) fn for_files(files: &crate::data::cifar::DirFiles, val_fraction: f64) -> Self {
-        let train_parts: Vec<usize> = files.train.iter().map(|(_, n)| *n).collect();
-        let n: usize = train_parts.iter().sum();
-        match &files.test {
-            Some((_, test)) => {
-                // The training files are appended one after another: the vectors keep the
-                // capacity their growth left them with.
-                let parts_px: Vec<usize> = train_parts.iter().map(|p| p * IMAGE_BYTES).collect();
-                let resident =
-                    grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
-                DataSize {
-                    train_images: n,
-                    test_images: *test,
-                    resident_bytes: resident as u64,
-                }
-            }
-            None => {
-                let (train, val) = crate::data::cifar::split_sizes(n, val_fraction);
-                DataSize::exact(train, val)
-            }
-        }
-    }
-}
-
-/// Capacity of a `Vec<u8>` after `extend_from_slice` of each part in turn (amortized doubling).
-pub(crate) fn grown_capacity(parts: &[usize]) -> usize {
-    let (mut len, mut cap) = (0usize, 0usize);
-    for &p in parts {
-        let need = len + p;
-        if need > cap {
-            cap = need.max(cap * 2).max(8);
-        }
-        len = need;
-    }
-    cap
-}
-
-/// What is measured besides training's own allocations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Baseline {
-    /// Model the process baseline from the data set (CPU) or from nothing but the model (CUDA).
-    Modeled(DataSize),
-    /// A measured baseline: the bytes in use when training begins (data set, model, runtime),
-    /// e.g. `MemoryLog::baseline_bytes` of an earlier run. The batches in flight, which the
-    /// batcher allocates after that reading, are still added.
-    Measured {
-        /// Bytes in use when training began.
-        bytes: u64,
-        /// Training images (for the number of prefetched batches).
-        train_images: usize,
-    },
-}
 
 /// The prediction for one layer of the model.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -479,94 +323,10 @@ pub fn schedule_candidates(
     Ok(out)
 }
 
-/// What `--checkpoint auto` runs for `cfg` ([`schedule::pick`]): without a limit the smallest
-/// predicted peak of none, stages and blocks; under `--memory-limit` the least recomputation of
-/// every segmentation whose predicted peak fits with [`SAFETY_MARGIN`] kept free.
-///
-/// # Errors
-/// As [`estimate_for_specs`]; and when no segmentation fits the limit, a one-line message naming
-/// the smallest predicted peak and the limit it needs.
-pub fn choose_checkpointing(
-    cfg: &TrainConfig,
-    specs: &[LayerSpec],
-    device: DeviceKind,
-    baseline: Baseline,
-) -> Result<ScheduleChoice> {
-    let candidates = schedule_candidates(cfg, specs, device, baseline)?;
-    match pick(
-        &candidates,
-        heap_limit(cfg.memory_limit, device),
-        SAFETY_MARGIN,
-    ) {
-        Some(i) => Ok(ScheduleChoice {
-            chosen: candidates[i],
-            limit: heap_limit(cfg.memory_limit, device),
-            margin: SAFETY_MARGIN,
-            considered: candidates.len(),
-        }),
-        None => Err(nothing_fits(
-            &candidates,
-            cfg.memory_limit.unwrap_or(0),
-            SAFETY_MARGIN,
-            &|heap| limit_for_heap(heap, device),
-            &crate::advice::out_of_memory(cfg, false),
-        )),
-    }
-}
-
-/// What `--memory-limit` leaves the estimate's (heap) peak on `device`: on the CPU, where the
-/// limit is the process's resident memory, the heap budget under it
-/// ([`crate::memory::os::RssReserve`]); on CUDA the pool limit itself.
-pub fn heap_limit(limit: Option<u64>, device: DeviceKind) -> Option<u64> {
-    match device.is_cpu() {
-        true => limit.map(|l| crate::memory::os::RssReserve::of_process().heap_budget(l)),
-        false => limit,
-    }
-}
-
-/// The `--memory-limit` that leaves a heap of `heap` bytes on `device` (see [`heap_limit`]).
-pub fn limit_for_heap(heap: u64, device: DeviceKind) -> u64 {
-    match device.is_cpu() {
-        true => crate::memory::os::RssReserve::of_process().resident(heap),
-        false => heap,
-    }
-}
-
-/// For `--checkpoint auto` under `--memory-limit`: a usage error before anything is loaded when
-/// no segmentation fits (the data set sized from its files); any other config passes. The
-/// trainer chooses again with the loaded data.
-///
-/// # Errors
-/// [`choose_checkpointing`]'s, or when the data directory cannot be sized.
-pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
-    if cfg.grad_checkpointing != GradCheckpointing::Auto || cfg.memory_limit.is_none() {
-        return Ok(());
-    }
-    let specs = model_layer_specs(cfg.width, cfg.conv);
-    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
-    let data = DataSize::for_config(cfg)?;
-    choose_checkpointing(cfg, &specs, device, Baseline::Modeled(data)).map(|_| ())
-}
-
-/// Every segmentation's prediction for `cfg`, on the device and with the data its flags name
-/// (sized from the files, nothing loaded), `none` first: what a budget sweep spans.
-///
-/// # Errors
-/// As [`estimate_for_specs`], or when the device or the data directory is not usable.
-pub fn all_schedules(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
-    let specs = model_layer_specs(cfg.width, cfg.conv);
-    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
-    let data = DataSize::for_config(cfg)?;
-    let all = TrainConfig {
-        memory_limit: Some(cfg.memory_limit.unwrap_or(u64::MAX / 2)),
-        ..cfg.clone()
-    };
-    schedule_candidates(&all, &specs, device, Baseline::Modeled(data))
-}
-
 /// The segmentation the estimate of a `--checkpoint auto` config describes: the choice of
-/// [`choose_checkpointing`], or where nothing fits the limit the smallest predicted peak (the
-/// trainer refuses such a run; an estimate still shows what it would need).
+/// [`choose_checkpointing`](super::choose::choose_checkpointing), or where nothing fits the
+/// limit the smallest predicted peak (the trainer refuses such a run; an estimate still shows
+/// what it would need).
 ///
 /// # Errors
 /// As [`estimate_for_specs`].
@@ -587,37 +347,6 @@ pub fn resolve_checkpointing(
     Ok(candidates
         .get(i)
         .map_or(GradCheckpointing::None, |c| c.checkpointing))
-}
-
-/// The segmentation to advise a run of `cfg` whose step ran out of memory: under
-/// `--memory-limit` the one `--checkpoint auto` would pick, else (or when none fits) the one
-/// with the smallest predicted peak; `None` when the estimate fails or that is the run's own.
-/// [`crate::advice::out_of_memory_with`] advises it only if it predicts less than the run's own.
-pub(crate) fn smaller_schedule(
-    cfg: &TrainConfig,
-    specs: &[LayerSpec],
-    device: DeviceKind,
-    baseline: Baseline,
-) -> Option<crate::advice::SmallerSchedule> {
-    let current = estimate_for_specs(cfg, specs, device, baseline).ok()?.peak;
-    let mut all = cfg.clone();
-    all.memory_limit = Some(cfg.memory_limit.unwrap_or(u64::MAX / 2));
-    let candidates = schedule_candidates(&all, specs, device, baseline).ok()?;
-    let smaller = |c: &&Candidate| c.predicted_peak < current;
-    let chosen = pick(
-        &candidates,
-        heap_limit(cfg.memory_limit, device),
-        SAFETY_MARGIN,
-    )
-    .map(|i| &candidates[i])
-    .filter(smaller)
-    .or_else(|| candidates.iter().min_by_key(|c| c.predicted_peak))
-    .filter(smaller)?;
-    (chosen.checkpointing != cfg.grad_checkpointing).then_some(crate::advice::SmallerSchedule {
-        checkpointing: chosen.checkpointing,
-        predicted_peak: chosen.predicted_peak,
-        current_peak: current,
-    })
 }
 
 /// The layer list of the CNN for `width` and `conv`, without building the model (no parameters

@@ -1,11 +1,14 @@
 //! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: replays the step's
 //! allocations layer by layer, [`sim`], [`scratch`], [`replay`]), the planner that picks a
 //! configuration for a budget ([`plan`]), gradient checkpointing's schedules and `--checkpoint
-//! auto`'s choice ([`schedule`]), what each optimization would save ([`what_if`]), and the check
-//! that sizes every input against the
-//! budgets before anything is loaded or built ([`bounds`]).
+//! auto`'s choice ([`schedule`]; for a run, `choose.rs`), what a measurement holds besides the
+//! step (`baseline.rs`: [`DataSize`], [`Baseline`]), what each optimization would save
+//! ([`what_if`]), and the check that sizes every input against the budgets before anything is
+//! loaded or built ([`bounds`]).
 
+mod baseline;
 pub mod bounds;
+mod choose;
 pub mod estimate;
 pub mod plan;
 mod replay;
@@ -14,6 +17,9 @@ mod scratch;
 mod sim;
 pub mod what_if;
 
+pub(crate) use baseline::{grown_capacity, RUNTIME_OVERHEAD_BYTES};
+pub use choose::*;
 pub use estimate::*;
 pub use replay::EventPrediction;
+pub use schedule::{heap_limit, limit_for_heap};
 pub use what_if::{what_if, what_if_table, WhatIf};

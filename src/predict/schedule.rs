@@ -12,6 +12,7 @@
 //! programming over the boundaries instead. The choice is a pure function of the candidates'
 //! predictions, the limit and the margin, so a test can check it against brute force.
 
+use super::sim::DeviceKind;
 use crate::config::GradCheckpointing;
 use crate::error::Error;
 use crate::memory::format_bytes;
@@ -216,6 +217,24 @@ pub fn nothing_fits(
         margin * 100.0,
         format_bytes(to_limit(limit_for(s.predicted_peak, margin))),
     ))
+}
+
+/// What `--memory-limit` leaves the estimate's (heap) peak on `device`: on the CPU, where the
+/// limit is the process's resident memory, the heap budget under it
+/// ([`crate::memory::os::RssReserve`]); on CUDA the pool limit itself.
+pub fn heap_limit(limit: Option<u64>, device: DeviceKind) -> Option<u64> {
+    match device.is_cpu() {
+        true => limit.map(|l| crate::memory::os::RssReserve::of_process().heap_budget(l)),
+        false => limit,
+    }
+}
+
+/// The `--memory-limit` that leaves a heap of `heap` bytes on `device` (see [`heap_limit`]).
+pub fn limit_for_heap(heap: u64, device: DeviceKind) -> u64 {
+    match device.is_cpu() {
+        true => crate::memory::os::RssReserve::of_process().resident(heap),
+        false => heap,
+    }
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@
 //! Drawn with the machinery of `sweep::chart` into `<stem>.png` and `<stem>.svg`; the points and
 //! their CSV come from `examples/budget_sweep.rs`.
 
-use super::chart::{render, Chart, DrawResult, MemUnit, Panel, FONT, PALETTE};
+use super::chart::{
+    draw_series_legend, render, Chart, DrawResult, Frame, MemUnit, Panel, FONT, PALETTE,
+};
 use crate::error::Result;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -201,31 +203,19 @@ impl Chart for BudgetChart<'_> {
             .fold(0.0f64, f64::max)
             .max(1e-3)
             * 1.45;
-        let mut chart = ChartBuilder::on(root)
-            .caption(&self.title, (FONT, 26))
-            .margin(20)
-            .x_label_area_size(56)
-            .y_label_area_size(90)
-            .build_cartesian_2d(xmin..xmax, 0f64..ymax)?;
-        chart
-            .configure_mesh()
-            .x_desc(format!("peak memory ({}), lower is better", unit.name))
-            .y_desc("throughput (images/s of the fastest step), higher is better")
-            .axis_desc_style((FONT, 20))
-            .label_style((FONT, 17))
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .light_line_style(RGBColor(246, 246, 246))
-            .draw()?;
+        let mut chart = Frame {
+            caption: Some((&self.title, 26)),
+            x: xmin..xmax,
+            ymax,
+            x_label_area: 56,
+            x_desc: &format!("peak memory ({}), lower is better", unit.name),
+            y_desc: "throughput (images/s of the fastest step), higher is better",
+            x_labels: None,
+            x_label: &|x| format!("{x:.0}"),
+        }
+        .draw(root)?;
         self.draw_auto(&mut chart, &unit, ymax * 0.02)?;
         self.draw_named(&mut chart, &unit)?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font((FONT, 16))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(180, 180, 180))
-            .draw()?;
-        Ok(())
+        draw_series_legend(&mut chart, SeriesLabelPosition::UpperLeft, 16)
     }
 }

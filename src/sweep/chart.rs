@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::io::write_atomic;
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
@@ -165,6 +166,9 @@ pub(crate) fn label_spots((px, py): (i32, i32), (w, h): (i32, i32)) -> Vec<(i32,
 }
 
 pub(crate) const FONT: &str = "sans-serif";
+
+/// Dark grey of the step charts' texts and ticks.
+pub(crate) const TEXT_COLOR: RGBColor = RGBColor(50, 50, 50);
 
 /// Register the embedded DejaVu Sans as plotters' `sans-serif` (once per process).
 fn ensure_fonts() {
@@ -383,6 +387,162 @@ pub(crate) fn render(chart: &impl Chart, stem: &Path) -> Result<Vec<PathBuf>> {
     }
     write_atomic(&svg_path, svg.as_bytes())?;
     Ok(vec![png_path, svg_path])
+}
+
+/// The frame of an x–y panel as the sweep charts draw it: the caption (when given), the margins,
+/// the axes' descriptions and labels and a light grid; y runs from 0 to `ymax`, labelled without
+/// decimals.
+pub(crate) struct Frame<'s> {
+    /// Caption text and font size.
+    pub(crate) caption: Option<(&'s str, u32)>,
+    /// The x range.
+    pub(crate) x: std::ops::Range<f64>,
+    /// The top of the y axis.
+    pub(crate) ymax: f64,
+    /// Height of the area under the plot for the x labels and description.
+    pub(crate) x_label_area: u32,
+    /// Description of the x axis.
+    pub(crate) x_desc: &'s str,
+    /// Description of the y axis.
+    pub(crate) y_desc: &'s str,
+    /// How many x labels (plotters' default when `None`).
+    pub(crate) x_labels: Option<usize>,
+    /// The text of an x label.
+    pub(crate) x_label: &'s dyn Fn(&f64) -> String,
+}
+
+impl Frame<'_> {
+    /// Build the panel on `area` and draw its mesh.
+    pub(crate) fn draw<'a, DB: DrawingBackend>(
+        &self,
+        area: &'a DrawingArea<DB, Shift>,
+    ) -> std::result::Result<Panel<'a, DB>, DrawError<DB>>
+    where
+        DB::ErrorType: 'static,
+    {
+        let mut builder = ChartBuilder::on(area);
+        if let Some((text, size)) = self.caption {
+            builder.caption(text, (FONT, size));
+        }
+        let mut chart = builder
+            .margin(20)
+            .x_label_area_size(self.x_label_area)
+            .y_label_area_size(90)
+            .build_cartesian_2d(self.x.clone(), 0f64..self.ymax)?;
+        let mut mesh = chart.configure_mesh();
+        mesh.x_desc(self.x_desc)
+            .y_desc(self.y_desc)
+            .axis_desc_style((FONT, 20))
+            .label_style((FONT, 17));
+        if let Some(n) = self.x_labels {
+            mesh.x_labels(n);
+        }
+        mesh.x_label_formatter(self.x_label)
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(246, 246, 246))
+            .draw()?;
+        Ok(chart)
+    }
+}
+
+/// The legend of a panel's labelled series: a half-transparent white box with a grey border at
+/// `position`, its text `font_size` high.
+pub(crate) fn draw_series_legend<'a, DB: DrawingBackend + 'a>(
+    chart: &mut Panel<'a, DB>,
+    position: SeriesLabelPosition,
+    font_size: u32,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .configure_series_labels()
+        .position(position)
+        .label_font((FONT, font_size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(180, 180, 180))
+        .draw()?;
+    Ok(())
+}
+
+/// A dashed rule from `from` to `to` (a memory limit, a baseline), named `label` in the legend
+/// with a dashed swatch.
+pub(crate) fn draw_rule<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    from: (f64, f64),
+    to: (f64, f64),
+    color: RGBColor,
+    label: String,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .draw_series(DashedLineSeries::new(
+            vec![from, to],
+            12,
+            8,
+            color.stroke_width(2),
+        ))?
+        .label(label)
+        .legend(move |p| dashed_swatch(p, color));
+    Ok(())
+}
+
+/// A series' line named `label` in the legend: solid with a swatch as wide as the line, or, where
+/// it coincides with an earlier series ([`same_as`]), dashed over it with a dashed swatch.
+pub(crate) fn draw_line<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    points: Vec<(f64, f64)>,
+    color: RGBColor,
+    width: u32,
+    dashed: bool,
+    label: String,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    if dashed {
+        chart
+            .draw_series(DashedLineSeries::new(
+                points,
+                10,
+                8,
+                color.stroke_width(width),
+            ))?
+            .label(label)
+            .legend(move |p| dashed_swatch(p, color));
+    } else {
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(width)))?
+            .label(label)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
+            });
+    }
+    Ok(())
+}
+
+/// The style of the layer names under a categorical x axis (rotated to read upwards), and the
+/// widest of `names` in it on `area`, in pixels.
+pub(crate) fn rotated_names<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    names: &[String],
+) -> (TextStyle<'static>, u32) {
+    let style = TextStyle::from((FONT, 14).into_font())
+        .color(&TEXT_COLOR)
+        .transform(FontTransform::Rotate270)
+        .pos(Pos::new(HPos::Right, VPos::Center));
+    let longest = names
+        .iter()
+        .map(|s| {
+            area.estimate_text_size(s, &style)
+                .map(|(tw, _)| tw)
+                .unwrap_or(0)
+        })
+        .max()
+        .unwrap_or(0);
+    (style, longest)
 }
 
 /// Shorten a label to `max` characters with an ellipsis.

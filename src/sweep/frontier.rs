@@ -6,8 +6,8 @@
 //! of `sweep::chart`. Sweeps and comparisons build their points in [`super::report`].
 
 use super::chart::{
-    dashed_swatch, label_spots, leader_end, render, shorten, Chart, DrawResult, LabelBoxes,
-    MemUnit, Panel, FONT, LIMIT_COLOR, PALETTE,
+    draw_line, draw_rule, draw_series_legend, label_spots, leader_end, render, shorten, Chart,
+    DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR, PALETTE,
 };
 use crate::error::Result;
 use crate::memory::format_bytes;
@@ -128,12 +128,14 @@ impl FrontierChart<'_> {
             }
             steps.push((unit.of(b), v));
         }
-        chart
-            .draw_series(LineSeries::new(steps, front.stroke_width(3)))?
-            .label("Pareto frontier (no other point uses less memory and runs faster)")
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 24, y)], front.stroke_width(3))
-            });
+        draw_line(
+            chart,
+            steps,
+            front,
+            3,
+            false,
+            "Pareto frontier (no other point uses less memory and runs faster)".into(),
+        )?;
         chart.draw_series(
             measured
                 .iter()
@@ -261,45 +263,26 @@ impl Chart for FrontierChart<'_> {
             .max(1e-3);
         // Headroom above the fastest point for its label and the legend.
         let ymax = max_ips * 1.3;
-        let mut chart = ChartBuilder::on(root)
-            .caption(&self.title, (FONT, 28))
-            .margin(20)
-            .x_label_area_size(56)
-            .y_label_area_size(90)
-            .build_cartesian_2d(0f64..xmax, 0f64..ymax)?;
-        chart
-            .configure_mesh()
-            .x_desc(format!("peak memory ({}), lower is better", unit.name))
-            .y_desc("throughput (images/s), higher is better")
-            .axis_desc_style((FONT, 20))
-            .label_style((FONT, 17))
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .light_line_style(RGBColor(246, 246, 246))
-            .draw()?;
+        let mut chart = Frame {
+            caption: Some((&self.title, 28)),
+            x: 0f64..xmax,
+            ymax,
+            x_label_area: 56,
+            x_desc: &format!("peak memory ({}), lower is better", unit.name),
+            y_desc: "throughput (images/s), higher is better",
+            x_labels: None,
+            x_label: &|x| format!("{x:.0}"),
+        }
+        .draw(root)?;
 
         if let Some(l) = self.limit {
             let x = unit.of(l);
-            chart
-                .draw_series(DashedLineSeries::new(
-                    vec![(x, 0.0), (x, ymax)],
-                    12,
-                    8,
-                    LIMIT_COLOR.stroke_width(2),
-                ))?
-                .label(format!("memory limit ({})", format_bytes(l)))
-                .legend(move |p| dashed_swatch(p, LIMIT_COLOR));
+            let label = format!("memory limit ({})", format_bytes(l));
+            draw_rule(&mut chart, (x, 0.0), (x, ymax), LIMIT_COLOR, label)?;
         }
 
         self.draw_points(&mut chart, &measured, &unit)?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font((FONT, 17))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(180, 180, 180))
-            .draw()?;
-        Ok(())
+        draw_series_legend(&mut chart, SeriesLabelPosition::UpperLeft, 17)
     }
 }
 

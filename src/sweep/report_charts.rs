@@ -3,8 +3,9 @@
 //! size.
 
 use super::chart::{
-    dashed_swatch, label_spots, leader_end, png_text, same_as, series_color, series_width, shorten,
-    Chart, DrawError, DrawResult, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
+    draw_line, draw_rule, draw_series_legend, label_spots, leader_end, png_text, same_as,
+    series_color, series_width, shorten, Chart, DrawError, DrawResult, Frame, LabelBoxes, MemUnit,
+    Panel, FONT, LIMIT_COLOR,
 };
 use super::results::SweepResult;
 use super::{ChildRun, Status};
@@ -174,23 +175,8 @@ impl TimelineChart {
             if let Some(j) = same[i] {
                 // Identical to an earlier line: dashed over it, so both stay visible.
                 label = format!("{label} (= {})", shorten(&self.series[j].label, 20));
-                chart
-                    .draw_series(DashedLineSeries::new(
-                        pts.clone(),
-                        10,
-                        8,
-                        color.stroke_width(width),
-                    ))?
-                    .label(label)
-                    .legend(move |p| dashed_swatch(p, color));
-            } else {
-                chart
-                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
-                    .label(label)
-                    .legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
-                    });
             }
+            draw_line(chart, pts.clone(), color, width, same[i].is_some(), label)?;
             if pts.len() <= 80 {
                 chart.draw_series(
                     pts.iter()
@@ -239,50 +225,29 @@ impl Chart for TimelineChart {
         // Headroom above the highest line for the legend (upper right), one band per entry.
         let entries = (self.series.len() + self.hlines.len()) as f64;
         let ymax = unit.of(max_bytes) * (1.1 + 0.06 * entries);
-        let mut chart = ChartBuilder::on(root)
-            .caption(&self.title, (FONT, 28))
-            .margin(20)
-            .x_label_area_size(56)
-            .y_label_area_size(90)
-            .build_cartesian_2d(x0..x1, 0f64..ymax)?;
-        chart
-            .configure_mesh()
-            .x_desc("training step (global)")
-            .y_desc(format!("{} ({})", self.y_desc, unit.name))
-            .axis_desc_style((FONT, 20))
-            .label_style((FONT, 17))
-            .x_label_formatter(&|x| {
+        let mut chart = Frame {
+            caption: Some((&self.title, 28)),
+            x: x0..x1,
+            ymax,
+            x_label_area: 56,
+            x_desc: "training step (global)",
+            y_desc: &format!("{} ({})", self.y_desc, unit.name),
+            x_labels: None,
+            x_label: &|x| {
                 if (x - x.round()).abs() < 1e-6 {
                     format!("{}", x.round() as i64)
                 } else {
                     String::new()
                 }
-            })
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .light_line_style(RGBColor(246, 246, 246))
-            .draw()?;
+            },
+        }
+        .draw(root)?;
         for h in &self.hlines {
             let y = unit.of(h.bytes);
-            let color = h.color;
-            chart
-                .draw_series(DashedLineSeries::new(
-                    vec![(x0, y), (x1, y)],
-                    12,
-                    8,
-                    color.stroke_width(2),
-                ))?
-                .label(h.label.clone())
-                .legend(move |p| dashed_swatch(p, color));
+            draw_rule(&mut chart, (x0, y), (x1, y), h.color, h.label.clone())?;
         }
         self.draw_lines(&mut chart, &unit)?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font((FONT, 17))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(180, 180, 180))
-            .draw()?;
-        Ok(())
+        draw_series_legend(&mut chart, SeriesLabelPosition::UpperRight, 17)
     }
 }
 
@@ -436,22 +401,17 @@ impl SweepAxis {
         DB::ErrorType: 'static,
     {
         let (x0, x1) = self.range;
-        let mut c = ChartBuilder::on(area)
-            .margin(20)
-            .x_label_area_size(50)
-            .y_label_area_size(90)
-            .build_cartesian_2d(x0..x1, 0f64..ymax)?;
-        c.configure_mesh()
-            .x_desc(self.desc)
-            .y_desc(y_desc)
-            .axis_desc_style((FONT, 20))
-            .label_style((FONT, 17))
-            .x_labels(self.labels)
-            .x_label_formatter(&|x| self.label(x))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .light_line_style(RGBColor(246, 246, 246))
-            .draw()?;
-        Ok(c)
+        Frame {
+            caption: None,
+            x: x0..x1,
+            ymax,
+            x_label_area: 50,
+            x_desc: self.desc,
+            y_desc,
+            x_labels: Some(self.labels),
+            x_label: &|x| self.label(x),
+        }
+        .draw(area)
     }
 }
 
@@ -483,14 +443,8 @@ impl SweepChart {
         let (x0, x1) = x.range;
         if let Some(l) = self.limit {
             let y = unit.of(l);
-            mem.draw_series(DashedLineSeries::new(
-                vec![(x0, y), (x1, y)],
-                12,
-                8,
-                LIMIT_COLOR.stroke_width(2),
-            ))?
-            .label(format!("memory limit ({})", format_bytes(l)))
-            .legend(move |p| dashed_swatch(p, LIMIT_COLOR));
+            let label = format!("memory limit ({})", format_bytes(l));
+            draw_rule(&mut mem, (x0, y), (x1, y), LIMIT_COLOR, label)?;
         }
         let (mut any_oom, mut any_failed) = (false, false);
         let n = self.configs.len();
@@ -509,28 +463,16 @@ impl SweepChart {
         for (i, ((label, d), ok)) in self.configs.iter().zip(all).enumerate() {
             let color = series_color(i);
             let width = series_width(i, n);
-            if let Some(j) = same[i] {
-                // Identical to an earlier configuration: dashed over it, named in the legend.
-                let label = format!(
+            // Identical to an earlier configuration: dashed over it, named in the legend.
+            let label = match same[i] {
+                Some(j) => format!(
                     "{} (= {})",
                     shorten(label, 40),
                     shorten(&self.configs[j].0, 20)
-                );
-                mem.draw_series(DashedLineSeries::new(
-                    ok.clone(),
-                    10,
-                    8,
-                    color.stroke_width(width),
-                ))?
-                .label(label)
-                .legend(move |p| dashed_swatch(p, color));
-            } else {
-                mem.draw_series(LineSeries::new(ok.clone(), color.stroke_width(width)))?
-                    .label(shorten(label, 50))
-                    .legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
-                    });
-            }
+                ),
+                None => shorten(label, 50),
+            };
+            draw_line(&mut mem, ok.clone(), color, width, same[i].is_some(), label)?;
             let r = 3 + width as i32 / 2;
             mem.draw_series(ok.iter().map(|&p| Circle::new(p, r, color.filled())))?;
             if let Some(Some(m)) = self.maxima.get(i) {
@@ -544,13 +486,7 @@ impl SweepChart {
         }
         draw_max_labels(&mut mem, &self.configs, &maxima)?;
         self.marker_legend(&mut mem, any_oom, any_failed)?;
-        mem.configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font((FONT, 17))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(180, 180, 180))
-            .draw()?;
-        Ok(())
+        draw_series_legend(&mut mem, SeriesLabelPosition::UpperLeft, 17)
     }
 
     /// Configuration `i`'s points that did not run (`d`), at height `oom_y`: a cross for out of

@@ -11,7 +11,9 @@
 //! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
 //! the peak line fill the plot from the bottom to near the top, so any spot inside would hide data.
 
-use super::chart::{render, shorten, Chart, DrawResult, MemUnit, Panel, FONT};
+use super::chart::{
+    render, rotated_names, shorten, Chart, DrawResult, MemUnit, Panel, FONT, TEXT_COLOR,
+};
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use crate::phase::Phase;
@@ -100,7 +102,6 @@ const FREED: (&str, RGBColor) = ("freed within the event", RGBColor(158, 218, 22
 
 const PEAK_COLOR: RGBColor = RGBColor(25, 25, 25);
 const PREDICTED_COLOR: RGBColor = RGBColor(214, 39, 40);
-pub(super) const TEXT_COLOR: RGBColor = RGBColor(50, 50, 50);
 
 /// Background shade and label colour of a phase region.
 fn phase_colors(p: Phase) -> (RGBColor, RGBColor) {
@@ -461,21 +462,8 @@ impl Chart for StepChart<'_> {
 
         let (w, _) = root.dim_in_pixel();
         let (plot_area, panel) = root.split_horizontally(w - 390);
-        let label_style = TextStyle::from((FONT, 14).into_font())
-            .color(&TEXT_COLOR)
-            .transform(FontTransform::Rotate270)
-            .pos(Pos::new(HPos::Right, VPos::Center));
         let names: Vec<String> = events.iter().map(|e| shorten(&e.layer, 40)).collect();
-        let longest = names
-            .iter()
-            .map(|s| {
-                plot_area
-                    .estimate_text_size(s, &label_style)
-                    .map(|(tw, _)| tw)
-                    .unwrap_or(0)
-            })
-            .max()
-            .unwrap_or(0);
+        let (label_style, longest) = rotated_names(&plot_area, &names);
         let mut chart = ChartBuilder::on(&plot_area)
             .caption(&self.title, (FONT, 28))
             .margin(20)

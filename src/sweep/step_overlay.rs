@@ -4,17 +4,15 @@
 //! step chart's legend panel and layer names ([`super::step_chart`]).
 
 use super::chart::{
-    render, same_as, series_color, series_width, shorten, Chart, DrawResult, MemUnit, Panel, FONT,
+    render, rotated_names, same_as, series_color, series_width, shorten, Chart, DrawResult,
+    MemUnit, Panel, FONT,
 };
-use super::step_chart::{
-    draw_layer_names, draw_legend, phase_marker, LegendRow, Swatch, TEXT_COLOR,
-};
+use super::step_chart::{draw_layer_names, draw_legend, phase_marker, LegendRow, Swatch};
 use crate::error::Result;
 use crate::memory::timeline::{StepTimeline, TimelineEvent};
 use crate::phase::Phase;
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 
 /// Draw `<base>.png` and `<base>.svg`: for every `(label, timeline)` a line of the measured peak
@@ -200,21 +198,8 @@ impl Chart for OverlayChart<'_> {
         let n = order.len();
         let (w, _) = root.dim_in_pixel();
         let (plot_area, panel) = root.split_horizontally(w - 390);
-        let label_style = TextStyle::from((FONT, 14).into_font())
-            .color(&TEXT_COLOR)
-            .transform(FontTransform::Rotate270)
-            .pos(Pos::new(HPos::Right, VPos::Center));
         let names = axis_names(&order);
-        let longest = names
-            .iter()
-            .map(|s| {
-                plot_area
-                    .estimate_text_size(s, &label_style)
-                    .map(|(tw, _)| tw)
-                    .unwrap_or(0)
-            })
-            .max()
-            .unwrap_or(0);
+        let (label_style, longest) = rotated_names(&plot_area, &names);
         let mut chart = ChartBuilder::on(&plot_area)
             .caption("Peak memory inside one training step", (FONT, 28))
             .margin(20)

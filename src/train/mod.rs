@@ -5,7 +5,7 @@
 //! - [`fit`]: the training loop (epochs, evaluation, snapshots, callbacks);
 //! - [`phases`]: one optimizer step as phases with memory readings and hooks;
 //! - [`resume`], [`state`], [`snapshot`], [`history`]: save/resume — the run's [`TrainState`],
-//!   taken and put back, and its storage in the run directory;
+//!   taken and put back, and its storage in the run directory (`snapshot_load`: reading one back);
 //! - [`diagnose`]: out-of-memory snapshots and divergence advice;
 //! - [`prune`]: magnitude pruning; [`graph`]: `--cuda-graph`; [`summary`]: `summary.json`;
 //!   [`run_dir`]: one writer per run directory.
@@ -20,6 +20,7 @@ pub mod prune;
 pub mod resume;
 pub mod run_dir;
 pub mod snapshot;
+mod snapshot_load;
 pub mod state;
 pub mod summary;
 pub mod trainer;

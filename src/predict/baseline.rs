@@ -1,0 +1,163 @@
+//! What a measurement holds besides training's own allocations: the data set's size as far as
+//! memory is concerned ([`DataSize`], found from the files without loading them), the runtime's
+//! overhead on the CPU, and the [`Baseline`] an estimate starts from (modelled or measured).
+
+use crate::config::TrainConfig;
+use crate::data::{IMAGE_BYTES, RECORD_BYTES};
+use crate::error::Result;
+use std::path::Path;
+
+/// Bytes the process holds besides the data set and the model when training begins on the CPU
+/// (argument parsing, the candle thread pool, progress bars, the memory log, standard I/O
+/// buffers). Measured: the CPU probe's baseline minus the data set and the model (22 KB with
+/// real CIFAR-10 and with synthetic data, once the generator's templates are counted).
+pub(crate) const RUNTIME_OVERHEAD_BYTES: u64 = 24 << 10;
+
+/// Bytes the synthetic data generator keeps for the life of the process once it has run
+/// (`src/data/synthetic.rs`): 10 class templates of 3 × 38 × 38 f32 (the image plus a 3-pixel
+/// shift margin on each side) and their 30 plane means.
+pub(crate) const SYNTHETIC_TEMPLATE_BYTES: u64 = (10 * 3 * 38 * 38 + 10 * 3) * 4;
+
+/// Whether `cfg` trains on the built-in synthetic data (no `--download`, no `--data-dir` and no
+/// `data/cifar-10-batches-bin`), as [`crate::data::load`] decides.
+pub(crate) fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
+    !cfg.download && cfg.data_dir.is_none() && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
+}
+
+/// The data set as far as memory is concerned: how many images each split holds and how many
+/// bytes the loaded splits occupy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataSize {
+    /// Training images (batches per epoch follow from it).
+    pub train_images: usize,
+    /// Evaluation images (test or validation split).
+    pub test_images: usize,
+    /// Heap bytes of both loaded splits (pixels and labels, with the capacity slack of the loader).
+    pub resident_bytes: u64,
+}
+
+impl DataSize {
+    /// Splits of `train` and `test` images held exactly (pixels plus one label byte each), as the
+    /// validation split produces them.
+    pub fn exact(train_images: usize, test_images: usize) -> Self {
+        DataSize {
+            train_images,
+            test_images,
+            // Saturating: a count no machine holds must compare as too large, not wrap.
+            resident_bytes: (train_images as u64)
+                .saturating_add(test_images as u64)
+                .saturating_mul(RECORD_BYTES as u64),
+        }
+    }
+
+    /// Synthetic splits: held exactly, plus the generator's templates
+    /// ([`SYNTHETIC_TEMPLATE_BYTES`]).
+    pub fn synthetic(train_images: usize, test_images: usize) -> Self {
+        let mut d = DataSize::exact(train_images, test_images);
+        d.resident_bytes = d.resident_bytes.saturating_add(SYNTHETIC_TEMPLATE_BYTES);
+        d
+    }
+
+    /// The size of loaded splits (their allocated capacity), plus the synthetic generator's
+    /// templates when `cfg` trains on synthetic data.
+    pub fn loaded(
+        train: &crate::data::Dataset,
+        test: &crate::data::Dataset,
+        cfg: &TrainConfig,
+    ) -> Self {
+        let bytes = |d: &crate::data::Dataset| (d.images.capacity() + d.labels.capacity()) as u64;
+        let generator = if uses_synthetic_data(cfg) {
+            SYNTHETIC_TEMPLATE_BYTES
+        } else {
+            0
+        };
+        DataSize {
+            train_images: train.len(),
+            test_images: test.len(),
+            resident_bytes: bytes(train) + bytes(test) + generator,
+        }
+    }
+
+    /// The data the config will load, found without loading it: the synthetic sizes, the record
+    /// counts of the CIFAR-10 files in `--data-dir` (or `data/cifar-10-batches-bin`), or the full
+    /// CIFAR-10 for `--download`.
+    ///
+    /// # Errors
+    /// When a data directory is named but holds no readable CIFAR-10 training files.
+    pub(crate) fn for_config(cfg: &TrainConfig) -> Result<Self> {
+        if cfg.download {
+            return Ok(DataSize::exact(50_000, 10_000));
+        }
+        let default_dir = Path::new(crate::data::DEFAULT_DATA_DIR);
+        let dir = match &cfg.data_dir {
+            Some(d) => Some(d.as_path()),
+            None if default_dir.is_dir() => Some(default_dir),
+            None => None,
+        };
+        match dir {
+            Some(d) => DataSize::for_dir(d, cfg.val_fraction),
+            None => Ok(DataSize::synthetic(cfg.synthetic_train, cfg.synthetic_test)),
+        }
+    }
+
+    /// Sizes of a CIFAR-10 binary directory, from the file sizes ([`crate::data::cifar::scan_dir`],
+    /// which also refuses files that are not CIFAR-10 binary files).
+    pub(super) fn for_dir(dir: &Path, val_fraction: f64) -> Result<Self> {
+        let files = crate::data::cifar::scan_dir(dir)?;
+        Ok(DataSize::for_files(&files, val_fraction))
+    }
+
+    /// Sizes of the checked files of a CIFAR-10 binary directory, as
+    /// [`crate::data::cifar::load_dir`] will hold them.
+    pub(crate) fn for_files(files: &crate::data::cifar::DirFiles, val_fraction: f64) -> Self {
+        let train_parts: Vec<usize> = files.train.iter().map(|(_, n)| *n).collect();
+        let n: usize = train_parts.iter().sum();
+        match &files.test {
+            Some((_, test)) => {
+                // The training files are appended one after another: the vectors keep the
+                // capacity their growth left them with.
+                let parts_px: Vec<usize> = train_parts.iter().map(|p| p * IMAGE_BYTES).collect();
+                let resident =
+                    grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
+                DataSize {
+                    train_images: n,
+                    test_images: *test,
+                    resident_bytes: resident as u64,
+                }
+            }
+            None => {
+                let (train, val) = crate::data::cifar::split_sizes(n, val_fraction);
+                DataSize::exact(train, val)
+            }
+        }
+    }
+}
+
+/// Capacity of a `Vec<u8>` after `extend_from_slice` of each part in turn (amortized doubling).
+pub(crate) fn grown_capacity(parts: &[usize]) -> usize {
+    let (mut len, mut cap) = (0usize, 0usize);
+    for &p in parts {
+        let need = len + p;
+        if need > cap {
+            cap = need.max(cap * 2).max(8);
+        }
+        len = need;
+    }
+    cap
+}
+
+/// What is measured besides training's own allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    /// Model the process baseline from the data set (CPU) or from nothing but the model (CUDA).
+    Modeled(DataSize),
+    /// A measured baseline: the bytes in use when training begins (data set, model, runtime),
+    /// e.g. `MemoryLog::baseline_bytes` of an earlier run. The batches in flight, which the
+    /// batcher allocates after that reading, are still added.
+    Measured {
+        /// Bytes in use when training began.
+        bytes: u64,
+        /// Training images (for the number of prefetched batches).
+        train_images: usize,
+    },
+}

@@ -1,0 +1,113 @@
+//! `--checkpoint auto` for a run: the segmentation the trainer runs and its error when none fits
+//! ([`choose_checkpointing`]), the check before anything is loaded, every segmentation's
+//! prediction for a budget sweep ([`all_schedules`]) and the smaller one to advise after running
+//! out of memory. Built on the estimate of each candidate ([`schedule_candidates`]) and the
+//! pure choice among them ([`super::schedule::pick`]).
+
+use super::baseline::{Baseline, DataSize};
+use super::estimate::{estimate_for_specs, model_layer_specs, schedule_candidates};
+use super::schedule::{
+    heap_limit, limit_for_heap, nothing_fits, pick, Candidate, ScheduleChoice, SAFETY_MARGIN,
+};
+use super::sim::DeviceKind;
+use crate::config::{GradCheckpointing, TrainConfig};
+use crate::error::Result;
+use crate::model::LayerSpec;
+
+/// What `--checkpoint auto` runs for `cfg` ([`super::schedule::pick`]): without a limit the smallest
+/// predicted peak of none, stages and blocks; under `--memory-limit` the least recomputation of
+/// every segmentation whose predicted peak fits with [`SAFETY_MARGIN`] kept free.
+///
+/// # Errors
+/// As [`estimate_for_specs`]; and when no segmentation fits the limit, a one-line message naming
+/// the smallest predicted peak and the limit it needs.
+pub fn choose_checkpointing(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<ScheduleChoice> {
+    let candidates = schedule_candidates(cfg, specs, device, baseline)?;
+    match pick(
+        &candidates,
+        heap_limit(cfg.memory_limit, device),
+        SAFETY_MARGIN,
+    ) {
+        Some(i) => Ok(ScheduleChoice {
+            chosen: candidates[i],
+            limit: heap_limit(cfg.memory_limit, device),
+            margin: SAFETY_MARGIN,
+            considered: candidates.len(),
+        }),
+        None => Err(nothing_fits(
+            &candidates,
+            cfg.memory_limit.unwrap_or(0),
+            SAFETY_MARGIN,
+            &|heap| limit_for_heap(heap, device),
+            &crate::advice::out_of_memory(cfg, false),
+        )),
+    }
+}
+
+/// For `--checkpoint auto` under `--memory-limit`: a usage error before anything is loaded when
+/// no segmentation fits (the data set sized from its files); any other config passes. The
+/// trainer chooses again with the loaded data.
+///
+/// # Errors
+/// [`choose_checkpointing`]'s, or when the data directory cannot be sized.
+pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
+    if cfg.grad_checkpointing != GradCheckpointing::Auto || cfg.memory_limit.is_none() {
+        return Ok(());
+    }
+    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+    let data = DataSize::for_config(cfg)?;
+    choose_checkpointing(cfg, &specs, device, Baseline::Modeled(data)).map(|_| ())
+}
+
+/// Every segmentation's prediction for `cfg`, on the device and with the data its flags name
+/// (sized from the files, nothing loaded), `none` first: what a budget sweep spans.
+///
+/// # Errors
+/// As [`estimate_for_specs`], or when the device or the data directory is not usable.
+pub fn all_schedules(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
+    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
+    let data = DataSize::for_config(cfg)?;
+    let all = TrainConfig {
+        memory_limit: Some(cfg.memory_limit.unwrap_or(u64::MAX / 2)),
+        ..cfg.clone()
+    };
+    schedule_candidates(&all, &specs, device, Baseline::Modeled(data))
+}
+
+/// The segmentation to advise a run of `cfg` whose step ran out of memory: under
+/// `--memory-limit` the one `--checkpoint auto` would pick, else (or when none fits) the one
+/// with the smallest predicted peak; `None` when the estimate fails or that is the run's own.
+/// [`crate::advice::out_of_memory_with`] advises it only if it predicts less than the run's own.
+pub(crate) fn smaller_schedule(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Option<crate::advice::SmallerSchedule> {
+    let current = estimate_for_specs(cfg, specs, device, baseline).ok()?.peak;
+    let mut all = cfg.clone();
+    all.memory_limit = Some(cfg.memory_limit.unwrap_or(u64::MAX / 2));
+    let candidates = schedule_candidates(&all, specs, device, baseline).ok()?;
+    let smaller = |c: &&Candidate| c.predicted_peak < current;
+    let chosen = pick(
+        &candidates,
+        heap_limit(cfg.memory_limit, device),
+        SAFETY_MARGIN,
+    )
+    .map(|i| &candidates[i])
+    .filter(smaller)
+    .or_else(|| candidates.iter().min_by_key(|c| c.predicted_peak))
+    .filter(smaller)?;
+    (chosen.checkpointing != cfg.grad_checkpointing).then_some(crate::advice::SmallerSchedule {
+        checkpointing: chosen.checkpointing,
+        predicted_peak: chosen.predicted_peak,
+        current_peak: current,
+    })
+}

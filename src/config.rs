@@ -64,6 +64,17 @@ cli_enum! {
 }
 
 cli_enum! {
+    /// The steps `--clip-grad-norm` applies to.
+    ClipDuring ("clipping window") {
+        /// Every optimizer step.
+        All => "all",
+        /// The steps of the first epoch: in a short run the learning rate peaks within them and an
+        /// unclipped first epoch can blow up; later steps of a longer run go unclipped.
+        FirstEpoch => "first-epoch",
+    }
+}
+
+cli_enum! {
     /// How the step stores the conv outputs it keeps for the backward.
     ActivationStorage ("activation storage") {
         /// As computed, in the compute dtype (exact gradients).
@@ -215,6 +226,9 @@ pub struct TrainConfig {
     )]
     #[serde(deserialize_with = "clip_norm_from_json")]
     pub clip_grad_norm: ::std::option::Option<f64>,
+    /// When --clip-grad-norm applies: every step, or only in the first epoch (where a short run's learning rate peaks and an unclipped first epoch can blow up)
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t = ClipDuring::All)]
+    pub clip_during: ClipDuring,
     /// Number of epochs
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub epochs: usize,

@@ -126,3 +126,37 @@ fn divergence_advice_is_true_for_the_run_at_hand() {
     assert!(stderr.contains("no snapshot was saved"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--clip-during first-epoch`: the first epoch's steps are clipped as with `all`, later ones not.
+#[test]
+fn first_epoch_clipping_stops_after_the_first_epoch() {
+    use memtrain::config::ClipDuring;
+    // One step per epoch (16 images, batch 16), so step 1 is the first epoch and step 2 the second.
+    let cfg = |steps: usize, during: ClipDuring| TrainConfig {
+        synthetic_train: 16,
+        epochs: steps,
+        max_steps: Some(steps),
+        clip_during: during,
+        ..one_step(Some(1e-3))
+    };
+    let all = first_update(cfg(1, ClipDuring::All));
+    let first = first_update(cfg(1, ClipDuring::FirstEpoch));
+    let free = first_update(TrainConfig {
+        synthetic_train: 16,
+        ..one_step(None)
+    });
+    assert_eq!(first, all, "the first epoch's step is clipped");
+    assert!(
+        norm(&free) > 10.0 * norm(&first),
+        "and clipping shortens it"
+    );
+    // Over two epochs, the second step goes unclipped only with first-epoch.
+    let all = first_update(cfg(2, ClipDuring::All));
+    let first = first_update(cfg(2, ClipDuring::FirstEpoch));
+    assert!(
+        norm(&first) > 10.0 * norm(&all),
+        "the second epoch's step is not clipped: {} vs {}",
+        norm(&first),
+        norm(&all)
+    );
+}

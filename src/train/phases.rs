@@ -8,6 +8,7 @@
 use super::history::StepResult;
 use super::Trainer;
 use crate::callbacks::{BatchInfo, Callback, CallbackList};
+use crate::config::ClipDuring;
 use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
@@ -478,8 +479,12 @@ impl Trainer {
         let finite = squared.is_finite();
         // Clipping by the global norm (PyTorch's `clip_grad_norm_`): the whole step shrinks, its
         // direction is kept. A non-finite step is left to the scaler or the error below.
+        let clipping = match self.config.clip_during {
+            ClipDuring::All => true,
+            ClipDuring::FirstEpoch => step.epoch == 0,
+        };
         let grads = match self.config.clip_grad_norm {
-            Some(max) if finite && squared.sqrt() > max => {
+            Some(max) if clipping && finite && squared.sqrt() > max => {
                 let factor = max / squared.sqrt();
                 grads
                     .into_iter()

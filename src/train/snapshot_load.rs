@@ -47,6 +47,8 @@ const NOTED: &[&str] = &[
     "weight_decay",
     "warmup_frac",
     "clip_grad_norm",
+    "clip_during",
+    "compress_activations",
 ];
 
 /// Read and verify one snapshot directory: its signed manifest, every file it lists (sizes and

@@ -93,7 +93,10 @@ impl Trainer {
             fixes.push("use --precision f32".into());
         }
         if self.config.clip_grad_norm.is_none() {
-            fixes.push("clip the gradients (--clip-grad-norm 3)".into());
+            let default = crate::config::TrainConfig::default()
+                .clip_grad_norm
+                .unwrap_or(1.5);
+            fixes.push(format!("clip the gradients (--clip-grad-norm {default})"));
         }
         let fixes = fixes.join(", or ");
         let newest = self

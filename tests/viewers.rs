@@ -476,8 +476,10 @@ fn an_out_of_memory_step_leaves_its_snapshot_with_an_oom_entry() {
         s["step_peak_bytes"].as_u64().unwrap(),
     );
     // A heap budget between the forward's needs and the step's peak, started past the
-    // prediction (which refuses it) so that the step runs out part-way.
-    let budget = base + (peak - base) * 97 / 100;
+    // prediction (which refuses it) so that the step runs out part-way. 10% short of the peak
+    // (about 2 MiB here): each process measures its own reserve outside the heap, and on a busy
+    // machine two measurements differ by more than the 3% this test once left.
+    let budget = base + (peak - base) * 9 / 10;
     let flags = [BASE, &["--max-steps", "1", "--no-eval"]].concat();
     let limit = common::limit_for_heap(|| common::trainer_command(&flags), budget);
     let out = dir.join("limited");

@@ -19,9 +19,9 @@
 use half::bf16;
 
 use super::bf16_convert::narrow;
-use super::conv2d_cpu::{
-    busy_threads, col2im, im2col_row, num_threads, padded_ld, par_chunks, per_image, scratch,
-    OrderedSum, PassScratch, ThreadSets, WgradPlan,
+use super::conv2d_cpu::{col2im, im2col_row, padded_ld, scratch, PassScratch, WgradPlan};
+use super::conv2d_threads::{
+    busy_threads, num_threads, par_chunks, per_image, OrderedSum, ThreadSets,
 };
 use super::gemm_bf16::{
     a_stride, bf16_kernel, gemm_prepared, Bf16Kernel, MatRef, PackedB, PreparedA,

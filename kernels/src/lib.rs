@@ -72,7 +72,9 @@
 //!                    helpers (Kernels, kernel_source!, grid_stride), the TF32 switch
 //! geom.rs            the convolutions' shapes: conv2d's Geom, ConvPass, the window checks
 //! conv2d.rs          conv2d's API and its op, which dispatches each pass to one of
-//!   conv2d_cpu.rs      the CPU passes (im2col + gemm, threading, ordered sums)
+//!   conv2d_cpu.rs      the CPU passes (im2col + gemm)
+//!   conv2d_threads.rs  how both CPU halves share work out: thread counts, per-thread scratch,
+//!                      per-image and per-chunk dispatch, ordered sums
 //!   conv2d_bf16.rs     the AVX512-BF16 CPU passes (on gemm_bf16.rs)
 //!   conv2d_cuda.rs     im2col + cuBLAS on CUDA
 //!   conv2d_cudnn.rs    cuDNN on CUDA (`cudnn` feature)
@@ -84,14 +86,15 @@
 //! linear.rs          the single-threaded matmul
 //! selfcheck.rs       every pass run once on a device and on the CPU and compared (a run on a GPU
 //!                    does this before its first step)
-//! gemm_bf16.rs       bf16 gemm micro-kernels; bf16_convert.rs: bf16 <-> f32 slices
+//! gemm_bf16.rs       bf16 gemm micro-kernels (gemm_bf16/avx512.rs: the AVX512-BF16 kernel);
+//!                    bf16_convert.rs: bf16 <-> f32 slices
 //! cu/*.cu            every CUDA kernel (conv2d, depthwise, batchnorm, pool), each compiled by NVRTC
 //!                    after cu/prelude.cuh (half types, load/store), and by memtrain's
 //!                    `scripts/cuda-check.sh` the same way
 //! ```
 //!
 //! Imports go one way: the ops import `util` and `geom`, never the reverse, and conv2d's halves
-//! import `geom` and each other's building blocks (bf16 uses the CPU half's im2col and threading,
+//! import `geom`, `conv2d_threads` and each other's building blocks (bf16 uses the CPU half's im2col,
 //! cuDNN falls back to the im2col op), never the dispatcher in `conv2d.rs`.
 #![warn(missing_docs)]
 // Module docs explain the private halves they are built from (`cargo doc --document-private-items`).
@@ -104,6 +107,7 @@ mod conv2d_bf16;
 mod conv2d_cpu;
 pub mod conv2d_cuda;
 pub mod conv2d_cudnn;
+mod conv2d_threads;
 pub mod depthwise;
 pub mod gemm_bf16;
 mod geom;

@@ -231,21 +231,10 @@ fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
 #[test]
 fn a_cpu_fit_memory_budget_is_resident_memory() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let flags = [
-        "--width",
-        "8",
-        "--batch-size",
-        "32",
-        "--synthetic-train",
-        "256",
-        "--synthetic-test",
-        "16",
-        "--device",
-        "cpu",
-    ];
+    let flags = common::SMALL_RUN;
     // The resident limit the plain step needs, as its refusals name it; 1.5 MiB less leaves
     // room for a micro-batch of 16 but not for the plain step (2 MiB more heap).
-    let (_, plain) = common::needed_limits(|| common::trainer_command(&flags));
+    let (_, plain) = common::needed_limits(|| common::trainer_command(flags));
     let budget = (plain - (3 << 19)).to_string();
     let dir = common::scratch("plan", "fit-resident");
     let out_dir = dir.join("run");

@@ -453,41 +453,17 @@ fn nothing_fits_is_a_usage_error_before_any_work() {
     let dir = common::scratch("schedule", "nothing-fits");
     let out_dir = dir.join("run");
     // Room for the data set and the model (the child's own figure), not for any step.
-    let flags = [
-        "--width",
-        "8",
-        "--batch-size",
-        "32",
-        "--synthetic-train",
-        "256",
-        "--synthetic-test",
-        "16",
-        "--device",
-        "cpu",
-        "--checkpoint",
-        "auto",
-    ];
+    let flags = [common::SMALL_RUN, &["--checkpoint", "auto"]].concat();
     // (A MiB more than the child measured: the next process measures its own reserve.)
     let limit =
         (common::needed_limits(|| common::trainer_command(&flags)).0 + (1 << 20)).to_string();
-    let out = common::run_trainer(&[
-        "--width",
-        "8",
-        "--batch-size",
-        "32",
-        "--synthetic-train",
-        "256",
-        "--synthetic-test",
-        "16",
-        "--device",
-        "cpu",
-        "--checkpoint",
-        "auto",
-        "--memory-limit",
-        &limit,
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
+    let out = common::run_trainer(
+        &[
+            &flags[..],
+            &["--memory-limit", &limit, "--out", out_dir.to_str().unwrap()],
+        ]
+        .concat(),
+    );
     let err = common::text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     let line = err

@@ -310,6 +310,21 @@ pub fn bits(t: &Tensor) -> Vec<u32> {
     values(t).into_iter().map(f32::to_bits).collect()
 }
 
+/// The flags of a small CPU run on synthetic data (width 8, batch 32, 256 + 16 images): what the
+/// tests of limits and plans train when they start the trainer.
+pub const SMALL_RUN: &[&str] = &[
+    "--width",
+    "8",
+    "--batch-size",
+    "32",
+    "--synthetic-train",
+    "256",
+    "--synthetic-test",
+    "16",
+    "--device",
+    "cpu",
+];
+
 /// The `--memory-limit`s in bytes that a run needs, as its refusals name them ("raise
 /// --memory-limit to at least X"): first for its data set and model, then for its training step
 /// as well. `base` makes the run's command (program, flags, environment); the limit and

@@ -171,60 +171,73 @@ fn thread_reserve() -> u64 {
 
 /// What a CPU run's resident memory holds beyond its live heap, under `--memory-limit` (where
 /// [`crate::memory::return_freed_memory`] gives large freed blocks back to the kernel):
-/// - what the process holds outside the heap when first asked (binary, libraries, main stack),
-///   measured: `VmRSS` less the counted heap;
-/// - [`RSS_FIXED_ALLOWANCE`] for code and data pages the run touches later, and
+/// - every page of the files the process maps (binary and libraries), whether touched yet or
+///   not: the sizes of its file-backed mappings, which are the same in every run of one build,
+///   so a dry run and the run reach the same verdict;
+/// - [`RSS_FIXED_ALLOWANCE`] for the main stack and the loader's and libraries' own data, and
 ///   [`RSS_THREAD_ALLOWANCE`] per compute thread (stack and malloc arena pages);
 /// - [`RSS_HEAP_SLACK`] of the heap itself: small freed blocks the allocator keeps.
 ///
 /// Measured on the default net, CPU, 2 threads, from batch 2 at width 1 to batch 240 and width 64
 /// (`tests/os_limit.rs` checks it, and that a run it admits completes in a cgroup of the limit):
-/// resident memory 5.4 to 13.4 MiB above the heap peak.
+/// resident memory 5.4 to 14.8 MiB above the heap peak, with about 14 MiB of mapped files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RssReserve {
-    /// Resident bytes outside the heap when first measured.
-    pub outside_heap: u64,
+    /// Bytes of the files the process maps.
+    pub mapped_files: u64,
     /// Compute threads of the run.
     pub threads: u64,
 }
 
-/// Code and data pages a run touches after the reserve is measured.
-pub const RSS_FIXED_ALLOWANCE: u64 = 4 << 20;
+/// The main stack and the loader's and libraries' data pages.
+pub const RSS_FIXED_ALLOWANCE: u64 = 1 << 20;
 /// Per compute thread: its stack and its malloc arena's pages.
 pub const RSS_THREAD_ALLOWANCE: u64 = 1 << 20;
 /// The fraction of the heap that small freed blocks kept by the allocator add.
 pub const RSS_HEAP_SLACK: f64 = 0.05;
 
 impl RssReserve {
-    /// This process's reserve, measured at the first call and kept (later calls would count the
-    /// run's own pages as outside the heap).
+    /// This process's reserve, read at the first call and kept.
     pub fn of_process() -> RssReserve {
         static RESERVE: std::sync::OnceLock<RssReserve> = std::sync::OnceLock::new();
-        *RESERVE.get_or_init(|| {
-            let heap = if super::CountingAllocator::is_installed() {
-                super::CountingAllocator::current()
-            } else {
-                0
-            };
-            RssReserve {
-                outside_heap: process_rss().map_or(0, |m| m.current.saturating_sub(heap)),
-                threads: candle_core::utils::get_num_threads() as u64,
-            }
+        *RESERVE.get_or_init(|| RssReserve {
+            mapped_files: std::fs::read_to_string("/proc/self/maps")
+                .map_or(0, |m| mapped_file_bytes(&m)),
+            threads: candle_core::utils::get_num_threads() as u64,
         })
+    }
+
+    fn outside_heap(&self) -> u64 {
+        self.mapped_files + RSS_FIXED_ALLOWANCE + self.threads * RSS_THREAD_ALLOWANCE
     }
 
     /// The most heap a run may hold for its resident memory to stay within `limit`.
     pub fn heap_budget(&self, limit: u64) -> u64 {
-        let outside = self.outside_heap + RSS_FIXED_ALLOWANCE + self.threads * RSS_THREAD_ALLOWANCE;
-        (limit.saturating_sub(outside) as f64 / (1.0 + RSS_HEAP_SLACK)).floor() as u64
+        (limit.saturating_sub(self.outside_heap()) as f64 / (1.0 + RSS_HEAP_SLACK)).floor() as u64
     }
 
     /// The resident memory predicted for a heap peak of `heap` bytes (the inverse of
     /// [`RssReserve::heap_budget`]).
     pub fn resident(&self, heap: u64) -> u64 {
-        let outside = self.outside_heap + RSS_FIXED_ALLOWANCE + self.threads * RSS_THREAD_ALLOWANCE;
-        (heap as f64 * (1.0 + RSS_HEAP_SLACK)).ceil() as u64 + outside
+        (heap as f64 * (1.0 + RSS_HEAP_SLACK)).ceil() as u64 + self.outside_heap()
     }
+}
+
+/// The bytes of the file-backed mappings of a `/proc/<pid>/maps` text (lines with a path).
+pub fn mapped_file_bytes(maps: &str) -> u64 {
+    maps.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let range = f.next()?;
+            let path = f.nth(4)?;
+            if !path.starts_with('/') {
+                return None;
+            }
+            let (a, b) = range.split_once('-')?;
+            let (a, b) = (u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?);
+            Some(b.saturating_sub(a))
+        })
+        .sum()
 }
 
 /// A `Name:   1234 kB` field of a /proc text, in bytes.
@@ -237,4 +250,23 @@ fn kb_field(text: &str, name: &str) -> Option<u64> {
         .parse()
         .ok()?;
     Some(kb.saturating_mul(1024))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_files_count_the_file_backed_mappings_only() {
+        let maps = "\
+555555554000-555555558000 r--p 00000000 fe:00 10010805                   /tmp/train
+555555558000-555555560000 r-xp 00004000 fe:00 10010805                   /tmp/train
+555555fa0000-555556000000 rw-p 00000000 00:00 0                          [heap]
+7ffff7cd5000-7ffff7cd6000 r--p 00000000 fe:00 123 /usr/lib/x86_64-linux-gnu/libc.so.6
+7ffff7cd6000-7ffff7cd8000 rw-p 00000000 00:00 0
+7ffffffde000-7ffffffff000 rw-p 00000000 00:00 0                          [stack]";
+        assert_eq!(mapped_file_bytes(maps), 0x4000 + 0x8000 + 0x1000);
+        // This process maps its own binary at least.
+        assert!(RssReserve::of_process().mapped_files > 0);
+    }
 }

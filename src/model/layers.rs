@@ -144,16 +144,7 @@ impl BatchNorm {
         }
         match mode {
             Mode::Eval => {
-                let rm = self
-                    .running_mean
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
-                let rv = self
-                    .running_var
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
+                let (rm, rv) = self.running();
                 Ok(batchnorm::batch_norm_eval(
                     x, &gamma, &beta, &rm, &rv, self.eps, true,
                 )?)
@@ -162,37 +153,42 @@ impl BatchNorm {
                 let (y, mean, var) = batchnorm::batch_norm_train(x, &gamma, &beta, self.eps, true)?;
                 if update_stats {
                     let (n, _, h, w) = x.dims4()?;
-                    let count = (n * h * w) as f64;
-                    // Running variance is unbiased, as in PyTorch.
-                    let unbiased = if count > 1.0 {
-                        (var * (count / (count - 1.0)))?
-                    } else {
-                        var
-                    };
-                    let m = self.momentum;
-                    let mut rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner());
-                    *rm = ((&*rm * (1.0 - m))? + (mean * m)?)?.detach();
-                    let mut rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner());
-                    *rv = ((&*rv * (1.0 - m))? + (unbiased * m)?)?.detach();
+                    let stats = Tensor::stack(&[mean.detach(), var.detach()], 0)?;
+                    self.update_running(&stats, n * h * w, false)?;
                 }
                 Ok(y)
             }
         }
     }
 
+    /// The running mean and variance.
+    pub(crate) fn running(&self) -> (Tensor, Tensor) {
+        let rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner());
+        let rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner());
+        (rm.clone(), rv.clone())
+    }
+
+    /// Fold batch `stats` (f32 `[2, C]`: mean, biased variance over `count` values per channel)
+    /// into the running statistics ([`batchnorm::update_running`]): replacing the tensors, or
+    /// writing into them when `in_place`.
+    pub(crate) fn update_running(&self, stats: &Tensor, count: usize, in_place: bool) -> Result<()> {
+        let mut rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner());
+        let (m, v) = batchnorm::update_running(&rm, &rv, stats, count, self.momentum)?;
+        if in_place {
+            rm.slice_set(&m, 0, 0)?;
+            rv.slice_set(&v, 0, 0)?;
+        } else {
+            *rm = m;
+            *rv = v;
+        }
+        Ok(())
+    }
+
     /// Differentiable normalization with the running statistics (plain Candle ops, in f32).
     fn forward_frozen(&self, x: &Tensor, gamma: &Tensor, beta: &Tensor) -> Result<Tensor> {
         let c = gamma.dim(0)?;
-        let rm = self
-            .running_mean
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let rv = self
-            .running_var
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let (rm, rv) = self.running();
         let scale = (gamma / (rv + self.eps)?.sqrt()?)?;
         let shift = (beta - (&rm * &scale)?)?;
         let y = x

@@ -9,25 +9,14 @@
 //! memory timeline ([`Estimate::events`], matched to `step_timeline.json` by the trainer).
 //!
 //! It is derived from the model's layer list ([`model_layer_specs`], the same list as
-//! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)), not from a hand-written total: the
-//! estimate replays, op by op, the allocations and frees the lean step (`src/step/tape.rs`)
-//! makes, in the order it makes them. The rules it replays:
+//! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)) and from the step itself: the lean step's
+//! tape (`src/step/tape.rs`) runs on sizes (`sizing.rs`), each op allocating its result and
+//! spiking its scratch as the kernel sizes it, each buffer freed when the tape drops its last
+//! handle. What the tape keeps, recomputes and frees, and in which order, is therefore the step's
+//! own, not a copy of it. Around the micro-batches the estimate adds:
 //!
-//! - **Forward**: each block's conv output h is kept for the backward (with 2·C floats of batch
-//!   statistics) and its output (the ReLU output, or the pool's) is a new tensor that lives until
-//!   the next block has used it; inside a checkpointed segment's first forward nothing is kept and
-//!   BatchNorm + ReLU runs in place. Under f16/bf16 each weight is cast to a half copy per use.
-//!   The convolution allocates per thread one image's im2col column
-//!   ([`memtrain_kernels::conv2d::im2col_chunk_bytes`]) and, in half precision, widened f32 copies of
-//!   one input and one output image. A separable block's depthwise output is freed once the
-//!   pointwise convolution has run.
-//! - **Backward**, per block in the tape's order: the pool's output and byte argmax recomputed
-//!   from h; the conv's input gradient; the BatchNorm backward written over a buffer it owns (no
-//!   allocation but its `[2, C]` sums); the block input recomputed in place over the previous h;
-//!   the weight gradient, whose chunks of images are gathered into im2col columns and summed in
-//!   per-slot partials. A checkpoint segment (every one but the last) is re-run with saving first.
 //! - **Accumulation**: the first micro-batch's gradients are the buffers; later ones are added in
-//!   place and dropped.
+//!   place and dropped (the tape's `add_grad`).
 //! - **Optimizer** (`src/step/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
 //!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
 //! - **Pruning** (`--prune`, `src/train/prune.rs`): one u8 mask per pruned weight (conv and head
@@ -36,20 +25,19 @@
 //!   with an 8-byte sort key each (CPU), applying it allocates a zero tensor and the result.
 //! - **Baseline (CPU)**: the counting allocator measures the whole process heap, so the training
 //!   split and the evaluation split (bytes as loaded), the f32 master weights and BatchNorm
-//!   statistics, the batcher's index permutation, four f32 batch buffers of the full batch size
-//!   (recycled from step to step) and the gemm crate's per-thread packing buffers are part of
-//!   every measurement.
+//!   statistics, the batcher's index permutation, the batches in flight and the gemm crate's
+//!   per-thread packing buffers are part of every measurement.
 //!
-//! On the CPU the estimate is calibrated against the counting allocator (see
-//! `docs/results/estimate-accuracy.md`); on CUDA it is a first-order model (the conv op's chunked
-//! columns from `memtrain_kernels::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build the one cuDNN
-//! workspace of `memtrain_kernels::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`; cuBLAS workspaces, the pool's rounding and
-//! the ReLU outputs the CUDA step materializes where the CPU works in place are not modelled),
-//! not yet checked against a GPU.
+//! On the CPU it is checked against the counting allocator (`tests/estimate_grid.rs`); on CUDA the
+//! sizing follows each op's device path (a new tensor where the CPU works in place, the conv op's
+//! chunked columns from `memtrain_kernels::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build
+//! the one cuDNN workspace of `memtrain_kernels::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`); cuBLAS
+//! workspaces and the pool's rounding are not modelled, and it is not yet checked against a GPU.
 
 use super::baseline::RUNTIME_OVERHEAD_BYTES;
 pub use super::baseline::{Baseline, DataSize};
-use super::replay::*;
+use super::sizing::{micro_batch, Shared};
+pub use super::sizing::EventPrediction;
 use super::schedule::{heap_limit, pick, recompute_flops, Candidate, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
@@ -392,9 +380,10 @@ pub fn estimate_for_specs(
     let sizes = Sizes::of(cfg, &nodes, device);
     let (baseline_bytes, batch_bytes) = baseline_and_batches(cfg, baseline, device, &sizes);
     let gemm_slabs = runtime_bytes(cfg, device);
-    let mut sim = Sim::new(nodes.len());
-    sim.cur = baseline_bytes + batch_bytes + gemm_slabs;
-    let (activation_bytes, events) = replay_steps(&mut sim, cfg, &ctx, &nodes, &segments, &sizes);
+    let sim: Shared = std::rc::Rc::new(std::cell::RefCell::new(Sim::new(nodes.len())));
+    sim.borrow_mut().cur = baseline_bytes + batch_bytes + gemm_slabs;
+    let (activation_bytes, events) = run_steps(&sim, cfg, &ctx, &nodes, &segments, &sizes)?;
+    let sim = sim.borrow();
     let peaks = sim.peaks;
     let (peak, peak_phase) = [
         (peaks[0], "forward"),
@@ -450,7 +439,7 @@ pub fn estimate_for_specs(
 }
 
 /// Which layer keeps which activations for the backward of one micro-batch, by the tape's
-/// rules (`src/step/tape.rs`, replayed in `replay::micro_batch`).
+/// rules (`src/step/tape.rs`): the table's columns, by layer.
 struct Kept {
     /// The micro-batch's input, saved as the first segment's input.
     input: u64,
@@ -592,48 +581,62 @@ fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
     }
 }
 
-/// Two optimizer steps replayed: step 1 builds the optimizer state, step 2 carries it through
-/// forward and backward — the steady state, whose events are the prediction of the timeline.
-/// Returns the largest activation bytes of a micro-batch and the second step's events.
-fn replay_steps(
-    sim: &mut Sim,
+/// Two optimizer steps of the tape on sizes: step 1 builds the optimizer state, step 2 carries it
+/// through forward and backward — the steady state, whose events are the prediction of the
+/// timeline. Returns the largest activation bytes of a micro-batch and the second step's events.
+fn run_steps(
+    sim: &Shared,
     cfg: &TrainConfig,
     ctx: &Ctx,
     nodes: &[Node],
     segments: &[std::ops::Range<usize>],
     sizes: &Sizes,
-) -> (u64, Vec<EventPrediction>) {
+) -> Result<(u64, Vec<EventPrediction>)> {
     let mut activation_bytes = 0;
     let mut events = Vec::new();
     for step in 0..2 {
         let state = if step == 0 { 0 } else { sizes.optimizer_bytes };
-        sim.cur += state;
-        sim.event_peak = sim.cur;
+        {
+            let mut s = sim.borrow_mut();
+            s.cur += state;
+            s.event_peak = s.cur;
+        }
         events.clear();
-        let mut acc_live = false;
+        let mut grads = Vec::new();
         for _ in 0..cfg.accum_steps {
-            sim.phase = Phase::Forward;
-            let (r, ev) = micro_batch(sim, ctx, nodes, segments, acc_live);
+            let (r, ev) = micro_batch(
+                sim,
+                ctx,
+                nodes,
+                segments,
+                cfg.compress_activations,
+                &mut grads,
+            )?;
             activation_bytes = activation_bytes.max(r);
             events.extend(ev);
-            acc_live = true;
         }
-        optimizer_phase(sim, cfg, step == 0, sizes);
+        let mut s = sim.borrow_mut();
+        optimizer_phase(&mut s, cfg, step == 0, sizes);
+        drop(s);
+        // The update done, the gradients go.
+        drop(grads);
+        let mut s = sim.borrow_mut();
+        s.spike(sizes.prune_transient);
         events.push(EventPrediction {
             phase: "optimizer",
             layer: "optimizer".into(),
-            peak_bytes: sim.event_peak,
-            current_bytes: sim.cur,
+            peak_bytes: s.event_peak,
+            current_bytes: s.cur,
             saved_bytes: 0,
         });
-        sim.free(state);
+        s.free(state);
     }
-    (activation_bytes, events)
+    Ok((activation_bytes, events))
 }
 
 /// The optimizer phase: the accumulated f32 gradients are alive and the update runs one parameter
-/// at a time (`first`: the step that also allocates the optimizer state); then the gradients are
-/// freed and pruning recomputes its masks.
+/// at a time (`first`: the step that also allocates the optimizer state). The gradients are freed
+/// after it, and pruning recomputes its masks.
 fn optimizer_phase(sim: &mut Sim, cfg: &TrainConfig, first: bool, sizes: &Sizes) {
     sim.phase = Phase::Optimizer;
     let (param_bytes, max_param) = (sizes.param_bytes, sizes.max_param);
@@ -648,6 +651,4 @@ fn optimizer_phase(sim: &mut Sim, cfg: &TrainConfig, first: bool, sizes: &Sizes)
         // m1, v, their bias-corrected copies, sqrt, the update: about six.
         OptimizerKind::Adamw => sim.spike(if first { 2 * param_bytes } else { 0 } + 6 * max_param),
     }
-    sim.free(param_bytes);
-    sim.spike(sizes.prune_transient);
 }

@@ -1,5 +1,6 @@
-//! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: replays the step's
-//! allocations layer by layer, [`sim`], [`scratch`], [`replay`]), the planner that picks a
+//! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: runs the step's own
+//! tape on sizes, `sizing.rs`, each op's scratch from `scratch.rs`, the bytes in use in
+//! `sim.rs`), the planner that picks a
 //! configuration for a budget ([`plan`]), gradient checkpointing's schedules and `--checkpoint
 //! auto`'s choice ([`schedule`]; for a run, `choose.rs`), what a measurement holds besides the
 //! step (`baseline.rs`: [`DataSize`], [`Baseline`]), what each optimization would save
@@ -11,15 +12,17 @@ pub mod bounds;
 mod choose;
 pub mod estimate;
 pub mod plan;
-mod replay;
 pub mod schedule;
 mod scratch;
 mod sim;
+mod sizing;
 pub mod what_if;
 
 pub(crate) use baseline::{grown_capacity, RUNTIME_OVERHEAD_BYTES};
 pub use choose::*;
 pub use estimate::*;
-pub use replay::EventPrediction;
+pub use sizing::{
+    tensor_descriptor_bytes, EventPrediction, HOST_BOOKKEEPING_BYTES, STORAGE_RECORD_BYTES,
+};
 pub use schedule::{heap_limit, limit_for_heap};
 pub use what_if::{what_if, what_if_table, WhatIf};

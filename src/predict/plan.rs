@@ -4,7 +4,7 @@
 //! accumulation), a checkpointing granularity, a compute precision and (only when the model may
 //! change) a convolution kind. [`plan`] predicts the peak of every candidate with the analytic
 //! estimate ([`crate::predict`]), keeps those at or below the budget minus a safety
-//! margin ([`SAFETY_MARGIN`], 5%), and ranks them by a simple throughput model ([`CostModel`]):
+//! margin ([`SAFETY_MARGIN`], 1%), and ranks them by a simple throughput model ([`CostModel`]):
 //! relative time per image = precision × (1 + recompute overhead) × micro-batch efficiency.
 //! It is a pure function of the configuration, the budget and the options: nothing is trained.
 

@@ -1,6 +1,6 @@
 //! The transient scratch of each op as the kernels size it: im2col columns per busy thread,
-//! widened half-precision images, weight casts, the weight gradient's chunks and partial sums,
-//! the depthwise op's padded planes; and the replay of each conv and depthwise pass with them.
+//! widened half-precision images, the weight gradient's chunks and partial sums, the depthwise
+//! op's padded planes.
 
 use memtrain_kernels::conv2d_cuda::ConvPass;
 
@@ -84,96 +84,8 @@ pub(super) fn fwd_scratch(c: &Ctx, nd: &Node) -> u64 {
     }
 }
 
-/// The conv weight cast to the compute dtype (a copy only for half types).
-pub(super) fn weight_cast(c: &Ctx, nd: &Node) -> u64 {
-    if c.half() {
-        nd.params as u64 * c.s
-    } else {
-        0
-    }
-}
-
-/// One conv-like node's forward on an input that stays alive: leaves its output alive.
-pub(super) fn conv_node_fwd(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node) {
-    let start = sim.mark();
-    let cast = weight_cast(c, nd);
-    sim.alloc(cast);
-    sim.alloc(nd.out_bytes(c));
-    sim.spike(fwd_scratch(c, nd));
-    sim.free(cast);
-    sim.record(i, start);
-}
-
-/// The f32 weight gradient of a node from one in the compute dtype, into the accumulator: the
-/// first micro-batch keeps the buffer, later ones add it in place and drop it.
-pub(super) fn weight_grad(sim: &mut Sim, c: &Ctx, nd: &Node, acc_live: bool) {
-    let wgrad = nd.params as u64 * c.s;
-    if c.half() {
-        sim.alloc(nd.params as u64 * 4);
-        sim.free(wgrad);
-    }
-    if acc_live {
-        sim.free(nd.params as u64 * 4);
-    }
-}
-
-/// Weight gradient of a dense/pointwise conv node (input and output gradient alive).
-pub(super) fn conv_wgrad(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node, acc_live: bool) {
-    let Op::Conv { k, pad } = nd.op else { return };
-    let start = sim.mark();
-    let cast = weight_cast(c, nd);
-    sim.alloc(cast);
-    let (scratch, partials) = conv_wgrad_scratch(c, nd, k, pad);
-    sim.spike(scratch);
-    sim.alloc(partials);
-    sim.alloc(nd.params as u64 * c.s);
-    sim.free(partials);
-    weight_grad(sim, c, nd, acc_live);
-    sim.free(cast);
-    sim.record(i, start);
-}
-
-/// Input gradient of a dense/pointwise conv node: leaves it alive.
-pub(super) fn conv_dgrad(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node) {
-    let Op::Conv { k, pad } = nd.op else { return };
-    let start = sim.mark();
-    let cast = weight_cast(c, nd);
-    sim.alloc(cast);
-    sim.alloc(nd.in_bytes(c));
-    sim.spike(conv_dx_scratch(c, nd, k, pad));
-    sim.free(cast);
-    sim.record(i, start);
-}
-
 /// Scratch of the depthwise backward passes: per busy thread one padded plane and one plane.
 pub(super) fn depthwise_plane_scratch(c: &Ctx, nd: &Node) -> u64 {
     let (ch, h, w) = nd.inp;
     c.busy(c.n * ch as u64) * (((h + 2) * (w + 2) + h * w) * 4) as u64
-}
-
-/// Depthwise weight gradient (input and output gradient alive).
-pub(super) fn depthwise_wgrad(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node, acc_live: bool) {
-    let start = sim.mark();
-    let cast = weight_cast(c, nd);
-    sim.alloc(cast);
-    let (ch, _, _) = nd.inp;
-    let partial = c.n * (ch * 9 * 4) as u64;
-    sim.alloc(partial);
-    sim.spike(depthwise_plane_scratch(c, nd));
-    sim.alloc(nd.params as u64 * c.s);
-    sim.free(partial);
-    weight_grad(sim, c, nd, acc_live);
-    sim.free(cast);
-    sim.record(i, start);
-}
-
-/// Depthwise input gradient: leaves it alive.
-pub(super) fn depthwise_dgrad(sim: &mut Sim, c: &Ctx, i: usize, nd: &Node) {
-    let start = sim.mark();
-    let cast = weight_cast(c, nd);
-    sim.alloc(cast);
-    sim.alloc(nd.in_bytes(c));
-    sim.spike(depthwise_plane_scratch(c, nd));
-    sim.free(cast);
-    sim.record(i, start);
 }

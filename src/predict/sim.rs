@@ -139,6 +139,7 @@ impl Node {
         c.n * elems(self.inp) * c.s
     }
 
+
     pub(super) fn out_bytes(&self, c: &Ctx) -> u64 {
         c.n * elems(self.out) * if matches!(self.op, Op::Head) { 4 } else { c.s }
     }
@@ -209,6 +210,59 @@ pub(super) fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
         return Err(bad("the model has no blocks before the head".into()));
     }
     Ok(nodes)
+}
+
+/// The nodes of one block: its conv nodes (one, or depthwise + pointwise), BatchNorm, pool.
+pub(super) struct BlockNodes {
+    pub(super) convs: Vec<usize>,
+    pub(super) bn: usize,
+    pub(super) pool: Option<usize>,
+    pub(super) name: String,
+}
+
+impl BlockNodes {
+    /// Bytes of the block's conv output h.
+    pub(super) fn h_bytes(&self, c: &Ctx, nodes: &[Node]) -> u64 {
+        nodes[self.bn].in_bytes(c)
+    }
+    /// Bytes of the block's output (after the pool when there is one).
+    pub(super) fn out_bytes(&self, c: &Ctx, nodes: &[Node]) -> u64 {
+        nodes[self.pool.unwrap_or(self.bn)].out_bytes(c)
+    }
+    pub(super) fn channels(&self, nodes: &[Node]) -> u64 {
+        nodes[self.bn].out.0 as u64
+    }
+}
+
+pub(super) fn blocks_of(nodes: &[Node]) -> Vec<BlockNodes> {
+    let head = nodes.len() - 1;
+    let n_blocks = nodes[..head].iter().map(|n| n.block + 1).max().unwrap_or(0);
+    (0..n_blocks)
+        .map(|b| {
+            let idx: Vec<usize> = (0..head).filter(|&i| nodes[i].block == b).collect();
+            let convs = idx
+                .iter()
+                .copied()
+                .filter(|&i| matches!(nodes[i].op, Op::Conv { .. } | Op::Depthwise))
+                .collect();
+            let bn = idx
+                .iter()
+                .copied()
+                .find(|&i| nodes[i].op == Op::Bn)
+                .unwrap_or(idx[0]);
+            let pool = idx.iter().copied().find(|&i| nodes[i].op == Op::Pool);
+            let name = nodes[bn]
+                .name
+                .rsplit_once('.')
+                .map_or(nodes[bn].name.clone(), |(b, _)| b.to_string());
+            BlockNodes {
+                convs,
+                bn,
+                pool,
+                name,
+            }
+        })
+        .collect()
 }
 
 pub(super) fn elem_bytes(dtype: DType) -> u64 {

@@ -13,61 +13,59 @@
 //! compute dtype just before it needs it, so a block's backward holds the decoded h where the
 //! exact step held the saved one.
 
+use super::ops::StepOps;
 use crate::config::ActivationStorage;
 use crate::error::Result;
-use candle_core::Tensor;
-use memtrain_kernels::batchnorm::{self as bn, BnParams};
-use memtrain_kernels::quantize::{self, QuantizedU8};
 
 /// A block's conv output as the tape keeps it.
-pub(crate) enum Kept {
+pub(crate) enum Kept<O: StepOps> {
     /// The tensor itself.
-    Exact(Tensor),
+    Exact(O::T),
     /// Its 8-bit codes.
-    Int8(QuantizedU8),
+    Int8(O::Codes),
 }
 
-impl Kept {
+impl<O: StepOps> Kept<O> {
     /// `h` stored as `how` says (`h` is only read: the forward goes on with it).
-    pub(crate) fn store(h: &Tensor, how: ActivationStorage) -> Result<Kept> {
+    pub(crate) fn store(o: &O, h: &O::T, how: ActivationStorage) -> Result<Self> {
         Ok(match how {
             ActivationStorage::None => Kept::Exact(h.clone()),
-            ActivationStorage::Int8 => Kept::Int8(quantize::quantize(h)?),
+            ActivationStorage::Int8 => Kept::Int8(o.quantize(h)?),
         })
     }
 
     /// The tensor for the backward: the saved one, or a fresh decoding. The record is consumed,
     /// so the codes are freed as the decoded tensor takes their place.
-    pub(crate) fn restore(self) -> Result<Tensor> {
+    pub(crate) fn restore(self, o: &O) -> Result<O::T> {
         Ok(match self {
             Kept::Exact(h) => h,
-            Kept::Int8(q) => quantize::dequantize(&q)?,
+            Kept::Int8(q) => o.dequantize(&q)?,
         })
     }
 
     /// `relu(bn(h))` into a buffer of its own, the record kept (the block's output, which the
     /// next conv's weight gradient reads).
-    pub(crate) fn output(&self, p: &BnParams) -> Result<Tensor> {
+    pub(crate) fn output(&self, o: &O, p: &O::Bn) -> Result<O::T> {
         Ok(match self {
-            Kept::Exact(h) => bn::bn_relu(h, p)?,
+            Kept::Exact(h) => o.bn_relu(h, p)?,
             // The decoding is a fresh tensor: normalize it where it lies.
-            Kept::Int8(q) => bn::bn_relu_in_place(quantize::dequantize(q)?, p)?,
+            Kept::Int8(q) => o.bn_relu_in_place(o.dequantize(q)?, p)?,
         })
     }
 
     /// The shape of the kept tensor.
-    pub(crate) fn dims(&self) -> Vec<usize> {
+    pub(crate) fn dims(&self, o: &O) -> Vec<usize> {
         match self {
-            Kept::Exact(h) => h.dims().to_vec(),
-            Kept::Int8(q) => q.codes.dims().to_vec(),
+            Kept::Exact(h) => o.dims(h),
+            Kept::Int8(q) => o.codes_dims(q),
         }
     }
 
     /// Bytes held for the backward.
-    pub(crate) fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self, o: &O) -> u64 {
         match self {
-            Kept::Exact(h) => (h.elem_count() * h.dtype().size_in_bytes()) as u64,
-            Kept::Int8(q) => q.bytes() as u64,
+            Kept::Exact(h) => o.bytes(h),
+            Kept::Int8(q) => o.codes_bytes(q),
         }
     }
 }

@@ -15,12 +15,14 @@
 //! The fourth optimization, depthwise-separable convolutions, is a choice of layer when the model
 //! is built ([`crate::model::layers::ConvLayer`]); the tape runs whichever conv the block has.
 //! [`oracle`] is the same micro-batch through Candle's autograd: the tests' reference, never used
-//! for training.
+//! for training. [`ops`] lists every op the tape calls: on Candle tensors for training, on sizes
+//! for the memory estimate (`crate::predict`), which so runs the tape itself.
 
 pub mod accumulate;
 pub mod compress;
 pub mod micro;
 pub mod optim;
+pub mod ops;
 pub mod oracle;
 pub mod precision;
 pub mod tape;

@@ -5,6 +5,7 @@
 use super::Trainer;
 use crate::error::Result;
 use crate::step::accumulate::GradAccumulator;
+use crate::step::ops::CandleOps;
 use crate::step::tape::{LeanStep, NoObserver};
 use crate::step::{for_each_micro_batch, BatchInput, MicroResult};
 use candle_core::Tensor;
@@ -64,7 +65,7 @@ impl Trainer {
     }
 
     /// The lean step of one micro-batch, in the run's precision and gradient-checkpointing segments.
-    fn lean_step(&self) -> LeanStep<'_> {
+    fn lean_step(&self) -> LeanStep<CandleOps<'_>> {
         LeanStep::new(
             &self.model,
             self.config.precision.compute_dtype(),

@@ -1,0 +1,631 @@
+//! The step's own tape ([`crate::step::tape`]) run on sizes: every tensor is a shape and a byte
+//! count, every op allocates its result and spikes its scratch as the kernel sizes it
+//! ([`super::scratch`]), and a buffer is freed when the tape drops its last handle. The estimate
+//! so follows the step's order of work by running it, not by a copy of it.
+
+use super::scratch::*;
+use super::sim::*;
+use crate::config::ActivationStorage;
+use crate::data::IMAGE_BYTES;
+use crate::error::Result;
+use crate::step::micro::MicroResult;
+use crate::step::ops::{ConvWeights, HeadResult, StepOps};
+use crate::step::tape::{LeanStep, StepEvent, StepObserver};
+use candle_core::DType;
+use std::cell::RefCell;
+use std::ops::Range;
+use std::rc::Rc;
+
+/// The simulation the buffers of one estimate live in.
+pub(super) type Shared = Rc<RefCell<Sim>>;
+
+/// Heap bytes of a Candle CPU tensor's descriptor of rank `rank` (its `Tensor_` and the shape's and
+/// strides' vectors), besides the buffer it points to. Each handle that is not a clone has one:
+/// an op's result, a view, a detached parameter. Checked against the counting allocator by
+/// `tests/estimate.rs`.
+pub fn tensor_descriptor_bytes(rank: usize) -> u64 {
+    152 + 2 * 8 * rank as u64
+}
+
+/// The most heap a CPU step holds beyond what the estimate sizes: host records it does not see
+/// (the memory timeline's event records, tensor handles made inside Candle's ops, the step's small
+/// vectors). Measured 9–36 KiB from batch 1 to 512 (`tests/estimate_grid.rs` holds every
+/// configuration of its grid to it); [`super::schedule::MARGIN_FLOOR_BYTES`] keeps four times
+/// as much free.
+pub const HOST_BOOKKEEPING_BYTES: u64 = 64 << 10;
+
+/// Heap bytes of a buffer's storage record (the shared, locked `CpuStorage`) besides its elements.
+pub const STORAGE_RECORD_BYTES: u64 = 56;
+
+/// A buffer: its bytes are in use until its last handle goes.
+struct Buf {
+    bytes: u64,
+    /// None for a buffer held outside the step (a parameter), which the step never frees.
+    sim: Option<Shared>,
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        if let Some(sim) = &self.sim {
+            sim.borrow_mut().free(self.bytes);
+        }
+    }
+}
+
+/// A tensor handle (Candle's `Tensor_`): its descriptor's bytes, and the buffer it points to.
+struct Handle {
+    bytes: u64,
+    /// Whether descriptors are in the measured memory (the CPU heap; not a CUDA pool).
+    host: bool,
+    sim: Shared,
+    /// Held for its `Drop`, which frees the buffer with its last handle.
+    #[allow(dead_code)]
+    buf: Rc<Buf>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.sim.borrow_mut().free(self.bytes);
+    }
+}
+
+/// A tensor as far as memory goes: shape, dtype, whether it is a transposed 2-D view (for the
+/// matrix products' packing), the node it is a parameter of, and its handle. Cloning shares the
+/// handle, as cloning a Candle tensor does.
+#[derive(Clone)]
+pub(super) struct Sz {
+    dims: Vec<usize>,
+    dtype: DType,
+    transposed: bool,
+    node: Option<usize>,
+    handle: Rc<Handle>,
+}
+
+fn count(dims: &[usize]) -> u64 {
+    dims.iter().product::<usize>() as u64
+}
+
+impl Sz {
+    fn bytes(&self) -> u64 {
+        count(&self.dims) * elem_bytes(self.dtype)
+    }
+
+    /// A new handle on the same buffer (a view), shaped `dims`.
+    fn view(&self, dims: Vec<usize>) -> Sz {
+        let h = &self.handle;
+        let bytes = if h.host {
+            tensor_descriptor_bytes(dims.len())
+        } else {
+            0
+        };
+        h.sim.borrow_mut().alloc(bytes);
+        Sz {
+            handle: Rc::new(Handle {
+                bytes,
+                host: h.host,
+                sim: h.sim.clone(),
+                buf: h.buf.clone(),
+            }),
+            dims,
+            transposed: false,
+            ..self.clone()
+        }
+    }
+
+    /// (row, column) strides of a 2-D tensor.
+    fn strides(&self) -> (usize, usize) {
+        if self.transposed {
+            (1, self.dims[0])
+        } else {
+            (self.dims[1], 1)
+        }
+    }
+}
+
+/// A block's BatchNorm for the sizing: its `[2, C]` statistics and its node.
+pub(super) struct SzBn {
+    _stats: Sz,
+    node: usize,
+}
+
+/// 8-bit codes: the codes and the `[2, C]` ranges.
+pub(super) struct SzCodes {
+    codes: Sz,
+    ranges: Sz,
+    dtype: DType,
+}
+
+/// The ops of the step on sizes, for the micro-batch context `c` and the model's `nodes`.
+pub(super) struct Sizing<'a> {
+    sim: Shared,
+    c: &'a Ctx,
+    nodes: &'a [Node],
+    blocks: Vec<BlockNodes>,
+}
+
+impl<'a> Sizing<'a> {
+    pub(super) fn new(sim: Shared, c: &'a Ctx, nodes: &'a [Node]) -> Self {
+        Sizing {
+            sim,
+            c,
+            nodes,
+            blocks: blocks_of(nodes),
+        }
+    }
+
+    /// A new tensor, its elements, storage record and descriptor now in use.
+    fn alloc(&self, dims: Vec<usize>, dtype: DType) -> Sz {
+        let record = if self.cuda() { 0 } else { STORAGE_RECORD_BYTES };
+        let bytes = count(&dims) * elem_bytes(dtype) + record;
+        self.sim.borrow_mut().alloc(bytes);
+        let buf = Rc::new(Buf {
+            bytes,
+            sim: Some(self.sim.clone()),
+        });
+        self.handle(dims, dtype, buf)
+    }
+
+    /// A handle of `dims` on `buf`, its descriptor now in use.
+    fn handle(&self, dims: Vec<usize>, dtype: DType, buf: Rc<Buf>) -> Sz {
+        let host = !self.cuda();
+        let bytes = if host {
+            tensor_descriptor_bytes(dims.len())
+        } else {
+            0
+        };
+        self.sim.borrow_mut().alloc(bytes);
+        Sz {
+            dims,
+            dtype,
+            transposed: false,
+            node: None,
+            handle: Rc::new(Handle {
+                bytes,
+                host,
+                sim: self.sim.clone(),
+                buf,
+            }),
+        }
+    }
+
+    /// A parameter of node `node`, detached: a new handle on a buffer the model holds.
+    fn held(&self, dims: Vec<usize>, dtype: DType, node: usize) -> Sz {
+        let buf = Rc::new(Buf {
+            bytes: 0,
+            sim: None,
+        });
+        Sz {
+            node: Some(node),
+            ..self.handle(dims, dtype, buf)
+        }
+    }
+
+    fn spike(&self, bytes: u64) {
+        self.sim.borrow_mut().spike(bytes);
+    }
+
+    /// Run `f` as one op of `node`, recording its transient bytes for the layer table.
+    fn op<R>(&self, node: Option<usize>, f: impl FnOnce() -> R) -> R {
+        let start = self.sim.borrow_mut().mark();
+        let r = f();
+        if let Some(i) = node {
+            self.sim.borrow_mut().record(i, start);
+        }
+        r
+    }
+
+    fn head(&self) -> usize {
+        self.nodes.len() - 1
+    }
+
+    /// A weight in the compute dtype: the parameter itself in f32, a cast copy otherwise.
+    fn weight(&self, node: usize) -> Sz {
+        let nd = &self.nodes[node];
+        let dims = match nd.op {
+            Op::Conv { k, .. } => vec![nd.out.0, nd.inp.0, k, k],
+            _ => vec![nd.inp.0, 1, 3, 3],
+        };
+        let w = if self.c.half() {
+            self.alloc(dims, self.c.dtype)
+        } else {
+            self.held(dims, DType::F32, node)
+        };
+        Sz {
+            node: Some(node),
+            ..w
+        }
+    }
+
+    fn node(&self, w: &Sz) -> usize {
+        w.node.expect("weights carry their node")
+    }
+
+    /// The `[2, C]` per-channel sums of a BatchNorm pass over `h` (its per-plane partials first).
+    fn channel_sums(&self, h: &Sz) -> Sz {
+        let (n, ch) = (h.dims[0] as u64, h.dims[1]);
+        self.spike(n * ch as u64 * 16);
+        self.alloc(vec![2, ch], DType::F32)
+    }
+
+    fn cuda(&self) -> bool {
+        !self.c.device.is_cpu()
+    }
+}
+
+impl StepOps for Sizing<'_> {
+    type T = Sz;
+    type Bn = SzBn;
+    type Codes = SzCodes;
+    type Grads = Vec<Option<Sz>>;
+
+    fn dtype(&self) -> DType {
+        self.c.dtype
+    }
+    fn blocks(&self) -> usize {
+        self.blocks.len()
+    }
+    fn block_name(&self, j: usize) -> &str {
+        &self.blocks[j].name
+    }
+    fn block_pools(&self, j: usize) -> bool {
+        self.blocks[j].pool.is_some()
+    }
+    fn conv_params(&self, j: usize) -> usize {
+        self.blocks[j].convs.len()
+    }
+
+    fn dims(&self, t: &Sz) -> Vec<usize> {
+        t.dims.clone()
+    }
+    fn bytes(&self, t: &Sz) -> u64 {
+        t.bytes()
+    }
+    fn to_dtype(&self, t: &Sz, dtype: DType) -> Result<Sz> {
+        Ok(if t.dtype == dtype {
+            t.clone()
+        } else {
+            self.alloc(t.dims.clone(), dtype)
+        })
+    }
+    fn flatten(&self, t: &Sz) -> Result<Sz> {
+        Ok(t.view(vec![t.dims[0], count(&t.dims[1..]) as usize]))
+    }
+    fn reshape(&self, t: &Sz, dims: &[usize]) -> Result<Sz> {
+        Ok(t.view(dims.to_vec()))
+    }
+
+    fn conv_weights(&self, j: usize) -> Result<ConvWeights<Sz>> {
+        let convs = &self.blocks[j].convs;
+        Ok(match convs[..] {
+            [w] => ConvWeights::Standard(self.weight(w)),
+            [dw, pw] => ConvWeights::Separable {
+                dw: self.weight(dw),
+                pw: self.weight(pw),
+            },
+            _ => unreachable!("a block has one or two convs"),
+        })
+    }
+    fn head_weights(&self) -> (Sz, Sz) {
+        let hd = &self.nodes[self.head()];
+        let classes = hd.out.0;
+        let feat = elems(hd.inp) as usize;
+        (
+            self.held(vec![classes, feat], DType::F32, self.head()),
+            self.held(vec![classes], DType::F32, self.head()),
+        )
+    }
+
+    fn conv2d(&self, x: &Sz, w: &Sz, _pad: usize) -> Result<Sz> {
+        let i = self.node(w);
+        let nd = &self.nodes[i];
+        let Op::Conv { k, pad } = nd.op else {
+            unreachable!("a conv weight")
+        };
+        Ok(self.op(Some(i), || {
+            let out = self.alloc(vec![x.dims[0], nd.out.0, nd.out.1, nd.out.2], x.dtype);
+            self.spike(conv_fwd_scratch(self.c, nd, k, pad));
+            out
+        }))
+    }
+    fn conv2d_backward_weight(&self, _x: &Sz, _dh: &Sz, w: &Sz, _pad: usize) -> Result<Sz> {
+        let i = self.node(w);
+        let nd = &self.nodes[i];
+        let Op::Conv { k, pad } = nd.op else {
+            unreachable!("a conv weight")
+        };
+        Ok(self.op(Some(i), || {
+            let (scratch, partials) = conv_wgrad_scratch(self.c, nd, k, pad);
+            self.spike(scratch);
+            let held = self.alloc(vec![partials as usize], DType::U8);
+            let gw = self.alloc(w.dims.clone(), w.dtype);
+            drop(held);
+            gw
+        }))
+    }
+    fn conv2d_backward_input(&self, dh: &Sz, w: &Sz, x_dims: &[usize], _pad: usize) -> Result<Sz> {
+        let i = self.node(w);
+        let nd = &self.nodes[i];
+        let Op::Conv { k, pad } = nd.op else {
+            unreachable!("a conv weight")
+        };
+        Ok(self.op(Some(i), || {
+            let dx = self.alloc(x_dims.to_vec(), dh.dtype);
+            self.spike(conv_dx_scratch(self.c, nd, k, pad));
+            dx
+        }))
+    }
+    fn depthwise(&self, x: &Sz, w: &Sz) -> Result<Sz> {
+        let i = self.node(w);
+        let nd = &self.nodes[i];
+        Ok(self.op(Some(i), || {
+            let out = self.alloc(x.dims.clone(), x.dtype);
+            self.spike(fwd_scratch(self.c, nd));
+            out
+        }))
+    }
+    fn depthwise_backward_weight(&self, x: &Sz, _dd: &Sz, w: &Sz) -> Result<Sz> {
+        let i = self.node(w);
+        let nd = &self.nodes[i];
+        Ok(self.op(Some(i), || {
+            // One f32 partial weight gradient per image, summed at the end.
+            let partial = self.alloc(vec![x.dims[0], nd.inp.0 * 9], DType::F32);
+            self.spike(depthwise_plane_scratch(self.c, nd));
+            let gw = self.alloc(w.dims.clone(), w.dtype);
+            drop(partial);
+            gw
+        }))
+    }
+    fn depthwise_backward_input(&self, dd: &Sz, w: &Sz, x_dims: &[usize]) -> Result<Sz> {
+        let i = self.node(w);
+        let nd = &self.nodes[i];
+        Ok(self.op(Some(i), || {
+            let dx = self.alloc(x_dims.to_vec(), dd.dtype);
+            self.spike(depthwise_plane_scratch(self.c, nd));
+            dx
+        }))
+    }
+
+    fn bn_params(&self, j: usize, h: &Sz, update_stats: bool) -> Result<SzBn> {
+        let node = self.blocks[j].bn;
+        Ok(self.op(Some(node), || {
+            let stats = self.channel_sums(h);
+            if update_stats {
+                // The running statistics' update: five [C] f32 temporaries at most
+                // (`memtrain_kernels::batchnorm::update_running`), the new pair replacing the old.
+                self.spike(5 * h.dims[1] as u64 * 4);
+            }
+            SzBn {
+                _stats: stats,
+                node,
+            }
+        }))
+    }
+    fn bn_relu(&self, h: &Sz, p: &SzBn) -> Result<Sz> {
+        Ok(self.op(Some(p.node), || self.alloc(h.dims.clone(), h.dtype)))
+    }
+    fn bn_relu_in_place(&self, h: Sz, p: &SzBn) -> Result<Sz> {
+        // A new tensor off the CPU; `h` is given up either way.
+        Ok(if self.cuda() { self.bn_relu(&h, p)? } else { h })
+    }
+    fn bn_relu_pool(&self, h: &Sz, p: &SzBn) -> Result<Sz> {
+        let pooled = vec![h.dims[0], h.dims[1], h.dims[2] / 2, h.dims[3] / 2];
+        Ok(self.op(Some(p.node), || {
+            // Off the CPU the ReLU output is made, then pooled.
+            let y = self.cuda().then(|| self.alloc(h.dims.clone(), h.dtype));
+            let out = self.alloc(pooled, h.dtype);
+            drop(y);
+            out
+        }))
+    }
+    fn bn_relu_pool_argmax(&self, h: &Sz, p: &SzBn) -> Result<Option<Sz>> {
+        if self.cuda() {
+            return Ok(None);
+        }
+        let pooled = vec![h.dims[0], h.dims[1], h.dims[2] / 2, h.dims[3] / 2];
+        Ok(Some(self.op(Some(p.node), || self.alloc(pooled, DType::U8))))
+    }
+    fn bn_relu_backward(&self, h: &Sz, g: Sz, p: &SzBn) -> Result<(Sz, Sz, Sz)> {
+        Ok(self.op(Some(p.node), || {
+            let ch = h.dims[1];
+            if self.cuda() {
+                // Through the ReLU output, into a new gradient.
+                let y = self.alloc(h.dims.clone(), h.dtype);
+                let sums = self.channel_sums(h);
+                let dh = self.alloc(h.dims.clone(), h.dtype);
+                drop((y, g));
+                return (dh, sums.view(vec![ch]), sums.view(vec![ch]));
+            }
+            // Written over g.
+            let sums = self.channel_sums(h);
+            (g, sums.view(vec![ch]), sums.view(vec![ch]))
+        }))
+    }
+    fn bn_relu_pool_backward(
+        &self,
+        h: Sz,
+        _g: &Sz,
+        argmax: Option<&Sz>,
+        p: &SzBn,
+    ) -> Result<(Sz, Sz, Sz)> {
+        Ok(self.op(Some(p.node), || {
+            let ch = h.dims[1];
+            if argmax.is_none() {
+                // Through the ReLU output and the pool's backward, into a new gradient.
+                let y = self.alloc(h.dims.clone(), h.dtype);
+                let sums = self.channel_sums(&h);
+                let dh = self.alloc(h.dims.clone(), h.dtype);
+                drop((y, h));
+                return (dh, sums.view(vec![ch]), sums.view(vec![ch]));
+            }
+            // Written over h.
+            let sums = self.channel_sums(&h);
+            (h, sums.view(vec![ch]), sums.view(vec![ch]))
+        }))
+    }
+
+    fn quantize(&self, h: &Sz) -> Result<SzCodes> {
+        let ch = h.dims[1];
+        let n = h.dims[0] as u64;
+        if self.cuda() {
+            // Candle ops in f32: the widened copy and one intermediate beside it.
+            self.spike(2 * count(&h.dims) * 4);
+        } else {
+            // Per-plane ranges, then the per-channel ones.
+            self.spike(n * ch as u64 * 8);
+        }
+        let ranges = self.alloc(vec![2, ch], DType::F32);
+        let codes = self.alloc(h.dims.clone(), DType::U8);
+        Ok(SzCodes {
+            codes,
+            ranges,
+            dtype: h.dtype,
+        })
+    }
+    fn dequantize(&self, q: &SzCodes) -> Result<Sz> {
+        if self.cuda() {
+            self.spike(2 * count(&q.codes.dims) * 4);
+        }
+        Ok(self.alloc(q.codes.dims.clone(), q.dtype))
+    }
+    fn codes_dims(&self, q: &SzCodes) -> Vec<usize> {
+        q.codes.dims.clone()
+    }
+    fn codes_bytes(&self, q: &SzCodes) -> u64 {
+        q.codes.bytes() + q.ranges.bytes()
+    }
+
+    fn matmul(&self, a: &Sz, b: &Sz) -> Result<Sz> {
+        let (m, k, n) = (a.dims[0], a.dims[1], b.dims[1]);
+        Ok(self.op(Some(self.head()), || {
+            let out = self.alloc(vec![m, n], DType::F32);
+            if !self.cuda() {
+                self.spike(memtrain_kernels::linear::matmul_scratch_bytes(
+                    [m, k, n],
+                    a.strides(),
+                    b.strides(),
+                ) as u64);
+            }
+            out
+        }))
+    }
+    fn t(&self, b: &Sz) -> Result<Sz> {
+        Ok(Sz {
+            transposed: !b.transposed,
+            ..b.view(vec![b.dims[1], b.dims[0]])
+        })
+    }
+    fn add_bias(&self, x: &Sz, _bias: &Sz) -> Result<Sz> {
+        Ok(self.op(Some(self.head()), || self.alloc(x.dims.clone(), x.dtype)))
+    }
+    fn sum_rows(&self, x: &Sz) -> Result<Sz> {
+        Ok(self.op(Some(self.head()), || self.alloc(vec![x.dims[1]], x.dtype)))
+    }
+    fn loss_and_grad(
+        &self,
+        logits: &Sz,
+        _labels: &Sz,
+        _loss_mult: f64,
+        _defer: bool,
+    ) -> Result<(HeadResult<Sz>, Sz)> {
+        Ok(self.op(Some(self.head()), || {
+            // log-softmax, the loss, the argmax and the one-hot: a few logits-sized temporaries.
+            self.spike(6 * logits.bytes());
+            let grad = self.alloc(logits.dims.clone(), DType::F32);
+            let r = MicroResult {
+                loss: 0.0,
+                correct: 0,
+            };
+            (HeadResult::Read(r), grad)
+        }))
+    }
+
+    fn add_grad(&self, grads: &mut Vec<Option<Sz>>, i: usize, g: Sz) -> Result<()> {
+        if grads.len() <= i {
+            grads.resize(i + 1, None);
+        }
+        grads[i] = Some(match grads[i].take() {
+            None => g,
+            // Added in place on the CPU; into a new tensor elsewhere.
+            Some(acc) if self.cuda() => {
+                let sum = self.alloc(acc.dims.clone(), DType::F32);
+                drop((acc, g));
+                sum
+            }
+            Some(acc) => acc,
+        });
+        Ok(())
+    }
+    fn grad_bytes(&self, grads: &Vec<Option<Sz>>) -> u64 {
+        grads.iter().flatten().map(Sz::bytes).sum()
+    }
+}
+
+/// Records the predicted bytes at each of the tape's events.
+struct Events {
+    sim: Shared,
+    events: Vec<EventPrediction>,
+}
+
+impl StepObserver for Events {
+    fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+        let mut sim = self.sim.borrow_mut();
+        self.events.push(EventPrediction {
+            phase: match e.phase {
+                crate::phase::Phase::Forward => "forward",
+                _ => "backward",
+            },
+            layer: e.layer.to_string(),
+            peak_bytes: sim.event_peak,
+            current_bytes: sim.cur,
+            saved_bytes: e.saved_bytes,
+        });
+        sim.event_peak = sim.cur;
+        Ok(())
+    }
+}
+
+/// One micro-batch of `c.n` images through the tape on sizes, its parameter gradients added to
+/// `grads`: the micro-batch's data, the forward, the backward. Returns the activation bytes held
+/// at the end of the forward and the micro-batch's events.
+pub(super) fn micro_batch(
+    sim: &Shared,
+    c: &Ctx,
+    nodes: &[Node],
+    segments: &[Range<usize>],
+    storage: ActivationStorage,
+    grads: &mut Vec<Option<Sz>>,
+) -> Result<(u64, Vec<EventPrediction>)> {
+    let ops = Sizing::new(sim.clone(), c, nodes);
+    let n = c.n as usize;
+    // The micro-batch as the loop makes it: f32 images and u32 labels.
+    let x = ops.alloc(vec![n, 3, 32, 32], DType::F32);
+    debug_assert_eq!(count(&x.dims[1..]) as usize, IMAGE_BYTES);
+    let y = ops.alloc(vec![n], DType::U32);
+    let mut obs = Events {
+        sim: sim.clone(),
+        events: Vec::new(),
+    };
+    let mut step = LeanStep::on(ops, segments.to_vec(), storage);
+    sim.borrow_mut().phase = Phase::Forward;
+    let (_, tape) = step.forward(&x, &y, 1.0, grads, &mut obs)?;
+    sim.borrow_mut().phase = Phase::Backward;
+    let saved = obs.events.last().map_or(0, |e| e.saved_bytes);
+    step.backward(tape, grads, &mut obs)?;
+    Ok((saved, obs.events))
+}
+
+/// One predicted event of the step, matching the trainer's timeline events.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EventPrediction {
+    /// `forward`, `backward` or `optimizer`.
+    pub phase: &'static str,
+    /// The layer, named as in the timeline (`stage1.block2`, `head`, `optimizer`, …).
+    pub layer: String,
+    /// Highest bytes in use between the previous event and this one.
+    pub peak_bytes: u64,
+    /// Bytes in use right after the event.
+    pub current_bytes: u64,
+    /// Activation bytes held for the backward at the event.
+    pub saved_bytes: u64,
+}
+

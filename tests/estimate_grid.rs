@@ -1,0 +1,134 @@
+//! The estimate (the step's own tape run on sizes, `src/predict/sizing.rs`) against the counting
+//! allocator over a grid no other test uses: widths 8–96, batches 1–512, every precision, named
+//! and listed segmentations, accumulation, both conv kinds, int8, AdamW, prefetch depths.
+//!
+//! The bound: never above the measured step peak by more than 0.05%, and never below it by more
+//! than [`HOST_BOOKKEEPING_BYTES`] (the host records the estimate does not size: tensor handles it
+//! does not see, the timeline's records), which the planner's margin floor covers.
+//!
+//! One test function: the allocator's counters are process-wide.
+
+use memtrain::config::{
+    ActivationStorage, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
+};
+use memtrain::data::{synthetic, DataSplits};
+use memtrain::memory::CountingAllocator;
+use memtrain::predict::schedule::MARGIN_FLOOR_BYTES;
+use memtrain::predict::HOST_BOOKKEEPING_BYTES;
+use memtrain::train::{Trainer, TrainerOptions};
+
+#[global_allocator]
+static A: CountingAllocator = CountingAllocator;
+
+const TRAIN_IMAGES: usize = 1024;
+
+struct Case {
+    width: usize,
+    batch: usize,
+    precision: Precision,
+    checkpoint: &'static str,
+    accum: usize,
+    conv: ConvKind,
+    int8: bool,
+    adamw: bool,
+    prefetch: Option<usize>,
+}
+
+const fn case(width: usize, batch: usize, precision: Precision, checkpoint: &'static str) -> Case {
+    Case {
+        width,
+        batch,
+        precision,
+        checkpoint,
+        accum: 1,
+        conv: ConvKind::Standard,
+        int8: false,
+        adamw: false,
+        prefetch: None,
+    }
+}
+
+fn grid() -> Vec<Case> {
+    use Precision::*;
+    vec![
+        case(8, 1, F32, "none"),
+        Case { accum: 2, ..case(8, 2, F32, "none") },
+        case(8, 512, F32, "stages"),
+        Case { conv: ConvKind::Separable, ..case(16, 64, Bf16, "blocks") },
+        case(32, 128, F32, "none"),
+        case(32, 128, F16, "blocks"),
+        Case { conv: ConvKind::Separable, ..case(32, 128, F32, "none") },
+        Case { int8: true, ..case(32, 128, F32, "none") },
+        Case { int8: true, ..case(32, 128, Bf16, "stages") },
+        Case { accum: 3, ..case(24, 96, F32, "segments:1,3") },
+        Case { accum: 2, conv: ConvKind::Separable, ..case(64, 32, F32, "segments:2") },
+        case(96, 16, F32, "none"),
+        Case { prefetch: Some(3), ..case(32, 256, Bf16, "none") },
+        Case { adamw: true, ..case(48, 64, F16, "segments:4") },
+        Case { int8: true, conv: ConvKind::Separable, ..case(16, 32, F32, "blocks") },
+        Case { accum: 4, int8: true, ..case(32, 64, F16, "stages") },
+    ]
+}
+
+fn config(c: &Case) -> TrainConfig {
+    TrainConfig {
+        width: c.width,
+        batch_size: c.batch,
+        precision: c.precision,
+        grad_checkpointing: c.checkpoint.parse::<GradCheckpointing>().expect("segmentation"),
+        accum_steps: c.accum,
+        conv: c.conv,
+        compress_activations: if c.int8 {
+            ActivationStorage::Int8
+        } else {
+            ActivationStorage::None
+        },
+        optimizer: if c.adamw {
+            OptimizerKind::Adamw
+        } else {
+            OptimizerKind::Sgd
+        },
+        prefetch: c.prefetch,
+        max_steps: Some(2),
+        eval: false,
+        quiet: true,
+        device: Some("cpu".into()),
+        synthetic_train: TRAIN_IMAGES,
+        synthetic_test: 16,
+        ..TrainConfig::default()
+    }
+}
+
+#[test]
+fn the_estimate_is_the_measured_step_peak_over_a_grid() {
+    assert!(HOST_BOOKKEEPING_BYTES * 4 <= MARGIN_FLOOR_BYTES, "the floor covers the bookkeeping");
+    let pre = CountingAllocator::current();
+    let mut failures = Vec::new();
+    for c in grid() {
+        let cfg = config(&c);
+        let (train, test) = synthetic::splits(TRAIN_IMAGES, 16, 7);
+        let data = DataSplits {
+            train,
+            test,
+            description: "synthetic".into(),
+            test_is_validation: false,
+        };
+        CountingAllocator::reset_peak();
+        let mut trainer = Trainer::new(cfg.clone(), data, TrainerOptions::default()).expect("trainer");
+        let summary = trainer.fit().expect("training");
+        let predicted = trainer.memory_estimate().expect("estimate").offset(pre).peak;
+        let measured = summary.step_peak_bytes;
+        let over = predicted as f64 - measured as f64;
+        let line = format!(
+            "{}: predicted {predicted} measured {measured} ({:+} B, {:+.4}%)",
+            cfg.label(),
+            over as i64,
+            over / measured as f64 * 100.0
+        );
+        eprintln!("{line}");
+        if over > measured as f64 * 0.0005 || -over > HOST_BOOKKEEPING_BYTES as f64 {
+            failures.push(line);
+        }
+    }
+    assert!(failures.is_empty(), "outside the bound:\n{}", failures.join("\n"));
+}

@@ -99,7 +99,7 @@ struct Args {
     /// Device: cpu, cuda or cuda:N (trainer default: cuda when available)
     #[arg(long)]
     device: Option<String>,
-    /// Memory limit for every point, e.g. 300MiB (CPU: heap budget; CUDA: hard pool limit); drawn in the chart
+    /// Memory limit for every point, e.g. 300MiB (CPU: the process's resident memory, as train_cifar10's --memory-limit; CUDA: hard pool limit); drawn in the chart
     #[arg(long, value_name = "SIZE")]
     memory_limit: Option<String>,
     #[arg(long, help = format!("Seed (trainer default: {})", TrainConfig::default().seed))]

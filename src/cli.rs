@@ -18,13 +18,13 @@ pub struct TrainArgs {
     /// Start from a config.json (as written into a run directory); flags given explicitly override it
     #[arg(long = "config", value_name = "FILE")]
     pub config_file: Option<PathBuf>,
-    /// Continue the run in RUN_DIR from its newest complete checkpoint
+    /// Continue the run in RUN_DIR from its newest complete snapshot
     #[arg(long, value_name = "RUN_DIR")]
     pub resume: Option<PathBuf>,
     /// Print the memory estimate and the configuration, then exit without training
     #[arg(long)]
     pub dry_run: bool,
-    /// Replace the results and checkpoints of an earlier run in --out (without it, such an --out is refused)
+    /// Replace the results and snapshots of an earlier run in --out (without it, such an --out is refused)
     #[arg(long)]
     pub overwrite: bool,
     /// `--fit-memory` and its companions: the memory-budget planner (src/predict/plan.rs).

@@ -243,7 +243,7 @@ pub struct TrainConfig {
         allow_negative_numbers = true
     )]
     pub batch_size: usize,
-    /// Micro-batches per optimizer step (gradient accumulation); must divide --batch-size
+    /// Micro-batches per optimizer step (gradient accumulation); must divide --batch-size. BatchNorm normalizes each micro-batch on its own, so the step is not one big batch's
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub accum_steps: usize,
     /// Stop after this many optimizer steps (cap; the run also ends after --epochs)
@@ -305,7 +305,7 @@ pub struct TrainConfig {
     /// Plain log lines instead of progress bars
     #[arg(long)]
     pub quiet: bool,
-    /// Save a checkpoint every N optimizer steps (0: only at epoch ends)
+    /// Save a training snapshot (what --resume continues from) every N optimizer steps (0: only at epoch ends and when the run stops)
     #[arg(
         long,
         default_value_t = 0,
@@ -323,7 +323,7 @@ pub struct TrainConfig {
         help = "Keep the peak-memory watermark across epochs instead of resetting it at each epoch start"
     )]
     pub reset_peak_each_epoch: bool,
-    /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in (0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model-sparse.safetensors at the end
+    /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in (0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model.safetensors (dense) and model-sparse.safetensors at the end
     #[arg(long, value_name = "SPARSITY", allow_negative_numbers = true)]
     pub prune: Option<f64>,
     /// Optimizer step at which the pruning schedule starts (needs --prune)

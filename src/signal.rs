@@ -2,10 +2,10 @@
 //!
 //! The first signal only sets a flag. The data loader checks it between files and chunks (then
 //! nothing has been written), the trainer after every optimizer step, between evaluation batches
-//! and after every checkpoint write, so the step in flight finishes, a checkpoint and
+//! and after every snapshot write, so the step in flight finishes, a training snapshot and
 //! `summary.json` (status "interrupted") are written, and the program exits with
 //! [`INTERRUPTED_EXIT_CODE`]. A second signal exits at once with the
-//! same code: whatever checkpoint is on disk then is still complete, because checkpoints are
+//! same code: whatever snapshot is on disk then is still complete, because snapshots are
 //! written to a temporary directory and renamed into place.
 
 use crate::error::{Error, Result};

@@ -25,6 +25,26 @@ const BASE: &[&str] = &[
     "--no-eval",
 ];
 
+/// The keys docs/outputs.md lists in its `oom_snapshot.json` section, sorted.
+fn documented_keys() -> Vec<String> {
+    let page = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/outputs.md"),
+    )
+    .unwrap();
+    let section = page
+        .split(&format!("\n## `{OOM_SNAPSHOT_FILE}`\n"))
+        .nth(1)
+        .expect("docs/outputs.md has a section for the OOM snapshot");
+    let section = section.split("\n## ").next().unwrap();
+    let mut keys: Vec<String> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .map(|l| l.split('`').next().unwrap().to_string())
+        .collect();
+    keys.sort();
+    keys
+}
+
 /// `train_cifar10 flags` under a `--memory-limit` its step is predicted not to fit, started
 /// anyway ([`RUN_PAST_PREDICTION_ENV`]) so that the per-layer check finds where it runs out.
 fn train_past_prediction(flags: &[&str]) -> std::process::Output {
@@ -101,6 +121,12 @@ fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
     );
 
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let written: Vec<String> = s.as_object().unwrap().keys().cloned().collect();
+    assert_eq!(
+        written,
+        documented_keys(),
+        "the keys of {OOM_SNAPSHOT_FILE} and of its section in docs/outputs.md differ"
+    );
     assert_eq!(s["config"]["memory_limit"].as_u64(), Some(limit));
     assert_eq!(s["config"]["width"].as_u64(), Some(8));
     // The heap budget the process had under that limit (it measures what it holds outside the

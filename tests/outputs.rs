@@ -1,9 +1,10 @@
-//! `docs/outputs.md` documents every file a run, a sweep and a comparison write, and every column
-//! and key in them: this test runs each (tiny, synthetic data, on the CPU) and checks that every
-//! CSV column and JSON key written is documented and every documented one is written (rows whose
-//! meaning says "only with …"/"only when …" may be absent). It also checks the naming scheme
-//! (bytes end in `_bytes`), the epoch numbering (from 1, as on the screen) and empty values where
-//! nothing was measured (`--no-eval`).
+//! `docs/outputs.md` documents every file a run, a pruned run, a sweep and a comparison write,
+//! every column and key in them, and every what-if label: this test runs each (tiny, synthetic
+//! data, on the CPU) and checks that every CSV column and JSON key written is documented and every
+//! documented one is written (rows whose meaning says "only with …"/"only when …" may be absent),
+//! and that the README's "Where results go" names only files a run writes. It also checks the
+//! naming scheme (bytes end in `_bytes`), the epoch numbering (from 1, as on the screen) and empty
+//! values where nothing was measured (`--no-eval`).
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -238,9 +239,38 @@ fn every_file_column_and_key_is_documented_and_written() {
     check(&docs, "sweep.json", &keys);
     check_names("sweep.json", &keys);
 
-    // Every file the three wrote is named in the reference.
+    readme_names_what_a_run_writes(&dir);
+
+    // A pruned run writes its final model too.
+    let pruned = tmp("prune");
+    run(Command::new(example("train_cifar10"))
+        .args(TINY)
+        .args(["1", "--batch-size", "32", "--prune", "0.5", "--out"])
+        .arg(&pruned));
+
+    // Every file the four wrote is named in the reference.
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(DOC)).unwrap();
-    for d in [&dir, &cmp, &sweep] {
+    // Every what-if label the run printed is named in the row of `what_if[]`.
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("| `what_if[]` |"))
+        .unwrap();
+    let summary = json(&dir.join("summary.json"));
+    let rows = summary["what_if"].as_array().unwrap();
+    assert!(rows.len() >= 8, "{rows:?}");
+    for w in rows {
+        let label = w["label"].as_str().unwrap();
+        let named = if label.starts_with("accum") {
+            "accumK"
+        } else {
+            label
+        };
+        assert!(
+            row.contains(&format!("`{named}`")),
+            "what-if label {label} is not in {DOC}"
+        );
+    }
+    for d in [&dir, &cmp, &sweep, &pruned] {
         for e in std::fs::read_dir(d).unwrap() {
             let name = e.unwrap().file_name().to_string_lossy().into_owned();
             // Chart pairs are written `name.png`/`.svg`.
@@ -253,8 +283,50 @@ fn every_file_column_and_key_is_documented_and_written() {
             assert!(text.contains(&format!("`{stem}")), "{name} is not in {DOC}");
         }
     }
-    for d in [dir, cmp, sweep] {
+    for d in [dir, cmp, sweep, pruned] {
         let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// The README's "Where results go" list names files the run in `dir` wrote: every name a bullet
+/// starts with (`events.out.tfevents.*` by its prefix) exists there unless the bullet says
+/// "only after", and the snapshots' bullet names their folder, `latest` and manifest.
+fn readme_names_what_a_run_writes(dir: &Path) {
+    use memtrain::train::snapshot::{LATEST_FILE, MANIFEST_FILE, SNAPSHOTS_DIR};
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let list = readme
+        .split("## Where results go")
+        .nth(1)
+        .and_then(|s| s.split("\n\n").find(|p| p.starts_with("- ")))
+        .expect("README.md: the list under \"Where results go\"");
+    let written: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let bullets = list.split("\n- ").map(|b| b.trim_start_matches("- "));
+    let snapshots = format!("`{SNAPSHOTS_DIR}/`");
+    assert!(
+        bullets.clone().any(|b| b.starts_with(&snapshots)
+            && b.contains(&format!("`{SNAPSHOTS_DIR}/{LATEST_FILE}`"))
+            && b.contains(&format!("`{MANIFEST_FILE}`"))),
+        "README.md's list does not name {snapshots}, its latest file and {MANIFEST_FILE}"
+    );
+    for bullet in bullets {
+        if bullet.contains("only after") {
+            continue;
+        }
+        let head = bullet.split(':').next().unwrap();
+        for name in head.split('`').skip(1).step_by(2) {
+            let found = match name.strip_suffix('*') {
+                Some(prefix) => written.iter().any(|w| w.starts_with(prefix)),
+                None => written.iter().any(|w| *w == name.trim_end_matches('/')),
+            };
+            assert!(
+                found,
+                "README.md names `{name}`, which a run does not write"
+            );
+        }
     }
 }
 

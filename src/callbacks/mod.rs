@@ -36,7 +36,7 @@ pub struct TrainBegin<'a> {
     pub steps_per_epoch: usize,
     /// Optimizer steps in the whole run (after `--max-steps`).
     pub total_steps: usize,
-    /// Optimizer steps already taken (non-zero when resuming from a checkpoint).
+    /// Optimizer steps already taken (non-zero when resuming from a snapshot).
     pub global_step: usize,
     /// Epoch training starts in (non-zero when resuming).
     pub start_epoch: usize,

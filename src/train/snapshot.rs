@@ -115,7 +115,7 @@ pub(crate) struct FileEntry {
     pub hash: String,
 }
 
-/// The contents of `checkpoint.json`: the counters and positions of a snapshot.
+/// The contents of `snapshot.json`: the counters and positions of a snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Manifest {
     /// `memtrain-snapshot` (`memtrain-checkpoint` in snapshots written before the rename).

@@ -56,6 +56,8 @@ fn kept_batch_rows(path: &Path, global_step: usize) -> String {
     let Ok(bytes) = crate::io::read_capped(path, MAX_LOG_BYTES) else {
         return out;
     };
+    // The kept rows are at most the file (older files renumbered may need a few bytes more).
+    out.reserve(bytes.len().saturating_sub(out.len()));
     let text = String::from_utf8_lossy(&bytes);
     let mut lines = text.split_inclusive('\n');
     let old = match lines.next().map(str::trim_end) {
@@ -145,7 +147,10 @@ pub fn read_batch_log(run_dir: &Path) -> Result<Vec<BatchMemory>> {
         .iter()
         .map(|c| col(c))
         .collect::<Result<_>>()?;
-    let mut out = Vec::new();
+    // At most one record per line after the header.
+    let lines = bytes.iter().filter(|&&b| b == b'\n').count()
+        + usize::from(bytes.last().is_some_and(|&b| b != b'\n'));
+    let mut out = Vec::with_capacity(lines.saturating_sub(1));
     for row in reader.records() {
         let row = row.map_err(|e| bad(e.to_string()))?;
         let field = |i: usize| row.get(cols[i]).unwrap_or("");

@@ -36,8 +36,14 @@ fn how_to_get() -> String {
 /// byte of it is read (a multi-GB file would otherwise be read into memory whole).
 pub(crate) const MAX_RECORDS_PER_FILE: usize = 10_000;
 
-/// Bytes read between two looks at the stop flag: a 30 MB file is read in a few chunks.
-const READ_CHUNK: u64 = 4 << 20;
+/// Records read at once (4 MiB of them): loading holds one buffer of this many records (or of
+/// the largest file, when smaller) beside the data set, and looks at the stop flag between two.
+const CHUNK_RECORDS: usize = (4 << 20) / RECORD_BYTES;
+
+/// Bytes of the read buffer that loading files of `records` records each holds beside the data.
+pub(crate) fn read_buffer_bytes(records: impl IntoIterator<Item = usize>) -> usize {
+    records.into_iter().max().unwrap_or(0).min(CHUNK_RECORDS) * RECORD_BYTES
+}
 
 /// What a non-regular file is, for messages.
 fn file_kind(meta: &std::fs::Metadata) -> &'static str {
@@ -123,39 +129,80 @@ pub fn read_file(path: &Path) -> Result<Dataset> {
 
 /// [`read_file`], giving up with [`Error::Interrupted`] between chunks once `stop` is set.
 pub(crate) fn read_file_with_stop(path: &Path, stop: Option<&AtomicBool>) -> Result<Dataset> {
+    let records = check_file(path)?;
+    let mut data = Dataset::with_capacity(records);
+    let mut buf = vec![0u8; read_buffer_bytes([records])];
+    read_records(path, records, &mut buf, stop, |label, pixels| {
+        data.push(label, pixels)
+    })?;
+    Ok(data)
+}
+
+/// Read the `records` records of the CIFAR-10 binary file at `path`, as [`check_file`] counted
+/// them, through `buf` (sized by [`read_buffer_bytes`]) a chunk at a time, handing each record's
+/// label and pixels to `put` in file order. Errors name the file: a label above 9 (with its byte
+/// offset), a size changed since the check, or the I/O error.
+fn read_records(
+    path: &Path,
+    records: usize,
+    buf: &mut Vec<u8>,
+    stop: Option<&AtomicBool>,
+    mut put: impl FnMut(u8, &[u8]),
+) -> Result<()> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
-    let records = check_file(path)?;
     // O_NONBLOCK: should the path have become a FIFO since it was checked, opening it returns at
     // once (and the check below refuses it) instead of waiting for a writer. It changes nothing
     // for a regular file.
-    let file = std::fs::OpenOptions::new()
+    let mut file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| Error::io(path, e))?;
     let meta = file.metadata().map_err(|e| Error::io(path, e))?;
-    let len = records * RECORD_BYTES;
     if checked_records(path, &meta)? != records {
         return Err(changed(path));
     }
-    let mut bytes = Vec::with_capacity(len);
-    // One byte more than expected is asked for, so a file that grew is noticed.
-    let mut reader = file.take(len as u64 + 1);
-    loop {
+    let mut done = 0;
+    while done < records {
         super::check_stop(stop)?;
-        let n = (&mut reader)
-            .take(READ_CHUNK)
-            .read_to_end(&mut bytes)
-            .map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            break;
+        let n = (records - done).min(CHUNK_RECORDS);
+        if buf.len() < n * RECORD_BYTES {
+            buf.resize(n * RECORD_BYTES, 0);
+        }
+        let chunk = &mut buf[..n * RECORD_BYTES];
+        file.read_exact(chunk).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => changed(path),
+            _ => Error::io(path, e),
+        })?;
+        for (i, record) in chunk.chunks_exact(RECORD_BYTES).enumerate() {
+            let label = record[0];
+            if label as usize >= NUM_CLASSES {
+                let i = done + i;
+                return Err(Error::Data {
+                    path: path.to_path_buf(),
+                    msg: format!(
+                        "label {label} at byte offset {} (record {i}) is out of range 0..={}; this is not a \
+                         CIFAR-10 binary file (CIFAR-100's binary version has 2 label bytes per record)",
+                        i * RECORD_BYTES,
+                        NUM_CLASSES - 1
+                    ),
+                });
+            }
+            put(label, &record[1..]);
+        }
+        done += n;
+    }
+    // A file that grew since it was checked has a byte more.
+    let mut more = [0u8; 1];
+    loop {
+        match file.read(&mut more) {
+            Ok(0) => return Ok(()),
+            Ok(_) => return Err(changed(path)),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io(path, e)),
         }
     }
-    if bytes.len() != len {
-        return Err(changed(path));
-    }
-    parse_records(&bytes, path)
 }
 
 /// The error for a file whose size changed while it was being read.
@@ -164,31 +211,6 @@ fn changed(path: &Path) -> Error {
         path: path.to_path_buf(),
         msg: "the file changed size while it was read; run again once nothing writes to it".into(),
     }
-}
-
-/// Parse the records of a file already in memory (a whole number of records, as checked by
-/// [`checked_records`]); `path` is only for error messages.
-fn parse_records(bytes: &[u8], path: &Path) -> Result<Dataset> {
-    let n = bytes.len() / RECORD_BYTES;
-    let mut images = Vec::with_capacity(n * IMAGE_BYTES);
-    let mut labels = Vec::with_capacity(n);
-    for (i, record) in bytes.chunks_exact(RECORD_BYTES).enumerate() {
-        let label = record[0];
-        if label as usize >= NUM_CLASSES {
-            return Err(Error::Data {
-                path: path.to_path_buf(),
-                msg: format!(
-                    "label {label} at byte offset {} (record {i}) is out of range 0..={}; this is not a \
-                     CIFAR-10 binary file (CIFAR-100's binary version has 2 label bytes per record)",
-                    i * RECORD_BYTES,
-                    NUM_CLASSES - 1
-                ),
-            });
-        }
-        labels.push(label);
-        images.extend_from_slice(&record[1..]);
-    }
-    Ok(Dataset { images, labels })
 }
 
 /// The training files present in `dir`, as (batch number, path), sorted by number.
@@ -251,19 +273,36 @@ pub(crate) fn split_sizes(n: usize, val_fraction: f64) -> (usize, usize) {
     (n - n_val, n_val)
 }
 
+/// `0..n` in the seeded order the validation split is drawn from.
+fn split_order(n: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut rng = StdRng::seed_from_u64(mix_seed(&[seed, SPLIT_TAG]));
+    order.shuffle(&mut rng);
+    order
+}
+
 /// Split `n` images into (train, validation) index lists: shuffle `0..n` with the seed and take
 /// the first round(n * frac) (at least 1, and leaving at least 1 for training) as validation.
 /// Both lists are returned in file order.
 pub fn validation_split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
-    let mut order: Vec<usize> = (0..n).collect();
-    let mut rng = StdRng::seed_from_u64(mix_seed(&[seed, SPLIT_TAG]));
-    order.shuffle(&mut rng);
+    let order = split_order(n, seed);
     let n_val = split_sizes(n, val_fraction).1;
     let mut val = order[..n_val].to_vec();
     let mut train = order[n_val..].to_vec();
     val.sort_unstable();
     train.sort_unstable();
     (train, val)
+}
+
+/// [`validation_split`] as one flag per image, true for those held out: loading sends each
+/// record to its split as it is read.
+fn validation_mask(n: usize, val_fraction: f64, seed: u64) -> Vec<bool> {
+    let order = split_order(n, seed);
+    let mut held_out = vec![false; n];
+    for &i in &order[..split_sizes(n, val_fraction).1] {
+        held_out[i] = true;
+    }
+    held_out
 }
 
 /// The files of a CIFAR-10 binary directory that [`load_dir`] reads, each checked by
@@ -342,6 +381,10 @@ pub fn load_dir(dir: &Path, val_fraction: f64, seed: u64) -> Result<DataSplits> 
 
 /// [`load_dir`], giving up with [`Error::Interrupted`] between files and chunks once `stop` is
 /// set (by the Ctrl-C/SIGTERM handler).
+///
+/// Both splits are allocated at their exact sizes, known from the checked files, and each record
+/// is read into its split through one read buffer ([`read_buffer_bytes`]): loading holds the
+/// data set, that buffer and, for a validation split, one byte per training image.
 pub fn load_dir_with_stop(
     dir: &Path,
     val_fraction: f64,
@@ -354,61 +397,77 @@ pub fn load_dir_with_stop(
             "--val-fraction must be in (0, 1), got {val_fraction}"
         )));
     }
-    let data_err = |msg: String| Error::Data {
-        path: dir.to_path_buf(),
-        msg,
-    };
     let files = scan_dir(dir)?;
+    let n = files.train_images();
+    // Without a test file, the validation split is drawn before a byte is read.
+    let held_out = match &files.test {
+        Some(_) => None,
+        None if n < 2 => {
+            return Err(Error::Data {
+                path: dir.to_path_buf(),
+                msg: format!(
+                    "only {n} training image(s) and no {TEST_FILE}: need at least 2 images to hold out a validation split"
+                ),
+            });
+        }
+        None => Some(validation_mask(n, val_fraction, seed)),
+    };
+    let (n_train, n_test) = match &files.test {
+        Some((_, test)) => (n, *test),
+        None => split_sizes(n, val_fraction),
+    };
+    let mut train = Dataset::with_capacity(n_train);
+    let mut test = Dataset::with_capacity(n_test);
+    let all = files.train.iter().chain(&files.test);
+    let mut buf = vec![0u8; read_buffer_bytes(all.map(|(_, n)| *n))];
+    let mut index = 0;
+    for (path, records) in &files.train {
+        read_records(path, *records, &mut buf, stop, |label, pixels| {
+            let to_test = held_out
+                .as_ref()
+                .is_some_and(|h| h.get(index).copied().unwrap_or(false));
+            index += 1;
+            let split = if to_test { &mut test } else { &mut train };
+            split.push(label, pixels);
+        })?;
+    }
+    if let Some((path, records)) = &files.test {
+        read_records(path, *records, &mut buf, stop, |label, pixels| {
+            test.push(label, pixels)
+        })?;
+    }
+    drop(buf);
 
-    let mut train = Dataset::default();
-    let mut names = Vec::with_capacity(files.train.len());
-    for (path, _) in &files.train {
-        let part = read_file_with_stop(path, stop)?;
-        train.images.extend_from_slice(&part.images);
-        train.labels.extend_from_slice(&part.labels);
-        names.push(
+    let names: Vec<String> = files
+        .train
+        .iter()
+        .map(|(path, _)| {
             path.file_name()
                 .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        );
-    }
+                .unwrap_or_default()
+        })
+        .collect();
     let names = names.join(", ");
-
-    if let Some((test_path, _)) = &files.test {
-        let test = read_file_with_stop(test_path, stop)?;
-        let description = format!(
+    let description = match held_out {
+        None => format!(
             "CIFAR-10 from {}: {} train images from {names}; {} test images from {TEST_FILE}",
             dir.display(),
             train.len(),
             test.len()
-        );
-        return Ok(DataSplits {
-            train,
-            test,
-            description,
-            test_is_validation: false,
-        });
-    }
-
-    if train.len() < 2 {
-        return Err(data_err(format!(
-            "only {} training image(s) and no {TEST_FILE}: need at least 2 images to hold out a validation split",
-            train.len()
-        )));
-    }
-    let (train_idx, val_idx) = validation_split(train.len(), val_fraction, seed);
-    let description = format!(
-        "CIFAR-10 from {}: {} train images from {names}; no {TEST_FILE}, holding out {} ({}%) for validation (seed {seed})",
-        dir.display(),
-        train_idx.len(),
-        val_idx.len(),
-        percent(val_fraction)
-    );
+        ),
+        Some(_) => format!(
+            "CIFAR-10 from {}: {} train images from {names}; no {TEST_FILE}, holding out {} ({}%) for validation (seed {seed})",
+            dir.display(),
+            train.len(),
+            test.len(),
+            percent(val_fraction)
+        ),
+    };
     Ok(DataSplits {
-        test: train.subset(&val_idx),
-        train: train.subset(&train_idx),
+        test_is_validation: held_out.is_some(),
+        train,
+        test,
         description,
-        test_is_validation: true,
     })
 }
 

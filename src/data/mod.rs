@@ -42,6 +42,20 @@ pub struct Dataset {
 }
 
 impl Dataset {
+    /// An empty dataset with room for exactly `n` images.
+    pub(crate) fn with_capacity(n: usize) -> Dataset {
+        Dataset {
+            images: Vec::with_capacity(n * IMAGE_BYTES),
+            labels: Vec::with_capacity(n),
+        }
+    }
+
+    /// Append one image: its label and its [`IMAGE_BYTES`] pixels.
+    pub(crate) fn push(&mut self, label: u8, pixels: &[u8]) {
+        self.labels.push(label);
+        self.images.extend_from_slice(pixels);
+    }
+
     /// Number of images (the number of labels).
     pub fn len(&self) -> usize {
         self.labels.len()

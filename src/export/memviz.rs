@@ -197,7 +197,17 @@ pub fn snapshot(
             trace.dropped
         )));
     }
-    let mut events = Vec::with_capacity(trace.entries().len() * 2);
+    // One event per allocation, two per free, and the oom mark.
+    let count = trace
+        .entries()
+        .iter()
+        .map(|e| match e.action {
+            Action::Alloc => 1,
+            Action::Free => 2,
+            Action::Mark => 0,
+        })
+        .sum::<usize>();
+    let mut events = Vec::with_capacity(count + usize::from(oom.is_some()));
     // Blocks allocated in the trace and alive: address -> (size, frames).
     let mut alive: BTreeMap<u64, (u64, Vec<Frame>)> = BTreeMap::new();
     // Bytes of blocks from before the trace that it frees.
@@ -265,11 +275,18 @@ pub fn snapshot(
     })
 }
 
-/// Write `snapshot` as a pickle at `path`, atomically.
+/// Write `snapshot` as a pickle at `path`, atomically. It is pickled straight into the file: an
+/// out-of-memory snapshot is written where memory is short, and the pickle is as large as the
+/// snapshot.
 pub fn write(path: &Path, snapshot: &MemorySnapshot) -> Result<()> {
-    let bytes = serde_pickle::to_vec(snapshot, serde_pickle::SerOptions::new())
-        .map_err(|e| Error::io(path, std::io::Error::other(e.to_string())))?;
-    crate::io::write_atomic(path, &bytes)
+    use std::io::Write as _;
+    crate::io::write_atomic_with(path, |tmp| {
+        let file = std::fs::File::create(tmp).map_err(|e| Error::io(path, e))?;
+        let mut out = std::io::BufWriter::new(file);
+        serde_pickle::to_writer(&mut out, snapshot, serde_pickle::SerOptions::new())
+            .map_err(|e| Error::io(path, std::io::Error::other(e.to_string())))?;
+        out.flush().map_err(|e| Error::io(path, e))
+    })
 }
 
 /// The most bytes alive at once in `snapshot`, replayed as the viewer does: from the segments

@@ -48,7 +48,7 @@ impl OsView {
                  every malloc and free), what the training step itself needs",
                 "RSS: the process's pages resident in physical memory as the kernel sees them \
                  (peak = VmHWM since start); it adds the binary, thread stacks and freed pages the \
-                 allocator has not returned, so it is above the heap and falls slower",
+                 allocator has not returned, so it is usually above the heap and falls slower",
             ),
             OsView::DeviceWide => (
                 "pool peak: the most bytes the step's tensors held in the CUDA memory pool at once \

@@ -245,12 +245,26 @@ impl MemoryLog {
         if let Some(v) = self.os_view {
             s.push_str(&v.explain());
         }
+        if let (Some(OsView::ProcessRss), Some(rss)) = (self.os_view, self.os_peak_bytes) {
+            if self.peak_bytes > rss {
+                s.push_str(&heap_above_rss(self.peak_bytes, rss));
+            }
+        }
         s
     }
 }
 
 /// What a peak in phase "other" means, for the report and the docs.
 pub const PHASE_OTHER_NOTE: &str = "phase \"other\": the peak fell outside the training step and the evaluation (loading the data, building the model, between steps, saving a snapshot); a configuration's training peak is its step peak (summary.json step_peak_bytes), which sweeps and comparisons report.";
+
+/// The report's line for a heap peak above the RSS peak.
+fn heap_above_rss(heap: u64, rss: u64) -> String {
+    format!(
+        "heap peak {} is above the RSS peak {}: the heap counts every byte allocated, RSS only the pages written, and capacity never written is never paged in.\n",
+        format_bytes(heap),
+        format_bytes(rss)
+    )
+}
 
 /// Running maxima of the step in progress.
 #[derive(Debug, Default, Clone)]

@@ -3,7 +3,7 @@
 //! overhead on the CPU, and the [`Baseline`] an estimate starts from (modelled or measured).
 
 use crate::config::TrainConfig;
-use crate::data::{IMAGE_BYTES, RECORD_BYTES};
+use crate::data::RECORD_BYTES;
 use crate::error::Result;
 use std::path::Path;
 
@@ -32,7 +32,7 @@ pub struct DataSize {
     pub train_images: usize,
     /// Evaluation images (test or validation split).
     pub test_images: usize,
-    /// Heap bytes of both loaded splits (pixels and labels, with the capacity slack of the loader).
+    /// Heap bytes of both loaded splits (pixels and labels; the loaders allocate them exactly).
     pub resident_bytes: u64,
 }
 
@@ -108,42 +108,17 @@ impl DataSize {
     }
 
     /// Sizes of the checked files of a CIFAR-10 binary directory, as
-    /// [`crate::data::cifar::load_dir`] will hold them.
+    /// [`crate::data::cifar::load_dir`] holds them: each split exactly.
     pub(crate) fn for_files(files: &crate::data::cifar::DirFiles, val_fraction: f64) -> Self {
-        let train_parts: Vec<usize> = files.train.iter().map(|(_, n)| *n).collect();
-        let n: usize = train_parts.iter().sum();
+        let n = files.train_images();
         match &files.test {
-            Some((_, test)) => {
-                // The training files are appended one after another: the vectors keep the
-                // capacity their growth left them with.
-                let parts_px: Vec<usize> = train_parts.iter().map(|p| p * IMAGE_BYTES).collect();
-                let resident =
-                    grown_capacity(&parts_px) + grown_capacity(&train_parts) + test * RECORD_BYTES;
-                DataSize {
-                    train_images: n,
-                    test_images: *test,
-                    resident_bytes: resident as u64,
-                }
-            }
+            Some((_, test)) => DataSize::exact(n, *test),
             None => {
                 let (train, val) = crate::data::cifar::split_sizes(n, val_fraction);
                 DataSize::exact(train, val)
             }
         }
     }
-}
-
-/// Capacity of a `Vec<u8>` after `extend_from_slice` of each part in turn (amortized doubling).
-pub(crate) fn grown_capacity(parts: &[usize]) -> usize {
-    let (mut len, mut cap) = (0usize, 0usize);
-    for &p in parts {
-        let need = len + p;
-        if need > cap {
-            cap = need.max(cap * 2).max(8);
-        }
-        len = need;
-    }
-    cap
 }
 
 /// What is measured besides training's own allocations.

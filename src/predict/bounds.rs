@@ -26,12 +26,12 @@ use crate::config::{
     ConvKind, GradCheckpointing, OptimizerKind, TrainConfig, MIN_SYNTHETIC_IMAGES,
 };
 use crate::data::cifar::{self, DirFiles};
-use crate::data::{IMAGE_BYTES, RECORD_BYTES};
+use crate::data::IMAGE_BYTES;
 use crate::error::{Error, Result};
 use crate::memory::os::{headroom, Headroom, RssReserve};
 use crate::memory::{format_bytes, CountingAllocator};
 use crate::predict::{
-    estimate_with, grown_capacity, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
+    estimate_with, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
 };
 use std::path::{Path, PathBuf};
 
@@ -609,48 +609,18 @@ impl Ctx {
     }
 }
 
-/// The most heap bytes [`cifar::load_dir`] holds at once for `files`, walking its allocations in
-/// their order (as the counting allocator counts them: a growing `Vec` holds its old and new
-/// block at once):
-/// - per training file: the file read whole (`RECORD_BYTES` per image), parsed beside it into
-///   pixels and labels, then appended to the training split's vectors, which grow by doubling;
-/// - then the test file read and parsed beside the training split, or, without one, the
-///   validation split's index lists (`order`, then its two halves) and the two subsets.
+/// The most heap bytes [`cifar::load_dir`] holds at once for `files`: both splits, allocated
+/// exactly, and its read buffer; without a test file also the validation split's mask (one byte
+/// per training image), which is drawn before them from an index list (8 bytes per image).
 fn dir_loading_peak(files: &DirFiles, val_fraction: f64) -> u64 {
-    let (record, image) = (RECORD_BYTES as u64, IMAGE_BYTES as u64);
-    // The images appended so far, per file: the vectors' capacities follow from them.
-    let mut appended: Vec<usize> = Vec::with_capacity(files.train.len());
-    let capacity = |parts: &[usize], per: usize| {
-        let bytes: Vec<usize> = parts.iter().map(|n| n * per).collect();
-        grown_capacity(&bytes) as u64
-    };
-    let mut peak = 0u64;
-    for &(_, n) in &files.train {
-        let (pixels, labels) = (capacity(&appended, IMAGE_BYTES), capacity(&appended, 1));
-        let parsed = n as u64 * (image + 1);
-        peak = peak.max(pixels + labels + n as u64 * record + parsed);
-        appended.push(n);
-        let (grown_pixels, grown_labels) =
-            (capacity(&appended, IMAGE_BYTES), capacity(&appended, 1));
-        if grown_pixels > pixels {
-            peak = peak.max(pixels + grown_pixels + labels + parsed);
-        }
-        if grown_labels > labels {
-            peak = peak.max(grown_pixels + labels + grown_labels + parsed);
-        }
+    let n = files.train_images() as u64;
+    let data = DataSize::for_files(files, val_fraction).resident_bytes;
+    let all = files.train.iter().chain(&files.test);
+    let buffer = cifar::read_buffer_bytes(all.map(|(_, n)| *n)) as u64;
+    match files.test {
+        Some(_) => data + buffer,
+        None => (9 * n).max(n + data + buffer),
     }
-    let held = capacity(&appended, IMAGE_BYTES) + capacity(&appended, 1);
-    let after = match &files.test {
-        Some((_, test)) => held + *test as u64 * (record + image + 1),
-        None => {
-            let n = files.train_images();
-            let (train, val) = cifar::split_sizes(n, val_fraction);
-            let idx = 8 * n as u64;
-            // `order` and its two halves; then the halves and both subsets.
-            (held + 2 * idx).max(held + idx + (train + val) as u64 * (image + 1))
-        }
-    };
-    peak.max(after)
 }
 
 /// The largest `v` in `lo..=hi` with `ok(v)`, for an `ok` that holds up to some value and not

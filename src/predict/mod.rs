@@ -18,7 +18,7 @@ mod sim;
 mod sizing;
 pub mod what_if;
 
-pub(crate) use baseline::{grown_capacity, RUNTIME_OVERHEAD_BYTES};
+pub(crate) use baseline::RUNTIME_OVERHEAD_BYTES;
 pub use choose::*;
 pub use estimate::*;
 pub use sizing::{

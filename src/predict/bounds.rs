@@ -107,10 +107,6 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
 /// its out-of-memory snapshot (the tests of that path use it; so can a user who wants to see it).
 pub const RUN_PAST_PREDICTION_ENV: &str = "MEMTRAIN_RUN_PAST_PREDICTION";
 
-/// The estimate's largest error on the step peak in this repository's measurements
-/// (docs/results/estimate-accuracy.md): a predicted overrun within it may still fit.
-const ESTIMATE_ERROR: f64 = 0.02;
-
 /// A CPU step predicted to need more than `--memory-limit` (heap and what the process holds
 /// outside it) is refused before anything runs, dry runs included; `--fit-memory` plans its own.
 fn refuse_predicted_overrun(
@@ -136,7 +132,9 @@ fn refuse_predicted_overrun(
     if !trains || escape || est.peak <= reserve.heap_budget(limit) {
         return Ok(());
     }
-    let close = resident as f64 <= limit as f64 * (1.0 + ESTIMATE_ERROR);
+    // A predicted overrun within the estimate's margin may still fit.
+    let margin = crate::predict::schedule::SAFETY_MARGIN;
+    let close = resident as f64 <= limit as f64 * (1.0 + margin);
     Err(Error::WontFit(format!(
         "the step's predicted {} peak is {} of heap, {} of resident memory with the binary, \
          thread stacks and allocator, above --memory-limit {}{}; {}, or raise --memory-limit to \
@@ -146,9 +144,12 @@ fn refuse_predicted_overrun(
         format_bytes(resident),
         format_bytes(limit),
         if close {
-            " (within the estimate's 2% error, so it might just fit)"
+            format!(
+                " (within the estimate's {:.0}% margin, so it might just fit)",
+                margin * 100.0
+            )
         } else {
-            ""
+            String::new()
         },
         crate::advice::out_of_memory(cfg, est.peak_phase == "optimizer")
             .trim_end_matches(", or raise --memory-limit")

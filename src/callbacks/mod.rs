@@ -165,6 +165,33 @@ pub struct TrainEnd<'a> {
 
 /// A training hook. Every method does nothing by default; override what you need.
 /// An error returned from a hook stops training and is reported to the user.
+///
+/// Pass yours in [`TrainerOptions::callbacks`](crate::train::TrainerOptions); it is called after
+/// the built-in ones. Each context carries the memory records so far, the step or epoch that just
+/// ended last (`examples/memory_callback.rs` is a whole program):
+///
+/// ```
+/// use memtrain::callbacks::{BatchInfo, Callback, EpochEnd};
+/// use memtrain::error::Result;
+/// use memtrain::memory::format_bytes;
+///
+/// struct PeakPrinter;
+///
+/// impl Callback for PeakPrinter {
+///     fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
+///         if let Some(step) = &ctx.memory.last_batch {
+///             println!("step peak {} ({})", format_bytes(step.peak_bytes), step.peak_phase);
+///         }
+///         Ok(())
+///     }
+///     fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> Result<()> {
+///         if let Some(epoch) = ctx.memory.epochs.last() {
+///             println!("epoch peak {}", format_bytes(epoch.peak_bytes));
+///         }
+///         Ok(())
+///     }
+/// }
+/// ```
 #[allow(unused_variables)]
 pub trait Callback {
     /// Before the first epoch.

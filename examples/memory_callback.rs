@@ -1,0 +1,92 @@
+//! Your own memory callback: train with the library and watch memory from a [`Callback`].
+//!
+//! After every optimizer step it prints the step's peak (and the phase it fell in) and the bytes
+//! in use now; after every epoch, the epoch's peak and its mean step peak, with a warning when an
+//! epoch peaks more than 1% above the one before (a leak, or a batch that grew). The trainer reads the
+//! memory probe itself and hands every hook the records so far ([`MemoryLog`]), so a callback
+//! only reads: the step or epoch that just ended is the last record.
+//!
+//! `cargo run --release --example memory_callback` (synthetic data, a few seconds).
+//!
+//! [`MemoryLog`]: memtrain::memory::MemoryLog
+
+use memtrain::callbacks::{BatchInfo, Callback, EpochEnd};
+use memtrain::config::TrainConfig;
+use memtrain::error::Result;
+use memtrain::memory::{format_bytes, CountingAllocator};
+use memtrain::train::{Trainer, TrainerOptions};
+
+// The CPU probe is this counting allocator: without it the heap cannot be measured.
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+/// Prints each step's and each epoch's memory; warns when an epoch peaks over 1% above the one
+/// before.
+#[derive(Default)]
+struct MemoryWatch {
+    last_epoch_peak: Option<u64>,
+}
+
+impl Callback for MemoryWatch {
+    fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
+        if let Some(step) = &ctx.memory.last_batch {
+            println!(
+                "epoch {} step {}: peak {} ({}), in use now {}",
+                ctx.epoch + 1,
+                ctx.batch + 1,
+                format_bytes(step.peak_bytes),
+                step.peak_phase,
+                format_bytes(ctx.probe.current())
+            );
+        }
+        Ok(())
+    }
+
+    fn on_epoch_end(&mut self, ctx: &EpochEnd<'_>) -> Result<()> {
+        let Some(epoch) = ctx.memory.epochs.last() else {
+            return Ok(());
+        };
+        println!(
+            "epoch {} peak {} ({}), mean step peak {}",
+            ctx.stats.epoch + 1,
+            format_bytes(epoch.peak_bytes),
+            epoch.peak_phase,
+            format_bytes(epoch.mean_step_peak_bytes)
+        );
+        let grown = |before: &u64| epoch.peak_bytes > before + before / 100;
+        if let Some(before) = self.last_epoch_peak.filter(grown) {
+            println!(
+                "warning: epoch {} peaked {} above the epoch before",
+                ctx.stats.epoch + 1,
+                format_bytes(epoch.peak_bytes - before)
+            );
+        }
+        self.last_epoch_peak = Some(epoch.peak_bytes);
+        Ok(())
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let config = TrainConfig {
+        epochs: 2,
+        width: 8,
+        batch_size: 64,
+        synthetic_train: 256,
+        synthetic_test: 64,
+        device: Some("cpu".into()),
+        quiet: true,
+        ..TrainConfig::default()
+    };
+    let options = TrainerOptions {
+        callbacks: vec![Box::new(MemoryWatch::default())],
+        ..TrainerOptions::default()
+    };
+    let mut trainer = Trainer::from_config(config, options)?;
+    let summary = trainer.fit()?;
+    println!(
+        "training peak {} over {} steps",
+        format_bytes(summary.step_peak_bytes),
+        summary.steps
+    );
+    Ok(())
+}

@@ -52,21 +52,57 @@ fn grid() -> Vec<Case> {
     use Precision::*;
     vec![
         case(8, 1, F32, "none"),
-        Case { accum: 2, ..case(8, 2, F32, "none") },
+        Case {
+            accum: 2,
+            ..case(8, 2, F32, "none")
+        },
         case(8, 512, F32, "stages"),
-        Case { conv: ConvKind::Separable, ..case(16, 64, Bf16, "blocks") },
+        Case {
+            conv: ConvKind::Separable,
+            ..case(16, 64, Bf16, "blocks")
+        },
         case(32, 128, F32, "none"),
         case(32, 128, F16, "blocks"),
-        Case { conv: ConvKind::Separable, ..case(32, 128, F32, "none") },
-        Case { int8: true, ..case(32, 128, F32, "none") },
-        Case { int8: true, ..case(32, 128, Bf16, "stages") },
-        Case { accum: 3, ..case(24, 96, F32, "segments:1,3") },
-        Case { accum: 2, conv: ConvKind::Separable, ..case(64, 32, F32, "segments:2") },
+        Case {
+            conv: ConvKind::Separable,
+            ..case(32, 128, F32, "none")
+        },
+        Case {
+            int8: true,
+            ..case(32, 128, F32, "none")
+        },
+        Case {
+            int8: true,
+            ..case(32, 128, Bf16, "stages")
+        },
+        Case {
+            accum: 3,
+            ..case(24, 96, F32, "segments:1,3")
+        },
+        Case {
+            accum: 2,
+            conv: ConvKind::Separable,
+            ..case(64, 32, F32, "segments:2")
+        },
         case(96, 16, F32, "none"),
-        Case { prefetch: Some(3), ..case(32, 256, Bf16, "none") },
-        Case { adamw: true, ..case(48, 64, F16, "segments:4") },
-        Case { int8: true, conv: ConvKind::Separable, ..case(16, 32, F32, "blocks") },
-        Case { accum: 4, int8: true, ..case(32, 64, F16, "stages") },
+        Case {
+            prefetch: Some(3),
+            ..case(32, 256, Bf16, "none")
+        },
+        Case {
+            adamw: true,
+            ..case(48, 64, F16, "segments:4")
+        },
+        Case {
+            int8: true,
+            conv: ConvKind::Separable,
+            ..case(16, 32, F32, "blocks")
+        },
+        Case {
+            accum: 4,
+            int8: true,
+            ..case(32, 64, F16, "stages")
+        },
     ]
 }
 
@@ -75,7 +111,10 @@ fn config(c: &Case) -> TrainConfig {
         width: c.width,
         batch_size: c.batch,
         precision: c.precision,
-        grad_checkpointing: c.checkpoint.parse::<GradCheckpointing>().expect("segmentation"),
+        grad_checkpointing: c
+            .checkpoint
+            .parse::<GradCheckpointing>()
+            .expect("segmentation"),
         accum_steps: c.accum,
         conv: c.conv,
         compress_activations: if c.int8 {
@@ -101,7 +140,12 @@ fn config(c: &Case) -> TrainConfig {
 
 #[test]
 fn the_estimate_is_the_measured_step_peak_over_a_grid() {
-    assert!(HOST_BOOKKEEPING_BYTES * 4 <= MARGIN_FLOOR_BYTES, "the floor covers the bookkeeping");
+    const {
+        assert!(
+            HOST_BOOKKEEPING_BYTES * 4 <= MARGIN_FLOOR_BYTES,
+            "the floor covers the bookkeeping"
+        )
+    };
     let pre = CountingAllocator::current();
     let mut failures = Vec::new();
     for c in grid() {
@@ -114,9 +158,14 @@ fn the_estimate_is_the_measured_step_peak_over_a_grid() {
             test_is_validation: false,
         };
         CountingAllocator::reset_peak();
-        let mut trainer = Trainer::new(cfg.clone(), data, TrainerOptions::default()).expect("trainer");
+        let mut trainer =
+            Trainer::new(cfg.clone(), data, TrainerOptions::default()).expect("trainer");
         let summary = trainer.fit().expect("training");
-        let predicted = trainer.memory_estimate().expect("estimate").offset(pre).peak;
+        let predicted = trainer
+            .memory_estimate()
+            .expect("estimate")
+            .offset(pre)
+            .peak;
         let measured = summary.step_peak_bytes;
         let over = predicted as f64 - measured as f64;
         let line = format!(
@@ -130,5 +179,9 @@ fn the_estimate_is_the_measured_step_peak_over_a_grid() {
             failures.push(line);
         }
     }
-    assert!(failures.is_empty(), "outside the bound:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "outside the bound:\n{}",
+        failures.join("\n")
+    );
 }

@@ -234,7 +234,10 @@ pub fn mapped_file_bytes(maps: &str) -> u64 {
                 return None;
             }
             let (a, b) = range.split_once('-')?;
-            let (a, b) = (u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?);
+            let (a, b) = (
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            );
             Some(b.saturating_sub(a))
         })
         .sum()

@@ -171,7 +171,12 @@ impl BatchNorm {
     /// Fold batch `stats` (f32 `[2, C]`: mean, biased variance over `count` values per channel)
     /// into the running statistics ([`batchnorm::update_running`]): replacing the tensors, or
     /// writing into them when `in_place`.
-    pub(crate) fn update_running(&self, stats: &Tensor, count: usize, in_place: bool) -> Result<()> {
+    pub(crate) fn update_running(
+        &self,
+        stats: &Tensor,
+        count: usize,
+        in_place: bool,
+    ) -> Result<()> {
         let mut rm = self.running_mean.lock().unwrap_or_else(|e| e.into_inner());
         let mut rv = self.running_var.lock().unwrap_or_else(|e| e.into_inner());
         let (m, v) = batchnorm::update_running(&rm, &rv, stats, count, self.momentum)?;

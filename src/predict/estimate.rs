@@ -36,11 +36,11 @@
 
 use super::baseline::RUNTIME_OVERHEAD_BYTES;
 pub use super::baseline::{Baseline, DataSize};
-use super::sizing::{micro_batch, Shared};
-pub use super::sizing::EventPrediction;
 use super::schedule::{heap_limit, pick, recompute_flops, Candidate, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
+pub use super::sizing::EventPrediction;
+use super::sizing::{micro_batch, Shared};
 use crate::config::{
     ActivationStorage, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
 };

@@ -21,8 +21,8 @@ pub mod what_if;
 pub(crate) use baseline::RUNTIME_OVERHEAD_BYTES;
 pub use choose::*;
 pub use estimate::*;
+pub use schedule::{heap_limit, limit_for_heap};
 pub use sizing::{
     tensor_descriptor_bytes, EventPrediction, HOST_BOOKKEEPING_BYTES, STORAGE_RECORD_BYTES,
 };
-pub use schedule::{heap_limit, limit_for_heap};
 pub use what_if::{what_if, what_if_table, WhatIf};

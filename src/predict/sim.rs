@@ -139,7 +139,6 @@ impl Node {
         c.n * elems(self.inp) * c.s
     }
 
-
     pub(super) fn out_bytes(&self, c: &Ctx) -> u64 {
         c.n * elems(self.out) * if matches!(self.op, Op::Head) { 4 } else { c.s }
     }

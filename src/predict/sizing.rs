@@ -422,7 +422,9 @@ impl StepOps for Sizing<'_> {
             return Ok(None);
         }
         let pooled = vec![h.dims[0], h.dims[1], h.dims[2] / 2, h.dims[3] / 2];
-        Ok(Some(self.op(Some(p.node), || self.alloc(pooled, DType::U8))))
+        Ok(Some(
+            self.op(Some(p.node), || self.alloc(pooled, DType::U8)),
+        ))
     }
     fn bn_relu_backward(&self, h: &Sz, g: Sz, p: &SzBn) -> Result<(Sz, Sz, Sz)> {
         Ok(self.op(Some(p.node), || {
@@ -628,4 +630,3 @@ pub struct EventPrediction {
     /// Activation bytes held for the backward at the event.
     pub saved_bytes: u64,
 }
-

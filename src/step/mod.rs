@@ -21,8 +21,8 @@
 pub mod accumulate;
 pub mod compress;
 pub mod micro;
-pub mod optim;
 pub mod ops;
+pub mod optim;
 pub mod oracle;
 pub mod precision;
 pub mod tape;

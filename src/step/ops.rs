@@ -91,18 +91,32 @@ pub trait StepOps {
     /// Convolution, stride 1.
     fn conv2d(&self, x: &Self::T, w: &Self::T, pad: usize) -> Result<Self::T>;
     /// Its weight gradient (in the compute dtype).
-    fn conv2d_backward_weight(&self, x: &Self::T, dh: &Self::T, w: &Self::T, pad: usize)
-        -> Result<Self::T>;
+    fn conv2d_backward_weight(
+        &self,
+        x: &Self::T,
+        dh: &Self::T,
+        w: &Self::T,
+        pad: usize,
+    ) -> Result<Self::T>;
     /// Its input gradient, for an input of `x_dims`.
-    fn conv2d_backward_input(&self, dh: &Self::T, w: &Self::T, x_dims: &[usize], pad: usize)
-        -> Result<Self::T>;
+    fn conv2d_backward_input(
+        &self,
+        dh: &Self::T,
+        w: &Self::T,
+        x_dims: &[usize],
+        pad: usize,
+    ) -> Result<Self::T>;
     /// Depthwise 3x3 convolution, stride 1, padding 1.
     fn depthwise(&self, x: &Self::T, w: &Self::T) -> Result<Self::T>;
     /// Its weight gradient.
     fn depthwise_backward_weight(&self, x: &Self::T, dd: &Self::T, w: &Self::T) -> Result<Self::T>;
     /// Its input gradient, for an input of `x_dims`.
-    fn depthwise_backward_input(&self, dd: &Self::T, w: &Self::T, x_dims: &[usize])
-        -> Result<Self::T>;
+    fn depthwise_backward_input(
+        &self,
+        dd: &Self::T,
+        w: &Self::T,
+        x_dims: &[usize],
+    ) -> Result<Self::T>;
 
     /// Block j's BatchNorm parameters for conv output `h`: its batch statistics (the running
     /// statistics updated when `update_stats`), or the running statistics of a frozen BatchNorm.
@@ -117,8 +131,12 @@ pub trait StepOps {
     /// has no such kernel).
     fn bn_relu_pool_argmax(&self, h: &Self::T, p: &Self::Bn) -> Result<Option<Self::T>>;
     /// `(dh, dγ, dβ)` of `relu(bn(h))` from the output gradient `g`, dh in place over `g`.
-    fn bn_relu_backward(&self, h: &Self::T, g: Self::T, p: &Self::Bn)
-        -> Result<(Self::T, Self::T, Self::T)>;
+    fn bn_relu_backward(
+        &self,
+        h: &Self::T,
+        g: Self::T,
+        p: &Self::Bn,
+    ) -> Result<(Self::T, Self::T, Self::T)>;
     /// `(dh, dγ, dβ)` of `maxpool2x2(relu(bn(h)))` from the pooled gradient `g`, dh in place
     /// over `h`.
     fn bn_relu_pool_backward(
@@ -249,10 +267,22 @@ impl StepOps for CandleOps<'_> {
     fn conv2d(&self, x: &Tensor, w: &Tensor, pad: usize) -> Result<Tensor> {
         Ok(conv2d::conv2d(x, w, 1, pad)?)
     }
-    fn conv2d_backward_weight(&self, x: &Tensor, dh: &Tensor, w: &Tensor, pad: usize) -> Result<Tensor> {
+    fn conv2d_backward_weight(
+        &self,
+        x: &Tensor,
+        dh: &Tensor,
+        w: &Tensor,
+        pad: usize,
+    ) -> Result<Tensor> {
         Ok(conv2d::conv2d_backward_weight(x, dh, w.dims(), 1, pad)?)
     }
-    fn conv2d_backward_input(&self, dh: &Tensor, w: &Tensor, x_dims: &[usize], pad: usize) -> Result<Tensor> {
+    fn conv2d_backward_input(
+        &self,
+        dh: &Tensor,
+        w: &Tensor,
+        x_dims: &[usize],
+        pad: usize,
+    ) -> Result<Tensor> {
         Ok(conv2d::conv2d_backward_input(dh, w, x_dims, 1, pad)?)
     }
     fn depthwise(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -261,12 +291,22 @@ impl StepOps for CandleOps<'_> {
     fn depthwise_backward_weight(&self, x: &Tensor, dd: &Tensor, w: &Tensor) -> Result<Tensor> {
         Ok(depthwise::depthwise_backward_weight(x, dd, w.dims(), 1, 1)?)
     }
-    fn depthwise_backward_input(&self, dd: &Tensor, w: &Tensor, x_dims: &[usize]) -> Result<Tensor> {
+    fn depthwise_backward_input(
+        &self,
+        dd: &Tensor,
+        w: &Tensor,
+        x_dims: &[usize],
+    ) -> Result<Tensor> {
         Ok(depthwise::depthwise_backward_input(dd, w, x_dims, 1, 1)?)
     }
 
     fn bn_params(&self, j: usize, h: &Tensor, update_stats: bool) -> Result<BnParams> {
-        bn_params(&self.model.blocks[j].bn, h, update_stats, self.stats_in_place)
+        bn_params(
+            &self.model.blocks[j].bn,
+            h,
+            update_stats,
+            self.stats_in_place,
+        )
     }
     fn bn_relu(&self, h: &Tensor, p: &BnParams) -> Result<Tensor> {
         Ok(bn::bn_relu(h, p)?)
@@ -280,7 +320,12 @@ impl StepOps for CandleOps<'_> {
     fn bn_relu_pool_argmax(&self, h: &Tensor, p: &BnParams) -> Result<Option<Tensor>> {
         Ok(bn::bn_relu_pool_argmax(h, p)?)
     }
-    fn bn_relu_backward(&self, h: &Tensor, g: Tensor, p: &BnParams) -> Result<(Tensor, Tensor, Tensor)> {
+    fn bn_relu_backward(
+        &self,
+        h: &Tensor,
+        g: Tensor,
+        p: &BnParams,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         Ok(bn::bn_relu_backward(h, g, p)?)
     }
     fn bn_relu_pool_backward(

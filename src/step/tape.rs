@@ -170,7 +170,13 @@ impl<O: StepOps> LeanStep<O> {
         }
     }
 
-    fn emit(&self, obs: &mut dyn StepObserver, phase: Phase, j: usize, acc: &O::Grads) -> Result<()> {
+    fn emit(
+        &self,
+        obs: &mut dyn StepObserver,
+        phase: Phase,
+        j: usize,
+        acc: &O::Grads,
+    ) -> Result<()> {
         self.emit_named(obs, phase, self.o.block_name(j), acc)
     }
 
@@ -297,7 +303,10 @@ impl<O: StepOps> LeanStep<O> {
         o.add_grad(acc, nvars, o.matmul(&o.t(&dlogits)?, &feat)?)?;
         o.add_grad(acc, nvars + 1, o.sum_rows(&dlogits)?)?;
         drop(feat);
-        let mut g = o.to_dtype(&o.reshape(&o.matmul(&dlogits, &hw)?, &feat_dims)?, o.dtype())?;
+        let mut g = o.to_dtype(
+            &o.reshape(&o.matmul(&dlogits, &hw)?, &feat_dims)?,
+            o.dtype(),
+        )?;
         drop(dlogits);
         self.emit_named(obs, Phase::Backward, "head", acc)?;
 
@@ -454,7 +463,13 @@ impl<O: StepOps> LeanStep<O> {
 
     /// Block j's conv backward (j > segment start) together with block j-1's BatchNorm backward,
     /// in the order that keeps the fewest large buffers alive; returns dh_{j-1}.
-    fn inner_backward(&mut self, j: usize, prev: Saved<O>, dh: O::T, acc: &mut O::Grads) -> Result<O::T> {
+    fn inner_backward(
+        &mut self,
+        j: usize,
+        prev: Saved<O>,
+        dh: O::T,
+        acc: &mut O::Grads,
+    ) -> Result<O::T> {
         let o = &self.o;
         let base = self.var_base[j];
         if o.block_pools(j - 1) {
@@ -467,7 +482,9 @@ impl<O: StepOps> LeanStep<O> {
                 .conv_backward(j, &p, dh, true, acc)?
                 .expect("input gradient requested");
             drop(p);
-            let (dh_prev, dg, db) = self.o.bn_relu_pool_backward(h, &dx, am.as_ref(), &prev.bn)?;
+            let (dh_prev, dg, db) = self
+                .o
+                .bn_relu_pool_backward(h, &dx, am.as_ref(), &prev.bn)?;
             self.add_bn_grads(j - 1, dg, db, acc)?;
             return Ok(dh_prev);
         }

@@ -118,9 +118,9 @@ fn bad_lr_and_weight_decay_are_one_line_errors() {
 }
 
 /// One epoch on the real subset with the optimizer's defaults (and every other default) learns:
-/// validation accuracy well above chance (10%). Measured with seed 0 on 2026-11-25
-/// (docs/results/adamw-defaults.md): SGD 38.4%, AdamW 41.4% after one epoch; the bound leaves
-/// a wide margin for other machines' float rounding.
+/// validation accuracy well above chance (10%). Seed 0, one epoch, 2026-11-25: SGD 38.41%
+/// (docs/results/first-run.md), AdamW 40.34% (docs/results/adamw-defaults.md); the bound
+/// leaves a wide margin for other machines' float rounding.
 #[test]
 fn each_optimizer_learns_with_its_defaults_on_the_real_subset() {
     let Some(dir) = common::real_subset() else {

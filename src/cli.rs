@@ -147,17 +147,25 @@ fn merge_config_file(
             path.display()
         )));
     };
+    let file_optimizer = b.get("optimizer").cloned();
     for key in explicit {
         if let Some(v) = o.get(key) {
             b.insert(key.clone(), v.clone());
         }
     }
-    serde_json::from_value(base).map_err(|e| {
+    let optimizer_changed = b.get("optimizer").cloned() != file_optimizer;
+    let mut config: TrainConfig = serde_json::from_value(base).map_err(|e| {
         Error::config(format!(
             "--config {}: not a memtrain config ({e}); pass a config.json from a run directory",
             path.display()
         ))
-    })
+    })?;
+    // The file's learning rate and weight decay were chosen for its optimizer: another one
+    // given as a flag brings its own defaults, unless --lr / --weight-decay are given too.
+    if optimizer_changed {
+        config.apply_optimizer_defaults(explicit);
+    }
+    Ok(config)
 }
 
 /// Parse `args` (including the program name) into [`TrainArgs`], recording which flags were
@@ -181,6 +189,8 @@ where
         })
         .map(|id| id.as_str().to_string())
         .collect();
+    // --lr and --weight-decay left out: the chosen optimizer's defaults.
+    parsed.config.apply_optimizer_defaults(&parsed.explicit);
     Ok(Ok(parsed))
 }
 
@@ -261,7 +271,7 @@ pub fn flag_table() -> String {
             .join(",");
         let default = if !takes_value {
             "off".to_string()
-        } else if default.is_empty() {
+        } else if default.is_empty() || arg.is_hide_default_value_set() {
             "—".to_string()
         } else {
             format!("`{default}`")

@@ -131,6 +131,50 @@ cli_enum! {
     }
 }
 
+impl OptimizerKind {
+    /// Peak learning rate of the one-cycle schedule when `--lr` is not given.
+    // SGD: docs/results/first-run.md (0.2 with clipping at 1.5, six seeds). AdamW:
+    // docs/results/adamw-defaults.md.
+    pub fn default_lr(self) -> f64 {
+        match self {
+            OptimizerKind::Sgd => 0.2,
+            OptimizerKind::Adamw => 0.003,
+        }
+    }
+
+    /// Weight decay when `--weight-decay` is not given (same sources as [`Self::default_lr`]).
+    pub fn default_weight_decay(self) -> f64 {
+        match self {
+            OptimizerKind::Sgd => 5e-4,
+            OptimizerKind::Adamw => 5e-4,
+        }
+    }
+}
+
+/// `HELP. Default: the optimizer's (sgd X, adamw Y)`: the help of a flag whose default
+/// depends on `--optimizer`.
+fn per_optimizer_help(help: &str, default: fn(OptimizerKind) -> f64) -> String {
+    let each: Vec<String> = OptimizerKind::ALL
+        .iter()
+        .map(|&k| format!("{k} {}", default(k)))
+        .collect();
+    format!("{help}. Default: the optimizer's ({})", each.join(", "))
+}
+
+impl TrainConfig {
+    /// Set `lr` and `weight_decay` to the optimizer's defaults, except those whose clap id
+    /// (`lr`, `weight_decay`) is in `explicit`.
+    pub fn apply_optimizer_defaults(&mut self, explicit: &[String]) {
+        let given = |id: &str| explicit.iter().any(|e| e == id);
+        if !given("lr") {
+            self.lr = self.optimizer.default_lr();
+        }
+        if !given("weight_decay") {
+            self.weight_decay = self.optimizer.default_weight_decay();
+        }
+    }
+}
+
 cli_enum! {
     /// TF32 tensor-core math for f32 convolutions on CUDA (see [`memtrain_kernels::set_tf32`]).
     Tf32 ("tf32") {
@@ -199,16 +243,32 @@ pub struct TrainConfig {
     /// Optimizer: SGD with Nesterov momentum, or AdamW
     #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
     pub optimizer: OptimizerKind,
-    /// Peak learning rate of the one-cycle schedule
-    // Measured with --clip-grad-norm (docs/results/first-run.md): 0.2 with clipping at 1.5 beats
-    // 0.1 with clipping at 3 on every one of six seeds after 20 epochs.
-    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
+    /// Peak learning rate of the one-cycle schedule; without `--lr`, the optimizer's
+    /// [`OptimizerKind::default_lr`] (set by [`crate::cli::parse_train_args`]).
+    // The `help` attribute, not this comment, is the --help text. clap's default is SGD's, the
+    // optimizer of an empty command line, and is hidden: it is not the default of every run.
+    #[arg(
+        long,
+        value_name = "LR",
+        help = per_optimizer_help("Peak learning rate of the one-cycle schedule", OptimizerKind::default_lr),
+        default_value_t = OptimizerKind::Sgd.default_lr(),
+        hide_default_value = true,
+        allow_negative_numbers = true
+    )]
     pub lr: f64,
     /// Momentum (SGD) or beta1 (AdamW)
     #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
     pub momentum: f64,
-    /// Weight decay
-    #[arg(long, default_value_t = 5e-4, allow_negative_numbers = true)]
+    /// Weight decay; without `--weight-decay`, the optimizer's
+    /// [`OptimizerKind::default_weight_decay`] (as `lr`).
+    #[arg(
+        long,
+        value_name = "WEIGHT_DECAY",
+        help = per_optimizer_help("Weight decay (SGD: added to the gradient; AdamW: decoupled, scaled by the learning rate)", OptimizerKind::default_weight_decay),
+        default_value_t = OptimizerKind::Sgd.default_weight_decay(),
+        hide_default_value = true,
+        allow_negative_numbers = true
+    )]
     pub weight_decay: f64,
     /// Fraction of the steps spent warming the learning rate up
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true)]

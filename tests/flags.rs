@@ -46,6 +46,19 @@ fn help_flags(help: &str) -> BTreeMap<String, Option<String>> {
     flags
 }
 
+/// The help text of `--flag` in `help`, its lines joined by spaces.
+fn flag_help(help: &str, flag: &str) -> String {
+    let mut lines = help.lines().map(str::trim);
+    let start = format!("--{flag} ");
+    lines
+        .find(|l| l.starts_with(&start))
+        .unwrap_or_else(|| panic!("--{flag} not in --help"));
+    lines
+        .take_while(|l| !l.starts_with('-'))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Every flag of the documented flag table (`docs/flags.md`, kept equal to `--help` by
 /// tests/readme.rs) with its default cell (`None` for `off` and `—`).
 fn documented_flags() -> BTreeMap<String, Option<String>> {
@@ -129,6 +142,12 @@ fn help_docs_and_config_json_agree_on_every_flag_and_default() {
             // A switch is off by default: `--x` turns a setting on, `--no-x` turns one off.
             (false, None, Value::Bool(on)) => *on == flag.starts_with("no-"),
             (true, None, Value::Null) => true,
+            // A default that depends on --optimizer (--lr, --weight-decay): the help names each
+            // optimizer's, config.json has that of the default optimizer, SGD.
+            (true, None, Value::Number(n)) => flag_help(&help_text, flag).contains(&format!(
+                "Default: the optimizer's (sgd {}",
+                n.as_f64().unwrap()
+            )),
             (true, Some(d), Value::Number(n)) => d.parse::<f64>().ok() == n.as_f64(),
             (true, Some(d), Value::String(s)) => d == s,
             _ => false,

@@ -22,7 +22,7 @@ pub(super) type Shared = Rc<RefCell<Sim>>;
 /// Heap bytes of a Candle CPU tensor's descriptor of rank `rank` (its `Tensor_` and the shape's and
 /// strides' vectors), besides the buffer it points to. Each handle that is not a clone has one:
 /// an op's result, a view, a detached parameter. Checked against the counting allocator by
-/// `tests/estimate.rs`.
+/// `tests/tensor_descriptor.rs`.
 pub fn tensor_descriptor_bytes(rank: usize) -> u64 {
     152 + 2 * 8 * rank as u64
 }
@@ -533,6 +533,7 @@ impl StepOps for Sizing<'_> {
             // log-softmax, the loss, the argmax and the one-hot: a few logits-sized temporaries.
             self.spike(6 * logits.bytes());
             let grad = self.alloc(logits.dims.clone(), DType::F32);
+            // Sizes carry no values: the loss and count are never read.
             let r = MicroResult {
                 loss: 0.0,
                 correct: 0,

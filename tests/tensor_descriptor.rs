@@ -1,0 +1,39 @@
+//! What the estimate charges a tensor besides its elements (`src/predict/sizing.rs`): a storage
+//! record per buffer and a descriptor per handle, checked against the counting allocator on
+//! Candle's CPU tensors. One test function: the allocator's counters are process-wide.
+
+use candle_core::{DType, Device, Tensor};
+use memtrain::memory::CountingAllocator;
+use memtrain::predict::{tensor_descriptor_bytes, STORAGE_RECORD_BYTES};
+
+#[global_allocator]
+static A: CountingAllocator = CountingAllocator;
+
+#[test]
+fn a_tensor_costs_its_elements_a_storage_record_and_a_descriptor() {
+    let x = Tensor::zeros((4, 8, 16, 16), DType::F32, &Device::Cpu).unwrap();
+    let before = CountingAllocator::current();
+    let y = x.affine(2.0, 1.0).unwrap();
+    let new_tensor = CountingAllocator::current() - before;
+    assert_eq!(
+        new_tensor,
+        4 * 8 * 16 * 16 * 4 + STORAGE_RECORD_BYTES + tensor_descriptor_bytes(4),
+        "an op's result"
+    );
+    let m = y.reshape((32, 256)).unwrap();
+    let before = CountingAllocator::current();
+    let t = m.t().unwrap();
+    assert_eq!(
+        CountingAllocator::current() - before,
+        tensor_descriptor_bytes(2),
+        "a view: a descriptor, no storage"
+    );
+    let before = CountingAllocator::current();
+    let c = t.clone();
+    assert_eq!(
+        CountingAllocator::current(),
+        before,
+        "a clone shares the handle"
+    );
+    drop((c, t, m, y, x));
+}

@@ -36,7 +36,7 @@ mkdir -p "$work"
 before=$(resolve "$1")
 after=$(resolve "$2")
 
-# Every optimization alone and all together, plus AdamW and pruning, on synthetic data.
+# Every optimization alone and all together, plus AdamW, pruning and int8 storage, on synthetic data.
 configs=(
   "plain:"
   "f16:--precision f16"
@@ -48,6 +48,8 @@ configs=(
   "all:--precision bf16 --accum-steps 4 --checkpoint blocks --conv separable"
   "adamw:--optimizer adamw --lr 0.003"
   "prune:--prune 0.5 --prune-begin 2 --prune-end 6 --prune-every 2"
+  "int8:--compress-activations int8"
+  "int8-bf16-segments:--compress-activations int8 --precision bf16 --checkpoint segments:1,3"
 )
 common=(--synthetic-train 256 --synthetic-test 64 --width 8 --batch-size 32 --epochs 1
   --max-steps 8 --seed 7 --quiet)

@@ -17,7 +17,7 @@
 # between steps (gradients, momentum, batches prepared ahead). The "counted ratio" takes the larger
 # of the two figures on each side (issue 23's measure).
 #
-# memtrain: its counting global allocator (src/memory/cpu.rs) counts the bytes every allocation
+# memtrain: its counting global allocator (core/src/memory/cpu.rs) counts the bytes every allocation
 # asks for, exactly; batches.csv has start_bytes (at the step's start, just before the input
 # tensor is built from the batch) and peak_bytes (the step's high-water mark through the optimizer
 # update) per step. PyTorch: bench/malloc_count.c, an LD_PRELOAD shim around glibc's malloc family,
@@ -382,7 +382,7 @@ if e["CROSS"] == "1":
         "command": cmd("memtrain-crosscheck.cmd"),
         "shim_peak_bytes": peak, "memtrain_peak_bytes": own,
         "difference_pct": 100.0 * (peak - own) / own,
-        # memtrain's allocation trace (memory_snapshot.pickle, src/memory/trace.rs: CAPACITY = 2^20
+        # memtrain's allocation trace (memory_snapshot.pickle, core/src/memory/trace.rs: CAPACITY = 2^20
         # entries of 24 bytes) comes from the System allocator, which the shim sees and memtrain's
         # counter by design does not.
         "trace_buffer_bytes": TRACE_BYTES,

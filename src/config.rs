@@ -8,89 +8,7 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-mod checkpointing;
-
-pub use checkpointing::{Cuts, GradCheckpointing, CNN_BLOCKS};
-
-/// A flag's enum: clap value, serde spelling, `Display` and `FromStr` from one list of
-/// `Variant => "spelling"`; `$what` names the kind in `FromStr`'s error.
-macro_rules! cli_enum {
-    ($(#[$meta:meta])* $name:ident ($what:literal) { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-        #[serde(rename_all = "lowercase")]
-        pub enum $name {
-            $($(#[$vmeta])* #[value(name = $text)] #[serde(rename = $text)] $variant),+
-        }
-        impl $name {
-            /// Every variant, in declaration order.
-            pub const ALL: &'static [$name] = &[$($name::$variant),+];
-            /// The flag spelling of this variant.
-            pub fn as_str(&self) -> &'static str {
-                match self { $($name::$variant => $text),+ }
-            }
-        }
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-        impl std::str::FromStr for $name {
-            type Err = Error;
-            fn from_str(s: &str) -> Result<Self> {
-                match s.trim().to_ascii_lowercase().as_str() {
-                    $($text => Ok($name::$variant),)+
-                    other => Err(Error::config(format!(
-                        "unknown {} '{}'; expected one of: {}",
-                        $what, other,
-                        [$($text),+].join(", ")
-                    ))),
-                }
-            }
-        }
-    };
-}
-
-cli_enum! {
-    /// Numeric precision of the forward and backward pass (master weights are always f32).
-    Precision ("precision") {
-        /// Plain f32 everywhere.
-        F32 => "f32",
-        /// f16 compute with f32 master weights and a dynamic loss scaler.
-        F16 => "f16",
-        /// bf16 compute with f32 master weights (no scaler needed).
-        Bf16 => "bf16",
-    }
-}
-
-cli_enum! {
-    /// The steps `--clip-grad-norm` applies to.
-    ClipDuring ("clipping window") {
-        /// Every optimizer step.
-        All => "all",
-        /// The steps of the first epoch: in a short run the learning rate peaks within them and an
-        /// unclipped first epoch can blow up; later steps of a longer run go unclipped.
-        FirstEpoch => "first-epoch",
-    }
-}
-
-cli_enum! {
-    /// How the step stores the conv outputs it keeps for the backward.
-    ActivationStorage ("activation storage") {
-        /// As computed, in the compute dtype (exact gradients).
-        None => "none",
-        /// One byte per element with a scale and an offset per channel (lossy: the backward reads
-        /// values within half a step of the forward's; [`memtrain_kernels::quantize`]).
-        Int8 => "int8",
-    }
-}
-
-impl ActivationStorage {
-    /// Whether the gradients differ from the exact step's.
-    pub fn is_lossy(&self) -> bool {
-        *self != ActivationStorage::None
-    }
-}
+pub use memtrain_core::options::*;
 
 /// Batches the trainer prepares ahead on the CPU by default (`--prefetch`): the fewest whose img/s
 /// is within 2% of the best (`bench/prefetch.sh`, docs/speed.md). Building a batch of 128 takes
@@ -109,46 +27,6 @@ pub const MAX_PREFETCH: usize = 64;
 /// `--checkpoint`: a name or `segments:…`; the message reaches the user as it is.
 fn parse_checkpoint(s: &str) -> Result<GradCheckpointing> {
     s.parse()
-}
-
-cli_enum! {
-    /// Convolution kind used inside each block.
-    ConvKind ("convkind") {
-        /// Dense 3x3 convolution.
-        Standard => "standard",
-        /// Depthwise 3x3 followed by pointwise 1x1.
-        Separable => "separable",
-    }
-}
-
-cli_enum! {
-    /// Optimizer.
-    OptimizerKind ("optimizerkind") {
-        /// SGD with Nesterov momentum and coupled weight decay.
-        Sgd => "sgd",
-        /// AdamW (decoupled weight decay).
-        Adamw => "adamw",
-    }
-}
-
-impl OptimizerKind {
-    /// Peak learning rate of the one-cycle schedule when `--lr` is not given.
-    // SGD: docs/results/first-run.md (0.2 with clipping at 1.5, six seeds). AdamW:
-    // docs/results/adamw-defaults.md.
-    pub fn default_lr(self) -> f64 {
-        match self {
-            OptimizerKind::Sgd => 0.2,
-            OptimizerKind::Adamw => 0.003,
-        }
-    }
-
-    /// Weight decay when `--weight-decay` is not given (same sources as [`Self::default_lr`]).
-    pub fn default_weight_decay(self) -> f64 {
-        match self {
-            OptimizerKind::Sgd => 5e-4,
-            OptimizerKind::Adamw => 5e-4,
-        }
-    }
 }
 
 /// `HELP. Default: the optimizer's (sgd X, adamw Y)`: the help of a flag whose default
@@ -171,31 +49,6 @@ impl TrainConfig {
         }
         if !given("weight_decay") {
             self.weight_decay = self.optimizer.default_weight_decay();
-        }
-    }
-}
-
-cli_enum! {
-    /// TF32 tensor-core math for f32 convolutions on CUDA (see [`memtrain_kernels::set_tf32`]).
-    Tf32 ("tf32") {
-        /// f32 convolutions multiply in TF32 and sum in f32 (PyTorch's default for convolutions).
-        On => "on",
-        /// f32 convolutions multiply in f32 (FMA only).
-        Off => "off",
-    }
-}
-
-/// `--tf32`: on, as PyTorch runs f32 convolutions on CUDA by default
-/// (`torch.backends.cudnn.allow_tf32 = True`), so f32 comparisons with it compare like with like.
-pub const DEFAULT_TF32: Tf32 = Tf32::On;
-
-impl Precision {
-    /// The Candle dtype the forward pass computes in.
-    pub fn compute_dtype(&self) -> candle_core::DType {
-        match self {
-            Precision::F32 => candle_core::DType::F32,
-            Precision::F16 => candle_core::DType::F16,
-            Precision::Bf16 => candle_core::DType::BF16,
         }
     }
 }

@@ -1,29 +1,24 @@
 //! memtrain: train a small CIFAR-10 CNN on Candle and make its training memory visible and smaller.
 //!
-//! Start with [`step`]: one training step and its four memory optimizations (mixed precision,
-//! gradient accumulation, gradient checkpointing, depthwise-separable convolutions), in under
-//! 2,500 lines of code with the loop ([`train::fit`]) and the recorder ([`memory::record`]);
-//! `tests/architecture.rs` counts them.
+//! The step itself — the model, the tape, its four memory optimizations (mixed precision,
+//! gradient accumulation, gradient checkpointing, depthwise-separable convolutions), the memory
+//! probes and recorder — is the crate [`memtrain_core`] (`core/`), re-exported here under its own
+//! module names ([`step`], [`model`], [`memory`], [`phase`], [`device`], [`error`]). This crate is
+//! the application around it.
 //!
 //! The pieces, one concern per module, in layers (each imports only the ones listed after it):
 //! - [`app`]: the `train_cifar10` application; [`sweep`]: process-isolated batch-size sweeps and
 //!   comparisons (each point the sweep's own executable re-run as the trainer), tables and charts.
 //! - [`train`]: a run around the step — the [`train::Trainer`], the loop, save/resume (the run's
 //!   [`train::TrainState`] and its snapshots), failure reports, pruning, the summary.
-//! - [`step`]: the lean step (a layer tape), the one micro-batch loop, accumulation, precision,
-//!   the optimizers, and Candle's autograd as the tests' oracle.
 //! - [`callbacks`]: the Keras/Lightning-style hook trait and the built-in callbacks.
 //! - [`export`]: the viewers' formats — TensorBoard event files, PyTorch's memory snapshot,
 //!   Perfetto's trace.
-//! - [`predict`]: the analytic memory estimate, the `--fit-memory` planner, and every input sized
-//!   against the budgets before anything is loaded or built.
-//! - [`memory`]: memory probes (counting allocator, CUDA pool), the trainer's recorder and the
-//!   memory timeline inside a step.
-//! - [`model`]: the CNN as a list of blocks (segments for gradient checkpointing).
+//! - [`predict`]: the memory estimate (the core's tape run on sizes), the `--fit-memory` planner,
+//!   and every input sized against the budgets before anything is loaded or built.
 //! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
 //! - [`config`]: every training flag and default in [`config::TrainConfig`]; [`cli`]: the other
-//!   flags of `train_cifar10`; [`phase`]: the step's phases; [`device`], [`io`], [`signal`],
-//!   [`error`].
+//!   flags of `train_cifar10`; [`io`], [`signal`].
 //!
 //! The ops the model and the step run on (depthwise and bounded-scratch convolutions, BatchNorm
 //! with an in-place backward, the 2x2 max-pool, bf16 gemm) are their own crate,
@@ -38,18 +33,13 @@ pub mod callbacks;
 pub mod cli;
 pub mod config;
 pub mod data;
-pub mod device;
-pub mod error;
 pub mod export;
 pub mod io;
-pub mod memory;
-pub mod model;
-pub mod phase;
 pub mod predict;
 pub mod signal;
-pub mod step;
 pub mod sweep;
 pub mod train;
 
 pub use config::TrainConfig;
 pub use error::{Error, Result};
+pub use memtrain_core::{device, error, memory, model, phase, step};

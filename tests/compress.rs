@@ -1,4 +1,4 @@
-//! `--compress-activations int8` (`src/step/compress.rs`): gradients close to the exact step's in
+//! `--compress-activations int8` (`core/src/step/compress.rs`): gradients close to the exact step's in
 //! every configuration, the kept bytes, and the lossy label
 //! wherever results are shown.
 

@@ -1,4 +1,4 @@
-//! The lean step (an explicit layer tape, `src/step/tape.rs`) against Candle's autograd
+//! The lean step (an explicit layer tape, `core/src/step/tape.rs`) against Candle's autograd
 //! (`Trainer::reference_grads`) as the oracle: same loss and gradients for every precision,
 //! checkpointing, conv kind and accumulation; BatchNorm γ = 0 and tiny γ; running statistics
 //! updated once; and the lean ops against their autograd counterparts.

@@ -18,12 +18,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// Bytes of one image: 3 channels of 32x32 pixels.
-pub const IMAGE_BYTES: usize = 3072;
+pub use crate::model::{IMAGE_BYTES, NUM_CLASSES};
 /// Bytes of one record in a CIFAR-10 binary file: 1 label byte followed by [`IMAGE_BYTES`] pixels.
 pub const RECORD_BYTES: usize = 3073;
-/// Number of CIFAR-10 classes (labels 0..=9).
-pub const NUM_CLASSES: usize = 10;
 
 /// Where [`load`] looks for CIFAR-10 when neither `--data-dir` nor `--download` is given
 /// (relative to the current directory).

@@ -10,14 +10,14 @@
 //!
 //! It is derived from the model's layer list ([`model_layer_specs`], the same list as
 //! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)) and from the step itself: the lean step's
-//! tape (`src/step/tape.rs`) runs on sizes (`sizing.rs`), each op allocating its result and
+//! tape (`core/src/step/tape.rs`) runs on sizes (`sizing.rs`), each op allocating its result and
 //! spiking its scratch as the kernel sizes it, each buffer freed when the tape drops its last
 //! handle. What the tape keeps, recomputes and frees, and in which order, is therefore the step's
 //! own, not a copy of it. Around the micro-batches the estimate adds:
 //!
 //! - **Accumulation**: the first micro-batch's gradients are the buffers; later ones are added in
 //!   place and dropped (the tape's `add_grad`).
-//! - **Optimizer** (`src/step/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
+//! - **Optimizer** (`core/src/step/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
 //!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
 //! - **Pruning** (`--prune`, `src/train/prune.rs`): one u8 mask per pruned weight (conv and head
 //!   weights), allocated with the model, so part of the baseline; after the update, with the
@@ -439,7 +439,7 @@ pub fn estimate_for_specs(
 }
 
 /// Which layer keeps which activations for the backward of one micro-batch, by the tape's
-/// rules (`src/step/tape.rs`): the table's columns, by layer.
+/// rules (`core/src/step/tape.rs`): the table's columns, by layer.
 struct Kept {
     /// The micro-batch's input, saved as the first segment's input.
     input: u64,

@@ -4,7 +4,7 @@
 //! configuration for a budget ([`plan`]), gradient checkpointing's schedules and `--checkpoint
 //! auto`'s choice ([`schedule`]; for a run, `choose.rs`), what a measurement holds besides the
 //! step (`baseline.rs`: [`DataSize`], [`Baseline`]), what each optimization would save
-//! ([`what_if`]), and the check that sizes every input against the budgets before anything is
+//! ([`what_if()`]), and the check that sizes every input against the budgets before anything is
 //! loaded or built ([`bounds`]).
 
 mod baseline;

@@ -91,7 +91,7 @@ pub struct ChildRun {
 impl ChildRun {
     /// The configuration's training peak: the highest step peak the probe measured (absolute:
     /// includes the baseline), when the run finished. A run's peak outside its steps (phase
-    /// "other": loading the data; or the evaluation) is [`ChildRun::run_peak_bytes`], not this.
+    /// "other": loading the data; or the evaluation) is [`ChildRun::run_peak`], not this.
     pub fn peak_bytes(&self) -> Option<u64> {
         self.summary.as_ref().map(|s| s.step_peak_bytes)
     }

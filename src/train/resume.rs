@@ -215,7 +215,7 @@ impl Trainer {
         Ok(())
     }
 
-    /// [`Dataset::fingerprint`] of the training split, computed once.
+    /// [`crate::data::Dataset::fingerprint`] of the training split, computed once.
     fn train_fingerprint(&self) -> &str {
         self.train_fingerprint
             .get_or_init(|| self.train.fingerprint())

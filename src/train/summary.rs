@@ -84,7 +84,7 @@ pub struct Summary {
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
     /// What each memory optimization alone and all together would make of the predicted peak
-    /// ([`crate::predict::what_if`]); `None` where there is no estimate (no memory probe).
+    /// ([`crate::predict::what_if()`]); `None` where there is no estimate (no memory probe).
     #[serde(default)]
     pub what_if: Option<Vec<crate::predict::WhatIf>>,
     /// (predicted − measured) / measured, in percent, against the measured step peak
@@ -208,7 +208,7 @@ impl Trainer {
 
 impl Trainer {
     /// The what-if rows of this run's configuration, data and device
-    /// ([`crate::predict::what_if`]); `None` when they cannot be estimated.
+    /// ([`crate::predict::what_if()`]); `None` when they cannot be estimated.
     pub fn what_if(&self) -> Option<Vec<crate::predict::WhatIf>> {
         use crate::predict::{Baseline, DataSize, DeviceKind};
         let data = DataSize::loaded(&self.train, &self.eval, &self.config);

@@ -16,7 +16,7 @@
 //! is built ([`crate::model::layers::ConvLayer`]); the tape runs whichever conv the block has.
 //! [`oracle`] is the same micro-batch through Candle's autograd: the tests' reference, never used
 //! for training. [`ops`] lists every op the tape calls: on Candle tensors for training, on sizes
-//! for the memory estimate (`crate::predict`), which so runs the tape itself.
+//! for the memory estimate (the application's `predict` module), which so runs the tape itself.
 
 pub mod accumulate;
 pub mod compress;
@@ -27,4 +27,4 @@ pub mod oracle;
 pub mod precision;
 pub mod tape;
 
-pub(crate) use micro::{for_each_micro_batch, BatchInput, MicroResult};
+pub use micro::{for_each_micro_batch, BatchInput, MicroResult};

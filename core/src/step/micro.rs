@@ -8,8 +8,8 @@
 //! without hooks, the autograd oracle it is tested against, and the captured CUDA graph. Each
 //! passes what one micro-batch does; the split, the loss multiplier and the order live here.
 
-use crate::data::IMAGE_BYTES;
 use crate::error::{Error, Result};
+use crate::model::IMAGE_BYTES;
 use candle_core::{Device, Tensor};
 
 /// Loss and accuracy of one micro-batch, or of a whole batch ([`MicroResult::mean`]).
@@ -44,7 +44,7 @@ impl MicroResult {
 /// micro-batch of images is on the device at once) or already on the device (a captured CUDA
 /// graph reads its inputs from fixed addresses, so its micro-batches are views of them).
 #[derive(Clone, Copy)]
-pub(crate) enum BatchInput<'a> {
+pub enum BatchInput<'a> {
     /// f32 images (`[N, 3, 32, 32]` flattened) and u32 labels on the host.
     Host {
         /// The images, [`IMAGE_BYTES`] values each.
@@ -103,7 +103,7 @@ impl BatchInput<'_> {
 }
 
 /// One micro-batch, as [`for_each_micro_batch`] hands it to the work it runs.
-pub(crate) struct MicroBatch {
+pub struct MicroBatch {
     /// Index of the micro-batch in its batch (0-based).
     pub index: usize,
     /// Its images `[N/K, 3, 32, 32]` (f32) on the device.
@@ -118,7 +118,7 @@ pub(crate) struct MicroBatch {
 /// Runs `work` on each of the `k` micro-batches of `batch`, in order, and returns what each
 /// returned. The micro-batch's tensors are dropped when its work returns, before the next one is
 /// made. A batch that does not split into `k` equal parts is a usage error.
-pub(crate) fn for_each_micro_batch<R>(
+pub fn for_each_micro_batch<R>(
     batch: BatchInput<'_>,
     k: usize,
     loss_scale: f64,

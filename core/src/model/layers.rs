@@ -3,8 +3,8 @@
 //! dtype (a differentiable cast, so gradients come back in f32).
 
 use super::init::Init;
-use crate::config::ConvKind;
 use crate::error::Result;
+use crate::options::ConvKind;
 use candle_core::{DType, Device, Tensor, Var};
 use memtrain_kernels::{batchnorm, conv2d, depthwise};
 use std::sync::Mutex;
@@ -87,15 +87,54 @@ impl ConvLayer {
         }
     }
 
+    /// The layer's weights as `f` makes each of them (a cast, a detached view, a size).
+    pub fn weights<T>(&self, f: impl Fn(&Var) -> Result<T>) -> Result<ConvWeights<T>> {
+        Ok(match self {
+            ConvLayer::Standard { w } => ConvWeights::Standard(f(w)?),
+            ConvLayer::Separable { dw, pw } => ConvWeights::Separable {
+                dw: f(dw)?,
+                pw: f(pw)?,
+            },
+        })
+    }
+
     /// Convolve `x` (already in the compute dtype) with stride 1, padding 1.
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let dt = x.dtype();
+        self.weights(|v| Ok(mode.param(v).to_dtype(dt)?))?.forward(
+            x,
+            |x, w, pad| Ok(conv2d::conv2d(x, w, 1, pad)?),
+            |x, w| Ok(depthwise::depthwise_conv2d(x, w, 1, 1)?),
+        )
+    }
+}
+
+/// A block's conv weights in the compute dtype, as tensors or as sizes.
+pub enum ConvWeights<T> {
+    /// Dense 3x3.
+    Standard(T),
+    /// Depthwise 3x3, then pointwise 1x1.
+    Separable {
+        /// Depthwise weight.
+        dw: T,
+        /// Pointwise weight.
+        pw: T,
+    },
+}
+
+impl<T> ConvWeights<T> {
+    /// The conv of a block on `x`, written once for every way of computing it: dense 3x3 with
+    /// padding 1, or depthwise 3x3 (padding 1) then pointwise 1x1. `conv2d(x, w, pad)` and
+    /// `depthwise(x, w)` are the stride-1 ops.
+    pub fn forward(
+        &self,
+        x: &T,
+        conv2d: impl Fn(&T, &T, usize) -> Result<T>,
+        depthwise: impl Fn(&T, &T) -> Result<T>,
+    ) -> Result<T> {
         match self {
-            ConvLayer::Standard { w } => Ok(conv2d::conv2d(x, &mode.param(w).to_dtype(dt)?, 1, 1)?),
-            ConvLayer::Separable { dw, pw } => {
-                let h = depthwise::depthwise_conv2d(x, &mode.param(dw).to_dtype(dt)?, 1, 1)?;
-                Ok(conv2d::conv2d(&h, &mode.param(pw).to_dtype(dt)?, 1, 0)?)
-            }
+            ConvWeights::Standard(w) => conv2d(x, w, 1),
+            ConvWeights::Separable { dw, pw } => conv2d(&depthwise(x, dw)?, pw, 0),
         }
     }
 }

@@ -3,11 +3,16 @@
 use super::init::Init;
 pub use super::layers::Mode;
 use super::layers::{BatchNorm, ConvLayer};
-use crate::config::{ConvKind, GradCheckpointing, CNN_BLOCKS};
-use crate::data::NUM_CLASSES;
+use crate::options::{ConvKind, GradCheckpointing, CNN_BLOCKS};
+
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use std::ops::Range;
+
+/// Bytes (and values) of one input image: 3 channels of 32x32 pixels.
+pub const IMAGE_BYTES: usize = 3072;
+/// Classes the head predicts (CIFAR-10's labels 0..=9).
+pub const NUM_CLASSES: usize = 10;
 
 /// Shape of the network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,7 +185,7 @@ impl Cnn {
     }
 
     /// Overwrite a running statistic by name (for loading checkpoints).
-    pub(crate) fn set_buffer(&self, name: &str, value: Tensor) -> Result<()> {
+    pub fn set_buffer(&self, name: &str, value: Tensor) -> Result<()> {
         for b in &self.blocks {
             let target = if name == format!("{}.bn.running_mean", b.name) {
                 &b.bn.running_mean
@@ -277,7 +282,7 @@ pub fn recompute_label(first: &str, last: &str) -> String {
 
 /// The layers of the model for `width` and `conv`, in order, for 32x32 inputs: the one description
 /// of the architecture's shapes, used by [`Cnn::layer_specs`] and the memory estimate.
-pub(crate) fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
+pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
     let w = width;
     let chans: [(usize, usize); CNN_BLOCKS] = [
         (3, w),

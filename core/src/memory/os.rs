@@ -77,7 +77,7 @@ pub fn parse_status(text: &str) -> Option<OsMemory> {
 
 /// How much more memory this process can allocate, and which limit says so.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Headroom {
+pub struct Headroom {
     /// Bytes the process can still allocate.
     pub bytes: u64,
     /// The limit that gives `bytes`, for messages, e.g. `MemAvailable in /proc/meminfo`.
@@ -90,7 +90,7 @@ pub(crate) struct Headroom {
 /// `memory.current`), and the room left under its address-space and data-segment limits
 /// (`ulimit -v`/`-d`: the limit less `VmSize`/`VmData` and what the run's threads will reserve).
 /// `None` where none can be read (not Linux).
-pub(crate) fn headroom() -> Option<Headroom> {
+pub fn headroom() -> Option<Headroom> {
     let read = |p: &str| std::fs::read_to_string(p).ok();
     let status = read("/proc/self/status").unwrap_or_default();
     let mut best: Option<Headroom> = None;

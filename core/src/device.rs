@@ -5,7 +5,7 @@ use candle_core::Device;
 
 /// A parsed `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DeviceSpec {
+pub enum DeviceSpec {
     /// The CPU.
     Cpu,
     /// CUDA device with this ordinal.
@@ -13,7 +13,7 @@ pub(crate) enum DeviceSpec {
 }
 
 /// Parse `cpu`, `cuda` or `cuda:N`.
-pub(crate) fn parse_device_spec(s: &str) -> Result<DeviceSpec> {
+pub fn parse_device_spec(s: &str) -> Result<DeviceSpec> {
     let t = s.trim().to_ascii_lowercase();
     if t == "cpu" {
         return Ok(DeviceSpec::Cpu);
@@ -86,7 +86,7 @@ fn cuda_device(n: usize) -> Result<Device> {
 
 /// The error of a CUDA `spec` (`cuda`, `cuda:N`) in a build without CUDA, which can predict a
 /// CUDA run (`--dry-run`, `--fit-memory --dry-run`) but not train one; `None` otherwise.
-pub(crate) fn cuda_not_built(spec: Option<&str>) -> Option<Error> {
+pub fn cuda_not_built(spec: Option<&str>) -> Option<Error> {
     match spec.map(parse_device_spec) {
         Some(Ok(DeviceSpec::Cuda(n))) if !cfg!(feature = "cuda") => cuda_device(n).err(),
         _ => None,
@@ -123,7 +123,7 @@ pub fn self_check_kernels_with(
 }
 
 /// A short name for reports: "cpu" or "cuda:N".
-pub(crate) fn device_name(dev: &Device) -> String {
+pub fn device_name(dev: &Device) -> String {
     match dev.location() {
         candle_core::DeviceLocation::Cpu => "cpu".to_string(),
         candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),

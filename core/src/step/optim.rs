@@ -3,8 +3,8 @@
 //! Written here rather than taken from candle-nn because candle-nn's SGD has no momentum, and a
 //! resumable run needs the optimizer state (momentum buffers, Adam moments) as named tensors.
 
-use crate::config::OptimizerKind;
 use crate::error::{Error, Result};
+use crate::options::OptimizerKind;
 use candle_core::{Tensor, Var};
 
 /// An optimizer with its per-parameter state.
@@ -97,9 +97,8 @@ impl Optimizer {
     }
 
     /// Zero the state of parameter `index` where `mask` (u8, the parameter's shape) is 0, so a
-    /// pruned weight carries no momentum (or Adam moments) into later steps: see
-    /// [`super::prune`].
-    pub(crate) fn mask_state(&mut self, index: usize, mask: &Tensor) -> Result<()> {
+    /// pruned weight carries no momentum (or Adam moments) into later steps (magnitude pruning).
+    pub fn mask_state(&mut self, index: usize, mask: &Tensor) -> Result<()> {
         for slot in [&mut self.state1, &mut self.state2] {
             if let Some(s) = slot.get_mut(index).and_then(Option::as_mut) {
                 *s = mask.where_cond(s, &s.zeros_like()?)?;
@@ -109,7 +108,7 @@ impl Optimizer {
     }
 
     /// Bytes of the state tensors held now.
-    pub(crate) fn state_bytes(&self) -> u64 {
+    pub fn state_bytes(&self) -> u64 {
         self.state1
             .iter()
             .chain(&self.state2)
@@ -132,7 +131,7 @@ impl Optimizer {
     }
 
     /// Restore state saved by [`Optimizer::state`] (`steps` is restored separately).
-    pub(crate) fn load_state(&mut self, named: Vec<(String, Tensor)>) -> Result<()> {
+    pub fn load_state(&mut self, named: Vec<(String, Tensor)>) -> Result<()> {
         for (name, t) in named {
             let bad = || Error::Snapshot(format!("unknown optimizer state '{name}'"));
             let (slot, idx) = name.split_once('.').ok_or_else(bad)?;

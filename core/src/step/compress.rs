@@ -14,8 +14,8 @@
 //! exact step held the saved one.
 
 use super::ops::StepOps;
-use crate::config::ActivationStorage;
 use crate::error::Result;
+use crate::options::ActivationStorage;
 
 /// A block's conv output as the tape keeps it.
 pub(crate) enum Kept<O: StepOps> {

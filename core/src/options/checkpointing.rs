@@ -17,7 +17,7 @@ pub const CNN_BLOCKS: usize = 6;
 pub struct Cuts(u8);
 
 /// Gradient checkpointing: which activations the forward keeps for backward and which it
-/// recomputes (not the saved training checkpoints of [`crate::train::snapshot`]).
+/// recomputes (not a saved copy of the training state).
 ///
 /// Every choice but `auto` is a segmentation of the blocks: every segment but the last keeps only
 /// its input in the forward and is recomputed in the backward; the last segment saves as it goes
@@ -44,7 +44,7 @@ pub enum GradCheckpointing {
 impl GradCheckpointing {
     /// The named segmentations (everything but `auto`), cheapest first: no recomputation, then
     /// the three stages, then one segment per block.
-    pub(crate) const CONCRETE: &'static [GradCheckpointing] = &[
+    pub const CONCRETE: &'static [GradCheckpointing] = &[
         GradCheckpointing::None,
         GradCheckpointing::Stages,
         GradCheckpointing::Blocks,

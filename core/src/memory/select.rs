@@ -6,7 +6,7 @@ use super::probe::{CpuProbe, MemoryProbe, UnavailableProbe};
 use candle_core::Device;
 
 /// The probe for a device: the counting allocator on the CPU, the memory pool on CUDA.
-pub(crate) fn probe_for(
+pub fn probe_for(
     device: &Device,
     limit: Option<u64>,
     pool_cache: bool,

@@ -1,7 +1,7 @@
 //! The CPU probe's engine: a counting wrapper around the system allocator.
 //!
 //! Install it in a binary with
-//! `#[global_allocator] static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAllocator;`.
+//! `#[global_allocator] static ALLOC: memtrain_core::memory::CountingAllocator = memtrain_core::memory::CountingAllocator;`.
 //! It counts every live heap byte of the process (all threads) and the high-water mark exactly,
 //! at the cost of a few relaxed atomic operations per allocation, one of them the load that tells
 //! whether a step's allocations are being traced ([`super::trace`]).
@@ -51,7 +51,7 @@ pub fn retain_freed_memory() {
 /// instead of [`retain_freed_memory`]: the limit is the process's resident memory as the kernel
 /// counts it, and with freed blocks kept the resident set runs 10–35 MiB above the live heap on
 /// this net (fragmentation of kept blocks), by an amount no estimate can know. Given back, it
-/// stays within a few MiB of the heap ([`crate::memory::os::rss_reserve`]). The cost is the page
+/// stays within a few MiB of the heap ([`crate::memory::os::RssReserve`]). The cost is the page
 /// faults that [`retain_freed_memory`] avoids.
 pub fn return_freed_memory() {
     static ONCE: std::sync::Once = std::sync::Once::new();

@@ -18,7 +18,7 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// True while a trace records; the allocator's one check on its fast path.
-pub(crate) static ON: AtomicBool = AtomicBool::new(false);
+pub static ON: AtomicBool = AtomicBool::new(false);
 
 /// Entries a trace can hold: a default-width CPU step makes a few thousand allocations, so this
 /// is ample, and it is only address space until written (24 bytes an entry).

@@ -6,7 +6,7 @@
 //! skipped and S halved; after `growth_interval` finite steps in a row S doubles.
 //! bf16 has f32's exponent range and needs no scaler.
 
-use crate::config::Precision;
+use crate::options::Precision;
 use serde::{Deserialize, Serialize};
 
 /// Dynamic loss scaler (the scheme of PyTorch's `GradScaler` and NVIDIA Apex).

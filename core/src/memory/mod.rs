@@ -1,6 +1,5 @@
 //! Memory measurement: probes (what is live now, what was the high-water mark) for the CPU heap and
-//! the CUDA memory pool, plus helpers to print sizes (flags' sizes are parsed by
-//! [`crate::config::parse_size`]).
+//! the CUDA memory pool, plus helpers to print sizes.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -18,7 +17,7 @@ pub use probe::{CpuProbe, MemoryProbe};
 pub use record::{
     BatchMemory, EpochMemory, EpochSteps, MemoryLog, MemoryRecorder, PHASE_OTHER_NOTE,
 };
-pub(crate) use select::probe_for;
+pub use select::probe_for;
 
 /// Format bytes with a binary unit, e.g. `12.34 MiB`.
 pub fn format_bytes(bytes: u64) -> String {
@@ -37,13 +36,13 @@ pub fn format_bytes(bytes: u64) -> String {
 }
 
 /// Bytes as MiB (for tables and charts).
-pub(crate) fn mib(bytes: u64) -> f64 {
+pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// True when a Candle error is a device out-of-memory (CUDA_ERROR_OUT_OF_MEMORY or an
 /// allocation failure), which the trainer reports as [`crate::Error::OutOfMemory`].
-pub(crate) fn is_device_oom(e: &candle_core::Error) -> bool {
+pub fn is_device_oom(e: &candle_core::Error) -> bool {
     #[cfg(feature = "cuda")]
     if cuda::is_cuda_oom(e) {
         return true;

@@ -2,9 +2,9 @@
 //! one description of the step runs in two ways.
 //!
 //! - [`CandleOps`]: Candle tensors on the model's device and memtrain's kernels — training.
-//! - `crate::predict::sizing`: tensors that are only a shape and a byte count, each op allocating
-//!   its result and its scratch as the kernel does — the memory estimate, which so reads the step
-//!   instead of copying it. A tensor's bytes are freed when its last handle is dropped, so the
+//! - the application's `predict::sizing`: tensors that are only a shape and a byte count, each
+//!   op allocating its result and its scratch as the kernel does — the memory estimate, which so
+//!   reads the step instead of copying it. A tensor's bytes are freed when its last handle is dropped, so the
 //!   tape's own `drop`s and moves are the estimate's frees.
 //!
 //! The trait is the list of ops, nothing more: the order of work, what is kept and when it is
@@ -13,25 +13,13 @@
 use super::accumulate::GradAccumulator;
 use super::micro::MicroResult;
 use crate::error::Result;
-use crate::model::layers::{BatchNorm, ConvLayer};
+use crate::model::layers::BatchNorm;
+pub use crate::model::layers::ConvWeights;
 use crate::model::Cnn;
 use candle_core::{DType, Tensor, D};
 use memtrain_kernels::batchnorm::{self as bn, BnParams};
 use memtrain_kernels::quantize::{self, QuantizedU8};
 use memtrain_kernels::{conv2d, depthwise, linear};
-
-/// A block's conv weights in the compute dtype.
-pub enum ConvWeights<T> {
-    /// Dense 3x3.
-    Standard(T),
-    /// Depthwise 3x3, then pointwise 1x1.
-    Separable {
-        /// Depthwise weight.
-        dw: T,
-        /// Pointwise weight.
-        pw: T,
-    },
-}
 
 /// What the head hands back: read on the host, or left on the device as f32 and u32 scalars
 /// (for a step that must not wait for the device, such as a captured CUDA graph).
@@ -247,15 +235,9 @@ impl StepOps for CandleOps<'_> {
 
     fn conv_weights(&self, j: usize) -> Result<ConvWeights<Tensor>> {
         let dt = self.dtype;
-        Ok(match &self.model.blocks[j].conv {
-            ConvLayer::Standard { w } => {
-                ConvWeights::Standard(w.as_detached_tensor().to_dtype(dt)?)
-            }
-            ConvLayer::Separable { dw, pw } => ConvWeights::Separable {
-                dw: dw.as_detached_tensor().to_dtype(dt)?,
-                pw: pw.as_detached_tensor().to_dtype(dt)?,
-            },
-        })
+        self.model.blocks[j]
+            .conv
+            .weights(|v| Ok(v.as_detached_tensor().to_dtype(dt)?))
     }
     fn head_weights(&self) -> (Tensor, Tensor) {
         (

@@ -1,6 +1,6 @@
 //! Forward and backward of one micro-batch through Candle's autograd, with gradient
 //! checkpointing by recomputation and a surrogate loss: the reference implementation that the
-//! lean step ([`super::tape`]) is tested against (`Trainer::reference_grads`). Training uses the
+//! lean step ([`super::tape`]) is tested against (the trainer's `reference_grads`). Training uses the
 //! lean step; this one keeps every forward tensor until its `backward` returns.
 //!
 //! Without checkpointing the whole network is one autograd graph: every activation saved for
@@ -15,13 +15,13 @@
 
 use super::accumulate::GradAccumulator;
 use super::micro::MicroResult;
-use crate::config::GradCheckpointing;
 use crate::error::Result;
 use crate::model::{Cnn, Mode};
+use crate::options::GradCheckpointing;
 use candle_core::{DType, Tensor, Var};
 
 /// Mean cross-entropy (f32) and correct count for f32 logits and u32 labels.
-pub(crate) fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
+pub fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     let loss = candle_nn::loss::cross_entropy(logits, labels)?;
     let pred = logits.detach().argmax(1)?;
     let correct = pred

@@ -6,7 +6,7 @@
 //! Here each block's forward returns its output and a saved record; the backward consumes the
 //! records last block first, so a saved tensor is freed as soon as the backward that needs it has
 //! run, activation gradients are freed as soon as the next one is computed, and parameter
-//! gradients go straight into one buffer per parameter ([`GradAccumulator`]). Candle's autograd
+//! gradients go straight into one buffer per parameter ([`super::accumulate::GradAccumulator`]). Candle's autograd
 //! (`super::oracle`) stays as the test oracle.
 //!
 //! What a [conv → BatchNorm → ReLU (→ 2x2 max-pool)] block saves: its conv output `h` and the
@@ -34,9 +34,9 @@
 use super::compress::Kept;
 use super::micro::MicroResult;
 use super::ops::{CandleOps, ConvWeights, HeadResult, StepOps};
-use crate::config::ActivationStorage;
 use crate::error::Result;
 use crate::model::Cnn;
+use crate::options::ActivationStorage;
 use crate::phase::Phase;
 use candle_core::{DType, Tensor};
 use std::ops::Range;
@@ -78,11 +78,25 @@ struct Saved<O: StepOps> {
     bn: O::Bn,
 }
 
-/// What a micro-batch's forward leaves for its backward: the segment inputs, the blocks' saved
-/// records (all of them without checkpointing), the head's features and the logits' gradient.
-pub struct Tape<O: StepOps> {
+/// The activations the step holds for its backward: the inputs of the segments not yet
+/// backpropagated, and the saved records of the blocks whose backward is still to run. The
+/// events' `saved_bytes` are its bytes, so the count is what is held, never a tally kept beside it.
+struct Held<O: StepOps> {
     inputs: Vec<O::T>,
     saved: Vec<Saved<O>>,
+}
+
+impl<O: StepOps> Held<O> {
+    fn bytes(&self, o: &O) -> u64 {
+        let inputs: u64 = self.inputs.iter().map(|t| o.bytes(t)).sum();
+        inputs + self.saved.iter().map(|s| s.h.bytes(o)).sum::<u64>()
+    }
+}
+
+/// What a micro-batch's forward leaves for its backward: the held activations (all blocks'
+/// records without checkpointing), the head's features and the logits' gradient.
+pub struct Tape<O: StepOps> {
+    held: Held<O>,
     feat: O::T,
     feat_dims: Vec<usize>,
     dlogits: O::T,
@@ -105,7 +119,6 @@ pub struct LeanStep<O: StepOps> {
     segments: Vec<Range<usize>>,
     /// Index in `Cnn::vars` of each block's first parameter.
     var_base: Vec<usize>,
-    saved_bytes: u64,
     /// How the blocks' conv outputs are kept.
     storage: ActivationStorage,
 }
@@ -165,7 +178,6 @@ impl<O: StepOps> LeanStep<O> {
             o,
             segments,
             var_base,
-            saved_bytes: 0,
             storage,
         }
     }
@@ -175,9 +187,10 @@ impl<O: StepOps> LeanStep<O> {
         obs: &mut dyn StepObserver,
         phase: Phase,
         j: usize,
+        held: &Held<O>,
         acc: &O::Grads,
     ) -> Result<()> {
-        self.emit_named(obs, phase, self.o.block_name(j), acc)
+        self.emit_named(obs, phase, self.o.block_name(j), held, acc)
     }
 
     fn emit_named(
@@ -185,12 +198,13 @@ impl<O: StepOps> LeanStep<O> {
         obs: &mut dyn StepObserver,
         phase: Phase,
         layer: &str,
+        held: &Held<O>,
         acc: &O::Grads,
     ) -> Result<()> {
         obs.event(StepEvent {
             phase,
             layer,
-            saved_bytes: self.saved_bytes,
+            saved_bytes: held.bytes(&self.o),
             grad_bytes: self.o.grad_bytes(acc),
         })
     }
@@ -244,20 +258,18 @@ impl<O: StepOps> LeanStep<O> {
         // Forward: the last segment's blocks save as they go (all of them without
         // checkpointing); every other segment keeps only its input.
         let last = self.segments.len() - 1;
-        let mut inputs = Vec::new();
-        let mut saved = Vec::new();
+        let mut held = Held {
+            inputs: Vec::new(),
+            saved: Vec::new(),
+        };
         let mut h = xin;
         for (si, seg) in self.segments.clone().into_iter().enumerate() {
-            inputs.push(h.clone());
-            self.saved_bytes += self.o.bytes(&h);
+            held.inputs.push(h.clone());
             for j in seg {
                 let (out, s) = self.block_forward(j, h, si == last, true)?;
-                if let Some(s) = s {
-                    self.saved_bytes += s.h.bytes(&self.o);
-                    saved.push(s);
-                }
+                held.saved.extend(s);
                 h = out;
-                self.emit(obs, Phase::Forward, j, acc)?;
+                self.emit(obs, Phase::Forward, j, &held, acc)?;
             }
         }
         // The head in f32: features, logits, loss and the gradient of the logits.
@@ -269,10 +281,9 @@ impl<O: StepOps> LeanStep<O> {
         let logits = o.add_bias(&o.matmul(&feat, &o.t(&hw)?)?, &hb)?;
         let (head, dlogits) = o.loss_and_grad(&logits, y, loss_mult, defer)?;
         drop(logits);
-        self.emit_named(obs, Phase::Forward, "head", acc)?;
+        self.emit_named(obs, Phase::Forward, "head", &held, acc)?;
         let tape = Tape {
-            inputs,
-            saved,
+            held,
             feat,
             feat_dims,
             dlogits,
@@ -290,8 +301,7 @@ impl<O: StepOps> LeanStep<O> {
         obs: &mut dyn StepObserver,
     ) -> Result<()> {
         let Tape {
-            mut inputs,
-            mut saved,
+            mut held,
             feat,
             feat_dims,
             dlogits,
@@ -308,41 +318,32 @@ impl<O: StepOps> LeanStep<O> {
             o.dtype(),
         )?;
         drop(dlogits);
-        self.emit_named(obs, Phase::Backward, "head", acc)?;
+        self.emit_named(obs, Phase::Backward, "head", &held, acc)?;
 
-        // Backward, segment by segment from the last.
+        // Backward, segment by segment from the last. The last segment saved in the forward;
+        // the others are re-run from their input with saving.
         let segments = self.segments.clone();
         for (si, seg) in segments.iter().enumerate().rev() {
-            let input = inputs.pop().expect("one input per segment");
-            // The last segment saved in the forward; the others are re-run with saving.
-            let seg_saved = if si == last {
-                std::mem::take(&mut saved)
-            } else {
-                let mut s = Vec::new();
-                let mut h = input.clone();
+            if si != last {
+                let mut h = held.inputs.last().expect("one input per segment").clone();
                 for j in seg.start..seg.end - 1 {
                     let (out, sv) = self.block_forward(j, h, true, false)?;
                     h = out;
-                    let sv = sv.expect("saving forward");
-                    self.saved_bytes += sv.h.bytes(&self.o);
-                    s.push(sv);
+                    held.saved.push(sv.expect("saving forward"));
                 }
                 // The segment's output was already used by the first forward: its last block
                 // only makes h.
-                let sv = self.block_save(seg.end - 1, h)?;
-                self.saved_bytes += sv.h.bytes(&self.o);
-                s.push(sv);
+                held.saved.push(self.block_save(seg.end - 1, h)?);
                 let label = crate::model::cnn::recompute_label(
                     self.o.block_name(seg.start),
                     self.o.block_name(seg.end - 1),
                 );
-                self.emit_named(obs, Phase::Backward, &label, acc)?;
-                s
-            };
+                self.emit_named(obs, Phase::Backward, &label, &held, acc)?;
+            }
             let want_dx = si > 0;
-            let dx = self.segment_backward(seg.clone(), &input, seg_saved, g, want_dx, acc, obs)?;
-            self.saved_bytes -= self.o.bytes(&input);
-            drop(input);
+            let dx = self.segment_backward(seg.clone(), &mut held, g, want_dx, acc, obs)?;
+            // The segment's input, held through its backward.
+            drop(held.inputs.pop());
             match dx {
                 Some(d) => g = d,
                 None => break,
@@ -402,47 +403,43 @@ impl<O: StepOps> LeanStep<O> {
         })
     }
 
-    /// The conv of block j on `x` (compute dtype): dense, or depthwise then pointwise.
+    /// The conv of block j on `x` (compute dtype): the model's one conv forward, on `O`'s ops.
     fn conv_forward(&self, j: usize, x: &O::T) -> Result<O::T> {
         let o = &self.o;
-        match o.conv_weights(j)? {
-            ConvWeights::Standard(w) => o.conv2d(x, &w, 1),
-            ConvWeights::Separable { dw, pw } => o.conv2d(&o.depthwise(x, &dw)?, &pw, 0),
-        }
+        o.conv_weights(j)?
+            .forward(x, |x, w, pad| o.conv2d(x, w, pad), |x, w| o.depthwise(x, w))
     }
 
-    /// The backward of blocks `seg` from `g_out` (gradient of the segment's output) with the
-    /// segment `input` and the blocks' saved records; returns the input gradient when `want_dx`.
-    #[allow(clippy::too_many_arguments)]
+    /// The backward of blocks `seg` from `g_out` (gradient of the segment's output): its blocks'
+    /// saved records are the last ones `held`, taken off as their backward runs, and its input
+    /// is the last held input. Returns the input gradient when `want_dx`.
     fn segment_backward(
         &mut self,
         seg: Range<usize>,
-        input: &O::T,
-        mut saved: Vec<Saved<O>>,
+        held: &mut Held<O>,
         g_out: O::T,
         want_dx: bool,
         acc: &mut O::Grads,
         obs: &mut dyn StepObserver,
     ) -> Result<Option<O::T>> {
-        let last = saved.pop().expect("a saved record per block");
+        let last = held.saved.pop().expect("a saved record per block");
         let j = seg.end - 1;
         let mut dh = self.bn_backward(j, last, g_out, acc)?;
         let mut j = j;
         while j > seg.start {
-            let prev = saved.pop().expect("a saved record per block");
-            self.saved_bytes -= prev.h.bytes(&self.o);
+            let prev = held.saved.pop().expect("a saved record per block");
             dh = self.inner_backward(j, prev, dh, acc)?;
-            self.emit(obs, Phase::Backward, j, acc)?;
+            self.emit(obs, Phase::Backward, j, held, acc)?;
             j -= 1;
         }
+        let input = held.inputs.last().expect("one input per segment");
         let dx = self.conv_backward(j, input, dh, want_dx, acc)?;
-        self.emit(obs, Phase::Backward, j, acc)?;
+        self.emit(obs, Phase::Backward, j, held, acc)?;
         Ok(dx)
     }
 
     /// BatchNorm + ReLU (+ pool) backward of block j from the gradient of its output: dh_j.
     fn bn_backward(&mut self, j: usize, s: Saved<O>, g: O::T, acc: &mut O::Grads) -> Result<O::T> {
-        self.saved_bytes -= s.h.bytes(&self.o);
         let o = &self.o;
         let h = s.h.restore(o)?;
         let (dh, dgamma, dbeta) = if o.block_pools(j) {

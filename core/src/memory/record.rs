@@ -317,7 +317,7 @@ impl MemoryRecorder {
 
     /// Continue the records of a run's earlier processes (resuming): their steps and ended
     /// epochs stay, with their baseline and peaks, and this process's readings are added.
-    pub(crate) fn continue_log(&mut self, earlier: MemoryLog) {
+    pub fn continue_log(&mut self, earlier: MemoryLog) {
         self.log = MemoryLog {
             probe: self.log.probe.clone(),
             available: self.log.available,

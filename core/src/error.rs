@@ -49,7 +49,7 @@ pub enum Error {
         batch: usize,
         /// Phase of the step: forward, backward or optimizer (with the layer, when known).
         phase: String,
-        /// What to do, true for the run at hand (`crate::advice::out_of_memory`).
+        /// What to do, true for the run at hand.
         advice: String,
         /// The [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] written for this failure.
         snapshot: Option<PathBuf>,
@@ -71,7 +71,7 @@ pub enum Error {
         batch: usize,
         /// Phase of the step.
         phase: String,
-        /// What to do, true for the run at hand (see `Trainer::divergence_advice`).
+        /// What to do, true for the run at hand.
         advice: String,
     },
 

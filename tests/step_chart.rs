@@ -5,7 +5,7 @@ use memtrain::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STE
 use memtrain::phase::Phase;
 use memtrain::sweep::compare::{write_step_timeline_overlays, CompareEntry, CompareResult};
 use memtrain::sweep::step_chart::write_step_timeline_chart;
-use memtrain::sweep::step_overlay::write_step_timeline_overlay;
+use memtrain::sweep::step_overlay::{axis_name, grid, step_panels, write_step_timeline_overlay};
 use memtrain::sweep::{ChildRun, Status};
 use std::path::{Path, PathBuf};
 
@@ -312,37 +312,197 @@ fn damaged_timeline_is_an_error_naming_the_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// One event of a hand-made step, its peak `freed` above what it leaves in use.
+fn event(
+    phase: Phase,
+    layer: &str,
+    micro_batch: usize,
+    c: CategoryBytes,
+    freed: u64,
+) -> TimelineEvent {
+    TimelineEvent {
+        index: 0,
+        phase,
+        layer: layer.into(),
+        micro_batch,
+        current_bytes: c.total(),
+        peak_bytes: c.total() + freed,
+        categories: c,
+        predicted_peak_bytes: None,
+        predicted_current_bytes: None,
+        end_us: None,
+    }
+}
+
 #[test]
-fn overlay_draws_one_line_per_configuration() {
+fn each_panel_is_its_own_runs_step_with_its_peak_and_what_it_is_made_of() {
+    let base = CategoryBytes {
+        other: 17 * MIB,
+        params: MIB,
+        optimizer: MIB,
+        ..Default::default()
+    };
+    let with = |saved, transient, grads| CategoryBytes {
+        saved,
+        transient,
+        grads,
+        ..base
+    };
+    // The peak (19 + 21 MiB) at the recomputation; a later event ties it and does not win.
+    let ckpt = StepTimeline {
+        start_bytes: 19 * MIB,
+        events: vec![
+            event(
+                Phase::Forward,
+                "stage1.block1",
+                0,
+                with(8 * MIB, 2 * MIB, 0),
+                MIB,
+            ),
+            event(
+                Phase::Backward,
+                "recompute stage1.block1–block2",
+                0,
+                with(12 * MIB, 5 * MIB, 2 * MIB),
+                2 * MIB,
+            ),
+            event(
+                Phase::Backward,
+                "stage1.block1",
+                0,
+                with(0, 19 * MIB, 2 * MIB),
+                0,
+            ),
+            event(Phase::Optimizer, "optimizer", 0, with(0, 0, 2 * MIB), MIB),
+        ],
+        ..StepTimeline::default()
+    };
+    let accum = accumulated("accum4", 4);
+    let timelines = vec![
+        ("ckpt-stages".to_string(), ckpt.clone()),
+        ("empty".to_string(), StepTimeline::default()),
+        ("accum4".to_string(), accum.clone()),
+    ];
+    let panels = step_panels(&timelines);
+    // The timeline without events has no panel; the others keep their order.
+    let labels: Vec<&str> = panels.iter().map(|p| p.label.as_str()).collect();
+    assert_eq!(labels, ["ckpt-stages", "accum4"]);
+
+    let p = &panels[0];
+    assert_eq!(p.peak_index, 1);
+    assert_eq!(p.peak_bytes, 40 * MIB);
+    assert_eq!(p.above_start_bytes, 21 * MIB);
+    assert_eq!(p.peak_at, "recompute stage1.block1–block2");
+    assert_eq!(
+        p.made_of,
+        [
+            ("freed", 2 * MIB),
+            ("transient", 5 * MIB),
+            ("saved", 12 * MIB),
+            ("gradients", 2 * MIB)
+        ]
+    );
+    assert_eq!(
+        p.names,
+        ["s1.b1", "rc s1.b1–b2", "s1.b1", "optimizer"],
+        "every event of the run named, in the run's order"
+    );
+    // Zeros are left out of what the peak is made of, and the optimizer is named once.
+    let opt_peak = StepTimeline {
+        events: vec![event(
+            Phase::Optimizer,
+            "optimizer",
+            0,
+            with(0, 0, 2 * MIB),
+            0,
+        )],
+        ..StepTimeline::default()
+    };
+    let opt_only = [("opt".to_string(), opt_peak)];
+    let only = step_panels(&opt_only);
+    assert_eq!(only[0].made_of, [("gradients", 2 * MIB)]);
+    assert_eq!(only[0].peak_at, "optimizer");
+
+    // Four micro-batches: the panel's axis is the run's 85 events, not a merge with others',
+    // and the peak names its micro-batch (the first of the equal ones).
+    let p = &panels[1];
+    assert!(std::ptr::eq(p.timeline, &timelines[2].1));
+    assert_eq!(p.names.len(), accum.events.len());
+    for (name, e) in p.names.iter().zip(&accum.events) {
+        assert_eq!(*name, axis_name(&e.layer));
+    }
+    let max = accum.events.iter().map(|e| e.peak_bytes).max().unwrap();
+    let first = accum
+        .events
+        .iter()
+        .position(|e| e.peak_bytes == max)
+        .unwrap();
+    assert_eq!((p.peak_index, p.peak_bytes), (first, max));
+    let e = &accum.events[first];
+    assert_eq!(
+        p.peak_at,
+        format!("backward of {}, micro-batch 1 of 4", e.layer)
+    );
+}
+
+#[test]
+fn axis_names_abbreviate_stage_block_and_recompute_only() {
+    assert_eq!(axis_name("stage2.block1"), "s2.b1");
+    assert_eq!(axis_name("recompute stage1.block1–block2"), "rc s1.b1–b2");
+    assert_eq!(axis_name("head"), "head");
+    assert_eq!(axis_name("optimizer"), "optimizer");
+}
+
+#[test]
+fn panels_sit_in_rows_of_up_to_three() {
+    let shapes: Vec<(usize, usize)> = [1, 2, 3, 4, 5, 6, 7, 11].map(grid).to_vec();
+    assert_eq!(
+        shapes,
+        [
+            (1, 1),
+            (2, 1),
+            (3, 1),
+            (2, 2),
+            (3, 2),
+            (3, 2),
+            (3, 3),
+            (3, 4)
+        ]
+    );
+}
+
+#[test]
+fn the_comparison_draws_one_panel_per_configuration() {
     let dir = tmp_dir("overlay");
+    let long = "all four: --precision f16 --accum-steps 4 --checkpoint stages --conv separable";
     let timelines = vec![
         ("baseline".to_string(), timeline("baseline", 4, false)),
         ("ckpt-stages".to_string(), timeline("ckpt-stages", 2, true)),
         ("f16".to_string(), timeline("f16", 2, false)),
         ("accum4".to_string(), accumulated("accum4", 4)),
         ("empty".to_string(), StepTimeline::default()),
+        (long.to_string(), accumulated("all", 4)),
     ];
     let files = write_step_timeline_overlay(&timelines, &dir.join("step_timeline")).unwrap();
     assert_eq!(
         files,
         vec![dir.join("step_timeline.png"), dir.join("step_timeline.svg")]
     );
-    let (w, h) = png_size(&files[0]);
-    assert!(
-        (800..=3000).contains(&w) && (400..=2000).contains(&h),
-        "{w}x{h}"
-    );
+    // Five panels: two rows of three.
+    assert_eq!(png_size(&files[0]), (1900, 56 + 2 * 470));
     let texts = svg_texts(&files[1]);
-    for want in [
-        "baseline",
-        "ckpt-stages",
-        "f16",
-        "accum4",
-        "aligned across configurations",
-    ] {
-        assert_contains(&texts, want);
+    for p in step_panels(&timelines) {
+        // The label in full, its peak and the event it is in.
+        assert!(texts.contains(&p.label), "{} missing: {texts:?}", p.label);
+        assert_contains(&texts, &format!("at {}", p.peak_at));
     }
-    // A timeline without events has nothing to draw and is left out of the legend.
+    // Regions named with their micro-batch as far as room allows.
+    assert_contains(&texts, "bwd 2");
+    // The legend spells out the abbreviations the axes use, and only those (these steps'
+    // recomputations are named `….recompute`, which is not abbreviated).
+    assert_contains(&texts, "s = stage");
+    assert!(!texts.iter().any(|t| t.starts_with("rc =")), "{texts:?}");
+    // A timeline without events has nothing to draw and is left out.
     assert!(!texts.iter().any(|t| t == "empty"), "{texts:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

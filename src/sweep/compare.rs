@@ -3,7 +3,7 @@
 //!
 //! Besides the tables and charts of [`super::report::write_compare_report`], a comparison writes
 //! `step_timeline.{png,svg}`: the memory inside one training step of every run that recorded a
-//! `step_timeline.json`, overlaid ([`write_step_timeline_overlays`]).
+//! `step_timeline.json`, side by side ([`write_step_timeline_overlays`]).
 
 pub use super::results::{CompareEntry, CompareResult};
 use super::{describe, merge_flags, oom_snapshot_link, run_child, slug, split_flags, Progress};
@@ -120,8 +120,8 @@ pub struct CompareOptions {
 /// with `--out <out>/<NN-label> --quiet` added. OOM and failed runs are recorded and the
 /// comparison goes on; when `opts.stop` is set, no further run starts and the result comes back
 /// with `interrupted` set. `compare.json`, `compare.csv` and `compare.md` are rewritten (atomically)
-/// after every run; when the runs are over, `step_timeline.{png,svg}` overlays the step timelines
-/// of the runs that wrote one ([`write_step_timeline_overlays`]; a chart that cannot be drawn is a
+/// after every run; when the runs are over, `step_timeline.{png,svg}` draws the step timelines
+/// of the runs that wrote one side by side ([`write_step_timeline_overlays`]; a chart that cannot be drawn is a
 /// warning on stderr, not a failed comparison). The other charts are drawn by
 /// [`super::report::write_compare_report`].
 pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
@@ -204,19 +204,19 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
                 .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .collect();
             eprintln!(
-                "step timelines overlaid in {}: {}",
+                "step timelines side by side in {}: {}",
                 opts.out.display(),
                 names.join(", ")
             );
         }
         Ok(_) => {}
-        Err(e) => eprintln!("warning: step timeline overlay not written: {e}"),
+        Err(e) => eprintln!("warning: step timelines chart not written: {e}"),
     }
     Ok(result)
 }
 
 /// Draw `<dir>/step_timeline.{png,svg}`: the step timelines of every entry whose run directory
-/// holds `step_timeline.json`, overlaid and labelled as in the comparison; returns the files
+/// holds `step_timeline.json`, a panel each, labelled as in the comparison; returns the files
 /// written. Runs without the file (older trainers, failed runs) are skipped; with none, nothing is
 /// written. A file that exists but does not parse is an error naming it.
 pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Result<Vec<PathBuf>> {

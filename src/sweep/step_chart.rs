@@ -4,8 +4,8 @@
 //! - [`write_step_timeline_chart`]: `step_timeline.{png,svg}` of one run directory: the bytes in
 //!   use after every layer event as stacked areas by category, the measured peak between events,
 //!   the estimate's prediction, and the forward, backward and optimizer regions of the step.
-//! - `step_overlay::write_step_timeline_overlay`: one line per configuration of the peak above
-//!   the step's start over the step, for comparisons (its own module, drawn with the pieces here).
+//! - `step_overlay::write_step_timeline_overlay`: for comparisons, a panel per configuration, each
+//!   drawn as this chart is (its own module, drawn with the pieces here).
 //!
 //! Both are drawn with the machinery of `sweep::chart` (embedded fonts, PNG and SVG, atomic
 //! writes). The legend sits in a panel right of the plot rather than on it: the stacked areas and
@@ -17,7 +17,6 @@ use super::chart::{
 use crate::error::{Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use crate::phase::Phase;
-use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -69,7 +68,7 @@ pub fn write_step_timeline_chart(run_dir: &Path, title: &str) -> Result<Vec<Path
 
 /// The categories in stacking order (bottom first): what is there before the step, then what
 /// lives across steps, then what the step creates and frees.
-const STACK: [(&str, RGBColor); 6] = [
+pub(super) const STACK: [(&str, RGBColor); 6] = [
     ("other (data, runtime)", RGBColor(199, 199, 199)),
     ("parameters", RGBColor(31, 119, 180)),
     ("optimizer state", RGBColor(148, 103, 189)),
@@ -79,7 +78,7 @@ const STACK: [(&str, RGBColor); 6] = [
 ];
 
 /// What event `e` allocated and freed before it ended: its peak above what is in use after it.
-fn freed_within(e: &TimelineEvent) -> u64 {
+pub(super) fn freed_within(e: &TimelineEvent) -> u64 {
     e.peak_bytes.saturating_sub(e.categories.total())
 }
 
@@ -98,9 +97,9 @@ fn stack_values(c: &CategoryBytes) -> [u64; 6] {
 /// The band on top of the stack: what the event allocated and freed again before it ended (its
 /// peak minus what is in use after it), so that the stack reaches the measured peak and the
 /// stack at the peak event is the peak's composition.
-const FREED: (&str, RGBColor) = ("freed within the event", RGBColor(158, 218, 229));
+pub(super) const FREED: (&str, RGBColor) = ("freed within the event", RGBColor(158, 218, 229));
 
-const PEAK_COLOR: RGBColor = RGBColor(25, 25, 25);
+pub(super) const PEAK_COLOR: RGBColor = RGBColor(25, 25, 25);
 const PREDICTED_COLOR: RGBColor = RGBColor(214, 39, 40);
 
 /// Background shade and label colour of a phase region.
@@ -113,37 +112,6 @@ fn phase_colors(p: Phase) -> (RGBColor, RGBColor) {
     }
 }
 
-/// A marker at pixel offset `(0, 0)` of an event, by phase (so a line's passes can be told apart
-/// without the background regions): circle forward, triangle backward, square otherwise.
-pub(super) fn phase_marker<DB: DrawingBackend>(
-    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
-    at: (f64, f64),
-    phase: Phase,
-    color: RGBColor,
-    size: i32,
-) -> DrawResult
-where
-    DB::ErrorType: 'static,
-{
-    let style = color.filled();
-    match phase {
-        Phase::Forward => {
-            chart.draw_series(std::iter::once(Circle::new(at, size, style)))?;
-        }
-        Phase::Backward => {
-            chart.draw_series(std::iter::once(
-                EmptyElement::at(at) + TriangleMarker::new((0, 0), size + 1, style),
-            ))?;
-        }
-        _ => {
-            chart.draw_series(std::iter::once(
-                EmptyElement::at(at) + Rectangle::new([(-size, -size), (size, size)], style),
-            ))?;
-        }
-    }
-    Ok(())
-}
-
 /// How a legend entry is drawn.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Swatch {
@@ -153,8 +121,6 @@ pub(super) enum Swatch {
     Line(RGBColor, u32),
     /// A dashed line.
     Dashed(RGBColor),
-    /// A phase marker (black).
-    Marker(Phase),
 }
 
 /// One row of a legend panel: swatch, label, and a value aligned right.
@@ -239,18 +205,6 @@ where
                         ))?;
                     }
                 }
-                Swatch::Marker(p) => {
-                    let at = ((x0 + x1) / 2, y);
-                    let style = PEAK_COLOR.filled();
-                    match p {
-                        Phase::Forward => panel.draw(&Circle::new(at, 5, style))?,
-                        Phase::Backward => panel.draw(&TriangleMarker::new(at, 6, style))?,
-                        _ => panel.draw(&Rectangle::new(
-                            [(at.0 - 5, at.1 - 5), (at.0 + 5, at.1 + 5)],
-                            style,
-                        ))?,
-                    }
-                }
             }
             text_x = 46;
         }
@@ -275,6 +229,64 @@ where
     Ok(())
 }
 
+/// The event whose interval holds the step's peak (the first, on a tie), with its index.
+pub(super) fn peak_event(events: &[TimelineEvent]) -> Option<(usize, &TimelineEvent)> {
+    events.iter().enumerate().reduce(|best, e| {
+        if e.1.peak_bytes > best.1.peak_bytes {
+            e
+        } else {
+            best
+        }
+    })
+}
+
+/// An event in words: `backward of stage3.block2`, `recompute stage1.block1–block2`, `optimizer`.
+pub(super) fn event_name(e: &TimelineEvent) -> String {
+    if e.layer.starts_with("recompute") || e.layer == e.phase.to_string() {
+        e.layer.clone()
+    } else {
+        format!("{} of {}", e.phase, e.layer)
+    }
+}
+
+/// The legend's category swatches, top of the stack first, with their bytes at event `at` (none
+/// without one).
+pub(super) fn category_rows(at: Option<&TimelineEvent>, unit: &MemUnit) -> Vec<LegendRow> {
+    let value = |b: Option<u64>| b.map(|b| unit.fmt(b)).unwrap_or_default();
+    let mut rows = vec![LegendRow::entry(
+        Swatch::Fill(FREED.1),
+        FREED.0,
+        value(at.map(freed_within)),
+    )];
+    for (k, (label, color)) in STACK.iter().enumerate().rev() {
+        rows.push(LegendRow::entry(
+            Swatch::Fill(*color),
+            *label,
+            value(at.map(|e| stack_values(&e.categories)[k])),
+        ));
+    }
+    rows
+}
+
+/// The legend's phase regions, in the order the events first show them.
+pub(super) fn region_rows(events: &[TimelineEvent]) -> Vec<LegendRow> {
+    let mut rows = vec![LegendRow::heading("regions of the step")];
+    let mut seen: Vec<Phase> = Vec::new();
+    for e in events {
+        if !seen.contains(&e.phase) {
+            seen.push(e.phase);
+        }
+    }
+    for p in seen {
+        rows.push(LegendRow::entry(
+            Swatch::Fill(phase_colors(p).0),
+            p.to_string(),
+            "",
+        ));
+    }
+    rows
+}
+
 /// Signed percentage with one decimal.
 fn signed_pct(p: f64) -> String {
     format!("{p:+.1}%").replace('-', "−")
@@ -286,14 +298,14 @@ fn signed_pct(p: f64) -> String {
 
 /// A run of consecutive events with the same phase and micro-batch: one shaded region.
 #[derive(Debug, Clone, Copy)]
-struct Region {
+pub(super) struct Region {
     phase: Phase,
     micro_batch: usize,
     first: usize,
     last: usize,
 }
 
-fn regions(events: &[TimelineEvent]) -> Vec<Region> {
+pub(super) fn regions(events: &[TimelineEvent]) -> Vec<Region> {
     let mut out: Vec<Region> = Vec::new();
     for (i, e) in events.iter().enumerate() {
         match out.last_mut() {
@@ -321,31 +333,10 @@ impl StepChart<'_> {
     fn legend_rows(&self, unit: &MemUnit) -> Vec<LegendRow> {
         let t = self.timeline;
         let events = &t.events;
-        // The event whose interval holds the step's peak (the first, on a tie).
-        let peak_event = events.iter().reduce(|best, e| {
-            if e.peak_bytes > best.peak_bytes {
-                e
-            } else {
-                best
-            }
-        });
+        let peak_event = peak_event(events).map(|(_, e)| e);
         let mut rows = vec![LegendRow::heading("each event's peak, by category")];
         rows.push(LegendRow::text("(value at the peak event)"));
-        let at_peak = peak_event
-            .map(|e| stack_values(&e.categories))
-            .unwrap_or_default();
-        rows.push(LegendRow::entry(
-            Swatch::Fill(FREED.1),
-            FREED.0,
-            unit.fmt(peak_event.map_or(0, freed_within)),
-        ));
-        for (k, (label, color)) in STACK.iter().enumerate().rev() {
-            rows.push(LegendRow::entry(
-                Swatch::Fill(*color),
-                *label,
-                unit.fmt(at_peak[k]),
-            ));
-        }
+        rows.extend(category_rows(peak_event, unit));
         rows.push(LegendRow::gap());
         let peak = t.peak_bytes();
         rows.push(LegendRow::entry(
@@ -354,12 +345,10 @@ impl StepChart<'_> {
             unit.fmt(peak),
         ));
         if let Some(e) = peak_event {
-            let at = if e.layer.starts_with("recompute") {
-                format!("at {}", e.layer)
-            } else {
-                format!("at {} of {}", e.phase, e.layer)
-            };
-            rows.push(LegendRow::text(shorten(&at, 38)));
+            rows.push(LegendRow::text(shorten(
+                &format!("at {}", event_name(e)),
+                38,
+            )));
         }
         if events.iter().any(|e| e.predicted_peak_bytes.is_some()) {
             // Compared over the events that have a prediction (the trainer predicts the passes,
@@ -397,20 +386,7 @@ fn about_rows(t: &StepTimeline) -> Vec<LegendRow> {
     let events = &t.events;
     let mut rows = Vec::new();
     rows.push(LegendRow::gap());
-    rows.push(LegendRow::heading("regions of the step"));
-    let mut seen: Vec<Phase> = Vec::new();
-    for e in events {
-        if !seen.contains(&e.phase) {
-            seen.push(e.phase);
-        }
-    }
-    for p in seen {
-        rows.push(LegendRow::entry(
-            Swatch::Fill(phase_colors(p).0),
-            p.to_string(),
-            "",
-        ));
-    }
+    rows.extend(region_rows(events));
     rows.push(LegendRow::gap());
     let micro = events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
     let mut about = format!("step {}", t.global_step);
@@ -488,7 +464,7 @@ impl Chart for StepChart<'_> {
         draw_regions(&mut chart, &regs, ymax)?;
         draw_stack(&mut chart, events, &unit)?;
         let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n as f64;
-        draw_region_labels(&mut chart, root, &regs, events, ymax, px_per_event)?;
+        draw_region_labels(&mut chart, root, &regs, events, (ymax, 17), px_per_event)?;
         // The prediction over the measurement: where they agree, its dashes stay visible.
         draw_peaks(&mut chart, events, &unit, px_per_event)?;
         draw_prediction(&mut chart, events, &unit)?;
@@ -499,7 +475,7 @@ impl Chart for StepChart<'_> {
 }
 
 /// Phase regions of the step chart: a shaded background per phase (and micro-batch).
-fn draw_regions<DB: DrawingBackend>(
+pub(super) fn draw_regions<DB: DrawingBackend>(
     chart: &mut Panel<'_, DB>,
     regs: &[Region],
     ymax: f64,
@@ -520,7 +496,7 @@ where
 
 /// The stacked memory categories: band k spans the sum of the categories below it to that sum
 /// plus its own bytes.
-fn draw_stack<DB: DrawingBackend>(
+pub(super) fn draw_stack<DB: DrawingBackend>(
     chart: &mut Panel<'_, DB>,
     events: &[TimelineEvent],
     unit: &MemUnit,
@@ -570,13 +546,14 @@ where
     Ok(())
 }
 
-/// The separators between phase regions and each region's label, the longest that fits.
-fn draw_region_labels<DB: DrawingBackend>(
+/// The separators between phase regions and each region's label, the longest that fits, in bold
+/// `font`.
+pub(super) fn draw_region_labels<DB: DrawingBackend>(
     chart: &mut Panel<'_, DB>,
     root: &DrawingArea<DB, Shift>,
     regs: &[Region],
     events: &[TimelineEvent],
-    ymax: f64,
+    (ymax, font): (f64, u32),
     px_per_event: f64,
 ) -> DrawResult
 where
@@ -595,15 +572,25 @@ where
             ))?;
         }
         let (_, ink) = phase_colors(r.phase);
-        let style = TextStyle::from((FONT, 17).into_font().style(FontStyle::Bold))
+        let style = TextStyle::from((FONT, font).into_font().style(FontStyle::Bold))
             .color(&ink)
             .pos(Pos::new(HPos::Center, VPos::Top));
         let width = (r.last - r.first + 1) as f64 * px_per_event - 6.0;
         let name = r.phase.to_string();
         let mut candidates = Vec::new();
-        if multi_micro {
-            candidates.push(format!("{name} (micro-batch {})", r.micro_batch + 1));
-            candidates.push(format!("{name} {}", r.micro_batch + 1));
+        // The optimizer runs once per step, after the last micro-batch: no number.
+        if multi_micro && r.phase != Phase::Optimizer {
+            let k = r.micro_batch + 1;
+            let short = match r.phase {
+                Phase::Forward => "fwd".to_string(),
+                Phase::Backward => "bwd".to_string(),
+                _ => name.chars().take(3).collect(),
+            };
+            candidates.push(format!("{name} (micro-batch {k})"));
+            candidates.push(format!("{name} {k}"));
+            candidates.push(format!("{short} {k}"));
+            candidates.push(format!("{short}{k}"));
+            candidates.push(format!("{}{k}", &short[..1]));
         } else {
             candidates.push(name.clone());
         }
@@ -668,7 +655,7 @@ where
 
 /// The measured peak between events (a marker per event while they stay apart), and the step's
 /// peak named where it happens.
-fn draw_peaks<DB: DrawingBackend>(
+pub(super) fn draw_peaks<DB: DrawingBackend>(
     chart: &mut Panel<'_, DB>,
     events: &[TimelineEvent],
     unit: &MemUnit,
@@ -693,13 +680,7 @@ where
         )?;
     }
     // Name the step's peak where it happens.
-    if let Some((i, e)) = events.iter().enumerate().reduce(|best, e| {
-        if e.1.peak_bytes > best.1.peak_bytes {
-            e
-        } else {
-            best
-        }
-    }) {
+    if let Some((i, e)) = peak_event(events) {
         let hpos = if (i as f64) < n as f64 * 0.15 {
             HPos::Left
         } else if (i as f64) > n as f64 * 0.85 {

@@ -1,235 +1,351 @@
-//! The step timelines of several configurations overlaid ([`write_step_timeline_overlay`]), for
-//! comparisons: one line per configuration of the peak above the step's start, the events of all
-//! of them merged by layer so that the same layer sits at the same x in every line. Drawn with the
-//! step chart's legend panel and layer names ([`super::step_chart`]).
+//! The step timelines of several configurations side by side ([`write_step_timeline_overlay`]),
+//! for comparisons: one panel per configuration on a shared memory axis, each over its own
+//! step's events, drawn as a run's own step chart is ([`super::step_chart`]: stacked categories,
+//! phase regions, the measured peak and the step's peak marked), under a header that names the
+//! peak, its event and what it is made of. [`step_panels`] is what the picture is drawn from.
 
-use super::chart::{
-    render, rotated_names, same_as, series_color, series_width, shorten, Chart, DrawResult,
-    MemUnit, Panel, FONT,
+use super::chart::{render, rotated_names, Chart, DrawResult, MemUnit, FONT, TEXT_COLOR};
+use super::step_chart::{
+    category_rows, draw_layer_names, draw_legend, draw_peaks, draw_region_labels, draw_regions,
+    draw_stack, event_name, freed_within, peak_event, region_rows, regions, LegendRow, Swatch,
+    FREED, PEAK_COLOR, STACK,
 };
-use super::step_chart::{draw_layer_names, draw_legend, phase_marker, LegendRow, Swatch};
 use crate::error::Result;
-use crate::memory::timeline::{StepTimeline, TimelineEvent};
-use crate::phase::Phase;
+use crate::memory::timeline::StepTimeline;
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 
-/// Draw `<base>.png` and `<base>.svg`: for every `(label, timeline)` a line of the measured peak
-/// above the step's start (`peak_bytes - start_bytes`) at each event. Configurations have
-/// different events (checkpointing adds recompute events, accumulation repeats the passes), so
-/// the x axis is their events merged by layer: the same layer in the same phase and micro-batch
-/// sits at the same x in every line, an event only some have gets its own slot. Timelines
-/// without events are left out; with none left, nothing is written.
+/// Draw `<base>.png` and `<base>.svg`: a panel per `(label, timeline)` ([`step_panels`]), in a
+/// grid of [`grid`] columns and rows. Timelines without events are left out; with none left,
+/// nothing is written.
 pub fn write_step_timeline_overlay(
     timelines: &[(String, StepTimeline)],
     base: &Path,
 ) -> Result<Vec<PathBuf>> {
-    let lines: Vec<&(String, StepTimeline)> = timelines
-        .iter()
-        .filter(|(_, t)| !t.events.is_empty())
-        .collect();
-    if lines.is_empty() {
+    let panels = step_panels(timelines);
+    if panels.is_empty() {
         return Ok(Vec::new());
     }
-    render(&OverlayChart { lines }, base)
+    render(&PanelsChart { panels }, base)
 }
 
-/// One line per configuration over the step's layer events, aligned by event.
-struct OverlayChart<'a> {
-    lines: Vec<&'a (String, StepTimeline)>,
+/// One configuration's panel: its own step's events at x = 0, 1, 2, … in the run's order (so the
+/// measured peak's line joins only consecutive events of the run), and the header's facts.
+#[derive(Debug, Clone)]
+pub struct StepPanel<'a> {
+    /// The configuration's label, in full.
+    pub label: String,
+    /// The run's step.
+    pub timeline: &'a StepTimeline,
+    /// Index of the event whose interval holds the step's peak (the first, on a tie).
+    pub peak_index: usize,
+    /// The step's peak ([`StepTimeline::peak_bytes`]).
+    pub peak_bytes: u64,
+    /// What the step adds to what was in use at its start.
+    pub above_start_bytes: u64,
+    /// The peak event in words, with its micro-batch when the step has several.
+    pub peak_at: String,
+    /// What the step itself holds at the peak, top of the stack first, zeros left out: what the
+    /// peak event freed before it ended, transient, saved activations, gradients.
+    pub made_of: Vec<(&'static str, u64)>,
+    /// The x axis's name of every event, abbreviated ([`ABBREVIATIONS`]).
+    pub names: Vec<String>,
 }
 
-/// What identifies an event across configurations: phase, layer, micro-batch, and how many
-/// times the same three came before in the step.
-type EventKey = (Phase, String, usize, usize);
+/// Words the x axis abbreviates, with their abbreviation (the legend lists the ones used).
+pub const ABBREVIATIONS: [(&str, &str); 3] =
+    [("recompute ", "rc "), ("stage", "s"), ("block", "b")];
 
-fn event_keys(t: &StepTimeline) -> Vec<EventKey> {
-    let mut seen: Vec<(Phase, &str, usize)> = Vec::new();
-    t.events
+/// An event's layer as the x axis names it: `stage2.block1` → `s2.b1`,
+/// `recompute stage1.block1–block2` → `rc s1.b1–b2` (the phase is the region it sits in).
+pub fn axis_name(layer: &str) -> String {
+    ABBREVIATIONS
         .iter()
-        .map(|e| {
-            // One optimizer update per step, whatever micro-batch came last.
-            let micro = if e.phase == Phase::Optimizer {
-                0
-            } else {
-                e.micro_batch
-            };
-            let k = (e.phase, e.layer.as_str(), micro);
-            let nth = seen.iter().filter(|s| **s == k).count();
-            seen.push(k);
-            (e.phase, e.layer.clone(), micro, nth)
+        .fold(layer.to_string(), |s, (word, abbr)| s.replace(word, abbr))
+}
+
+/// The panels of `timelines`, in their order; a timeline without events has none.
+pub fn step_panels(timelines: &[(String, StepTimeline)]) -> Vec<StepPanel<'_>> {
+    timelines
+        .iter()
+        .filter_map(|(label, t)| {
+            let (peak_index, e) = peak_event(&t.events)?;
+            let micro = t.events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
+            let mut peak_at = event_name(e);
+            if micro > 1 {
+                peak_at.push_str(&format!(", micro-batch {} of {micro}", e.micro_batch + 1));
+            }
+            let c = &e.categories;
+            let made_of = [
+                ("freed", freed_within(e)),
+                ("transient", c.transient),
+                ("saved", c.saved),
+                ("gradients", c.grads),
+            ]
+            .into_iter()
+            .filter(|(_, b)| *b > 0)
+            .collect();
+            Some(StepPanel {
+                label: label.clone(),
+                timeline: t,
+                peak_index,
+                peak_bytes: e.peak_bytes,
+                above_start_bytes: e.peak_bytes.saturating_sub(t.start_bytes),
+                peak_at,
+                made_of,
+                names: t.events.iter().map(|e| axis_name(&e.layer)).collect(),
+            })
         })
         .collect()
 }
 
-/// The events of every timeline merged into one order that keeps each timeline's own order: an
-/// event the timelines share (the same layer in the same phase and micro-batch) gets one slot,
-/// so configurations line up by layer; an event only some have (a recomputation) gets its own.
-fn merged_events(lines: &[&(String, StepTimeline)]) -> Vec<EventKey> {
-    let mut order: Vec<EventKey> = Vec::new();
-    for (_, t) in lines {
-        let mut at = 0;
-        for k in event_keys(t) {
-            match order[at..].iter().position(|o| *o == k) {
-                Some(p) => at += p + 1,
-                None => {
-                    order.insert(at, k);
-                    at += 1;
-                }
-            }
-        }
+/// Columns and rows of the grid of `n` panels: side by side up to three, two columns for four,
+/// then rows of three.
+pub fn grid(n: usize) -> (usize, usize) {
+    let cols = match n {
+        0..=3 => n.max(1),
+        4 => 2,
+        _ => 3,
+    };
+    (cols, n.div_ceil(cols))
+}
+
+/// The colour of a header's category, as the stack draws it.
+fn category_color(name: &str) -> RGBColor {
+    match name {
+        "freed" => FREED.1,
+        "transient" => STACK[5].1,
+        "saved" => STACK[4].1,
+        _ => STACK[3].1,
     }
-    order
 }
 
-/// The x axis's names of the merged events: the backward's say so (the markers do too), a later
-/// micro-batch's its number.
-fn axis_names(order: &[EventKey]) -> Vec<String> {
-    order
-        .iter()
-        .map(|(phase, layer, micro, _)| {
-            let mut name = match phase {
-                Phase::Backward if !layer.starts_with("recompute") => format!("bwd {layer}"),
-                _ => layer.clone(),
-            };
-            if *micro > 0 {
-                name.push_str(&format!(" (mb {})", micro + 1));
-            }
-            shorten(&name, 36)
+/// The style in which `text` fits `room` pixels: `size` or smaller, down to 11 (used even
+/// where it does not fit: a long label runs on rather than being cut).
+fn fitted<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    text: &str,
+    room: u32,
+    size: u32,
+    weight: FontStyle,
+) -> TextStyle<'static> {
+    let style = |s: u32| {
+        TextStyle::from((FONT, s).into_font().style(weight))
+            .color(&TEXT_COLOR)
+            .pos(Pos::new(HPos::Left, VPos::Top))
+    };
+    (11..=size)
+        .rev()
+        .map(style)
+        .find(|st| {
+            area.estimate_text_size(text, st)
+                .is_ok_and(|(w, _)| w <= room)
         })
-        .collect()
+        .unwrap_or_else(|| style(11))
 }
 
-impl OverlayChart<'_> {
-    /// One line per configuration over the merged events `order`, its legend row added to
-    /// `rows`; a line identical to an earlier one is dashed over it and named.
-    fn draw_lines<DB: DrawingBackend>(
+struct PanelsChart<'a> {
+    panels: Vec<StepPanel<'a>>,
+}
+
+const WIDTH: u32 = 1900;
+const LEGEND_W: u32 = 360;
+const CAPTION_H: u32 = 56;
+const HEADER_H: u32 = 116;
+const HEADER_X: i32 = 40;
+const ROW_H: u32 = 470;
+const Y_LABELS: u32 = 80;
+
+impl PanelsChart<'_> {
+    /// The header above a panel's plot: label, peak, peak event, and what the step holds at the
+    /// peak, two to a line, each with its band's colour.
+    fn draw_header<DB: DrawingBackend>(
         &self,
-        chart: &mut Panel<'_, DB>,
-        order: &[EventKey],
+        area: &DrawingArea<DB, Shift>,
+        p: &StepPanel<'_>,
         unit: &MemUnit,
-        rows: &mut Vec<LegendRow>,
     ) -> DrawResult
     where
         DB::ErrorType: 'static,
     {
-        let above =
-            |t: &StepTimeline, e: &TimelineEvent| e.peak_bytes.saturating_sub(t.start_bytes);
-        let lines = self.lines.len();
-        let points: Vec<Vec<(f64, f64)>> = self
-            .lines
-            .iter()
-            .map(|(_, t)| {
-                event_keys(t)
-                    .iter()
-                    .zip(&t.events)
-                    .filter_map(|(k, e)| {
-                        let x = order.iter().position(|o| o == k)?;
-                        Some((x as f64, unit.of(above(t, e))))
-                    })
-                    .collect()
-            })
-            .collect();
-        // Lines within about two pixels of each other would cover one another.
-        let same = same_as(&points, 0.004 * chart.y_range().end);
-        for (i, ((label, t), pts)) in self.lines.iter().zip(&points).enumerate() {
-            let color = series_color(i);
-            let width = series_width(i, lines);
-            let mut name = shorten(label, 24);
-            match same[i] {
-                // Identical to an earlier line: dashed over it, so both stay visible.
-                Some(j) => {
-                    chart.draw_series(DashedLineSeries::new(
-                        pts.clone(),
-                        10,
-                        8,
-                        color.stroke_width(width),
-                    ))?;
-                    name = format!("{name} (= {})", shorten(&self.lines[j].0, 12));
-                }
-                None => {
-                    chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
-                }
-            }
-            if t.events.len() <= 120 {
-                for (p, e) in pts.iter().zip(&t.events) {
-                    phase_marker(chart, *p, e.phase, color, 2 + width as i32 / 2)?;
-                }
-            }
-            let top = t.events.iter().map(|e| above(t, e)).max().unwrap_or(0);
-            // The legend draws each line as the plot does: dashed where it is drawn dashed.
-            let swatch = if same[i].is_some() {
-                Swatch::Dashed(color)
-            } else {
-                Swatch::Line(color, width)
-            };
-            rows.push(LegendRow::entry(
-                swatch,
-                name,
-                format!("+{}", unit.fmt(top)),
-            ));
+        let x = HEADER_X;
+        let room = area.dim_in_pixel().0.saturating_sub(x as u32 + 16);
+        let label = fitted(area, &p.label, room, 18, FontStyle::Bold);
+        area.draw(&Text::new(p.label.clone(), (x, 6), label))?;
+        let peak = format!(
+            "peak {}, {} above the step's start",
+            unit.fmt(p.peak_bytes),
+            unit.fmt(p.above_start_bytes)
+        );
+        let at = format!("at {}", p.peak_at);
+        for (i, line) in [peak, at].into_iter().enumerate() {
+            let style = fitted(area, &line, room, 15, FontStyle::Normal);
+            area.draw(&Text::new(line, (x, 30 + 20 * i as i32), style))?;
+        }
+        let column = (room / 2) as i32;
+        for (k, (name, bytes)) in p.made_of.iter().enumerate() {
+            let (cx, y) = (x + (k % 2) as i32 * column, 72 + (k / 2) as i32 * 20);
+            area.draw(&Rectangle::new(
+                [(cx, y + 2), (cx + 12, y + 14)],
+                category_color(name).filled(),
+            ))?;
+            let text = format!("{name} {}", unit.fmt(*bytes));
+            let style = fitted(area, &text, column as u32 - 24, 15, FontStyle::Normal);
+            area.draw(&Text::new(text, (cx + 17, y), style))?;
         }
         Ok(())
     }
+
+    /// One configuration's plot: the run's step chart over its own events on the shared axis.
+    fn draw_panel<DB: DrawingBackend>(
+        &self,
+        cell: &DrawingArea<DB, Shift>,
+        p: &StepPanel<'_>,
+        unit: &MemUnit,
+        ymax: f64,
+        x_labels: u32,
+        first_column: bool,
+    ) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let (header, plot) = cell.split_vertically(HEADER_H);
+        self.draw_header(&header, p, unit)?;
+        let events = &p.timeline.events;
+        let n = events.len();
+        let mut chart = ChartBuilder::on(&plot)
+            .margin_left(8)
+            .margin_right(22)
+            .margin_top(4)
+            .margin_bottom(8)
+            .x_label_area_size(x_labels)
+            .y_label_area_size(Y_LABELS)
+            .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)?;
+        let mut mesh = chart.configure_mesh();
+        mesh.disable_x_mesh()
+            .x_labels(0)
+            .axis_desc_style((FONT, 17))
+            .label_style((FONT, 15))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(240, 240, 240));
+        let y_desc = format!("memory ({})", unit.name);
+        if first_column {
+            mesh.y_desc(y_desc);
+        }
+        mesh.draw()?;
+        let regs = regions(events);
+        draw_regions(&mut chart, &regs, ymax)?;
+        draw_stack(&mut chart, events, unit)?;
+        let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n as f64;
+        draw_region_labels(&mut chart, &plot, &regs, events, (ymax, 15), px_per_event)?;
+        draw_peaks(&mut chart, events, unit, px_per_event)?;
+        let (style, _) = rotated_names(&plot, &p.names);
+        draw_layer_names(&chart, &plot, &p.names, &style, px_per_event)?;
+        Ok(())
+    }
+
+    /// The highest point of every panel: one memory axis for all.
+    fn max_bytes(&self) -> u64 {
+        self.panels
+            .iter()
+            .flat_map(|p| p.timeline.events.iter())
+            .flat_map(|e| [e.peak_bytes, e.categories.total()])
+            .max()
+            .unwrap_or(0)
+            .max(1024 * 1024)
+    }
+
+    fn unit(&self) -> MemUnit {
+        MemUnit::for_max(self.max_bytes())
+    }
+
+    /// The legend: the categories, the peak, the regions, the abbreviations used.
+    fn legend_rows(&self, unit: &MemUnit) -> Vec<LegendRow> {
+        let mut rows = vec![LegendRow::heading("each event's peak, by category")];
+        rows.extend(category_rows(None, unit));
+        rows.push(LegendRow::gap());
+        rows.push(LegendRow::entry(
+            Swatch::Line(PEAK_COLOR, 2),
+            "measured peak of each event",
+            "",
+        ));
+        rows.push(LegendRow::text("ringed and named: the step's peak"));
+        rows.push(LegendRow::gap());
+        rows.push(LegendRow::heading("above each panel"));
+        rows.push(LegendRow::text("the step's peak, the event it is in,"));
+        rows.push(LegendRow::text("and its bands that the step adds"));
+        rows.push(LegendRow::gap());
+        let all: Vec<_> = self
+            .panels
+            .iter()
+            .flat_map(|p| p.timeline.events.iter().cloned())
+            .collect();
+        rows.extend(region_rows(&all));
+        let used: Vec<(&str, &str)> = ABBREVIATIONS
+            .iter()
+            .filter(|(word, _)| all.iter().any(|e| e.layer.contains(word)))
+            .copied()
+            .collect();
+        if !used.is_empty() {
+            rows.push(LegendRow::gap());
+            rows.push(LegendRow::heading("layer names under the axes"));
+            for (word, abbr) in used {
+                rows.push(LegendRow::text(format!(
+                    "{} = {}",
+                    abbr.trim(),
+                    word.trim()
+                )));
+            }
+        }
+        rows.push(LegendRow::gap());
+        rows.push(LegendRow::text("each run's last step;"));
+        rows.push(LegendRow::text("one memory axis for all"));
+        rows
+    }
 }
 
-impl Chart for OverlayChart<'_> {
+impl Chart for PanelsChart<'_> {
     fn size(&self) -> (u32, u32) {
-        (1500, 850)
+        let (_, rows) = grid(self.panels.len());
+        // Tall enough for the legend too (rows of 25 pixels from 40 down).
+        let legend = 40 + 25 * self.legend_rows(&self.unit()).len() as u32;
+        (WIDTH, CAPTION_H + (rows as u32 * ROW_H).max(legend))
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
     where
         DB::ErrorType: 'static,
     {
-        let above =
-            |t: &StepTimeline, e: &TimelineEvent| e.peak_bytes.saturating_sub(t.start_bytes);
-        let max_bytes = self
-            .lines
-            .iter()
-            .flat_map(|(_, t)| t.events.iter().map(move |e| above(t, e)))
-            .max()
-            .unwrap_or(0)
-            .max(1024 * 1024);
-        let unit = MemUnit::for_max(max_bytes);
-        let ymax = unit.of(max_bytes) * 1.1;
-        let order = merged_events(&self.lines);
-        let n = order.len();
+        let unit = self.unit();
+        // Headroom for the region labels and the peak's label above the highest point.
+        let ymax = unit.of(self.max_bytes()) * 1.3;
+        let (caption, body) = root.split_vertically(CAPTION_H);
+        let title = TextStyle::from((FONT, 28).into_font())
+            .color(&TEXT_COLOR)
+            .pos(Pos::new(HPos::Center, VPos::Center));
         let (w, _) = root.dim_in_pixel();
-        let (plot_area, panel) = root.split_horizontally(w - 390);
-        let names = axis_names(&order);
-        let (label_style, longest) = rotated_names(&plot_area, &names);
-        let mut chart = ChartBuilder::on(&plot_area)
-            .caption("Peak memory inside one training step", (FONT, 28))
-            .margin(20)
-            .x_label_area_size((longest + 50).clamp(70, 300))
-            .y_label_area_size(90)
-            .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(0)
-            .x_desc("layer event of the step, aligned across configurations")
-            .y_desc(format!("peak above the step's start ({})", unit.name))
-            .axis_desc_style((FONT, 18))
-            .label_style((FONT, 17))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .light_line_style(RGBColor(244, 244, 244))
-            .draw()?;
-        let mut rows = vec![
-            LegendRow::heading("configuration"),
-            LegendRow::text("(highest peak above the start)"),
-        ];
-        self.draw_lines(&mut chart, &order, &unit, &mut rows)?;
-        let px_per_event = chart.plotting_area().dim_in_pixel().0 as f64 / n.max(1) as f64;
-        draw_layer_names(&chart, root, &names, &label_style, px_per_event)?;
-        rows.push(LegendRow::gap());
-        rows.push(LegendRow::heading("markers: phase of the event"));
-        for p in [Phase::Forward, Phase::Backward, Phase::Optimizer] {
-            rows.push(LegendRow::entry(Swatch::Marker(p), p.to_string(), ""));
+        caption.draw(&Text::new(
+            "Memory inside one training step, per configuration",
+            (((w - LEGEND_W) / 2) as i32, (CAPTION_H / 2) as i32 + 4),
+            title,
+        ))?;
+        let (plots, legend) = body.split_horizontally(w - LEGEND_W);
+        let (cols, rows) = grid(self.panels.len());
+        // One x-label height for every panel, so that the plots of a row line up.
+        let longest = self
+            .panels
+            .iter()
+            .map(|p| rotated_names(&plots, &p.names).1)
+            .max()
+            .unwrap_or(0);
+        let x_labels = longest + 16;
+        let cells = plots.split_evenly((rows, cols));
+        for (i, p) in self.panels.iter().enumerate() {
+            self.draw_panel(&cells[i], p, &unit, ymax, x_labels, i % cols == 0)?;
         }
-        draw_legend(&panel, 90, &rows)?;
+        draw_legend(&legend, 40, &self.legend_rows(&unit))?;
         Ok(())
     }
 }

@@ -142,14 +142,3 @@ cli_enum! {
 /// `--tf32`: on, as PyTorch runs f32 convolutions on CUDA by default
 /// (`torch.backends.cudnn.allow_tf32 = True`), so f32 comparisons with it compare like with like.
 pub const DEFAULT_TF32: Tf32 = Tf32::On;
-
-impl Precision {
-    /// The Candle dtype the forward pass computes in.
-    pub fn compute_dtype(&self) -> candle_core::DType {
-        match self {
-            Precision::F32 => candle_core::DType::F32,
-            Precision::F16 => candle_core::DType::F16,
-            Precision::Bf16 => candle_core::DType::BF16,
-        }
-    }
-}

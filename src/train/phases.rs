@@ -469,10 +469,7 @@ impl Trainer {
     /// scaler skipped the step, and the gradients' global norm before clipping.
     fn apply_update(&mut self, grads: Vec<Option<Tensor>>, step: &StepInfo) -> Result<(bool, f64)> {
         let grads = match step.loss_scale {
-            Some(s) => grads
-                .into_iter()
-                .map(|g| g.map(|g| g * (1.0 / s)).transpose())
-                .collect::<candle_core::Result<Vec<_>>>()?,
+            Some(s) => crate::step::precision::unscale(grads, s)?,
             None => grads,
         };
         let squared = squared_norm(&grads)?;

@@ -23,6 +23,51 @@ pub struct ModelConfig {
     pub conv: ConvKind,
 }
 
+/// Side of the square input images (CIFAR-10's 32x32).
+pub const IMAGE_SIDE: usize = 32;
+
+/// One conv block of the architecture, before any weight exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockShape {
+    /// `stage{s}.block{b}`, 1-based.
+    pub name: String,
+    /// Input channels.
+    pub cin: usize,
+    /// Output channels.
+    pub cout: usize,
+    /// Side of the block's input (and conv output) planes.
+    pub side: usize,
+    /// Whether a 2x2 max-pool ends the block (the last block of a stage).
+    pub pool: bool,
+}
+
+/// The architecture, described once: three stages of two blocks at widths w, 2w, 4w on
+/// [`IMAGE_SIDE`]-pixel RGB images, each stage ending in a 2x2 max-pool; then a linear head on
+/// the features it returns as the second value. The model ([`Cnn::new`]), its layer list
+/// ([`layer_specs_for`]) and its parameter count ([`param_count`]) are built from it. Widths
+/// saturate at `usize::MAX` for a width no machine could hold, instead of overflowing.
+pub fn architecture(width: usize) -> ([BlockShape; CNN_BLOCKS], usize) {
+    let mut side = IMAGE_SIDE;
+    let mut cin = 3;
+    let blocks = std::array::from_fn(|i| {
+        let (stage, block) = (i / 2, i % 2);
+        let cout = width.saturating_mul(1 << stage);
+        let shape = BlockShape {
+            name: format!("stage{}.block{}", stage + 1, block + 1),
+            cin,
+            cout,
+            side,
+            pool: block == 1,
+        };
+        cin = cout;
+        if shape.pool {
+            side /= 2;
+        }
+        shape
+    });
+    (blocks, cin.saturating_mul(side * side))
+}
+
 /// One [conv → BN → ReLU] block, optionally followed by a 2x2 max-pool (last block of a stage).
 pub struct Block {
     /// Name prefix of the block's parameters, e.g. `stage2.block1`.
@@ -89,24 +134,18 @@ impl Cnn {
             return Err(Error::config("--width must be at least 1"));
         }
         let mut init = Init::new(seed);
-        let w = config.width;
-        let widths = [w, 2 * w, 4 * w];
+        let (shapes, feat) = architecture(config.width);
         let mut blocks = Vec::new();
-        let mut cin = 3;
-        for (s, &cout) in widths.iter().enumerate() {
-            for b in 0..2 {
-                blocks.push(Block {
-                    name: format!("stage{}.block{}", s + 1, b + 1),
-                    cin,
-                    cout,
-                    conv: ConvLayer::new(config.conv, cin, cout, &mut init, device)?,
-                    bn: BatchNorm::new(cout, device)?,
-                    pool: b == 1,
-                });
-                cin = cout;
-            }
+        for b in shapes {
+            blocks.push(Block {
+                conv: ConvLayer::new(config.conv, b.cin, b.cout, &mut init, device)?,
+                bn: BatchNorm::new(b.cout, device)?,
+                name: b.name,
+                cin: b.cin,
+                cout: b.cout,
+                pool: b.pool,
+            });
         }
-        let feat = 4 * w * 16;
         let bound = 1.0 / (feat as f64).sqrt();
         let head_w = Var::from_tensor(&Tensor::from_vec(
             init.uniform(NUM_CLASSES * feat, bound),
@@ -280,90 +319,80 @@ pub fn recompute_label(first: &str, last: &str) -> String {
     format!("recompute {first}–{tail}")
 }
 
-/// The layers of the model for `width` and `conv`, in order, for 32x32 inputs: the one description
-/// of the architecture's shapes, used by [`Cnn::layer_specs`] and the memory estimate.
+/// The layers of the model for `width` and `conv`, in order, from [`architecture`]: its
+/// shapes, for the memory estimate and [`Cnn::layer_specs`].
 pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
-    let w = width;
-    let chans: [(usize, usize); CNN_BLOCKS] = [
-        (3, w),
-        (w, w),
-        (w, 2 * w),
-        (2 * w, 2 * w),
-        (2 * w, 4 * w),
-        (4 * w, 4 * w),
-    ];
+    let (blocks, feat) = architecture(width);
     let mut specs = Vec::new();
-    let mut hw = 32;
-    for (i, &(cin, cout)) in chans.iter().enumerate() {
-        let name = format!("stage{}.block{}", i / 2 + 1, i % 2 + 1);
+    for (i, b) in blocks.iter().enumerate() {
+        let (name, cin, cout, hw) = (&b.name, b.cin, b.cout, b.side);
+        let spec = |layer: &str, kind, input, output, params| LayerSpec {
+            name: format!("{name}.{layer}"),
+            kind,
+            input,
+            output,
+            params,
+            block: i,
+        };
         match conv {
-            ConvKind::Standard => specs.push(LayerSpec {
-                name: format!("{name}.conv"),
-                kind: "conv3x3",
-                input: (cin, hw, hw),
-                output: (cout, hw, hw),
-                params: cout * cin * 9,
-                block: i,
-            }),
+            ConvKind::Standard => specs.push(spec(
+                "conv",
+                "conv3x3",
+                (cin, hw, hw),
+                (cout, hw, hw),
+                cout * cin * 9,
+            )),
             ConvKind::Separable => {
-                specs.push(LayerSpec {
-                    name: format!("{name}.dw"),
-                    kind: "depthwise3x3",
-                    input: (cin, hw, hw),
-                    output: (cin, hw, hw),
-                    params: cin * 9,
-                    block: i,
-                });
-                specs.push(LayerSpec {
-                    name: format!("{name}.pw"),
-                    kind: "pointwise1x1",
-                    input: (cin, hw, hw),
-                    output: (cout, hw, hw),
-                    params: cout * cin,
-                    block: i,
-                });
+                specs.push(spec(
+                    "dw",
+                    "depthwise3x3",
+                    (cin, hw, hw),
+                    (cin, hw, hw),
+                    cin * 9,
+                ));
+                specs.push(spec(
+                    "pw",
+                    "pointwise1x1",
+                    (cin, hw, hw),
+                    (cout, hw, hw),
+                    cout * cin,
+                ));
             }
         }
-        specs.push(LayerSpec {
-            name: format!("{name}.bn_relu"),
-            kind: "bn_relu",
-            input: (cout, hw, hw),
-            output: (cout, hw, hw),
-            params: 2 * cout,
-            block: i,
-        });
-        if i % 2 == 1 {
-            specs.push(LayerSpec {
-                name: format!("{name}.pool"),
-                kind: "maxpool2",
-                input: (cout, hw, hw),
-                output: (cout, hw / 2, hw / 2),
-                params: 0,
-                block: i,
-            });
-            hw /= 2;
+        specs.push(spec(
+            "bn_relu",
+            "bn_relu",
+            (cout, hw, hw),
+            (cout, hw, hw),
+            2 * cout,
+        ));
+        if b.pool {
+            specs.push(spec(
+                "pool",
+                "maxpool2",
+                (cout, hw, hw),
+                (cout, hw / 2, hw / 2),
+                0,
+            ));
         }
     }
-    let feat = 4 * w * hw * hw;
     specs.push(LayerSpec {
         name: "head".into(),
         kind: "linear",
         input: (feat, 1, 1),
         output: (NUM_CLASSES, 1, 1),
         params: feat * NUM_CLASSES + NUM_CLASSES,
-        block: chans.len(),
+        block: blocks.len(),
     });
     specs
 }
 
-/// Parameter count of the model for a width and conv kind, without building it. Saturates at
-/// `usize::MAX` for a width no machine could hold, instead of overflowing.
+/// Parameter count of the model for a width and conv kind, from [`architecture`], without
+/// building it. Saturates at `usize::MAX` for a width no machine could hold.
 pub fn param_count(width: usize, conv: ConvKind) -> usize {
-    let w = width;
-    let (w2, w4) = (w.saturating_mul(2), w.saturating_mul(4));
-    let chans: [(usize, usize); CNN_BLOCKS] =
-        [(3, w), (w, w), (w, w2), (w2, w2), (w2, w4), (w4, w4)];
-    let convs = chans.iter().fold(0usize, |sum, &(i, o)| {
+    let (blocks, feat) = architecture(width);
+    let convs = blocks.iter().fold(0usize, |sum, b| {
+        let (i, o) = (b.cin, b.cout);
         let weights = match conv {
             ConvKind::Standard => o.saturating_mul(i).saturating_mul(9),
             ConvKind::Separable => i.saturating_mul(9).saturating_add(o.saturating_mul(i)),
@@ -372,6 +401,34 @@ pub fn param_count(width: usize, conv: ConvKind) -> usize {
             .saturating_add(o.saturating_mul(2))
     });
     convs
-        .saturating_add(w4.saturating_mul(16 * NUM_CLASSES))
+        .saturating_add(feat.saturating_mul(NUM_CLASSES))
         .saturating_add(NUM_CLASSES)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The model built, its layer list and its parameter count agree, from the one description.
+    #[test]
+    fn the_model_its_layers_and_its_count_agree() {
+        for conv in [ConvKind::Standard, ConvKind::Separable] {
+            for width in [1, 3, 16] {
+                let model = Cnn::new(ModelConfig { width, conv }, &Device::Cpu, 0).unwrap();
+                let built: usize = model.vars().iter().map(|v| v.elem_count()).sum();
+                let listed: usize = model.layer_specs().iter().map(|l| l.params).sum();
+                assert_eq!(built, param_count(width, conv), "{conv} width {width}");
+                assert_eq!(listed, built, "{conv} width {width}");
+                let (shapes, feat) = architecture(width);
+                assert_eq!(feat, 4 * width * 4 * 4);
+                for (b, s) in model.blocks.iter().zip(&shapes) {
+                    assert_eq!(
+                        (&b.name, b.cin, b.cout, b.pool),
+                        (&s.name, s.cin, s.cout, s.pool)
+                    );
+                }
+            }
+        }
+        assert_eq!(param_count(usize::MAX / 2, ConvKind::Standard), usize::MAX);
+    }
 }

@@ -96,9 +96,9 @@ where
             trainer.total_steps()
         );
     }
-    let summary = trainer.fit()?;
+    let mut summary = trainer.fit()?;
     print_results(&trainer, &summary);
-    write_results(&trainer, &summary, cmd.summary_only)?;
+    write_results(&trainer, &mut summary, cmd.summary_only)?;
     println!("results in {}", trainer.run_dir().display());
     if summary.status == crate::train::RunStatus::Interrupted {
         let dir = trainer.run_dir().display();
@@ -183,6 +183,20 @@ where
             cmd.config.clone()
         }
     };
+    if let (Some(ck), Some(n)) = (&resume, cfg.memory_snapshot_step) {
+        let done = ck.state.global_step;
+        if n <= done {
+            if explicit.iter().any(|e| e == "memory_snapshot_step") {
+                return Err(Error::config(format!(
+                    "--memory-snapshot-step {n} is a step this run has already trained (the snapshot is after step {done}); pick a later step or drop the flag (default: the run's last step)"
+                )));
+            }
+            // The run's own setting, from its config: a step now past. The resumed run
+            // traces its last step instead.
+            println!("note: --memory-snapshot-step {n} of the run's config is already trained (the snapshot is after step {done}); this process records its last step in memory_snapshot.pickle");
+            cfg.memory_snapshot_step = None;
+        }
+    }
     if !cmd.dry_run && cfg.out.is_none() {
         cfg.out = Some(default_run_dir());
     }
@@ -325,6 +339,13 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
             format_bytes(summary.step_peak_bytes)
         );
     }
+    if let (Some(p), Some(m)) = (summary.predicted_eval_peak_bytes, summary.eval_peak_bytes) {
+        println!(
+            "predicted evaluation peak {} vs measured {}",
+            format_bytes(p),
+            format_bytes(m)
+        );
+    }
     // A peak outside training (phase "other") is not the configuration's: name the step peak.
     let training = match summary.peak_phase.as_deref() {
         Some("other") => format!("; training peak {}", format_bytes(summary.step_peak_bytes)),
@@ -360,7 +381,7 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
 /// the memory charts (the CSV and JSON files are written during the run).
 fn write_results(
     trainer: &Trainer,
-    summary: &crate::train::Summary,
+    summary: &mut crate::train::Summary,
     summary_only: bool,
 ) -> Result<()> {
     if summary_only {
@@ -384,6 +405,16 @@ fn write_results(
             trainer.run_dir(),
             &format!("Memory inside one training step: {}", summary.label),
         )?;
+        // summary.json was written before the exports (the trainer's and these charts);
+        // its resident peak covers the whole process, so it is read again after them.
+        let os_peak = trainer.probe().os_memory().map(|o| o.peak);
+        if os_peak > summary.os_peak_bytes {
+            summary.os_peak_bytes = os_peak;
+            crate::io::write_json_atomic(
+                &trainer.run_dir().join(crate::train::summary::SUMMARY_FILE),
+                &*summary,
+            )?;
+        }
     }
     Ok(())
 }

@@ -181,7 +181,7 @@ pub struct TrainConfig {
     pub compress_activations: ActivationStorage,
     /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
     // In bytes.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub memory_limit: Option<u64>,
     /// Keep freed CUDA pool memory between steps (release threshold = max).
     #[arg(
@@ -301,6 +301,10 @@ fn clip_norm_from_json<'de, D: serde::Deserializer<'de>>(
     Ok(norm.filter(|&n| n != 0.0))
 }
 
+/// The largest memory size [`parse_size`] takes, 10^18 bytes: far above any machine, far below
+/// `u64::MAX`, so sums of sizes cannot overflow.
+const MAX_SIZE_BYTES: f64 = 1e18;
+
 /// Parse a memory size such as `4GiB`, `512MiB`, `1.5GB`, `300kB` or a plain byte count.
 /// Binary (KiB/MiB/GiB/TiB) and decimal (kB/MB/GB/TB) units; `K`/`M`/`G` alone mean binary.
 pub fn parse_size(s: &str) -> Result<u64> {
@@ -314,6 +318,18 @@ pub fn parse_size(s: &str) -> Result<u64> {
             "memory size '{s}' is not a size; write a number with an optional unit, e.g. 512MiB, 4GiB, 2GB"
         ))
     };
+    if t.starts_with("--") {
+        return Err(Error::config(format!(
+            "'{s}' is a flag where a memory size should be; give a size first, e.g. 512MiB"
+        )));
+    }
+    if let Some(rest) = t.strip_prefix('-') {
+        if rest.starts_with(|c: char| c.is_ascii_digit() || c == '.') {
+            return Err(Error::config(format!(
+                "memory size '{s}' is negative; give a positive size, e.g. 512MiB"
+            )));
+        }
+    }
     let value: f64 = num.parse().map_err(|_| bad())?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
@@ -328,8 +344,16 @@ pub fn parse_size(s: &str) -> Result<u64> {
         _ => return Err(bad()),
     };
     let bytes = value * mult;
-    if !bytes.is_finite() || !(1.0..=1e18).contains(&bytes) {
-        return Err(bad());
+    if !bytes.is_finite() || bytes > MAX_SIZE_BYTES {
+        return Err(Error::config(format!(
+            "memory size '{s}' is too large: at most {} bytes (about 888 PiB), more than any machine holds",
+            MAX_SIZE_BYTES as u64
+        )));
+    }
+    if bytes < 1.0 {
+        return Err(Error::config(format!(
+            "memory size '{s}' is less than one byte; give a positive size, e.g. 512MiB"
+        )));
     }
     Ok(bytes.round() as u64)
 }

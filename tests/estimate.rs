@@ -197,6 +197,7 @@ fn estimate_matches_the_counting_allocator() {
         Baseline::Measured {
             bytes: e.baseline_bytes + 1000,
             train_images: 10,
+            eval_images: 10,
         },
     )
     .unwrap();

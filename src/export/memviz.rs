@@ -184,109 +184,249 @@ fn trace_event(action: &str, addr: u64, size: u64, frames: Vec<Frame>) -> TraceE
 
 /// The snapshot of `trace`, its layer events named by `timeline` (the same step), with an `oom`
 /// entry at the end for a step that ran out of memory. An incomplete trace (dropped entries)
-/// is refused: its replay would not be the step.
+/// is refused: its replay would not be the step. Built whole in memory: [`write_trace`] writes
+/// the same pickle without holding its events.
 pub fn snapshot(
     trace: &Trace,
     timeline: &StepTimeline,
     oom: Option<OomMark>,
 ) -> Result<MemorySnapshot> {
-    if trace.dropped > 0 {
-        return Err(Error::config(format!(
-            "the step made more than {} allocations and {} were not traced",
-            trace.entries().len(),
-            trace.dropped
-        )));
-    }
-    // One event per allocation, two per free, and the oom mark.
-    let count = trace
-        .entries()
-        .iter()
-        .map(|e| match e.action {
-            Action::Alloc => 1,
-            Action::Free => 2,
-            Action::Mark => 0,
-        })
-        .sum::<usize>();
-    let mut events = Vec::with_capacity(count + usize::from(oom.is_some()));
-    // Blocks allocated in the trace and alive: address -> (size, frames).
-    let mut alive: BTreeMap<u64, (u64, Vec<Frame>)> = BTreeMap::new();
-    // Bytes of blocks from before the trace that it frees.
-    let mut freed_earlier = 0u64;
-    let mut k = 0;
-    let mut frames = frames_for(timeline, 0);
-    for e in trace.entries() {
-        match e.action {
-            Action::Mark => {
-                k += 1;
-                frames = frames_for(timeline, k);
-            }
-            Action::Alloc => {
-                events.push(trace_event("alloc", e.addr, e.size, frames.clone()));
-                alive.insert(e.addr, (e.size, frames.clone()));
-            }
-            Action::Free => {
-                if alive.remove(&e.addr).is_none() {
-                    freed_earlier += e.size;
-                }
-                // PyTorch records a free as requested, then completed (once its stream is done).
-                events.push(trace_event(
-                    "free_requested",
-                    e.addr,
-                    e.size,
-                    frames.clone(),
-                ));
-                events.push(trace_event(
-                    "free_completed",
-                    e.addr,
-                    e.size,
-                    frames.clone(),
-                ));
-            }
-        }
-    }
-    if let Some(o) = oom {
-        // The failing event is the last one recorded (the budget is checked at each event).
-        let mut frames = frames_for(timeline, timeline.events.len().saturating_sub(1));
-        for f in &mut frames {
-            f.name = format!("out of memory at {}", f.name);
-        }
-        let mut oom = trace_event("oom", 0, o.peak.saturating_sub(o.limit), frames);
-        oom.device_free = Some(int(o.limit.saturating_sub(trace.start_bytes)));
-        events.push(oom);
-    }
-    let before = trace.start_bytes.saturating_sub(freed_earlier);
-    let mut segments = Vec::with_capacity(alive.len() + 1);
-    if before > 0 {
-        let frames = vec![Frame {
-            filename: format!("memtrain step {} start", timeline.global_step),
-            line: 0,
-            name: "in use before the step (data set, parameters, optimizer state, buffers)".into(),
-        }];
-        segments.push(segment(0, before, frames));
-    }
-    segments.extend(
-        alive
-            .into_iter()
-            .map(|(addr, (size, frames))| segment(addr, size, frames)),
-    );
+    let parts = Parts::of(trace, timeline, oom)?;
+    let segments = parts.segments();
     Ok(MemorySnapshot {
         segments,
-        device_traces: vec![events],
+        device_traces: vec![parts.events().collect()],
     })
 }
+
+/// What a snapshot is made of, found in one pass over the trace: the blocks alive at its end
+/// (their address, size and the layer event that made them) and the bytes from before the trace
+/// that it frees. The events are read off the trace again as they are written.
+struct Parts<'a> {
+    trace: &'a Trace,
+    timeline: &'a StepTimeline,
+    oom: Option<OomMark>,
+    /// Blocks allocated in the trace and alive at its end: address -> (size, event index).
+    alive: BTreeMap<u64, (u64, usize)>,
+    freed_earlier: u64,
+    /// Entries of the device trace: one per allocation, two per free, and the oom mark.
+    count: usize,
+}
+
+impl<'a> Parts<'a> {
+    fn of(trace: &'a Trace, timeline: &'a StepTimeline, oom: Option<OomMark>) -> Result<Self> {
+        if trace.dropped > 0 {
+            return Err(Error::config(format!(
+                "the step made more than {} allocations and {} were not traced",
+                trace.entries().len(),
+                trace.dropped
+            )));
+        }
+        let mut alive = BTreeMap::new();
+        let (mut freed_earlier, mut k, mut count) = (0u64, 0usize, usize::from(oom.is_some()));
+        for e in trace.entries() {
+            match e.action {
+                Action::Mark => k += 1,
+                Action::Alloc => {
+                    alive.insert(e.addr, (e.size, k));
+                    count += 1;
+                }
+                Action::Free => {
+                    if alive.remove(&e.addr).is_none() {
+                        freed_earlier += e.size;
+                    }
+                    count += 2;
+                }
+            }
+        }
+        Ok(Parts {
+            trace,
+            timeline,
+            oom,
+            alive,
+            freed_earlier,
+            count,
+        })
+    }
+
+    /// The heap at the end of the trace: what was in use before it and still is, as one block at
+    /// address 0, then every block the trace allocated and did not free.
+    fn segments(&self) -> Vec<Segment> {
+        let before = self.trace.start_bytes.saturating_sub(self.freed_earlier);
+        let mut segments = Vec::with_capacity(self.alive.len() + 1);
+        if before > 0 {
+            let frames = vec![Frame {
+                filename: format!("memtrain step {} start", self.timeline.global_step),
+                line: 0,
+                name: "in use before the step (data set, parameters, optimizer state, buffers)"
+                    .into(),
+            }];
+            segments.push(segment(0, before, frames));
+        }
+        segments.extend(
+            self.alive
+                .iter()
+                .map(|(&addr, &(size, k))| segment(addr, size, frames_for(self.timeline, k))),
+        );
+        segments
+    }
+
+    /// The device trace's entries in order, made one at a time.
+    fn events(&self) -> impl ExactSizeIterator<Item = TraceEvent> + 'a {
+        Events {
+            entries: self.trace.entries().iter(),
+            timeline: self.timeline,
+            k: 0,
+            frames: frames_for(self.timeline, 0),
+            pending: None,
+            oom: self
+                .oom
+                .map(|o| oom_event(o, self.trace.start_bytes, self.timeline)),
+            left: self.count,
+        }
+    }
+}
+
+/// The `oom` entry: the failing event is the last one recorded (the budget is checked at each
+/// event).
+fn oom_event(o: OomMark, start_bytes: u64, timeline: &StepTimeline) -> TraceEvent {
+    let mut frames = frames_for(timeline, timeline.events.len().saturating_sub(1));
+    for f in &mut frames {
+        f.name = format!("out of memory at {}", f.name);
+    }
+    let mut oom = trace_event("oom", 0, o.peak.saturating_sub(o.limit), frames);
+    oom.device_free = Some(int(o.limit.saturating_sub(start_bytes)));
+    oom
+}
+
+/// The device trace as an iterator over the trace's entries (see [`Parts::events`]).
+struct Events<'a> {
+    entries: std::slice::Iter<'a, crate::memory::trace::TraceEntry>,
+    timeline: &'a StepTimeline,
+    /// The layer event the entries belong to now, and its frames.
+    k: usize,
+    frames: Vec<Frame>,
+    /// A free's second entry (PyTorch records a free as requested, then completed).
+    pending: Option<TraceEvent>,
+    oom: Option<TraceEvent>,
+    left: usize,
+}
+
+impl Iterator for Events<'_> {
+    type Item = TraceEvent;
+
+    fn next(&mut self) -> Option<TraceEvent> {
+        let next = self.pending.take().or_else(|| loop {
+            let Some(e) = self.entries.next() else {
+                break self.oom.take();
+            };
+            match e.action {
+                Action::Mark => {
+                    self.k += 1;
+                    self.frames = frames_for(self.timeline, self.k);
+                }
+                Action::Alloc => break Some(trace_event("alloc", e.addr, e.size, self.frames.clone())),
+                Action::Free => {
+                    self.pending = Some(trace_event(
+                        "free_completed",
+                        e.addr,
+                        e.size,
+                        self.frames.clone(),
+                    ));
+                    break Some(trace_event(
+                        "free_requested",
+                        e.addr,
+                        e.size,
+                        self.frames.clone(),
+                    ));
+                }
+            }
+        });
+        self.left = self.left.saturating_sub(usize::from(next.is_some()));
+        next
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for Events<'_> {}
 
 /// Write `snapshot` as a pickle at `path`, atomically. It is pickled straight into the file: an
 /// out-of-memory snapshot is written where memory is short, and the pickle is as large as the
 /// snapshot.
 pub fn write(path: &Path, snapshot: &MemorySnapshot) -> Result<()> {
+    write_pickle(path, snapshot)
+}
+
+/// Write the snapshot of `trace` (as [`snapshot`] builds it) as a pickle at `path`, atomically,
+/// streamed: each entry of the device trace is made, pickled into the file and dropped, so the
+/// heap holds the blocks alive at the trace's end and a write buffer, not the trace's events
+/// (a step of a few thousand allocations made tens of MiB of them). The file's bytes are those
+/// of [`write`] of [`snapshot`].
+///
+/// # Errors
+/// An incomplete trace, or the file cannot be written.
+pub fn write_trace(
+    path: &Path,
+    trace: &Trace,
+    timeline: &StepTimeline,
+    oom: Option<OomMark>,
+) -> Result<()> {
+    let parts = Parts::of(trace, timeline, oom)?;
+    let streamed = Streamed {
+        segments: parts.segments(),
+        events: std::cell::RefCell::new(Some(parts.events())),
+    };
+    write_pickle(path, &streamed)
+}
+
+fn write_pickle(path: &Path, value: &impl Serialize) -> Result<()> {
     use std::io::Write as _;
     crate::io::write_atomic_with(path, |tmp| {
         let file = std::fs::File::create(tmp).map_err(|e| Error::io(path, e))?;
         let mut out = std::io::BufWriter::new(file);
-        serde_pickle::to_writer(&mut out, snapshot, serde_pickle::SerOptions::new())
+        serde_pickle::to_writer(&mut out, value, serde_pickle::SerOptions::new())
             .map_err(|e| Error::io(path, std::io::Error::other(e.to_string())))?;
         out.flush().map_err(|e| Error::io(path, e))
     })
+}
+
+/// A [`MemorySnapshot`] whose one device trace is serialized from an iterator.
+struct Streamed<I> {
+    segments: Vec<Segment>,
+    events: std::cell::RefCell<Option<I>>,
+}
+
+impl<I: ExactSizeIterator<Item = TraceEvent>> Serialize for Streamed<I> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeSeq as _, SerializeStruct as _};
+        /// The list of device traces: one, streamed.
+        struct Traces<'b, I>(&'b std::cell::RefCell<Option<I>>);
+        impl<I: ExactSizeIterator<Item = TraceEvent>> Serialize for Traces<'_, I> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                let mut seq = s.serialize_seq(Some(1))?;
+                seq.serialize_element(&Trace1(self.0))?;
+                seq.end()
+            }
+        }
+        struct Trace1<'b, I>(&'b std::cell::RefCell<Option<I>>);
+        impl<I: ExactSizeIterator<Item = TraceEvent>> Serialize for Trace1<'_, I> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                let events = self.0.borrow_mut().take();
+                let mut seq = s.serialize_seq(Some(events.as_ref().map_or(0, |e| e.len())))?;
+                for e in events.into_iter().flatten() {
+                    seq.serialize_element(&e)?;
+                }
+                seq.end()
+            }
+        }
+        let mut st = s.serialize_struct("MemorySnapshot", 2)?;
+        st.serialize_field("segments", &self.segments)?;
+        st.serialize_field("device_traces", &Traces(&self.events))?;
+        st.end()
+    }
 }
 
 /// The most bytes alive at once in `snapshot`, replayed as the viewer does: from the segments

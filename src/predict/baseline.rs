@@ -134,5 +134,7 @@ pub enum Baseline {
         bytes: u64,
         /// Training images (for the number of prefetched batches).
         train_images: usize,
+        /// Evaluation images (the evaluation's batch and its batcher's order).
+        eval_images: usize,
     },
 }

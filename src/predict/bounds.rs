@@ -87,14 +87,14 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     let machine = ctx.budgets.iter().find(|b| b.kind == Kind::Machine);
     let trains = ctx.step == Step::AsConfigured && ctx.data(cfg).0.train_images >= cfg.batch_size;
     if let (true, Some(b), Some(est)) = (trains, machine, &needs.estimate) {
-        let step = est.peak.saturating_sub(RUNTIME_OVERHEAD_BYTES);
+        let step = est.run_peak().saturating_sub(RUNTIME_OVERHEAD_BYTES);
         if step > b.room {
             return Err(Error::OutOfMemory {
                 limit: format!("{} ({})", format_bytes(b.room), b.source),
                 epoch: 0,
                 batch: 0,
-                phase: format!("the predicted {} peak ({})", est.peak_phase, size(step)),
-                advice: crate::advice::out_of_memory(cfg, est.peak_phase == "optimizer"),
+                phase: format!("the predicted {} peak ({})", est.run_peak_phase(), size(step)),
+                advice: run_peak_advice(cfg, est),
                 snapshot: None,
             });
         }
@@ -128,19 +128,27 @@ fn refuse_predicted_overrun(
     let trains = ctx.data(cfg).0.train_images >= cfg.batch_size && !auto;
     let escape = std::env::var_os(RUN_PAST_PREDICTION_ENV).is_some_and(|v| v == "1");
     let reserve = RssReserve::of_process();
-    let resident = reserve.resident(est.peak);
-    if !trains || escape || est.peak <= reserve.heap_budget(limit) {
+    let peak = est.run_peak();
+    let resident = reserve.resident(peak);
+    if !trains || escape || peak <= reserve.heap_budget(limit) {
         return Ok(());
     }
     // A predicted overrun within the estimate's margin may still fit.
     let margin = crate::predict::schedule::SAFETY_MARGIN;
     let close = resident as f64 <= limit as f64 * (1.0 + margin);
+    let what = match est.run_peak_phase() {
+        "evaluation" => format!(
+            "the run's predicted evaluation peak (batches of {}; the step's is {})",
+            est.eval_batch,
+            format_bytes(est.peak)
+        ),
+        phase => format!("the step's predicted {phase} peak"),
+    };
     Err(Error::WontFit(format!(
-        "the step's predicted {} peak is {} of heap, {} of resident memory with the binary, \
+        "{what} is {} of heap, {} of resident memory with the binary, \
          thread stacks and allocator, above --memory-limit {}{}; {}, or raise --memory-limit to \
          at least {}",
-        est.peak_phase,
-        format_bytes(est.peak),
+        format_bytes(peak),
         format_bytes(resident),
         format_bytes(limit),
         if close {
@@ -151,11 +159,25 @@ fn refuse_predicted_overrun(
         } else {
             String::new()
         },
-        crate::advice::out_of_memory(cfg, est.peak_phase == "optimizer")
+        run_peak_advice(cfg, est)
             .trim_end_matches(", or raise --memory-limit")
             .replace(" or raise --memory-limit", ""),
         at_least(resident)
     )))
+}
+
+/// What lowers the run's predicted peak: the step's advice, or for an evaluation above the step
+/// what makes its batches smaller (it runs in batches of the micro-batch; checkpointing and
+/// compressed activations do not touch it).
+fn run_peak_advice(cfg: &TrainConfig, est: &Estimate) -> String {
+    match est.run_peak_phase() {
+        "evaluation" => format!(
+            "the evaluation runs in batches of the micro-batch ({}): use --accum-steps K (smaller \
+             micro-batches), --precision bf16, a smaller --batch-size, or --no-eval",
+            est.eval_batch
+        ),
+        phase => crate::advice::out_of_memory(cfg, phase == "optimizer"),
+    }
 }
 
 /// Where the data comes from, found without loading it.
@@ -420,7 +442,7 @@ impl Ctx {
     /// or the data set is beyond any estimate. Budgets that fit it are the ones advised.
     fn step_need(&self, cfg: &TrainConfig) -> Result<Option<u64>> {
         let peak = |c: &TrainConfig| -> Result<Option<u64>> {
-            Ok(self.needs(c)?.estimate.map(|e| e.peak))
+            Ok(self.needs(c)?.estimate.map(|e| e.run_peak()))
         };
         match self.step {
             Step::NotRun => Ok(None),

@@ -91,7 +91,9 @@ pub(crate) fn smaller_schedule(
     device: DeviceKind,
     baseline: Baseline,
 ) -> Option<crate::advice::SmallerSchedule> {
-    let current = estimate_for_specs(cfg, specs, device, baseline).ok()?.peak;
+    let current = estimate_for_specs(cfg, specs, device, baseline)
+        .ok()?
+        .run_peak();
     let mut all = cfg.clone();
     all.memory_limit = Some(cfg.memory_limit.unwrap_or(u64::MAX / 2));
     let candidates = schedule_candidates(&all, specs, device, baseline).ok()?;

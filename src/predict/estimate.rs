@@ -143,6 +143,14 @@ pub struct Estimate {
     pub peak: u64,
     /// The phase of the peak: `forward`, `backward` or `optimizer`.
     pub peak_phase: &'static str,
+    /// Images per evaluation batch (the micro-batch, or fewer when the evaluation split is
+    /// smaller); 0 without evaluation (`--no-eval`, or no evaluation images).
+    pub eval_batch: usize,
+    /// Highest bytes in use during the evaluation after an epoch (`src/train/fit.rs`: the tape's
+    /// forward in eval mode, [`crate::step::tape::LeanStep::evaluate`], run on sizes); `None`
+    /// without evaluation. Not part of [`Estimate::peak`], the step's; the run needs
+    /// [`Estimate::run_peak`].
+    pub eval_peak: Option<u64>,
     /// The steady-state step's events (every micro-batch's layer events, then the optimizer), as
     /// the trainer's memory timeline records them.
     pub events: Vec<EventPrediction>,
@@ -157,11 +165,28 @@ impl Estimate {
         self.backward_peak += bytes;
         self.optimizer_peak += bytes;
         self.peak += bytes;
+        if let Some(e) = &mut self.eval_peak {
+            *e += bytes;
+        }
         for e in &mut self.events {
             e.peak_bytes += bytes;
             e.current_bytes += bytes;
         }
         self
+    }
+
+    /// The highest bytes the run needs: the step's peak, or the evaluation's when it is higher.
+    /// What a memory limit must hold (admission, `--checkpoint auto`, `--fit-memory`).
+    pub fn run_peak(&self) -> u64 {
+        self.peak.max(self.eval_peak.unwrap_or(0))
+    }
+
+    /// The phase of [`Estimate::run_peak`]: the step's peak phase, or `evaluation`.
+    pub fn run_peak_phase(&self) -> &'static str {
+        match self.eval_peak {
+            Some(e) if e > self.peak => "evaluation",
+            _ => self.peak_phase,
+        }
     }
 
     /// The per-layer table (layer, output shape, parameters, activations saved for the backward,
@@ -255,6 +280,19 @@ impl Estimate {
             format_bytes(self.backward_peak),
             format_bytes(self.optimizer_peak)
         );
+        match self.eval_peak {
+            Some(e) => {
+                let _ = writeln!(
+                    s,
+                    "predicted evaluation peak {} (forward in batches of {}, running statistics, nothing saved) | the run needs {} ({})",
+                    format_bytes(e),
+                    self.eval_batch,
+                    format_bytes(self.run_peak()),
+                    self.run_peak_phase()
+                );
+            }
+            None => s.push_str("no evaluation (--no-eval): the run needs the step's peak\n"),
+        }
         s
     }
 }
@@ -304,7 +342,7 @@ pub fn schedule_candidates(
         c.grad_checkpointing = ck;
         out.push(Candidate {
             checkpointing: ck,
-            predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.peak,
+            predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
             recompute_flops: recompute_flops(specs, ck, cfg.batch_size),
         });
     }
@@ -383,6 +421,7 @@ pub fn estimate_for_specs(
     let sim: Shared = std::rc::Rc::new(std::cell::RefCell::new(Sim::new(nodes.len())));
     sim.borrow_mut().cur = baseline_bytes + batch_bytes + gemm_slabs;
     let (activation_bytes, events) = run_steps(&sim, cfg, &ctx, &nodes, &segments, &sizes)?;
+    let (eval_batch, eval_peak) = eval_phase(&sim, cfg, &ctx, &nodes, &sizes, baseline)?;
     let sim = sim.borrow();
     let peaks = sim.peaks;
     let (peak, peak_phase) = [
@@ -434,6 +473,8 @@ pub fn estimate_for_specs(
         optimizer_peak: peaks[2],
         peak,
         peak_phase,
+        eval_batch,
+        eval_peak,
         events,
     })
 }
@@ -541,6 +582,7 @@ fn baseline_and_batches(
         Baseline::Measured {
             bytes,
             train_images,
+            ..
         } => (bytes, train_images),
         Baseline::Modeled(data) if device.is_cpu() => (
             data.resident_bytes + model + RUNTIME_OVERHEAD_BYTES,
@@ -550,15 +592,76 @@ fn baseline_and_batches(
     };
     let batch_bytes = if device.is_cpu() {
         let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
-        let batches = (train_images / cfg.batch_size.max(1)).max(1);
-        // The one being trained and `--prefetch` prepared ahead (no more than an epoch has).
-        let in_flight = (cfg.prefetch_batches(false) + 1).min(batches) as u64;
         // The batcher's permutation of the training split lives for the epoch.
-        in_flight * per_batch + train_images as u64 * 8
+        train_batches_in_flight(cfg, train_images) * per_batch + train_images as u64 * 8
     } else {
         0
     };
     (baseline_bytes, batch_bytes)
+}
+
+/// Training batches alive at once on the CPU: the one being trained and `--prefetch` prepared
+/// ahead (no more than an epoch has). Their image buffers stay in the trainer's pool after the
+/// epoch's steps, for the next epoch and the evaluation.
+fn train_batches_in_flight(cfg: &TrainConfig, train_images: usize) -> u64 {
+    let batches = (train_images / cfg.batch_size.max(1)).max(1);
+    (cfg.prefetch_batches(false) + 1).min(batches) as u64
+}
+
+/// The evaluation after an epoch's steps (`Trainer::evaluate`, `src/train/fit.rs`), on sizes:
+/// the tape's forward in eval mode ([`crate::step::tape::LeanStep::evaluate`]) on a batch of
+/// the micro-batch's size (or the whole evaluation split when it is smaller). In use around it:
+/// the baseline, the optimizer state, the runtime's buffers, the training batches' image buffers
+/// (pooled; the evaluation's batches reuse them), the evaluation batcher's order of the split
+/// (8 bytes an image) and the labels of its batches in flight; the gradients and the training
+/// permutation are gone. Returns the batch and the peak, `(0, None)` without evaluation.
+fn eval_phase(
+    sim: &Shared,
+    cfg: &TrainConfig,
+    ctx: &Ctx,
+    nodes: &[Node],
+    sizes: &Sizes,
+    baseline: Baseline,
+) -> Result<(usize, Option<u64>)> {
+    let (train_images, eval_images) = match baseline {
+        Baseline::Modeled(d) => (d.train_images, d.test_images),
+        Baseline::Measured {
+            train_images,
+            eval_images,
+            ..
+        } => (train_images, eval_images),
+    };
+    let n = cfg.micro_batch().min(eval_images);
+    if !cfg.eval || n == 0 {
+        return Ok((0, None));
+    }
+    let c = Ctx {
+        n: n as u64,
+        s: ctx.s,
+        dtype: ctx.dtype,
+        device: ctx.device,
+        int8: ctx.int8,
+    };
+    {
+        let mut s = sim.borrow_mut();
+        s.phase = Phase::Eval;
+        // After the steps: the optimizer state joins; the permutation and the training batches'
+        // labels go, their image buffers stay pooled.
+        s.cur += sizes.optimizer_bytes;
+        if ctx.device.is_cpu() {
+            let in_flight = train_batches_in_flight(cfg, train_images);
+            let eval_batches = eval_images.div_ceil(n);
+            let eval_in_flight = (cfg.prefetch_batches(false) + 1).min(eval_batches) as u64;
+            s.free(in_flight * cfg.batch_size as u64 * 4 + train_images as u64 * 8);
+            s.cur += eval_images as u64 * 8 + eval_in_flight * n as u64 * 4;
+        }
+        s.peaks[Phase::Eval as usize] = s.cur;
+    }
+    let blocks = blocks_of(nodes).len();
+    let ops = super::sizing::Sizing::new(sim.clone(), &c, nodes);
+    super::sizing::eval_batch(ops, n, blocks, cfg.compress_activations)?;
+    let peak = sim.borrow().peaks[Phase::Eval as usize];
+    Ok((n, Some(peak)))
 }
 
 /// The gemm crate's per-thread L2 packing buffers, allocated by the first matrix product on each

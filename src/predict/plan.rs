@@ -571,7 +571,7 @@ fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result
                         precision,
                         grad_checkpointing,
                         conv,
-                        predicted_peak: est.peak,
+                        predicted_peak: est.run_peak(),
                         time_per_image: t,
                         relative_throughput: reference / t,
                     });

@@ -309,6 +309,8 @@ pub(super) enum Phase {
     Forward = 0,
     Backward = 1,
     Optimizer = 2,
+    /// The evaluation after an epoch's steps.
+    Eval = 3,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -318,7 +320,7 @@ pub(super) struct LayerRec {
 
 pub(super) struct Sim {
     pub(super) cur: u64,
-    pub(super) peaks: [u64; 3],
+    pub(super) peaks: [u64; 4],
     pub(super) phase: Phase,
     pub(super) layers: Vec<LayerRec>,
     /// Highest `cur` since [`Sim::mark`].
@@ -331,7 +333,7 @@ impl Sim {
     pub(super) fn new(layers: usize) -> Self {
         Sim {
             cur: 0,
-            peaks: [0; 3],
+            peaks: [0; 4],
             phase: Phase::Forward,
             layers: vec![LayerRec::default(); layers],
             local_peak: 0,

@@ -400,6 +400,15 @@ impl StepOps for Sizing<'_> {
             }
         }))
     }
+    fn bn_running(&self, j: usize) -> Result<SzBn> {
+        let node = self.blocks[j].bn;
+        let ch = self.nodes[node].out.0;
+        // The running mean and variance stacked into one `[2, C]` tensor.
+        Ok(self.op(Some(node), || SzBn {
+            _stats: self.alloc(vec![2, ch], DType::F32),
+            node,
+        }))
+    }
     fn bn_relu(&self, h: &Sz, p: &SzBn) -> Result<Sz> {
         Ok(self.op(Some(p.node), || self.alloc(h.dims.clone(), h.dtype)))
     }
@@ -542,6 +551,17 @@ impl StepOps for Sizing<'_> {
         }))
     }
 
+    fn loss(&self, logits: &Sz, _labels: &Sz) -> Result<MicroResult> {
+        self.op(Some(self.head()), || {
+            // log-softmax, the loss and the argmax: a few logits-sized temporaries.
+            self.spike(6 * logits.bytes());
+        });
+        Ok(MicroResult {
+            loss: 0.0,
+            correct: 0,
+        })
+    }
+
     fn add_grad(&self, grads: &mut Vec<Option<Sz>>, i: usize, g: Sz) -> Result<()> {
         if grads.len() <= i {
             grads.resize(i + 1, None);
@@ -615,6 +635,22 @@ pub(super) fn micro_batch(
     let saved = obs.events.last().map_or(0, |e| e.saved_bytes);
     step.backward(tape, grads, &mut obs)?;
     Ok((saved, obs.events))
+}
+
+/// One evaluation batch of `n` images through the tape's eval-mode forward on sizes
+/// ([`LeanStep::evaluate`]): the batch as the trainer makes it (f32 images, u32 labels), then
+/// the blocks and the head with running statistics, nothing saved.
+pub(super) fn eval_batch(
+    ops: Sizing<'_>,
+    n: usize,
+    blocks: usize,
+    storage: ActivationStorage,
+) -> Result<()> {
+    let x = ops.alloc(vec![n, 3, 32, 32], DType::F32);
+    let y = ops.alloc(vec![n], DType::U32);
+    let mut step = LeanStep::on(ops, vec![0..blocks], storage);
+    step.evaluate(&x, &y, &mut crate::step::tape::NoObserver)?;
+    Ok(())
 }
 
 /// One predicted event of the step, matching the trainer's timeline events.

@@ -27,6 +27,11 @@ pub struct WhatIf {
     pub flags: Vec<String>,
     /// Predicted peak bytes of a training step.
     pub predicted_peak_bytes: u64,
+    /// Predicted peak bytes of the evaluation after an epoch (its batches are the micro-batch,
+    /// in the row's precision and conv; checkpointing and int8 do not change it); `None` without
+    /// evaluation. The run needs the larger of the two.
+    #[serde(default)]
+    pub predicted_eval_peak_bytes: Option<u64>,
     /// Predicted bytes saved against `none` (negative: the row needs more).
     pub saved_bytes: i64,
 }
@@ -86,6 +91,16 @@ impl Opts {
     }
 
     fn peak(&self, cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Result<u64> {
+        Ok(self.peaks(cfg, device, baseline)?.0)
+    }
+
+    /// The step's predicted peak and the evaluation's.
+    fn peaks(
+        &self,
+        cfg: &TrainConfig,
+        device: DeviceKind,
+        baseline: Baseline,
+    ) -> Result<(u64, Option<u64>)> {
         let mut c = cfg.clone();
         c.precision = self.precision;
         c.accum_steps = self.accum;
@@ -93,7 +108,8 @@ impl Opts {
         c.conv = self.conv;
         c.compress_activations = self.storage;
         let specs = model_layer_specs(c.width, c.conv);
-        Ok(estimate_for_specs(&c, &specs, device, baseline)?.peak)
+        let e = estimate_for_specs(&c, &specs, device, baseline)?;
+        Ok((e.peak, e.eval_peak))
     }
 }
 
@@ -167,11 +183,12 @@ pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Res
     let base = none.peak(cfg, device, baseline)?;
     rows.into_iter()
         .map(|(label, o)| {
-            let peak = o.peak(cfg, device, baseline)?;
+            let (peak, eval) = o.peaks(cfg, device, baseline)?;
             Ok(WhatIf {
                 label,
                 flags: o.flags(),
                 predicted_peak_bytes: peak,
+                predicted_eval_peak_bytes: eval,
                 saved_bytes: base as i64 - peak as i64,
             })
         })
@@ -181,7 +198,7 @@ pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Res
 /// The what-if rows as a markdown table with a heading line.
 pub fn what_if_table(rows: &[WhatIf]) -> String {
     let mut s = String::from(
-        "what if (predicted step peak; the run's other settings kept, unnamed optimizations off)\n| optimization | flags | predicted peak | saved |\n|---|---|---:|---:|\n",
+        "what if (predicted step peak, and the evaluation's; the run's other settings kept, unnamed optimizations off)\n| optimization | flags | predicted peak | saved | evaluation peak |\n|---|---|---:|---:|---:|\n",
     );
     for r in rows {
         let saved = if r.saved_bytes >= 0 {
@@ -194,9 +211,12 @@ pub fn what_if_table(rows: &[WhatIf]) -> String {
         } else {
             r.flags.join(" ")
         };
+        let eval = r
+            .predicted_eval_peak_bytes
+            .map_or("-".to_string(), format_bytes);
         let _ = writeln!(
             s,
-            "| {} | {flags} | {} | {saved} |",
+            "| {} | {flags} | {} | {saved} | {eval} |",
             r.label,
             format_bytes(r.predicted_peak_bytes)
         );

@@ -213,14 +213,21 @@ impl Runner<'_> {
             opts.steps.to_string(),
             "--synthetic-train".into(),
             synthetic.to_string(),
-            "--no-eval".into(),
             "--quiet".into(),
             "--out".into(),
             dir.to_string_lossy().into_owned(),
         ];
-        if let Some(limit) = opts.memory_limit {
-            fixed.push("--memory-limit".into());
-            fixed.push(limit.to_string());
+        match opts.memory_limit {
+            // A batch fits a limit only when its whole run does: the point evaluates, so that
+            // the trainer's admission (and the run) counts the evaluation too. On synthetic
+            // data one evaluation batch is enough to reach its peak.
+            Some(limit) => fixed.extend([
+                "--synthetic-test".into(),
+                batch.max(10).to_string(),
+                "--memory-limit".into(),
+                limit.to_string(),
+            ]),
+            None => fixed.push("--no-eval".into()),
         }
         (dir, merge_flags(&[&opts.common, &variant.flags, &fixed]))
     }

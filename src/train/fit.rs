@@ -10,18 +10,19 @@ use crate::callbacks::{Callback, EpochBegin, EpochEnd, EpochStats, TrainBegin, T
 use crate::data::{Batcher, BatcherOptions, Dataset};
 use crate::device::device_name;
 use crate::error::{Error, Result};
-use crate::model::Mode;
-use crate::step::oracle::loss_and_correct;
+use super::phases::EvalBudget;
+use crate::step::tape::LeanStep;
 use candle_core::Tensor;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 impl Trainer {
-    /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, no graph), in
-    /// micro-batches so evaluation never needs more memory than a training micro-batch.
-    /// `None` when a stop was requested before or during it (checked between batches).
-    pub(crate) fn evaluate(&self, data: &Arc<Dataset>) -> Result<Option<(f64, f64)>> {
+    /// Mean loss and top-1 accuracy on `data` (running BatchNorm statistics, nothing saved), in
+    /// micro-batches, through the step's own tape ([`LeanStep::evaluate`]), which the estimate
+    /// sizes as the run's evaluation phase; the CPU budget is checked after every layer, as in a
+    /// step. `None` when a stop was requested before or during it (checked between batches).
+    pub(crate) fn evaluate(&self, data: &Arc<Dataset>, epoch: usize) -> Result<Option<(f64, f64)>> {
         let bs = self.config.micro_batch().max(1);
         let batcher = Batcher::new(
             data.clone(),
@@ -39,6 +40,7 @@ impl Trainer {
             },
         );
         let dtype = self.config.precision.compute_dtype();
+        let blocks = self.model.blocks.len();
         let (mut loss_sum, mut correct, mut n) = (0.0, 0usize, 0usize);
         for b in batcher {
             if self.stop_requested() {
@@ -46,10 +48,22 @@ impl Trainer {
             }
             let x = Tensor::from_slice(&b.images, (b.len, 3, 32, 32), &self.device)?;
             let y = Tensor::from_slice(&b.labels, b.len, &self.device)?;
-            let logits = self.model.forward(&x, dtype, Mode::Eval)?;
-            let (loss, c) = loss_and_correct(&logits, &y)?;
-            loss_sum += loss.to_scalar::<f32>()? as f64 * b.len as f64;
-            correct += c;
+            let mut budget = EvalBudget {
+                probe: &*self.probe,
+                epoch,
+                batch: b.index,
+            };
+            let r = LeanStep::new(
+                &self.model,
+                dtype,
+                vec![0..blocks],
+                self.config.compress_activations,
+            )
+            .evaluate(&x, &y, &mut budget)
+            .map_err(|e| self.advise_oom(e))?;
+            drop((x, y));
+            loss_sum += r.loss * b.len as f64;
+            correct += r.correct;
             n += b.len;
             self.batch_buffers.put(b.images);
         }
@@ -162,7 +176,7 @@ impl Trainer {
         let mut progress = carried.unwrap_or_else(|| EpochProgress::new(epoch, cfg.lr));
         let (next, mut interrupted) = self.train_steps(epoch, first, steps, &mut progress)?;
         let eval = if cfg.eval && !interrupted {
-            let e = self.evaluate(&self.eval.clone())?;
+            let e = self.evaluate(&self.eval.clone(), epoch)?;
             interrupted = e.is_none();
             e
         } else {
@@ -274,6 +288,13 @@ impl Trainer {
             wall.elapsed().as_secs_f64(),
             pruning,
         );
+        // The results first: an export below that fails or is killed loses nothing measured.
+        if self.log_files {
+            crate::io::write_json_atomic(
+                &self.run_dir.join(super::summary::SUMMARY_FILE),
+                &summary,
+            )?;
+        }
         self.callbacks.on_train_end(&TrainEnd {
             epochs: &epochs,
             global_step: self.global_step,
@@ -291,12 +312,6 @@ impl Trainer {
             )?;
             self.write_step_trace()?;
             self.write_memory_snapshot();
-        }
-        if self.log_files {
-            crate::io::write_json_atomic(
-                &self.run_dir.join(super::summary::SUMMARY_FILE),
-                &summary,
-            )?;
         }
         Ok(summary)
     }

@@ -100,6 +100,54 @@ pub struct RunHistory {
     pub train_secs: f64,
     /// Images and seconds of the steps, for the steady-state throughput.
     pub step_times: StepTimes,
+    /// How the blocks' conv outputs were kept, step by step: `--compress-activations` may change
+    /// on `--resume`, and one lossy step makes the run lossy. Empty in snapshots written before
+    /// this was recorded.
+    #[serde(default)]
+    pub activation_storage: Vec<StorageSpan>,
+}
+
+/// Consecutive steps trained with one `--compress-activations` setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StorageSpan {
+    /// The first step (from 1, as in batches.csv).
+    pub first_step: usize,
+    /// The last step.
+    pub last_step: usize,
+    /// The setting.
+    pub compress_activations: crate::config::ActivationStorage,
+}
+
+impl RunHistory {
+    /// Step `step` (from 1) trained with `storage`.
+    pub fn note_storage(&mut self, step: usize, storage: crate::config::ActivationStorage) {
+        match self.activation_storage.last_mut() {
+            Some(s) if s.compress_activations == storage && s.last_step + 1 == step => {
+                s.last_step = step;
+            }
+            _ => self.activation_storage.push(StorageSpan {
+                first_step: step,
+                last_step: step,
+                compress_activations: storage,
+            }),
+        }
+    }
+
+    /// The steps that kept their conv outputs lossily, as `1–4, 9` (empty when none did).
+    pub fn lossy_steps(&self) -> String {
+        self.activation_storage
+            .iter()
+            .filter(|s| s.compress_activations.is_lossy())
+            .map(|s| {
+                if s.first_step == s.last_step {
+                    s.first_step.to_string()
+                } else {
+                    format!("{}–{}", s.first_step, s.last_step)
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// Steps kept one by one: enough to skip any warm-up [`StepTimes::steady`] can ask for.

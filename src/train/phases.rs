@@ -220,6 +220,26 @@ impl StepObserver for TimelineRecorder<'_> {
     }
 }
 
+/// The CPU budget checked after every layer of the evaluation, as after every layer of a step.
+pub(super) struct EvalBudget<'a> {
+    pub(super) probe: &'a dyn MemoryProbe,
+    pub(super) epoch: usize,
+    /// The evaluation batch.
+    pub(super) batch: usize,
+}
+
+impl StepObserver for EvalBudget<'_> {
+    fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+        over_budget(
+            self.probe,
+            self.probe.peak(),
+            self.epoch,
+            self.batch,
+            format!("{} at {}", e.phase, e.layer),
+        )
+    }
+}
+
 impl Trainer {
     /// The step's constant memory categories for a step that starts with `start_bytes` in use:
     /// parameters and BatchNorm statistics, optimizer state, and the rest of what is in use.
@@ -283,6 +303,8 @@ impl Trainer {
             Ok(r) => {
                 self.timeline = timeline;
                 self.global_step += 1;
+                self.history
+                    .note_storage(self.global_step, self.config.compress_activations);
                 self.history
                     .step_times
                     .push(r.images, t0.elapsed().as_secs_f64());

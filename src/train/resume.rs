@@ -205,12 +205,21 @@ impl Trainer {
             dir,
             state,
             healthy,
+            config,
             ..
         } = ck;
         self.restore(state).map_err(|e| match e {
             Error::Snapshot(m) => Error::Snapshot(format!("{}: {m}", dir.display())),
             other => other,
         })?;
+        if self.history.activation_storage.is_empty() && self.global_step > 0 {
+            // A snapshot from before the record: its steps ran with its own setting.
+            self.history.activation_storage.push(super::history::StorageSpan {
+                first_step: 1,
+                last_step: self.global_step,
+                compress_activations: config.compress_activations,
+            });
+        }
         self.snapshots.resumed(&run_dir, point, healthy);
         Ok(())
     }

@@ -78,11 +78,24 @@ pub struct Summary {
     #[serde(default)]
     pub recompute_flops: u64,
     /// True when the run's gradients are not the exact step's: `--compress-activations int8`
-    /// kept the blocks' conv outputs as 8-bit codes.
+    /// kept the blocks' conv outputs as 8-bit codes in any of its steps (a resumed run counts
+    /// the steps of every process).
     #[serde(default)]
     pub lossy: bool,
+    /// How each span of steps kept the conv outputs (`--compress-activations` may change on
+    /// `--resume`).
+    #[serde(default)]
+    pub activation_storage: Vec<super::history::StorageSpan>,
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
+    /// Predicted peak bytes of the evaluation after an epoch (the tape's eval-mode forward on
+    /// sizes); `None` without evaluation or without an estimate.
+    #[serde(default)]
+    pub predicted_eval_peak_bytes: Option<u64>,
+    /// Measured peak bytes of the evaluations, the highest over the epochs evaluated; `None`
+    /// when none was.
+    #[serde(default)]
+    pub eval_peak_bytes: Option<u64>,
     /// What each memory optimization alone and all together would make of the predicted peak
     /// ([`crate::predict::what_if()`]); `None` where there is no estimate (no memory probe).
     #[serde(default)]
@@ -142,15 +155,23 @@ impl Trainer {
     ) -> Summary {
         let mem = self.memory_log();
         let os = self.probe.os_memory();
-        let predicted = if self.probe.available() {
-            self.memory_estimate().map(|e| e.peak)
+        let estimate = if self.probe.available() {
+            self.memory_estimate()
         } else {
             None
         };
+        let predicted = estimate.as_ref().map(|e| e.peak);
         let last = epochs.last();
         let step_peak = mem.step_peak_bytes;
+        let lossy_steps = self.history.lossy_steps();
+        let lossy = self.config.compress_activations.is_lossy() || !lossy_steps.is_empty();
+        let mut label = self.config.label();
+        if lossy && !self.config.compress_activations.is_lossy() {
+            // Exact now, lossy before a resume: the run is not the exact step's.
+            label.push_str(&format!(" (lossy: int8-activations in steps {lossy_steps})"));
+        }
         Summary {
-            label: self.config.label(),
+            label,
             device: device_name(&self.device),
             probe: self.probe.name().to_string(),
             probe_available: self.probe.available(),
@@ -177,9 +198,12 @@ impl Trainer {
                 self.config.grad_checkpointing,
                 self.config.batch_size,
             ),
-            lossy: self.config.compress_activations.is_lossy(),
+            lossy,
+            activation_storage: self.history.activation_storage.clone(),
             // The analytic estimate (src/predict/) against the measured peak.
             predicted_peak_bytes: predicted,
+            predicted_eval_peak_bytes: estimate.as_ref().and_then(|e| e.eval_peak),
+            eval_peak_bytes: mem.epochs.iter().filter_map(|e| e.eval_peak_bytes).max(),
             what_if: predicted.and_then(|_| self.what_if()),
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),

@@ -140,6 +140,5 @@ fn write_snapshot(
     timeline: &StepTimeline,
     oom: Option<OomMark>,
 ) -> Result<()> {
-    let snapshot = memviz::snapshot(trace, timeline, oom)?;
-    memviz::write(path, &snapshot)
+    memviz::write_trace(path, trace, timeline, oom)
 }

@@ -105,7 +105,7 @@ impl GradCheckpointing {
     fn parse_segments(list: &str, flag_value: &str) -> Result<Self> {
         let bad = |why: String| {
             Error::config(format!(
-                "--checkpoint {flag_value}: {why}; write segments: and the blocks (1 to {}) after which a segment ends, increasing, e.g. segments:2,4",
+                "--checkpoint '{flag_value}': {why}; write segments: and the blocks (1 to {}) after which a segment ends, increasing, e.g. segments:2,4",
                 CNN_BLOCKS - 1
             ))
         };

@@ -109,6 +109,8 @@ pub trait StepOps {
     /// Block j's BatchNorm parameters for conv output `h`: its batch statistics (the running
     /// statistics updated when `update_stats`), or the running statistics of a frozen BatchNorm.
     fn bn_params(&self, j: usize, h: &Self::T, update_stats: bool) -> Result<Self::Bn>;
+    /// Block j's BatchNorm parameters for evaluation: its running statistics, untouched.
+    fn bn_running(&self, j: usize) -> Result<Self::Bn>;
     /// `relu(bn(h))` into a new tensor.
     fn bn_relu(&self, h: &Self::T, p: &Self::Bn) -> Result<Self::T>;
     /// `relu(bn(h))` in place over `h`.
@@ -161,6 +163,10 @@ pub trait StepOps {
         loss_mult: f64,
         defer: bool,
     ) -> Result<(HeadResult<Self::T>, Self::T)>;
+
+    /// The mean cross-entropy of f32 `logits` for `labels` and the correct count, read; no
+    /// gradient (evaluation).
+    fn loss(&self, logits: &Self::T, labels: &Self::T) -> Result<MicroResult>;
 
     /// Add the gradient of parameter `i` into `grads`.
     fn add_grad(&self, grads: &mut Self::Grads, i: usize, g: Self::T) -> Result<()>;
@@ -290,6 +296,9 @@ impl StepOps for CandleOps<'_> {
             self.stats_in_place,
         )
     }
+    fn bn_running(&self, j: usize) -> Result<BnParams> {
+        running_params(&self.model.blocks[j].bn)
+    }
     fn bn_relu(&self, h: &Tensor, p: &BnParams) -> Result<Tensor> {
         Ok(bn::bn_relu(h, p)?)
     }
@@ -368,6 +377,14 @@ impl StepOps for CandleOps<'_> {
         Ok((head, grad))
     }
 
+    fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<MicroResult> {
+        let (loss, correct) = super::oracle::loss_and_correct(logits, labels)?;
+        Ok(MicroResult {
+            loss: loss.to_scalar::<f32>()? as f64,
+            correct,
+        })
+    }
+
     fn add_grad(&self, grads: &mut GradAccumulator, i: usize, g: Tensor) -> Result<()> {
         grads.add(i, g)
     }
@@ -385,18 +402,11 @@ fn bn_params(
     update_stats: bool,
     in_place: bool,
 ) -> Result<BnParams> {
+    if layer.frozen {
+        return running_params(layer);
+    }
     let gamma = layer.gamma.as_detached_tensor();
     let beta = layer.beta.as_detached_tensor();
-    if layer.frozen {
-        let (rm, rv) = layer.running();
-        return Ok(BnParams {
-            gamma,
-            beta,
-            stats: Tensor::stack(&[rm, rv], 0)?,
-            eps: layer.eps,
-            batch_stats: false,
-        });
-    }
     let stats = bn::batch_stats(h)?;
     if update_stats {
         let (n, _, hh, ww) = h.dims4()?;
@@ -408,6 +418,19 @@ fn bn_params(
         stats,
         eps: layer.eps,
         batch_stats: true,
+    })
+}
+
+/// The normalization parameters of a block with its running statistics (evaluation, or a
+/// frozen BatchNorm in training).
+fn running_params(layer: &BatchNorm) -> Result<BnParams> {
+    let (rm, rv) = layer.running();
+    Ok(BnParams {
+        gamma: layer.gamma.as_detached_tensor(),
+        beta: layer.beta.as_detached_tensor(),
+        stats: Tensor::stack(&[rm, rv], 0)?,
+        eps: layer.eps,
+        batch_stats: false,
     })
 }
 

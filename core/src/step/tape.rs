@@ -225,6 +225,52 @@ impl<O: StepOps> LeanStep<O> {
         Ok(r)
     }
 
+    /// Evaluation of images `x` (f32 `[N, 3, 32, 32]`) with labels `y` (u32 `[N]`): the forward
+    /// with BatchNorm's running statistics (untouched), nothing saved, no gradient; the mean
+    /// loss and the correct count. Each block's conv output is normalized in place (or pooled
+    /// straight from it), and its input is freed right after its conv, so at most a block's
+    /// input, its conv output and the conv's scratch are alive at once. The events (phase
+    /// [`Phase::Eval`]) follow each block and the head.
+    pub fn evaluate(
+        &mut self,
+        x: &O::T,
+        y: &O::T,
+        obs: &mut dyn StepObserver,
+    ) -> Result<MicroResult> {
+        let o = &self.o;
+        let mut h = o.to_dtype(x, o.dtype())?;
+        for j in 0..o.blocks() {
+            let z = self.conv_forward(j, &h)?;
+            drop(h);
+            let p = o.bn_running(j)?;
+            h = if o.block_pools(j) {
+                o.bn_relu_pool(&z, &p)?
+            } else {
+                o.bn_relu_in_place(z, &p)?
+            };
+            obs.event(StepEvent {
+                phase: Phase::Eval,
+                layer: o.block_name(j),
+                saved_bytes: 0,
+                grad_bytes: 0,
+            })?;
+        }
+        let feat = o.flatten(&o.to_dtype(&h, DType::F32)?)?;
+        drop(h);
+        let (hw, hb) = o.head_weights();
+        let logits = o.add_bias(&o.matmul(&feat, &o.t(&hw)?)?, &hb)?;
+        drop(feat);
+        let r = o.loss(&logits, y)?;
+        drop(logits);
+        obs.event(StepEvent {
+            phase: Phase::Eval,
+            layer: "head",
+            saved_bytes: 0,
+            grad_bytes: 0,
+        })?;
+        Ok(r)
+    }
+
     /// The forward phase: the blocks, the head and the loss (multiplied by `loss_mult`), up to
     /// the gradient of the logits. Returns the micro-batch's loss and accuracy and the [`Tape`]
     /// its [`LeanStep::backward`] consumes. `acc` is only read (for the events' gradient bytes).

@@ -1,0 +1,83 @@
+//! A resumed run says what it does and describes the whole run (issue 34): a
+//! `--memory-snapshot-step` inherited from the run's config that is already trained falls back
+//! to the run's last step (given explicitly it is refused: `tests/bad_input.rs`), and `lossy`
+//! and the label count the steps of every process, with each span of steps' setting recorded.
+
+mod common;
+
+use common::{flags, run_trainer, text};
+use std::path::Path;
+
+const BASE: &str = "--synthetic-train 256 --synthetic-test 32 --width 8 --batch-size 32 --device cpu --quiet";
+
+fn run(dir: &Path, extra: &str) {
+    let mut args = flags(BASE);
+    args.extend(flags(extra));
+    args.extend(["--out".to_string(), dir.display().to_string()]);
+    let o = run_trainer(&args);
+    assert!(o.status.success(), "{extra}: {}", text(&o.stderr));
+}
+
+fn resume(dir: &Path, extra: &str) -> String {
+    let mut args = vec!["--resume".to_string(), dir.display().to_string()];
+    args.extend(flags(extra));
+    let o = run_trainer(&args);
+    assert!(o.status.success(), "--resume {extra}: {}", text(&o.stderr));
+    text(&o.stdout)
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_run_lossy_before_a_resume_stays_lossy() {
+    let dir = common::scratch("resume-settings", "lossy");
+    let out = dir.join("run");
+    run(&out, "--max-steps 4 --compress-activations int8");
+    resume(&out, "--max-steps 6 --compress-activations none");
+    let s = summary(&out);
+    assert_eq!(s["steps"], 6);
+    assert_eq!(s["lossy"], true, "4 of its 6 steps kept int8 codes");
+    let label = s["label"].as_str().unwrap();
+    assert!(
+        label.contains("(lossy: int8-activations in steps 1–4)"),
+        "{label}"
+    );
+    assert_eq!(
+        s["activation_storage"],
+        serde_json::json!([
+            {"first_step": 1, "last_step": 4, "compress_activations": "int8"},
+            {"first_step": 5, "last_step": 6, "compress_activations": "none"}
+        ])
+    );
+    // An exact run resumed exact stays exact, one span.
+    let exact = dir.join("exact");
+    run(&exact, "--max-steps 2");
+    resume(&exact, "--max-steps 3");
+    let s = summary(&exact);
+    assert_eq!(s["lossy"], false);
+    assert!(!s["label"].as_str().unwrap().contains("lossy"));
+    assert_eq!(s["activation_storage"].as_array().unwrap().len(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_inherited_snapshot_step_already_trained_traces_the_last_step() {
+    let dir = common::scratch("resume-settings", "snapshot-step");
+    let out = dir.join("run");
+    run(&out, "--max-steps 4 --memory-snapshot-step 2");
+    let stdout = resume(&out, "--max-steps 6");
+    assert!(
+        stdout.contains("--memory-snapshot-step 2 of the run's config is already trained"),
+        "{stdout}"
+    );
+    // The pickle now holds the step step_trace.json describes: the run's last, 6.
+    let pickle = std::fs::read(out.join(memtrain::export::memviz::MEMORY_SNAPSHOT_FILE)).unwrap();
+    let needle = b"memtrain step 6 ";
+    assert!(
+        pickle.windows(needle.len()).any(|w| w == needle),
+        "memory_snapshot.pickle is not step 6's"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -86,6 +86,11 @@ pub struct ChildRun {
     pub wall_secs: f64,
     /// The child's `summary.json`, when it finished.
     pub summary: Option<Summary>,
+    /// True when the child's flags ask for a lossy step (`--compress-activations int8`: its
+    /// gradients are not the exact step's), read from `args` whether or not it finished
+    /// ([`lossy_flags`]). Results written before it existed read as false.
+    #[serde(default)]
+    pub lossy: bool,
 }
 
 impl ChildRun {
@@ -124,6 +129,19 @@ impl ChildRun {
     /// Training throughput in images per second, when the run finished.
     pub fn images_per_sec(&self) -> Option<f64> {
         self.summary.as_ref().map(|s| s.images_per_sec)
+    }
+}
+
+/// Whether trainer flags ask for a lossy step: the configuration they make, a `--config` file
+/// merged in as the trainer merges it, stores its saved activations lossily
+/// ([`crate::config::ActivationStorage::is_lossy`]). Flags the trainer would refuse are not lossy
+/// (such a point never runs).
+pub fn lossy_flags(args: &[String]) -> bool {
+    let argv = std::iter::once("train_cifar10").chain(args.iter().map(String::as_str));
+    match crate::cli::parse_train_args(argv) {
+        Ok(Ok(parsed)) => crate::cli::TrainCommand::try_from(parsed)
+            .is_ok_and(|c| c.config.compress_activations.is_lossy()),
+        _ => false,
     }
 }
 
@@ -569,6 +587,7 @@ pub(crate) fn run_child(
         signal,
         wall_secs,
         summary: None,
+        lossy: lossy_flags(args),
     };
     if timed_out {
         run.note = format!("timed out after {:.0} s and was killed", wall_secs);

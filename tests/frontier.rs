@@ -4,7 +4,9 @@
 use memtrain::sweep::batch::{BatchPlan, SweepPoint, SweepResult, Variant};
 use memtrain::sweep::compare::{CompareEntry, CompareResult};
 use memtrain::sweep::frontier::{pareto_front, write_frontier_chart, FrontierPoint};
-use memtrain::sweep::report::{compare_csv, compare_markdown, sweep_csv, sweep_markdown, CsvTable};
+use memtrain::sweep::report::{
+    compare_csv, compare_markdown, sweep_csv, sweep_markdown, write_sweep_report, CsvTable,
+};
 use memtrain::sweep::{lossy_flags, oom_snapshot_link, ChildRun, Status};
 use memtrain::train::Summary;
 use std::path::{Path, PathBuf};
@@ -114,6 +116,7 @@ fn the_frontier_chart_draws_every_measured_point_with_its_label() {
         &pts,
         "memory against speed",
         Some(64 * MIB),
+        None,
         &dir.join("frontier"),
     )
     .expect("chart is drawn");
@@ -161,7 +164,7 @@ fn the_frontier_chart_draws_every_measured_point_with_its_label() {
     assert_eq!(step_paths, 1, "one step line through the frontier");
 
     // Nothing measured: no chart, and no files.
-    let none = write_frontier_chart(&pts[3..], "t", None, &dir.join("empty")).unwrap();
+    let none = write_frontier_chart(&pts[3..], "t", None, None, &dir.join("empty")).unwrap();
     assert!(none.is_empty());
     assert!(!dir.join("empty.png").exists() && !dir.join("empty.svg").exists());
     let _ = std::fs::remove_dir_all(&dir);
@@ -283,6 +286,7 @@ fn sweep_tables_mark_the_frontier_points() {
         "{md}"
     );
     assert!(md.contains("\n✓ frontier: no other exact point"), "{md}");
+    assert!(!md.contains("lossy"), "no lossy point, no word of it: {md}");
     // No snapshot was written, so there is no snapshot column.
     assert!(!md.contains("OOM snapshot"), "{md}");
 
@@ -460,7 +464,7 @@ fn the_frontier_chart_draws_a_lossy_point_apart_with_its_own_marker_and_legend()
         lossy_pt("int8", 60, 978.0),
         lossy_pt("bf16+int8 (lossy)", 45, 1000.0),
     ];
-    let files = write_frontier_chart(&pts, "t", None, &dir.join("frontier")).unwrap();
+    let files = write_frontier_chart(&pts, "t", None, None, &dir.join("frontier")).unwrap();
     let svg = std::fs::read_to_string(&files[1]).unwrap();
     let doc = roxmltree::Document::parse(&svg).unwrap();
     let texts: Vec<String> = doc
@@ -538,6 +542,10 @@ fn compare_tables_say_which_configuration_is_lossy_and_leave_it_off_the_frontier
     assert_eq!(col("lossy"), ["false", "false", "true", "true"]);
     assert_eq!(col("frontier"), ["false", "true", "false", "false"]);
     let md = compare_markdown(&r);
+    assert!(
+        md.contains("(one of them strictly); lossy points (int8 saved activations) are left out"),
+        "{md}"
+    );
     let notes: Vec<&str> = md
         .lines()
         .skip(2)
@@ -607,5 +615,64 @@ fn lossy_is_read_from_the_flags_a_config_file_included() {
     let mut overridden = with_file.clone();
     overridden.extend(words("--compress-activations none"));
     assert!(!lossy_flags(&overridden));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn svg_texts(path: &Path) -> Vec<String> {
+    let svg = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&svg).unwrap();
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn a_cpu_sweep_chart_names_the_limit_resident_and_draws_the_heap_budget_the_peaks_are_held_to() {
+    let dir = tmp_dir("sweep-limit");
+    let mut r = sweep(&dir);
+    r.memory_limit_bytes = Some(100 * MIB);
+    for (k, p) in r.points.iter_mut().enumerate() {
+        if let Some(s) = p.run.summary.as_mut() {
+            // Each trainer reads its reserve at start: the budgets differ a little.
+            s.heap_budget_bytes = Some(78 * MIB + k as u64 * 4096);
+        }
+    }
+    write_sweep_report(&dir, &r).unwrap();
+    let budget = "heap budget under the limit (78.00 MiB): what the heap peaks are held to";
+    for chart in ["sweep.svg", "frontier.svg"] {
+        let texts = svg_texts(&dir.join(chart));
+        for want in ["memory limit, resident memory (100.00 MiB)", budget] {
+            assert!(
+                texts.iter().any(|t| t == want),
+                "{chart}: no '{want}' in {texts:?}"
+            );
+        }
+    }
+    let texts = svg_texts(&dir.join("sweep.svg"));
+    assert!(
+        texts.iter().any(|t| t == "training peak, heap (MiB)"),
+        "{texts:?}"
+    );
+    assert!(
+        texts
+            .iter()
+            .any(|t| t == "out of memory (drawn on the heap budget)"),
+        "{texts:?}"
+    );
+
+    // Without a heap budget (CUDA: the limit is the pool's, as the peaks), the limit alone.
+    for p in r.points.iter_mut() {
+        if let Some(s) = p.run.summary.as_mut() {
+            s.heap_budget_bytes = None;
+        }
+    }
+    write_sweep_report(&dir, &r).unwrap();
+    let texts = svg_texts(&dir.join("sweep.svg"));
+    assert!(
+        texts.iter().any(|t| t == "memory limit (100.00 MiB)"),
+        "{texts:?}"
+    );
+    assert!(!texts.iter().any(|t| t.contains("heap")), "{texts:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -98,6 +98,46 @@ pub(crate) fn dashed_swatch(
     )
 }
 
+/// The heap budget's rule: a darker red than the limit's, as it follows from it.
+const HEAP_BUDGET_COLOR: RGBColor = RGBColor(130, 20, 20);
+
+/// The rules a chart of memory peaks draws for a memory limit, as (bytes, colour, legend label):
+/// the limit; and on the CPU, where the limit is resident memory and the peaks are heap, the heap
+/// budget the trainer derived from it (`heap_budget`), which the peaks are held to.
+pub(crate) fn limit_rules(
+    limit: Option<u64>,
+    heap_budget: Option<u64>,
+) -> Vec<(u64, RGBColor, String)> {
+    let Some(l) = limit else {
+        return Vec::new();
+    };
+    match heap_budget {
+        None => vec![(
+            l,
+            LIMIT_COLOR,
+            format!("memory limit ({})", crate::memory::format_bytes(l)),
+        )],
+        Some(h) => vec![
+            (
+                l,
+                LIMIT_COLOR,
+                format!(
+                    "memory limit, resident memory ({})",
+                    crate::memory::format_bytes(l)
+                ),
+            ),
+            (
+                h,
+                HEAP_BUDGET_COLOR,
+                format!(
+                    "heap budget under the limit ({}): what the heap peaks are held to",
+                    crate::memory::format_bytes(h)
+                ),
+            ),
+        ],
+    }
+}
+
 /// The legend entry of a lossy configuration's marker, the same in every chart.
 pub(crate) const LOSSY_LEGEND: &str = "lossy (int8 saved activations): not the exact step";
 

@@ -9,11 +9,10 @@
 
 use super::chart::{
     draw_line, draw_lossy_markers, draw_rule, draw_series_legend, label_spots, leader_end,
-    lossy_label, render, shorten, Chart, DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT,
-    LIMIT_COLOR, PALETTE,
+    limit_rules, lossy_label, render, shorten, Chart, DrawResult, Frame, LabelBoxes, MemUnit,
+    Panel, FONT, PALETTE,
 };
 use crate::error::Result;
-use crate::memory::format_bytes;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -22,8 +21,19 @@ use std::path::{Path, PathBuf};
 /// directory.
 pub(crate) const FRONTIER_CHART: &str = "frontier";
 
-/// The one-line legend under a markdown table whose `frontier` column marks points with `✓`.
-pub(crate) const FRONTIER_LEGEND: &str = "✓ frontier: no other exact point that ran has both lower-or-equal peak memory and higher-or-equal img/s (one of them strictly); lossy points (int8 saved activations) are left out of it and drawn apart; drawn in frontier.png";
+/// The one-line legend under a markdown table whose `frontier` column marks points with `✓`;
+/// with `lossy` (a lossy point is in the table), it says that they are left out.
+pub(crate) fn frontier_legend(lossy: bool) -> String {
+    format!(
+        "✓ frontier: no other exact point that ran has both lower-or-equal peak memory and \
+         higher-or-equal img/s (one of them strictly){}; drawn in frontier.png",
+        if lossy {
+            "; lossy points (int8 saved activations) are left out of it and drawn apart"
+        } else {
+            ""
+        }
+    )
+}
 
 /// One measured point: a label, its peak memory and its throughput (`None` when not measured,
 /// e.g. a run that ran out of memory).
@@ -90,12 +100,14 @@ fn frontier_sorted(points: &[FrontierPoint], on: &[bool]) -> Vec<(u64, f64)> {
 /// label, the frontier points filled and joined by a step line (from each frontier point across
 /// to the next one's peak memory, then up to its throughput: more speed costs that much more
 /// memory), the other exact points hollow, the lossy ones as diamonds labelled `(lossy)`, and
-/// `limit` as a vertical line when given. Returns the files
+/// `limit` as a vertical line when given (with `heap_budget`, the CPU's heap budget under it,
+/// beside it: see [`super::chart::limit_rules`]). Returns the files
 /// written; with no measured point nothing is written.
 pub fn write_frontier_chart(
     points: &[FrontierPoint],
     title: &str,
     limit: Option<u64>,
+    heap_budget: Option<u64>,
     stem: &Path,
 ) -> Result<Vec<PathBuf>> {
     if points.iter().all(|p| p.measured().is_none()) {
@@ -106,6 +118,7 @@ pub fn write_frontier_chart(
         on: pareto_front(points),
         points,
         limit,
+        heap_budget,
     };
     render(&chart, stem)
 }
@@ -116,6 +129,7 @@ struct FrontierChart<'a> {
     points: &'a [FrontierPoint],
     on: Vec<bool>,
     limit: Option<u64>,
+    heap_budget: Option<u64>,
 }
 
 impl FrontierChart<'_> {
@@ -301,10 +315,9 @@ impl Chart for FrontierChart<'_> {
         }
         .draw(root)?;
 
-        if let Some(l) = self.limit {
-            let x = unit.of(l);
-            let label = format!("memory limit ({})", format_bytes(l));
-            draw_rule(&mut chart, (x, 0.0), (x, ymax), LIMIT_COLOR, label)?;
+        for (bytes, color, label) in limit_rules(self.limit, self.heap_budget) {
+            let x = unit.of(bytes);
+            draw_rule(&mut chart, (x, 0.0), (x, ymax), color, label)?;
         }
 
         self.draw_points(&mut chart, &measured, &unit)?;

@@ -451,8 +451,9 @@ pub fn oom_message(stderr: &str) -> Option<String> {
     for line in stderr.lines().map(str::trim) {
         if let Some(rest) = line.strip_prefix("error: ") {
             if rest.starts_with("out of memory") {
-                // Keep the what-happened part, not the advice after the first ';'.
-                return Some(rest.split(';').next().unwrap_or(rest).trim().to_string());
+                // Keep the what-happened part, not the advice after the first ';' outside
+                // parentheses (a refusal reads "out of memory (predicted; nothing was run): …").
+                return Some(before_advice(rest).trim().to_string());
             }
         }
         if line.starts_with("memory allocation of") && line.contains("failed") {
@@ -463,6 +464,20 @@ pub fn oom_message(stderr: &str) -> Option<String> {
         }
     }
     None
+}
+
+/// `msg` up to its first `;` outside parentheses: what happened, without the advice after it.
+fn before_advice(msg: &str) -> &str {
+    let mut depth = 0usize;
+    for (i, c) in msg.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ';' if depth == 0 => return &msg[..i],
+            _ => {}
+        }
+    }
+    msg
 }
 
 /// The last non-empty line of `text`, shortened to 300 characters.
@@ -683,24 +698,43 @@ fn judge(
 }
 
 /// Progress across the points of a sweep or comparison: an indicatif bar on a terminal, plain
-/// lines on stderr otherwise, nothing when disabled.
+/// lines on stderr otherwise, nothing when disabled. With a known total the lines count `[k/n]`;
+/// a search, whose points depend on what the earlier ones measured, counts `[point k]` instead
+/// of a total that would only ever equal the count.
 pub(crate) struct Progress {
     bar: Option<indicatif::ProgressBar>,
     plain: bool,
-    total: u64,
+    /// `None`: not known in advance ([`Progress::open_ended`]).
+    total: Option<u64>,
     done: u64,
 }
 
 impl Progress {
-    /// Progress over `total` points (more can be added with [`Progress::add`]).
+    /// Progress over `total` points.
     pub fn new(total: u64, enabled: bool) -> Self {
+        Self::start_with(Some(total), enabled)
+    }
+
+    /// Progress over points whose number is not known in advance (a `--find-max` search).
+    pub fn open_ended(enabled: bool) -> Self {
+        Self::start_with(None, enabled)
+    }
+
+    fn start_with(total: Option<u64>, enabled: bool) -> Self {
         let tty = std::io::stderr().is_terminal();
         let bar = (enabled && tty).then(|| {
-            let bar = indicatif::ProgressBar::new(total);
-            let style = indicatif::ProgressStyle::with_template(
-                "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            let (bar, template) = match total {
+                Some(n) => (
+                    indicatif::ProgressBar::new(n),
+                    "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}",
+                ),
+                None => (
+                    indicatif::ProgressBar::no_length(),
+                    "{spinner:.cyan} point {pos} [{elapsed_precise}] {msg}",
+                ),
+            };
+            let style = indicatif::ProgressStyle::with_template(template)
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
             bar.set_style(style);
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
@@ -713,11 +747,11 @@ impl Progress {
         }
     }
 
-    /// Announce `n` more points.
-    pub fn add(&mut self, n: u64) {
-        self.total += n;
-        if let Some(b) = &self.bar {
-            b.inc_length(n);
+    /// The count of point `k` in a plain line: `k/n`, or `point k` without a known total.
+    fn count(&self, k: u64) -> String {
+        match self.total {
+            Some(n) => format!("{k}/{}", n.max(k)),
+            None => format!("point {k}"),
         }
     }
 
@@ -726,11 +760,7 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.set_message(format!("running {what}"));
         } else if self.plain {
-            eprintln!(
-                "[{}/{}] {what} ...",
-                self.done + 1,
-                self.total.max(self.done + 1)
-            );
+            eprintln!("[{}] {what} ...", self.count(self.done + 1));
         }
     }
 
@@ -741,7 +771,7 @@ impl Progress {
             b.println(line);
             b.inc(1);
         } else if self.plain {
-            eprintln!("[{}/{}] {line}", self.done, self.total.max(self.done));
+            eprintln!("[{}] {line}", self.count(self.done));
         }
     }
 
@@ -768,5 +798,27 @@ pub fn describe(label: &str, run: &ChildRun) -> String {
         ),
         Status::Oom => format!("{label}: OOM ({})", run.note),
         Status::Failed => format!("{label}: failed ({})", run.note),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_search_counts_its_points_without_a_total_it_cannot_know() {
+        let list = Progress::new(6, false);
+        assert_eq!(list.count(2), "2/6");
+        let search = Progress::open_ended(false);
+        assert_eq!(search.count(5), "point 5");
+    }
+
+    #[test]
+    fn the_advice_starts_at_the_first_semicolon_outside_parentheses() {
+        assert_eq!(before_advice("a (b; c): d; e"), "a (b; c): d");
+        assert_eq!(before_advice("a; b"), "a");
+        assert_eq!(before_advice("no advice (at all)"), "no advice (at all)");
+        // A stray ')' does not make the depth negative.
+        assert_eq!(before_advice("a) b; c"), "a) b");
     }
 }

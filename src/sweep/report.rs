@@ -18,7 +18,7 @@
 
 use super::chart::{render, LIMIT_COLOR, PALETTE};
 use super::frontier::{
-    pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART, FRONTIER_LEGEND,
+    frontier_legend, pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART,
 };
 use super::report_charts::*;
 use super::results::{CompareResult, SweepResult};
@@ -325,7 +325,8 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
         }
     }
     if front.iter().any(|&on| on) {
-        let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
+        let lossy = r.points.iter().any(|p| p.run.lossy);
+        let _ = writeln!(s, "\n{}", frontier_legend(lossy));
     }
     s.push_str(&other_note(r.points.iter().map(|p| &p.run)));
     if !r.max_batches.is_empty() {
@@ -357,6 +358,7 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
         &sweep_frontier_points(r),
         "Peak memory against speed: every configuration and batch size that ran",
         r.memory_limit_bytes,
+        r.heap_budget_bytes(),
         &dir.join(FRONTIER_CHART),
     )?);
     Ok(files)
@@ -498,7 +500,8 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         let _ = writeln!(s, " {} |", md_cell(&row_note(run)));
     }
     if front.iter().any(|&on| on) {
-        let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
+        let lossy = r.entries.iter().any(|e| e.run.lossy);
+        let _ = writeln!(s, "\n{}", frontier_legend(lossy));
     }
     s.push_str(&other_note(r.entries.iter().map(|e| &e.run)));
     s
@@ -597,6 +600,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
     files.extend(write_frontier_chart(
         &compare_frontier_points(r),
         "Peak memory against speed per configuration",
+        None,
         None,
         &dir.join(FRONTIER_CHART),
     )?);

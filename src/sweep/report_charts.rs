@@ -4,12 +4,11 @@
 
 use super::chart::{
     draw_line, draw_lossy_markers, draw_rule, draw_series_legend, label_spots, leader_end,
-    lossy_label, png_text, same_as, series_color, series_width, shorten, Chart, DrawError,
-    DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR, LOSSY_LEGEND,
+    limit_rules, lossy_label, png_text, same_as, series_color, series_width, shorten, Chart,
+    DrawError, DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR, LOSSY_LEGEND,
 };
 use super::results::SweepResult;
 use super::{ChildRun, Status};
-use crate::memory::format_bytes;
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -356,6 +355,9 @@ pub(super) struct SweepChart {
     pub(super) title: String,
     pub(super) configs: Vec<(String, Vec<SweepDot>)>,
     pub(super) limit: Option<u64>,
+    /// On the CPU, the heap budget the points' trainers derived from `limit` (the limit is
+    /// resident memory, the points' peaks are heap): the smallest any point reported.
+    pub(super) heap_budget: Option<u64>,
     /// `--find-max` results: the largest batch that fits, per configuration (same order).
     pub(super) maxima: Vec<Option<usize>>,
     /// Whether each configuration is lossy (same order): labelled `(lossy)`, points diamonds.
@@ -408,6 +410,7 @@ impl SweepChart {
             ),
             configs,
             limit: r.memory_limit_bytes,
+            heap_budget: r.heap_budget_bytes(),
         }
     }
 }
@@ -541,14 +544,22 @@ impl SweepChart {
             .max(1);
         let unit = MemUnit::for_max(max_bytes);
         let ymax = unit.of(max_bytes) * 1.15;
-        // Where OOM points sit: on the limit line, or near the top without a limit.
-        let oom_y = self.limit.map(|l| unit.of(l)).unwrap_or(ymax * 0.93);
-        let mut mem = x.panel(area, ymax, &format!("peak memory ({})", unit.name))?;
+        // Where OOM points sit: on the line the peaks are measured against (the heap budget on
+        // the CPU, else the limit), or near the top without a limit.
+        let oom_y = self
+            .heap_budget
+            .or(self.limit)
+            .map(|l| unit.of(l))
+            .unwrap_or(ymax * 0.93);
+        let y_desc = match self.heap_budget {
+            Some(_) => format!("training peak, heap ({})", unit.name),
+            None => format!("peak memory ({})", unit.name),
+        };
+        let mut mem = x.panel(area, ymax, &y_desc)?;
         let (x0, x1) = x.range;
-        if let Some(l) = self.limit {
-            let y = unit.of(l);
-            let label = format!("memory limit ({})", format_bytes(l));
-            draw_rule(&mut mem, (x0, y), (x1, y), LIMIT_COLOR, label)?;
+        for (bytes, color, label) in limit_rules(self.limit, self.heap_budget) {
+            let y = unit.of(bytes);
+            draw_rule(&mut mem, (x0, y), (x1, y), color, label)?;
         }
         let (mut any_oom, mut any_failed) = (false, false);
         let n = self.configs.len();
@@ -648,7 +659,9 @@ impl SweepChart {
         let black = RGBColor(40, 40, 40);
         if any_oom {
             mem.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
-                .label(if self.limit.is_some() {
+                .label(if self.heap_budget.is_some() {
+                    "out of memory (drawn on the heap budget)"
+                } else if self.limit.is_some() {
                     "out of memory (drawn on the limit)"
                 } else {
                     "out of memory"
@@ -720,7 +733,7 @@ where
     let (x0, y0) = area.get_base_pixel();
     let (w, h) = area.dim_in_pixel();
     // Labels stay clear of the legend box in the upper left.
-    let legend_h = 30 * (configs.len() as i32 + 3);
+    let legend_h = 30 * (configs.len() as i32 + 5);
     let bounds = (x0, y0, x0 + w as i32, y0 + h as i32);
     let mut boxes = LabelBoxes::default();
     boxes.reserve((x0, y0, x0 + 420, y0 + legend_h));

@@ -83,7 +83,7 @@ where
         // Consumed: the loaded tensors are freed once they are in the model.
         resume_from(&mut trainer, ck)?;
     }
-    print_start(&trainer);
+    print_start(&trainer, cmd.dry_run);
     if cmd.dry_run {
         return Ok(());
     }
@@ -218,11 +218,17 @@ fn print_cuda_estimate(cfg: &crate::config::TrainConfig, missing: &Error) -> Res
     Ok(())
 }
 
-/// What the run is about to do: its data, device, probe, steps and run directory.
-fn print_start(trainer: &Trainer) {
+/// What the run is about to do: its data, device, probe, steps and run directory (a dry run
+/// makes none: it names the directory a run would write).
+fn print_start(trainer: &Trainer, dry_run: bool) {
     println!("{}", trainer.data_description());
+    let dir = trainer.run_dir().display();
+    let dir = match dry_run {
+        true => format!("dry run, nothing written (a run would write into {dir})"),
+        false => format!("run dir {dir}"),
+    };
     println!(
-        "device {} | probe {}{} | {} steps/epoch, {} steps | run dir {}",
+        "device {} | probe {}{} | {} steps/epoch, {} steps | {dir}",
         crate::device::device_name(&trainer.device),
         trainer.probe().name(),
         if trainer.probe().available() {
@@ -232,7 +238,6 @@ fn print_start(trainer: &Trainer) {
         },
         trainer.steps_per_epoch(),
         trainer.total_steps(),
-        trainer.run_dir().display()
     );
     if let (Some(limit), Some(heap)) = (trainer.probe().os_limit(), trainer.probe().limit()) {
         println!(

@@ -164,11 +164,43 @@ pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> 
     })
 }
 
-/// The environment variable (set to `1`) with which a sweep or comparison binary runs as
-/// `train_cifar10`: each point re-runs the sweep's own executable with it ([`TrainerCommand`];
-/// the binary's `main` answers it through [`crate::app::serve_as_trainer`]), so a sweep needs no
-/// other binary. An environment variable rather than a flag: no user-facing command accepts it.
-pub(crate) const TRAINER_ROLE_ENV: &str = "MEMTRAIN_AS_TRAINER";
+/// The environment variable with which a sweep or comparison binary runs as `train_cifar10`:
+/// each point re-runs the sweep's own executable with it set to the sweep's process id
+/// ([`TrainerCommand`]; the binary's `main` answers it through
+/// [`crate::app::serve_as_trainer`]), so a sweep needs no other binary. An environment variable
+/// rather than a flag: no user-facing command accepts it. The id is the sweep's marker: the
+/// variable left in a shell (`MEMTRAIN_AS_TRAINER=1`) names no parent, so it is ignored with a
+/// note rather than turning `batch_sweep` into a trainer that refuses the sweep's flags.
+pub const TRAINER_ROLE_ENV: &str = "MEMTRAIN_AS_TRAINER";
+
+/// What [`TRAINER_ROLE_ENV`] makes of this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TrainerRole {
+    /// Not set: the program runs as itself.
+    None,
+    /// Set to the parent's process id: a point of the sweep that started this process.
+    Point,
+    /// Set to anything else (left in a shell): ignored; the value, for the note.
+    Stray(String),
+}
+
+/// This process's [`TrainerRole`], from its environment and its parent's process id.
+pub fn trainer_role() -> TrainerRole {
+    #[cfg(unix)]
+    let parent = std::os::unix::process::parent_id();
+    #[cfg(not(unix))]
+    let parent = 0;
+    role_of(std::env::var_os(TRAINER_ROLE_ENV), parent)
+}
+
+/// [`trainer_role`] for a value of [`TRAINER_ROLE_ENV`] and a parent process id.
+fn role_of(value: Option<std::ffi::OsString>, parent: u32) -> TrainerRole {
+    match value {
+        None => TrainerRole::None,
+        Some(v) if v.to_str() == Some(parent.to_string().as_str()) => TrainerRole::Point,
+        Some(v) => TrainerRole::Stray(v.to_string_lossy().into_owned()),
+    }
+}
 
 /// What Linux calls the running executable. Spawning it rather than the path the executable was
 /// started from keeps every point on the build the sweep started with, even when `cargo build`
@@ -228,7 +260,7 @@ impl TrainerCommand {
             Command::new(&self.program)
         };
         if self.own {
-            cmd.env(TRAINER_ROLE_ENV, "1");
+            cmd.env(TRAINER_ROLE_ENV, std::process::id().to_string());
         }
         if self.summary_only {
             cmd.env(crate::cli::SUMMARY_ONLY_ENV, "1");
@@ -804,6 +836,16 @@ pub fn describe(label: &str, run: &ChildRun) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_sweeps_own_process_id_makes_a_trainer() {
+        let v = |s: &str| Some(std::ffi::OsString::from(s));
+        assert_eq!(role_of(None, 42), TrainerRole::None);
+        assert_eq!(role_of(v("42"), 42), TrainerRole::Point);
+        // Left in a shell: the old spelling, or another process's id.
+        assert_eq!(role_of(v("1"), 42), TrainerRole::Stray("1".into()));
+        assert_eq!(role_of(v("43"), 42), TrainerRole::Stray("43".into()));
+    }
 
     #[test]
     fn a_search_counts_its_points_without_a_total_it_cannot_know() {

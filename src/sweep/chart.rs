@@ -161,13 +161,17 @@ fn diamond(r: i32, dx: i32, closed: bool) -> Vec<(i32, i32)> {
     c
 }
 
+/// A lossy marker at a point: a filled diamond and its outline, in pixels around it.
+type LossyMarker<C, DB> =
+    plotters::element::ComposedElement<C, DB, Polygon<(i32, i32)>, PathElement<(i32, i32)>>;
+
 /// The lossy marker at `at`: a diamond filled in `color`, outlined in dark grey.
 fn lossy_marker<C: Clone, DB: DrawingBackend>(
     at: C,
     r: i32,
     dx: i32,
     color: RGBColor,
-) -> plotters::element::ComposedElement<C, DB, Polygon<(i32, i32)>, PathElement<(i32, i32)>> {
+) -> LossyMarker<C, DB> {
     const EDGE: RGBColor = RGBColor(40, 40, 40);
     EmptyElement::at(at)
         + Polygon::new(diamond(r, dx, false), color.filled())

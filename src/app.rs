@@ -36,6 +36,10 @@ where
     else {
         return Ok(());
     };
+    // An environment switch that changes what the run writes says so first.
+    if cmd.summary_only {
+        println!("{}", crate::cli::SUMMARY_ONLY_NOTE);
+    }
     // data set, model and step sized against --memory-limit, --fit-memory and the
     // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
@@ -83,7 +87,7 @@ where
         // Consumed: the loaded tensors are freed once they are in the model.
         resume_from(&mut trainer, ck)?;
     }
-    print_start(&trainer);
+    print_start(&trainer, cmd.dry_run);
     if cmd.dry_run {
         return Ok(());
     }
@@ -99,7 +103,14 @@ where
     let mut summary = trainer.fit()?;
     print_results(&trainer, &summary);
     write_results(&trainer, &mut summary, cmd.summary_only)?;
-    println!("results in {}", trainer.run_dir().display());
+    match cmd.summary_only {
+        true => println!(
+            "results in {} (summary.json only: {}=1)",
+            trainer.run_dir().display(),
+            crate::cli::SUMMARY_ONLY_ENV
+        ),
+        false => println!("results in {}", trainer.run_dir().display()),
+    }
     if summary.status == crate::train::RunStatus::Interrupted {
         let dir = trainer.run_dir().display();
         return Err(Error::Interrupted(format!(
@@ -232,11 +243,17 @@ fn print_cuda_estimate(cfg: &crate::config::TrainConfig, missing: &Error) -> Res
     Ok(())
 }
 
-/// What the run is about to do: its data, device, probe, steps and run directory.
-fn print_start(trainer: &Trainer) {
+/// What the run is about to do: its data, device, probe, steps and run directory (a dry run
+/// makes none: it names the directory a run would write).
+fn print_start(trainer: &Trainer, dry_run: bool) {
     println!("{}", trainer.data_description());
+    let dir = trainer.run_dir().display();
+    let dir = match dry_run {
+        true => format!("dry run, nothing written (a run would write into {dir})"),
+        false => format!("run dir {dir}"),
+    };
     println!(
-        "device {} | probe {}{} | {} steps/epoch, {} steps | run dir {}",
+        "device {} | probe {}{} | {} steps/epoch, {} steps | {dir}",
         crate::device::device_name(&trainer.device),
         trainer.probe().name(),
         if trainer.probe().available() {
@@ -246,7 +263,6 @@ fn print_start(trainer: &Trainer) {
         },
         trainer.steps_per_epoch(),
         trainer.total_steps(),
-        trainer.run_dir().display()
     );
     if let (Some(limit), Some(heap)) = (trainer.probe().os_limit(), trainer.probe().limit()) {
         println!(
@@ -424,9 +440,17 @@ fn write_results(
 /// return. Sweep and comparison binaries call it first in `main` (and install the counting
 /// allocator, which the trainer's CPU measurements need).
 pub fn serve_as_trainer() {
-    if std::env::var_os(crate::sweep::TRAINER_ROLE_ENV).is_some_and(|v| v == "1") {
-        let args = std::env::args_os().skip(1);
-        exit(train(std::iter::once("train_cifar10".into()).chain(args)))
+    use crate::sweep::{trainer_role, TrainerRole, TRAINER_ROLE_ENV};
+    match trainer_role() {
+        TrainerRole::Point => {
+            let args = std::env::args_os().skip(1);
+            exit(train(std::iter::once("train_cifar10".into()).chain(args)))
+        }
+        TrainerRole::Stray(v) => eprintln!(
+            "note: {TRAINER_ROLE_ENV}={v} is set in this environment, but no sweep started this \
+             process, so it runs as itself; a sweep sets it for its own points only (unset it)"
+        ),
+        TrainerRole::None => {}
     }
 }
 

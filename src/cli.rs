@@ -72,6 +72,10 @@ impl PlanArgs {
 /// scripts that want the same lean output (bench/compare_torch.sh) set it too.
 pub const SUMMARY_ONLY_ENV: &str = "MEMTRAIN_SUMMARY_ONLY";
 
+/// The first line a run prints when [`SUMMARY_ONLY_ENV`] is set: a switch left in a shell must
+/// not silently drop what the run's flags ask for.
+pub const SUMMARY_ONLY_NOTE: &str = "MEMTRAIN_SUMMARY_ONLY=1 is set: this run writes summary.json only (no batches.csv, memory.json, charts, viewer files or snapshots, --save-every included); unset it for the whole run directory";
+
 /// Whether [`SUMMARY_ONLY_ENV`] is `1` in this process's environment.
 fn summary_only_requested() -> bool {
     std::env::var_os(SUMMARY_ONLY_ENV).is_some_and(|v| v == "1")

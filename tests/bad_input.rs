@@ -456,3 +456,23 @@ fn cuda_in_a_build_without_it_is_predicted_but_not_planned_or_run() {
     assert!(stderr.contains("built without CUDA") && stderr.contains("--device cpu"));
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
 }
+
+/// A dry run makes no run directory, and says so where a run names its own: "dry run, nothing
+/// written (a run would write into DIR)", never "run dir DIR".
+#[test]
+fn a_dry_run_names_the_directory_a_run_would_write_and_makes_none() {
+    let dir = std::env::temp_dir().join(format!("memtrain-dry-run-dir-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = dir.display().to_string();
+    let dry = run(&["--dry-run", "--width", "4", "--out", &out]);
+    assert_eq!(dry.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&dry.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "| dry run, nothing written (a run would write into {out})"
+        )),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("run dir"), "{stdout}");
+    assert!(!dir.exists(), "a dry run made {out}");
+}

@@ -29,6 +29,7 @@ fn run(dir: &Path, peak_mib: f64, ips: f64) -> ChildRun {
             images_per_sec: ips,
             ..Summary::default()
         }),
+        lossy: false,
     }
 }
 

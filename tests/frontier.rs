@@ -4,8 +4,10 @@
 use memtrain::sweep::batch::{BatchPlan, SweepPoint, SweepResult, Variant};
 use memtrain::sweep::compare::{CompareEntry, CompareResult};
 use memtrain::sweep::frontier::{pareto_front, write_frontier_chart, FrontierPoint};
-use memtrain::sweep::report::{compare_csv, compare_markdown, sweep_csv, sweep_markdown, CsvTable};
-use memtrain::sweep::{oom_snapshot_link, ChildRun, Status};
+use memtrain::sweep::report::{
+    compare_csv, compare_markdown, sweep_csv, sweep_markdown, write_sweep_report, CsvTable,
+};
+use memtrain::sweep::{lossy_flags, oom_snapshot_link, ChildRun, Status};
 use memtrain::train::Summary;
 use std::path::{Path, PathBuf};
 
@@ -16,6 +18,7 @@ fn pt(label: &str, peak_mib: Option<u64>, ips: Option<f64>) -> FrontierPoint {
         label: label.into(),
         peak_bytes: peak_mib.map(|m| m * MIB),
         images_per_sec: ips,
+        lossy: false,
     }
 }
 
@@ -113,6 +116,7 @@ fn the_frontier_chart_draws_every_measured_point_with_its_label() {
         &pts,
         "memory against speed",
         Some(64 * MIB),
+        None,
         &dir.join("frontier"),
     )
     .expect("chart is drawn");
@@ -160,7 +164,7 @@ fn the_frontier_chart_draws_every_measured_point_with_its_label() {
     assert_eq!(step_paths, 1, "one step line through the frontier");
 
     // Nothing measured: no chart, and no files.
-    let none = write_frontier_chart(&pts[3..], "t", None, &dir.join("empty")).unwrap();
+    let none = write_frontier_chart(&pts[3..], "t", None, None, &dir.join("empty")).unwrap();
     assert!(none.is_empty());
     assert!(!dir.join("empty.png").exists() && !dir.join("empty.svg").exists());
     let _ = std::fs::remove_dir_all(&dir);
@@ -188,6 +192,7 @@ fn run(dir: &Path, status: Status, peak_mib: u64, ips: f64) -> ChildRun {
             status: memtrain::train::RunStatus::Ok,
             ..Summary::default()
         }),
+        lossy: false,
     }
 }
 
@@ -280,7 +285,8 @@ fn sweep_tables_mark_the_frontier_points() {
             .collect::<Vec<_>>(),
         "{md}"
     );
-    assert!(md.contains("\n✓ frontier: no other point"), "{md}");
+    assert!(md.contains("\n✓ frontier: no other exact point"), "{md}");
+    assert!(!md.contains("lossy"), "no lossy point, no word of it: {md}");
     // No snapshot was written, so there is no snapshot column.
     assert!(!md.contains("OOM snapshot"), "{md}");
 
@@ -421,5 +427,252 @@ fn compare_tables_mark_the_frontier_configurations() {
         .map(|i| csv.get(i, "frontier").unwrap())
         .collect();
     assert_eq!(col, ["true", "false", "false", "true", "false"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The lossy configuration of the README's comparison: it uses less memory and runs faster than
+/// the exact points here, so on one frontier with them it would hide them.
+fn lossy_pt(label: &str, peak_mib: u64, ips: f64) -> FrontierPoint {
+    FrontierPoint {
+        lossy: true,
+        ..pt(label, Some(peak_mib), Some(ips))
+    }
+}
+
+#[test]
+fn the_frontier_is_one_of_exact_points_and_a_lossy_point_dominates_none_of_them() {
+    let pts = [
+        pt("f32", Some(86), Some(1000.0)),
+        pt("bf16", Some(55), Some(1044.0)),
+        pt("accum4", Some(41), Some(978.0)),
+        pt("ckpt", Some(76), Some(839.0)),
+        lossy_pt("bf16-int8", 40, 1100.0),
+    ];
+    assert_eq!(pareto_front(&pts), [false, true, true, false, false]);
+    // Made exact, the same point would be the whole frontier.
+    let mut exact = pts.clone();
+    exact[4].lossy = false;
+    assert_eq!(pareto_front(&exact), [false, false, false, false, true]);
+}
+
+#[test]
+fn the_frontier_chart_draws_a_lossy_point_apart_with_its_own_marker_and_legend() {
+    let dir = tmp_dir("chart-lossy");
+    let pts = [
+        pt("f32", Some(86), Some(1000.0)),
+        pt("bf16", Some(55), Some(1044.0)),
+        lossy_pt("int8", 60, 978.0),
+        lossy_pt("bf16+int8 (lossy)", 45, 1000.0),
+    ];
+    let files = write_frontier_chart(&pts, "t", None, None, &dir.join("frontier")).unwrap();
+    let svg = std::fs::read_to_string(&files[1]).unwrap();
+    let doc = roxmltree::Document::parse(&svg).unwrap();
+    let texts: Vec<String> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect();
+    // Labelled lossy once, whether or not the label said so already.
+    for want in [
+        "int8 (lossy)",
+        "bf16+int8 (lossy)",
+        "lossy (int8 saved activations): not the exact step",
+    ] {
+        assert!(texts.iter().any(|t| t == want), "no '{want}' in {texts:?}");
+    }
+    // A diamond per lossy point, and one in the legend: four-cornered polygons.
+    let diamonds = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polygon"))
+        .filter(|n| {
+            n.attribute("points")
+                .is_some_and(|p| p.split_whitespace().count() == 4)
+        })
+        .count();
+    assert_eq!(diamonds, 3, "{svg}");
+    // The step line joins only the exact points: bf16 (55) across to f32's memory (86) is no
+    // frontier, f32 is dominated by bf16; one frontier point draws a one-vertex line.
+    let step_paths = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polyline"))
+        .filter(|n| {
+            n.attribute("points")
+                .is_some_and(|p| p.split_whitespace().count() == 3)
+        })
+        .count();
+    assert_eq!(step_paths, 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn compare_tables_say_which_configuration_is_lossy_and_leave_it_off_the_frontier() {
+    let dir = tmp_dir("compare-lossy");
+    let entry = |label: &str, st: Status, peak: u64, ips: f64, lossy: bool| {
+        let run = ChildRun {
+            lossy,
+            ..run(&dir.join("runs").join(label), st, peak, ips)
+        };
+        CompareEntry {
+            label: label.into(),
+            flags: Vec::new(),
+            oom_snapshot: None,
+            run,
+            peak_change_pct: None,
+            speed_change_pct: None,
+        }
+    };
+    let mut r = CompareResult {
+        command: "compare".into(),
+        common: Vec::new(),
+        entries: vec![
+            entry("baseline", Status::Ok, 86, 1000.0, false),
+            entry("bf16", Status::Ok, 55, 1044.0, false),
+            entry("bf16-int8", Status::Ok, 45, 1100.0, true),
+            entry("int8-huge", Status::Oom, 0, 0.0, true),
+        ],
+        interrupted: false,
+    };
+    r.update_changes();
+    let csv = CsvTable::parse(&compare_csv(&r)).unwrap();
+    let col = |name: &str| -> Vec<String> {
+        (0..csv.rows.len())
+            .map(|i| csv.get(i, name).unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(col("lossy"), ["false", "false", "true", "true"]);
+    assert_eq!(col("frontier"), ["false", "true", "false", "false"]);
+    let md = compare_markdown(&r);
+    assert!(
+        md.contains("(one of them strictly); lossy points (int8 saved activations) are left out"),
+        "{md}"
+    );
+    let notes: Vec<&str> = md
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| l.trim_end_matches('|').rsplit('|').next().unwrap().trim())
+        .collect();
+    assert_eq!(
+        notes,
+        [
+            "",
+            "",
+            "lossy: int8 saved activations, not on the frontier",
+            "lossy: int8 saved activations, not on the frontier; out of memory: forward of batch 0 \
+             (epoch 0) needed more than the 40.00 MiB limit",
+        ],
+        "{md}"
+    );
+    // JSON carries it with each run, and results written before it read as exact.
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(json["entries"][2]["run"]["lossy"], true);
+    let mut old = json.clone();
+    for e in old["entries"].as_array_mut().unwrap() {
+        e["run"].as_object_mut().unwrap().remove("lossy");
+    }
+    let old: CompareResult = serde_json::from_value(old).unwrap();
+    assert!(old.entries.iter().all(|e| !e.run.lossy));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sweep_tables_carry_the_lossy_column() {
+    let dir = tmp_dir("sweep-lossy");
+    let mut r = sweep(&dir);
+    for p in r.points.iter_mut().filter(|p| p.configuration == "f16") {
+        p.run.lossy = true;
+    }
+    let csv = CsvTable::parse(&sweep_csv(&r)).unwrap();
+    for i in 0..csv.rows.len() {
+        let lossy = csv.get(i, "configuration") == Some("f16");
+        assert_eq!(csv.get(i, "lossy"), Some(lossy.to_string().as_str()));
+        if lossy {
+            assert_eq!(csv.get(i, "frontier"), Some("false"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn lossy_is_read_from_the_flags_a_config_file_included() {
+    let words = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
+    assert!(lossy_flags(&words(
+        "--compress-activations int8 --precision bf16"
+    )));
+    assert!(!lossy_flags(&words("--compress-activations none")));
+    assert!(!lossy_flags(&words("--precision f16 --checkpoint blocks")));
+    // Flags the trainer refuses are no configuration at all.
+    assert!(!lossy_flags(&words("--compress-activations int3")));
+    let dir = tmp_dir("lossy-config");
+    let cfg = memtrain::config::TrainConfig {
+        compress_activations: memtrain::config::ActivationStorage::Int8,
+        ..Default::default()
+    };
+    let file = dir.join("config.json");
+    std::fs::write(&file, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let with_file = vec!["--config".to_string(), file.display().to_string()];
+    assert!(lossy_flags(&with_file));
+    let mut overridden = with_file.clone();
+    overridden.extend(words("--compress-activations none"));
+    assert!(!lossy_flags(&overridden));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn svg_texts(path: &Path) -> Vec<String> {
+    let svg = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&svg).unwrap();
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn a_cpu_sweep_chart_names_the_limit_resident_and_draws_the_heap_budget_the_peaks_are_held_to() {
+    let dir = tmp_dir("sweep-limit");
+    let mut r = sweep(&dir);
+    r.memory_limit_bytes = Some(100 * MIB);
+    for (k, p) in r.points.iter_mut().enumerate() {
+        if let Some(s) = p.run.summary.as_mut() {
+            // Each trainer reads its reserve at start: the budgets differ a little.
+            s.heap_budget_bytes = Some(78 * MIB + k as u64 * 4096);
+        }
+    }
+    write_sweep_report(&dir, &r).unwrap();
+    let budget = "heap budget under the limit (78.00 MiB): what the heap peaks are held to";
+    for chart in ["sweep.svg", "frontier.svg"] {
+        let texts = svg_texts(&dir.join(chart));
+        for want in ["memory limit, resident memory (100.00 MiB)", budget] {
+            assert!(
+                texts.iter().any(|t| t == want),
+                "{chart}: no '{want}' in {texts:?}"
+            );
+        }
+    }
+    let texts = svg_texts(&dir.join("sweep.svg"));
+    assert!(
+        texts.iter().any(|t| t == "training peak, heap (MiB)"),
+        "{texts:?}"
+    );
+    assert!(
+        texts
+            .iter()
+            .any(|t| t == "out of memory (drawn on the heap budget)"),
+        "{texts:?}"
+    );
+
+    // Without a heap budget (CUDA: the limit is the pool's, as the peaks), the limit alone.
+    for p in r.points.iter_mut() {
+        if let Some(s) = p.run.summary.as_mut() {
+            s.heap_budget_bytes = None;
+        }
+    }
+    write_sweep_report(&dir, &r).unwrap();
+    let texts = svg_texts(&dir.join("sweep.svg"));
+    assert!(
+        texts.iter().any(|t| t == "memory limit (100.00 MiB)"),
+        "{texts:?}"
+    );
+    assert!(!texts.iter().any(|t| t.contains("heap")), "{texts:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -353,9 +353,10 @@ fn auto_near_the_old_failing_limit_runs_under_it() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// An out-of-memory step's advice names a schedule only when it differs from the run's and is
-/// predicted to be smaller: never `stages` to a separable run without checkpointing, where
-/// stages predicts more, and never the run's own.
+/// An out-of-memory step's advice names a schedule only when it differs from the run's, is
+/// predicted to be smaller and predicted to fit the limit: never `stages` to a separable run
+/// without checkpointing, where stages predicts more, never the run's own, and nothing under a
+/// limit no schedule fits (half the step) — under one that the smallest schedule fits, that one.
 #[test]
 fn out_of_memory_advice_names_only_smaller_schedules() {
     let _s = serial();
@@ -392,27 +393,45 @@ fn out_of_memory_advice_names_only_smaller_schedules() {
             estimate_with(&c, dev, Baseline::Modeled(size)).unwrap()
         };
         let est = peak_of(ck);
-        // Room for the data, the model and half the step.
+        // Room for the data, the model and half the step: no schedule fits.
         let fixed = est.baseline_bytes + est.batch_bytes + est.runtime_bytes;
-        let limit = pre + fixed + (est.peak - fixed) / 2;
-        let run = TrainConfig {
-            memory_limit: Some(limit),
-            ..cfg.clone()
-        };
-        let mut t = Trainer::new(run, data, TrainerOptions::default()).unwrap();
-        let e = t.fit().expect_err("half the step does not fit");
-        drop(t);
-        assert!(matches!(e, memtrain::Error::OutOfMemory { .. }), "{e}");
-        let text = e.to_string();
-        if let Some(rest) = text.split("--checkpoint ").nth(1) {
+        let half = pre + fixed + (est.peak - fixed) / 2;
+        // Room for the smallest schedule of these, when it is smaller than the run's own.
+        let best = [
+            GradCheckpointing::Stages,
+            GradCheckpointing::Blocks,
+            GradCheckpointing::from_cuts(0b11111),
+        ]
+        .map(|c| peak_of(c).peak)
+        .into_iter()
+        .min()
+        .unwrap();
+        let roomy = (best < est.peak * 95 / 100)
+            .then(|| limit_for_heap(pre + limit_for(best, SAFETY_MARGIN), dev));
+        for limit in std::iter::once(half).chain(roomy) {
+            let run = TrainConfig {
+                memory_limit: Some(limit),
+                ..cfg.clone()
+            };
+            let data = splits(cfg.synthetic_train, cfg.synthetic_test);
+            let mut t = Trainer::new(run, data, TrainerOptions::default()).unwrap();
+            let e = t.fit().expect_err("the run's own schedule does not fit");
+            drop(t);
+            assert!(matches!(e, memtrain::Error::OutOfMemory { .. }), "{e}");
+            let text = e.to_string();
+            let Some(rest) = text.split("--checkpoint ").nth(1) else {
+                continue;
+            };
             let name = rest.split(' ').next().unwrap().trim_end_matches(',');
             let other: GradCheckpointing = name.parse().unwrap();
             assert_ne!(other, ck, "advises the schedule in use: {text}");
+            let budget = usable_bytes(heap_limit(Some(limit), dev).unwrap(), SAFETY_MARGIN);
             assert!(
-                peak_of(other).peak < est.peak,
-                "advises {other}, predicted {} against {}: {text}",
+                peak_of(other).peak < est.peak && peak_of(other).peak <= budget,
+                "advises {other}, predicted {} against {} and a budget of {}: {text}",
                 format_bytes(peak_of(other).peak),
-                format_bytes(est.peak)
+                format_bytes(est.peak),
+                format_bytes(budget)
             );
             advised += 1;
         }

@@ -520,6 +520,7 @@ fn entry(label: &str, run_dir: &Path) -> CompareEntry {
             signal: None,
             wall_secs: 1.0,
             summary: None,
+            lossy: false,
         },
         peak_change_pct: None,
         speed_change_pct: None,

@@ -236,6 +236,11 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
+    // The switch changes what a run writes: its first line says so.
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).lines().next(),
+        Some(memtrain::cli::SUMMARY_ONLY_NOTE)
+    );
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(
         stderr.starts_with("error: out of memory") || stderr.contains("\nerror: out of memory"),
@@ -623,6 +628,19 @@ fn usage_errors_exit_with_code_2() {
         .unwrap();
     assert!(o.status.success());
     assert!(String::from_utf8_lossy(&o.stdout).contains("--find-max"));
+    // The sweep's marker left in a shell: batch_sweep stays itself, and says why it ignores it.
+    let o = Command::new(example("batch_sweep"))
+        .arg("--help")
+        .env("MEMTRAIN_AS_TRAINER", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("--find-max"));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        stderr.starts_with("note: MEMTRAIN_AS_TRAINER=1 is set in this environment, but no sweep started this process"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -921,6 +939,20 @@ fn csv_parser_handles_quotes_and_the_oom_detector_reads_the_trainer_message() {
     );
     assert!(oom_message("memory allocation of 123 bytes failed\n").is_some());
     assert!(oom_message("error: non-finite loss at epoch 0").is_none());
+    // A refusal before anything ran: the ';' inside its parentheses is no advice yet.
+    let refused = memtrain::Error::WontFit(
+        "the step's predicted backward peak is 90.00 MiB of heap, 99.00 MiB of resident memory \
+         (within the estimate's 1% margin, so it might just fit); lower --batch-size"
+            .into(),
+    );
+    assert_eq!(
+        oom_message(&format!("error: {refused}\n")).as_deref(),
+        Some(
+            "out of memory (predicted; nothing was run): the step's predicted backward peak is \
+             90.00 MiB of heap, 99.00 MiB of resident memory (within the estimate's 1% margin, \
+             so it might just fit)"
+        )
+    );
     let plan = BatchPlan::FindMax {
         start: 32,
         max_batch: 64,

@@ -82,8 +82,9 @@ pub fn all_schedules(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
 }
 
 /// The segmentation to advise a run of `cfg` whose step ran out of memory: under
-/// `--memory-limit` the one `--checkpoint auto` would pick, else (or when none fits) the one
-/// with the smallest predicted peak; `None` when the estimate fails or that is the run's own.
+/// `--memory-limit` the one `--checkpoint auto` would pick (or the smallest predicted peak among
+/// those that fit), else the one with the smallest predicted peak; `None` when the estimate
+/// fails, none fits the limit, or that is the run's own.
 /// [`crate::advice::out_of_memory_with`] advises it only if it predicts less than the run's own.
 pub(crate) fn smaller_schedule(
     cfg: &TrainConfig,
@@ -98,15 +99,21 @@ pub(crate) fn smaller_schedule(
     all.memory_limit = Some(cfg.memory_limit.unwrap_or(u64::MAX / 2));
     let candidates = schedule_candidates(&all, specs, device, baseline).ok()?;
     let smaller = |c: &&Candidate| c.predicted_peak < current;
-    let chosen = pick(
-        &candidates,
-        heap_limit(cfg.memory_limit, device),
-        SAFETY_MARGIN,
-    )
-    .map(|i| &candidates[i])
-    .filter(smaller)
-    .or_else(|| candidates.iter().min_by_key(|c| c.predicted_peak))
-    .filter(smaller)?;
+    let limit = heap_limit(cfg.memory_limit, device);
+    // Under a limit, only a schedule predicted to fit it is advice.
+    let fits = |c: &&Candidate| {
+        limit.is_none_or(|l| c.predicted_peak <= super::schedule::usable_bytes(l, SAFETY_MARGIN))
+    };
+    let chosen = pick(&candidates, limit, SAFETY_MARGIN)
+        .map(|i| &candidates[i])
+        .filter(smaller)
+        .or_else(|| {
+            candidates
+                .iter()
+                .filter(fits)
+                .min_by_key(|c| c.predicted_peak)
+        })
+        .filter(smaller)?;
     (chosen.checkpointing != cfg.grad_checkpointing).then_some(crate::advice::SmallerSchedule {
         checkpointing: chosen.checkpointing,
         predicted_peak: chosen.predicted_peak,

@@ -343,7 +343,6 @@ impl Runner<'_> {
             if mid >= hi || mid <= lo {
                 break;
             }
-            self.progress.add(1);
             let run = self.point(variant, mid)?;
             match run.status {
                 Status::Ok => lo = mid,
@@ -393,9 +392,7 @@ impl Runner<'_> {
                         mb.capped = true;
                         return Ok(mb);
                     }
-                    let next = round_up(b.saturating_mul(2), accum).min(max_batch);
-                    self.progress.add(1);
-                    b = next;
+                    b = round_up(b.saturating_mul(2), accum).min(max_batch);
                 }
                 Status::Oom => {
                     mb.first_oom = Some(b);
@@ -431,10 +428,6 @@ impl Runner<'_> {
 /// charts are drawn by [`super::report::write_sweep_report`].
 pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
     validate(opts)?;
-    let planned = match &opts.plan {
-        BatchPlan::List(b) => b.len() * opts.variants.len(),
-        BatchPlan::FindMax { .. } => opts.variants.len(),
-    };
     let mut runner = Runner {
         opts,
         result: SweepResult {
@@ -447,7 +440,13 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
             max_batches: Vec::new(),
             interrupted: false,
         },
-        progress: Progress::new(planned as u64, opts.progress),
+        // A search's points depend on what the earlier ones measured: no total to count to.
+        progress: match &opts.plan {
+            BatchPlan::List(b) => {
+                Progress::new((b.len() * opts.variants.len()) as u64, opts.progress)
+            }
+            BatchPlan::FindMax { .. } => Progress::open_ended(opts.progress),
+        },
     };
     runner.preflight()?;
     super::ensure_fresh(&opts.out.join("points"))?;

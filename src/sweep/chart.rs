@@ -98,6 +98,113 @@ pub(crate) fn dashed_swatch(
     )
 }
 
+/// The heap budget's rule: a darker red than the limit's, as it follows from it.
+const HEAP_BUDGET_COLOR: RGBColor = RGBColor(130, 20, 20);
+
+/// The rules a chart of memory peaks draws for a memory limit, as (bytes, colour, legend label):
+/// the limit; and on the CPU, where the limit is resident memory and the peaks are heap, the heap
+/// budget the trainer derived from it (`heap_budget`), which the peaks are held to.
+pub(crate) fn limit_rules(
+    limit: Option<u64>,
+    heap_budget: Option<u64>,
+) -> Vec<(u64, RGBColor, String)> {
+    let Some(l) = limit else {
+        return Vec::new();
+    };
+    match heap_budget {
+        None => vec![(
+            l,
+            LIMIT_COLOR,
+            format!("memory limit ({})", crate::memory::format_bytes(l)),
+        )],
+        Some(h) => vec![
+            (
+                l,
+                LIMIT_COLOR,
+                format!(
+                    "memory limit, resident memory ({})",
+                    crate::memory::format_bytes(l)
+                ),
+            ),
+            (
+                h,
+                HEAP_BUDGET_COLOR,
+                format!(
+                    "heap budget under the limit ({}): what the heap peaks are held to",
+                    crate::memory::format_bytes(h)
+                ),
+            ),
+        ],
+    }
+}
+
+/// The legend entry of a lossy configuration's marker, the same in every chart.
+pub(crate) const LOSSY_LEGEND: &str = "lossy (int8 saved activations): not the exact step";
+
+/// A configuration's label as a chart shows it: marked `(lossy)` when it is, unless the label
+/// already says so.
+pub(crate) fn lossy_label(label: &str, lossy: bool) -> String {
+    if lossy && !label.to_lowercase().contains("lossy") {
+        format!("{label} (lossy)")
+    } else {
+        label.to_string()
+    }
+}
+
+/// The corners of the lossy marker, a diamond of half-diagonal `r` pixels around (`dx`, 0);
+/// `closed` repeats the first corner at the end (for its outline).
+fn diamond(r: i32, dx: i32, closed: bool) -> Vec<(i32, i32)> {
+    let mut c = vec![(dx, -r), (dx + r, 0), (dx, r), (dx - r, 0)];
+    if closed {
+        c.push(c[0]);
+    }
+    c
+}
+
+/// A lossy marker at a point: a filled diamond and its outline, in pixels around it.
+type LossyMarker<C, DB> =
+    plotters::element::ComposedElement<C, DB, Polygon<(i32, i32)>, PathElement<(i32, i32)>>;
+
+/// The lossy marker at `at`: a diamond filled in `color`, outlined in dark grey.
+fn lossy_marker<C: Clone, DB: DrawingBackend>(
+    at: C,
+    r: i32,
+    dx: i32,
+    color: RGBColor,
+) -> LossyMarker<C, DB> {
+    const EDGE: RGBColor = RGBColor(40, 40, 40);
+    EmptyElement::at(at)
+        + Polygon::new(diamond(r, dx, false), color.filled())
+        + PathElement::new(diamond(r, dx, true), EDGE.stroke_width(1))
+}
+
+/// The legend's lossy diamond: grey, as it stands for lossy points of any colour.
+const LOSSY_SWATCH: RGBColor = RGBColor(110, 110, 110);
+
+/// A lossy configuration's points: a diamond each, where an exact configuration's points are
+/// circles. With `legend`, the panel's legend gets one [`LOSSY_LEGEND`] entry for them (give it
+/// once per panel).
+pub(crate) fn draw_lossy_markers<DB: DrawingBackend>(
+    chart: &mut Panel<'_, DB>,
+    points: &[(f64, f64)],
+    r: i32,
+    color: RGBColor,
+    legend: bool,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let series = chart.draw_series(points.iter().map(|&p| lossy_marker(p, r, 0, color)))?;
+    if legend {
+        series.label(LOSSY_LEGEND).legend(move |(x, y)| {
+            let at = diamond(7, 12, false).into_iter();
+            let corners: Vec<(i32, i32)> = at.map(|(dx, dy)| (x + dx, y + dy)).collect();
+            Polygon::new(corners, LOSSY_SWATCH.filled())
+        });
+    }
+    Ok(())
+}
+
 /// Pixel boxes of labels already placed on a chart, so that the next label is put where it
 /// overlaps none of them (or left out, for the caller to list elsewhere).
 #[derive(Default)]

@@ -1,16 +1,18 @@
 //! The memory–speed frontier: which measured points are Pareto-optimal in peak memory (lower is
 //! better) and throughput (higher is better), and the chart of peak memory against images/s with
-//! those points marked and joined by a step line.
+//! those points marked and joined by a step line. The frontier is one of exact configurations:
+//! a lossy point (`--compress-activations int8`) trains a different step, so it neither joins nor
+//! dominates it, and the chart draws it apart with a marker of its own.
 //!
 //! [`pareto_front`] is pure; [`write_frontier_chart`] draws `frontier.{png,svg}` with the machinery
 //! of `sweep::chart`. Sweeps and comparisons build their points in [`super::report`].
 
 use super::chart::{
-    draw_line, draw_rule, draw_series_legend, label_spots, leader_end, render, shorten, Chart,
-    DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR, PALETTE,
+    draw_line, draw_lossy_markers, draw_rule, draw_series_legend, label_spots, leader_end,
+    limit_rules, lossy_label, render, shorten, Chart, DrawResult, Frame, LabelBoxes, MemUnit,
+    Panel, FONT, PALETTE,
 };
 use crate::error::Result;
-use crate::memory::format_bytes;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -19,8 +21,19 @@ use std::path::{Path, PathBuf};
 /// directory.
 pub(crate) const FRONTIER_CHART: &str = "frontier";
 
-/// The one-line legend under a markdown table whose `frontier` column marks points with `✓`.
-pub(crate) const FRONTIER_LEGEND: &str = "✓ frontier: no other point that ran has both lower-or-equal peak memory and higher-or-equal img/s (one of them strictly); drawn in frontier.png";
+/// The one-line legend under a markdown table whose `frontier` column marks points with `✓`;
+/// with `lossy` (a lossy point is in the table), it says that they are left out.
+pub(crate) fn frontier_legend(lossy: bool) -> String {
+    format!(
+        "✓ frontier: no other exact point that ran has both lower-or-equal peak memory and \
+         higher-or-equal img/s (one of them strictly){}; drawn in frontier.png",
+        if lossy {
+            "; lossy points (int8 saved activations) are left out of it and drawn apart"
+        } else {
+            ""
+        }
+    )
+}
 
 /// One measured point: a label, its peak memory and its throughput (`None` when not measured,
 /// e.g. a run that ran out of memory).
@@ -32,23 +45,32 @@ pub struct FrontierPoint {
     pub peak_bytes: Option<u64>,
     /// Training throughput in images per second.
     pub images_per_sec: Option<f64>,
+    /// True for a lossy configuration (`--compress-activations int8`): drawn apart, never on
+    /// the frontier and dominating nothing.
+    pub lossy: bool,
 }
 
 impl FrontierPoint {
     /// `(peak bytes, images/s)` when both were measured and the throughput is a finite,
-    /// non-negative number; such a point takes part in the frontier.
+    /// non-negative number; such a point is drawn, and takes part in the frontier unless lossy.
     pub fn measured(&self) -> Option<(u64, f64)> {
         let ips = self.images_per_sec.filter(|v| v.is_finite() && *v >= 0.0)?;
         Some((self.peak_bytes?, ips))
     }
+
+    /// [`FrontierPoint::measured`] of an exact point; `None` for a lossy one.
+    fn exact(&self) -> Option<(u64, f64)> {
+        self.measured().filter(|_| !self.lossy)
+    }
 }
 
-/// For every point, whether it lies on the Pareto frontier: it was measured (see
-/// [`FrontierPoint::measured`]) and no other measured point has both lower-or-equal peak memory
-/// and higher-or-equal images/s with at least one of the two strictly better. Identical points do
-/// not dominate each other, so duplicates on the frontier are all marked.
+/// For every point, whether it lies on the Pareto frontier of the exact points: it is exact and
+/// measured (see [`FrontierPoint::measured`]) and no other exact measured point has both
+/// lower-or-equal peak memory and higher-or-equal images/s with at least one of the two strictly
+/// better. Lossy points are never on it and dominate nothing. Identical points do not dominate
+/// each other, so duplicates on the frontier are all marked.
 pub fn pareto_front(points: &[FrontierPoint]) -> Vec<bool> {
-    let measured: Vec<Option<(u64, f64)>> = points.iter().map(FrontierPoint::measured).collect();
+    let measured: Vec<Option<(u64, f64)>> = points.iter().map(FrontierPoint::exact).collect();
     // Quadratic, but a sweep has tens of points, and this reads as the definition.
     measured
         .iter()
@@ -77,12 +99,15 @@ fn frontier_sorted(points: &[FrontierPoint], on: &[bool]) -> Vec<(u64, f64)> {
 /// Draw `<stem>.png` and `<stem>.svg`: every measured point at (peak memory, images/s) with its
 /// label, the frontier points filled and joined by a step line (from each frontier point across
 /// to the next one's peak memory, then up to its throughput: more speed costs that much more
-/// memory), the others hollow, and `limit` as a vertical line when given. Returns the files
+/// memory), the other exact points hollow, the lossy ones as diamonds labelled `(lossy)`, and
+/// `limit` as a vertical line when given (with `heap_budget`, the CPU's heap budget under it,
+/// beside it: see [`super::chart::limit_rules`]). Returns the files
 /// written; with no measured point nothing is written.
 pub fn write_frontier_chart(
     points: &[FrontierPoint],
     title: &str,
     limit: Option<u64>,
+    heap_budget: Option<u64>,
     stem: &Path,
 ) -> Result<Vec<PathBuf>> {
     if points.iter().all(|p| p.measured().is_none()) {
@@ -93,6 +118,7 @@ pub fn write_frontier_chart(
         on: pareto_front(points),
         points,
         limit,
+        heap_budget,
     };
     render(&chart, stem)
 }
@@ -103,6 +129,7 @@ struct FrontierChart<'a> {
     points: &'a [FrontierPoint],
     on: Vec<bool>,
     limit: Option<u64>,
+    heap_budget: Option<u64>,
 }
 
 impl FrontierChart<'_> {
@@ -142,8 +169,11 @@ impl FrontierChart<'_> {
                 .filter(|m| self.on[m.0])
                 .map(|m| Circle::new((unit.of(m.1), m.2), 7, front.filled())),
         )?;
-        let dominated: Vec<&(usize, u64, f64)> =
-            measured.iter().filter(|m| !self.on[m.0]).collect();
+        let lossy = |m: &&(usize, u64, f64)| self.points[m.0].lossy;
+        let dominated: Vec<&(usize, u64, f64)> = measured
+            .iter()
+            .filter(|m| !self.on[m.0] && !lossy(m))
+            .collect();
         let hollow = chart.draw_series(
             dominated
                 .iter()
@@ -153,6 +183,15 @@ impl FrontierChart<'_> {
             hollow
                 .label("dominated")
                 .legend(move |(x, y)| Circle::new((x + 12, y), 6, other.stroke_width(2)));
+        }
+        // Lossy points train another step: apart from the frontier, a marker of their own.
+        let apart: Vec<(f64, f64)> = measured
+            .iter()
+            .filter(lossy)
+            .map(|m| (unit.of(m.1), m.2))
+            .collect();
+        if !apart.is_empty() {
+            draw_lossy_markers(chart, &apart, 8, PALETTE[1], true)?;
         }
         self.draw_labels(chart, measured, unit)
     }
@@ -174,8 +213,8 @@ impl FrontierChart<'_> {
         let bounds = (x0, y0, x0 + w as i32, y0 + h as i32);
         let pixel = |m: &(usize, u64, f64)| chart.backend_coord(&(unit.of(m.1), m.2));
         let mut boxes = LabelBoxes::default();
-        // The legend, upper left: the limit, the frontier and "dominated" at most.
-        boxes.reserve((x0, y0, x0 + 640, y0 + 100));
+        // The legend, upper left: the limit, the frontier, "dominated" and "lossy" at most.
+        boxes.reserve((x0, y0, x0 + 640, y0 + 125));
         for m in measured {
             let (px, py) = pixel(m);
             boxes.reserve((px - 8, py - 8, px + 8, py + 8));
@@ -189,7 +228,8 @@ impl FrontierChart<'_> {
             const OFF: RGBColor = RGBColor(110, 110, 110);
             let style =
                 TextStyle::from((FONT, 15).into_font()).color(if self.on[i] { &ON } else { &OFF });
-            let text = shorten(&self.points[i].label, 40);
+            let p = &self.points[i];
+            let text = shorten(&lossy_label(&p.label, p.lossy), 40);
             let size = area.estimate_text_size(&text, &style)?;
             let size = (size.0 as i32 + 2, size.1 as i32 + 2);
             let (px, py) = pixel(m);
@@ -275,10 +315,9 @@ impl Chart for FrontierChart<'_> {
         }
         .draw(root)?;
 
-        if let Some(l) = self.limit {
-            let x = unit.of(l);
-            let label = format!("memory limit ({})", format_bytes(l));
-            draw_rule(&mut chart, (x, 0.0), (x, ymax), LIMIT_COLOR, label)?;
+        for (bytes, color, label) in limit_rules(self.limit, self.heap_budget) {
+            let x = unit.of(bytes);
+            draw_rule(&mut chart, (x, 0.0), (x, ymax), color, label)?;
         }
 
         self.draw_points(&mut chart, &measured, &unit)?;

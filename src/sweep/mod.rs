@@ -86,6 +86,11 @@ pub struct ChildRun {
     pub wall_secs: f64,
     /// The child's `summary.json`, when it finished.
     pub summary: Option<Summary>,
+    /// True when the child's flags ask for a lossy step (`--compress-activations int8`: its
+    /// gradients are not the exact step's), read from `args` whether or not it finished
+    /// ([`lossy_flags`]). Results written before it existed read as false.
+    #[serde(default)]
+    pub lossy: bool,
 }
 
 impl ChildRun {
@@ -127,6 +132,19 @@ impl ChildRun {
     }
 }
 
+/// Whether trainer flags ask for a lossy step: the configuration they make, a `--config` file
+/// merged in as the trainer merges it, stores its saved activations lossily
+/// ([`crate::config::ActivationStorage::is_lossy`]). Flags the trainer would refuse are not lossy
+/// (such a point never runs).
+pub fn lossy_flags(args: &[String]) -> bool {
+    let argv = std::iter::once("train_cifar10").chain(args.iter().map(String::as_str));
+    match crate::cli::parse_train_args(argv) {
+        Ok(Ok(parsed)) => crate::cli::TrainCommand::try_from(parsed)
+            .is_ok_and(|c| c.config.compress_activations.is_lossy()),
+        _ => false,
+    }
+}
+
 /// Where an out-of-memory run's snapshot is, for the results tables: `None` unless `run` ran out
 /// of memory and its run directory holds [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] (a trainer
 /// that stops on out-of-memory writes it; older ones do not, so the file is looked for, not
@@ -146,11 +164,43 @@ pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> 
     })
 }
 
-/// The environment variable (set to `1`) with which a sweep or comparison binary runs as
-/// `train_cifar10`: each point re-runs the sweep's own executable with it ([`TrainerCommand`];
-/// the binary's `main` answers it through [`crate::app::serve_as_trainer`]), so a sweep needs no
-/// other binary. An environment variable rather than a flag: no user-facing command accepts it.
-pub(crate) const TRAINER_ROLE_ENV: &str = "MEMTRAIN_AS_TRAINER";
+/// The environment variable with which a sweep or comparison binary runs as `train_cifar10`:
+/// each point re-runs the sweep's own executable with it set to the sweep's process id
+/// ([`TrainerCommand`]; the binary's `main` answers it through
+/// [`crate::app::serve_as_trainer`]), so a sweep needs no other binary. An environment variable
+/// rather than a flag: no user-facing command accepts it. The id is the sweep's marker: the
+/// variable left in a shell (`MEMTRAIN_AS_TRAINER=1`) names no parent, so it is ignored with a
+/// note rather than turning `batch_sweep` into a trainer that refuses the sweep's flags.
+pub const TRAINER_ROLE_ENV: &str = "MEMTRAIN_AS_TRAINER";
+
+/// What [`TRAINER_ROLE_ENV`] makes of this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TrainerRole {
+    /// Not set: the program runs as itself.
+    None,
+    /// Set to the parent's process id: a point of the sweep that started this process.
+    Point,
+    /// Set to anything else (left in a shell): ignored; the value, for the note.
+    Stray(String),
+}
+
+/// This process's [`TrainerRole`], from its environment and its parent's process id.
+pub fn trainer_role() -> TrainerRole {
+    #[cfg(unix)]
+    let parent = std::os::unix::process::parent_id();
+    #[cfg(not(unix))]
+    let parent = 0;
+    role_of(std::env::var_os(TRAINER_ROLE_ENV), parent)
+}
+
+/// [`trainer_role`] for a value of [`TRAINER_ROLE_ENV`] and a parent process id.
+fn role_of(value: Option<std::ffi::OsString>, parent: u32) -> TrainerRole {
+    match value {
+        None => TrainerRole::None,
+        Some(v) if v.to_str() == Some(parent.to_string().as_str()) => TrainerRole::Point,
+        Some(v) => TrainerRole::Stray(v.to_string_lossy().into_owned()),
+    }
+}
 
 /// What Linux calls the running executable. Spawning it rather than the path the executable was
 /// started from keeps every point on the build the sweep started with, even when `cargo build`
@@ -210,7 +260,7 @@ impl TrainerCommand {
             Command::new(&self.program)
         };
         if self.own {
-            cmd.env(TRAINER_ROLE_ENV, "1");
+            cmd.env(TRAINER_ROLE_ENV, std::process::id().to_string());
         }
         if self.summary_only {
             cmd.env(crate::cli::SUMMARY_ONLY_ENV, "1");
@@ -433,8 +483,9 @@ pub fn oom_message(stderr: &str) -> Option<String> {
     for line in stderr.lines().map(str::trim) {
         if let Some(rest) = line.strip_prefix("error: ") {
             if rest.starts_with("out of memory") {
-                // Keep the what-happened part, not the advice after the first ';'.
-                return Some(rest.split(';').next().unwrap_or(rest).trim().to_string());
+                // Keep the what-happened part, not the advice after the first ';' outside
+                // parentheses (a refusal reads "out of memory (predicted; nothing was run): …").
+                return Some(before_advice(rest).trim().to_string());
             }
         }
         if line.starts_with("memory allocation of") && line.contains("failed") {
@@ -445,6 +496,20 @@ pub fn oom_message(stderr: &str) -> Option<String> {
         }
     }
     None
+}
+
+/// `msg` up to its first `;` outside parentheses: what happened, without the advice after it.
+fn before_advice(msg: &str) -> &str {
+    let mut depth = 0usize;
+    for (i, c) in msg.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ';' if depth == 0 => return &msg[..i],
+            _ => {}
+        }
+    }
+    msg
 }
 
 /// The last non-empty line of `text`, shortened to 300 characters.
@@ -569,6 +634,7 @@ pub(crate) fn run_child(
         signal,
         wall_secs,
         summary: None,
+        lossy: lossy_flags(args),
     };
     if timed_out {
         run.note = format!("timed out after {:.0} s and was killed", wall_secs);
@@ -664,24 +730,43 @@ fn judge(
 }
 
 /// Progress across the points of a sweep or comparison: an indicatif bar on a terminal, plain
-/// lines on stderr otherwise, nothing when disabled.
+/// lines on stderr otherwise, nothing when disabled. With a known total the lines count `[k/n]`;
+/// a search, whose points depend on what the earlier ones measured, counts `[point k]` instead
+/// of a total that would only ever equal the count.
 pub(crate) struct Progress {
     bar: Option<indicatif::ProgressBar>,
     plain: bool,
-    total: u64,
+    /// `None`: not known in advance ([`Progress::open_ended`]).
+    total: Option<u64>,
     done: u64,
 }
 
 impl Progress {
-    /// Progress over `total` points (more can be added with [`Progress::add`]).
+    /// Progress over `total` points.
     pub fn new(total: u64, enabled: bool) -> Self {
+        Self::start_with(Some(total), enabled)
+    }
+
+    /// Progress over points whose number is not known in advance (a `--find-max` search).
+    pub fn open_ended(enabled: bool) -> Self {
+        Self::start_with(None, enabled)
+    }
+
+    fn start_with(total: Option<u64>, enabled: bool) -> Self {
         let tty = std::io::stderr().is_terminal();
         let bar = (enabled && tty).then(|| {
-            let bar = indicatif::ProgressBar::new(total);
-            let style = indicatif::ProgressStyle::with_template(
-                "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            let (bar, template) = match total {
+                Some(n) => (
+                    indicatif::ProgressBar::new(n),
+                    "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}",
+                ),
+                None => (
+                    indicatif::ProgressBar::no_length(),
+                    "{spinner:.cyan} point {pos} [{elapsed_precise}] {msg}",
+                ),
+            };
+            let style = indicatif::ProgressStyle::with_template(template)
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
             bar.set_style(style);
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
@@ -694,11 +779,11 @@ impl Progress {
         }
     }
 
-    /// Announce `n` more points.
-    pub fn add(&mut self, n: u64) {
-        self.total += n;
-        if let Some(b) = &self.bar {
-            b.inc_length(n);
+    /// The count of point `k` in a plain line: `k/n`, or `point k` without a known total.
+    fn count(&self, k: u64) -> String {
+        match self.total {
+            Some(n) => format!("{k}/{}", n.max(k)),
+            None => format!("point {k}"),
         }
     }
 
@@ -707,11 +792,7 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.set_message(format!("running {what}"));
         } else if self.plain {
-            eprintln!(
-                "[{}/{}] {what} ...",
-                self.done + 1,
-                self.total.max(self.done + 1)
-            );
+            eprintln!("[{}] {what} ...", self.count(self.done + 1));
         }
     }
 
@@ -722,7 +803,7 @@ impl Progress {
             b.println(line);
             b.inc(1);
         } else if self.plain {
-            eprintln!("[{}/{}] {line}", self.done, self.total.max(self.done));
+            eprintln!("[{}] {line}", self.count(self.done));
         }
     }
 
@@ -749,5 +830,37 @@ pub fn describe(label: &str, run: &ChildRun) -> String {
         ),
         Status::Oom => format!("{label}: OOM ({})", run.note),
         Status::Failed => format!("{label}: failed ({})", run.note),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_sweeps_own_process_id_makes_a_trainer() {
+        let v = |s: &str| Some(std::ffi::OsString::from(s));
+        assert_eq!(role_of(None, 42), TrainerRole::None);
+        assert_eq!(role_of(v("42"), 42), TrainerRole::Point);
+        // Left in a shell: the old spelling, or another process's id.
+        assert_eq!(role_of(v("1"), 42), TrainerRole::Stray("1".into()));
+        assert_eq!(role_of(v("43"), 42), TrainerRole::Stray("43".into()));
+    }
+
+    #[test]
+    fn a_search_counts_its_points_without_a_total_it_cannot_know() {
+        let list = Progress::new(6, false);
+        assert_eq!(list.count(2), "2/6");
+        let search = Progress::open_ended(false);
+        assert_eq!(search.count(5), "point 5");
+    }
+
+    #[test]
+    fn the_advice_starts_at_the_first_semicolon_outside_parentheses() {
+        assert_eq!(before_advice("a (b; c): d; e"), "a (b; c): d");
+        assert_eq!(before_advice("a; b"), "a");
+        assert_eq!(before_advice("no advice (at all)"), "no advice (at all)");
+        // A stray ')' does not make the depth negative.
+        assert_eq!(before_advice("a) b; c"), "a) b");
     }
 }

@@ -18,7 +18,7 @@
 
 use super::chart::{render, LIMIT_COLOR, PALETTE};
 use super::frontier::{
-    pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART, FRONTIER_LEGEND,
+    frontier_legend, pareto_front, write_frontier_chart, FrontierPoint, FRONTIER_CHART,
 };
 use super::report_charts::*;
 use super::results::{CompareResult, SweepResult};
@@ -215,6 +215,7 @@ fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
         label,
         peak_bytes: run.peak_bytes().filter(|_| ok),
         images_per_sec: run.images_per_sec().filter(|_| ok),
+        lossy: run.lossy,
     }
 }
 
@@ -223,7 +224,7 @@ fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `sweep.csv`.
-pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,images_per_sec,frontier,steps,wall_secs,exit_code,signal,note,run_dir,oom_snapshot";
+pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,images_per_sec,frontier,lossy,steps,wall_secs,exit_code,signal,note,run_dir,oom_snapshot";
 
 /// One frontier point per point of the sweep (same order as `r.points`), labelled
 /// `<configuration> b<batch>`; only points that ran ok are measured.
@@ -235,7 +236,7 @@ pub(crate) fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
 }
 
 /// The sweep as CSV (one row per point, in the order run). `frontier` is `true` for the points on
-/// the memory–speed frontier; `oom_snapshot` is the path of an out-of-memory point's snapshot,
+/// the memory–speed frontier of the exact points, `lossy` for a lossy configuration's; `oom_snapshot` is the path of an out-of-memory point's snapshot,
 /// relative to the sweep's directory, when its run wrote one.
 pub fn sweep_csv(r: &SweepResult) -> String {
     let front = pareto_front(&sweep_frontier_points(r));
@@ -248,7 +249,11 @@ pub fn sweep_csv(r: &SweepResult) -> String {
             opt_u64(run.peak_bytes()),
         ];
         row.extend(memory_cells(run));
-        row.extend([opt_f64(run.images_per_sec(), 2), on.to_string()]);
+        row.extend([
+            opt_f64(run.images_per_sec(), 2),
+            on.to_string(),
+            run.lossy.to_string(),
+        ]);
         row.extend(outcome_cells(run));
         row.push(path_cell(p.oom_snapshot.as_deref()));
         row
@@ -304,11 +309,7 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
             if reserved {
                 let _ = write!(s, " {} |", mib_cell(run.reserved_peak_bytes()));
             }
-            let note = if run.status == Status::Ok {
-                String::new()
-            } else {
-                run.note.clone()
-            };
+            let note = row_note(run);
             let _ = write!(
                 s,
                 " {} | {} |",
@@ -324,7 +325,8 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
         }
     }
     if front.iter().any(|&on| on) {
-        let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
+        let lossy = r.points.iter().any(|p| p.run.lossy);
+        let _ = writeln!(s, "\n{}", frontier_legend(lossy));
     }
     s.push_str(&other_note(r.points.iter().map(|p| &p.run)));
     if !r.max_batches.is_empty() {
@@ -356,6 +358,7 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
         &sweep_frontier_points(r),
         "Peak memory against speed: every configuration and batch size that ran",
         r.memory_limit_bytes,
+        r.heap_budget_bytes(),
         &dir.join(FRONTIER_CHART),
     )?);
     Ok(files)
@@ -366,7 +369,7 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `compare.csv`.
-pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,step_added_bytes,saved_activation_bytes,images_per_sec,speed_change_pct,frontier,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_snapshot";
+pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,step_added_bytes,saved_activation_bytes,images_per_sec,speed_change_pct,frontier,lossy,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_snapshot";
 
 /// One frontier point per configuration of the comparison (same order as `r.entries`), labelled
 /// with the configuration's label; only runs that finished ok are measured.
@@ -378,7 +381,8 @@ pub(crate) fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
 }
 
 /// The comparison as CSV (one row per configuration, the baseline first). `frontier` is `true`
-/// for the configurations on the memory–speed frontier; `oom_snapshot` is the path of an
+/// for the configurations on the memory–speed frontier of the exact ones, `lossy` for a lossy
+/// configuration; `oom_snapshot` is the path of an
 /// out-of-memory run's snapshot, relative to the comparison's directory, when it wrote one.
 pub fn compare_csv(r: &CompareResult) -> String {
     let front = pareto_front(&compare_frontier_points(r));
@@ -398,6 +402,7 @@ pub fn compare_csv(r: &CompareResult) -> String {
             opt_f64(run.images_per_sec(), 2),
             opt_f64(e.speed_change_pct, 2),
             on.to_string(),
+            run.lossy.to_string(),
             opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
         ]);
         row.extend(outcome_cells(run));
@@ -492,21 +497,30 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         if snapshots {
             let _ = write!(s, " {} |", snapshot_cell(e.oom_snapshot.as_deref()));
         }
-        let note = if run.status != Status::Ok {
-            run.note.clone()
-        } else if run.summary.as_ref().is_some_and(|s| s.lossy) {
-            "lossy: int8 saved activations".to_string()
-        } else {
-            String::new()
-        };
-        let _ = writeln!(s, " {} |", md_cell(&note));
+        let _ = writeln!(s, " {} |", md_cell(&row_note(run)));
     }
     if front.iter().any(|&on| on) {
-        let _ = writeln!(s, "\n{FRONTIER_LEGEND}");
+        let lossy = r.entries.iter().any(|e| e.run.lossy);
+        let _ = writeln!(s, "\n{}", frontier_legend(lossy));
     }
     s.push_str(&other_note(r.entries.iter().map(|e| &e.run)));
     s
 }
+
+/// The note of a markdown table's row: `lossy` for a lossy configuration, and why a run that
+/// did not finish ended.
+fn row_note(run: &ChildRun) -> String {
+    let lossy = run.lossy.then_some(LOSSY_NOTE);
+    let ended = Some(run.note.as_str()).filter(|n| run.status != Status::Ok && !n.is_empty());
+    lossy
+        .into_iter()
+        .chain(ended)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The note of a lossy configuration's row in the markdown tables.
+const LOSSY_NOTE: &str = "lossy: int8 saved activations, not on the frontier";
 
 /// Under a table: the training peak is the step peak; when a run's whole-process peak fell
 /// outside training (phase "other"), what that means, with the runs named by their directory.
@@ -549,6 +563,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
                 change_pct: e
                     .peak_change_pct
                     .filter(|_| !std::ptr::eq(e, &r.entries[0])),
+                lossy: e.run.lossy,
             })
             .collect(),
     };
@@ -570,6 +585,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
                 .collect(),
             color: None,
             thin: false,
+            lossy: e.run.lossy,
         });
     }
     if !series.is_empty() {
@@ -584,6 +600,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
     files.extend(write_frontier_chart(
         &compare_frontier_points(r),
         "Peak memory against speed per configuration",
+        None,
         None,
         &dir.join(FRONTIER_CHART),
     )?);
@@ -609,6 +626,7 @@ pub(crate) fn write_run_memory_chart(
                 .collect(),
             color: Some(PALETTE[0]),
             thin: false,
+            lossy: false,
         },
         Series {
             label: "in use after step".into(),
@@ -618,6 +636,7 @@ pub(crate) fn write_run_memory_chart(
                 .collect(),
             color: Some(PALETTE[2]),
             thin: true,
+            lossy: false,
         },
     ];
     if rows.iter().any(|b| b.reserved_peak_bytes.is_some()) {
@@ -629,6 +648,7 @@ pub(crate) fn write_run_memory_chart(
                 .collect(),
             color: Some(PALETTE[1]),
             thin: true,
+            lossy: false,
         });
     }
     let mut hlines = Vec::new();

@@ -3,13 +3,12 @@
 //! size.
 
 use super::chart::{
-    draw_line, draw_rule, draw_series_legend, label_spots, leader_end, png_text, same_as,
-    series_color, series_width, shorten, Chart, DrawError, DrawResult, Frame, LabelBoxes, MemUnit,
-    Panel, FONT, LIMIT_COLOR,
+    draw_line, draw_lossy_markers, draw_rule, draw_series_legend, label_spots, leader_end,
+    limit_rules, lossy_label, png_text, same_as, series_color, series_width, shorten, Chart,
+    DrawError, DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR, LOSSY_LEGEND,
 };
 use super::results::SweepResult;
 use super::{ChildRun, Status};
-use crate::memory::format_bytes;
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -22,9 +21,12 @@ pub(super) struct Bar {
     pub(super) bytes: Option<u64>,
     pub(super) status: Status,
     pub(super) change_pct: Option<f64>,
+    /// A lossy configuration: its bar hatched, its label marked `(lossy)`.
+    pub(super) lossy: bool,
 }
 
-/// Horizontal bars of peak memory, one per configuration, labelled with their values.
+/// Horizontal bars of peak memory, one per configuration, labelled with their values; a lossy
+/// configuration's bar is hatched and a line under the plot says what the hatching means.
 pub(super) struct BarChart {
     pub(super) title: String,
     pub(super) bars: Vec<Bar>,
@@ -32,7 +34,12 @@ pub(super) struct BarChart {
 
 impl Chart for BarChart {
     fn size(&self) -> (u32, u32) {
-        (1200, (170 + 64 * self.bars.len() as u32).max(360))
+        let key = if self.bars.iter().any(|b| b.lossy) {
+            40
+        } else {
+            0
+        };
+        (1200, (170 + key + 64 * self.bars.len() as u32).max(360))
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
@@ -48,7 +55,19 @@ impl Chart for BarChart {
             .unwrap_or(1024 * 1024);
         let unit = MemUnit::for_max(max);
         let xmax = unit.of(max).max(1e-3) * 1.32;
-        let labels: Vec<String> = self.bars.iter().map(|b| shorten(&b.label, 38)).collect();
+        let labels: Vec<String> = self
+            .bars
+            .iter()
+            .map(|b| shorten(&lossy_label(&b.label, b.lossy), 38))
+            .collect();
+        let any_lossy = self.bars.iter().any(|b| b.lossy);
+        // A lossy bar's key goes in a strip of its own under the chart.
+        let (plot, key) = if any_lossy {
+            let (p, k) = root.split_vertically(root.dim_in_pixel().1.saturating_sub(40));
+            (p, Some(k))
+        } else {
+            (root.clone(), None)
+        };
         // Wide enough for the PNG's spelling too (code points for what the font lacks).
         let label_w = labels
             .iter()
@@ -59,7 +78,7 @@ impl Chart for BarChart {
             + 24;
         // Bars top to bottom in the given order: bar i sits at row n-1-i.
         let row = |i: usize| n - 1 - i;
-        let mut chart = ChartBuilder::on(root)
+        let mut chart = ChartBuilder::on(&plot)
             .caption(&self.title, (FONT, 28))
             .margin(20)
             .x_label_area_size(56)
@@ -93,10 +112,30 @@ impl Chart for BarChart {
                         color.filled(),
                     );
                     rect.set_margin(9, 9, 0, 0);
+                    if b.lossy {
+                        rect = Rectangle::new(
+                            [
+                                (0.0, SegmentValue::Exact(r)),
+                                (unit.of(bytes), SegmentValue::Exact(r + 1)),
+                            ],
+                            color.mix(0.25).filled(),
+                        );
+                        rect.set_margin(9, 9, 0, 0);
+                    }
                     chart.draw_series(std::iter::once(rect))?;
+                    if b.lossy {
+                        let (bx, by) = plot.get_base_pixel();
+                        let a = chart.backend_coord(&(0.0, SegmentValue::Exact(r + 1)));
+                        let z = chart.backend_coord(&(unit.of(bytes), SegmentValue::Exact(r)));
+                        let (a, z) = ((a.0 - bx, a.1 - by), (z.0 - bx, z.1 - by));
+                        hatch(&plot, (a.0, a.1 + 9, z.0, z.1 - 9), color)?;
+                    }
                     let mut text = unit.fmt(bytes);
                     if let Some(p) = b.change_pct {
                         text.push_str(&format!(" ({})", pct_cell(Some(p))));
+                    }
+                    if b.lossy {
+                        text.push_str(", lossy");
                     }
                     let style = TextStyle::from((FONT, 18).into_font())
                         .pos(Pos::new(HPos::Left, VPos::Center));
@@ -120,8 +159,53 @@ impl Chart for BarChart {
                 }
             }
         }
+        if let Some(key) = key {
+            // A hatched swatch and what it means.
+            let w = key.dim_in_pixel().0;
+            let (x, y) = (w as i32 / 2 - 260, 4);
+            key.draw(&Rectangle::new(
+                [(x, y), (x + 36, y + 18)],
+                series_color(6).mix(0.25).filled(),
+            ))?;
+            hatch(&key, (x, y, x + 36, y + 18), series_color(6))?;
+            let style = TextStyle::from((FONT, 17).into_font());
+            key.draw(&Text::new(
+                format!("hatched: {LOSSY_LEGEND}"),
+                (x + 46, y),
+                style,
+            ))?;
+        }
         Ok(())
     }
+}
+
+/// Diagonal lines in `color` across the pixel box `(x0, y0, x1, y1)` of `area` (in its own
+/// pixels), 9 pixels apart: the hatching of a lossy configuration's bar.
+fn hatch<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    (x0, y0, x1, y1): (i32, i32, i32, i32),
+    color: RGBColor,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let (w, h) = (x1 - x0, y1 - y0);
+    if w <= 0 || h <= 0 {
+        return Ok(());
+    }
+    // A line rises from (x0 + k, y1) at 45°; t runs along it while it stays inside the box.
+    for k in (-h..w).step_by(9) {
+        let (t0, t1) = ((-k).max(0), h.min(w - k));
+        if t1 <= t0 {
+            continue;
+        }
+        let at = |t: i32| (x0 + k + t, y1 - t);
+        area.draw(&PathElement::new(
+            vec![at(t0), at(t1)],
+            color.stroke_width(2),
+        ))?;
+    }
+    Ok(())
 }
 
 /// A line of a [`TimelineChart`]: (x, bytes) points.
@@ -131,6 +215,8 @@ pub(super) struct Series {
     pub(super) points: Vec<(f64, u64)>,
     pub(super) color: Option<RGBColor>,
     pub(super) thin: bool,
+    /// A lossy configuration's line: labelled `(lossy)`, its points diamonds.
+    pub(super) lossy: bool,
 }
 
 /// A horizontal reference line.
@@ -168,16 +254,20 @@ impl TimelineChart {
             .collect();
         // Lines within about two pixels of each other would cover one another.
         let same = same_as(&all, 0.004 * chart.y_range().end);
+        let mut lossy_legend = true;
         for (i, (s, pts)) in self.series.iter().zip(all).enumerate() {
             let color = s.color.unwrap_or(series_color(i));
             let width = if s.thin { 2 } else { series_width(i, n) };
-            let mut label = shorten(&s.label, 60);
+            let mut label = shorten(&lossy_label(&s.label, s.lossy), 60);
             if let Some(j) = same[i] {
                 // Identical to an earlier line: dashed over it, so both stay visible.
                 label = format!("{label} (= {})", shorten(&self.series[j].label, 20));
             }
             draw_line(chart, pts.clone(), color, width, same[i].is_some(), label)?;
-            if pts.len() <= 80 {
+            if s.lossy && pts.len() <= 80 {
+                draw_lossy_markers(chart, &pts, 6, color, lossy_legend)?;
+                lossy_legend = false;
+            } else if pts.len() <= 80 {
                 chart.draw_series(
                     pts.iter()
                         .map(|&p| Circle::new(p, if s.thin { 3 } else { 4 }, color.filled())),
@@ -265,8 +355,13 @@ pub(super) struct SweepChart {
     pub(super) title: String,
     pub(super) configs: Vec<(String, Vec<SweepDot>)>,
     pub(super) limit: Option<u64>,
+    /// On the CPU, the heap budget the points' trainers derived from `limit` (the limit is
+    /// resident memory, the points' peaks are heap): the smallest any point reported.
+    pub(super) heap_budget: Option<u64>,
     /// `--find-max` results: the largest batch that fits, per configuration (same order).
     pub(super) maxima: Vec<Option<usize>>,
+    /// Whether each configuration is lossy (same order): labelled `(lossy)`, points diamonds.
+    pub(super) lossy: Vec<bool>,
 }
 
 impl SweepChart {
@@ -300,8 +395,14 @@ impl SweepChart {
                     .and_then(|m| m.max_batch)
             })
             .collect();
+        let lossy = r
+            .configurations
+            .iter()
+            .map(|v| r.points_of(&v.label).iter().any(|p| p.run.lossy))
+            .collect();
         SweepChart {
             maxima,
+            lossy,
             title: format!(
                 "Batch-size sweep ({} training step{} per point)",
                 r.steps,
@@ -309,6 +410,7 @@ impl SweepChart {
             ),
             configs,
             limit: r.memory_limit_bytes,
+            heap_budget: r.heap_budget_bytes(),
         }
     }
 }
@@ -416,6 +518,11 @@ impl SweepAxis {
 }
 
 impl SweepChart {
+    /// Whether configuration `i` is lossy.
+    fn is_lossy(&self, i: usize) -> bool {
+        self.lossy.get(i).copied().unwrap_or(false)
+    }
+
     /// The top panel: peak memory per batch size, one line per configuration, the limit, the
     /// `--find-max` results, and markers where a point ran out of memory or failed.
     fn draw_memory<DB: DrawingBackend>(
@@ -437,14 +544,22 @@ impl SweepChart {
             .max(1);
         let unit = MemUnit::for_max(max_bytes);
         let ymax = unit.of(max_bytes) * 1.15;
-        // Where OOM points sit: on the limit line, or near the top without a limit.
-        let oom_y = self.limit.map(|l| unit.of(l)).unwrap_or(ymax * 0.93);
-        let mut mem = x.panel(area, ymax, &format!("peak memory ({})", unit.name))?;
+        // Where OOM points sit: on the line the peaks are measured against (the heap budget on
+        // the CPU, else the limit), or near the top without a limit.
+        let oom_y = self
+            .heap_budget
+            .or(self.limit)
+            .map(|l| unit.of(l))
+            .unwrap_or(ymax * 0.93);
+        let y_desc = match self.heap_budget {
+            Some(_) => format!("training peak, heap ({})", unit.name),
+            None => format!("peak memory ({})", unit.name),
+        };
+        let mut mem = x.panel(area, ymax, &y_desc)?;
         let (x0, x1) = x.range;
-        if let Some(l) = self.limit {
-            let y = unit.of(l);
-            let label = format!("memory limit ({})", format_bytes(l));
-            draw_rule(&mut mem, (x0, y), (x1, y), LIMIT_COLOR, label)?;
+        for (bytes, color, label) in limit_rules(self.limit, self.heap_budget) {
+            let y = unit.of(bytes);
+            draw_rule(&mut mem, (x0, y), (x1, y), color, label)?;
         }
         let (mut any_oom, mut any_failed) = (false, false);
         let n = self.configs.len();
@@ -460,21 +575,29 @@ impl SweepChart {
             })
             .collect();
         let same = same_as(&all, 0.004 * ymax);
+        let mut lossy_legend = true;
         for (i, ((label, d), ok)) in self.configs.iter().zip(all).enumerate() {
             let color = series_color(i);
             let width = series_width(i, n);
+            let lossy = self.is_lossy(i);
+            let label = lossy_label(label, lossy);
             // Identical to an earlier configuration: dashed over it, named in the legend.
             let label = match same[i] {
                 Some(j) => format!(
                     "{} (= {})",
-                    shorten(label, 40),
+                    shorten(&label, 40),
                     shorten(&self.configs[j].0, 20)
                 ),
-                None => shorten(label, 50),
+                None => shorten(&label, 50),
             };
             draw_line(&mut mem, ok.clone(), color, width, same[i].is_some(), label)?;
             let r = 3 + width as i32 / 2;
-            mem.draw_series(ok.iter().map(|&p| Circle::new(p, r, color.filled())))?;
+            if lossy {
+                draw_lossy_markers(&mut mem, &ok, r + 3, color, lossy_legend)?;
+                lossy_legend = false;
+            } else {
+                mem.draw_series(ok.iter().map(|&p| Circle::new(p, r, color.filled())))?;
+            }
             if let Some(Some(m)) = self.maxima.get(i) {
                 if let Some(p) = d.iter().find(|p| p.batch == *m).and_then(|p| p.peak) {
                     maxima.push((i, *m, (x.x(*m), unit.of(p))));
@@ -536,7 +659,9 @@ impl SweepChart {
         let black = RGBColor(40, 40, 40);
         if any_oom {
             mem.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
-                .label(if self.limit.is_some() {
+                .label(if self.heap_budget.is_some() {
+                    "out of memory (drawn on the heap budget)"
+                } else if self.limit.is_some() {
                     "out of memory (drawn on the limit)"
                 } else {
                     "out of memory"
@@ -583,7 +708,11 @@ impl SweepChart {
                 .collect();
             speed.draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?;
             let r = 3 + width as i32 / 2;
-            speed.draw_series(pts.iter().map(|&p| Circle::new(p, r, color.filled())))?;
+            if self.is_lossy(i) {
+                draw_lossy_markers(&mut speed, &pts, r + 3, color, false)?;
+            } else {
+                speed.draw_series(pts.iter().map(|&p| Circle::new(p, r, color.filled())))?;
+            }
         }
         Ok(())
     }
@@ -604,7 +733,7 @@ where
     let (x0, y0) = area.get_base_pixel();
     let (w, h) = area.dim_in_pixel();
     // Labels stay clear of the legend box in the upper left.
-    let legend_h = 30 * (configs.len() as i32 + 3);
+    let legend_h = 30 * (configs.len() as i32 + 5);
     let bounds = (x0, y0, x0 + w as i32, y0 + h as i32);
     let mut boxes = LabelBoxes::default();
     boxes.reserve((x0, y0, x0 + 420, y0 + legend_h));

@@ -117,6 +117,15 @@ pub struct SweepResult {
 }
 
 impl SweepResult {
+    /// On the CPU, the heap budget the points' trainers derived from `memory_limit_bytes` (the
+    /// limit is resident memory, the points' peaks are heap): the smallest any point reported.
+    pub(crate) fn heap_budget_bytes(&self) -> Option<u64> {
+        self.points
+            .iter()
+            .filter_map(|p| p.run.summary.as_ref()?.heap_budget_bytes)
+            .min()
+    }
+
     /// The points of one configuration, sorted by batch size.
     pub(crate) fn points_of(&self, configuration: &str) -> Vec<&SweepPoint> {
         let mut v: Vec<&SweepPoint> = self

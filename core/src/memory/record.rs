@@ -231,7 +231,7 @@ impl MemoryLog {
             ));
         }
         s.push_str(&format!(
-            "run peak: {} ({}); {os} peak: {}\n",
+            "run peak: {} ({}); {os} peak at the run's end: {} (the table's: at each epoch's end)\n",
             format_bytes(self.peak_bytes),
             self.peak_phase
                 .map(|p| p.to_string())

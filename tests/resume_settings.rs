@@ -8,7 +8,8 @@ mod common;
 use common::{flags, run_trainer, text};
 use std::path::Path;
 
-const BASE: &str = "--synthetic-train 256 --synthetic-test 32 --width 8 --batch-size 32 --device cpu --quiet";
+const BASE: &str =
+    "--synthetic-train 256 --synthetic-test 32 --width 8 --batch-size 32 --device cpu --quiet";
 
 fn run(dir: &Path, extra: &str) {
     let mut args = flags(BASE);

@@ -550,12 +550,21 @@ fn a_trace_becomes_a_snapshot_whose_replay_is_the_trace() {
     memviz::write(&path, &s).unwrap();
     assert_eq!(replayed_peak(&read_pickle(&path)), 1800);
     // Streamed from the trace (what a run writes), the same bytes, with and without an oom mark.
-    for oom in [None, Some(memviz::OomMark { limit: 1500, peak: 1800 })] {
+    for oom in [
+        None,
+        Some(memviz::OomMark {
+            limit: 1500,
+            peak: 1800,
+        }),
+    ] {
         let whole = dir.join("whole.pickle");
         let streamed = dir.join("streamed.pickle");
         memviz::write(&whole, &memviz::snapshot(&trace, &timeline, oom).unwrap()).unwrap();
         memviz::write_trace(&streamed, &trace, &timeline, oom).unwrap();
-        assert_eq!(std::fs::read(&whole).unwrap(), std::fs::read(&streamed).unwrap());
+        assert_eq!(
+            std::fs::read(&whole).unwrap(),
+            std::fs::read(&streamed).unwrap()
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

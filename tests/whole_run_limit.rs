@@ -67,8 +67,7 @@ fn flags(s: &str) -> Vec<String> {
 }
 
 fn summary(dir: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(dir.join("summary.json")).expect("summary.json"))
-        .unwrap()
+    serde_json::from_slice(&std::fs::read(dir.join("summary.json")).expect("summary.json")).unwrap()
 }
 
 /// Run the trainer with `args` inside a cgroup of `limit` bytes where one can be made, else
@@ -130,7 +129,10 @@ fn the_least_limit_a_dry_run_accepts_holds_through_the_evaluation() {
         s["eval_peak_bytes"].as_u64().expect("evaluated"),
         s["heap_budget_bytes"].as_u64().unwrap(),
     );
-    assert!(eval <= budget, "evaluation peak {eval} over the heap budget {budget}");
+    assert!(
+        eval <= budget,
+        "evaluation peak {eval} over the heap budget {budget}"
+    );
     assert!(
         s["os_peak_bytes"].as_u64().unwrap() <= limit,
         "resident peak {} over the limit {limit}",
@@ -220,6 +222,51 @@ fn exports_fit_the_limit_and_the_summary_comes_first() {
         assert!(out.join(f).is_file(), "{f} written");
     }
     let s = summary(&out);
-    assert!(s["os_peak_bytes"].as_u64().unwrap() <= limit, "{}", s["os_peak_bytes"]);
+    assert!(
+        s["os_peak_bytes"].as_u64().unwrap() <= limit,
+        "{}",
+        s["os_peak_bytes"]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The find-max case: `--find-max --memory-limit 150MiB -- --compress-activations int8`
+/// used to report a batch killed at its first evaluation in a 150 MiB cgroup. The batch it
+/// reports now runs a whole epoch, with its evaluation and a snapshot every 2 steps, inside one.
+#[test]
+fn the_int8_batch_find_max_reports_runs_an_epoch_with_evaluation_and_saves() {
+    let Some(data) = common::real_subset() else {
+        eprintln!("skipped: no real CIFAR-10 subset");
+        return;
+    };
+    let dir = common::scratch("whole-run", "findmax");
+    let sweep = dir.join("sweep");
+    let o = Command::new(common::example_binary("batch_sweep"))
+        .args(flags("--find-max --start 64 --granularity 16 --steps 2"))
+        .args(["--memory-limit", "150MiB", "--quiet", "--out"])
+        .arg(&sweep)
+        .args(["--", "--data-dir"])
+        .arg(&data)
+        .args(flags("--compress-activations int8"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let r: memtrain::sweep::batch::SweepResult =
+        serde_json::from_str(&std::fs::read_to_string(sweep.join("sweep.json")).unwrap()).unwrap();
+    let max = r.max_batches[0].max_batch.expect("a batch fits 150 MiB");
+    let out = dir.join("run");
+    let args = [
+        vec!["--data-dir".to_string(), data.display().to_string()],
+        flags(&format!(
+            "--compress-activations int8 --batch-size {max} --memory-limit 150MiB --epochs 1 --save-every 2 --quiet"
+        )),
+        vec!["--out".into(), out.display().to_string()],
+    ]
+    .concat();
+    run_within("findmax", 150 << 20, &args);
+    let s = summary(&out);
+    assert_eq!(s["epochs_completed"], 1);
+    assert!(s["eval_peak_bytes"].as_u64().is_some(), "evaluated");
+    assert!(s["os_peak_bytes"].as_u64().unwrap() <= 150 << 20);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -325,7 +325,9 @@ impl Iterator for Events<'_> {
                     self.k += 1;
                     self.frames = frames_for(self.timeline, self.k);
                 }
-                Action::Alloc => break Some(trace_event("alloc", e.addr, e.size, self.frames.clone())),
+                Action::Alloc => {
+                    break Some(trace_event("alloc", e.addr, e.size, self.frames.clone()))
+                }
                 Action::Free => {
                     self.pending = Some(trace_event(
                         "free_completed",
@@ -405,7 +407,10 @@ impl<I: ExactSizeIterator<Item = TraceEvent>> Serialize for Streamed<I> {
         /// The list of device traces: one, streamed.
         struct Traces<'b, I>(&'b std::cell::RefCell<Option<I>>);
         impl<I: ExactSizeIterator<Item = TraceEvent>> Serialize for Traces<'_, I> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+            fn serialize<S: serde::Serializer>(
+                &self,
+                s: S,
+            ) -> std::result::Result<S::Ok, S::Error> {
                 let mut seq = s.serialize_seq(Some(1))?;
                 seq.serialize_element(&Trace1(self.0))?;
                 seq.end()
@@ -413,7 +418,10 @@ impl<I: ExactSizeIterator<Item = TraceEvent>> Serialize for Streamed<I> {
         }
         struct Trace1<'b, I>(&'b std::cell::RefCell<Option<I>>);
         impl<I: ExactSizeIterator<Item = TraceEvent>> Serialize for Trace1<'_, I> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+            fn serialize<S: serde::Serializer>(
+                &self,
+                s: S,
+            ) -> std::result::Result<S::Ok, S::Error> {
                 let events = self.0.borrow_mut().take();
                 let mut seq = s.serialize_seq(Some(events.as_ref().map_or(0, |e| e.len())))?;
                 for e in events.into_iter().flatten() {

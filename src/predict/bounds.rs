@@ -93,7 +93,11 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
                 limit: format!("{} ({})", format_bytes(b.room), b.source),
                 epoch: 0,
                 batch: 0,
-                phase: format!("the predicted {} peak ({})", est.run_peak_phase(), size(step)),
+                phase: format!(
+                    "the predicted {} peak ({})",
+                    est.run_peak_phase(),
+                    size(step)
+                ),
                 advice: run_peak_advice(cfg, est),
                 snapshot: None,
             });

@@ -280,20 +280,22 @@ impl Estimate {
             format_bytes(self.backward_peak),
             format_bytes(self.optimizer_peak)
         );
-        match self.eval_peak {
-            Some(e) => {
-                let _ = writeln!(
-                    s,
-                    "predicted evaluation peak {} (forward in batches of {}, running statistics, nothing saved) | the run needs {} ({})",
-                    format_bytes(e),
-                    self.eval_batch,
-                    format_bytes(self.run_peak()),
-                    self.run_peak_phase()
-                );
-            }
-            None => s.push_str("no evaluation (--no-eval): the run needs the step's peak\n"),
-        }
+        s.push_str(&self.eval_line());
         s
+    }
+
+    /// The table's last line: the evaluation's predicted peak and what the run needs.
+    fn eval_line(&self) -> String {
+        match self.eval_peak {
+            Some(e) => format!(
+                "predicted evaluation peak {} (forward in batches of {}, running statistics, nothing saved) | the run needs {} ({})\n",
+                format_bytes(e),
+                self.eval_batch,
+                format_bytes(self.run_peak()),
+                self.run_peak_phase()
+            ),
+            None => "no evaluation (--no-eval): the run needs the step's peak\n".to_string(),
+        }
     }
 }
 

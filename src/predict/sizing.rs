@@ -648,7 +648,9 @@ pub(super) fn eval_batch(
 ) -> Result<()> {
     let x = ops.alloc(vec![n, 3, 32, 32], DType::F32);
     let y = ops.alloc(vec![n], DType::U32);
-    let mut step = LeanStep::on(ops, vec![0..blocks], storage);
+    // One segment: the evaluation saves nothing and recomputes nothing.
+    let segments = crate::model::cnn::segments(blocks, crate::config::GradCheckpointing::None);
+    let mut step = LeanStep::on(ops, segments, storage);
     step.evaluate(&x, &y, &mut crate::step::tape::NoObserver)?;
     Ok(())
 }

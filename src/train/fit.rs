@@ -4,13 +4,13 @@
 //! which the loop calls.
 
 use super::history::EpochProgress;
+use super::phases::EvalBudget;
 use super::summary::Summary;
 use super::Trainer;
 use crate::callbacks::{Callback, EpochBegin, EpochEnd, EpochStats, TrainBegin, TrainEnd};
 use crate::data::{Batcher, BatcherOptions, Dataset};
 use crate::device::device_name;
 use crate::error::{Error, Result};
-use super::phases::EvalBudget;
 use crate::step::tape::LeanStep;
 use candle_core::Tensor;
 use std::sync::atomic::Ordering;
@@ -40,7 +40,6 @@ impl Trainer {
             },
         );
         let dtype = self.config.precision.compute_dtype();
-        let blocks = self.model.blocks.len();
         let (mut loss_sum, mut correct, mut n) = (0.0, 0usize, 0usize);
         for b in batcher {
             if self.stop_requested() {
@@ -56,7 +55,7 @@ impl Trainer {
             let r = LeanStep::new(
                 &self.model,
                 dtype,
-                vec![0..blocks],
+                self.model.segments(crate::config::GradCheckpointing::None),
                 self.config.compress_activations,
             )
             .evaluate(&x, &y, &mut budget)

@@ -214,11 +214,13 @@ impl Trainer {
         })?;
         if self.history.activation_storage.is_empty() && self.global_step > 0 {
             // A snapshot from before the record: its steps ran with its own setting.
-            self.history.activation_storage.push(super::history::StorageSpan {
-                first_step: 1,
-                last_step: self.global_step,
-                compress_activations: config.compress_activations,
-            });
+            self.history
+                .activation_storage
+                .push(super::history::StorageSpan {
+                    first_step: 1,
+                    last_step: self.global_step,
+                    compress_activations: config.compress_activations,
+                });
         }
         self.snapshots.resumed(&run_dir, point, healthy);
         Ok(())

@@ -168,7 +168,9 @@ impl Trainer {
         let mut label = self.config.label();
         if lossy && !self.config.compress_activations.is_lossy() {
             // Exact now, lossy before a resume: the run is not the exact step's.
-            label.push_str(&format!(" (lossy: int8-activations in steps {lossy_steps})"));
+            label.push_str(&format!(
+                " (lossy: int8-activations in steps {lossy_steps})"
+            ));
         }
         Summary {
             label,

@@ -7,67 +7,12 @@
 
 mod common;
 
-use common::{example_binary, scratch, text, trainer_binary};
+use common::{example_binary, scratch, text, trainer_binary, Cgroup};
 use memtrain::sweep::batch::SweepResult;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Command;
 
 const LIMIT_MIB: u64 = 150;
-
-/// A child memory cgroup with a limit, removed on drop.
-struct Cgroup(PathBuf);
-
-impl Cgroup {
-    /// A new group limited to `bytes`, or `None` (with the reason printed) where none can be made.
-    fn new(name: &str, bytes: u64) -> Option<Cgroup> {
-        let root = Path::new("/sys/fs/cgroup/memory");
-        let dir = root.join(format!("memtrain-test-{name}-{}", std::process::id()));
-        let made = std::fs::create_dir(&dir)
-            .and_then(|()| std::fs::write(dir.join("memory.limit_in_bytes"), bytes.to_string()));
-        match made {
-            Ok(()) => Some(Cgroup(dir)),
-            Err(e) => {
-                eprintln!(
-                    "skipped: cannot make a memory cgroup under {} ({e}); needs cgroup v1's memory controller and root",
-                    root.display()
-                );
-                let _ = std::fs::remove_dir(&dir);
-                None
-            }
-        }
-    }
-
-    /// Run `program args` inside the group.
-    fn run(&self, program: &Path, args: &[String]) -> Output {
-        Command::new("sh")
-            .arg("-c")
-            .arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#)
-            .arg(&self.0)
-            .arg(program)
-            .args(args)
-            .output()
-            .unwrap()
-    }
-
-    /// Times the group hit its limit (the kernel reclaimed or killed).
-    fn oom_kills(&self) -> u64 {
-        // memory.oom_control's `oom_kill N` (kernels since 4.13).
-        std::fs::read_to_string(self.0.join("memory.oom_control"))
-            .ok()
-            .and_then(|t| {
-                t.lines()
-                    .find_map(|l| l.strip_prefix("oom_kill ").map(|n| n.trim().parse().ok()))
-                    .flatten()
-            })
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
 
 /// The data flags: the real subset when present, else synthetic images.
 fn data_flags() -> Vec<String> {

@@ -7,60 +7,9 @@
 
 mod common;
 
-use common::{needed_limits, text, trainer_binary};
-use std::path::{Path, PathBuf};
+use common::{needed_limits, text, trainer_binary, Cgroup};
+use std::path::Path;
 use std::process::{Command, Output};
-
-/// A child memory cgroup with a limit, removed on drop.
-struct Cgroup(PathBuf);
-
-impl Cgroup {
-    fn new(name: &str, bytes: u64) -> Option<Cgroup> {
-        let root = Path::new("/sys/fs/cgroup/memory");
-        let dir = root.join(format!("memtrain-test-{name}-{}", std::process::id()));
-        let made = std::fs::create_dir(&dir)
-            .and_then(|()| std::fs::write(dir.join("memory.limit_in_bytes"), bytes.to_string()));
-        match made {
-            Ok(()) => Some(Cgroup(dir)),
-            Err(e) => {
-                eprintln!(
-                    "skipped the cgroup part: cannot make a memory cgroup under {} ({e}); needs cgroup v1's memory controller and root",
-                    root.display()
-                );
-                let _ = std::fs::remove_dir(&dir);
-                None
-            }
-        }
-    }
-
-    fn run(&self, program: &Path, args: &[String]) -> Output {
-        Command::new("sh")
-            .arg("-c")
-            .arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#)
-            .arg(&self.0)
-            .arg(program)
-            .args(args)
-            .output()
-            .unwrap()
-    }
-
-    fn oom_kills(&self) -> u64 {
-        std::fs::read_to_string(self.0.join("memory.oom_control"))
-            .ok()
-            .and_then(|t| {
-                t.lines()
-                    .find_map(|l| l.strip_prefix("oom_kill ").map(|n| n.trim().parse().ok()))
-                    .flatten()
-            })
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
 
 fn flags(s: &str) -> Vec<String> {
     s.split_whitespace().map(String::from).collect()

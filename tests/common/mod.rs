@@ -388,3 +388,58 @@ pub fn limit_for_heap(base: impl Fn() -> Command, heap: u64) -> u64 {
     let outside = needed_limits(base).1 as f64 - predicted * slack;
     (heap as f64 * slack + outside).ceil() as u64
 }
+
+/// A child memory cgroup with a limit, removed on drop.
+pub struct Cgroup(std::path::PathBuf);
+
+impl Cgroup {
+    /// A new group limited to `bytes`, or `None` (with the reason printed) where none can be made.
+    pub fn new(name: &str, bytes: u64) -> Option<Cgroup> {
+        let root = std::path::Path::new("/sys/fs/cgroup/memory");
+        let dir = root.join(format!("memtrain-test-{name}-{}", std::process::id()));
+        let made = std::fs::create_dir(&dir)
+            .and_then(|()| std::fs::write(dir.join("memory.limit_in_bytes"), bytes.to_string()));
+        match made {
+            Ok(()) => Some(Cgroup(dir)),
+            Err(e) => {
+                eprintln!(
+                    "skipped the cgroup part: cannot make a memory cgroup under {} ({e}); needs cgroup v1's memory controller and root",
+                    root.display()
+                );
+                let _ = std::fs::remove_dir(&dir);
+                None
+            }
+        }
+    }
+
+    /// Run `program args` inside the group.
+    pub fn run(&self, program: &std::path::Path, args: &[String]) -> std::process::Output {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#)
+            .arg(&self.0)
+            .arg(program)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    /// Times the group hit its limit (the kernel reclaimed or killed).
+    pub fn oom_kills(&self) -> u64 {
+        // memory.oom_control's `oom_kill N` (kernels since 4.13).
+        std::fs::read_to_string(self.0.join("memory.oom_control"))
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("oom_kill ").map(|n| n.trim().parse().ok()))
+                    .flatten()
+            })
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}

@@ -85,7 +85,7 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
             let e = LeanStep::new(
                 &eager,
                 dtype,
-                eager.segments(checkpoint),
+                eager.segments(checkpoint.resolved().unwrap()),
                 ActivationStorage::None,
             )
             .run(&xi, &yi, mult, &mut acc_e, &mut NoObserver)
@@ -93,7 +93,7 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
             let g = LeanStep::new(
                 &graph,
                 dtype,
-                graph.segments(checkpoint),
+                graph.segments(checkpoint.resolved().unwrap()),
                 ActivationStorage::None,
             )
             .with_stats_in_place()

@@ -98,7 +98,7 @@ fn every_segmentation_parses_prints_and_cuts_the_blocks() {
             *ck
         );
         // The segments cover the blocks in order, cut exactly at the boundaries.
-        let segs = memtrain::model::cnn::segments(CNN_BLOCKS, *ck);
+        let segs = memtrain::model::cnn::segments(CNN_BLOCKS, ck.resolved().unwrap());
         assert_eq!(segs.first().unwrap().start, 0);
         assert_eq!(segs.last().unwrap().end, CNN_BLOCKS);
         assert!(segs.windows(2).all(|w| w[0].end == w[1].start));
@@ -145,7 +145,11 @@ fn every_segmentation_parses_prints_and_cuts_the_blocks() {
         let specs = model_layer_specs(cfg.width, cfg.conv);
         for (mask, ck) in all.iter().enumerate() {
             assert_eq!(
-                memtrain::predict::schedule::recompute_flops(&specs, *ck, cfg.batch_size),
+                memtrain::predict::schedule::recompute_flops(
+                    &specs,
+                    ck.resolved().unwrap(),
+                    cfg.batch_size
+                ),
                 expected_flops(&cfg, mask as u8),
                 "{ck} {conv}"
             );
@@ -219,7 +223,11 @@ fn auto_picks_what_brute_force_over_every_segmentation_picks() {
                 Some((mask, peak)) => {
                     fits += 1;
                     let c = got.unwrap_or_else(|e| panic!("{label}: {e}"));
-                    assert_eq!(c.chosen.checkpointing, by_spelling(mask), "{label}");
+                    assert_eq!(
+                        GradCheckpointing::from(c.chosen.checkpointing),
+                        by_spelling(mask),
+                        "{label}"
+                    );
                     assert_eq!(c.chosen.predicted_peak, peak, "{label}");
                     assert!(peak <= usable_bytes(heap, SAFETY_MARGIN), "{label}");
                     assert_eq!(
@@ -339,10 +347,11 @@ fn auto_near_the_old_failing_limit_runs_under_it() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
     let segs: Vec<[usize; 2]> =
         serde_json::from_value(json["checkpoint_segments"].clone()).unwrap();
-    let want: Vec<[usize; 2]> = memtrain::model::cnn::segments(CNN_BLOCKS, chosen)
-        .iter()
-        .map(|r| [r.start, r.end])
-        .collect();
+    let want: Vec<[usize; 2]> =
+        memtrain::model::cnn::segments(CNN_BLOCKS, chosen.resolved().unwrap())
+            .iter()
+            .map(|r| [r.start, r.end])
+            .collect();
     assert_eq!(segs, want);
     assert!(segs.len() > 1);
     let mask = chosen.cuts().unwrap();

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 mod checkpointing;
 
-pub use checkpointing::{Cuts, GradCheckpointing, CNN_BLOCKS};
+pub use checkpointing::{Cuts, GradCheckpointing, Segmentation, CNN_BLOCKS};
 
 /// A flag's enum: clap value, serde spelling, `Display` and `FromStr` from one list of
 /// `Variant => "spelling"`; `$what` names the kind in `FromStr`'s error.

@@ -114,9 +114,11 @@ pub(crate) fn smaller_schedule(
                 .min_by_key(|c| c.predicted_peak)
         })
         .filter(smaller)?;
-    (chosen.checkpointing != cfg.grad_checkpointing).then_some(crate::advice::SmallerSchedule {
-        checkpointing: chosen.checkpointing,
-        predicted_peak: chosen.predicted_peak,
-        current_peak: current,
-    })
+    (GradCheckpointing::from(chosen.checkpointing) != cfg.grad_checkpointing).then_some(
+        crate::advice::SmallerSchedule {
+            checkpointing: chosen.checkpointing.into(),
+            predicted_peak: chosen.predicted_peak,
+            current_peak: current,
+        },
+    )
 }

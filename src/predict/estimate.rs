@@ -343,9 +343,9 @@ pub fn schedule_candidates(
         let mut c = cfg.clone();
         c.grad_checkpointing = ck;
         out.push(Candidate {
-            checkpointing: ck,
+            checkpointing: ck.resolved()?,
             predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
-            recompute_flops: recompute_flops(specs, ck, cfg.batch_size),
+            recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.batch_size),
         });
     }
     Ok(out)
@@ -374,7 +374,7 @@ pub fn resolve_checkpointing(
     .unwrap_or(0);
     Ok(candidates
         .get(i)
-        .map_or(GradCheckpointing::None, |c| c.checkpointing))
+        .map_or(GradCheckpointing::None, |c| c.checkpointing.into()))
 }
 
 /// The layer list of the CNN for `width` and `conv`, without building the model (no parameters
@@ -409,7 +409,7 @@ pub fn estimate_for_specs(
         .map(|n| n.block + 1)
         .max()
         .unwrap_or(0);
-    let segments = segments(n_blocks, cfg.grad_checkpointing);
+    let segments = segments(n_blocks, cfg.grad_checkpointing.resolved()?);
     let ctx = Ctx {
         n: cfg.micro_batch() as u64,
         s: elem_bytes(cfg.precision.compute_dtype()),

@@ -13,7 +13,7 @@
 //! predictions, the limit and the margin, so a test can check it against brute force.
 
 use super::sim::DeviceKind;
-use crate::config::GradCheckpointing;
+use crate::config::{GradCheckpointing, Segmentation};
 use crate::error::Error;
 use crate::memory::format_bytes;
 use crate::model::LayerSpec;
@@ -60,7 +60,7 @@ pub fn limit_for(peak: u64, margin: f64) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
     /// The segmentation.
-    pub checkpointing: GradCheckpointing,
+    pub checkpointing: Segmentation,
     /// Its predicted peak bytes.
     pub predicted_peak: u64,
     /// The FLOPs it recomputes per optimizer step ([`recompute_flops`]).
@@ -155,7 +155,7 @@ fn conv_flops_per_image(spec: &LayerSpec) -> u64 {
 
 /// The FLOPs `ckpt` recomputes in one optimizer step of `images` images (all micro-batches):
 /// the convolutions of every block before the last segment boundary, which the backward re-runs.
-pub fn recompute_flops(specs: &[LayerSpec], ckpt: GradCheckpointing, images: usize) -> u64 {
+pub fn recompute_flops(specs: &[LayerSpec], ckpt: Segmentation, images: usize) -> u64 {
     let blocks = specs
         .iter()
         .filter(|s| s.kind != "linear")
@@ -177,7 +177,7 @@ pub fn recompute_flops(specs: &[LayerSpec], ckpt: GradCheckpointing, images: usi
 /// recomputed FLOPs, then the smaller peak, then the fewer segments; `None` when none fits.
 /// Ties beyond those go to the earlier candidate.
 pub fn pick(candidates: &[Candidate], limit: Option<u64>, margin: f64) -> Option<usize> {
-    let segments = |c: &Candidate| c.checkpointing.boundaries().map_or(0, |b| b.len());
+    let segments = |c: &Candidate| c.checkpointing.boundaries().len();
     match limit {
         None => (0..candidates.len()).min_by_key(|&i| candidates[i].predicted_peak),
         Some(limit) => {
@@ -259,7 +259,7 @@ mod tests {
         // In MiB, where the margin is larger than MARGIN_FLOOR_BYTES.
         const M: u64 = 1 << 20;
         let c = |mask, predicted_peak: u64, recompute_flops| Candidate {
-            checkpointing: GradCheckpointing::from_cuts(mask),
+            checkpointing: Segmentation::from_cuts(mask),
             predicted_peak: predicted_peak * M,
             recompute_flops,
         };

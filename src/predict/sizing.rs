@@ -649,7 +649,7 @@ pub(super) fn eval_batch(
     let x = ops.alloc(vec![n, 3, 32, 32], DType::F32);
     let y = ops.alloc(vec![n], DType::U32);
     // One segment: the evaluation saves nothing and recomputes nothing.
-    let segments = crate::model::cnn::segments(blocks, crate::config::GradCheckpointing::None);
+    let segments = crate::model::cnn::segments(blocks, crate::config::Segmentation::NONE);
     let mut step = LeanStep::on(ops, segments, storage);
     step.evaluate(&x, &y, &mut crate::step::tape::NoObserver)?;
     Ok(())

@@ -55,7 +55,7 @@ impl Trainer {
             let r = LeanStep::new(
                 &self.model,
                 dtype,
-                self.model.segments(crate::config::GradCheckpointing::None),
+                self.model.segments(crate::config::Segmentation::NONE),
                 self.config.compress_activations,
             )
             .evaluate(&x, &y, &mut budget)

@@ -56,7 +56,7 @@ impl Trainer {
                 &mb.x,
                 &mb.y,
                 self.config.precision.compute_dtype(),
-                self.config.grad_checkpointing,
+                self.segmentation,
                 mb.loss_mult,
                 &mut acc,
             )
@@ -69,7 +69,7 @@ impl Trainer {
         LeanStep::new(
             &self.model,
             self.config.precision.compute_dtype(),
-            self.model.segments(self.config.grad_checkpointing),
+            self.model.segments(self.segmentation),
             self.config.compress_activations,
         )
     }

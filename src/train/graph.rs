@@ -263,7 +263,7 @@ mod cuda {
                 y: &self.y,
             };
             let results = for_each_micro_batch(batch, t.config.accum_steps, loss_scale, |mb| {
-                let segments = t.model.segments(t.config.grad_checkpointing);
+                let segments = t.model.segments(t.segmentation);
                 LeanStep::new(&t.model, dtype, segments, t.config.compress_activations)
                     .with_stats_in_place()
                     .run_deferred(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)

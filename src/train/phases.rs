@@ -448,6 +448,7 @@ impl Trainer {
         let Trainer {
             model,
             config,
+            segmentation,
             callbacks,
             memory,
             probe,
@@ -464,7 +465,7 @@ impl Trainer {
             let mut lean = LeanStep::new(
                 model,
                 config.precision.compute_dtype(),
-                model.segments(config.grad_checkpointing),
+                model.segments(*segmentation),
                 config.compress_activations,
             );
             let mut timeline = TimelineRecorder {

@@ -191,13 +191,13 @@ impl Trainer {
             heap_budget_bytes: self.probe.os_limit().and(self.probe.limit()),
             checkpoint_segments: self
                 .model
-                .segments(self.config.grad_checkpointing)
+                .segments(self.segmentation)
                 .iter()
                 .map(|r| [r.start, r.end])
                 .collect(),
             recompute_flops: crate::predict::schedule::recompute_flops(
                 &self.model.layer_specs(),
-                self.config.grad_checkpointing,
+                self.segmentation,
                 self.config.batch_size,
             ),
             lossy,

@@ -10,7 +10,7 @@ use super::phases::SKIPPED_UPDATE;
 use crate::callbacks::{
     Callback, CallbackList, MetricsLogger, ProgressCallback, TensorBoardLogger,
 };
-use crate::config::TrainConfig;
+use crate::config::{Segmentation, TrainConfig};
 use crate::data::{self, DataSplits, Dataset};
 use crate::device::select_device;
 use crate::error::{Error, Result};
@@ -46,8 +46,11 @@ pub struct TrainerOptions {
 
 /// A training run: model, optimizer, data and callbacks, driven by a [`TrainConfig`].
 pub struct Trainer {
-    /// The configuration.
+    /// The configuration, `--checkpoint auto` replaced by its choice (so `config.json` and a
+    /// resume name the segmentation the run trained with).
     pub config: TrainConfig,
+    /// The gradient-checkpointing segmentation the step runs.
+    pub segmentation: Segmentation,
     /// The device.
     pub device: Device,
     /// The model.
@@ -137,7 +140,8 @@ impl Trainer {
             config.pool_cache,
         )?));
         let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
-        resolve_auto_checkpointing(&mut config, &data, &device, options.progress)?;
+        let segmentation = resolve_checkpointing(&config, &data, &device, options.progress)?;
+        config.grad_checkpointing = segmentation.into();
         let run_dir = config.out.clone().unwrap_or_else(default_run_dir);
         let run_lock = options
             .log_files
@@ -203,6 +207,7 @@ impl Trainer {
             pruner,
             cuda_graph,
             config,
+            segmentation,
         })
     }
 
@@ -337,16 +342,16 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
     Ok(device)
 }
 
-/// `--checkpoint auto` replaced by the segmentation the run trains with, from the estimate of this
-/// run's data; refused (a usage error, before the model is built) when `--memory-limit` leaves no
-/// segmentation room. When `progress`, the run's segments and recomputed FLOPs are announced
-/// (with why, for `auto`).
-fn resolve_auto_checkpointing(
-    config: &mut TrainConfig,
+/// The segmentation the run trains with: the one `--checkpoint` names, or `auto`'s choice from
+/// the estimate of this run's data, refused (a usage error, before the model is built) when
+/// `--memory-limit` leaves no segmentation room. When `progress`, the run's segments and
+/// recomputed FLOPs are announced (with why, for `auto`).
+fn resolve_checkpointing(
+    config: &TrainConfig,
     data: &DataSplits,
     device: &Device,
     progress: bool,
-) -> Result<()> {
+) -> Result<Segmentation> {
     use crate::config::{GradCheckpointing, CNN_BLOCKS};
     use crate::predict::schedule::{format_flops, format_segments, recompute_flops};
     use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
@@ -359,19 +364,20 @@ fn resolve_auto_checkpointing(
             DeviceKind::of(device),
             Baseline::Modeled(size),
         )?;
-        config.grad_checkpointing = choice.chosen.checkpointing;
         if progress {
             println!("{}", choice.describe(CNN_BLOCKS));
         }
-    } else if progress && config.grad_checkpointing != GradCheckpointing::None {
-        let ck = config.grad_checkpointing;
+        return Ok(choice.chosen.checkpointing);
+    }
+    let ck = config.grad_checkpointing.resolved()?;
+    if progress && ck != Segmentation::NONE {
         println!(
             "--checkpoint {ck}: segments {}, recomputes {} per step",
             format_segments(&crate::model::cnn::segments(CNN_BLOCKS, ck)),
             format_flops(recompute_flops(&specs, ck, config.batch_size))
         );
     }
-    Ok(())
+    Ok(ck)
 }
 
 /// The run's callbacks: the progress display and the metrics files when asked for, then the

@@ -3,7 +3,7 @@
 use super::init::Init;
 pub use super::layers::Mode;
 use super::layers::{BatchNorm, ConvLayer};
-use crate::options::{ConvKind, GradCheckpointing, CNN_BLOCKS};
+use crate::options::{ConvKind, Segmentation, CNN_BLOCKS};
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -275,8 +275,8 @@ impl Cnn {
     }
 
     /// Gradient-checkpointing segments as ranges of this model's blocks ([`segments`]).
-    pub fn segments(&self, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
-        segments(self.blocks.len(), ckpt)
+    pub fn segments(&self, segmentation: Segmentation) -> Vec<Range<usize>> {
+        segments(self.blocks.len(), segmentation)
     }
 
     /// Per-layer description for an input of 32x32 images.
@@ -290,12 +290,10 @@ impl Cnn {
 /// last keeps only its input in the forward and is recomputed in the backward; the last saves as
 /// it goes. The head is always handled separately. The one definition, used by the step
 /// ([`Cnn::segments`]) and by the memory estimate.
-pub fn segments(n: usize, ckpt: GradCheckpointing) -> Vec<Range<usize>> {
-    // `auto` is resolved by the trainer before the step runs; unresolved it is `none`.
-    let boundaries = ckpt.boundaries().unwrap_or_default();
+pub fn segments(n: usize, segmentation: Segmentation) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;
-    for b in boundaries.into_iter().filter(|&b| b < n) {
+    for b in segmentation.boundaries().into_iter().filter(|&b| b < n) {
         out.push(start..b);
         start = b;
     }

@@ -92,12 +92,7 @@ impl GradCheckpointing {
 
     /// The blocks after which a segment ends (1-based, increasing); `None` for `auto`.
     pub fn boundaries(&self) -> Option<Vec<usize>> {
-        let mask = self.cuts()?;
-        Some(
-            (1..CNN_BLOCKS)
-                .filter(|b| mask & (1 << (b - 1)) != 0)
-                .collect(),
-        )
+        self.segmentation().map(Segmentation::boundaries)
     }
 
     /// Parse `segments:B1,B2,…` (the part after the colon is `list`); `flag_value` is what the
@@ -131,6 +126,57 @@ impl GradCheckpointing {
             mask |= 1 << (b - 1);
         }
         Ok(Self::from_cuts(mask))
+    }
+}
+
+/// Gradient checkpointing resolved: the segmentation of the blocks the step runs, never `auto`.
+/// The model and the step take this; the policy [`GradCheckpointing`] stays at the edge, where
+/// `auto` is resolved from the memory estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Segmentation(u8);
+
+impl Segmentation {
+    /// No recomputation: one segment.
+    pub const NONE: Segmentation = Segmentation(0);
+
+    /// The segmentation with the boundary bits `mask` (see [`GradCheckpointing::from_cuts`]).
+    pub fn from_cuts(mask: u8) -> Self {
+        Segmentation(GradCheckpointing::from_cuts(mask).cuts().unwrap_or(0))
+    }
+
+    /// The blocks after which a segment ends (1-based, increasing).
+    pub fn boundaries(self) -> Vec<usize> {
+        (1..CNN_BLOCKS)
+            .filter(|b| self.0 & (1 << (b - 1)) != 0)
+            .collect()
+    }
+}
+
+impl GradCheckpointing {
+    /// The segmentation this choice names; `None` for `auto`, which must be resolved first.
+    pub fn segmentation(&self) -> Option<Segmentation> {
+        self.cuts().map(Segmentation)
+    }
+
+    /// [`Self::segmentation`], or a usage error for an unresolved `auto`.
+    pub fn resolved(&self) -> Result<Segmentation> {
+        self.segmentation().ok_or_else(|| {
+            Error::config(
+                "--checkpoint auto must be resolved to a segmentation before the step runs",
+            )
+        })
+    }
+}
+
+impl From<Segmentation> for GradCheckpointing {
+    fn from(s: Segmentation) -> Self {
+        GradCheckpointing::from_cuts(s.0)
+    }
+}
+
+impl std::fmt::Display for Segmentation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        GradCheckpointing::from(*self).fmt(f)
     }
 }
 

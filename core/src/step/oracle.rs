@@ -17,7 +17,7 @@ use super::accumulate::GradAccumulator;
 use super::micro::MicroResult;
 use crate::error::Result;
 use crate::model::{Cnn, Mode};
-use crate::options::GradCheckpointing;
+use crate::options::Segmentation;
 use candle_core::{DType, Tensor, Var};
 
 /// Mean cross-entropy (f32) and correct count for f32 logits and u32 labels.
@@ -42,13 +42,13 @@ pub fn forward_backward(
     x: &Tensor,
     y: &Tensor,
     dtype: DType,
-    ckpt: GradCheckpointing,
+    ckpt: Segmentation,
     loss_mult: f64,
     acc: &mut GradAccumulator,
 ) -> Result<MicroResult> {
     let xin = x.to_dtype(dtype)?;
     let n = model.blocks.len();
-    if ckpt == GradCheckpointing::None {
+    if ckpt == Segmentation::NONE {
         let track = Mode::Train {
             track: true,
             update_stats: true,

@@ -93,33 +93,78 @@ pub fn cuda_not_built(spec: Option<&str>) -> Option<Error> {
     }
 }
 
-/// Before the first step on a GPU: every pass of the custom kernels run once there and on the
-/// CPU, whose implementations are tested exhaustively, and compared
-/// ([`memtrain_kernels::selfcheck`]), in f32 and in the run's `compute` dtype. A pass that
-/// differs stops the run with an [`Error::Device`] naming it.
+/// Before the first step on a GPU: every pass of the custom kernels, at a tiny and at a
+/// training-like shape, run once there and on the CPU, whose implementations are tested
+/// exhaustively, and compared ([`memtrain_kernels::selfcheck`]), in f32 and in the run's `compute`
+/// dtype. Prints one line saying what was checked; a pass that differs stops the run with an
+/// [`Error::Device`] naming it.
 pub fn self_check_kernels(device: &Device, compute: candle_core::DType) -> Result<()> {
-    self_check_kernels_with(device, compute, &|_, t| Ok(t))
+    self_check_kernels_with(device, compute, &|_, _, t| Ok(t))
 }
 
-/// [`self_check_kernels`] with `alter` applied to each pass's result on `device` (see
+/// [`self_check_kernels`] with `alter` applied to each output of each pass on `device` (see
 /// [`memtrain_kernels::selfcheck::check_device_with`]): how the tests inject a wrong kernel.
 pub fn self_check_kernels_with(
     device: &Device,
     compute: candle_core::DType,
-    alter: &dyn Fn(&str, candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+    alter: &dyn Fn(
+        &memtrain_kernels::selfcheck::Pass,
+        usize,
+        candle_core::Tensor,
+    ) -> candle_core::Result<candle_core::Tensor>,
 ) -> Result<()> {
     let mut dtypes = vec![candle_core::DType::F32];
     if compute != candle_core::DType::F32 {
         dtypes.push(compute);
     }
-    match memtrain_kernels::selfcheck::check_device_with(device, &dtypes, alter)? {
-        None => Ok(()),
-        Some(m) => Err(Error::Device(format!(
-            "self-check on {} before the first step: {m}; the run stops rather than train on a \
-             wrong kernel: use --device cpu, and report this line with the output of nvidia-smi",
-            device_name(device)
-        ))),
+    let start = std::time::Instant::now();
+    let report = memtrain_kernels::selfcheck::check_device_with(device, &dtypes, alter)?;
+    let name = device_name(device);
+    match report.mismatches.first() {
+        None => {
+            eprintln!("{}", self_check_summary(&name, &dtypes, start.elapsed()));
+            Ok(())
+        }
+        Some(m) => {
+            let more = match report.mismatches.len() - 1 {
+                0 => String::new(),
+                k => format!(" (and {k} more output(s))"),
+            };
+            Err(Error::Device(format!(
+                "self-check on {name} before the first step: {m}{more}; the run stops rather than \
+                 train on a wrong kernel: use --device cpu, and report this line with the output \
+                 of nvidia-smi"
+            )))
+        }
     }
+}
+
+/// The line a passed self-check prints: the device, the dtypes, the time, and every kernel with
+/// the shapes it ran at.
+pub fn self_check_summary(
+    device: &str,
+    dtypes: &[candle_core::DType],
+    elapsed: std::time::Duration,
+) -> String {
+    let passes = memtrain_kernels::selfcheck::passes();
+    let mut kernels: Vec<(&str, Vec<String>)> = Vec::new();
+    for p in passes {
+        match kernels.iter_mut().find(|(k, _)| *k == p.kernel()) {
+            Some((_, shapes)) => shapes.push(p.shape()),
+            None => kernels.push((p.kernel(), vec![p.shape()])),
+        }
+    }
+    let list: Vec<String> = kernels
+        .iter()
+        .map(|(k, shapes)| format!("{k} at {}", shapes.join(", ")))
+        .collect();
+    format!(
+        "self-check on {device}: {} kernel passes agree with the CPU in {:?} ({:.2} s): {}",
+        passes.len() * dtypes.len(),
+        dtypes,
+        elapsed.as_secs_f64(),
+        list.join("; ")
+    )
 }
 
 /// A short name for reports: "cpu" or "cuda:N".

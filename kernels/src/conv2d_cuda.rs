@@ -86,6 +86,13 @@ fn chunk_images(n: usize, per_image_bytes: usize, forced: Option<usize>) -> usiz
         .clamp(1, n.max(1))
 }
 
+/// Images per chunk of the CUDA op's column matrix for `ckk = Cin·K·K` rows of `hw` output pixels
+/// in `dtype`, before the clamp to the batch (the self-check's shape tests use it).
+#[cfg(test)]
+pub(crate) fn cuda_chunk_images(ckk: usize, hw: usize, dtype: DType) -> usize {
+    chunk_images(usize::MAX, ckk * hw * dtype.size_in_bytes(), None)
+}
+
 /// `(first image, images)` of each chunk of a batch of `n`.
 fn chunks(n: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..n).step_by(chunk).map(move |n0| (n0, chunk.min(n - n0)))
@@ -330,7 +337,7 @@ mod cuda {
 
     use super::{run, Buf, ColLayout, ConvDevice, ConvPass, GemmPlan, Geom};
     use crate::util::{
-        cuda_view, dispatch_float, grid_stride, int32, kernel_source, tf32, Kernels,
+        alloc_len, cuda_view, dispatch_float, grid_stride, int32, kernel_source, tf32, Kernels,
     };
 
     static KERNELS: Kernels =
@@ -647,7 +654,10 @@ mod cuda {
         let dev = a.device().clone();
         let out_len = g.result_len(pass);
         if out_len == 0 {
-            return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<T>(0)?, dev));
+            return Ok(CudaStorage::wrap_cuda_slice(
+                dev.alloc_zeros::<T>(alloc_len(0))?,
+                dev,
+            ));
         }
         let mut conv = CudaConv {
             in0: cuda_view(a, la, "conv2d", "first operand")?,

@@ -116,7 +116,7 @@ mod cuda {
     use super::CUDNN_WORKSPACE_BYTES;
     use crate::conv2d_cuda;
     use crate::geom::{ConvPass, Geom};
-    use crate::util::{cuda_view, dispatch_float, int32, tf32};
+    use crate::util::{alloc_len, cuda_view, dispatch_float, int32, tf32};
 
     /// An element type of the op: its cuDNN compute type and the scaling constants.
     trait Elem: CudnnDataType + CudaDType + DeviceRepr + ValidAsZeroBits + Copy + 'static {
@@ -399,7 +399,7 @@ mod cuda {
         // gradient.
         if g.n == 0 || out_len == 0 {
             return Ok(CudaStorage::wrap_cuda_slice(
-                dev.alloc_zeros::<T>(out_len)?,
+                dev.alloc_zeros::<T>(alloc_len(out_len))?,
                 dev,
             ));
         }

@@ -47,6 +47,30 @@ fn dims(l: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
     l.shape().dims4()
 }
 
+/// The backward's operands agree, on every device: the gradient has the pooled shape of x
+/// (`[N, C, H/2, W/2]`; a shorter one would be read past its end) and x's dtype. Returns x's dims.
+fn check_grad(
+    xl: &Layout,
+    x_dtype: candle_core::DType,
+    gl: &Layout,
+    g_dtype: candle_core::DType,
+) -> Result<(usize, usize, usize, usize)> {
+    let (n, c, h, w) = dims(xl)?;
+    if gl.shape().dims() != [n, c, h / 2, w / 2] {
+        candle_core::bail!(
+            "{OP} backward: gradient shape {:?} does not match input {:?} (expected [{n}, {c}, {}, {}])",
+            gl.shape().dims(),
+            xl.shape().dims(),
+            h / 2,
+            w / 2
+        )
+    }
+    if x_dtype != g_dtype {
+        candle_core::bail!("{OP} backward: dtype mismatch {x_dtype:?} vs {g_dtype:?}")
+    }
+    Ok((n, c, h, w))
+}
+
 /// Index (0..4) of the first maximum among a window's four values.
 #[inline]
 fn argmax4(v: [f32; 4]) -> usize {
@@ -155,21 +179,7 @@ impl CustomOp2 for MaxPoolGrad {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = dims(xl)?;
-        if gl.shape().dims() != [n, c, h / 2, w / 2] {
-            candle_core::bail!(
-                "{OP} backward: gradient shape {:?} does not match input {:?}",
-                gl.shape(),
-                xl.shape()
-            )
-        }
-        if xs.dtype() != gs.dtype() {
-            candle_core::bail!(
-                "{OP} backward: dtype mismatch {:?} vs {:?}",
-                xs.dtype(),
-                gs.dtype()
-            )
-        }
+        let (n, c, h, w) = check_grad(xl, xs.dtype(), gl, gs.dtype())?;
         let out = dispatch_float!(
             xs.dtype(),
             [F32, F16, BF16],
@@ -191,6 +201,8 @@ impl CustomOp2 for MaxPoolGrad {
         gs: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        // Before the launch: the kernel reads one gradient per window of x, wherever it points.
+        check_grad(xl, xs.dtype(), gl, gs.dtype())?;
         let out = cuda::pool(xs, xl, Some((gs, gl)))?;
         Ok((out, xl.shape().clone()))
     }
@@ -205,7 +217,7 @@ mod cuda {
     use candle_core::{CudaStorage, Layout, WithDType};
 
     use super::OP;
-    use crate::util::{cuda_view, dispatch_float, kernel_source, Kernels};
+    use crate::util::{alloc_len, cuda_view, dispatch_float, kernel_source, uint32, Kernels};
 
     static KERNELS: Kernels = Kernels::new(OP, "memtrain_pool", kernel_source!("pool.cu"));
 
@@ -223,8 +235,14 @@ mod cuda {
         } else {
             windows
         };
-        let cfg = LaunchConfig::for_num_elems(windows as u32);
-        let (h32, w32, n64) = (h as u32, w as u32, windows as u64);
+        if out_len == 0 {
+            // An empty result: no launch (a grid of 0 blocks is invalid), no zero-byte allocation.
+            // SAFETY: the buffer holds no element of the result, so nothing reads it.
+            let out = unsafe { dev.alloc::<T>(alloc_len(0))? };
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev));
+        }
+        let cfg = LaunchConfig::for_num_elems(uint32(OP, "windows", windows)?);
+        let (h32, w32, n64) = (uint32(OP, "H", h)?, uint32(OP, "W", w)?, windows as u64);
         let func = KERNELS.func(&dev, &format!("pool_{}", T::DTYPE.as_str()))?;
         let xs = cuda_view::<T>(x, xl, OP, "input")?;
         // SAFETY: the kernel writes every element of the result (each window's value, or all
@@ -268,5 +286,58 @@ mod cuda {
             |T| run::<T>(x, xl, grad),
             |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?} on CUDA"),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// The check both devices' backward runs before computing (the CUDA kernel would read a short
+    /// gradient past its end).
+    #[test]
+    fn the_backward_refuses_a_gradient_of_another_shape_or_dtype() -> Result<()> {
+        let x = Tensor::zeros((2, 3, 4, 6), DType::F32, &Device::Cpu)?;
+        let layout = |dims: &[usize]| Layout::contiguous(dims);
+        assert_eq!(
+            check_grad(
+                &layout(&[2, 3, 4, 6]),
+                DType::F32,
+                &layout(&[2, 3, 2, 3]),
+                DType::F32
+            )?,
+            (2, 3, 4, 6)
+        );
+        for short in [[2, 3, 2, 2], [2, 3, 3, 2], [1, 3, 2, 3], [2, 2, 2, 3]] {
+            let e = check_grad(
+                &layout(&[2, 3, 4, 6]),
+                DType::F32,
+                &layout(&short),
+                DType::F32,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("gradient shape") && e.contains("expected [2, 3, 2, 3]"),
+                "{e}"
+            );
+            // The op on the CPU goes through the same check.
+            let g = Tensor::zeros(&short[..], DType::F32, &Device::Cpu)?;
+            let e = max_pool2x2_backward(&x, &g).unwrap_err().to_string();
+            assert!(e.contains("gradient shape"), "{e}");
+        }
+        let e = check_grad(
+            &layout(&[2, 3, 4, 6]),
+            DType::F32,
+            &layout(&[2, 3, 2, 3]),
+            DType::BF16,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("dtype mismatch"), "{e}");
+        let g = Tensor::ones((2, 3, 2, 3), DType::F32, &Device::Cpu)?;
+        assert_eq!(max_pool2x2_backward(&x, &g)?.dims(), &[2, 3, 4, 6]);
+        Ok(())
     }
 }

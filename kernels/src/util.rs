@@ -476,6 +476,13 @@ mod cuda {
         }
     }
 
+    /// Elements to allocate for a result of `len`: at least one, because CUDA refuses a zero-byte
+    /// allocation (`cuMemAllocAsync` returns `CUDA_ERROR_INVALID_VALUE`). An empty result in a
+    /// one-element buffer is still empty to Candle, which reads storage through the layout.
+    pub(crate) fn alloc_len(len: usize) -> usize {
+        len.max(1)
+    }
+
     /// Threads per block of a grid-stride launch.
     const BLOCK: u32 = 256;
     /// Blocks per grid-stride launch at most; the kernels loop over the rest.

@@ -39,10 +39,9 @@ fn held<'a>(s: &'a Storage, what: &str) -> candle_core::Result<&'a CudaStorage> 
 /// Threads per block of the split reductions.
 const REDUCE_THREADS: u32 = 256;
 
-/// Blocks per channel of a split reduction: about 4K elements per block (several blocks per SM
-/// at CIFAR shapes, so that enough loads are in flight), at most 64 and at most one image per block.
+/// Blocks per channel of a split reduction ([`cuda_split`]).
 fn split(d: Dims) -> usize {
-    (d.m() / 4096).clamp(1, 64).min(d.n)
+    cuda_split(d.n, d.hw)
 }
 
 /// Grid `C × S` of the partial-sum kernels.

@@ -423,6 +423,15 @@ impl Dims {
     }
 }
 
+/// Blocks per channel of the CUDA kernels' split reductions over `n` images of `hw`-element planes:
+/// about 4K elements per block (several blocks per SM at CIFAR shapes, so that enough loads are in
+/// flight), at most 64, and at least one image per block. Host arithmetic, here so that the
+/// self-check's shape tests can use it on the CPU.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn cuda_split(n: usize, hw: usize) -> usize {
+    (n * hw / 4096).clamp(1, 64).min(n)
+}
+
 fn unsupported(op: &str, dtype: DType) -> candle_core::Error {
     candle_core::Error::Msg(format!(
         "{op}: unsupported dtype {dtype:?} (f32, f16 or bf16 only)"

@@ -1,6 +1,8 @@
 //! The memory–speed frontier (Pareto marking, tables, chart) and the out-of-memory snapshot
 //! links, in-process on hand-made results: no trainer runs here.
 
+mod common;
+use common::svg_texts;
 use memtrain::sweep::batch::{BatchPlan, SweepPoint, SweepResult, Variant};
 use memtrain::sweep::compare::{CompareEntry, CompareResult};
 use memtrain::sweep::frontier::{pareto_front, write_frontier_chart, FrontierPoint};
@@ -616,15 +618,6 @@ fn lossy_is_read_from_the_flags_a_config_file_included() {
     overridden.extend(words("--compress-activations none"));
     assert!(!lossy_flags(&overridden));
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn svg_texts(path: &Path) -> Vec<String> {
-    let svg = std::fs::read_to_string(path).unwrap();
-    let doc = roxmltree::Document::parse(&svg).unwrap();
-    doc.descendants()
-        .filter(|n| n.has_tag_name("text"))
-        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
-        .collect()
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! The step timeline charts: `step_timeline.{png,svg}` of one run from its `step_timeline.json`,
 //! and the overlay of several configurations, drawn from synthetic timelines.
 
+mod common;
+use common::svg_texts;
 use memtrain::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
 use memtrain::phase::Phase;
 use memtrain::sweep::compare::{write_step_timeline_overlays, CompareEntry, CompareResult};
@@ -157,18 +159,6 @@ fn png_size(path: &Path) -> (u32, u32) {
         path.display()
     );
     (w, h)
-}
-
-/// Parse the SVG and return the text of all its `<text>` elements.
-fn svg_texts(path: &Path) -> Vec<String> {
-    let text = std::fs::read_to_string(path).expect("svg exists");
-    let doc = roxmltree::Document::parse(&text).expect("svg is well-formed XML");
-    assert_eq!(doc.root_element().tag_name().name(), "svg");
-    doc.descendants()
-        .filter(|n| n.has_tag_name("text"))
-        .filter_map(|n| n.text())
-        .map(|t| t.trim().to_string())
-        .collect()
 }
 
 fn assert_contains(texts: &[String], want: &str) {

@@ -1,6 +1,8 @@
 //! Batch-size sweeps, comparisons and charts: the example binaries run as a user would run them
 //! (each point a child process of `train_cifar10`), on the CPU with tiny widths and few steps.
 
+mod common;
+use common::svg_texts;
 use memtrain::callbacks::log::read_batch_log;
 use memtrain::cli::flags_config;
 use memtrain::sweep::batch::{cross_product, recommended_batch, BatchPlan, Dimension, SweepResult};
@@ -104,16 +106,6 @@ fn check_svg(path: &Path, width: u32, height: u32) {
         "{} has no text",
         path.display()
     );
-}
-
-/// The text of every `<text>` element of an SVG, trimmed.
-fn svg_texts(path: &Path) -> Vec<String> {
-    let text = std::fs::read_to_string(path).expect("svg exists");
-    let doc = roxmltree::Document::parse(&text).expect("svg is well-formed XML");
-    doc.descendants()
-        .filter(|n| n.has_tag_name("text"))
-        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
-        .collect()
 }
 
 /// `frontier.png` (1200×800) and `frontier.svg` in `dir`, the SVG labelling every one of `labels`.

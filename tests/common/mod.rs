@@ -443,3 +443,15 @@ impl Drop for Cgroup {
         let _ = std::fs::remove_dir(&self.0);
     }
 }
+
+/// The text of every `<text>` element of the SVG at `path`, trimmed (the charts' tests read
+/// labels from it).
+pub fn svg_texts(path: &std::path::Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).expect("svg exists");
+    let doc = roxmltree::Document::parse(&text).expect("svg is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect()
+}

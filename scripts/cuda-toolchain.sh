@@ -8,6 +8,7 @@
 #   scripts/cuda-toolchain.sh              # install (if needed), verify, print env
 #   scripts/cuda-toolchain.sh --print-env  # same, but only the env lines go to stdout
 #   eval "$(scripts/cuda-toolchain.sh --print-env)"   # or: source "$VENV/env.sh"
+#   scripts/cuda-toolchain.sh --find-libcuda  # print the driver's libcuda it would link (exit 1: none)
 #
 # Knobs (environment):
 #   MEMTRAIN_CUDA_VENV    venv location (default ~/.cache/memtrain/cuda-venv, outside
@@ -28,7 +29,8 @@ die() { log "ERROR: $*"; exit 1; }
 PRINT_ENV_ONLY=0
 case "${1:-}" in
   --print-env) PRINT_ENV_ONLY=1 ;;
-  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+  --find-libcuda) PRINT_ENV_ONLY=2 ;;
+  -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
   "") ;;
   *) die "unknown argument: $1 (try --help)" ;;
 esac
@@ -124,15 +126,37 @@ install_libcuda_link() { # path-to-real-libcuda
   ln -sfn "$real" "$LIB/libcuda.so"
   log "linked libcuda.so{,.1} -> $real"
 }
+# The driver's libcuda: in the linker cache, else where drivers are mounted without one
+# (containers: /usr/local/nvidia/lib64, the GPU operator's /run/nvidia/driver; WSL: /usr/lib/wsl/lib)
+# or on LD_LIBRARY_PATH. Never the toolkit's stubs: those are what the Debian fallback replaces.
+find_libcuda() {
+  local found d
+  found=$(PATH="$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null \
+    | awk '/libcuda\.so(\.1)? .*x86-64/ && !f {print $NF; f=1}')
+  if [[ -n "$found" ]]; then printf '%s\n' "$found"; return 0; fi
+  local dirs=()
+  IFS=: read -r -a dirs <<< "${LD_LIBRARY_PATH:-}"
+  dirs+=(/usr/local/nvidia/lib64 /usr/local/nvidia/lib /run/nvidia/driver/usr/lib/x86_64-linux-gnu
+         /run/nvidia/driver/usr/lib64 /usr/lib/wsl/lib /usr/lib/x86_64-linux-gnu /usr/lib64
+         /usr/lib/x86_64-linux-gnu/nvidia/current /usr/local/cuda/compat)
+  for d in "${dirs[@]}"; do
+    [[ -n "$d" && "$d" != "$LIB" && "$d" != */stubs ]] || continue
+    for f in "$d/libcuda.so.1" "$d/libcuda.so"; do
+      if [[ -e "$f" ]]; then printf '%s\n' "$f"; return 0; fi
+    done
+  done
+  return 1
+}
+if (( PRINT_ENV_ONLY == 2 )); then find_libcuda; exit; fi
 if [[ -n "${MEMTRAIN_LIBCUDA_SO:-}" ]]; then
   [[ -e "$MEMTRAIN_LIBCUDA_SO" ]] || die "MEMTRAIN_LIBCUDA_SO=$MEMTRAIN_LIBCUDA_SO does not exist"
   [[ "$(readlink -f "$LIB/libcuda.so" 2>/dev/null)" == "$(readlink -f "$MEMTRAIN_LIBCUDA_SO")" ]] \
     || install_libcuda_link "$(readlink -f "$MEMTRAIN_LIBCUDA_SO")"
 elif have_libcuda; then
   :
-elif sys_libcuda=$(PATH="$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null \
-        | awk '/libcuda\.so(\.1)? .*x86-64/ && !f {print $NF; f=1}') && [[ -n "$sys_libcuda" ]]; then
+elif sys_libcuda=$(find_libcuda) && [[ -n "$sys_libcuda" ]]; then
   # A machine with an NVIDIA driver: link against the real thing.
+  log "found the driver's $sys_libcuda"
   install_libcuda_link "$(readlink -f "$sys_libcuda")"
 else
   # No driver here: take libcuda.so.<ver> out of Debian's non-free `libcuda1`

@@ -55,8 +55,12 @@ pub fn select_device(spec: Option<&str>) -> Result<Device> {
 fn auto_device() -> Device {
     match Device::new_cuda(0) {
         Ok(d) => d,
-        Err(_) => {
-            eprintln!("warning: built with CUDA but no usable GPU was found; training on the CPU");
+        Err(e) => {
+            let why = e.to_string();
+            let why = why.lines().next().unwrap_or("").trim();
+            eprintln!(
+                "warning: built with CUDA but no usable GPU was found ({why}); training on the CPU"
+            );
             Device::Cpu
         }
     }

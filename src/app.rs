@@ -69,7 +69,7 @@ where
     );
     let options = trainer_options(&cmd, resume.is_some(), stop);
     if let Some(e) = no_cuda {
-        return print_cuda_estimate(&cfg, &e);
+        return print_cuda_estimate(&cfg, &e.into());
     }
     let mut trainer = match loaded {
         Some(data) => Trainer::new(cfg, data, options)?, // the data the plan was made for
@@ -220,7 +220,7 @@ where
         crate::device::cuda_not_built(cfg.device.as_deref()),
         cmd.dry_run,
     ) {
-        return Err(e);
+        return Err(e.into());
     }
     if resume.is_some() && cmd.plan.fit_memory.is_some() {
         return Err(Error::config(

@@ -26,7 +26,7 @@ pub const MAX_PREFETCH: usize = 64;
 
 /// `--checkpoint`: a name or `segments:…`; the message reaches the user as it is.
 fn parse_checkpoint(s: &str) -> Result<GradCheckpointing> {
-    s.parse()
+    Ok(s.parse()?)
 }
 
 /// `HELP. Default: the optimizer's (sgd X, adamw Y)`: the help of a flag whose default

@@ -3,8 +3,8 @@
 //! The step itself — the model, the tape, its four memory optimizations (mixed precision,
 //! gradient accumulation, gradient checkpointing, depthwise-separable convolutions), the memory
 //! probes and recorder — is the crate [`memtrain_core`] (`core/`), re-exported here under its own
-//! module names ([`step`], [`model`], [`memory`], [`phase`], [`device`], [`error`]). This crate is
-//! the application around it.
+//! module names ([`step`], [`model`], [`memory`], [`phase`], [`device`]). This crate is the
+//! application around it; its [`error::Error`] holds the core's errors and adds its own.
 //!
 //! The pieces, one concern per module, in layers (each imports only the ones listed after it):
 //! - [`app`]: the `train_cifar10` application; [`sweep`]: process-isolated batch-size sweeps and
@@ -18,7 +18,7 @@
 //!   and every input sized against the budgets before anything is loaded or built.
 //! - [`data`]: CIFAR-10 binary files, synthetic data, the prefetching batcher.
 //! - [`config`]: every training flag and default in [`config::TrainConfig`]; [`cli`]: the other
-//!   flags of `train_cifar10`; [`io`], [`signal`].
+//!   flags of `train_cifar10`; [`io`], [`signal`], [`error`].
 //!
 //! The ops the model and the step run on (depthwise and bounded-scratch convolutions, BatchNorm
 //! with an in-place backward, the 2x2 max-pool, bf16 gemm) are their own crate,
@@ -33,6 +33,7 @@ pub mod callbacks;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod error;
 pub mod export;
 pub mod io;
 pub mod predict;
@@ -42,4 +43,4 @@ pub mod train;
 
 pub use config::TrainConfig;
 pub use error::{Error, Result};
-pub use memtrain_core::{device, error, memory, model, phase, step};
+pub use memtrain_core::{device, memory, model, phase, step};

@@ -8,7 +8,7 @@
 //! same code: whatever snapshot is on disk then is still complete, because snapshots are
 //! written to a temporary directory and renamed into place.
 
-use crate::error::{Error, Result};
+use crate::error::{CoreError, Error, Result};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,7 +24,7 @@ pub(crate) const INTERRUPTED_EXIT_CODE: i32 = 130;
 pub fn install_stop_handler() -> Result<Arc<AtomicBool>> {
     let flag = Arc::new(AtomicBool::new(false));
     let failed =
-        |e: std::io::Error| Error::Device(format!("cannot install the Ctrl-C handler: {e}"));
+        |e: std::io::Error| Error::Core(CoreError::Device(format!("cannot install the Ctrl-C handler: {e}")));
     for sig in [SIGINT, SIGTERM] {
         // Registered before the flag setter, so it sees the flag as the *previous* signal left
         // it: the first signal passes through, the second exits. Both run inside the handler,

@@ -353,16 +353,16 @@ fn unreadable_file_and_bad_fraction_are_errors() {
     let dir = TempDir::new("io");
     assert!(matches!(
         cifar::read_file(&dir.path().join("absent.bin")),
-        Err(Error::Io { .. })
+        Err(Error::Core(memtrain::error::CoreError::Io { .. }))
     ));
     write(dir.path(), "data_batch_1.bin", &records(0, &[1, 2]));
     assert!(matches!(
         cifar::load_dir(dir.path(), 1.5, 0),
-        Err(Error::Config(_))
+        Err(Error::Core(memtrain::error::CoreError::Config(_)))
     ));
     assert!(matches!(
         cifar::load_dir(dir.path(), f64::NAN, 0),
-        Err(Error::Config(_))
+        Err(Error::Core(memtrain::error::CoreError::Config(_)))
     ));
     // One image cannot be split into train and validation.
     let one = TempDir::new("one");

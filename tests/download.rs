@@ -41,7 +41,7 @@ fn download_without_the_feature_is_a_usage_error_before_any_work() {
 fn download_without_the_feature_fails_validation() {
     let err = common::config_of(&["--download"]).unwrap_err();
     assert!(
-        matches!(&err, Error::Config(m) if m == DOWNLOAD_NOT_BUILT),
+        matches!(&err, Error::Core(memtrain::error::CoreError::Config(m)) if m == DOWNLOAD_NOT_BUILT),
         "{err}"
     );
     assert_eq!(err.exit_code(), 2);

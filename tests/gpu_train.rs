@@ -86,7 +86,7 @@ fn memory_limit_stops_with_an_oom_error() {
     };
     let mut t = common::trainer(cfg);
     match t.fit() {
-        Err(e @ Error::OutOfMemory { .. }) => {
+        Err(e) if e.is_oom() => {
             let msg = e.to_string();
             assert!(
                 msg.contains("64.00 MiB") && msg.contains("batch 0"),

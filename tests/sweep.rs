@@ -932,7 +932,7 @@ fn csv_parser_handles_quotes_and_the_oom_detector_reads_the_trainer_message() {
     assert!(oom_message("memory allocation of 123 bytes failed\n").is_some());
     assert!(oom_message("error: non-finite loss at epoch 0").is_none());
     // A refusal before anything ran: the ';' inside its parentheses is no advice yet.
-    let refused = memtrain::Error::WontFit(
+    let refused = memtrain::error::CoreError::WontFit(
         "the step's predicted backward peak is 90.00 MiB of heap, 99.00 MiB of resident memory \
          (within the estimate's 1% margin, so it might just fit); lower --batch-size"
             .into(),

@@ -1,25 +1,16 @@
-//! The library's one error type.
+//! The core's one error type.
 //!
 //! Every variant renders as a single line that says what went wrong and, where there is one,
 //! what to do about it; the examples print it and exit non-zero, never panic.
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong in memtrain.
+/// Everything that can go wrong in the model, the step and the memory probes.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A flag or config value is invalid (usage error, exit code 2).
     #[error("{0}")]
     Config(String),
-
-    /// A dataset file or directory is missing or malformed.
-    #[error("{path}: {msg}")]
-    Data {
-        /// The offending file or directory.
-        path: PathBuf,
-        /// What is wrong and how to fix it (names the byte offset where relevant).
-        msg: String,
-    },
 
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
@@ -60,36 +51,14 @@ pub enum Error {
     #[error("out of memory (predicted; nothing was run): {0}")]
     WontFit(String),
 
-    /// The loss or a gradient became NaN/inf where no loss scaler can recover.
-    #[error("non-finite {what} at epoch {}, batch {} ({phase}); {advice}", .epoch + 1, .batch + 1)]
-    NonFinite {
-        /// What was non-finite ("loss", "gradient").
-        what: String,
-        /// Epoch index (0-based).
-        epoch: usize,
-        /// Batch index within the epoch (0-based).
-        batch: usize,
-        /// Phase of the step.
-        phase: String,
-        /// What to do, true for the run at hand.
-        advice: String,
-    },
-
     /// The requested device cannot be used.
     #[error("{0}")]
     Device(String),
 
-    /// Saving or loading a snapshot of the training state (save/resume) failed.
-    #[error("snapshot: {0}")]
-    Snapshot(String),
-
-    /// Training was interrupted by a signal (SIGINT/SIGTERM) after a snapshot was written.
-    #[error("interrupted: {0}")]
-    Interrupted(String),
-
-    /// A child process of a sweep or comparison could not be run or reported nonsense.
-    #[error("{0}")]
-    Child(String),
+    /// Named tensors handed to the model or the optimizer do not match it (a training state
+    /// that was saved by another configuration).
+    #[error("training state: {0}")]
+    State(String),
 
     /// An error inside Candle.
     #[error("candle: {0}")]
@@ -110,12 +79,10 @@ impl Error {
         }
     }
 
-    /// The process exit code this error maps to: 2 for usage errors, 1 for runtime errors,
-    /// 130 for an interruption.
+    /// The process exit code this error maps to: 2 for usage errors, 1 for runtime errors.
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::Config(_) | Error::WontFit(_) => 2,
-            Error::Interrupted(_) => 130,
             _ => 1,
         }
     }

@@ -27,7 +27,7 @@ use crate::config::{
 };
 use crate::data::cifar::{self, DirFiles};
 use crate::data::IMAGE_BYTES;
-use crate::error::{Error, Result};
+use crate::error::{CoreError, Error, Result};
 use crate::memory::os::{headroom, Headroom, RssReserve};
 use crate::memory::{format_bytes, CountingAllocator};
 use crate::predict::{
@@ -89,7 +89,7 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     if let (true, Some(b), Some(est)) = (trains, machine, &needs.estimate) {
         let step = est.run_peak().saturating_sub(RUNTIME_OVERHEAD_BYTES);
         if step > b.room {
-            return Err(Error::OutOfMemory {
+            return Err(Error::Core(CoreError::OutOfMemory {
                 limit: format!("{} ({})", format_bytes(b.room), b.source),
                 epoch: 0,
                 batch: 0,
@@ -100,7 +100,7 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
                 ),
                 advice: run_peak_advice(cfg, est),
                 snapshot: None,
-            });
+            }));
         }
     }
     Ok(())
@@ -148,7 +148,7 @@ fn refuse_predicted_overrun(
         ),
         phase => format!("the step's predicted {phase} peak"),
     };
-    Err(Error::WontFit(format!(
+    Err(Error::Core(CoreError::WontFit(format!(
         "{what} is {} of heap, {} of resident memory with the binary, \
          thread stacks and allocator, above --memory-limit {}{}; {}, or raise --memory-limit to \
          at least {}",
@@ -167,7 +167,7 @@ fn refuse_predicted_overrun(
             .trim_end_matches(", or raise --memory-limit")
             .replace(" or raise --memory-limit", ""),
         at_least(resident)
-    )))
+    ))))
 }
 
 /// What lowers the run's predicted peak: the step's advice, or for an evaluation above the step

@@ -7,7 +7,7 @@ use super::scratch::*;
 use super::sim::*;
 use crate::config::ActivationStorage;
 use crate::data::IMAGE_BYTES;
-use crate::error::Result;
+use memtrain_core::error::Result;
 use crate::step::micro::MicroResult;
 use crate::step::ops::{ConvWeights, HeadResult, StepOps};
 use crate::step::tape::{LeanStep, StepEvent, StepObserver};

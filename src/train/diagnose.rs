@@ -2,7 +2,7 @@
 //! advice after a loss or gradient became non-finite, both true for the run at hand.
 
 use super::Trainer;
-use crate::error::Error;
+use crate::error::{CoreError, Error};
 use crate::memory::timeline::{StepTimeline, OOM_SNAPSHOT_FILE};
 use serde::Serialize;
 
@@ -10,14 +10,14 @@ impl Trainer {
     /// Write [`OOM_SNAPSHOT_FILE`] for a step that ran out of memory and return the error
     /// naming it; when the snapshot cannot be written, the error says so and stays as it was.
     pub(super) fn write_oom_snapshot(&self, e: Error, timeline: StepTimeline) -> Error {
-        let Error::OutOfMemory {
+        let Error::Core(CoreError::OutOfMemory {
             limit,
             epoch,
             batch,
             phase,
             advice,
             snapshot: None,
-        } = e
+        }) = e
         else {
             return e;
         };
@@ -31,14 +31,14 @@ impl Trainer {
             None => format!("{phase}, before the first layer event"),
         };
         let path = self.run_dir.join(OOM_SNAPSHOT_FILE);
-        let mut error = Error::OutOfMemory {
+        let mut error = Error::Core(CoreError::OutOfMemory {
             limit,
             epoch,
             batch,
             phase,
             advice,
             snapshot: None,
-        };
+        });
         let snapshot = OomSnapshot {
             error: error.to_string(),
             failed_at,
@@ -51,7 +51,7 @@ impl Trainer {
             .and_then(|()| crate::io::write_json_atomic(&path, &snapshot));
         match written {
             Ok(()) => {
-                if let Error::OutOfMemory { snapshot, .. } = &mut error {
+                if let Error::Core(CoreError::OutOfMemory { snapshot, .. }) = &mut error {
                     *snapshot = Some(path);
                 }
             }
@@ -62,8 +62,9 @@ impl Trainer {
 
     /// `e` with the advice of an out-of-memory error filled in for this run's configuration
     /// and the phase that ran out (other errors unchanged).
-    pub(super) fn advise_oom(&self, mut e: Error) -> Error {
-        if let Error::OutOfMemory { phase, advice, .. } = &mut e {
+    pub(super) fn advise_oom(&self, e: impl Into<Error>) -> Error {
+        let mut e = e.into();
+        if let Error::Core(CoreError::OutOfMemory { phase, advice, .. }) = &mut e {
             let in_update = phase.starts_with(&crate::phase::Phase::Optimizer.to_string());
             *advice =
                 crate::advice::out_of_memory_with(&self.config, in_update, self.smaller_schedule());

@@ -10,7 +10,7 @@ use super::Trainer;
 use crate::callbacks::{BatchInfo, Callback, CallbackList};
 use crate::config::ClipDuring;
 use crate::data::Batch;
-use crate::error::{Error, Result};
+use crate::error::{CoreError, Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
 use crate::memory::{format_bytes, is_device_oom, MemoryLog, MemoryProbe, MemoryRecorder};
 use crate::phase::Phase;
@@ -24,7 +24,7 @@ use std::time::Instant;
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
 /// must stay within the limit.
 fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phase) -> Result<()> {
-    over_budget(probe, probe.peak(), epoch, batch, phase.to_string())
+    Ok(over_budget(probe, probe.peak(), epoch, batch, phase.to_string())?)
 }
 
 /// The out-of-memory error when `peak` (the probe's count over a phase or a layer event) is over
@@ -37,7 +37,7 @@ fn over_budget(
     epoch: usize,
     batch: usize,
     phase: String,
-) -> Result<()> {
+) -> Result<(), CoreError> {
     let over_os = |limit: u64| probe.os_memory().is_some_and(|m| m.current > limit);
     let limit = match (probe.os_limit(), probe.limit()) {
         (Some(os), _) if over_os(os) => format!("{} resident-memory", format_bytes(os)),
@@ -51,7 +51,7 @@ fn over_budget(
         },
         _ => return Ok(()),
     };
-    Err(Error::OutOfMemory {
+    Err(CoreError::OutOfMemory {
         limit,
         epoch,
         batch,
@@ -135,11 +135,11 @@ impl StepInfo {
         }
     }
 
-    /// Turn a Candle out-of-memory error in `phase` of this step into [`Error::OutOfMemory`].
-    fn name_oom(&self, limit: Option<u64>, phase: Phase) -> impl Fn(Error) -> Error {
+    /// Turn a Candle out-of-memory error in `phase` of this step into [`CoreError::OutOfMemory`].
+    fn name_oom<E: Into<Error>>(&self, limit: Option<u64>, phase: Phase) -> impl Fn(E) -> Error {
         let (epoch, batch) = (self.epoch, self.batch);
-        move |e| match e {
-            Error::Candle(ce) if is_device_oom(&ce) => Error::OutOfMemory {
+        move |e| match e.into() {
+            Error::Core(CoreError::Candle(ce)) if is_device_oom(&ce) => Error::Core(CoreError::OutOfMemory {
                 limit: limit
                     .map(format_bytes)
                     .unwrap_or_else(|| "device memory".into()),
@@ -148,7 +148,7 @@ impl StepInfo {
                 phase: phase.to_string(),
                 advice: String::new(),
                 snapshot: None,
-            },
+            }),
             other => other,
         }
     }
@@ -188,7 +188,7 @@ struct TimelineRecorder<'a> {
 
 impl TimelineRecorder<'_> {
     /// Record an event with the probe's reading; the budget is checked against its peak.
-    fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<()> {
+    fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<(), CoreError> {
         crate::memory::trace::mark();
         let peak = self.probe.take_event_peak();
         let current = self.probe.current();
@@ -215,7 +215,7 @@ impl TimelineRecorder<'_> {
 }
 
 impl StepObserver for TimelineRecorder<'_> {
-    fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+    fn event(&mut self, e: StepEvent<'_>) -> Result<(), CoreError> {
         self.record(e.phase, e.layer, e.saved_bytes, e.grad_bytes)
     }
 }
@@ -229,7 +229,7 @@ pub(super) struct EvalBudget<'a> {
 }
 
 impl StepObserver for EvalBudget<'_> {
-    fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+    fn event(&mut self, e: StepEvent<'_>) -> Result<(), CoreError> {
         over_budget(
             self.probe,
             self.probe.peak(),
@@ -484,7 +484,7 @@ impl Trainer {
             lean.backward(tape, &mut acc, &mut timeline)
                 .map_err(step.name_oom(limit, Phase::Backward))?;
             phase_end(callbacks, memory, &**probe, step, mb.index, Phase::Backward)?;
-            Ok(r)
+            Ok::<_, Error>(r)
         })?;
         let r = MicroResult::mean(&results);
         Ok((r.loss, r.correct, acc.into_grads()))

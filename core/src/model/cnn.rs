@@ -236,7 +236,7 @@ impl Cnn {
             *target.lock().unwrap_or_else(|e| e.into_inner()) = value;
             return Ok(());
         }
-        Err(Error::Snapshot(format!("unknown buffer '{name}'")))
+        Err(Error::State(format!("unknown buffer '{name}'")))
     }
 
     /// Run blocks `range` on `x` (compute dtype).

@@ -117,18 +117,20 @@ pub struct MicroBatch {
 
 /// Runs `work` on each of the `k` micro-batches of `batch`, in order, and returns what each
 /// returned. The micro-batch's tensors are dropped when its work returns, before the next one is
-/// made. A batch that does not split into `k` equal parts is a usage error.
-pub fn for_each_micro_batch<R>(
+/// made. A batch that does not split into `k` equal parts is a usage error. `work` may fail with
+/// a caller's error type that holds this crate's.
+pub fn for_each_micro_batch<R, E: From<Error>>(
     batch: BatchInput<'_>,
     k: usize,
     loss_scale: f64,
-    mut work: impl FnMut(MicroBatch) -> Result<R>,
-) -> Result<Vec<R>> {
+    mut work: impl FnMut(MicroBatch) -> Result<R, E>,
+) -> Result<Vec<R>, E> {
     let n = batch.len()?;
     if k == 0 || !n.is_multiple_of(k) {
         return Err(Error::config(format!(
             "a batch of {n} images cannot be split into {k} micro-batches"
-        )));
+        ))
+        .into());
     }
     let size = n / k;
     let loss_mult = loss_scale / k as f64;
@@ -178,7 +180,7 @@ mod tests {
         };
         let seen = for_each_micro_batch(batch, 3, 8.0, |mb| {
             assert_eq!(mb.loss_mult, 8.0 / 3.0);
-            Ok((mb.index, mb.y.to_vec1::<u32>()?, mb.x.dims().to_vec()))
+            Ok::<_, Error>((mb.index, mb.y.to_vec1::<u32>()?, mb.x.dims().to_vec()))
         })?;
         assert_eq!(
             seen,
@@ -188,7 +190,7 @@ mod tests {
                 (2, vec![4, 5], vec![2, 3, 32, 32]),
             ]
         );
-        let err = for_each_micro_batch(batch, 4, 1.0, |_| Ok(())).unwrap_err();
+        let err: Error = for_each_micro_batch(batch, 4, 1.0, |_| Ok(())).unwrap_err();
         assert!(err.to_string().contains("cannot be split into 4"), "{err}");
         Ok(())
     }

@@ -42,7 +42,7 @@ impl Optimizer {
     /// Parameters without a gradient are left unchanged.
     pub fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
         if params.len() != grads.len() || params.len() != self.state1.len() {
-            return Err(Error::Snapshot(format!(
+            return Err(Error::State(format!(
                 "optimizer has state for {} parameters but got {} parameters and {} gradients",
                 self.state1.len(),
                 params.len(),
@@ -133,7 +133,7 @@ impl Optimizer {
     /// Restore state saved by [`Optimizer::state`] (`steps` is restored separately).
     pub fn load_state(&mut self, named: Vec<(String, Tensor)>) -> Result<()> {
         for (name, t) in named {
-            let bad = || Error::Snapshot(format!("unknown optimizer state '{name}'"));
+            let bad = || Error::State(format!("unknown optimizer state '{name}'"));
             let (slot, idx) = name.split_once('.').ok_or_else(bad)?;
             let idx: usize = idx.parse().map_err(|_| bad())?;
             let vec = match slot {

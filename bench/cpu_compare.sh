@@ -35,20 +35,27 @@ cargo run --release --example compare -- --out runs/cpu-compare \
   --run "int8: --compress-activations int8" \
   --run "bf16-int8: --precision bf16 --compress-activations int8"
 
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 commit=$(git rev-parse --short HEAD)
 git diff --quiet HEAD -- src core kernels examples Cargo.toml Cargo.lock || commit="$commit (with uncommitted changes)"
 cpu=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
 l2=$(cat /sys/devices/system/cpu/cpu0/cache/index2/size 2>/dev/null || echo '?')
+if [[ $l2 =~ ^([0-9]+)K$ ]]; then
+  kib=${BASH_REMATCH[1]}
+  if ((kib % 1024 == 0)); then l2="$((kib / 1024)) MiB"; else l2="$kib KiB"; fi
+fi
 flags=$(grep -m1 '^flags' /proc/cpuinfo)
+family=$(grep -m1 '^cpu family' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')
 isa="no AVX-512"
 [[ $flags == *avx512f* ]] && isa="AVX-512"
 [[ $flags == *avx512_bf16* ]] && isa="$isa and AVX512-BF16"
 {
   echo "# The README's comparison (\`bench/cpu_compare.sh\`)"
   echo
-  echo "Commit \`$commit\`, $(date -u +%Y-%m-%d), on $(nproc) cores of an $cpu ($isa, $l2 of L2 cache"
-  echo "per core); load average before the runs: $load. Memory is exact and repeats run to run; img/s"
-  echo "is from 8-step runs on a machine shared with other work, so read it as a trend."
+  echo "Commit \`$commit\`, $(date -u +%Y-%m-%d), on $(nproc) cores of an $cpu (family $family, $isa,"
+  echo "$l2 of L2 per core); load average $load before the runs, $load_after after. Memory is exact"
+  echo "and repeats run to run; img/s is from 8-step runs on a machine shared with other work, so"
+  echo "read it as a trend."
   echo "[CSV](cpu-compare.csv)."
   echo
   cat runs/cpu-compare/compare.md

@@ -12,14 +12,14 @@
 //! A command is `cargo run --release --example NAME -- ARGS` or `NAME ARGS` for an example of
 //! this package, optionally after `VAR=value` words; it runs the example binary of this build in
 //! a fresh directory beside a link `../shared` to the checkout's `../shared`, so a page's
-//! `../shared/data/cifar10-subset` is the shared data set (a block that names it is skipped, with
-//! a message, where it is absent) and `runs/` lands in a temporary directory.
+//! `../shared/data/cifar10-subset` is the shared data set (a command that names it is skipped,
+//! with a message, where it is absent) and `runs/` lands in a temporary directory.
 //!
 //! The pages show the output on this repository's build machine: 2 compute threads and 1 MiB of
 //! L2 cache per core, which the CPU estimate depends on (the gemm crate keeps one L2-sized packing
 //! buffer per thread). The runs get 2 threads (`CANDLE_NUM_THREADS=2`); on a machine with another
 //! L2 size the blocks are skipped, with a message. A fenced block with `$ ` lines that is not a
-//! `console` block fails the test, so no page shows output that is not checked.
+//! `console` block fails the test, so a prompt shown with its output is never left unchecked.
 
 mod common;
 
@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 const PAGES_L2_BYTES: u64 = 1 << 20;
 /// Compute threads of the pages' machine.
 const PAGES_THREADS: &str = "2";
-/// The longest a shown command may take before it is killed (the slowest takes ~20 s).
+/// The longest a shown command may take before it is killed (the slowest, `--find-max`, takes
+/// 20 to 45 s on the build machine, depending on its load).
 const TIMEOUT: Duration = Duration::from_secs(180);
 const SHARED_DATA: &str = "../shared/data/cifar10-subset";
 

@@ -698,13 +698,23 @@ fn run_steps(
     sizes: &Sizes,
 ) -> Result<(u64, Vec<EventPrediction>)> {
     let mut activation_bytes = 0;
-    let mut events = Vec::new();
+    let mut events: Vec<EventPrediction> = Vec::new();
+    // On the CPU the trainer's timeline of a step is heap: its records (reserved at the step's
+    // start for as many events as the step before had), each event's layer name (allocated as the
+    // event is recorded), the run's label and the probe's name. It is kept until the next step
+    // ends.
+    let host = ctx.device.is_cpu();
+    let timeline_bytes = (cfg.label().len() + crate::memory::CPU_HEAP_PROBE.len()) as u64;
+    let mut held_timeline = 0;
     for step in 0..2 {
         let state = if step == 0 { 0 } else { sizes.optimizer_bytes };
         {
             let mut s = sim.borrow_mut();
             s.cur += state;
             s.event_peak = s.cur;
+        }
+        if host && step > 0 {
+            sim.borrow_mut().alloc(events.len() as u64 * super::sizing::TIMELINE_EVENT_BYTES);
         }
         events.clear();
         let mut grads = Vec::new();
@@ -734,6 +744,15 @@ fn run_steps(
             current_bytes: s.cur,
             saved_bytes: 0,
         });
+        if host {
+            s.alloc("optimizer".len() as u64);
+            // The step's timeline replaces the one before.
+            let names: u64 = events.iter().map(|e| e.layer.len() as u64).sum();
+            let records = events.len() as u64 * super::sizing::TIMELINE_EVENT_BYTES;
+            s.alloc(timeline_bytes + if step == 0 { records } else { 0 });
+            s.free(held_timeline);
+            held_timeline = records + names + timeline_bytes;
+        }
         s.free(state);
     }
     Ok((activation_bytes, events))

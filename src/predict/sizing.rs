@@ -583,10 +583,13 @@ impl StepOps for Sizing<'_> {
     }
 }
 
-/// Records the predicted bytes at each of the tape's events.
+/// Records the predicted bytes at each of the tape's events, and on the CPU the heap the trainer's
+/// record of each event takes: its layer's name ([`TIMELINE_EVENT_BYTES`] per record are in the
+/// timeline's vector, reserved at the step's start).
 struct Events {
     sim: Shared,
     events: Vec<EventPrediction>,
+    host: bool,
 }
 
 impl StepObserver for Events {
@@ -603,6 +606,9 @@ impl StepObserver for Events {
             saved_bytes: e.saved_bytes,
         });
         sim.event_peak = sim.cur;
+        if self.host {
+            sim.alloc(e.layer.len() as u64);
+        }
         Ok(())
     }
 }
@@ -627,6 +633,7 @@ pub(super) fn micro_batch(
     let mut obs = Events {
         sim: sim.clone(),
         events: Vec::new(),
+        host: c.device.is_cpu(),
     };
     let mut step = LeanStep::on(ops, segments.to_vec(), storage);
     sim.borrow_mut().phase = Phase::Forward;
@@ -654,6 +661,9 @@ pub(super) fn eval_batch(
     step.evaluate(&x, &y, &mut crate::step::tape::NoObserver)?;
     Ok(())
 }
+
+/// Heap bytes of one record of the trainer's memory timeline besides its layer's name.
+pub const TIMELINE_EVENT_BYTES: u64 = std::mem::size_of::<crate::memory::timeline::TimelineEvent>() as u64;
 
 /// One predicted event of the step, matching the trainer's timeline events.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

@@ -286,12 +286,13 @@ impl Trainer {
         };
         // The step's memory timeline; kept outside the step so a failing step leaves the
         // events up to the failure for the OOM snapshot.
-        let mut events = Vec::new();
+        // Reserved for as many events as the step before had: a steady step grows no vector.
+        let mut events = Vec::with_capacity(self.timeline.events.len());
         let mut start_bytes = self.probe.current();
         let result = self.step_phases(&step, batch, &mut events, &mut start_bytes, t0);
         // A failed step's trace ends here (a step that ended well stopped it before its end).
         self.tracer.end();
-        let timeline = StepTimeline {
+        let mut timeline = StepTimeline {
             label: self.config.label(),
             probe: self.probe.name().to_string(),
             // Numbered from 1, as in batches.csv and memory.json.
@@ -299,6 +300,7 @@ impl Trainer {
             start_bytes,
             events,
         };
+        timeline.events.shrink_to_fit();
         match result {
             Ok(r) => {
                 self.timeline = timeline;

@@ -45,7 +45,7 @@ impl StepTracer {
                 "--memory-snapshot-step {n} is not a step of this run: steps count from 1, as in batches.csv; pick one from 1 to {total_steps} or drop the flag (default: the last step)"
             )));
         }
-        let heap = probe.name() == "cpu-heap" && total_steps > 0;
+        let heap = probe.name() == crate::memory::CPU_HEAP_PROBE && total_steps > 0;
         if config.memory_snapshot_step.is_some() && !heap {
             eprintln!("note: --memory-snapshot-step traces the CPU heap; this run's memory is the device's, so no memory_snapshot.pickle is written");
         }

@@ -13,7 +13,7 @@ pub mod trace;
 
 pub use cpu::{retain_freed_memory, return_freed_memory, CountingAllocator};
 pub use os::{OsMemory, OsView};
-pub use probe::{CpuProbe, MemoryProbe};
+pub use probe::{CpuProbe, MemoryProbe, CPU_HEAP_PROBE};
 pub use record::{
     BatchMemory, EpochMemory, EpochSteps, MemoryLog, MemoryRecorder, PHASE_OTHER_NOTE,
 };

@@ -86,9 +86,12 @@ impl CpuProbe {
     }
 }
 
+/// The name of the CPU heap probe ([`CpuProbe`]), as outputs show it.
+pub const CPU_HEAP_PROBE: &str = "cpu-heap";
+
 impl MemoryProbe for CpuProbe {
     fn name(&self) -> &str {
-        "cpu-heap"
+        CPU_HEAP_PROBE
     }
     fn available(&self) -> bool {
         CountingAllocator::is_installed()

@@ -1,7 +1,10 @@
 //! The documentation describes the code: the flag table of `docs/flags.md` is the one `--help`
 //! describes (run with `UPDATE_README=1` to rewrite it), the module map of
-//! `docs/architecture.md` names every module, the README stays short enough to read in one
-//! sitting, and every relative link of the README and of `docs/*.md` leads to a file.
+//! `docs/architecture.md` names every module, `docs/sweeps.md` names every flag of `batch_sweep`
+//! and `compare`, the README stays short enough to read in one sitting, and every relative link
+//! of the README and of `docs/*.md` leads to a file.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +15,8 @@ const END: &str = "<!-- flags:end -->";
 const FLAGS_PAGE: &str = "docs/flags.md";
 /// The page that holds the module map.
 const ARCHITECTURE_PAGE: &str = "docs/architecture.md";
+/// The page of the sweep and comparison examples.
+const SWEEPS_PAGE: &str = "docs/sweeps.md";
 /// The README is the front door: longer, and a learner stops reading before the end.
 const README_MAX_LINES: usize = 300;
 
@@ -63,6 +68,60 @@ fn module_map_names_every_module() {
             "the module map of {ARCHITECTURE_PAGE} does not name src/{shown}"
         );
     }
+}
+
+/// The long flags of a `--help` text: the words that start an option line.
+fn help_flags(help: &str) -> Vec<String> {
+    help.lines()
+        .filter_map(|l| {
+            let l = l.trim_start();
+            let l = l.strip_prefix("-").filter(|r| !r.starts_with('-')).map_or(l, |r| {
+                r.split_once(", ").map_or(r, |(_, rest)| rest)
+            });
+            let rest = l.strip_prefix("--")?;
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+                .unwrap_or(rest.len());
+            // A help line that starts with a flag's name (`--find-max: first batch …`) is not one.
+            let ends_option = rest[end..].is_empty() || rest[end..].starts_with([' ', '=']);
+            (end > 0 && ends_option).then(|| rest[..end].to_string())
+        })
+        .filter(|f| f != "help" && f != "version")
+        .collect()
+}
+
+/// Every flag of `batch_sweep` and `compare` is named on their page, as inline code that starts
+/// with it (`` `--timeout SECS` ``), so a new flag cannot go undocumented.
+#[test]
+fn sweep_flags_are_on_their_page() {
+    let page = std::fs::read_to_string(root().join(SWEEPS_PAGE)).unwrap();
+    let named = |flag: &str| {
+        let code = format!("`--{flag}");
+        page.match_indices(&code).any(|(at, _)| {
+            !page[at + code.len()..]
+                .starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-')
+        })
+    };
+    for example in ["batch_sweep", "compare"] {
+        let out = std::process::Command::new(common::example_binary(example))
+            .arg("--help")
+            .output()
+            .unwrap();
+        let flags = help_flags(&String::from_utf8_lossy(&out.stdout));
+        assert!(flags.len() >= 5, "{example} --help: {flags:?}");
+        let missing: Vec<_> = flags.iter().filter(|f| !named(f)).collect();
+        assert!(
+            missing.is_empty(),
+            "{SWEEPS_PAGE} does not name these flags of {example} as `--flag …`: {missing:?}"
+        );
+    }
+}
+
+#[test]
+fn help_flags_are_found() {
+    let help = "Options:\n      --run <FLAGS>   A configuration\n  -q, --quiet   No progress\n\
+                \x20         --steps: not a flag line\n  -h, --help  Print help\n";
+    assert_eq!(help_flags(help), ["run", "quiet"]);
 }
 
 #[test]

@@ -335,12 +335,15 @@ impl Runner<'_> {
         accum: usize,
         note: &mut String,
     ) -> Result<(usize, usize)> {
-        while hi > lo && hi - lo > step {
-            let steps = (hi - lo) / step;
-            let mut mid = lo + (steps / 2).max(1) * step;
-            mid = round_up(mid, step).min(hi - 1).max(lo + 1);
-            mid = round_up(mid, accum);
-            if mid >= hi || mid <= lo {
+        // `lo` and `hi` need not be multiples of `step` (doubling from `--start`): the candidates
+        // are the multiples strictly between them.
+        while hi > lo + 1 {
+            let (first, last) = (lo / step * step + step, (hi - 1) / step * step);
+            if first > last {
+                break;
+            }
+            let mid = round_up(first + (last - first) / step / 2 * step, accum);
+            if mid >= hi {
                 break;
             }
             let run = self.point(variant, mid)?;

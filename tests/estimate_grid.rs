@@ -203,7 +203,11 @@ fn the_estimate_is_the_measured_step_peak_over_a_grid() {
         };
         let num = |key: &str| -> f64 {
             let rest = &line[line.find(key).expect(key) + key.len()..];
-            rest.split_whitespace().next().expect("value").parse().expect("number")
+            rest.split_whitespace()
+                .next()
+                .expect("value")
+                .parse()
+                .expect("number")
         };
         let (predicted, measured) = (num("predicted "), num("measured "));
         let over = predicted - measured;

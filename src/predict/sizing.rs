@@ -41,12 +41,14 @@ pub fn tensor_descriptor_bytes(rank: usize, strides: Strides) -> u64 {
     152 + (std::mem::size_of::<usize>() * (rank + stride_capacity)) as u64
 }
 
-/// The most heap a CPU step holds beyond what the estimate sizes: host records it does not see
-/// (the memory timeline's event records, tensor handles made inside Candle's ops, the step's small
-/// vectors). Measured 9–36 KiB from batch 1 to 512 (`tests/estimate_grid.rs` holds every
-/// configuration of its grid to it); [`super::schedule::MARGIN_FLOOR_BYTES`] keeps four times
-/// as much free.
-pub const HOST_BOOKKEEPING_BYTES: u64 = 64 << 10;
+/// The most heap a CPU step holds beyond what the estimate sizes. What it does not size: the
+/// batcher's records of an epoch (its shared producer and stop flag, and with `--prefetch` its
+/// thread and channel: types private to `src/data/batcher.rs`), the per-thread bookkeeping of
+/// the conv kernels' weight gradient beside its scratch, and the handles of the int8 codes beyond
+/// their tensors. `tests/estimate_grid.rs` measures at most 2 KB below the step peak over its grid
+/// (batch 1 to 512) and holds every configuration to this;
+/// [`super::schedule::MARGIN_FLOOR_BYTES`] keeps four times as much free.
+pub const HOST_BOOKKEEPING_BYTES: u64 = 8 << 10;
 
 /// Heap bytes of a buffer's storage record (the shared, locked `CpuStorage`) besides its elements.
 pub const STORAGE_RECORD_BYTES: u64 = 56;

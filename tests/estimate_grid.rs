@@ -3,8 +3,9 @@
 //! and listed segmentations, accumulation, both conv kinds, int8, AdamW, prefetch depths.
 //!
 //! The bound: never above the measured step peak by more than 0.05%, and never below it by more
-//! than [`HOST_BOOKKEEPING_BYTES`] (the host records the estimate does not size: tensor handles it
-//! does not see, the timeline's records), which the planner's margin floor covers.
+//! than [`HOST_BOOKKEEPING_BYTES`]: the host records the estimate does not size (the batcher's
+//! records, the conv kernels' per-thread bookkeeping of a weight gradient, the int8 codes'
+//! handles; at most 2 KB on this grid), which the planner's margin floor covers four times.
 //!
 //! One test function, each case in a child process of its own: the allocator's counters and the
 //! gemm crate's per-thread buffers are process-wide.
@@ -203,7 +204,11 @@ fn the_estimate_is_the_measured_step_peak_over_a_grid() {
         };
         let num = |key: &str| -> f64 {
             let rest = &line[line.find(key).expect(key) + key.len()..];
-            rest.split_whitespace().next().expect("value").parse().expect("number")
+            rest.split_whitespace()
+                .next()
+                .expect("value")
+                .parse()
+                .expect("number")
         };
         let (predicted, measured) = (num("predicted "), num("measured "));
         let over = predicted - measured;

@@ -40,7 +40,7 @@ use super::schedule::{heap_limit, pick, recompute_flops, Candidate, SAFETY_MARGI
 pub use super::sim::DeviceKind;
 use super::sim::*;
 pub use super::sizing::EventPrediction;
-use super::sizing::{micro_batch, Shared};
+use super::sizing::{micro_batch, new_tensor_bytes, tensor_descriptor_bytes, Shared, Strides};
 use crate::config::{
     ActivationStorage, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
 };
@@ -521,36 +521,57 @@ fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx
 }
 
 /// The sizes a step of `cfg` holds whatever its batch: parameters (and the largest one), BatchNorm
-/// statistics, optimizer state, pruning masks and the masks' recomputation transient.
+/// statistics, optimizer state, the gradient slots, pruning masks and the masks' recomputation
+/// transient.
 pub(super) struct Sizes {
     pub(super) param_bytes: u64,
+    /// The largest parameter as a new tensor: its elements, and on the CPU its storage record and
+    /// descriptor ([`new_tensor_bytes`]).
     pub(super) max_param: u64,
+    /// The largest descriptor of a parameter detached (CPU heap).
+    pub(super) max_detached: u64,
     pub(super) bn_stats: u64,
+    /// The optimizer state's elements, as reported.
     pub(super) optimizer_bytes: u64,
+    /// The optimizer state as the heap holds it: each state tensor an op's result.
+    pub(super) state_bytes: u64,
+    /// The gradient accumulator's slots, one `Option<Tensor>` per parameter (CPU heap).
+    pub(super) grad_slots: u64,
     pub(super) mask_bytes: u64,
     pub(super) prune_transient: u64,
 }
 
 impl Sizes {
     fn of(cfg: &TrainConfig, nodes: &[Node], device: DeviceKind) -> Sizes {
-        let param_counts: Vec<u64> = nodes.iter().flat_map(|n| n.param_tensors()).collect();
-        let param_bytes: u64 = param_counts.iter().map(|p| p * 4).sum();
-        let max_param = param_counts.iter().copied().max().unwrap_or(0) * 4;
+        let shapes: Vec<Vec<usize>> = nodes.iter().flat_map(|n| n.param_shapes()).collect();
+        let elems = |d: &[usize]| d.iter().product::<usize>() as u64;
+        let param_bytes: u64 = shapes.iter().map(|d| elems(d) * 4).sum();
+        let new_tensor = |d: &[usize]| new_tensor_bytes(elems(d) * 4, d.len(), device);
+        let max_param = shapes.iter().map(|d| new_tensor(d)).max().unwrap_or(0);
+        let max_detached = match device {
+            DeviceKind::Cpu { .. } => shapes
+                .iter()
+                .map(|d| tensor_descriptor_bytes(d.len(), Strides::Copied))
+                .max()
+                .unwrap_or(0),
+            DeviceKind::Cuda => 0,
+        };
         let bn_stats: u64 = nodes
             .iter()
             .filter(|n| n.op == Op::Bn)
             .map(|n| n.out.0 as u64 * 2 * 4)
             .sum();
-        let optimizer_bytes = match cfg.optimizer {
-            OptimizerKind::Sgd => param_bytes,
-            OptimizerKind::Adamw => 2 * param_bytes,
+        let slots = match cfg.optimizer {
+            OptimizerKind::Sgd => 1,
+            OptimizerKind::Adamw => 2,
         };
+        let state_bytes = slots * shapes.iter().map(|d| new_tensor(d)).sum::<u64>();
         // The pruned weights: convolutions and the head's weight (its first tensor), not biases.
         let pruned: Vec<u64> = if cfg.prune.is_some() {
             nodes
                 .iter()
                 .filter(|n| matches!(n.op, Op::Conv { .. } | Op::Depthwise | Op::Head))
-                .filter_map(|n| n.param_tensors().first().copied())
+                .filter_map(|n| n.param_shapes().first().map(|d| elems(d)))
                 .collect()
         } else {
             Vec::new()
@@ -561,11 +582,19 @@ impl Sizes {
             } else {
                 PRUNE_TRANSIENT_PER_WEIGHT_CUDA
             };
+        let grad_slots = if device.is_cpu() {
+            (shapes.len() * std::mem::size_of::<Option<candle_core::Tensor>>()) as u64
+        } else {
+            0
+        };
         Sizes {
             param_bytes,
             max_param,
+            max_detached,
             bn_stats,
-            optimizer_bytes,
+            optimizer_bytes: slots * param_bytes,
+            state_bytes,
+            grad_slots,
             mask_bytes: pruned.iter().sum(),
             prune_transient,
         }
@@ -649,7 +678,7 @@ fn eval_phase(
         s.phase = Phase::Eval;
         // After the steps: the optimizer state joins; the permutation and the training batches'
         // labels go, their image buffers stay pooled.
-        s.cur += sizes.optimizer_bytes;
+        s.cur += sizes.state_bytes;
         if ctx.device.is_cpu() {
             let in_flight = train_batches_in_flight(cfg, train_images);
             let eval_batches = eval_images.div_ceil(n);
@@ -707,16 +736,30 @@ fn run_steps(
     let timeline_bytes = (cfg.label().len() + crate::memory::CPU_HEAP_PROBE.len()) as u64;
     let mut held_timeline = 0;
     for step in 0..2 {
-        let state = if step == 0 { 0 } else { sizes.optimizer_bytes };
+        let state = if step == 0 { 0 } else { sizes.state_bytes };
         {
             let mut s = sim.borrow_mut();
             s.cur += state;
             s.event_peak = s.cur;
         }
         if host && step > 0 {
-            sim.borrow_mut().alloc(events.len() as u64 * super::sizing::TIMELINE_EVENT_BYTES);
+            sim.borrow_mut()
+                .alloc(events.len() as u64 * super::sizing::TIMELINE_EVENT_BYTES);
+        }
+        if host && step == 1 {
+            // What the first step's end leaves for the run: its batch's buffer back in the
+            // batcher's pool, and the run history's first records.
+            sim.borrow_mut().alloc(after_first_step_bytes(cfg));
         }
         events.clear();
+        // The gradient accumulator's slots, for the step's micro-batches and its update, and
+        // the micro-batches' results.
+        let results = if host {
+            (cfg.accum_steps * std::mem::size_of::<crate::step::MicroResult>()) as u64
+        } else {
+            0
+        };
+        sim.borrow_mut().alloc(sizes.grad_slots + results);
         let mut grads = Vec::new();
         for _ in 0..cfg.accum_steps {
             let (r, ev) = micro_batch(
@@ -731,11 +774,13 @@ fn run_steps(
             events.extend(ev);
         }
         let mut s = sim.borrow_mut();
+        s.free(results);
         optimizer_phase(&mut s, cfg, step == 0, sizes);
         drop(s);
         // The update done, the gradients go.
         drop(grads);
         let mut s = sim.borrow_mut();
+        s.free(sizes.grad_slots);
         s.spike(sizes.prune_transient);
         events.push(EventPrediction {
             phase: "optimizer",
@@ -758,21 +803,35 @@ fn run_steps(
     Ok((activation_bytes, events))
 }
 
+/// Heap the first training step's end leaves on the CPU for the rest of the run: the batcher's
+/// pool of image buffers (`BufferPool`: a vector of up to the batches in flight), and the run
+/// history's step times and activation storage spans (`src/train/history.rs`), each pushed once.
+fn after_first_step_bytes(cfg: &TrainConfig) -> u64 {
+    use super::sizing::pushed_bytes;
+    let in_flight = cfg.prefetch_batches(false) + 1;
+    pushed_bytes::<Vec<f32>>(in_flight)
+        + pushed_bytes::<(usize, f64)>(1)
+        + pushed_bytes::<crate::train::history::StorageSpan>(1)
+}
+
 /// The optimizer phase: the accumulated f32 gradients are alive and the update runs one parameter
 /// at a time (`first`: the step that also allocates the optimizer state). The gradients are freed
 /// after it, and pruning recomputes its masks.
 fn optimizer_phase(sim: &mut Sim, cfg: &TrainConfig, first: bool, sizes: &Sizes) {
     sim.phase = Phase::Optimizer;
-    let (param_bytes, max_param) = (sizes.param_bytes, sizes.max_param);
     if cfg.precision == Precision::F16 {
         // Unscaling replaces each gradient by a scaled copy.
-        sim.spike(max_param);
+        sim.spike(sizes.max_param);
     }
-    match cfg.optimizer {
-        // g + w·wd, momentum·m + g, g + buf·m, d·lr: four parameter-sized temporaries at most,
-        // the first step also allocating the new state as it goes.
-        OptimizerKind::Sgd => sim.spike(if first { param_bytes } else { 0 } + 3 * max_param),
-        // m1, v, their bias-corrected copies, sqrt, the update: about six.
-        OptimizerKind::Adamw => sim.spike(if first { 2 * param_bytes } else { 0 } + 6 * max_param),
-    }
+    // Parameter-sized temporaries alive at once beside the state (`Optimizer::step`, which also
+    // holds the parameter detached): SGD's g + w·wd, buf·m and g + buf·m (without weight decay
+    // the gradient itself stands for g + w·wd); AdamW's moments, their bias-corrected copies,
+    // sqrt and the update, about six. The first step also allocates the new state as it goes.
+    let temporaries = match cfg.optimizer {
+        OptimizerKind::Sgd if cfg.weight_decay > 0.0 => 3,
+        OptimizerKind::Sgd => 2,
+        OptimizerKind::Adamw => 6,
+    };
+    let first_state = if first { sizes.state_bytes } else { 0 };
+    sim.spike(first_state + temporaries * sizes.max_param + sizes.max_detached);
 }

@@ -23,6 +23,6 @@ pub use choose::*;
 pub use estimate::*;
 pub use schedule::{heap_limit, limit_for_heap};
 pub use sizing::{
-    tensor_descriptor_bytes, EventPrediction, HOST_BOOKKEEPING_BYTES, STORAGE_RECORD_BYTES,
+    tensor_descriptor_bytes, EventPrediction, Strides, HOST_BOOKKEEPING_BYTES, STORAGE_RECORD_BYTES,
 };
 pub use what_if::{what_if, what_if_table, WhatIf};

@@ -29,8 +29,9 @@ use std::ops::Range;
 pub const SAFETY_MARGIN: f64 = 0.01;
 
 /// Bytes a non-zero margin keeps free at least: four times [`super::HOST_BOOKKEEPING_BYTES`],
-/// the host records the estimate does not size, which 1% of a budget of a few MiB does not cover.
-pub const MARGIN_FLOOR_BYTES: u64 = 256 << 10;
+/// the host records the estimate does not size (a thread more on a larger machine holds more of
+/// the kernels' bookkeeping).
+pub const MARGIN_FLOOR_BYTES: u64 = 4 * super::HOST_BOOKKEEPING_BYTES;
 
 /// The largest predicted peak that fits `limit` with `margin` kept free (and, for a non-zero
 /// margin, at least [`MARGIN_FLOOR_BYTES`]).

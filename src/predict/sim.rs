@@ -2,7 +2,6 @@
 //! micro-batch ([`Ctx`]) and the simulation of bytes in use ([`Sim`]), replayed allocation by
 //! allocation.
 
-use crate::data::NUM_CLASSES;
 use crate::error::{Error, Result};
 use crate::model::LayerSpec;
 use candle_core::DType;
@@ -143,16 +142,16 @@ impl Node {
         c.n * elems(self.out) * if matches!(self.op, Op::Head) { 4 } else { c.s }
     }
 
-    /// Element counts of the parameter tensors (BatchNorm: gamma and beta; head: weight and bias).
-    pub(super) fn param_tensors(&self) -> Vec<u64> {
+    /// Shapes of the parameter tensors, in the model's order: a conv's weight (`[out, in, k, k]`,
+    /// a depthwise one `[C, 1, 3, 3]`), BatchNorm's γ and β (`[C]`), the head's weight
+    /// (`[classes, features]`) and bias.
+    pub(super) fn param_shapes(&self) -> Vec<Vec<usize>> {
         match self.op {
-            Op::Conv { .. } | Op::Depthwise => vec![self.params as u64],
-            Op::Bn => vec![self.out.0 as u64; 2],
+            Op::Conv { k, .. } => vec![vec![self.out.0, self.inp.0, k, k]],
+            Op::Depthwise => vec![vec![self.inp.0, 1, 3, 3]],
+            Op::Bn => vec![vec![self.out.0]; 2],
             Op::Pool => vec![],
-            Op::Head => vec![
-                self.params.saturating_sub(NUM_CLASSES) as u64,
-                NUM_CLASSES as u64,
-            ],
+            Op::Head => vec![vec![self.out.0, elems(self.inp) as usize], vec![self.out.0]],
         }
     }
 }

@@ -19,23 +19,50 @@ use std::rc::Rc;
 /// The simulation the buffers of one estimate live in.
 pub(super) type Shared = Rc<RefCell<Sim>>;
 
-/// Heap bytes of a Candle CPU tensor's descriptor of rank `rank` (its `Tensor_` and the shape's and
-/// strides' vectors), besides the buffer it points to. Each handle that is not a clone has one:
-/// an op's result, a view, a detached parameter. Checked against the counting allocator by
-/// `tests/tensor_descriptor.rs`.
-pub fn tensor_descriptor_bytes(rank: usize) -> u64 {
-    152 + 2 * 8 * rank as u64
+/// How a tensor's strides were made, which decides their vector's capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strides {
+    /// Computed for a new contiguous layout (an op's result, a reshape): Candle collects them
+    /// from an iterator, which reserves at least four.
+    Collected,
+    /// Copied from another layout (a detached or transposed handle): exactly one per dim.
+    Copied,
 }
 
-/// The most heap a CPU step holds beyond what the estimate sizes: host records it does not see
-/// (the memory timeline's event records, tensor handles made inside Candle's ops, the step's small
-/// vectors). Measured 9–36 KiB from batch 1 to 512 (`tests/estimate_grid.rs` holds every
-/// configuration of its grid to it); [`super::schedule::MARGIN_FLOOR_BYTES`] keeps four times
-/// as much free.
-pub const HOST_BOOKKEEPING_BYTES: u64 = 64 << 10;
+/// Heap bytes of a Candle CPU tensor's descriptor of rank `rank` besides the buffer it points to:
+/// its `Tensor_` (152), its shape's dims and its strides. Each handle that is not a clone has one:
+/// an op's result, a view, a detached parameter. Checked against the counting allocator by
+/// `tests/tensor_descriptor.rs`.
+pub fn tensor_descriptor_bytes(rank: usize, strides: Strides) -> u64 {
+    let stride_capacity = match strides {
+        Strides::Collected if rank > 0 => rank.max(4),
+        _ => rank,
+    };
+    152 + (std::mem::size_of::<usize>() * (rank + stride_capacity)) as u64
+}
+
+/// The most heap a CPU step holds beyond what the estimate sizes. What it does not size: the
+/// batcher's records of an epoch (its shared producer and stop flag, and with `--prefetch` its
+/// thread and channel: types private to `src/data/batcher.rs`), the per-thread bookkeeping of
+/// the conv kernels' weight gradient beside its scratch, and the handles of the int8 codes beyond
+/// their tensors. `tests/estimate_grid.rs` measures at most 2 KB below the step peak over its grid
+/// (batch 1 to 512) and holds every configuration to this;
+/// [`super::schedule::MARGIN_FLOOR_BYTES`] keeps four times as much free.
+pub const HOST_BOOKKEEPING_BYTES: u64 = 8 << 10;
 
 /// Heap bytes of a buffer's storage record (the shared, locked `CpuStorage`) besides its elements.
 pub const STORAGE_RECORD_BYTES: u64 = 56;
+
+/// Bytes a new tensor of `bytes` elements' bytes and rank `rank` takes on `device`: on the CPU
+/// its storage record and descriptor besides (an op's result), on CUDA its elements (the pool is
+/// measured, not the host).
+pub(super) fn new_tensor_bytes(bytes: u64, rank: usize, device: DeviceKind) -> u64 {
+    if device.is_cpu() {
+        bytes + STORAGE_RECORD_BYTES + tensor_descriptor_bytes(rank, Strides::Collected)
+    } else {
+        bytes
+    }
+}
 
 /// A buffer: its bytes are in use until its last handle goes.
 struct Buf {
@@ -91,10 +118,10 @@ impl Sz {
     }
 
     /// A new handle on the same buffer (a view), shaped `dims`.
-    fn view(&self, dims: Vec<usize>) -> Sz {
+    fn view(&self, dims: Vec<usize>, strides: Strides) -> Sz {
         let h = &self.handle;
         let bytes = if h.host {
-            tensor_descriptor_bytes(dims.len())
+            tensor_descriptor_bytes(dims.len(), strides)
         } else {
             0
         };
@@ -122,9 +149,10 @@ impl Sz {
     }
 }
 
-/// A block's BatchNorm for the sizing: its `[2, C]` statistics and its node.
+/// A block's BatchNorm for the sizing: its detached γ and β, its `[2, C]` statistics and its
+/// node.
 pub(super) struct SzBn {
-    _stats: Sz,
+    _held: [Sz; 3],
     node: usize,
 }
 
@@ -162,14 +190,14 @@ impl<'a> Sizing<'a> {
             bytes,
             sim: Some(self.sim.clone()),
         });
-        self.handle(dims, dtype, buf)
+        self.handle(dims, dtype, buf, Strides::Collected)
     }
 
     /// A handle of `dims` on `buf`, its descriptor now in use.
-    fn handle(&self, dims: Vec<usize>, dtype: DType, buf: Rc<Buf>) -> Sz {
+    fn handle(&self, dims: Vec<usize>, dtype: DType, buf: Rc<Buf>, strides: Strides) -> Sz {
         let host = !self.cuda();
         let bytes = if host {
-            tensor_descriptor_bytes(dims.len())
+            tensor_descriptor_bytes(dims.len(), strides)
         } else {
             0
         };
@@ -196,7 +224,7 @@ impl<'a> Sizing<'a> {
         });
         Sz {
             node: Some(node),
-            ..self.handle(dims, dtype, buf)
+            ..self.handle(dims, dtype, buf, Strides::Copied)
         }
     }
 
@@ -218,22 +246,26 @@ impl<'a> Sizing<'a> {
         self.nodes.len() - 1
     }
 
-    /// A weight in the compute dtype: the parameter itself in f32, a cast copy otherwise.
+    /// A weight in the compute dtype: the parameter itself (detached) in f32, a cast copy of it
+    /// otherwise.
     fn weight(&self, node: usize) -> Sz {
-        let nd = &self.nodes[node];
-        let dims = match nd.op {
-            Op::Conv { k, .. } => vec![nd.out.0, nd.inp.0, k, k],
-            _ => vec![nd.inp.0, 1, 3, 3],
-        };
+        let dims = self.nodes[node].param_shapes().swap_remove(0);
+        let detached = self.held(dims.clone(), DType::F32, node);
         let w = if self.c.half() {
             self.alloc(dims, self.c.dtype)
         } else {
-            self.held(dims, DType::F32, node)
+            detached
         };
         Sz {
             node: Some(node),
             ..w
         }
+    }
+
+    /// BatchNorm `node`'s γ and β, detached.
+    fn bn_affine(&self, node: usize) -> [Sz; 2] {
+        let ch = self.nodes[node].out.0;
+        [0; 2].map(|_| self.held(vec![ch], DType::F32, node))
     }
 
     fn node(&self, w: &Sz) -> usize {
@@ -288,10 +320,13 @@ impl StepOps for Sizing<'_> {
         })
     }
     fn flatten(&self, t: &Sz) -> Result<Sz> {
-        Ok(t.view(vec![t.dims[0], count(&t.dims[1..]) as usize]))
+        Ok(t.view(
+            vec![t.dims[0], count(&t.dims[1..]) as usize],
+            Strides::Collected,
+        ))
     }
     fn reshape(&self, t: &Sz, dims: &[usize]) -> Result<Sz> {
-        Ok(t.view(dims.to_vec()))
+        Ok(t.view(dims.to_vec(), Strides::Collected))
     }
 
     fn conv_weights(&self, j: usize) -> Result<ConvWeights<Sz>> {
@@ -306,12 +341,11 @@ impl StepOps for Sizing<'_> {
         })
     }
     fn head_weights(&self) -> (Sz, Sz) {
-        let hd = &self.nodes[self.head()];
-        let classes = hd.out.0;
-        let feat = elems(hd.inp) as usize;
+        let [w, b] = <[Vec<usize>; 2]>::try_from(self.nodes[self.head()].param_shapes())
+            .expect("the head has a weight and a bias");
         (
-            self.held(vec![classes, feat], DType::F32, self.head()),
-            self.held(vec![classes], DType::F32, self.head()),
+            self.held(w, DType::F32, self.head()),
+            self.held(b, DType::F32, self.head()),
         )
     }
 
@@ -388,6 +422,7 @@ impl StepOps for Sizing<'_> {
     fn bn_params(&self, j: usize, h: &Sz, update_stats: bool) -> Result<SzBn> {
         let node = self.blocks[j].bn;
         Ok(self.op(Some(node), || {
+            let [gamma, beta] = self.bn_affine(node);
             let stats = self.channel_sums(h);
             if update_stats {
                 // The running statistics' update: five [C] f32 temporaries at most
@@ -395,7 +430,7 @@ impl StepOps for Sizing<'_> {
                 self.spike(5 * h.dims[1] as u64 * 4);
             }
             SzBn {
-                _stats: stats,
+                _held: [gamma, beta, stats],
                 node,
             }
         }))
@@ -403,10 +438,14 @@ impl StepOps for Sizing<'_> {
     fn bn_running(&self, j: usize) -> Result<SzBn> {
         let node = self.blocks[j].bn;
         let ch = self.nodes[node].out.0;
-        // The running mean and variance stacked into one `[2, C]` tensor.
-        Ok(self.op(Some(node), || SzBn {
-            _stats: self.alloc(vec![2, ch], DType::F32),
-            node,
+        Ok(self.op(Some(node), || {
+            let [gamma, beta] = self.bn_affine(node);
+            // The running mean and variance stacked into one `[2, C]` tensor.
+            let stats = self.alloc(vec![2, ch], DType::F32);
+            SzBn {
+                _held: [gamma, beta, stats],
+                node,
+            }
         }))
     }
     fn bn_relu(&self, h: &Sz, p: &SzBn) -> Result<Sz> {
@@ -444,11 +483,19 @@ impl StepOps for Sizing<'_> {
                 let sums = self.channel_sums(h);
                 let dh = self.alloc(h.dims.clone(), h.dtype);
                 drop((y, g));
-                return (dh, sums.view(vec![ch]), sums.view(vec![ch]));
+                return (
+                    dh,
+                    sums.view(vec![ch], Strides::Collected),
+                    sums.view(vec![ch], Strides::Collected),
+                );
             }
             // Written over g.
             let sums = self.channel_sums(h);
-            (g, sums.view(vec![ch]), sums.view(vec![ch]))
+            (
+                g,
+                sums.view(vec![ch], Strides::Collected),
+                sums.view(vec![ch], Strides::Collected),
+            )
         }))
     }
     fn bn_relu_pool_backward(
@@ -466,11 +513,19 @@ impl StepOps for Sizing<'_> {
                 let sums = self.channel_sums(&h);
                 let dh = self.alloc(h.dims.clone(), h.dtype);
                 drop((y, h));
-                return (dh, sums.view(vec![ch]), sums.view(vec![ch]));
+                return (
+                    dh,
+                    sums.view(vec![ch], Strides::Collected),
+                    sums.view(vec![ch], Strides::Collected),
+                );
             }
             // Written over h.
             let sums = self.channel_sums(&h);
-            (h, sums.view(vec![ch]), sums.view(vec![ch]))
+            (
+                h,
+                sums.view(vec![ch], Strides::Collected),
+                sums.view(vec![ch], Strides::Collected),
+            )
         }))
     }
 
@@ -522,7 +577,7 @@ impl StepOps for Sizing<'_> {
     fn t(&self, b: &Sz) -> Result<Sz> {
         Ok(Sz {
             transposed: !b.transposed,
-            ..b.view(vec![b.dims[1], b.dims[0]])
+            ..b.view(vec![b.dims[1], b.dims[0]], Strides::Copied)
         })
     }
     fn add_bias(&self, x: &Sz, _bias: &Sz) -> Result<Sz> {
@@ -583,17 +638,118 @@ impl StepOps for Sizing<'_> {
     }
 }
 
+/// Capacity of a `Vec` after `len` single pushes from empty (std's amortized growth: at least
+/// 8 elements of a byte, 4 of up to 1 KiB, 1 above; doubling when full).
+pub(super) fn pushed_capacity(len: usize, elem_bytes: usize) -> usize {
+    let min = match elem_bytes {
+        1 => 8,
+        2..=1024 => 4,
+        _ => 1,
+    };
+    if len == 0 {
+        0
+    } else {
+        len.next_power_of_two().max(min)
+    }
+}
+
+/// Bytes of `len` elements of `T` pushed one by one into a `Vec`.
+pub(super) fn pushed_bytes<T>(len: usize) -> u64 {
+    (pushed_capacity(len, std::mem::size_of::<T>()) * std::mem::size_of::<T>()) as u64
+}
+
+/// Bytes of one block's record in the training tape's vector of saved records
+/// (`Saved<CandleOps>` in `core/src/step/tape.rs`, private there: the kept conv output and the
+/// BatchNorm parameters).
+const TAPE_RECORD_BYTES: usize = 64;
+
+/// The training tape's own vectors on the CPU heap (`core/src/step/tape.rs`), which the sizing's
+/// tape holds with other element sizes: the segments and the blocks' parameter offsets of
+/// `LeanStep::new`, the segments' copy each pass iterates, the held segment inputs and the saved
+/// records (each pushed one by one), and the head's input shape.
+struct TapeHost {
+    segments: Vec<Range<usize>>,
+    blocks: usize,
+    /// The saved records' vector's bytes now.
+    saved: u64,
+}
+
+impl TapeHost {
+    /// `LeanStep::new`'s segments and offsets, the forward's copy of the segments and its
+    /// first segment's input.
+    fn before_forward(&self) -> u64 {
+        let n = self.segments.len();
+        pushed_bytes::<Range<usize>>(n)
+            + pushed_bytes::<usize>(self.blocks + 1)
+            + (n * std::mem::size_of::<Range<usize>>()) as u64
+            + pushed_bytes::<candle_core::Tensor>(1)
+    }
+
+    /// The saved records' vector for `records` records: the bytes it grows by.
+    fn grow_saved(&mut self, records: usize) -> u64 {
+        let bytes = (pushed_capacity(records, TAPE_RECORD_BYTES) * TAPE_RECORD_BYTES) as u64;
+        let grown = bytes.saturating_sub(self.saved);
+        self.saved = self.saved.max(bytes);
+        grown
+    }
+}
+
 /// Records the predicted bytes at each of the tape's events, and on the CPU the heap the trainer's
 /// record of each event takes: its layer's name ([`TIMELINE_EVENT_BYTES`] per record are in the
-/// timeline's vector, reserved at the step's start).
+/// timeline's vector, reserved at the step's start), and the tape's own vectors as they grow.
 struct Events {
     sim: Shared,
     events: Vec<EventPrediction>,
-    host: bool,
+    host: Option<TapeHost>,
+    /// Forward block events so far.
+    forward: usize,
+    /// Segments recomputed so far.
+    recomputed: usize,
+}
+
+impl Events {
+    /// The tape's vectors around the event just recorded: after a forward block the saved records
+    /// (the last segment saves as it goes), the next segment's input, and after the last block
+    /// the segments' copy going and the head's input shape coming; after the head's backward the
+    /// backward's copy of the segments; after a recomputation its records.
+    fn tape_host(&mut self, e: &StepEvent<'_>) {
+        let Some(t) = &mut self.host else { return };
+        let mut sim = self.sim.borrow_mut();
+        let last = t.segments.last().expect("a segment").clone();
+        let seg_bytes = (t.segments.len() * std::mem::size_of::<Range<usize>>()) as u64;
+        match e.phase {
+            crate::phase::Phase::Forward if e.layer != "head" => {
+                let j = self.forward;
+                self.forward += 1;
+                if last.contains(&j) {
+                    let g = t.grow_saved(j + 1 - last.start);
+                    sim.alloc(g);
+                }
+                if j + 1 == t.blocks {
+                    sim.free(seg_bytes);
+                    sim.alloc((4 * std::mem::size_of::<usize>()) as u64);
+                } else if let Some(next) = t.segments.iter().position(|s| s.start == j + 1) {
+                    let before = pushed_bytes::<candle_core::Tensor>(next);
+                    let after = pushed_bytes::<candle_core::Tensor>(next + 1);
+                    sim.alloc(after - before);
+                }
+            }
+            crate::phase::Phase::Backward if e.layer == "head" => sim.alloc(seg_bytes),
+            crate::phase::Phase::Backward if e.layer.starts_with("recompute") => {
+                // Segments are recomputed last first, the last one never.
+                self.recomputed += 1;
+                let seg = t.segments[t.segments.len() - 1 - self.recomputed].len();
+                let g = t.grow_saved(seg);
+                sim.alloc(g);
+            }
+            _ => {}
+        }
+    }
 }
 
 impl StepObserver for Events {
     fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+        self.tape_host(&e);
         let mut sim = self.sim.borrow_mut();
         self.events.push(EventPrediction {
             phase: match e.phase {
@@ -606,7 +762,7 @@ impl StepObserver for Events {
             saved_bytes: e.saved_bytes,
         });
         sim.event_peak = sim.cur;
-        if self.host {
+        if self.host.is_some() {
             sim.alloc(e.layer.len() as u64);
         }
         Ok(())
@@ -630,10 +786,19 @@ pub(super) fn micro_batch(
     let x = ops.alloc(vec![n, 3, 32, 32], DType::F32);
     debug_assert_eq!(count(&x.dims[1..]) as usize, IMAGE_BYTES);
     let y = ops.alloc(vec![n], DType::U32);
+    let host = c.device.is_cpu().then(|| TapeHost {
+        segments: segments.to_vec(),
+        blocks: ops.blocks(),
+        saved: 0,
+    });
+    let tape_bytes = host.as_ref().map_or(0, TapeHost::before_forward);
+    sim.borrow_mut().alloc(tape_bytes);
     let mut obs = Events {
         sim: sim.clone(),
         events: Vec::new(),
-        host: c.device.is_cpu(),
+        host,
+        forward: 0,
+        recomputed: 0,
     };
     let mut step = LeanStep::on(ops, segments.to_vec(), storage);
     sim.borrow_mut().phase = Phase::Forward;
@@ -641,6 +806,17 @@ pub(super) fn micro_batch(
     sim.borrow_mut().phase = Phase::Backward;
     let saved = obs.events.last().map_or(0, |e| e.saved_bytes);
     step.backward(tape, grads, &mut obs)?;
+    if let Some(t) = &obs.host {
+        // The tape and the step go: the held inputs and records, the head's input shape, both
+        // copies of the segments and the offsets.
+        let inputs = pushed_bytes::<candle_core::Tensor>(segments.len());
+        let seg_bytes = (segments.len() * std::mem::size_of::<Range<usize>>()) as u64;
+        let feat_dims = (4 * std::mem::size_of::<usize>()) as u64;
+        let step_vecs =
+            pushed_bytes::<Range<usize>>(segments.len()) + pushed_bytes::<usize>(t.blocks + 1);
+        sim.borrow_mut()
+            .free(t.saved + inputs + feat_dims + seg_bytes + step_vecs);
+    }
     Ok((saved, obs.events))
 }
 
@@ -663,7 +839,8 @@ pub(super) fn eval_batch(
 }
 
 /// Heap bytes of one record of the trainer's memory timeline besides its layer's name.
-pub const TIMELINE_EVENT_BYTES: u64 = std::mem::size_of::<crate::memory::timeline::TimelineEvent>() as u64;
+pub const TIMELINE_EVENT_BYTES: u64 =
+    std::mem::size_of::<crate::memory::timeline::TimelineEvent>() as u64;
 
 /// One predicted event of the step, matching the trainer's timeline events.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

@@ -334,6 +334,9 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
             // on every step (see `retain_freed_memory`).
             None => crate::memory::retain_freed_memory(),
         }
+        // Candle's CPU thread pool, made before the baseline is read rather than by the first
+        // step's first convolution, so that no step holds its records and threads.
+        candle_core::utils::barrier_pool();
     } else {
         // The CUDA kernels rarely meet a GPU in testing: each is compared with the CPU's once,
         // in milliseconds, before anything trains on it (and before the probe's baseline).

@@ -10,7 +10,7 @@ use crate::data::IMAGE_BYTES;
 use memtrain_core::error::Result;
 use crate::step::micro::MicroResult;
 use crate::step::ops::{ConvWeights, HeadResult, StepOps};
-use crate::step::tape::{LeanStep, StepEvent, StepObserver};
+use crate::step::tape::{LeanStep, StepEvent, StepObserver, SAVED_RECORD_BYTES};
 use candle_core::DType;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -658,11 +658,6 @@ pub(super) fn pushed_bytes<T>(len: usize) -> u64 {
     (pushed_capacity(len, std::mem::size_of::<T>()) * std::mem::size_of::<T>()) as u64
 }
 
-/// Bytes of one block's record in the training tape's vector of saved records
-/// (`Saved<CandleOps>` in `core/src/step/tape.rs`, private there: the kept conv output and the
-/// BatchNorm parameters).
-const TAPE_RECORD_BYTES: usize = 64;
-
 /// The training tape's own vectors on the CPU heap (`core/src/step/tape.rs`), which the sizing's
 /// tape holds with other element sizes: the segments and the blocks' parameter offsets of
 /// `LeanStep::new`, the segments' copy each pass iterates, the held segment inputs and the saved
@@ -687,7 +682,7 @@ impl TapeHost {
 
     /// The saved records' vector for `records` records: the bytes it grows by.
     fn grow_saved(&mut self, records: usize) -> u64 {
-        let bytes = (pushed_capacity(records, TAPE_RECORD_BYTES) * TAPE_RECORD_BYTES) as u64;
+        let bytes = (pushed_capacity(records, SAVED_RECORD_BYTES) * SAVED_RECORD_BYTES) as u64;
         let grown = bytes.saturating_sub(self.saved);
         self.saved = self.saved.max(bytes);
         grown

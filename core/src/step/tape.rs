@@ -78,6 +78,10 @@ struct Saved<O: StepOps> {
     bn: O::Bn,
 }
 
+/// Bytes of one block's record in the tape's vector of saved records when the step runs on Candle
+/// tensors: the estimate sizes that vector's growth with it.
+pub const SAVED_RECORD_BYTES: usize = std::mem::size_of::<Saved<super::ops::CandleOps<'static>>>();
+
 /// The activations the step holds for its backward: the inputs of the segments not yet
 /// backpropagated, and the saved records of the blocks whose backward is still to run. The
 /// events' `saved_bytes` are its bytes, so the count is what is held, never a tally kept beside it.

@@ -16,8 +16,9 @@
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use memtrain::memory::format_bytes;
-use memtrain::predict::schedule::{format_flops, limit_for, SAFETY_MARGIN};
-use memtrain::predict::{all_schedules, limit_for_heap, DeviceKind};
+use memtrain::predict::checkpointing::format_flops;
+use memtrain::predict::margin::{limit_for, SAFETY_MARGIN};
+use memtrain::predict::{all_segmentations, limit_for_heap, DeviceKind};
 use memtrain::sweep::budget_chart::{write_budget_chart, BudgetPoint};
 use std::path::{Path, PathBuf};
 
@@ -67,7 +68,7 @@ fn limits(points: usize, flags: &[String]) -> anyhow::Result<()> {
     }
     let cfg = memtrain::cli::flags_config(flags)?;
     let mut peaks = Vec::new();
-    for c in all_schedules(&cfg)? {
+    for c in all_segmentations(&cfg)? {
         eprintln!(
             "{:>16}: predicted peak {:>10}, recomputes {}",
             c.checkpointing.to_string(),

@@ -648,3 +648,14 @@ impl TrainConfig {
         s
     }
 }
+
+/// Consecutive steps trained with one `--compress-activations` setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StorageSpan {
+    /// The first step (from 1, as in batches.csv).
+    pub first_step: usize,
+    /// The last step.
+    pub last_step: usize,
+    /// The setting.
+    pub compress_activations: ActivationStorage,
+}

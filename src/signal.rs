@@ -23,8 +23,11 @@ pub(crate) const INTERRUPTED_EXIT_CODE: i32 = 130;
 /// immediately with [`INTERRUPTED_EXIT_CODE`]. Call it once per process.
 pub fn install_stop_handler() -> Result<Arc<AtomicBool>> {
     let flag = Arc::new(AtomicBool::new(false));
-    let failed =
-        |e: std::io::Error| Error::Core(CoreError::Device(format!("cannot install the Ctrl-C handler: {e}")));
+    let failed = |e: std::io::Error| {
+        Error::Core(CoreError::Device(format!(
+            "cannot install the Ctrl-C handler: {e}"
+        )))
+    };
     for sig in [SIGINT, SIGTERM] {
         // Registered before the flag setter, so it sees the flag as the *previous* signal left
         // it: the first signal passes through, the second exits. Both run inside the handler,

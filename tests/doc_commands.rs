@@ -177,7 +177,9 @@ fn shell_words(line: &str) -> Result<Vec<String>, String> {
                 .get_or_insert_with(String::new)
                 .push(chars.next().ok_or("trailing \\")?),
             '|' | '>' | '<' | ';' | '&' | '$' | '`' | '*' => {
-                return Err(format!("`{c}` needs a shell; a shown command runs without one"))
+                return Err(format!(
+                    "`{c}` needs a shell; a shown command runs without one"
+                ))
             }
             c => word.get_or_insert_with(String::new).push(c),
         }
@@ -191,7 +193,11 @@ fn program(words: &[String]) -> Result<(Vec<(String, String)>, String, Vec<Strin
     let mut rest = words;
     let mut env = Vec::new();
     while let Some((k, v)) = rest.first().and_then(|w| w.split_once('=')) {
-        if k.is_empty() || !k.chars().all(|c| c.is_ascii_uppercase() || c == '_' || c.is_ascii_digit()) {
+        if k.is_empty()
+            || !k
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c == '_' || c.is_ascii_digit())
+        {
             break;
         }
         env.push((k.to_string(), v.to_string()));
@@ -245,9 +251,7 @@ fn output_matches(shown: &[String], lines: &[String]) -> bool {
             (0..=lines.len()).any(|skip| output_matches(rest, &lines[skip..]))
         }
         Some((first, rest)) => {
-            lines
-                .first()
-                .is_some_and(|line| line_matches(first, line))
+            lines.first().is_some_and(|line| line_matches(first, line))
                 && output_matches(rest, &lines[1..])
         }
     }
@@ -324,7 +328,10 @@ fn check(shown: &Shown, bins: &mut BTreeMap<String, PathBuf>, n: usize) -> Optio
             let _ = child.kill();
             let _ = child.wait();
             let _ = std::fs::remove_dir_all(&base);
-            return Some(format!("{}: `{}` ran past {TIMEOUT:?}", shown.at, shown.command));
+            return Some(format!(
+                "{}: `{}` ran past {TIMEOUT:?}",
+                shown.at, shown.command
+            ));
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -408,7 +415,10 @@ fn console_blocks_are_read() {
     assert_eq!(found.len(), 2);
     assert_eq!(found[0].at, "p.md:3");
     assert_eq!(found[0].command, "train_cifar10 --dry-run --width 8");
-    assert_eq!(found[0].words, ["train_cifar10", "--dry-run", "--width", "8"]);
+    assert_eq!(
+        found[0].words,
+        ["train_cifar10", "--dry-run", "--width", "8"]
+    );
     assert_eq!(found[0].output, ["line one", "..."]);
     assert_eq!(found[0].status, 2);
     assert_eq!(found[1].words, ["compare", "--run", "a: --precision f16"]);
@@ -424,9 +434,18 @@ fn commands_name_an_example() {
         "MEMTRAIN_SUMMARY_ONLY=1 cargo run --release --example batch_sweep -- --find-max",
     ))
     .unwrap();
-    assert_eq!(env, [("MEMTRAIN_SUMMARY_ONLY".to_string(), "1".to_string())]);
-    assert_eq!((name.as_str(), args), ("batch_sweep", vec!["--find-max".to_string()]));
-    assert_eq!(program(&words("train_cifar10 --dry-run")).unwrap().1, "train_cifar10");
+    assert_eq!(
+        env,
+        [("MEMTRAIN_SUMMARY_ONLY".to_string(), "1".to_string())]
+    );
+    assert_eq!(
+        (name.as_str(), args),
+        ("batch_sweep", vec!["--find-max".to_string()])
+    );
+    assert_eq!(
+        program(&words("train_cifar10 --dry-run")).unwrap().1,
+        "train_cifar10"
+    );
     assert!(program(&words("python -c x")).is_err());
     assert!(program(&words("cargo run --release --example compare --run a")).is_err());
     assert!(shell_words("train_cifar10 > out").is_err());
@@ -435,7 +454,10 @@ fn commands_name_an_example() {
 #[test]
 fn wildcards_match_what_they_stand_for() {
     let lines = |s: &str| s.lines().map(String::from).collect::<Vec<_>>();
-    assert!(line_matches("run dir runs/[..]-[..]", "run dir runs/20261127-1200-42"));
+    assert!(line_matches(
+        "run dir runs/[..]-[..]",
+        "run dir runs/20261127-1200-42"
+    ));
     assert!(line_matches("[..] img/s", "1000.1 img/s"));
     assert!(!line_matches("[..] img/s", "1000.1 img/s!"));
     assert!(!line_matches("peak 86.15 MiB", "peak 86.16 MiB"));

@@ -15,7 +15,7 @@ use memtrain::config::{
 };
 use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::CountingAllocator;
-use memtrain::predict::schedule::MARGIN_FLOOR_BYTES;
+use memtrain::predict::margin::MARGIN_FLOOR_BYTES;
 use memtrain::predict::HOST_BOOKKEEPING_BYTES;
 use memtrain::train::{Trainer, TrainerOptions};
 

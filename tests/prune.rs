@@ -646,7 +646,10 @@ fn a_model_file_that_cannot_be_written_is_an_io_error() {
     let t = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
     let err = save_sparse(&path, &[("head.weight".to_string(), t)]).unwrap_err();
     assert!(
-        matches!(err, memtrain::Error::Core(memtrain::error::CoreError::Io { .. })),
+        matches!(
+            err,
+            memtrain::Error::Core(memtrain::error::CoreError::Io { .. })
+        ),
         "{err:?} should be an I/O error"
     );
     assert_eq!(err.exit_code(), 1, "{err}");

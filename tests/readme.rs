@@ -75,9 +75,10 @@ fn help_flags(help: &str) -> Vec<String> {
     help.lines()
         .filter_map(|l| {
             let l = l.trim_start();
-            let l = l.strip_prefix("-").filter(|r| !r.starts_with('-')).map_or(l, |r| {
-                r.split_once(", ").map_or(r, |(_, rest)| rest)
-            });
+            let l = l
+                .strip_prefix("-")
+                .filter(|r| !r.starts_with('-'))
+                .map_or(l, |r| r.split_once(", ").map_or(r, |(_, rest)| rest));
             let rest = l.strip_prefix("--")?;
             let end = rest
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
@@ -98,8 +99,7 @@ fn sweep_flags_are_on_their_page() {
     let named = |flag: &str| {
         let code = format!("`--{flag}");
         page.match_indices(&code).any(|(at, _)| {
-            !page[at + code.len()..]
-                .starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-')
+            !page[at + code.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-')
         })
     };
     for example in ["batch_sweep", "compare"] {

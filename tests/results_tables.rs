@@ -29,7 +29,9 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// that is not measured.
 fn cell(header: &str, csv: &CsvTable, row: usize) -> Option<String> {
     let num = |col: &str| -> f64 {
-        let v = csv.get(row, col).unwrap_or_else(|| panic!("the CSV has no {col}"));
+        let v = csv
+            .get(row, col)
+            .unwrap_or_else(|| panic!("the CSV has no {col}"));
         v.parse()
             .unwrap_or_else(|_| panic!("row {row} of the CSV: {col} = {v:?} is not a number"))
     };
@@ -110,9 +112,18 @@ fn regenerated(page: &str, lines: &[&str], marked: &Marked) -> Vec<String> {
         csv.rows.len()
     );
     let mut out = Vec::new();
-    for (row, line) in marked.rows.clone().map(|i| (i - marked.rows.start, lines[i])) {
+    for (row, line) in marked
+        .rows
+        .clone()
+        .map(|i| (i - marked.rows.start, lines[i]))
+    {
         let mut shown = cells(line);
-        assert_eq!(shown.len(), headers.len(), "{page}:{}: cells", marked.rows.start + row + 1);
+        assert_eq!(
+            shown.len(),
+            headers.len(),
+            "{page}:{}: cells",
+            marked.rows.start + row + 1
+        );
         let label = &shown[0];
         let flags = csv.get(row, "flags").unwrap_or_default();
         for flag in label.split('`').skip(1).step_by(2) {
@@ -215,7 +226,9 @@ fn pages_show_their_scripts_commands() {
             let close = (0..marked.header)
                 .rev()
                 .find(|&i| lines[i].starts_with("```"))
-                .unwrap_or_else(|| panic!("{page}: no command above the table from {}", marked.csv));
+                .unwrap_or_else(|| {
+                    panic!("{page}: no command above the table from {}", marked.csv)
+                });
             let open = (0..close)
                 .rev()
                 .find(|&i| lines[i].starts_with("```"))

@@ -132,7 +132,7 @@ fn auto_checkpointing_follows_the_estimate() {
     // The estimate of `auto` is the estimate of what it picks.
     assert_eq!(estimate_with(&cfg, dev, base).unwrap().peak, peak(smallest));
     // Under a limit every segmentation fits, with the margin: the cheapest (no recomputation).
-    use memtrain::predict::schedule::{limit_for, usable_bytes, SAFETY_MARGIN};
+    use memtrain::predict::margin::{limit_for, usable_bytes, SAFETY_MARGIN};
     let all: Vec<u64> = GradCheckpointing::all_segmentations()
         .into_iter()
         .map(peak)

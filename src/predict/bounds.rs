@@ -138,7 +138,7 @@ fn refuse_predicted_overrun(
         return Ok(());
     }
     // A predicted overrun within the estimate's margin may still fit.
-    let margin = crate::predict::schedule::SAFETY_MARGIN;
+    let margin = crate::predict::margin::SAFETY_MARGIN;
     let close = resident as f64 <= limit as f64 * (1.0 + margin);
     let what = match est.run_peak_phase() {
         "evaluation" => format!(

@@ -1,20 +1,19 @@
 //! `--checkpoint auto` for a run: the segmentation the trainer runs and its error when none fits
 //! ([`choose_checkpointing`]), the check before anything is loaded, every segmentation's
-//! prediction for a budget sweep ([`all_schedules`]) and the smaller one to advise after running
-//! out of memory. Built on the estimate of each candidate ([`schedule_candidates`]) and the
-//! pure choice among them ([`super::schedule::pick`]).
+//! prediction for a budget sweep ([`all_segmentations`]) and the smaller one to advise after running
+//! out of memory. Built on the estimate of each candidate ([`segmentation_candidates`]) and the
+//! pure choice among them ([`super::checkpointing::pick`]).
 
 use super::baseline::{Baseline, DataSize};
-use super::estimate::{estimate_for_specs, model_layer_specs, schedule_candidates};
-use super::schedule::{
-    heap_limit, limit_for_heap, nothing_fits, pick, Candidate, ScheduleChoice, SAFETY_MARGIN,
-};
+use super::checkpointing::{nothing_fits, pick, Candidate, CheckpointChoice};
+use super::estimate::{estimate_for_specs, model_layer_specs, segmentation_candidates};
+use super::margin::{heap_limit, limit_for_heap, SAFETY_MARGIN};
 use super::sim::DeviceKind;
 use crate::config::{GradCheckpointing, TrainConfig};
 use crate::error::Result;
 use crate::model::LayerSpec;
 
-/// What `--checkpoint auto` runs for `cfg` ([`super::schedule::pick`]): without a limit the smallest
+/// What `--checkpoint auto` runs for `cfg` ([`super::checkpointing::pick`]): without a limit the smallest
 /// predicted peak of none, stages and blocks; under `--memory-limit` the least recomputation of
 /// every segmentation whose predicted peak fits with [`SAFETY_MARGIN`] kept free.
 ///
@@ -26,14 +25,14 @@ pub fn choose_checkpointing(
     specs: &[LayerSpec],
     device: DeviceKind,
     baseline: Baseline,
-) -> Result<ScheduleChoice> {
-    let candidates = schedule_candidates(cfg, specs, device, baseline)?;
+) -> Result<CheckpointChoice> {
+    let candidates = segmentation_candidates(cfg, specs, device, baseline)?;
     match pick(
         &candidates,
         heap_limit(cfg.memory_limit, device),
         SAFETY_MARGIN,
     ) {
-        Some(i) => Ok(ScheduleChoice {
+        Some(i) => Ok(CheckpointChoice {
             chosen: candidates[i],
             limit: heap_limit(cfg.memory_limit, device),
             margin: SAFETY_MARGIN,
@@ -70,7 +69,7 @@ pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
 ///
 /// # Errors
 /// As [`estimate_for_specs`], or when the device or the data directory is not usable.
-pub fn all_schedules(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
+pub fn all_segmentations(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
     let specs = model_layer_specs(cfg.width, cfg.conv);
     let device = DeviceKind::for_spec(cfg.device.as_deref())?;
     let data = DataSize::for_config(cfg)?;
@@ -78,7 +77,7 @@ pub fn all_schedules(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
         memory_limit: Some(cfg.memory_limit.unwrap_or(u64::MAX / 2)),
         ..cfg.clone()
     };
-    schedule_candidates(&all, &specs, device, Baseline::Modeled(data))
+    segmentation_candidates(&all, &specs, device, Baseline::Modeled(data))
 }
 
 /// The segmentation to advise a run of `cfg` whose step ran out of memory: under
@@ -97,12 +96,12 @@ pub(crate) fn smaller_schedule(
         .run_peak();
     let mut all = cfg.clone();
     all.memory_limit = Some(cfg.memory_limit.unwrap_or(u64::MAX / 2));
-    let candidates = schedule_candidates(&all, specs, device, baseline).ok()?;
+    let candidates = segmentation_candidates(&all, specs, device, baseline).ok()?;
     let smaller = |c: &&Candidate| c.predicted_peak < current;
     let limit = heap_limit(cfg.memory_limit, device);
     // Under a limit, only a schedule predicted to fit it is advice.
     let fits = |c: &&Candidate| {
-        limit.is_none_or(|l| c.predicted_peak <= super::schedule::usable_bytes(l, SAFETY_MARGIN))
+        limit.is_none_or(|l| c.predicted_peak <= super::margin::usable_bytes(l, SAFETY_MARGIN))
     };
     let chosen = pick(&candidates, limit, SAFETY_MARGIN)
         .map(|i| &candidates[i])

@@ -36,7 +36,8 @@
 
 use super::baseline::RUNTIME_OVERHEAD_BYTES;
 pub use super::baseline::{Baseline, DataSize};
-use super::schedule::{heap_limit, pick, recompute_flops, Candidate, SAFETY_MARGIN};
+use super::checkpointing::{pick, recompute_flops, Candidate};
+use super::margin::{heap_limit, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
 pub use super::sizing::EventPrediction;
@@ -328,7 +329,7 @@ pub fn estimate_with(
 ///
 /// # Errors
 /// As [`estimate_for_specs`].
-pub fn schedule_candidates(
+pub fn segmentation_candidates(
     cfg: &TrainConfig,
     specs: &[LayerSpec],
     device: DeviceKind,
@@ -364,7 +365,7 @@ pub fn resolve_checkpointing(
     device: DeviceKind,
     baseline: Baseline,
 ) -> Result<GradCheckpointing> {
-    let candidates = schedule_candidates(cfg, specs, device, baseline)?;
+    let candidates = segmentation_candidates(cfg, specs, device, baseline)?;
     let i = pick(
         &candidates,
         heap_limit(cfg.memory_limit, device),
@@ -811,7 +812,7 @@ fn after_first_step_bytes(cfg: &TrainConfig) -> u64 {
     let in_flight = cfg.prefetch_batches(false) + 1;
     pushed_bytes::<Vec<f32>>(in_flight)
         + pushed_bytes::<(usize, f64)>(1)
-        + pushed_bytes::<crate::train::history::StorageSpan>(1)
+        + pushed_bytes::<crate::config::StorageSpan>(1)
 }
 
 /// The optimizer phase: the accumulated f32 gradients are alive and the update runs one parameter

@@ -1,18 +1,20 @@
 //! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: runs the step's own
 //! tape on sizes, `sizing.rs`, each op's scratch from `scratch.rs`, the bytes in use in
 //! `sim.rs`), the planner that picks a
-//! configuration for a budget ([`plan`]), gradient checkpointing's schedules and `--checkpoint
-//! auto`'s choice ([`schedule`]; for a run, `choose.rs`), what a measurement holds besides the
+//! configuration for a budget ([`plan`]) and the error margin every plan keeps ([`margin`]),
+//! gradient checkpointing's segmentations and `--checkpoint auto`'s choice ([`checkpointing`];
+//! for a run, `choose.rs`), what a measurement holds besides the
 //! step (`baseline.rs`: [`DataSize`], [`Baseline`]), what each optimization would save
 //! ([`what_if()`]), and the check that sizes every input against the budgets before anything is
 //! loaded or built ([`bounds`]).
 
 mod baseline;
 pub mod bounds;
+pub mod checkpointing;
 mod choose;
 pub mod estimate;
+pub mod margin;
 pub mod plan;
-pub mod schedule;
 mod scratch;
 mod sim;
 mod sizing;
@@ -21,7 +23,7 @@ pub mod what_if;
 pub(crate) use baseline::RUNTIME_OVERHEAD_BYTES;
 pub use choose::*;
 pub use estimate::*;
-pub use schedule::{heap_limit, limit_for_heap};
+pub use margin::{heap_limit, limit_for_heap};
 pub use sizing::{
     tensor_descriptor_bytes, EventPrediction, Strides, HOST_BOOKKEEPING_BYTES, STORAGE_RECORD_BYTES,
 };

@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 
 /// Fraction of the budget kept free: a plan must predict at most `(1 - SAFETY_MARGIN) × budget`
 /// (the same margin as `--checkpoint auto`'s; its measured basis is given there).
-pub use super::schedule::SAFETY_MARGIN;
+pub use super::margin::SAFETY_MARGIN;
 
 /// Relative cost of the options: time per image of a plan, relative to f32 / standard conv / no
 /// checkpointing at a micro-batch in the efficient range, is
@@ -483,7 +483,7 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             "--effective-batch must be between 1 and {MAX_BATCH_SIZE}, got {effective}"
         )));
     }
-    let usable = super::schedule::usable_bytes(budget, opts.margin);
+    let usable = super::margin::usable_bytes(budget, opts.margin);
     let mut all = candidates(cfg, effective, opts)?;
     let considered = all.len();
     // Fastest first; at equal speed the larger micro-batch (BatchNorm statistics over more
@@ -598,7 +598,7 @@ fn too_small(
             opts.fixed.describe()
         ));
     };
-    let needed = super::schedule::limit_for(smallest.predicted_peak, opts.margin);
+    let needed = super::margin::limit_for(smallest.predicted_peak, opts.margin);
     let hint = if opts.fixed == Fixed::default() {
         match other_model_hint(cfg, opts, needed) {
             Ok(h) => h,
@@ -659,7 +659,7 @@ pub fn smallest_feasible_budget(cfg: &TrainConfig, opts: &PlanOptions) -> Result
     match plan(cfg, u64::MAX / 2, opts) {
         Ok(r) => {
             let min = r.plans.iter().map(|p| p.predicted_peak).min().unwrap_or(0);
-            Ok(super::schedule::limit_for(min, opts.margin))
+            Ok(super::margin::limit_for(min, opts.margin))
         }
         Err(e) => Err(e),
     }

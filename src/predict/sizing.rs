@@ -7,11 +7,11 @@ use super::scratch::*;
 use super::sim::*;
 use crate::config::ActivationStorage;
 use crate::data::IMAGE_BYTES;
-use memtrain_core::error::Result;
 use crate::step::micro::MicroResult;
 use crate::step::ops::{ConvWeights, HeadResult, StepOps};
 use crate::step::tape::{LeanStep, StepEvent, StepObserver, SAVED_RECORD_BYTES};
 use candle_core::DType;
+use memtrain_core::error::Result;
 use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
@@ -47,7 +47,7 @@ pub fn tensor_descriptor_bytes(rank: usize, strides: Strides) -> u64 {
 /// the conv kernels' weight gradient beside its scratch, and the handles of the int8 codes beyond
 /// their tensors. `tests/estimate_grid.rs` measures at most 2 KB below the step peak over its grid
 /// (batch 1 to 512) and holds every configuration to this;
-/// [`super::schedule::MARGIN_FLOOR_BYTES`] keeps four times as much free.
+/// [`super::margin::MARGIN_FLOOR_BYTES`] keeps four times as much free.
 pub const HOST_BOOKKEEPING_BYTES: u64 = 8 << 10;
 
 /// Heap bytes of a buffer's storage record (the shared, locked `CpuStorage`) besides its elements.

@@ -104,19 +104,9 @@ pub struct RunHistory {
     /// on `--resume`, and one lossy step makes the run lossy. Empty in snapshots written before
     /// this was recorded.
     #[serde(default)]
-    pub activation_storage: Vec<StorageSpan>,
+    pub activation_storage: Vec<crate::config::StorageSpan>,
 }
 
-/// Consecutive steps trained with one `--compress-activations` setting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StorageSpan {
-    /// The first step (from 1, as in batches.csv).
-    pub first_step: usize,
-    /// The last step.
-    pub last_step: usize,
-    /// The setting.
-    pub compress_activations: crate::config::ActivationStorage,
-}
 
 impl RunHistory {
     /// Step `step` (from 1) trained with `storage`.
@@ -125,7 +115,7 @@ impl RunHistory {
             Some(s) if s.compress_activations == storage && s.last_step + 1 == step => {
                 s.last_step = step;
             }
-            _ => self.activation_storage.push(StorageSpan {
+            _ => self.activation_storage.push(crate::config::StorageSpan {
                 first_step: step,
                 last_step: step,
                 compress_activations: storage,

@@ -24,7 +24,13 @@ use std::time::Instant;
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
 /// must stay within the limit.
 fn check_budget(probe: &dyn MemoryProbe, epoch: usize, batch: usize, phase: Phase) -> Result<()> {
-    Ok(over_budget(probe, probe.peak(), epoch, batch, phase.to_string())?)
+    Ok(over_budget(
+        probe,
+        probe.peak(),
+        epoch,
+        batch,
+        phase.to_string(),
+    )?)
 }
 
 /// The out-of-memory error when `peak` (the probe's count over a phase or a layer event) is over
@@ -139,16 +145,18 @@ impl StepInfo {
     fn name_oom<E: Into<Error>>(&self, limit: Option<u64>, phase: Phase) -> impl Fn(E) -> Error {
         let (epoch, batch) = (self.epoch, self.batch);
         move |e| match e.into() {
-            Error::Core(CoreError::Candle(ce)) if is_device_oom(&ce) => Error::Core(CoreError::OutOfMemory {
-                limit: limit
-                    .map(format_bytes)
-                    .unwrap_or_else(|| "device memory".into()),
-                epoch,
-                batch,
-                phase: phase.to_string(),
-                advice: String::new(),
-                snapshot: None,
-            }),
+            Error::Core(CoreError::Candle(ce)) if is_device_oom(&ce) => {
+                Error::Core(CoreError::OutOfMemory {
+                    limit: limit
+                        .map(format_bytes)
+                        .unwrap_or_else(|| "device memory".into()),
+                    epoch,
+                    batch,
+                    phase: phase.to_string(),
+                    advice: String::new(),
+                    snapshot: None,
+                })
+            }
             other => other,
         }
     }
@@ -188,7 +196,13 @@ struct TimelineRecorder<'a> {
 
 impl TimelineRecorder<'_> {
     /// Record an event with the probe's reading; the budget is checked against its peak.
-    fn record(&mut self, phase: Phase, layer: &str, saved: u64, grads: u64) -> Result<(), CoreError> {
+    fn record(
+        &mut self,
+        phase: Phase,
+        layer: &str,
+        saved: u64,
+        grads: u64,
+    ) -> Result<(), CoreError> {
         crate::memory::trace::mark();
         let peak = self.probe.take_event_peak();
         let current = self.probe.current();

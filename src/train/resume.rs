@@ -216,7 +216,7 @@ impl Trainer {
             // A snapshot from before the record: its steps ran with its own setting.
             self.history
                 .activation_storage
-                .push(super::history::StorageSpan {
+                .push(crate::config::StorageSpan {
                     first_step: 1,
                     last_step: self.global_step,
                     compress_activations: config.compress_activations,

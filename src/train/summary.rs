@@ -74,7 +74,7 @@ pub struct Summary {
     #[serde(default)]
     pub checkpoint_segments: Vec<[usize; 2]>,
     /// FLOPs the backward recomputes per optimizer step (the convolutions of every segment but
-    /// the last; `crate::predict::schedule::recompute_flops`).
+    /// the last; `crate::predict::checkpointing::recompute_flops`).
     #[serde(default)]
     pub recompute_flops: u64,
     /// True when the run's gradients are not the exact step's: `--compress-activations int8`
@@ -85,7 +85,7 @@ pub struct Summary {
     /// How each span of steps kept the conv outputs (`--compress-activations` may change on
     /// `--resume`).
     #[serde(default)]
-    pub activation_storage: Vec<super::history::StorageSpan>,
+    pub activation_storage: Vec<crate::config::StorageSpan>,
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
     /// Predicted peak bytes of the evaluation after an epoch (the tape's eval-mode forward on
@@ -195,7 +195,7 @@ impl Trainer {
                 .iter()
                 .map(|r| [r.start, r.end])
                 .collect(),
-            recompute_flops: crate::predict::schedule::recompute_flops(
+            recompute_flops: crate::predict::checkpointing::recompute_flops(
                 &self.model.layer_specs(),
                 self.segmentation,
                 self.config.batch_size,

@@ -356,7 +356,7 @@ fn resolve_checkpointing(
     progress: bool,
 ) -> Result<Segmentation> {
     use crate::config::{GradCheckpointing, CNN_BLOCKS};
-    use crate::predict::schedule::{format_flops, format_segments, recompute_flops};
+    use crate::predict::checkpointing::{format_flops, format_segments, recompute_flops};
     use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
     let specs = crate::model::cnn::layer_specs_for(config.width, config.conv);
     if config.grad_checkpointing == GradCheckpointing::Auto {

@@ -1,61 +1,23 @@
-//! Gradient checkpointing's schedules: what a segmentation recomputes, and which one
-//! `--checkpoint auto` runs.
+//! Gradient checkpointing: what a segmentation recomputes, and which one `--checkpoint auto`
+//! runs.
 //!
 //! A segmentation cuts the chain of blocks into segments ([`crate::model::cnn::segments`]); every
 //! segment but the last keeps only its input in the forward and is re-run in the backward, so
 //! the recomputed work is the forward of the blocks before the last boundary. On this uneven
 //! chain (stage 1 holds most of the activation bytes and a small share of the FLOPs) the cheapest
-//! schedule for a budget is often none of the named ones: `segments:2` recomputes only stage 1.
+//! segmentation for a budget is often none of the named ones: `segments:2` recomputes only stage 1.
 //!
 //! With six blocks there are 32 segmentations, so [`pick`] looks at every one (the estimate of
 //! each runs one step's tape on sizes); a longer chain would want dynamic
 //! programming over the boundaries instead. The choice is a pure function of the candidates'
 //! predictions, the limit and the margin, so a test can check it against brute force.
 
-use super::sim::DeviceKind;
+use super::margin::{limit_for, usable_bytes};
 use crate::config::{GradCheckpointing, Segmentation};
 use crate::error::Error;
 use crate::memory::format_bytes;
 use crate::model::LayerSpec;
 use std::ops::Range;
-
-/// Fraction of a memory budget kept free for the estimate's error: a plan or a schedule must
-/// predict at most `(1 - SAFETY_MARGIN) × budget`, and at least [`MARGIN_FLOOR_BYTES`] below it.
-/// The estimate runs the step's own tape on sizes (`sizing.rs`): over the grid of
-/// `tests/estimate_grid.rs` (batch 1 to 512, width 8 to 96, every optimization) it is never above
-/// the measured step peak by more than 0.05% and never below it by more than
-/// [`super::HOST_BOOKKEEPING_BYTES`]; 1% keeps room for what a grid cannot show (a thread schedule
-/// that holds one more scratch at once).
-pub const SAFETY_MARGIN: f64 = 0.01;
-
-/// Bytes a non-zero margin keeps free at least: four times [`super::HOST_BOOKKEEPING_BYTES`],
-/// the host records the estimate does not size (a thread more on a larger machine holds more of
-/// the kernels' bookkeeping).
-pub const MARGIN_FLOOR_BYTES: u64 = 4 * super::HOST_BOOKKEEPING_BYTES;
-
-/// The largest predicted peak that fits `limit` with `margin` kept free (and, for a non-zero
-/// margin, at least [`MARGIN_FLOOR_BYTES`]).
-pub fn usable_bytes(limit: u64, margin: f64) -> u64 {
-    let by_fraction = (limit as f64 * (1.0 - margin)).floor() as u64;
-    if margin > 0.0 {
-        by_fraction.min(limit.saturating_sub(MARGIN_FLOOR_BYTES))
-    } else {
-        by_fraction
-    }
-}
-
-/// The smallest limit that a predicted `peak` fits with `margin` kept free.
-pub fn limit_for(peak: u64, margin: f64) -> u64 {
-    let mut limit = (peak as f64 / (1.0 - margin)).ceil() as u64;
-    if margin > 0.0 {
-        limit = limit.max(peak.saturating_add(MARGIN_FLOOR_BYTES));
-    }
-    // Rounding may leave it one byte short.
-    while usable_bytes(limit, margin) < peak {
-        limit += 1;
-    }
-    limit
-}
 
 /// One segmentation with its prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,7 +32,7 @@ pub struct Candidate {
 
 /// What `--checkpoint auto` chose, and from what.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ScheduleChoice {
+pub struct CheckpointChoice {
     /// The chosen segmentation with its prediction.
     pub chosen: Candidate,
     /// What `--memory-limit` leaves the estimate's peak, when given (on the CPU the heap budget
@@ -82,7 +44,7 @@ pub struct ScheduleChoice {
     pub considered: usize,
 }
 
-impl ScheduleChoice {
+impl CheckpointChoice {
     /// One line for the start of a run: what was chosen, its segments and recomputed FLOPs, why.
     pub fn describe(&self, blocks: usize) -> String {
         let c = &self.chosen;
@@ -219,41 +181,9 @@ pub fn nothing_fits(
     ))
 }
 
-/// What `--memory-limit` leaves the estimate's (heap) peak on `device`: on the CPU, where the
-/// limit is the process's resident memory, the heap budget under it
-/// ([`crate::memory::os::RssReserve`]); on CUDA the pool limit itself.
-pub fn heap_limit(limit: Option<u64>, device: DeviceKind) -> Option<u64> {
-    match device.is_cpu() {
-        true => limit.map(|l| crate::memory::os::RssReserve::of_process().heap_budget(l)),
-        false => limit,
-    }
-}
-
-/// The `--memory-limit` that leaves a heap of `heap` bytes on `device` (see [`heap_limit`]).
-pub fn limit_for_heap(heap: u64, device: DeviceKind) -> u64 {
-    match device.is_cpu() {
-        true => crate::memory::os::RssReserve::of_process().resident(heap),
-        false => heap,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn limit_for_is_the_smallest_limit_a_peak_fits() {
-        for peak in [1u64, 19, 1 << 20, 80_839_100, 95_052_476, u64::MAX >> 12] {
-            for margin in [0.0, 0.05, 0.2] {
-                let l = limit_for(peak, margin);
-                if margin > 0.0 {
-                    assert!(l - peak >= MARGIN_FLOOR_BYTES, "{peak} {margin}: the floor");
-                }
-                assert!(usable_bytes(l, margin) >= peak, "{peak} {margin}");
-                assert!(usable_bytes(l - 1, margin) < peak, "{peak} {margin}");
-            }
-        }
-    }
 
     #[test]
     fn pick_prefers_less_recomputation_then_the_smaller_peak() {

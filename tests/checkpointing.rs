@@ -1,4 +1,4 @@
-//! Gradient checkpointing's schedules (`memtrain::predict::schedule`): every segmentation parses,
+//! Gradient checkpointing's segmentations (`memtrain::predict::checkpointing`): every segmentation parses,
 //! runs and is counted; `--checkpoint auto --memory-limit` picks what brute force over all 32
 //! picks, keeps the estimate's error margin, says so when nothing fits, and runs under its limit;
 //! the out-of-memory advice names only schedules predicted to be smaller.
@@ -8,7 +8,7 @@
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig, CNN_BLOCKS};
 use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::{format_bytes, CountingAllocator};
-use memtrain::predict::schedule::{limit_for, usable_bytes, SAFETY_MARGIN};
+use memtrain::predict::margin::{limit_for, usable_bytes, SAFETY_MARGIN};
 use memtrain::predict::{
     choose_checkpointing, estimate_with, heap_limit, limit_for_heap, model_layer_specs, Baseline,
     DataSize, DeviceKind,
@@ -145,7 +145,7 @@ fn every_segmentation_parses_prints_and_cuts_the_blocks() {
         let specs = model_layer_specs(cfg.width, cfg.conv);
         for (mask, ck) in all.iter().enumerate() {
             assert_eq!(
-                memtrain::predict::schedule::recompute_flops(
+                memtrain::predict::checkpointing::recompute_flops(
                     &specs,
                     ck.resolved().unwrap(),
                     cfg.batch_size

@@ -44,7 +44,8 @@ struct Row {
     cosine: f64,
 }
 
-/// One row per parameter: the error of gradients `got` against `reference`, printed.
+/// One row per parameter, and a last one (`all`) for every parameter's gradient as one vector:
+/// the error of gradients `got` against `reference`, printed.
 fn compare(
     what: &str,
     names: &[String],
@@ -66,6 +67,26 @@ fn compare(
             cosine: cos,
         });
     }
+    let flat = |g: &[Option<Tensor>]| -> anyhow::Result<Tensor> {
+        let parts = g
+            .iter()
+            .map(|t| {
+                Ok(t.as_ref()
+                    .context("no gradient")?
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    };
+    let (rel, cos) = error(&flat(got)?, &flat(reference)?)?;
+    println!("| {what} | all | {rel:.4} | {cos:.5} |");
+    rows.push(Row {
+        compared: what.to_string(),
+        parameter: "all".into(),
+        relative_l2: rel,
+        cosine: cos,
+    });
     Ok(rows)
 }
 

@@ -38,12 +38,12 @@ fn grads(cfg: TrainConfig, n: usize, seed: u64) -> Vec<candle_core::Tensor> {
 
 /// The bounds of `storage`'s gradients on this tiny net (width 8, batch 32), per parameter and
 /// over all parameters together: the largest relative L2 error and the smallest cosine. Worst
-/// measured over every configuration (parameter; all): int8 0.57, 0.857 (a pooled block's β);
-/// 0.091, 0.9959; int4 2.58, −0.58; 0.29, 0.956; int2 2.72, −0.52; 0.58, 0.835. On the real data at width 32 after 100 steps:
-/// docs/results/codes-error.json. Fewer bits move the gradient further, and at two bits some
-/// single parameters' gradients (BatchNorm shifts, small sums of large terms of both signs) keep
-/// little of their direction, so int4 and int2 are bounded over the whole gradient; a wrong
-/// range, code or packing would point it elsewhere.
+/// measured over every configuration (per parameter; all): int8 0.57, 0.857 (a pooled block's
+/// β); 0.091, 0.9959. int4 2.58, −0.58; 0.29, 0.956. int2 2.72, −0.52; 0.58, 0.835. On the real
+/// data at width 32 after 100 steps: docs/results/codes-error.json. Fewer bits move the gradient
+/// further, and below eight bits some single parameters' gradients (BatchNorm shifts, small sums
+/// of large terms of both signs) keep little of their direction, so int4 and int2 are bounded
+/// over the whole gradient; a wrong range, code or packing would point it elsewhere.
 fn bounds(storage: ActivationStorage) -> Bounds {
     match storage {
         ActivationStorage::Int8 => Bounds {
@@ -58,10 +58,7 @@ fn bounds(storage: ActivationStorage) -> Bounds {
             param: None,
             all: (0.8, 0.75),
         },
-        ActivationStorage::None => Bounds {
-            param: Some((0.0, 1.0)),
-            all: (0.0, 1.0),
-        },
+        ActivationStorage::None => unreachable!("the exact step is the reference"),
     }
 }
 

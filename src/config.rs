@@ -176,7 +176,7 @@ pub struct TrainConfig {
     )]
     #[serde(rename = "checkpoint")]
     pub grad_checkpointing: GradCheckpointing,
-    /// Store each block's saved conv output as one byte per element with a scale and offset per channel, dequantized in the backward (lossy: gradients differ from the exact step's); segment inputs and the images stay exact
+    /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats). Segment inputs and the images stay exact
     #[arg(long, value_enum, value_name = "HOW", default_value_t = ActivationStorage::None)]
     pub compress_activations: ActivationStorage,
     /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
@@ -544,6 +544,18 @@ impl TrainConfig {
             return Err(Error::config(
                 "--cuda-graph cannot be combined with --memory-limit: a captured step allocates from CUDA's graph memory, which the limit's pool does not bound; drop one of them",
             ));
+        }
+        if self
+            .compress_activations
+            .width()
+            .is_some_and(|w| w.per_plane())
+        {
+            // Their codes are made on the host from values read back, which a captured stream
+            // cannot do; a replayed graph would also repeat one step's rounding noise.
+            return Err(Error::config(format!(
+                "--cuda-graph cannot be combined with --compress-activations {}: its stochastic rounding is drawn on the host every step, which a captured step cannot do; use int8 or drop --cuda-graph",
+                self.compress_activations
+            )));
         }
         if !cfg!(feature = "cuda") {
             return Err(Error::config(

@@ -251,9 +251,10 @@ fn estimate_matches_the_counting_allocator() {
     );
     accum.accum_steps = 2;
     cases.push(accum);
-    // int8 saved activations (codes and ranges in the forward, a decoding per backward), alone,
-    // with checkpointing and separable convolutions, in f32 and f16 (bf16 after the f32 cases
-    // would find the gemm buffers they left, see above).
+    // Saved activations as codes (codes and ranges in the forward, a decoding per backward):
+    // int8 alone, with checkpointing and separable convolutions, in f32 and f16 (bf16 after the
+    // f32 cases would find the gemm buffers they left, see above); int4 and int2 (codes packed per
+    // plane, a range per plane) alone in f32 and with stage checkpointing in f16.
     for (precision, checkpoint, conv) in [
         (Precision::F32, GradCheckpointing::None, ConvKind::Standard),
         (
@@ -270,6 +271,19 @@ fn estimate_matches_the_counting_allocator() {
         let mut int8 = config(32, precision, checkpoint, conv);
         int8.compress_activations = memtrain::config::ActivationStorage::Int8;
         cases.push(int8);
+    }
+    for storage in [
+        memtrain::config::ActivationStorage::Int4,
+        memtrain::config::ActivationStorage::Int2,
+    ] {
+        for (precision, checkpoint) in [
+            (Precision::F32, GradCheckpointing::None),
+            (Precision::F16, GradCheckpointing::Stages),
+        ] {
+            let mut c = config(32, precision, checkpoint, ConvKind::Standard);
+            c.compress_activations = storage;
+            cases.push(c);
+        }
     }
     // --prefetch: the batches in flight are prefetch + 1.
     for prefetch in [0, 1, 6] {

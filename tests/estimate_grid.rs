@@ -1,6 +1,7 @@
 //! The estimate (the step's own tape run on sizes, `src/predict/sizing.rs`) against the counting
 //! allocator over a grid no other test uses: widths 8–96, batches 1–512, every precision, named
-//! and listed segmentations, accumulation, both conv kinds, int8, AdamW, prefetch depths.
+//! and listed segmentations, accumulation, both conv kinds, int8/int4/int2 codes, AdamW, prefetch
+//! depths.
 //!
 //! The bound: never above the measured step peak by more than 0.05%, and never below it by more
 //! than [`HOST_BOOKKEEPING_BYTES`]: the host records the estimate does not size (the batcher's
@@ -31,7 +32,7 @@ struct Case {
     checkpoint: &'static str,
     accum: usize,
     conv: ConvKind,
-    int8: bool,
+    storage: ActivationStorage,
     adamw: bool,
     prefetch: Option<usize>,
 }
@@ -44,7 +45,7 @@ const fn case(width: usize, batch: usize, precision: Precision, checkpoint: &'st
         checkpoint,
         accum: 1,
         conv: ConvKind::Standard,
-        int8: false,
+        storage: ActivationStorage::None,
         adamw: false,
         prefetch: None,
     }
@@ -70,11 +71,11 @@ fn grid() -> Vec<Case> {
             ..case(32, 128, F32, "none")
         },
         Case {
-            int8: true,
+            storage: ActivationStorage::Int8,
             ..case(32, 128, F32, "none")
         },
         Case {
-            int8: true,
+            storage: ActivationStorage::Int8,
             ..case(32, 128, Bf16, "stages")
         },
         Case {
@@ -96,14 +97,33 @@ fn grid() -> Vec<Case> {
             ..case(48, 64, F16, "segments:4")
         },
         Case {
-            int8: true,
+            storage: ActivationStorage::Int8,
             conv: ConvKind::Separable,
             ..case(16, 32, F32, "blocks")
         },
         Case {
             accum: 4,
-            int8: true,
+            storage: ActivationStorage::Int8,
             ..case(32, 64, F16, "stages")
+        },
+        Case {
+            storage: ActivationStorage::Int4,
+            ..case(32, 128, F32, "none")
+        },
+        Case {
+            storage: ActivationStorage::Int2,
+            ..case(32, 128, Bf16, "stages")
+        },
+        Case {
+            storage: ActivationStorage::Int4,
+            conv: ConvKind::Separable,
+            accum: 2,
+            ..case(16, 32, F16, "blocks")
+        },
+        Case {
+            storage: ActivationStorage::Int2,
+            accum: 3,
+            ..case(24, 96, F32, "segments:1,3")
         },
     ]
 }
@@ -119,11 +139,7 @@ fn config(c: &Case) -> TrainConfig {
             .expect("segmentation"),
         accum_steps: c.accum,
         conv: c.conv,
-        compress_activations: if c.int8 {
-            ActivationStorage::Int8
-        } else {
-            ActivationStorage::None
-        },
+        compress_activations: c.storage,
         optimizer: if c.adamw {
             OptimizerKind::Adamw
         } else {

@@ -478,7 +478,7 @@ fn the_frontier_chart_draws_a_lossy_point_apart_with_its_own_marker_and_legend()
     for want in [
         "int8 (lossy)",
         "bf16+int8 (lossy)",
-        "lossy (int8 saved activations): not the exact step",
+        "lossy (compressed saved activations): not the exact step",
     ] {
         assert!(texts.iter().any(|t| t == want), "no '{want}' in {texts:?}");
     }
@@ -545,7 +545,9 @@ fn compare_tables_say_which_configuration_is_lossy_and_leave_it_off_the_frontier
     assert_eq!(col("frontier"), ["false", "true", "false", "false"]);
     let md = compare_markdown(&r);
     assert!(
-        md.contains("(one of them strictly); lossy points (int8 saved activations) are left out"),
+        md.contains(
+            "(one of them strictly); lossy points (compressed saved activations) are left out"
+        ),
         "{md}"
     );
     let notes: Vec<&str> = md
@@ -559,8 +561,8 @@ fn compare_tables_say_which_configuration_is_lossy_and_leave_it_off_the_frontier
         [
             "",
             "",
-            "lossy: int8 saved activations, not on the frontier",
-            "lossy: int8 saved activations, not on the frontier; out of memory: forward of batch 0 \
+            "lossy: compressed saved activations, not on the frontier",
+            "lossy: compressed saved activations, not on the frontier; out of memory: forward of batch 0 \
              (epoch 0) needed more than the 40.00 MiB limit",
         ],
         "{md}"

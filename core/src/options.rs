@@ -3,6 +3,7 @@
 //! clap and serde spell it, `Display` and `FromStr` round-trip it.
 
 use crate::error::{Error, Result};
+use memtrain_kernels::quantize::Width;
 use serde::{Deserialize, Serialize};
 
 mod checkpointing;
@@ -79,13 +80,30 @@ cli_enum! {
         /// One byte per element with a scale and an offset per channel (lossy: the backward reads
         /// values within half a step of the forward's; [`memtrain_kernels::quantize`]).
         Int8 => "int8",
+        /// Four bits per element with a scale and an offset per plane, stochastic rounding (lossy:
+        /// unbiased, within a step of the forward's values).
+        Int4 => "int4",
+        /// Two bits per element with a scale and an offset per plane, stochastic rounding (lossy:
+        /// unbiased, within a step of the forward's values).
+        Int2 => "int2",
     }
 }
 
 impl ActivationStorage {
     /// Whether the gradients differ from the exact step's.
     pub fn is_lossy(&self) -> bool {
-        *self != ActivationStorage::None
+        self.width().is_some()
+    }
+
+    /// The codes' width, `None` for exact storage: everything about the codes (bits, groups,
+    /// rounding, bytes) follows from it.
+    pub fn width(&self) -> Option<Width> {
+        match self {
+            ActivationStorage::None => None,
+            ActivationStorage::Int8 => Some(Width::Int8),
+            ActivationStorage::Int4 => Some(Width::Int4),
+            ActivationStorage::Int2 => Some(Width::Int2),
+        }
     }
 }
 

@@ -22,9 +22,9 @@
 //!   it), which the convolutions use for bf16 on the CPU; [`bf16_convert`]: bf16 <-> f32 slices.
 //! - [`pool::max_pool2x2`]: 2x2 max-pool whose backward routes each gradient to the window's
 //!   first maximum (Candle 0.11's scales it by the number of tied maxima over four).
-//! - [`quantize::quantize`]: an activation stored as one byte per element with a range per
-//!   channel (lossy; [`quantize::dequantize`] reads it back), for a step that keeps fewer bytes
-//!   for its backward.
+//! - [`quantize::quantize`]: an activation stored as 8-, 4- or 2-bit codes with a range per
+//!   channel or per plane (lossy; [`quantize::dequantize`] reads it back), for a step that keeps
+//!   fewer bytes for its backward.
 //! - [`selfcheck::check_device`]: every pass of the ops above run once on a device and on the
 //!   CPU, compared, so that a wrong CUDA kernel is named before it trains anything.
 //! - [`linear::matmul`]: small products (a classifier head) on the calling thread, so the heap
@@ -82,7 +82,7 @@
 //! batchnorm/         fused BatchNorm (+ ReLU): mod.rs the API and the ops, lean.rs the lean
 //!                    step's passes from h, cpu.rs and cuda.rs their kernels
 //! pool.rs            2x2 max-pool with a correct backward
-//! quantize.rs        8-bit storage of an activation, a range per channel
+//! quantize.rs        8-, 4- and 2-bit storage of an activation, a range per channel or plane
 //! linear.rs          the single-threaded matmul
 //! selfcheck.rs       every pass run once on a device and on the CPU and compared (a run on a GPU
 //!                    does this before its first step)

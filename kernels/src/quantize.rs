@@ -1,92 +1,198 @@
-//! 8-bit storage of an activation with a scale and an offset per channel (lossy).
+//! An activation stored as 8-, 4- or 2-bit codes with a range per group (lossy).
 //!
-//! A training step that keeps a layer's output for its backward can keep a quarter of the bytes
-//! (f32) or half (f16, bf16) by storing each element as a byte: for channel c,
-//! `q = round((x − lo_c) / scale_c)` with `lo_c` the channel's minimum and
-//! `scale_c = (hi_c − lo_c) / 255`, and the backward reads `x̃ = lo_c + q · scale_c`. The error of
-//! an element is at most half a step, `scale_c / 2`. This is ActNN's idea (Chen et al., ICML 2021)
-//! at its safest setting: 8 bits, one range per channel, round to nearest (deterministic, so the
-//! same step gives the same gradients).
+//! A training step that keeps a layer's output for its backward can keep fewer bytes by storing
+//! each element as a code of [`Width::bits`] bits: for a group g of elements,
+//! `q = round((x − lo_g) / scale_g)` with `lo_g` the group's minimum and
+//! `scale_g = (hi_g − lo_g) / (2^bits − 1)`, and the backward reads `x̃ = lo_g + q · scale_g`.
+//! This is ActNN's idea (Chen et al., ICML 2021); [`Width`] is every choice it makes:
+//!
+//! - [`Width::Int8`]: a range per channel over the whole batch, rounding to nearest (within half
+//!   a step; deterministic).
+//! - [`Width::Int4`], [`Width::Int2`]: a range per plane (one image's channel), two or four codes
+//!   to a byte (each plane starts on a byte), and stochastic rounding: `q = ⌊(x − lo)/scale + u⌋`
+//!   with u uniform in [0, 1), so `E[x̃] = x` and the error is below one step. The noise is
+//!   ChaCha8 ([`rand_chacha`]), one stream per plane, keyed by the caller's `salt` and the
+//!   activation's ranges: the same activation with the same salt gives the same codes (a run
+//!   repeats bit for bit, a recomputed segment gets the codes its first forward would have), no
+//!   generator is shared with anything else, and each step, micro-batch and layer draws anew.
 //!
 //! On the CPU each direction is one pass per plane on Candle's thread pool (two for [`quantize`]:
-//! the ranges, then the bytes), computed in f32 whatever the activation dtype; on other devices
-//! the same arithmetic runs as Candle ops (with f32 transients the size of the activation).
+//! the ranges, then the codes), computed in f32 whatever the activation dtype. On other devices
+//! a range per channel (int8) runs the same arithmetic as Candle ops (with f32 transients the size
+//! of the activation), and a range per plane (int4, int2) runs the CPU passes on a host copy (so
+//! the codes are the CPU's, bit for bit) and uploads the result.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 
 use candle_core::backend::BackendStorage;
 use candle_core::WithDType;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 use super::util::{cpu_slice, dispatch_float, for_planes, Float, SharedMut};
 
 /// The name of the ops in errors.
-const OP: &str = "quantize_u8";
+const OP: &str = "quantize";
 
-/// Steps of the 8-bit code: 256 levels.
-const LEVELS: f32 = 255.0;
+/// How an activation is coded: the bits of a code and what follows from them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Width {
+    /// 8 bits, a range per channel, rounding to nearest.
+    Int8,
+    /// 4 bits, a range per plane, stochastic rounding.
+    Int4,
+    /// 2 bits, a range per plane, stochastic rounding.
+    Int2,
+}
 
-/// An activation stored as one byte per element: what [`quantize`] returns and [`dequantize`]
-/// reads.
+impl Width {
+    /// Every width, widest first.
+    pub const ALL: [Width; 3] = [Width::Int8, Width::Int4, Width::Int2];
+
+    /// Bits of one code.
+    pub const fn bits(self) -> usize {
+        match self {
+            Width::Int8 => 8,
+            Width::Int4 => 4,
+            Width::Int2 => 2,
+        }
+    }
+
+    /// Codes packed into a byte.
+    pub const fn per_byte(self) -> usize {
+        8 / self.bits()
+    }
+
+    /// The highest code, `2^bits − 1`.
+    const fn max_code(self) -> u8 {
+        ((1u16 << self.bits()) - 1) as u8
+    }
+
+    /// Whether each plane (one image's channel) has a range of its own, and codes are rounded
+    /// stochastically; else a channel's range spans the batch and codes round to nearest. Below
+    /// eight bits a batch-wide range leaves too few levels for most planes, and rounding to
+    /// nearest would bias every value the same way.
+    pub const fn per_plane(self) -> bool {
+        !matches!(self, Width::Int8)
+    }
+
+    /// The codes' shape for an activation `[N, C, H, W]`: `[N, C, ⌈H·W / per_byte⌉]`.
+    pub fn codes_dims(self, [n, c, h, w]: [usize; 4]) -> [usize; 3] {
+        [n, c, (h * w).div_ceil(self.per_byte())]
+    }
+
+    /// The ranges' shape (f32): row 0 the offsets, row 1 the steps; `[2, C]`, or `[2, N·C]` with
+    /// a range per plane.
+    pub fn ranges_dims(self, [n, c, _, _]: [usize; 4]) -> [usize; 2] {
+        [2, if self.per_plane() { n * c } else { c }]
+    }
+
+    /// Bytes held for an activation of `dims`: the codes and the ranges.
+    pub fn bytes(self, dims: [usize; 4]) -> usize {
+        self.codes_dims(dims).iter().product::<usize>()
+            + self.ranges_dims(dims).iter().product::<usize>() * 4
+    }
+}
+
+/// An activation as codes: what [`quantize`] returns and [`dequantize`] reads.
 #[derive(Debug, Clone)]
-pub struct QuantizedU8 {
-    /// The codes, u8, the activation's shape.
+pub struct Quantized {
+    /// The codes, u8 [`Width::codes_dims`].
     pub codes: Tensor,
-    /// Per channel: row 0 the offset `lo`, row 1 the step `scale` (f32 `[2, C]`).
+    /// Per group: row 0 the offset `lo`, row 1 the step `scale` (f32 [`Width::ranges_dims`]).
     pub ranges: Tensor,
+    /// Bits per code.
+    pub width: Width,
+    /// The activation's shape `[N, C, H, W]`.
+    pub dims: [usize; 4],
     /// The dtype [`dequantize`] returns (the activation's).
     pub dtype: DType,
 }
 
-impl QuantizedU8 {
+impl Quantized {
     /// Bytes held: the codes and the ranges.
     pub fn bytes(&self) -> usize {
         self.codes.elem_count() + self.ranges.elem_count() * 4
     }
 }
 
-/// Stores `x` `[N, C, H, W]` (f32, f16 or bf16) as bytes with a range per channel; no autograd.
-pub fn quantize(x: &Tensor) -> Result<QuantizedU8> {
-    let (_, c, _, _) = x.dims4().map_err(|_| {
+/// Stores `x` `[N, C, H, W]` (f32, f16 or bf16) as `width` codes; `salt` keys stochastic
+/// rounding's noise (with the activation's ranges). No autograd.
+pub fn quantize(x: &Tensor, width: Width, salt: u64) -> Result<Quantized> {
+    let (n, c, h, w) = x.dims4().map_err(|_| {
         candle_core::Error::Msg(format!("{OP}: expects [N, C, H, W], got {:?}", x.dims()))
     })?;
     let dtype = x.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         candle_core::bail!("{OP}: unsupported dtype {dtype:?} (f32, f16 or bf16 only)")
     }
+    let dims = [n, c, h, w];
     let x = x.contiguous()?;
     if !x.device().is_cpu() {
-        return quantize_ops(&x, c);
+        if !width.per_plane() {
+            return quantize_ops(&x, dims);
+        }
+        let q = quantize(&x.to_device(&Device::Cpu)?, width, salt)?;
+        return Ok(Quantized {
+            codes: q.codes.to_device(x.device())?,
+            ranges: q.ranges.to_device(x.device())?,
+            ..q
+        });
     }
-    let ranges = x.apply_op1_no_bwd(&Ranges)?;
-    let codes = x.apply_op2_no_bwd(&ranges, &Encode)?;
-    Ok(QuantizedU8 {
+    let ranges = x.apply_op1_no_bwd(&Ranges { width })?;
+    let codes = x.apply_op2_no_bwd(&ranges, &Encode { width, salt })?;
+    Ok(Quantized {
         codes,
         ranges,
+        width,
+        dims,
         dtype,
     })
 }
 
 /// The activation back from its codes, in the dtype it was stored from; no autograd.
-pub fn dequantize(q: &QuantizedU8) -> Result<Tensor> {
+pub fn dequantize(q: &Quantized) -> Result<Tensor> {
     let codes = q.codes.contiguous()?;
-    if !codes.device().is_cpu() {
-        let lo = q.ranges.get(0)?.reshape((1, (), 1, 1))?;
-        let scale = q.ranges.get(1)?.reshape((1, (), 1, 1))?;
-        let x = codes
-            .to_dtype(DType::F32)?
-            .broadcast_mul(&scale)?
-            .broadcast_add(&lo)?;
-        return x.to_dtype(q.dtype);
+    let device = codes.device().clone();
+    if !device.is_cpu() {
+        if !q.width.per_plane() {
+            let lo = q.ranges.get(0)?.reshape((1, (), 1, 1))?;
+            let scale = q.ranges.get(1)?.reshape((1, (), 1, 1))?;
+            let x = codes
+                .reshape(&q.dims)?
+                .to_dtype(DType::F32)?
+                .broadcast_mul(&scale)?
+                .broadcast_add(&lo)?;
+            return x.to_dtype(q.dtype);
+        }
+        let host = Quantized {
+            codes: codes.to_device(&Device::Cpu)?,
+            ranges: q.ranges.to_device(&Device::Cpu)?,
+            ..q.clone()
+        };
+        return dequantize(&host)?.to_device(&device);
     }
-    codes.apply_op2_no_bwd(&q.ranges, &Decode { dtype: q.dtype })
+    codes.apply_op2_no_bwd(
+        &q.ranges,
+        &Decode {
+            width: q.width,
+            dims: q.dims,
+            dtype: q.dtype,
+        },
+    )
 }
 
-/// [`quantize`] as Candle ops, for devices without the CPU kernels.
-fn quantize_ops(x: &Tensor, c: usize) -> Result<QuantizedU8> {
+/// [`quantize`] with a range per channel (int8) as Candle ops, for devices without the CPU
+/// kernels.
+fn quantize_ops(x: &Tensor, dims: [usize; 4]) -> Result<Quantized> {
+    let c = dims[1];
+    let levels = Width::Int8.max_code() as f64;
     let x32 = x.to_dtype(DType::F32)?;
     let lo = x32.min_keepdim(3)?.min_keepdim(2)?.min_keepdim(0)?;
     let hi = x32.max_keepdim(3)?.max_keepdim(2)?.max_keepdim(0)?;
-    let scale = ((&hi - &lo)? / LEVELS as f64)?;
+    let scale = ((&hi - &lo)? / levels)?;
     // A constant channel has scale 0: every code is 0 and decodes to lo.
     let inv = scale
         .gt(0.0)?
@@ -95,42 +201,69 @@ fn quantize_ops(x: &Tensor, c: usize) -> Result<QuantizedU8> {
         .broadcast_sub(&lo)?
         .broadcast_mul(&inv)?
         .round()?
-        .clamp(0.0, LEVELS as f64)?
-        .to_dtype(DType::U8)?;
+        .clamp(0.0, levels)?
+        .to_dtype(DType::U8)?
+        .reshape(&Width::Int8.codes_dims(dims))?;
     let ranges = Tensor::stack(&[lo.reshape(c)?, scale.reshape(c)?], 0)?;
-    Ok(QuantizedU8 {
+    Ok(Quantized {
         codes,
         ranges,
+        width: Width::Int8,
+        dims,
         dtype: x.dtype(),
     })
 }
 
 /// `(n, c, h·w)` of a contiguous `[N, C, H, W]` layout.
-fn dims(l: &Layout) -> Result<(usize, usize, usize)> {
+fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
     let (n, c, h, w) = l.shape().dims4()?;
     Ok((n, c, h * w))
 }
 
-/// Per-channel `[lo; scale]` of an activation.
-struct Ranges;
+/// The ranges of an activation.
+struct Ranges {
+    width: Width,
+}
 /// The codes of an activation from its ranges.
-struct Encode;
+struct Encode {
+    width: Width,
+    salt: u64,
+}
 /// The activation from its codes and ranges.
 struct Decode {
+    width: Width,
+    dims: [usize; 4],
     dtype: DType,
 }
 
+/// A plane's `(min, max)`, folded into `init`.
+fn min_max<T: Float>(plane: &[T], init: (f32, f32)) -> (f32, f32) {
+    plane
+        .iter()
+        .fold(init, |(lo, hi), v| (lo.min(v.to_f32()), hi.max(v.to_f32())))
+}
+
+/// `(lo, scale)` of a group from its `(min, max)`: an empty or all-NaN group (no finite range)
+/// is stored as zeros.
+fn lo_scale((l, h): (f32, f32), width: Width) -> (f32, f32) {
+    let lo = if l.is_finite() { l } else { 0.0 };
+    let scale = if h.is_finite() {
+        (h - lo).max(0.0) / width.max_code() as f32
+    } else {
+        0.0
+    };
+    (lo, scale)
+}
+
 /// Per channel `(min, max)` over every plane of that channel, then `[lo; scale]` (`[2, C]`).
-fn ranges<T: Float>(x: &[T], n: usize, c: usize, hw: usize) -> Vec<f32> {
+fn channel_ranges<T: Float>(x: &[T], n: usize, c: usize, hw: usize, width: Width) -> Vec<f32> {
     let mut part = vec![(f32::INFINITY, f32::NEG_INFINITY); n * c];
     let ptr = SharedMut(part.as_mut_ptr());
     for_planes(n * c, hw, |r| {
         // SAFETY: the pool hands out disjoint plane ranges within 0..n·c.
         let out = unsafe { ptr.range(r.start, r.len()) };
         for (p, slot) in r.zip(out.iter_mut()) {
-            *slot = x[p * hw..(p + 1) * hw].iter().fold(*slot, |(lo, hi), v| {
-                (lo.min(v.to_f32()), hi.max(v.to_f32()))
-            });
+            *slot = min_max(&x[p * hw..(p + 1) * hw], *slot);
         }
     });
     let mut lo = vec![f32::INFINITY; c];
@@ -139,48 +272,113 @@ fn ranges<T: Float>(x: &[T], n: usize, c: usize, hw: usize) -> Vec<f32> {
         lo[p % c] = lo[p % c].min(l);
         hi[p % c] = hi[p % c].max(h);
     }
-    // An empty or all-NaN channel (no finite range) is stored as zeros.
-    let lo: Vec<f32> = lo
-        .iter()
-        .map(|&l| if l.is_finite() { l } else { 0.0 })
-        .collect();
-    let scale = hi.iter().zip(&lo).map(|(&h, &l)| {
-        if h.is_finite() {
-            (h - l).max(0.0) / LEVELS
-        } else {
-            0.0
-        }
-    });
-    lo.iter().copied().chain(scale).collect()
+    let (lo, scale): (Vec<f32>, Vec<f32>) = lo
+        .into_iter()
+        .zip(hi)
+        .map(|range| lo_scale(range, width))
+        .unzip();
+    lo.into_iter().chain(scale).collect()
 }
 
-fn encode<T: Float>(x: &[T], r: &[f32], n: usize, c: usize, hw: usize) -> Vec<u8> {
-    let mut codes = vec![0u8; n * c * hw];
+/// Per plane `[lo; scale]` (`[2, N·C]`), written straight into the result.
+fn plane_ranges<T: Float>(x: &[T], planes: usize, hw: usize, width: Width) -> Vec<f32> {
+    let mut r = vec![0f32; 2 * planes];
+    let ptr = SharedMut(r.as_mut_ptr());
+    for_planes(planes, hw, |range| {
+        for p in range {
+            let (lo, scale) = lo_scale(
+                min_max(&x[p * hw..(p + 1) * hw], (f32::INFINITY, f32::NEG_INFINITY)),
+                width,
+            );
+            // SAFETY: plane p's two slots are written by the one worker that got it.
+            unsafe {
+                ptr.range(p, 1)[0] = lo;
+                ptr.range(planes + p, 1)[0] = scale;
+            }
+        }
+    });
+    r
+}
+
+/// The key of stochastic rounding's noise: the caller's salt and every range, bit for bit.
+fn noise_seed(salt: u64, ranges: &[f32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    salt.hash(&mut h);
+    for r in ranges {
+        r.to_bits().hash(&mut h);
+    }
+    h.finish()
+}
+
+/// The group of plane `p` (of `c` channels) in ranges of `groups` columns.
+fn group(p: usize, c: usize, groups: usize) -> usize {
+    if groups == c {
+        p % c
+    } else {
+        p
+    }
+}
+
+/// The codes of `x`, each plane from its group's `[lo; scale]` in `r`, packed from the low bits up.
+fn encode<T: Float>(x: &[T], r: &[f32], (n, c, hw): (usize, usize, usize), e: &Encode) -> Vec<u8> {
+    let width = e.width;
+    let (bits, per, max) = (width.bits(), width.per_byte(), width.max_code());
+    let packed = hw.div_ceil(per);
+    let groups = r.len() / 2;
+    let seed = noise_seed(e.salt, r);
+    let mut codes = vec![0u8; n * c * packed];
     let ptr = SharedMut(codes.as_mut_ptr());
     for_planes(n * c, hw, |planes| {
         for p in planes {
-            let (lo, scale) = (r[p % c], r[c + p % c]);
+            let g = group(p, c, groups);
+            let (lo, scale) = (r[g], r[groups + g]);
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            // SAFETY: each plane is written by the one worker that got it.
-            let out = unsafe { ptr.range(p * hw, hw) };
-            for (q, v) in out.iter_mut().zip(&x[p * hw..(p + 1) * hw]) {
-                // `as u8` saturates (and maps NaN to 0): the clamp is the cast.
-                *q = ((v.to_f32() - lo) * inv).round() as u8;
+            let mut noise = width.per_plane().then(|| {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream(p as u64);
+                rng
+            });
+            // SAFETY: each plane's bytes are written by the one worker that got it.
+            let out = unsafe { ptr.range(p * packed, packed) };
+            for (byte, vs) in out.iter_mut().zip(x[p * hw..(p + 1) * hw].chunks(per)) {
+                let mut b = 0u8;
+                for (k, v) in vs.iter().enumerate() {
+                    let t = (v.to_f32() - lo) * inv;
+                    // `as u8` saturates (and maps NaN to 0): with the `min`, the clamp.
+                    let q = match &mut noise {
+                        Some(rng) => (t + rng.random::<f32>()) as u8,
+                        None => t.round() as u8,
+                    };
+                    b |= q.min(max) << (k * bits);
+                }
+                *byte = b;
             }
         }
     });
     codes
 }
 
-fn decode<T: Float>(codes: &[u8], r: &[f32], n: usize, c: usize, hw: usize) -> Vec<T> {
+/// The activation from its codes, each plane from its group's `[lo; scale]` in `r`.
+fn decode<T: Float>(
+    codes: &[u8],
+    r: &[f32],
+    (n, c, hw): (usize, usize, usize),
+    width: Width,
+) -> Vec<T> {
+    let (bits, per, max) = (width.bits(), width.per_byte(), width.max_code());
+    let packed = hw.div_ceil(per);
+    let groups = r.len() / 2;
     let mut x = T::zeros(n * c * hw);
     let ptr = SharedMut(x.as_mut_ptr());
     for_planes(n * c, hw, |planes| {
         for p in planes {
-            let (lo, scale) = (r[p % c], r[c + p % c]);
+            let g = group(p, c, groups);
+            let (lo, scale) = (r[g], r[groups + g]);
+            let plane = &codes[p * packed..(p + 1) * packed];
             // SAFETY: each plane is written by the one worker that got it.
             let out = unsafe { ptr.range(p * hw, hw) };
-            for (v, &q) in out.iter_mut().zip(&codes[p * hw..(p + 1) * hw]) {
+            for (i, v) in out.iter_mut().enumerate() {
+                let q = (plane[i / per] >> ((i % per) * bits)) & max;
                 *v = T::from_f32(lo + q as f32 * scale);
             }
         }
@@ -188,34 +386,49 @@ fn decode<T: Float>(codes: &[u8], r: &[f32], n: usize, c: usize, hw: usize) -> V
     x
 }
 
-/// The ranges operand: f32 `[2, C]`.
-fn ranges_operand<'a>(s: &'a CpuStorage, l: &Layout, c: usize) -> Result<&'a [f32]> {
-    if l.shape().dims() != [2, c] {
-        candle_core::bail!("{OP}: ranges must be [2, {c}], got {:?}", l.shape())
+/// The ranges operand: f32 [`Width::ranges_dims`] of an activation of `dims`.
+fn ranges_operand<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    width: Width,
+    dims: [usize; 4],
+) -> Result<&'a [f32]> {
+    let want = width.ranges_dims(dims);
+    if l.shape().dims() != want {
+        candle_core::bail!("{OP}: ranges must be {want:?}, got {:?}", l.shape())
     }
     cpu_slice(s, l, OP, "ranges")
 }
 
 impl CustomOp1 for Ranges {
     fn name(&self) -> &'static str {
-        "quantize-u8-ranges"
+        "quantize-ranges"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (n, c, hw) = dims(l)?;
+        let (n, c, hw) = nchw(l)?;
+        let w = self.width;
         let r = dispatch_float!(
             s.dtype(),
             [F32, F16, BF16],
-            |T| ranges::<T>(cpu_slice(s, l, OP, "input")?, n, c, hw),
+            |T| {
+                let x = cpu_slice::<T>(s, l, OP, "input")?;
+                if w.per_plane() {
+                    plane_ranges(x, n * c, hw, w)
+                } else {
+                    channel_ranges(x, n, c, hw, w)
+                }
+            },
             |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?}")
         );
-        Ok((CpuStorage::F32(r), Shape::from((2, c))))
+        let groups = r.len() / 2;
+        Ok((CpuStorage::F32(r), Shape::from((2, groups))))
     }
 }
 
 impl CustomOp2 for Encode {
     fn name(&self) -> &'static str {
-        "quantize-u8"
+        "quantize-encode"
     }
 
     fn cpu_fwd(
@@ -225,21 +438,25 @@ impl CustomOp2 for Encode {
         rs: &CpuStorage,
         rl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, c, hw) = dims(l)?;
-        let r = ranges_operand(rs, rl, c)?;
+        let dims = l.shape().dims4()?;
+        let dims = [dims.0, dims.1, dims.2, dims.3];
+        let r = ranges_operand(rs, rl, self.width, dims)?;
         let codes = dispatch_float!(
             s.dtype(),
             [F32, F16, BF16],
-            |T| encode::<T>(cpu_slice(s, l, OP, "input")?, r, n, c, hw),
+            |T| encode::<T>(cpu_slice(s, l, OP, "input")?, r, nchw(l)?, self),
             |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?}")
         );
-        Ok((CpuStorage::U8(codes), l.shape().clone()))
+        Ok((
+            CpuStorage::U8(codes),
+            Shape::from(self.width.codes_dims(dims).to_vec()),
+        ))
     }
 }
 
 impl CustomOp2 for Decode {
     fn name(&self) -> &'static str {
-        "dequantize-u8"
+        "dequantize"
     }
 
     fn cpu_fwd(
@@ -249,16 +466,20 @@ impl CustomOp2 for Decode {
         rs: &CpuStorage,
         rl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, c, hw) = dims(l)?;
-        let r = ranges_operand(rs, rl, c)?;
+        let want = self.width.codes_dims(self.dims);
+        if l.shape().dims() != want {
+            candle_core::bail!("{OP}: codes must be {want:?}, got {:?}", l.shape())
+        }
+        let r = ranges_operand(rs, rl, self.width, self.dims)?;
         let codes = cpu_slice::<u8>(s, l, OP, "codes")?;
+        let [n, c, h, w] = self.dims;
         let out = dispatch_float!(
             self.dtype,
             [F32, F16, BF16],
-            |T| T::to_cpu_storage_owned(decode::<T>(codes, r, n, c, hw)),
+            |T| T::to_cpu_storage_owned(decode::<T>(codes, r, (n, c, h * w), self.width)),
             |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?}")
         );
-        Ok((out, l.shape().clone()))
+        Ok((out, Shape::from(self.dims.to_vec())))
     }
 }
 
@@ -267,35 +488,136 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    /// `[values of group g]` of `x` `[N, C, H, W]` for `width`'s groups (channels or planes).
+    fn groups(x: &Tensor, width: Width) -> Result<Vec<Vec<f32>>> {
+        let x = x.to_dtype(DType::F32)?;
+        Ok(if width.per_plane() {
+            x.flatten_from(2)?.flatten_to(1)?.to_vec2()?
+        } else {
+            x.transpose(0, 1)?.flatten_from(1)?.to_vec2()?
+        })
+    }
+
     #[test]
-    fn every_element_is_within_half_a_step_and_the_extremes_are_exact() -> Result<()> {
-        let x = Tensor::randn(0f32, 2.0, (3, 4, 5, 6), &Device::Cpu)?;
-        let q = quantize(&x)?;
-        assert_eq!(q.codes.dtype(), DType::U8);
-        let back = dequantize(&q)?;
-        let xs = x.transpose(0, 1)?.flatten_from(1)?.to_vec2::<f32>()?;
-        let bs = back.transpose(0, 1)?.flatten_from(1)?.to_vec2::<f32>()?;
-        let scale = q.ranges.get(1)?.to_vec1::<f32>()?;
-        for ((xc, bc), s) in xs.iter().zip(&bs).zip(&scale) {
-            let lo = xc.iter().copied().fold(f32::INFINITY, f32::min);
-            let hi = xc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            assert!((s - (hi - lo) / 255.0).abs() <= 1e-6 * hi.abs().max(1.0));
-            for (a, b) in xc.iter().zip(bc) {
-                assert!((a - b).abs() <= s * 0.5 + 1e-5, "{a} vs {b}, step {s}");
+    fn every_element_is_within_a_step_and_the_extremes_are_exact() -> Result<()> {
+        // 5×5 planes: the last byte of an int4 or int2 plane is partly padding.
+        let x = Tensor::randn(0f32, 2.0, (3, 4, 5, 5), &Device::Cpu)?;
+        for width in Width::ALL {
+            let q = quantize(&x, width, 7)?;
+            assert_eq!(q.codes.dtype(), DType::U8);
+            assert_eq!(q.codes.dims(), width.codes_dims([3, 4, 5, 5]));
+            assert_eq!(q.bytes(), width.bytes([3, 4, 5, 5]));
+            let back = dequantize(&q)?;
+            assert_eq!(back.dims(), x.dims());
+            let scale = q.ranges.get(1)?.to_vec1::<f32>()?;
+            // Round to nearest: half a step; stochastic: under one.
+            let bound = if width.per_plane() { 1.0 } else { 0.5 };
+            let (xs, bs) = (groups(&x, width)?, groups(&back, width)?);
+            assert_eq!(xs.len(), scale.len(), "{width:?}");
+            for ((xg, bg), s) in xs.iter().zip(&bs).zip(&scale) {
+                let lo = xg.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = xg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let levels = width.max_code() as f32;
+                assert!((s - (hi - lo) / levels).abs() <= 1e-6 * hi.abs().max(1.0));
+                for (a, b) in xg.iter().zip(bg) {
+                    assert!(
+                        (a - b).abs() <= s * bound + 1e-5,
+                        "{width:?}: {a} vs {b}, step {s}"
+                    );
+                }
+                let blo = bg.iter().copied().fold(f32::INFINITY, f32::min);
+                let bhi = bg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(blo, lo, "{width:?}");
+                assert!((bhi - hi).abs() <= 1e-5 * hi.abs().max(1.0), "{width:?}");
             }
-            let blo = bc.iter().copied().fold(f32::INFINITY, f32::min);
-            let bhi = bc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            assert_eq!(blo, lo);
-            assert!((bhi - hi).abs() <= 1e-5 * hi.abs().max(1.0));
         }
+        Ok(())
+    }
+
+    #[test]
+    fn stochastic_rounding_is_unbiased() -> Result<()> {
+        // The mean of K decodings (salts 0..K) is x within a few standard errors: a step's
+        // rounding has variance at most scale²/4. Rounding down or to nearest would miss.
+        const K: usize = 400;
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 8, 8), &Device::Cpu)?;
+        for width in [Width::Int4, Width::Int2] {
+            let xs = x.flatten_all()?.to_vec1::<f32>()?;
+            let mut sum = vec![0f64; xs.len()];
+            let mut scale = Vec::new();
+            for salt in 0..K as u64 {
+                let q = quantize(&x, width, salt)?;
+                scale = q.ranges.get(1)?.to_vec1::<f32>()?;
+                let back = dequantize(&q)?.flatten_all()?.to_vec1::<f32>()?;
+                for (s, b) in sum.iter_mut().zip(back) {
+                    *s += b as f64;
+                }
+            }
+            let mut signed = 0f64;
+            for (i, (s, &v)) in sum.iter().zip(&xs).enumerate() {
+                let err = s / K as f64 - v as f64;
+                let step = scale[i / 64] as f64;
+                let se = step / 2.0 / (K as f64).sqrt();
+                assert!(
+                    err.abs() <= 6.0 * se,
+                    "{width:?} element {i}: bias {err}, step {step}"
+                );
+                signed += err / step;
+            }
+            // The mean bias over 384 elements, in steps: within 6 standard errors of 0.
+            let mean = signed / xs.len() as f64;
+            let se = 0.5 / ((K * xs.len()) as f64).sqrt();
+            assert!(mean.abs() <= 6.0 * se, "{width:?}: mean bias {mean} steps");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_same_activation_and_salt_give_the_same_codes_and_another_salt_others() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (4, 8, 16, 16), &Device::Cpu)?;
+        for width in [Width::Int4, Width::Int2] {
+            let codes = |salt| -> Result<Vec<u8>> {
+                quantize(&x, width, salt)?
+                    .codes
+                    .flatten_all()?
+                    .to_vec1::<u8>()
+            };
+            let a = codes(3)?;
+            assert_eq!(a, codes(3)?, "{width:?}");
+            let b = codes(4)?;
+            let differ = a.iter().zip(&b).filter(|(a, b)| a != b).count();
+            assert!(
+                differ * 4 > a.len(),
+                "{width:?}: {differ} of {} bytes differ",
+                a.len()
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn codes_are_packed_from_the_low_bits_and_planes_start_on_a_byte() -> Result<()> {
+        // One image, one channel of 5 values 0, 1, 2, 3, 3 (range 0..3): int2 codes are the
+        // values themselves whatever the noise (each is exactly a level).
+        let x = Tensor::new(&[0f32, 1.0, 2.0, 3.0, 3.0], &Device::Cpu)?.reshape((1, 1, 1, 5))?;
+        let q = quantize(&x, Width::Int2, 0)?;
+        let codes = q.codes.flatten_all()?.to_vec1::<u8>()?;
+        assert_eq!(codes, [0b11_10_01_00, 0b00_00_00_11]);
+        // Two planes of 3 values, each its own range 0..15: int4 gives each plane two bytes.
+        let v = [0f32, 15.0, 15.0, 15.0, 0.0, 0.0];
+        let x = Tensor::new(&v, &Device::Cpu)?.reshape((2, 1, 1, 3))?;
+        let q = quantize(&x, Width::Int4, 0)?;
+        let codes = q.codes.flatten_all()?.to_vec1::<u8>()?;
+        assert_eq!(codes, [0xF0, 0x0F, 0x0F, 0x00]);
+        assert_eq!(dequantize(&q)?.flatten_all()?.to_vec1::<f32>()?, v);
         Ok(())
     }
 
     #[test]
     fn the_ops_path_gives_the_kernels_codes() -> Result<()> {
         let x = Tensor::randn(0f32, 1.0, (2, 3, 4, 4), &Device::Cpu)?;
-        let k = quantize(&x)?;
-        let o = quantize_ops(&x, 3)?;
+        let k = quantize(&x, Width::Int8, 0)?;
+        let o = quantize_ops(&x, [2, 3, 4, 4])?;
+        assert_eq!(k.codes.dims(), o.codes.dims());
         let (kr, or) = (k.ranges.to_vec2::<f32>()?, o.ranges.to_vec2::<f32>()?);
         for (a, b) in kr.iter().flatten().zip(or.iter().flatten()) {
             // Candle divides by 255 as a multiplication by its f64 inverse: an ulp apart.
@@ -312,14 +634,16 @@ mod tests {
     }
 
     #[test]
-    fn a_constant_channel_decodes_to_its_value_in_every_dtype() -> Result<()> {
-        for dt in [DType::F32, DType::F16, DType::BF16] {
-            let x = Tensor::full(1.5f32, (2, 2, 3, 3), &Device::Cpu)?.to_dtype(dt)?;
-            let q = quantize(&x)?;
-            let back = dequantize(&q)?;
-            assert_eq!(back.dtype(), dt);
-            let v = back.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            assert!(v.iter().all(|&v| v == 1.5), "{dt:?}: {v:?}");
+    fn a_constant_group_decodes_to_its_value_in_every_dtype_and_width() -> Result<()> {
+        for width in Width::ALL {
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                let x = Tensor::full(1.5f32, (2, 2, 3, 3), &Device::Cpu)?.to_dtype(dt)?;
+                let q = quantize(&x, width, 1)?;
+                let back = dequantize(&q)?;
+                assert_eq!(back.dtype(), dt);
+                let v = back.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                assert!(v.iter().all(|&v| v == 1.5), "{width:?} {dt:?}: {v:?}");
+            }
         }
         Ok(())
     }

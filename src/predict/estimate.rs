@@ -42,9 +42,7 @@ pub use super::sim::DeviceKind;
 use super::sim::*;
 pub use super::sizing::EventPrediction;
 use super::sizing::{micro_batch, new_tensor_bytes, tensor_descriptor_bytes, Shared, Strides};
-use crate::config::{
-    ActivationStorage, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
-};
+use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use crate::data::IMAGE_BYTES;
 use crate::error::Result;
 use crate::memory::format_bytes;
@@ -416,7 +414,7 @@ pub fn estimate_for_specs(
         s: elem_bytes(cfg.precision.compute_dtype()),
         dtype: cfg.precision.compute_dtype(),
         device,
-        int8: cfg.compress_activations == ActivationStorage::Int8,
+        storage: cfg.compress_activations,
     };
     let sizes = Sizes::of(cfg, &nodes, device);
     let (baseline_bytes, batch_bytes) = baseline_and_batches(cfg, baseline, device, &sizes);
@@ -672,7 +670,7 @@ fn eval_phase(
         s: ctx.s,
         dtype: ctx.dtype,
         device: ctx.device,
-        int8: ctx.int8,
+        storage: ctx.storage,
     };
     {
         let mut s = sim.borrow_mut();

@@ -275,8 +275,8 @@ pub(super) struct Ctx {
     pub(super) s: u64,
     pub(super) dtype: DType,
     pub(super) device: DeviceKind,
-    /// The blocks' conv outputs are kept as 8-bit codes (`--compress-activations int8`).
-    pub(super) int8: bool,
+    /// How the blocks' conv outputs are kept (`--compress-activations`).
+    pub(super) storage: crate::config::ActivationStorage,
 }
 
 impl Ctx {
@@ -284,13 +284,15 @@ impl Ctx {
         self.s < 4
     }
 
-    /// Bytes the tape keeps of a conv output of `h` bytes and `ch` channels: the tensor, or a
-    /// byte per element and an f32 offset and step per channel.
+    /// Bytes the tape keeps of a conv output of `h` bytes and `ch` channels: the tensor, or its
+    /// codes and ranges ([`crate::config::ActivationStorage::width`]).
     pub(super) fn kept(&self, h: u64, ch: u64) -> u64 {
-        if self.int8 {
-            h / self.s + ch * 8
-        } else {
-            h
+        match self.storage.width() {
+            None => h,
+            Some(w) => {
+                let plane = (h / self.s / self.n / ch) as usize;
+                w.bytes([self.n as usize, ch as usize, 1, plane]) as u64
+            }
         }
     }
 

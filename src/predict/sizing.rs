@@ -12,6 +12,7 @@ use crate::step::ops::{ConvWeights, HeadResult, StepOps};
 use crate::step::tape::{LeanStep, StepEvent, StepObserver, SAVED_RECORD_BYTES};
 use candle_core::DType;
 use memtrain_core::error::Result;
+use memtrain_kernels::quantize::Width;
 use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
@@ -156,10 +157,13 @@ pub(super) struct SzBn {
     node: usize,
 }
 
-/// 8-bit codes: the codes and the `[2, C]` ranges.
+/// A conv output's codes: the packed codes and the ranges, each sized by their [`Width`].
 pub(super) struct SzCodes {
     codes: Sz,
     ranges: Sz,
+    width: Width,
+    /// The activation's shape and dtype, which the decoding has.
+    dims: Vec<usize>,
     dtype: DType,
 }
 
@@ -529,32 +533,52 @@ impl StepOps for Sizing<'_> {
         }))
     }
 
-    fn quantize(&self, h: &Sz) -> Result<SzCodes> {
-        let ch = h.dims[1];
-        let n = h.dims[0] as u64;
-        if self.cuda() {
+    fn quantize(&self, h: &Sz, width: Width, _salt: u64) -> Result<SzCodes> {
+        let [n, ch, hh, ww] = h.dims[..] else {
+            unreachable!("a conv output is [N, C, H, W]")
+        };
+        let dims = [n, ch, hh, ww];
+        if width.per_plane() {
+            // Codes made on the host (a CUDA device gets them uploaded); the ranges written
+            // straight into their buffer.
+        } else if self.cuda() {
             // Candle ops in f32: the widened copy and one intermediate beside it.
             self.spike(2 * count(&h.dims) * 4);
         } else {
             // Per-plane ranges, then the per-channel ones.
-            self.spike(n * ch as u64 * 8);
+            self.spike(n as u64 * ch as u64 * 8);
         }
-        let ranges = self.alloc(vec![2, ch], DType::F32);
-        let codes = self.alloc(h.dims.clone(), DType::U8);
+        let (ranges, codes) = if width.per_plane() && self.cuda() {
+            // Uploaded codes first, then ranges.
+            let codes = self.alloc(width.codes_dims(dims).to_vec(), DType::U8);
+            (
+                self.alloc(width.ranges_dims(dims).to_vec(), DType::F32),
+                codes,
+            )
+        } else {
+            let ranges = self.alloc(width.ranges_dims(dims).to_vec(), DType::F32);
+            (
+                ranges,
+                self.alloc(width.codes_dims(dims).to_vec(), DType::U8),
+            )
+        };
         Ok(SzCodes {
             codes,
             ranges,
+            width,
+            dims: h.dims.clone(),
             dtype: h.dtype,
         })
     }
     fn dequantize(&self, q: &SzCodes) -> Result<Sz> {
-        if self.cuda() {
-            self.spike(2 * count(&q.codes.dims) * 4);
+        if self.cuda() && !q.width.per_plane() {
+            // Candle ops (a range per channel): the f32 codes and their product.
+            self.spike(2 * count(&q.dims) * 4);
         }
-        Ok(self.alloc(q.codes.dims.clone(), q.dtype))
+        Ok(self.alloc(q.dims.clone(), q.dtype))
     }
     fn codes_dims(&self, q: &SzCodes) -> Vec<usize> {
-        q.codes.dims.clone()
+        q.dims.clone()
     }
     fn codes_bytes(&self, q: &SzCodes) -> u64 {
         q.codes.bytes() + q.ranges.bytes()

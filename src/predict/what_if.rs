@@ -6,8 +6,8 @@
 //! Every row keeps the run's other settings (batch size, width, optimizer, pruning, data,
 //! device); only the optimization flags change, the ones not named in a row's `flags` at their
 //! defaults (`--precision f32 --accum-steps 1 --checkpoint none --conv standard
-//! --compress-activations none`). The lossy `int8` row stands apart: `all` combines the four
-//! exact optimizations.
+//! --compress-activations none`). The lossy rows (`int8`, `int4`, `int2`) stand apart: `all`
+//! combines the four exact optimizations.
 
 use super::estimate::{estimate_for_specs, model_layer_specs, Baseline, DeviceKind};
 use crate::config::{ActivationStorage, ConvKind, GradCheckpointing, Precision, TrainConfig};
@@ -20,7 +20,7 @@ use std::fmt::Write as _;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WhatIf {
     /// Short name: `none`, `f16`, `bf16`, `accum4`, `ckpt-stages`, `ckpt-blocks`, `separable`,
-    /// `all`, `int8 (lossy)`.
+    /// `all`, `int8 (lossy)`, `int4 (lossy)`, `int2 (lossy)`.
     pub label: String,
     /// The optimization flags of the row (the others at their defaults), e.g.
     /// `["--precision", "f16"]`; empty for `none`.
@@ -28,7 +28,7 @@ pub struct WhatIf {
     /// Predicted peak bytes of a training step.
     pub predicted_peak_bytes: u64,
     /// Predicted peak bytes of the evaluation after an epoch (its batches are the micro-batch,
-    /// in the row's precision and conv; checkpointing and int8 do not change it); `None` without
+    /// in the row's precision and conv; checkpointing and compression do not change it); `None` without
     /// evaluation. The run needs the larger of the two.
     #[serde(default)]
     pub predicted_eval_peak_bytes: Option<u64>,
@@ -172,14 +172,10 @@ pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Res
         }
     };
     rows.push(("all".into(), all));
-    // The lossy lever last, apart from the four exact ones that `all` combines.
-    rows.push((
-        "int8 (lossy)".into(),
-        Opts {
-            storage: ActivationStorage::Int8,
-            ..none
-        },
-    ));
+    // The lossy levers last, apart from the four exact ones that `all` combines.
+    for &storage in ActivationStorage::ALL.iter().filter(|s| s.is_lossy()) {
+        rows.push((format!("{storage} (lossy)"), Opts { storage, ..none }));
+    }
     let base = none.peak(cfg, device, baseline)?;
     rows.into_iter()
         .map(|(label, o)| {

@@ -139,7 +139,7 @@ pub(crate) fn limit_rules(
 }
 
 /// The legend entry of a lossy configuration's marker, the same in every chart.
-pub(crate) const LOSSY_LEGEND: &str = "lossy (int8 saved activations): not the exact step";
+pub(crate) const LOSSY_LEGEND: &str = "lossy (compressed saved activations): not the exact step";
 
 /// A configuration's label as a chart shows it: marked `(lossy)` when it is, unless the label
 /// already says so.

@@ -1,7 +1,7 @@
 //! The memory–speed frontier: which measured points are Pareto-optimal in peak memory (lower is
 //! better) and throughput (higher is better), and the chart of peak memory against images/s with
 //! those points marked and joined by a step line. The frontier is one of exact configurations:
-//! a lossy point (`--compress-activations int8`) trains a different step, so it neither joins nor
+//! a lossy point (`--compress-activations int8|int4|int2`) trains a different step, so it neither joins nor
 //! dominates it, and the chart draws it apart with a marker of its own.
 //!
 //! [`pareto_front`] is pure; [`write_frontier_chart`] draws `frontier.{png,svg}` with the machinery
@@ -28,7 +28,7 @@ pub(crate) fn frontier_legend(lossy: bool) -> String {
         "✓ frontier: no other exact point that ran has both lower-or-equal peak memory and \
          higher-or-equal img/s (one of them strictly){}; drawn in frontier.png",
         if lossy {
-            "; lossy points (int8 saved activations) are left out of it and drawn apart"
+            "; lossy points (compressed saved activations) are left out of it and drawn apart"
         } else {
             ""
         }
@@ -45,7 +45,7 @@ pub struct FrontierPoint {
     pub peak_bytes: Option<u64>,
     /// Training throughput in images per second.
     pub images_per_sec: Option<f64>,
-    /// True for a lossy configuration (`--compress-activations int8`): drawn apart, never on
+    /// True for a lossy configuration (`--compress-activations int8|int4|int2`): drawn apart, never on
     /// the frontier and dominating nothing.
     pub lossy: bool,
 }

@@ -86,7 +86,7 @@ pub struct ChildRun {
     pub wall_secs: f64,
     /// The child's `summary.json`, when it finished.
     pub summary: Option<Summary>,
-    /// True when the child's flags ask for a lossy step (`--compress-activations int8`: its
+    /// True when the child's flags ask for a lossy step (`--compress-activations int8|int4|int2`: its
     /// gradients are not the exact step's), read from `args` whether or not it finished
     /// ([`lossy_flags`]). Results written before it existed read as false.
     #[serde(default)]

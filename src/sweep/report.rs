@@ -520,7 +520,7 @@ fn row_note(run: &ChildRun) -> String {
 }
 
 /// The note of a lossy configuration's row in the markdown tables.
-const LOSSY_NOTE: &str = "lossy: int8 saved activations, not on the frontier";
+const LOSSY_NOTE: &str = "lossy: compressed saved activations, not on the frontier";
 
 /// Under a table: the training peak is the step peak; when a run's whole-process peak fell
 /// outside training (phase "other"), what that means, with the runs named by their directory.

@@ -1,6 +1,6 @@
 //! Gradients of a batch without a training step: the lean step and its autograd oracle on the
 //! same micro-batches, precision and checkpointing, for the tests that compare them and for tools
-//! such as `examples/int8_error.rs`. Nothing here updates a weight.
+//! such as `examples/codes_error.rs`. Nothing here updates a weight.
 
 use super::Trainer;
 use crate::error::Result;

@@ -107,7 +107,6 @@ pub struct RunHistory {
     pub activation_storage: Vec<crate::config::StorageSpan>,
 }
 
-
 impl RunHistory {
     /// Step `step` (from 1) trained with `storage`.
     pub fn note_storage(&mut self, step: usize, storage: crate::config::ActivationStorage) {

@@ -1,13 +1,21 @@
-//! Compressed saved activations (`--compress-activations int8`): the one lossy optimization.
+//! Compressed saved activations (`--compress-activations int8|int4|int2`): the one lossy
+//! optimization.
 //!
 //! Every block keeps its conv output h for the backward (see [`super::tape`]); that is the floor
-//! of exact storage, 56 MiB of the plain f32 step's 57.5 MiB at batch 128. Stored as one byte per
-//! element with an offset and a step per channel ([`memtrain_kernels::quantize`]), h takes a
-//! quarter of its f32 bytes (half of f16's or bf16's), and the backward reads a value within half
-//! a step of the one the forward computed: the BatchNorm backward, the ReLU mask, the pool's
-//! argmax and the next conv's weight gradient all see that value, so the gradients are close to
-//! the exact step's but not equal. The segment inputs of gradient checkpointing and the images
-//! stay exact: a recomputed segment starts from what the first forward saw.
+//! of exact storage, 56 MiB of the plain f32 step's 57.5 MiB at batch 128. Stored as codes of
+//! [`Width::bits`] bits ([`memtrain_kernels::quantize`]: int8 with a range per channel, rounded
+//! to nearest; int4 and int2 with a range per plane, rounded stochastically), h takes 8/32, 4/32
+//! or 2/32 of its f32 bytes plus its ranges, and the backward reads a value within a step of the
+//! one the forward computed (half a step for int8; for int4 and int2 unbiased): the BatchNorm
+//! backward, the ReLU mask, the pool's argmax and the next conv's weight gradient all see that
+//! value, so the gradients are close to the exact step's but not equal. The segment inputs of
+//! gradient checkpointing and the images stay exact: a recomputed segment starts from what the
+//! first forward saw.
+//!
+//! Stochastic rounding's noise is keyed by the block's index and the activation's own ranges (see
+//! [`memtrain_kernels::quantize`]): it changes with the run's weights and data, every step,
+//! micro-batch and block, repeats bit for bit when they repeat, and draws from no generator that
+//! anything else reads.
 //!
 //! What it costs in memory besides the codes: the backward decodes h into a fresh buffer of the
 //! compute dtype just before it needs it, so a block's backward holds the decoded h where the
@@ -16,21 +24,23 @@
 use super::ops::StepOps;
 use crate::error::Result;
 use crate::options::ActivationStorage;
+#[cfg(doc)]
+use memtrain_kernels::quantize::Width;
 
 /// A block's conv output as the tape keeps it.
 pub(crate) enum Kept<O: StepOps> {
     /// The tensor itself.
     Exact(O::T),
-    /// Its 8-bit codes.
-    Int8(O::Codes),
+    /// Its codes.
+    Codes(O::Codes),
 }
 
 impl<O: StepOps> Kept<O> {
-    /// `h` stored as `how` says (`h` is only read: the forward goes on with it).
-    pub(crate) fn store(o: &O, h: &O::T, how: ActivationStorage) -> Result<Self> {
-        Ok(match how {
-            ActivationStorage::None => Kept::Exact(h.clone()),
-            ActivationStorage::Int8 => Kept::Int8(o.quantize(h)?),
+    /// Block j's `h` stored as `how` says (`h` is only read: the forward goes on with it).
+    pub(crate) fn store(o: &O, j: usize, h: &O::T, how: ActivationStorage) -> Result<Self> {
+        Ok(match how.width() {
+            None => Kept::Exact(h.clone()),
+            Some(width) => Kept::Codes(o.quantize(h, width, j as u64)?),
         })
     }
 
@@ -39,7 +49,7 @@ impl<O: StepOps> Kept<O> {
     pub(crate) fn restore(self, o: &O) -> Result<O::T> {
         Ok(match self {
             Kept::Exact(h) => h,
-            Kept::Int8(q) => o.dequantize(&q)?,
+            Kept::Codes(q) => o.dequantize(&q)?,
         })
     }
 
@@ -49,7 +59,7 @@ impl<O: StepOps> Kept<O> {
         Ok(match self {
             Kept::Exact(h) => o.bn_relu(h, p)?,
             // The decoding is a fresh tensor: normalize it where it lies.
-            Kept::Int8(q) => o.bn_relu_in_place(o.dequantize(q)?, p)?,
+            Kept::Codes(q) => o.bn_relu_in_place(o.dequantize(q)?, p)?,
         })
     }
 
@@ -57,7 +67,7 @@ impl<O: StepOps> Kept<O> {
     pub(crate) fn dims(&self, o: &O) -> Vec<usize> {
         match self {
             Kept::Exact(h) => o.dims(h),
-            Kept::Int8(q) => o.codes_dims(q),
+            Kept::Codes(q) => o.codes_dims(q),
         }
     }
 
@@ -65,7 +75,7 @@ impl<O: StepOps> Kept<O> {
     pub(crate) fn bytes(&self, o: &O) -> u64 {
         match self {
             Kept::Exact(h) => o.bytes(h),
-            Kept::Int8(q) => o.codes_bytes(q),
+            Kept::Codes(q) => o.codes_bytes(q),
         }
     }
 }

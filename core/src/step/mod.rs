@@ -9,8 +9,8 @@
 //! 3. [`accumulate`]: one f32 gradient buffer per parameter, summed over the micro-batches.
 //! 4. [`precision`]: mixed precision — the compute dtype and f16's dynamic loss scaler.
 //! 5. [`optim`]: the optimizers on f32 master weights and the learning-rate schedule.
-//! 6. [`compress`]: compressed saved activations (`--compress-activations int8`), the one lossy
-//!    optimization: what the tape keeps of each block's conv output.
+//! 6. [`compress`]: compressed saved activations (`--compress-activations int8|int4|int2`), the
+//!    one lossy optimization: what the tape keeps of each block's conv output.
 //!
 //! The fourth optimization, depthwise-separable convolutions, is a choice of layer when the model
 //! is built ([`crate::model::layers::ConvLayer`]); the tape runs whichever conv the block has.

@@ -18,7 +18,7 @@ pub use crate::model::layers::ConvWeights;
 use crate::model::Cnn;
 use candle_core::{DType, Tensor, D};
 use memtrain_kernels::batchnorm::{self as bn, BnParams};
-use memtrain_kernels::quantize::{self, QuantizedU8};
+use memtrain_kernels::quantize::{self, Quantized, Width};
 use memtrain_kernels::{conv2d, depthwise, linear};
 
 /// What the head hands back: read on the host, or left on the device as f32 and u32 scalars
@@ -44,7 +44,7 @@ pub trait StepOps {
     type T: Clone;
     /// A block's BatchNorm parameters and batch statistics, as its passes read them.
     type Bn;
-    /// A conv output's 8-bit codes (`--compress-activations int8`).
+    /// A conv output's codes (`--compress-activations int8|int4|int2`).
     type Codes;
     /// The parameter-gradient buffers of a step.
     type Grads;
@@ -137,11 +137,11 @@ pub trait StepOps {
         p: &Self::Bn,
     ) -> Result<(Self::T, Self::T, Self::T)>;
 
-    /// `h` as 8-bit codes with a range per channel.
-    fn quantize(&self, h: &Self::T) -> Result<Self::Codes>;
+    /// `h` as `width` codes ([`memtrain_kernels::quantize`]); `salt` keys stochastic rounding.
+    fn quantize(&self, h: &Self::T, width: Width, salt: u64) -> Result<Self::Codes>;
     /// The codes decoded into a new tensor of the dtype they were stored from.
     fn dequantize(&self, q: &Self::Codes) -> Result<Self::T>;
-    /// The shape of the coded tensor.
+    /// The shape the codes decode to.
     fn codes_dims(&self, q: &Self::Codes) -> Vec<usize>;
     /// Bytes the codes hold (codes and ranges).
     fn codes_bytes(&self, q: &Self::Codes) -> u64;
@@ -204,7 +204,7 @@ impl<'a> CandleOps<'a> {
 impl StepOps for CandleOps<'_> {
     type T = Tensor;
     type Bn = BnParams;
-    type Codes = QuantizedU8;
+    type Codes = Quantized;
     type Grads = GradAccumulator;
 
     fn dtype(&self) -> DType {
@@ -329,16 +329,16 @@ impl StepOps for CandleOps<'_> {
         Ok(bn::bn_relu_pool_backward(h, g, argmax, p)?)
     }
 
-    fn quantize(&self, h: &Tensor) -> Result<QuantizedU8> {
-        Ok(quantize::quantize(h)?)
+    fn quantize(&self, h: &Tensor, width: Width, salt: u64) -> Result<Quantized> {
+        Ok(quantize::quantize(h, width, salt)?)
     }
-    fn dequantize(&self, q: &QuantizedU8) -> Result<Tensor> {
+    fn dequantize(&self, q: &Quantized) -> Result<Tensor> {
         Ok(quantize::dequantize(q)?)
     }
-    fn codes_dims(&self, q: &QuantizedU8) -> Vec<usize> {
-        q.codes.dims().to_vec()
+    fn codes_dims(&self, q: &Quantized) -> Vec<usize> {
+        q.dims.to_vec()
     }
-    fn codes_bytes(&self, q: &QuantizedU8) -> u64 {
+    fn codes_bytes(&self, q: &Quantized) -> u64 {
         q.bytes() as u64
     }
 

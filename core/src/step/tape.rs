@@ -420,12 +420,12 @@ impl<O: StepOps> LeanStep<O> {
         let params = o.bn_params(j, &h, update_stats)?;
         let pool = o.block_pools(j);
         if save {
-            let kept = Kept::store(o, &h, self.storage)?;
+            let kept = Kept::store(o, j, &h, self.storage)?;
             let out = match (&kept, pool) {
                 (_, true) => o.bn_relu_pool(&h, &params)?,
                 // The exact record is h itself: the output needs a buffer of its own.
                 (Kept::Exact(_), false) => o.bn_relu(&h, &params)?,
-                (Kept::Int8(_), false) => o.bn_relu_in_place(h, &params)?,
+                (Kept::Codes(_), false) => o.bn_relu_in_place(h, &params)?,
             };
             Ok((
                 out,
@@ -448,7 +448,7 @@ impl<O: StepOps> LeanStep<O> {
         drop(x);
         let bn = self.o.bn_params(j, &h, false)?;
         Ok(Saved {
-            h: Kept::store(&self.o, &h, self.storage)?,
+            h: Kept::store(&self.o, j, &h, self.storage)?,
             bn,
         })
     }

@@ -1,15 +1,16 @@
-//! The gradient error of `--compress-activations int8`: per parameter, the relative L2 error and
-//! the cosine of the int8 step's gradient against the exact step's, on one batch of held-out
-//! images, with the same weights.
+//! The gradient error of `--compress-activations int8|int4|int2`: per parameter, the relative L2
+//! error and the cosine of the compressed step's gradient against the exact step's, on one batch
+//! of held-out images, with the same weights.
 //!
 //! ```text
-//! cargo run --release --example int8_error -- --data-dir ../shared/data/cifar10-subset \
-//!     --warmup-steps 100 --json docs/results/int8-error.json
+//! cargo run --release --example codes_error -- --data-dir ../shared/data/cifar10-subset \
+//!     --warmup-steps 100 --json docs/results/codes-error.json
 //! ```
 //! The network first trains `--warmup-steps` exact steps (at initialization the gradients are
-//! not those of training), then the same batch goes through the exact and the int8 step in each
-//! precision; for scale, the exact f16 and bf16 gradients are compared with the exact f32 ones. Any training flag of `train_cifar10` is accepted (`--batch-size`, `--width`,
-//! `--conv`, …); `--precision` is swept, `--compress-activations` is what is compared.
+//! not those of training), then the same batch goes through the exact step and the step with each
+//! width of codes in each precision; for scale, the exact f16 and bf16 gradients are compared with
+//! the exact f32 ones. Any training flag of `train_cifar10` is accepted (`--batch-size`,
+//! `--width`, `--conv`, …); `--precision` is swept, `--compress-activations` is what is compared.
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Tensor};
@@ -20,9 +21,9 @@ use memtrain::data::{self, DataOptions};
 use memtrain::train::{Trainer, TrainerOptions};
 use std::path::PathBuf;
 
-/// Gradient error of int8 saved activations against the exact step.
+/// Gradient error of compressed saved activations against the exact step.
 #[derive(Debug, Parser)]
-#[command(name = "int8_error", version, long_about = None)]
+#[command(name = "codes_error", version, long_about = None)]
 struct Args {
     /// Exact training steps before the measurement
     #[arg(long, default_value_t = 100)]
@@ -43,7 +44,8 @@ struct Row {
     cosine: f64,
 }
 
-/// One row per parameter: the error of gradients `got` against `reference`, printed.
+/// One row per parameter, and a last one (`all`) for every parameter's gradient as one vector:
+/// the error of gradients `got` against `reference`, printed.
 fn compare(
     what: &str,
     names: &[String],
@@ -65,6 +67,26 @@ fn compare(
             cosine: cos,
         });
     }
+    let flat = |g: &[Option<Tensor>]| -> anyhow::Result<Tensor> {
+        let parts = g
+            .iter()
+            .map(|t| {
+                Ok(t.as_ref()
+                    .context("no gradient")?
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    };
+    let (rel, cos) = error(&flat(got)?, &flat(reference)?)?;
+    println!("| {what} | all | {rel:.4} | {cos:.5} |");
+    rows.push(Row {
+        compared: what.to_string(),
+        parameter: "all".into(),
+        relative_l2: rel,
+        cosine: cos,
+    });
     Ok(rows)
 }
 
@@ -83,10 +105,10 @@ fn main() -> anyhow::Result<()> {
     let mut cfg = args.train;
     if cfg.compress_activations != ActivationStorage::None {
         bail!(
-            "--compress-activations: int8_error compares none with int8 itself; leave the flag out"
+            "--compress-activations: codes_error compares none with every width itself; leave the flag out"
         );
     }
-    let work = std::env::temp_dir().join(format!("memtrain-int8-error-{}", std::process::id()));
+    let work = std::env::temp_dir().join(format!("memtrain-codes-error-{}", std::process::id()));
     cfg.out = Some(work.clone());
     cfg.eval = false;
     cfg.quiet = true;
@@ -123,15 +145,17 @@ fn main() -> anyhow::Result<()> {
     let names: Vec<String> = t.model.named_vars().into_iter().map(|(n, _)| n).collect();
     let mut rows = Vec::new();
     println!("\n| compared | parameter | relative L2 | cosine |\n|---|---|---:|---:|");
-    // Every precision's exact gradients, and its int8 ones.
+    // Every precision's exact gradients, and those of each width of codes.
     let mut exact = Vec::new();
     for p in Precision::ALL {
         t.config.precision = *p;
         t.config.compress_activations = ActivationStorage::None;
         let e = t.compute_grads(&images, &labels)?.1;
-        t.config.compress_activations = ActivationStorage::Int8;
-        let q = t.compute_grads(&images, &labels)?.1;
-        rows.extend(compare(&format!("{p} int8 vs {p} exact"), &names, &q, &e)?);
+        for &c in ActivationStorage::ALL.iter().filter(|c| c.is_lossy()) {
+            t.config.compress_activations = c;
+            let q = t.compute_grads(&images, &labels)?.1;
+            rows.extend(compare(&format!("{p} {c} vs {p} exact"), &names, &q, &e)?);
+        }
         exact.push(e);
     }
     // For scale: what half precision alone changes, against the exact f32 step.

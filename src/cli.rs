@@ -173,7 +173,7 @@ fn merge_config_file(
 }
 
 /// Parse `args` (including the program name) into [`TrainArgs`], recording which flags were
-/// given explicitly. Usage errors become one-line [`Error::Config`]s; `--help`/`--version`
+/// given explicitly. Usage errors become one-line [`CoreError::Config`](crate::error::CoreError::Config)s; `--help`/`--version`
 /// come back as `Ok(Err(text))` to be printed with exit code 0.
 pub fn parse_train_args<I, T>(args: I) -> Result<std::result::Result<TrainArgs, String>>
 where

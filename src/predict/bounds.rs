@@ -43,10 +43,10 @@ use std::path::{Path, PathBuf};
 /// given); `fit_memory` is `--fit-memory`'s budget, whose planner then picks the batch settings.
 ///
 /// # Errors
-/// [`Error::Config`] naming the data set or the model as too big and a value that fits;
-/// [`Error::OutOfMemory`] for a step the machine cannot hold; [`Error::Data`] for data files
+/// [`CoreError::Config`](crate::error::CoreError::Config) naming the data set or the model as too big and a value that fits;
+/// [`CoreError::OutOfMemory`](crate::error::CoreError::OutOfMemory) for a step the machine cannot hold; [`Error::Data`] for data files
 /// that are not CIFAR-10 binary files (not regular, a size that is not whole records or more
-/// than a batch file holds); [`Error::Config`] for an invalid configuration.
+/// than a batch file holds); [`CoreError::Config`](crate::error::CoreError::Config) for an invalid configuration.
 pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -> Result<()> {
     let device = DeviceKind::for_spec(cfg.device.as_deref())?;
     let source = Source::of(cfg)?;

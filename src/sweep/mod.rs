@@ -585,7 +585,7 @@ pub(crate) fn preflight(trainer: &TrainerCommand, points: &[(String, Vec<String>
 
 /// Run `trainer args…` as a child process with stdout and stderr going to `stdout.log` and
 /// `stderr.log` in `run_dir` (created), wait for it (killing it after `timeout`), and classify the
-/// outcome. Fails when the child cannot be started at all, and with [`Error::Config`] when it
+/// outcome. Fails when the child cannot be started at all, and with [`CoreError::Config`](crate::error::CoreError::Config) when it
 /// refused its flags (exit status 2): a usage error would fail every point alike.
 pub(crate) fn run_child(
     trainer: &TrainerCommand,

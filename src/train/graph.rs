@@ -390,7 +390,9 @@ mod cuda {
                     };
                     let outputs = body?;
                     let graph = graph.w()?.ok_or_else(|| {
-                        Error::Device("--cuda-graph: the capture recorded no work".into())
+                        Error::Core(crate::error::CoreError::Device(
+                            "--cuda-graph: the capture recorded no work".into(),
+                        ))
                     })?;
                     self.count(&graph)?;
                     self.stats.captures += 1;

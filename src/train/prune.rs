@@ -89,7 +89,7 @@ impl Schedule {
     /// short of the sparsity asked for.
     ///
     /// # Errors
-    /// [`Error::Config`] when the end is past the run or not after the begin step.
+    /// [`CoreError::Config`](crate::error::CoreError::Config) when the end is past the run or not after the begin step.
     pub fn for_run(cfg: &TrainConfig, total_steps: usize) -> Result<Option<Schedule>> {
         let Some(target) = cfg.prune else {
             return Ok(None);

@@ -142,7 +142,7 @@ pub(crate) fn holds_results(dir: &Path) -> bool {
 
 /// Create `dir` if needed, take its lock, and prepare it for `claim`.
 ///
-/// Errors: another process holds the lock ([`Error::Config`]); `claim` is
+/// Errors: another process holds the lock ([`CoreError::Config`](crate::error::CoreError::Config)); `claim` is
 /// [`Claim::New`] without `overwrite` and the directory holds an earlier run (see
 /// [`check_new`]).
 pub(crate) fn claim(dir: &Path, claim: Claim) -> Result<RunDirLock> {

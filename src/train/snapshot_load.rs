@@ -271,7 +271,7 @@ impl Snapshot {
     ///
     /// Damaged or incomplete newer ones are skipped and listed in [`Snapshot::skipped`]. Errors
     /// (one line each): `run_dir` missing or not a directory, or no snapshot in it
-    /// ([`Error::Config`]); no complete snapshot ([`Error::Snapshot`], naming the newest
+    /// ([`CoreError::Config`](crate::error::CoreError::Config)); no complete snapshot ([`Error::Snapshot`], naming the newest
     /// one's problem).
     pub fn find_latest(run_dir: &Path) -> Result<Snapshot> {
         let shown = run_dir.display();

@@ -35,6 +35,13 @@ setup_torch() {
   torch_version=$("$py" -c 'import torch; print(torch.__version__)')
 }
 
+# A run-reading script's checks: --data-dir (when given) is a directory, and python3 is there to
+# read the runs' summary.json.
+check_data_dir_and_python() { # data_dir
+  [ -z "$1" ] || [ -d "$1" ] || fail "--data-dir $1 is not a directory"
+  command -v python3 >/dev/null || fail "python3 not found (used to read summary.json)"
+}
+
 # `cargo build --release --example train_cifar10` with ${CARGO:-cargo} (CARGO=true runs whatever
 # binary is there). Sets `cargo`, `target_dir` and `bin`. Needs `py` (for cargo metadata's JSON).
 build_memtrain() {

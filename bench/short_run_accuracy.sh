@@ -29,8 +29,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 extra=("$@")
-[ -z "$data_dir" ] || [ -d "$data_dir" ] || fail "--data-dir $data_dir is not a directory"
-command -v python3 >/dev/null || fail "python3 not found (used to read summary.json)"
+check_data_dir_and_python "$data_dir"
 py=python3
 build_memtrain
 mkdir -p "$out"

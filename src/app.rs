@@ -91,12 +91,12 @@ where
     if cmd.dry_run {
         return Ok(());
     }
-    if resuming && trainer.global_step >= trainer.total_steps() {
+    if resuming && trainer.position.global_step >= trainer.total_steps() {
         // The run's results are still (re)written below: a kill after the last step can have
         // left its evaluation or its summary undone.
         println!(
             "no steps left to train: the snapshot is at step {} of {}; pass a larger --epochs to continue training",
-            trainer.global_step,
+            trainer.position.global_step,
             trainer.total_steps()
         );
     }

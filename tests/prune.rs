@@ -705,7 +705,7 @@ fn edited_masks_are_refused_on_resume() {
         let mut t = Trainer::new(cfg.clone(), splits(), TrainerOptions::default()).unwrap();
         let e = t.restore(edited).unwrap_err().to_string();
         assert!(e.contains("the masks were altered"), "{what}: {e}");
-        assert_eq!(t.global_step, 0, "{what}: nothing restored");
+        assert_eq!(t.position.global_step, 0, "{what}: nothing restored");
     }
 }
 

@@ -710,7 +710,7 @@ fn restore_brings_back_every_piece_of_state() {
         let mut a = Trainer::new(cfg.clone(), splits(&cfg), options).unwrap();
         let summary = a.fit().unwrap();
         assert_eq!(summary.status, memtrain::train::RunStatus::Interrupted);
-        assert_eq!(a.global_step, 3);
+        assert_eq!(a.position.global_step, 3);
 
         let ck = Snapshot::find_latest(&dir).unwrap();
         assert!(ck.skipped.is_empty());
@@ -722,7 +722,14 @@ fn restore_brings_back_every_piece_of_state() {
         let mut b = Trainer::new(cfg_b, splits(&cfg), TrainerOptions::default()).unwrap();
         b.resume(ck).unwrap();
 
-        assert_eq!((b.global_step, b.start_epoch, b.start_batch), (3, 0, 3));
+        assert_eq!(
+            (
+                b.position.global_step,
+                b.position.start_epoch,
+                b.position.start_batch
+            ),
+            (3, 0, 3)
+        );
         assert_eq!(b.optimizer.steps, a.optimizer.steps);
         assert_eq!(b.scaler, a.scaler);
         assert_eq!(b.scaler.is_some(), precision == Precision::F16);
@@ -788,7 +795,14 @@ fn snapshot_and_restore_continue_in_memory() {
 
     let mut b = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions::default()).unwrap();
     b.restore(state.clone()).unwrap();
-    assert_eq!((b.global_step, b.start_epoch, b.start_batch), (2, 0, 2));
+    assert_eq!(
+        (
+            b.position.global_step,
+            b.position.start_epoch,
+            b.position.start_batch
+        ),
+        (2, 0, 2)
+    );
     for (i, batch) in batches[2..].iter().enumerate() {
         let (ra, rb) = (
             a.train_step(batch, 0, i + 2).unwrap(),
@@ -811,7 +825,7 @@ fn snapshot_and_restore_continue_in_memory() {
     let mut c = Trainer::new(cfg.clone(), splits(&other), TrainerOptions::default()).unwrap();
     let e = c.restore(state.clone()).unwrap_err().to_string();
     assert!(e.contains("training data differs"), "{e}");
-    assert_eq!(c.global_step, 0);
+    assert_eq!(c.position.global_step, 0);
     let wide = TrainConfig {
         width: 8,
         ..cfg.clone()
@@ -819,7 +833,7 @@ fn snapshot_and_restore_continue_in_memory() {
     let mut d = Trainer::new(wide, splits(&cfg), TrainerOptions::default()).unwrap();
     let e = d.restore(state.clone()).unwrap_err().to_string();
     assert!(e.contains("the model needs"), "{e}");
-    assert_eq!(d.global_step, 0);
+    assert_eq!(d.position.global_step, 0);
 
     // A NaN weight, or an optimizer state emptied, is refused: a run never saves either.
     let mut nan = state.clone();
@@ -838,13 +852,13 @@ fn snapshot_and_restore_continue_in_memory() {
     let mut e_nan = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions::default()).unwrap();
     let e = e_nan.restore(nan).unwrap_err().to_string();
     assert!(e.contains("NaN or infinite"), "{e}");
-    assert_eq!(e_nan.global_step, 0);
+    assert_eq!(e_nan.position.global_step, 0);
     let mut empty = state;
     empty.optimizer.clear();
     let mut e_opt = Trainer::new(cfg.clone(), splits(&cfg), TrainerOptions::default()).unwrap();
     let e = e_opt.restore(empty).unwrap_err().to_string();
     assert!(e.contains("optimizer state holds 0 tensors"), "{e}");
-    assert_eq!(e_opt.global_step, 0);
+    assert_eq!(e_opt.position.global_step, 0);
 }
 
 #[test]

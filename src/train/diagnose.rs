@@ -30,7 +30,7 @@ impl Trainer {
             ),
             None => format!("{phase}, before the first layer event"),
         };
-        let path = self.run_dir.join(OOM_SNAPSHOT_FILE);
+        let path = self.files.run_dir.join(OOM_SNAPSHOT_FILE);
         let mut error = Error::Core(CoreError::OutOfMemory {
             limit,
             epoch,
@@ -43,11 +43,11 @@ impl Trainer {
             error: error.to_string(),
             failed_at,
             config: &self.config,
-            heap_budget_bytes: self.probe.limit(),
+            heap_budget_bytes: self.watch.probe.limit(),
             timeline,
             estimate,
         };
-        let written = crate::io::create_dir(&self.run_dir)
+        let written = crate::io::create_dir(&self.files.run_dir)
             .and_then(|()| crate::io::write_json_atomic(&path, &snapshot));
         match written {
             Ok(()) => {
@@ -75,7 +75,7 @@ impl Trainer {
     /// A segmentation the estimate predicts to need less than this run's, for the advice.
     fn smaller_schedule(&self) -> Option<crate::advice::SmallerSchedule> {
         use crate::predict::{smaller_schedule, Baseline, DataSize, DeviceKind};
-        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
+        let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
         smaller_schedule(
             &self.config,
             &self.model.layer_specs(),
@@ -101,17 +101,19 @@ impl Trainer {
         }
         let fixes = fixes.join(", or ");
         let newest = self
+            .files
             .snapshots
             .last_step()
-            .filter(|_| self.snapshots.enabled);
+            .filter(|_| self.files.snapshots.enabled);
         let healthy = self
+            .files
             .snapshots
             .last_healthy()
-            .filter(|_| self.snapshots.enabled);
+            .filter(|_| self.files.snapshots.enabled);
         let aside = if newest > healthy {
             format!(
                 " (the snapshots after it, written while the loss was blowing up, are moved to {})",
-                super::snapshot::snapshots_root(&self.run_dir)
+                super::snapshot::snapshots_root(&self.files.run_dir)
                     .join(super::snapshot::DIVERGED_DIR)
                     .display()
             )
@@ -122,13 +124,13 @@ impl Trainer {
             Some(step) => format!(
                 "{fixes}; the snapshot from before the loss blew up (step {step}) is kept{aside}: \
                  resume it with --resume {} and such a change, or start again",
-                self.run_dir.display()
+                self.files.run_dir.display()
             ),
             None if newest.is_some() => format!(
                 "{fixes}, and start again (every snapshot was written while the loss was above \
                  {:.1}; they are moved to {})",
                 super::snapshot::DIVERGED_LOSS,
-                super::snapshot::snapshots_root(&self.run_dir)
+                super::snapshot::snapshots_root(&self.files.run_dir)
                     .join(super::snapshot::DIVERGED_DIR)
                     .display()
             ),

@@ -36,7 +36,7 @@ impl Trainer {
                 prefetch: self.config.prefetch_batches(self.device.is_cuda()),
                 start_batch: 0,
                 // The training batches' buffers: evaluation needs no more of its own.
-                recycle: Some(self.batch_buffers.clone()),
+                recycle: Some(self.data.batch_buffers.clone()),
             },
         );
         let dtype = self.config.precision.compute_dtype();
@@ -48,7 +48,7 @@ impl Trainer {
             let x = Tensor::from_slice(&b.images, (b.len, 3, 32, 32), &self.device)?;
             let y = Tensor::from_slice(&b.labels, b.len, &self.device)?;
             let mut budget = EvalBudget {
-                probe: &*self.probe,
+                probe: &*self.watch.probe,
                 epoch,
                 batch: b.index,
             };
@@ -64,7 +64,7 @@ impl Trainer {
             loss_sum += r.loss * b.len as f64;
             correct += r.correct;
             n += b.len;
-            self.batch_buffers.put(b.images);
+            self.data.batch_buffers.put(b.images);
         }
         if n == 0 {
             return Ok(Some((f64::NAN, 0.0)));
@@ -87,7 +87,7 @@ impl Trainer {
         let result = self.fit_inner();
         if let Err(Error::NonFinite { .. }) = &result {
             // The advice in the error names the healthy snapshot this leaves as the newest.
-            self.snapshots.set_aside_diverged(&self.run_dir);
+            self.files.snapshots.set_aside_diverged(&self.files.run_dir);
         }
         result
     }
@@ -99,7 +99,7 @@ impl Trainer {
         // and callbacks.
         let mut cut_short: Option<EpochStats> = None;
         let mut interrupted = false;
-        let mut epoch = self.start_epoch;
+        let mut epoch = self.position.start_epoch;
         while epoch < self.config.epochs {
             if self.stop_requested() {
                 cut_short = Some(EpochStats::default());
@@ -120,7 +120,7 @@ impl Trainer {
                 EpochEnded::Done => {}
             }
             epoch += 1;
-            self.start_batch = 0;
+            self.position.start_batch = 0;
         }
         self.train_end(epoch, cut_short, interrupted, wall)
     }
@@ -128,21 +128,21 @@ impl Trainer {
     /// The run's beginning: the memory recorder's and the callbacks'.
     fn train_begin(&mut self) -> Result<()> {
         let dev_name = device_name(&self.device);
-        self.memory.train_begin();
+        self.watch.memory.train_begin();
         self.callbacks.on_train_begin(&TrainBegin {
             config: &self.config,
-            run_dir: &self.run_dir,
+            run_dir: &self.files.run_dir,
             device: &dev_name,
             num_params: self.model.num_params(),
-            steps_per_epoch: self.steps_per_epoch,
-            total_steps: self.total_steps,
-            global_step: self.global_step,
-            start_epoch: self.start_epoch,
+            steps_per_epoch: self.position.steps_per_epoch,
+            total_steps: self.position.total_steps,
+            global_step: self.position.global_step,
+            start_epoch: self.position.start_epoch,
             ended_epochs: &self.history.epochs,
-            train_images: self.train.len(),
-            eval_images: self.eval.len(),
-            probe: &*self.probe,
-            memory: self.memory.log(),
+            train_images: self.data.train.len(),
+            eval_images: self.data.eval.len(),
+            probe: &*self.watch.probe,
+            memory: self.watch.memory.log(),
         })
     }
 
@@ -150,32 +150,35 @@ impl Trainer {
     /// evaluation, its end hooks and its snapshot.
     fn run_epoch(&mut self, epoch: usize) -> Result<EpochEnded> {
         let cfg = self.config.clone();
-        let first = if epoch == self.start_epoch {
-            self.start_batch
+        let first = if epoch == self.position.start_epoch {
+            self.position.start_batch
         } else {
             0
         };
         // An epoch begun by an earlier process continues its sums (and may only lack its
         // evaluation: then no step is left to train, but the epoch still ends).
         let carried = self.history.progress.take().filter(|p| p.epoch == epoch);
-        let steps = (self.steps_per_epoch - first).min(self.total_steps - self.global_step);
+        let steps = (self.position.steps_per_epoch - first)
+            .min(self.position.total_steps - self.position.global_step);
         if steps == 0 && carried.is_none() {
             return Ok(EpochEnded::Nothing);
         }
-        self.memory.epoch_begin(epoch, cfg.reset_peak_each_epoch);
+        self.watch
+            .memory
+            .epoch_begin(epoch, cfg.reset_peak_each_epoch);
         self.callbacks.on_epoch_begin(&EpochBegin {
             epoch,
             num_epochs: cfg.epochs,
             steps,
-            global_step: self.global_step,
+            global_step: self.position.global_step,
             reset_peak: cfg.reset_peak_each_epoch,
-            probe: &*self.probe,
-            memory: self.memory.log(),
+            probe: &*self.watch.probe,
+            memory: self.watch.memory.log(),
         })?;
         let mut progress = carried.unwrap_or_else(|| EpochProgress::new(epoch, cfg.lr));
         let (next, mut interrupted) = self.train_steps(epoch, first, steps, &mut progress)?;
         let eval = if cfg.eval && !interrupted {
-            let e = self.evaluate(&self.eval.clone(), epoch)?;
+            let e = self.evaluate(&self.data.eval.clone(), epoch)?;
             interrupted = e.is_none();
             e
         } else {
@@ -184,21 +187,21 @@ impl Trainer {
         let loss_scale = self.scaler.as_ref().map(|s| s.scale);
         let evaluated = eval.is_some();
         let stats = progress.stats(eval, loss_scale);
-        self.memory.epoch_end(epoch, evaluated);
+        self.watch.memory.epoch_end(epoch, evaluated);
         self.callbacks.on_epoch_end(&EpochEnd {
             stats: &stats,
             num_epochs: cfg.epochs,
-            probe: &*self.probe,
-            memory: self.memory.log(),
+            probe: &*self.watch.probe,
+            memory: self.watch.memory.log(),
         })?;
         if interrupted {
             // A snapshot of exactly here: the resumed run finishes this epoch's steps (if any
             // are left) and evaluates it.
-            self.start_batch = next;
+            self.position.start_batch = next;
             self.save_snapshot(epoch, next, Some(&progress))?;
             return Ok(EpochEnded::Interrupted(stats));
         }
-        if next < self.steps_per_epoch {
+        if next < self.position.steps_per_epoch {
             // Cut short by --max-steps: this run reports the part it trained, but the epoch has
             // not ended. The snapshot keeps it in progress, so that a longer --max-steps
             // continues it and ends it once (one row in epochs.csv, one ended epoch).
@@ -221,7 +224,7 @@ impl Trainer {
     ) -> Result<(usize, bool)> {
         let cfg = &self.config;
         let batcher = Batcher::new(
-            self.train.clone(),
+            self.data.train.clone(),
             BatcherOptions {
                 batch_size: cfg.batch_size,
                 shuffle: true,
@@ -231,7 +234,7 @@ impl Trainer {
                 epoch,
                 prefetch: cfg.prefetch_batches(self.device.is_cuda()),
                 start_batch: first,
-                recycle: Some(self.batch_buffers.clone()),
+                recycle: Some(self.data.batch_buffers.clone()),
             },
         );
         let save_every = cfg.save_every;
@@ -241,7 +244,7 @@ impl Trainer {
         for batch in batcher.take(steps) {
             let r = self.train_step(&batch, epoch, batch.index)?;
             next = batch.index + 1;
-            self.batch_buffers.put(batch.images);
+            self.data.batch_buffers.put(batch.images);
             let secs = tick.elapsed().as_secs_f64();
             tick = Instant::now();
             progress.add(&r);
@@ -249,7 +252,7 @@ impl Trainer {
             self.history.images += r.images;
             self.history.train_secs += secs;
             // A snapshot every --save-every steps (a state is never saved twice).
-            if save_every > 0 && self.global_step.is_multiple_of(save_every) {
+            if save_every > 0 && self.position.global_step.is_multiple_of(save_every) {
                 self.save_snapshot(epoch, next, Some(progress))?;
             }
             if self.stop_requested() {
@@ -269,17 +272,17 @@ impl Trainer {
         interrupted: bool,
         wall: Instant,
     ) -> Result<Summary> {
-        if interrupted && self.snapshots.last_step().is_none() {
+        if interrupted && self.files.snapshots.last_step().is_none() {
             // Stopped before the first step: a snapshot of the start, so --resume can finish.
-            self.save_snapshot(epoch, self.start_batch, None)?;
+            self.save_snapshot(epoch, self.position.start_batch, None)?;
         }
-        self.start_epoch = epoch;
+        self.position.start_epoch = epoch;
         let pruning = self.finish_pruning(interrupted)?;
         // The run's epochs; an interrupted run also shows the part of the epoch it trained.
         let mut epochs = self.history.epochs.clone();
         epochs.extend(cut_short.filter(|s| s.steps > 0));
         // The last memory reading goes in before the summary, which reports the run's peak.
-        self.memory.train_end();
+        self.watch.memory.train_end();
         let summary = self.summary(
             &epochs,
             self.history.epochs.len(),
@@ -288,23 +291,24 @@ impl Trainer {
             pruning,
         );
         // The results first: an export below that fails or is killed loses nothing measured.
-        if self.log_files {
+        if self.files.log_files {
             crate::io::write_json_atomic(
-                &self.run_dir.join(super::summary::SUMMARY_FILE),
+                &self.files.run_dir.join(super::summary::SUMMARY_FILE),
                 &summary,
             )?;
         }
         self.callbacks.on_train_end(&TrainEnd {
             epochs: &epochs,
-            global_step: self.global_step,
+            global_step: self.position.global_step,
             images_per_sec: summary.images_per_sec,
             interrupted,
-            probe: &*self.probe,
-            memory: self.memory.log(),
+            probe: &*self.watch.probe,
+            memory: self.watch.memory.log(),
         })?;
-        if self.log_files && !self.timeline.events.is_empty() {
+        if self.files.log_files && !self.watch.timeline.events.is_empty() {
             crate::io::write_json_atomic(
                 &self
+                    .files
                     .run_dir
                     .join(crate::memory::timeline::STEP_TIMELINE_FILE),
                 &self.step_timeline(),

@@ -28,4 +28,4 @@ pub mod viewers;
 
 pub use state::TrainState;
 pub use summary::{RunStatus, Summary};
-pub use trainer::{Trainer, TrainerOptions};
+pub use trainer::{Position, Trainer, TrainerOptions};

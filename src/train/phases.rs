@@ -287,12 +287,12 @@ impl Trainer {
             started: t0,
             epoch,
             batch: batch_idx,
-            global_step: self.global_step,
+            global_step: self.position.global_step,
             accum_steps: self.config.accum_steps,
             images: batch.len,
             lr: one_cycle_lr(
-                self.global_step,
-                self.total_steps,
+                self.position.global_step,
+                self.position.total_steps,
                 self.config.lr,
                 self.config.warmup_frac,
             ),
@@ -301,36 +301,36 @@ impl Trainer {
         // The step's memory timeline; kept outside the step so a failing step leaves the
         // events up to the failure for the OOM snapshot.
         // Reserved for as many events as the step before had: a steady step grows no vector.
-        let mut events = Vec::with_capacity(self.timeline.events.len());
-        let mut start_bytes = self.probe.current();
+        let mut events = Vec::with_capacity(self.watch.timeline.events.len());
+        let mut start_bytes = self.watch.probe.current();
         let result = self.step_phases(&step, batch, &mut events, &mut start_bytes, t0);
         // A failed step's trace ends here (a step that ended well stopped it before its end).
-        self.tracer.end();
+        self.watch.tracer.end();
         let mut timeline = StepTimeline {
             label: self.config.label(),
-            probe: self.probe.name().to_string(),
+            probe: self.watch.probe.name().to_string(),
             // Numbered from 1, as in batches.csv and memory.json.
-            global_step: self.global_step + 1,
+            global_step: self.position.global_step + 1,
             start_bytes,
             events,
         };
         timeline.events.shrink_to_fit();
         match result {
             Ok(r) => {
-                self.timeline = timeline;
-                self.global_step += 1;
+                self.watch.timeline = timeline;
+                self.position.global_step += 1;
                 self.history
-                    .note_storage(self.global_step, self.config.compress_activations);
+                    .note_storage(self.position.global_step, self.config.compress_activations);
                 self.history
                     .step_times
                     .push(r.images, t0.elapsed().as_secs_f64());
-                self.snapshots.note_step(&r);
+                self.files.snapshots.note_step(&r);
                 self.keep_step_trace(step.global_step);
                 Ok(r)
             }
             Err(e) if e.is_oom() => {
                 let e = self.advise_oom(e);
-                if self.oom_snapshot {
+                if self.files.oom_snapshot {
                     // After the JSON snapshot, which makes the run directory if need be.
                     let e = self.write_oom_snapshot(e, timeline.clone());
                     self.write_oom_pickle(&timeline);
@@ -354,12 +354,12 @@ impl Trainer {
         t0: Instant,
     ) -> Result<StepResult> {
         let limit = self.config.memory_limit;
-        let probe = self.probe.clone();
-        self.memory.step_begin();
+        let probe = self.watch.probe.clone();
+        self.watch.memory.step_begin();
         // Traced from the moment the step's peak starts (the trace resets the watermark).
-        self.tracer.begin(step.global_step);
+        self.watch.tracer.begin(step.global_step);
         self.callbacks
-            .on_batch_begin(&step.context(0, &*probe, self.memory.log()))?;
+            .on_batch_begin(&step.context(0, &*probe, self.watch.memory.log()))?;
         *start_bytes = probe.current();
         let fixed = self.fixed_categories(*start_bytes);
         let (loss, correct, grads) = self.forward_backward(step, batch, fixed, events)?;
@@ -381,7 +381,7 @@ impl Trainer {
         // The update's event goes on the timeline before its budget is judged, so that an
         // out-of-memory snapshot of this phase shows the failing event.
         crate::memory::trace::mark();
-        let peak_bytes = self.timeline_probe.take_event_peak();
+        let peak_bytes = self.watch.timeline_probe.take_event_peak();
         let current = probe.current();
         events.push(TimelineEvent {
             index: events.len(),
@@ -403,8 +403,9 @@ impl Trainer {
         let (skipped, grad_norm) = update?;
         check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
         // The trace ends where the step's peak does (the next reading folds it).
-        self.tracer.end();
-        self.memory
+        self.watch.tracer.end();
+        self.watch
+            .memory
             .step_end(step.epoch, step.batch, step.global_step);
         let end = BatchInfo {
             loss: Some(loss),
@@ -412,7 +413,7 @@ impl Trainer {
             skipped,
             step_secs: Some(t0.elapsed().as_secs_f64()),
             grad_norm: Some(grad_norm),
-            ..step.context(step.accum_steps - 1, &*probe, self.memory.log())
+            ..step.context(step.accum_steps - 1, &*probe, self.watch.memory.log())
         };
         self.callbacks.on_batch_end(&end)?;
         Ok(StepResult {
@@ -443,12 +444,12 @@ impl Trainer {
         ) {
             // One launch ran both phases of every micro-batch; their hooks follow it.
             let r = r.map_err(step.name_oom(limit, Phase::Forward))?;
-            let probe = self.probe.clone();
+            let probe = self.watch.probe.clone();
             for micro in 0..k {
                 for phase in [Phase::Forward, Phase::Backward] {
                     phase_end(
                         &mut self.callbacks,
-                        &mut self.memory,
+                        &mut self.watch.memory,
                         &*probe,
                         step,
                         micro,
@@ -466,12 +467,12 @@ impl Trainer {
             config,
             segmentation,
             callbacks,
-            memory,
-            probe,
-            timeline_probe,
+            watch,
             device,
             ..
         } = self;
+        let (memory, probe, timeline_probe) =
+            (&mut watch.memory, &watch.probe, &watch.timeline_probe);
         let batch = BatchInput::Host {
             images: &batch.images,
             labels: &batch.labels,
@@ -548,7 +549,11 @@ impl Trainer {
         drop(grads);
         // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
         if let Some(p) = self.pruner.as_mut() {
-            p.after_step(self.global_step + 1, &self.vars, &mut self.optimizer)?;
+            p.after_step(
+                self.position.global_step + 1,
+                &self.vars,
+                &mut self.optimizer,
+            )?;
         }
         Ok((!apply, squared.sqrt()))
     }

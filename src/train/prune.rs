@@ -643,7 +643,7 @@ impl super::Trainer {
             return Ok(None);
         };
         let mut report = pruner.report(&self.vars)?;
-        if self.log_files && !interrupted {
+        if self.files.log_files && !interrupted {
             let tensors: Vec<(String, Tensor)> = self
                 .model
                 .named_vars()
@@ -651,7 +651,7 @@ impl super::Trainer {
                 .map(|(n, v)| (n, v.as_detached_tensor()))
                 .chain(self.model.named_buffers())
                 .collect();
-            let dense_path = self.run_dir.join(DENSE_MODEL_FILE);
+            let dense_path = self.files.run_dir.join(DENSE_MODEL_FILE);
             let dense = tensors
                 .iter()
                 .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?)))
@@ -659,7 +659,7 @@ impl super::Trainer {
             save_atomic(&dense_path, &dense)?;
             drop(dense);
             let (sparse_bytes, encodings) =
-                save_sparse(&self.run_dir.join(SPARSE_MODEL_FILE), &tensors)?;
+                save_sparse(&self.files.run_dir.join(SPARSE_MODEL_FILE), &tensors)?;
             for layer in &mut report.layers {
                 layer.encoding = encodings
                     .iter()

@@ -34,14 +34,14 @@ impl Trainer {
             .named_vars()
             .into_iter()
             .map(|(n, v)| (n, v.as_detached_tensor()));
-        let mut memory = self.memory.log().clone();
+        let mut memory = self.watch.memory.log().clone();
         memory.epochs.truncate(self.history.epochs.len());
         Ok(TrainState {
-            global_step: self.global_step,
+            global_step: self.position.global_step,
             epoch,
-            next_batch: next_batch.min(self.steps_per_epoch),
-            steps_per_epoch: self.steps_per_epoch,
-            total_steps: self.total_steps,
+            next_batch: next_batch.min(self.position.steps_per_epoch),
+            steps_per_epoch: self.position.steps_per_epoch,
+            total_steps: self.position.total_steps,
             model: on_cpu(vars.chain(self.model.named_buffers()).collect())?,
             optimizer: on_cpu(self.optimizer.state())?,
             optimizer_steps: self.optimizer.steps,
@@ -51,9 +51,9 @@ impl Trainer {
                 .as_ref()
                 .map(|p| on_cpu(p.masks()))
                 .transpose()?,
-            train_images: self.train.len(),
+            train_images: self.data.train.len(),
             train_fingerprint: self.train_fingerprint().to_string(),
-            data_description: self.data_description.clone(),
+            data_description: self.data.description.clone(),
             history: RunHistory {
                 progress: progress.cloned(),
                 ..self.history.clone()
@@ -70,19 +70,19 @@ impl Trainer {
         if self.train_fingerprint() != state.train_fingerprint {
             return Err(Error::config(format!(
                 "--resume {}: the training data differs from the snapshot's (training data: snapshot {} images, {}; now {} images, {}); pass the --data-dir the run was trained on",
-                self.run_dir.display(),
+                self.files.run_dir.display(),
                 state.train_images,
                 state.data_description,
-                self.train.len(),
-                self.data_description
+                self.data.train.len(),
+                self.data.description
             )));
         }
-        if state.steps_per_epoch != self.steps_per_epoch {
+        if state.steps_per_epoch != self.position.steps_per_epoch {
             return Err(Error::config(format!(
                 "--resume {}: steps per epoch: snapshot {}, now {}; use the snapshot's --batch-size",
-                self.run_dir.display(),
+                self.files.run_dir.display(),
                 state.steps_per_epoch,
-                self.steps_per_epoch
+                self.position.steps_per_epoch
             )));
         }
 
@@ -136,11 +136,11 @@ impl Trainer {
             self.pruner = pruner;
         }
         self.scaler = state.scaler;
-        self.global_step = state.global_step;
-        self.start_epoch = state.epoch;
-        self.start_batch = state.next_batch;
+        self.position.global_step = state.global_step;
+        self.position.start_epoch = state.epoch;
+        self.position.start_batch = state.next_batch;
         self.history = state.history;
-        self.memory.continue_log(state.memory);
+        self.watch.memory.continue_log(state.memory);
         Ok(())
     }
 
@@ -212,24 +212,25 @@ impl Trainer {
             Error::Snapshot(m) => Error::Snapshot(format!("{}: {m}", dir.display())),
             other => other,
         })?;
-        if self.history.activation_storage.is_empty() && self.global_step > 0 {
+        if self.history.activation_storage.is_empty() && self.position.global_step > 0 {
             // A snapshot from before the record: its steps ran with its own setting.
             self.history
                 .activation_storage
                 .push(crate::config::StorageSpan {
                     first_step: 1,
-                    last_step: self.global_step,
+                    last_step: self.position.global_step,
                     compress_activations: config.compress_activations,
                 });
         }
-        self.snapshots.resumed(&run_dir, point, healthy);
+        self.files.snapshots.resumed(&run_dir, point, healthy);
         Ok(())
     }
 
     /// [`crate::data::Dataset::fingerprint`] of the training split, computed once.
     fn train_fingerprint(&self) -> &str {
-        self.train_fingerprint
-            .get_or_init(|| self.train.fingerprint())
+        self.data
+            .train_fingerprint
+            .get_or_init(|| self.data.train.fingerprint())
     }
 
     /// Write a snapshot of the state continuing at batch `next_batch` of `epoch` (see
@@ -244,14 +245,14 @@ impl Trainer {
         next_batch: usize,
         progress: Option<&EpochProgress>,
     ) -> Result<Option<PathBuf>> {
-        let next_batch = next_batch.min(self.steps_per_epoch);
+        let next_batch = next_batch.min(self.position.steps_per_epoch);
         let point = (
-            self.global_step,
+            self.position.global_step,
             epoch,
             next_batch,
             self.history.epochs.len(),
         );
-        if !self.snapshots.wants(point) {
+        if !self.files.snapshots.wants(point) {
             return Ok(None);
         }
         let state = self.snapshot(epoch, next_batch, progress)?;
@@ -265,12 +266,16 @@ impl Trainer {
                 advice: self.divergence_advice(),
             });
         }
-        let dir = self.snapshots.save(&self.run_dir, &state, &self.config)?;
+        let dir = self
+            .files
+            .snapshots
+            .save(&self.files.run_dir, &state, &self.config)?;
         // The newest step's memory timeline goes with the snapshot: a run resumed with no step
         // left to train (killed during its last evaluation) still has it for its charts.
-        if !self.timeline.events.is_empty() {
+        if !self.watch.timeline.events.is_empty() {
             crate::io::write_json_atomic(
                 &self
+                    .files
                     .run_dir
                     .join(crate::memory::timeline::STEP_TIMELINE_FILE),
                 &self.step_timeline(),

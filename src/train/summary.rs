@@ -154,8 +154,8 @@ impl Trainer {
         pruning: Option<super::prune::PruneReport>,
     ) -> Summary {
         let mem = self.memory_log();
-        let os = self.probe.os_memory();
-        let estimate = if self.probe.available() {
+        let os = self.watch.probe.os_memory();
+        let estimate = if self.watch.probe.available() {
             self.memory_estimate()
         } else {
             None
@@ -175,8 +175,8 @@ impl Trainer {
         Summary {
             label,
             device: device_name(&self.device),
-            probe: self.probe.name().to_string(),
-            probe_available: self.probe.available(),
+            probe: self.watch.probe.name().to_string(),
+            probe_available: self.watch.probe.available(),
             num_params: self.model.num_params(),
             param_bytes: self.model.num_params() as u64 * 4,
             peak_bytes: mem.peak_bytes,
@@ -184,11 +184,11 @@ impl Trainer {
             baseline_bytes: mem.baseline_bytes,
             step_peak_bytes: step_peak,
             reserved_peak_bytes: mem.reserved_peak_bytes,
-            os_view: self.probe.os_view(),
+            os_view: self.watch.probe.os_view(),
             os_current_bytes: os.map(|o| o.current),
             os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak_bytes),
             memory_limit_bytes: self.config.memory_limit,
-            heap_budget_bytes: self.probe.os_limit().and(self.probe.limit()),
+            heap_budget_bytes: self.watch.probe.os_limit().and(self.watch.probe.limit()),
             checkpoint_segments: self
                 .model
                 .segments(self.segmentation)
@@ -210,14 +210,14 @@ impl Trainer {
             prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
             steady_images_per_sec: self.history.step_times.steady(),
-            steps: self.global_step,
+            steps: self.position.global_step,
             epochs_completed: ended,
             images: self.history.images,
             final_train_loss: last.map(|e| e.train_loss),
             final_test_accuracy: last.and_then(|e| e.eval_accuracy),
             final_test_loss: last.and_then(|e| e.eval_loss),
-            eval_is_validation: self.eval_is_validation,
-            eval_images: self.eval.len(),
+            eval_is_validation: self.data.eval_is_validation,
+            eval_images: self.data.eval.len(),
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
             status: if interrupted {
@@ -237,7 +237,7 @@ impl Trainer {
     /// ([`crate::predict::what_if()`]); `None` when they cannot be estimated.
     pub fn what_if(&self) -> Option<Vec<crate::predict::WhatIf>> {
         use crate::predict::{Baseline, DataSize, DeviceKind};
-        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
+        let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
         crate::predict::what_if(
             &self.config,
             DeviceKind::of(&self.device),

@@ -60,48 +60,76 @@ pub struct Trainer {
     pub optimizer: Optimizer,
     /// The f16 loss scaler (None for f32/bf16).
     pub scaler: Option<LossScaler>,
-    pub(crate) probe: Arc<dyn MemoryProbe>,
-    /// The same probe, typed: the step splits its watermark at every layer event.
-    pub(crate) timeline_probe: Arc<TimelineProbe>,
-    /// The memory timeline of the newest step.
-    pub(crate) timeline: StepTimeline,
-    /// Whether the run writes files into its directory.
-    pub(crate) log_files: bool,
-    pub(super) oom_snapshot: bool,
-    /// Training batches' image buffers, reused from step to step and epoch to epoch.
-    pub(crate) batch_buffers: crate::data::BufferPool,
-    /// The run's memory records, read at every phase boundary and handed to the callbacks.
-    pub(crate) memory: MemoryRecorder,
+    /// What the run reads and records of memory.
+    pub(crate) watch: MemoryWatch,
+    /// The data the run trains and evaluates on.
+    pub(crate) data: RunData,
+    /// What the run writes into its directory.
+    pub(crate) files: RunFiles,
     pub(crate) callbacks: CallbackList,
-    pub(crate) train: Arc<Dataset>,
-    pub(crate) eval: Arc<Dataset>,
-    pub(crate) eval_is_validation: bool,
-    /// [`Dataset::fingerprint`] of the training split, computed at the first snapshot or resume.
-    pub(super) train_fingerprint: OnceLock<String>,
-    pub(crate) data_description: String,
-    pub(crate) run_dir: PathBuf,
     pub(crate) stop: Option<Arc<AtomicBool>>,
+    /// Where the run is in its steps.
+    pub position: Position,
+    /// The run so far (restored from a snapshot when resuming): ended epochs, the epoch in
+    /// progress, totals and step times.
+    pub(crate) history: super::history::RunHistory,
+    /// `--prune`: the schedule and masks, applied after every optimizer step.
+    pub(crate) pruner: Option<super::prune::Pruner>,
+    /// `--cuda-graph`: the captured forward and backward ([`super::graph`]).
+    pub(crate) cuda_graph: super::graph::GraphSlot,
+}
+
+/// Where a run is: its length and the steps taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
     /// Optimizer steps taken.
     pub global_step: usize,
     /// Epoch to start at (0, or later when resuming).
     pub start_epoch: usize,
     /// Batch within `start_epoch` to start at.
     pub start_batch: usize,
-    pub(crate) steps_per_epoch: usize,
-    pub(crate) total_steps: usize,
-    /// Snapshot writing (on when `TrainerOptions::log_files`); see [`super::snapshot`].
-    pub(crate) snapshots: super::snapshot::SnapshotSaver,
-    /// The run so far (restored from a snapshot when resuming): ended epochs, the epoch in
-    /// progress, totals and step times.
-    pub(crate) history: super::history::RunHistory,
-    /// The run directory's lock, held while the trainer lives (runs that write files only).
-    pub(super) _run_lock: Option<super::run_dir::RunDirLock>,
-    /// `--prune`: the schedule and masks, applied after every optimizer step.
-    pub(crate) pruner: Option<super::prune::Pruner>,
-    /// `--cuda-graph`: the captured forward and backward ([`super::graph`]).
-    pub(crate) cuda_graph: super::graph::GraphSlot,
+    /// Optimizer steps per epoch.
+    pub steps_per_epoch: usize,
+    /// Optimizer steps of the whole run.
+    pub total_steps: usize,
+}
+
+/// What a run reads and records of memory.
+pub(crate) struct MemoryWatch {
+    pub(crate) probe: Arc<dyn MemoryProbe>,
+    /// The same probe, typed: the step splits its watermark at every layer event.
+    pub(crate) timeline_probe: Arc<TimelineProbe>,
+    /// The memory timeline of the newest step.
+    pub(crate) timeline: StepTimeline,
+    /// The run's memory records, read at every phase boundary and handed to the callbacks.
+    pub(crate) memory: MemoryRecorder,
     /// Which steps' allocations are traced for the memory snapshot ([`super::viewers`]).
     pub(crate) tracer: super::viewers::StepTracer,
+}
+
+/// The data a run trains and evaluates on.
+pub(crate) struct RunData {
+    pub(crate) train: Arc<Dataset>,
+    pub(crate) eval: Arc<Dataset>,
+    pub(crate) eval_is_validation: bool,
+    /// [`Dataset::fingerprint`] of the training split, computed at the first snapshot or resume.
+    pub(crate) train_fingerprint: OnceLock<String>,
+    /// The one line describing the data source and split.
+    pub(crate) description: String,
+    /// Training batches' image buffers, reused from step to step and epoch to epoch.
+    pub(crate) batch_buffers: crate::data::BufferPool,
+}
+
+/// What a run writes into its directory.
+pub(crate) struct RunFiles {
+    /// Whether the run writes files into its directory.
+    pub(crate) log_files: bool,
+    pub(crate) oom_snapshot: bool,
+    pub(crate) run_dir: PathBuf,
+    /// Snapshot writing (on when `TrainerOptions::log_files`); see [`super::snapshot`].
+    pub(crate) snapshots: super::snapshot::SnapshotSaver,
+    /// The run directory's lock, held while the trainer lives (runs that write files only).
+    pub(crate) _lock: Option<super::run_dir::RunDirLock>,
 }
 
 /// `runs/<UTC timestamp>-<pid>` for a run without `--out` (the pid keeps two runs started in the
@@ -169,19 +197,18 @@ impl Trainer {
             .transpose()?;
         let tracer = super::viewers::StepTracer::for_run(&config, total_steps, &options, &*probe)?;
         Ok(Trainer {
-            tracer,
-            memory: MemoryRecorder::new(probe.clone()),
+            watch: MemoryWatch {
+                tracer,
+                memory: MemoryRecorder::new(probe.clone()),
+                probe,
+                timeline_probe,
+                timeline: StepTimeline::default(),
+            },
             device,
             model,
             vars,
             optimizer,
             scaler,
-            probe,
-            timeline_probe,
-            timeline: StepTimeline::default(),
-            log_files: options.log_files,
-            oom_snapshot: options.oom_snapshot,
-            batch_buffers: crate::data::BufferPool::new(),
             callbacks: callback_list(
                 &config,
                 &run_dir,
@@ -189,21 +216,30 @@ impl Trainer {
                 options.log_files,
                 options.callbacks,
             ),
-            train: Arc::new(data.train),
-            eval: Arc::new(data.test),
-            eval_is_validation: data.test_is_validation,
-            train_fingerprint: OnceLock::new(),
-            data_description: data.description,
-            run_dir,
-            snapshots: super::snapshot::SnapshotSaver::new(options.log_files),
+            data: RunData {
+                train: Arc::new(data.train),
+                eval: Arc::new(data.test),
+                eval_is_validation: data.test_is_validation,
+                train_fingerprint: OnceLock::new(),
+                description: data.description,
+                batch_buffers: crate::data::BufferPool::new(),
+            },
+            files: RunFiles {
+                log_files: options.log_files,
+                oom_snapshot: options.oom_snapshot,
+                run_dir,
+                snapshots: super::snapshot::SnapshotSaver::new(options.log_files),
+                _lock: run_lock,
+            },
             stop: options.stop,
-            global_step: 0,
-            start_epoch: 0,
-            start_batch: 0,
-            steps_per_epoch,
-            total_steps,
+            position: Position {
+                global_step: 0,
+                start_epoch: 0,
+                start_batch: 0,
+                steps_per_epoch,
+                total_steps,
+            },
             history: Default::default(),
-            _run_lock: run_lock,
             pruner,
             cuda_graph,
             config,
@@ -213,28 +249,28 @@ impl Trainer {
 
     /// The one line describing the data source and split.
     pub(crate) fn data_description(&self) -> &str {
-        &self.data_description
+        &self.data.description
     }
 
     /// The run directory.
     pub fn run_dir(&self) -> &Path {
-        &self.run_dir
+        &self.files.run_dir
     }
 
     /// The memory probe.
     pub fn probe(&self) -> &Arc<dyn MemoryProbe> {
-        &self.probe
+        &self.watch.probe
     }
 
     /// The run's memory records so far.
     pub fn memory_log(&self) -> &MemoryLog {
-        self.memory.log()
+        self.watch.memory.log()
     }
 
     /// The memory timeline of the newest training step (empty before the first), with the
     /// estimate's prediction at each event when the estimate has the same events.
     pub fn step_timeline(&self) -> StepTimeline {
-        self.with_predictions(self.timeline.clone(), self.memory_estimate().as_ref())
+        self.with_predictions(self.watch.timeline.clone(), self.memory_estimate().as_ref())
     }
 
     /// `t` with the prediction of `estimate` at each event, when its events are the estimate's
@@ -244,7 +280,7 @@ impl Trainer {
         mut t: StepTimeline,
         estimate: Option<&crate::predict::Estimate>,
     ) -> StepTimeline {
-        if let Some(e) = estimate.filter(|_| self.probe.available()) {
+        if let Some(e) = estimate.filter(|_| self.watch.probe.available()) {
             // The estimate predicts an applied update; a skipped one gets no prediction.
             let same = |p: &str, m: &str| p == m || (p == "optimizer" && m == SKIPPED_UPDATE);
             if t.events.len() <= e.events.len()
@@ -266,12 +302,12 @@ impl Trainer {
 
     /// Optimizer steps per epoch.
     pub(crate) fn steps_per_epoch(&self) -> usize {
-        self.steps_per_epoch
+        self.position.steps_per_epoch
     }
 
     /// Optimizer steps of the whole run.
     pub fn total_steps(&self) -> usize {
-        self.total_steps
+        self.position.total_steps
     }
 
     /// The trainable parameters, in the model's order.
@@ -288,7 +324,7 @@ impl Trainer {
     /// the baseline); `None` when the device has no probe or the model cannot be estimated.
     pub fn memory_estimate(&self) -> Option<crate::predict::Estimate> {
         use crate::predict::{estimate_for_specs, Baseline, DataSize, DeviceKind};
-        let data = DataSize::loaded(&self.train, &self.eval, &self.config);
+        let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
         let device = DeviceKind::of(&self.device);
         estimate_for_specs(
             &self.config,

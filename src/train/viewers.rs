@@ -82,24 +82,25 @@ impl Trainer {
     /// written at the end of the run ([`Trainer::write_memory_snapshot`]), after the last memory
     /// reading: building it allocates megabytes that no phase of the run should count.
     pub(super) fn keep_step_trace(&mut self, global_step: usize) {
-        let Some(trace) = self.tracer.taken.take() else {
+        let Some(trace) = self.watch.tracer.taken.take() else {
             return;
         };
-        if self.tracer.snapshot_step != Some(global_step) {
+        if self.watch.tracer.snapshot_step != Some(global_step) {
             return;
         }
         // The run's last step's timeline stays the trainer's; an earlier one's is kept here.
-        let timeline = (global_step + 1 < self.total_steps).then(|| self.timeline.clone());
-        self.tracer.kept = Some((trace, timeline));
+        let timeline =
+            (global_step + 1 < self.position.total_steps).then(|| self.watch.timeline.clone());
+        self.watch.tracer.kept = Some((trace, timeline));
     }
 
     /// `memory_snapshot.pickle` of the chosen step, when it was trained.
     pub(super) fn write_memory_snapshot(&mut self) {
-        let Some((trace, timeline)) = self.tracer.kept.take() else {
+        let Some((trace, timeline)) = self.watch.tracer.kept.take() else {
             return;
         };
-        let path = self.run_dir.join(MEMORY_SNAPSHOT_FILE);
-        let timeline = timeline.as_ref().unwrap_or(&self.timeline);
+        let path = self.files.run_dir.join(MEMORY_SNAPSHOT_FILE);
+        let timeline = timeline.as_ref().unwrap_or(&self.watch.timeline);
         if let Err(e) = write_snapshot(&path, &trace, timeline, None) {
             eprintln!("warning: {MEMORY_SNAPSHOT_FILE} not written: {e}");
         }
@@ -108,10 +109,10 @@ impl Trainer {
     /// After a step that ran out of memory: stop its trace and write its memory snapshot next
     /// to the JSON one; the path when written.
     pub(super) fn write_oom_pickle(&mut self, timeline: &StepTimeline) -> Option<PathBuf> {
-        self.tracer.end();
-        let trace = self.tracer.taken.take()?;
+        self.watch.tracer.end();
+        let trace = self.watch.tracer.taken.take()?;
         let limit = self.config.memory_limit?;
-        let path = self.run_dir.join(OOM_SNAPSHOT_PICKLE);
+        let path = self.files.run_dir.join(OOM_SNAPSHOT_PICKLE);
         let oom = OomMark {
             limit,
             peak: trace.peak_bytes(),
@@ -128,8 +129,8 @@ impl Trainer {
     /// `step_trace.json` of the newest step's timeline.
     pub(super) fn write_step_trace(&self) -> Result<()> {
         crate::io::write_json_atomic(
-            &self.run_dir.join(STEP_TRACE_FILE),
-            &step_trace(&self.timeline),
+            &self.files.run_dir.join(STEP_TRACE_FILE),
+            &step_trace(&self.watch.timeline),
         )
     }
 }

@@ -159,7 +159,8 @@ pub struct TrainConfig {
     /// Micro-batches per optimizer step (gradient accumulation); must divide --batch-size. BatchNorm normalizes each micro-batch on its own, so the step is not one big batch's
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub accum_steps: usize,
-    /// Stop after this many optimizer steps (cap; the run also ends after --epochs)
+    /// Stop after this many optimizer steps (cap; the run also ends after --epochs). The one-cycle
+    /// learning-rate schedule spans the steps the run takes, so a short run warms up and anneals too
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub max_steps: Option<usize>,
     /// Compute precision; weights stay f32 (f16 adds a dynamic loss scaler)

@@ -37,11 +37,11 @@
 use super::baseline::RUNTIME_OVERHEAD_BYTES;
 pub use super::baseline::{Baseline, DataSize};
 use super::checkpointing::{pick, recompute_flops, Candidate};
+pub use super::events::EventPrediction;
 use super::margin::{heap_limit, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
-pub use super::sizing::EventPrediction;
-use super::sizing::{micro_batch, new_tensor_bytes, tensor_descriptor_bytes, Shared, Strides};
+use super::sizing::{micro_batch, new_tensor_bytes, tensor_descriptor_bytes, Strides};
 use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use crate::data::IMAGE_BYTES;
 use crate::error::Result;
@@ -743,12 +743,13 @@ fn run_steps(
         }
         if host && step > 0 {
             sim.borrow_mut()
-                .alloc(events.len() as u64 * super::sizing::TIMELINE_EVENT_BYTES);
+                .alloc(events.len() as u64 * super::events::TIMELINE_EVENT_BYTES);
         }
         if host && step == 1 {
             // What the first step's end leaves for the run: its batch's buffer back in the
             // batcher's pool, and the run history's first records.
-            sim.borrow_mut().alloc(after_first_step_bytes(cfg));
+            sim.borrow_mut()
+                .alloc(super::events::after_first_step_bytes(cfg));
         }
         events.clear();
         // The gradient accumulator's slots, for the step's micro-batches and its update, and
@@ -792,7 +793,7 @@ fn run_steps(
             s.alloc("optimizer".len() as u64);
             // The step's timeline replaces the one before.
             let names: u64 = events.iter().map(|e| e.layer.len() as u64).sum();
-            let records = events.len() as u64 * super::sizing::TIMELINE_EVENT_BYTES;
+            let records = events.len() as u64 * super::events::TIMELINE_EVENT_BYTES;
             s.alloc(timeline_bytes + if step == 0 { records } else { 0 });
             s.free(held_timeline);
             held_timeline = records + names + timeline_bytes;
@@ -800,17 +801,6 @@ fn run_steps(
         s.free(state);
     }
     Ok((activation_bytes, events))
-}
-
-/// Heap the first training step's end leaves on the CPU for the rest of the run: the batcher's
-/// pool of image buffers (`BufferPool`: a vector of up to the batches in flight), and the run
-/// history's step times and activation storage spans (`src/train/history.rs`), each pushed once.
-fn after_first_step_bytes(cfg: &TrainConfig) -> u64 {
-    use super::sizing::pushed_bytes;
-    let in_flight = cfg.prefetch_batches(false) + 1;
-    pushed_bytes::<Vec<f32>>(in_flight)
-        + pushed_bytes::<(usize, f64)>(1)
-        + pushed_bytes::<crate::config::StorageSpan>(1)
 }
 
 /// The optimizer phase: the accumulated f32 gradients are alive and the update runs one parameter

@@ -1,6 +1,6 @@
 //! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: runs the step's own
 //! tape on sizes, `sizing.rs`, each op's scratch from `scratch.rs`, the bytes in use in
-//! `sim.rs`), the planner that picks a
+//! `sim.rs`, the events and host records in `events.rs`), the planner that picks a
 //! configuration for a budget ([`plan`]) and the error margin every plan keeps ([`margin`]),
 //! gradient checkpointing's segmentations and `--checkpoint auto`'s choice ([`checkpointing`];
 //! for a run, `choose.rs`), what a measurement holds besides the
@@ -13,6 +13,7 @@ pub mod bounds;
 pub mod checkpointing;
 mod choose;
 pub mod estimate;
+mod events;
 pub mod margin;
 pub mod plan;
 mod scratch;
@@ -23,8 +24,7 @@ pub mod what_if;
 pub(crate) use baseline::RUNTIME_OVERHEAD_BYTES;
 pub use choose::*;
 pub use estimate::*;
+pub use events::EventPrediction;
 pub use margin::{heap_limit, limit_for_heap};
-pub use sizing::{
-    tensor_descriptor_bytes, EventPrediction, Strides, HOST_BOOKKEEPING_BYTES, STORAGE_RECORD_BYTES,
-};
+pub use sizing::{tensor_descriptor_bytes, Strides, HOST_BOOKKEEPING_BYTES, STORAGE_RECORD_BYTES};
 pub use what_if::{what_if, what_if_table, WhatIf};

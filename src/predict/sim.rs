@@ -319,6 +319,9 @@ pub(super) struct LayerRec {
     pub(super) transient: u64,
 }
 
+/// The simulation the buffers of one estimate live in.
+pub(super) type Shared = std::rc::Rc<std::cell::RefCell<Sim>>;
+
 pub(super) struct Sim {
     pub(super) cur: u64,
     pub(super) peaks: [u64; 4],

@@ -1,0 +1,165 @@
+//! The step's events as the estimate predicts them ([`EventPrediction`], matched to the trainer's
+//! timeline), and the host records a CPU step keeps besides its tensors: the trainer's timeline
+//! records, the tape's own vectors as they grow, and what the first step leaves for the rest of
+//! the run.
+
+use super::sim::Shared;
+use crate::config::TrainConfig;
+use crate::step::tape::{StepEvent, StepObserver, SAVED_RECORD_BYTES};
+use memtrain_core::error::Result;
+use std::ops::Range;
+
+/// Capacity of a `Vec` after `len` single pushes from empty (std's amortized growth: at least
+/// 8 elements of a byte, 4 of up to 1 KiB, 1 above; doubling when full).
+pub(super) fn pushed_capacity(len: usize, elem_bytes: usize) -> usize {
+    let min = match elem_bytes {
+        1 => 8,
+        2..=1024 => 4,
+        _ => 1,
+    };
+    if len == 0 {
+        0
+    } else {
+        len.next_power_of_two().max(min)
+    }
+}
+
+/// Bytes of `len` elements of `T` pushed one by one into a `Vec`.
+pub(super) fn pushed_bytes<T>(len: usize) -> u64 {
+    (pushed_capacity(len, std::mem::size_of::<T>()) * std::mem::size_of::<T>()) as u64
+}
+
+/// The training tape's own vectors on the CPU heap (`core/src/step/tape.rs`), which the sizing's
+/// tape holds with other element sizes: the segments and the blocks' parameter offsets of
+/// `LeanStep::new`, the segments' copy each pass iterates, the held segment inputs and the saved
+/// records (each pushed one by one), and the head's input shape.
+pub(super) struct TapeHost {
+    pub(super) segments: Vec<Range<usize>>,
+    pub(super) blocks: usize,
+    /// The saved records' vector's bytes now.
+    pub(super) saved: u64,
+}
+
+impl TapeHost {
+    /// `LeanStep::new`'s segments and offsets, the forward's copy of the segments and its
+    /// first segment's input.
+    pub(super) fn before_forward(&self) -> u64 {
+        let n = self.segments.len();
+        pushed_bytes::<Range<usize>>(n)
+            + pushed_bytes::<usize>(self.blocks + 1)
+            + (n * std::mem::size_of::<Range<usize>>()) as u64
+            + pushed_bytes::<candle_core::Tensor>(1)
+    }
+
+    /// The saved records' vector for `records` records: the bytes it grows by.
+    fn grow_saved(&mut self, records: usize) -> u64 {
+        let bytes = (pushed_capacity(records, SAVED_RECORD_BYTES) * SAVED_RECORD_BYTES) as u64;
+        let grown = bytes.saturating_sub(self.saved);
+        self.saved = self.saved.max(bytes);
+        grown
+    }
+}
+
+/// Records the predicted bytes at each of the tape's events, and on the CPU the heap the trainer's
+/// record of each event takes: its layer's name ([`TIMELINE_EVENT_BYTES`] per record are in the
+/// timeline's vector, reserved at the step's start), and the tape's own vectors as they grow.
+pub(super) struct Events {
+    pub(super) sim: Shared,
+    pub(super) events: Vec<EventPrediction>,
+    pub(super) host: Option<TapeHost>,
+    /// Forward block events so far.
+    pub(super) forward: usize,
+    /// Segments recomputed so far.
+    pub(super) recomputed: usize,
+}
+
+impl Events {
+    /// The tape's vectors around the event just recorded: after a forward block the saved records
+    /// (the last segment saves as it goes), the next segment's input, and after the last block
+    /// the segments' copy going and the head's input shape coming; after the head's backward the
+    /// backward's copy of the segments; after a recomputation its records.
+    fn tape_host(&mut self, e: &StepEvent<'_>) {
+        let Some(t) = &mut self.host else { return };
+        let mut sim = self.sim.borrow_mut();
+        let last = t.segments.last().expect("a segment").clone();
+        let seg_bytes = (t.segments.len() * std::mem::size_of::<Range<usize>>()) as u64;
+        match e.phase {
+            crate::phase::Phase::Forward if e.layer != "head" => {
+                let j = self.forward;
+                self.forward += 1;
+                if last.contains(&j) {
+                    let g = t.grow_saved(j + 1 - last.start);
+                    sim.alloc(g);
+                }
+                if j + 1 == t.blocks {
+                    sim.free(seg_bytes);
+                    sim.alloc((4 * std::mem::size_of::<usize>()) as u64);
+                } else if let Some(next) = t.segments.iter().position(|s| s.start == j + 1) {
+                    let before = pushed_bytes::<candle_core::Tensor>(next);
+                    let after = pushed_bytes::<candle_core::Tensor>(next + 1);
+                    sim.alloc(after - before);
+                }
+            }
+            crate::phase::Phase::Backward if e.layer == "head" => sim.alloc(seg_bytes),
+            crate::phase::Phase::Backward if e.layer.starts_with("recompute") => {
+                // Segments are recomputed last first, the last one never.
+                self.recomputed += 1;
+                let seg = t.segments[t.segments.len() - 1 - self.recomputed].len();
+                let g = t.grow_saved(seg);
+                sim.alloc(g);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl StepObserver for Events {
+    fn event(&mut self, e: StepEvent<'_>) -> Result<()> {
+        self.tape_host(&e);
+        let mut sim = self.sim.borrow_mut();
+        self.events.push(EventPrediction {
+            phase: match e.phase {
+                crate::phase::Phase::Forward => "forward",
+                _ => "backward",
+            },
+            layer: e.layer.to_string(),
+            peak_bytes: sim.event_peak,
+            current_bytes: sim.cur,
+            saved_bytes: e.saved_bytes,
+        });
+        sim.event_peak = sim.cur;
+        if self.host.is_some() {
+            sim.alloc(e.layer.len() as u64);
+        }
+        Ok(())
+    }
+}
+
+/// Heap bytes of one record of the trainer's memory timeline besides its layer's name.
+pub const TIMELINE_EVENT_BYTES: u64 =
+    std::mem::size_of::<crate::memory::timeline::TimelineEvent>() as u64;
+
+/// One predicted event of the step, matching the trainer's timeline events.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EventPrediction {
+    /// `forward`, `backward` or `optimizer`.
+    pub phase: &'static str,
+    /// The layer, named as in the timeline (`stage1.block2`, `head`, `optimizer`, …).
+    pub layer: String,
+    /// Highest bytes in use between the previous event and this one.
+    pub peak_bytes: u64,
+    /// Bytes in use right after the event.
+    pub current_bytes: u64,
+    /// Activation bytes held for the backward at the event.
+    pub saved_bytes: u64,
+}
+
+/// Heap the first training step's end leaves on the CPU for the rest of the run: the batcher's
+/// pool of image buffers (`BufferPool`: a vector of up to the batches in flight), and the run
+/// history's step times and activation storage spans (`src/train/history.rs`), each pushed once.
+pub(super) fn after_first_step_bytes(cfg: &TrainConfig) -> u64 {
+    let in_flight = cfg.prefetch_batches(false) + 1;
+    pushed_bytes::<Vec<f32>>(in_flight)
+        + pushed_bytes::<(usize, f64)>(1)
+        + pushed_bytes::<crate::config::StorageSpan>(1)
+}

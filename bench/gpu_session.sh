@@ -5,19 +5,23 @@
 #
 # BIN_DIR holds CUDA builds (see docs/cuda.md; preferably `--features cuda,cudnn`):
 # train_cifar10, batch_sweep and the test binaries gpu_graph, conv2d, gpu_train, gpu_memory, pool,
-# batchnorm, depthwise (named without cargo's hash suffix). Results land in OUT_DIR: gpu.txt
+# batchnorm, depthwise, quantize (named without cargo's hash suffix). Results land in OUT_DIR: gpu.txt
 # (GPU, driver, libraries, which conv op the build runs), session.log, tests.log, memtrain.jsonl
 # (memtrain's summary.json per configuration, plus `step_added_bytes` from step_timeline.json),
 # graph.jsonl (the same configurations with --cuda-graph: summary.json's `cuda_graph` has the
-# kernels per step and the graph memory), torch.jsonl (bench/torch_reference.py), pool-cache.jsonl,
-# im2col.jsonl (only with BIN_IM2COL), sweep-2GiB/ and sweep-nolimit/ (batch_sweep --find-max).
+# kernels per step and the graph memory), codes.jsonl (--compress-activations int8/int4/int2,
+# memtrain only: PyTorch has no such flag), torch.jsonl (bench/torch_reference.py), pool-cache.jsonl,
+# im2col.jsonl (only with BIN_IM2COL), sweep-2GiB/ and sweep-nolimit/ (batch_sweep --find-max),
+# logs/ (each memtrain run's output: the self-check's line, warnings), timelines/ (each memtrain
+# run's step_timeline.json: the newest step's events, measured and predicted), and at the end
+# compare.csv and codes.csv (bench/gpu_compare.py: the tables of docs/results/gpu-*.md).
 #
 # Bounded: the whole run stops by BUDGET seconds (default 570, under a 10-minute device call).
 # Phases run in priority order, each step with its own time limit cut to what is left; a step that
 # no longer fits is skipped with a line in session.log, so a short lease still yields the most
 # important numbers first. Environment:
 #   BUDGET (s, 570)  STEPS (steps per run, 25)  TF32 (on|off for both frameworks, on = PyTorch's
-#   default)  PHASES (comma list, default: check,memtrain,torch,graph,tests,sweep,pool,im2col,nolimit)
+#   default)  PHASES (comma list, default: check,memtrain,torch,graph,tests,codes,sweep,pool,im2col,nolimit)
 #   TESTS (test binaries of the `tests` phase)  SKIP_TORCH=1  BIN_IM2COL (a `--features cuda` build
 #   without cuDNN, for the im2col phase)  PY (python with torch, default python3)
 #   LD_LIBRARY_PATH_SET=1 (keep LD_LIBRARY_PATH as given instead of searching for the libraries)
@@ -25,7 +29,7 @@ set -uo pipefail
 BIN=$(realpath "$1"); OUT=$(realpath -m "$2"); mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 BUDGET=${BUDGET:-570}; STEPS=${STEPS:-25}; TF32=${TF32:-on}; PY=${PY:-python3}
-PHASES=",${PHASES:-check,memtrain,torch,graph,tests,sweep,pool,im2col,nolimit},"
+PHASES=",${PHASES:-check,memtrain,torch,graph,tests,codes,sweep,pool,im2col,nolimit},"
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
 # Seconds left in the budget.
@@ -82,6 +86,14 @@ CONFIGS=(
 )
 # The issue's speed targets: batch 128 and 512, f32 and bf16, eager and captured.
 GRAPH_CONFIGS=("${CONFIGS[@]:0:4}")
+# Saved activations as codes (lossy), against bs512-f32 and bs512-bf16 above.
+CODES_CONFIGS=(
+  "bs512-f32-int8|--batch-size 512 --compress-activations int8"
+  "bs512-f32-int8-graph|--batch-size 512 --compress-activations int8 --cuda-graph"
+  "bs512-f32-int4|--batch-size 512 --compress-activations int4"
+  "bs512-bf16-int8|--batch-size 512 --precision bf16 --compress-activations int8"
+  "bs512-bf16-int2|--batch-size 512 --precision bf16 --compress-activations int2"
+)
 
 run_memtrain() { # bin file name flags... ; appends {"name":..., summary..., step_added_bytes} to $OUT/$file
   local bin=$1 file=$2 name=$3; shift 3
@@ -113,6 +125,9 @@ except Exception:
 s.update({"name": name, "rc": int(rc), "flags": flags})
 print(json.dumps(s))
 PY
+  mkdir -p "$OUT/logs" && cp "$dir.log" "$OUT/logs/${file%.jsonl}-$name.log"
+  [ -f "$dir/step_timeline.json" ] && mkdir -p "$OUT/timelines" \
+    && cp "$dir/step_timeline.json" "$OUT/timelines/${file%.jsonl}-$name.json"
   log "memtrain $name ($file) rc=$rc"
 }
 
@@ -153,7 +168,8 @@ phase memtrain && { log "memtrain runs"; for c in "${CONFIGS[@]}"; do run_memtra
 phase torch && [ -z "${SKIP_TORCH:-}" ] && { log "pytorch runs"; for c in "${CONFIGS[@]}"; do run_torch "${c%%|*}" ${c#*|}; done; }
 phase graph && { log "captured step"; for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$BIN" graph.jsonl "${c%%|*}-graph" ${c#*|} --cuda-graph; done; }
 # 3. The remaining GPU tests.
-phase tests && { log "tests"; run_tests ${TESTS:-gpu_train gpu_memory pool batchnorm depthwise}; }
+phase tests && { log "tests"; run_tests ${TESTS:-gpu_train gpu_memory pool batchnorm depthwise quantize}; }
+phase codes && { log "saved activations as codes"; for c in "${CODES_CONFIGS[@]}"; do run_memtrain "$BIN" codes.jsonl "${c%%|*}" ${c#*|}; done; }
 phase sweep && { log "find-max under 2GiB"; run_sweep sweep-2GiB --memory-limit 2GiB; }
 phase pool && {
   log "pool cache off"
@@ -165,4 +181,6 @@ phase im2col && [ -n "${BIN_IM2COL:-}" ] && {
   for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$(realpath "$BIN_IM2COL")" im2col.jsonl "${c%%|*}-im2col" ${c#*|}; done
 }
 phase nolimit && { log "find-max without a limit"; run_sweep sweep-nolimit; }
+# The tables of docs/results/gpu-*.md, as CSV: compare.csv and codes.csv.
+"$PY" "$here/gpu_compare.py" "$OUT" || log "gpu_compare.py failed"
 log "done ($(left)s of the budget left)"

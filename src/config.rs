@@ -194,6 +194,9 @@ pub struct TrainConfig {
     /// CUDA: TF32 tensor-core math for f32 convolutions, as PyTorch does by default (the head's matmul stays f32, as in PyTorch). No effect on the CPU or with --precision f16/bf16
     #[arg(long, value_enum, value_name = "MODE", default_value_t = DEFAULT_TF32)]
     pub tf32: Tf32,
+    /// CUDA with cuDNN: let the backward convolutions run cuDNN's fastest algorithms even where they sum with atomic adds, so that two runs (or a captured step and an eager one) can differ in the last bits. Default: deterministic algorithms only, as PyTorch's torch.backends.cudnn.deterministic. No effect on the CPU or without the cudnn feature
+    #[arg(long)]
+    pub cudnn_nondeterministic: bool,
     /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
     #[arg(long)]
     pub cuda_graph: bool,

@@ -1,4 +1,4 @@
-//! The GPU flags `--tf32` and `--cuda-graph` on any machine: their values reach the
+//! The GPU flags `--tf32`, `--cudnn-nondeterministic` and `--cuda-graph` on any machine: their values reach the
 //! configuration and the conv ops, and the combinations that cannot work are refused as usage
 //! errors (exit 2, one line on stderr, no run directory), as in `tests/bad_input.rs`.
 
@@ -72,6 +72,27 @@ fn the_trainer_sets_the_ops_math_mode_from_the_config() {
             ..common::tiny_config()
         });
         assert_eq!(memtrain_kernels::tf32(), want, "--tf32 {mode}");
+    }
+}
+
+#[test]
+fn cudnn_nondeterministic_is_off_unless_asked_and_reaches_the_ops() {
+    assert!(!TrainConfig::default().cudnn_nondeterministic);
+    assert!(!common::config_of(&[]).unwrap().cudnn_nondeterministic);
+    assert!(
+        common::config_of(&["--cudnn-nondeterministic"])
+            .unwrap()
+            .cudnn_nondeterministic
+    );
+    let old: TrainConfig = serde_json::from_str(r#"{"batch_size": 64}"#).unwrap();
+    assert!(!old.cudnn_nondeterministic);
+    let _lock = trainer_lock();
+    for on in [true, false] {
+        let _t = common::trainer(TrainConfig {
+            cudnn_nondeterministic: on,
+            ..common::tiny_config()
+        });
+        assert_eq!(memtrain_kernels::cudnn_nondeterministic(), on);
     }
 }
 

@@ -6,7 +6,6 @@
 mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, Tf32, TrainConfig};
-use memtrain::Error;
 
 fn on(device: &str, cfg: TrainConfig) -> TrainConfig {
     TrainConfig {
@@ -89,7 +88,7 @@ fn memory_limit_stops_with_an_oom_error() {
         Err(e) if e.is_oom() => {
             let msg = e.to_string();
             assert!(
-                msg.contains("64.00 MiB") && msg.contains("batch 0"),
+                msg.contains("64.00 MiB") && msg.contains("batch 1 (epoch 1)"),
                 "{msg}"
             );
             assert_eq!(msg.lines().count(), 1);

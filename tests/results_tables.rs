@@ -13,7 +13,11 @@ use std::path::Path;
 
 const MARKER: &str = "<!-- results: ";
 /// The pages with tables from results files.
-const PAGES: [&str; 2] = ["README.md", "docs/memory.md"];
+const PAGES: [&str; 3] = [
+    "README.md",
+    "docs/memory.md",
+    "docs/results/gpu-2026-11-27.md",
+];
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -36,7 +40,21 @@ fn cell(header: &str, csv: &CsvTable, row: usize) -> Option<String> {
             .unwrap_or_else(|_| panic!("row {row} of the CSV: {col} = {v:?} is not a number"))
     };
     let mib = |col: &str| format!("{:.1}", num(col) / MIB);
+    let ratio = |a: &str, b: &str| format!("{:.2}×", num(a) / num(b));
     Some(match header {
+        "memtrain peak MiB" => mib("peak_bytes"),
+        "memtrain step adds MiB" => mib("step_added_bytes"),
+        "memtrain img/s" => format!("{:.0}", num("images_per_sec")),
+        "captured img/s" => match csv.get(row, "graph_images_per_sec") {
+            Some(v) if !v.is_empty() => format!("{:.0}", num("graph_images_per_sec")),
+            _ => "—".into(),
+        },
+        "estimate vs measured" => format!("{:+.1}%", num("prediction_error_pct")),
+        "PyTorch peak MiB" => mib("torch_peak_bytes"),
+        "PyTorch step adds MiB" => mib("torch_step_added_bytes"),
+        "PyTorch img/s" => format!("{:.0}", num("torch_images_per_sec")),
+        "step adds vs PyTorch" => ratio("step_added_bytes", "torch_step_added_bytes"),
+        "speed vs PyTorch" => ratio("images_per_sec", "torch_images_per_sec"),
         "peak MiB" => mib("peak_bytes"),
         "step adds MiB" => mib("step_added_bytes"),
         "saved MiB" => mib("saved_activation_bytes"),
@@ -237,16 +255,20 @@ fn pages_show_their_scripts_commands() {
             let script = read(&marked.script);
             let script_lines: Vec<&str> = script.lines().collect();
             let first = command.split(" --").next().unwrap();
+            // A command line of the script, or its usage line in the header comment.
+            let uncommented = |l: &str| l.trim_start().trim_start_matches('#').trim_start().to_string();
+            let script_lines: Vec<String> = script_lines.iter().map(|l| uncommented(l)).collect();
             let start = script_lines
                 .iter()
-                .position(|l| l.trim_start().starts_with(first))
+                .position(|l| l.starts_with(first))
                 .unwrap_or_else(|| panic!("{}: no `{first}` line", marked.script));
             let mut end = start;
             while script_lines[end].trim_end().ends_with('\\') {
                 end += 1;
             }
+            let found: Vec<&str> = script_lines[start..=end].iter().map(String::as_str).collect();
             assert_eq!(
-                joined(&script_lines[start..=end]),
+                joined(&found),
                 command,
                 "{page}: the command above the table from {} is not the one {} runs",
                 marked.csv,

@@ -101,13 +101,34 @@ pub fn cuda_not_built(spec: Option<&str>) -> Option<Error> {
 /// training-like shape, run once there and on the CPU, whose implementations are tested
 /// exhaustively, and compared ([`memtrain_kernels::selfcheck`]), in f32 and in the run's `compute`
 /// dtype. Prints one line saying what was checked; a pass that differs stops the run with an
-/// [`Error::Device`] naming it.
+/// [`Error::Device`] naming it. Once per process for each device, dtype and math mode (TF32,
+/// cuDNN's determinism): a process that builds many trainers, like the GPU tests, checks once.
 pub fn self_check_kernels(device: &Device, compute: candle_core::DType) -> Result<()> {
-    self_check_kernels_with(device, compute, &|_, _, t| Ok(t))
+    use std::sync::Mutex;
+    type Checked = (String, candle_core::DType, bool, bool);
+    static PASSED: Mutex<Vec<Checked>> = Mutex::new(Vec::new());
+    let key = |dtype| {
+        (
+            device_name(device),
+            dtype,
+            memtrain_kernels::tf32(),
+            memtrain_kernels::cudnn_nondeterministic(),
+        )
+    };
+    let mut dtypes = check_dtypes(compute);
+    dtypes.retain(|dt| !PASSED.lock().unwrap_or_else(|p| p.into_inner()).contains(&key(*dt)));
+    if dtypes.is_empty() {
+        return Ok(());
+    }
+    check_dtypes_with(device, &dtypes, &|_, _, t| Ok(t))?;
+    let mut passed = PASSED.lock().unwrap_or_else(|p| p.into_inner());
+    passed.extend(dtypes.into_iter().map(key));
+    Ok(())
 }
 
 /// [`self_check_kernels`] with `alter` applied to each output of each pass on `device` (see
-/// [`memtrain_kernels::selfcheck::check_device_with`]): how the tests inject a wrong kernel.
+/// [`memtrain_kernels::selfcheck::check_device_with`]), every time: how the tests inject a wrong
+/// kernel.
 pub fn self_check_kernels_with(
     device: &Device,
     compute: candle_core::DType,
@@ -117,16 +138,34 @@ pub fn self_check_kernels_with(
         candle_core::Tensor,
     ) -> candle_core::Result<candle_core::Tensor>,
 ) -> Result<()> {
+    check_dtypes_with(device, &check_dtypes(compute), alter)
+}
+
+/// The dtypes a run's self-check covers: f32, and the compute dtype when it is another.
+fn check_dtypes(compute: candle_core::DType) -> Vec<candle_core::DType> {
     let mut dtypes = vec![candle_core::DType::F32];
     if compute != candle_core::DType::F32 {
         dtypes.push(compute);
     }
+    dtypes
+}
+
+/// The self-check of `dtypes` on `device`, with `alter` (see [`self_check_kernels_with`]).
+fn check_dtypes_with(
+    device: &Device,
+    dtypes: &[candle_core::DType],
+    alter: &dyn Fn(
+        &memtrain_kernels::selfcheck::Pass,
+        usize,
+        candle_core::Tensor,
+    ) -> candle_core::Result<candle_core::Tensor>,
+) -> Result<()> {
     let start = std::time::Instant::now();
-    let report = memtrain_kernels::selfcheck::check_device_with(device, &dtypes, alter)?;
+    let report = memtrain_kernels::selfcheck::check_device_with(device, dtypes, alter)?;
     let name = device_name(device);
     match report.mismatches.first() {
         None => {
-            eprintln!("{}", self_check_summary(&name, &dtypes, start.elapsed()));
+            eprintln!("{}", self_check_summary(&name, dtypes, start.elapsed()));
             Ok(())
         }
         Some(m) => {

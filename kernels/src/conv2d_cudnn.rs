@@ -14,7 +14,10 @@
 //! - one workspace of [`CUDNN_WORKSPACE_BYTES`], allocated by the first cuDNN convolution and
 //!   reused by every later one, for the rest of the thread's life (a process that builds many
 //!   trainers, like memtrain's GPU tests, holds one, not one per trainer). Each pass runs the
-//!   algorithm cuDNN's heuristics rank first when its workspace fits in that budget, else the pass's algorithm that needs none. A fixed size
+//!   algorithm cuDNN's heuristics rank first when it may run and its workspace fits in that budget,
+//!   else the first of the pass's deterministic algorithms that cuDNN supports there and that fits
+//!   (`ALGO_1` first for the backward passes), and a shape with a pass that has none runs on the
+//!   im2col op. A fixed size
 //!   rather than the largest need so far: a memory estimate (memtrain's, through
 //!   [`cuda_runtime_bytes`]) then knows it exactly without asking cuDNN, and it is the same
 //!   budget the im2col op ([`super::conv2d_cuda::CUDA_IM2COL_CHUNK_BYTES`]) gives its columns, so
@@ -77,24 +80,33 @@ pub fn cuda_pass_scratch_bytes(
 }
 
 /// The algorithm one pass runs: cuDNN's first-ranked one (`best`, an error when the heuristics
-/// found none) when its workspace (`size`) fits in `budget`, else `fallback` when that fits;
-/// `None` when neither does. An error of `size` is returned as it is.
+/// found none) when it is `allowed` and its workspace (`size`) fits in `budget`, else the first of
+/// `fallbacks` whose workspace fits; `None` when none does. A candidate whose size query fails
+/// (cuDNN does not support it for this convolution) is passed over.
 fn choose_algorithm<A: Copy, E>(
     best: Result<A, E>,
+    allowed: impl Fn(A) -> bool,
     size: impl Fn(A) -> Result<usize, E>,
-    fallback: A,
+    fallbacks: &[A],
     budget: usize,
-) -> Result<Option<A>, E> {
-    if let Ok(a) = best {
-        if size(a)? <= budget {
-            return Ok(Some(a));
-        }
-    }
-    Ok((size(fallback)? <= budget).then_some(fallback))
+) -> Option<A> {
+    let fits = |a: A| size(a).is_ok_and(|bytes| bytes <= budget);
+    best.ok()
+        .filter(|&a| allowed(a) && fits(a))
+        .or_else(|| fallbacks.iter().copied().find(|&a| fits(a)))
 }
 
 #[cfg(feature = "cudnn")]
 pub(super) use cuda::launch;
+
+/// Free this thread's cuDNN workspaces: the next cuDNN convolution allocates its workspace again,
+/// from the pool that is then the device's current one. memtrain calls it after the self-check
+/// (which runs before the run's memory pool exists), so that a run's workspace comes from the pool
+/// `--memory-limit` bounds. Nothing to do without the `cudnn` feature.
+pub fn release_workspace() {
+    #[cfg(feature = "cudnn")]
+    cuda::release_workspace();
+}
 
 #[cfg(feature = "cudnn")]
 mod cuda {
@@ -116,7 +128,7 @@ mod cuda {
     use super::CUDNN_WORKSPACE_BYTES;
     use crate::conv2d_cuda;
     use crate::geom::{ConvPass, Geom};
-    use crate::util::{alloc_len, cuda_view, dispatch_float, int32, tf32};
+    use crate::util::{alloc_len, cudnn_nondeterministic, cuda_view, dispatch_float, int32, tf32};
 
     /// An element type of the op: its cuDNN compute type and the scaling constants.
     trait Elem: CudnnDataType + CudaDType + DeviceRepr + ValidAsZeroBits + Copy + 'static {
@@ -166,13 +178,15 @@ mod cuda {
     half_elem!(f16);
     half_elem!(bf16);
 
-    /// What identifies a plan: the geometry (without the im2col op's forced chunk), the dtype
-    /// and the math mode (`--tf32` may differ between two trainers of one process).
+    /// What identifies a plan: the geometry (without the im2col op's forced chunk), the dtype,
+    /// the math mode and whether non-deterministic algorithms may run (`--tf32` and
+    /// `--cudnn-nondeterministic` may differ between two trainers of one process).
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
     struct PlanKey {
         dims: [usize; 8],
         dtype: DType,
         tf32: bool,
+        nondeterministic: bool,
     }
 
     impl PlanKey {
@@ -181,6 +195,7 @@ mod cuda {
                 dims: [g.n, g.cin, g.h, g.w, g.cout, g.k, g.stride, g.pad],
                 dtype,
                 tf32: tf32(),
+                nondeterministic: cudnn_nondeterministic(),
             }
         }
     }
@@ -210,32 +225,97 @@ mod cuda {
         (e.0 as u32) / 1000 == 3
     }
 
-    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`]; `fallback` is an algorithm
-    /// that needs no workspace.
+    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`].
     fn choose<A: Copy>(
         best: Result<A, CudnnError>,
+        allowed: impl Fn(A) -> bool,
         size: impl Fn(A) -> Result<usize, CudnnError>,
-        fallback: A,
+        fallbacks: &[A],
     ) -> Result<A, CudnnError> {
-        // Neither fitting is not expected (the fallbacks need no workspace); it is reported as
-        // unsupported, so that the im2col op takes the shape over.
-        super::choose_algorithm(best, size, fallback, CUDNN_WORKSPACE_BYTES)?.ok_or(CudnnError(
-            dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE,
-        ))
+        // None fitting is reported as unsupported, so that the im2col op takes the shape over.
+        super::choose_algorithm(best, allowed, size, fallbacks, CUDNN_WORKSPACE_BYTES).ok_or(
+            CudnnError(dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE),
+        )
     }
 
     /// [`choose`] for the cuDNN op descriptor `$op` (a `ConvForward`, `ConvBackwardData` or
     /// `ConvBackwardFilter`): they share `pick_algorithm` and `get_workspace_size` by name, not
-    /// by a trait, hence a macro rather than a generic function.
+    /// by a trait, hence a macro rather than a generic function. `$allowed` says which picks
+    /// may run (see [`crate::set_cudnn_nondeterministic`]).
     macro_rules! pick {
-        ($op:expr, $fallback:expr $(,)?) => {{
+        ($op:expr, $allowed:expr, $fallbacks:expr $(,)?) => {{
             let op = $op;
-            choose(op.pick_algorithm(), |a| op.get_workspace_size(a), $fallback)?
+            choose(
+                op.pick_algorithm(),
+                $allowed,
+                |a| op.get_workspace_size(a),
+                $fallbacks,
+            )?
         }};
     }
 
+    use dnn::cudnnConvolutionBwdDataAlgo_t as Data;
+    use dnn::cudnnConvolutionBwdFilterAlgo_t as Filter;
+    use dnn::cudnnConvolutionFwdAlgo_t as Fwd;
+
+    /// Forward algorithms to fall back on, in order (all deterministic).
+    const FWD_FALLBACKS: [Fwd; 5] = [
+        Fwd::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
+        Fwd::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+        Fwd::CUDNN_CONVOLUTION_FWD_ALGO_GEMM,
+        Fwd::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
+        Fwd::CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING,
+    ];
+    /// Backward-data algorithms to fall back on: the deterministic ones, then (only when
+    /// non-deterministic ones may run) `ALGO_0`, which needs no workspace.
+    const DATA_FALLBACKS: [Data; 6] = [
+        Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
+        Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED,
+        Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING,
+        Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT,
+        Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD,
+        Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0,
+    ];
+    /// Backward-filter algorithms to fall back on, as [`DATA_FALLBACKS`] (`ALGO_0` last).
+    const FILTER_FALLBACKS: [Filter; 5] = [
+        Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+        Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED,
+        Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING,
+        Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
+        Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+    ];
+
+    /// `fallbacks` without its last entry (the non-deterministic one) unless `any` may run.
+    fn usable<A>(fallbacks: &[A], any: bool) -> &[A] {
+        if any {
+            fallbacks
+        } else {
+            &fallbacks[..fallbacks.len() - 1]
+        }
+    }
+
+    /// Whether a backward-data algorithm gives the same bits every run: all but `ALGO_0`, which
+    /// sums with atomic adds (cuDNN's documented determinism of each algorithm).
+    fn bwd_data_deterministic(a: dnn::cudnnConvolutionBwdDataAlgo_t) -> bool {
+        a != dnn::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0
+    }
+
+    /// Whether a backward-filter algorithm gives the same bits every run: all but `ALGO_0` and
+    /// `ALGO_3`, which sum with atomic adds.
+    fn bwd_filter_deterministic(a: dnn::cudnnConvolutionBwdFilterAlgo_t) -> bool {
+        use dnn::cudnnConvolutionBwdFilterAlgo_t::*;
+        !matches!(
+            a,
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 | CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3
+        )
+    }
+
     impl<T: Elem> Plan<T> {
-        fn new(handle: &Arc<Cudnn>, g: &Geom) -> candle_core::Result<Result<Self, CudnnError>> {
+        fn new(
+            handle: &Arc<Cudnn>,
+            g: &Geom,
+            key: PlanKey,
+        ) -> candle_core::Result<Result<Self, CudnnError>> {
             let nchw = dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
             let (n, cin, h, w) = (
                 int("N", g.n)?,
@@ -257,6 +337,8 @@ mod cuda {
                     dnn::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
                 )?;
                 conv.set_math_type(T::math())?;
+                let any = key.nondeterministic;
+                // Every forward algorithm is deterministic.
                 let fwd = pick!(
                     ConvForward {
                         conv: &conv,
@@ -264,7 +346,8 @@ mod cuda {
                         w: &wd,
                         y: &y,
                     },
-                    dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM
+                    |_| true,
+                    &FWD_FALLBACKS,
                 );
                 let bwd_data = pick!(
                     ConvBackwardData {
@@ -273,7 +356,8 @@ mod cuda {
                         w: &wd,
                         dy: &y,
                     },
-                    dnn::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0
+                    |a| any || bwd_data_deterministic(a),
+                    usable(&DATA_FALLBACKS, any),
                 );
                 let bwd_filter = pick!(
                     ConvBackwardFilter {
@@ -282,7 +366,8 @@ mod cuda {
                         dw: &wd,
                         dy: &y,
                     },
-                    dnn::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0
+                    |a| any || bwd_filter_deterministic(a),
+                    usable(&FILTER_FALLBACKS, any),
                 );
                 Ok(Plan {
                     x,
@@ -378,9 +463,16 @@ mod cuda {
         static WARNED: Mutex<Option<HashSet<PlanKey>>> = Mutex::new(None);
         let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
         if warned.get_or_insert_with(HashSet::new).insert(key) {
+            let which = if key.nondeterministic {
+                ""
+            } else {
+                " deterministic"
+            };
             eprintln!(
-                "warning: cuDNN does not support conv2d {:?} in {:?} ({e}); using the im2col + cuBLAS op for it",
-                key.dims, key.dtype
+                "warning: cuDNN has no{which} algorithm for every pass of conv2d {:?} in {:?} within its {} MiB workspace ({e}); using the im2col + cuBLAS op for it",
+                key.dims,
+                key.dtype,
+                CUDNN_WORKSPACE_BYTES >> 20
             );
         }
     }
@@ -417,7 +509,7 @@ mod cuda {
                 }),
             };
             if !st.plans.contains_key(&key) {
-                let plan = match Plan::<T>::new(&st.handle, g)? {
+                let plan = match Plan::<T>::new(&st.handle, g, key)? {
                     Ok(p) => Some(Box::new(p) as Box<dyn Any>),
                     Err(e) if unsupported(&e) => {
                         warn_fallback(key, &e);
@@ -449,6 +541,15 @@ mod cuda {
         }
     }
 
+    /// See [`super::release_workspace`].
+    pub(super) fn release_workspace() {
+        STATE.with(|state| {
+            for st in state.borrow_mut().values_mut() {
+                st.workspace = None;
+            }
+        });
+    }
+
     /// Runs `pass` of the convolution `g` on two same-dtype operands through cuDNN and returns
     /// its result storage (through the im2col op for a shape cuDNN does not support).
     pub(crate) fn launch(
@@ -475,15 +576,28 @@ mod tests {
     #[test]
     fn the_first_ranked_algorithm_runs_when_its_workspace_fits() {
         let size = |a: u8| -> Result<usize, ()> { Ok([0, 10, 100][a as usize]) };
-        assert_eq!(choose_algorithm(Ok(1), size, 0, 50), Ok(Some(1)));
-        assert_eq!(choose_algorithm(Ok(2), size, 0, 100), Ok(Some(2)));
-        // Too large for the budget, or no ranking at all: the fallback.
-        assert_eq!(choose_algorithm(Ok(2), size, 0, 50), Ok(Some(0)));
-        assert_eq!(choose_algorithm(Err(()), size, 0, 50), Ok(Some(0)));
+        let all = |_| true;
+        assert_eq!(choose_algorithm(Ok(1), all, size, &[0], 50), Some(1));
+        assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 100), Some(2));
+        // Too large for the budget, or no ranking at all: the first fallback that fits.
+        assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 50), Some(0));
+        assert_eq!(choose_algorithm(Err(()), all, size, &[2, 1, 0], 50), Some(1));
         // Nothing fits.
-        assert_eq!(choose_algorithm(Ok(2), size, 1, 5), Ok(None));
-        // A failing size query is an error, not a choice.
-        assert_eq!(choose_algorithm(Ok(0), |_| Err("bad"), 0, 50), Err("bad"));
+        assert_eq!(choose_algorithm(Ok(2), all, size, &[1], 5), None);
+        // A candidate cuDNN does not support (its size query fails) is passed over.
+        let partial = |a: u8| if a == 1 { Err(()) } else { Ok(0) };
+        assert_eq!(choose_algorithm(Ok(1), all, partial, &[1, 2], 50), Some(2));
+        assert_eq!(choose_algorithm(Ok(1), all, |_| Err::<usize, ()>(()), &[0], 50), None);
+    }
+
+    #[test]
+    fn a_pick_that_is_not_allowed_gives_way_to_the_fallbacks() {
+        let size = |_: u8| -> Result<usize, ()> { Ok(0) };
+        // As a deterministic-only choice: 0 (say, an atomic-add algorithm) is refused even
+        // though it fits, and the first fallback runs instead.
+        let deterministic = |a: u8| a != 0;
+        assert_eq!(choose_algorithm(Ok(0), deterministic, size, &[1], 50), Some(1));
+        assert_eq!(choose_algorithm(Ok(2), deterministic, size, &[1], 50), Some(2));
     }
 
     #[test]

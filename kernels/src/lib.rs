@@ -69,7 +69,7 @@
 //! ```text
 //! util.rs            what every op shares: element types (Float), dtype dispatch (dispatch_float!),
 //!                    operand access (cpu_slice, cuda_view, expect_dims), NVRTC kernels and launch
-//!                    helpers (Kernels, kernel_source!, grid_stride), the TF32 switch
+//!                    helpers (Kernels, kernel_source!, grid_stride), the TF32 and cuDNN determinism switches
 //! geom.rs            the convolutions' shapes: conv2d's Geom, ConvPass, the window checks
 //! conv2d.rs          conv2d's API and its op, which dispatches each pass to one of
 //!   conv2d_cpu.rs      the CPU passes (im2col + gemm)
@@ -117,4 +117,4 @@ pub mod quantize;
 pub mod selfcheck;
 mod util;
 
-pub use util::{set_tf32, tf32};
+pub use util::{cudnn_nondeterministic, set_cudnn_nondeterministic, set_tf32, tf32};

@@ -18,9 +18,9 @@
 //!
 //! On the CPU each direction is one pass per plane on Candle's thread pool (two for [`quantize`]:
 //! the ranges, then the codes), computed in f32 whatever the activation dtype. On other devices
-//! a range per channel (int8) runs the same arithmetic as Candle ops (with f32 transients the size
-//! of the activation), and a range per plane (int4, int2) runs the CPU passes on a host copy (so
-//! the codes are the CPU's, bit for bit) and uploads the result.
+//! a range per channel (int8) runs the same arithmetic as Candle ops, over chunks of images (its
+//! f32 transients a few [`OPS_CHUNK_BYTES`] chunks, not copies of the activation), and a range per plane (int4, int2) runs the CPU passes on a host copy and
+//! uploads the result: either way the codes are the CPU's, bit for bit (`tests/quantize.rs`).
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
@@ -132,7 +132,7 @@ pub fn quantize(x: &Tensor, width: Width, salt: u64) -> Result<Quantized> {
     let x = x.contiguous()?;
     if !x.device().is_cpu() {
         if !width.per_plane() {
-            return quantize_ops(&x, dims);
+            return quantize_ops(&x, dims, ops_chunk_images(dims));
         }
         let q = quantize(&x.to_device(&Device::Cpu)?, width, salt)?;
         return Ok(Quantized {
@@ -158,14 +158,7 @@ pub fn dequantize(q: &Quantized) -> Result<Tensor> {
     let device = codes.device().clone();
     if !device.is_cpu() {
         if !q.width.per_plane() {
-            let lo = q.ranges.get(0)?.reshape((1, (), 1, 1))?;
-            let scale = q.ranges.get(1)?.reshape((1, (), 1, 1))?;
-            let x = codes
-                .reshape(&q.dims)?
-                .to_dtype(DType::F32)?
-                .broadcast_mul(&scale)?
-                .broadcast_add(&lo)?;
-            return x.to_dtype(q.dtype);
+            return dequantize_ops(q, &codes, ops_chunk_images(q.dims));
         }
         let host = Quantized {
             codes: codes.to_device(&Device::Cpu)?,
@@ -184,27 +177,81 @@ pub fn dequantize(q: &Quantized) -> Result<Tensor> {
     )
 }
 
+/// f32 bytes the Candle-ops path ([`quantize`] and [`dequantize`] of int8 off the CPU) widens at a
+/// time: it works through the batch in chunks of whole images of at most this many f32 bytes, so
+/// that its transients are a few such chunks rather than a few f32 copies of the activation.
+pub const OPS_CHUNK_BYTES: usize = 4 << 20;
+
+/// Images per chunk of the Candle-ops path for an activation of `dims`: as many as fit in
+/// [`OPS_CHUNK_BYTES`] of f32, at least one.
+pub fn ops_chunk_images([n, c, h, w]: [usize; 4]) -> usize {
+    (OPS_CHUNK_BYTES / (c * h * w * 4).max(1)).clamp(1, n.max(1))
+}
+
+/// The most bytes the Candle-ops path holds at once besides its operands and its result (for a
+/// memory estimate): three f32 chunks in [`quantize`] (an intermediate, its successor and the
+/// clamp's own), two in [`dequantize`].
+pub fn ops_transient_bytes(dims: [usize; 4], quantize: bool) -> u64 {
+    let [n, c, h, w] = dims;
+    let chunk = (ops_chunk_images(dims).min(n) * c * h * w * 4) as u64;
+    if quantize {
+        3 * chunk
+    } else {
+        2 * chunk
+    }
+}
+
+/// The first image and the number of images of each chunk of the Candle-ops path.
+fn chunks(dims: [usize; 4], images: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = dims[0];
+    (0..n)
+        .step_by(images.max(1))
+        .map(move |s| (s, images.min(n - s)))
+}
+
 /// [`quantize`] with a range per channel (int8) as Candle ops, for devices without the CPU
-/// kernels.
-fn quantize_ops(x: &Tensor, dims: [usize; 4]) -> Result<Quantized> {
-    let c = dims[1];
+/// kernels, over chunks of `images` images (see [`OPS_CHUNK_BYTES`]): the CPU's arithmetic,
+/// operation for operation, so the codes are the CPU's bit for bit (the reductions skip NaN as
+/// `f32::min` does; [`lo_scale`] on `[C]` tensors; a true division for the step, not Candle's
+/// `Tensor / f64`, which multiplies by the reciprocal; the clamp's `maximum` maps NaN to 0 as
+/// `as u8` does).
+fn quantize_ops(x: &Tensor, dims: [usize; 4], images: usize) -> Result<Quantized> {
+    let [_, c, h, w] = dims;
     let levels = Width::Int8.max_code() as f64;
-    let x32 = x.to_dtype(DType::F32)?;
-    let lo = x32.min_keepdim(3)?.min_keepdim(2)?.min_keepdim(0)?;
-    let hi = x32.max_keepdim(3)?.max_keepdim(2)?.max_keepdim(0)?;
-    let scale = ((&hi - &lo)? / levels)?;
-    // A constant channel has scale 0: every code is 0 and decodes to lo.
-    let inv = scale
-        .gt(0.0)?
-        .where_cond(&scale.recip()?, &scale.zeros_like()?)?;
-    let codes = x32
-        .broadcast_sub(&lo)?
-        .broadcast_mul(&inv)?
-        .round()?
-        .clamp(0.0, levels)?
-        .to_dtype(DType::U8)?
-        .reshape(&Width::Int8.codes_dims(dims))?;
+    let widen = |s: usize, len: usize| x.narrow(0, s, len)?.to_dtype(DType::F32);
+    let mut range: Option<(Tensor, Tensor)> = None;
+    for (s, len) in chunks(dims, images) {
+        let xc = widen(s, len)?;
+        let lo = xc.min_keepdim(3)?.min_keepdim(2)?.min_keepdim(0)?;
+        let hi = xc.max_keepdim(3)?.max_keepdim(2)?.max_keepdim(0)?;
+        range = Some(match range {
+            None => (lo, hi),
+            Some((l, h)) => (l.minimum(&lo)?, h.maximum(&hi)?),
+        });
+    }
+    let (min, max) = range.ok_or_else(|| candle_core::Error::Msg(format!("{OP}: empty batch")))?;
+    let zeros = min.zeros_like()?;
+    let finite = |t: &Tensor| t.abs()?.lt(f32::INFINITY);
+    let lo = finite(&min)?.where_cond(&min, &zeros)?;
+    let step = (&max - &lo)?
+        .maximum(0f32)?
+        .broadcast_div(&Tensor::new(levels as f32, x.device())?)?;
+    let scale = finite(&max)?.where_cond(&step, &zeros)?;
+    // A constant channel, or one holding an infinity, has scale 0: every code is 0 and decodes
+    // to lo.
+    let inv = scale.gt(0.0)?.where_cond(&scale.recip()?, &zeros)?;
     let ranges = Tensor::stack(&[lo.reshape(c)?, scale.reshape(c)?], 0)?;
+    let codes = Tensor::zeros(Width::Int8.codes_dims(dims).to_vec(), DType::U8, x.device())?;
+    for (s, len) in chunks(dims, images) {
+        // One intermediate at a time (each statement drops what it no longer needs).
+        let mut t = widen(s, len)?.broadcast_sub(&lo)?;
+        t = t.broadcast_mul(&inv)?;
+        t = t.round()?;
+        t = t.clamp(0.0, levels)?;
+        let q = t.to_dtype(DType::U8)?.reshape((len, c, h * w))?;
+        drop(t);
+        codes.slice_set(&q, 0, s)?;
+    }
     Ok(Quantized {
         codes,
         ranges,
@@ -212,6 +259,24 @@ fn quantize_ops(x: &Tensor, dims: [usize; 4]) -> Result<Quantized> {
         dims,
         dtype: x.dtype(),
     })
+}
+
+/// [`dequantize`] of a range per channel (int8) as Candle ops, over chunks of `images` images.
+fn dequantize_ops(q: &Quantized, codes: &Tensor, images: usize) -> Result<Tensor> {
+    let [_, c, h, w] = q.dims;
+    let lo = q.ranges.get(0)?.reshape((1, (), 1, 1))?;
+    let scale = q.ranges.get(1)?.reshape((1, (), 1, 1))?;
+    let out = Tensor::zeros(q.dims.to_vec(), q.dtype, codes.device())?;
+    for (s, len) in chunks(q.dims, images) {
+        let mut t = codes
+            .narrow(0, s, len)?
+            .reshape((len, c, h, w))?
+            .to_dtype(DType::F32)?;
+        t = t.broadcast_mul(&scale)?;
+        t = t.broadcast_add(&lo)?;
+        out.slice_set(&t.to_dtype(q.dtype)?, 0, s)?;
+    }
+    Ok(out)
 }
 
 /// `(n, c, h·w)` of a contiguous `[N, C, H, W]` layout.
@@ -488,6 +553,61 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    #[test]
+    fn the_candle_ops_path_gives_the_cpu_kernels_codes_in_any_chunking() -> Result<()> {
+        // Random channels, a channel of exact ties, one holding +inf and one -inf, a constant one.
+        let (n, c, h, w) = (7, 5, 3, 4);
+        let mut v = Tensor::randn(0f32, 3.0, (n, c, h, w), &Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        for i in 0..n {
+            for j in 0..h * w {
+                let at = |ch: usize| (i * c + ch) * h * w + j;
+                v[at(1)] = if j == 0 { 0.0 } else { ((i * 12 + j) % 254) as f32 + 0.5 };
+                v[at(4)] = -0.75;
+            }
+        }
+        v[(3 * c + 2) * h * w + 5] = f32::INFINITY;
+        v[(5 * c + 3) * h * w + 1] = f32::NEG_INFINITY;
+        let x = Tensor::from_vec(v, (n, c, h, w), &Device::Cpu)?;
+        let dims = [n, c, h, w];
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let x = x.to_dtype(dt)?;
+            let kernels = quantize(&x, Width::Int8, 0)?;
+            let want = dequantize(&kernels)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            for images in [1, 3, n] {
+                let ops = quantize_ops(&x, dims, images)?;
+                let what = format!("{dt:?}, {images} images a chunk");
+                assert_eq!(ops.ranges.to_vec2::<f32>()?, kernels.ranges.to_vec2::<f32>()?, "{what}");
+                assert_eq!(
+                    ops.codes.flatten_all()?.to_vec1::<u8>()?,
+                    kernels.codes.flatten_all()?.to_vec1::<u8>()?,
+                    "{what}"
+                );
+                let got = dequantize_ops(&ops, &ops.codes, images)?;
+                assert_eq!(got.dtype(), dt);
+                let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{what}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_ops_path_works_in_chunks_of_whole_images_within_the_budget() {
+        // Default net's first stage at batch 512: 128 KiB of f32 an image, 32 images a chunk.
+        assert_eq!(ops_chunk_images([512, 32, 32, 32]), 32);
+        assert_eq!(ops_transient_bytes([512, 32, 32, 32], true), 3 * OPS_CHUNK_BYTES as u64);
+        assert_eq!(ops_transient_bytes([512, 32, 32, 32], false), 2 * OPS_CHUNK_BYTES as u64);
+        // A batch smaller than a chunk is one chunk; an image larger than the budget is one.
+        assert_eq!(ops_chunk_images([4, 8, 8, 8]), 4);
+        assert_eq!(ops_transient_bytes([4, 8, 8, 8], false), 2 * 4 * 8 * 64 * 4);
+        assert_eq!(ops_chunk_images([2, 2048, 32, 32]), 1);
+        let starts: Vec<_> = chunks([7, 1, 1, 1], 3).collect();
+        assert_eq!(starts, [(0, 3), (3, 3), (6, 1)]);
+    }
+
     /// `[values of group g]` of `x` `[N, C, H, W]` for `width`'s groups (channels or planes).
     fn groups(x: &Tensor, width: Width) -> Result<Vec<Vec<f32>>> {
         let x = x.to_dtype(DType::F32)?;
@@ -609,27 +729,6 @@ mod tests {
         let codes = q.codes.flatten_all()?.to_vec1::<u8>()?;
         assert_eq!(codes, [0xF0, 0x0F, 0x0F, 0x00]);
         assert_eq!(dequantize(&q)?.flatten_all()?.to_vec1::<f32>()?, v);
-        Ok(())
-    }
-
-    #[test]
-    fn the_ops_path_gives_the_kernels_codes() -> Result<()> {
-        let x = Tensor::randn(0f32, 1.0, (2, 3, 4, 4), &Device::Cpu)?;
-        let k = quantize(&x, Width::Int8, 0)?;
-        let o = quantize_ops(&x, [2, 3, 4, 4])?;
-        assert_eq!(k.codes.dims(), o.codes.dims());
-        let (kr, or) = (k.ranges.to_vec2::<f32>()?, o.ranges.to_vec2::<f32>()?);
-        for (a, b) in kr.iter().flatten().zip(or.iter().flatten()) {
-            // Candle divides by 255 as a multiplication by its f64 inverse: an ulp apart.
-            assert!((a - b).abs() <= 1e-6 * a.abs().max(1e-3), "{a} vs {b}");
-        }
-        let (kc, oc) = (
-            k.codes.flatten_all()?.to_vec1::<u8>()?,
-            o.codes.flatten_all()?.to_vec1::<u8>()?,
-        );
-        // Multiplying by 1/scale may land a value a rounding away from the kernel's code.
-        let off = kc.iter().zip(&oc).filter(|(a, b)| a != b).count();
-        assert!(off * 100 <= kc.len(), "{off} of {} codes differ", kc.len());
         Ok(())
     }
 

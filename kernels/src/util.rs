@@ -11,7 +11,8 @@
 //!   [`uint32`];
 //! - plane-parallel CPU passes: [`for_planes`] on Candle's thread pool, [`SharedMut`] for their
 //!   disjoint writes;
-//! - the TF32 switch, [`set_tf32`] (re-exported as `crate::set_tf32`);
+//! - the TF32 switch, [`set_tf32`] (re-exported as `crate::set_tf32`), and the cuDNN determinism
+//!   switch, [`set_cudnn_nondeterministic`];
 //! - [`gemm_packing_bytes`], what the `gemm` crate allocates inside a product (for the memory
 //!   estimate of the ops that call it).
 //!
@@ -540,4 +541,27 @@ pub fn set_tf32(on: bool) {
 /// Whether [`set_tf32`] is on.
 pub fn tf32() -> bool {
     TF32.load(Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuDNN determinism
+
+/// Whether the cuDNN op's backward passes may run algorithms that are not deterministic; see
+/// [`set_cudnn_nondeterministic`].
+static CUDNN_NONDETERMINISTIC: AtomicBool = AtomicBool::new(false);
+
+/// Let the cuDNN op's backward passes run cuDNN's first-ranked algorithm even when it sums with
+/// atomic adds (backward-data `ALGO_0`, backward-filter `ALGO_0` and `ALGO_3`), whose results can
+/// differ in the last bits from run to run. Off by default: such a pick is replaced by the
+/// deterministic `ALGO_1`, as PyTorch's `torch.backends.cudnn.deterministic` does, so two runs
+/// (and a captured step against an eager one) give the same bits. Process-wide, like
+/// [`set_tf32`]; memtrain sets it from its `--cudnn-nondeterministic` flag. The forward
+/// algorithms, the im2col op and the CPU are deterministic either way.
+pub fn set_cudnn_nondeterministic(on: bool) {
+    CUDNN_NONDETERMINISTIC.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_cudnn_nondeterministic`] is on.
+pub fn cudnn_nondeterministic() -> bool {
+    CUDNN_NONDETERMINISTIC.load(Ordering::Relaxed)
 }

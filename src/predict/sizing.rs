@@ -535,13 +535,11 @@ impl StepOps for Sizing<'_> {
             unreachable!("a conv output is [N, C, H, W]")
         };
         let dims = [n, ch, hh, ww];
+        let ops = !width.per_plane() && self.cuda();
         if width.per_plane() {
             // Codes made on the host (a CUDA device gets them uploaded); the ranges written
             // straight into their buffer.
-        } else if self.cuda() {
-            // Candle ops in f32: the widened copy and one intermediate beside it.
-            self.spike(2 * count(&h.dims) * 4);
-        } else {
+        } else if !ops {
             // Per-plane ranges, then the per-channel ones.
             self.spike(n as u64 * ch as u64 * 8);
         }
@@ -559,6 +557,10 @@ impl StepOps for Sizing<'_> {
                 self.alloc(width.codes_dims(dims).to_vec(), DType::U8),
             )
         };
+        if ops {
+            // Candle ops, chunk by chunk into the codes' buffer.
+            self.spike(memtrain_kernels::quantize::ops_transient_bytes(dims, true));
+        }
         Ok(SzCodes {
             codes,
             ranges,
@@ -568,11 +570,15 @@ impl StepOps for Sizing<'_> {
         })
     }
     fn dequantize(&self, q: &SzCodes) -> Result<Sz> {
+        let out = self.alloc(q.dims.clone(), q.dtype);
         if self.cuda() && !q.width.per_plane() {
-            // Candle ops (a range per channel): the f32 codes and their product.
-            self.spike(2 * count(&q.dims) * 4);
+            // Candle ops (a range per channel), chunk by chunk into the result's buffer.
+            let [n, c, h, w] = q.dims[..] else {
+                unreachable!("codes of a conv output")
+            };
+            self.spike(memtrain_kernels::quantize::ops_transient_bytes([n, c, h, w], false));
         }
-        Ok(self.alloc(q.dims.clone(), q.dtype))
+        Ok(out)
     }
     fn codes_dims(&self, q: &SzCodes) -> Vec<usize> {
         q.dims.clone()

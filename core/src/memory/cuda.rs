@@ -42,8 +42,12 @@ use crate::error::{Error, Result};
 /// Probe of the CUDA device's current memory pool (the pool candle's `cuMemAllocAsync`
 /// allocations come from).
 ///
-/// Readings synchronize the device first: candle's allocations and frees are stream-ordered, so
-/// a free is reflected in the counters only once the stream has reached it.
+/// Readings do not wait for the GPU: the pool counts an allocation, and a free on the stream that
+/// allocated, when the host makes the call, not when the stream reaches it (measured on an H200 by
+/// `tests/gpu_memory.rs`, `counters_follow_the_hosts_calls_without_a_sync`). So a reading at a
+/// layer event is the memory of the program up to that event, in program order, while the GPU
+/// may still be running earlier kernels, and the trainer's per-event timeline costs no
+/// synchronization; [`MemoryProbe::sync`] waits for the GPU where a phase ends.
 ///
 /// While the probe lives it owns the pool settings it made: with a limit, its own pool is the
 /// device's current pool; the release threshold is the one `pool_cache` chose. Dropping the probe
@@ -221,12 +225,11 @@ impl CudaPoolProbe {
         Ok(probe)
     }
 
-    /// Read a pool counter after synchronizing the device; 0 when there is no pool or the
-    /// driver refuses (the trait has no error channel, and a broken context resurfaces as an
-    /// error at the next candle operation anyway).
+    /// Read a pool counter (without waiting for the GPU: see the type's docs); 0 when there is
+    /// no pool or the driver refuses (the trait has no error channel, and a broken context
+    /// resurfaces as an error at the next candle operation anyway).
     fn read(&self, attr: sys::CUmemPool_attribute) -> u64 {
         let Some(pool) = self.pool else { return 0 };
-        self.sync();
         if self.ctx.bind_to_thread().is_err() {
             return 0;
         }
@@ -264,8 +267,7 @@ impl MemoryProbe for CudaPoolProbe {
     }
 
     fn reset_peak(&self) {
-        // Pending frees must land first, or the watermark would restart above the true use.
-        self.sync();
+        // Frees are counted at the call, so the watermark restarts at the program's use.
         let _ = self.reset_watermarks();
     }
 
@@ -285,7 +287,6 @@ impl MemoryProbe for CudaPoolProbe {
     }
 
     fn device_used(&self) -> Option<u64> {
-        self.sync();
         let (free, total) = self.ctx.mem_get_info().ok()?;
         let used = total.saturating_sub(free) as u64;
         self.device_used_high

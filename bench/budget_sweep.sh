@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The memory-budget sweep of docs/memory.md: `--checkpoint auto --memory-limit L` for 8 limits
 # from the smallest that any segmentation fits (its predicted peak plus the estimate's 5% error
-# margin) to the one the plain step fits, each run for a few steps, plus the named schedules
-# (none, stages, blocks) without a limit; then the chart of measured peak against img/s with the
+# margin) to the one the plain step fits, each run for a few steps, plus the fixed
+# segmentations (none, stages, blocks) without a limit; then the chart of measured peak against img/s with the
 # predicted peak beside each point.
 #
 #   bench/budget_sweep.sh [OUT_STEM] [RUN_DIR]

@@ -56,7 +56,7 @@ enum What {
         /// repeated runs: the highest peak and the fastest step of them all)
         #[arg(long, value_name = "DIRS")]
         point: Vec<String>,
-        /// Run directories of one named schedule run without a limit, comma-separated
+        /// Run directories of one fixed `--checkpoint` run without a limit, comma-separated
         #[arg(long, value_name = "DIRS")]
         named: Vec<String>,
     },
@@ -120,7 +120,7 @@ fn read_point(dir: &Path, auto: bool) -> anyhow::Result<(BudgetPoint, u64, u64)>
         );
     }
     let point = BudgetPoint {
-        schedule: config["checkpoint"].as_str().unwrap_or("?").to_string(),
+        checkpoint: config["checkpoint"].as_str().unwrap_or("?").to_string(),
         limit,
         predicted_peak: num("predicted_peak_bytes")
             .with_context(|| format!("{}: no predicted peak", dir.display()))?,
@@ -161,7 +161,7 @@ fn fastest_step(dir: &Path) -> anyhow::Result<f64> {
     Ok(best)
 }
 
-/// The repeated runs of one point as one: the same schedule and limit, the highest measured peak,
+/// The repeated runs of one point as one: the same segmentation and limit, the highest measured peak,
 /// the fastest step, the highest resident peak.
 fn read_group(dirs: &str, auto: bool) -> anyhow::Result<(BudgetPoint, u64, u64)> {
     let mut runs = dirs.split(',').map(|d| read_point(Path::new(d), auto));
@@ -169,8 +169,8 @@ fn read_group(dirs: &str, auto: bool) -> anyhow::Result<(BudgetPoint, u64, u64)>
     for r in runs {
         let (p, _, rss) = r?;
         resident = resident.max(rss);
-        if (&p.schedule, p.limit) != (&point.schedule, point.limit) {
-            bail!("{dirs}: the runs of one point trained different schedules or limits");
+        if (&p.checkpoint, p.limit) != (&point.checkpoint, point.limit) {
+            bail!("{dirs}: the runs of one point trained different segmentations or limits");
         }
         point.measured_peak = point.measured_peak.max(p.measured_peak);
         point.images_per_sec = point.images_per_sec.max(p.images_per_sec);
@@ -186,7 +186,7 @@ fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::
         }
     }
     let mut csv = String::from(
-        "schedule,memory_limit_bytes,predicted_peak_bytes,measured_peak_bytes,prediction_error_pct,resident_peak_bytes,fits,images_per_sec,recompute_flops\n",
+        "checkpoint,memory_limit_bytes,predicted_peak_bytes,measured_peak_bytes,prediction_error_pct,resident_peak_bytes,fits,images_per_sec,recompute_flops\n",
     );
     println!("| --memory-limit | auto chose | recomputes | predicted step peak | measured step peak | error | resident peak | fits | img/s |");
     println!("|---:|---|---:|---:|---:|---:|---:|---|---:|");
@@ -200,7 +200,7 @@ fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::
         // Quoted: `segments:1,2` has commas.
         csv.push_str(&format!(
             "\"{}\",{},{},{},{:.2},{},{},{:.1},{}\n",
-            p.schedule,
+            p.checkpoint,
             p.limit.map_or(String::new(), |l| l.to_string()),
             p.predicted_peak,
             p.measured_peak,
@@ -213,7 +213,7 @@ fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::
         println!(
             "| {} | {} | {} | {} | {} | {err:+.2}% | {} | {} | {:.0} |",
             p.limit.map_or("— (named)".into(), format_bytes),
-            p.schedule,
+            p.checkpoint,
             format_flops(*flops),
             format_bytes(p.predicted_peak),
             format_bytes(p.measured_peak),

@@ -1,13 +1,13 @@
 //! What to do when a step does not fit its memory: advice true for the configuration at hand,
 //! never a flag it already uses, one that cannot help in the phase that ran out, or a
-//! checkpointing schedule the estimate predicts to be no smaller.
+//! segmentation the estimate predicts to be no smaller.
 
 use crate::config::{GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use crate::memory::format_bytes;
 
 /// A segmentation the estimate predicts to need less memory than the run's own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct SmallerSchedule {
+pub(crate) struct SmallerCheckpointing {
     /// The segmentation to advise.
     pub(crate) checkpointing: GradCheckpointing,
     /// Its predicted peak bytes.
@@ -17,7 +17,7 @@ pub(crate) struct SmallerSchedule {
 }
 
 /// The fixes for a step of `cfg` that needed more memory than it had, in the order to try them,
-/// without any checkpointing advice (where no estimate of the other schedules is at hand).
+/// without any checkpointing advice (where no estimate of the other segmentations is at hand).
 pub(crate) fn out_of_memory(cfg: &TrainConfig, in_update: bool) -> String {
     out_of_memory_with(cfg, in_update, None)
 }
@@ -29,7 +29,7 @@ pub(crate) fn out_of_memory(cfg: &TrainConfig, in_update: bool) -> String {
 pub(crate) fn out_of_memory_with(
     cfg: &TrainConfig,
     in_update: bool,
-    smaller: Option<SmallerSchedule>,
+    smaller: Option<SmallerCheckpointing>,
 ) -> String {
     let mut fixes: Vec<String> = Vec::new();
     if in_update {
@@ -96,12 +96,12 @@ mod tests {
     }
 
     #[test]
-    fn a_schedule_is_advised_only_when_other_and_predicted_smaller() {
+    fn a_segmentation_is_advised_only_when_other_and_predicted_smaller() {
         let cfg = TrainConfig {
             grad_checkpointing: GradCheckpointing::Stages,
             ..TrainConfig::default()
         };
-        let s = |checkpointing, predicted_peak| SmallerSchedule {
+        let s = |checkpointing, predicted_peak| SmallerCheckpointing {
             checkpointing,
             predicted_peak,
             current_peak: 100,

@@ -1,7 +1,7 @@
 //! Gradient checkpointing's segmentations (`memtrain::predict::checkpointing`): every segmentation parses,
 //! runs and is counted; `--checkpoint auto --memory-limit` picks what brute force over all 32
 //! picks, keeps the estimate's error margin, says so when nothing fits, and runs under its limit;
-//! the out-of-memory advice names only schedules predicted to be smaller.
+//! the out-of-memory advice names only segmentations predicted to be smaller.
 //!
 //! The tests run one at a time: the trained runs measure the whole process's heap.
 
@@ -262,7 +262,7 @@ fn auto_picks_what_brute_force_over_every_segmentation_picks() {
         let c = choose_checkpointing(&auto, &model_layer_specs(width, conv), dev, base).unwrap();
         assert_eq!(c.chosen.predicted_peak, lo);
     }
-    // More than the named schedules get chosen somewhere along the sweeps.
+    // More than the fixed segmentations get chosen somewhere along the sweeps.
     assert!(
         distinct.iter().any(|d| d.starts_with("segments:")),
         "{distinct:?}"
@@ -312,7 +312,7 @@ fn auto_near_the_old_failing_limit_runs_under_it() {
     let heap = plain + plain / 500 + pre;
     // The limit is the process's: what it leaves the heap is that.
     let limit = limit_for_heap(heap, dev);
-    let dir = common::scratch("schedule", "near-limit");
+    let dir = common::scratch("checkpointing", "near-limit");
     let auto = TrainConfig {
         grad_checkpointing: GradCheckpointing::Auto,
         memory_limit: Some(limit),
@@ -362,12 +362,12 @@ fn auto_near_the_old_failing_limit_runs_under_it() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// An out-of-memory step's advice names a schedule only when it differs from the run's, is
+/// An out-of-memory step's advice names a segmentation only when it differs from the run's, is
 /// predicted to be smaller and predicted to fit the limit: never `stages` to a separable run
 /// without checkpointing, where stages predicts more, never the run's own, and nothing under a
-/// limit no schedule fits (half the step) — under one that the smallest schedule fits, that one.
+/// limit no segmentation fits (half the step) — under one that the smallest segmentation fits, that one.
 #[test]
-fn out_of_memory_advice_names_only_smaller_schedules() {
+fn out_of_memory_advice_names_only_smaller_segmentations() {
     let _s = serial();
     let pre = CountingAllocator::current();
     let dev = DeviceKind::cpu();
@@ -402,10 +402,10 @@ fn out_of_memory_advice_names_only_smaller_schedules() {
             estimate_with(&c, dev, Baseline::Modeled(size)).unwrap()
         };
         let est = peak_of(ck);
-        // Room for the data, the model and half the step: no schedule fits.
+        // Room for the data, the model and half the step: no segmentation fits.
         let fixed = est.baseline_bytes + est.batch_bytes + est.runtime_bytes;
         let half = pre + fixed + (est.peak - fixed) / 2;
-        // Room for the smallest schedule of these, when it is smaller than the run's own.
+        // Room for the smallest segmentation of these, when it is smaller than the run's own.
         let best = [
             GradCheckpointing::Stages,
             GradCheckpointing::Blocks,
@@ -424,7 +424,7 @@ fn out_of_memory_advice_names_only_smaller_schedules() {
             };
             let data = splits(cfg.synthetic_train, cfg.synthetic_test);
             let mut t = Trainer::new(run, data, TrainerOptions::default()).unwrap();
-            let e = t.fit().expect_err("the run's own schedule does not fit");
+            let e = t.fit().expect_err("the run's own segmentation does not fit");
             drop(t);
             assert!(e.is_oom(), "{e}");
             let text = e.to_string();
@@ -433,7 +433,7 @@ fn out_of_memory_advice_names_only_smaller_schedules() {
             };
             let name = rest.split(' ').next().unwrap().trim_end_matches(',');
             let other: GradCheckpointing = name.parse().unwrap();
-            assert_ne!(other, ck, "advises the schedule in use: {text}");
+            assert_ne!(other, ck, "advises the segmentation in use: {text}");
             let budget = usable_bytes(heap_limit(Some(limit), dev).unwrap(), SAFETY_MARGIN);
             assert!(
                 peak_of(other).peak < est.peak && peak_of(other).peak <= budget,
@@ -445,7 +445,7 @@ fn out_of_memory_advice_names_only_smaller_schedules() {
             advised += 1;
         }
     }
-    assert!(advised >= 1, "some run gets a schedule advised");
+    assert!(advised >= 1, "some run gets a segmentation advised");
 }
 
 /// `train_cifar10 --checkpoint auto --memory-limit` below what any segmentation fits: one line
@@ -478,7 +478,7 @@ fn nothing_fits_is_a_usage_error_before_any_work() {
         })
         .min()
         .unwrap();
-    let dir = common::scratch("schedule", "nothing-fits");
+    let dir = common::scratch("checkpointing", "nothing-fits");
     let out_dir = dir.join("run");
     // Room for the data set and the model (the child's own figure), not for any step.
     let flags = [common::SMALL_RUN, &["--checkpoint", "auto"]].concat();

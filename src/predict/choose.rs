@@ -85,12 +85,12 @@ pub fn all_segmentations(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
 /// those that fit), else the one with the smallest predicted peak; `None` when the estimate
 /// fails, none fits the limit, or that is the run's own.
 /// [`crate::advice::out_of_memory_with`] advises it only if it predicts less than the run's own.
-pub(crate) fn smaller_schedule(
+pub(crate) fn smaller_checkpointing(
     cfg: &TrainConfig,
     specs: &[LayerSpec],
     device: DeviceKind,
     baseline: Baseline,
-) -> Option<crate::advice::SmallerSchedule> {
+) -> Option<crate::advice::SmallerCheckpointing> {
     let current = estimate_for_specs(cfg, specs, device, baseline)
         .ok()?
         .run_peak();
@@ -99,7 +99,7 @@ pub(crate) fn smaller_schedule(
     let candidates = segmentation_candidates(&all, specs, device, baseline).ok()?;
     let smaller = |c: &&Candidate| c.predicted_peak < current;
     let limit = heap_limit(cfg.memory_limit, device);
-    // Under a limit, only a schedule predicted to fit it is advice.
+    // Under a limit, only a segmentation predicted to fit it is advice.
     let fits = |c: &&Candidate| {
         limit.is_none_or(|l| c.predicted_peak <= super::margin::usable_bytes(l, SAFETY_MARGIN))
     };
@@ -114,7 +114,7 @@ pub(crate) fn smaller_schedule(
         })
         .filter(smaller)?;
     (GradCheckpointing::from(chosen.checkpointing) != cfg.grad_checkpointing).then_some(
-        crate::advice::SmallerSchedule {
+        crate::advice::SmallerCheckpointing {
             checkpointing: chosen.checkpointing.into(),
             predicted_peak: chosen.predicted_peak,
             current_peak: current,

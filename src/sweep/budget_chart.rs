@@ -1,6 +1,6 @@
 //! The budget sweep's chart (`bench/budget_sweep.sh`): each `--checkpoint auto --memory-limit`
 //! run at (measured peak, images/s) with its predicted peak beside it and its limit marked, and
-//! the named schedules (none, stages, blocks, run without a limit) on the same axes.
+//! the fixed segmentations (`--checkpoint none`, `stages`, `blocks`, run without a limit) on the same axes.
 //!
 //! Drawn with the machinery of `sweep::chart` into `<stem>.png` and `<stem>.svg`; the points and
 //! their CSV come from `examples/budget_sweep.rs`.
@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 /// One run of the budget sweep.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BudgetPoint {
-    /// The schedule it trained with (`segments:1,2`, `stages`, …).
-    pub schedule: String,
-    /// `--memory-limit` of an `auto` run; `None` for a named schedule run without a limit.
+    /// The segmentation it trained with, as `--checkpoint` names it (`segments:1,2`, `stages`, …).
+    pub checkpoint: String,
+    /// `--memory-limit` of an `auto` run; `None` for a fixed segmentation run without a limit.
     pub limit: Option<u64>,
     /// The estimate's predicted step peak.
     pub predicted_peak: u64,
@@ -57,7 +57,7 @@ const NAMED: RGBColor = RGBColor(230, 120, 20);
 
 impl BudgetChart<'_> {
     /// The `auto` runs: limit tick, dotted line to the measured peak, predicted (ring) and
-    /// measured (dot) peaks in one colour per chosen schedule, named in the legend.
+    /// measured (dot) peaks in one colour per chosen segmentation, named in the legend.
     fn draw_auto<DB: DrawingBackend>(
         &self,
         chart: &mut Panel<'_, DB>,
@@ -95,15 +95,15 @@ impl BudgetChart<'_> {
             });
         // Blue, green, purple, brown, pink, olive, cyan: not the limit's red or the named orange.
         let colours = [0, 2, 3, 4, 5, 7, 8].map(|i| PALETTE[i]);
-        let mut schedules: Vec<&str> = Vec::new();
+        let mut chosen: Vec<&str> = Vec::new();
         for p in &auto {
-            if !schedules.contains(&p.schedule.as_str()) {
-                schedules.push(&p.schedule);
+            if !chosen.contains(&p.checkpoint.as_str()) {
+                chosen.push(&p.checkpoint);
             }
         }
-        for (k, s) in schedules.iter().enumerate() {
+        for (k, s) in chosen.iter().enumerate() {
             let c = colours[k % colours.len()];
-            let mine: Vec<&&BudgetPoint> = auto.iter().filter(|p| p.schedule == *s).collect();
+            let mine: Vec<&&BudgetPoint> = auto.iter().filter(|p| p.checkpoint == *s).collect();
             let rings = chart.draw_series(mine.iter().map(|p| {
                 Circle::new(
                     (unit.of(p.predicted_peak), p.images_per_sec),
@@ -127,7 +127,7 @@ impl BudgetChart<'_> {
         Ok(())
     }
 
-    /// The named schedules run without a limit: triangles at the measured peak, hollow at the
+    /// The fixed segmentations run without a limit: triangles at the measured peak, hollow at the
     /// predicted, labelled.
     fn draw_named<DB: DrawingBackend>(
         &self,
@@ -149,7 +149,7 @@ impl BudgetChart<'_> {
                     NAMED.stroke_width(2),
                 )
             }))?
-            .label("named schedule, predicted peak")
+            .label("fixed --checkpoint, predicted peak")
             .legend(|(x, y)| TriangleMarker::new((x + 12, y), 9, NAMED.stroke_width(2)));
         chart
             .draw_series(named.iter().map(|p| {
@@ -159,7 +159,7 @@ impl BudgetChart<'_> {
                     NAMED.filled(),
                 )
             }))?
-            .label("named schedule, measured peak (no limit)")
+            .label("fixed --checkpoint, measured peak (no limit)")
             .legend(|(x, y)| TriangleMarker::new((x + 12, y), 6, NAMED.filled()));
         for p in named {
             let style = TextStyle::from((FONT, 16).into_font())
@@ -167,7 +167,7 @@ impl BudgetChart<'_> {
                 .pos(Pos::new(HPos::Left, VPos::Top));
             chart.draw_series(std::iter::once(
                 EmptyElement::at((unit.of(p.measured_peak), p.images_per_sec))
-                    + Text::new(p.schedule.clone(), (10, 6), style),
+                    + Text::new(p.checkpoint.clone(), (10, 6), style),
             ))?;
         }
         Ok(())

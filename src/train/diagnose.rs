@@ -67,16 +67,16 @@ impl Trainer {
         if let Error::Core(CoreError::OutOfMemory { phase, advice, .. }) = &mut e {
             let in_update = phase.starts_with(&crate::phase::Phase::Optimizer.to_string());
             *advice =
-                crate::advice::out_of_memory_with(&self.config, in_update, self.smaller_schedule());
+                crate::advice::out_of_memory_with(&self.config, in_update, self.smaller_checkpointing());
         }
         e
     }
 
     /// A segmentation the estimate predicts to need less than this run's, for the advice.
-    fn smaller_schedule(&self) -> Option<crate::advice::SmallerSchedule> {
-        use crate::predict::{smaller_schedule, Baseline, DataSize, DeviceKind};
+    fn smaller_checkpointing(&self) -> Option<crate::advice::SmallerCheckpointing> {
+        use crate::predict::{smaller_checkpointing, Baseline, DataSize, DeviceKind};
         let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
-        smaller_schedule(
+        smaller_checkpointing(
             &self.config,
             &self.model.layer_specs(),
             DeviceKind::of(&self.device),

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The memory-budget sweep of docs/memory.md: `--checkpoint auto --memory-limit L` for 8 limits
-# from the smallest that any segmentation fits (its predicted peak plus the estimate's 5% error
-# margin) to the one the plain step fits, each run for a few steps, plus the fixed
-# segmentations (none, stages, blocks) without a limit; then the chart of measured peak against img/s with the
-# predicted peak beside each point.
+# from the smallest the trainer's dry run accepts (some segmentation's predicted peak plus the
+# estimate's error margin fits) to the smallest at which it chooses the plain step, each run for a
+# few steps, plus the fixed segmentations (none, stages, blocks) without a limit; then the chart
+# of measured peak against img/s with the predicted peak beside each point.
 #
 #   bench/budget_sweep.sh [OUT_STEM] [RUN_DIR]
 #       (defaults docs/results/budget-sweep and runs/budget-sweep)
@@ -56,7 +56,7 @@ run() { # name, extra flags...
   grep -- '--checkpoint auto:' "$dir.log" >&2 || true
 }
 
-mapfile -t limits < <("$bin/budget_sweep" limits --points "$points" -- "${flags[@]}")
+mapfile -t limits < <("$bin/budget_sweep" limits --points "$points" --trainer "$bin/train_cifar10" -- "${flags[@]}")
 names=()
 for l in "${limits[@]}"; do names+=("limit-$l"); done
 names+=(none stages blocks)

@@ -2,13 +2,15 @@
 //! and table of the runs.
 //!
 //! ```text
-//! cargo run --release --example budget_sweep -- limits --points 8 -- --batch-size 128 --width 32
+//! cargo run --release --example budget_sweep -- limits --points 8 \
+//!     --trainer target/release/examples/train_cifar10 -- --batch-size 128 --width 32
 //! cargo run --release --example budget_sweep -- chart --out docs/results/budget-sweep \
 //!     --point runs/budget-sweep/limit-1 … --named runs/budget-sweep/none …
 //! ```
-//! `limits` prints one limit in bytes per line, evenly spaced from the smallest that any
-//! segmentation fits (its predicted peak plus the estimate's error margin) to the one the plain
-//! step fits, and the 32 segmentations' predictions on stderr. `chart` reads each run
+//! `limits` prints one limit in bytes per line, evenly spaced from the smallest that the trainer's
+//! `--dry-run --checkpoint auto` accepts to the smallest at which it chooses the plain step (each
+//! found by bisection over the trainer's own verdicts), and the 32 segmentations' predictions on
+//! stderr. `chart` reads each run
 //! directory's summary.json and config.json and writes `<out>.csv`, `<out>.png`, `<out>.svg`
 //! and a markdown table on stdout; it exits 1 when an `auto` run's peak exceeded its limit. A
 //! run's img/s is that of its fastest step after the first (see `fastest_step`).
@@ -17,8 +19,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use memtrain::memory::format_bytes;
 use memtrain::predict::checkpointing::format_flops;
-use memtrain::predict::margin::{limit_for, SAFETY_MARGIN};
-use memtrain::predict::{all_segmentations, limit_for_heap, DeviceKind};
+use memtrain::predict::all_segmentations;
 use memtrain::sweep::budget_chart::{write_budget_chart, BudgetPoint};
 use std::path::{Path, PathBuf};
 
@@ -37,6 +38,9 @@ enum What {
         /// How many limits
         #[arg(long, default_value_t = 8)]
         points: usize,
+        /// The train_cifar10 binary of the runs: its own `--dry-run` verdicts place the two ends
+        #[arg(long, value_name = "PATH")]
+        trainer: PathBuf,
         /// The training flags of the runs (after --)
         #[arg(last = true)]
         flags: Vec<String>,
@@ -62,7 +66,7 @@ enum What {
     },
 }
 
-fn limits(points: usize, flags: &[String]) -> anyhow::Result<()> {
+fn limits(points: usize, trainer: &Path, flags: &[String]) -> anyhow::Result<()> {
     if points < 2 {
         bail!("--points must be at least 2, got {points}");
     }
@@ -79,18 +83,21 @@ fn limits(points: usize, flags: &[String]) -> anyhow::Result<()> {
     }
     let least = peaks.iter().map(|p| p.1).min().unwrap_or(0);
     let plain = peaks[0].1;
-    // On the CPU a limit is the process's resident memory: the heap a peak needs plus what the
-    // trainer holds outside its heap. Each process measures that itself, and two differ by up to
-    // 0.35 MiB, so the limits keep a MiB more than this process's figure.
-    let device = DeviceKind::for_spec(cfg.device.as_deref())?;
-    let slack = if device.is_cpu() { 1 << 20 } else { 0 };
-    let limit = |peak| limit_for_heap(limit_for(peak, SAFETY_MARGIN), device) + slack;
-    let (lo, hi) = (limit(least), limit(plain));
+    // The ends are the trainer's own verdicts (on the CPU a limit is the process's resident
+    // memory, which holds the trainer's binary: another process cannot compute it): the smallest
+    // limit its dry run accepts, and the smallest at which `auto` chooses no recomputation.
+    // Between a limit below the smallest heap peak and one far above the plain step's, to the
+    // page.
+    let (below, above) = (least, 2 * plain + (64 << 20));
+    let accepted = |limit| Ok(dry_run_choice(trainer, flags, limit)?.is_some());
+    let plain_chosen = |limit| Ok(dry_run_choice(trainer, flags, limit)?.as_deref() == Some("none"));
+    let lo = smallest(below, above, &accepted)?;
+    let hi = smallest(lo - 1, above, &plain_chosen)?;
     eprintln!(
-        "limits from {} (the smallest predicted peak {} + {:.0}% margin, as resident memory) to {} (none's {} + margin)",
+        "limits from {} (the smallest {} accepts; the smallest predicted peak is {}) to {} (where it chooses none, predicted {})",
         format_bytes(lo),
+        trainer.display(),
         format_bytes(least),
-        SAFETY_MARGIN * 100.0,
         format_bytes(hi),
         format_bytes(plain)
     );
@@ -98,6 +105,55 @@ fn limits(points: usize, flags: &[String]) -> anyhow::Result<()> {
         println!("{}", lo + (hi - lo) * k / (points as u64 - 1));
     }
     Ok(())
+}
+
+/// The trainer's `--dry-run --checkpoint auto --memory-limit LIMIT` verdict with `flags`: `None`
+/// when it refuses the limit (exit 2), else the segmentation `auto` chose.
+fn dry_run_choice(trainer: &Path, flags: &[String], limit: u64) -> anyhow::Result<Option<String>> {
+    let out = std::process::Command::new(trainer)
+        .args(flags)
+        .args(["--dry-run", "--checkpoint", "auto", "--memory-limit"])
+        .arg(limit.to_string())
+        .output()
+        .with_context(|| format!("{} does not start", trainer.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    match out.status.code() {
+        Some(2) => Ok(None),
+        Some(0) => {
+            let choice = text
+                .lines()
+                .find_map(|l| l.strip_prefix("--checkpoint auto: "))
+                .and_then(|rest| rest.split_whitespace().next())
+                .with_context(|| format!("{}: no `--checkpoint auto:` line in its dry run", trainer.display()))?;
+            Ok(Some(choice.to_string()))
+        }
+        code => bail!("{} --dry-run exited with {code:?}:\n{text}", trainer.display()),
+    }
+}
+
+/// The smallest limit in `(below, above]`, to 4 KiB, for which `holds` is true, where it is
+/// false at `below` and true at `above` (checked) and holds from some limit on.
+fn smallest(
+    mut below: u64,
+    mut above: u64,
+    holds: &dyn Fn(u64) -> anyhow::Result<bool>,
+) -> anyhow::Result<u64> {
+    if holds(below)? || !holds(above)? {
+        bail!(
+            "the trainer's verdict does not change between {} and {}",
+            format_bytes(below),
+            format_bytes(above)
+        );
+    }
+    while above - below > 4096 {
+        let mid = below + (above - below) / 2;
+        if holds(mid)? {
+            above = mid;
+        } else {
+            below = mid;
+        }
+    }
+    Ok(above)
 }
 
 /// One run directory as a point (its step peak, the heap the estimate predicts), with its
@@ -212,7 +268,7 @@ fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::
         ));
         println!(
             "| {} | {} | {} | {} | {} | {err:+.2}% | {} | {} | {:.0} |",
-            p.limit.map_or("— (named)".into(), format_bytes),
+            p.limit.map_or("— (fixed)".into(), format_bytes),
             p.checkpoint,
             format_flops(*flops),
             format_bytes(p.predicted_peak),
@@ -238,7 +294,11 @@ fn chart(out: &Path, title: &str, auto: &[String], named: &[String]) -> anyhow::
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     let r = match &args.what {
-        What::Limits { points, flags } => limits(*points, flags),
+        What::Limits {
+            points,
+            trainer,
+            flags,
+        } => limits(*points, trainer, flags),
         What::Chart {
             out,
             title,

@@ -403,7 +403,7 @@ fn out_of_memory_advice_names_only_smaller_segmentations() {
         };
         let est = peak_of(ck);
         // Room for the data, the model and half the step: no segmentation fits.
-        let fixed = est.baseline_bytes + est.batch_bytes + est.runtime_bytes;
+        let fixed = est.held.baseline_bytes + est.held.batch_bytes + est.held.runtime_bytes;
         let half = pre + fixed + (est.peak - fixed) / 2;
         // Room for the smallest segmentation of these, when it is smaller than the run's own.
         let best = [

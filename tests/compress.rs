@@ -238,8 +238,8 @@ fn the_estimate_keeps_each_widths_codes_and_ranges() {
             ..TrainConfig::default()
         };
         let e = estimate(&exact, DeviceKind::cpu()).unwrap();
-        let n = e.micro_batch;
-        let mut previous = e.activation_bytes;
+        let n = e.setup.micro_batch;
+        let mut previous = e.kept.activation_bytes;
         for storage in lossy() {
             let width = storage.width().unwrap();
             let q = estimate(
@@ -260,18 +260,18 @@ fn the_estimate_keeps_each_widths_codes_and_ranges() {
                 })
                 .sum();
             assert_eq!(
-                q.activation_bytes,
-                e.input_saved_bytes + codes,
+                q.kept.activation_bytes,
+                e.kept.input_saved_bytes + codes,
                 "{precision} {storage}"
             );
-            assert!(q.activation_bytes < previous, "{precision} {storage}");
+            assert!(q.kept.activation_bytes < previous, "{precision} {storage}");
             assert!(
                 q.peak < e.peak,
                 "{precision} {storage}: {} ≥ {}",
                 q.peak,
                 e.peak
             );
-            previous = q.activation_bytes;
+            previous = q.kept.activation_bytes;
         }
     }
 }

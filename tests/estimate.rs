@@ -182,20 +182,20 @@ fn estimate_matches_the_counting_allocator() {
         assert!(table.contains(&s.name), "table lacks {}", s.name);
     }
     assert!(table.contains("predicted peak"));
-    assert!(e.peak >= e.forward_peak.max(e.backward_peak).max(e.optimizer_peak));
+    assert!(e.peak >= e.phases.forward_peak.max(e.phases.backward_peak).max(e.phases.optimizer_peak));
     // Gradient checkpointing and half precision save activation memory; the measured baseline
     // replaces the modelled one.
     let mut f16 = good.clone();
     f16.precision = Precision::F16;
-    assert!(estimate_with(&f16, dev, base).unwrap().activation_bytes < e.activation_bytes);
+    assert!(estimate_with(&f16, dev, base).unwrap().kept.activation_bytes < e.kept.activation_bytes);
     let mut ck = good.clone();
     ck.grad_checkpointing = GradCheckpointing::Stages;
-    assert!(estimate_with(&ck, dev, base).unwrap().activation_bytes < e.activation_bytes);
+    assert!(estimate_with(&ck, dev, base).unwrap().kept.activation_bytes < e.kept.activation_bytes);
     let measured = estimate_with(
         &good,
         dev,
         Baseline::Measured {
-            bytes: e.baseline_bytes + 1000,
+            bytes: e.held.baseline_bytes + 1000,
             train_images: 10,
             eval_images: 10,
         },
@@ -203,7 +203,7 @@ fn estimate_matches_the_counting_allocator() {
     .unwrap();
     assert_eq!(measured.peak, e.peak + 1000);
     // Pruning masks are a byte per pruned weight (conv weights and the head's weight).
-    assert_eq!(e.mask_bytes, 0);
+    assert_eq!(e.held.mask_bytes, 0);
     let mut pruned = good.clone();
     pruned.prune = Some(0.5);
     let p = estimate_with(&pruned, dev, base).unwrap();
@@ -218,8 +218,8 @@ fn estimate_matches_the_counting_allocator() {
             }
         })
         .sum();
-    assert_eq!(p.mask_bytes, weights as u64);
-    assert_eq!(p.baseline_bytes, e.baseline_bytes + p.mask_bytes);
+    assert_eq!(p.held.mask_bytes, weights as u64);
+    assert_eq!(p.held.baseline_bytes, e.held.baseline_bytes + p.held.mask_bytes);
     assert!(p.table().contains("pruning masks"));
 
     // Predicted versus measured over the matrix, plus accumulation, block checkpointing and AdamW.

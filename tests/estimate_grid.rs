@@ -177,7 +177,7 @@ fn measure(i: usize) {
     // The step on the measured baseline: the process before training (this harness holds less
     // than a training binary's runtime, which `tests/estimate.rs` checks the modelled one against).
     let est = trainer.memory_estimate().expect("estimate").offset(pre);
-    let predicted = est.peak - est.baseline_bytes + trainer.memory_log().baseline_bytes;
+    let predicted = est.peak - est.held.baseline_bytes + trainer.memory_log().baseline_bytes;
     println!(
         "case {i} {} | predicted {predicted} measured {}",
         cfg.label(),

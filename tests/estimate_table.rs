@@ -76,12 +76,12 @@ fn columns_add_up_to_the_totals() {
     for cfg in all_configs() {
         let e = estimate_with(&cfg, device(), baseline()).unwrap();
         let what = cfg.label();
-        let saved: u64 = e.layers.iter().map(|l| l.saved_bytes).sum::<u64>() + e.input_saved_bytes;
-        assert_eq!(saved, e.activation_bytes, "{what}: saved column");
+        let saved: u64 = e.layers.iter().map(|l| l.saved_bytes).sum::<u64>() + e.kept.input_saved_bytes;
+        assert_eq!(saved, e.kept.activation_bytes, "{what}: saved column");
         let recomputed: u64 = e.layers.iter().map(|l| l.recompute_bytes).sum();
-        assert_eq!(recomputed, e.recomputed_bytes, "{what}: recomputed column");
+        assert_eq!(recomputed, e.kept.recomputed_bytes, "{what}: recomputed column");
         let params: usize = e.layers.iter().map(|l| l.params).sum();
-        assert_eq!(params as u64 * 4, e.param_bytes, "{what}: params column");
+        assert_eq!(params as u64 * 4, e.held.param_bytes, "{what}: params column");
 
         // The printed table: one row per layer, the input row first, the total row last, whose
         // cells are the totals; the line under it repeats them.
@@ -91,13 +91,13 @@ fn columns_add_up_to_the_totals() {
         let total = rows.last().unwrap();
         assert_eq!(total[0], "total");
         assert_eq!(total[2], params.to_string(), "{what}");
-        assert_eq!(total[3], format_bytes(e.activation_bytes), "{what}");
-        assert_eq!(total[4], format_bytes(e.recomputed_bytes), "{what}");
+        assert_eq!(total[3], format_bytes(e.kept.activation_bytes), "{what}");
+        assert_eq!(total[4], format_bytes(e.kept.recomputed_bytes), "{what}");
         let table = e.table();
         assert!(
             table.contains(&format!(
                 "saved for backward {} per micro-batch",
-                format_bytes(e.activation_bytes)
+                format_bytes(e.kept.activation_bytes)
             )),
             "{what}: {table}"
         );
@@ -124,7 +124,7 @@ fn schedule_decides_what_is_saved_and_recomputed() {
         assert_eq!(l.saved_bytes, expect, "{}", l.name);
         assert_eq!(l.recompute_bytes, 0, "{}", l.name);
     }
-    assert_eq!(e.activation_bytes, (56 << 20) + (3 << 19));
+    assert_eq!(e.kept.activation_bytes, (56 << 20) + (3 << 19));
 
     // Blocks: each block's input is saved on the layer that made it, every h but the last
     // block's is recomputed (the last segment keeps its own, as Chen et al.'s schedule does).
@@ -135,7 +135,7 @@ fn schedule_decides_what_is_saved_and_recomputed() {
         ConvKind::Standard,
     );
     let b = estimate_with(&blocks, device(), baseline()).unwrap();
-    assert_eq!(b.recomputed_bytes, 52 << 20);
+    assert_eq!(b.kept.recomputed_bytes, 52 << 20);
     for l in &b.layers {
         let conv = l.kind == "conv3x3";
         let last = l.name.starts_with("stage3.block2");
@@ -159,7 +159,7 @@ fn schedule_decides_what_is_saved_and_recomputed() {
         0,
         "the head's input is not saved"
     );
-    assert_eq!(b.input_saved_bytes, 3 << 19);
+    assert_eq!(b.kept.input_saved_bytes, 3 << 19);
 }
 
 #[test]

@@ -131,13 +131,13 @@ fn full_size_data_is_held_exactly_and_loading_is_not_the_peak() {
     let mut trainer = Trainer::new(cfg, splits, TrainerOptions::default()).expect("trainer");
     let summary = trainer.fit().expect("one step");
     let baseline = above(summary.baseline_bytes, pre);
-    let model = est.baseline_bytes - data;
+    let model = est.held.baseline_bytes - data;
     let report = format!(
         "data {}, loading peak {}, baseline {} (estimated {}: model {}), step peak {}, run peak {} ({:?})",
         format_bytes(data),
         format_bytes(loading_peak),
         format_bytes(baseline),
-        format_bytes(est.baseline_bytes),
+        format_bytes(est.held.baseline_bytes),
         format_bytes(model),
         format_bytes(above(summary.step_peak_bytes, pre)),
         format_bytes(above(summary.peak_bytes, pre)),

@@ -275,7 +275,7 @@ fn the_cuda_estimate_counts_the_conv_ops_persistent_bytes() {
     use memtrain::predict::{estimate, DeviceKind};
     let e = estimate(&memtrain::TrainConfig::default(), DeviceKind::Cuda).unwrap();
     assert_eq!(
-        e.runtime_bytes,
+        e.held.runtime_bytes,
         memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes()
     );
 }

@@ -2,7 +2,9 @@
 //! values for the same input, also where the arithmetic is delicate (rounding ties, infinities,
 //! NaN, a constant channel).
 
-use candle_core::{DType, Device, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::DType;
+use candle_core::{Device, Tensor};
 use memtrain_kernels::quantize::{dequantize, quantize, Width};
 
 /// `[8, 6, 5, 7]` f32: random channels, then a channel of exact ties (`lo` 0, `hi` 255, so every

@@ -143,7 +143,7 @@ fn refuse_predicted_overrun(
     let what = match est.run_peak_phase() {
         "evaluation" => format!(
             "the run's predicted evaluation peak (batches of {}; the step's is {})",
-            est.eval_batch,
+            est.setup.eval_batch,
             format_bytes(est.peak)
         ),
         phase => format!("the step's predicted {phase} peak"),
@@ -178,7 +178,7 @@ fn run_peak_advice(cfg: &TrainConfig, est: &Estimate) -> String {
         "evaluation" => format!(
             "the evaluation runs in batches of the micro-batch ({}): use --accum-steps K (smaller \
              micro-batches), --precision bf16, a smaller --batch-size, or --no-eval",
-            est.eval_batch
+            est.setup.eval_batch
         ),
         phase => crate::advice::out_of_memory(cfg, phase == "optimizer"),
     }
@@ -428,13 +428,13 @@ impl Ctx {
             // The baseline is the data set, the model's own tensors and (CPU) the runtime, which
             // is part of what the process already holds.
             let own = if self.device.is_cpu() {
-                est.baseline_bytes
+                est.held.baseline_bytes
                     .saturating_sub(size.resident_bytes)
                     .saturating_sub(RUNTIME_OVERHEAD_BYTES)
             } else {
-                est.baseline_bytes
+                est.held.baseline_bytes
             };
-            needs.model = own + est.grad_bytes + est.optimizer_bytes;
+            needs.model = own + est.held.grad_bytes + est.held.optimizer_bytes;
             needs.estimate = Some(est);
         }
         Ok(needs)

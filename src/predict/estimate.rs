@@ -73,11 +73,11 @@ pub struct LayerEstimate {
     /// as the tape keeps them: without checkpointing a block's conv output h (on the conv that
     /// makes it: the pointwise conv of a separable block); with checkpointing only each
     /// segment's input, on the layer that made it (the previous block's last layer). The column
-    /// adds up to [`Estimate::activation_bytes`] with [`Estimate::input_saved_bytes`].
+    /// adds up to [`KeptBytes::activation_bytes`] with [`KeptBytes::input_saved_bytes`].
     pub saved_bytes: u64,
     /// Activation bytes this layer makes again in the backward pass and keeps for its own
     /// backward: the h of every block of a checkpointed segment (0 without checkpointing). The
-    /// column adds up to [`Estimate::recomputed_bytes`].
+    /// column adds up to [`KeptBytes::recomputed_bytes`].
     pub recompute_bytes: u64,
     /// Largest transient allocation of the layer's forward or backward beyond its inputs and
     /// outputs: im2col columns, widened f32 copies, weight casts, gradient buffers. Not a column
@@ -90,6 +90,35 @@ pub struct LayerEstimate {
 pub struct Estimate {
     /// One row per layer of the model, in forward order.
     pub layers: Vec<LayerEstimate>,
+    /// What the estimate is of.
+    #[serde(flatten)]
+    pub setup: EstimateSetup,
+    /// Bytes held through the step apart from its activations.
+    #[serde(flatten)]
+    pub held: HeldBytes,
+    /// The activations a micro-batch keeps for its backward.
+    #[serde(flatten)]
+    pub kept: KeptBytes,
+    /// The highest bytes in use in each phase.
+    #[serde(flatten)]
+    pub phases: PhasePeaks,
+    /// The predicted peak: the highest of the three phases.
+    pub peak: u64,
+    /// The phase of the peak: `forward`, `backward` or `optimizer`.
+    pub peak_phase: &'static str,
+    /// Highest bytes in use during the evaluation after an epoch (`src/train/fit.rs`: the tape's
+    /// forward in eval mode, [`crate::step::tape::LeanStep::evaluate`], run on sizes); `None`
+    /// without evaluation. Not part of [`Estimate::peak`], the step's; the run needs
+    /// [`Estimate::run_peak`].
+    pub eval_peak: Option<u64>,
+    /// The steady-state step's events (every micro-batch's layer events, then the optimizer), as
+    /// the trainer's memory timeline records them.
+    pub events: Vec<EventPrediction>,
+}
+
+/// What an [`Estimate`] is of: the step's shape and options.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EstimateSetup {
     /// Images per micro-batch.
     pub micro_batch: usize,
     /// Micro-batches per optimizer step.
@@ -102,6 +131,19 @@ pub struct Estimate {
     pub conv: ConvKind,
     /// Device the estimate is for.
     pub device: DeviceKind,
+    /// Shape of one input image (C, H, W).
+    pub input_shape: (usize, usize, usize),
+    /// `--prefetch`: batches prepared ahead of the one being trained (with it, the batches in
+    /// flight on the CPU).
+    pub prefetch: usize,
+    /// Images per evaluation batch (the micro-batch, or fewer when the evaluation split is
+    /// smaller); 0 without evaluation (`--no-eval`, or no evaluation images).
+    pub eval_batch: usize,
+}
+
+/// Bytes an [`Estimate`] holds through the step, apart from the activations.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct HeldBytes {
     /// f32 master weights.
     pub param_bytes: u64,
     /// f32 gradients (accumulated over micro-batches).
@@ -110,59 +152,49 @@ pub struct Estimate {
     pub optimizer_bytes: u64,
     /// Pruning masks (`--prune`): one byte per pruned weight; part of the baseline.
     pub mask_bytes: u64,
+    /// Bytes in use when training begins (CPU: data set, model, runtime; CUDA: model).
+    pub baseline_bytes: u64,
+    /// Host batches in flight during a step (0 on CUDA).
+    pub batch_bytes: u64,
+    /// Buffers the runtime allocates at the first step and keeps (the gemm crate's per-thread
+    /// packing buffers on the CPU; the cuDNN workspace on CUDA in a `cudnn` build).
+    pub runtime_bytes: u64,
+}
+
+/// The activations a micro-batch keeps for its backward, in an [`Estimate`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct KeptBytes {
     /// Activations alive at the end of a micro-batch's forward pass (saved for backward, or the
     /// checkpoints), in the compute dtype: the sum of the layers' `saved_bytes` and
     /// `input_saved_bytes`.
     pub activation_bytes: u64,
-    /// Shape of one input image (C, H, W).
-    pub input_shape: (usize, usize, usize),
     /// Of `activation_bytes`, the micro-batch's input in the compute dtype (the first segment's
     /// input), which no layer makes.
     pub input_saved_bytes: u64,
     /// Activation bytes the backward pass recomputes and keeps for a segment's backward, per
     /// micro-batch (the sum of the layers' `recompute_bytes`; 0 without checkpointing).
     pub recomputed_bytes: u64,
-    /// Bytes in use when training begins (CPU: data set, model, runtime; CUDA: model).
-    pub baseline_bytes: u64,
-    /// Host batches in flight during a step (0 on CUDA).
-    pub batch_bytes: u64,
-    /// `--prefetch`: batches prepared ahead of the one being trained (with it, the batches in
-    /// flight on the CPU).
-    pub prefetch: usize,
-    /// Buffers the runtime allocates at the first step and keeps (the gemm crate's per-thread
-    /// packing buffers on the CPU; the cuDNN workspace on CUDA in a `cudnn` build).
-    pub runtime_bytes: u64,
-    /// Highest bytes in use during the forward passes.
+}
+
+/// The highest bytes in use in each phase of an [`Estimate`]'s step.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PhasePeaks {
+    /// During the forward passes.
     pub forward_peak: u64,
-    /// Highest bytes in use during the backward passes (recomputation included).
+    /// During the backward passes (recomputation included).
     pub backward_peak: u64,
-    /// Highest bytes in use during the optimizer step.
+    /// During the optimizer step.
     pub optimizer_peak: u64,
-    /// The predicted peak: the highest of the three phases.
-    pub peak: u64,
-    /// The phase of the peak: `forward`, `backward` or `optimizer`.
-    pub peak_phase: &'static str,
-    /// Images per evaluation batch (the micro-batch, or fewer when the evaluation split is
-    /// smaller); 0 without evaluation (`--no-eval`, or no evaluation images).
-    pub eval_batch: usize,
-    /// Highest bytes in use during the evaluation after an epoch (`src/train/fit.rs`: the tape's
-    /// forward in eval mode, [`crate::step::tape::LeanStep::evaluate`], run on sizes); `None`
-    /// without evaluation. Not part of [`Estimate::peak`], the step's; the run needs
-    /// [`Estimate::run_peak`].
-    pub eval_peak: Option<u64>,
-    /// The steady-state step's events (every micro-batch's layer events, then the optimizer), as
-    /// the trainer's memory timeline records them.
-    pub events: Vec<EventPrediction>,
 }
 
 impl Estimate {
     /// The same estimate with `bytes` more in use throughout (e.g. what a host process holds
     /// before it loads the data): baseline and peaks shift, the layers do not.
     pub fn offset(mut self, bytes: u64) -> Self {
-        self.baseline_bytes += bytes;
-        self.forward_peak += bytes;
-        self.backward_peak += bytes;
-        self.optimizer_peak += bytes;
+        self.held.baseline_bytes += bytes;
+        self.phases.forward_peak += bytes;
+        self.phases.backward_peak += bytes;
+        self.phases.optimizer_peak += bytes;
         self.peak += bytes;
         if let Some(e) = &mut self.eval_peak {
             *e += bytes;
@@ -195,15 +227,15 @@ impl Estimate {
     pub fn table(&self) -> String {
         let mut s = format!(
             "memory estimate ({}; micro-batch {} x {} step(s), {}, checkpoint {}, {} conv)\n",
-            match self.device {
+            match self.setup.device {
                 DeviceKind::Cpu { threads, .. } => format!("cpu, {threads} threads"),
                 DeviceKind::Cuda => "cuda, first-order".to_string(),
             },
-            self.micro_batch,
-            self.accum_steps,
-            self.precision,
-            self.grad_checkpointing,
-            self.conv
+            self.setup.micro_batch,
+            self.setup.accum_steps,
+            self.setup.precision,
+            self.setup.grad_checkpointing,
+            self.setup.conv
         );
         s.push_str(
             "| layer | output (C×H×W) | params | saved for backward | recomputed in backward | largest transient |\n",
@@ -216,11 +248,11 @@ impl Estimate {
                 format_bytes(b)
             }
         };
-        let (c, h, w) = self.input_shape;
+        let (c, h, w) = self.setup.input_shape;
         let _ = writeln!(
             s,
             "| input (micro-batch) | {c}×{h}×{w} | 0 | {} | - | - |",
-            dash(self.input_saved_bytes)
+            dash(self.kept.input_saved_bytes)
         );
         for l in &self.layers {
             let (c, h, w) = l.output_shape;
@@ -238,46 +270,46 @@ impl Estimate {
         let _ = writeln!(
             s,
             "| total | | {params} | {} | {} | |",
-            format_bytes(self.activation_bytes),
-            format_bytes(self.recomputed_bytes)
+            format_bytes(self.kept.activation_bytes),
+            format_bytes(self.kept.recomputed_bytes)
         );
         let _ = writeln!(
             s,
             "saved for backward {} per micro-batch (activations at end of forward) | recomputed in backward {} per micro-batch",
-            format_bytes(self.activation_bytes),
-            format_bytes(self.recomputed_bytes)
+            format_bytes(self.kept.activation_bytes),
+            format_bytes(self.kept.recomputed_bytes)
         );
         let _ = writeln!(
             s,
             "parameters {} | gradients {} | optimizer state {}",
-            format_bytes(self.param_bytes),
-            format_bytes(self.grad_bytes),
-            format_bytes(self.optimizer_bytes),
+            format_bytes(self.held.param_bytes),
+            format_bytes(self.held.grad_bytes),
+            format_bytes(self.held.optimizer_bytes),
         );
-        if self.mask_bytes > 0 {
-            let _ = writeln!(s, "pruning masks {}", format_bytes(self.mask_bytes));
+        if self.held.mask_bytes > 0 {
+            let _ = writeln!(s, "pruning masks {}", format_bytes(self.held.mask_bytes));
         }
         let _ = writeln!(
             s,
             "baseline {} (data set, model, runtime) | batches in flight {} (--prefetch {} + 1) | {} {}",
-            format_bytes(self.baseline_bytes),
-            format_bytes(self.batch_bytes),
-            self.prefetch,
-            if self.device.is_cpu() {
+            format_bytes(self.held.baseline_bytes),
+            format_bytes(self.held.batch_bytes),
+            self.setup.prefetch,
+            if self.setup.device.is_cpu() {
                 "gemm buffers"
             } else {
                 "conv workspace"
             },
-            format_bytes(self.runtime_bytes)
+            format_bytes(self.held.runtime_bytes)
         );
         let _ = writeln!(
             s,
             "predicted peak {} ({}) | forward {} | backward {} | optimizer {}",
             format_bytes(self.peak),
             self.peak_phase,
-            format_bytes(self.forward_peak),
-            format_bytes(self.backward_peak),
-            format_bytes(self.optimizer_peak)
+            format_bytes(self.phases.forward_peak),
+            format_bytes(self.phases.backward_peak),
+            format_bytes(self.phases.optimizer_peak)
         );
         s.push_str(&self.eval_line());
         s
@@ -289,7 +321,7 @@ impl Estimate {
             Some(e) => format!(
                 "predicted evaluation peak {} (forward in batches of {}, running statistics, nothing saved) | the run needs {} ({})\n",
                 format_bytes(e),
-                self.eval_batch,
+                self.setup.eval_batch,
                 format_bytes(self.run_peak()),
                 self.run_peak_phase()
             ),
@@ -451,30 +483,38 @@ pub fn estimate_for_specs(
         .collect();
     Ok(Estimate {
         layers,
-        micro_batch: cfg.micro_batch(),
-        accum_steps: cfg.accum_steps,
-        precision: cfg.precision,
-        grad_checkpointing: cfg.grad_checkpointing,
-        conv: cfg.conv,
-        device,
-        param_bytes: sizes.param_bytes,
-        grad_bytes: sizes.param_bytes,
-        optimizer_bytes: sizes.optimizer_bytes,
-        mask_bytes: sizes.mask_bytes,
-        activation_bytes,
-        input_shape: nodes[0].inp,
-        input_saved_bytes: kept.input,
-        recomputed_bytes: kept.layers.iter().map(|l| l.1).sum(),
-        baseline_bytes,
-        batch_bytes,
-        prefetch: cfg.prefetch_batches(!device.is_cpu()),
-        runtime_bytes: gemm_slabs,
-        forward_peak: peaks[0],
-        backward_peak: peaks[1],
-        optimizer_peak: peaks[2],
+        setup: EstimateSetup {
+            micro_batch: cfg.micro_batch(),
+            accum_steps: cfg.accum_steps,
+            precision: cfg.precision,
+            grad_checkpointing: cfg.grad_checkpointing,
+            conv: cfg.conv,
+            device,
+            input_shape: nodes[0].inp,
+            prefetch: cfg.prefetch_batches(!device.is_cpu()),
+            eval_batch,
+        },
+        held: HeldBytes {
+            param_bytes: sizes.param_bytes,
+            grad_bytes: sizes.param_bytes,
+            optimizer_bytes: sizes.optimizer_bytes,
+            mask_bytes: sizes.mask_bytes,
+            baseline_bytes,
+            batch_bytes,
+            runtime_bytes: gemm_slabs,
+        },
+        kept: KeptBytes {
+            activation_bytes,
+            input_saved_bytes: kept.input,
+            recomputed_bytes: kept.layers.iter().map(|l| l.1).sum(),
+        },
+        phases: PhasePeaks {
+            forward_peak: peaks[0],
+            backward_peak: peaks[1],
+            optimizer_peak: peaks[2],
+        },
         peak,
         peak_phase,
-        eval_batch,
         eval_peak,
         events,
     })

@@ -30,10 +30,13 @@
 //! off; f16/bf16 convolutions multiply on tensor cores and sum in f32 (compute type f32, as
 //! PyTorch does); f64 stays f64.
 //!
-//! A shape cuDNN reports as not supported falls back to the im2col op, with a one-time warning.
-//! Nothing in this file has run on a GPU yet: it is type-checked by `scripts/cuda-check.sh` and
-//! its numbers are checked against the CPU by the GPU tests (this crate's `tests/conv2d.rs` with
-//! `--features cuda,cudnn`) when a GPU is at hand.
+//! A shape cuDNN reports as not supported, when planning it or at a launch, falls back to the
+//! im2col op, with a one-time warning.
+//! It ran on an H200 on 2026-11-27 (`docs/results/gpu-2026-11-27.md`), where this crate's
+//! `tests/conv2d.rs` with `--features cuda,cudnn` checked its numbers against the CPU; there,
+//! with `ALGO_1` as the only deterministic fallback, several batch-512 shapes went to the im2col
+//! op. The wider choice of deterministic algorithms and the fall-back at launch have not run on
+//! a GPU yet (type-checked by `scripts/cuda-check.sh`).
 
 // Without the feature only the constants below are used (by a memory estimate).
 #![cfg_attr(not(feature = "cudnn"), allow(dead_code))]
@@ -457,24 +460,38 @@ mod cuda {
         static STATE: RefCell<HashMap<StreamKey, DeviceState>> = RefCell::new(HashMap::new());
     }
 
+    /// When cuDNN turned a convolution down.
+    #[derive(Clone, Copy)]
+    enum Refusal {
+        /// No plan: no allowed algorithm fits the workspace for some pass, or the descriptors
+        /// were refused.
+        WhenPlanned,
+        /// A planned pass failed to launch as not supported.
+        AtLaunch,
+    }
+
     /// Shapes already reported as falling back to the im2col op (one warning each).
-    fn warn_fallback(key: PlanKey, e: &CudnnError) {
+    fn warn_fallback(key: PlanKey, e: &CudnnError, when: Refusal) {
         use std::sync::Mutex;
         static WARNED: Mutex<Option<HashSet<PlanKey>>> = Mutex::new(None);
         let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
-        if warned.get_or_insert_with(HashSet::new).insert(key) {
-            let which = if key.nondeterministic {
-                ""
-            } else {
-                " deterministic"
-            };
-            eprintln!(
-                "warning: cuDNN has no{which} algorithm for every pass of conv2d {:?} in {:?} within its {} MiB workspace ({e}); using the im2col + cuBLAS op for it",
+        if !warned.get_or_insert_with(HashSet::new).insert(key) {
+            return;
+        }
+        let why = match when {
+            Refusal::WhenPlanned => format!(
+                "has no{} algorithm for every pass of conv2d {:?} in {:?} within its {} MiB workspace",
+                if key.nondeterministic { "" } else { " deterministic" },
                 key.dims,
                 key.dtype,
                 CUDNN_WORKSPACE_BYTES >> 20
-            );
-        }
+            ),
+            Refusal::AtLaunch => format!(
+                "refused to launch conv2d {:?} in {:?}",
+                key.dims, key.dtype
+            ),
+        };
+        eprintln!("warning: cuDNN {why} ({e}); using the im2col + cuBLAS op for it");
     }
 
     fn pass_on<T: Elem>(
@@ -512,7 +529,7 @@ mod cuda {
                 let plan = match Plan::<T>::new(&st.handle, g, key)? {
                     Ok(p) => Some(Box::new(p) as Box<dyn Any>),
                     Err(e) if unsupported(&e) => {
-                        warn_fallback(key, &e);
+                        warn_fallback(key, &e, Refusal::WhenPlanned);
                         None
                     }
                     Err(e) => return Err(dnn_err(e)),
@@ -532,8 +549,17 @@ mod cuda {
             let ws = st.workspace.as_mut().expect("allocated above");
             // SAFETY: every element of the result is written by the pass (beta = 0).
             let mut out = unsafe { dev.alloc::<T>(out_len)? };
-            plan.run(pass, &in0, &in1, &mut out, ws).map_err(dnn_err)?;
-            Ok(Some(out))
+            match plan.run(pass, &in0, &in1, &mut out, ws) {
+                Ok(()) => Ok(Some(out)),
+                // Planned, but refused at launch as not supported: the im2col op takes the shape
+                // over from now on. Any other failure is the run's error.
+                Err(e) if unsupported(&e) => {
+                    warn_fallback(key, &e, Refusal::AtLaunch);
+                    st.plans.insert(key, None);
+                    Ok(None)
+                }
+                Err(e) => Err(dnn_err(e)),
+            }
         })?;
         match ran {
             Some(out) => Ok(CudaStorage::wrap_cuda_slice(out, dev)),

@@ -36,8 +36,9 @@
 //! The layer events of the step timeline are not recorded for a replayed step (there are no
 //! host-side events inside one launch).
 //!
-//! None of this has run on a GPU yet: the capture path is type-checked by `scripts/cuda-check.sh`
-//! and `tests/gpu_graph.rs` checks, on a GPU, that captured steps equal eager ones.
+//! `tests/gpu_graph.rs` checks on a GPU that captured steps equal eager ones; it passed on an H200
+//! on 2026-11-27, where the captured step ran 13–168% faster than the eager one
+//! (`docs/results/gpu-2026-11-27.md`).
 
 use serde::{Deserialize, Serialize};
 

@@ -18,8 +18,8 @@
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use memtrain::memory::format_bytes;
-use memtrain::predict::checkpointing::format_flops;
 use memtrain::predict::all_segmentations;
+use memtrain::predict::checkpointing::format_flops;
 use memtrain::sweep::budget_chart::{write_budget_chart, BudgetPoint};
 use std::path::{Path, PathBuf};
 
@@ -90,7 +90,8 @@ fn limits(points: usize, trainer: &Path, flags: &[String]) -> anyhow::Result<()>
     // page.
     let (below, above) = (least, 2 * plain + (64 << 20));
     let accepted = |limit| Ok(dry_run_choice(trainer, flags, limit)?.is_some());
-    let plain_chosen = |limit| Ok(dry_run_choice(trainer, flags, limit)?.as_deref() == Some("none"));
+    let plain_chosen =
+        |limit| Ok(dry_run_choice(trainer, flags, limit)?.as_deref() == Some("none"));
     let lo = smallest(below, above, &accepted)?;
     let hi = smallest(lo - 1, above, &plain_chosen)?;
     eprintln!(
@@ -116,7 +117,8 @@ fn dry_run_choice(trainer: &Path, flags: &[String], limit: u64) -> anyhow::Resul
         .arg(limit.to_string())
         .output()
         .with_context(|| format!("{} does not start", trainer.display()))?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     match out.status.code() {
         Some(2) => Ok(None),
         Some(0) => {
@@ -124,10 +126,18 @@ fn dry_run_choice(trainer: &Path, flags: &[String], limit: u64) -> anyhow::Resul
                 .lines()
                 .find_map(|l| l.strip_prefix("--checkpoint auto: "))
                 .and_then(|rest| rest.split_whitespace().next())
-                .with_context(|| format!("{}: no `--checkpoint auto:` line in its dry run", trainer.display()))?;
+                .with_context(|| {
+                    format!(
+                        "{}: no `--checkpoint auto:` line in its dry run",
+                        trainer.display()
+                    )
+                })?;
             Ok(Some(choice.to_string()))
         }
-        code => bail!("{} --dry-run exited with {code:?}:\n{text}", trainer.display()),
+        code => bail!(
+            "{} --dry-run exited with {code:?}:\n{text}",
+            trainer.display()
+        ),
     }
 }
 

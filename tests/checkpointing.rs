@@ -424,7 +424,9 @@ fn out_of_memory_advice_names_only_smaller_segmentations() {
             };
             let data = splits(cfg.synthetic_train, cfg.synthetic_test);
             let mut t = Trainer::new(run, data, TrainerOptions::default()).unwrap();
-            let e = t.fit().expect_err("the run's own segmentation does not fit");
+            let e = t
+                .fit()
+                .expect_err("the run's own segmentation does not fit");
             drop(t);
             assert!(e.is_oom(), "{e}");
             let text = e.to_string();

@@ -182,12 +182,24 @@ fn estimate_matches_the_counting_allocator() {
         assert!(table.contains(&s.name), "table lacks {}", s.name);
     }
     assert!(table.contains("predicted peak"));
-    assert!(e.peak >= e.phases.forward_peak.max(e.phases.backward_peak).max(e.phases.optimizer_peak));
+    assert!(
+        e.peak
+            >= e.phases
+                .forward_peak
+                .max(e.phases.backward_peak)
+                .max(e.phases.optimizer_peak)
+    );
     // Gradient checkpointing and half precision save activation memory; the measured baseline
     // replaces the modelled one.
     let mut f16 = good.clone();
     f16.precision = Precision::F16;
-    assert!(estimate_with(&f16, dev, base).unwrap().kept.activation_bytes < e.kept.activation_bytes);
+    assert!(
+        estimate_with(&f16, dev, base)
+            .unwrap()
+            .kept
+            .activation_bytes
+            < e.kept.activation_bytes
+    );
     let mut ck = good.clone();
     ck.grad_checkpointing = GradCheckpointing::Stages;
     assert!(estimate_with(&ck, dev, base).unwrap().kept.activation_bytes < e.kept.activation_bytes);
@@ -219,7 +231,10 @@ fn estimate_matches_the_counting_allocator() {
         })
         .sum();
     assert_eq!(p.held.mask_bytes, weights as u64);
-    assert_eq!(p.held.baseline_bytes, e.held.baseline_bytes + p.held.mask_bytes);
+    assert_eq!(
+        p.held.baseline_bytes,
+        e.held.baseline_bytes + p.held.mask_bytes
+    );
     assert!(p.table().contains("pruning masks"));
 
     // Predicted versus measured over the matrix, plus accumulation, block checkpointing and AdamW.

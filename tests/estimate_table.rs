@@ -76,12 +76,20 @@ fn columns_add_up_to_the_totals() {
     for cfg in all_configs() {
         let e = estimate_with(&cfg, device(), baseline()).unwrap();
         let what = cfg.label();
-        let saved: u64 = e.layers.iter().map(|l| l.saved_bytes).sum::<u64>() + e.kept.input_saved_bytes;
+        let saved: u64 =
+            e.layers.iter().map(|l| l.saved_bytes).sum::<u64>() + e.kept.input_saved_bytes;
         assert_eq!(saved, e.kept.activation_bytes, "{what}: saved column");
         let recomputed: u64 = e.layers.iter().map(|l| l.recompute_bytes).sum();
-        assert_eq!(recomputed, e.kept.recomputed_bytes, "{what}: recomputed column");
+        assert_eq!(
+            recomputed, e.kept.recomputed_bytes,
+            "{what}: recomputed column"
+        );
         let params: usize = e.layers.iter().map(|l| l.params).sum();
-        assert_eq!(params as u64 * 4, e.held.param_bytes, "{what}: params column");
+        assert_eq!(
+            params as u64 * 4,
+            e.held.param_bytes,
+            "{what}: params column"
+        );
 
         // The printed table: one row per layer, the input row first, the total row last, whose
         // cells are the totals; the line under it repeats them.

@@ -203,7 +203,9 @@ fn pool_cache_keeps_freed_memory_reserved() -> anyhow::Result<()> {
 #[ignore = "needs a CUDA GPU"]
 fn counters_follow_the_hosts_calls_without_a_sync() -> anyhow::Result<()> {
     use candle_core::cuda_backend::cudarc::driver::result::{device as cu_device, mem_pool};
-    use sys::CUmemPool_attribute::{CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_HIGH};
+    use sys::CUmemPool_attribute::{
+        CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+    };
     let _gpu = gpu_lock();
     let device = cuda();
     let probe = CudaPoolProbe::new(&device, None, true)?;
@@ -214,7 +216,9 @@ fn counters_follow_the_hosts_calls_without_a_sync() -> anyhow::Result<()> {
     let read = |attr| -> anyhow::Result<u64> {
         let mut v = 0u64;
         // SAFETY: a valid pool; both counters are cuuint64_t.
-        unsafe { mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void) }?;
+        unsafe {
+            mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+        }?;
         Ok(v)
     };
     // Queue about a second of work (ten 8192² f32 products), keeping only the last result.
@@ -230,7 +234,8 @@ fn counters_follow_the_hosts_calls_without_a_sync() -> anyhow::Result<()> {
     drop(t);
     let freed = read(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
     // SAFETY: the stream is live.
-    let busy = unsafe { sys::cuStreamQuery(stream.cu_stream()) } == sys::CUresult::CUDA_ERROR_NOT_READY;
+    let busy =
+        unsafe { sys::cuStreamQuery(stream.cu_stream()) } == sys::CUresult::CUDA_ERROR_NOT_READY;
     probe.sync();
     let synced = read(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
     let seen = format!(

@@ -256,7 +256,12 @@ fn pages_show_their_scripts_commands() {
             let script_lines: Vec<&str> = script.lines().collect();
             let first = command.split(" --").next().unwrap();
             // A command line of the script, or its usage line in the header comment.
-            let uncommented = |l: &str| l.trim_start().trim_start_matches('#').trim_start().to_string();
+            let uncommented = |l: &str| {
+                l.trim_start()
+                    .trim_start_matches('#')
+                    .trim_start()
+                    .to_string()
+            };
             let script_lines: Vec<String> = script_lines.iter().map(|l| uncommented(l)).collect();
             let start = script_lines
                 .iter()
@@ -266,7 +271,10 @@ fn pages_show_their_scripts_commands() {
             while script_lines[end].trim_end().ends_with('\\') {
                 end += 1;
             }
-            let found: Vec<&str> = script_lines[start..=end].iter().map(String::as_str).collect();
+            let found: Vec<&str> = script_lines[start..=end]
+                .iter()
+                .map(String::as_str)
+                .collect();
             assert_eq!(
                 joined(&found),
                 command,

@@ -116,7 +116,12 @@ pub fn self_check_kernels(device: &Device, compute: candle_core::DType) -> Resul
         )
     };
     let mut dtypes = check_dtypes(compute);
-    dtypes.retain(|dt| !PASSED.lock().unwrap_or_else(|p| p.into_inner()).contains(&key(*dt)));
+    dtypes.retain(|dt| {
+        !PASSED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&key(*dt))
+    });
     if dtypes.is_empty() {
         return Ok(());
     }
@@ -132,11 +137,7 @@ pub fn self_check_kernels(device: &Device, compute: candle_core::DType) -> Resul
 pub fn self_check_kernels_with(
     device: &Device,
     compute: candle_core::DType,
-    alter: &dyn Fn(
-        &memtrain_kernels::selfcheck::Pass,
-        usize,
-        candle_core::Tensor,
-    ) -> candle_core::Result<candle_core::Tensor>,
+    alter: &memtrain_kernels::selfcheck::Alter<'_>,
 ) -> Result<()> {
     check_dtypes_with(device, &check_dtypes(compute), alter)
 }
@@ -154,11 +155,7 @@ fn check_dtypes(compute: candle_core::DType) -> Vec<candle_core::DType> {
 fn check_dtypes_with(
     device: &Device,
     dtypes: &[candle_core::DType],
-    alter: &dyn Fn(
-        &memtrain_kernels::selfcheck::Pass,
-        usize,
-        candle_core::Tensor,
-    ) -> candle_core::Result<candle_core::Tensor>,
+    alter: &memtrain_kernels::selfcheck::Alter<'_>,
 ) -> Result<()> {
     let start = std::time::Instant::now();
     let report = memtrain_kernels::selfcheck::check_device_with(device, dtypes, alter)?;

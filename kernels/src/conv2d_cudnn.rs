@@ -131,7 +131,7 @@ mod cuda {
     use super::CUDNN_WORKSPACE_BYTES;
     use crate::conv2d_cuda;
     use crate::geom::{ConvPass, Geom};
-    use crate::util::{alloc_len, cudnn_nondeterministic, cuda_view, dispatch_float, int32, tf32};
+    use crate::util::{alloc_len, cuda_view, cudnn_nondeterministic, dispatch_float, int32, tf32};
 
     /// An element type of the op: its cuDNN compute type and the scaling constants.
     trait Elem: CudnnDataType + CudaDType + DeviceRepr + ValidAsZeroBits + Copy + 'static {
@@ -607,13 +607,19 @@ mod tests {
         assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 100), Some(2));
         // Too large for the budget, or no ranking at all: the first fallback that fits.
         assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 50), Some(0));
-        assert_eq!(choose_algorithm(Err(()), all, size, &[2, 1, 0], 50), Some(1));
+        assert_eq!(
+            choose_algorithm(Err(()), all, size, &[2, 1, 0], 50),
+            Some(1)
+        );
         // Nothing fits.
         assert_eq!(choose_algorithm(Ok(2), all, size, &[1], 5), None);
         // A candidate cuDNN does not support (its size query fails) is passed over.
         let partial = |a: u8| if a == 1 { Err(()) } else { Ok(0) };
         assert_eq!(choose_algorithm(Ok(1), all, partial, &[1, 2], 50), Some(2));
-        assert_eq!(choose_algorithm(Ok(1), all, |_| Err::<usize, ()>(()), &[0], 50), None);
+        assert_eq!(
+            choose_algorithm(Ok(1), all, |_| Err::<usize, ()>(()), &[0], 50),
+            None
+        );
     }
 
     #[test]
@@ -622,8 +628,14 @@ mod tests {
         // As a deterministic-only choice: 0 (say, an atomic-add algorithm) is refused even
         // though it fits, and the first fallback runs instead.
         let deterministic = |a: u8| a != 0;
-        assert_eq!(choose_algorithm(Ok(0), deterministic, size, &[1], 50), Some(1));
-        assert_eq!(choose_algorithm(Ok(2), deterministic, size, &[1], 50), Some(2));
+        assert_eq!(
+            choose_algorithm(Ok(0), deterministic, size, &[1], 50),
+            Some(1)
+        );
+        assert_eq!(
+            choose_algorithm(Ok(2), deterministic, size, &[1], 50),
+            Some(2)
+        );
     }
 
     #[test]

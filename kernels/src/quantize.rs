@@ -563,7 +563,11 @@ mod tests {
         for i in 0..n {
             for j in 0..h * w {
                 let at = |ch: usize| (i * c + ch) * h * w + j;
-                v[at(1)] = if j == 0 { 0.0 } else { ((i * 12 + j) % 254) as f32 + 0.5 };
+                v[at(1)] = if j == 0 {
+                    0.0
+                } else {
+                    ((i * 12 + j) % 254) as f32 + 0.5
+                };
                 v[at(4)] = -0.75;
             }
         }
@@ -574,11 +578,18 @@ mod tests {
         for dt in [DType::F32, DType::F16, DType::BF16] {
             let x = x.to_dtype(dt)?;
             let kernels = quantize(&x, Width::Int8, 0)?;
-            let want = dequantize(&kernels)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let want = dequantize(&kernels)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             for images in [1, 3, n] {
                 let ops = quantize_ops(&x, dims, images)?;
                 let what = format!("{dt:?}, {images} images a chunk");
-                assert_eq!(ops.ranges.to_vec2::<f32>()?, kernels.ranges.to_vec2::<f32>()?, "{what}");
+                assert_eq!(
+                    ops.ranges.to_vec2::<f32>()?,
+                    kernels.ranges.to_vec2::<f32>()?,
+                    "{what}"
+                );
                 assert_eq!(
                     ops.codes.flatten_all()?.to_vec1::<u8>()?,
                     kernels.codes.flatten_all()?.to_vec1::<u8>()?,
@@ -598,8 +609,14 @@ mod tests {
     fn the_ops_path_works_in_chunks_of_whole_images_within_the_budget() {
         // Default net's first stage at batch 512: 128 KiB of f32 an image, 32 images a chunk.
         assert_eq!(ops_chunk_images([512, 32, 32, 32]), 32);
-        assert_eq!(ops_transient_bytes([512, 32, 32, 32], true), 3 * OPS_CHUNK_BYTES as u64);
-        assert_eq!(ops_transient_bytes([512, 32, 32, 32], false), 2 * OPS_CHUNK_BYTES as u64);
+        assert_eq!(
+            ops_transient_bytes([512, 32, 32, 32], true),
+            3 * OPS_CHUNK_BYTES as u64
+        );
+        assert_eq!(
+            ops_transient_bytes([512, 32, 32, 32], false),
+            2 * OPS_CHUNK_BYTES as u64
+        );
         // A batch smaller than a chunk is one chunk; an image larger than the budget is one.
         assert_eq!(ops_chunk_images([4, 8, 8, 8]), 4);
         assert_eq!(ops_transient_bytes([4, 8, 8, 8], false), 2 * 4 * 8 * 64 * 4);

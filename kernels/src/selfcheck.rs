@@ -76,6 +76,10 @@ pub fn check_device(device: &Device, dtypes: &[DType]) -> Result<Option<Mismatch
         .next())
 }
 
+/// What a test applies to each output of each pass on the device (the pass, the output's index,
+/// the output) before it is compared: how a wrong kernel is injected.
+pub type Alter<'a> = dyn Fn(&Pass, usize, Tensor) -> Result<Tensor> + 'a;
+
 /// Every pass on `device` and on the CPU in each of `dtypes`, with `alter` applied to each output
 /// on the device under test before the comparison (given the pass and the output's index): how a
 /// test shows that a wrong kernel is caught, on a machine without a GPU. On the CPU the device's
@@ -83,11 +87,7 @@ pub fn check_device(device: &Device, dtypes: &[DType]) -> Result<Option<Mismatch
 ///
 /// # Errors
 /// As [`check_device`].
-pub fn check_device_with(
-    device: &Device,
-    dtypes: &[DType],
-    alter: &dyn Fn(&Pass, usize, Tensor) -> Result<Tensor>,
-) -> Result<Report> {
+pub fn check_device_with(device: &Device, dtypes: &[DType], alter: &Alter<'_>) -> Result<Report> {
     let mut report = Report {
         passes_run: 0,
         mismatches: Vec::new(),

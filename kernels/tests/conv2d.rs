@@ -656,7 +656,10 @@ fn im2col_bytes_are_bounded() {
         bytes <= IM2COL_CHUNK_BYTES.max(threads * one_image),
         "{bytes} with {threads} threads"
     );
-    assert!(bytes <= 128 * one_image / 4, "{bytes} with {threads} threads");
+    assert!(
+        bytes <= 128 * one_image / 4,
+        "{bytes} with {threads} threads"
+    );
     // Half precision is gathered in f32, f64 in f64.
     assert_eq!(
         im2col_chunk_bytes(1, 3, 3, 4, 4, DType::BF16),

@@ -7,6 +7,8 @@ use candle_core::DType;
 use candle_core::{Device, Tensor};
 use memtrain_kernels::quantize::{dequantize, quantize, Width};
 
+mod common;
+
 /// `[8, 6, 5, 7]` f32: random channels, then a channel of exact ties (`lo` 0, `hi` 255, so every
 /// `k + 0.5` is half a step), one holding +inf, one holding −inf and NaN, and a constant one.
 fn delicate_input() -> Tensor {
@@ -39,19 +41,6 @@ fn delicate_input() -> Tensor {
     Tensor::from_vec(v, (n, c, 5, 7), &Device::Cpu).unwrap()
 }
 
-#[cfg(feature = "cuda")]
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
-
 #[test]
 fn infinities_and_nan_decode_to_numbers_on_the_cpu() {
     // What CUDA must match: a channel's range ignores NaN, and a channel holding an infinity
@@ -60,14 +49,35 @@ fn infinities_and_nan_decode_to_numbers_on_the_cpu() {
     let q = quantize(&x, Width::Int8, 0).unwrap();
     let d = dequantize(&q).unwrap();
     for ch in [2usize, 3, 4] {
-        let plane = d.narrow(1, ch, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert!(plane.iter().all(|v| v.is_finite()), "channel {ch}: {plane:?}");
+        let plane = d
+            .narrow(1, ch, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(
+            plane.iter().all(|v| v.is_finite()),
+            "channel {ch}: {plane:?}"
+        );
     }
     // The tie channel keeps its exact range: step 1, and each half rounds away from zero.
     let ranges = q.ranges.to_vec2::<f32>().unwrap();
     assert_eq!((ranges[0][1], ranges[1][1]), (0.0, 1.0));
-    let ties = d.narrow(1, 1, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let orig = x.narrow(1, 1, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let ties = d
+        .narrow(1, 1, 1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let orig = x
+        .narrow(1, 1, 1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     for (got, x) in ties.iter().zip(&orig) {
         assert_eq!(*got, x.round(), "{x}");
     }
@@ -85,15 +95,19 @@ fn cuda_codes_are_the_cpus() {
             let cpu = quantize(&x, width, 7).unwrap();
             let cuda = quantize(&x.to_device(&gpu).unwrap(), width, 7).unwrap();
             let what = format!("{width:?} {dt:?}");
-            assert_eq!(bits(&cpu.ranges), bits(&cuda.ranges), "{what}: ranges");
+            assert_eq!(
+                common::f32_bits(&cpu.ranges),
+                common::f32_bits(&cuda.ranges),
+                "{what}: ranges"
+            );
             assert_eq!(
                 cpu.codes.flatten_all().unwrap().to_vec1::<u8>().unwrap(),
                 cuda.codes.flatten_all().unwrap().to_vec1::<u8>().unwrap(),
                 "{what}: codes"
             );
             assert_eq!(
-                bits(&dequantize(&cpu).unwrap()),
-                bits(&dequantize(&cuda).unwrap()),
+                common::f32_bits(&dequantize(&cpu).unwrap()),
+                common::f32_bits(&dequantize(&cuda).unwrap()),
                 "{what}: decoded"
             );
         }

@@ -428,7 +428,8 @@ impl Ctx {
             // The baseline is the data set, the model's own tensors and (CPU) the runtime, which
             // is part of what the process already holds.
             let own = if self.device.is_cpu() {
-                est.held.baseline_bytes
+                est.held
+                    .baseline_bytes
                     .saturating_sub(size.resident_bytes)
                     .saturating_sub(RUNTIME_OVERHEAD_BYTES)
             } else {

@@ -576,7 +576,10 @@ impl StepOps for Sizing<'_> {
             let [n, c, h, w] = q.dims[..] else {
                 unreachable!("codes of a conv output")
             };
-            self.spike(memtrain_kernels::quantize::ops_transient_bytes([n, c, h, w], false));
+            self.spike(memtrain_kernels::quantize::ops_transient_bytes(
+                [n, c, h, w],
+                false,
+            ));
         }
         Ok(out)
     }

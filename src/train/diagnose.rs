@@ -66,8 +66,11 @@ impl Trainer {
         let mut e = e.into();
         if let Error::Core(CoreError::OutOfMemory { phase, advice, .. }) = &mut e {
             let in_update = phase.starts_with(&crate::phase::Phase::Optimizer.to_string());
-            *advice =
-                crate::advice::out_of_memory_with(&self.config, in_update, self.smaller_checkpointing());
+            *advice = crate::advice::out_of_memory_with(
+                &self.config,
+                in_update,
+                self.smaller_checkpointing(),
+            );
         }
         e
     }

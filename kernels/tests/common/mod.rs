@@ -13,6 +13,15 @@ fn values_f64(t: &Tensor) -> Vec<f64> {
         .unwrap()
 }
 
+/// The bits of every element of a tensor as f32 (any float dtype up to f32), for exact
+/// comparisons that NaN does not defeat.
+pub fn f32_bits(t: &Tensor) -> Vec<u32> {
+    values_f64(t)
+        .into_iter()
+        .map(|v| (v as f32).to_bits())
+        .collect()
+}
+
 /// Max |a-b| / max |b| over two tensors (compared in f64).
 pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
     let a = values_f64(a);

@@ -109,7 +109,7 @@ impl Callback for ProgressCallback {
             }
             None => {
                 if (ctx.batch + 1).is_multiple_of(self.plain_every) {
-                    println!("  epoch {} step {}: {msg}", ctx.epoch + 1, ctx.batch + 1);
+                    println!("  epoch {} batch {}: {msg}", ctx.epoch + 1, ctx.batch + 1);
                 }
             }
         }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 pub struct BatchMemory {
     /// Epoch number (the first is 1).
     pub epoch: usize,
-    /// Step number within the epoch (the first is 1).
+    /// The step's batch number within the epoch (the first is 1).
     pub batch: usize,
     /// Step number in the run (the first is 1).
     pub global_step: usize,

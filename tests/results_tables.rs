@@ -57,7 +57,7 @@ fn cell(header: &str, csv: &CsvTable, row: usize) -> Option<String> {
         "speed vs PyTorch" => ratio("images_per_sec", "torch_images_per_sec"),
         "peak MiB" => mib("peak_bytes"),
         "step adds MiB" => mib("step_added_bytes"),
-        "saved MiB" => mib("saved_activation_bytes"),
+        "saved peak MiB" => mib("saved_activation_bytes"),
         "img/s" => format!("{:.0}", num("images_per_sec")),
         "vs baseline" if row == 0 => "—".into(),
         "vs baseline" => {

@@ -32,8 +32,10 @@ pub struct WhatIf {
     /// evaluation. The run needs the larger of the two.
     #[serde(default)]
     pub predicted_eval_peak_bytes: Option<u64>,
-    /// Predicted bytes saved against `none` (negative: the row needs more).
-    pub saved_bytes: i64,
+    /// How many bytes the row's predicted peak is below `none`'s (negative: the row needs more).
+    /// Older summaries call it `saved_bytes`.
+    #[serde(alias = "saved_bytes")]
+    pub below_none_bytes: i64,
 }
 
 /// The accumulation the what-if tries: the run's own when it accumulates, else the largest of
@@ -185,7 +187,7 @@ pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Res
                 flags: o.flags(),
                 predicted_peak_bytes: peak,
                 predicted_eval_peak_bytes: eval,
-                saved_bytes: base as i64 - peak as i64,
+                below_none_bytes: base as i64 - peak as i64,
             })
         })
         .collect()
@@ -194,13 +196,13 @@ pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Res
 /// The what-if rows as a markdown table with a heading line.
 pub fn what_if_table(rows: &[WhatIf]) -> String {
     let mut s = String::from(
-        "what if (predicted step peak, and the evaluation's; the run's other settings kept, unnamed optimizations off)\n| optimization | flags | predicted peak | saved | evaluation peak |\n|---|---|---:|---:|---:|\n",
+        "what if (predicted step peak, and the evaluation's; the run's other settings kept, unnamed optimizations off)\n| optimization | flags | predicted peak | below none | evaluation peak |\n|---|---|---:|---:|---:|\n",
     );
     for r in rows {
-        let saved = if r.saved_bytes >= 0 {
-            format_bytes(r.saved_bytes as u64)
+        let below = if r.below_none_bytes >= 0 {
+            format_bytes(r.below_none_bytes as u64)
         } else {
-            format!("−{}", format_bytes(r.saved_bytes.unsigned_abs()))
+            format!("−{}", format_bytes(r.below_none_bytes.unsigned_abs()))
         };
         let flags = if r.flags.is_empty() {
             "(none)".to_string()
@@ -212,7 +214,7 @@ pub fn what_if_table(rows: &[WhatIf]) -> String {
             .map_or("-".to_string(), format_bytes);
         let _ = writeln!(
             s,
-            "| {} | {flags} | {} | {saved} | {eval} |",
+            "| {} | {flags} | {} | {below} | {eval} |",
             r.label,
             format_bytes(r.predicted_peak_bytes)
         );

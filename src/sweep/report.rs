@@ -436,7 +436,7 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
-    s.push_str(" step adds MiB | saved MiB | img/s | img/s vs first | frontier |");
+    s.push_str(" step adds MiB | saved peak MiB | img/s | img/s vs first | frontier |");
     if accuracy {
         s.push_str(" accuracy |");
     }

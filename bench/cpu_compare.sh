@@ -27,7 +27,7 @@ load=$(cut -d' ' -f1-3 /proc/loadavg)
 # The README's command, as printed there.
 cargo run --release --example compare -- --out runs/cpu-compare \
   --common "--data-dir ../shared/data/cifar10-subset --max-steps 8 --no-eval --device cpu" \
-  --run "baseline:" --run "f16: --precision f16" --run "bf16: --precision bf16" \
+  --run "none:" --run "f16: --precision f16" --run "bf16: --precision bf16" \
   --run "accum4: --accum-steps 4" --run "ckpt-stages: --checkpoint stages" \
   --run "ckpt-blocks: --checkpoint blocks" --run "ckpt-auto: --checkpoint auto" \
   --run "separable: --conv separable" \

@@ -59,8 +59,8 @@ fn cell(header: &str, csv: &CsvTable, row: usize) -> Option<String> {
         "step adds MiB" => mib("step_added_bytes"),
         "saved peak MiB" => mib("saved_activation_bytes"),
         "img/s" => format!("{:.0}", num("images_per_sec")),
-        "vs baseline" if row == 0 => "—".into(),
-        "vs baseline" => {
+        "vs none" if row == 0 => "—".into(),
+        "vs none" => {
             let pct = num("peak_change_pct");
             let sign = if pct < 0.0 { "−" } else { "+" };
             format!("{sign}{:.0}%", pct.abs())

@@ -380,7 +380,7 @@ pub(crate) fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
         .collect()
 }
 
-/// The comparison as CSV (one row per configuration, the baseline first). `frontier` is `true`
+/// The comparison as CSV (one row per configuration, the first the one the others are compared with). `frontier` is `true`
 /// for the configurations on the memory–speed frontier of the exact ones, `lossy` for a lossy
 /// configuration; `oom_snapshot` is the path of an
 /// out-of-memory run's snapshot, relative to the comparison's directory, when it wrote one.

@@ -6,7 +6,7 @@
 #   docs/results/cpu-compare.md    the machine and commit, then compare.md as printed
 #   docs/results/cpu-compare.csv   compare.csv: the source of the README's table and of
 #                                  docs/memory.md's (tests/results_tables.rs checks both)
-#   docs/images/compare-{peak-memory,frontier,step-timeline,memory-timeline}.{png,svg}
+#   docs/images/compare-{peak-memory,frontier,step-timeline,step-peaks}.{png,svg}
 #
 #   bench/cpu_compare.sh
 #
@@ -61,7 +61,7 @@ isa="no AVX-512"
   cat runs/cpu-compare/compare.md
 } >docs/results/cpu-compare.md
 cp runs/cpu-compare/compare.csv docs/results/cpu-compare.csv
-for chart in peak_memory frontier step_timeline memory_timeline; do
+for chart in peak_memory frontier step_timeline step_peaks; do
   for ext in png svg; do
     cp "runs/cpu-compare/$chart.$ext" "docs/images/compare-${chart//_/-}.$ext"
   done

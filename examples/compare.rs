@@ -7,7 +7,7 @@
 //! cargo run --release --example compare -- --configs configs/*.json -- --max-steps 20
 //! ```
 //! Prints a markdown table and writes compare.{md,csv,json}, peak_memory.{png,svg},
-//! memory_timeline.{png,svg} and frontier.{png,svg} (peak memory against images/s, the Pareto
+//! step_peaks.{png,svg} and frontier.{png,svg} (peak memory against images/s, the Pareto
 //! frontier marked) into --out.
 
 use anyhow::Context;

@@ -520,8 +520,8 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
     let bar_height = 170 + 64 * 3; // 170 px + 64 px per bar, at least 360
     assert_eq!(png_size(&out.join("peak_memory.png")), (1200, bar_height));
     check_svg(&out.join("peak_memory.svg"), 1200, bar_height);
-    assert_eq!(png_size(&out.join("memory_timeline.png")), (1200, 700));
-    check_svg(&out.join("memory_timeline.svg"), 1200, 700);
+    assert_eq!(png_size(&out.join("step_peaks.png")), (1200, 700));
+    check_svg(&out.join("step_peaks.svg"), 1200, 700);
     check_frontier_chart(&out, &["baseline", "f16<&>", "--checkpoint stages"]);
     assert!(stdout.contains("frontier.png, frontier.svg"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);

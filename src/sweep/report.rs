@@ -9,8 +9,8 @@
 //!   `frontier.{png,svg}` (peak memory against images/s of every point that ran, the Pareto
 //!   frontier marked; see [`super::frontier`]).
 //! - [`write_compare_report`]: `compare.{json,csv,md}`, `peak_memory.{png,svg}` (a bar per
-//!   configuration, labelled with its value), `memory_timeline.{png,svg}` (per-batch peak
-//!   memory of every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
+//!   configuration, labelled with its value), `step_peaks.{png,svg}` (each step's peak
+//!   memory, for every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
 //!
 //! The markdown tables mark the frontier points in a `frontier` column, and link each
 //! out-of-memory point's `oom_snapshot.json` when its run wrote one.
@@ -547,7 +547,7 @@ pub(crate) fn write_compare_files(dir: &Path, r: &CompareResult) -> Result<()> {
 }
 
 /// Write the comparison's tables, its bar chart (`peak_memory.{png,svg}`), when the runs wrote
-/// `batches.csv` the per-batch timeline (`memory_timeline.{png,svg}`), and when a run finished
+/// `batches.csv` each step's peak (`step_peaks.{png,svg}`), and when a run finished
 /// the memory–speed frontier (`frontier.{png,svg}`); returns the chart files.
 pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf>> {
     write_compare_files(dir, r)?;
@@ -595,7 +595,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
             series,
             hlines: Vec::new(),
         };
-        files.extend(render(&timeline, &dir.join("memory_timeline"))?);
+        files.extend(render(&timeline, &dir.join("step_peaks"))?);
     }
     files.extend(write_frontier_chart(
         &compare_frontier_points(r),

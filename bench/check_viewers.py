@@ -10,7 +10,7 @@ bench/check_viewers.sh, which documents it).
   does, its peak equals the step's measured peak in batches.csv, exactly.
 - step_trace.json: a Trace Event Format object whose slices and counters match
   step_timeline.json.
-- OOM_RUN_DIR/oom_snapshot.pickle (optional): the same helpers, and its last entry is `oom`.
+- OOM_RUN_DIR/oom_memory_snapshot.pickle (optional): the same helpers, and its last entry is `oom`.
 
 Prints one line per check and `N passed, M failed`; exits 1 when a check fails.
 """
@@ -171,10 +171,10 @@ def main():
     check("step_trace.json: counter totals equal step_timeline.json", totals)
 
     if len(sys.argv) > 2:
-        oom = load_snapshot("oom_snapshot.pickle", os.path.join(sys.argv[2], "oom_snapshot.pickle"))
+        oom = load_snapshot("oom_memory_snapshot.pickle", os.path.join(sys.argv[2], "oom_memory_snapshot.pickle"))
         last = oom["device_traces"][0][-1]
-        check("oom_snapshot.pickle: ends with an oom entry", last["action"] == "oom", last["frames"][0]["name"])
-        memory_viz_helpers("oom_snapshot.pickle", oom)
+        check("oom_memory_snapshot.pickle: ends with an oom entry", last["action"] == "oom", last["frames"][0]["name"])
+        memory_viz_helpers("oom_memory_snapshot.pickle", oom)
 
     failed = results.count(False)
     print(f"{len(results) - failed} passed, {failed} failed")

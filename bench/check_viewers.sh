@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open a memtrain run's viewer files with the viewers' own readers: TensorBoard's
 # EventAccumulator reads events.out.tfevents.*, PyTorch's torch.cuda._memory_viz reads
-# memory_snapshot.pickle (and an out-of-memory run's oom_snapshot.pickle), and step_trace.json is
+# memory_snapshot.pickle (and an out-of-memory run's oom_memory_snapshot.pickle), and step_trace.json is
 # checked against step_timeline.json (bench/check_viewers.py does the checking).
 #
 #   bench/check_viewers.sh [--steps N] [--run-dir DIR] [--keep]
@@ -93,6 +93,6 @@ echo "== $bin --device cpu --max-steps 1 --quiet --memory-limit $limit --out $tm
 if MEMTRAIN_RUN_PAST_PREDICTION=1 "$bin" --device cpu --max-steps 1 --quiet --memory-limit "$limit" --out "$tmp/oom" >"$tmp/oom.log" 2>&1; then
   fail "the run with --memory-limit $limit did not run out of memory"
 fi
-[ -f "$tmp/oom/oom_snapshot.pickle" ] || { tail -n 5 "$tmp/oom.log" >&2; fail "the limited run left no oom_snapshot.pickle"; }
+[ -f "$tmp/oom/oom_memory_snapshot.pickle" ] || { tail -n 5 "$tmp/oom.log" >&2; fail "the limited run left no oom_memory_snapshot.pickle"; }
 ls "$tmp/run" | sed 's/^/   run dir: /' | grep -E 'tfevents|pickle|step_trace'
 "$py" "$repo/bench/check_viewers.py" "$tmp/run" "$tmp/oom"

@@ -132,7 +132,7 @@ fn trainer_options(
     TrainerOptions {
         progress: true,
         log_files: !cmd.dry_run && !cmd.summary_only,
-        oom_snapshot: !cmd.dry_run,
+        oom_report: !cmd.dry_run,
         stop,
         // One writer per run directory; a new run never replaces finished results unasked.
         claim: if resuming {

@@ -55,7 +55,7 @@ fn crowded(dir: &Path) -> SweepResult {
                 configuration: l.clone(),
                 batch_size: b,
                 run: run(&dir.join(format!("{i}-{b}")), peak, ips),
-                oom_snapshot: None,
+                oom_report: None,
             });
         }
     }
@@ -359,7 +359,7 @@ fn compare_charts_keep_cjk_and_emoji_labels_and_twelve_bar_colours() {
                 ),
                 peak_change_pct: None,
                 speed_change_pct: None,
-                oom_snapshot: None,
+                oom_report: None,
             })
             .collect(),
         interrupted: false,

@@ -1,4 +1,4 @@
-//! The memory–speed frontier (Pareto marking, tables, chart) and the out-of-memory snapshot
+//! The memory–speed frontier (Pareto marking, tables, chart) and the out-of-memory report
 //! links, in-process on hand-made results: no trainer runs here.
 
 mod common;
@@ -9,7 +9,7 @@ use memtrain::sweep::frontier::{pareto_front, write_frontier_chart, FrontierPoin
 use memtrain::sweep::report::{
     compare_csv, compare_markdown, sweep_csv, sweep_markdown, write_sweep_report, CsvTable,
 };
-use memtrain::sweep::{lossy_flags, oom_snapshot_link, ChildRun, Status};
+use memtrain::sweep::{lossy_flags, oom_report_link, ChildRun, Status};
 use memtrain::train::Summary;
 use std::path::{Path, PathBuf};
 
@@ -205,7 +205,7 @@ fn sweep(dir: &Path) -> SweepResult {
         SweepPoint {
             configuration: c.into(),
             batch_size: b,
-            oom_snapshot: oom_snapshot_link(&run, dir),
+            oom_report: oom_report_link(&run, dir),
             run,
         }
     };
@@ -289,8 +289,8 @@ fn sweep_tables_mark_the_frontier_points() {
     );
     assert!(md.contains("\n✓ frontier: no other exact point"), "{md}");
     assert!(!md.contains("lossy"), "no lossy point, no word of it: {md}");
-    // No snapshot was written, so there is no snapshot column.
-    assert!(!md.contains("OOM snapshot"), "{md}");
+    // No report was written, so there is no report column.
+    assert!(!md.contains("OOM report"), "{md}");
 
     let csv = CsvTable::parse(&sweep_csv(&r)).unwrap();
     let csv_marks: Vec<(String, String)> = (0..csv.rows.len())
@@ -320,15 +320,15 @@ fn sweep_tables_mark_the_frontier_points() {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect::<Vec<_>>()
     );
-    assert!((0..csv.rows.len()).all(|i| csv.get(i, "oom_snapshot") == Some("")));
+    assert!((0..csv.rows.len()).all(|i| csv.get(i, "oom_report") == Some("")));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
-fn an_oom_point_links_its_snapshot_only_when_the_file_exists() {
-    let dir = tmp_dir("snapshot");
-    let file = memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
-    // Plant a snapshot in the OOM point's directory and, to show that only OOM points link one,
+fn an_oom_point_links_its_report_only_when_the_file_exists() {
+    let dir = tmp_dir("oom-report");
+    let file = memtrain::memory::timeline::OOM_REPORT_FILE;
+    // Plant a report in the OOM point's directory and, to show that only OOM points link one,
     // in an ok point's directory too.
     for p in ["f32-b00128", "f16-b00032"] {
         let d = dir.join("points").join(p);
@@ -340,15 +340,15 @@ fn an_oom_point_links_its_snapshot_only_when_the_file_exists() {
     for p in &r.points {
         let want = (p.run.status == Status::Oom).then(|| rel.clone());
         assert_eq!(
-            p.oom_snapshot, want,
+            p.oom_report, want,
             "{} b{}",
             p.configuration, p.batch_size
         );
     }
     let md = sweep_markdown(&r);
-    assert!(md.contains(" OOM snapshot |"), "{md}");
+    assert!(md.contains(" OOM report |"), "{md}");
     assert!(
-        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        md.contains(&format!("| [report]({}) |", rel.display())),
         "{md}"
     );
     let csv = CsvTable::parse(&sweep_csv(&r)).unwrap();
@@ -356,12 +356,12 @@ fn an_oom_point_links_its_snapshot_only_when_the_file_exists() {
         .find(|&i| csv.get(i, "status") == Some("OOM"))
         .unwrap();
     assert_eq!(
-        csv.get(oom_row, "oom_snapshot"),
+        csv.get(oom_row, "oom_report"),
         Some(rel.to_str().unwrap())
     );
     // JSON keeps it, and reads back the same.
     let json = serde_json::to_string(&r).unwrap();
-    assert!(json.contains("\"oom_snapshot\""));
+    assert!(json.contains("\"oom_report\""));
     assert_eq!(serde_json::from_str::<SweepResult>(&json).unwrap(), r);
     // A run directory outside the results directory gets an absolute path.
     let oom = r
@@ -369,7 +369,7 @@ fn an_oom_point_links_its_snapshot_only_when_the_file_exists() {
         .iter()
         .find(|p| p.run.status == Status::Oom)
         .unwrap();
-    let elsewhere = oom_snapshot_link(&oom.run, Path::new("/somewhere/else")).unwrap();
+    let elsewhere = oom_report_link(&oom.run, Path::new("/somewhere/else")).unwrap();
     assert!(
         elsewhere.is_absolute() && elsewhere.ends_with(&rel),
         "{}",
@@ -377,7 +377,7 @@ fn an_oom_point_links_its_snapshot_only_when_the_file_exists() {
     );
     // Without the file, no link.
     std::fs::remove_file(dir.join(&rel)).unwrap();
-    assert_eq!(oom_snapshot_link(&oom.run, &dir), None);
+    assert_eq!(oom_report_link(&oom.run, &dir), None);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -389,7 +389,7 @@ fn compare_tables_mark_the_frontier_configurations() {
         CompareEntry {
             label: label.into(),
             flags: Vec::new(),
-            oom_snapshot: oom_snapshot_link(&run, &dir),
+            oom_report: oom_report_link(&run, &dir),
             run,
             peak_change_pct: None,
             speed_change_pct: None,
@@ -517,7 +517,7 @@ fn compare_tables_say_which_configuration_is_lossy_and_leave_it_off_the_frontier
         CompareEntry {
             label: label.into(),
             flags: Vec::new(),
-            oom_snapshot: None,
+            oom_report: None,
             run,
             peak_change_pct: None,
             speed_change_pct: None,

@@ -542,13 +542,13 @@ fn finished_results_are_refused_unless_overwrite() {
         "summary.json says status ok",
     );
 
-    // --overwrite: the earlier run's files go, a stale OOM snapshot included; other files stay.
-    std::fs::write(dir.join("oom_snapshot.json"), "{}").unwrap();
+    // --overwrite: the earlier run's files go, a stale OOM report included; other files stay.
+    std::fs::write(dir.join("oom_report.json"), "{}").unwrap();
     std::fs::write(dir.join("notes.txt"), "mine").unwrap();
     let mut args = with_out(&FAST.replace("--epochs 3", "--epochs 1"), &dir);
     args.push("--overwrite".into());
     assert_ok(&run(&args), "--overwrite");
-    assert!(!dir.join("oom_snapshot.json").exists());
+    assert!(!dir.join("oom_report.json").exists());
     assert_eq!(
         std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
         "mine"

@@ -514,7 +514,7 @@ fn entry(label: &str, run_dir: &Path) -> CompareEntry {
         },
         peak_change_pct: None,
         speed_change_pct: None,
-        oom_snapshot: None,
+        oom_report: None,
     }
 }
 

@@ -707,18 +707,18 @@ fn margin_and_max_batch_are_validated() {
     assert!(help.contains("upper bound of the search"), "{help}");
 }
 
-/// A trainer wrapper that runs the real trainer and then leaves an `oom_snapshot.json` in its
-/// `--out` directory, as a trainer that writes snapshots would (planted for every run, so that
+/// A trainer wrapper that runs the real trainer and then leaves an `oom_report.json` in its
+/// `--out` directory, as a trainer that writes reports would (planted for every run, so that
 /// the tables can be seen to link only the out-of-memory ones).
 #[cfg(unix)]
-fn snapshot_wrapper(dir: &Path) -> PathBuf {
+fn report_wrapper(dir: &Path) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir).unwrap();
     let path = dir.join("trainer.sh");
     let script = format!(
         "#!/bin/sh\nout=\nprev=\nfor a in \"$@\"; do\n  if [ \"$prev\" = \"--out\" ]; then out=\"$a\"; fi\n  prev=\"$a\"\ndone\n'{}' \"$@\"\ncode=$?\n[ -n \"$out\" ] && printf '{{}}' > \"$out/{}\"\nexit $code\n",
         example("train_cifar10").display(),
-        memtrain::memory::timeline::OOM_SNAPSHOT_FILE
+        memtrain::memory::timeline::OOM_REPORT_FILE
     );
     std::fs::write(&path, script).unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -727,10 +727,10 @@ fn snapshot_wrapper(dir: &Path) -> PathBuf {
 
 #[cfg(unix)]
 #[test]
-fn oom_points_link_the_snapshot_their_run_wrote() {
-    let out = tmp_dir("snapshots");
-    let wrapper = snapshot_wrapper(&out.join("bin"));
-    let file = memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
+fn oom_points_link_the_report_their_run_wrote() {
+    let out = tmp_dir("oom-reports");
+    let wrapper = report_wrapper(&out.join("bin"));
+    let file = memtrain::memory::timeline::OOM_REPORT_FILE;
     let common = ["--width", "4", "--device", "cpu", "--memory-limit", "40MiB"];
     let o = run(Command::new(example("batch_sweep"))
         .args([
@@ -757,11 +757,11 @@ fn oom_points_link_the_snapshot_their_run_wrote() {
             32 => {
                 assert_eq!(p.run.status, Status::Ok, "{}", p.run.note);
                 assert!(p.run.run_dir.join(file).is_file(), "planted for every run");
-                assert_eq!(p.oom_snapshot, None, "an ok point links no snapshot");
+                assert_eq!(p.oom_report, None, "an ok point links no report");
             }
             _ => {
                 assert_eq!(p.run.status, Status::Oom, "{}", p.run.note);
-                assert_eq!(p.oom_snapshot.as_deref(), Some(rel.as_path()));
+                assert_eq!(p.oom_report.as_deref(), Some(rel.as_path()));
                 assert!(
                     dir.join(&rel).is_file(),
                     "the link resolves from the sweep directory"
@@ -771,12 +771,12 @@ fn oom_points_link_the_snapshot_their_run_wrote() {
     }
     let md = std::fs::read_to_string(dir.join("sweep.md")).unwrap();
     assert!(
-        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        md.contains(&format!("| [report]({}) |", rel.display())),
         "{md}"
     );
     let csv = CsvTable::parse(&std::fs::read_to_string(dir.join("sweep.csv")).unwrap()).unwrap();
     let col: Vec<&str> = (0..csv.rows.len())
-        .map(|i| csv.get(i, "oom_snapshot").unwrap())
+        .map(|i| csv.get(i, "oom_report").unwrap())
         .collect();
     assert_eq!(col, ["", rel.to_str().unwrap()]);
 
@@ -808,17 +808,17 @@ fn oom_points_link_the_snapshot_their_run_wrote() {
         "{}",
         r.entries[0].run.note
     );
-    assert_eq!(r.entries[0].oom_snapshot, None);
+    assert_eq!(r.entries[0].oom_report, None);
     assert_eq!(
         r.entries[1].run.status,
         Status::Oom,
         "{}",
         r.entries[1].run.note
     );
-    assert_eq!(r.entries[1].oom_snapshot.as_deref(), Some(rel.as_path()));
+    assert_eq!(r.entries[1].oom_report.as_deref(), Some(rel.as_path()));
     let md = std::fs::read_to_string(dir.join("compare.md")).unwrap();
     assert!(
-        md.contains(&format!("| [snapshot]({}) |", rel.display())),
+        md.contains(&format!("| [report]({}) |", rel.display())),
         "{md}"
     );
     let _ = std::fs::remove_dir_all(&out);

@@ -6,7 +6,7 @@
 mod common;
 
 use common::run_trainer as train;
-use memtrain::export::memviz::{self, MEMORY_SNAPSHOT_FILE, OOM_SNAPSHOT_PICKLE};
+use memtrain::export::memviz::{self, MEMORY_SNAPSHOT_FILE, OOM_MEMORY_SNAPSHOT_PICKLE};
 use memtrain::export::perfetto::{MEMORY_COUNTER, STEP_TRACE_FILE};
 use memtrain::export::tensorboard::{self as tb, What};
 use memtrain::memory::timeline::STEP_TIMELINE_FILE;
@@ -495,7 +495,7 @@ fn an_out_of_memory_step_leaves_its_snapshot_with_an_oom_entry() {
     .output()
     .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", common::text(&o.stderr));
-    let snapshot = read_pickle(&out.join(OOM_SNAPSHOT_PICKLE));
+    let snapshot = read_pickle(&out.join(OOM_MEMORY_SNAPSHOT_PICKLE));
     check_snapshot_structure(&snapshot);
     let trace = list(&list(field(&snapshot, "device_traces"))[0]);
     let last = trace.last().unwrap();

@@ -29,7 +29,7 @@ pub enum Error {
          {advice}{}",
         .batch + 1,
         .epoch + 1,
-        .snapshot.as_ref().map(|p| format!(" (memory snapshot: {})", p.display())).unwrap_or_default()
+        .report.as_ref().map(|p| format!(" (report: {})", p.display())).unwrap_or_default()
     )]
     OutOfMemory {
         /// The limit, human readable (e.g. "2.00 GiB").
@@ -42,8 +42,8 @@ pub enum Error {
         phase: String,
         /// What to do, true for the run at hand.
         advice: String,
-        /// The [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] written for this failure.
-        snapshot: Option<PathBuf>,
+        /// The [`crate::memory::timeline::OOM_REPORT_FILE`] written for this failure.
+        report: Option<PathBuf>,
     },
 
     /// A training step predicted to need more memory than `--memory-limit`, refused before

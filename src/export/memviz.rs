@@ -21,7 +21,7 @@ use std::path::Path;
 /// File name of the snapshot of the chosen step in a run directory.
 pub const MEMORY_SNAPSHOT_FILE: &str = "memory_snapshot.pickle";
 /// File name of the snapshot of a step that ran out of memory.
-pub const OOM_SNAPSHOT_PICKLE: &str = "oom_snapshot.pickle";
+pub const OOM_MEMORY_SNAPSHOT_PICKLE: &str = "oom_memory_snapshot.pickle";
 
 // Integers are i64 in the pickled structs: serde-pickle writes a u64 above i32 as a 9-byte
 // LONG1, which memory_viz's unpickler turns into a BigInt that its arithmetic rejects; an i64 is

@@ -20,7 +20,7 @@
 //! step whose predicted peak is more than the machine can give is an out-of-memory error before
 //! anything is allocated (a sweep records it as an OOM point, as it would the allocator's
 //! failure). A step that only exceeds `--memory-limit` is left to the trainer's per-layer check,
-//! which says where it ran out and writes a memory snapshot: there, lowering the batch helps.
+//! which says where it ran out and writes a report: there, lowering the batch helps.
 
 use crate::config::{
     ConvKind, GradCheckpointing, OptimizerKind, TrainConfig, MIN_SYNTHETIC_IMAGES,
@@ -99,7 +99,7 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
                     size(step)
                 ),
                 advice: run_peak_advice(cfg, est),
-                snapshot: None,
+                report: None,
             }));
         }
     }

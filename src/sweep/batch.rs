@@ -6,7 +6,7 @@ pub use super::results::{
     describe_max, BatchPlan, MaxBatch, SweepPoint, SweepResult, Variant, DEFAULT_MARGIN,
 };
 use super::{
-    describe, merge_flags, oom_snapshot_link, run_child, slug, ChildRun, Progress, Status,
+    describe, merge_flags, oom_report_link, run_child, slug, ChildRun, Progress, Status,
 };
 use crate::error::{Error, Result};
 use std::path::PathBuf;
@@ -284,7 +284,7 @@ impl Runner<'_> {
         self.result.points.push(SweepPoint {
             configuration: variant.label.clone(),
             batch_size: batch,
-            oom_snapshot: oom_snapshot_link(&run, &opts.out),
+            oom_report: oom_report_link(&run, &opts.out),
             run: run.clone(),
         });
         super::report::write_sweep_files(&opts.out, &self.result)?;

@@ -6,7 +6,7 @@
 //! `step_timeline.json`, side by side ([`write_step_timeline_overlays`]).
 
 pub use super::results::{CompareEntry, CompareResult};
-use super::{describe, merge_flags, oom_snapshot_link, run_child, slug, split_flags, Progress};
+use super::{describe, merge_flags, oom_report_link, run_child, slug, split_flags, Progress};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -184,7 +184,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
         result.entries.push(CompareEntry {
             label: spec.label.clone(),
             flags: spec.flags.clone(),
-            oom_snapshot: oom_snapshot_link(&run, &opts.out),
+            oom_report: oom_report_link(&run, &opts.out),
             run,
             peak_change_pct: None,
             speed_change_pct: None,

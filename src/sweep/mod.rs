@@ -145,16 +145,16 @@ pub fn lossy_flags(args: &[String]) -> bool {
     }
 }
 
-/// Where an out-of-memory run's snapshot is, for the results tables: `None` unless `run` ran out
-/// of memory and its run directory holds [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] (a trainer
+/// Where an out-of-memory run's report is, for the results tables: `None` unless `run` ran out
+/// of memory and its run directory holds [`crate::memory::timeline::OOM_REPORT_FILE`] (a trainer
 /// that stops on out-of-memory writes it; older ones do not, so the file is looked for, not
 /// assumed). The path is relative to `results_dir`, where the tables are written, so that the
 /// links keep working when the directory moves; absolute when the run directory lies elsewhere.
-pub fn oom_snapshot_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> {
+pub fn oom_report_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> {
     if run.status != Status::Oom {
         return None;
     }
-    let file = run.run_dir.join(crate::memory::timeline::OOM_SNAPSHOT_FILE);
+    let file = run.run_dir.join(crate::memory::timeline::OOM_REPORT_FILE);
     if !file.is_file() {
         return None;
     }

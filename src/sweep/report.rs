@@ -13,7 +13,7 @@
 //!   memory, for every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
 //!
 //! The markdown tables mark the frontier points in a `frontier` column, and link each
-//! out-of-memory point's `oom_snapshot.json` when its run wrote one.
+//! out-of-memory point's `oom_report.json` when its run wrote one.
 //! - [`write_run_memory_chart`]: `memory.{png,svg}` of one run directory.
 
 use super::chart::{render, LIMIT_COLOR, PALETTE};
@@ -198,11 +198,11 @@ fn frontier_cell(on: bool) -> &'static str {
     }
 }
 
-/// A markdown link to an out-of-memory snapshot (relative to the table's directory), or empty.
-fn snapshot_cell(path: Option<&Path>) -> String {
+/// A markdown link to an out-of-memory report (relative to the table's directory), or empty.
+fn report_cell(path: Option<&Path>) -> String {
     path.map(|p| {
         let p = p.to_string_lossy();
-        format!("[snapshot]({})", p.replace(' ', "%20"))
+        format!("[report]({})", p.replace(' ', "%20"))
     })
     .unwrap_or_default()
 }
@@ -224,7 +224,7 @@ fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `sweep.csv`.
-pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,images_per_sec,frontier,lossy,steps,wall_secs,exit_code,signal,note,run_dir,oom_snapshot";
+pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,images_per_sec,frontier,lossy,steps,wall_secs,exit_code,signal,note,run_dir,oom_report";
 
 /// One frontier point per point of the sweep (same order as `r.points`), labelled
 /// `<configuration> b<batch>`; only points that ran ok are measured.
@@ -236,7 +236,7 @@ pub(crate) fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
 }
 
 /// The sweep as CSV (one row per point, in the order run). `frontier` is `true` for the points on
-/// the memory–speed frontier of the exact points, `lossy` for a lossy configuration's; `oom_snapshot` is the path of an out-of-memory point's snapshot,
+/// the memory–speed frontier of the exact points, `lossy` for a lossy configuration's; `oom_report` is the path of an out-of-memory point's report,
 /// relative to the sweep's directory, when its run wrote one.
 pub fn sweep_csv(r: &SweepResult) -> String {
     let front = pareto_front(&sweep_frontier_points(r));
@@ -255,36 +255,36 @@ pub fn sweep_csv(r: &SweepResult) -> String {
             run.lossy.to_string(),
         ]);
         row.extend(outcome_cells(run));
-        row.push(path_cell(p.oom_snapshot.as_deref()));
+        row.push(path_cell(p.oom_report.as_deref()));
         row
     });
     csv_text(SWEEP_CSV_HEADER, rows)
 }
 
 /// The sweep as a markdown table (rows grouped by configuration, sorted by batch size; the
-/// frontier points marked, out-of-memory snapshots linked when there are any), followed by the
+/// frontier points marked, out-of-memory reports linked when there are any), followed by the
 /// `--find-max` results when there are any.
 pub fn sweep_markdown(r: &SweepResult) -> String {
     let reserved = r
         .points
         .iter()
         .any(|p| p.run.reserved_peak_bytes().is_some());
-    let snapshots = r.points.iter().any(|p| p.oom_snapshot.is_some());
+    let reports = r.points.iter().any(|p| p.oom_report.is_some());
     let front = pareto_front(&sweep_frontier_points(r));
     let mut s = String::from("| configuration | batch size | status | training peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
     s.push_str(" img/s | frontier |");
-    if snapshots {
-        s.push_str(" OOM snapshot |");
+    if reports {
+        s.push_str(" OOM report |");
     }
     s.push_str(" note |\n|---|---:|---|---:|---:|---:|");
     if reserved {
         s.push_str("---:|");
     }
     s.push_str("---:|:---:|");
-    if snapshots {
+    if reports {
         s.push_str("---|");
     }
     s.push_str("---|\n");
@@ -318,8 +318,8 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
                     .unwrap_or_else(|| "-".into()),
                 frontier_cell(on)
             );
-            if snapshots {
-                let _ = write!(s, " {} |", snapshot_cell(p.oom_snapshot.as_deref()));
+            if reports {
+                let _ = write!(s, " {} |", report_cell(p.oom_report.as_deref()));
             }
             let _ = writeln!(s, " {} |", md_cell(&note));
         }
@@ -369,7 +369,7 @@ pub fn write_sweep_report(dir: &Path, r: &SweepResult) -> Result<Vec<PathBuf>> {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `compare.csv`.
-pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,step_added_bytes,saved_activation_bytes,images_per_sec,speed_change_pct,frontier,lossy,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_snapshot";
+pub const COMPARE_CSV_HEADER: &str = "configuration,status,peak_bytes,peak_change_pct,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,step_added_bytes,saved_activation_bytes,images_per_sec,speed_change_pct,frontier,lossy,final_test_accuracy,steps,wall_secs,exit_code,signal,note,run_dir,flags,oom_report";
 
 /// One frontier point per configuration of the comparison (same order as `r.entries`), labelled
 /// with the configuration's label; only runs that finished ok are measured.
@@ -382,8 +382,8 @@ pub(crate) fn compare_frontier_points(r: &CompareResult) -> Vec<FrontierPoint> {
 
 /// The comparison as CSV (one row per configuration, the first the one the others are compared with). `frontier` is `true`
 /// for the configurations on the memory–speed frontier of the exact ones, `lossy` for a lossy
-/// configuration; `oom_snapshot` is the path of an
-/// out-of-memory run's snapshot, relative to the comparison's directory, when it wrote one.
+/// configuration; `oom_report` is the path of an
+/// out-of-memory run's report, relative to the comparison's directory, when it wrote one.
 pub fn compare_csv(r: &CompareResult) -> String {
     let front = pareto_front(&compare_frontier_points(r));
     let rows = r.entries.iter().zip(front).map(|(e, on)| {
@@ -406,14 +406,14 @@ pub fn compare_csv(r: &CompareResult) -> String {
             opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
         ]);
         row.extend(outcome_cells(run));
-        row.extend([e.flags.join(" "), path_cell(e.oom_snapshot.as_deref())]);
+        row.extend([e.flags.join(" "), path_cell(e.oom_report.as_deref())]);
         row
     });
     csv_text(COMPARE_CSV_HEADER, rows)
 }
 
 /// The comparison as a markdown table; changes are relative to the first configuration, the
-/// frontier configurations are marked, out-of-memory snapshots linked when there are any.
+/// frontier configurations are marked, out-of-memory reports linked when there are any.
 pub fn compare_markdown(r: &CompareResult) -> String {
     let accuracy = r.entries.iter().any(|e| {
         e.run
@@ -426,7 +426,7 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         .entries
         .iter()
         .any(|e| e.run.reserved_peak_bytes().is_some());
-    let snapshots = r.entries.iter().any(|e| e.oom_snapshot.is_some());
+    let reports = r.entries.iter().any(|e| e.oom_report.is_some());
     let front = pareto_front(&compare_frontier_points(r));
     let base = r.entries.first().map(|e| e.label.as_str()).unwrap_or("");
     let mut s = format!(
@@ -440,8 +440,8 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     if accuracy {
         s.push_str(" accuracy |");
     }
-    if snapshots {
-        s.push_str(" OOM snapshot |");
+    if reports {
+        s.push_str(" OOM report |");
     }
     s.push_str(" note |\n|---|---|---:|---:|---:|");
     if reserved {
@@ -451,7 +451,7 @@ pub fn compare_markdown(r: &CompareResult) -> String {
     if accuracy {
         s.push_str("---:|");
     }
-    if snapshots {
+    if reports {
         s.push_str("---|");
     }
     s.push_str("---|\n");
@@ -494,8 +494,8 @@ pub fn compare_markdown(r: &CompareResult) -> String {
                     .unwrap_or_else(|| "-".into())
             );
         }
-        if snapshots {
-            let _ = write!(s, " {} |", snapshot_cell(e.oom_snapshot.as_deref()));
+        if reports {
+            let _ = write!(s, " {} |", report_cell(e.oom_report.as_deref()));
         }
         let _ = writeln!(s, " {} |", md_cell(&row_note(run)));
     }

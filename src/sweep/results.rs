@@ -65,10 +65,10 @@ pub struct SweepPoint {
     pub batch_size: usize,
     /// What the child reported.
     pub run: ChildRun,
-    /// The point's out-of-memory snapshot, relative to the sweep's directory, when it ran out of
-    /// memory and wrote one (see [`super::oom_snapshot_link`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub oom_snapshot: Option<PathBuf>,
+    /// The point's out-of-memory report, relative to the sweep's directory, when it ran out of
+    /// memory and wrote one (see [`super::oom_report_link`]); `oom_snapshot` in older results.
+    #[serde(default, alias = "oom_snapshot", skip_serializing_if = "Option::is_none")]
+    pub oom_report: Option<PathBuf>,
 }
 
 /// The result of a `--find-max` search for one configuration.
@@ -147,15 +147,14 @@ pub struct CompareEntry {
     pub flags: Vec<String>,
     /// What the child reported.
     pub run: ChildRun,
-    /// Peak memory change versus the baseline (the first run), in percent; `None` when either
-    /// did not finish.
+    /// Peak memory change versus the first run, in percent; `None` when either did not finish.
     pub peak_change_pct: Option<f64>,
-    /// Throughput change versus the baseline, in percent.
+    /// Throughput change versus the first run, in percent.
     pub speed_change_pct: Option<f64>,
-    /// The run's out-of-memory snapshot, relative to the comparison's directory, when it ran out
-    /// of memory and wrote one (see [`super::oom_snapshot_link`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub oom_snapshot: Option<PathBuf>,
+    /// The run's out-of-memory report, relative to the comparison's directory, when it ran out
+    /// of memory and wrote one (see [`super::oom_report_link`]); `oom_snapshot` in older results.
+    #[serde(default, alias = "oom_snapshot", skip_serializing_if = "Option::is_none")]
+    pub oom_report: Option<PathBuf>,
 }
 
 /// Everything a comparison measured; written as `compare.json`.

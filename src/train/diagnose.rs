@@ -1,22 +1,22 @@
-//! What went wrong, and what to do: the out-of-memory snapshot of a step that did not fit, and the
+//! What went wrong, and what to do: the out-of-memory report of a step that did not fit, and the
 //! advice after a loss or gradient became non-finite, both true for the run at hand.
 
 use super::Trainer;
 use crate::error::{CoreError, Error};
-use crate::memory::timeline::{StepTimeline, OOM_SNAPSHOT_FILE};
+use crate::memory::timeline::{StepTimeline, OOM_REPORT_FILE};
 use serde::Serialize;
 
 impl Trainer {
-    /// Write [`OOM_SNAPSHOT_FILE`] for a step that ran out of memory and return the error
-    /// naming it; when the snapshot cannot be written, the error says so and stays as it was.
-    pub(super) fn write_oom_snapshot(&self, e: Error, timeline: StepTimeline) -> Error {
+    /// Write [`OOM_REPORT_FILE`] for a step that ran out of memory and return the error
+    /// naming it; when the report cannot be written, the error says so and stays as it was.
+    pub(super) fn write_oom_report(&self, e: Error, timeline: StepTimeline) -> Error {
         let Error::Core(CoreError::OutOfMemory {
             limit,
             epoch,
             batch,
             phase,
             advice,
-            snapshot: None,
+            report: None,
         }) = e
         else {
             return e;
@@ -30,16 +30,16 @@ impl Trainer {
             ),
             None => format!("{phase}, before the first layer event"),
         };
-        let path = self.files.run_dir.join(OOM_SNAPSHOT_FILE);
+        let path = self.files.run_dir.join(OOM_REPORT_FILE);
         let mut error = Error::Core(CoreError::OutOfMemory {
             limit,
             epoch,
             batch,
             phase,
             advice,
-            snapshot: None,
+            report: None,
         });
-        let snapshot = OomSnapshot {
+        let report = OomReport {
             error: error.to_string(),
             failed_at,
             config: &self.config,
@@ -48,14 +48,14 @@ impl Trainer {
             estimate,
         };
         let written = crate::io::create_dir(&self.files.run_dir)
-            .and_then(|()| crate::io::write_json_atomic(&path, &snapshot));
+            .and_then(|()| crate::io::write_json_atomic(&path, &report));
         match written {
             Ok(()) => {
-                if let Error::Core(CoreError::OutOfMemory { snapshot, .. }) = &mut error {
-                    *snapshot = Some(path);
+                if let Error::Core(CoreError::OutOfMemory { report, .. }) = &mut error {
+                    *report = Some(path);
                 }
             }
-            Err(w) => eprintln!("warning: memory snapshot not written: {w}"),
+            Err(w) => eprintln!("warning: {} not written: {w}", OOM_REPORT_FILE),
         }
         error
     }
@@ -143,10 +143,10 @@ impl Trainer {
 }
 
 /// What a run that stopped on out-of-memory leaves in its run directory
-/// ([`OOM_SNAPSHOT_FILE`]), in the spirit of PyTorch's OOM observer and memory snapshot: the
+/// ([`OOM_REPORT_FILE`]), in the spirit of PyTorch's OOM observer and memory snapshot: the
 /// failing step's events up to the failure, the configuration and its memory estimate.
 #[derive(Debug, Clone, Serialize)]
-pub(crate) struct OomSnapshot<'a> {
+pub(crate) struct OomReport<'a> {
     /// The error, as printed.
     pub error: String,
     /// Where the step failed: the phase and the last layer event recorded.

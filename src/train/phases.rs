@@ -64,7 +64,7 @@ fn over_budget(
         phase,
         // Filled in by the trainer, which knows the configuration (`Trainer::advise_oom`).
         advice: String::new(),
-        snapshot: None,
+        report: None,
     })
 }
 
@@ -154,7 +154,7 @@ impl StepInfo {
                     batch,
                     phase: phase.to_string(),
                     advice: String::new(),
-                    snapshot: None,
+                    report: None,
                 })
             }
             other => other,
@@ -299,7 +299,7 @@ impl Trainer {
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
         };
         // The step's memory timeline; kept outside the step so a failing step leaves the
-        // events up to the failure for the OOM snapshot.
+        // events up to the failure for the OOM report.
         // Reserved for as many events as the step before had: a steady step grows no vector.
         let mut events = Vec::with_capacity(self.watch.timeline.events.len());
         let mut start_bytes = self.watch.probe.current();
@@ -330,9 +330,9 @@ impl Trainer {
             }
             Err(e) if e.is_oom() => {
                 let e = self.advise_oom(e);
-                if self.files.oom_snapshot {
+                if self.files.oom_report {
                     // After the JSON snapshot, which makes the run directory if need be.
-                    let e = self.write_oom_snapshot(e, timeline.clone());
+                    let e = self.write_oom_report(e, timeline.clone());
                     self.write_oom_pickle(&timeline);
                     Err(e)
                 } else {
@@ -379,7 +379,7 @@ impl Trainer {
             self.device.synchronize()?;
         }
         // The update's event goes on the timeline before its budget is judged, so that an
-        // out-of-memory snapshot of this phase shows the failing event.
+        // out-of-memory report of this phase shows the failing event.
         crate::memory::trace::mark();
         let peak_bytes = self.watch.timeline_probe.take_event_peak();
         let current = probe.current();

@@ -43,7 +43,9 @@ pub(crate) const RESULT_FILES: &[&str] = &[
     crate::callbacks::log::EPOCHS_CSV,
     crate::callbacks::log::MEMORY_JSON,
     crate::memory::timeline::STEP_TIMELINE_FILE,
-    crate::memory::timeline::OOM_SNAPSHOT_FILE,
+    crate::memory::timeline::OOM_REPORT_FILE,
+    // The same file as older runs named it.
+    "oom_snapshot.json",
     super::prune::DENSE_MODEL_FILE,
     super::prune::SPARSE_MODEL_FILE,
     "memory.png",

@@ -33,9 +33,9 @@ pub struct TrainerOptions {
     pub progress: bool,
     /// Write config/CSV/summary files into the run directory.
     pub log_files: bool,
-    /// On out-of-memory in a step, write [`crate::memory::timeline::OOM_SNAPSHOT_FILE`] into the
+    /// On out-of-memory in a step, write [`crate::memory::timeline::OOM_REPORT_FILE`] into the
     /// run directory (creating it if needed, so that summary-only sweep children leave one too).
-    pub oom_snapshot: bool,
+    pub oom_report: bool,
     /// Set to true (e.g. by a signal handler) to stop after the current step, or between
     /// evaluation batches.
     pub stop: Option<Arc<AtomicBool>>,
@@ -124,7 +124,7 @@ pub(crate) struct RunData {
 pub(crate) struct RunFiles {
     /// Whether the run writes files into its directory.
     pub(crate) log_files: bool,
-    pub(crate) oom_snapshot: bool,
+    pub(crate) oom_report: bool,
     pub(crate) run_dir: PathBuf,
     /// Snapshot writing (on when `TrainerOptions::log_files`); see [`super::snapshot`].
     pub(crate) snapshots: super::snapshot::SnapshotSaver,
@@ -226,7 +226,7 @@ impl Trainer {
             },
             files: RunFiles {
                 log_files: options.log_files,
-                oom_snapshot: options.oom_snapshot,
+                oom_report: options.oom_report,
                 run_dir,
                 snapshots: super::snapshot::SnapshotSaver::new(options.log_files),
                 _lock: run_lock,

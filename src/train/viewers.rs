@@ -3,13 +3,13 @@
 //! timeline as a Perfetto trace.
 //!
 //! Which step is traced: the snapshot step (`--memory-snapshot-step`, the run's last by
-//! default). When that step runs out of memory, its trace becomes `oom_snapshot.pickle`. Only one
+//! default). When that step runs out of memory, its trace becomes `oom_memory_snapshot.pickle`. Only one
 //! step: the trace's buffer is resident memory, which `--memory-limit` counts. Only CPU runs with the counting allocator installed trace: on CUDA the heap
 //! is not the memory the step is limited by.
 
 use super::Trainer;
 use crate::error::Result;
-use crate::export::memviz::{self, OomMark, MEMORY_SNAPSHOT_FILE, OOM_SNAPSHOT_PICKLE};
+use crate::export::memviz::{self, OomMark, MEMORY_SNAPSHOT_FILE, OOM_MEMORY_SNAPSHOT_PICKLE};
 use crate::export::perfetto::{step_trace, STEP_TRACE_FILE};
 use crate::memory::timeline::StepTimeline;
 use crate::memory::trace::Trace;
@@ -112,7 +112,7 @@ impl Trainer {
         self.watch.tracer.end();
         let trace = self.watch.tracer.taken.take()?;
         let limit = self.config.memory_limit?;
-        let path = self.files.run_dir.join(OOM_SNAPSHOT_PICKLE);
+        let path = self.files.run_dir.join(OOM_MEMORY_SNAPSHOT_PICKLE);
         let oom = OomMark {
             limit,
             peak: trace.peak_bytes(),
@@ -120,7 +120,7 @@ impl Trainer {
         match write_snapshot(&path, &trace, timeline, Some(oom)) {
             Ok(()) => Some(path),
             Err(e) => {
-                eprintln!("warning: {OOM_SNAPSHOT_PICKLE} not written: {e}");
+                eprintln!("warning: {OOM_MEMORY_SNAPSHOT_PICKLE} not written: {e}");
                 None
             }
         }

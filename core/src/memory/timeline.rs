@@ -13,9 +13,9 @@ use serde::{Deserialize, Serialize};
 /// File name of the step timeline in a run directory.
 pub const STEP_TIMELINE_FILE: &str = "step_timeline.json";
 
-/// File name of the snapshot a run writes into its run directory when it stops on out-of-memory:
+/// File name of the report a run writes into its run directory when it stops on out-of-memory:
 /// the step's timeline up to the failing event, the configuration and its memory estimate.
-pub const OOM_SNAPSHOT_FILE: &str = "oom_snapshot.json";
+pub const OOM_REPORT_FILE: &str = "oom_report.json";
 
 /// Bytes per category at one event. `other` is what was in use at the start of the step and is
 /// none of the step's own categories (data set, batcher, callbacks); `transient` is the measured

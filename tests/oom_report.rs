@@ -5,7 +5,7 @@
 mod common;
 
 use common::run_trainer as train;
-use memtrain::memory::timeline::OOM_SNAPSHOT_FILE;
+use memtrain::memory::timeline::OOM_REPORT_FILE;
 use memtrain::predict::bounds::RUN_PAST_PREDICTION_ENV;
 
 const BASE: &[&str] = &[
@@ -25,16 +25,16 @@ const BASE: &[&str] = &[
     "--no-eval",
 ];
 
-/// The keys docs/outputs.md lists in its `oom_snapshot.json` section, sorted.
+/// The keys docs/outputs.md lists in its `oom_report.json` section, sorted.
 fn documented_keys() -> Vec<String> {
     let page = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/outputs.md"),
     )
     .unwrap();
     let section = page
-        .split(&format!("\n## `{OOM_SNAPSHOT_FILE}`\n"))
+        .split(&format!("\n## `{OOM_REPORT_FILE}`\n"))
         .nth(1)
-        .expect("docs/outputs.md has a section for the OOM snapshot");
+        .expect("docs/outputs.md has a section for the OOM report");
     let section = section.split("\n## ").next().unwrap();
     let mut keys: Vec<String> = section
         .lines()
@@ -74,7 +74,7 @@ fn unlimited_step_peak(dir: &std::path::Path) -> (u64, u64) {
     let o = train(&[BASE, &["--out", out.to_str().unwrap()]].concat());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(
-        !out.join(OOM_SNAPSHOT_FILE).exists(),
+        !out.join(OOM_REPORT_FILE).exists(),
         "no snapshot without an OOM"
     );
     let s: serde_json::Value =
@@ -112,11 +112,11 @@ fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
     );
     assert_eq!(o.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&o.stderr);
-    let path = out.join(OOM_SNAPSHOT_FILE);
+    let path = out.join(OOM_REPORT_FILE);
     assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
     assert!(stderr.contains("out of memory"), "{stderr}");
     assert!(
-        stderr.contains(&format!("memory snapshot: {}", path.display())),
+        stderr.contains(&format!("report: {}", path.display())),
         "the error names the snapshot: {stderr}"
     );
 
@@ -125,7 +125,7 @@ fn an_oom_in_the_backward_leaves_the_timeline_up_to_the_failing_event() {
     assert_eq!(
         written,
         documented_keys(),
-        "the keys of {OOM_SNAPSHOT_FILE} and of its section in docs/outputs.md differ"
+        "the keys of {OOM_REPORT_FILE} and of its section in docs/outputs.md differ"
     );
     assert_eq!(s["config"]["memory_limit"].as_u64(), Some(limit));
     assert_eq!(s["config"]["width"].as_u64(), Some(8));
@@ -178,7 +178,7 @@ fn a_summary_only_child_leaves_a_snapshot_too() {
     .output()
     .unwrap();
     assert_eq!(o.status.code(), Some(1));
-    assert!(out.join(OOM_SNAPSHOT_FILE).is_file());
+    assert!(out.join(OOM_REPORT_FILE).is_file());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -256,7 +256,7 @@ fn an_out_of_memory_in_the_optimizer_shows_its_event_and_advice_that_helps() {
         "advice that helps: {stderr}"
     );
     let snap: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join(OOM_SNAPSHOT_FILE)).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(out.join(OOM_REPORT_FILE)).unwrap()).unwrap();
     let last = snap["timeline"]["events"]
         .as_array()
         .unwrap()

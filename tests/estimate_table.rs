@@ -204,7 +204,12 @@ fn what_if_rows_are_the_estimates_of_their_flags() {
         c.device = cfg.device.clone();
         let e = estimate_with(&c, device(), baseline()).unwrap();
         assert_eq!(e.peak, r.predicted_peak_bytes, "{}", r.label);
-        assert_eq!(r.below_none_bytes, none as i64 - e.peak as i64, "{}", r.label);
+        assert_eq!(
+            r.below_none_bytes,
+            none as i64 - e.peak as i64,
+            "{}",
+            r.label
+        );
     }
     // All together keeps the run's own half precision and checkpointing.
     let all = rows.iter().find(|r| r.label == "all").unwrap();

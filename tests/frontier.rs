@@ -339,11 +339,7 @@ fn an_oom_point_links_its_report_only_when_the_file_exists() {
     let rel = PathBuf::from("points").join("f32-b00128").join(file);
     for p in &r.points {
         let want = (p.run.status == Status::Oom).then(|| rel.clone());
-        assert_eq!(
-            p.oom_report, want,
-            "{} b{}",
-            p.configuration, p.batch_size
-        );
+        assert_eq!(p.oom_report, want, "{} b{}", p.configuration, p.batch_size);
     }
     let md = sweep_markdown(&r);
     assert!(md.contains(" OOM report |"), "{md}");
@@ -355,10 +351,7 @@ fn an_oom_point_links_its_report_only_when_the_file_exists() {
     let oom_row = (0..csv.rows.len())
         .find(|&i| csv.get(i, "status") == Some("OOM"))
         .unwrap();
-    assert_eq!(
-        csv.get(oom_row, "oom_report"),
-        Some(rel.to_str().unwrap())
-    );
+    assert_eq!(csv.get(oom_row, "oom_report"), Some(rel.to_str().unwrap()));
     // JSON keeps it, and reads back the same.
     let json = serde_json::to_string(&r).unwrap();
     assert!(json.contains("\"oom_report\""));

@@ -48,14 +48,16 @@ fn infinities_and_nan_decode_to_numbers_on_the_cpu() {
     let x = delicate_input();
     let q = quantize(&x, Width::Int8, 0).unwrap();
     let d = dequantize(&q).unwrap();
-    for ch in [2usize, 3, 4] {
-        let plane = d
-            .narrow(1, ch, 1)
+    let channel = |t: &Tensor, ch: usize| -> Vec<f32> {
+        t.narrow(1, ch, 1)
             .unwrap()
             .flatten_all()
             .unwrap()
             .to_vec1::<f32>()
-            .unwrap();
+            .unwrap()
+    };
+    for ch in [2usize, 3, 4] {
+        let plane = channel(&d, ch);
         assert!(
             plane.iter().all(|v| v.is_finite()),
             "channel {ch}: {plane:?}"
@@ -64,21 +66,7 @@ fn infinities_and_nan_decode_to_numbers_on_the_cpu() {
     // The tie channel keeps its exact range: step 1, and each half rounds away from zero.
     let ranges = q.ranges.to_vec2::<f32>().unwrap();
     assert_eq!((ranges[0][1], ranges[1][1]), (0.0, 1.0));
-    let ties = d
-        .narrow(1, 1, 1)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let orig = x
-        .narrow(1, 1, 1)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    for (got, x) in ties.iter().zip(&orig) {
+    for (got, x) in channel(&d, 1).iter().zip(&channel(&x, 1)) {
         assert_eq!(*got, x.round(), "{x}");
     }
 }

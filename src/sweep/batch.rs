@@ -5,9 +5,7 @@
 pub use super::results::{
     describe_max, BatchPlan, MaxBatch, SweepPoint, SweepResult, Variant, DEFAULT_MARGIN,
 };
-use super::{
-    describe, merge_flags, oom_report_link, run_child, slug, ChildRun, Progress, Status,
-};
+use super::{describe, merge_flags, oom_report_link, run_child, slug, ChildRun, Progress, Status};
 use crate::error::{Error, Result};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

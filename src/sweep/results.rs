@@ -67,7 +67,11 @@ pub struct SweepPoint {
     pub run: ChildRun,
     /// The point's out-of-memory report, relative to the sweep's directory, when it ran out of
     /// memory and wrote one (see [`super::oom_report_link`]); `oom_snapshot` in older results.
-    #[serde(default, alias = "oom_snapshot", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        alias = "oom_snapshot",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub oom_report: Option<PathBuf>,
 }
 
@@ -153,7 +157,11 @@ pub struct CompareEntry {
     pub speed_change_pct: Option<f64>,
     /// The run's out-of-memory report, relative to the comparison's directory, when it ran out
     /// of memory and wrote one (see [`super::oom_report_link`]); `oom_snapshot` in older results.
-    #[serde(default, alias = "oom_snapshot", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        alias = "oom_snapshot",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub oom_report: Option<PathBuf>,
 }
 

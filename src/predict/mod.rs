@@ -1,6 +1,6 @@
 //! Memory before it is used: the analytic estimate of a run ([`mod@estimate`]: runs the step's own
 //! tape on sizes, `sizing.rs`, each op's scratch from `scratch.rs`, the bytes in use in
-//! `sim.rs`, the events and host records in `events.rs`), the planner that picks a
+//! `sim.rs`, the events and host records in `events.rs`, its printout in `printout.rs`), the planner that picks a
 //! configuration for a budget ([`plan`]) and the error margin every plan keeps ([`margin`]),
 //! gradient checkpointing's segmentations and `--checkpoint auto`'s choice ([`checkpointing`];
 //! for a run, `choose.rs`), what a measurement holds besides the
@@ -16,6 +16,7 @@ pub mod estimate;
 mod events;
 pub mod margin;
 pub mod plan;
+mod printout;
 mod scratch;
 mod sim;
 mod sizing;

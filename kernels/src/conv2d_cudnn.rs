@@ -82,10 +82,10 @@ pub fn cuda_pass_scratch_bytes(
     }
 }
 
-/// The algorithm one pass runs: cuDNN's first-ranked one (`best`, an error when the heuristics
-/// found none) when it is `allowed` and its workspace (`size`) fits in `budget`, else the first of
-/// `fallbacks` whose workspace fits; `None` when none does. A candidate whose size query fails
-/// (cuDNN does not support it for this convolution) is passed over.
+/// The algorithm one pass runs: the first of cuDNN's first-ranked one (`best`, an error when the
+/// heuristics found none) and then `fallbacks` that is `allowed` and whose workspace (`size`) fits
+/// in `budget`; `None` when none is. A candidate whose size query fails (cuDNN does not support it
+/// for this convolution) is passed over.
 fn choose_algorithm<A: Copy, E>(
     best: Result<A, E>,
     allowed: impl Fn(A) -> bool,
@@ -95,8 +95,9 @@ fn choose_algorithm<A: Copy, E>(
 ) -> Option<A> {
     let fits = |a: A| size(a).is_ok_and(|bytes| bytes <= budget);
     best.ok()
-        .filter(|&a| allowed(a) && fits(a))
-        .or_else(|| fallbacks.iter().copied().find(|&a| fits(a)))
+        .into_iter()
+        .chain(fallbacks.iter().copied())
+        .find(|&a| allowed(a) && fits(a))
 }
 
 #[cfg(feature = "cudnn")]
@@ -269,8 +270,8 @@ mod cuda {
         Fwd::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
         Fwd::CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING,
     ];
-    /// Backward-data algorithms to fall back on: the deterministic ones, then (only when
-    /// non-deterministic ones may run) `ALGO_0`, which needs no workspace.
+    /// Backward-data algorithms to fall back on: the deterministic ones, then `ALGO_0`, which needs
+    /// no workspace but runs only where non-deterministic algorithms may.
     const DATA_FALLBACKS: [Data; 6] = [
         Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
         Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED,
@@ -287,15 +288,6 @@ mod cuda {
         Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
         Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
     ];
-
-    /// `fallbacks` without its last entry (the non-deterministic one) unless `any` may run.
-    fn usable<A>(fallbacks: &[A], any: bool) -> &[A] {
-        if any {
-            fallbacks
-        } else {
-            &fallbacks[..fallbacks.len() - 1]
-        }
-    }
 
     /// Whether a backward-data algorithm gives the same bits every run: all but `ALGO_0`, which
     /// sums with atomic adds (cuDNN's documented determinism of each algorithm).
@@ -360,7 +352,7 @@ mod cuda {
                         dy: &y,
                     },
                     |a| any || bwd_data_deterministic(a),
-                    usable(&DATA_FALLBACKS, any),
+                    &DATA_FALLBACKS,
                 );
                 let bwd_filter = pick!(
                     ConvBackwardFilter {
@@ -370,7 +362,7 @@ mod cuda {
                         dy: &y,
                     },
                     |a| any || bwd_filter_deterministic(a),
-                    usable(&FILTER_FALLBACKS, any),
+                    &FILTER_FALLBACKS,
                 );
                 Ok(Plan {
                     x,

@@ -313,6 +313,106 @@ fn step_charts_have_no_overlapping_labels_and_the_panels_name_each_runs_events()
     }
 }
 
+/// The heights (y, in pixels) of the horizontal dashed rules drawn in `color` (`#RRGGBB`) across
+/// the plot: ten dashes or more at one height (the legend's swatch has two).
+fn rule_heights(svg: &Path, color: &str) -> Vec<f64> {
+    let text = std::fs::read_to_string(svg).unwrap();
+    let doc = roxmltree::Document::parse(&text).unwrap();
+    let mut ys: Vec<f64> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polyline") && n.attribute("stroke") == Some(color))
+        .filter_map(|n| {
+            let pts: Vec<f64> = n
+                .attribute("points")?
+                .split([' ', ','])
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            (pts.len() == 4 && pts[1] == pts[3]).then_some(pts[1])
+        })
+        .collect();
+    ys.sort_by(f64::total_cmp);
+    let mut rules = Vec::new();
+    for y in &ys {
+        if !rules.contains(y) && ys.iter().filter(|v| *v == y).count() >= 10 {
+            rules.push(*y);
+        }
+    }
+    rules
+}
+
+/// A search that ended just under the heap budget: its "max" label clears the limit's and the
+/// budget's lines and the out-of-memory crosses drawn on the budget.
+#[test]
+fn max_labels_keep_off_the_limit_lines() {
+    let dir = tmp("rules");
+    let budget = 30 * MIB;
+    let point = |b: usize, peak: f64, status: Status| {
+        let mut c = run(&dir.join(b.to_string()), peak, 500.0);
+        c.status = status;
+        if let Some(s) = c.summary.as_mut() {
+            s.heap_budget_bytes = Some(budget);
+        }
+        SweepPoint {
+            configuration: "f32".into(),
+            batch_size: b,
+            run: c,
+            oom_report: None,
+        }
+    };
+    let r = SweepResult {
+        command: "batch_sweep".into(),
+        steps: 1,
+        memory_limit_bytes: Some(50 * MIB),
+        plan: BatchPlan::List(vec![32, 64, 72, 96]),
+        configurations: vec![Variant {
+            label: "f32".into(),
+            flags: Vec::new(),
+        }],
+        points: vec![
+            point(32, 20.0, Status::Ok),
+            point(64, 28.0, Status::Ok),
+            point(72, 29.0, Status::Ok),
+            point(96, 0.0, Status::Oom),
+        ],
+        max_batches: vec![MaxBatch {
+            configuration: "f32".into(),
+            max_batch: Some(72),
+            first_oom: Some(96),
+            recommended: None,
+            margin: 0.05,
+            capped: false,
+            note: String::new(),
+        }],
+        interrupted: false,
+    };
+    write_sweep_report(&dir, &r).unwrap();
+    let svg = dir.join("sweep.svg");
+    let rules: Vec<f64> = ["#C81E1E", "#821414"]
+        .iter()
+        .flat_map(|c| rule_heights(&svg, c))
+        .collect();
+    assert_eq!(
+        rules.len(),
+        2,
+        "the limit's and the budget's lines: {rules:?}"
+    );
+    let labels: Vec<_> = text_boxes(&svg)
+        .into_iter()
+        .filter(|(t, _)| t == "max 72")
+        .collect();
+    assert_eq!(labels.len(), 1, "{labels:?}");
+    for (t, b) in &labels {
+        for y in &rules {
+            assert!(
+                *y < b.1 || *y > b.3,
+                "\"{t}\" {b:?} crosses the line at y = {y}"
+            );
+        }
+    }
+    assert_no_overlap(&svg);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn the_overlap_check_finds_overlapping_labels() {
     let dir = tmp("detector");

@@ -557,9 +557,11 @@ impl SweepChart {
         };
         let mut mem = x.panel(area, ymax, &y_desc)?;
         let (x0, x1) = x.range;
+        let mut rules = Vec::new();
         for (bytes, color, label) in limit_rules(self.limit, self.heap_budget) {
             let y = unit.of(bytes);
             draw_rule(&mut mem, (x0, y), (x1, y), color, label)?;
+            rules.push(y);
         }
         let (mut any_oom, mut any_failed) = (false, false);
         let n = self.configs.len();
@@ -607,7 +609,17 @@ impl SweepChart {
             any_oom |= oom;
             any_failed |= failed;
         }
-        draw_max_labels(&mut mem, &self.configs, &maxima)?;
+        let failures: Vec<f64> = self
+            .configs
+            .iter()
+            .flat_map(|(_, d)| d.iter().filter(|p| p.status != Status::Ok))
+            .map(|p| x.x(p.batch))
+            .collect();
+        let obstacles = Obstacles {
+            rules: &rules,
+            failures: (&failures, oom_y),
+        };
+        draw_max_labels(&mut mem, &self.configs, &maxima, obstacles)?;
         self.marker_legend(&mut mem, any_oom, any_failed)?;
         draw_series_legend(&mut mem, SeriesLabelPosition::UpperLeft, 17)
     }
@@ -718,13 +730,21 @@ impl SweepChart {
     }
 }
 
+/// What the "max N" labels keep clear of besides each other and the points: the limit lines'
+/// heights, and the failure markers (their batches' x, drawn at one height).
+struct Obstacles<'a> {
+    rules: &'a [f64],
+    failures: (&'a [f64], f64),
+}
+
 /// The `--find-max` results as "max N" labels, each beside its point where it overlaps no other
-/// label and no point of the panel; one that fits nowhere is named in the upper right instead.
-/// `maxima`: (configuration index, batch, point).
+/// label, no point, no limit line and no failure marker of the panel; one that fits nowhere is
+/// named in the upper right instead. `maxima`: (configuration index, batch, point).
 fn draw_max_labels<DB: DrawingBackend>(
     mem: &mut Panel<'_, DB>,
     configs: &[(String, Vec<SweepDot>)],
     maxima: &[(usize, usize, (f64, f64))],
+    obstacles: Obstacles<'_>,
 ) -> DrawResult
 where
     DB::ErrorType: 'static,
@@ -740,6 +760,18 @@ where
     for &(_, _, p) in maxima {
         let (px, py) = mem.backend_coord(&p);
         boxes.reserve((px - 7, py - 7, px + 7, py + 7));
+    }
+    let x_any = mem.as_coord_spec().get_x_range().start;
+    for &y in obstacles.rules {
+        let (_, py) = mem.backend_coord(&(x_any, y));
+        boxes.reserve((x0, py - 2, x0 + w as i32, py + 2));
+    }
+    // Failure markers sit up to 8 px either side of their batch per configuration.
+    let (xs, y) = obstacles.failures;
+    let spread = 8 * configs.len() as i32 + 8;
+    for &fx in xs {
+        let (px, py) = mem.backend_coord(&(fx, y));
+        boxes.reserve((px - spread, py - 9, px + spread, py + 9));
     }
     let mut elsewhere = Vec::new();
     for &(i, m, p) in maxima {

@@ -3,10 +3,9 @@
 //! and listed segmentations, accumulation, both conv kinds, int8/int4/int2 codes, AdamW, prefetch
 //! depths.
 //!
-//! The bound: never above the measured step peak by more than 0.05%, and never below it by more
-//! than [`HOST_BOOKKEEPING_BYTES`]: the host records the estimate does not size (the batcher's
-//! records, the conv kernels' per-thread bookkeeping of a weight gradient, the int8 codes'
-//! handles; at most 2 KB on this grid), which the planner's margin floor covers four times.
+//! The bound: never below the measured step peak, and never above it by more than 0.05%. The
+//! estimate adds [`HOST_BOOKKEEPING_BYTES`] whole for the host records it does not size one by
+//! one (at most 44 B at the step peak on this grid).
 //!
 //! One test function, each case in a child process of its own: the allocator's counters and the
 //! gemm crate's per-thread buffers are process-wide.
@@ -16,7 +15,7 @@ use memtrain::config::{
 };
 use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::CountingAllocator;
-use memtrain::predict::margin::MARGIN_FLOOR_BYTES;
+#[cfg(doc)]
 use memtrain::predict::HOST_BOOKKEEPING_BYTES;
 use memtrain::train::{Trainer, TrainerOptions};
 
@@ -187,12 +186,6 @@ fn measure(i: usize) {
 
 #[test]
 fn the_estimate_is_the_measured_step_peak_over_a_grid() {
-    const {
-        assert!(
-            HOST_BOOKKEEPING_BYTES * 4 <= MARGIN_FLOOR_BYTES,
-            "the floor covers the bookkeeping"
-        )
-    };
     if let Ok(i) = std::env::var(CASE_VAR) {
         measure(i.parse().expect("case index"));
         return;
@@ -234,7 +227,7 @@ fn the_estimate_is_the_measured_step_peak_over_a_grid() {
             over / measured * 100.0
         );
         eprintln!("{line}");
-        if over > measured * 0.0005 || -over > HOST_BOOKKEEPING_BYTES as f64 {
+        if over > measured * 0.0005 || over < 0.0 {
             failures.push(line);
         }
     }

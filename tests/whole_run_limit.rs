@@ -87,11 +87,10 @@ fn the_least_limit_a_dry_run_accepts_holds_through_the_evaluation() {
         "resident peak {} over the limit {limit}",
         s["os_peak_bytes"]
     );
-    // The prediction is the measurement's, up to the host records the estimate does not size.
+    // The prediction is never below the measurement, and above it by no more than 0.05%.
     let predicted = s["predicted_eval_peak_bytes"].as_u64().unwrap();
-    let slack = memtrain::predict::HOST_BOOKKEEPING_BYTES;
     assert!(
-        predicted + slack >= eval && predicted <= eval + slack,
+        predicted >= eval && predicted <= eval + eval / 2000,
         "predicted evaluation peak {predicted} against measured {eval}"
     );
     let _ = std::fs::remove_dir_all(&dir);

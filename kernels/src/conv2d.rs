@@ -198,9 +198,10 @@ fn conv2d_impl(
 
 /// What `pass` of [`conv2d`] allocates on the CPU besides its result, for an input of shape
 /// `x_dims` and a weight of `w_dims` in `dtype` on `threads` threads, on the kernels this CPU
-/// runs: computed by the functions the pass sizes its buffers with, so it is what the pass
-/// allocates (but for a few hundred bytes of gemm's bookkeeping and Candle's tensor
-/// descriptors), whatever the threads' scheduling. The memory estimate's source for the op.
+/// runs: computed by the functions the pass sizes its buffers with and the sizes of its threads'
+/// records, so it is what the pass allocates (but for gemm's flag per block of rows inside each
+/// product, a few bytes, and Candle's tensor descriptors), whatever the threads' scheduling. The
+/// memory estimate's source for the op.
 ///
 /// # Errors
 /// When the shapes are not a valid convolution (as [`conv2d`]).

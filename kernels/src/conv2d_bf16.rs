@@ -82,6 +82,16 @@ fn packed_b(ks: &[usize], n: usize, by_columns: bool) -> PackedB {
     packed
 }
 
+/// One thread's set in the forward: packed columns, the f32 output image, the widened weight's
+/// buffer and the weight prepared from it.
+type ForwardSet<'a> = (PackedB, Vec<f32>, Vec<f32>, Option<PreparedA<'a>>);
+/// One thread's set in the input gradient: packed output gradient, columns, the f32 input image,
+/// the widened weight's buffer and the weight prepared from it.
+type InputGradSet<'a> = (PackedB, Vec<f32>, Vec<f32>, Vec<f32>, Option<PreparedA<'a>>);
+/// One thread's set in the weight gradient: packed columns, the gathered output gradient and the
+/// widened output gradient.
+type WeightGradSet = (PackedB, Vec<bf16>, Vec<f32>);
+
 /// What `pass` of `g` allocates besides its result on these kernels, for `threads` threads (see
 /// [`PassScratch`]): the same buffers the passes make, with nothing reserved for packing (the
 /// kernels pack into those buffers).
@@ -91,7 +101,8 @@ pub(super) fn pass_scratch(pass: ConvPass, g: &Geom, threads: usize) -> PassScra
         ConvPass::Forward => {
             let f32s = g.out_image() + widened(g.cout, ckk);
             PassScratch {
-                section: busy * (packed_bytes(&[ckk], hwo, false) + f32s * 4),
+                section: busy * (packed_bytes(&[ckk], hwo, false) + f32s * 4)
+                    + ThreadSets::<ForwardSet>::record_bytes(busy),
                 tail: 0,
             }
         }
@@ -103,7 +114,9 @@ pub(super) fn pass_scratch(pass: ConvPass, g: &Geom, threads: usize) -> PassScra
             };
             let f32s = col + g.in_image() + widened(ckk, g.cout);
             PassScratch {
-                section: ckk * g.cout * 2 + busy * (packed_bytes(&[g.cout], hwo, false) + f32s * 4),
+                section: ckk * g.cout * 2
+                    + busy * (packed_bytes(&[g.cout], hwo, false) + f32s * 4)
+                    + ThreadSets::<InputGradSet>::record_bytes(busy),
                 tail: 0,
             }
         }
@@ -113,7 +126,10 @@ pub(super) fn pass_scratch(pass: ConvPass, g: &Geom, threads: usize) -> PassScra
             let set = packed_bytes(&ks, ckk, true) + gathered * 2 + wide * 4;
             let partial = ckk * g.cout * 4;
             PassScratch {
-                section: plan.buffers * partial + plan.busy * set,
+                section: plan.buffers * partial
+                    + plan.busy * set
+                    + ThreadSets::<WeightGradSet>::record_bytes(plan.busy)
+                    + OrderedSum::<f32>::record_bytes(plan.n_slots, plan.buffers),
                 tail: if plan.n_slots > 0 { partial } else { 0 },
             }
         }
@@ -152,7 +168,7 @@ fn forward(g: &Geom, x: &[bf16], w: &[bf16]) -> Vec<bf16> {
         g.n,
         out_len,
         0,
-        || {
+        || -> ForwardSet {
             let a_buf = Vec::with_capacity(widened(g.cout, ckk));
             let packed = packed_b(&[ckk], hwo, false);
             (packed, Vec::with_capacity(out_len), a_buf, None)
@@ -197,7 +213,7 @@ fn grad_input(g: &Geom, grad: &[bf16], w: &[bf16]) -> Vec<bf16> {
         g.n,
         in_len,
         0,
-        || {
+        || -> InputGradSet {
             let packed = packed_b(&[g.cout], hwo, false);
             let bufs = (Vec::with_capacity(col), Vec::with_capacity(in_len));
             let a_buf = Vec::with_capacity(widened(ckk, g.cout));
@@ -235,7 +251,7 @@ fn grad_weight(g: &Geom, x: &[bf16], grad: &[bf16]) -> Vec<bf16> {
     let plan = WgradPlan::new(g, 4, num_threads());
     let sum = OrderedSum::<f32>::new(plan.n_slots, ckk * g.cout, plan.buffers);
     let (ks, gathered, wide) = grad_weight_lens(g, &plan);
-    let sets = ThreadSets::new(plan.busy, 0, || {
+    let sets = ThreadSets::new(plan.busy, 0, || -> WeightGradSet {
         let bufs = (Vec::with_capacity(gathered), Vec::with_capacity(wide));
         (packed_b(&ks, ckk, true), bufs.0, bufs.1)
     });

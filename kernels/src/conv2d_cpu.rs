@@ -355,6 +355,10 @@ pub(super) struct Sets<const B: usize> {
     pub(super) reserve: usize,
 }
 
+/// One thread's buffers as the generic passes hold them (three vectors; a vector's record is the
+/// same size whatever its element type, so f32 stands for every gemm type).
+type SetBufs = [Vec<f32>; 3];
+
 /// Whether `T` is its own gemm type (f32, f64): no widened copies.
 fn native<T: Float>() -> bool {
     T::as_acc(&[]).is_some()
@@ -474,21 +478,24 @@ pub(super) fn pass_scratch(
     let per_set = |s: Sets<3>| s.lens.iter().sum::<usize>() * acc + s.reserve;
     let weight = if native { 0 } else { g.cout * g.ckk() * acc };
     let busy = busy_threads(g.n, threads);
+    let records = ThreadSets::<SetBufs>::record_bytes;
     match pass {
         ConvPass::Forward => PassScratch {
-            section: weight + busy * per_set(forward_sets(g, native, acc)),
+            section: weight + busy * per_set(forward_sets(g, native, acc)) + records(busy),
             tail: 0,
         },
         ConvPass::InputGrad => PassScratch {
-            section: weight + busy * per_set(grad_input_sets(g, native, acc)),
+            section: weight + busy * per_set(grad_input_sets(g, native, acc)) + records(busy),
             tail: 0,
         },
         ConvPass::WeightGrad => {
             let plan = WgradPlan::new(g, acc, threads);
             let partial = g.ckk() * g.cout * acc;
             let sets = per_set(grad_weight_sets(g, native, acc, &plan));
+            // A vector's record is the same size whatever its element type.
+            let sum = OrderedSum::<f32>::record_bytes(plan.n_slots, plan.buffers);
             PassScratch {
-                section: plan.buffers * partial + plan.busy * sets,
+                section: plan.buffers * partial + plan.busy * sets + records(plan.busy) + sum,
                 tail: if plan.n_slots > 0 {
                     partial + g.ckk() * acc
                 } else {

@@ -48,6 +48,14 @@ pub(super) struct ThreadSets<S> {
     taken: AtomicUsize,
 }
 
+impl<S> ThreadSets<S> {
+    /// Heap bytes of the records of `busy` sets (the vector the sets wait in), besides the
+    /// buffers the sets hold.
+    pub(super) fn record_bytes(busy: usize) -> usize {
+        busy * std::mem::size_of::<ThreadSet<S>>()
+    }
+}
+
 impl<S: Send> ThreadSets<S> {
     /// `busy` sets made by `make`, each with a reservation of `reserve` bytes.
     pub(super) fn new(busy: usize, reserve: usize, make: impl Fn() -> S) -> Self {
@@ -220,11 +228,30 @@ pub(super) fn partial_buffers(slots: usize, threads: usize) -> usize {
     slots.min(threads + 2)
 }
 
+impl<A> OrderedSum<A> {
+    /// The buffers a sum of `slots` slots makes when `buffers` are asked for: at least one when
+    /// there is a slot.
+    fn buffer_count(slots: usize, buffers: usize) -> usize {
+        if slots > 0 {
+            buffers.max(1)
+        } else {
+            0
+        }
+    }
+
+    /// Heap bytes of the records of a sum of `slots` slots with `buffers` buffers (the slots'
+    /// waiting list and the free list), besides the partials' elements.
+    pub(super) fn record_bytes(slots: usize, buffers: usize) -> usize {
+        slots * std::mem::size_of::<Option<Vec<A>>>()
+            + Self::buffer_count(slots, buffers) * std::mem::size_of::<Vec<A>>()
+    }
+}
+
 impl<A: Acc> OrderedSum<A> {
     /// A sum of `slots` partials of `len` elements, with `buffers` buffers (at least one when
     /// there is a slot).
     pub(super) fn new(slots: usize, len: usize, buffers: usize) -> Self {
-        let buffers = if slots > 0 { buffers.max(1) } else { 0 };
+        let buffers = Self::buffer_count(slots, buffers);
         Self {
             len,
             state: Mutex::new(SumState {

@@ -265,6 +265,17 @@ impl<U> SharedMut<U> {
     }
 }
 
+/// How many ranges of [`for_planes`] can run at once on `threads` threads: one when it runs on
+/// the calling thread, else one per thread that gets a chunk of Candle's `execute_chunked`
+/// (chunks of `planes / (8 · threads)` planes, rounded up).
+pub(crate) fn planes_in_parallel(planes: usize, hw: usize, threads: usize) -> usize {
+    if planes * hw < PAR_MIN_ELEMS || threads <= 1 || planes <= 1 {
+        1
+    } else {
+        threads.min(planes.div_ceil(planes.div_ceil(threads * 8)))
+    }
+}
+
 /// Runs `f` over ranges of planes covering `0..planes` (each of `hw` elements), on Candle's
 /// persistent CPU thread pool (no thread spawned per call) when there is enough work, else on the
 /// calling thread.

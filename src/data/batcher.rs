@@ -264,6 +264,19 @@ enum Source {
     Inline(Arc<Producer>),
 }
 
+/// Heap bytes of one epoch's shared records besides its order of the images ([`Batcher::new`]):
+/// the producer and the stop flag, each in an `Arc`. (With `--prefetch`, the worker thread's and
+/// the channel's records come on top; they are not counted.)
+pub fn epoch_record_bytes() -> u64 {
+    arc_bytes::<Producer>() + arc_bytes::<AtomicBool>()
+}
+
+/// Heap bytes of an `Arc<T>`: its two counts and the value, aligned.
+fn arc_bytes<T>() -> u64 {
+    let align = std::mem::align_of::<T>().max(std::mem::align_of::<usize>());
+    (2 * std::mem::size_of::<usize>() + std::mem::size_of::<T>()).next_multiple_of(align) as u64
+}
+
 /// An iterator over the batches of one epoch, prepared ahead on a background thread.
 ///
 /// Dropping it early stops and joins the thread.

@@ -157,8 +157,8 @@ fn refuse_predicted_overrun(
         format_bytes(limit),
         if close {
             format!(
-                " (within the estimate's {:.0}% margin, so it might just fit)",
-                margin * 100.0
+                " (within the estimate's {} margin, so it might just fit)",
+                crate::predict::margin::percent(margin)
             )
         } else {
             String::new()
@@ -286,10 +286,10 @@ impl Budget {
                 room: usable.saturating_sub(held),
                 held,
                 what: format!(
-                    "--fit-memory {} leaves {} after its {:.0}% safety margin",
+                    "--fit-memory {} leaves {} after its {} safety margin",
                     format_bytes(fit),
                     format_bytes(usable),
-                    margin * 100.0
+                    crate::predict::margin::percent(margin)
                 ),
                 source: "",
                 host: cpu,

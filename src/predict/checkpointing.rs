@@ -50,10 +50,10 @@ impl CheckpointChoice {
         let c = &self.chosen;
         let why = match self.limit {
             Some(limit) => format!(
-                "the least recomputation of {} segmentations whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {:.0}% error margin ({})",
+                "the least recomputation of {} segmentations whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {} error margin ({})",
                 self.considered,
                 format_bytes(limit),
-                self.margin * 100.0,
+                super::margin::percent(self.margin),
                 format_bytes(usable_bytes(limit, self.margin))
             ),
             None => format!(
@@ -171,12 +171,12 @@ pub fn nothing_fits(
         return Error::config("--checkpoint auto: no segmentation to choose from");
     };
     Error::config(format!(
-        "--checkpoint auto --memory-limit {}: no segmentation of the {} fits; the smallest predicted peak is {} ({}), which with the estimate's {:.0}% error margin needs --memory-limit {} or more; {advice}",
+        "--checkpoint auto --memory-limit {}: no segmentation of the {} fits; the smallest predicted peak is {} ({}), which with the estimate's {} error margin needs --memory-limit {} or more; {advice}",
         format_bytes(limit),
         candidates.len(),
         format_bytes(s.predicted_peak),
         s.checkpointing,
-        margin * 100.0,
+        super::margin::percent(margin),
         format_bytes(to_limit(limit_for(s.predicted_peak, margin))),
     ))
 }

@@ -159,6 +159,10 @@ pub struct HeldBytes {
     /// Buffers the runtime allocates at the first step and keeps (the gemm crate's per-thread
     /// packing buffers on the CPU; the cuDNN workspace on CUDA in a `cudnn` build).
     pub runtime_bytes: u64,
+    /// Host records the estimate does not size one by one, counted whole so that it is never
+    /// below the measured peak ([`super::HOST_BOOKKEEPING_BYTES`] on the CPU; 0 on CUDA, whose
+    /// pool holds no host records).
+    pub unsized_bytes: u64,
 }
 
 /// The activations a micro-batch keeps for its backward, in an [`Estimate`].
@@ -342,8 +346,13 @@ pub fn estimate_for_specs(
     let sizes = Sizes::of(cfg, &nodes, device);
     let (baseline_bytes, batch_bytes) = baseline_and_batches(cfg, baseline, device, &sizes);
     let gemm_slabs = runtime_bytes(cfg, device);
+    let unsized_bytes = if device.is_cpu() {
+        super::HOST_BOOKKEEPING_BYTES
+    } else {
+        0
+    };
     let sim: Shared = std::rc::Rc::new(std::cell::RefCell::new(Sim::new(nodes.len())));
-    sim.borrow_mut().cur = baseline_bytes + batch_bytes + gemm_slabs;
+    sim.borrow_mut().cur = baseline_bytes + batch_bytes + gemm_slabs + unsized_bytes;
     let (activation_bytes, events) = run_steps(&sim, cfg, &ctx, &nodes, &segments, &sizes)?;
     let (eval_batch, eval_peak) = eval_phase(&sim, cfg, &ctx, &nodes, &sizes, baseline)?;
     let sim = sim.borrow();
@@ -393,6 +402,7 @@ pub fn estimate_for_specs(
             baseline_bytes,
             batch_bytes,
             runtime_bytes: gemm_slabs,
+            unsized_bytes,
         },
         kept: KeptBytes {
             activation_bytes,
@@ -553,8 +563,10 @@ fn baseline_and_batches(
     };
     let batch_bytes = if device.is_cpu() {
         let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
-        // The batcher's permutation of the training split lives for the epoch.
-        train_batches_in_flight(cfg, train_images) * per_batch + train_images as u64 * 8
+        // The batcher's permutation of the training split and its records live for the epoch.
+        train_batches_in_flight(cfg, train_images) * per_batch
+            + train_images as u64 * 8
+            + crate::data::batcher::epoch_record_bytes()
     } else {
         0
     };
@@ -613,8 +625,9 @@ fn eval_phase(
             let in_flight = train_batches_in_flight(cfg, train_images);
             let eval_batches = eval_images.div_ceil(n);
             let eval_in_flight = (cfg.prefetch_batches(false) + 1).min(eval_batches) as u64;
-            s.free(in_flight * cfg.batch_size as u64 * 4 + train_images as u64 * 8);
-            s.cur += eval_images as u64 * 8 + eval_in_flight * n as u64 * 4;
+            let records = crate::data::batcher::epoch_record_bytes();
+            s.free(in_flight * cfg.batch_size as u64 * 4 + train_images as u64 * 8 + records);
+            s.cur += eval_images as u64 * 8 + eval_in_flight * n as u64 * 4 + records;
         }
         s.peaks[Phase::Eval as usize] = s.cur;
     }

@@ -4,7 +4,7 @@
 //! accumulation), a checkpointing granularity, a compute precision and (only when the model may
 //! change) a convolution kind. [`plan`] predicts the peak of every candidate with the analytic
 //! estimate ([`crate::predict`]), keeps those at or below the budget minus a safety
-//! margin ([`SAFETY_MARGIN`], 1%), and ranks them by a simple throughput model ([`CostModel`]):
+//! margin ([`SAFETY_MARGIN`], 0.25%), and ranks them by a simple throughput model ([`CostModel`]):
 //! relative time per image = precision × (1 + recompute overhead) × micro-batch efficiency.
 //! It is a pure function of the configuration, the budget and the options: nothing is trained.
 
@@ -350,9 +350,9 @@ impl PlanReport {
     /// why each ranks lower.
     pub fn render(&self, runners_up: usize) -> String {
         let mut s = format!(
-            "memory plan: budget {}, safety margin {:.0}% → plans must predict ≤ {}; effective batch {}; {} of {} candidates fit\n",
+            "memory plan: budget {}, safety margin {} → plans must predict ≤ {}; effective batch {}; {} of {} candidates fit\n",
             format_bytes(self.budget),
-            self.margin * 100.0,
+            super::margin::percent(self.margin),
             format_bytes(self.usable),
             self.effective_batch,
             self.plans.len(),
@@ -620,11 +620,11 @@ fn too_small(
         None => (budget, needed, ""),
     };
     Error::config(format!(
-        "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {:.0}% safety margin the budget must be at least {}{memory}{hint}",
+        "--fit-memory {} is too small: the smallest plan ({}) predicts a peak of {}; with the {} safety margin the budget must be at least {}{memory}{hint}",
         format_bytes(shown),
         smallest.describe(),
         format_bytes(smallest.predicted_peak),
-        opts.margin * 100.0,
+        super::margin::percent(opts.margin),
         format_bytes(needed),
     ))
 }

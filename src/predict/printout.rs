@@ -89,6 +89,14 @@ impl Estimate {
             },
             format_bytes(self.held.runtime_bytes)
         );
+        if self.held.unsized_bytes > 0 {
+            s.pop();
+            let _ = writeln!(
+                s,
+                " | unsized host records {}",
+                format_bytes(self.held.unsized_bytes)
+            );
+        }
         let _ = writeln!(
             s,
             "predicted peak {} ({}) | forward {} | backward {} | optimizer {}",

@@ -13,6 +13,7 @@ use crate::step::ops::{ConvWeights, HeadResult, StepOps};
 use crate::step::tape::LeanStep;
 use candle_core::DType;
 use memtrain_core::error::Result;
+use memtrain_kernels::batchnorm as bn;
 use memtrain_kernels::quantize::Width;
 use std::ops::Range;
 use std::rc::Rc;
@@ -39,14 +40,13 @@ pub fn tensor_descriptor_bytes(rank: usize, strides: Strides) -> u64 {
     152 + (std::mem::size_of::<usize>() * (rank + stride_capacity)) as u64
 }
 
-/// The most heap a CPU step holds beyond what the estimate sizes. What it does not size: the
-/// batcher's records of an epoch (its shared producer and stop flag, and with `--prefetch` its
-/// thread and channel: types private to `src/data/batcher.rs`), the per-thread bookkeeping of
-/// the conv kernels' weight gradient beside its scratch, and the handles of the int8 codes beyond
-/// their tensors. `tests/estimate_grid.rs` measures at most 2 KB below the step peak over its grid
-/// (batch 1 to 512) and holds every configuration to this;
-/// [`super::margin::MARGIN_FLOOR_BYTES`] keeps four times as much free.
-pub const HOST_BOOKKEEPING_BYTES: u64 = 8 << 10;
+/// Heap a CPU step holds beyond what the estimate sizes one by one, which the estimate adds whole
+/// ([`super::estimate::HeldBytes::unsized_bytes`]) so that it is never below the measured peak:
+/// a few of Candle's per-op records in the head's loss and of the trainer's records per
+/// micro-batch, and with `--prefetch` the batcher's thread and channel. `tests/estimate_grid.rs`
+/// measures at most 44 B of them at the step peak over its grid (batch 1 to 512, every
+/// optimization), and holds every configuration to at least the measured peak.
+pub const HOST_BOOKKEEPING_BYTES: u64 = 512;
 
 /// Heap bytes of a buffer's storage record (the shared, locked `CpuStorage`) besides its elements.
 pub const STORAGE_RECORD_BYTES: u64 = 56;
@@ -273,11 +273,28 @@ impl<'a> Sizing<'a> {
         w.node.expect("weights carry their node")
     }
 
-    /// The `[2, C]` per-channel sums of a BatchNorm pass over `h` (its per-plane partials first).
-    fn channel_sums(&self, h: &Sz) -> Sz {
+    /// The `[2, C]` per-channel sums of a BatchNorm pass over `h`: the statistics of the forward
+    /// or the gradient sums of the backward (`pass`). On the CPU what the pass holds besides
+    /// them is its own ([`bn::cpu_host_bytes`]); the CUDA kernels' per-plane partials come first.
+    fn channel_sums(&self, h: &Sz, pass: bn::CpuPass) -> Sz {
         let (n, ch) = (h.dims[0] as u64, h.dims[1]);
-        self.spike(n * ch as u64 * 16);
-        self.alloc(vec![2, ch], DType::F32)
+        if self.cuda() {
+            self.spike(n * ch as u64 * 16);
+            return self.alloc(vec![2, ch], DType::F32);
+        }
+        let sums = self.alloc(vec![2, ch], DType::F32);
+        self.bn_host(pass, h);
+        sums
+    }
+
+    /// What a CPU BatchNorm `pass` over `h` holds besides its tensors, while its output exists
+    /// (nothing on CUDA).
+    fn bn_host(&self, pass: bn::CpuPass, h: &Sz) {
+        if !self.cuda() {
+            let dims = [h.dims[0], h.dims[1], h.dims[2], h.dims[3]];
+            let threads = self.c.device.threads();
+            self.spike(bn::cpu_host_bytes(pass, dims, h.dtype, threads));
+        }
     }
 
     fn cuda(&self) -> bool {
@@ -424,7 +441,7 @@ impl StepOps for Sizing<'_> {
         let node = self.blocks[j].bn;
         Ok(self.op(Some(node), || {
             let [gamma, beta] = self.bn_affine(node);
-            let stats = self.channel_sums(h);
+            let stats = self.channel_sums(h, bn::CpuPass::Stats);
             if update_stats {
                 // The running statistics' update: five [C] f32 temporaries at most
                 // (`memtrain_kernels::batchnorm::update_running`), the new pair replacing the old.
@@ -450,11 +467,19 @@ impl StepOps for Sizing<'_> {
         }))
     }
     fn bn_relu(&self, h: &Sz, p: &SzBn) -> Result<Sz> {
-        Ok(self.op(Some(p.node), || self.alloc(h.dims.clone(), h.dtype)))
+        Ok(self.op(Some(p.node), || {
+            let y = self.alloc(h.dims.clone(), h.dtype);
+            self.bn_host(bn::CpuPass::Norm, h);
+            y
+        }))
     }
     fn bn_relu_in_place(&self, h: Sz, p: &SzBn) -> Result<Sz> {
         // A new tensor off the CPU; `h` is given up either way.
-        Ok(if self.cuda() { self.bn_relu(&h, p)? } else { h })
+        if self.cuda() {
+            return self.bn_relu(&h, p);
+        }
+        self.op(Some(p.node), || self.bn_host(bn::CpuPass::NormInPlace, &h));
+        Ok(h)
     }
     fn bn_relu_pool(&self, h: &Sz, p: &SzBn) -> Result<Sz> {
         let pooled = vec![h.dims[0], h.dims[1], h.dims[2] / 2, h.dims[3] / 2];
@@ -462,6 +487,7 @@ impl StepOps for Sizing<'_> {
             // Off the CPU the ReLU output is made, then pooled.
             let y = self.cuda().then(|| self.alloc(h.dims.clone(), h.dtype));
             let out = self.alloc(pooled, h.dtype);
+            self.bn_host(bn::CpuPass::NormPool, h);
             drop(y);
             out
         }))
@@ -471,9 +497,11 @@ impl StepOps for Sizing<'_> {
             return Ok(None);
         }
         let pooled = vec![h.dims[0], h.dims[1], h.dims[2] / 2, h.dims[3] / 2];
-        Ok(Some(
-            self.op(Some(p.node), || self.alloc(pooled, DType::U8)),
-        ))
+        Ok(Some(self.op(Some(p.node), || {
+            let argmax = self.alloc(pooled, DType::U8);
+            self.bn_host(bn::CpuPass::PoolArgmax, h);
+            argmax
+        })))
     }
     fn bn_relu_backward(&self, h: &Sz, g: Sz, p: &SzBn) -> Result<(Sz, Sz, Sz)> {
         Ok(self.op(Some(p.node), || {
@@ -481,7 +509,7 @@ impl StepOps for Sizing<'_> {
             if self.cuda() {
                 // Through the ReLU output, into a new gradient.
                 let y = self.alloc(h.dims.clone(), h.dtype);
-                let sums = self.channel_sums(h);
+                let sums = self.channel_sums(h, bn::CpuPass::BackwardSums);
                 let dh = self.alloc(h.dims.clone(), h.dtype);
                 drop((y, g));
                 return (
@@ -491,7 +519,8 @@ impl StepOps for Sizing<'_> {
                 );
             }
             // Written over g.
-            let sums = self.channel_sums(h);
+            let sums = self.channel_sums(h, bn::CpuPass::BackwardSums);
+            self.bn_host(bn::CpuPass::BackwardInput, h);
             (
                 g,
                 sums.view(vec![ch], Strides::Collected),
@@ -511,7 +540,7 @@ impl StepOps for Sizing<'_> {
             if argmax.is_none() {
                 // Through the ReLU output and the pool's backward, into a new gradient.
                 let y = self.alloc(h.dims.clone(), h.dtype);
-                let sums = self.channel_sums(&h);
+                let sums = self.channel_sums(&h, bn::CpuPass::BackwardSums);
                 let dh = self.alloc(h.dims.clone(), h.dtype);
                 drop((y, h));
                 return (
@@ -521,7 +550,8 @@ impl StepOps for Sizing<'_> {
                 );
             }
             // Written over h.
-            let sums = self.channel_sums(&h);
+            let sums = self.channel_sums(&h, bn::CpuPass::BackwardSums);
+            self.bn_host(bn::CpuPass::BackwardInput, &h);
             (
                 h,
                 sums.view(vec![ch], Strides::Collected),

@@ -26,6 +26,45 @@ fn block<'a, T: Elem>(src: &'a [T], buf: &'a mut [f32; BLK]) -> &'a [f32] {
     }
 }
 
+/// f32 planes of scratch each range of planes makes: [`pool_planes`] (the plane widened and its
+/// output), [`bwd_reduce_from_h`] (and the upstream gradient) and [`bwd_input_from_h`] (and the
+/// result); each also makes one block of the activation's type.
+const POOL_PLANES: usize = 2;
+const REDUCE_PLANES: usize = 3;
+const INPUT_PLANES: usize = 4;
+
+/// Heap the CPU `pass` over an activation `d` of `elem`-byte values holds at its peak besides its
+/// input and output tensors, on `threads` threads: its per-channel host copies (`channel_floats`
+/// f32 per channel, made first and kept to its end), its per-plane partial sums, and the scratch
+/// of every range of planes that can run at once (whether two overlap depends on the threads'
+/// timing, so every one is counted).
+pub(super) fn host_bytes(
+    pass: super::CpuPass,
+    d: Dims,
+    elem: usize,
+    threads: usize,
+    channel_floats: usize,
+) -> usize {
+    use super::CpuPass::*;
+    let ranges = crate::util::planes_in_parallel(d.planes(), d.hw, threads);
+    let scratch = |planes: usize| ranges * (planes * d.hw * 4 + BLK * elem);
+    let partials = d.planes() * std::mem::size_of::<(f64, f64)>();
+    let channels = channel_floats * d.c * 4;
+    channels
+        + match pass {
+            // The sums and the squared deviations per plane (f64 each), the mean and the
+            // variance's per-channel sum.
+            Stats => 2 * d.planes() * 8 + d.c * (4 + 8),
+            Norm | NormInPlace => 0,
+            NormPool | PoolArgmax => scratch(POOL_PLANES),
+            // The partials, then the threads' scratch or the per-channel totals after it.
+            BackwardSums => {
+                partials + scratch(REDUCE_PLANES).max(d.c * std::mem::size_of::<(f64, f64)>())
+            }
+            BackwardInput => scratch(INPUT_PLANES),
+        }
+}
+
 /// Runs `f` over ranges of planes covering `0..planes` ([`crate::util::for_planes`]).
 fn for_planes(d: Dims, f: impl Fn(Range<usize>) + Sync) {
     crate::util::for_planes(d.planes(), d.hw, f)
@@ -215,7 +254,8 @@ pub(super) fn stats<T: Elem>(x: &[T], d: Dims) -> Vec<f32> {
         .collect()
 }
 
-/// Per-channel constants of the normalization: `y = (x - mean) * scale + beta`.
+/// Per-channel constants of the normalization: `y = (x - mean) * scale + beta` (three f32 per
+/// channel, [`NormChannels::FLOATS`]).
 pub(super) struct NormChannels {
     mean: Vec<f32>,
     scale: Vec<f32>,
@@ -223,6 +263,9 @@ pub(super) struct NormChannels {
 }
 
 impl NormChannels {
+    /// f32 values per channel.
+    pub(super) const FLOATS: usize = 3;
+
     pub(super) fn new(gamma: &[f32], beta: &[f32], stats: &[f32], c: usize, eps: f32) -> Self {
         let (mean, var) = stats.split_at(c);
         let scale = gamma
@@ -328,11 +371,15 @@ pub(super) struct InputGradChannels {
 }
 
 impl InputGradChannels {
+    /// f32 values per channel.
+    pub(super) const FLOATS: usize = 4;
+
     pub(super) fn new(gamma: &[f32], stats: &[f32], sums: &[f32], d: Dims, eps: f32) -> Self {
         let (mean, var) = stats.split_at(d.c);
         let (grad_gamma, grad_beta) = sums.split_at(d.c);
         let m = d.m() as f64;
-        let (mut a, mut b, mut k) = (Vec::new(), Vec::new(), Vec::new());
+        let new = || Vec::with_capacity(d.c);
+        let (mut a, mut b, mut k) = (new(), new(), new());
         for c in 0..d.c {
             let inv = invstd(var[c], eps);
             let ac = gamma[c] as f64 * inv;

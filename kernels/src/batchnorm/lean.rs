@@ -83,6 +83,53 @@ impl BnParams {
     }
 }
 
+/// A CPU pass of the lean BatchNorm functions, for [`cpu_host_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuPass {
+    /// [`batch_stats`].
+    Stats,
+    /// [`bn_relu`].
+    Norm,
+    /// [`bn_relu_in_place`].
+    NormInPlace,
+    /// [`bn_relu_pool`].
+    NormPool,
+    /// [`bn_relu_pool_argmax`].
+    PoolArgmax,
+    /// The per-channel sums of [`bn_relu_backward`] and [`bn_relu_pool_backward`].
+    BackwardSums,
+    /// The input gradient of [`bn_relu_backward`] and [`bn_relu_pool_backward`], in place.
+    BackwardInput,
+}
+
+/// Heap bytes `pass` holds on the CPU at its peak besides its input and output tensors, for an
+/// activation of shape `dims` (`[N, C, H, W]`) in `dtype` on `threads` threads: the host copies of
+/// its per-channel values, its per-plane partial sums and its threads' plane scratch (each thread
+/// that can get planes counted, whatever their timing). The memory estimate's source for the
+/// BatchNorm passes.
+pub fn cpu_host_bytes(
+    pass: CpuPass,
+    dims: [usize; 4],
+    dtype: candle_core::DType,
+    threads: usize,
+) -> u64 {
+    let [n, c, h, w] = dims;
+    let d = Dims { n, c, hw: h * w };
+    let channel_floats = match pass {
+        CpuPass::Stats => 0,
+        // The statistics' copy and the normalization's constants.
+        CpuPass::Norm => 2 + cpu::NormChannels::FLOATS,
+        CpuPass::NormInPlace | CpuPass::NormPool | CpuPass::PoolArgmax | CpuPass::BackwardSums => {
+            LeanCtx::FLOATS + cpu::NormChannels::FLOATS
+        }
+        // And the gradient sums' copy and the input gradient's constants.
+        CpuPass::BackwardInput => {
+            LeanCtx::FLOATS + cpu::NormChannels::FLOATS + 2 + cpu::InputGradChannels::FLOATS
+        }
+    };
+    cpu::host_bytes(pass, d, dtype.size_in_bytes(), threads, channel_floats) as u64
+}
+
 /// `relu(bn(h))` into a new tensor of h's dtype, with the statistics in `p`; no autograd.
 pub fn bn_relu(h: &Tensor, p: &BnParams) -> Result<Tensor> {
     check_inputs("bn_relu", h, &p.gamma, &p.beta, p.eps, &[])?;
@@ -258,7 +305,8 @@ struct LeanBwdInput {
     sums: Tensor,
 }
 
-/// The host copies of the per-channel tensors a lean kernel reads (C floats each).
+/// The host copies of the per-channel tensors a lean kernel reads: γ and β (C floats each) and
+/// the statistics (2·C), [`LeanCtx::FLOATS`] per channel.
 struct LeanCtx {
     gamma: Vec<f32>,
     beta: Vec<f32>,
@@ -276,6 +324,9 @@ impl LeanBn {
 }
 
 impl LeanCtx {
+    /// f32 values per channel.
+    const FLOATS: usize = 4;
+
     fn norm(&self, c: usize, eps: f64) -> cpu::NormChannels {
         cpu::NormChannels::new(&self.gamma, &self.beta, &self.stats, c, eps as f32)
     }

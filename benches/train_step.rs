@@ -207,24 +207,22 @@ impl Part {
 /// A trainer for `case` on `device` whose steps are timed by a [`PhaseTimer`], and one batch of
 /// synthetic CIFAR-shaped images for it.
 fn setup(device: &str, case: &Case) -> memtrain::Result<(Trainer, Batch, Rc<RefCell<Split>>)> {
-    let config = TrainConfig {
-        width: WIDTH,
-        batch_size: BATCH,
-        accum_steps: case.accum_steps,
-        precision: case.precision,
-        grad_checkpointing: case.grad_checkpointing,
-        conv: case.conv,
-        device: Some(device.to_string()),
-        synthetic_train: BATCH,
-        synthetic_test: 10,
-        augment: false,
-        eval: false,
-        quiet: true,
-        // One step per epoch, so a long nominal run: the one-cycle learning rate stays in its
-        // early warm-up (small and stable) however many steps criterion takes.
-        epochs: 1_000_000,
-        ..TrainConfig::default()
-    };
+    let mut config = TrainConfig::default();
+    config.model.width = WIDTH;
+    config.steps.batch_size = BATCH;
+    config.steps.accum_steps = case.accum_steps;
+    config.memory.precision = case.precision;
+    config.memory.grad_checkpointing = case.grad_checkpointing;
+    config.model.conv = case.conv;
+    config.device = Some(device.to_string());
+    config.data.synthetic_train = BATCH;
+    config.data.synthetic_test = 10;
+    config.data.augment = false;
+    config.output.eval = false;
+    config.output.quiet = true;
+    // One step per epoch, so a long nominal run: the one-cycle learning rate stays in its
+    // early warm-up (small and stable) however many steps criterion takes.
+    config.steps.epochs = 1_000_000;
     let (train, test) = synthetic::splits(BATCH, 10, config.seed);
     let batch = Batcher::new(
         Arc::new(train.clone()),

@@ -91,7 +91,7 @@ struct Args {
     )]
     optimizer: Vec<OptimizerKind>,
     // Help texts name the trainer's defaults from TrainConfig rather than copies of them.
-    #[arg(long, help = format!("Base width of the CNN (trainer default: {})", TrainConfig::default().width))]
+    #[arg(long, help = format!("Base width of the CNN (trainer default: {})", TrainConfig::default().model.width))]
     width: Option<usize>,
     /// CIFAR-10 binary directory (trainer default: synthetic data unless data/cifar-10-batches-bin exists)
     #[arg(long, value_name = "DIR")]
@@ -105,7 +105,7 @@ struct Args {
     #[arg(long, help = format!("Seed (trainer default: {})", TrainConfig::default().seed))]
     seed: Option<u64>,
     /// Smallest synthetic training set; each point gets max(this, batch x steps) images
-    #[arg(long, default_value_t = TrainConfig::default().synthetic_train)]
+    #[arg(long, default_value_t = TrainConfig::default().data.synthetic_train)]
     synthetic_train: usize,
     /// A train_cifar10 binary to run the points with. Default: this program, re-run as the trainer
     #[arg(long, value_name = "PATH")]

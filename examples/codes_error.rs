@@ -103,28 +103,28 @@ fn error(a: &Tensor, b: &Tensor) -> anyhow::Result<(f64, f64)> {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut cfg = args.train;
-    if cfg.compress_activations != ActivationStorage::None {
+    if cfg.memory.compress_activations != ActivationStorage::None {
         bail!(
             "--compress-activations: codes_error compares none with every width itself; leave the flag out"
         );
     }
     let work = std::env::temp_dir().join(format!("memtrain-codes-error-{}", std::process::id()));
-    cfg.out = Some(work.clone());
-    cfg.eval = false;
-    cfg.quiet = true;
-    cfg.max_steps = Some(args.warmup_steps.max(1));
-    cfg.epochs = cfg.epochs.max(1000);
+    cfg.output.out = Some(work.clone());
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.steps.max_steps = Some(args.warmup_steps.max(1));
+    cfg.steps.epochs = cfg.steps.epochs.max(1000);
     cfg.validate()?;
     let splits = data::load(&DataOptions {
-        data_dir: cfg.data_dir.clone(),
-        download: cfg.download,
-        val_fraction: cfg.val_fraction,
+        data_dir: cfg.data.data_dir.clone(),
+        download: cfg.data.download,
+        val_fraction: cfg.data.val_fraction,
         seed: cfg.seed,
-        synthetic_train: cfg.synthetic_train,
-        synthetic_test: cfg.synthetic_test,
+        synthetic_train: cfg.data.synthetic_train,
+        synthetic_test: cfg.data.synthetic_test,
         stop: None,
     })?;
-    let n = cfg.batch_size;
+    let n = cfg.steps.batch_size;
     if splits.test.len() < n {
         bail!(
             "the held-out split has {} images, fewer than --batch-size {n}; lower --batch-size",
@@ -148,11 +148,11 @@ fn main() -> anyhow::Result<()> {
     // Every precision's exact gradients, and those of each width of codes.
     let mut exact = Vec::new();
     for p in Precision::ALL {
-        t.config.precision = *p;
-        t.config.compress_activations = ActivationStorage::None;
+        t.config.memory.precision = *p;
+        t.config.memory.compress_activations = ActivationStorage::None;
         let e = t.compute_grads(&images, &labels)?.1;
         for &c in ActivationStorage::ALL.iter().filter(|c| c.is_lossy()) {
-            t.config.compress_activations = c;
+            t.config.memory.compress_activations = c;
             let q = t.compute_grads(&images, &labels)?.1;
             rows.extend(compare(&format!("{p} {c} vs {p} exact"), &names, &q, &e)?);
         }

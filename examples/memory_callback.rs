@@ -67,16 +67,14 @@ impl Callback for MemoryWatch {
 }
 
 fn main() -> anyhow::Result<()> {
-    let config = TrainConfig {
-        epochs: 2,
-        width: 8,
-        batch_size: 64,
-        synthetic_train: 256,
-        synthetic_test: 64,
-        device: Some("cpu".into()),
-        quiet: true,
-        ..TrainConfig::default()
-    };
+    let mut config = TrainConfig::default();
+    config.steps.epochs = 2;
+    config.model.width = 8;
+    config.steps.batch_size = 64;
+    config.data.synthetic_train = 256;
+    config.data.synthetic_test = 64;
+    config.device = Some("cpu".into());
+    config.output.quiet = true;
     let options = TrainerOptions {
         callbacks: vec![Box::new(MemoryWatch::default())],
         ..TrainerOptions::default()

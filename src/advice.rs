@@ -33,12 +33,12 @@ pub(crate) fn out_of_memory_with(
 ) -> String {
     let mut fixes: Vec<String> = Vec::new();
     if in_update {
-        if cfg.optimizer == OptimizerKind::Adamw {
+        if cfg.optimizer.kind == OptimizerKind::Adamw {
             fixes.push(
                 "use --optimizer sgd (one state tensor per parameter, AdamW keeps two)".into(),
             );
         }
-        if cfg.width > 1 {
+        if cfg.model.width > 1 {
             fixes.push("lower --width".into());
         }
     } else {
@@ -47,21 +47,21 @@ pub(crate) fn out_of_memory_with(
             fixes.push("raise --accum-steps (smaller micro-batches, the same batch)".into());
         }
         if let Some(s) = smaller.filter(|s| {
-            s.checkpointing != cfg.grad_checkpointing && s.predicted_peak < s.current_peak
+            s.checkpointing != cfg.memory.grad_checkpointing && s.predicted_peak < s.current_peak
         }) {
             fixes.push(format!(
                 "use --checkpoint {} (predicted peak {}, against {} with {})",
                 s.checkpointing,
                 format_bytes(s.predicted_peak),
                 format_bytes(s.current_peak),
-                cfg.grad_checkpointing
+                cfg.memory.grad_checkpointing
             ));
         }
-        if cfg.precision == Precision::F32 {
+        if cfg.memory.precision == Precision::F32 {
             fixes.push("use --precision bf16 (or f16)".into());
         }
     }
-    if cfg.memory_limit.is_some() {
+    if cfg.memory.memory_limit.is_some() {
         fixes.push("raise --memory-limit".into());
     }
     if fixes.is_empty() {
@@ -78,12 +78,10 @@ mod tests {
 
     #[test]
     fn advice_never_names_what_the_run_already_uses() {
-        let cfg = TrainConfig {
-            precision: Precision::Bf16,
-            grad_checkpointing: GradCheckpointing::Blocks,
-            memory_limit: Some(1 << 20),
-            ..TrainConfig::default()
-        };
+        let mut cfg = TrainConfig::default();
+        cfg.memory.precision = Precision::Bf16;
+        cfg.memory.grad_checkpointing = GradCheckpointing::Blocks;
+        cfg.memory.memory_limit = Some(1 << 20);
         let a = out_of_memory(&cfg, false);
         assert!(
             !a.contains("--checkpoint") && !a.contains("--precision"),
@@ -97,10 +95,8 @@ mod tests {
 
     #[test]
     fn a_segmentation_is_advised_only_when_other_and_predicted_smaller() {
-        let cfg = TrainConfig {
-            grad_checkpointing: GradCheckpointing::Stages,
-            ..TrainConfig::default()
-        };
+        let mut cfg = TrainConfig::default();
+        cfg.memory.grad_checkpointing = GradCheckpointing::Stages;
         let s = |checkpointing, predicted_peak| SmallerCheckpointing {
             checkpointing,
             predicted_peak,
@@ -118,10 +114,8 @@ mod tests {
 
     #[test]
     fn the_update_gets_advice_that_can_shrink_it() {
-        let cfg = TrainConfig {
-            optimizer: OptimizerKind::Adamw,
-            ..TrainConfig::default()
-        };
+        let mut cfg = TrainConfig::default();
+        cfg.optimizer.kind = OptimizerKind::Adamw;
         let a = out_of_memory(&cfg, true);
         assert!(
             a.contains("--optimizer sgd") && a.contains("--width"),

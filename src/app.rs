@@ -61,10 +61,10 @@ where
     };
     println!(
         "memtrain: width {} ({} params standard, {} separable; using {}), {}",
-        cfg.width,
-        param_count(cfg.width, ConvKind::Standard),
-        param_count(cfg.width, ConvKind::Separable),
-        cfg.conv,
+        cfg.model.width,
+        param_count(cfg.model.width, ConvKind::Standard),
+        param_count(cfg.model.width, ConvKind::Separable),
+        cfg.model.conv,
         cfg.label()
     );
     let options = trainer_options(&cmd, resume.is_some(), stop);
@@ -188,13 +188,13 @@ where
         Some(ck) => ck.resume_config(&cmd.config, out_given)?,
         None => {
             // Checked again under the run directory's lock; here to fail before loading data.
-            if let Some(out) = &cmd.config.out {
+            if let Some(out) = &cmd.config.output.out {
                 check_new(out, cmd.overwrite)?;
             }
             cmd.config.clone()
         }
     };
-    if let (Some(ck), Some(n)) = (&resume, cfg.memory_snapshot_step) {
+    if let (Some(ck), Some(n)) = (&resume, cfg.output.memory_snapshot_step) {
         let done = ck.state.global_step;
         if n <= done {
             if explicit.iter().any(|e| e == "memory_snapshot_step") {
@@ -205,13 +205,13 @@ where
             // The run's own setting, from its config: a step now past. The resumed run
             // traces its last step instead.
             println!("note: --memory-snapshot-step {n} of the run's config is already trained (the snapshot is after step {done}); this process records its last step in memory_snapshot.pickle");
-            cfg.memory_snapshot_step = None;
+            cfg.output.memory_snapshot_step = None;
         }
     }
-    if !cmd.dry_run && cfg.out.is_none() {
-        cfg.out = Some(default_run_dir());
+    if !cmd.dry_run && cfg.output.out.is_none() {
+        cfg.output.out = Some(default_run_dir());
     }
-    if cfg.memory_limit.is_some() && DeviceKind::for_spec(cfg.device.as_deref())?.is_cpu() {
+    if cfg.memory.memory_limit.is_some() && DeviceKind::for_spec(cfg.device.as_deref())?.is_cpu() {
         // Before the data loads: the limit counts the process's resident memory from the start.
         crate::memory::return_freed_memory();
     }

@@ -104,7 +104,7 @@ impl TryFrom<TrainArgs> for TrainCommand {
     fn try_from(a: TrainArgs) -> Result<Self> {
         // validate() sees non-default values only; a default value given explicitly is caught here.
         let prune_flag = |id: &str| id.starts_with("prune_");
-        if a.config.prune.is_none() && a.config_file.is_none() {
+        if a.config.pruning.prune.is_none() && a.config_file.is_none() {
             if let Some(id) = a.explicit.iter().find(|id| prune_flag(id)) {
                 return Err(Error::config(format!(
                     "--{} only applies with --prune SPARSITY; add --prune (e.g. --prune 0.5)",

@@ -45,10 +45,10 @@ impl TrainConfig {
     pub fn apply_optimizer_defaults(&mut self, explicit: &[String]) {
         let given = |id: &str| explicit.iter().any(|e| e == id);
         if !given("lr") {
-            self.lr = self.optimizer.default_lr();
+            self.optimizer.lr = self.optimizer.kind.default_lr();
         }
         if !given("weight_decay") {
-            self.weight_decay = self.optimizer.default_weight_decay();
+            self.optimizer.weight_decay = self.optimizer.kind.default_weight_decay();
         }
     }
 }
@@ -56,15 +56,68 @@ impl TrainConfig {
 /// Everything a training run needs, validated. Saved as `config.json` in the run directory.
 ///
 /// The struct is also the training flags of `train_cifar10` (flattened into
-/// [`crate::cli::TrainArgs`]): each field's doc comment is its `--help` text and its `#[arg]` its
+/// [`crate::cli::TrainArgs`]): each flag's doc comment is its `--help` text and its `#[arg]` its
 /// flag and default, so [`TrainConfig::default`] is an empty command line and no default is
-/// written anywhere else. The clap id of every flag is its `config.json` key.
+/// written anywhere else. The clap id of every flag is its `config.json` key. The flags are
+/// grouped by concern in flattened structs ([`DataConfig`], [`ModelConfig`], …); `config.json`
+/// is one flat object all the same, and the order of the fields is that of the flags in `--help`
+/// and of the keys in `config.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 // The group clap would add for the flattened struct is never used, and would show up among the
 // ids of the flags given (`cli::parse_train_args`).
 #[group(skip)]
 #[serde(default)]
 pub struct TrainConfig {
+    /// The images.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub data: DataConfig,
+    /// The network.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub model: ModelConfig,
+    /// The optimizer and its update.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub optimizer: OptimizerConfig,
+    /// The batch size and the run's length.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub steps: StepsConfig,
+    /// The memory optimizations and the memory limit.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub memory: MemoryConfig,
+    /// The CUDA-only settings.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub cuda: CudaConfig,
+    // In no group: in --help these three come between the CUDA flags and the output flags.
+    /// Batches prepared ahead of the one being trained, on a background thread (tf.data's prefetch); 0 prepares each batch on the training thread when it is needed. Each costs a batch of f32 images (1.5 MiB at batch 128), counted in the estimate's batches in flight. Default: 0 on the CPU (measured: no slower), 3 on CUDA
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub prefetch: Option<usize>,
+    /// Seed for initialization, data order, augmentation and synthetic data
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub seed: u64,
+    /// Device: cpu, cuda or cuda:N. Default: cuda when built with it and a GPU is present, else cpu
+    #[arg(long)]
+    pub device: Option<String>,
+    /// What the run writes and reports.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub output: OutputConfig,
+    /// Magnitude pruning.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub pruning: PruningConfig,
+}
+
+/// The training and evaluation images: where they come from, the validation split and
+/// augmentation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct DataConfig {
     /// CIFAR-10 binary directory (data_batch_*.bin, test_batch.bin; any subset). Default: data/cifar-10-batches-bin if present, else built-in synthetic data
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
@@ -87,15 +140,38 @@ pub struct TrainConfig {
     /// Synthetic test images (only without real data)
     #[arg(long, default_value_t = 1000, allow_negative_numbers = true)]
     pub synthetic_test: usize,
+}
+
+/// The network: its width and convolution kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct ModelConfig {
     /// Base width w: stages have w, 2w, 4w channels
     #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
     pub width: usize,
     /// Convolution kind: standard 3x3, or depthwise 3x3 + pointwise 1x1
     #[arg(long, value_enum, default_value_t = ConvKind::Standard)]
     pub conv: ConvKind,
+}
+
+/// The optimizer and its update: learning-rate schedule, momentum, weight decay and gradient
+/// clipping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct OptimizerConfig {
     /// Optimizer: SGD with Nesterov momentum, or AdamW
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
-    pub optimizer: OptimizerKind,
+    // Flag, clap id and config.json key: `optimizer`; the field is `kind`, in the group `optimizer`.
+    #[arg(
+        long = "optimizer",
+        id = "optimizer",
+        value_name = "OPTIMIZER",
+        value_enum,
+        default_value_t = OptimizerKind::Sgd
+    )]
+    #[serde(rename = "optimizer")]
+    pub kind: OptimizerKind,
     /// Peak learning rate of the one-cycle schedule; without `--lr`, the optimizer's
     /// [`OptimizerKind::default_lr`] (set by [`crate::cli::parse_train_args`]).
     // The `help` attribute, not this comment, is the --help text. clap's default is SGD's, the
@@ -145,6 +221,14 @@ pub struct TrainConfig {
     /// When --clip-grad-norm applies: every step, or only in the first epoch (where a short run's learning rate peaks and an unclipped first epoch can blow up)
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = ClipDuring::All)]
     pub clip_during: ClipDuring,
+}
+
+/// How many images make an optimizer step, in how many micro-batches, and how many steps the run
+/// takes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct StepsConfig {
     /// Number of epochs
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub epochs: usize,
@@ -163,6 +247,14 @@ pub struct TrainConfig {
     /// learning-rate schedule spans the steps the run takes, so a short run warms up and anneals too
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub max_steps: Option<usize>,
+}
+
+/// The memory optimizations (precision, gradient checkpointing, compressed activations) and the
+/// memory limit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct MemoryConfig {
     /// Compute precision; weights stay f32 (f16 adds a dynamic loss scaler)
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub precision: Precision,
@@ -184,6 +276,14 @@ pub struct TrainConfig {
     // In bytes.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub memory_limit: Option<u64>,
+}
+
+/// Settings that only a CUDA device uses: the pool's cache, TF32, cuDNN's algorithms and CUDA
+/// graphs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct CudaConfig {
     /// Keep freed CUDA pool memory between steps (release threshold = max).
     #[arg(
         long = "no-pool-cache",
@@ -200,15 +300,14 @@ pub struct TrainConfig {
     /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
     #[arg(long)]
     pub cuda_graph: bool,
-    /// Batches prepared ahead of the one being trained, on a background thread (tf.data's prefetch); 0 prepares each batch on the training thread when it is needed. Each costs a batch of f32 images (1.5 MiB at batch 128), counted in the estimate's batches in flight. Default: 0 on the CPU (measured: no slower), 3 on CUDA
-    #[arg(long, value_name = "N", allow_negative_numbers = true)]
-    pub prefetch: Option<usize>,
-    /// Seed for initialization, data order, augmentation and synthetic data
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub seed: u64,
-    /// Device: cpu, cuda or cuda:N. Default: cuda when built with it and a GPU is present, else cpu
-    #[arg(long)]
-    pub device: Option<String>,
+}
+
+/// What the run writes and reports: its directory, evaluation, log lines, snapshots and the
+/// peak-memory watermark.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct OutputConfig {
     /// Run directory. Default: runs/TIMESTAMP-PID
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -240,6 +339,13 @@ pub struct TrainConfig {
         help = "Keep the peak-memory watermark across epochs instead of resetting it at each epoch start"
     )]
     pub reset_peak_each_epoch: bool,
+}
+
+/// Magnitude pruning: the final sparsity and its schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
+pub struct PruningConfig {
     /// Magnitude pruning (Keras prune_low_magnitude): final fraction of each conv and head weight tensor zeroed, in (0, 1); the sparsity grows as 1 - (1 - t)^3 from --prune-begin to --prune-end. Writes model.safetensors (dense) and model-sparse.safetensors at the end
     #[arg(long, value_name = "SPARSITY", allow_negative_numbers = true)]
     pub prune: Option<f64>,
@@ -275,6 +381,29 @@ impl Default for TrainConfig {
             .clone()
     }
 }
+
+/// Each group's default is its part of [`TrainConfig::default`] (what `#[serde(default)]` fills
+/// in for the keys a `config.json` lacks).
+macro_rules! group_defaults {
+    ($($field:ident: $group:ty),* $(,)?) => {
+        $(impl Default for $group {
+            fn default() -> Self {
+                TrainConfig::default().$field
+            }
+        })*
+    };
+}
+
+group_defaults!(
+    data: DataConfig,
+    model: ModelConfig,
+    optimizer: OptimizerConfig,
+    steps: StepsConfig,
+    memory: MemoryConfig,
+    cuda: CudaConfig,
+    output: OutputConfig,
+    pruning: PruningConfig,
+);
 
 /// `--batch-size`: read as a signed number so that `-8` gets the same message as `0`; the
 /// message reaches the user as it is (`cli::clap_error`).
@@ -414,99 +543,108 @@ pub(crate) const MAX_BATCH_SIZE: usize = 1 << 20;
 impl TrainConfig {
     /// Images per micro-batch (`batch_size / accum_steps`).
     pub fn micro_batch(&self) -> usize {
-        self.batch_size / self.accum_steps.max(1)
+        self.steps.batch_size / self.steps.accum_steps.max(1)
     }
 
     /// Check every field; the message names the flag and the fix.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::config(m));
-        if self.batch_size == 0 {
+        if self.steps.batch_size == 0 {
             return bad("--batch-size must be at least 1".into());
         }
-        if self.batch_size > MAX_BATCH_SIZE {
+        if self.steps.batch_size > MAX_BATCH_SIZE {
             return bad(format!(
                 "--batch-size {} is absurdly large (max {MAX_BATCH_SIZE}); use a smaller batch with --accum-steps",
-                self.batch_size
+                self.steps.batch_size
             ));
         }
-        if self.accum_steps == 0 {
+        if self.steps.accum_steps == 0 {
             return bad("--accum-steps must be at least 1".into());
         }
-        if !self.batch_size.is_multiple_of(self.accum_steps) {
+        if !self.steps.batch_size.is_multiple_of(self.steps.accum_steps) {
             return bad(format!(
                 "--batch-size {} is not divisible by --accum-steps {}; pick a batch size that is a multiple of it (e.g. {})",
-                self.batch_size,
-                self.accum_steps,
-                self.accum_steps * (self.batch_size / self.accum_steps).max(1)
+                self.steps.batch_size,
+                self.steps.accum_steps,
+                self.steps.accum_steps * (self.steps.batch_size / self.steps.accum_steps).max(1)
             ));
         }
         self.validate_prefetch()?;
-        if self.width == 0 {
+        if self.model.width == 0 {
             return bad(format!(
                 "--width must be at least 1 (default {})",
-                TrainConfig::default().width
+                TrainConfig::default().model.width
             ));
         }
-        if self.width > 4096 {
-            return bad(format!("--width {} is too large (max 4096)", self.width));
+        if self.model.width > 4096 {
+            return bad(format!(
+                "--width {} is too large (max 4096)",
+                self.model.width
+            ));
         }
-        if !self.lr.is_finite() || self.lr <= 0.0 {
+        if !self.optimizer.lr.is_finite() || self.optimizer.lr <= 0.0 {
             return bad(format!(
                 "--lr must be a positive finite number, got {}",
-                self.lr
+                self.optimizer.lr
             ));
         }
-        if !self.momentum.is_finite() || !(0.0..1.0).contains(&self.momentum) {
+        if !self.optimizer.momentum.is_finite() || !(0.0..1.0).contains(&self.optimizer.momentum) {
             return bad(format!(
                 "--momentum must be in [0, 1), got {}",
-                self.momentum
+                self.optimizer.momentum
             ));
         }
-        if !self.weight_decay.is_finite() || self.weight_decay < 0.0 {
+        if !self.optimizer.weight_decay.is_finite() || self.optimizer.weight_decay < 0.0 {
             return bad(format!(
                 "--weight-decay must be >= 0, got {}",
-                self.weight_decay
+                self.optimizer.weight_decay
             ));
         }
-        if !self.warmup_frac.is_finite() || !(0.0..1.0).contains(&self.warmup_frac) {
+        if !self.optimizer.warmup_frac.is_finite()
+            || !(0.0..1.0).contains(&self.optimizer.warmup_frac)
+        {
             return bad(format!(
                 "--warmup-frac must be in [0, 1), got {}",
-                self.warmup_frac
+                self.optimizer.warmup_frac
             ));
         }
-        if let Some(c) = self.clip_grad_norm {
+        if let Some(c) = self.optimizer.clip_grad_norm {
             if !c.is_finite() || c <= 0.0 {
                 return bad(format!(
                     "--clip-grad-norm must be a positive finite norm (or 0 to turn clipping off), got {c}"
                 ));
             }
         }
-        if !(self.val_fraction.is_finite() && self.val_fraction > 0.0 && self.val_fraction < 1.0) {
+        if !(self.data.val_fraction.is_finite()
+            && self.data.val_fraction > 0.0
+            && self.data.val_fraction < 1.0)
+        {
             return bad(format!(
                 "--val-fraction must be in (0, 1), got {}",
-                self.val_fraction
+                self.data.val_fraction
             ));
         }
-        if self.download && !cfg!(feature = "download") {
+        if self.data.download && !cfg!(feature = "download") {
             return bad(DOWNLOAD_NOT_BUILT.into());
         }
-        if self.epochs == 0 {
+        if self.steps.epochs == 0 {
             // `--max-steps` only caps the steps of the epochs: with none there is nothing to run.
             return bad(
                 "--epochs must be at least 1 (--max-steps N then stops the run early after N steps)"
                     .into(),
             );
         }
-        if self.max_steps == Some(0) {
+        if self.steps.max_steps == Some(0) {
             return bad("--max-steps must be at least 1".into());
         }
-        if self.synthetic_train < MIN_SYNTHETIC_IMAGES || self.synthetic_test < MIN_SYNTHETIC_IMAGES
+        if self.data.synthetic_train < MIN_SYNTHETIC_IMAGES
+            || self.data.synthetic_test < MIN_SYNTHETIC_IMAGES
         {
             return bad(format!(
                 "--synthetic-train and --synthetic-test must be at least {MIN_SYNTHETIC_IMAGES}"
             ));
         }
-        if let Some(limit) = self.memory_limit {
+        if let Some(limit) = self.memory.memory_limit {
             if limit == 0 {
                 return bad("--memory-limit must be larger than 0".into());
             }
@@ -532,7 +670,7 @@ impl TrainConfig {
     }
 
     fn validate_cuda_graph(&self) -> Result<()> {
-        if !self.cuda_graph {
+        if !self.cuda.cuda_graph {
             return Ok(());
         }
         if let Some(dev) = &self.device {
@@ -542,7 +680,7 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.memory_limit.is_some() {
+        if self.memory.memory_limit.is_some() {
             // Allocations made while a stream is captured come from CUDA's graph memory, not
             // from the pool whose maximum size is the limit: the limit would not hold.
             return Err(Error::config(
@@ -550,6 +688,7 @@ impl TrainConfig {
             ));
         }
         if self
+            .memory
             .compress_activations
             .width()
             .is_some_and(|w| w.per_plane())
@@ -558,7 +697,7 @@ impl TrainConfig {
             // cannot do; a replayed graph would also repeat one step's rounding noise.
             return Err(Error::config(format!(
                 "--cuda-graph cannot be combined with --compress-activations {}: its stochastic rounding is drawn on the host every step, which a captured step cannot do; use int8 or drop --cuda-graph",
-                self.compress_activations
+                self.memory.compress_activations
             )));
         }
         if !cfg!(feature = "cuda") {
@@ -573,11 +712,11 @@ impl TrainConfig {
     /// made when the trainer knows it (`train::prune::Schedule::for_run`).
     fn validate_pruning(&self) -> Result<()> {
         let bad = |m: String| Err(Error::config(m));
-        let Some(target) = self.prune else {
-            if self.prune_begin != DEFAULT_PRUNE_BEGIN
-                || self.prune_end.is_some()
-                || self.prune_every != DEFAULT_PRUNE_EVERY
-                || self.prune_initial != DEFAULT_PRUNE_INITIAL
+        let Some(target) = self.pruning.prune else {
+            if self.pruning.prune_begin != DEFAULT_PRUNE_BEGIN
+                || self.pruning.prune_end.is_some()
+                || self.pruning.prune_every != DEFAULT_PRUNE_EVERY
+                || self.pruning.prune_initial != DEFAULT_PRUNE_INITIAL
             {
                 return bad("--prune-begin, --prune-end, --prune-every and --prune-initial only apply with --prune SPARSITY; add --prune (e.g. --prune 0.5)".into());
             }
@@ -595,22 +734,24 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if !self.prune_initial.is_finite() || !(0.0..=target).contains(&self.prune_initial) {
+        if !self.pruning.prune_initial.is_finite()
+            || !(0.0..=target).contains(&self.pruning.prune_initial)
+        {
             return bad(format!(
                 "--prune-initial must be in [0, --prune {target}] (sparsity only grows), got {}",
-                self.prune_initial
+                self.pruning.prune_initial
             ));
         }
-        if self.prune_every == 0 {
+        if self.pruning.prune_every == 0 {
             return bad(format!(
                 "--prune-every must be at least 1 (default {DEFAULT_PRUNE_EVERY})"
             ));
         }
-        if let Some(end) = self.prune_end {
-            if end <= self.prune_begin {
+        if let Some(end) = self.pruning.prune_end {
+            if end <= self.pruning.prune_begin {
                 return bad(format!(
                     "--prune-end {end} must be after --prune-begin {}; raise --prune-end or lower --prune-begin",
-                    self.prune_begin
+                    self.pruning.prune_begin
                 ));
             }
         }
@@ -642,23 +783,23 @@ impl TrainConfig {
 
     /// A short human-readable label of the memory-relevant settings, e.g. `bs128 f16 accum4 ckpt=stages sep`.
     pub fn label(&self) -> String {
-        let mut s = format!("bs{} {}", self.batch_size, self.precision);
-        if self.accum_steps > 1 {
-            s.push_str(&format!(" accum{}", self.accum_steps));
+        let mut s = format!("bs{} {}", self.steps.batch_size, self.memory.precision);
+        if self.steps.accum_steps > 1 {
+            s.push_str(&format!(" accum{}", self.steps.accum_steps));
         }
-        if self.grad_checkpointing != GradCheckpointing::None {
-            s.push_str(&format!(" ckpt={}", self.grad_checkpointing));
+        if self.memory.grad_checkpointing != GradCheckpointing::None {
+            s.push_str(&format!(" ckpt={}", self.memory.grad_checkpointing));
         }
-        if self.conv == ConvKind::Separable {
+        if self.model.conv == ConvKind::Separable {
             s.push_str(" separable");
         }
-        if let Some(p) = self.prune {
+        if let Some(p) = self.pruning.prune {
             s.push_str(&format!(" prune{p}"));
         }
-        if self.compress_activations.is_lossy() {
+        if self.memory.compress_activations.is_lossy() {
             s.push_str(&format!(
                 " {}-activations (lossy)",
-                self.compress_activations
+                self.memory.compress_activations
             ));
         }
         s

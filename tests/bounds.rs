@@ -694,12 +694,10 @@ fn sizes_never_overflow() {
     }
     assert_eq!(param_count(32, ConvKind::Standard), 307_946);
     // The library check, without the counting allocator: an absurd count is a usage error.
-    let cfg = memtrain::TrainConfig {
-        synthetic_train: usize::MAX,
-        device: Some("cpu".into()),
-        memory_limit: Some(1 << 30),
-        ..Default::default()
-    };
+    let mut cfg = memtrain::TrainConfig::default();
+    cfg.data.synthetic_train = usize::MAX;
+    cfg.device = Some("cpu".into());
+    cfg.memory.memory_limit = Some(1 << 30);
     let e = memtrain::predict::bounds::check_inputs(&cfg, None, false).unwrap_err();
     assert_eq!(e.exit_code(), 2, "{e}");
     assert!(e.to_string().contains("--synthetic-train ≤"), "{e}");

@@ -69,10 +69,10 @@ impl Callback for Recorder {
 fn hooks_run_in_documented_order() {
     let events = Arc::new(Mutex::new(Vec::new()));
     let mut cfg = common::tiny_config();
-    cfg.epochs = 2;
-    cfg.max_steps = None;
-    cfg.synthetic_train = 32; // 2 steps of 16 per epoch
-    cfg.accum_steps = 2;
+    cfg.steps.epochs = 2;
+    cfg.steps.max_steps = None;
+    cfg.data.synthetic_train = 32; // 2 steps of 16 per epoch
+    cfg.steps.accum_steps = 2;
     let mut t = common::trainer_with(
         cfg,
         TrainerOptions {
@@ -113,8 +113,8 @@ fn a_failing_callback_stops_training_with_its_error() {
         }
     }
     let mut cfg = common::tiny_config();
-    cfg.max_steps = Some(4);
-    cfg.synthetic_train = 64;
+    cfg.steps.max_steps = Some(4);
+    cfg.data.synthetic_train = 64;
     let mut t = common::trainer_with(
         cfg,
         TrainerOptions {

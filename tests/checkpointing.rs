@@ -64,9 +64,9 @@ fn expected_flops(cfg: &TrainConfig, mask: u8) -> u64 {
         .max()
         .unwrap_or(0);
     (0..last)
-        .map(|j| block_flops(cfg.width, cfg.conv, j))
+        .map(|j| block_flops(cfg.model.width, cfg.model.conv, j))
         .sum::<u64>()
-        * cfg.batch_size as u64
+        * cfg.steps.batch_size as u64
 }
 
 #[test]
@@ -112,7 +112,7 @@ fn every_segmentation_parses_prints_and_cuts_the_blocks() {
     // The flag: parsed by train_cifar10's own parser.
     let cfg = common::config_of(&["--checkpoint", "segments:2"]).unwrap();
     assert_eq!(
-        cfg.grad_checkpointing,
+        cfg.memory.grad_checkpointing,
         GradCheckpointing::from_cuts(0b00010)
     );
     for (bad, why) in [
@@ -138,17 +138,15 @@ fn every_segmentation_parses_prints_and_cuts_the_blocks() {
     }
     // Every segmentation's recomputed FLOPs, against the architecture.
     for conv in ConvKind::ALL {
-        let cfg = TrainConfig {
-            conv: *conv,
-            ..TrainConfig::default()
-        };
-        let specs = model_layer_specs(cfg.width, cfg.conv);
+        let mut cfg = TrainConfig::default();
+        cfg.model.conv = *conv;
+        let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
         for (mask, ck) in all.iter().enumerate() {
             assert_eq!(
                 memtrain::predict::checkpointing::recompute_flops(
                     &specs,
                     ck.resolved().unwrap(),
-                    cfg.batch_size
+                    cfg.steps.batch_size
                 ),
                 expected_flops(&cfg, mask as u8),
                 "{ck} {conv}"
@@ -184,21 +182,17 @@ fn auto_picks_what_brute_force_over_every_segmentation_picks() {
     ];
     let mut distinct = std::collections::BTreeSet::new();
     for (width, batch, precision, conv, accum_steps) in configs {
-        let cfg = TrainConfig {
-            width,
-            batch_size: batch,
-            precision,
-            conv,
-            accum_steps,
-            device: Some("cpu".into()),
-            ..TrainConfig::default()
-        };
+        let mut cfg = TrainConfig::default();
+        cfg.model.width = width;
+        cfg.steps.batch_size = batch;
+        cfg.memory.precision = precision;
+        cfg.model.conv = conv;
+        cfg.steps.accum_steps = accum_steps;
+        cfg.device = Some("cpu".into());
         let peaks: Vec<(u8, u64)> = (0..32u8)
             .map(|m| {
-                let c = TrainConfig {
-                    grad_checkpointing: by_spelling(m),
-                    ..cfg.clone()
-                };
+                let mut c = cfg.clone();
+                c.memory.grad_checkpointing = by_spelling(m);
                 (m, estimate_with(&c, dev, base).unwrap().peak)
             })
             .collect();
@@ -211,11 +205,9 @@ fn auto_picks_what_brute_force_over_every_segmentation_picks() {
             // The limits are the process's (CPU): each leaves its heap budget to the step.
             let limit = limit_for_heap(from + (to - from) * k / 40, dev);
             let heap = heap_limit(Some(limit), dev).unwrap();
-            let auto = TrainConfig {
-                grad_checkpointing: GradCheckpointing::Auto,
-                memory_limit: Some(limit),
-                ..cfg.clone()
-            };
+            let mut auto = cfg.clone();
+            auto.memory.grad_checkpointing = GradCheckpointing::Auto;
+            auto.memory.memory_limit = Some(limit);
             let specs = model_layer_specs(width, conv);
             let got = choose_checkpointing(&auto, &specs, dev, base);
             let label = format!("{} at {}", cfg.label(), format_bytes(limit));
@@ -254,11 +246,9 @@ fn auto_picks_what_brute_force_over_every_segmentation_picks() {
         }
         assert!(fits > 10 && fits < 41, "{}: both sides swept", cfg.label());
         // The smallest limit the message names is one that fits.
-        let auto = TrainConfig {
-            grad_checkpointing: GradCheckpointing::Auto,
-            memory_limit: Some(limit_for_heap(limit_for(lo, SAFETY_MARGIN), dev)),
-            ..cfg.clone()
-        };
+        let mut auto = cfg.clone();
+        auto.memory.grad_checkpointing = GradCheckpointing::Auto;
+        auto.memory.memory_limit = Some(limit_for_heap(limit_for(lo, SAFETY_MARGIN), dev));
         let c = choose_checkpointing(&auto, &model_layer_specs(width, conv), dev, base).unwrap();
         assert_eq!(c.chosen.predicted_peak, lo);
     }
@@ -285,17 +275,16 @@ fn heap_margin(heap: u64) -> u64 {
 }
 
 fn small_config() -> TrainConfig {
-    TrainConfig {
-        width: 8,
-        batch_size: 32,
-        max_steps: Some(3),
-        eval: false,
-        quiet: true,
-        device: Some("cpu".into()),
-        synthetic_train: 256,
-        synthetic_test: 16,
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = 8;
+    cfg.steps.batch_size = 32;
+    cfg.steps.max_steps = Some(3);
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
+    cfg.data.synthetic_train = 256;
+    cfg.data.synthetic_test = 16;
+    cfg
 }
 
 /// The old failure: a limit just above the plain step's predicted peak, where `auto` without a
@@ -305,7 +294,7 @@ fn small_config() -> TrainConfig {
 fn auto_near_the_old_failing_limit_runs_under_it() {
     let _s = serial();
     let cfg = small_config();
-    let data = splits(cfg.synthetic_train, cfg.synthetic_test);
+    let data = splits(cfg.data.synthetic_train, cfg.data.synthetic_test);
     let size = DataSize::loaded(&data.train, &data.test, &cfg);
     let dev = DeviceKind::cpu();
     let plain = estimate_with(&cfg, dev, Baseline::Modeled(size))
@@ -319,19 +308,17 @@ fn auto_near_the_old_failing_limit_runs_under_it() {
     // The limit is the process's: what it leaves the heap is that.
     let limit = limit_for_heap(heap, dev);
     let dir = common::scratch("checkpointing", "near-limit");
-    let auto = TrainConfig {
-        grad_checkpointing: GradCheckpointing::Auto,
-        memory_limit: Some(limit),
-        out: Some(dir.clone()),
-        ..cfg.clone()
-    };
+    let mut auto = cfg.clone();
+    auto.memory.grad_checkpointing = GradCheckpointing::Auto;
+    auto.memory.memory_limit = Some(limit);
+    auto.output.out = Some(dir.clone());
     CountingAllocator::reset_peak();
     let options = TrainerOptions {
         log_files: true,
         ..TrainerOptions::default()
     };
     let mut t = Trainer::new(auto, data, options).unwrap();
-    let chosen = t.config.grad_checkpointing;
+    let chosen = t.config.memory.grad_checkpointing;
     assert_ne!(chosen, GradCheckpointing::None, "the margin rules none out");
     assert_ne!(chosen, GradCheckpointing::Auto);
     let summary = t
@@ -392,19 +379,15 @@ fn out_of_memory_advice_names_only_smaller_segmentations() {
             Precision::F32,
         ),
     ] {
-        let cfg = TrainConfig {
-            conv,
-            grad_checkpointing: ck,
-            precision,
-            ..small_config()
-        };
-        let data = splits(cfg.synthetic_train, cfg.synthetic_test);
+        let mut cfg = small_config();
+        cfg.model.conv = conv;
+        cfg.memory.grad_checkpointing = ck;
+        cfg.memory.precision = precision;
+        let data = splits(cfg.data.synthetic_train, cfg.data.synthetic_test);
         let size = DataSize::loaded(&data.train, &data.test, &cfg);
-        let peak_of = |c: GradCheckpointing| {
-            let c = TrainConfig {
-                grad_checkpointing: c,
-                ..cfg.clone()
-            };
+        let peak_of = |checkpointing: GradCheckpointing| {
+            let mut c = cfg.clone();
+            c.memory.grad_checkpointing = checkpointing;
             estimate_with(&c, dev, Baseline::Modeled(size)).unwrap()
         };
         let est = peak_of(ck);
@@ -424,11 +407,9 @@ fn out_of_memory_advice_names_only_smaller_segmentations() {
         let roomy = (best < est.peak * 95 / 100)
             .then(|| limit_for_heap(pre + limit_for(best, SAFETY_MARGIN), dev));
         for limit in std::iter::once(half).chain(roomy) {
-            let run = TrainConfig {
-                memory_limit: Some(limit),
-                ..cfg.clone()
-            };
-            let data = splits(cfg.synthetic_train, cfg.synthetic_test);
+            let mut run = cfg.clone();
+            run.memory.memory_limit = Some(limit);
+            let data = splits(cfg.data.synthetic_train, cfg.data.synthetic_test);
             let mut t = Trainer::new(run, data, TrainerOptions::default()).unwrap();
             let e = t
                 .fit()
@@ -461,11 +442,9 @@ fn out_of_memory_advice_names_only_smaller_segmentations() {
 #[test]
 fn nothing_fits_is_a_usage_error_before_any_work() {
     let _s = serial();
-    let cfg = TrainConfig {
-        synthetic_train: 256,
-        synthetic_test: 16,
-        ..small_config()
-    };
+    let mut cfg = small_config();
+    cfg.data.synthetic_train = 256;
+    cfg.data.synthetic_test = 16;
     // The child computes with one thread (`common::trainer_command`).
     let dev = match DeviceKind::cpu() {
         DeviceKind::Cpu { l2_cache_bytes, .. } => DeviceKind::Cpu {
@@ -478,10 +457,8 @@ fn nothing_fits_is_a_usage_error_before_any_work() {
     let least = GradCheckpointing::all_segmentations()
         .into_iter()
         .map(|ck| {
-            let c = TrainConfig {
-                grad_checkpointing: ck,
-                ..cfg.clone()
-            };
+            let mut c = cfg.clone();
+            c.memory.grad_checkpointing = ck;
             estimate_with(&c, dev, base).unwrap().peak
         })
         .min()

@@ -28,14 +28,13 @@ fn first_update(cfg: TrainConfig) -> Vec<f64> {
 }
 
 fn one_step(clip: Option<f64>) -> TrainConfig {
-    TrainConfig {
-        max_steps: Some(1),
-        // Without weight decay the first SGD update is -lr·(1+m)·g exactly, so the update's
-        // length is lr·(1+m)·|g|.
-        weight_decay: 0.0,
-        clip_grad_norm: clip,
-        ..common::tiny_config()
-    }
+    let mut cfg = common::tiny_config();
+    cfg.steps.max_steps = Some(1);
+    // Without weight decay the first SGD update is -lr·(1+m)·g exactly, so the update's
+    // length is lr·(1+m)·|g|.
+    cfg.optimizer.weight_decay = 0.0;
+    cfg.optimizer.clip_grad_norm = clip;
+    cfg
 }
 
 fn norm(v: &[f64]) -> f64 {
@@ -46,12 +45,17 @@ fn norm(v: &[f64]) -> f64 {
 fn a_long_step_is_scaled_to_the_limit_with_its_direction_kept() {
     let free_cfg = one_step(None);
     // The learning rate of step 0 of the one-cycle schedule.
-    let lr = memtrain::step::optim::one_cycle_lr(0, 1, free_cfg.lr, free_cfg.warmup_frac);
+    let lr = memtrain::step::optim::one_cycle_lr(
+        0,
+        1,
+        free_cfg.optimizer.lr,
+        free_cfg.optimizer.warmup_frac,
+    );
     let free = first_update(free_cfg.clone());
-    let grad_norm = norm(&free) / (lr * (1.0 + free_cfg.momentum));
+    let grad_norm = norm(&free) / (lr * (1.0 + free_cfg.optimizer.momentum));
     let limit = grad_norm / 4.0;
     let clipped = first_update(one_step(Some(limit)));
-    let clipped_norm = norm(&clipped) / (lr * (1.0 + free_cfg.momentum));
+    let clipped_norm = norm(&clipped) / (lr * (1.0 + free_cfg.optimizer.momentum));
     // The updates are differences of f32 weights, so they carry rounding of about 1e-4 relative.
     assert!(
         (clipped_norm / limit - 1.0).abs() < 1e-3,
@@ -83,10 +87,8 @@ fn a_step_within_the_limit_is_untouched() {
 #[test]
 fn the_limit_is_validated() {
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-        let cfg = TrainConfig {
-            clip_grad_norm: Some(bad),
-            ..common::tiny_config()
-        };
+        let mut cfg = common::tiny_config();
+        cfg.optimizer.clip_grad_norm = Some(bad);
         let e = cfg.validate().unwrap_err().to_string();
         assert!(e.contains("--clip-grad-norm"), "{e}");
     }
@@ -121,7 +123,7 @@ fn divergence_advice_is_true_for_the_run_at_hand() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("non-finite"), "{stderr}");
     // An f32 run without clipping and without a snapshot: no advice that cannot apply.
-    let default = TrainConfig::default().clip_grad_norm.unwrap();
+    let default = TrainConfig::default().optimizer.clip_grad_norm.unwrap();
     assert!(
         stderr.contains(&format!("--clip-grad-norm {default}")),
         "{stderr}"
@@ -136,19 +138,19 @@ fn divergence_advice_is_true_for_the_run_at_hand() {
 fn first_epoch_clipping_stops_after_the_first_epoch() {
     use memtrain::config::ClipDuring;
     // One step per epoch (16 images, batch 16), so step 1 is the first epoch and step 2 the second.
-    let cfg = |steps: usize, during: ClipDuring| TrainConfig {
-        synthetic_train: 16,
-        epochs: steps,
-        max_steps: Some(steps),
-        clip_during: during,
-        ..one_step(Some(1e-3))
+    let cfg = |steps: usize, during: ClipDuring| {
+        let mut cfg = one_step(Some(1e-3));
+        cfg.data.synthetic_train = 16;
+        cfg.steps.epochs = steps;
+        cfg.steps.max_steps = Some(steps);
+        cfg.optimizer.clip_during = during;
+        cfg
     };
     let all = first_update(cfg(1, ClipDuring::All));
     let first = first_update(cfg(1, ClipDuring::FirstEpoch));
-    let free = first_update(TrainConfig {
-        synthetic_train: 16,
-        ..one_step(None)
-    });
+    let mut unclipped = one_step(None);
+    unclipped.data.synthetic_train = 16;
+    let free = first_update(unclipped);
     assert_eq!(first, all, "the first epoch's step is clipped");
     assert!(
         norm(&free) > 10.0 * norm(&first),

@@ -87,24 +87,20 @@ fn compressed_gradients_are_close_to_the_exact_steps_in_every_configuration() {
         ] {
             for conv in [ConvKind::Standard, ConvKind::Separable] {
                 for accum_steps in [1, 2] {
-                    let exact = TrainConfig {
-                        precision,
-                        grad_checkpointing: checkpoint,
-                        conv,
-                        accum_steps,
-                        width: 8,
-                        batch_size: 32,
-                        ..common::tiny_config()
-                    };
+                    let mut exact = common::tiny_config();
+                    exact.memory.precision = precision;
+                    exact.memory.grad_checkpointing = checkpoint;
+                    exact.model.conv = conv;
+                    exact.steps.accum_steps = accum_steps;
+                    exact.model.width = 8;
+                    exact.steps.batch_size = 32;
                     let r = grads(exact.clone(), 32, 3);
                     for (storage, w) in worst.iter_mut() {
                         let label = format!(
                             "{storage} {precision} {checkpoint} {conv} accum {accum_steps}"
                         );
-                        let cfg = TrainConfig {
-                            compress_activations: *storage,
-                            ..exact.clone()
-                        };
+                        let mut cfg = exact.clone();
+                        cfg.memory.compress_activations = *storage;
                         let g = grads(cfg, 32, 3);
                         let b = bounds(*storage);
                         let mut changed = false;
@@ -171,14 +167,12 @@ fn stochastic_codes_repeat_bit_for_bit() {
             (GradCheckpointing::Stages, 1),
             (GradCheckpointing::Blocks, 2),
         ] {
-            let cfg = TrainConfig {
-                compress_activations: storage,
-                grad_checkpointing: checkpoint,
-                accum_steps,
-                width: 8,
-                batch_size: 32,
-                ..common::tiny_config()
-            };
+            let mut cfg = common::tiny_config();
+            cfg.memory.compress_activations = storage;
+            cfg.memory.grad_checkpointing = checkpoint;
+            cfg.steps.accum_steps = accum_steps;
+            cfg.model.width = 8;
+            cfg.steps.batch_size = 32;
             let label = format!("{storage} {checkpoint} accum {accum_steps}");
             let once = bits(grads(cfg.clone(), 32, 3));
             assert_eq!(once, bits(grads(cfg.clone(), 32, 3)), "{label}");
@@ -191,15 +185,11 @@ fn stochastic_codes_repeat_bit_for_bit() {
 fn the_estimate_keeps_a_byte_per_element_and_a_range_per_channel() {
     use memtrain::predict::{estimate, DeviceKind};
     for precision in [Precision::F32, Precision::Bf16] {
-        let exact = TrainConfig {
-            precision,
-            device: Some("cpu".into()),
-            ..TrainConfig::default()
-        };
-        let int8 = TrainConfig {
-            compress_activations: ActivationStorage::Int8,
-            ..exact.clone()
-        };
+        let mut exact = TrainConfig::default();
+        exact.memory.precision = precision;
+        exact.device = Some("cpu".into());
+        let mut int8 = exact.clone();
+        int8.memory.compress_activations = ActivationStorage::Int8;
         let e = estimate(&exact, DeviceKind::cpu()).unwrap();
         let q = estimate(&int8, DeviceKind::cpu()).unwrap();
         let s = precision.compute_dtype().size_in_bytes() as u64;
@@ -232,24 +222,17 @@ fn the_estimate_keeps_each_widths_codes_and_ranges() {
     // Width::bytes (codes packed per plane, ranges per channel or plane).
     use memtrain::predict::{estimate, DeviceKind};
     for precision in [Precision::F32, Precision::Bf16] {
-        let exact = TrainConfig {
-            precision,
-            device: Some("cpu".into()),
-            ..TrainConfig::default()
-        };
+        let mut exact = TrainConfig::default();
+        exact.memory.precision = precision;
+        exact.device = Some("cpu".into());
         let e = estimate(&exact, DeviceKind::cpu()).unwrap();
         let n = e.setup.micro_batch;
         let mut previous = e.kept.activation_bytes;
         for storage in lossy() {
             let width = storage.width().unwrap();
-            let q = estimate(
-                &TrainConfig {
-                    compress_activations: storage,
-                    ..exact.clone()
-                },
-                DeviceKind::cpu(),
-            )
-            .unwrap();
+            let mut compressed = exact.clone();
+            compressed.memory.compress_activations = storage;
+            let q = estimate(&compressed, DeviceKind::cpu()).unwrap();
             let codes: u64 = e
                 .layers
                 .iter()

@@ -47,20 +47,19 @@ fn config(
     checkpoint: GradCheckpointing,
     conv: ConvKind,
 ) -> TrainConfig {
-    TrainConfig {
-        width: 8,
-        batch_size: batch,
-        precision,
-        grad_checkpointing: checkpoint,
-        conv,
-        max_steps: Some(3),
-        eval: false,
-        quiet: true,
-        device: Some("cpu".into()),
-        synthetic_train: TRAIN_IMAGES,
-        synthetic_test: TEST_IMAGES,
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = 8;
+    cfg.steps.batch_size = batch;
+    cfg.memory.precision = precision;
+    cfg.memory.grad_checkpointing = checkpoint;
+    cfg.model.conv = conv;
+    cfg.steps.max_steps = Some(3);
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
+    cfg.data.synthetic_train = TRAIN_IMAGES;
+    cfg.data.synthetic_test = TEST_IMAGES;
+    cfg
 }
 
 /// Train `cfg` for its steps and return (predicted, measured) peak bytes; `pre` is the heap the
@@ -140,12 +139,12 @@ fn estimate_matches_the_counting_allocator() {
         GradCheckpointing::None,
         ConvKind::Standard,
     );
-    bad.accum_steps = 3;
+    bad.steps.accum_steps = 3;
     assert!(
         estimate(&bad, dev).is_err(),
         "batch not divisible by accumulation steps"
     );
-    bad.batch_size = 0;
+    bad.steps.batch_size = 0;
     assert!(estimate(&bad, dev).is_err(), "batch 0");
     let good = config(
         16,
@@ -192,7 +191,7 @@ fn estimate_matches_the_counting_allocator() {
     // Gradient checkpointing and half precision save activation memory; the measured baseline
     // replaces the modelled one.
     let mut f16 = good.clone();
-    f16.precision = Precision::F16;
+    f16.memory.precision = Precision::F16;
     assert!(
         estimate_with(&f16, dev, base)
             .unwrap()
@@ -201,7 +200,7 @@ fn estimate_matches_the_counting_allocator() {
             < e.kept.activation_bytes
     );
     let mut ck = good.clone();
-    ck.grad_checkpointing = GradCheckpointing::Stages;
+    ck.memory.grad_checkpointing = GradCheckpointing::Stages;
     assert!(estimate_with(&ck, dev, base).unwrap().kept.activation_bytes < e.kept.activation_bytes);
     let measured = estimate_with(
         &good,
@@ -217,7 +216,7 @@ fn estimate_matches_the_counting_allocator() {
     // Pruning masks are a byte per pruned weight (conv weights and the head's weight).
     assert_eq!(e.held.mask_bytes, 0);
     let mut pruned = good.clone();
-    pruned.prune = Some(0.5);
+    pruned.pruning.prune = Some(0.5);
     let p = estimate_with(&pruned, dev, base).unwrap();
     let weights: usize = specs
         .iter()
@@ -247,7 +246,7 @@ fn estimate_matches_the_counting_allocator() {
         GradCheckpointing::Blocks,
         ConvKind::Separable,
     );
-    blocks.optimizer = OptimizerKind::Adamw;
+    blocks.optimizer.kind = OptimizerKind::Adamw;
     let mut cases = vec![blocks];
     for batch in [16, 32] {
         for precision in [Precision::F32, Precision::F16] {
@@ -264,7 +263,7 @@ fn estimate_matches_the_counting_allocator() {
         GradCheckpointing::Stages,
         ConvKind::Standard,
     );
-    accum.accum_steps = 2;
+    accum.steps.accum_steps = 2;
     cases.push(accum);
     // Saved activations as codes (codes and ranges in the forward, a decoding per backward):
     // int8 alone, with checkpointing and separable convolutions, in f32 and f16 (bf16 after the
@@ -284,7 +283,7 @@ fn estimate_matches_the_counting_allocator() {
         ),
     ] {
         let mut int8 = config(32, precision, checkpoint, conv);
-        int8.compress_activations = memtrain::config::ActivationStorage::Int8;
+        int8.memory.compress_activations = memtrain::config::ActivationStorage::Int8;
         cases.push(int8);
     }
     for storage in [
@@ -296,7 +295,7 @@ fn estimate_matches_the_counting_allocator() {
             (Precision::F16, GradCheckpointing::Stages),
         ] {
             let mut c = config(32, precision, checkpoint, ConvKind::Standard);
-            c.compress_activations = storage;
+            c.memory.compress_activations = storage;
             cases.push(c);
         }
     }
@@ -315,8 +314,8 @@ fn estimate_matches_the_counting_allocator() {
     // recomputation and application after the update.
     for conv in ConvKind::ALL.iter().copied() {
         let mut pruned = config(32, Precision::F32, GradCheckpointing::None, conv);
-        pruned.prune = Some(0.5);
-        pruned.prune_every = 1;
+        pruned.pruning.prune = Some(0.5);
+        pruned.pruning.prune_every = 1;
         cases.push(pruned);
     }
 

@@ -128,31 +128,30 @@ fn grid() -> Vec<Case> {
 }
 
 fn config(c: &Case) -> TrainConfig {
-    TrainConfig {
-        width: c.width,
-        batch_size: c.batch,
-        precision: c.precision,
-        grad_checkpointing: c
-            .checkpoint
-            .parse::<GradCheckpointing>()
-            .expect("segmentation"),
-        accum_steps: c.accum,
-        conv: c.conv,
-        compress_activations: c.storage,
-        optimizer: if c.adamw {
-            OptimizerKind::Adamw
-        } else {
-            OptimizerKind::Sgd
-        },
-        prefetch: c.prefetch,
-        max_steps: Some(2),
-        eval: false,
-        quiet: true,
-        device: Some("cpu".into()),
-        synthetic_train: TRAIN_IMAGES,
-        synthetic_test: 16,
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = c.width;
+    cfg.steps.batch_size = c.batch;
+    cfg.memory.precision = c.precision;
+    cfg.memory.grad_checkpointing = c
+        .checkpoint
+        .parse::<GradCheckpointing>()
+        .expect("segmentation");
+    cfg.steps.accum_steps = c.accum;
+    cfg.model.conv = c.conv;
+    cfg.memory.compress_activations = c.storage;
+    cfg.optimizer.kind = if c.adamw {
+        OptimizerKind::Adamw
+    } else {
+        OptimizerKind::Sgd
+    };
+    cfg.prefetch = c.prefetch;
+    cfg.steps.max_steps = Some(2);
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
+    cfg.data.synthetic_train = TRAIN_IMAGES;
+    cfg.data.synthetic_test = 16;
+    cfg
 }
 
 /// Selects one case of the grid for a child process ([`measure`]).

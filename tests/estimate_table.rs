@@ -27,15 +27,14 @@ fn config(
     ckpt: GradCheckpointing,
     conv: ConvKind,
 ) -> TrainConfig {
-    TrainConfig {
-        batch_size: 128,
-        precision,
-        accum_steps: accum,
-        grad_checkpointing: ckpt,
-        conv,
-        device: Some("cpu".into()),
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.steps.batch_size = 128;
+    cfg.memory.precision = precision;
+    cfg.steps.accum_steps = accum;
+    cfg.memory.grad_checkpointing = ckpt;
+    cfg.model.conv = conv;
+    cfg.device = Some("cpu".into());
+    cfg
 }
 
 /// Every combination of the four optimizations (checkpointing concrete).
@@ -200,7 +199,7 @@ fn what_if_rows_are_the_estimates_of_their_flags() {
     for r in &rows {
         // The row's flags on top of the run's other settings give exactly its prediction.
         let mut c = flags_config(&r.flags).unwrap();
-        c.batch_size = cfg.batch_size;
+        c.steps.batch_size = cfg.steps.batch_size;
         c.device = cfg.device.clone();
         let e = estimate_with(&c, device(), baseline()).unwrap();
         assert_eq!(e.peak, r.predicted_peak_bytes, "{}", r.label);
@@ -233,10 +232,10 @@ fn what_if_leaves_out_accumulation_a_batch_cannot_take() {
         GradCheckpointing::None,
         ConvKind::Standard,
     );
-    cfg.batch_size = 1;
+    cfg.steps.batch_size = 1;
     let rows = what_if(&cfg, device(), baseline()).unwrap();
     assert!(rows.iter().all(|r| !r.label.starts_with("accum")));
-    cfg.batch_size = 6;
+    cfg.steps.batch_size = 6;
     let rows = what_if(&cfg, device(), baseline()).unwrap();
     assert!(rows.iter().any(|r| r.label == "accum2"));
 }

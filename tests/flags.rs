@@ -191,7 +191,7 @@ fn the_default_config_is_an_empty_command_line() {
     assert_eq!(common::config_of(&[]).unwrap(), TrainConfig::default());
     assert_eq!(
         memtrain::data::DataOptions::default().synthetic_train,
-        TrainConfig::default().synthetic_train
+        TrainConfig::default().data.synthetic_train
     );
 }
 
@@ -209,10 +209,15 @@ fn flags_given_with_config_replace_only_their_own_keys() {
 
     let cfg = common::config_of(&["--config", path]).unwrap();
     assert_eq!(
-        (cfg.width, cfg.grad_checkpointing, cfg.eval, cfg.augment),
+        (
+            cfg.model.width,
+            cfg.memory.grad_checkpointing,
+            cfg.output.eval,
+            cfg.data.augment
+        ),
         (8, GradCheckpointing::Blocks, false, true)
     );
-    assert_eq!(cfg.clip_grad_norm, Some(1.5));
+    assert_eq!(cfg.optimizer.clip_grad_norm, Some(1.5));
 
     // Flags whose names are not their keys: `--checkpoint` (grad_checkpointing, key
     // `checkpoint`), `--no-augment` (augment), `--clip-grad-norm 0` (None).
@@ -227,10 +232,15 @@ fn flags_given_with_config_replace_only_their_own_keys() {
     ])
     .unwrap();
     assert_eq!(
-        (cfg.width, cfg.grad_checkpointing, cfg.eval, cfg.augment),
+        (
+            cfg.model.width,
+            cfg.memory.grad_checkpointing,
+            cfg.output.eval,
+            cfg.data.augment
+        ),
         (8, GradCheckpointing::Stages, false, false)
     );
-    assert_eq!(cfg.clip_grad_norm, None);
+    assert_eq!(cfg.optimizer.clip_grad_norm, None);
 }
 
 #[test]
@@ -241,7 +251,7 @@ fn config_files_read_as_an_editor_saves_them_and_0_turns_clipping_off() {
     let file = dir.join("config.json");
     std::fs::write(&file, "\u{feff}{\"width\": 8, \"clip_grad_norm\": 0}").unwrap();
     let cfg = common::config_of(&["--config", file.to_str().unwrap()]).unwrap();
-    assert_eq!((cfg.width, cfg.clip_grad_norm), (8, None));
+    assert_eq!((cfg.model.width, cfg.optimizer.clip_grad_norm), (8, None));
     // A key given twice is refused, naming it.
     std::fs::write(&file, r#"{"width": 8, "width": 16}"#).unwrap();
     let e = common::config_of(&["--config", file.to_str().unwrap()])
@@ -297,8 +307,8 @@ fn an_older_config_json_reads_back() {
     let file = common::scratch("flags", "older").join("config.json");
     std::fs::write(&file, OLDER).unwrap();
     let cfg = TrainConfig::from_json_file(&file).unwrap();
-    assert_eq!(cfg.grad_checkpointing, GradCheckpointing::Stages);
-    assert!(!cfg.augment);
+    assert_eq!(cfg.memory.grad_checkpointing, GradCheckpointing::Stages);
+    assert!(!cfg.data.augment);
     // Every key of the older file keeps its value; keys added since take their defaults.
     let older: serde_json::Value = serde_json::from_str(OLDER).unwrap();
     let now = serde_json::to_value(&cfg).unwrap();

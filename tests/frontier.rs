@@ -601,10 +601,8 @@ fn lossy_is_read_from_the_flags_a_config_file_included() {
     // Flags the trainer refuses are no configuration at all.
     assert!(!lossy_flags(&words("--compress-activations int3")));
     let dir = tmp_dir("lossy-config");
-    let cfg = memtrain::config::TrainConfig {
-        compress_activations: memtrain::config::ActivationStorage::Int8,
-        ..Default::default()
-    };
+    let mut cfg = memtrain::config::TrainConfig::default();
+    cfg.memory.compress_activations = memtrain::config::ActivationStorage::Int8;
     let file = dir.join("config.json");
     std::fs::write(&file, serde_json::to_string(&cfg).unwrap()).unwrap();
     let with_file = vec!["--config".to_string(), file.display().to_string()];

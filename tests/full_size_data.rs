@@ -85,27 +85,20 @@ fn full_size_data_is_held_exactly_and_loading_is_not_the_peak() {
     write_full_size(&dir);
     let data = (FILES.len() * RECORDS_PER_FILE * RECORD_BYTES) as u64;
     let file = (RECORDS_PER_FILE * RECORD_BYTES) as u64;
-    let cfg = TrainConfig {
-        data_dir: Some(dir.clone()),
-        max_steps: Some(1),
-        eval: false,
-        quiet: true,
-        device: Some("cpu".into()),
-        ..TrainConfig::default()
-    };
+    let mut cfg = TrainConfig::default();
+    cfg.data.data_dir = Some(dir.clone());
+    cfg.steps.max_steps = Some(1);
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
 
     // What the estimate and the input check expect, from the file sizes alone.
     let est = estimate(&cfg, DeviceKind::cpu()).expect("estimate");
-    let refusal = memtrain::predict::bounds::check_inputs(
-        &TrainConfig {
-            memory_limit: Some(MIB),
-            ..cfg.clone()
-        },
-        None,
-        true,
-    )
-    .expect_err("1 MiB holds no data set")
-    .to_string();
+    let mut limited = cfg.clone();
+    limited.memory.memory_limit = Some(MIB);
+    let refusal = memtrain::predict::bounds::check_inputs(&limited, None, true)
+        .expect_err("1 MiB holds no data set")
+        .to_string();
     let predicted_loading: f64 = refusal
         .split("while loading) needs ")
         .nth(1)

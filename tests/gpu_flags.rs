@@ -47,51 +47,53 @@ fn refused(name: &str, args: &[&str], wants: &[&str]) {
 #[test]
 fn tf32_defaults_to_on_and_reaches_the_config() {
     assert_eq!(DEFAULT_TF32, Tf32::On, "README states PyTorch's default");
-    assert_eq!(TrainConfig::default().tf32, Tf32::On);
-    assert_eq!(common::config_of(&[]).unwrap().tf32, Tf32::On);
+    assert_eq!(TrainConfig::default().cuda.tf32, Tf32::On);
+    assert_eq!(common::config_of(&[]).unwrap().cuda.tf32, Tf32::On);
     assert_eq!(
-        common::config_of(&["--tf32", "off"]).unwrap().tf32,
+        common::config_of(&["--tf32", "off"]).unwrap().cuda.tf32,
         Tf32::Off
     );
-    assert_eq!(common::config_of(&["--tf32", "on"]).unwrap().tf32, Tf32::On);
+    assert_eq!(
+        common::config_of(&["--tf32", "on"]).unwrap().cuda.tf32,
+        Tf32::On
+    );
     // config.json spells it as the flag does, and an old config.json without the key gets the
     // default.
     let json = serde_json::to_value(TrainConfig::default()).unwrap();
     assert_eq!(json["tf32"], "on");
     assert_eq!(json["cuda_graph"], false);
     let old: TrainConfig = serde_json::from_str(r#"{"batch_size": 64}"#).unwrap();
-    assert_eq!((old.tf32, old.cuda_graph), (Tf32::On, false));
+    assert_eq!((old.cuda.tf32, old.cuda.cuda_graph), (Tf32::On, false));
 }
 
 #[test]
 fn the_trainer_sets_the_ops_math_mode_from_the_config() {
     let _lock = trainer_lock();
     for (mode, want) in [(Tf32::Off, false), (Tf32::On, true), (Tf32::Off, false)] {
-        let _t = common::trainer(TrainConfig {
-            tf32: mode,
-            ..common::tiny_config()
-        });
+        let mut cfg = common::tiny_config();
+        cfg.cuda.tf32 = mode;
+        let _t = common::trainer(cfg);
         assert_eq!(memtrain_kernels::tf32(), want, "--tf32 {mode}");
     }
 }
 
 #[test]
 fn cudnn_nondeterministic_is_off_unless_asked_and_reaches_the_ops() {
-    assert!(!TrainConfig::default().cudnn_nondeterministic);
-    assert!(!common::config_of(&[]).unwrap().cudnn_nondeterministic);
+    assert!(!TrainConfig::default().cuda.cudnn_nondeterministic);
+    assert!(!common::config_of(&[]).unwrap().cuda.cudnn_nondeterministic);
     assert!(
         common::config_of(&["--cudnn-nondeterministic"])
             .unwrap()
+            .cuda
             .cudnn_nondeterministic
     );
     let old: TrainConfig = serde_json::from_str(r#"{"batch_size": 64}"#).unwrap();
-    assert!(!old.cudnn_nondeterministic);
+    assert!(!old.cuda.cudnn_nondeterministic);
     let _lock = trainer_lock();
     for on in [true, false] {
-        let _t = common::trainer(TrainConfig {
-            cudnn_nondeterministic: on,
-            ..common::tiny_config()
-        });
+        let mut cfg = common::tiny_config();
+        cfg.cuda.cudnn_nondeterministic = on;
+        let _t = common::trainer(cfg);
         assert_eq!(memtrain_kernels::cudnn_nondeterministic(), on);
     }
 }
@@ -135,17 +137,12 @@ fn cuda_graph_needs_a_cuda_build() {
     );
     // The library refuses it as well, before any device is opened.
     let _lock = trainer_lock();
-    let e = memtrain::train::Trainer::new(
-        TrainConfig {
-            cuda_graph: true,
-            device: None,
-            ..common::tiny_config()
-        },
-        common::splits(64, 32, 0),
-        Default::default(),
-    )
-    .err()
-    .expect("refused");
+    let mut cfg = common::tiny_config();
+    cfg.cuda.cuda_graph = true;
+    cfg.device = None;
+    let e = memtrain::train::Trainer::new(cfg, common::splits(64, 32, 0), Default::default())
+        .err()
+        .expect("refused");
     assert_eq!(e.exit_code(), 2, "{e}");
 }
 

@@ -18,13 +18,11 @@ fn gpu_lock() -> MutexGuard<'static, ()> {
     GPU.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn on_gpu(cfg: TrainConfig) -> TrainConfig {
-    TrainConfig {
-        device: Some("cuda:0".into()),
-        synthetic_train: 256,
-        max_steps: Some(6),
-        ..cfg
-    }
+fn on_gpu(mut cfg: TrainConfig) -> TrainConfig {
+    cfg.device = Some("cuda:0".into());
+    cfg.data.synthetic_train = 256;
+    cfg.steps.max_steps = Some(6);
+    cfg
 }
 
 #[test]
@@ -63,24 +61,21 @@ fn captured_steps_equal_eager_steps() {
         ),
     ];
     for (precision, accum_steps, checkpoint, conv, tol) in cases {
-        let cfg = on_gpu(TrainConfig {
-            precision,
-            accum_steps,
-            grad_checkpointing: checkpoint,
-            conv,
-            width: 8,
-            batch_size: 32,
-            // Exact f32 math on both sides, so that only the launch mechanism differs.
-            tf32: Tf32::Off,
-            ..common::tiny_config()
-        });
+        let mut cfg = common::tiny_config();
+        cfg.memory.precision = precision;
+        cfg.steps.accum_steps = accum_steps;
+        cfg.memory.grad_checkpointing = checkpoint;
+        cfg.model.conv = conv;
+        cfg.model.width = 8;
+        cfg.steps.batch_size = 32;
+        // Exact f32 math on both sides, so that only the launch mechanism differs.
+        cfg.cuda.tf32 = Tf32::Off;
+        let mut cfg = on_gpu(cfg);
         let label = cfg.label();
         let mut eager = common::trainer(cfg.clone());
         let se = eager.fit().unwrap_or_else(|e| panic!("{label} eager: {e}"));
-        let mut graph = common::trainer(TrainConfig {
-            cuda_graph: true,
-            ..cfg
-        });
+        cfg.cuda.cuda_graph = true;
+        let mut graph = common::trainer(cfg);
         let sg = graph.fit().unwrap_or_else(|e| panic!("{label} graph: {e}"));
 
         assert_eq!(se.steps, sg.steps, "{label}");
@@ -138,17 +133,14 @@ fn captured_steps_equal_eager_steps() {
 fn tf32_convolutions_stay_within_tf32_tolerance_of_the_cpu() {
     let _gpu = gpu_lock();
     let (x, y) = common::batch(16, 5);
-    let cfg = TrainConfig {
-        width: 8,
-        ..common::tiny_config()
-    };
+    let mut cfg = common::tiny_config();
+    cfg.model.width = 8;
     let cpu = common::trainer(cfg.clone());
     let (lc, gc) = cpu.compute_grads(&x, &y).unwrap();
     for (mode, tol) in [(Tf32::Off, 1e-4), (Tf32::On, 1e-2)] {
-        let gpu = common::trainer(on_gpu(TrainConfig {
-            tf32: mode,
-            ..cfg.clone()
-        }));
+        let mut on = cfg.clone();
+        on.cuda.tf32 = mode;
+        let gpu = common::trainer(on_gpu(on));
         assert_eq!(memtrain_kernels::tf32(), mode == Tf32::On);
         let (lg, gg) = gpu.compute_grads(&x, &y).unwrap();
         assert!(

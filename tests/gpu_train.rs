@@ -7,11 +7,9 @@ mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, Tf32, TrainConfig};
 
-fn on(device: &str, cfg: TrainConfig) -> TrainConfig {
-    TrainConfig {
-        device: Some(device.into()),
-        ..cfg
-    }
+fn on(device: &str, mut cfg: TrainConfig) -> TrainConfig {
+    cfg.device = Some(device.into());
+    cfg
 }
 
 #[test]
@@ -22,17 +20,15 @@ fn every_combination_trains_on_cuda_and_matches_the_cpu() {
         for accum in [1, 2] {
             for checkpoint in GradCheckpointing::ALL {
                 for conv in ConvKind::ALL {
-                    let cfg = TrainConfig {
-                        precision: *precision,
-                        accum_steps: accum,
-                        grad_checkpointing: *checkpoint,
-                        conv: *conv,
-                        width: 8,
-                        // Exact f32 convolutions: the f32 tolerance is the CPU's, not TF32's
-                        // (tests/gpu_graph.rs checks --tf32 on against its own tolerance).
-                        tf32: Tf32::Off,
-                        ..common::tiny_config()
-                    };
+                    let mut cfg = common::tiny_config();
+                    cfg.memory.precision = *precision;
+                    cfg.steps.accum_steps = accum;
+                    cfg.memory.grad_checkpointing = *checkpoint;
+                    cfg.model.conv = *conv;
+                    cfg.model.width = 8;
+                    // Exact f32 convolutions: the f32 tolerance is the CPU's, not TF32's
+                    // (tests/gpu_graph.rs checks --tf32 on against its own tolerance).
+                    cfg.cuda.tf32 = Tf32::Off;
                     let label = cfg.label();
                     let cpu = common::trainer(on("cpu", cfg.clone()));
                     let gpu = common::trainer(on("cuda:0", cfg.clone()));
@@ -75,14 +71,12 @@ fn every_combination_trains_on_cuda_and_matches_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn memory_limit_stops_with_an_oom_error() {
-    let cfg = TrainConfig {
-        width: 32,
-        batch_size: 512,
-        synthetic_train: 512,
-        memory_limit: Some(64 << 20),
-        device: Some("cuda:0".into()),
-        ..common::tiny_config()
-    };
+    let mut cfg = common::tiny_config();
+    cfg.model.width = 32;
+    cfg.steps.batch_size = 512;
+    cfg.data.synthetic_train = 512;
+    cfg.memory.memory_limit = Some(64 << 20);
+    cfg.device = Some("cuda:0".into());
     let mut t = common::trainer(cfg);
     match t.fit() {
         Err(e) if e.is_oom() => {

@@ -22,9 +22,13 @@ fn tolerance(p: Precision) -> f64 {
 fn compare(cfg: TrainConfig, n: usize, seed: u64) {
     let label = format!(
         "{} {} {} accum {} width {}",
-        cfg.precision, cfg.grad_checkpointing, cfg.conv, cfg.accum_steps, cfg.width
+        cfg.memory.precision,
+        cfg.memory.grad_checkpointing,
+        cfg.model.conv,
+        cfg.steps.accum_steps,
+        cfg.model.width
     );
-    let tol = tolerance(cfg.precision);
+    let tol = tolerance(cfg.memory.precision);
     let t = common::trainer(cfg);
     let (x, y) = common::batch(n, seed);
     let (loss, grads) = t.compute_grads(&x, &y).unwrap();
@@ -59,13 +63,11 @@ fn every_configuration_matches_autograd() {
         ] {
             for conv in [ConvKind::Standard, ConvKind::Separable] {
                 for accum_steps in [1, 2] {
-                    let cfg = TrainConfig {
-                        precision,
-                        grad_checkpointing: checkpoint,
-                        conv,
-                        accum_steps,
-                        ..common::tiny_config()
-                    };
+                    let mut cfg = common::tiny_config();
+                    cfg.memory.precision = precision;
+                    cfg.memory.grad_checkpointing = checkpoint;
+                    cfg.model.conv = conv;
+                    cfg.steps.accum_steps = accum_steps;
                     compare(cfg, 16, 7);
                 }
             }
@@ -76,11 +78,9 @@ fn every_configuration_matches_autograd() {
 #[test]
 fn a_wider_net_matches_autograd_in_f32() {
     for checkpoint in [GradCheckpointing::None, GradCheckpointing::Stages] {
-        let cfg = TrainConfig {
-            width: 12,
-            grad_checkpointing: checkpoint,
-            ..common::tiny_config()
-        };
+        let mut cfg = common::tiny_config();
+        cfg.model.width = 12;
+        cfg.memory.grad_checkpointing = checkpoint;
         compare(cfg, 16, 11);
     }
 }
@@ -88,10 +88,8 @@ fn a_wider_net_matches_autograd_in_f32() {
 #[test]
 fn frozen_batch_norm_matches_autograd() {
     for conv in [ConvKind::Standard, ConvKind::Separable] {
-        let cfg = TrainConfig {
-            conv,
-            ..common::tiny_config()
-        };
+        let mut cfg = common::tiny_config();
+        cfg.model.conv = conv;
         let mut t = common::trainer(cfg);
         t.model.freeze_batch_norm();
         let (x, y) = common::batch(16, 5);
@@ -152,10 +150,9 @@ fn running_statistics_are_updated_once_per_step() {
         GradCheckpointing::Blocks,
         GradCheckpointing::from_cuts(0b00010),
     ] {
-        let t = common::trainer(TrainConfig {
-            grad_checkpointing: checkpoint,
-            ..common::tiny_config()
-        });
+        let mut cfg = common::tiny_config();
+        cfg.memory.grad_checkpointing = checkpoint;
+        let t = common::trainer(cfg);
         let (x, y) = common::batch(16, 3);
         t.compute_grads(&x, &y).unwrap();
         let s: Vec<Vec<f32>> = t

@@ -317,12 +317,10 @@ fn sigterm_during_an_epoch_evaluation_is_redone_on_resume() {
 #[test]
 fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
     let dir = common::scratch("lifecycle", "stop-at-start").join("run");
-    let cfg = memtrain::config::TrainConfig {
-        out: Some(dir.clone()),
-        max_steps: Some(4),
-        ..common::tiny_config()
-    };
-    let data = || common::splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    let mut cfg = common::tiny_config();
+    cfg.output.out = Some(dir.clone());
+    cfg.steps.max_steps = Some(4);
+    let data = || common::splits(cfg.data.synthetic_train, cfg.data.synthetic_test, cfg.seed);
     let options = TrainerOptions {
         log_files: true,
         stop: Some(Arc::new(AtomicBool::new(true))),

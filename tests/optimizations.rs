@@ -5,7 +5,7 @@
 
 mod common;
 
-use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
+use memtrain::config::{ConvKind, GradCheckpointing, Precision};
 use memtrain::data::Batch;
 use memtrain::step::precision::LossScaler;
 
@@ -27,13 +27,11 @@ fn accumulation_equals_one_big_batch_when_batch_norm_is_frozen() {
         let b = batch(32, 7);
         let mut params = Vec::new();
         for k in [1, 4] {
-            let cfg = TrainConfig {
-                batch_size: 32,
-                accum_steps: k,
-                conv,
-                weight_decay: 5e-4,
-                ..common::tiny_config()
-            };
+            let mut cfg = common::tiny_config();
+            cfg.steps.batch_size = 32;
+            cfg.steps.accum_steps = k;
+            cfg.model.conv = conv;
+            cfg.optimizer.weight_decay = 5e-4;
             let mut t = common::trainer(cfg);
             // Batch statistics couple the images of a micro-batch; with running statistics each
             // image's gradient is its own and the sums must agree.
@@ -62,11 +60,9 @@ fn checkpointing_gives_identical_gradients_and_statistics() {
             GradCheckpointing::Stages,
             GradCheckpointing::Blocks,
         ] {
-            let cfg = TrainConfig {
-                grad_checkpointing: ckpt,
-                conv,
-                ..common::tiny_config()
-            };
+            let mut cfg = common::tiny_config();
+            cfg.memory.grad_checkpointing = ckpt;
+            cfg.model.conv = conv;
             let t = common::trainer(cfg);
             let (loss, grads) = t.compute_grads(&x, &y).unwrap();
             let stats: Vec<_> = t
@@ -125,10 +121,8 @@ fn loss_scaler_backs_off_and_grows() {
 
 #[test]
 fn planted_overflow_skips_the_step_and_halves_the_scale() {
-    let cfg = TrainConfig {
-        precision: Precision::F16,
-        ..common::tiny_config()
-    };
+    let mut cfg = common::tiny_config();
+    cfg.memory.precision = Precision::F16;
     let mut t = common::trainer(cfg);
     let before = common::params(&t);
     // A scale this large overflows f16 (max 65504) in the backward pass.
@@ -159,10 +153,9 @@ fn planted_overflow_skips_the_step_and_halves_the_scale() {
 fn f16_gradients_match_f32_within_half_precision() {
     let (x, y) = common::batch(16, 5);
     let grads = |precision| {
-        let t = common::trainer(TrainConfig {
-            precision,
-            ..common::tiny_config()
-        });
+        let mut cfg = common::tiny_config();
+        cfg.memory.precision = precision;
+        let t = common::trainer(cfg);
         t.compute_grads(&x, &y).unwrap()
     };
     let (l32, g32) = grads(Precision::F32);
@@ -189,15 +182,13 @@ fn every_flag_combination_trains() {
         for accum in [1, 2] {
             for checkpoint in GradCheckpointing::ALL {
                 for conv in ConvKind::ALL {
-                    let cfg = TrainConfig {
-                        precision: *precision,
-                        accum_steps: accum,
-                        grad_checkpointing: *checkpoint,
-                        conv: *conv,
-                        max_steps: Some(2),
-                        synthetic_train: 32,
-                        ..common::tiny_config()
-                    };
+                    let mut cfg = common::tiny_config();
+                    cfg.memory.precision = *precision;
+                    cfg.steps.accum_steps = accum;
+                    cfg.memory.grad_checkpointing = *checkpoint;
+                    cfg.model.conv = *conv;
+                    cfg.steps.max_steps = Some(2);
+                    cfg.data.synthetic_train = 32;
                     let label = cfg.label();
                     let mut t = common::trainer(cfg);
                     let s = t.fit().unwrap_or_else(|e| panic!("{label}: {e}"));

@@ -14,8 +14,12 @@ fn config(args: &[&str]) -> TrainConfig {
 fn left_out_lr_and_weight_decay_are_the_optimizers_defaults() {
     for &kind in OptimizerKind::ALL {
         let cfg = config(&["--optimizer", kind.as_str()]);
-        assert_eq!(cfg.lr, kind.default_lr(), "{kind}");
-        assert_eq!(cfg.weight_decay, kind.default_weight_decay(), "{kind}");
+        assert_eq!(cfg.optimizer.lr, kind.default_lr(), "{kind}");
+        assert_eq!(
+            cfg.optimizer.weight_decay,
+            kind.default_weight_decay(),
+            "{kind}"
+        );
         // config.json records the values the run uses.
         let json = serde_json::to_value(&cfg).unwrap();
         assert_eq!(json["lr"].as_f64(), Some(kind.default_lr()), "{kind}");
@@ -30,7 +34,10 @@ fn left_out_lr_and_weight_decay_are_the_optimizers_defaults() {
         OptimizerKind::Adamw.default_lr()
     );
     // An empty command line is SGD with its defaults.
-    assert_eq!(TrainConfig::default().lr, OptimizerKind::Sgd.default_lr());
+    assert_eq!(
+        TrainConfig::default().optimizer.lr,
+        OptimizerKind::Sgd.default_lr()
+    );
     assert_eq!(config(&[]), TrainConfig::default());
 }
 
@@ -39,14 +46,21 @@ fn an_explicit_lr_or_weight_decay_wins() {
     for &kind in OptimizerKind::ALL {
         let k = kind.as_str();
         let cfg = config(&["--optimizer", k, "--lr", "0.0123"]);
-        assert_eq!(cfg.lr, 0.0123, "{kind}");
-        assert_eq!(cfg.weight_decay, kind.default_weight_decay(), "{kind}");
+        assert_eq!(cfg.optimizer.lr, 0.0123, "{kind}");
+        assert_eq!(
+            cfg.optimizer.weight_decay,
+            kind.default_weight_decay(),
+            "{kind}"
+        );
         let cfg = config(&["--weight-decay", "0.07", "--optimizer", k]);
-        assert_eq!(cfg.weight_decay, 0.07, "{kind}");
-        assert_eq!(cfg.lr, kind.default_lr(), "{kind}");
+        assert_eq!(cfg.optimizer.weight_decay, 0.07, "{kind}");
+        assert_eq!(cfg.optimizer.lr, kind.default_lr(), "{kind}");
         // Also when the value given is another optimizer's default.
         let sgd_lr = OptimizerKind::Sgd.default_lr().to_string();
-        assert_eq!(config(&["--optimizer", k, "--lr", &sgd_lr]).lr, 0.2);
+        assert_eq!(
+            config(&["--optimizer", k, "--lr", &sgd_lr]).optimizer.lr,
+            0.2
+        );
     }
 }
 
@@ -60,23 +74,32 @@ fn a_config_file_keeps_its_values_unless_the_optimizer_changes() {
     let file = write(&config(&["--optimizer", "adamw", "--lr", "0.0042"]));
     // The file's values stay, whatever the flags' defaults.
     let cfg = config(&["--config", &file]);
-    assert_eq!((cfg.optimizer, cfg.lr), (OptimizerKind::Adamw, 0.0042));
+    assert_eq!(
+        (cfg.optimizer.kind, cfg.optimizer.lr),
+        (OptimizerKind::Adamw, 0.0042)
+    );
     let cfg = config(&["--config", &file, "--optimizer", "adamw"]);
-    assert_eq!(cfg.lr, 0.0042);
+    assert_eq!(cfg.optimizer.lr, 0.0042);
     // Another optimizer brings its own defaults, unless the flags set them too.
     let cfg = config(&["--config", &file, "--optimizer", "sgd"]);
     assert_eq!(
-        (cfg.lr, cfg.weight_decay),
+        (cfg.optimizer.lr, cfg.optimizer.weight_decay),
         (
             OptimizerKind::Sgd.default_lr(),
             OptimizerKind::Sgd.default_weight_decay()
         )
     );
     let cfg = config(&["--config", &file, "--optimizer", "sgd", "--lr", "0.05"]);
-    assert_eq!(cfg.lr, 0.05);
-    assert_eq!(cfg.weight_decay, OptimizerKind::Sgd.default_weight_decay());
+    assert_eq!(cfg.optimizer.lr, 0.05);
+    assert_eq!(
+        cfg.optimizer.weight_decay,
+        OptimizerKind::Sgd.default_weight_decay()
+    );
     let cfg = config(&["--config", &file, "--lr", "0.001"]);
-    assert_eq!((cfg.optimizer, cfg.lr), (OptimizerKind::Adamw, 0.001));
+    assert_eq!(
+        (cfg.optimizer.kind, cfg.optimizer.lr),
+        (OptimizerKind::Adamw, 0.001)
+    );
 }
 
 #[test]

@@ -69,11 +69,9 @@ fn rss_grows_with_touched_pages_and_the_peak_remembers() {
 #[cfg(target_os = "linux")]
 fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
     let dir = common::temp_dir("os-memory-run");
-    let cfg = memtrain::config::TrainConfig {
-        out: Some(dir.clone()),
-        max_steps: Some(3),
-        ..common::tiny_config()
-    };
+    let mut cfg = common::tiny_config();
+    cfg.output.out = Some(dir.clone());
+    cfg.steps.max_steps = Some(3);
     let mut t = common::trainer_with(
         cfg,
         TrainerOptions {

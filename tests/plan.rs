@@ -28,17 +28,16 @@ fn data() -> DataSplits {
 }
 
 fn base_config(width: usize, batch: usize) -> TrainConfig {
-    TrainConfig {
-        width,
-        batch_size: batch,
-        max_steps: Some(3),
-        eval: false,
-        quiet: true,
-        device: Some("cpu".into()),
-        synthetic_train: TRAIN_IMAGES,
-        synthetic_test: TEST_IMAGES,
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = width;
+    cfg.steps.batch_size = batch;
+    cfg.steps.max_steps = Some(3);
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
+    cfg.data.synthetic_train = TRAIN_IMAGES;
+    cfg.data.synthetic_test = TEST_IMAGES;
+    cfg
 }
 
 /// The tests of this file run one at a time: the trained runs measure the whole process's heap
@@ -77,7 +76,7 @@ fn planned_runs_fit_their_budget() {
                         );
                         assert_eq!(p.micro_batch * p.accum_steps, 128, "effective batch kept");
                         assert!(
-                            allow || p.conv == cfg.conv,
+                            allow || p.conv == cfg.model.conv,
                             "conv changed without --allow-model-change"
                         );
                         p.config.validate().unwrap();
@@ -183,11 +182,9 @@ fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
     use memtrain::config::{GradCheckpointing, Precision};
     use memtrain::predict::plan::Fixed;
     let dev = DeviceKind::cpu();
-    let cfg = TrainConfig {
-        precision: Precision::F32,
-        accum_steps: 2,
-        ..base_config(32, 128)
-    };
+    let mut cfg = base_config(32, 128);
+    cfg.memory.precision = Precision::F32;
+    cfg.steps.accum_steps = 2;
     let explicit = vec!["precision".to_string(), "accum_steps".to_string()];
     let fixed = Fixed::from_explicit(&cfg, &explicit);
     assert_eq!(fixed.precision, Some(Precision::F32));
@@ -215,10 +212,8 @@ fn settings_given_explicitly_are_kept_or_the_plan_is_refused() {
     let e = plan(&cfg, 20 << 20, &opts).unwrap_err().to_string();
     assert!(e.contains("--precision f32 --accum-steps 2"), "{e}");
     // --checkpoint auto is a request to choose, not a fixed setting.
-    let auto = TrainConfig {
-        grad_checkpointing: GradCheckpointing::Auto,
-        ..cfg.clone()
-    };
+    let mut auto = cfg.clone();
+    auto.memory.grad_checkpointing = GradCheckpointing::Auto;
     assert_eq!(
         Fixed::from_explicit(&auto, &["checkpoint".to_string()]).grad_checkpointing,
         None

@@ -26,10 +26,9 @@ use std::time::{Duration, Instant};
 // Helpers
 
 fn pruned_config(target: f64) -> TrainConfig {
-    TrainConfig {
-        prune: Some(target),
-        ..common::tiny_config()
-    }
+    let mut cfg = common::tiny_config();
+    cfg.pruning.prune = Some(target);
+    cfg
 }
 
 fn u8s(t: &Tensor) -> Vec<u8> {
@@ -65,14 +64,12 @@ fn tensors(path: &Path) -> HashMap<String, Tensor> {
 
 #[test]
 fn schedule_follows_the_polynomial_decay_and_the_frequency() {
-    let cfg = TrainConfig {
-        prune: Some(0.8),
-        prune_initial: 0.1,
-        prune_begin: 10,
-        prune_end: Some(110),
-        prune_every: 25,
-        ..common::tiny_config()
-    };
+    let mut cfg = common::tiny_config();
+    cfg.pruning.prune = Some(0.8);
+    cfg.pruning.prune_initial = 0.1;
+    cfg.pruning.prune_begin = 10;
+    cfg.pruning.prune_end = Some(110);
+    cfg.pruning.prune_every = 25;
     let s = Schedule::for_run(&cfg, 200).unwrap().expect("a schedule");
     assert_eq!((s.begin, s.end, s.every, s.power), (10, 110, 25, POWER));
     // Keras' PolynomialDecay: final + (initial - final) * (1 - (t - begin)/(end - begin))^3.
@@ -100,15 +97,9 @@ fn schedule_follows_the_polynomial_decay_and_the_frequency() {
         "every 25 from begin, and at end"
     );
     // An end that every does not divide still gets its update.
-    let odd = Schedule::for_run(
-        &TrainConfig {
-            prune_every: 40,
-            ..cfg.clone()
-        },
-        200,
-    )
-    .unwrap()
-    .unwrap();
+    let mut every_40 = cfg.clone();
+    every_40.pruning.prune_every = 40;
+    let odd = Schedule::for_run(&every_40, 200).unwrap().unwrap();
     let updates: Vec<usize> = (0..300).filter(|&t| odd.updates_at(t)).collect();
     assert_eq!(updates, vec![10, 50, 90, 110]);
 
@@ -122,10 +113,8 @@ fn schedule_follows_the_polynomial_decay_and_the_frequency() {
         err.contains("--prune-end 110") && err.contains("last step 100"),
         "{err}"
     );
-    let late_begin = TrainConfig {
-        prune_begin: 40,
-        ..pruned_config(0.5)
-    };
+    let mut late_begin = pruned_config(0.5);
+    late_begin.pruning.prune_begin = 40;
     let err = Schedule::for_run(&late_begin, 40).unwrap_err().to_string();
     assert!(err.contains("--prune-begin 40"), "{err}");
     assert!(Schedule::for_run(&common::tiny_config(), 10)
@@ -168,10 +157,10 @@ fn masks_zero_exactly_the_smallest_magnitudes_with_ties_by_index() {
 /// Train `cfg`; after its last step every pruned layer has exactly round(target · n) zeros, at
 /// the mask's positions, and the optimizer state of those weights is zero too.
 fn check_trained(cfg: TrainConfig) -> Trainer {
-    let target = cfg.prune.unwrap();
+    let target = cfg.pruning.prune.unwrap();
     let mut t = common::trainer(cfg.clone());
     let summary = t.fit().expect("training");
-    assert_eq!(summary.steps, cfg.max_steps.unwrap());
+    assert_eq!(summary.steps, cfg.steps.max_steps.unwrap());
     let report = summary.pruning.expect("summary has a pruning section");
     assert_eq!(report.target, target);
     let names = t.model.named_vars();
@@ -237,32 +226,28 @@ fn check_trained(cfg: TrainConfig) -> Trainer {
 fn pruned_weights_stay_zero_through_later_optimizer_steps() {
     // The schedule ends at step 4; steps 5..=10 update with momentum, which would revive the
     // pruned weights were the masks not applied after every step.
-    let cfg = TrainConfig {
-        prune_end: Some(4),
-        prune_every: 1,
-        max_steps: Some(10),
-        epochs: 3,
-        ..pruned_config(0.5)
-    };
+    let mut cfg = pruned_config(0.5);
+    cfg.pruning.prune_end = Some(4);
+    cfg.pruning.prune_every = 1;
+    cfg.steps.max_steps = Some(10);
+    cfg.steps.epochs = 3;
     check_trained(cfg.clone());
     // Depthwise and pointwise weights, AdamW (two state slots), a schedule that ends on the
     // run's last step with a frequency that does not divide it.
-    check_trained(TrainConfig {
-        conv: ConvKind::Separable,
-        optimizer: OptimizerKind::Adamw,
-        prune_end: None,
-        prune_every: 3,
-        prune_initial: 0.2,
-        max_steps: Some(8),
-        epochs: 2,
-        ..pruned_config(0.7)
-    });
+    let mut cfg = pruned_config(0.7);
+    cfg.model.conv = ConvKind::Separable;
+    cfg.optimizer.kind = OptimizerKind::Adamw;
+    cfg.pruning.prune_end = None;
+    cfg.pruning.prune_every = 3;
+    cfg.pruning.prune_initial = 0.2;
+    cfg.steps.max_steps = Some(8);
+    cfg.steps.epochs = 2;
+    check_trained(cfg);
 
     // Without re-applying the masks, the update moves pruned weights: the check above can fail.
-    let mut t = common::trainer(TrainConfig {
-        max_steps: Some(1),
-        ..pruned_config(0.5)
-    });
+    let mut cfg = pruned_config(0.5);
+    cfg.steps.max_steps = Some(1);
+    let mut t = common::trainer(cfg);
     t.fit().unwrap();
     let before: Vec<Vec<f32>> = t.vars().iter().map(|v| values(v.as_tensor())).collect();
     let (loss, grads) = {
@@ -284,13 +269,11 @@ fn pruned_weights_stay_zero_through_later_optimizer_steps() {
 #[test]
 fn sparse_file_expands_to_exactly_the_dense_weights() {
     let dir = common::scratch("prune", "sparse");
-    let cfg = TrainConfig {
-        out: Some(dir.join("run")),
-        max_steps: Some(6),
-        prune_every: 2,
-        ..pruned_config(0.8)
-    };
-    let data = common::splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    let mut cfg = pruned_config(0.8);
+    cfg.output.out = Some(dir.join("run"));
+    cfg.steps.max_steps = Some(6);
+    cfg.pruning.prune_every = 2;
+    let data = common::splits(cfg.data.synthetic_train, cfg.data.synthetic_test, cfg.seed);
     let mut t = Trainer::new(
         cfg,
         data,
@@ -660,16 +643,14 @@ fn a_model_file_that_cannot_be_written_is_an_io_error() {
 /// all zeros, or inverted — is refused on resume, before anything trains.
 #[test]
 fn edited_masks_are_refused_on_resume() {
-    let cfg = TrainConfig {
-        prune_every: 1,
-        ..pruned_config(0.5)
-    };
-    let splits = || common::splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    let mut cfg = pruned_config(0.5);
+    cfg.pruning.prune_every = 1;
+    let splits = || common::splits(cfg.data.synthetic_train, cfg.data.synthetic_test, cfg.seed);
     let mut t = Trainer::new(cfg.clone(), splits(), TrainerOptions::default()).unwrap();
     let batches: Vec<_> = memtrain::data::Batcher::new(
         std::sync::Arc::new(splits().train),
         memtrain::data::BatcherOptions {
-            batch_size: cfg.batch_size,
+            batch_size: cfg.steps.batch_size,
             shuffle: false,
             augment: false,
             drop_last: true,
@@ -726,12 +707,10 @@ fn the_default_schedule_ends_before_the_run_does() {
     }
     // Through the trainer: a 3-epoch run's schedule ends before its last step, and the masks
     // reach the target sparsity there.
-    let cfg = TrainConfig {
-        epochs: 3,
-        max_steps: None,
-        ..pruned_config(0.8)
-    };
-    let total = 3 * (cfg.synthetic_train / cfg.batch_size);
+    let mut cfg = pruned_config(0.8);
+    cfg.steps.epochs = 3;
+    cfg.steps.max_steps = None;
+    let total = 3 * (cfg.data.synthetic_train / cfg.steps.batch_size);
     let s = Schedule::for_run(&cfg, total).unwrap().unwrap();
     assert!(s.end < total, "end {} of {total} steps", s.end);
     assert_eq!(s.sparsity(s.end), 0.8);

@@ -669,24 +669,24 @@ impl Callback for StopAt {
 }
 
 fn tiny(out: &Path, precision: Precision) -> TrainConfig {
-    TrainConfig {
-        width: 4,
-        batch_size: 16,
-        epochs: 2,
-        synthetic_train: 64,
-        synthetic_test: 16,
-        eval: false,
-        quiet: true,
-        device: Some("cpu".into()),
-        precision,
-        optimizer: memtrain::config::OptimizerKind::Adamw,
-        out: Some(out.to_path_buf()),
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = 4;
+    cfg.steps.batch_size = 16;
+    cfg.steps.epochs = 2;
+    cfg.data.synthetic_train = 64;
+    cfg.data.synthetic_test = 16;
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
+    cfg.memory.precision = precision;
+    cfg.optimizer.kind = memtrain::config::OptimizerKind::Adamw;
+    cfg.output.out = Some(out.to_path_buf());
+    cfg
 }
 
 fn splits(cfg: &TrainConfig) -> DataSplits {
-    let (train, test) = synthetic::splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    let (train, test) =
+        synthetic::splits(cfg.data.synthetic_train, cfg.data.synthetic_test, cfg.seed);
     DataSplits {
         train,
         test,
@@ -764,14 +764,12 @@ fn restore_brings_back_every_piece_of_state() {
 /// the state); a state of other data or another model is refused before anything changes.
 #[test]
 fn snapshot_and_restore_continue_in_memory() {
-    let cfg = TrainConfig {
-        out: None,
-        ..tiny(Path::new("unused"), Precision::F16)
-    };
+    let mut cfg = tiny(Path::new("unused"), Precision::F16);
+    cfg.output.out = None;
     let batches: Vec<_> = memtrain::data::Batcher::new(
         Arc::new(splits(&cfg).train),
         memtrain::data::BatcherOptions {
-            batch_size: cfg.batch_size,
+            batch_size: cfg.steps.batch_size,
             shuffle: true,
             augment: false,
             drop_last: true,
@@ -818,18 +816,14 @@ fn snapshot_and_restore_continue_in_memory() {
     }
 
     // Another data set, or a wider model: refused, and the trainer is left as it was.
-    let other = TrainConfig {
-        seed: cfg.seed + 1,
-        ..cfg.clone()
-    };
+    let mut other = cfg.clone();
+    other.seed = cfg.seed + 1;
     let mut c = Trainer::new(cfg.clone(), splits(&other), TrainerOptions::default()).unwrap();
     let e = c.restore(state.clone()).unwrap_err().to_string();
     assert!(e.contains("training data differs"), "{e}");
     assert_eq!(c.position.global_step, 0);
-    let wide = TrainConfig {
-        width: 8,
-        ..cfg.clone()
-    };
+    let mut wide = cfg.clone();
+    wide.model.width = 8;
     let mut d = Trainer::new(wide, splits(&cfg), TrainerOptions::default()).unwrap();
     let e = d.restore(state.clone()).unwrap_err().to_string();
     assert!(e.contains("the model needs"), "{e}");
@@ -864,10 +858,8 @@ fn snapshot_and_restore_continue_in_memory() {
 #[test]
 fn conflicting_config_lists_every_difference() {
     let dir = common::scratch("resume", "conflict").join("run");
-    let cfg = TrainConfig {
-        max_steps: Some(2),
-        ..tiny(&dir, Precision::F32)
-    };
+    let mut cfg = tiny(&dir, Precision::F32);
+    cfg.steps.max_steps = Some(2);
     let mut t = Trainer::new(
         cfg.clone(),
         splits(&cfg),
@@ -879,12 +871,10 @@ fn conflicting_config_lists_every_difference() {
     .unwrap();
     t.fit().unwrap();
     let ck = Snapshot::find_latest(&dir).unwrap();
-    let now = TrainConfig {
-        width: 8,
-        precision: Precision::Bf16,
-        epochs: 5,
-        ..cfg.clone()
-    };
+    let mut now = cfg.clone();
+    now.model.width = 8;
+    now.memory.precision = Precision::Bf16;
+    now.steps.epochs = 5;
     let err = ck
         .resume_config(&now, false)
         .expect_err("a conflict")

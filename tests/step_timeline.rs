@@ -18,10 +18,8 @@ static A: CountingAllocator = CountingAllocator;
 
 fn run(cfg: TrainConfig, name: &str) -> (StepTimeline, std::path::PathBuf) {
     let dir = common::temp_dir(name);
-    let cfg = TrainConfig {
-        out: Some(dir.clone()),
-        ..cfg
-    };
+    let mut cfg = cfg;
+    cfg.output.out = Some(dir.clone());
     let mut t = common::trainer_with(
         cfg,
         TrainerOptions {
@@ -44,12 +42,10 @@ fn one_event_per_layer_with_categories_and_predictions() {
         (GradCheckpointing::Blocks, 2, 19),
         (GradCheckpointing::from_cuts(0b00010), 1, 15),
     ] {
-        let cfg = TrainConfig {
-            grad_checkpointing: checkpoint,
-            accum_steps: accum,
-            conv: ConvKind::Separable,
-            ..common::tiny_config()
-        };
+        let mut cfg = common::tiny_config();
+        cfg.memory.grad_checkpointing = checkpoint;
+        cfg.steps.accum_steps = accum;
+        cfg.model.conv = ConvKind::Separable;
         let (t, dir) = run(cfg, &format!("timeline-{checkpoint}"));
         assert_eq!(t.events.len(), per_micro * accum + 1, "{checkpoint}");
         let last = t.events.last().unwrap();
@@ -79,10 +75,8 @@ fn one_event_per_layer_with_categories_and_predictions() {
 #[test]
 fn half_precision_saves_half_the_activation_bytes() {
     let saved = |precision| {
-        let cfg = TrainConfig {
-            precision,
-            ..common::tiny_config()
-        };
+        let mut cfg = common::tiny_config();
+        cfg.memory.precision = precision;
         let (t, dir) = run(cfg, &format!("timeline-{precision}"));
         let _ = std::fs::remove_dir_all(dir);
         t.events.iter().map(|e| e.categories.saved).max().unwrap()
@@ -96,18 +90,14 @@ fn half_precision_saves_half_the_activation_bytes() {
 fn auto_checkpointing_follows_the_estimate() {
     let dev = DeviceKind::cpu();
     let base = Baseline::Modeled(DataSize::exact(512, 64));
-    let cfg = TrainConfig {
-        width: 16,
-        batch_size: 64,
-        grad_checkpointing: GradCheckpointing::Auto,
-        ..TrainConfig::default()
-    };
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = 16;
+    cfg.steps.batch_size = 64;
+    cfg.memory.grad_checkpointing = GradCheckpointing::Auto;
     let specs = model_layer_specs(16, ConvKind::Standard);
     let peak = |c: GradCheckpointing| {
-        let cfg = TrainConfig {
-            grad_checkpointing: c,
-            ..cfg.clone()
-        };
+        let mut cfg = cfg.clone();
+        cfg.memory.grad_checkpointing = c;
         estimate_with(&cfg, dev, base).unwrap().peak
     };
     let (none, stages, blocks) = (
@@ -139,13 +129,11 @@ fn auto_checkpointing_follows_the_estimate() {
         .collect();
     // (A CPU limit is the process's: `limit_for_heap` adds what it holds beyond its heap.)
     use memtrain::predict::limit_for_heap;
-    let roomy = TrainConfig {
-        memory_limit: Some(limit_for_heap(
-            limit_for(*all.iter().max().unwrap(), SAFETY_MARGIN),
-            dev,
-        )),
-        ..cfg.clone()
-    };
+    let mut roomy = cfg.clone();
+    roomy.memory.memory_limit = Some(limit_for_heap(
+        limit_for(*all.iter().max().unwrap(), SAFETY_MARGIN),
+        dev,
+    ));
     assert_eq!(
         resolve_checkpointing(&roomy, &specs, dev, base).unwrap(),
         GradCheckpointing::None
@@ -153,18 +141,15 @@ fn auto_checkpointing_follows_the_estimate() {
     // A limit only the smallest peak fits (with the margin): one of those.
     let least = *all.iter().min().unwrap();
     let tight_limit = limit_for(least, SAFETY_MARGIN);
-    let tight = TrainConfig {
-        memory_limit: Some(limit_for_heap(tight_limit, dev)),
-        ..cfg.clone()
-    };
+    let mut tight = cfg.clone();
+    tight.memory.memory_limit = Some(limit_for_heap(tight_limit, dev));
     let chosen = resolve_checkpointing(&tight, &specs, dev, base).unwrap();
     assert!(peak(chosen) <= usable_bytes(tight_limit, SAFETY_MARGIN));
     // A trainer built with `auto` trains with what the estimate picked.
-    let t = common::trainer(TrainConfig {
-        grad_checkpointing: GradCheckpointing::Auto,
-        ..common::tiny_config()
-    });
-    assert_ne!(t.config.grad_checkpointing, GradCheckpointing::Auto);
+    let mut cfg = common::tiny_config();
+    cfg.memory.grad_checkpointing = GradCheckpointing::Auto;
+    let t = common::trainer(cfg);
+    assert_ne!(t.config.memory.grad_checkpointing, GradCheckpointing::Auto);
 }
 
 /// The step timeline's watermark splits (`take_event_peak`) and the memory callback's resets do

@@ -898,7 +898,7 @@ fn cross_product_labels_the_varying_dimensions() {
     assert_eq!(cross_product(&[])[0].accum_steps().unwrap(), 1);
     let f = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
     let parsed = flags_config(&f(&["--width", "4", "--accum-steps=8"])).unwrap();
-    assert_eq!(parsed.accum_steps, 8);
+    assert_eq!(parsed.steps.accum_steps, 8);
     let err = flags_config(&f(&["--accum-steps", "zero"])).unwrap_err();
     assert_eq!(err.exit_code(), 2, "{err}");
     assert!(err.to_string().contains("--accum-steps"), "{err}");

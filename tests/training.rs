@@ -8,17 +8,15 @@ use memtrain::train::{Trainer, TrainerOptions};
 
 #[test]
 fn synthetic_data_is_learned_quickly() {
-    let cfg = TrainConfig {
-        width: 8,
-        batch_size: 64,
-        epochs: 3,
-        max_steps: None,
-        synthetic_train: 1024,
-        synthetic_test: 256,
-        eval: true,
-        lr: 0.05,
-        ..common::tiny_config()
-    };
+    let mut cfg = common::tiny_config();
+    cfg.model.width = 8;
+    cfg.steps.batch_size = 64;
+    cfg.steps.epochs = 3;
+    cfg.steps.max_steps = None;
+    cfg.data.synthetic_train = 1024;
+    cfg.data.synthetic_test = 256;
+    cfg.output.eval = true;
+    cfg.optimizer.lr = 0.05;
     let mut t = common::trainer(cfg);
     let s = t.fit().unwrap();
     let acc = s.final_test_accuracy.unwrap();
@@ -28,11 +26,9 @@ fn synthetic_data_is_learned_quickly() {
 #[test]
 fn same_seed_same_losses() {
     let run = || {
-        let cfg = TrainConfig {
-            max_steps: Some(4),
-            synthetic_train: 128,
-            ..common::tiny_config()
-        };
+        let mut cfg = common::tiny_config();
+        cfg.steps.max_steps = Some(4);
+        cfg.data.synthetic_train = 128;
         let mut t = common::trainer(cfg);
         (0..4)
             .map(|i| {
@@ -52,12 +48,10 @@ fn same_seed_same_losses() {
     assert_eq!(a, b, "bit-identical loss sequences");
     // And through fit() with shuffling and augmentation.
     let fit = || {
-        let cfg = TrainConfig {
-            max_steps: Some(3),
-            synthetic_train: 128,
-            eval: true,
-            ..common::tiny_config()
-        };
+        let mut cfg = common::tiny_config();
+        cfg.steps.max_steps = Some(3);
+        cfg.data.synthetic_train = 128;
+        cfg.output.eval = true;
         common::trainer(cfg).fit().unwrap().final_test_loss
     };
     assert_eq!(fit(), fit());
@@ -66,12 +60,10 @@ fn same_seed_same_losses() {
 #[test]
 fn run_directory_has_config_csv_and_summary() {
     let dir = common::temp_dir("rundir");
-    let cfg = TrainConfig {
-        out: Some(dir.clone()),
-        eval: true,
-        ..common::tiny_config()
-    };
-    let data = common::splits(cfg.synthetic_train, cfg.synthetic_test, 0);
+    let mut cfg = common::tiny_config();
+    cfg.output.out = Some(dir.clone());
+    cfg.output.eval = true;
+    let data = common::splits(cfg.data.synthetic_train, cfg.data.synthetic_test, 0);
     let mut t = Trainer::new(
         cfg.clone(),
         data,
@@ -113,15 +105,13 @@ fn real_cifar_subset_beats_chance_in_two_epochs() {
         eprintln!("skipping: ../shared/data/cifar10-subset not found (real CIFAR-10 subset)");
         return;
     };
-    let cfg = TrainConfig {
-        data_dir: Some(dir),
-        width: 16,
-        epochs: 2,
-        max_steps: None,
-        batch_size: 64,
-        eval: true,
-        ..common::tiny_config()
-    };
+    let mut cfg = common::tiny_config();
+    cfg.data.data_dir = Some(dir);
+    cfg.model.width = 16;
+    cfg.steps.epochs = 2;
+    cfg.steps.max_steps = None;
+    cfg.steps.batch_size = 64;
+    cfg.output.eval = true;
     let mut t = Trainer::from_config(cfg, TrainerOptions::default()).unwrap();
     let s = t.fit().unwrap();
     let acc = s.final_test_accuracy.unwrap();

@@ -62,7 +62,7 @@ impl ProgressCallback {
 impl Callback for ProgressCallback {
     fn on_train_begin(&mut self, ctx: &TrainBegin<'_>) -> Result<()> {
         if let Some((_, epoch, _)) = &self.bars {
-            epoch.set_length(ctx.config.epochs as u64);
+            epoch.set_length(ctx.config.steps.epochs as u64);
         }
         // Plain mode: about four lines per epoch, so long CPU epochs still show signs of life.
         self.plain_every = (ctx.steps_per_epoch / 4).max(1);

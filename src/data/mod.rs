@@ -136,12 +136,12 @@ impl DataOptions {
     /// The data settings of `config`; `stop` as [`DataOptions::stop`].
     pub(crate) fn for_config(config: &TrainConfig, stop: Option<Arc<AtomicBool>>) -> Self {
         DataOptions {
-            data_dir: config.data_dir.clone(),
-            download: config.download,
-            val_fraction: config.val_fraction,
+            data_dir: config.data.data_dir.clone(),
+            download: config.data.download,
+            val_fraction: config.data.val_fraction,
             seed: config.seed,
-            synthetic_train: config.synthetic_train,
-            synthetic_test: config.synthetic_test,
+            synthetic_train: config.data.synthetic_train,
+            synthetic_test: config.data.synthetic_test,
             stop,
         }
     }

@@ -21,7 +21,9 @@ pub(crate) const SYNTHETIC_TEMPLATE_BYTES: u64 = (10 * 3 * 38 * 38 + 10 * 3) * 4
 /// Whether `cfg` trains on the built-in synthetic data (no `--download`, no `--data-dir` and no
 /// `data/cifar-10-batches-bin`), as [`crate::data::load`] decides.
 pub(crate) fn uses_synthetic_data(cfg: &TrainConfig) -> bool {
-    !cfg.download && cfg.data_dir.is_none() && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
+    !cfg.data.download
+        && cfg.data.data_dir.is_none()
+        && !Path::new(crate::data::DEFAULT_DATA_DIR).is_dir()
 }
 
 /// The data set as far as memory is concerned: how many images each split holds and how many
@@ -85,18 +87,21 @@ impl DataSize {
     /// # Errors
     /// When a data directory is named but holds no readable CIFAR-10 training files.
     pub(crate) fn for_config(cfg: &TrainConfig) -> Result<Self> {
-        if cfg.download {
+        if cfg.data.download {
             return Ok(DataSize::exact(50_000, 10_000));
         }
         let default_dir = Path::new(crate::data::DEFAULT_DATA_DIR);
-        let dir = match &cfg.data_dir {
+        let dir = match &cfg.data.data_dir {
             Some(d) => Some(d.as_path()),
             None if default_dir.is_dir() => Some(default_dir),
             None => None,
         };
         match dir {
-            Some(d) => DataSize::for_dir(d, cfg.val_fraction),
-            None => Ok(DataSize::synthetic(cfg.synthetic_train, cfg.synthetic_test)),
+            Some(d) => DataSize::for_dir(d, cfg.data.val_fraction),
+            None => Ok(DataSize::synthetic(
+                cfg.data.synthetic_train,
+                cfg.data.synthetic_test,
+            )),
         }
     }
 

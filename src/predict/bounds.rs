@@ -57,7 +57,13 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     } else {
         0
     };
-    let mut budgets = Budget::all(cfg.memory_limit, fit_memory, device, held, headroom());
+    let mut budgets = Budget::all(
+        cfg.memory.memory_limit,
+        fit_memory,
+        device,
+        held,
+        headroom(),
+    );
     // The tightest first: a value that fits it fits the others on the same memory.
     budgets.sort_by_key(|b| b.room);
     let ctx = Ctx {
@@ -85,7 +91,8 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     // machine can give, the allocator would abort the process part-way through the first step.
     // (A training split smaller than one batch never gets there: the trainer refuses it.)
     let machine = ctx.budgets.iter().find(|b| b.kind == Kind::Machine);
-    let trains = ctx.step == Step::AsConfigured && ctx.data(cfg).0.train_images >= cfg.batch_size;
+    let trains =
+        ctx.step == Step::AsConfigured && ctx.data(cfg).0.train_images >= cfg.steps.batch_size;
     if let (true, Some(b), Some(est)) = (trains, machine, &needs.estimate) {
         let step = est.run_peak().saturating_sub(RUNTIME_OVERHEAD_BYTES);
         if step > b.room {
@@ -120,7 +127,7 @@ fn refuse_predicted_overrun(
     fit_memory: Option<u64>,
 ) -> Result<()> {
     let (Some(limit), Some(est), true, None) = (
-        cfg.memory_limit,
+        cfg.memory.memory_limit,
         &needs.estimate,
         ctx.device.is_cpu(),
         fit_memory,
@@ -128,8 +135,8 @@ fn refuse_predicted_overrun(
         return Ok(());
     };
     // `--checkpoint auto` chooses under the limit itself, or says that nothing fits.
-    let auto = cfg.grad_checkpointing == GradCheckpointing::Auto;
-    let trains = ctx.data(cfg).0.train_images >= cfg.batch_size && !auto;
+    let auto = cfg.memory.grad_checkpointing == GradCheckpointing::Auto;
+    let trains = ctx.data(cfg).0.train_images >= cfg.steps.batch_size && !auto;
     let escape = std::env::var_os(RUN_PAST_PREDICTION_ENV).is_some_and(|v| v == "1");
     let reserve = RssReserve::of_process();
     let peak = est.run_peak();
@@ -197,11 +204,11 @@ enum Source {
 impl Source {
     /// The source [`crate::data::load`] will use for `cfg`, directories scanned and checked.
     fn of(cfg: &TrainConfig) -> Result<Self> {
-        if cfg.download {
+        if cfg.data.download {
             return Ok(Source::Download(DataSize::for_config(cfg)?));
         }
         let default_dir = Path::new(crate::data::DEFAULT_DATA_DIR);
-        let dir = match &cfg.data_dir {
+        let dir = match &cfg.data.data_dir {
             Some(d) => d.clone(),
             None if default_dir.is_dir() => default_dir.to_path_buf(),
             None => return Ok(Source::Synthetic),
@@ -393,12 +400,12 @@ impl Ctx {
         match &self.source {
             Source::Synthetic => {
                 // Generation allocates each split exactly, one after the other.
-                let size = DataSize::synthetic(cfg.synthetic_train, cfg.synthetic_test);
+                let size = DataSize::synthetic(cfg.data.synthetic_train, cfg.data.synthetic_test);
                 (size, size.resident_bytes)
             }
             Source::Dir(_, files) => {
-                let size = DataSize::for_files(files, cfg.val_fraction);
-                (size, dir_loading_peak(files, cfg.val_fraction))
+                let size = DataSize::for_files(files, cfg.data.val_fraction);
+                (size, dir_loading_peak(files, cfg.data.val_fraction))
             }
             Source::Download(size) => {
                 let size = *size;
@@ -462,8 +469,8 @@ impl Ctx {
                 let mut least: Option<u64> = None;
                 for &grad_checkpointing in GradCheckpointing::CONCRETE {
                     let mut c = cfg.clone();
-                    c.accum_steps = c.batch_size;
-                    c.grad_checkpointing = grad_checkpointing;
+                    c.steps.accum_steps = c.steps.batch_size;
+                    c.memory.grad_checkpointing = grad_checkpointing;
                     if let Some(p) = peak(&c)? {
                         least = Some(least.map_or(p, |l| l.min(p)));
                     }
@@ -532,10 +539,10 @@ impl Ctx {
             (
                 format!(
                     "the model at --width {} needs {} ({} parameters, with their gradients and {} state)",
-                    cfg.width,
+                    cfg.model.width,
                     size(needs.model),
-                    count(crate::model::cnn::param_count(cfg.width, cfg.conv) as u64),
-                    match cfg.optimizer {
+                    count(crate::model::cnn::param_count(cfg.model.width, cfg.model.conv) as u64),
+                    match cfg.optimizer.kind {
                         OptimizerKind::Sgd => "SGD momentum",
                         OptimizerKind::Adamw => "AdamW moment",
                     }
@@ -571,20 +578,24 @@ impl Ctx {
     fn data_fixes(&self, cfg: &TrainConfig, b: &Budget) -> Result<Vec<String>> {
         Ok(match self.source {
             Source::Synthetic => {
-                let test = cfg.synthetic_test > cfg.synthetic_train;
+                let test = cfg.data.synthetic_test > cfg.data.synthetic_train;
                 let (flag, current, lo) = if test {
-                    ("--synthetic-test", cfg.synthetic_test, MIN_SYNTHETIC_IMAGES)
+                    (
+                        "--synthetic-test",
+                        cfg.data.synthetic_test,
+                        MIN_SYNTHETIC_IMAGES,
+                    )
                 } else {
                     // The training split must hold at least one batch.
                     (
                         "--synthetic-train",
-                        cfg.synthetic_train,
-                        cfg.batch_size.max(MIN_SYNTHETIC_IMAGES),
+                        cfg.data.synthetic_train,
+                        cfg.steps.batch_size.max(MIN_SYNTHETIC_IMAGES),
                     )
                 };
                 let set = |c: &mut TrainConfig, v: usize| match test {
-                    true => c.synthetic_test = v,
-                    false => c.synthetic_train = v,
+                    true => c.data.synthetic_test = v,
+                    false => c.data.synthetic_train = v,
                 };
                 self.largest_fitting(cfg, b, lo, current.saturating_sub(1), set)?
                     .map(|n| format!("use {flag} ≤ {n}"))
@@ -600,16 +611,18 @@ impl Ctx {
     fn model_fixes(&self, cfg: &TrainConfig, b: &Budget) -> Result<Vec<String>> {
         let mut fixes = Vec::new();
         let narrower =
-            self.largest_fitting(cfg, b, 1, cfg.width.saturating_sub(1), |c, v| c.width = v)?;
+            self.largest_fitting(cfg, b, 1, cfg.model.width.saturating_sub(1), |c, v| {
+                c.model.width = v
+            })?;
         fixes.extend(narrower.map(|w| format!("use --width ≤ {w}")));
         let mut separable = cfg.clone();
-        separable.conv = ConvKind::Separable;
-        if cfg.conv == ConvKind::Standard && self.fits(&separable, b, false)? {
+        separable.model.conv = ConvKind::Separable;
+        if cfg.model.conv == ConvKind::Standard && self.fits(&separable, b, false)? {
             fixes.push("--conv separable".into());
         }
         let mut sgd = cfg.clone();
-        sgd.optimizer = OptimizerKind::Sgd;
-        if cfg.optimizer == OptimizerKind::Adamw && self.fits(&sgd, b, false)? {
+        sgd.optimizer.kind = OptimizerKind::Sgd;
+        if cfg.optimizer.kind == OptimizerKind::Adamw && self.fits(&sgd, b, false)? {
             fixes.push("--optimizer sgd".into());
         }
         Ok(fixes)
@@ -620,8 +633,8 @@ impl Ctx {
         match &self.source {
             Source::Synthetic => format!(
                 "the synthetic data set ({} train + {} test images)",
-                count(cfg.synthetic_train as u64),
-                count(cfg.synthetic_test as u64)
+                count(cfg.data.synthetic_train as u64),
+                count(cfg.data.synthetic_test as u64)
             ),
             Source::Dir(dir, files) => format!(
                 "the data set in {} ({} images in {} files, while loading)",

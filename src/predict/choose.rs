@@ -29,18 +29,18 @@ pub fn choose_checkpointing(
     let candidates = segmentation_candidates(cfg, specs, device, baseline)?;
     match pick(
         &candidates,
-        heap_limit(cfg.memory_limit, device),
+        heap_limit(cfg.memory.memory_limit, device),
         SAFETY_MARGIN,
     ) {
         Some(i) => Ok(CheckpointChoice {
             chosen: candidates[i],
-            limit: heap_limit(cfg.memory_limit, device),
+            limit: heap_limit(cfg.memory.memory_limit, device),
             margin: SAFETY_MARGIN,
             considered: candidates.len(),
         }),
         None => Err(nothing_fits(
             &candidates,
-            cfg.memory_limit.unwrap_or(0),
+            cfg.memory.memory_limit.unwrap_or(0),
             SAFETY_MARGIN,
             &|heap| limit_for_heap(heap, device),
             &crate::advice::out_of_memory(cfg, false),
@@ -55,10 +55,11 @@ pub fn choose_checkpointing(
 /// # Errors
 /// [`choose_checkpointing`]'s, or when the data directory cannot be sized.
 pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
-    if cfg.grad_checkpointing != GradCheckpointing::Auto || cfg.memory_limit.is_none() {
+    if cfg.memory.grad_checkpointing != GradCheckpointing::Auto || cfg.memory.memory_limit.is_none()
+    {
         return Ok(());
     }
-    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
     let device = DeviceKind::for_spec(cfg.device.as_deref())?;
     let data = DataSize::for_config(cfg)?;
     choose_checkpointing(cfg, &specs, device, Baseline::Modeled(data)).map(|_| ())
@@ -70,13 +71,11 @@ pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
 /// # Errors
 /// As [`estimate_for_specs`], or when the device or the data directory is not usable.
 pub fn all_segmentations(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
-    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
     let device = DeviceKind::for_spec(cfg.device.as_deref())?;
     let data = DataSize::for_config(cfg)?;
-    let all = TrainConfig {
-        memory_limit: Some(cfg.memory_limit.unwrap_or(u64::MAX / 2)),
-        ..cfg.clone()
-    };
+    let mut all = cfg.clone();
+    all.memory.memory_limit = Some(cfg.memory.memory_limit.unwrap_or(u64::MAX / 2));
     segmentation_candidates(&all, &specs, device, Baseline::Modeled(data))
 }
 
@@ -95,10 +94,10 @@ pub(crate) fn smaller_checkpointing(
         .ok()?
         .run_peak();
     let mut all = cfg.clone();
-    all.memory_limit = Some(cfg.memory_limit.unwrap_or(u64::MAX / 2));
+    all.memory.memory_limit = Some(cfg.memory.memory_limit.unwrap_or(u64::MAX / 2));
     let candidates = segmentation_candidates(&all, specs, device, baseline).ok()?;
     let smaller = |c: &&Candidate| c.predicted_peak < current;
-    let limit = heap_limit(cfg.memory_limit, device);
+    let limit = heap_limit(cfg.memory.memory_limit, device);
     // Under a limit, only a segmentation predicted to fit it is advice.
     let fits = |c: &&Candidate| {
         limit.is_none_or(|l| c.predicted_peak <= super::margin::usable_bytes(l, SAFETY_MARGIN))
@@ -113,7 +112,7 @@ pub(crate) fn smaller_checkpointing(
                 .min_by_key(|c| c.predicted_peak)
         })
         .filter(smaller)?;
-    (GradCheckpointing::from(chosen.checkpointing) != cfg.grad_checkpointing).then_some(
+    (GradCheckpointing::from(chosen.checkpointing) != cfg.memory.grad_checkpointing).then_some(
         crate::advice::SmallerCheckpointing {
             checkpointing: chosen.checkpointing.into(),
             predicted_peak: chosen.predicted_peak,

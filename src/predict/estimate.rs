@@ -245,7 +245,7 @@ pub fn estimate_with(
     baseline: Baseline,
 ) -> Result<Estimate> {
     cfg.validate()?;
-    let specs = model_layer_specs(cfg.width, cfg.conv);
+    let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
     estimate_for_specs(cfg, &specs, device, baseline)
 }
 
@@ -260,18 +260,18 @@ pub fn segmentation_candidates(
     device: DeviceKind,
     baseline: Baseline,
 ) -> Result<Vec<Candidate>> {
-    let all = match cfg.memory_limit {
+    let all = match cfg.memory.memory_limit {
         Some(_) => GradCheckpointing::all_segmentations(),
         None => GradCheckpointing::CONCRETE.to_vec(),
     };
     let mut out = Vec::with_capacity(all.len());
     for ck in all {
         let mut c = cfg.clone();
-        c.grad_checkpointing = ck;
+        c.memory.grad_checkpointing = ck;
         out.push(Candidate {
             checkpointing: ck.resolved()?,
             predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
-            recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.batch_size),
+            recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.steps.batch_size),
         });
     }
     Ok(out)
@@ -293,7 +293,7 @@ pub fn resolve_checkpointing(
     let candidates = segmentation_candidates(cfg, specs, device, baseline)?;
     let i = pick(
         &candidates,
-        heap_limit(cfg.memory_limit, device),
+        heap_limit(cfg.memory.memory_limit, device),
         SAFETY_MARGIN,
     )
     .or_else(|| pick(&candidates, None, SAFETY_MARGIN))
@@ -322,10 +322,10 @@ pub fn estimate_for_specs(
     baseline: Baseline,
 ) -> Result<Estimate> {
     cfg.validate()?;
-    if cfg.grad_checkpointing == GradCheckpointing::Auto {
+    if cfg.memory.grad_checkpointing == GradCheckpointing::Auto {
         let chosen = resolve_checkpointing(cfg, specs, device, baseline)?;
         let mut c = cfg.clone();
-        c.grad_checkpointing = chosen;
+        c.memory.grad_checkpointing = chosen;
         return estimate_for_specs(&c, specs, device, baseline);
     }
     let nodes = nodes_from_specs(specs)?;
@@ -335,13 +335,13 @@ pub fn estimate_for_specs(
         .map(|n| n.block + 1)
         .max()
         .unwrap_or(0);
-    let segments = segments(n_blocks, cfg.grad_checkpointing.resolved()?);
+    let segments = segments(n_blocks, cfg.memory.grad_checkpointing.resolved()?);
     let ctx = Ctx {
         n: cfg.micro_batch() as u64,
-        s: elem_bytes(cfg.precision.compute_dtype()),
-        dtype: cfg.precision.compute_dtype(),
+        s: elem_bytes(cfg.memory.precision.compute_dtype()),
+        dtype: cfg.memory.precision.compute_dtype(),
         device,
-        storage: cfg.compress_activations,
+        storage: cfg.memory.compress_activations,
     };
     let sizes = Sizes::of(cfg, &nodes, device);
     let (baseline_bytes, batch_bytes) = baseline_and_batches(cfg, baseline, device, &sizes);
@@ -385,10 +385,10 @@ pub fn estimate_for_specs(
         layers,
         setup: EstimateSetup {
             micro_batch: cfg.micro_batch(),
-            accum_steps: cfg.accum_steps,
-            precision: cfg.precision,
-            grad_checkpointing: cfg.grad_checkpointing,
-            conv: cfg.conv,
+            accum_steps: cfg.steps.accum_steps,
+            precision: cfg.memory.precision,
+            grad_checkpointing: cfg.memory.grad_checkpointing,
+            conv: cfg.model.conv,
             device,
             input_shape: nodes[0].inp,
             prefetch: cfg.prefetch_batches(!device.is_cpu()),
@@ -501,13 +501,13 @@ impl Sizes {
             .filter(|n| n.op == Op::Bn)
             .map(|n| n.out.0 as u64 * 2 * 4)
             .sum();
-        let slots = match cfg.optimizer {
+        let slots = match cfg.optimizer.kind {
             OptimizerKind::Sgd => 1,
             OptimizerKind::Adamw => 2,
         };
         let state_bytes = slots * shapes.iter().map(|d| new_tensor(d)).sum::<u64>();
         // The pruned weights: convolutions and the head's weight (its first tensor), not biases.
-        let pruned: Vec<u64> = if cfg.prune.is_some() {
+        let pruned: Vec<u64> = if cfg.pruning.prune.is_some() {
             nodes
                 .iter()
                 .filter(|n| matches!(n.op, Op::Conv { .. } | Op::Depthwise | Op::Head))
@@ -562,7 +562,7 @@ fn baseline_and_batches(
         Baseline::Modeled(data) => (model, data.train_images),
     };
     let batch_bytes = if device.is_cpu() {
-        let per_batch = cfg.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
+        let per_batch = cfg.steps.batch_size as u64 * (IMAGE_BYTES as u64 * 4 + 4);
         // The batcher's permutation of the training split and its records live for the epoch.
         train_batches_in_flight(cfg, train_images) * per_batch
             + train_images as u64 * 8
@@ -577,7 +577,7 @@ fn baseline_and_batches(
 /// ahead (no more than an epoch has). Their image buffers stay in the trainer's pool after the
 /// epoch's steps, for the next epoch and the evaluation.
 fn train_batches_in_flight(cfg: &TrainConfig, train_images: usize) -> u64 {
-    let batches = (train_images / cfg.batch_size.max(1)).max(1);
+    let batches = (train_images / cfg.steps.batch_size.max(1)).max(1);
     (cfg.prefetch_batches(false) + 1).min(batches) as u64
 }
 
@@ -605,7 +605,7 @@ fn eval_phase(
         } => (train_images, eval_images),
     };
     let n = cfg.micro_batch().min(eval_images);
-    if !cfg.eval || n == 0 {
+    if !cfg.output.eval || n == 0 {
         return Ok((0, None));
     }
     let c = Ctx {
@@ -626,14 +626,15 @@ fn eval_phase(
             let eval_batches = eval_images.div_ceil(n);
             let eval_in_flight = (cfg.prefetch_batches(false) + 1).min(eval_batches) as u64;
             let records = crate::data::batcher::epoch_record_bytes();
-            s.free(in_flight * cfg.batch_size as u64 * 4 + train_images as u64 * 8 + records);
+            let training = in_flight * cfg.steps.batch_size as u64 * 4 + train_images as u64 * 8;
+            s.free(training + records);
             s.cur += eval_images as u64 * 8 + eval_in_flight * n as u64 * 4 + records;
         }
         s.peaks[Phase::Eval as usize] = s.cur;
     }
     let blocks = blocks_of(nodes).len();
     let ops = super::sizing::Sizing::new(sim.clone(), &c, nodes);
-    super::sizing::eval_batch(ops, n, blocks, cfg.compress_activations)?;
+    super::sizing::eval_batch(ops, n, blocks, cfg.memory.compress_activations)?;
     let peak = sim.borrow().peaks[Phase::Eval as usize];
     Ok((n, Some(peak)))
 }
@@ -643,7 +644,7 @@ fn eval_phase(
 /// calling thread, one of them; see `memtrain_kernels::linear`). On CUDA, the cuDNN workspace of a `cudnn`
 /// build, allocated by the first convolution and kept.
 fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
-    let dtype = cfg.precision.compute_dtype();
+    let dtype = cfg.memory.precision.compute_dtype();
     match device {
         // Without the gemm crate in the convolutions (the AVX-512 bf16 kernels), only the
         // calling thread's head products make one.
@@ -699,19 +700,19 @@ fn run_steps(
         // The gradient accumulator's slots, for the step's micro-batches and its update, and
         // the micro-batches' results.
         let results = if host {
-            (cfg.accum_steps * std::mem::size_of::<crate::step::MicroResult>()) as u64
+            (cfg.steps.accum_steps * std::mem::size_of::<crate::step::MicroResult>()) as u64
         } else {
             0
         };
         sim.borrow_mut().alloc(sizes.grad_slots + results);
         let mut grads = Vec::new();
-        for _ in 0..cfg.accum_steps {
+        for _ in 0..cfg.steps.accum_steps {
             let (r, ev) = micro_batch(
                 sim,
                 ctx,
                 nodes,
                 segments,
-                cfg.compress_activations,
+                cfg.memory.compress_activations,
                 &mut grads,
             )?;
             activation_bytes = activation_bytes.max(r);
@@ -752,7 +753,7 @@ fn run_steps(
 /// after it, and pruning recomputes its masks.
 fn optimizer_phase(sim: &mut Sim, cfg: &TrainConfig, first: bool, sizes: &Sizes) {
     sim.phase = Phase::Optimizer;
-    if cfg.precision == Precision::F16 {
+    if cfg.memory.precision == Precision::F16 {
         // Unscaling replaces each gradient by a scaled copy.
         sim.spike(sizes.max_param);
     }
@@ -760,8 +761,8 @@ fn optimizer_phase(sim: &mut Sim, cfg: &TrainConfig, first: bool, sizes: &Sizes)
     // holds the parameter detached): SGD's g + w·wd, buf·m and g + buf·m (without weight decay
     // the gradient itself stands for g + w·wd); AdamW's moments, their bias-corrected copies,
     // sqrt and the update, about six. The first step also allocates the new state as it goes.
-    let temporaries = match cfg.optimizer {
-        OptimizerKind::Sgd if cfg.weight_decay > 0.0 => 3,
+    let temporaries = match cfg.optimizer.kind {
+        OptimizerKind::Sgd if cfg.optimizer.weight_decay > 0.0 => 3,
         OptimizerKind::Sgd => 2,
         OptimizerKind::Adamw => 6,
     };

@@ -224,11 +224,11 @@ impl Fixed {
     pub fn from_explicit(cfg: &TrainConfig, explicit: &[String]) -> Self {
         let given = |id: &str| explicit.iter().any(|e| e == id);
         Fixed {
-            precision: given("precision").then_some(cfg.precision),
+            precision: given("precision").then_some(cfg.memory.precision),
             grad_checkpointing: (given("checkpoint")
-                && cfg.grad_checkpointing != GradCheckpointing::Auto)
-                .then_some(cfg.grad_checkpointing),
-            accum_steps: given("accum_steps").then_some(cfg.accum_steps),
+                && cfg.memory.grad_checkpointing != GradCheckpointing::Auto)
+                .then_some(cfg.memory.grad_checkpointing),
+            accum_steps: given("accum_steps").then_some(cfg.steps.accum_steps),
         }
     }
 
@@ -477,7 +477,7 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
             opts.margin
         )));
     }
-    let effective = opts.effective_batch.unwrap_or(cfg.batch_size);
+    let effective = opts.effective_batch.unwrap_or(cfg.steps.batch_size);
     if effective == 0 || effective > MAX_BATCH_SIZE {
         return Err(Error::config(format!(
             "--effective-batch must be between 1 and {MAX_BATCH_SIZE}, got {effective}"
@@ -524,13 +524,13 @@ fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result
     let convs: Vec<ConvKind> = if opts.allow_model_change {
         ConvKind::ALL.to_vec()
     } else {
-        vec![cfg.conv]
+        vec![cfg.model.conv]
     };
     let reference = opts.cost.time_per_image(
         cfg.micro_batch().max(1),
-        cfg.precision,
-        cfg.grad_checkpointing,
-        cfg.conv,
+        cfg.memory.precision,
+        cfg.memory.grad_checkpointing,
+        cfg.model.conv,
     );
 
     let mut all: Vec<Plan> = Vec::new();
@@ -554,11 +554,11 @@ fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result
                         continue;
                     }
                     let mut c = cfg.clone();
-                    c.batch_size = effective;
-                    c.accum_steps = effective / micro;
-                    c.grad_checkpointing = grad_checkpointing;
-                    c.precision = precision;
-                    c.conv = conv;
+                    c.steps.batch_size = effective;
+                    c.steps.accum_steps = effective / micro;
+                    c.memory.grad_checkpointing = grad_checkpointing;
+                    c.memory.precision = precision;
+                    c.model.conv = conv;
                     let est: Estimate =
                         estimate_with(&c, opts.device, Baseline::Modeled(opts.data))?;
                     let t = opts
@@ -635,7 +635,7 @@ fn other_model_hint(cfg: &TrainConfig, opts: &PlanOptions, needed: u64) -> Resul
         return Ok(String::new());
     }
     let mut other = cfg.clone();
-    other.conv = match cfg.conv {
+    other.model.conv = match cfg.model.conv {
         ConvKind::Standard => ConvKind::Separable,
         ConvKind::Separable => ConvKind::Standard,
     };
@@ -643,7 +643,7 @@ fn other_model_hint(cfg: &TrainConfig, opts: &PlanOptions, needed: u64) -> Resul
     Ok(if theirs < needed {
         format!(
             "; the {} conv model would need {} (--allow-model-change)",
-            other.conv,
+            other.model.conv,
             format_bytes(theirs)
         )
     } else {

@@ -41,12 +41,12 @@ pub struct WhatIf {
 /// The accumulation the what-if tries: the run's own when it accumulates, else the largest of
 /// 4 and 2 that divides the batch (`None`: the batch cannot be split).
 fn accum_for(cfg: &TrainConfig) -> Option<usize> {
-    if cfg.accum_steps > 1 {
-        return Some(cfg.accum_steps);
+    if cfg.steps.accum_steps > 1 {
+        return Some(cfg.steps.accum_steps);
     }
     [4, 2]
         .into_iter()
-        .find(|k| cfg.batch_size >= *k && cfg.batch_size.is_multiple_of(*k))
+        .find(|k| cfg.steps.batch_size >= *k && cfg.steps.batch_size.is_multiple_of(*k))
 }
 
 /// The four optimizations of a row.
@@ -104,12 +104,12 @@ impl Opts {
         baseline: Baseline,
     ) -> Result<(u64, Option<u64>)> {
         let mut c = cfg.clone();
-        c.precision = self.precision;
-        c.accum_steps = self.accum;
-        c.grad_checkpointing = self.ckpt;
-        c.conv = self.conv;
-        c.compress_activations = self.storage;
-        let specs = model_layer_specs(c.width, c.conv);
+        c.memory.precision = self.precision;
+        c.steps.accum_steps = self.accum;
+        c.memory.grad_checkpointing = self.ckpt;
+        c.model.conv = self.conv;
+        c.memory.compress_activations = self.storage;
+        let specs = model_layer_specs(c.model.width, c.model.conv);
         let e = estimate_for_specs(&c, &specs, device, baseline)?;
         Ok((e.peak, e.eval_peak))
     }
@@ -148,14 +148,14 @@ pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Res
     };
     rows.push(("separable".into(), separable));
     let all = Opts {
-        precision: match cfg.precision {
+        precision: match cfg.memory.precision {
             Precision::F32 => Precision::F16,
             p => p,
         },
         accum: accum.unwrap_or(1),
         ..separable
     };
-    let all = match cfg.grad_checkpointing {
+    let all = match cfg.memory.grad_checkpointing {
         ck @ (GradCheckpointing::Stages | GradCheckpointing::Blocks) => Opts { ckpt: ck, ..all },
         _ => {
             let stages = Opts {

@@ -244,7 +244,7 @@ impl Runner<'_> {
                     // The search's first batch (see `search`); flags the trainer refuses are
                     // left for its dry run to name.
                     let flags = merge_flags(&[&opts.common, &variant.flags]);
-                    let accum = crate::cli::flags_config(&flags).map_or(1, |c| c.accum_steps);
+                    let accum = crate::cli::flags_config(&flags).map_or(1, |c| c.steps.accum_steps);
                     vec![round_up(*start, accum)
                         .min(*max_batch / accum.max(1) * accum)
                         .max(1)]
@@ -300,7 +300,7 @@ impl Runner<'_> {
     ) -> Result<MaxBatch> {
         let flags = merge_flags(&[&self.opts.common, &variant.flags]);
         let config = crate::cli::flags_config(&flags)?;
-        let accum = config.accum_steps;
+        let accum = config.steps.accum_steps;
         // A batch cannot exceed the training split: with real data the search stops there.
         let data = crate::data::DataOptions::for_config(&config, None);
         let images = crate::data::real_train_images(&data)?.filter(|&n| n < max_batch);

@@ -19,7 +19,7 @@ impl Variant {
     /// Gradient accumulation steps this variant asks for (the trainer's default when not given),
     /// read from its flags as the trainer parses them.
     pub fn accum_steps(&self) -> crate::Result<usize> {
-        Ok(crate::cli::flags_config(&self.flags)?.accum_steps)
+        Ok(crate::cli::flags_config(&self.flags)?.steps.accum_steps)
     }
 }
 

@@ -93,11 +93,12 @@ impl Trainer {
     /// the newer ones aside, so `--resume` takes it.
     pub(crate) fn divergence_advice(&self) -> String {
         let mut fixes = vec!["lower --lr".to_string()];
-        if self.config.precision != crate::config::Precision::F32 {
+        if self.config.memory.precision != crate::config::Precision::F32 {
             fixes.push("use --precision f32".into());
         }
-        if self.config.clip_grad_norm.is_none() {
+        if self.config.optimizer.clip_grad_norm.is_none() {
             let default = crate::config::TrainConfig::default()
+                .optimizer
                 .clip_grad_norm
                 .unwrap_or(1.5);
             fixes.push(format!("clip the gradients (--clip-grad-norm {default})"));

@@ -39,7 +39,7 @@ impl Trainer {
                 recycle: Some(self.data.batch_buffers.clone()),
             },
         );
-        let dtype = self.config.precision.compute_dtype();
+        let dtype = self.config.memory.precision.compute_dtype();
         let (mut loss_sum, mut correct, mut n) = (0.0, 0usize, 0usize);
         for b in batcher {
             if self.stop_requested() {
@@ -56,7 +56,7 @@ impl Trainer {
                 &self.model,
                 dtype,
                 self.model.segments(crate::config::Segmentation::NONE),
-                self.config.compress_activations,
+                self.config.memory.compress_activations,
             )
             .evaluate(&x, &y, &mut budget)
             .map_err(|e| self.advise_oom(e))?;
@@ -100,7 +100,7 @@ impl Trainer {
         let mut cut_short: Option<EpochStats> = None;
         let mut interrupted = false;
         let mut epoch = self.position.start_epoch;
-        while epoch < self.config.epochs {
+        while epoch < self.config.steps.epochs {
             if self.stop_requested() {
                 cut_short = Some(EpochStats::default());
                 interrupted = true;
@@ -165,19 +165,19 @@ impl Trainer {
         }
         self.watch
             .memory
-            .epoch_begin(epoch, cfg.reset_peak_each_epoch);
+            .epoch_begin(epoch, cfg.output.reset_peak_each_epoch);
         self.callbacks.on_epoch_begin(&EpochBegin {
             epoch,
-            num_epochs: cfg.epochs,
+            num_epochs: cfg.steps.epochs,
             steps,
             global_step: self.position.global_step,
-            reset_peak: cfg.reset_peak_each_epoch,
+            reset_peak: cfg.output.reset_peak_each_epoch,
             probe: &*self.watch.probe,
             memory: self.watch.memory.log(),
         })?;
-        let mut progress = carried.unwrap_or_else(|| EpochProgress::new(epoch, cfg.lr));
+        let mut progress = carried.unwrap_or_else(|| EpochProgress::new(epoch, cfg.optimizer.lr));
         let (next, mut interrupted) = self.train_steps(epoch, first, steps, &mut progress)?;
-        let eval = if cfg.eval && !interrupted {
+        let eval = if cfg.output.eval && !interrupted {
             let e = self.evaluate(&self.data.eval.clone(), epoch)?;
             interrupted = e.is_none();
             e
@@ -190,7 +190,7 @@ impl Trainer {
         self.watch.memory.epoch_end(epoch, evaluated);
         self.callbacks.on_epoch_end(&EpochEnd {
             stats: &stats,
-            num_epochs: cfg.epochs,
+            num_epochs: cfg.steps.epochs,
             probe: &*self.watch.probe,
             memory: self.watch.memory.log(),
         })?;
@@ -226,9 +226,9 @@ impl Trainer {
         let batcher = Batcher::new(
             self.data.train.clone(),
             BatcherOptions {
-                batch_size: cfg.batch_size,
+                batch_size: cfg.steps.batch_size,
                 shuffle: true,
-                augment: cfg.augment,
+                augment: cfg.data.augment,
                 drop_last: true,
                 seed: cfg.seed,
                 epoch,
@@ -237,7 +237,7 @@ impl Trainer {
                 recycle: Some(self.data.batch_buffers.clone()),
             },
         );
-        let save_every = cfg.save_every;
+        let save_every = cfg.output.save_every;
         let mut next = first;
         // Seconds from step to step, waiting for data and writing snapshots included.
         let mut tick = Instant::now();

@@ -33,7 +33,7 @@ impl Trainer {
         }
         let mut acc = GradAccumulator::new(self.vars.len());
         let batch = self.host_batch(images, labels);
-        let results = for_each_micro_batch(batch, self.config.accum_steps, 1.0, |mb| {
+        let results = for_each_micro_batch(batch, self.config.steps.accum_steps, 1.0, |mb| {
             self.lean_step()
                 .run(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
         })?;
@@ -49,13 +49,13 @@ impl Trainer {
     ) -> Result<(f64, Vec<Option<Tensor>>)> {
         let mut acc = GradAccumulator::new(self.vars.len());
         let batch = self.host_batch(images, labels);
-        let results = for_each_micro_batch(batch, self.config.accum_steps, 1.0, |mb| {
+        let results = for_each_micro_batch(batch, self.config.steps.accum_steps, 1.0, |mb| {
             crate::step::oracle::forward_backward(
                 &self.model,
                 &self.vars,
                 &mb.x,
                 &mb.y,
-                self.config.precision.compute_dtype(),
+                self.config.memory.precision.compute_dtype(),
                 self.segmentation,
                 mb.loss_mult,
                 &mut acc,
@@ -68,9 +68,9 @@ impl Trainer {
     fn lean_step(&self) -> LeanStep<CandleOps<'_>> {
         LeanStep::new(
             &self.model,
-            self.config.precision.compute_dtype(),
+            self.config.memory.precision.compute_dtype(),
             self.model.segments(self.segmentation),
-            self.config.compress_activations,
+            self.config.memory.compress_activations,
         )
     }
 }

@@ -143,7 +143,7 @@ impl GraphSlot {
     /// `--cuda-graph` without a CUDA device (an automatic device that turned out to be the CPU,
     /// or a build without CUDA), or when the static input buffers cannot be allocated.
     pub fn for_run(config: &TrainConfig, device: &candle_core::Device) -> Result<Self> {
-        if !config.cuda_graph {
+        if !config.cuda.cuda_graph {
             return Ok(GraphSlot::default());
         }
         if !device.is_cuda() {
@@ -156,7 +156,7 @@ impl GraphSlot {
             Ok(GraphSlot {
                 step: std::cell::RefCell::new(Some(cuda::CapturedStep::new(
                     device,
-                    config.batch_size,
+                    config.steps.batch_size,
                 )?)),
             })
         }
@@ -257,18 +257,30 @@ mod cuda {
 
         /// The step's forward and backward on the static inputs, reading nothing back.
         fn body(&self, t: &Trainer, loss_scale: f64) -> Result<Outputs> {
-            let dtype = t.config.precision.compute_dtype();
+            let dtype = t.config.memory.precision.compute_dtype();
             let mut acc = GradAccumulator::new(t.vars().len());
             let batch = BatchInput::Device {
                 x: &self.x,
                 y: &self.y,
             };
-            let results = for_each_micro_batch(batch, t.config.accum_steps, loss_scale, |mb| {
-                let segments = t.model.segments(t.segmentation);
-                LeanStep::new(&t.model, dtype, segments, t.config.compress_activations)
+            let results =
+                for_each_micro_batch(batch, t.config.steps.accum_steps, loss_scale, |mb| {
+                    let segments = t.model.segments(t.segmentation);
+                    LeanStep::new(
+                        &t.model,
+                        dtype,
+                        segments,
+                        t.config.memory.compress_activations,
+                    )
                     .with_stats_in_place()
-                    .run_deferred(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
-            })?;
+                    .run_deferred(
+                        &mb.x,
+                        &mb.y,
+                        mb.loss_mult,
+                        &mut acc,
+                        &mut NoObserver,
+                    )
+                })?;
             let (losses, corrects) = results.into_iter().map(|r| (r.loss, r.correct)).unzip();
             Ok(Outputs {
                 losses,

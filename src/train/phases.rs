@@ -288,13 +288,13 @@ impl Trainer {
             epoch,
             batch: batch_idx,
             global_step: self.position.global_step,
-            accum_steps: self.config.accum_steps,
+            accum_steps: self.config.steps.accum_steps,
             images: batch.len,
             lr: one_cycle_lr(
                 self.position.global_step,
                 self.position.total_steps,
-                self.config.lr,
-                self.config.warmup_frac,
+                self.config.optimizer.lr,
+                self.config.optimizer.warmup_frac,
             ),
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
         };
@@ -319,8 +319,10 @@ impl Trainer {
             Ok(r) => {
                 self.watch.timeline = timeline;
                 self.position.global_step += 1;
-                self.history
-                    .note_storage(self.position.global_step, self.config.compress_activations);
+                self.history.note_storage(
+                    self.position.global_step,
+                    self.config.memory.compress_activations,
+                );
                 self.history
                     .step_times
                     .push(r.images, t0.elapsed().as_secs_f64());
@@ -353,7 +355,7 @@ impl Trainer {
         start_bytes: &mut u64,
         t0: Instant,
     ) -> Result<StepResult> {
-        let limit = self.config.memory_limit;
+        let limit = self.config.memory.memory_limit;
         let probe = self.watch.probe.clone();
         self.watch.memory.step_begin();
         // Traced from the moment the step's peak starts (the trace resets the watermark).
@@ -434,7 +436,7 @@ impl Trainer {
         fixed: CategoryBytes,
         events: &mut Vec<TimelineEvent>,
     ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
-        let limit = self.config.memory_limit;
+        let limit = self.config.memory.memory_limit;
         let k = step.accum_steps;
         if let Some(r) = self.cuda_graph.grads(
             self,
@@ -481,9 +483,9 @@ impl Trainer {
         let results = for_each_micro_batch(batch, k, step.loss_scale.unwrap_or(1.0), |mb| {
             let mut lean = LeanStep::new(
                 model,
-                config.precision.compute_dtype(),
+                config.memory.precision.compute_dtype(),
                 model.segments(*segmentation),
-                config.compress_activations,
+                config.memory.compress_activations,
             );
             let mut timeline = TimelineRecorder {
                 probe: timeline_probe,
@@ -516,11 +518,11 @@ impl Trainer {
         let finite = squared.is_finite();
         // Clipping by the global norm (PyTorch's `clip_grad_norm_`): the whole step shrinks, its
         // direction is kept. A non-finite step is left to the scaler or the error below.
-        let clipping = match self.config.clip_during {
+        let clipping = match self.config.optimizer.clip_during {
             ClipDuring::All => true,
             ClipDuring::FirstEpoch => step.epoch == 0,
         };
-        let grads = match self.config.clip_grad_norm {
+        let grads = match self.config.optimizer.clip_grad_norm {
             Some(max) if clipping && finite && squared.sqrt() > max => {
                 let factor = max / squared.sqrt();
                 grads

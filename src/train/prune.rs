@@ -91,29 +91,30 @@ impl Schedule {
     /// # Errors
     /// [`CoreError::Config`](crate::error::CoreError::Config) when the end is past the run or not after the begin step.
     pub fn for_run(cfg: &TrainConfig, total_steps: usize) -> Result<Option<Schedule>> {
-        let Some(target) = cfg.prune else {
+        let Some(target) = cfg.pruning.prune else {
             return Ok(None);
         };
         let end = cfg
+            .pruning
             .prune_end
-            .unwrap_or_else(|| default_end(cfg.prune_begin, total_steps));
+            .unwrap_or_else(|| default_end(cfg.pruning.prune_begin, total_steps));
         if end > total_steps {
             return Err(Error::config(format!(
                 "--prune-end {end} is past the run's last step {total_steps} (--epochs x steps per epoch, capped by --max-steps); lower --prune-end or train longer"
             )));
         }
-        if cfg.prune_begin >= end {
+        if cfg.pruning.prune_begin >= end {
             return Err(Error::config(format!(
                 "--prune-begin {} is not before the schedule's end, step {end} (--prune-end, default: the run's last step); lower --prune-begin or train longer",
-                cfg.prune_begin
+                cfg.pruning.prune_begin
             )));
         }
         Ok(Some(Schedule {
-            initial: cfg.prune_initial,
+            initial: cfg.pruning.prune_initial,
             target,
-            begin: cfg.prune_begin,
+            begin: cfg.pruning.prune_begin,
             end,
-            every: cfg.prune_every,
+            every: cfg.pruning.prune_every,
             power: POWER,
         }))
     }

@@ -127,8 +127,12 @@ impl Trainer {
                 .set_buffer(name, state.model[name].to_device(&self.device)?)?;
         }
         let cfg = &self.config;
-        let mut optimizer =
-            Optimizer::new(cfg.optimizer, vars.len(), cfg.momentum, cfg.weight_decay);
+        let mut optimizer = Optimizer::new(
+            cfg.optimizer.kind,
+            vars.len(),
+            cfg.optimizer.momentum,
+            cfg.optimizer.weight_decay,
+        );
         optimizer.load_state(opt_state)?;
         optimizer.steps = state.optimizer_steps;
         self.optimizer = optimizer;
@@ -174,7 +178,7 @@ impl Trainer {
         }
         // Every applied update leaves one state tensor per parameter (SGD's momentum), or two
         // (AdamW's moments); before the first, none.
-        let per_param = match self.config.optimizer {
+        let per_param = match self.config.optimizer.kind {
             crate::config::OptimizerKind::Sgd => 1,
             crate::config::OptimizerKind::Adamw => 2,
         };
@@ -189,7 +193,7 @@ impl Trainer {
                  leave {expected} (the snapshot was altered); resume an older snapshot or start again",
                 opt_state.len(),
                 state.optimizer_steps,
-                self.config.optimizer
+                self.config.optimizer.kind
             )));
         }
         Ok(opt_state)
@@ -219,7 +223,7 @@ impl Trainer {
                 .push(crate::config::StorageSpan {
                     first_step: 1,
                     last_step: self.position.global_step,
-                    compress_activations: config.compress_activations,
+                    compress_activations: config.memory.compress_activations,
                 });
         }
         self.files.snapshots.resumed(&run_dir, point, healthy);

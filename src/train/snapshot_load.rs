@@ -76,7 +76,7 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Snap
                 .map_err(|e| format!("damaged {MASKS_FILE} ({})", first_line(&e.to_string())))
         })
         .transpose()?;
-    if masks.is_some() != config.prune.is_some() {
+    if masks.is_some() != config.pruning.prune.is_some() {
         return Err(format!(
             "{MASKS_FILE} is {} but the config {} --prune",
             if masks.is_some() {
@@ -84,7 +84,7 @@ fn load_dir(run_dir: &Path, dir: &Path, step: usize) -> std::result::Result<Snap
             } else {
                 "missing"
             },
-            if config.prune.is_some() {
+            if config.pruning.prune.is_some() {
                 "has"
             } else {
                 "has no"
@@ -343,7 +343,7 @@ impl Snapshot {
     pub fn resume_config(&self, now: &TrainConfig, out_given: bool) -> Result<TrainConfig> {
         let mut diffs = differences(&self.config, now, MUST_MATCH);
         if out_given {
-            if let Some(out) = &now.out {
+            if let Some(out) = &now.output.out {
                 let same = match (out.canonicalize(), self.run_dir.canonicalize()) {
                     (Ok(a), Ok(b)) => a == b,
                     _ => out == &self.run_dir,
@@ -364,10 +364,9 @@ impl Snapshot {
                 diffs.join("; ")
             )));
         }
-        Ok(TrainConfig {
-            out: Some(self.run_dir.clone()),
-            ..now.clone()
-        })
+        let mut cfg = now.clone();
+        cfg.output.out = Some(self.run_dir.clone());
+        Ok(cfg)
     }
 
     /// Allowed changes that alter the rest of the run (epochs, max steps, learning-rate

@@ -164,9 +164,9 @@ impl Trainer {
         let last = epochs.last();
         let step_peak = mem.step_peak_bytes;
         let lossy_steps = self.history.lossy_steps();
-        let lossy = self.config.compress_activations.is_lossy() || !lossy_steps.is_empty();
+        let lossy = self.config.memory.compress_activations.is_lossy() || !lossy_steps.is_empty();
         let mut label = self.config.label();
-        if lossy && !self.config.compress_activations.is_lossy() {
+        if lossy && !self.config.memory.compress_activations.is_lossy() {
             // Exact now, lossy before a resume: the run is not the exact step's.
             label.push_str(&format!(
                 " (lossy: int8-activations in steps {lossy_steps})"
@@ -187,7 +187,7 @@ impl Trainer {
             os_view: self.watch.probe.os_view(),
             os_current_bytes: os.map(|o| o.current),
             os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak_bytes),
-            memory_limit_bytes: self.config.memory_limit,
+            memory_limit_bytes: self.config.memory.memory_limit,
             heap_budget_bytes: self.watch.probe.os_limit().and(self.watch.probe.limit()),
             checkpoint_segments: self
                 .model
@@ -198,7 +198,7 @@ impl Trainer {
             recompute_flops: crate::predict::checkpointing::recompute_flops(
                 &self.model.layer_specs(),
                 self.segmentation,
-                self.config.batch_size,
+                self.config.steps.batch_size,
             ),
             lossy,
             activation_storage: self.history.activation_storage.clone(),

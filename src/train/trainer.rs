@@ -164,33 +164,33 @@ impl Trainer {
         let cuda_graph = super::graph::GraphSlot::for_run(&config, &device)?;
         let timeline_probe = Arc::new(TimelineProbe::new(probe_for(
             &device,
-            config.memory_limit,
-            config.pool_cache,
+            config.memory.memory_limit,
+            config.cuda.pool_cache,
         )?));
         let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
         let segmentation = resolve_checkpointing(&config, &data, &device, options.progress)?;
-        config.grad_checkpointing = segmentation.into();
-        let run_dir = config.out.clone().unwrap_or_else(default_run_dir);
+        config.memory.grad_checkpointing = segmentation.into();
+        let run_dir = config.output.out.clone().unwrap_or_else(default_run_dir);
         let run_lock = options
             .log_files
             .then(|| super::run_dir::claim(&run_dir, options.claim))
             .transpose()?;
         let model = Cnn::new(
             ModelConfig {
-                width: config.width,
-                conv: config.conv,
+                width: config.model.width,
+                conv: config.model.conv,
             },
             &device,
             config.seed,
         )?;
         let vars = model.vars();
         let optimizer = Optimizer::new(
-            config.optimizer,
+            config.optimizer.kind,
             vars.len(),
-            config.momentum,
-            config.weight_decay,
+            config.optimizer.momentum,
+            config.optimizer.weight_decay,
         );
-        let scaler = LossScaler::for_precision(config.precision);
+        let scaler = LossScaler::for_precision(config.memory.precision);
 
         let pruner = prune_schedule
             .map(|s| super::prune::Pruner::new(s, &model.named_vars()))
@@ -338,20 +338,23 @@ impl Trainer {
 
 /// Steps per epoch and in the whole run of `config` on `train_images` training images.
 fn run_length(config: &TrainConfig, train_images: usize) -> Result<(usize, usize)> {
-    if train_images < config.batch_size {
+    if train_images < config.steps.batch_size {
         return Err(Error::config(format!(
             "the training split has {train_images} images, fewer than --batch-size {}; lower --batch-size",
-            config.batch_size
+            config.steps.batch_size
         )));
     }
-    let steps_per_epoch = train_images / config.batch_size;
-    let by_epochs = steps_per_epoch.checked_mul(config.epochs).ok_or_else(|| {
+    let steps_per_epoch = train_images / config.steps.batch_size;
+    let by_epochs = steps_per_epoch.checked_mul(config.steps.epochs).ok_or_else(|| {
         Error::config(format!(
             "--epochs {} × {steps_per_epoch} steps per epoch is more steps than can be counted; lower --epochs",
-            config.epochs
+            config.steps.epochs
         ))
     })?;
-    let total_steps = config.max_steps.map_or(by_epochs, |m| m.min(by_epochs));
+    let total_steps = config
+        .steps
+        .max_steps
+        .map_or(by_epochs, |m| m.min(by_epochs));
     Ok((steps_per_epoch, total_steps))
 }
 
@@ -360,10 +363,10 @@ fn run_length(config: &TrainConfig, train_images: usize) -> Result<(usize, usize
 fn prepare_device(config: &TrainConfig) -> Result<Device> {
     let device = select_device(config.device.as_deref())?;
     // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
-    memtrain_kernels::set_tf32(config.tf32 == crate::config::Tf32::On);
-    memtrain_kernels::set_cudnn_nondeterministic(config.cudnn_nondeterministic);
+    memtrain_kernels::set_tf32(config.cuda.tf32 == crate::config::Tf32::On);
+    memtrain_kernels::set_cudnn_nondeterministic(config.cuda.cudnn_nondeterministic);
     if device.is_cpu() {
-        match config.memory_limit {
+        match config.memory.memory_limit {
             // The limit is the process's resident memory: freed blocks go back to the kernel,
             // so that it follows the heap (see `return_freed_memory`).
             Some(_) => crate::memory::return_freed_memory(),
@@ -379,7 +382,7 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
         // per process (1.6-2.8 s on an H200), before anything trains on it and before the
         // probe's baseline. The cuDNN workspace it allocated goes, so that the run's own comes
         // from the run's memory pool, inside --memory-limit.
-        crate::device::self_check_kernels(&device, config.precision.compute_dtype())?;
+        crate::device::self_check_kernels(&device, config.memory.precision.compute_dtype())?;
         memtrain_kernels::conv2d_cudnn::release_workspace();
     }
     Ok(device)
@@ -398,8 +401,8 @@ fn resolve_checkpointing(
     use crate::config::{GradCheckpointing, CNN_BLOCKS};
     use crate::predict::checkpointing::{format_flops, format_segments, recompute_flops};
     use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
-    let specs = crate::model::cnn::layer_specs_for(config.width, config.conv);
-    if config.grad_checkpointing == GradCheckpointing::Auto {
+    let specs = crate::model::cnn::layer_specs_for(config.model.width, config.model.conv);
+    if config.memory.grad_checkpointing == GradCheckpointing::Auto {
         let size = DataSize::loaded(&data.train, &data.test, config);
         let choice = choose_checkpointing(
             config,
@@ -412,12 +415,12 @@ fn resolve_checkpointing(
         }
         return Ok(choice.chosen.checkpointing);
     }
-    let ck = config.grad_checkpointing.resolved()?;
+    let ck = config.memory.grad_checkpointing.resolved()?;
     if progress && ck != Segmentation::NONE {
         println!(
             "--checkpoint {ck}: segments {}, recomputes {} per step",
             format_segments(&crate::model::cnn::segments(CNN_BLOCKS, ck)),
-            format_flops(recompute_flops(&specs, ck, config.batch_size))
+            format_flops(recompute_flops(&specs, ck, config.steps.batch_size))
         );
     }
     Ok(ck)
@@ -434,7 +437,7 @@ fn callback_list(
 ) -> CallbackList {
     let mut list: Vec<Box<dyn Callback>> = Vec::new();
     if progress {
-        list.push(Box::new(ProgressCallback::new(config.quiet)));
+        list.push(Box::new(ProgressCallback::new(config.output.quiet)));
     }
     if log_files {
         list.push(Box::new(MetricsLogger::new(run_dir)));

@@ -38,6 +38,7 @@ impl StepTracer {
         probe: &dyn crate::memory::MemoryProbe,
     ) -> Result<Self> {
         if let Some(n) = config
+            .output
             .memory_snapshot_step
             .filter(|n| *n == 0 || *n > total_steps)
         {
@@ -46,12 +47,13 @@ impl StepTracer {
             )));
         }
         let heap = probe.name() == crate::memory::CPU_HEAP_PROBE && total_steps > 0;
-        if config.memory_snapshot_step.is_some() && !heap {
+        if config.output.memory_snapshot_step.is_some() && !heap {
             eprintln!("note: --memory-snapshot-step traces the CPU heap; this run's memory is the device's, so no memory_snapshot.pickle is written");
         }
         Ok(StepTracer {
             snapshot_step: (heap && options.log_files).then(|| {
                 config
+                    .output
                     .memory_snapshot_step
                     .map_or(total_steps - 1, |n| n - 1)
             }),
@@ -111,7 +113,7 @@ impl Trainer {
     pub(super) fn write_oom_pickle(&mut self, timeline: &StepTimeline) -> Option<PathBuf> {
         self.watch.tracer.end();
         let trace = self.watch.tracer.taken.take()?;
-        let limit = self.config.memory_limit?;
+        let limit = self.config.memory.memory_limit?;
         let path = self.files.run_dir.join(OOM_MEMORY_SNAPSHOT_PICKLE);
         let oom = OomMark {
             limit,

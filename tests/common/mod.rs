@@ -11,18 +11,17 @@ use std::sync::OnceLock;
 
 /// A configuration that trains in milliseconds: width 4, batch 16, synthetic data.
 pub fn tiny_config() -> TrainConfig {
-    TrainConfig {
-        width: 4,
-        batch_size: 16,
-        epochs: 1,
-        max_steps: Some(2),
-        synthetic_train: 64,
-        synthetic_test: 32,
-        eval: false,
-        quiet: true,
-        device: Some("cpu".into()),
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = 4;
+    cfg.steps.batch_size = 16;
+    cfg.steps.epochs = 1;
+    cfg.steps.max_steps = Some(2);
+    cfg.data.synthetic_train = 64;
+    cfg.data.synthetic_test = 32;
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
+    cfg
 }
 
 /// The configuration `train_cifar10 ARGS` would run (the flags parsed and validated).
@@ -46,13 +45,13 @@ pub fn splits(n_train: usize, n_test: usize, seed: u64) -> DataSplits {
 
 /// A trainer without progress output or files.
 pub fn trainer(cfg: TrainConfig) -> Trainer {
-    let data = splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    let data = splits(cfg.data.synthetic_train, cfg.data.synthetic_test, cfg.seed);
     Trainer::new(cfg, data, TrainerOptions::default()).expect("trainer builds")
 }
 
 /// A trainer with extra callbacks.
 pub fn trainer_with(cfg: TrainConfig, options: TrainerOptions) -> Trainer {
-    let data = splits(cfg.synthetic_train, cfg.synthetic_test, cfg.seed);
+    let data = splits(cfg.data.synthetic_train, cfg.data.synthetic_test, cfg.seed);
     Trainer::new(cfg, data, options).expect("trainer builds")
 }
 

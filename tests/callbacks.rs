@@ -2,7 +2,9 @@
 
 mod common;
 
-use memtrain::callbacks::{BatchInfo, Callback, EpochBegin, EpochEnd, TrainBegin, TrainEnd};
+use memtrain::callbacks::{
+    BatchInfo, Callback, EpochBegin, EpochEnd, LayerEnd, TrainBegin, TrainEnd,
+};
 use memtrain::train::TrainerOptions;
 use std::sync::{Arc, Mutex};
 
@@ -124,4 +126,97 @@ fn a_failing_callback_stops_training_with_its_error() {
     );
     let err = t.fit().unwrap_err();
     assert_eq!(err.to_string(), "stop here");
+}
+
+/// Every layer event of a step reaches `on_layer_end` with the readings the step timeline
+/// records (the last step's are compared), and so does every layer of an evaluation batch.
+#[test]
+fn layer_events_reach_the_callbacks_as_the_timeline_records_them() {
+    type Seen = (usize, usize, String, String, u64, u64);
+    struct Layers(Arc<Mutex<Vec<Seen>>>);
+    impl Callback for Layers {
+        fn on_layer_end(&mut self, ctx: &LayerEnd<'_>) -> memtrain::Result<()> {
+            self.0.lock().unwrap().push((
+                ctx.batch,
+                ctx.micro_batch,
+                ctx.phase.to_string(),
+                ctx.layer.to_string(),
+                ctx.current_bytes,
+                ctx.peak_bytes,
+            ));
+            Ok(())
+        }
+    }
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut cfg = common::tiny_config();
+    cfg.steps.max_steps = Some(2);
+    cfg.steps.accum_steps = 2;
+    cfg.data.synthetic_test = 16;
+    cfg.output.eval = true;
+    let mut t = common::trainer_with(
+        cfg,
+        TrainerOptions {
+            callbacks: vec![Box::new(Layers(seen.clone()))],
+            ..Default::default()
+        },
+    );
+    t.fit().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    let timeline = t.step_timeline();
+    // The timeline's last event is the optimizer's, which is not a layer.
+    let layers: Vec<_> = timeline
+        .events
+        .iter()
+        .filter(|e| e.phase.to_string() != "optimizer")
+        .collect();
+    assert_eq!(layers.len() + 1, timeline.events.len());
+    let last_step: Vec<&Seen> = seen
+        .iter()
+        .filter(|s| s.0 == timeline.global_step - 1 && s.2 != "eval")
+        .collect();
+    assert_eq!(last_step.len(), layers.len());
+    for (s, e) in last_step.iter().zip(&layers) {
+        assert_eq!(
+            (s.1, s.2.as_str(), s.3.as_str(), s.4, s.5),
+            (
+                e.micro_batch,
+                e.phase.to_string().as_str(),
+                e.layer.as_str(),
+                e.current_bytes,
+                e.peak_bytes
+            )
+        );
+    }
+    // Both micro-batches of both steps, and the evaluation's layers.
+    assert_eq!(
+        seen.iter().filter(|s| s.2 != "eval").count(),
+        2 * layers.len()
+    );
+    let eval: Vec<&Seen> = seen.iter().filter(|s| s.2 == "eval").collect();
+    assert!(eval.iter().any(|s| s.3 == "head"), "{eval:?}");
+}
+
+/// An error from `on_layer_end` stops the step and is the error training returns.
+#[test]
+fn a_failing_layer_hook_stops_the_step_with_its_error() {
+    struct Fails;
+    impl Callback for Fails {
+        fn on_layer_end(&mut self, ctx: &LayerEnd<'_>) -> memtrain::Result<()> {
+            if ctx.layer == "head" && ctx.phase.to_string() == "backward" {
+                return Err(memtrain::Error::Snapshot(
+                    "stop at the head's backward".into(),
+                ));
+            }
+            Ok(())
+        }
+    }
+    let mut t = common::trainer_with(
+        common::tiny_config(),
+        TrainerOptions {
+            callbacks: vec![Box::new(Fails)],
+            ..Default::default()
+        },
+    );
+    let err = t.fit().unwrap_err();
+    assert_eq!(err.to_string(), "snapshot: stop at the head's backward");
 }

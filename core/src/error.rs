@@ -60,6 +60,11 @@ pub enum Error {
     #[error("training state: {0}")]
     State(String),
 
+    /// An observer of the step's layer events ([`crate::step::tape::StepObserver`]) stopped the
+    /// step; the observer keeps its own error to report.
+    #[error("stopped by an observer of the step: {0}")]
+    Stopped(String),
+
     /// An error inside Candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),

@@ -3,7 +3,9 @@
 //! The trainer calls, in this order:
 //! `on_train_begin`, then per epoch `on_epoch_begin`, per optimizer step `on_batch_begin`,
 //! per micro-batch `on_after_forward` and `on_after_backward`, then `on_batch_end`; after the
-//! epoch's evaluation `on_epoch_end`; finally `on_train_end`. Every method is a no-op by default.
+//! epoch's evaluation `on_epoch_end`; finally `on_train_end`. Within a forward, a backward and an
+//! evaluation batch, `on_layer_end` after every layer (the step's own events, the ones
+//! `step_timeline.json` records). Every method is a no-op by default.
 //!
 //! Memory is read by the trainer, not by a callback: its [`crate::memory::MemoryRecorder`]
 //! records each step and epoch just before the matching hook, and every context carries the
@@ -20,6 +22,7 @@ pub use tensorboard::TensorBoardLogger;
 use crate::config::TrainConfig;
 use crate::error::Result;
 use crate::memory::{MemoryLog, MemoryProbe};
+use crate::phase::Phase;
 use std::path::Path;
 
 /// Context for [`Callback::on_train_begin`].
@@ -104,6 +107,31 @@ pub struct BatchInfo<'a> {
     pub probe: &'a dyn MemoryProbe,
     /// The memory records so far.
     pub memory: &'a MemoryLog,
+}
+
+/// Context for [`Callback::on_layer_end`]: a layer of a step's forward or backward, or of an
+/// evaluation batch, has run.
+pub struct LayerEnd<'a> {
+    /// Epoch (0-based).
+    pub epoch: usize,
+    /// Batch of the epoch, or of the evaluation (0-based).
+    pub batch: usize,
+    /// Micro-batch of the step (gradient accumulation); 0 in an evaluation.
+    pub micro_batch: usize,
+    /// Forward, backward or eval.
+    pub phase: Phase,
+    /// The layer, named as in `step_timeline.json` (`stage1.block2`, `head`,
+    /// `recompute stage1.block1–block2`).
+    pub layer: &'a str,
+    /// Activation bytes held for the backward now.
+    pub saved_bytes: u64,
+    /// Bytes of the parameter gradients now.
+    pub grad_bytes: u64,
+    /// Bytes in use right after the layer.
+    pub current_bytes: u64,
+    /// Highest bytes in use since the previous layer event (since the batch began, in an
+    /// evaluation).
+    pub peak_bytes: u64,
 }
 
 /// Results of one epoch, for [`Callback::on_epoch_end`].
@@ -214,6 +242,10 @@ pub trait Callback {
     fn on_after_backward(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
         Ok(())
     }
+    /// After each layer of a forward, a backward or an evaluation batch.
+    fn on_layer_end(&mut self, ctx: &LayerEnd<'_>) -> Result<()> {
+        Ok(())
+    }
     /// After the optimizer step.
     fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
         Ok(())
@@ -263,6 +295,7 @@ impl Callback for CallbackList {
         on_batch_begin(BatchInfo),
         on_after_forward(BatchInfo),
         on_after_backward(BatchInfo),
+        on_layer_end(LayerEnd),
         on_batch_end(BatchInfo),
         on_epoch_end(EpochEnd),
         on_train_end(TrainEnd),

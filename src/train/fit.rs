@@ -22,7 +22,11 @@ impl Trainer {
     /// micro-batches, through the step's own tape ([`LeanStep::evaluate`]), which the estimate
     /// sizes as the run's evaluation phase; the CPU budget is checked after every layer, as in a
     /// step. `None` when a stop was requested before or during it (checked between batches).
-    pub(crate) fn evaluate(&self, data: &Arc<Dataset>, epoch: usize) -> Result<Option<(f64, f64)>> {
+    pub(crate) fn evaluate(
+        &mut self,
+        data: &Arc<Dataset>,
+        epoch: usize,
+    ) -> Result<Option<(f64, f64)>> {
         let bs = self.config.micro_batch().max(1);
         let batcher = Batcher::new(
             data.clone(),
@@ -51,6 +55,8 @@ impl Trainer {
                 probe: &*self.watch.probe,
                 epoch,
                 batch: b.index,
+                callbacks: &mut self.callbacks,
+                failed: None,
             };
             let r = LeanStep::new(
                 &self.model,
@@ -58,8 +64,12 @@ impl Trainer {
                 self.model.segments(crate::config::Segmentation::NONE),
                 self.config.memory.compress_activations,
             )
-            .evaluate(&x, &y, &mut budget)
-            .map_err(|e| self.advise_oom(e))?;
+            .evaluate(&x, &y, &mut budget);
+            let r = match (r, budget.failed.take()) {
+                (Ok(r), _) => r,
+                (Err(_), Some(callback)) => return Err(callback),
+                (Err(e), None) => return Err(self.advise_oom(e)),
+            };
             drop((x, y));
             loss_sum += r.loss * b.len as f64;
             correct += r.correct;

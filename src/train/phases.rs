@@ -7,7 +7,7 @@
 
 use super::history::StepResult;
 use super::Trainer;
-use crate::callbacks::{BatchInfo, Callback, CallbackList};
+use crate::callbacks::{BatchInfo, Callback, CallbackList, LayerEnd};
 use crate::config::ClipDuring;
 use crate::data::Batch;
 use crate::error::{CoreError, Error, Result};
@@ -184,7 +184,8 @@ fn phase_end(
 }
 
 /// The memory timeline of a step as its layer events come in: each event's reading, split into
-/// categories, and the CPU budget checked against the event's peak.
+/// categories, the CPU budget checked against the event's peak, and the callbacks'
+/// `on_layer_end`.
 struct TimelineRecorder<'a> {
     probe: &'a TimelineProbe,
     step: &'a StepInfo,
@@ -192,6 +193,9 @@ struct TimelineRecorder<'a> {
     /// Categories constant over the step (params, optimizer state, the rest at the start).
     fixed: CategoryBytes,
     events: &'a mut Vec<TimelineEvent>,
+    callbacks: &'a mut CallbackList,
+    /// A callback's error that stopped the step, to report instead of the tape's.
+    failed: Option<Error>,
 }
 
 impl TimelineRecorder<'_> {
@@ -224,7 +228,19 @@ impl TimelineRecorder<'_> {
             self.step.epoch,
             self.step.batch,
             format!("{phase} at {layer}"),
-        )
+        )?;
+        let ctx = LayerEnd {
+            epoch: self.step.epoch,
+            batch: self.step.batch,
+            micro_batch: self.micro,
+            phase,
+            layer,
+            saved_bytes: saved,
+            grad_bytes: grads,
+            current_bytes: current,
+            peak_bytes: peak,
+        };
+        layer_end(self.callbacks, &ctx, &mut self.failed)
     }
 }
 
@@ -234,23 +250,58 @@ impl StepObserver for TimelineRecorder<'_> {
     }
 }
 
-/// The CPU budget checked after every layer of the evaluation, as after every layer of a step.
+/// The callbacks' `on_layer_end`; an error of theirs is kept in `failed` (the step reports it)
+/// and stops the step.
+fn layer_end(
+    callbacks: &mut CallbackList,
+    ctx: &LayerEnd<'_>,
+    failed: &mut Option<Error>,
+) -> Result<(), CoreError> {
+    match callbacks.on_layer_end(ctx) {
+        Ok(()) => Ok(()),
+        Err(Error::Core(e)) => Err(e),
+        Err(e) => {
+            let what = format!("on_layer_end at {} {}", ctx.phase, ctx.layer);
+            *failed = Some(e);
+            Err(CoreError::Stopped(what))
+        }
+    }
+}
+
+/// The CPU budget checked after every layer of the evaluation, as after every layer of a step,
+/// and the callbacks' `on_layer_end`.
 pub(super) struct EvalBudget<'a> {
     pub(super) probe: &'a dyn MemoryProbe,
     pub(super) epoch: usize,
     /// The evaluation batch.
     pub(super) batch: usize,
+    pub(super) callbacks: &'a mut CallbackList,
+    /// A callback's error that stopped the evaluation, to report instead of the tape's.
+    pub(super) failed: Option<Error>,
 }
 
 impl StepObserver for EvalBudget<'_> {
     fn event(&mut self, e: StepEvent<'_>) -> Result<(), CoreError> {
+        let peak = self.probe.peak();
         over_budget(
             self.probe,
-            self.probe.peak(),
+            peak,
             self.epoch,
             self.batch,
             format!("{} at {}", e.phase, e.layer),
-        )
+        )?;
+        let ctx = LayerEnd {
+            epoch: self.epoch,
+            batch: self.batch,
+            micro_batch: 0,
+            phase: e.phase,
+            layer: e.layer,
+            saved_bytes: e.saved_bytes,
+            grad_bytes: e.grad_bytes,
+            current_bytes: self.probe.current(),
+            peak_bytes: peak,
+        };
+        layer_end(self.callbacks, &ctx, &mut self.failed)
     }
 }
 
@@ -493,14 +544,21 @@ impl Trainer {
                 micro: mb.index,
                 fixed,
                 events: &mut *events,
+                callbacks: &mut *callbacks,
+                failed: None,
             };
-            let (r, tape) = lean
-                .forward(&mb.x, &mb.y, mb.loss_mult, &acc, &mut timeline)
-                .map_err(step.name_oom(limit, Phase::Forward))?;
-            phase_end(callbacks, memory, &**probe, step, mb.index, Phase::Forward)?;
-            lean.backward(tape, &mut acc, &mut timeline)
-                .map_err(step.name_oom(limit, Phase::Backward))?;
-            phase_end(callbacks, memory, &**probe, step, mb.index, Phase::Backward)?;
+            let forward = lean.forward(&mb.x, &mb.y, mb.loss_mult, &acc, &mut timeline);
+            let (r, tape) = forward.map_err(|e| {
+                (timeline.failed.take()).unwrap_or_else(|| step.name_oom(limit, Phase::Forward)(e))
+            })?;
+            let cbs = &mut *timeline.callbacks;
+            phase_end(cbs, memory, &**probe, step, mb.index, Phase::Forward)?;
+            let backward = lean.backward(tape, &mut acc, &mut timeline);
+            backward.map_err(|e| {
+                (timeline.failed.take()).unwrap_or_else(|| step.name_oom(limit, Phase::Backward)(e))
+            })?;
+            let cbs = &mut *timeline.callbacks;
+            phase_end(cbs, memory, &**probe, step, mb.index, Phase::Backward)?;
             Ok::<_, Error>(r)
         })?;
         let r = MicroResult::mean(&results);

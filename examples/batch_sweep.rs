@@ -29,6 +29,40 @@ static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAl
 #[derive(Debug, Parser)]
 #[command(name = "batch_sweep", version, long_about = None)]
 struct Args {
+    /// The batch sizes.
+    #[command(flatten)]
+    batch_plan: BatchPlanArgs,
+    /// Training steps per point
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// The settings swept.
+    #[command(flatten)]
+    variants: VariantArgs,
+    /// What every point shares.
+    #[command(flatten)]
+    common: CommonArgs,
+    /// A train_cifar10 binary to run the points with. Default: this program, re-run as the trainer
+    #[arg(long, value_name = "PATH")]
+    trainer: Option<PathBuf>,
+    /// Output directory. Default: runs/sweep-<timestamp>
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Kill a point after this many seconds (recorded as failed)
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<u64>,
+    /// No progress bar or progress lines
+    #[arg(long)]
+    quiet: bool,
+    /// More trainer flags for every point, after `--` (e.g. -- --lr 0.05 --synthetic-test 100)
+    #[arg(last = true, value_name = "TRAINER_FLAGS")]
+    extra: Vec<String>,
+}
+
+/// The batch sizes: a list to run, or the `--find-max` search.
+#[derive(Debug, clap::Args)]
+// Like the other groups below, only a grouping in code: no clap group of flags.
+#[group(skip)]
+struct BatchPlanArgs {
     /// Batch sizes to run, comma-separated. Default (without --find-max): 32,64,128,256,512
     #[arg(
         long,
@@ -52,9 +86,13 @@ struct Args {
     /// --find-max: safety margin in [0, 1); also reports the recommended batch = largest that fits x (1 - margin), rounded down to a multiple of --granularity and --accum-steps
     #[arg(long, default_value_t = DEFAULT_MARGIN, requires = "find_max", allow_negative_numbers = true)]
     margin: f64,
-    /// Training steps per point
-    #[arg(long, default_value_t = 3)]
-    steps: usize,
+}
+
+/// The settings swept besides the batch size: every combination of their values is a
+/// configuration.
+#[derive(Debug, clap::Args)]
+#[group(skip)]
+struct VariantArgs {
     /// Precisions to sweep, comma-separated (f32, f16, bf16)
     #[arg(
         long,
@@ -90,6 +128,12 @@ struct Args {
         hide_possible_values = true
     )]
     optimizer: Vec<OptimizerKind>,
+}
+
+/// Trainer settings that every point shares.
+#[derive(Debug, clap::Args)]
+#[group(skip)]
+struct CommonArgs {
     // Help texts name the trainer's defaults from TrainConfig rather than copies of them.
     #[arg(long, help = format!("Base width of the CNN (trainer default: {})", TrainConfig::default().model.width))]
     width: Option<usize>,
@@ -107,21 +151,6 @@ struct Args {
     /// Smallest synthetic training set; each point gets max(this, batch x steps) images
     #[arg(long, default_value_t = TrainConfig::default().data.synthetic_train)]
     synthetic_train: usize,
-    /// A train_cifar10 binary to run the points with. Default: this program, re-run as the trainer
-    #[arg(long, value_name = "PATH")]
-    trainer: Option<PathBuf>,
-    /// Output directory. Default: runs/sweep-<timestamp>
-    #[arg(long, value_name = "DIR")]
-    out: Option<PathBuf>,
-    /// Kill a point after this many seconds (recorded as failed)
-    #[arg(long, value_name = "SECS")]
-    timeout: Option<u64>,
-    /// No progress bar or progress lines
-    #[arg(long)]
-    quiet: bool,
-    /// More trainer flags for every point, after `--` (e.g. -- --lr 0.05 --synthetic-test 100)
-    #[arg(last = true, value_name = "TRAINER_FLAGS")]
-    extra: Vec<String>,
 }
 
 fn dim<T: ToString>(flag: &str, values: &[T]) -> Dimension {
@@ -141,37 +170,42 @@ fn run() -> anyhow::Result<()> {
     };
     let a = Args::from_arg_matches(&matches).map_err(|e| memtrain::Error::config(e.to_string()))?;
 
-    let plan = if a.find_max {
+    let plan = if a.batch_plan.find_max {
         BatchPlan::FindMax {
-            start: a.start,
-            max_batch: a.max_batch,
-            granularity: a.granularity,
-            margin: a.margin,
+            start: a.batch_plan.start,
+            max_batch: a.batch_plan.max_batch,
+            granularity: a.batch_plan.granularity,
+            margin: a.batch_plan.margin,
         }
-    } else if a.batch_sizes.is_empty() {
+    } else if a.batch_plan.batch_sizes.is_empty() {
         BatchPlan::List(vec![32, 64, 128, 256, 512])
     } else {
-        BatchPlan::List(a.batch_sizes.clone())
+        BatchPlan::List(a.batch_plan.batch_sizes.clone())
     };
-    let memory_limit = a.memory_limit.as_deref().map(parse_size).transpose()?;
+    let memory_limit = a
+        .common
+        .memory_limit
+        .as_deref()
+        .map(parse_size)
+        .transpose()?;
     let variants = cross_product(&[
-        dim("precision", &a.precision),
-        dim("checkpoint", &a.checkpoint),
-        dim("conv", &a.conv),
-        dim("accum-steps", &a.accum_steps),
-        dim("optimizer", &a.optimizer),
+        dim("precision", &a.variants.precision),
+        dim("checkpoint", &a.variants.checkpoint),
+        dim("conv", &a.variants.conv),
+        dim("accum-steps", &a.variants.accum_steps),
+        dim("optimizer", &a.variants.optimizer),
     ]);
     let mut common = Vec::new();
-    if let Some(w) = a.width {
+    if let Some(w) = a.common.width {
         common.extend(["--width".to_string(), w.to_string()]);
     }
-    if let Some(d) = &a.data_dir {
+    if let Some(d) = &a.common.data_dir {
         common.extend(["--data-dir".to_string(), d.to_string_lossy().into_owned()]);
     }
-    if let Some(d) = &a.device {
+    if let Some(d) = &a.common.device {
         common.extend(["--device".to_string(), d.clone()]);
     }
-    if let Some(s) = a.seed {
+    if let Some(s) = a.common.seed {
         common.extend(["--seed".to_string(), s.to_string()]);
     }
     common.extend(a.extra.iter().cloned());
@@ -184,7 +218,7 @@ fn run() -> anyhow::Result<()> {
         variants,
         plan,
         steps: a.steps,
-        synthetic_train: a.synthetic_train,
+        synthetic_train: a.common.synthetic_train,
         memory_limit,
         common,
         timeout: a.timeout.map(Duration::from_secs),

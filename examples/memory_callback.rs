@@ -83,8 +83,8 @@ fn main() -> anyhow::Result<()> {
     let summary = trainer.fit()?;
     println!(
         "training peak {} over {} steps",
-        format_bytes(summary.step_peak_bytes),
-        summary.steps
+        format_bytes(summary.memory.step_peak_bytes),
+        summary.progress.steps
     );
     Ok(())
 }

@@ -115,7 +115,7 @@ where
         let dir = trainer.run_dir().display();
         return Err(Error::Interrupted(format!(
             "stopped after step {} of {}; snapshot and summary.json saved; continue with --resume {dir}",
-            summary.steps,
+            summary.progress.steps,
             trainer.total_steps()
         )));
     }
@@ -348,14 +348,20 @@ fn small_eval_caveat(n: usize) -> String {
 fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
     print!("{}", trainer.memory_log().report());
     // predicted versus measured.
-    if let (Some(p), Some(err)) = (summary.predicted_peak_bytes, summary.prediction_error_pct) {
+    if let (Some(p), Some(err)) = (
+        summary.estimate.predicted_peak_bytes,
+        summary.estimate.prediction_error_pct,
+    ) {
         println!(
             "predicted step peak {} vs measured {}: error {err:+.1}%",
             format_bytes(p),
-            format_bytes(summary.step_peak_bytes)
+            format_bytes(summary.memory.step_peak_bytes)
         );
     }
-    if let (Some(p), Some(m)) = (summary.predicted_eval_peak_bytes, summary.eval_peak_bytes) {
+    if let (Some(p), Some(m)) = (
+        summary.estimate.predicted_eval_peak_bytes,
+        summary.estimate.eval_peak_bytes,
+    ) {
         println!(
             "predicted evaluation peak {} vs measured {}",
             format_bytes(p),
@@ -363,27 +369,31 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
         );
     }
     // A peak outside training (phase "other") is not the configuration's: name the step peak.
-    let training = match summary.peak_phase.as_deref() {
-        Some("other") => format!("; training peak {}", format_bytes(summary.step_peak_bytes)),
+    let training = match summary.memory.peak_phase.as_deref() {
+        Some("other") => format!(
+            "; training peak {}",
+            format_bytes(summary.memory.step_peak_bytes)
+        ),
         _ => String::new(),
     };
     println!(
         "peak {} ({}{training}) | {:.1} img/s | {} steps{}",
-        format_bytes(summary.peak_bytes),
-        summary.peak_phase.as_deref().unwrap_or("-"),
-        summary.images_per_sec,
-        summary.steps,
+        format_bytes(summary.memory.peak_bytes),
+        summary.memory.peak_phase.as_deref().unwrap_or("-"),
+        summary.progress.images_per_sec,
+        summary.progress.steps,
         summary
+            .quality
             .final_test_accuracy
             .map(|a| format!(
                 " | {} accuracy {:.2}%{}",
-                if summary.eval_is_validation {
+                if summary.quality.eval_is_validation {
                     "validation"
                 } else {
                     "test"
                 },
                 a * 100.0,
-                small_eval_caveat(summary.eval_images)
+                small_eval_caveat(summary.quality.eval_images)
             ))
             .unwrap_or_default()
     );
@@ -409,12 +419,12 @@ fn write_results(
         )?;
     } else {
         let title = format!("Memory per training step: {}", summary.label);
-        let limit = summary.memory_limit_bytes;
+        let limit = summary.memory.memory_limit_bytes;
         // A chart that cannot be written (a full disk) fails the run like any other result file.
         crate::sweep::report::write_run_memory_chart(
             trainer.run_dir(),
             &title,
-            Some(summary.baseline_bytes),
+            Some(summary.memory.baseline_bytes),
             limit,
         )?;
         crate::sweep::step_chart::write_step_timeline_chart(
@@ -424,8 +434,8 @@ fn write_results(
         // summary.json was written before the exports (the trainer's and these charts);
         // its resident peak covers the whole process, so it is read again after them.
         let os_peak = trainer.probe().os_memory().map(|o| o.peak);
-        if os_peak > summary.os_peak_bytes {
-            summary.os_peak_bytes = os_peak;
+        if os_peak > summary.memory.os_peak_bytes {
+            summary.memory.os_peak_bytes = os_peak;
             crate::io::write_json_atomic(
                 &trainer.run_dir().join(crate::train::summary::SUMMARY_FILE),
                 &*summary,

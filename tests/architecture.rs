@@ -3,6 +3,7 @@
 //! the top-level folders, so the folders form layers (nothing imports upward). The application
 //! re-exports the core crate's modules under their own names, so `src/` and `core/src/` are one
 //! graph here. And the crate boundaries: the core and the kernels name nothing of the application.
+//! And no struct has more than 16 fields.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -351,4 +352,67 @@ fn the_kernels_import_nothing_of_the_trainer() {
         }
     }
     assert!(files > 10, "the scan found the kernels' files ({files})");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Struct size: a struct with many fields holds several concerns; group them in sub-structs (as
+// `TrainConfig` and `Summary` do, flattened so that flags and JSON keys stay as they are).
+
+/// The most named fields a struct may have.
+const MAX_FIELDS: usize = 16;
+
+/// The folders whose structs are checked.
+const STRUCT_DIRS: &[&str] = &["src", "core/src", "kernels/src", "examples"];
+
+/// Every struct with named fields in `file`, wherever it is declared (modules, functions,
+/// blocks), as (name, number of fields). Structs written inside macro bodies are not seen.
+fn named_structs(file: &syn::File) -> Vec<(String, usize)> {
+    struct Structs(Vec<(String, usize)>);
+    impl<'ast> syn::visit::Visit<'ast> for Structs {
+        fn visit_item_struct(&mut self, s: &'ast syn::ItemStruct) {
+            if let syn::Fields::Named(fields) = &s.fields {
+                self.0.push((s.ident.to_string(), fields.named.len()));
+            }
+            syn::visit::visit_item_struct(self, s);
+        }
+    }
+    let mut found = Structs(Vec::new());
+    syn::visit::visit_file(&mut found, file);
+    found.0
+}
+
+#[test]
+fn no_struct_has_more_than_16_fields() {
+    // The scan sees nested structs and counts fields (tuple structs have none by name).
+    let sample: syn::File = syn::parse_str(
+        "struct A { a: u8, b: u8 } struct T(u8); mod m { fn f() { struct B { c: u8 } } }",
+    )
+    .unwrap();
+    assert_eq!(
+        named_structs(&sample),
+        [("A".to_string(), 2), ("B".to_string(), 1)]
+    );
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (mut scanned, mut too_large) = (0, Vec::new());
+    for dir in STRUCT_DIRS {
+        for (path, text) in rust_files(&root.join(dir)) {
+            let file = syn::parse_file(&text)
+                .unwrap_or_else(|e| panic!("{dir}/{} does not parse: {e}", path.display()));
+            for (name, fields) in named_structs(&file) {
+                scanned += 1;
+                if fields > MAX_FIELDS {
+                    too_large.push(format!(
+                        "struct {name} in {dir}/{} has {fields} fields",
+                        path.display()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(scanned > 100, "the scan found the structs ({scanned})");
+    assert!(
+        too_large.is_empty(),
+        "more than {MAX_FIELDS} fields; group them by concern in sub-structs: {too_large:#?}"
+    );
 }

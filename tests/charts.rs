@@ -14,6 +14,11 @@ const MIB: u64 = 1 << 20;
 
 fn run(dir: &Path, peak_mib: f64, ips: f64) -> ChildRun {
     let peak = (peak_mib * MIB as f64) as u64;
+    let mut summary = Summary::default();
+    summary.memory.peak_bytes = peak;
+    summary.memory.step_peak_bytes = peak;
+    summary.memory.baseline_bytes = MIB;
+    summary.progress.images_per_sec = ips;
     ChildRun {
         args: Vec::new(),
         run_dir: dir.to_path_buf(),
@@ -22,13 +27,7 @@ fn run(dir: &Path, peak_mib: f64, ips: f64) -> ChildRun {
         exit_code: Some(0),
         signal: None,
         wall_secs: 1.0,
-        summary: Some(Summary {
-            peak_bytes: peak,
-            step_peak_bytes: peak,
-            baseline_bytes: MIB,
-            images_per_sec: ips,
-            ..Summary::default()
-        }),
+        summary: Some(summary),
         lossy: false,
     }
 }
@@ -350,7 +349,7 @@ fn max_labels_keep_off_the_limit_lines() {
         let mut c = run(&dir.join(b.to_string()), peak, 500.0);
         c.status = status;
         if let Some(s) = c.summary.as_mut() {
-            s.heap_budget_bytes = Some(budget);
+            s.memory.heap_budget_bytes = Some(budget);
         }
         SweepPoint {
             configuration: "f32".into(),

@@ -325,17 +325,18 @@ fn auto_near_the_old_failing_limit_runs_under_it() {
         .fit()
         .unwrap_or_else(|e| panic!("auto chose {chosen}, which failed: {e}"));
     drop(t);
-    assert_eq!(summary.steps, 3);
+    assert_eq!(summary.progress.steps, 3);
     let budget = summary
+        .memory
         .heap_budget_bytes
         .expect("a limited CPU run's heap budget");
     assert!(
-        summary.peak_bytes <= budget,
+        summary.memory.peak_bytes <= budget,
         "{chosen}: measured {} over the heap budget {}",
-        format_bytes(summary.peak_bytes),
+        format_bytes(summary.memory.peak_bytes),
         format_bytes(budget)
     );
-    assert!(summary.os_peak_bytes.unwrap_or(0) <= limit);
+    assert!(summary.memory.os_peak_bytes.unwrap_or(0) <= limit);
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
     let segs: Vec<[usize; 2]> =

@@ -72,11 +72,14 @@ fn predicted_and_measured(cfg: &TrainConfig, pre: u64) -> (u64, u64) {
     let est = trainer.memory_estimate().expect("estimate").offset(pre);
     // The summary's prediction is the same estimate without the harness offset.
     assert_eq!(
-        summary.predicted_peak_bytes,
+        summary.estimate.predicted_peak_bytes,
         Some(est.peak - pre),
         "summary.json prediction"
     );
-    assert!(summary.prediction_error_pct.is_some_and(f64::is_finite));
+    assert!(summary
+        .estimate
+        .prediction_error_pct
+        .is_some_and(f64::is_finite));
     // Every event of the step's memory timeline has its prediction, within the tolerance.
     let timeline = trainer.step_timeline();
     assert_eq!(
@@ -110,7 +113,7 @@ fn predicted_and_measured(cfg: &TrainConfig, pre: u64) -> (u64, u64) {
             format_bytes(ev.peak_bytes)
         );
     }
-    (est.peak, summary.peak_bytes)
+    (est.peak, summary.memory.peak_bytes)
 }
 
 #[test]

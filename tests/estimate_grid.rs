@@ -179,7 +179,7 @@ fn measure(i: usize) {
     println!(
         "case {i} {} | predicted {predicted} measured {}",
         cfg.label(),
-        summary.step_peak_bytes
+        summary.memory.step_peak_bytes
     );
 }
 

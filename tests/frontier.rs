@@ -173,6 +173,12 @@ fn the_frontier_chart_draws_every_measured_point_with_its_label() {
 }
 
 fn run(dir: &Path, status: Status, peak_mib: u64, ips: f64) -> ChildRun {
+    let mut summary = Summary::default();
+    summary.memory.peak_bytes = peak_mib * MIB;
+    summary.memory.step_peak_bytes = peak_mib * MIB;
+    summary.memory.baseline_bytes = MIB;
+    summary.progress.images_per_sec = ips;
+    summary.status = memtrain::train::RunStatus::Ok;
     ChildRun {
         args: Vec::new(),
         run_dir: dir.to_path_buf(),
@@ -186,14 +192,7 @@ fn run(dir: &Path, status: Status, peak_mib: u64, ips: f64) -> ChildRun {
         exit_code: Some(if status == Status::Ok { 0 } else { 1 }),
         signal: None,
         wall_secs: 1.0,
-        summary: (status == Status::Ok).then(|| Summary {
-            peak_bytes: peak_mib * MIB,
-            step_peak_bytes: peak_mib * MIB,
-            baseline_bytes: MIB,
-            images_per_sec: ips,
-            status: memtrain::train::RunStatus::Ok,
-            ..Summary::default()
-        }),
+        summary: (status == Status::Ok).then_some(summary),
         lossy: false,
     }
 }
@@ -621,7 +620,7 @@ fn a_cpu_sweep_chart_names_the_limit_resident_and_draws_the_heap_budget_the_peak
     for (k, p) in r.points.iter_mut().enumerate() {
         if let Some(s) = p.run.summary.as_mut() {
             // Each trainer reads its reserve at start: the budgets differ a little.
-            s.heap_budget_bytes = Some(78 * MIB + k as u64 * 4096);
+            s.memory.heap_budget_bytes = Some(78 * MIB + k as u64 * 4096);
         }
     }
     write_sweep_report(&dir, &r).unwrap();
@@ -650,7 +649,7 @@ fn a_cpu_sweep_chart_names_the_limit_resident_and_draws_the_heap_budget_the_peak
     // Without a heap budget (CUDA: the limit is the pool's, as the peaks), the limit alone.
     for p in r.points.iter_mut() {
         if let Some(s) = p.run.summary.as_mut() {
-            s.heap_budget_bytes = None;
+            s.memory.heap_budget_bytes = None;
         }
     }
     write_sweep_report(&dir, &r).unwrap();

@@ -123,7 +123,7 @@ fn full_size_data_is_held_exactly_and_loading_is_not_the_peak() {
     // Training, measured: the baseline is the heap when it begins.
     let mut trainer = Trainer::new(cfg, splits, TrainerOptions::default()).expect("trainer");
     let summary = trainer.fit().expect("one step");
-    let baseline = above(summary.baseline_bytes, pre);
+    let baseline = above(summary.memory.baseline_bytes, pre);
     let model = est.held.baseline_bytes - data;
     let report = format!(
         "data {}, loading peak {}, baseline {} (estimated {}: model {}), step peak {}, run peak {} ({:?})",
@@ -132,9 +132,9 @@ fn full_size_data_is_held_exactly_and_loading_is_not_the_peak() {
         format_bytes(baseline),
         format_bytes(est.held.baseline_bytes),
         format_bytes(model),
-        format_bytes(above(summary.step_peak_bytes, pre)),
-        format_bytes(above(summary.peak_bytes, pre)),
-        summary.peak_phase
+        format_bytes(above(summary.memory.step_peak_bytes, pre)),
+        format_bytes(above(summary.memory.peak_bytes, pre)),
+        summary.memory.peak_phase
     );
     eprintln!("{report}");
 
@@ -156,7 +156,7 @@ fn full_size_data_is_held_exactly_and_loading_is_not_the_peak() {
     );
     // The run's peak is its training step's, not loading's.
     assert_ne!(
-        summary.peak_phase.as_deref(),
+        summary.memory.peak_phase.as_deref(),
         Some("other"),
         "the peak is outside training: {report}"
     );

@@ -78,8 +78,11 @@ fn captured_steps_equal_eager_steps() {
         let mut graph = common::trainer(cfg);
         let sg = graph.fit().unwrap_or_else(|e| panic!("{label} graph: {e}"));
 
-        assert_eq!(se.steps, sg.steps, "{label}");
-        let (le, lg) = (se.final_train_loss.unwrap(), sg.final_train_loss.unwrap());
+        assert_eq!(se.progress.steps, sg.progress.steps, "{label}");
+        let (le, lg) = (
+            se.quality.final_train_loss.unwrap(),
+            sg.quality.final_train_loss.unwrap(),
+        );
         assert!(
             (le - lg).abs() <= tol * le.abs(),
             "{label}: loss {lg} captured vs {le} eager"
@@ -105,7 +108,11 @@ fn captured_steps_equal_eager_steps() {
             .unwrap_or_else(|| panic!("{label}: no graph stats"));
         // Step 1 warms up, step 2 is captured and launched, steps 3.. replay.
         assert!(g.captures >= 1, "{label}: {g:?}");
-        assert_eq!(g.captures + g.replays, sg.steps - 1, "{label}: {g:?}");
+        assert_eq!(
+            g.captures + g.replays,
+            sg.progress.steps - 1,
+            "{label}: {g:?}"
+        );
         if precision != Precision::F16 {
             assert_eq!(
                 g.captures, 1,

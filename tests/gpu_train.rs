@@ -59,9 +59,12 @@ fn every_combination_trains_on_cuda_and_matches_the_cpu() {
                     }
                     let mut t = common::trainer(on("cuda:0", cfg));
                     let s = t.fit().unwrap_or_else(|e| panic!("{label}: {e}"));
-                    assert!(s.final_train_loss.unwrap().is_finite(), "{label}");
-                    assert_eq!(s.probe, "cuda-pool");
-                    assert!(s.peak_bytes > 0, "{label}: the pool probe measured nothing");
+                    assert!(s.quality.final_train_loss.unwrap().is_finite(), "{label}");
+                    assert_eq!(s.memory.probe, "cuda-pool");
+                    assert!(
+                        s.memory.peak_bytes > 0,
+                        "{label}: the pool probe measured nothing"
+                    );
                 }
             }
         }

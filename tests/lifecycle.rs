@@ -329,7 +329,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
     let mut t = Trainer::new(cfg.clone(), data(), options).unwrap();
     let summary = t.fit().unwrap();
     assert_eq!(summary.status, RunStatus::Interrupted);
-    assert_eq!(summary.steps, 0);
+    assert_eq!(summary.progress.steps, 0);
     drop(t);
     let ck = Snapshot::find_latest(&dir).expect("a snapshot of the start");
     assert_eq!(ck.state.global_step, 0);
@@ -340,7 +340,7 @@ fn stop_before_the_first_step_leaves_a_checkpoint_that_resume_finishes() {
     let mut t = Trainer::new(ck.resume_config(&cfg, false).unwrap(), data(), options).unwrap();
     t.resume(ck).unwrap();
     let summary = t.fit().unwrap();
-    assert_eq!((summary.status, summary.steps), (RunStatus::Ok, 4));
+    assert_eq!((summary.status, summary.progress.steps), (RunStatus::Ok, 4));
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 

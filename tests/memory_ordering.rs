@@ -14,7 +14,7 @@ static ALLOC: CountingAllocator = CountingAllocator;
 fn training_peak(cfg: TrainConfig) -> u64 {
     let mut t = common::trainer(cfg);
     let s = t.fit().unwrap();
-    assert!(s.probe_available);
+    assert!(s.memory.probe_available);
     let log = t.memory_log();
     let b = log.last_batch.as_ref().unwrap();
     eprintln!(
@@ -23,9 +23,9 @@ fn training_peak(cfg: TrainConfig) -> u64 {
         b.forward_peak_bytes,
         b.backward_peak_bytes,
         b.optimizer_peak_bytes,
-        s.baseline_bytes
+        s.memory.baseline_bytes
     );
-    s.step_peak_bytes - s.baseline_bytes
+    s.memory.step_peak_bytes - s.memory.baseline_bytes
 }
 
 #[test]

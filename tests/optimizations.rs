@@ -192,9 +192,9 @@ fn every_flag_combination_trains() {
                     let label = cfg.label();
                     let mut t = common::trainer(cfg);
                     let s = t.fit().unwrap_or_else(|e| panic!("{label}: {e}"));
-                    assert_eq!(s.steps, 2, "{label}");
+                    assert_eq!(s.progress.steps, 2, "{label}");
                     assert!(
-                        s.final_train_loss.unwrap().is_finite(),
+                        s.quality.final_train_loss.unwrap().is_finite(),
                         "{label}: loss not finite"
                     );
                 }

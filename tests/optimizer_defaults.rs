@@ -165,7 +165,7 @@ fn each_optimizer_learns_with_its_defaults_on_the_real_subset() {
         ]);
         let mut t = Trainer::from_config(cfg, TrainerOptions::default()).unwrap();
         let s = t.fit().unwrap();
-        let acc = s.final_test_accuracy.unwrap();
+        let acc = s.quality.final_test_accuracy.unwrap();
         eprintln!(
             "{kind} with its defaults, 1 epoch on the real subset: validation accuracy {:.1}%",
             acc * 100.0

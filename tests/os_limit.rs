@@ -61,10 +61,10 @@ fn the_batch_find_max_reports_runs_to_completion_in_a_cgroup_of_the_limit() {
     for p in r.points.iter().filter(|p| p.run.summary.is_some()) {
         let s = p.run.summary.as_ref().unwrap();
         assert!(
-            s.os_peak_bytes.unwrap() <= LIMIT_MIB << 20,
+            s.memory.os_peak_bytes.unwrap() <= LIMIT_MIB << 20,
             "batch {}: resident peak {} over the limit",
             p.batch_size,
-            s.os_peak_bytes.unwrap()
+            s.memory.os_peak_bytes.unwrap()
         );
     }
     let Some(group) = Cgroup::new("findmax", LIMIT_MIB << 20) else {

@@ -101,9 +101,9 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
     }
     let e = &log.epochs[0];
     assert!(e.os_current_bytes.unwrap() > 0 && e.os_peak_bytes.unwrap() >= last_peak);
-    assert_eq!(summary.os_view, Some(OsView::ProcessRss));
-    assert!(summary.os_peak_bytes.unwrap() >= e.os_peak_bytes.unwrap());
-    assert!(summary.os_current_bytes.unwrap() > 0);
+    assert_eq!(summary.memory.os_view, Some(OsView::ProcessRss));
+    assert!(summary.memory.os_peak_bytes.unwrap() >= e.os_peak_bytes.unwrap());
+    assert!(summary.memory.os_current_bytes.unwrap() > 0);
 
     // The report explains the two views, and the CSV files carry the columns.
     let report = log.report();

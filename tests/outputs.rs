@@ -411,6 +411,6 @@ fn logs_of_older_versions_are_read_renumbered_and_under_their_old_names() {
         "final_test_loss":null,"eval_is_validation":false,"loss_scale":null,"skipped_steps":0,
         "status":"ok","wall_secs":1.0}"#;
     let s: memtrain::train::Summary = serde_json::from_str(summary).unwrap();
-    assert_eq!(s.memory_limit_bytes, Some(1000));
-    assert_eq!(s.what_if, None);
+    assert_eq!(s.memory.memory_limit_bytes, Some(1000));
+    assert_eq!(s.estimate.what_if, None);
 }

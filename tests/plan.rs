@@ -157,14 +157,14 @@ fn planned_runs_fit_their_budget() {
             p.describe(),
             format_bytes(p.predicted_peak),
             format_bytes(pre),
-            format_bytes(summary.peak_bytes)
+            format_bytes(summary.memory.peak_bytes)
         );
-        assert_eq!(summary.steps, 3);
+        assert_eq!(summary.progress.steps, 3);
         assert!(
-            summary.peak_bytes <= budget,
+            summary.memory.peak_bytes <= budget,
             "{}: measured {} > budget {}",
             p.describe(),
-            summary.peak_bytes,
+            summary.memory.peak_bytes,
             budget
         );
         chosen.push(p);

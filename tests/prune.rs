@@ -160,7 +160,7 @@ fn check_trained(cfg: TrainConfig) -> Trainer {
     let target = cfg.pruning.prune.unwrap();
     let mut t = common::trainer(cfg.clone());
     let summary = t.fit().expect("training");
-    assert_eq!(summary.steps, cfg.steps.max_steps.unwrap());
+    assert_eq!(summary.progress.steps, cfg.steps.max_steps.unwrap());
     let report = summary.pruning.expect("summary has a pruning section");
     assert_eq!(report.target, target);
     let names = t.model.named_vars();

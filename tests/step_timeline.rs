@@ -16,9 +16,8 @@ use memtrain::train::TrainerOptions;
 #[global_allocator]
 static A: CountingAllocator = CountingAllocator;
 
-fn run(cfg: TrainConfig, name: &str) -> (StepTimeline, std::path::PathBuf) {
+fn run(mut cfg: TrainConfig, name: &str) -> (StepTimeline, std::path::PathBuf) {
     let dir = common::temp_dir(name);
-    let mut cfg = cfg;
     cfg.output.out = Some(dir.clone());
     let mut t = common::trainer_with(
         cfg,
@@ -95,10 +94,10 @@ fn auto_checkpointing_follows_the_estimate() {
     cfg.steps.batch_size = 64;
     cfg.memory.grad_checkpointing = GradCheckpointing::Auto;
     let specs = model_layer_specs(16, ConvKind::Standard);
-    let peak = |c: GradCheckpointing| {
-        let mut cfg = cfg.clone();
-        cfg.memory.grad_checkpointing = c;
-        estimate_with(&cfg, dev, base).unwrap().peak
+    let peak = |checkpointing: GradCheckpointing| {
+        let mut c = cfg.clone();
+        c.memory.grad_checkpointing = checkpointing;
+        estimate_with(&c, dev, base).unwrap().peak
     };
     let (none, stages, blocks) = (
         peak(GradCheckpointing::None),

@@ -192,8 +192,8 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
         if p.run.status == Status::Ok {
             // The limit is the resident memory, which holds the heap and more.
             let s = p.run.summary.as_ref().unwrap();
-            assert!(p.run.peak_bytes().unwrap() < s.os_peak_bytes.unwrap());
-            assert!(s.os_peak_bytes.unwrap() <= 40 << 20);
+            assert!(p.run.peak_bytes().unwrap() < s.memory.os_peak_bytes.unwrap());
+            assert!(s.memory.os_peak_bytes.unwrap() <= 40 << 20);
         }
     }
     assert!(r
@@ -489,8 +489,8 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
     for e in &r.entries {
         assert_eq!(e.run.status, Status::Ok, "{}: {}", e.label, e.run.note);
         let s = e.run.summary.as_ref().unwrap();
-        assert_eq!(s.steps, 3);
-        assert!(s.final_test_accuracy.is_some());
+        assert_eq!(s.progress.steps, 3);
+        assert!(s.quality.final_test_accuracy.is_some());
         // Each run directory has its own memory log and memory chart (train_cifar10 draws it).
         assert_eq!(read_batch_log(&e.run.run_dir).unwrap().len(), 3);
         assert_eq!(png_size(&e.run.run_dir.join("memory.png")), (1200, 700));
@@ -570,12 +570,13 @@ fn compare_takes_config_files_and_explicit_flags_override_them() {
     for e in &r.entries {
         assert_eq!(e.run.status, Status::Ok, "{}", e.run.note);
         // --max-steps 2 given explicitly overrides the file's 50.
-        assert_eq!(e.run.summary.as_ref().unwrap().steps, 2);
+        assert_eq!(e.run.summary.as_ref().unwrap().progress.steps, 2);
         assert!(e
             .run
             .summary
             .as_ref()
             .unwrap()
+            .quality
             .final_test_accuracy
             .is_none());
     }

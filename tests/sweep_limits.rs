@@ -95,7 +95,7 @@ fn find_max_stops_at_the_data_set_and_every_point_runs_its_steps() {
         assert!(p.batch_size <= 45);
         // Batch 32 and 45 leave one step per epoch of 45 images: the point still runs 3.
         let s = p.run.summary.as_ref().unwrap();
-        assert_eq!(s.steps, 3, "batch {}", p.batch_size);
+        assert_eq!(s.progress.steps, 3, "batch {}", p.batch_size);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -19,7 +19,7 @@ fn synthetic_data_is_learned_quickly() {
     cfg.optimizer.lr = 0.05;
     let mut t = common::trainer(cfg);
     let s = t.fit().unwrap();
-    let acc = s.final_test_accuracy.unwrap();
+    let acc = s.quality.final_test_accuracy.unwrap();
     assert!(acc >= 0.6, "synthetic test accuracy {acc} < 60%");
 }
 
@@ -52,7 +52,7 @@ fn same_seed_same_losses() {
         cfg.steps.max_steps = Some(3);
         cfg.data.synthetic_train = 128;
         cfg.output.eval = true;
-        common::trainer(cfg).fit().unwrap().final_test_loss
+        common::trainer(cfg).fit().unwrap().quality.final_test_loss
     };
     assert_eq!(fit(), fit());
 }
@@ -114,7 +114,7 @@ fn real_cifar_subset_beats_chance_in_two_epochs() {
     cfg.output.eval = true;
     let mut t = Trainer::from_config(cfg, TrainerOptions::default()).unwrap();
     let s = t.fit().unwrap();
-    let acc = s.final_test_accuracy.unwrap();
+    let acc = s.quality.final_test_accuracy.unwrap();
     eprintln!(
         "real subset, 2 epochs, width 16: validation accuracy {:.1}%",
         acc * 100.0

@@ -98,7 +98,7 @@ impl ChildRun {
     /// includes the baseline), when the run finished. A run's peak outside its steps (phase
     /// "other": loading the data; or the evaluation) is [`ChildRun::run_peak`], not this.
     pub fn peak_bytes(&self) -> Option<u64> {
-        self.summary.as_ref().map(|s| s.step_peak_bytes)
+        self.summary.as_ref().map(|s| s.memory.step_peak_bytes)
     }
 
     /// The run's peak over the whole process (data loading and evaluation included) and its
@@ -106,29 +106,33 @@ impl ChildRun {
     pub(crate) fn run_peak(&self) -> Option<(u64, Option<&str>)> {
         self.summary
             .as_ref()
-            .map(|s| (s.peak_bytes, s.peak_phase.as_deref()))
+            .map(|s| (s.memory.peak_bytes, s.memory.peak_phase.as_deref()))
     }
 
     /// Bytes in use when training began (data, model, probe baseline), when the run finished.
     pub fn baseline_bytes(&self) -> Option<u64> {
-        self.summary.as_ref().map(|s| s.baseline_bytes)
+        self.summary.as_ref().map(|s| s.memory.baseline_bytes)
     }
 
     /// The training peak above the baseline (what training itself added), when the run finished.
     pub(crate) fn peak_above_baseline(&self) -> Option<u64> {
-        self.summary
-            .as_ref()
-            .map(|s| s.step_peak_bytes.saturating_sub(s.baseline_bytes))
+        self.summary.as_ref().map(|s| {
+            s.memory
+                .step_peak_bytes
+                .saturating_sub(s.memory.baseline_bytes)
+        })
     }
 
     /// Highest reserved bytes of the CUDA pool (absent on the CPU).
     pub(crate) fn reserved_peak_bytes(&self) -> Option<u64> {
-        self.summary.as_ref().and_then(|s| s.reserved_peak_bytes)
+        self.summary
+            .as_ref()
+            .and_then(|s| s.memory.reserved_peak_bytes)
     }
 
     /// Training throughput in images per second, when the run finished.
     pub fn images_per_sec(&self) -> Option<f64> {
-        self.summary.as_ref().map(|s| s.images_per_sec)
+        self.summary.as_ref().map(|s| s.progress.images_per_sec)
     }
 }
 

@@ -159,7 +159,7 @@ fn step_figures(run: &ChildRun) -> Option<(u64, u64)> {
 /// The CSV columns steps, wall_secs, exit_code, signal, note and run_dir of a child run.
 fn outcome_cells(run: &ChildRun) -> [String; 6] {
     [
-        opt_u64(run.summary.as_ref().map(|s| s.steps as u64)),
+        opt_u64(run.summary.as_ref().map(|s| s.progress.steps as u64)),
         format!("{:.3}", run.wall_secs),
         opt_i32(run.exit_code),
         opt_i32(run.signal),
@@ -403,7 +403,12 @@ pub fn compare_csv(r: &CompareResult) -> String {
             opt_f64(e.speed_change_pct, 2),
             on.to_string(),
             run.lossy.to_string(),
-            opt_f64(run.summary.as_ref().and_then(|s| s.final_test_accuracy), 4),
+            opt_f64(
+                run.summary
+                    .as_ref()
+                    .and_then(|s| s.quality.final_test_accuracy),
+                4,
+            ),
         ]);
         row.extend(outcome_cells(run));
         row.extend([e.flags.join(" "), path_cell(e.oom_report.as_deref())]);
@@ -419,7 +424,7 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         e.run
             .summary
             .as_ref()
-            .and_then(|s| s.final_test_accuracy)
+            .and_then(|s| s.quality.final_test_accuracy)
             .is_some()
     });
     let reserved = r
@@ -486,7 +491,10 @@ pub fn compare_markdown(r: &CompareResult) -> String {
             frontier_cell(on)
         );
         if accuracy {
-            let acc = run.summary.as_ref().and_then(|s| s.final_test_accuracy);
+            let acc = run
+                .summary
+                .as_ref()
+                .and_then(|s| s.quality.final_test_accuracy);
             let _ = write!(
                 s,
                 " {} |",

@@ -126,7 +126,7 @@ impl SweepResult {
     pub(crate) fn heap_budget_bytes(&self) -> Option<u64> {
         self.points
             .iter()
-            .filter_map(|p| p.run.summary.as_ref()?.heap_budget_bytes)
+            .filter_map(|p| p.run.summary.as_ref()?.memory.heap_budget_bytes)
             .min()
     }
 

@@ -310,7 +310,7 @@ impl Trainer {
         self.callbacks.on_train_end(&TrainEnd {
             epochs: &epochs,
             global_step: self.position.global_step,
-            images_per_sec: summary.images_per_sec,
+            images_per_sec: summary.progress.images_per_sec,
             interrupted,
             probe: &*self.watch.probe,
             memory: self.watch.memory.log(),

@@ -27,5 +27,8 @@ pub mod trainer;
 pub mod viewers;
 
 pub use state::TrainState;
-pub use summary::{RunStatus, Summary};
+pub use summary::{
+    EstimateSummary, MemorySummary, OptimizationSummary, ProgressSummary, QualitySummary,
+    RunStatus, Summary,
+};
 pub use trainer::{Position, Trainer, TrainerOptions};

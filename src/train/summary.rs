@@ -29,12 +29,49 @@ impl std::fmt::Display for RunStatus {
 }
 
 /// What a run measured. Written to `summary.json` and returned by [`crate::train::Trainer::fit`].
+///
+/// The fields are grouped by concern in flattened structs ([`MemorySummary`], …): `summary.json`
+/// is one flat object all the same, its keys in the order of the fields.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Short label of the memory-relevant settings.
     pub label: String,
     /// Device name.
     pub device: String,
+    /// Memory measured.
+    #[serde(flatten)]
+    pub memory: MemorySummary,
+    /// What the memory optimizations did.
+    #[serde(flatten)]
+    pub optimizations: OptimizationSummary,
+    /// The estimate against the measurement.
+    #[serde(flatten)]
+    pub estimate: EstimateSummary,
+    /// Speed and progress.
+    #[serde(flatten)]
+    pub progress: ProgressSummary,
+    /// How well the model learned.
+    #[serde(flatten)]
+    pub quality: QualitySummary,
+    /// Final loss scale (f16).
+    pub loss_scale: Option<f64>,
+    /// Steps skipped by the loss scaler.
+    pub skipped_steps: usize,
+    /// How the run ended.
+    pub status: RunStatus,
+    /// Wall-clock seconds of the whole run.
+    pub wall_secs: f64,
+    /// Reached sparsity and model file sizes of a `--prune` run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pruning: Option<super::prune::PruneReport>,
+    /// What a `--cuda-graph` run captured: kernels per step, replays, graph memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_graph: Option<super::graph::GraphStats>,
+}
+
+/// What the memory probe measured, with the parameters' size and the limit the run had.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemorySummary {
     /// Memory probe name (`cpu-heap`, `cuda-pool`, `unavailable`).
     pub probe: String,
     /// Whether the probe gave real readings.
@@ -69,6 +106,12 @@ pub struct Summary {
     /// against it after every layer, and the resident memory against the limit.
     #[serde(default)]
     pub heap_budget_bytes: Option<u64>,
+}
+
+/// What the memory optimizations did in the run: the checkpointed segments, their recomputation
+/// and how the conv outputs were kept.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OptimizationSummary {
     /// Gradient checkpointing's segments the run trained with, as `[start, end)` block ranges
     /// (one segment: nothing recomputed; `--checkpoint auto` resolved).
     #[serde(default)]
@@ -86,6 +129,11 @@ pub struct Summary {
     /// `--resume`).
     #[serde(default)]
     pub activation_storage: Vec<crate::config::StorageSpan>,
+}
+
+/// The analytic estimate (src/predict/) against the measured peaks.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EstimateSummary {
     /// Predicted peak bytes of a training step, from the analytic estimate.
     pub predicted_peak_bytes: Option<u64>,
     /// Predicted peak bytes of the evaluation after an epoch (the tape's eval-mode forward on
@@ -104,6 +152,11 @@ pub struct Summary {
     /// (`step_peak_bytes`), which is what the estimate predicts; the run's peak can also fall
     /// while the data loads or during evaluation.
     pub prediction_error_pct: Option<f64>,
+}
+
+/// How fast the run trained and how far it got.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProgressSummary {
     /// Training throughput over all steps, images per second (data waits included, evaluation excluded).
     pub images_per_sec: f64,
     /// Throughput of the steps after the first few (warm-up: kernel compilation, first
@@ -115,6 +168,11 @@ pub struct Summary {
     pub epochs_completed: usize,
     /// Training images processed.
     pub images: usize,
+}
+
+/// How well the model learned: the final losses and accuracy, and what they were evaluated on.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QualitySummary {
     /// Mean training loss of the last epoch.
     pub final_train_loss: Option<f64>,
     /// Top-1 accuracy on the evaluation split after the last epoch.
@@ -126,20 +184,6 @@ pub struct Summary {
     /// Images the accuracy and loss were evaluated on.
     #[serde(default)]
     pub eval_images: usize,
-    /// Final loss scale (f16).
-    pub loss_scale: Option<f64>,
-    /// Steps skipped by the loss scaler.
-    pub skipped_steps: usize,
-    /// How the run ended.
-    pub status: RunStatus,
-    /// Wall-clock seconds of the whole run.
-    pub wall_secs: f64,
-    /// Reached sparsity and model file sizes of a `--prune` run.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pruning: Option<super::prune::PruneReport>,
-    /// What a `--cuda-graph` run captured: kernels per step, replays, graph memory.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cuda_graph: Option<super::graph::GraphStats>,
 }
 
 impl Trainer {
@@ -175,49 +219,59 @@ impl Trainer {
         Summary {
             label,
             device: device_name(&self.device),
-            probe: self.watch.probe.name().to_string(),
-            probe_available: self.watch.probe.available(),
-            num_params: self.model.num_params(),
-            param_bytes: self.model.num_params() as u64 * 4,
-            peak_bytes: mem.peak_bytes,
-            peak_phase: mem.peak_phase.map(|p| p.to_string()),
-            baseline_bytes: mem.baseline_bytes,
-            step_peak_bytes: step_peak,
-            reserved_peak_bytes: mem.reserved_peak_bytes,
-            os_view: self.watch.probe.os_view(),
-            os_current_bytes: os.map(|o| o.current),
-            os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak_bytes),
-            memory_limit_bytes: self.config.memory.memory_limit,
-            heap_budget_bytes: self.watch.probe.os_limit().and(self.watch.probe.limit()),
-            checkpoint_segments: self
-                .model
-                .segments(self.segmentation)
-                .iter()
-                .map(|r| [r.start, r.end])
-                .collect(),
-            recompute_flops: crate::predict::checkpointing::recompute_flops(
-                &self.model.layer_specs(),
-                self.segmentation,
-                self.config.steps.batch_size,
-            ),
-            lossy,
-            activation_storage: self.history.activation_storage.clone(),
-            // The analytic estimate (src/predict/) against the measured peak.
-            predicted_peak_bytes: predicted,
-            predicted_eval_peak_bytes: estimate.as_ref().and_then(|e| e.eval_peak),
-            eval_peak_bytes: mem.epochs.iter().filter_map(|e| e.eval_peak_bytes).max(),
-            what_if: predicted.and_then(|_| self.what_if()),
-            prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
-            images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
-            steady_images_per_sec: self.history.step_times.steady(),
-            steps: self.position.global_step,
-            epochs_completed: ended,
-            images: self.history.images,
-            final_train_loss: last.map(|e| e.train_loss),
-            final_test_accuracy: last.and_then(|e| e.eval_accuracy),
-            final_test_loss: last.and_then(|e| e.eval_loss),
-            eval_is_validation: self.data.eval_is_validation,
-            eval_images: self.data.eval.len(),
+            memory: MemorySummary {
+                probe: self.watch.probe.name().to_string(),
+                probe_available: self.watch.probe.available(),
+                num_params: self.model.num_params(),
+                param_bytes: self.model.num_params() as u64 * 4,
+                peak_bytes: mem.peak_bytes,
+                peak_phase: mem.peak_phase.map(|p| p.to_string()),
+                baseline_bytes: mem.baseline_bytes,
+                step_peak_bytes: step_peak,
+                reserved_peak_bytes: mem.reserved_peak_bytes,
+                os_view: self.watch.probe.os_view(),
+                os_current_bytes: os.map(|o| o.current),
+                os_peak_bytes: os.map(|o| o.peak).max(mem.os_peak_bytes),
+                memory_limit_bytes: self.config.memory.memory_limit,
+                heap_budget_bytes: self.watch.probe.os_limit().and(self.watch.probe.limit()),
+            },
+            optimizations: OptimizationSummary {
+                checkpoint_segments: self
+                    .model
+                    .segments(self.segmentation)
+                    .iter()
+                    .map(|r| [r.start, r.end])
+                    .collect(),
+                recompute_flops: crate::predict::checkpointing::recompute_flops(
+                    &self.model.layer_specs(),
+                    self.segmentation,
+                    self.config.steps.batch_size,
+                ),
+                lossy,
+                activation_storage: self.history.activation_storage.clone(),
+            },
+            estimate: EstimateSummary {
+                // The analytic estimate (src/predict/) against the measured peak.
+                predicted_peak_bytes: predicted,
+                predicted_eval_peak_bytes: estimate.as_ref().and_then(|e| e.eval_peak),
+                eval_peak_bytes: mem.epochs.iter().filter_map(|e| e.eval_peak_bytes).max(),
+                what_if: predicted.and_then(|_| self.what_if()),
+                prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
+            },
+            progress: ProgressSummary {
+                images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
+                steady_images_per_sec: self.history.step_times.steady(),
+                steps: self.position.global_step,
+                epochs_completed: ended,
+                images: self.history.images,
+            },
+            quality: QualitySummary {
+                final_train_loss: last.map(|e| e.train_loss),
+                final_test_accuracy: last.and_then(|e| e.eval_accuracy),
+                final_test_loss: last.and_then(|e| e.eval_loss),
+                eval_is_validation: self.data.eval_is_validation,
+                eval_images: self.data.eval.len(),
+            },
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
             status: if interrupted {

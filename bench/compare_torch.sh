@@ -6,7 +6,7 @@
 #                          [--accum-steps K] [--checkpoint none|stages|blocks]
 #                          [--conv standard|separable] [--steps S] [--repeats R]
 #                          [--data-dir DIR | --synthetic] [--out FILE] [--timeout SECS]
-#                          [--no-taskset] [--keep]
+#                          [--compile] [--no-taskset] [--keep]
 #
 # PyTorch runs from the virtual environment ${TORCH_VENV:-$HOME/.cache/memtrain/torch-venv}; when
 # `import torch` fails there, the script creates it (python3 -m venv) and installs torch and numpy
@@ -17,6 +17,8 @@
 # summary.json `steady_images_per_sec` (images / summed step time of the steps after the warm-up
 # steps that src/train/summary.rs `steady_throughput` skips). Each side runs R times, alternating
 # which goes first; the table shows the median img/s of each and the ratio memtrain/PyTorch.
+# With --compile, PyTorch also runs with torch.compile (inductor) as a third side, in turn with
+# the other two; its warm-up steps include compiling, so its figure is the compiled step's.
 #
 # Exit status: 0 on success, 2 for a bad flag, 1 when a setup step or a run fails.
 set -euo pipefail
@@ -42,6 +44,7 @@ Flags (defaults in brackets):
   --synthetic        synthetic/random images even when the default data dir exists
   --out FILE         also write the result as JSON to FILE (atomically)
   --timeout SECS     limit for each single run [900]
+  --compile          also time PyTorch with torch.compile, as a third side
   --no-taskset       do not pin the processes to CPUs
   --keep             keep the temporary run directory (logs, summary.json files)
   -h, --help         this text
@@ -64,7 +67,7 @@ source "$repo/bench/lib.sh"
 ncpu=$(nproc 2>/dev/null || echo 2)
 
 threads=$ncpu batch=128 width=32 precision=f32 accum=1 checkpoint=none conv=standard
-steps=20 repeats=3 data_dir="" synthetic=0 out="" timeout_s=900 use_taskset=1 keep=0
+steps=20 repeats=3 data_dir="" synthetic=0 out="" timeout_s=900 use_taskset=1 keep=0 compile=0
 
 while [ $# -gt 0 ]; do
   flag=$1
@@ -75,10 +78,11 @@ while [ $# -gt 0 ]; do
   esac
   case $flag in
     -h|--help) usage; exit 0 ;;
-    --synthetic|--no-taskset|--keep)
+    --synthetic|--no-taskset|--keep|--compile)
       [ $has_inline = 0 ] || bad "$flag takes no value"
       case $flag in
         --synthetic) synthetic=1 ;;
+        --compile) compile=1 ;;
         --no-taskset) use_taskset=0 ;;
         --keep) keep=1 ;;
       esac
@@ -209,14 +213,17 @@ run_failed() { # framework, repeat index, exit status, log: keep the run dir, sh
   fail "$1 run $2 failed (exit $3; log above, in $4)"
 }
 
-run_torch() { # repeat index; sets val to the run's img/s
-  local r=$1 log="$work/torch-$1.log" rc=0
+run_torch() { # repeat index [--compile]; sets val to the run's img/s
+  local r=$1 name=torch rc=0
+  shift
+  [ $# = 0 ] || name=torch-compiled
+  local log="$work/$name-$r.log"
   (cd "$work" && "${limit[@]}" "${pin[@]}" env "${thread_env[@]}" "$py" "$repo/bench/torch_reference.py" \
     --device cpu --threads "$threads" --batch-size "$batch" --width "$width" \
     --precision "$precision" --accum-steps "$accum" --checkpoint "$checkpoint" --conv "$conv" \
-    --steps "$steps" --warmup "$warmup" "${torch_data[@]}") >"$work/torch-$r.json" 2>"$log" || rc=$?
-  [ $rc = 0 ] || run_failed PyTorch "$r" "$rc" "$log"
-  val=$("$py" - "$work/torch-$r.json" "$threads" <<'PY'
+    --steps "$steps" --warmup "$warmup" "${torch_data[@]}" "$@") >"$work/$name-$r.json" 2>"$log" || rc=$?
+  [ $rc = 0 ] || run_failed "PyTorch ($name)" "$r" "$rc" "$log"
+  val=$("$py" - "$work/$name-$r.json" "$threads" <<'PY'
 import json, sys
 lines = [l for l in open(sys.argv[1]) if l.strip().startswith("{")]
 res = json.loads(lines[-1])
@@ -224,7 +231,7 @@ if res.get("threads") != int(sys.argv[2]):
     print(f"warning: PyTorch ran with {res.get('threads')} threads, not {sys.argv[2]}", file=sys.stderr)
 print(f'{res["images_per_sec"]:.3f}')
 PY
-  ) || { keep=1; fail "PyTorch run $r printed no result (see $work/torch-$r.json and $log)"; }
+  ) || { keep=1; fail "PyTorch run $r printed no result (see $work/$name-$r.json and $log)"; }
 }
 
 run_memtrain() { # repeat index; sets val to the run's img/s
@@ -249,25 +256,40 @@ PY
 }
 
 torch_ips=()
+compiled_ips=()
 mt_ips=()
+sides=(torch memtrain)
+[ $compile = 0 ] || sides+=(compiled)
 for ((r = 1; r <= repeats; r++)); do
-  if [ $((r % 2)) = 1 ]; then order="torch memtrain"; else order="memtrain torch"; fi
-  for who in $order; do
-    if [ "$who" = torch ]; then
-      run_torch "$r"
-      torch_ips+=("$val")
-      echo "   run $r/$repeats  pytorch   $val img/s"
-    else
-      run_memtrain "$r"
-      mt_ips+=("$val")
-      echo "   run $r/$repeats  memtrain  $val img/s"
-    fi
+  # Each side goes first in turn.
+  n=${#sides[@]}
+  order=()
+  for ((k = 0; k < n; k++)); do order+=("${sides[$(((r - 1 + k) % n))]}"); done
+  for who in "${order[@]}"; do
+    case $who in
+      torch)
+        run_torch "$r"
+        torch_ips+=("$val")
+        echo "   run $r/$repeats  pytorch           $val img/s"
+        ;;
+      compiled)
+        run_torch "$r" --compile
+        compiled_ips+=("$val")
+        echo "   run $r/$repeats  pytorch compiled  $val img/s"
+        ;;
+      memtrain)
+        run_memtrain "$r"
+        mt_ips+=("$val")
+        echo "   run $r/$repeats  memtrain          $val img/s"
+        ;;
+    esac
   done
 done
 
 # ---- result ------------------------------------------------------------------------------------
 mt_version=$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$repo/Cargo.toml" | head -n 1)
-result=$(MT_RUNS="${mt_ips[*]}" PT_RUNS="${torch_ips[*]}" THREADS=$threads PIN="$pin_note" \
+result=$(MT_RUNS="${mt_ips[*]}" PT_RUNS="${torch_ips[*]}" PC_RUNS="${compiled_ips[*]}" \
+  THREADS=$threads PIN="$pin_note" \
   BATCH=$batch WIDTH=$width PRECISION=$precision ACCUM=$accum CHECKPOINT=$checkpoint CONV=$conv \
   DATA="$data_note" WARMUP=$warmup STEPS=$steps REPEATS=$repeats MT_VERSION="$mt_version" \
   PT_VERSION="$torch_version" "$py" - "$work/result.json" <<'PY'
@@ -296,21 +318,31 @@ res = {
                 "images_per_sec_runs": pt, "images_per_sec_median": p},
     "ratio_memtrain_over_pytorch": m / p,
 }
+pc = [float(v) for v in e["PC_RUNS"].split()]
+c = statistics.median(pc) if pc else 0.0
+if pc:
+    res["pytorch_compiled"] = {"version": e["PT_VERSION"], "metric": "torch_reference.py --compile images_per_sec",
+                               "images_per_sec_runs": pc, "images_per_sec_median": c}
+    res["ratio_memtrain_over_pytorch_compiled"] = m / c
+    res["ratio_compiled_over_eager"] = c / p
 with open(sys.argv[1], "w") as f:
     json.dump(res, f, indent=2)
     f.write("\n")
-print(f"{m:.1f} {p:.1f} {m / p:.2f}")
+print(f"{m:.1f} {p:.1f} {m / p:.2f} {c:.1f} {m / c if c else 0:.2f} {c / p:.2f}")
 PY
 )
-read -r mt_med torch_med ratio <<<"$result"
+read -r mt_med torch_med ratio compiled_med compiled_ratio compiled_gain <<<"$result"
 
 echo
 echo "| framework | threads | batch | config | img/s (median of $repeats) | ratio |"
 echo "|---|---:|---:|---|---:|---:|"
 echo "| memtrain $mt_version (Candle 0.11) | $threads | $batch | $config | $mt_med | $ratio |"
 echo "| PyTorch $torch_version | $threads | $batch | $config | $torch_med | 1.00 |"
+[ $compile = 0 ] ||
+  echo "| PyTorch $torch_version, torch.compile | $threads | $batch | $config | $compiled_med | $compiled_gain |"
 echo
-echo "ratio = memtrain / PyTorch (median img/s); memtrain: steady_images_per_sec, PyTorch: wall clock of the same $steps steps after $warmup warm-up steps"
+echo "ratio = side / eager PyTorch (median img/s); memtrain: steady_images_per_sec, PyTorch: wall clock of the same $steps steps after $warmup warm-up steps"
+[ $compile = 0 ] || echo "memtrain / compiled PyTorch: $compiled_ratio"
 
 if [ -n "$out" ]; then
   tmp=$(mktemp "$(dirname -- "$out")/.$(basename -- "$out").XXXXXX")

@@ -136,6 +136,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tf32", choices=["on", "off"], default="on",
                    help="TF32 for f32 convolutions on CUDA (torch.backends.cudnn.allow_tf32; on is PyTorch's default)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (inductor; the warm-up steps include compiling)")
     p.add_argument("--step-memory", action="store_true",
                    help="per-step heap bytes from the malloc_count LD_PRELOAD shim (CPU only)")
     a = p.parse_args()
@@ -161,6 +163,9 @@ def main():
 
     model = Net(a.width, a.conv == "separable", a.checkpoint).to(dev).to(memory_format=torch.channels_last if cuda else torch.contiguous_format)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    if a.compile:
+        # Forward and backward compiled (AOTAutograd); the optimizer stays eager.
+        model = torch.compile(model)
     dtype = {"f32": None, "f16": torch.float16, "bf16": torch.bfloat16}[a.precision]
     scaler = torch.amp.GradScaler(dev.type, enabled=a.precision == "f16")
     mb = a.batch_size // a.accum_steps
@@ -239,6 +244,7 @@ def main():
         "checkpoint": a.checkpoint,
         "conv": a.conv,
         "steps": a.steps,
+        "compiled": a.compile,
         "images_per_sec": a.steps * a.batch_size / secs,
         "final_loss": float(loss.detach().float() * a.accum_steps),
         "params": sum(p.numel() for p in model.parameters()),

@@ -6,6 +6,7 @@
 //! "with pack", which adds packing `B` from a row-major bf16 matrix as the conv does per image;
 //! for the widen path, the `gemm` crate on operands already widened to f32, and with the widening
 //! of both operands. Then the same cases under criterion (`cargo bench --bench gemm_bf16`).
+//! Before them, the roofline: a large product on every thread at once ([`roofline`]).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -152,11 +153,49 @@ fn kernels() -> Vec<Bf16Kernel> {
         .collect()
 }
 
+/// The roofline: one large product (`ROOF`³) per thread on `threads` threads at once, each on
+/// its own operands (no sharing, no synchronisation inside), as GFLOP/s of all of them together,
+/// best of `reps` runs: what these cores' multiply-add units deliver to a well-blocked gemm.
+fn roofline(threads: usize, reps: usize, f: fn(&mut Case)) -> f64 {
+    const ROOF: usize = 1024;
+    let mut cases: Vec<Case> = (0..threads).map(|_| Case::new(ROOF, ROOF, ROOF)).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..reps + 1 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for case in cases.iter_mut() {
+                s.spawn(move || f(black_box(case)));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    threads as f64 * cases[0].flops() / best / 1e9
+}
+
 fn main() {
     let reps = std::env::var("GEMM_BENCH_REPS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("roofline: a 1024×1024×1024 product on each of {threads} threads at once, GFLOP/s (best of {reps} runs)\n");
+    println!(
+        "| f32 gemm crate |{}",
+        kernels()
+            .iter()
+            .map(|k| format!(" bf16 {k:?} |"))
+            .collect::<String>()
+    );
+    println!("|---:|{}", "---:|".repeat(kernels().len()));
+    let mut row = format!("| {:.1} |", roofline(threads, reps, |c| c.widen(false)));
+    for kern in kernels() {
+        let f: fn(&mut Case) = match kern {
+            Bf16Kernel::Avx512Bf16 => |c| c.kernel(Bf16Kernel::Avx512Bf16, false),
+            _ => |c| c.kernel(Bf16Kernel::Avx512Fma, false),
+        };
+        row += &format!(" {:.1} |", roofline(threads, reps, f));
+    }
+    println!("{row}\n");
     println!("bf16 gemm, one thread, GFLOP/s (best of {reps} runs)\n");
     let mut header = String::from("| gemm | m×k×n |");
     for k in kernels() {

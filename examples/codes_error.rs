@@ -103,7 +103,7 @@ fn error(a: &Tensor, b: &Tensor) -> anyhow::Result<(f64, f64)> {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut cfg = args.train;
-    if cfg.memory.compress_activations != ActivationStorage::None {
+    if cfg.memory.compress_activations != ActivationStorage::None.into() {
         bail!(
             "--compress-activations: codes_error compares none with every width itself; leave the flag out"
         );
@@ -149,10 +149,10 @@ fn main() -> anyhow::Result<()> {
     let mut exact = Vec::new();
     for p in Precision::ALL {
         t.config.memory.precision = *p;
-        t.config.memory.compress_activations = ActivationStorage::None;
+        t.plan.storage = ActivationStorage::None;
         let e = t.compute_grads(&images, &labels)?.1;
         for &c in ActivationStorage::ALL.iter().filter(|c| c.is_lossy()) {
-            t.config.memory.compress_activations = c;
+            t.plan.storage = c;
             let q = t.compute_grads(&images, &labels)?.1;
             rows.extend(compare(&format!("{p} {c} vs {p} exact"), &names, &q, &e)?);
         }

@@ -269,9 +269,9 @@ pub struct MemoryConfig {
     )]
     #[serde(rename = "checkpoint")]
     pub grad_checkpointing: GradCheckpointing,
-    /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats). Segment inputs and the images stay exact
-    #[arg(long, value_enum, value_name = "HOW", default_value_t = ActivationStorage::None)]
-    pub compress_activations: ActivationStorage,
+    /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats). Segment inputs and the images stay exact. auto (with --memory-limit) chooses the codes with the segmentation: exact when any exact plan fits, else the most bits that fit
+    #[arg(long, value_enum, value_name = "HOW", default_value_t = CompressActivations::None)]
+    pub compress_activations: CompressActivations,
     /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
     // In bytes.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
@@ -558,6 +558,13 @@ impl TrainConfig {
                 self.steps.batch_size
             ));
         }
+        if self.memory.compress_activations == CompressActivations::Auto
+            && self.memory.memory_limit.is_none()
+        {
+            return bad(
+                "--compress-activations auto chooses the codes for a budget: give --memory-limit, or name the codes (none, int8, int4, int2)".into(),
+            );
+        }
         if self.steps.accum_steps == 0 {
             return bad("--accum-steps must be at least 1".into());
         }
@@ -690,7 +697,8 @@ impl TrainConfig {
         if self
             .memory
             .compress_activations
-            .width()
+            .fixed()
+            .and_then(|s| s.width())
             .is_some_and(|w| w.per_plane())
         {
             // Their codes are made on the host from values read back, which a captured stream
@@ -796,7 +804,7 @@ impl TrainConfig {
         if let Some(p) = self.pruning.prune {
             s.push_str(&format!(" prune{p}"));
         }
-        if self.memory.compress_activations.is_lossy() {
+        if self.memory.compress_activations.may_be_lossy() {
             s.push_str(&format!(
                 " {}-activations (lossy)",
                 self.memory.compress_activations

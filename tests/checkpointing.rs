@@ -489,3 +489,133 @@ fn nothing_fits_is_a_usage_error_before_any_work() {
     assert!(!out_dir.exists(), "nothing written");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--compress-activations auto` with `--checkpoint auto`: over every segmentation and every
+/// storage, the exact plans first, then the most bits (int8, int4, int2), then the least
+/// recomputation, the smaller peak and the fewer segments, among those that fit: checked against
+/// brute force over the same 128 predictions, from limits only int2 fits to limits the plain
+/// exact step fits; and nothing fitting is a one-line usage error that names the codes.
+#[test]
+fn auto_codes_and_segmentation_pick_what_brute_force_picks() {
+    use memtrain::config::{ActivationStorage, CompressActivations};
+    let _s = serial();
+    let dev = DeviceKind::cpu();
+    let base = Baseline::Modeled(DataSize::exact(5000, 1000));
+    let rank = |s: ActivationStorage| match s {
+        ActivationStorage::None => 0,
+        ActivationStorage::Int8 => 1,
+        ActivationStorage::Int4 => 2,
+        ActivationStorage::Int2 => 3,
+    };
+    let mut storages_chosen = std::collections::BTreeSet::new();
+    for (width, batch, precision) in [(8, 32, Precision::F32), (16, 64, Precision::Bf16)] {
+        let mut cfg = TrainConfig::default();
+        cfg.model.width = width;
+        cfg.steps.batch_size = batch;
+        cfg.memory.precision = precision;
+        cfg.device = Some("cpu".into());
+        let mut plans = Vec::new();
+        for s in ActivationStorage::ALL {
+            for m in 0..32u8 {
+                let mut c = cfg.clone();
+                c.memory.grad_checkpointing = by_spelling(m);
+                c.memory.compress_activations = (*s).into();
+                plans.push((*s, m, estimate_with(&c, dev, base).unwrap().peak));
+            }
+        }
+        let lo = plans.iter().map(|p| p.2).min().unwrap();
+        let plain = plans
+            .iter()
+            .find(|p| p.0 == ActivationStorage::None && p.1 == 0)
+            .unwrap()
+            .2;
+        let (from, to) = (lo * 99 / 100, limit_for(plain, SAFETY_MARGIN) * 101 / 100);
+        let mut auto = cfg.clone();
+        auto.memory.grad_checkpointing = GradCheckpointing::Auto;
+        auto.memory.compress_activations = CompressActivations::Auto;
+        let specs = model_layer_specs(width, cfg.model.conv);
+        for k in 0..=20u64 {
+            let limit = limit_for_heap(from + (to - from) * k / 20, dev);
+            let usable = usable_bytes(heap_limit(Some(limit), dev).unwrap(), SAFETY_MARGIN);
+            auto.memory.memory_limit = Some(limit);
+            let got = choose_checkpointing(&auto, &specs, dev, base);
+            let label = format!("{} at {}", cfg.label(), format_bytes(limit));
+            let want = plans
+                .iter()
+                .filter(|p| p.2 <= usable)
+                .min_by_key(|p| (rank(p.0), expected_flops(&cfg, p.1), p.2, p.1.count_ones()));
+            match want {
+                Some(&(storage, mask, peak)) => {
+                    let c = got.unwrap_or_else(|e| panic!("{label}: {e}"));
+                    assert_eq!(c.chosen.storage, storage, "{label}");
+                    assert_eq!(
+                        GradCheckpointing::from(c.chosen.checkpointing),
+                        by_spelling(mask),
+                        "{label}"
+                    );
+                    assert_eq!(c.chosen.predicted_peak, peak, "{label}");
+                    assert_eq!(c.considered, 128, "{label}");
+                    let line = c.describe(CNN_BLOCKS);
+                    assert_eq!(line.contains("lossy"), storage.is_lossy(), "{line}");
+                    assert!(line.contains("chosen in"), "{line}");
+                    storages_chosen.insert(storage.to_string());
+                }
+                None => {
+                    let e = got.expect_err(&label).to_string();
+                    assert!(e.contains("no plan (segmentation and codes)"), "{e}");
+                    assert!(!e.contains('\n'), "one line: {e}");
+                }
+            }
+        }
+    }
+    // The sweeps reach an exact plan and lossy ones.
+    assert!(storages_chosen.contains("none"), "{storages_chosen:?}");
+    assert!(storages_chosen.len() >= 3, "{storages_chosen:?}");
+}
+
+/// `--compress-activations auto` without `--memory-limit` is a usage error naming the fix; with
+/// a fixed `--checkpoint`, only the codes are chosen.
+#[test]
+fn auto_codes_need_a_limit_and_keep_a_named_segmentation() {
+    use memtrain::config::{ActivationStorage, CompressActivations};
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = 8;
+    cfg.steps.batch_size = 32;
+    cfg.device = Some("cpu".into());
+    cfg.memory.compress_activations = CompressActivations::Auto;
+    let e = cfg.validate().unwrap_err().to_string();
+    assert!(e.contains("give --memory-limit"), "{e}");
+    let dev = DeviceKind::cpu();
+    let base = Baseline::Modeled(DataSize::exact(5000, 1000));
+    cfg.memory.grad_checkpointing = GradCheckpointing::Stages;
+    let mut exact = cfg.clone();
+    exact.memory.compress_activations = ActivationStorage::None.into();
+    let stages = estimate_with(&exact, dev, base).unwrap().peak;
+    let mut int8 = exact.clone();
+    int8.memory.compress_activations = ActivationStorage::Int8.into();
+    let stages_int8 = estimate_with(&int8, dev, base).unwrap().peak;
+    assert!(stages_int8 < stages);
+    // Room for the exact step with stages: exact, with stages; room for int8 only: int8.
+    for (heap, lossy) in [
+        (limit_for(stages, SAFETY_MARGIN), false),
+        (limit_for(stages_int8, SAFETY_MARGIN), true),
+    ] {
+        cfg.memory.memory_limit = Some(limit_for_heap(heap, dev));
+        let c =
+            choose_checkpointing(&cfg, &model_layer_specs(8, cfg.model.conv), dev, base).unwrap();
+        assert_eq!(c.considered, 4);
+        assert_eq!(
+            GradCheckpointing::from(c.chosen.checkpointing),
+            GradCheckpointing::Stages
+        );
+        assert_eq!(
+            c.chosen.storage.is_lossy(),
+            lossy,
+            "{}",
+            c.describe(CNN_BLOCKS)
+        );
+        assert!(c
+            .describe(CNN_BLOCKS)
+            .starts_with("--compress-activations auto: "));
+    }
+}

@@ -100,7 +100,7 @@ fn compressed_gradients_are_close_to_the_exact_steps_in_every_configuration() {
                             "{storage} {precision} {checkpoint} {conv} accum {accum_steps}"
                         );
                         let mut cfg = exact.clone();
-                        cfg.memory.compress_activations = *storage;
+                        cfg.memory.compress_activations = (*storage).into();
                         let g = grads(cfg, 32, 3);
                         let b = bounds(*storage);
                         let mut changed = false;
@@ -168,7 +168,7 @@ fn stochastic_codes_repeat_bit_for_bit() {
             (GradCheckpointing::Blocks, 2),
         ] {
             let mut cfg = common::tiny_config();
-            cfg.memory.compress_activations = storage;
+            cfg.memory.compress_activations = storage.into();
             cfg.memory.grad_checkpointing = checkpoint;
             cfg.steps.accum_steps = accum_steps;
             cfg.model.width = 8;
@@ -189,7 +189,7 @@ fn the_estimate_keeps_a_byte_per_element_and_a_range_per_channel() {
         exact.memory.precision = precision;
         exact.device = Some("cpu".into());
         let mut int8 = exact.clone();
-        int8.memory.compress_activations = ActivationStorage::Int8;
+        int8.memory.compress_activations = ActivationStorage::Int8.into();
         let e = estimate(&exact, DeviceKind::cpu()).unwrap();
         let q = estimate(&int8, DeviceKind::cpu()).unwrap();
         let s = precision.compute_dtype().size_in_bytes() as u64;
@@ -231,7 +231,7 @@ fn the_estimate_keeps_each_widths_codes_and_ranges() {
         for storage in lossy() {
             let width = storage.width().unwrap();
             let mut compressed = exact.clone();
-            compressed.memory.compress_activations = storage;
+            compressed.memory.compress_activations = storage.into();
             let q = estimate(&compressed, DeviceKind::cpu()).unwrap();
             let codes: u64 = e
                 .layers

@@ -286,7 +286,7 @@ fn estimate_matches_the_counting_allocator() {
         ),
     ] {
         let mut int8 = config(32, precision, checkpoint, conv);
-        int8.memory.compress_activations = memtrain::config::ActivationStorage::Int8;
+        int8.memory.compress_activations = memtrain::config::ActivationStorage::Int8.into();
         cases.push(int8);
     }
     for storage in [
@@ -298,7 +298,7 @@ fn estimate_matches_the_counting_allocator() {
             (Precision::F16, GradCheckpointing::Stages),
         ] {
             let mut c = config(32, precision, checkpoint, ConvKind::Standard);
-            c.memory.compress_activations = storage;
+            c.memory.compress_activations = storage.into();
             cases.push(c);
         }
     }

@@ -138,7 +138,7 @@ fn config(c: &Case) -> TrainConfig {
         .expect("segmentation");
     cfg.steps.accum_steps = c.accum;
     cfg.model.conv = c.conv;
-    cfg.memory.compress_activations = c.storage;
+    cfg.memory.compress_activations = c.storage.into();
     cfg.optimizer.kind = if c.adamw {
         OptimizerKind::Adamw
     } else {

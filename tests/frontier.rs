@@ -601,7 +601,7 @@ fn lossy_is_read_from_the_flags_a_config_file_included() {
     assert!(!lossy_flags(&words("--compress-activations int3")));
     let dir = tmp_dir("lossy-config");
     let mut cfg = memtrain::config::TrainConfig::default();
-    cfg.memory.compress_activations = memtrain::config::ActivationStorage::Int8;
+    cfg.memory.compress_activations = memtrain::config::ActivationStorage::Int8.into();
     let file = dir.join("config.json");
     std::fs::write(&file, serde_json::to_string(&cfg).unwrap()).unwrap();
     let with_file = vec!["--config".to_string(), file.display().to_string()];

@@ -115,7 +115,7 @@ fn auto_checkpointing_follows_the_estimate() {
     .unwrap()
     .0;
     assert_eq!(
-        resolve_checkpointing(&cfg, &specs, dev, base).unwrap(),
+        resolve_checkpointing(&cfg, &specs, dev, base).unwrap().0,
         smallest
     );
     // The estimate of `auto` is the estimate of what it picks.
@@ -134,7 +134,7 @@ fn auto_checkpointing_follows_the_estimate() {
         dev,
     ));
     assert_eq!(
-        resolve_checkpointing(&roomy, &specs, dev, base).unwrap(),
+        resolve_checkpointing(&roomy, &specs, dev, base).unwrap().0,
         GradCheckpointing::None
     );
     // A limit only the smallest peak fits (with the margin): one of those.
@@ -142,7 +142,7 @@ fn auto_checkpointing_follows_the_estimate() {
     let tight_limit = limit_for(least, SAFETY_MARGIN);
     let mut tight = cfg.clone();
     tight.memory.memory_limit = Some(limit_for_heap(tight_limit, dev));
-    let chosen = resolve_checkpointing(&tight, &specs, dev, base).unwrap();
+    let chosen = resolve_checkpointing(&tight, &specs, dev, base).unwrap().0;
     assert!(peak(chosen) <= usable_bytes(tight_limit, SAFETY_MARGIN));
     // A trainer built with `auto` trains with what the estimate picked.
     let mut cfg = common::tiny_config();

@@ -108,6 +108,66 @@ impl ActivationStorage {
 }
 
 cli_enum! {
+    /// `--compress-activations`: a storage for the conv outputs the step keeps, or `auto`, which
+    /// the trainer resolves under `--memory-limit` together with `--checkpoint` (the most exact
+    /// plan that fits); the step itself only ever sees an [`ActivationStorage`].
+    CompressActivations ("activation storage") {
+        /// Chosen with the segmentation under `--memory-limit`: exact when any exact plan fits,
+        /// else the most bits that fit.
+        Auto => "auto",
+        /// [`ActivationStorage::None`].
+        None => "none",
+        /// [`ActivationStorage::Int8`].
+        Int8 => "int8",
+        /// [`ActivationStorage::Int4`].
+        Int4 => "int4",
+        /// [`ActivationStorage::Int2`].
+        Int2 => "int2",
+    }
+}
+
+impl CompressActivations {
+    /// The storage this names; `None` for `auto`, which the trainer resolves.
+    pub fn fixed(self) -> Option<ActivationStorage> {
+        match self {
+            CompressActivations::Auto => None,
+            CompressActivations::None => Some(ActivationStorage::None),
+            CompressActivations::Int8 => Some(ActivationStorage::Int8),
+            CompressActivations::Int4 => Some(ActivationStorage::Int4),
+            CompressActivations::Int2 => Some(ActivationStorage::Int2),
+        }
+    }
+
+    /// The storage this names.
+    ///
+    /// # Errors
+    /// For `auto`, which is a choice to make first (the trainer makes it with the segmentation).
+    pub fn resolved(self) -> Result<ActivationStorage> {
+        self.fixed().ok_or_else(|| {
+            Error::config(
+                "--compress-activations auto is chosen with the segmentation under --memory-limit; resolve it before using the storage",
+            )
+        })
+    }
+
+    /// Whether the storage is lossy; `auto` may be, so it counts as lossy.
+    pub fn may_be_lossy(self) -> bool {
+        self.fixed().is_none_or(|s| s.is_lossy())
+    }
+}
+
+impl From<ActivationStorage> for CompressActivations {
+    fn from(s: ActivationStorage) -> Self {
+        match s {
+            ActivationStorage::None => CompressActivations::None,
+            ActivationStorage::Int8 => CompressActivations::Int8,
+            ActivationStorage::Int4 => CompressActivations::Int4,
+            ActivationStorage::Int2 => CompressActivations::Int2,
+        }
+    }
+}
+
+cli_enum! {
     /// Convolution kind used inside each block.
     ConvKind ("convkind") {
         /// Dense 3x3 convolution.

@@ -13,44 +13,66 @@
 //! predictions, the limit and the margin, so a test can check it against brute force.
 
 use super::margin::{limit_for, usable_bytes};
-use crate::config::{GradCheckpointing, Segmentation};
+use crate::config::{ActivationStorage, GradCheckpointing, Segmentation};
 use crate::error::Error;
 use crate::memory::format_bytes;
 use crate::model::LayerSpec;
 use std::ops::Range;
 
-/// One segmentation with its prediction.
+/// One plan, a segmentation and an activation storage, with its prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
     /// The segmentation.
     pub checkpointing: Segmentation,
+    /// How the blocks' conv outputs are kept.
+    pub storage: ActivationStorage,
     /// Its predicted peak bytes.
     pub predicted_peak: u64,
     /// The FLOPs it recomputes per optimizer step ([`recompute_flops`]).
     pub recompute_flops: u64,
 }
 
-/// What `--checkpoint auto` chose, and from what.
+/// What `--checkpoint auto` (and `--compress-activations auto`) chose, and from what.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CheckpointChoice {
-    /// The chosen segmentation with its prediction.
+    /// The chosen plan with its prediction.
     pub chosen: Candidate,
     /// What `--memory-limit` leaves the estimate's peak, when given (on the CPU the heap budget
     /// under the process's limit).
     pub limit: Option<u64>,
     /// The margin kept free of the limit.
     pub margin: f64,
-    /// Segmentations considered.
+    /// Plans considered.
     pub considered: usize,
+    /// Whether the segmentation was chosen (`--checkpoint auto`), and the storage
+    /// (`--compress-activations auto`).
+    pub chose_segmentation: bool,
+    /// See `chose_segmentation`.
+    pub chose_storage: bool,
+    /// Seconds the estimates and the choice took.
+    pub solve_secs: f64,
 }
 
 impl CheckpointChoice {
-    /// One line for the start of a run: what was chosen, its segments and recomputed FLOPs, why.
+    /// One line for the start of a run: what was chosen (said first when it is lossy), its
+    /// segments and recomputed FLOPs, why, and how long choosing took.
     pub fn describe(&self, blocks: usize) -> String {
         let c = &self.chosen;
+        let plans = if self.chose_storage {
+            "plans (segmentation and codes)"
+        } else {
+            "segmentations"
+        };
         let why = match self.limit {
+            Some(limit) if self.chose_storage => format!(
+                "of {} {plans}, the exact ones first, then the most bits, then the least recomputation, among those whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {} error margin ({})",
+                self.considered,
+                format_bytes(limit),
+                super::margin::percent(self.margin),
+                format_bytes(usable_bytes(limit, self.margin))
+            ),
             Some(limit) => format!(
-                "the least recomputation of {} segmentations whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {} error margin ({})",
+                "the least recomputation of {} {plans} whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {} error margin ({})",
                 self.considered,
                 format_bytes(limit),
                 super::margin::percent(self.margin),
@@ -61,12 +83,23 @@ impl CheckpointChoice {
                 named_list(GradCheckpointing::CONCRETE)
             ),
         };
+        let flags = match (self.chose_segmentation, self.chose_storage) {
+            (true, true) => "--checkpoint auto --compress-activations auto",
+            (false, true) => "--compress-activations auto",
+            _ => "--checkpoint auto",
+        };
+        let codes = match (self.chose_storage, c.storage) {
+            (false, _) => String::new(),
+            (true, ActivationStorage::None) => ", codes none (exact)".to_string(),
+            (true, s) => format!(", codes {s} (lossy: the gradients differ from the exact step's)"),
+        };
         format!(
-            "--checkpoint auto: {} (segments {}, recomputes {} per step; predicted peak {}): {why}",
+            "{flags}: {}{codes} (segments {}, recomputes {} per step; predicted peak {}): {why}; chosen in {:.0} ms",
             c.checkpointing,
             format_segments(&crate::model::cnn::segments(blocks, c.checkpointing)),
             format_flops(c.recompute_flops),
-            format_bytes(c.predicted_peak)
+            format_bytes(c.predicted_peak),
+            self.solve_secs * 1e3
         )
     }
 }
@@ -136,9 +169,10 @@ pub fn recompute_flops(specs: &[LayerSpec], ckpt: Segmentation, images: usize) -
 }
 
 /// The index of the candidate `--checkpoint auto` runs. Without a limit: the smallest predicted
-/// peak. Under `limit`: of those whose predicted peak is at most [`usable_bytes`], the least
-/// recomputed FLOPs, then the smaller peak, then the fewer segments; `None` when none fits.
-/// Ties beyond those go to the earlier candidate.
+/// peak. Under `limit`: of those whose predicted peak is at most [`usable_bytes`], the exact
+/// storage first, then the most bits (int8, int4, int2), then the least recomputed FLOPs, then
+/// the smaller peak, then the fewer segments; `None` when none fits. Ties beyond those go to the
+/// earlier candidate.
 pub fn pick(candidates: &[Candidate], limit: Option<u64>, margin: f64) -> Option<usize> {
     let segments = |c: &Candidate| c.checkpointing.boundaries().len();
     match limit {
@@ -149,7 +183,9 @@ pub fn pick(candidates: &[Candidate], limit: Option<u64>, margin: f64) -> Option
                 .filter(|&i| candidates[i].predicted_peak <= usable)
                 .min_by_key(|&i| {
                     let c = &candidates[i];
-                    (c.recompute_flops, c.predicted_peak, segments(c))
+                    // 0 for exact storage, then 1 for int8, 5 for int4, 7 for int2.
+                    let lost_bits = c.storage.width().map_or(0, |w| 9 - w.bits());
+                    (lost_bits, c.recompute_flops, c.predicted_peak, segments(c))
                 })
         }
     }
@@ -170,15 +206,80 @@ pub fn nothing_fits(
     let Some(s) = smallest else {
         return Error::config("--checkpoint auto: no segmentation to choose from");
     };
+    let storages = candidates.iter().any(|c| c.storage != s.storage);
+    let segmentations = candidates
+        .iter()
+        .any(|c| c.checkpointing != s.checkpointing);
+    let flags = match (segmentations, storages) {
+        (true, true) => "--checkpoint auto --compress-activations auto",
+        (false, true) => "--compress-activations auto",
+        _ => "--checkpoint auto",
+    };
+    let (plans, what) = if storages {
+        (
+            "plan (segmentation and codes)",
+            format!("{}, {}", s.checkpointing, s.storage),
+        )
+    } else {
+        ("segmentation", s.checkpointing.to_string())
+    };
     Error::config(format!(
-        "--checkpoint auto --memory-limit {}: no segmentation of the {} fits; the smallest predicted peak is {} ({}), which with the estimate's {} error margin needs --memory-limit {} or more; {advice}",
+        "{flags} --memory-limit {}: no {plans} of the {} fits; the smallest predicted peak is {} ({what}), which with the estimate's {} error margin needs --memory-limit {} or more{}; {advice}",
         format_bytes(limit),
         candidates.len(),
         format_bytes(s.predicted_peak),
-        s.checkpointing,
         super::margin::percent(margin),
         format_bytes(to_limit(limit_for(s.predicted_peak, margin))),
+        worse_together(candidates),
     ))
+}
+
+/// Where codes and checkpointing work against each other: for each lossy storage among the
+/// candidates whose plain step (no segments) predicts less than every segmentation with it, a
+/// clause saying so (`; with int8 codes every segmentation raises the predicted peak: none
+/// 48.69 MiB, stages 52.30 MiB, blocks 60.41 MiB`).
+fn worse_together(candidates: &[Candidate]) -> String {
+    let mut out = String::new();
+    for s in [
+        ActivationStorage::Int8,
+        ActivationStorage::Int4,
+        ActivationStorage::Int2,
+    ] {
+        let with: Vec<&Candidate> = candidates.iter().filter(|c| c.storage == s).collect();
+        let Some(plain) = with.iter().find(|c| c.checkpointing == Segmentation::NONE) else {
+            continue;
+        };
+        let others = with
+            .iter()
+            .filter(|c| c.checkpointing != Segmentation::NONE);
+        if others.clone().count() > 0
+            && others
+                .clone()
+                .all(|c| c.predicted_peak > plain.predicted_peak)
+        {
+            let peak = |ck: Segmentation| {
+                with.iter()
+                    .find(|c| c.checkpointing == ck)
+                    .map(|c| format!(", {ck} {}", format_bytes(c.predicted_peak)))
+                    .unwrap_or_default()
+            };
+            out.push_str(&format!(
+                "; with {s} codes every segmentation raises the predicted peak: none {}{}{}",
+                format_bytes(plain.predicted_peak),
+                peak(
+                    GradCheckpointing::Stages
+                        .resolved()
+                        .unwrap_or(Segmentation::NONE)
+                ),
+                peak(
+                    GradCheckpointing::Blocks
+                        .resolved()
+                        .unwrap_or(Segmentation::NONE)
+                ),
+            ));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -191,6 +292,7 @@ mod tests {
         const M: u64 = 1 << 20;
         let c = |mask, predicted_peak: u64, recompute_flops| Candidate {
             checkpointing: Segmentation::from_cuts(mask),
+            storage: ActivationStorage::None,
             predicted_peak: predicted_peak * M,
             recompute_flops,
         };

@@ -6,7 +6,9 @@
 
 use super::baseline::{Baseline, DataSize};
 use super::checkpointing::{nothing_fits, pick, Candidate, CheckpointChoice};
-use super::estimate::{estimate_for_specs, model_layer_specs, segmentation_candidates};
+use super::estimate::{
+    auto_candidates, estimate_for_specs, model_layer_specs, segmentation_candidates,
+};
 use super::margin::{heap_limit, limit_for_heap, SAFETY_MARGIN};
 use super::sim::DeviceKind;
 use crate::config::{GradCheckpointing, TrainConfig};
@@ -26,7 +28,8 @@ pub fn choose_checkpointing(
     device: DeviceKind,
     baseline: Baseline,
 ) -> Result<CheckpointChoice> {
-    let candidates = segmentation_candidates(cfg, specs, device, baseline)?;
+    let started = std::time::Instant::now();
+    let candidates = auto_candidates(cfg, specs, device, baseline)?;
     match pick(
         &candidates,
         heap_limit(cfg.memory.memory_limit, device),
@@ -37,6 +40,9 @@ pub fn choose_checkpointing(
             limit: heap_limit(cfg.memory.memory_limit, device),
             margin: SAFETY_MARGIN,
             considered: candidates.len(),
+            chose_segmentation: cfg.memory.grad_checkpointing == GradCheckpointing::Auto,
+            chose_storage: cfg.memory.compress_activations.fixed().is_none(),
+            solve_secs: started.elapsed().as_secs_f64(),
         }),
         None => Err(nothing_fits(
             &candidates,
@@ -55,8 +61,9 @@ pub fn choose_checkpointing(
 /// # Errors
 /// [`choose_checkpointing`]'s, or when the data directory cannot be sized.
 pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
-    if cfg.memory.grad_checkpointing != GradCheckpointing::Auto || cfg.memory.memory_limit.is_none()
-    {
+    let auto = cfg.memory.grad_checkpointing == GradCheckpointing::Auto
+        || cfg.memory.compress_activations.fixed().is_none();
+    if !auto || cfg.memory.memory_limit.is_none() {
         return Ok(());
     }
     let specs = model_layer_specs(cfg.model.width, cfg.model.conv);

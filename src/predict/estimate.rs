@@ -44,7 +44,10 @@ use super::margin::{heap_limit, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
 use super::sizing::{micro_batch, new_tensor_bytes, tensor_descriptor_bytes, Strides};
-use crate::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
+use crate::config::{
+    ActivationStorage, CompressActivations, ConvKind, GradCheckpointing, OptimizerKind, Precision,
+    TrainConfig,
+};
 use crate::data::IMAGE_BYTES;
 use crate::error::Result;
 use crate::model::cnn::segments;
@@ -249,8 +252,10 @@ pub fn estimate_with(
     estimate_for_specs(cfg, &specs, device, baseline)
 }
 
-/// Every segmentation `--checkpoint auto` may run for `cfg`, with its predicted peak and
-/// recomputed FLOPs: under `--memory-limit` all 32, else the named ones (none, stages, blocks).
+/// Every plan `--checkpoint auto` and `--compress-activations auto` may run for `cfg`, with its
+/// predicted peak and recomputed FLOPs: the segmentations (under `--memory-limit` all 32, else
+/// the named ones: none, stages, blocks) times the storages (every one for `auto`, else the
+/// named one). [`auto_candidates`] keeps those `cfg`'s flags leave to choose.
 ///
 /// # Errors
 /// As [`estimate_for_specs`].
@@ -260,27 +265,54 @@ pub fn segmentation_candidates(
     device: DeviceKind,
     baseline: Baseline,
 ) -> Result<Vec<Candidate>> {
-    let all = match cfg.memory.memory_limit {
+    let segmentations = match cfg.memory.memory_limit {
         Some(_) => GradCheckpointing::all_segmentations(),
         None => GradCheckpointing::CONCRETE.to_vec(),
     };
-    let mut out = Vec::with_capacity(all.len());
-    for ck in all {
-        let mut c = cfg.clone();
-        c.memory.grad_checkpointing = ck;
-        out.push(Candidate {
-            checkpointing: ck.resolved()?,
-            predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
-            recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.steps.batch_size),
-        });
+    let storages = match cfg.memory.compress_activations.fixed() {
+        Some(s) => vec![s],
+        None => ActivationStorage::ALL.to_vec(),
+    };
+    let mut out = Vec::with_capacity(segmentations.len() * storages.len());
+    for &storage in &storages {
+        for &ck in &segmentations {
+            let mut c = cfg.clone();
+            c.memory.grad_checkpointing = ck;
+            c.memory.compress_activations = storage.into();
+            out.push(Candidate {
+                checkpointing: ck.resolved()?,
+                storage,
+                predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
+                recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.steps.batch_size),
+            });
+        }
     }
     Ok(out)
 }
 
-/// The segmentation the estimate of a `--checkpoint auto` config describes: the choice of
-/// [`choose_checkpointing`](super::choose::choose_checkpointing), or where nothing fits the
-/// limit the smallest predicted peak (the trainer refuses such a run; an estimate still shows
-/// what it would need).
+/// The plans `auto` chooses among for `cfg`: [`segmentation_candidates`], only `--checkpoint`'s
+/// own segmentation when it names one.
+///
+/// # Errors
+/// As [`estimate_for_specs`].
+pub fn auto_candidates(
+    cfg: &TrainConfig,
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Vec<Candidate>> {
+    let mut all = segmentation_candidates(cfg, specs, device, baseline)?;
+    if cfg.memory.grad_checkpointing != GradCheckpointing::Auto {
+        let fixed = cfg.memory.grad_checkpointing.resolved()?;
+        all.retain(|c| c.checkpointing == fixed);
+    }
+    Ok(all)
+}
+
+/// The plan the estimate of an `auto` config (`--checkpoint auto`, `--compress-activations
+/// auto`) describes: the choice of [`choose_checkpointing`](super::choose::choose_checkpointing),
+/// or where nothing fits the limit the smallest predicted peak (the trainer refuses such a run;
+/// an estimate still shows what it would need).
 ///
 /// # Errors
 /// As [`estimate_for_specs`].
@@ -289,8 +321,8 @@ pub fn resolve_checkpointing(
     specs: &[LayerSpec],
     device: DeviceKind,
     baseline: Baseline,
-) -> Result<GradCheckpointing> {
-    let candidates = segmentation_candidates(cfg, specs, device, baseline)?;
+) -> Result<(GradCheckpointing, CompressActivations)> {
+    let candidates = auto_candidates(cfg, specs, device, baseline)?;
     let i = pick(
         &candidates,
         heap_limit(cfg.memory.memory_limit, device),
@@ -300,7 +332,9 @@ pub fn resolve_checkpointing(
     .unwrap_or(0);
     Ok(candidates
         .get(i)
-        .map_or(GradCheckpointing::None, |c| c.checkpointing.into()))
+        .map_or((GradCheckpointing::None, CompressActivations::None), |c| {
+            (c.checkpointing.into(), c.storage.into())
+        }))
 }
 
 /// The layer list of the CNN for `width` and `conv`, without building the model (no parameters
@@ -322,10 +356,13 @@ pub fn estimate_for_specs(
     baseline: Baseline,
 ) -> Result<Estimate> {
     cfg.validate()?;
-    if cfg.memory.grad_checkpointing == GradCheckpointing::Auto {
-        let chosen = resolve_checkpointing(cfg, specs, device, baseline)?;
+    if cfg.memory.grad_checkpointing == GradCheckpointing::Auto
+        || cfg.memory.compress_activations == CompressActivations::Auto
+    {
+        let (ck, storage) = resolve_checkpointing(cfg, specs, device, baseline)?;
         let mut c = cfg.clone();
-        c.memory.grad_checkpointing = chosen;
+        c.memory.grad_checkpointing = ck;
+        c.memory.compress_activations = storage;
         return estimate_for_specs(&c, specs, device, baseline);
     }
     let nodes = nodes_from_specs(specs)?;
@@ -341,7 +378,7 @@ pub fn estimate_for_specs(
         s: elem_bytes(cfg.memory.precision.compute_dtype()),
         dtype: cfg.memory.precision.compute_dtype(),
         device,
-        storage: cfg.memory.compress_activations,
+        storage: cfg.memory.compress_activations.resolved()?,
     };
     let sizes = Sizes::of(cfg, &nodes, device);
     let (baseline_bytes, batch_bytes) = baseline_and_batches(cfg, baseline, device, &sizes);
@@ -634,7 +671,7 @@ fn eval_phase(
     }
     let blocks = blocks_of(nodes).len();
     let ops = super::sizing::Sizing::new(sim.clone(), &c, nodes);
-    super::sizing::eval_batch(ops, n, blocks, cfg.memory.compress_activations)?;
+    super::sizing::eval_batch(ops, n, blocks, ctx.storage)?;
     let peak = sim.borrow().peaks[Phase::Eval as usize];
     Ok((n, Some(peak)))
 }
@@ -707,14 +744,7 @@ fn run_steps(
         sim.borrow_mut().alloc(sizes.grad_slots + results);
         let mut grads = Vec::new();
         for _ in 0..cfg.steps.accum_steps {
-            let (r, ev) = micro_batch(
-                sim,
-                ctx,
-                nodes,
-                segments,
-                cfg.memory.compress_activations,
-                &mut grads,
-            )?;
+            let (r, ev) = micro_batch(sim, ctx, nodes, segments, ctx.storage, &mut grads)?;
             activation_bytes = activation_bytes.max(r);
             events.extend(ev);
         }

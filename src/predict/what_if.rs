@@ -108,7 +108,7 @@ impl Opts {
         c.steps.accum_steps = self.accum;
         c.memory.grad_checkpointing = self.ckpt;
         c.model.conv = self.conv;
-        c.memory.compress_activations = self.storage;
+        c.memory.compress_activations = self.storage.into();
         let specs = model_layer_specs(c.model.width, c.model.conv);
         let e = estimate_for_specs(&c, &specs, device, baseline)?;
         Ok((e.peak, e.eval_peak))

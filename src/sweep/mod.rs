@@ -144,7 +144,7 @@ pub fn lossy_flags(args: &[String]) -> bool {
     let argv = std::iter::once("train_cifar10").chain(args.iter().map(String::as_str));
     match crate::cli::parse_train_args(argv) {
         Ok(Ok(parsed)) => crate::cli::TrainCommand::try_from(parsed)
-            .is_ok_and(|c| c.config.memory.compress_activations.is_lossy()),
+            .is_ok_and(|c| c.config.memory.compress_activations.may_be_lossy()),
         _ => false,
     }
 }

@@ -62,7 +62,7 @@ impl Trainer {
                 &self.model,
                 dtype,
                 self.model.segments(crate::config::Segmentation::NONE),
-                self.config.memory.compress_activations,
+                self.plan.storage,
             )
             .evaluate(&x, &y, &mut budget);
             let r = match (r, budget.failed.take()) {

@@ -56,7 +56,7 @@ impl Trainer {
                 &mb.x,
                 &mb.y,
                 self.config.memory.precision.compute_dtype(),
-                self.segmentation,
+                self.plan.segmentation,
                 mb.loss_mult,
                 &mut acc,
             )
@@ -69,8 +69,8 @@ impl Trainer {
         LeanStep::new(
             &self.model,
             self.config.memory.precision.compute_dtype(),
-            self.model.segments(self.segmentation),
-            self.config.memory.compress_activations,
+            self.model.segments(self.plan.segmentation),
+            self.plan.storage,
         )
     }
 }

@@ -31,4 +31,4 @@ pub use summary::{
     EstimateSummary, MemorySummary, OptimizationSummary, ProgressSummary, QualitySummary,
     RunStatus, Summary,
 };
-pub use trainer::{Position, Trainer, TrainerOptions};
+pub use trainer::{Position, StepPlan, Trainer, TrainerOptions};

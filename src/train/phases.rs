@@ -370,10 +370,8 @@ impl Trainer {
             Ok(r) => {
                 self.watch.timeline = timeline;
                 self.position.global_step += 1;
-                self.history.note_storage(
-                    self.position.global_step,
-                    self.config.memory.compress_activations,
-                );
+                self.history
+                    .note_storage(self.position.global_step, self.plan.storage);
                 self.history
                     .step_times
                     .push(r.images, t0.elapsed().as_secs_f64());
@@ -518,7 +516,7 @@ impl Trainer {
         let Trainer {
             model,
             config,
-            segmentation,
+            plan,
             callbacks,
             watch,
             device,
@@ -535,8 +533,8 @@ impl Trainer {
             let mut lean = LeanStep::new(
                 model,
                 config.memory.precision.compute_dtype(),
-                model.segments(*segmentation),
-                config.memory.compress_activations,
+                model.segments(plan.segmentation),
+                plan.storage,
             );
             let mut timeline = TimelineRecorder {
                 probe: timeline_probe,

@@ -223,7 +223,7 @@ impl Trainer {
                 .push(crate::config::StorageSpan {
                     first_step: 1,
                     last_step: self.position.global_step,
-                    compress_activations: config.memory.compress_activations,
+                    compress_activations: config.memory.compress_activations.resolved()?,
                 });
         }
         self.files.snapshots.resumed(&run_dir, point, healthy);

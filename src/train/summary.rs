@@ -208,9 +208,9 @@ impl Trainer {
         let last = epochs.last();
         let step_peak = mem.step_peak_bytes;
         let lossy_steps = self.history.lossy_steps();
-        let lossy = self.config.memory.compress_activations.is_lossy() || !lossy_steps.is_empty();
+        let lossy = self.plan.storage.is_lossy() || !lossy_steps.is_empty();
         let mut label = self.config.label();
-        if lossy && !self.config.memory.compress_activations.is_lossy() {
+        if lossy && !self.plan.storage.is_lossy() {
             // Exact now, lossy before a resume: the run is not the exact step's.
             label.push_str(&format!(
                 " (lossy: int8-activations in steps {lossy_steps})"
@@ -238,13 +238,13 @@ impl Trainer {
             optimizations: OptimizationSummary {
                 checkpoint_segments: self
                     .model
-                    .segments(self.segmentation)
+                    .segments(self.plan.segmentation)
                     .iter()
                     .map(|r| [r.start, r.end])
                     .collect(),
                 recompute_flops: crate::predict::checkpointing::recompute_flops(
                     &self.model.layer_specs(),
-                    self.segmentation,
+                    self.plan.segmentation,
                     self.config.steps.batch_size,
                 ),
                 lossy,

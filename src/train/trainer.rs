@@ -10,7 +10,7 @@ use super::phases::SKIPPED_UPDATE;
 use crate::callbacks::{
     Callback, CallbackList, MetricsLogger, ProgressCallback, TensorBoardLogger,
 };
-use crate::config::{Segmentation, TrainConfig};
+use crate::config::{ActivationStorage, Segmentation, TrainConfig};
 use crate::data::{self, DataSplits, Dataset};
 use crate::device::select_device;
 use crate::error::{Error, Result};
@@ -44,13 +44,22 @@ pub struct TrainerOptions {
     pub claim: super::run_dir::Claim,
 }
 
+/// What the step runs with, `auto` resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepPlan {
+    /// The gradient-checkpointing segmentation.
+    pub segmentation: Segmentation,
+    /// How the blocks' conv outputs are kept for the backward.
+    pub storage: ActivationStorage,
+}
+
 /// A training run: model, optimizer, data and callbacks, driven by a [`TrainConfig`].
 pub struct Trainer {
-    /// The configuration, `--checkpoint auto` replaced by its choice (so `config.json` and a
-    /// resume name the segmentation the run trained with).
+    /// The configuration, `--checkpoint auto` and `--compress-activations auto` replaced by
+    /// their choice (so `config.json` and a resume name what the run trained with).
     pub config: TrainConfig,
-    /// The gradient-checkpointing segmentation the step runs.
-    pub segmentation: Segmentation,
+    /// What the step runs with: the segmentation and the activation storage.
+    pub plan: StepPlan,
     /// The device.
     pub device: Device,
     /// The model.
@@ -168,8 +177,9 @@ impl Trainer {
             config.cuda.pool_cache,
         )?));
         let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
-        let segmentation = resolve_checkpointing(&config, &data, &device, options.progress)?;
-        config.memory.grad_checkpointing = segmentation.into();
+        let plan = resolve_plan(&config, &data, &device, options.progress)?;
+        config.memory.grad_checkpointing = plan.segmentation.into();
+        config.memory.compress_activations = plan.storage.into();
         let run_dir = config.output.out.clone().unwrap_or_else(default_run_dir);
         let run_lock = options
             .log_files
@@ -243,7 +253,7 @@ impl Trainer {
             pruner,
             cuda_graph,
             config,
-            segmentation,
+            plan,
         })
     }
 
@@ -388,21 +398,24 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
     Ok(device)
 }
 
-/// The segmentation the run trains with: the one `--checkpoint` names, or `auto`'s choice from
-/// the estimate of this run's data, refused (a usage error, before the model is built) when
-/// `--memory-limit` leaves no segmentation room. When `progress`, the run's segments and
-/// recomputed FLOPs are announced (with why, for `auto`).
-fn resolve_checkpointing(
+/// What the run trains with: the segmentation `--checkpoint` names and the storage
+/// `--compress-activations` names, or for `auto` (either) the choice from the estimate of this
+/// run's data, refused (a usage error, before the model is built) when `--memory-limit` leaves no
+/// plan room. When `progress`, the run's segments and recomputed FLOPs are announced (with why,
+/// for `auto`).
+fn resolve_plan(
     config: &TrainConfig,
     data: &DataSplits,
     device: &Device,
     progress: bool,
-) -> Result<Segmentation> {
-    use crate::config::{GradCheckpointing, CNN_BLOCKS};
+) -> Result<StepPlan> {
+    use crate::config::{CompressActivations, GradCheckpointing, CNN_BLOCKS};
     use crate::predict::checkpointing::{format_flops, format_segments, recompute_flops};
     use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
     let specs = crate::model::cnn::layer_specs_for(config.model.width, config.model.conv);
-    if config.memory.grad_checkpointing == GradCheckpointing::Auto {
+    if config.memory.grad_checkpointing == GradCheckpointing::Auto
+        || config.memory.compress_activations == CompressActivations::Auto
+    {
         let size = DataSize::loaded(&data.train, &data.test, config);
         let choice = choose_checkpointing(
             config,
@@ -413,7 +426,10 @@ fn resolve_checkpointing(
         if progress {
             println!("{}", choice.describe(CNN_BLOCKS));
         }
-        return Ok(choice.chosen.checkpointing);
+        return Ok(StepPlan {
+            segmentation: choice.chosen.checkpointing,
+            storage: choice.chosen.storage,
+        });
     }
     let ck = config.memory.grad_checkpointing.resolved()?;
     if progress && ck != Segmentation::NONE {
@@ -423,7 +439,10 @@ fn resolve_checkpointing(
             format_flops(recompute_flops(&specs, ck, config.steps.batch_size))
         );
     }
-    Ok(ck)
+    Ok(StepPlan {
+        segmentation: ck,
+        storage: config.memory.compress_activations.resolved()?,
+    })
 }
 
 /// The run's callbacks: the progress display and the metrics files when asked for, then the

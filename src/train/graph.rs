@@ -265,21 +265,10 @@ mod cuda {
             };
             let results =
                 for_each_micro_batch(batch, t.config.steps.accum_steps, loss_scale, |mb| {
-                    let segments = t.model.segments(t.segmentation);
-                    LeanStep::new(
-                        &t.model,
-                        dtype,
-                        segments,
-                        t.config.memory.compress_activations,
-                    )
-                    .with_stats_in_place()
-                    .run_deferred(
-                        &mb.x,
-                        &mb.y,
-                        mb.loss_mult,
-                        &mut acc,
-                        &mut NoObserver,
-                    )
+                    let segments = t.model.segments(t.plan.segmentation);
+                    LeanStep::new(&t.model, dtype, segments, t.plan.storage)
+                        .with_stats_in_place()
+                        .run_deferred(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
                 })?;
             let (losses, corrects) = results.into_iter().map(|r| (r.loss, r.correct)).unzip();
             Ok(Outputs {

@@ -4,6 +4,8 @@
 //! measure each other. Test-sized shapes (width 8, batches of 16 and 32, synthetic data); the
 //! width-32 matrix with train_cifar10 is in docs/results/estimate-accuracy.md.
 
+mod common;
+
 use memtrain::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::{format_bytes, CountingAllocator};
@@ -47,18 +49,10 @@ fn config(
     checkpoint: GradCheckpointing,
     conv: ConvKind,
 ) -> TrainConfig {
-    let mut cfg = TrainConfig::default();
-    cfg.model.width = 8;
-    cfg.steps.batch_size = batch;
+    let mut cfg = common::cpu_config(8, batch, TRAIN_IMAGES, TEST_IMAGES);
     cfg.memory.precision = precision;
     cfg.memory.grad_checkpointing = checkpoint;
     cfg.model.conv = conv;
-    cfg.steps.max_steps = Some(3);
-    cfg.output.eval = false;
-    cfg.output.quiet = true;
-    cfg.device = Some("cpu".into());
-    cfg.data.synthetic_train = TRAIN_IMAGES;
-    cfg.data.synthetic_test = TEST_IMAGES;
     cfg
 }
 

@@ -28,16 +28,7 @@ fn data() -> DataSplits {
 }
 
 fn base_config(width: usize, batch: usize) -> TrainConfig {
-    let mut cfg = TrainConfig::default();
-    cfg.model.width = width;
-    cfg.steps.batch_size = batch;
-    cfg.steps.max_steps = Some(3);
-    cfg.output.eval = false;
-    cfg.output.quiet = true;
-    cfg.device = Some("cpu".into());
-    cfg.data.synthetic_train = TRAIN_IMAGES;
-    cfg.data.synthetic_test = TEST_IMAGES;
-    cfg
+    common::cpu_config(width, batch, TRAIN_IMAGES, TEST_IMAGES)
 }
 
 /// The tests of this file run one at a time: the trained runs measure the whole process's heap

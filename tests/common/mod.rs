@@ -25,6 +25,21 @@ pub fn tiny_config() -> TrainConfig {
 }
 
 /// The configuration `train_cifar10 ARGS` would run (the flags parsed and validated).
+/// A 3-step CPU run of width `width` and batch `batch` on `train` + `test` synthetic images,
+/// without evaluation or output: the estimate tests' base.
+pub fn cpu_config(width: usize, batch: usize, train: usize, test: usize) -> TrainConfig {
+    let mut cfg = TrainConfig::default();
+    cfg.model.width = width;
+    cfg.steps.batch_size = batch;
+    cfg.steps.max_steps = Some(3);
+    cfg.output.eval = false;
+    cfg.output.quiet = true;
+    cfg.device = Some("cpu".into());
+    cfg.data.synthetic_train = train;
+    cfg.data.synthetic_test = test;
+    cfg
+}
+
 pub fn config_of(args: &[&str]) -> memtrain::Result<TrainConfig> {
     use memtrain::cli::{parse_train_args, TrainCommand};
     let parsed = parse_train_args(std::iter::once("train_cifar10").chain(args.iter().copied()))?

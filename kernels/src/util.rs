@@ -281,7 +281,7 @@ pub(crate) fn planes_in_parallel(planes: usize, hw: usize, threads: usize) -> us
 /// calling thread.
 pub(crate) fn for_planes(planes: usize, hw: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     let pool = candle_core::utils::barrier_pool();
-    if planes * hw < PAR_MIN_ELEMS || pool.n_workers() == 0 || planes == 1 {
+    if planes_in_parallel(planes, hw, pool.n_workers() + 1) == 1 {
         f(0..planes)
     } else {
         pool.execute_chunked(planes, f)

@@ -63,16 +63,14 @@ impl CheckpointChoice {
         } else {
             "segmentations"
         };
+        let rule = if self.chose_storage {
+            "exact first, then the most bits, then the least recomputation"
+        } else {
+            "the least recomputation"
+        };
         let why = match self.limit {
-            Some(limit) if self.chose_storage => format!(
-                "of {} {plans}, the exact ones first, then the most bits, then the least recomputation, among those whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {} error margin ({})",
-                self.considered,
-                format_bytes(limit),
-                super::margin::percent(self.margin),
-                format_bytes(usable_bytes(limit, self.margin))
-            ),
             Some(limit) => format!(
-                "the least recomputation of {} {plans} whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {} error margin ({})",
+                "{rule} of {} {plans} whose predicted peak fits the {} that --memory-limit leaves the step's memory, less the estimate's {} error margin ({})",
                 self.considered,
                 format_bytes(limit),
                 super::margin::percent(self.margin),
@@ -249,33 +247,23 @@ fn worse_together(candidates: &[Candidate]) -> String {
         let Some(plain) = with.iter().find(|c| c.checkpointing == Segmentation::NONE) else {
             continue;
         };
-        let others = with
+        let mut others = with
             .iter()
-            .filter(|c| c.checkpointing != Segmentation::NONE);
-        if others.clone().count() > 0
-            && others
-                .clone()
-                .all(|c| c.predicted_peak > plain.predicted_peak)
-        {
-            let peak = |ck: Segmentation| {
-                with.iter()
-                    .find(|c| c.checkpointing == ck)
-                    .map(|c| format!(", {ck} {}", format_bytes(c.predicted_peak)))
-                    .unwrap_or_default()
-            };
+            .filter(|c| c.checkpointing != Segmentation::NONE)
+            .peekable();
+        if others.peek().is_some() && others.all(|c| c.predicted_peak > plain.predicted_peak) {
+            // The named segmentations' peaks, in their order (none, stages, blocks).
+            let named: Vec<String> = GradCheckpointing::CONCRETE
+                .iter()
+                .filter_map(|ck| {
+                    let ck = ck.resolved().ok()?;
+                    let c = with.iter().find(|c| c.checkpointing == ck)?;
+                    Some(format!("{ck} {}", format_bytes(c.predicted_peak)))
+                })
+                .collect();
             out.push_str(&format!(
-                "; with {s} codes every segmentation raises the predicted peak: none {}{}{}",
-                format_bytes(plain.predicted_peak),
-                peak(
-                    GradCheckpointing::Stages
-                        .resolved()
-                        .unwrap_or(Segmentation::NONE)
-                ),
-                peak(
-                    GradCheckpointing::Blocks
-                        .resolved()
-                        .unwrap_or(Segmentation::NONE)
-                ),
+                "; with {s} codes every segmentation raises the predicted peak: {}",
+                named.join(", ")
             ));
         }
     }

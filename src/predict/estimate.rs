@@ -269,25 +269,7 @@ pub fn segmentation_candidates(
         Some(_) => GradCheckpointing::all_segmentations(),
         None => GradCheckpointing::CONCRETE.to_vec(),
     };
-    let storages = match cfg.memory.compress_activations.fixed() {
-        Some(s) => vec![s],
-        None => ActivationStorage::ALL.to_vec(),
-    };
-    let mut out = Vec::with_capacity(segmentations.len() * storages.len());
-    for &storage in &storages {
-        for &ck in &segmentations {
-            let mut c = cfg.clone();
-            c.memory.grad_checkpointing = ck;
-            c.memory.compress_activations = storage.into();
-            out.push(Candidate {
-                checkpointing: ck.resolved()?,
-                storage,
-                predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
-                recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.steps.batch_size),
-            });
-        }
-    }
-    Ok(out)
+    plans_over(cfg, &segmentations, specs, device, baseline)
 }
 
 /// The plans `auto` chooses among for `cfg`: [`segmentation_candidates`], only `--checkpoint`'s
@@ -301,12 +283,39 @@ pub fn auto_candidates(
     device: DeviceKind,
     baseline: Baseline,
 ) -> Result<Vec<Candidate>> {
-    let mut all = segmentation_candidates(cfg, specs, device, baseline)?;
-    if cfg.memory.grad_checkpointing != GradCheckpointing::Auto {
-        let fixed = cfg.memory.grad_checkpointing.resolved()?;
-        all.retain(|c| c.checkpointing == fixed);
+    match cfg.memory.grad_checkpointing {
+        GradCheckpointing::Auto => segmentation_candidates(cfg, specs, device, baseline),
+        named => plans_over(cfg, &[named], specs, device, baseline),
     }
-    Ok(all)
+}
+
+/// `segmentations` times the storages of `cfg` (every one for `auto`), each with its estimate.
+fn plans_over(
+    cfg: &TrainConfig,
+    segmentations: &[GradCheckpointing],
+    specs: &[LayerSpec],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Vec<Candidate>> {
+    let storages = match cfg.memory.compress_activations.fixed() {
+        Some(s) => vec![s],
+        None => ActivationStorage::ALL.to_vec(),
+    };
+    let mut out = Vec::with_capacity(segmentations.len() * storages.len());
+    for &storage in &storages {
+        for &ck in segmentations {
+            let mut c = cfg.clone();
+            c.memory.grad_checkpointing = ck;
+            c.memory.compress_activations = storage.into();
+            out.push(Candidate {
+                checkpointing: ck.resolved()?,
+                storage,
+                predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
+                recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.steps.batch_size),
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// The plan the estimate of an `auto` config (`--checkpoint auto`, `--compress-activations

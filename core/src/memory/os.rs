@@ -181,11 +181,11 @@ fn thread_reserve() -> u64 {
 /// Measured on the default net, CPU, 2 threads, from batch 32 at width 32 to batch 240 at width
 /// 64 (`cargo test --release --test os_limit -- --nocapture` prints each run's heap and resident
 /// peaks, checks that the resident peak stays within a limit 1 MiB above what the reserve asks,
-/// and that a run it admits completes in a cgroup of the limit): of the ~14 MiB of mapped files
-/// about 9.4 MiB are resident, and the rest of what the process holds beside its heap peak (the
-/// allocator's arenas, stacks) reached 4.9 MiB, at batch 64, width 64 with AdamW, whose optimizer
-/// step makes many blocks under 1 MiB: the fixed allowances and a 3% slack (6.1 MiB there) cover
-/// it, and the whole reserve is checked, not each part.
+/// and that a run it admits completes in a cgroup of the limit): the runs held 7.9 to 14.5 MiB
+/// beside their heap peak, the binary's resident pages included; the most at batch 64, width 64
+/// with AdamW, whose optimizer step makes many blocks under 1 MiB, where its limit (1 MiB above
+/// what the reserve and the estimate ask) left 20.4 MiB beside the heap. The whole reserve is
+/// checked, not each part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RssReserve {
     /// Bytes of the files the process maps.

@@ -10,7 +10,9 @@
 # (memtrain's summary.json per configuration, plus `step_added_bytes` from step_timeline.json),
 # graph.jsonl (the same configurations with --cuda-graph: summary.json's `cuda_graph` has the
 # kernels per step and the graph memory), codes.jsonl (--compress-activations int8/int4/int2,
-# memtrain only: PyTorch has no such flag), torch.jsonl (bench/torch_reference.py), pool-cache.jsonl,
+# memtrain only: PyTorch has no such flag), codes-auto.jsonl (--compress-activations auto under
+# two limits), torch.jsonl (bench/torch_reference.py), accuracy.jsonl
+# (the accuracy phase: final_test_accuracy per code and seed), pool-cache.jsonl,
 # im2col.jsonl (only with BIN_IM2COL), sweep-2GiB/ and sweep-nolimit/ (batch_sweep --find-max),
 # logs/ (each memtrain run's output: the self-check's line, warnings), timelines/ (each memtrain
 # run's step_timeline.json: the newest step's events, measured and predicted), and at the end
@@ -21,7 +23,9 @@
 # no longer fits is skipped with a line in session.log, so a short lease still yields the most
 # important numbers first. Environment:
 #   BUDGET (s, 570)  STEPS (steps per run, 25)  TF32 (on|off for both frameworks, on = PyTorch's
-#   default)  PHASES (comma list, default: check,memtrain,torch,graph,tests,codes,sweep,pool,im2col,nolimit)
+#   default)  PHASES (comma list, run in its order; default: check,memtrain,torch,graph,tests,codes,
+#   accuracy,sweep,pool,im2col,nolimit)  DATA_DIR (CIFAR-10 binaries for the accuracy phase: EPOCHS (20)
+#   epochs for each of SEEDS ("0 1 2") and ACC_CODES ("none int8"), into accuracy.jsonl)
 #   TESTS (test binaries of the `tests` phase)  SKIP_TORCH=1  BIN_IM2COL (a `--features cuda` build
 #   without cuDNN, for the im2col phase)  PY (python with torch, default python3)
 #   LD_LIBRARY_PATH_SET=1 (keep LD_LIBRARY_PATH as given instead of searching for the libraries)
@@ -29,7 +33,7 @@ set -uo pipefail
 BIN=$(realpath "$1"); OUT=$(realpath -m "$2"); mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 BUDGET=${BUDGET:-570}; STEPS=${STEPS:-25}; TF32=${TF32:-on}; PY=${PY:-python3}
-PHASES=",${PHASES:-check,memtrain,torch,graph,tests,codes,sweep,pool,im2col,nolimit},"
+PHASES=${PHASES:-check,memtrain,torch,graph,tests,codes,accuracy,sweep,pool,im2col,nolimit}
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
 # Seconds left in the budget.
@@ -39,7 +43,6 @@ limit_for() { # LIMIT MIN
   local l; l=$(left)
   if [ "$l" -lt "$2" ]; then echo 0; elif [ "$l" -lt "$1" ]; then echo "$l"; else echo "$1"; fi
 }
-phase() { [[ $PHASES == *",$1,"* ]]; }
 
 if [ -z "${LD_LIBRARY_PATH_SET:-}" ]; then
   # cuBLAS 13 and cuDNN 9 from wherever they are installed (e.g. a PyTorch install's nvidia/
@@ -93,6 +96,12 @@ CODES_CONFIGS=(
   "bs512-f32-int4|--batch-size 512 --compress-activations int4"
   "bs512-bf16-int8|--batch-size 512 --precision bf16 --compress-activations int8"
   "bs512-bf16-int2|--batch-size 512 --precision bf16 --compress-activations int2"
+)
+# The planner's choice of codes under a limit the exact step fits (1 GiB) and one it does not
+# (360 MiB: the exact step peaks at 377.5 MiB, int8 at 329.5), into codes-auto.jsonl.
+AUTO_CONFIGS=(
+  "bs512-f32-auto-1GiB|--batch-size 512 --compress-activations auto --memory-limit 1GiB"
+  "bs512-f32-auto-360MiB|--batch-size 512 --compress-activations auto --memory-limit 360MiB"
 )
 
 run_memtrain() { # bin file name flags... ; appends {"name":..., summary..., step_added_bytes} to $OUT/$file
@@ -161,26 +170,60 @@ run_sweep() { # out-subdir limit-flags...
   log "sweep $sub rc=$?"
 }
 
-# 1. The new code's correctness first: cuDNN convolutions against the CPU, captured = eager.
-phase check && { log "check"; run_tests gpu_graph conv2d; }
-# 2. The comparison's numbers.
-phase memtrain && { log "memtrain runs"; for c in "${CONFIGS[@]}"; do run_memtrain "$BIN" memtrain.jsonl "${c%%|*}" ${c#*|}; done; }
-phase torch && [ -z "${SKIP_TORCH:-}" ] && { log "pytorch runs"; for c in "${CONFIGS[@]}"; do run_torch "${c%%|*}" ${c#*|}; done; }
-phase graph && { log "captured step"; for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$BIN" graph.jsonl "${c%%|*}-graph" ${c#*|} --cuda-graph; done; }
-# 3. The remaining GPU tests.
-phase tests && { log "tests"; run_tests ${TESTS:-gpu_train gpu_memory pool batchnorm depthwise quantize}; }
-phase codes && { log "saved activations as codes"; for c in "${CODES_CONFIGS[@]}"; do run_memtrain "$BIN" codes.jsonl "${c%%|*}" ${c#*|}; done; }
-phase sweep && { log "find-max under 2GiB"; run_sweep sweep-2GiB --memory-limit 2GiB; }
-phase pool && {
-  log "pool cache off"
-  run_memtrain "$BIN" pool-cache.jsonl bs512-f32-cache --batch-size 512
-  run_memtrain "$BIN" pool-cache.jsonl bs512-f32-nocache --batch-size 512 --no-pool-cache
+run_accuracy() { # 20-epoch held-out accuracy on DATA_DIR, against the CPU's (activation_codes_accuracy.sh)
+  [ -n "${DATA_DIR:-}" ] || { log "accuracy skipped: no DATA_DIR"; return; }
+  local s c
+  for s in ${SEEDS:-0 1 2}; do
+    for c in ${ACC_CODES:-none int8}; do
+      local lim; lim=$(limit_for 120 30)
+      [ "$lim" -gt 0 ] || { log "accuracy $c seed $s skipped: budget"; continue; }
+      local dir="/tmp/acc-$c-$s"; rm -rf "$dir"
+      timeout "$lim" "$BIN/train_cifar10" --device cuda --data-dir "$DATA_DIR" --epochs "${EPOCHS:-20}" \
+        --seed "$s" --compress-activations "$c" --tf32 "$TF32" --quiet --out "$dir" > "$dir.log" 2>&1
+      local rc=$?
+      "$PY" - "$dir" "$c" "$s" "$rc" >> "$OUT/accuracy.jsonl" <<'PY'
+import json, os, sys
+d, code, seed, rc = sys.argv[1:5]
+try:
+    s = json.load(open(os.path.join(d, "summary.json")))
+    r = {k: s.get(k) for k in ("final_test_accuracy", "eval_images", "eval_is_validation",
+                                "final_train_loss", "wall_secs", "peak_bytes", "lossy")}
+except Exception as e:
+    r = {"error": str(e), "log_tail": open(d + ".log").read()[-400:]}
+r.update({"compress_activations": code, "seed": int(seed), "rc": int(rc)})
+print(json.dumps(r))
+PY
+      mkdir -p "$OUT/logs" && cp "$dir.log" "$OUT/logs/accuracy-$c-$s.log"
+      log "accuracy $c seed $s rc=$rc"
+    done
+  done
 }
-phase im2col && [ -n "${BIN_IM2COL:-}" ] && {
-  log "im2col build"
-  for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$(realpath "$BIN_IM2COL")" im2col.jsonl "${c%%|*}-im2col" ${c#*|}; done
-}
-phase nolimit && { log "find-max without a limit"; run_sweep sweep-nolimit; }
+
+# Phases in the order PHASES names them: correctness first (cuDNN convolutions against the CPU,
+# captured = eager), then the comparison's numbers, the remaining tests, the codes, ...
+for p in ${PHASES//,/ }; do
+  case $p in
+    check) log "check"; run_tests gpu_graph conv2d ;;
+    memtrain) log "memtrain runs"
+      for c in "${CONFIGS[@]}"; do run_memtrain "$BIN" memtrain.jsonl "${c%%|*}" ${c#*|}; done ;;
+    torch) [ -z "${SKIP_TORCH:-}" ] && { log "pytorch runs"; for c in "${CONFIGS[@]}"; do run_torch "${c%%|*}" ${c#*|}; done; } ;;
+    graph) log "captured step"
+      for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$BIN" graph.jsonl "${c%%|*}-graph" ${c#*|} --cuda-graph; done ;;
+    tests) log "tests"; run_tests ${TESTS:-gpu_memory gpu_train pool batchnorm depthwise quantize} ;;
+    codes) log "saved activations as codes"
+      for c in "${CODES_CONFIGS[@]}"; do run_memtrain "$BIN" codes.jsonl "${c%%|*}" ${c#*|}; done
+      for c in "${AUTO_CONFIGS[@]}"; do run_memtrain "$BIN" codes-auto.jsonl "${c%%|*}" ${c#*|}; done ;;
+    accuracy) log "accuracy after ${EPOCHS:-20} epochs"; run_accuracy ;;
+    sweep) log "find-max under 2GiB"; run_sweep sweep-2GiB --memory-limit 2GiB ;;
+    pool) log "pool cache off"
+      run_memtrain "$BIN" pool-cache.jsonl bs512-f32-cache --batch-size 512
+      run_memtrain "$BIN" pool-cache.jsonl bs512-f32-nocache --batch-size 512 --no-pool-cache ;;
+    im2col) [ -n "${BIN_IM2COL:-}" ] && { log "im2col build"
+      for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$(realpath "$BIN_IM2COL")" im2col.jsonl "${c%%|*}-im2col" ${c#*|}; done; } ;;
+    nolimit) log "find-max without a limit"; run_sweep sweep-nolimit ;;
+    *) log "unknown phase '$p' skipped" ;;
+  esac
+done
 # The tables of docs/results/gpu-*.md, as CSV: compare.csv and codes.csv.
 "$PY" "$here/gpu_compare.py" "$OUT" || log "gpu_compare.py failed"
 log "done ($(left)s of the budget left)"

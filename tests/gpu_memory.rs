@@ -311,7 +311,7 @@ fn conv2d_scratch_is_one_chunk() -> anyhow::Result<()> {
     // This build's conv op: one pass's columns (im2col), or the workspace kept from the first
     // call on (cuDNN).
     let scratch = [ConvPass::Forward, ConvPass::InputGrad, ConvPass::WeightGrad]
-        .map(|p| cuda_pass_scratch_bytes(p, n, c, c, 3, hw, hw, false, DType::F32))
+        .map(|p| cuda_pass_scratch_bytes(p, &[n, c, hw, hw], &[c, c, 3, 3], 1, 1, DType::F32))
         .into_iter()
         .max()
         .unwrap()

@@ -16,8 +16,8 @@
 //!   trainers, like memtrain's GPU tests, holds one, not one per trainer). Each pass runs the
 //!   algorithm cuDNN's heuristics rank first when it may run and its workspace fits in that budget,
 //!   else the first of the pass's deterministic algorithms that cuDNN supports there and that fits
-//!   (`ALGO_1` first for the backward passes), and a shape with a pass that has none runs on the
-//!   im2col op. A fixed size
+//!   (`ALGO_1` first for the backward passes), and a pass that has none runs on the im2col op
+//!   (the shape's other passes stay on cuDNN). A fixed size
 //!   rather than the largest need so far: a memory estimate (memtrain's, through
 //!   [`cuda_runtime_bytes`]) then knows it exactly without asking cuDNN, and it is the same
 //!   budget the im2col op ([`super::conv2d_cuda::CUDA_IM2COL_CHUNK_BYTES`]) gives its columns, so
@@ -30,16 +30,18 @@
 //! off; f16/bf16 convolutions multiply on tensor cores and sum in f32 (compute type f32, as
 //! PyTorch does); f64 stays f64.
 //!
-//! A shape cuDNN reports as not supported, when planning it or at a launch, falls back to the
-//! im2col op, with a one-time warning.
-//! It ran on an H200 on 2026-11-27 (`docs/results/gpu-2026-11-27.md`), where this crate's
-//! `tests/conv2d.rs` with `--features cuda,cudnn` checked its numbers against the CPU; there,
-//! with `ALGO_1` as the only deterministic fallback, several batch-512 shapes went to the im2col
-//! op. The wider choice of deterministic algorithms and the fall-back at launch have not run on
-//! a GPU yet (type-checked by `scripts/cuda-check.sh`).
+//! A pass cuDNN does not support, when planning it or at a launch, falls back to the im2col op,
+//! with a one-time warning that names each candidate algorithm's workspace (or why it was passed
+//! over). The memory estimate asks the same plans which passes run where
+//! ([`cuda_pass_scratch_bytes`]), so it counts the im2col op's columns for exactly those.
+//! It ran on an H200 on 2026-11-27 (`docs/results/gpu-2026-11-27.md`, `gpu-2026-11-27b.md`), where
+//! this crate's `tests/conv2d.rs` with `--features cuda,cudnn` checked its numbers against the
+//! CPU.
 
 // Without the feature only the constants below are used (by a memory estimate).
 #![cfg_attr(not(feature = "cudnn"), allow(dead_code))]
+
+use crate::geom::ConvPass;
 
 /// Bytes of the cuDNN workspace: allocated once per thread and GPU by the first cuDNN
 /// convolution, kept for the rest of the thread, shared by every convolution and pass. An
@@ -53,55 +55,175 @@ pub(crate) const ENABLED: bool = cfg!(feature = "cudnn");
 /// Bytes the CUDA conv op keeps allocated between steps in this build: the cuDNN workspace
 /// with the `cudnn` feature, nothing for the im2col op (its columns are freed after each pass).
 pub fn cuda_runtime_bytes() -> u64 {
-    if ENABLED {
+    if cudnn_build() {
         CUDNN_WORKSPACE_BYTES as u64
     } else {
         0
     }
 }
 
-/// Transient bytes one pass of the CUDA conv op allocates besides its result, in this build:
-/// none with cuDNN (it works in the persistent workspace), the im2col op's columns otherwise
-/// ([`super::conv2d_cuda::cuda_scratch_bytes`], same arguments).
-#[allow(clippy::too_many_arguments)]
+/// Transient bytes one pass of the CUDA conv op allocates besides its result, for input `x_dims`
+/// `[N, Cin, H, W]` and weight `w_dims` `[Cout, Cin, K, K]`: none where cuDNN runs the pass (it
+/// works in the persistent workspace), the im2col op's columns where that op runs it
+/// ([`super::conv2d_cuda::cuda_scratch_bytes`]): always without the `cudnn` feature, and with it
+/// for a pass this thread's cuDNN plan refuses ([`pass_runs_on_cudnn`]). An invalid shape has
+/// none.
 pub fn cuda_pass_scratch_bytes(
-    pass: super::conv2d_cuda::ConvPass,
-    n: usize,
-    cin: usize,
-    cout: usize,
-    k: usize,
-    ho: usize,
-    wo: usize,
-    pointwise: bool,
+    pass: ConvPass,
+    x_dims: &[usize],
+    w_dims: &[usize],
+    stride: usize,
+    pad: usize,
     dtype: candle_core::DType,
 ) -> u64 {
-    if ENABLED {
-        0
-    } else {
-        super::conv2d_cuda::cuda_scratch_bytes(pass, n, cin, cout, k, ho, wo, pointwise, dtype)
+    let Ok(g) = crate::geom::Geom::new(x_dims, w_dims, stride, pad, None) else {
+        return 0;
+    };
+    if cudnn_build() && pass_runs_on_cudnn(&g, dtype, pass) {
+        return 0;
     }
+    let pointwise = g.k == 1 && g.pad == 0 && g.stride == 1;
+    super::conv2d_cuda::cuda_scratch_bytes(
+        pass, g.n, g.cin, g.cout, g.k, g.ho, g.wo, pointwise, dtype,
+    )
+}
+
+/// A convolution pass that a GPU's cuDNN left to the im2col op, as its warning names it: the
+/// convolution `[N, Cin, H, W, Cout, K, stride, pad]`, the dtype and the pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusedPass {
+    /// `[N, Cin, H, W, Cout, K, stride, pad]`.
+    pub dims: [usize; 8],
+    /// The dtype the pass ran in.
+    pub dtype: candle_core::DType,
+    /// The pass.
+    pub pass: ConvPass,
+}
+
+thread_local! {
+    /// The passes [`replay_routes`] replays on this thread, while it runs.
+    static REPLAYED: std::cell::RefCell<Option<Vec<RefusedPass>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's CUDA estimate sized as a `cudnn` build on a GPU whose cuDNN left
+/// exactly the `refused` passes to the im2col op (the workspace, and columns for those passes),
+/// whatever this build and machine are: tests check the CUDA estimate against a GPU session's
+/// measured peaks on a machine without a GPU.
+pub fn replay_routes<R>(refused: &[RefusedPass], f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Vec<RefusedPass>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            REPLAYED.with(|r| *r.borrow_mut() = self.0.take());
+        }
+    }
+    let _restore = Restore(REPLAYED.with(|r| r.borrow_mut().replace(refused.to_vec())));
+    f()
+}
+
+/// Whether the CUDA conv op runs through cuDNN: this build's `cudnn` feature, or a replay.
+fn cudnn_build() -> bool {
+    ENABLED || REPLAYED.with(|r| r.borrow().is_some())
+}
+
+/// Whether cuDNN runs `pass` of the convolution `g` in `dtype` under the current math and
+/// determinism settings: as replayed ([`replay_routes`]), else the plan the op itself uses, made now if it is new, on the GPU this
+/// thread opened ([`open`]) or ran a cuDNN convolution on. Where this thread has none (a dry run
+/// without a GPU) it cannot ask and answers that cuDNN does.
+fn pass_runs_on_cudnn(g: &crate::geom::Geom, dtype: candle_core::DType, pass: ConvPass) -> bool {
+    let dims = [g.n, g.cin, g.h, g.w, g.cout, g.k, g.stride, g.pad];
+    let replayed = REPLAYED.with(|r| {
+        r.borrow().as_ref().map(|refused| {
+            !refused
+                .iter()
+                .any(|p| p.dims == dims && p.dtype == dtype && p.pass == pass)
+        })
+    });
+    if let Some(runs) = replayed {
+        return runs;
+    }
+    #[cfg(feature = "cudnn")]
+    {
+        cuda::pass_runs_on_cudnn(g, dtype, pass).unwrap_or(true)
+    }
+    #[cfg(not(feature = "cudnn"))]
+    {
+        let _ = (g, dtype, pass);
+        true
+    }
+}
+
+/// Why an algorithm was passed over for a pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PassedOver {
+    /// Not allowed (a non-deterministic algorithm where only deterministic ones may run).
+    NotAllowed,
+    /// cuDNN does not support it for this convolution (its workspace query failed).
+    NotSupported,
+    /// Its workspace, in bytes, is over the budget.
+    TooLarge(usize),
 }
 
 /// The algorithm one pass runs: the first of cuDNN's first-ranked one (`best`, an error when the
 /// heuristics found none) and then `fallbacks` that is `allowed` and whose workspace (`size`) fits
-/// in `budget`; `None` when none is. A candidate whose size query fails (cuDNN does not support it
-/// for this convolution) is passed over.
-fn choose_algorithm<A: Copy, E>(
+/// in `budget`; when none is, every candidate with why it was passed over.
+fn choose_algorithm<A: Copy + PartialEq, E>(
     best: Result<A, E>,
     allowed: impl Fn(A) -> bool,
     size: impl Fn(A) -> Result<usize, E>,
     fallbacks: &[A],
     budget: usize,
-) -> Option<A> {
-    let fits = |a: A| size(a).is_ok_and(|bytes| bytes <= budget);
-    best.ok()
-        .into_iter()
-        .chain(fallbacks.iter().copied())
-        .find(|&a| allowed(a) && fits(a))
+) -> Result<A, Vec<(A, PassedOver)>> {
+    let mut passed = Vec::new();
+    for a in best.ok().into_iter().chain(fallbacks.iter().copied()) {
+        if passed.iter().any(|&(b, _)| b == a) {
+            continue;
+        }
+        let why = if !allowed(a) {
+            PassedOver::NotAllowed
+        } else {
+            match size(a) {
+                Ok(bytes) if bytes <= budget => return Ok(a),
+                Ok(bytes) => PassedOver::TooLarge(bytes),
+                Err(_) => PassedOver::NotSupported,
+            }
+        };
+        passed.push((a, why));
+    }
+    Err(passed)
+}
+
+/// One line of what [`choose_algorithm`] passed over: `ALGO_1 needs 48.0 MiB, FFT not supported,
+/// ALGO_0 not deterministic`, each algorithm named by `name`.
+fn passed_over_line<A: Copy>(passed: &[(A, PassedOver)], name: impl Fn(A) -> String) -> String {
+    passed
+        .iter()
+        .map(|&(a, why)| match why {
+            PassedOver::NotAllowed => format!("{} not deterministic", name(a)),
+            PassedOver::NotSupported => format!("{} not supported", name(a)),
+            PassedOver::TooLarge(b) => format!("{} needs {:.1} MiB", name(a), b as f64 / 1048576.0),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(feature = "cudnn")]
 pub(super) use cuda::launch;
+
+/// Makes this thread's cuDNN state for `device` (a handle on its stream; nothing without the
+/// `cudnn` feature or on the CPU), so that [`cuda_pass_scratch_bytes`] asks this thread's plans
+/// for that GPU: memtrain calls it on the thread that estimates and trains, before estimating.
+///
+/// # Errors
+/// When cuDNN cannot make a handle.
+pub fn open(device: &candle_core::Device) -> candle_core::Result<()> {
+    #[cfg(feature = "cudnn")]
+    if let candle_core::Device::Cuda(dev) = device {
+        cuda::open(dev)?;
+    }
+    let _ = device;
+    Ok(())
+}
 
 /// Free this thread's cuDNN workspaces: the next cuDNN convolution allocates its workspace again,
 /// from the pool that is then the device's current one. memtrain calls it after the self-check
@@ -204,15 +326,16 @@ mod cuda {
         }
     }
 
-    /// The descriptors of one convolution and the algorithm of each pass.
+    /// The descriptors of one convolution and the algorithm of each pass, or why it has none
+    /// (that pass runs on the im2col op).
     struct Plan<T: Elem> {
         x: TensorDescriptor<T>,
         w: FilterDescriptor<T>,
         y: TensorDescriptor<T>,
         conv: ConvDescriptor<T::Compute>,
-        fwd: dnn::cudnnConvolutionFwdAlgo_t,
-        bwd_data: dnn::cudnnConvolutionBwdDataAlgo_t,
-        bwd_filter: dnn::cudnnConvolutionBwdFilterAlgo_t,
+        fwd: Result<dnn::cudnnConvolutionFwdAlgo_t, String>,
+        bwd_data: Result<dnn::cudnnConvolutionBwdDataAlgo_t, String>,
+        bwd_filter: Result<dnn::cudnnConvolutionBwdFilterAlgo_t, String>,
     }
 
     /// cuDNN takes `int` sizes.
@@ -229,17 +352,31 @@ mod cuda {
         (e.0 as u32) / 1000 == 3
     }
 
-    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`].
-    fn choose<A: Copy>(
+    /// An algorithm's name without cuDNN's prefix: `ALGO_1`, `FFT_TILING`.
+    fn algo_name<A: std::fmt::Debug>(a: A) -> String {
+        let full = format!("{a:?}");
+        let short = ["_FWD_ALGO_", "_BWD_DATA_ALGO_", "_BWD_FILTER_ALGO_"]
+            .iter()
+            .find_map(|p| full.split_once(p).map(|(_, rest)| rest.to_string()));
+        match short {
+            Some(rest) if rest.chars().next().is_some_and(|c| c.is_ascii_digit()) => {
+                format!("ALGO_{rest}")
+            }
+            Some(rest) => rest,
+            None => full,
+        }
+    }
+
+    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`]: the algorithm, or why each
+    /// candidate was passed over (one line).
+    fn choose<A: Copy + PartialEq + std::fmt::Debug>(
         best: Result<A, CudnnError>,
         allowed: impl Fn(A) -> bool,
         size: impl Fn(A) -> Result<usize, CudnnError>,
         fallbacks: &[A],
-    ) -> Result<A, CudnnError> {
-        // None fitting is reported as unsupported, so that the im2col op takes the shape over.
-        super::choose_algorithm(best, allowed, size, fallbacks, CUDNN_WORKSPACE_BYTES).ok_or(
-            CudnnError(dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE),
-        )
+    ) -> Result<A, String> {
+        super::choose_algorithm(best, allowed, size, fallbacks, CUDNN_WORKSPACE_BYTES)
+            .map_err(|passed| super::passed_over_line(&passed, algo_name))
     }
 
     /// [`choose`] for the cuDNN op descriptor `$op` (a `ConvForward`, `ConvBackwardData` or
@@ -254,7 +391,7 @@ mod cuda {
                 $allowed,
                 |a| op.get_workspace_size(a),
                 $fallbacks,
-            )?
+            )
         }};
     }
 
@@ -377,7 +514,17 @@ mod cuda {
             Ok(build())
         }
 
-        /// Runs `pass` from the op's two inputs into `out`, in `ws`.
+        /// Why `pass` has no algorithm (it runs on the im2col op), or `None` when it has one.
+        fn refusal(&self, pass: ConvPass) -> Option<&str> {
+            match pass {
+                ConvPass::Forward => self.fwd.as_ref().err(),
+                ConvPass::InputGrad => self.bwd_data.as_ref().err(),
+                ConvPass::WeightGrad => self.bwd_filter.as_ref().err(),
+            }
+            .map(String::as_str)
+        }
+
+        /// Runs `pass` (one with an algorithm) from the op's two inputs into `out`, in `ws`.
         fn run(
             &self,
             pass: ConvPass,
@@ -400,21 +547,35 @@ mod cuda {
                         w: &self.w,
                         y: &self.y,
                     }
-                    .launch(self.fwd, Some(ws), scale, in0, in1, out),
+                    .launch(algo(&self.fwd)?, Some(ws), scale, in0, in1, out),
                     ConvPass::InputGrad => ConvBackwardData {
                         conv: &self.conv,
                         dx: &self.x,
                         w: &self.w,
                         dy: &self.y,
                     }
-                    .launch(self.bwd_data, Some(ws), scale, out, in1, in0),
+                    .launch(
+                        algo(&self.bwd_data)?,
+                        Some(ws),
+                        scale,
+                        out,
+                        in1,
+                        in0,
+                    ),
                     ConvPass::WeightGrad => ConvBackwardFilter {
                         conv: &self.conv,
                         x: &self.x,
                         dw: &self.w,
                         dy: &self.y,
                     }
-                    .launch(self.bwd_filter, Some(ws), scale, in0, out, in1),
+                    .launch(
+                        algo(&self.bwd_filter)?,
+                        Some(ws),
+                        scale,
+                        in0,
+                        out,
+                        in1,
+                    ),
                 }
             }
         }
@@ -438,12 +599,20 @@ mod cuda {
         }
     }
 
+    /// A convolution's plan (a `Plan<T>`) and, per pass ([`pass_index`]), whether cuDNN runs it.
+    struct Planned {
+        plan: Box<dyn Any>,
+        runs: [bool; 3],
+    }
+
     /// This thread's cuDNN state for one GPU and stream.
     struct DeviceState {
         handle: Arc<Cudnn>,
         workspace: Option<CudaSlice<u8>>,
-        /// `Plan<T>` per key; `None` where cuDNN does not support the convolution.
-        plans: HashMap<PlanKey, Option<Box<dyn Any>>>,
+        /// The plan of each key; `None` where cuDNN refused the convolution's descriptors.
+        plans: HashMap<PlanKey, Option<Planned>>,
+        /// Why cuDNN refused the descriptors of a key.
+        refused_descriptors: HashMap<PlanKey, String>,
     }
 
     thread_local! {
@@ -452,38 +621,113 @@ mod cuda {
         static STATE: RefCell<HashMap<StreamKey, DeviceState>> = RefCell::new(HashMap::new());
     }
 
-    /// When cuDNN turned a convolution down.
-    #[derive(Clone, Copy)]
-    enum Refusal {
-        /// No plan: no allowed algorithm fits the workspace for some pass, or the descriptors
-        /// were refused.
-        WhenPlanned,
-        /// A planned pass failed to launch as not supported.
-        AtLaunch,
+    const PASSES: [ConvPass; 3] = [ConvPass::Forward, ConvPass::InputGrad, ConvPass::WeightGrad];
+
+    fn pass_index(pass: ConvPass) -> usize {
+        match pass {
+            ConvPass::Forward => 0,
+            ConvPass::InputGrad => 1,
+            ConvPass::WeightGrad => 2,
+        }
     }
 
-    /// Shapes already reported as falling back to the im2col op (one warning each).
-    fn warn_fallback(key: PlanKey, e: &CudnnError, when: Refusal) {
+    /// The algorithm of a planned pass (the caller checked that it has one).
+    fn algo<A: Copy>(a: &Result<A, String>) -> Result<A, CudnnError> {
+        a.as_ref()
+            .copied()
+            .map_err(|_| CudnnError(dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE))
+    }
+
+    /// Warns once per convolution and pass that the pass runs on the im2col op: `why` says what
+    /// cuDNN offered (see [`choose`]) or how it failed.
+    fn warn_fallback(key: PlanKey, pass: Option<ConvPass>, why: &str) {
         use std::sync::Mutex;
-        static WARNED: Mutex<Option<HashSet<PlanKey>>> = Mutex::new(None);
+        static WARNED: Mutex<Option<HashSet<(PlanKey, Option<usize>)>>> = Mutex::new(None);
         let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
-        if !warned.get_or_insert_with(HashSet::new).insert(key) {
+        if !warned
+            .get_or_insert_with(HashSet::new)
+            .insert((key, pass.map(pass_index)))
+        {
             return;
         }
-        let why = match when {
-            Refusal::WhenPlanned => format!(
-                "has no{} algorithm for every pass of conv2d {:?} in {:?} within its {} MiB workspace",
+        let conv = format!("conv2d {:?} in {:?}", key.dims, key.dtype);
+        match pass {
+            Some(pass) => eprintln!(
+                "warning: cuDNN has no{} algorithm for the {} of {conv} within its {} MiB workspace \
+                 ({why}); that pass runs on the im2col + cuBLAS op",
                 if key.nondeterministic { "" } else { " deterministic" },
-                key.dims,
-                key.dtype,
+                pass.name(["forward", "input gradient", "weight gradient"]),
                 CUDNN_WORKSPACE_BYTES >> 20
             ),
-            Refusal::AtLaunch => format!(
-                "refused to launch conv2d {:?} in {:?}",
-                key.dims, key.dtype
+            None => eprintln!(
+                "warning: cuDNN refused {conv} ({why}); it runs on the im2col + cuBLAS op"
             ),
+        }
+    }
+
+    /// Makes the plan of `key` in `st` if it is new. What cuDNN refused is told when a pass
+    /// runs ([`pass_on`]), not here: the estimate plans shapes no step may run.
+    fn plan<T: Elem>(st: &mut DeviceState, g: &Geom, key: PlanKey) -> candle_core::Result<()> {
+        if st.plans.contains_key(&key) {
+            return Ok(());
+        }
+        let planned = match Plan::<T>::new(&st.handle, g, key)? {
+            Ok(p) => Some(Planned {
+                runs: PASSES.map(|pass| p.refusal(pass).is_none()),
+                plan: Box::new(p),
+            }),
+            Err(e) if unsupported(&e) => {
+                st.refused_descriptors.insert(key, e.to_string());
+                None
+            }
+            Err(e) => return Err(dnn_err(e)),
         };
-        eprintln!("warning: cuDNN {why} ({e}); using the im2col + cuBLAS op for it");
+        st.plans.insert(key, planned);
+        Ok(())
+    }
+
+    /// This thread's state for `dev`, made on first use.
+    fn state_of<'a>(
+        state: &'a mut HashMap<StreamKey, DeviceState>,
+        dev: &CudaDevice,
+    ) -> candle_core::Result<&'a mut DeviceState> {
+        Ok(match state.entry(StreamKey::of(dev)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(DeviceState {
+                handle: Cudnn::new(dev.cuda_stream()).map_err(dnn_err)?,
+                workspace: None,
+                plans: HashMap::new(),
+                refused_descriptors: HashMap::new(),
+            }),
+        })
+    }
+
+    /// See [`super::open`].
+    pub(super) fn open(dev: &CudaDevice) -> candle_core::Result<()> {
+        STATE.with(|state| state_of(&mut state.borrow_mut(), dev).map(|_| ()))
+    }
+
+    /// See [`super::pass_runs_on_cudnn`]: `None` where this thread has no cuDNN state, or the
+    /// plan could not be made.
+    pub(super) fn pass_runs_on_cudnn(g: &Geom, dtype: DType, pass: ConvPass) -> Option<bool> {
+        let key = PlanKey::new(g, dtype);
+        STATE.with(|state| {
+            let mut state = state.borrow_mut();
+            // One GPU and stream per thread in memtrain; with several, any of their plans (the
+            // same GPU model plans alike).
+            let st = state.values_mut().next()?;
+            dispatch_float!(
+                dtype,
+                [F32, F64, F16, BF16],
+                |T| plan::<T>(st, g, key).ok()?,
+                |_| return None,
+            );
+            Some(
+                st.plans[&key]
+                    .as_ref()
+                    .is_some_and(|p| p.runs[pass_index(pass)]),
+            )
+        })
     }
 
     fn pass_on<T: Elem>(
@@ -509,31 +753,22 @@ mod cuda {
         let key = PlanKey::new(g, a.dtype());
         let ran = STATE.with(|state| -> candle_core::Result<Option<CudaSlice<T>>> {
             let mut state = state.borrow_mut();
-            let st = match state.entry(StreamKey::of(&dev)) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(v) => v.insert(DeviceState {
-                    handle: Cudnn::new(dev.cuda_stream()).map_err(dnn_err)?,
-                    workspace: None,
-                    plans: HashMap::new(),
-                }),
-            };
-            if !st.plans.contains_key(&key) {
-                let plan = match Plan::<T>::new(&st.handle, g, key)? {
-                    Ok(p) => Some(Box::new(p) as Box<dyn Any>),
-                    Err(e) if unsupported(&e) => {
-                        warn_fallback(key, &e, Refusal::WhenPlanned);
-                        None
-                    }
-                    Err(e) => return Err(dnn_err(e)),
-                };
-                st.plans.insert(key, plan);
-            }
-            let Some(plan) = st.plans.get(&key).and_then(|p| p.as_ref()) else {
+            let st = state_of(&mut state, &dev)?;
+            plan::<T>(st, g, key)?;
+            let i = pass_index(pass);
+            let Some(planned) = st.plans.get(&key).and_then(|p| p.as_ref()) else {
+                let why = st.refused_descriptors.get(&key).map_or("", String::as_str);
+                warn_fallback(key, None, why);
                 return Ok(None);
             };
-            let plan = plan.downcast_ref::<Plan<T>>().ok_or_else(|| {
+            let plan = planned.plan.downcast_ref::<Plan<T>>().ok_or_else(|| {
                 candle_core::Error::Msg("conv2d (cuDNN): plan of another dtype".into())
             })?;
+            if !planned.runs[i] {
+                let why = plan.refusal(pass).unwrap_or("refused at an earlier launch");
+                warn_fallback(key, Some(pass), why);
+                return Ok(None);
+            }
             if st.workspace.is_none() {
                 // SAFETY: cuDNN only writes scratch here before reading it.
                 st.workspace = Some(unsafe { dev.alloc::<u8>(CUDNN_WORKSPACE_BYTES)? });
@@ -543,11 +778,13 @@ mod cuda {
             let mut out = unsafe { dev.alloc::<T>(out_len)? };
             match plan.run(pass, &in0, &in1, &mut out, ws) {
                 Ok(()) => Ok(Some(out)),
-                // Planned, but refused at launch as not supported: the im2col op takes the shape
+                // Planned, but refused at launch as not supported: the im2col op takes the pass
                 // over from now on. Any other failure is the run's error.
                 Err(e) if unsupported(&e) => {
-                    warn_fallback(key, &e, Refusal::AtLaunch);
-                    st.plans.insert(key, None);
+                    warn_fallback(key, Some(pass), &format!("refused at launch: {e}"));
+                    if let Some(Some(p)) = st.plans.get_mut(&key) {
+                        p.runs[i] = false;
+                    }
                     Ok(None)
                 }
                 Err(e) => Err(dnn_err(e)),
@@ -595,22 +832,28 @@ mod tests {
     fn the_first_ranked_algorithm_runs_when_its_workspace_fits() {
         let size = |a: u8| -> Result<usize, ()> { Ok([0, 10, 100][a as usize]) };
         let all = |_| true;
-        assert_eq!(choose_algorithm(Ok(1), all, size, &[0], 50), Some(1));
-        assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 100), Some(2));
+        assert_eq!(choose_algorithm(Ok(1), all, size, &[0], 50), Ok(1));
+        assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 100), Ok(2));
         // Too large for the budget, or no ranking at all: the first fallback that fits.
-        assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 50), Some(0));
+        assert_eq!(choose_algorithm(Ok(2), all, size, &[0], 50), Ok(0));
+        assert_eq!(choose_algorithm(Err(()), all, size, &[2, 1, 0], 50), Ok(1));
+        // Nothing fits: each candidate once, with its workspace.
         assert_eq!(
-            choose_algorithm(Err(()), all, size, &[2, 1, 0], 50),
-            Some(1)
+            choose_algorithm(Ok(2), all, size, &[1, 2], 5),
+            Err(vec![
+                (2, PassedOver::TooLarge(100)),
+                (1, PassedOver::TooLarge(10))
+            ])
         );
-        // Nothing fits.
-        assert_eq!(choose_algorithm(Ok(2), all, size, &[1], 5), None);
         // A candidate cuDNN does not support (its size query fails) is passed over.
         let partial = |a: u8| if a == 1 { Err(()) } else { Ok(0) };
-        assert_eq!(choose_algorithm(Ok(1), all, partial, &[1, 2], 50), Some(2));
+        assert_eq!(choose_algorithm(Ok(1), all, partial, &[1, 2], 50), Ok(2));
         assert_eq!(
             choose_algorithm(Ok(1), all, |_| Err::<usize, ()>(()), &[0], 50),
-            None
+            Err(vec![
+                (1, PassedOver::NotSupported),
+                (0, PassedOver::NotSupported)
+            ])
         );
     }
 
@@ -622,33 +865,47 @@ mod tests {
         let deterministic = |a: u8| a != 0;
         assert_eq!(
             choose_algorithm(Ok(0), deterministic, size, &[1], 50),
-            Some(1)
+            Ok(1)
         );
         assert_eq!(
             choose_algorithm(Ok(2), deterministic, size, &[1], 50),
-            Some(2)
+            Ok(2)
+        );
+        let passed = choose_algorithm(Ok(0), deterministic, size, &[], 50).unwrap_err();
+        assert_eq!(
+            passed_over_line(&passed, |a| format!("ALGO_{a}")),
+            "ALGO_0 not deterministic"
         );
     }
 
     #[test]
+    fn the_refusal_names_each_candidate() {
+        let passed = [
+            (1u8, PassedOver::TooLarge(48 << 20)),
+            (2, PassedOver::NotSupported),
+            (0, PassedOver::NotAllowed),
+        ];
+        assert_eq!(
+            passed_over_line(&passed, |a| format!("ALGO_{a}")),
+            "ALGO_1 needs 48.0 MiB, ALGO_2 not supported, ALGO_0 not deterministic"
+        );
+    }
+
+    /// Without a GPU this thread has no cuDNN plan to ask: a `cudnn` build counts its passes
+    /// on cuDNN (the workspace, no columns), any other build the im2col op's columns.
+    #[test]
     fn the_estimate_sees_the_workspace_only_in_a_cudnn_build() {
         use super::super::conv2d_cuda::{cuda_scratch_bytes, ConvPass};
-        let args = (
-            ConvPass::Forward,
-            512,
-            32,
-            32,
-            3,
-            32,
-            32,
-            false,
-            candle_core::DType::F32,
-        );
-        let im2col = cuda_scratch_bytes(
-            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
-        );
+        use candle_core::DType;
+        let im2col =
+            cuda_scratch_bytes(ConvPass::Forward, 512, 32, 32, 3, 32, 32, false, DType::F32);
         let here = cuda_pass_scratch_bytes(
-            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
+            ConvPass::Forward,
+            &[512, 32, 32, 32],
+            &[32, 32, 3, 3],
+            1,
+            1,
+            DType::F32,
         );
         if ENABLED {
             assert_eq!(
@@ -659,5 +916,15 @@ mod tests {
             assert_eq!((here, cuda_runtime_bytes()), (im2col, 0));
             assert!(im2col > 0);
         }
+        // An invalid shape has no scratch.
+        let bad = cuda_pass_scratch_bytes(
+            ConvPass::Forward,
+            &[1, 3, 2, 2],
+            &[8, 4, 3, 3],
+            1,
+            0,
+            DType::F32,
+        );
+        assert_eq!(bad, 0);
     }
 }

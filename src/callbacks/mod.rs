@@ -242,7 +242,9 @@ pub trait Callback {
     fn on_after_backward(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
         Ok(())
     }
-    /// After each layer of a forward, a backward or an evaluation batch.
+    /// After each layer of a forward, a backward or an evaluation batch. Not for the training
+    /// steps of a `--cuda-graph` run, whose forward and backward run inside one launch
+    /// (its evaluation batches still call it).
     fn on_layer_end(&mut self, ctx: &LayerEnd<'_>) -> Result<()> {
         Ok(())
     }

@@ -6,21 +6,18 @@ use memtrain_kernels::conv2d_cuda::ConvPass;
 
 use super::sim::*;
 
-/// Scratch of one pass of the CUDA conv2d op: one chunk of columns for the im2col op (see
-/// `memtrain_kernels::conv2d_cuda`), none for cuDNN (its workspace is in `runtime_bytes`).
+/// Scratch of one pass of the CUDA conv2d op, as the op sizes it: one chunk of columns where the
+/// im2col op runs the pass (see `memtrain_kernels::conv2d_cuda`), none where cuDNN does (its
+/// workspace is in `runtime_bytes`); `memtrain_kernels::conv2d_cudnn::cuda_pass_scratch_bytes`
+/// asks the op's own cuDNN plan which.
 pub(super) fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: ConvPass) -> u64 {
     let (cin, h, w) = nd.inp;
-    let (cout, ho, wo) = nd.out;
-    let pointwise = k == 1 && pad == 0 && (h, w) == (ho, wo);
     memtrain_kernels::conv2d_cudnn::cuda_pass_scratch_bytes(
         pass,
-        c.n as usize,
-        cin,
-        cout,
-        k,
-        ho,
-        wo,
-        pointwise,
+        &[c.n as usize, cin, h, w],
+        &[nd.out.0, cin, k, k],
+        1,
+        pad,
         c.dtype,
     )
 }

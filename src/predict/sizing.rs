@@ -387,6 +387,12 @@ impl StepOps for Sizing<'_> {
         };
         Ok(self.op(Some(i), || {
             let (scratch, partials) = conv_wgrad_scratch(self.c, nd, k, pad);
+            if self.cuda() {
+                // The CUDA ops allocate the result first, then their scratch.
+                let gw = self.alloc(w.dims.clone(), w.dtype);
+                self.spike(scratch);
+                return gw;
+            }
             self.spike(scratch);
             let held = self.alloc(vec![partials as usize], DType::U8);
             let gw = self.alloc(w.dims.clone(), w.dtype);
@@ -538,11 +544,13 @@ impl StepOps for Sizing<'_> {
         Ok(self.op(Some(p.node), || {
             let ch = h.dims[1];
             if argmax.is_none() {
-                // Through the ReLU output and the pool's backward, into a new gradient.
+                // Through the ReLU output and the pool's backward (the unpooled gradient), into a
+                // new gradient.
                 let y = self.alloc(h.dims.clone(), h.dtype);
+                let g = self.alloc(h.dims.clone(), h.dtype);
                 let sums = self.channel_sums(&h, bn::CpuPass::BackwardSums);
                 let dh = self.alloc(h.dims.clone(), h.dtype);
-                drop((y, h));
+                drop((y, g, h));
                 return (
                     dh,
                     sums.view(vec![ch], Strides::Collected),

@@ -394,6 +394,9 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
         // from the run's memory pool, inside --memory-limit.
         crate::device::self_check_kernels(&device, config.memory.precision.compute_dtype())?;
         memtrain_kernels::conv2d_cudnn::release_workspace();
+        // The estimate asks this thread's cuDNN which passes it runs (the self-check may have
+        // run on another thread of the process).
+        memtrain_kernels::conv2d_cudnn::open(&device)?;
     }
     Ok(device)
 }

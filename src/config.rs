@@ -269,7 +269,7 @@ pub struct MemoryConfig {
     )]
     #[serde(rename = "checkpoint")]
     pub grad_checkpointing: GradCheckpointing,
-    /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats). Segment inputs and the images stay exact. auto (with --memory-limit) chooses the codes with the segmentation: exact when any exact plan fits, else the most bits that fit
+    /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats). Segment inputs and the images stay exact. auto chooses the codes for a budget: with --memory-limit together with the segmentation, with --fit-memory together with the planner's other settings; exact when any exact plan fits, else the most bits that fit
     #[arg(long, value_enum, value_name = "HOW", default_value_t = CompressActivations::None)]
     pub compress_activations: CompressActivations,
     /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
@@ -548,6 +548,12 @@ impl TrainConfig {
 
     /// Check every field; the message names the flag and the fix.
     pub fn validate(&self) -> Result<()> {
+        self.validate_planned(false)
+    }
+
+    /// [`TrainConfig::validate`], where `fit_memory` says that `--fit-memory` plans the run (it
+    /// then gives `--compress-activations auto` its budget).
+    pub fn validate_planned(&self, fit_memory: bool) -> Result<()> {
         let bad = |m: String| Err(Error::config(m));
         if self.steps.batch_size == 0 {
             return bad("--batch-size must be at least 1".into());
@@ -560,9 +566,10 @@ impl TrainConfig {
         }
         if self.memory.compress_activations == CompressActivations::Auto
             && self.memory.memory_limit.is_none()
+            && !fit_memory
         {
             return bad(
-                "--compress-activations auto chooses the codes for a budget: give --memory-limit, or name the codes (none, int8, int4, int2)".into(),
+                "--compress-activations auto chooses the codes for a budget: give --memory-limit or --fit-memory, or name the codes (none, int8, int4, int2)".into(),
             );
         }
         if self.steps.accum_steps == 0 {

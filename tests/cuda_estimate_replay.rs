@@ -28,7 +28,10 @@ fn refused_pass(line: &str) -> Option<RefusedPass> {
     .1;
     let (_, rest) = line.split_once("conv2d [")?;
     let (dims, rest) = rest.split_once("] in ")?;
-    let dims: Vec<usize> = dims.split(", ").map(|d| d.parse().ok()).collect::<Option<_>>()?;
+    let dims: Vec<usize> = dims
+        .split(", ")
+        .map(|d| d.parse().ok())
+        .collect::<Option<_>>()?;
     let dtype = match rest.split_whitespace().next()? {
         "F32" => DType::F32,
         "F16" => DType::F16,
@@ -65,9 +68,10 @@ fn the_cuda_estimate_is_the_measured_peak_of_a_gpu_session() {
             if run["rc"] != 0 || flags.contains("--cuda-graph") || flags.contains("auto") {
                 continue;
             }
-            let mut args: Vec<&str> = "--max-steps 25 --synthetic-train 13000 --synthetic-test 100 --no-eval --tf32 on"
-                .split(' ')
-                .collect();
+            let mut args: Vec<&str> =
+                "--max-steps 25 --synthetic-train 13000 --synthetic-test 100 --no-eval --tf32 on"
+                    .split(' ')
+                    .collect();
             args.extend(flags.split(' '));
             let cfg = common::config_of(&args).unwrap();
             let predicted = replay_routes(&refused, || estimate(&cfg, DeviceKind::Cuda))

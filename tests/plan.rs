@@ -259,3 +259,54 @@ fn a_cpu_fit_memory_budget_is_resident_memory() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--fit-memory` with `--compress-activations auto`: over a sweep of budgets, the plan is the
+/// one the planner makes for the exact step whenever any exact plan fits; otherwise it is lossy,
+/// the plan the planner makes with those codes named, and no storage with more bits has a plan.
+/// The planner with each storage named is the oracle.
+#[test]
+fn auto_codes_under_fit_memory_are_exact_first_then_the_most_bits() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    use memtrain::config::{ActivationStorage, CompressActivations};
+    use memtrain::predict::plan::Fixed;
+    let mut cfg = base_config(32, 128);
+    cfg.memory.compress_activations = CompressActivations::Auto;
+    let mut opts = PlanOptions::new(DeviceKind::cpu(), DataSize::exact(5000, 1000));
+    // One micro-batch per step: otherwise accumulation always finds an exact plan.
+    cfg.steps.accum_steps = 1;
+    opts.fixed = Fixed::from_explicit(&cfg, &["accum_steps".to_string()]);
+    let named = |s: ActivationStorage, budget: u64| {
+        let mut c = cfg.clone();
+        c.memory.compress_activations = s.into();
+        plan(&c, budget, &opts).ok()
+    };
+    let (mut exact, mut lossy, mut refused) = (0, 0, 0);
+    for budget in (20..=90).map(|m| m << 20) {
+        let Ok(auto) = plan(&cfg, budget, &opts) else {
+            refused += 1;
+            assert!(ActivationStorage::ALL.iter().all(|&s| named(s, budget).is_none()));
+            continue;
+        };
+        let chosen = auto.chosen();
+        match named(ActivationStorage::None, budget) {
+            Some(r) => {
+                exact += 1;
+                assert!(auto.smallest_exact.is_none());
+                assert_eq!(chosen.describe(), r.chosen().describe(), "{budget}");
+            }
+            None => {
+                lossy += 1;
+                assert!(chosen.storage.is_lossy(), "{budget}: {}", chosen.describe());
+                let r = named(chosen.storage, budget).unwrap();
+                assert_eq!(chosen.describe(), r.chosen().describe(), "{budget}");
+                for s in ActivationStorage::ALL {
+                    if s.loss_rank() < chosen.storage.loss_rank() {
+                        assert!(named(*s, budget).is_none(), "{budget}: {s} fits");
+                    }
+                }
+                assert!(auto.render(2).contains("no exact plan fits"));
+            }
+        }
+    }
+    assert!(exact > 0 && lossy > 0 && refused > 0, "{exact} {lossy} {refused}");
+}

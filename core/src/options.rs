@@ -95,6 +95,13 @@ impl ActivationStorage {
         self.width().is_some()
     }
 
+    /// Its place in the planners' order (`--compress-activations auto`, with `--memory-limit`
+    /// or `--fit-memory`): 0 for exact storage, then the bits a code gives up (1 for int8, 5 for
+    /// int4, 7 for int2), so that the most bits come first.
+    pub fn loss_rank(&self) -> usize {
+        self.width().map_or(0, |w| 9 - w.bits())
+    }
+
     /// The codes' width, `None` for exact storage: everything about the codes (bits, groups,
     /// rounding, bytes) follows from it.
     pub fn width(&self) -> Option<Width> {

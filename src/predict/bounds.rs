@@ -23,7 +23,8 @@
 //! which says where it ran out and writes a report: there, lowering the batch helps.
 
 use crate::config::{
-    ConvKind, GradCheckpointing, OptimizerKind, TrainConfig, MIN_SYNTHETIC_IMAGES,
+    CompressActivations, ConvKind, GradCheckpointing, OptimizerKind, TrainConfig,
+    MIN_SYNTHETIC_IMAGES,
 };
 use crate::data::cifar::{self, DirFiles};
 use crate::data::IMAGE_BYTES;
@@ -48,6 +49,15 @@ use std::path::{Path, PathBuf};
 /// that are not CIFAR-10 binary files (not regular, a size that is not whole records or more
 /// than a batch file holds); [`CoreError::Config`](crate::error::CoreError::Config) for an invalid configuration.
 pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -> Result<()> {
+    // `--fit-memory` chooses `auto` codes itself; the data and the model checked here do not
+    // depend on them.
+    let mut exact = cfg.clone();
+    let cfg = if fit_memory.is_some() && cfg.memory.compress_activations.fixed().is_none() {
+        exact.memory.compress_activations = CompressActivations::None;
+        &exact
+    } else {
+        cfg
+    };
     let device = DeviceKind::for_spec(cfg.device.as_deref())?;
     let source = Source::of(cfg)?;
     // Host bytes already allocated: the limit counts them (the counting allocator measures the

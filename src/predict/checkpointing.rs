@@ -181,9 +181,8 @@ pub fn pick(candidates: &[Candidate], limit: Option<u64>, margin: f64) -> Option
                 .filter(|&i| candidates[i].predicted_peak <= usable)
                 .min_by_key(|&i| {
                     let c = &candidates[i];
-                    // 0 for exact storage, then 1 for int8, 5 for int4, 7 for int2.
-                    let lost_bits = c.storage.width().map_or(0, |w| 9 - w.bits());
-                    (lost_bits, c.recompute_flops, c.predicted_peak, segments(c))
+                    let rank = c.storage.loss_rank();
+                    (rank, c.recompute_flops, c.predicted_peak, segments(c))
                 })
         }
     }

@@ -8,7 +8,9 @@
 //! relative time per image = precision × (1 + recompute overhead) × micro-batch efficiency.
 //! It is a pure function of the configuration, the budget and the options: nothing is trained.
 
-use crate::config::{ConvKind, GradCheckpointing, Precision, TrainConfig, MAX_BATCH_SIZE};
+use crate::config::{
+    ActivationStorage, ConvKind, GradCheckpointing, Precision, TrainConfig, MAX_BATCH_SIZE,
+};
 use crate::error::{Error, Result};
 use crate::memory::format_bytes;
 use crate::predict::{estimate_with, Baseline, DataSize, DeviceKind, Estimate};
@@ -279,6 +281,8 @@ pub struct Plan {
     pub grad_checkpointing: GradCheckpointing,
     /// Convolution kind.
     pub conv: ConvKind,
+    /// How the saved activations are stored (several only under `--compress-activations auto`).
+    pub storage: ActivationStorage,
     /// Predicted peak bytes.
     pub predicted_peak: u64,
     /// Relative time per image (lower is faster; see [`CostModel::time_per_image`]).
@@ -288,16 +292,37 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Short description, e.g. `micro-batch 32 × 4, f32, checkpoint stages, standard conv`.
+    /// Short description, e.g. `micro-batch 32 × 4, f32, checkpoint stages, standard conv`, with
+    /// `, int8 codes (lossy)` for lossy storage.
     pub fn describe(&self) -> String {
         format!(
-            "micro-batch {} × {} step{}, {}, checkpoint {}, {} conv",
+            "micro-batch {} × {} step{}, {}, checkpoint {}, {} conv{}",
             self.micro_batch,
             self.accum_steps,
             if self.accum_steps == 1 { "" } else { "s" },
             self.precision,
             self.grad_checkpointing,
-            self.conv
+            self.conv,
+            self.codes()
+        )
+    }
+
+    /// `, int8 codes (lossy)` for lossy storage, else nothing.
+    fn codes(&self) -> String {
+        if self.storage.is_lossy() {
+            format!(", {} codes (lossy)", self.storage)
+        } else {
+            String::new()
+        }
+    }
+
+    /// The options that tell plans apart in the runners-up.
+    fn options(&self) -> (Precision, GradCheckpointing, ConvKind, ActivationStorage) {
+        (
+            self.precision,
+            self.grad_checkpointing,
+            self.conv,
+            self.storage,
         )
     }
 }
@@ -313,10 +338,14 @@ pub struct PlanReport {
     pub margin: f64,
     /// Effective batch (images per optimizer step).
     pub effective_batch: usize,
-    /// Plans that fit, fastest first (ties: larger micro-batch, then smaller peak). Never empty.
+    /// Plans that fit: exact storage first, then the most bits, then the fastest (ties: larger
+    /// micro-batch, then smaller peak). Never empty.
     pub plans: Vec<Plan>,
-    /// Faster plans that do not fit (fastest first, at most 3), to say what the budget costs.
+    /// Faster plans that do not fit (fastest first, at most 3) and store as exactly as the chosen
+    /// one, to say what the budget costs.
     pub rejected_faster: Vec<Plan>,
+    /// The smallest predicted peak of an exact plan, when the chosen plan is lossy (none fit).
+    pub smallest_exact: Option<u64>,
     /// Candidates evaluated.
     pub considered: usize,
     /// The throughput model the plans were ranked by.
@@ -324,7 +353,7 @@ pub struct PlanReport {
 }
 
 impl PlanReport {
-    /// The chosen plan (the fastest that fits).
+    /// The chosen plan (the first that fits in the ranking of [`PlanReport::plans`]).
     pub fn chosen(&self) -> &Plan {
         &self.plans[0]
     }
@@ -334,10 +363,10 @@ impl PlanReport {
     /// combination are left out: they are never faster).
     pub(crate) fn runners_up(&self) -> Vec<&Plan> {
         let c = self.chosen();
-        let mut seen = vec![(c.precision, c.grad_checkpointing, c.conv)];
+        let mut seen = vec![c.options()];
         let mut out = Vec::new();
         for p in &self.plans[1..] {
-            let key = (p.precision, p.grad_checkpointing, p.conv);
+            let key = p.options();
             if !seen.contains(&key) {
                 seen.push(key);
                 out.push(p);
@@ -367,14 +396,18 @@ impl PlanReport {
             format_bytes(c.predicted_peak),
             c.relative_throughput
         );
-        let why = match self.rejected_faster.first() {
-            Some(r) => format!(
+        let why = match (self.smallest_exact, self.rejected_faster.first()) {
+            (Some(exact), _) => format!(
+                "why: no exact plan fits (the smallest predicts {}): the most bits that fit, then the fastest; its throughput leaves out encoding and decoding the codes",
+                format_bytes(exact)
+            ),
+            (None, Some(r)) => format!(
                 "why: the fastest plan that fits; faster ones need more memory, e.g. {} (throughput {:.2}) predicts {}",
                 r.describe(),
                 r.relative_throughput,
                 format_bytes(r.predicted_peak)
             ),
-            None => "why: the fastest of all candidates, and it fits".to_string(),
+            (None, None) => "why: the fastest of all candidates, and it fits".to_string(),
         };
         let _ = writeln!(s, "{why}");
         for (i, p) in self.runners_up().into_iter().take(runners_up).enumerate() {
@@ -423,13 +456,26 @@ fn difference(cost: &CostModel, chosen: &Plan, p: &Plan) -> String {
     if p.conv != chosen.conv {
         why.push(format!("{} conv instead of {}", p.conv, chosen.conv));
     }
+    if p.storage != chosen.storage {
+        why.push(format!(
+            "{} storage instead of {}",
+            p.storage, chosen.storage
+        ));
+    }
     let slower = (p.time_per_image / chosen.time_per_image - 1.0) * 100.0;
     let what = if why.is_empty() {
         "same options".to_string()
     } else {
         why.join(", ")
     };
-    if slower >= 0.5 {
+    if p.storage.loss_rank() > chosen.storage.loss_rank() {
+        let how = if chosen.storage.is_lossy() {
+            "fewer bits"
+        } else {
+            "lossy"
+        };
+        format!("{how}: {what}")
+    } else if slower >= 0.5 {
         format!("{slower:.0}% slower: {what}")
     } else if p.accum_steps > chosen.accum_steps {
         format!(
@@ -461,8 +507,10 @@ fn divisors(n: usize) -> Vec<usize> {
 /// Rank every plan for `cfg` under `budget` bytes.
 ///
 /// Candidates: every micro-batch that divides the effective batch, checkpointing none / stages /
-/// blocks, precision f32 / f16 / bf16, and with `allow_model_change` both conv kinds (else the
-/// config's). The other settings of `cfg` (width, optimizer, data, seed, ...) are kept.
+/// blocks, precision f32 / f16 / bf16, with `allow_model_change` both conv kinds (else the
+/// config's), and under `--compress-activations auto` every storage (else the config's). The
+/// other settings of `cfg` (width, optimizer, data, seed, ...) are kept. Exact plans rank first;
+/// only when none fits does a lossy one run, the most bits first (as `--memory-limit`'s `auto`).
 ///
 /// # Errors
 /// When the budget or effective batch is invalid, when `cfg` is invalid, or when no candidate fits:
@@ -486,11 +534,13 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
     let usable = super::margin::usable_bytes(budget, opts.margin);
     let mut all = candidates(cfg, effective, opts)?;
     let considered = all.len();
-    // Fastest first; at equal speed the larger micro-batch (BatchNorm statistics over more
-    // images, fewer accumulation steps), then the smaller peak.
+    // Exact first, then the most bits; then fastest first; at equal speed the larger micro-batch
+    // (BatchNorm statistics over more images, fewer accumulation steps), then the smaller peak.
     all.sort_by(|a, b| {
-        a.time_per_image
-            .total_cmp(&b.time_per_image)
+        a.storage
+            .loss_rank()
+            .cmp(&b.storage.loss_rank())
+            .then(a.time_per_image.total_cmp(&b.time_per_image))
             .then(a.accum_steps.cmp(&b.accum_steps))
             .then(a.predicted_peak.cmp(&b.predicted_peak))
     });
@@ -499,10 +549,18 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
     if fit.is_empty() {
         return Err(too_small(cfg, budget, effective, opts, &over));
     }
-    let best = fit[0].time_per_image;
+    let (best, rank) = (fit[0].time_per_image, fit[0].storage.loss_rank());
+    let smallest_exact = (rank > 0)
+        .then(|| {
+            over.iter()
+                .filter(|p| !p.storage.is_lossy())
+                .map(|p| p.predicted_peak)
+                .min()
+        })
+        .flatten();
     let rejected_faster: Vec<Plan> = over
         .into_iter()
-        .filter(|p| p.time_per_image < best)
+        .filter(|p| p.time_per_image < best && p.storage.loss_rank() <= rank)
         .take(3)
         .collect();
     Ok(PlanReport {
@@ -512,14 +570,16 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
         effective_batch: effective,
         plans: fit,
         rejected_faster,
+        smallest_exact,
         considered,
         cost: opts.cost,
     })
 }
 
 /// Every plan for `effective` images per step that keeps the settings `opts` fixes: each
-/// micro-batch size that divides it, each checkpointing, precision and (with
-/// `--allow-model-change`) conv kind, with its predicted peak and modelled speed.
+/// micro-batch size that divides it, each checkpointing, precision, (with
+/// `--allow-model-change`) conv kind and (under `--compress-activations auto`) storage, with its
+/// predicted peak and modelled speed.
 fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result<Vec<Plan>> {
     let convs: Vec<ConvKind> = if opts.allow_model_change {
         ConvKind::ALL.to_vec()
@@ -533,6 +593,10 @@ fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result
         cfg.model.conv,
     );
 
+    let storages: Vec<ActivationStorage> = match cfg.memory.compress_activations.fixed() {
+        Some(s) => vec![s],
+        None => ActivationStorage::ALL.to_vec(),
+    };
     let mut all: Vec<Plan> = Vec::new();
     for &conv in &convs {
         for micro in divisors(effective) {
@@ -548,34 +612,37 @@ fn candidates(cfg: &TrainConfig, effective: usize, opts: &PlanOptions) -> Result
                 .fixed
                 .grad_checkpointing
                 .map_or(GradCheckpointing::CONCRETE.to_vec(), |c| vec![c]);
-            for grad_checkpointing in schedules {
-                for &precision in Precision::ALL {
-                    if opts.fixed.precision.is_some_and(|p| p != precision) {
-                        continue;
-                    }
-                    let mut c = cfg.clone();
-                    c.steps.batch_size = effective;
-                    c.steps.accum_steps = effective / micro;
-                    c.memory.grad_checkpointing = grad_checkpointing;
-                    c.memory.precision = precision;
-                    c.model.conv = conv;
-                    let est: Estimate =
-                        estimate_with(&c, opts.device, Baseline::Modeled(opts.data))?;
-                    let t = opts
-                        .cost
-                        .time_per_image(micro, precision, grad_checkpointing, conv);
-                    all.push(Plan {
-                        config: c,
-                        micro_batch: micro,
-                        accum_steps: effective / micro,
-                        precision,
-                        grad_checkpointing,
-                        conv,
-                        predicted_peak: est.run_peak(),
-                        time_per_image: t,
-                        relative_throughput: reference / t,
-                    });
+            for (grad_checkpointing, &precision, &storage) in schedules
+                .iter()
+                .flat_map(|&g| Precision::ALL.iter().map(move |p| (g, p)))
+                .flat_map(|(g, p)| storages.iter().map(move |s| (g, p, s)))
+            {
+                if opts.fixed.precision.is_some_and(|p| p != precision) {
+                    continue;
                 }
+                let mut c = cfg.clone();
+                c.steps.batch_size = effective;
+                c.steps.accum_steps = effective / micro;
+                c.memory.grad_checkpointing = grad_checkpointing;
+                c.memory.precision = precision;
+                c.memory.compress_activations = storage.into();
+                c.model.conv = conv;
+                let est: Estimate = estimate_with(&c, opts.device, Baseline::Modeled(opts.data))?;
+                let t = opts
+                    .cost
+                    .time_per_image(micro, precision, grad_checkpointing, conv);
+                all.push(Plan {
+                    config: c,
+                    micro_batch: micro,
+                    accum_steps: effective / micro,
+                    precision,
+                    grad_checkpointing,
+                    conv,
+                    storage,
+                    predicted_peak: est.run_peak(),
+                    time_per_image: t,
+                    relative_throughput: reference / t,
+                });
             }
         }
     }

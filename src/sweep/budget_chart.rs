@@ -1,6 +1,7 @@
 //! The budget sweep's chart (`bench/budget_sweep.sh`): each `--checkpoint auto --memory-limit`
-//! run at (measured peak, images/s) with its predicted peak beside it and its limit marked, and
-//! the fixed segmentations (`--checkpoint none`, `stages`, `blocks`, run without a limit) on the same axes.
+//! run (with `CODES=1`, also `--compress-activations auto`) at (measured peak, images/s) with its
+//! predicted peak beside it and its limit marked, and the fixed plans (`--checkpoint none`,
+//! `stages`, `blocks`, or codes, run without a limit) on the same axes.
 //!
 //! Drawn with the machinery of `sweep::chart` into `<stem>.png` and `<stem>.svg`; the points and
 //! their CSV come from `examples/budget_sweep.rs`.
@@ -17,8 +18,9 @@ use std::path::{Path, PathBuf};
 /// One run of the budget sweep.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BudgetPoint {
-    /// The segmentation it trained with, as `--checkpoint` names it (`segments:1,2`, `stages`, …).
-    pub checkpoint: String,
+    /// The plan it trained with: the segmentation as `--checkpoint` names it (`segments:1,2`,
+    /// `stages`, …), with ` + int8` (the codes) for lossy storage.
+    pub plan: String,
     /// `--memory-limit` of an `auto` run; `None` for a fixed segmentation run without a limit.
     pub limit: Option<u64>,
     /// The estimate's predicted step peak.
@@ -97,13 +99,13 @@ impl BudgetChart<'_> {
         let colours = [0, 2, 3, 4, 5, 7, 8].map(|i| PALETTE[i]);
         let mut chosen: Vec<&str> = Vec::new();
         for p in &auto {
-            if !chosen.contains(&p.checkpoint.as_str()) {
-                chosen.push(&p.checkpoint);
+            if !chosen.contains(&p.plan.as_str()) {
+                chosen.push(&p.plan);
             }
         }
         for (k, s) in chosen.iter().enumerate() {
             let c = colours[k % colours.len()];
-            let mine: Vec<&&BudgetPoint> = auto.iter().filter(|p| p.checkpoint == *s).collect();
+            let mine: Vec<&&BudgetPoint> = auto.iter().filter(|p| p.plan == *s).collect();
             let rings = chart.draw_series(mine.iter().map(|p| {
                 Circle::new(
                     (unit.of(p.predicted_peak), p.images_per_sec),
@@ -121,13 +123,13 @@ impl BudgetChart<'_> {
                 .draw_series(mine.iter().map(|p| {
                     Circle::new((unit.of(p.measured_peak), p.images_per_sec), 5, c.filled())
                 }))?
-                .label(format!("--checkpoint auto chose {s}"))
+                .label(format!("auto chose {s}"))
                 .legend(move |(x, y)| Circle::new((x + 12, y), 5, c.filled()));
         }
         Ok(())
     }
 
-    /// The fixed segmentations run without a limit: triangles at the measured peak, hollow at the
+    /// The fixed plans run without a limit: triangles at the measured peak, hollow at the
     /// predicted, labelled.
     fn draw_named<DB: DrawingBackend>(
         &self,
@@ -149,7 +151,7 @@ impl BudgetChart<'_> {
                     NAMED.stroke_width(2),
                 )
             }))?
-            .label("fixed --checkpoint, predicted peak")
+            .label("fixed plan, predicted peak")
             .legend(|(x, y)| TriangleMarker::new((x + 12, y), 9, NAMED.stroke_width(2)));
         chart
             .draw_series(named.iter().map(|p| {
@@ -159,7 +161,7 @@ impl BudgetChart<'_> {
                     NAMED.filled(),
                 )
             }))?
-            .label("fixed --checkpoint, measured peak (no limit)")
+            .label("fixed plan, measured peak (no limit)")
             .legend(|(x, y)| TriangleMarker::new((x + 12, y), 6, NAMED.filled()));
         for p in named {
             let style = TextStyle::from((FONT, 16).into_font())
@@ -167,7 +169,7 @@ impl BudgetChart<'_> {
                 .pos(Pos::new(HPos::Left, VPos::Top));
             chart.draw_series(std::iter::once(
                 EmptyElement::at((unit.of(p.measured_peak), p.images_per_sec))
-                    + Text::new(p.checkpoint.clone(), (10, 6), style),
+                    + Text::new(p.plan.clone(), (10, 6), style),
             ))?;
         }
         Ok(())

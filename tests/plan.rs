@@ -284,7 +284,9 @@ fn auto_codes_under_fit_memory_are_exact_first_then_the_most_bits() {
     for budget in (20..=90).map(|m| m << 20) {
         let Ok(auto) = plan(&cfg, budget, &opts) else {
             refused += 1;
-            assert!(ActivationStorage::ALL.iter().all(|&s| named(s, budget).is_none()));
+            assert!(ActivationStorage::ALL
+                .iter()
+                .all(|&s| named(s, budget).is_none()));
             continue;
         };
         let chosen = auto.chosen();
@@ -308,5 +310,8 @@ fn auto_codes_under_fit_memory_are_exact_first_then_the_most_bits() {
             }
         }
     }
-    assert!(exact > 0 && lossy > 0 && refused > 0, "{exact} {lossy} {refused}");
+    assert!(
+        exact > 0 && lossy > 0 && refused > 0,
+        "{exact} {lossy} {refused}"
+    );
 }

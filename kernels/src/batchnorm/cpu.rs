@@ -471,19 +471,32 @@ pub(super) fn relu_in_place<T: Elem>(h: &mut [T], ch: &NormChannels, d: Dims) {
     });
 }
 
-/// One plane of `y(h)` as f32 (rounded through T) into `y`, and the plane of h widened into `hf`.
-fn plane_y<T: Elem>(
-    h: &[T],
+/// `src` as f32: the data itself for f32, else widened into `buf` (as [`block`], for a plane).
+fn plane_f32<'a, T: Elem>(src: &'a [T], buf: &'a mut [f32]) -> &'a [f32] {
+    match T::as_acc(src) {
+        Some(s) => s,
+        None => {
+            T::widen(src, buf);
+            buf
+        }
+    }
+}
+
+/// One plane of `y(h)` as f32 (rounded through T) into `y`; returns the plane of h as f32 (h
+/// itself for f32, else widened into `hf`).
+fn plane_y<'a, T: Elem>(
+    h: &'a [T],
     ch: &NormChannels,
     c: usize,
-    hf: &mut [f32],
+    hf: &'a mut [f32],
     y: &mut [f32],
     tmp: &mut [T],
-) {
-    T::widen(h, hf);
+) -> &'a [f32] {
+    let hf = plane_f32(h, hf);
     for (hc, yc) in hf.chunks(BLK).zip(y.chunks_mut(BLK)) {
         y_of::<T>(hc, ch, c, tmp, yc);
     }
+    hf
 }
 
 /// The 2x2 max-pool of `y(h)` per plane (`w` = plane width): `emit(plane, window, argmax, y)`.
@@ -582,16 +595,19 @@ pub(super) fn bwd_reduce_from_h<T: Elem>(
     };
     let part = per_plane_with(h, d, scratch, |(hf, y, gf, tmp), p, hp| {
         let c = p % d.c;
-        plane_y::<T>(hp, ch, c, hf, y, tmp);
-        match argmax {
-            Some((am, w)) => scatter_plane(
-                &g[p * per..(p + 1) * per],
-                &am[p * per..(p + 1) * per],
-                w,
-                gf,
-            ),
-            None => T::widen(&g[p * d.hw..(p + 1) * d.hw], gf),
-        }
+        let hf = plane_y::<T>(hp, ch, c, hf, y, tmp);
+        let gf: &[f32] = match argmax {
+            Some((am, w)) => {
+                scatter_plane(
+                    &g[p * per..(p + 1) * per],
+                    &am[p * per..(p + 1) * per],
+                    w,
+                    gf,
+                );
+                gf
+            }
+            None => plane_f32(&g[p * d.hw..(p + 1) * d.hw], gf),
+        };
         let mut acc = (0f64, 0f64);
         for start in (0..d.hw).step_by(BLK) {
             let end = (start + BLK).min(d.hw);
@@ -636,10 +652,12 @@ pub(super) fn bwd_input_from_h<T: Elem>(
             let c = p % d.c;
             // SAFETY: planes are disjoint ranges of dst; the pool hands each plane to one worker.
             let out = unsafe { ptr.range(p * d.hw, d.hw) };
+            let k = [co.mean[c], co.a[c], co.b[c], co.k[c]];
+            // h and g' as f32 (read in place for f32), then the result over dst's plane.
             match (h, gp_argmax) {
                 // No pool: h is a separate tensor, dst holds the upstream gradient.
                 (Some(h), _) => {
-                    plane_y::<T>(
+                    let hv = plane_y::<T>(
                         &h[p * d.hw..(p + 1) * d.hw],
                         ch,
                         c,
@@ -647,22 +665,21 @@ pub(super) fn bwd_input_from_h<T: Elem>(
                         &mut y,
                         &mut tmp,
                     );
-                    T::widen(out, &mut gf);
+                    input_grad(hv, plane_f32(out, &mut gf), Some(&y), k, &mut res);
                 }
                 // After a pool: dst holds h, the gradient comes from the pooled plane.
                 (None, Some((gp, am, w))) => {
-                    plane_y::<T>(out, ch, c, &mut hf, &mut y, &mut tmp);
                     scatter_plane(
                         &gp[p * per..(p + 1) * per],
                         &am[p * per..(p + 1) * per],
                         w,
                         &mut gf,
                     );
+                    let hv = plane_y::<T>(out, ch, c, &mut hf, &mut y, &mut tmp);
+                    input_grad(hv, &gf, Some(&y), k, &mut res);
                 }
                 (None, None) => unreachable!("bwd_input_from_h needs h or the pooled gradient"),
             }
-            let k = [co.mean[c], co.a[c], co.b[c], co.k[c]];
-            input_grad(&hf, &gf, Some(&y), k, &mut res);
             T::narrow(&res, out);
         }
     });

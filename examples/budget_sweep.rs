@@ -70,8 +70,8 @@ enum What {
         /// Run directories of one fixed plan run without a limit, comma-separated
         #[arg(long, value_name = "DIRS")]
         named: Vec<String>,
-        /// The held-out accuracy per code (bench/activation_codes_accuracy.sh's JSON): each
-        /// point's accuracy cost against the exact step
+        /// The held-out accuracy per code and seed (bench/activation_codes_accuracy.sh's JSON):
+        /// each point's accuracy change against the exact step on the same seeds
         #[arg(long, value_name = "FILE")]
         accuracy: Option<PathBuf>,
     },
@@ -345,25 +345,43 @@ fn read_group(dirs: &str, auto: bool) -> anyhow::Result<Run> {
     Ok(group)
 }
 
-/// Percentage points of held-out accuracy each code changes against the exact step's mean, and
-/// the seeds behind its mean, from bench/activation_codes_accuracy.sh's JSON (`mean_accuracy`).
+/// Percentage points of held-out accuracy each code changes against the exact step over the
+/// seeds both were run with (the mean of the per-seed differences: seeds differ by several
+/// points), and how many seeds that is, from bench/activation_codes_accuracy.sh's JSON (`runs`).
 fn accuracy_changes(path: &Path) -> anyhow::Result<Vec<(String, f64, u64)>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
     let v: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
-    let means = v["mean_accuracy"]
-        .as_object()
-        .with_context(|| format!("{}: no mean_accuracy", path.display()))?;
-    let mean = |code: &str| {
-        let m = &means[code];
-        Some((m["mean"].as_f64()?, m["seeds"].as_u64()?))
+    let runs = v["runs"]
+        .as_array()
+        .with_context(|| format!("{}: no runs", path.display()))?;
+    let run = |r: &serde_json::Value| {
+        Some((
+            r["compress_activations"].as_str()?.to_string(),
+            r["seed"].as_u64()?,
+            r["accuracy"].as_f64()?,
+        ))
     };
-    let (exact, _) = mean("none").with_context(|| format!("{}: no exact mean", path.display()))?;
-    Ok(means
-        .keys()
+    let runs: Vec<(String, u64, f64)> = runs.iter().filter_map(run).collect();
+    let exact = |seed: u64| {
+        runs.iter()
+            .find(|(c, s, _)| c == "none" && *s == seed)
+            .map(|r| r.2)
+    };
+    let mut codes: Vec<String> = runs.iter().map(|r| r.0.clone()).collect();
+    codes.sort();
+    codes.dedup();
+    Ok(codes
+        .into_iter()
+        .filter(|c| c != "none")
         .filter_map(|code| {
-            let (m, seeds) = mean(code)?;
-            Some((code.clone(), (m - exact) * 100.0, seeds))
+            let diffs: Vec<f64> = runs
+                .iter()
+                .filter(|(c, ..)| *c == code)
+                .filter_map(|(_, seed, acc)| Some(acc - exact(*seed)?))
+                .collect();
+            let n = diffs.len();
+            (n > 0).then(|| (code, diffs.iter().sum::<f64>() / n as f64 * 100.0, n as u64))
         })
         .collect())
 }

@@ -127,9 +127,10 @@ fn cudnn_build() -> bool {
 }
 
 /// Whether cuDNN runs `pass` of the convolution `g` in `dtype` under the current math and
-/// determinism settings: as replayed ([`replay_routes`]), else the plan the op itself uses, made now if it is new, on the GPU this
-/// thread opened ([`open`]) or ran a cuDNN convolution on. Where this thread has none (a dry run
-/// without a GPU) it cannot ask and answers that cuDNN does.
+/// determinism settings: as replayed ([`replay_routes`]), else as the plan the op itself uses
+/// says, made now if it is new, on the GPU this thread opened ([`open`]) or ran a cuDNN
+/// convolution on. Where this thread has none (a dry run without a GPU) it cannot ask and
+/// answers that cuDNN does.
 fn pass_runs_on_cudnn(g: &crate::geom::Geom, dtype: candle_core::DType, pass: ConvPass) -> bool {
     let dims = [g.n, g.cin, g.h, g.w, g.cout, g.k, g.stride, g.pad];
     let replayed = REPLAYED.with(|r| {

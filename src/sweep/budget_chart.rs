@@ -163,13 +163,22 @@ impl BudgetChart<'_> {
             }))?
             .label("fixed plan, measured peak (no limit)")
             .legend(|(x, y)| TriangleMarker::new((x + 12, y), 6, NAMED.filled()));
-        for p in named {
+        // Labels alternate above and below the markers from left to right: fixed plans a MiB
+        // apart (the codes) sit side by side, and a label beside one would run into the next.
+        let mut by_x = named.clone();
+        by_x.sort_by(|a, b| a.measured_peak.cmp(&b.measured_peak));
+        for (i, p) in by_x.into_iter().enumerate() {
+            let (v, dy) = if i % 2 == 0 {
+                (VPos::Bottom, -12)
+            } else {
+                (VPos::Top, 10)
+            };
             let style = TextStyle::from((FONT, 16).into_font())
                 .color(&NAMED)
-                .pos(Pos::new(HPos::Left, VPos::Top));
+                .pos(Pos::new(HPos::Left, v));
             chart.draw_series(std::iter::once(
                 EmptyElement::at((unit.of(p.measured_peak), p.images_per_sec))
-                    + Text::new(p.plan.clone(), (10, 6), style),
+                    + Text::new(p.plan.clone(), (4, dy), style),
             ))?;
         }
         Ok(())

@@ -219,7 +219,7 @@ fn a_cpu_fit_memory_budget_is_resident_memory() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let flags = common::SMALL_RUN;
     // The resident limit the plain step needs, as its refusals name it; 1.5 MiB less leaves
-    // room for a micro-batch of 16 but not for the plain step (2 MiB more heap).
+    // room for a micro-batch of 16, or for bf16, but not for the plain step (2 MiB more heap).
     let (_, plain) = common::needed_limits(|| common::trainer_command(flags));
     let budget = (plain - (3 << 19)).to_string();
     let dir = common::scratch("plan", "fit-resident");
@@ -248,7 +248,7 @@ fn a_cpu_fit_memory_budget_is_resident_memory() {
         .lines()
         .find(|l| l.starts_with("chosen:"))
         .unwrap_or_else(|| panic!("{stdout}"));
-    assert!(!chosen.contains("micro-batch 32 × 1 step"), "{chosen}");
+    assert!(!chosen.contains("micro-batch 32 × 1 step, f32,"), "{chosen}");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap())
             .unwrap();

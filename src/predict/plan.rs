@@ -27,15 +27,13 @@ pub use super::margin::SAFETY_MARGIN;
 ///
 /// with `micro(m) = max(1, full_at / m) × (1 + spill_per_doubling × max(0, log2(m / spill_above)))`.
 ///
-/// The CPU factors were measured on this project's development machine (2-core x86-64, width 32,
-/// effective batch 64; minimum step time over repeated runs, see
-/// `docs/results/estimate-accuracy.md`): without f16/bf16 arithmetic half types are widened to
-/// f32 for the gemms, so at this batch both cost a little more than f32; recomputation adds part
-/// of a forward pass; one-image micro-batches leave the second thread idle; 128-image
-/// micro-batches cost no more than 64-image ones. The recompute factors were measured when every
-/// segment was re-run; the last one now saves in its forward (`crate::step`), so they overstate
-/// the cost of stages and blocks (`stages` re-runs 63% of the forward's FLOPs at width 32, `blocks`
-/// 76%): an upper bound until they are measured again.
+/// The CPU factors are `bench/cost_model.sh`'s (`docs/results/cost-model.json`: this project's
+/// 2-core build machine, an AMD EPYC with AVX512-BF16, width 32, micro-batch 64, the fastest step
+/// of 3 runs each): bf16 runs its gemms on `vdpbf16ps` there and costs 0.75× f32, f16 has no
+/// arithmetic of its own and costs about what f32 does, and in the separable model (whose
+/// depthwise convolutions have no bf16 kernel) both cost a little more; recomputation adds part of
+/// a forward pass. The micro-batch factors are older measurements: one-image micro-batches leave
+/// the second thread idle, and 128-image micro-batches cost no more than 64-image ones.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     /// Time per image of f16 relative to f32, standard conv.
@@ -71,19 +69,19 @@ impl CostModel {
     /// The factors measured on the development CPU, with `threads` compute threads.
     pub fn cpu(threads: usize) -> Self {
         CostModel {
-            f16_standard: 1.22,
-            bf16_standard: 1.26,
-            f16_separable: 1.05,
-            bf16_separable: 1.23,
-            stages_standard: 0.36,
-            blocks_standard: 0.50,
-            stages_separable: 0.27,
-            blocks_separable: 0.38,
+            f16_standard: 1.01,
+            bf16_standard: 0.75,
+            f16_separable: 1.04,
+            bf16_separable: 1.04,
+            stages_standard: 0.16,
+            blocks_standard: 0.17,
+            stages_separable: 0.07,
+            blocks_separable: 0.04,
             full_at: threads.max(1),
             spill_above: 64,
             spill_per_doubling: 0.0,
-            separable: 0.63,
-            source: "measured on the 2-core development CPU, width 32",
+            separable: 0.65,
+            source: "measured by bench/cost_model.sh on the 2-core build machine, width 32",
         }
     }
 

@@ -188,8 +188,11 @@ fn shell_words(line: &str) -> Result<Vec<String>, String> {
     Ok(words)
 }
 
+/// A shown command's environment (`VAR=value` words), example and arguments.
+type Program = (Vec<(String, String)>, String, Vec<String>);
+
 /// The environment, example and arguments of a shown command.
-fn program(words: &[String]) -> Result<(Vec<(String, String)>, String, Vec<String>), String> {
+fn program(words: &[String]) -> Result<Program, String> {
     let mut rest = words;
     let mut env = Vec::new();
     while let Some((k, v)) = rest.first().and_then(|w| w.split_once('=')) {

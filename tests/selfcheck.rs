@@ -61,7 +61,7 @@ fn a_fault_in_any_output_of_any_pass_is_caught_and_named() {
             .map(|p| p.outputs().len())
             .sum::<usize>()
     };
-    let big = |p: &Pass, o: usize| (outputs_before(index(p)) + o) % 2 == 0;
+    let big = |p: &Pass, o: usize| (outputs_before(index(p)) + o).is_multiple_of(2);
     for dtype in [DType::F32, DType::BF16] {
         let tol = tolerance(dtype);
         let alter = |p: &Pass, o: usize, t: Tensor| {

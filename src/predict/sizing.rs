@@ -747,7 +747,7 @@ pub(super) fn micro_batch(
         // The tape and the step go: the held inputs and records, the head's input shape, both
         // copies of the segments and the offsets.
         let inputs = pushed_bytes::<candle_core::Tensor>(segments.len());
-        let seg_bytes = (segments.len() * std::mem::size_of::<Range<usize>>()) as u64;
+        let seg_bytes = std::mem::size_of_val(segments) as u64;
         let feat_dims = (4 * std::mem::size_of::<usize>()) as u64;
         let step_vecs =
             pushed_bytes::<Range<usize>>(segments.len()) + pushed_bytes::<usize>(t.blocks + 1);

@@ -166,7 +166,7 @@ impl BudgetChart<'_> {
         // Labels alternate above and below the markers from left to right: fixed plans a MiB
         // apart (the codes) sit side by side, and a label beside one would run into the next.
         let mut by_x = named.clone();
-        by_x.sort_by(|a, b| a.measured_peak.cmp(&b.measured_peak));
+        by_x.sort_by_key(|p| p.measured_peak);
         for (i, p) in by_x.into_iter().enumerate() {
             let (v, dy) = if i % 2 == 0 {
                 (VPos::Bottom, -12)

@@ -248,7 +248,10 @@ fn a_cpu_fit_memory_budget_is_resident_memory() {
         .lines()
         .find(|l| l.starts_with("chosen:"))
         .unwrap_or_else(|| panic!("{stdout}"));
-    assert!(!chosen.contains("micro-batch 32 × 1 step, f32,"), "{chosen}");
+    assert!(
+        !chosen.contains("micro-batch 32 × 1 step, f32,"),
+        "{chosen}"
+    );
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap())
             .unwrap();

@@ -614,6 +614,9 @@ mod cuda {
         plans: HashMap<PlanKey, Option<Planned>>,
         /// Why cuDNN refused the descriptors of a key.
         refused_descriptors: HashMap<PlanKey, String>,
+        /// The refusals this thread has told of ([`warn_fallback`]), so that a refused pass's
+        /// later launches take no lock.
+        told: HashSet<(PlanKey, Option<usize>)>,
     }
 
     thread_local! {
@@ -699,6 +702,7 @@ mod cuda {
                 workspace: None,
                 plans: HashMap::new(),
                 refused_descriptors: HashMap::new(),
+                told: HashSet::new(),
             }),
         })
     }
@@ -758,16 +762,20 @@ mod cuda {
             plan::<T>(st, g, key)?;
             let i = pass_index(pass);
             let Some(planned) = st.plans.get(&key).and_then(|p| p.as_ref()) else {
-                let why = st.refused_descriptors.get(&key).map_or("", String::as_str);
-                warn_fallback(key, None, why);
+                if st.told.insert((key, None)) {
+                    let why = st.refused_descriptors.get(&key).map_or("", String::as_str);
+                    warn_fallback(key, None, why);
+                }
                 return Ok(None);
             };
             let plan = planned.plan.downcast_ref::<Plan<T>>().ok_or_else(|| {
                 candle_core::Error::Msg("conv2d (cuDNN): plan of another dtype".into())
             })?;
             if !planned.runs[i] {
-                let why = plan.refusal(pass).unwrap_or("refused at an earlier launch");
-                warn_fallback(key, Some(pass), why);
+                if st.told.insert((key, Some(i))) {
+                    let why = plan.refusal(pass).unwrap_or("refused at an earlier launch");
+                    warn_fallback(key, Some(pass), why);
+                }
                 return Ok(None);
             }
             if st.workspace.is_none() {
@@ -782,6 +790,7 @@ mod cuda {
                 // Planned, but refused at launch as not supported: the im2col op takes the pass
                 // over from now on. Any other failure is the run's error.
                 Err(e) if unsupported(&e) => {
+                    st.told.insert((key, Some(i)));
                     warn_fallback(key, Some(pass), &format!("refused at launch: {e}"));
                     if let Some(Some(p)) = st.plans.get_mut(&key) {
                         p.runs[i] = false;

@@ -51,9 +51,11 @@ use std::path::{Path, PathBuf};
 pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -> Result<()> {
     // `--fit-memory` chooses `auto` codes itself; the data and the model checked here do not
     // depend on them.
-    let mut exact = cfg.clone();
+    let exact;
     let cfg = if fit_memory.is_some() && cfg.memory.compress_activations.fixed().is_none() {
-        exact.memory.compress_activations = CompressActivations::None;
+        let mut c = cfg.clone();
+        c.memory.compress_activations = CompressActivations::None;
+        exact = c;
         &exact
     } else {
         cfg

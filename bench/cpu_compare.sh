@@ -16,10 +16,8 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-[ -d ../shared/data/cifar10-subset ] || {
-  echo "error: ../shared/data/cifar10-subset is missing: the comparison runs on the real subset" >&2
-  exit 1
-}
+source bench/lib.sh
+need_subset "the comparison"
 cargo build --release --example compare
 rm -rf runs/cpu-compare
 load=$(cut -d' ' -f1-3 /proc/loadavg)

@@ -1,7 +1,16 @@
-# Shared by bench/compare_torch.sh and bench/step_memory.sh (sourced, not run). Both define
-# `bad MESSAGE` (usage error, exit 2), `fail MESSAGE` (one-line error, exit 1), `repo` (the
+# Shared by the bench scripts (sourced, not run). bench/compare_torch.sh and bench/step_memory.sh
+# define `bad MESSAGE` (usage error, exit 2), `fail MESSAGE` (one-line error, exit 1), `repo` (the
 # repository root), `data_dir` (empty for synthetic data), `threads`, `use_taskset` and
-# `timeout_s` before calling these.
+# `timeout_s` before calling the functions that need them.
+
+# Exit 1 with a one-line error unless ../shared/data/cifar10-subset (from the repository root)
+# exists: the results WHAT keeps are measured on the real subset.
+need_subset() { # what
+  [ -d ../shared/data/cifar10-subset ] || {
+    echo "error: ../shared/data/cifar10-subset is missing: $1 runs on the real subset" >&2
+    exit 1
+  }
+}
 
 need_value() { # flag, number of remaining args
   [ "$2" -ge 2 ] || bad "$1 needs a value"

@@ -59,6 +59,16 @@ fn cell(header: &str, csv: &CsvTable, row: usize) -> Option<String> {
         "step adds MiB" => mib("step_added_bytes"),
         "saved peak MiB" => mib("saved_activation_bytes"),
         "img/s" => format!("{:.0}", num("images_per_sec")),
+        "step adds vs exact f32" => {
+            // Row 0 is the reference: the plain step, no flags.
+            assert_eq!(
+                csv.get(0, "flags"),
+                Some(""),
+                "row 0 must be the exact f32 step"
+            );
+            let first: f64 = csv.get(0, "step_added_bytes").unwrap().parse().unwrap();
+            format!("{:.2}×", num("step_added_bytes") / first)
+        }
         "vs none" if row == 0 => "—".into(),
         "vs none" => {
             let pct = num("peak_change_pct");

@@ -167,14 +167,37 @@ pub fn dequantize(q: &Quantized) -> Result<Tensor> {
         };
         return dequantize(&host)?.to_device(&device);
     }
-    codes.apply_op2_no_bwd(
-        &q.ranges,
-        &Decode {
-            width: q.width,
-            dims: q.dims,
-            dtype: q.dtype,
-        },
-    )
+    decode_cpu(&codes, q, 0..q.dims[0])
+}
+
+/// Images `first..first + len` of the activation back from its codes, into a new tensor
+/// `[len, C, H, W]` of the dtype they were stored from; no autograd. On the CPU only those images
+/// are decoded (a backward that streams over chunks of images holds one chunk, not the
+/// activation); elsewhere the whole activation is decoded and narrowed.
+pub fn dequantize_images(q: &Quantized, first: usize, len: usize) -> Result<Tensor> {
+    if first + len > q.dims[0] {
+        candle_core::bail!(
+            "{OP}: images {first}..{} of a batch of {}",
+            first + len,
+            q.dims[0]
+        )
+    }
+    let codes = q.codes.contiguous()?;
+    if !codes.device().is_cpu() {
+        return dequantize(q)?.narrow(0, first, len)?.contiguous();
+    }
+    decode_cpu(&codes, q, first..first + len)
+}
+
+/// The CPU's decoding of `images` of `q` from its (contiguous) `codes`.
+fn decode_cpu(codes: &Tensor, q: &Quantized, images: std::ops::Range<usize>) -> Result<Tensor> {
+    let op = Decode {
+        width: q.width,
+        dims: q.dims,
+        dtype: q.dtype,
+        images,
+    };
+    codes.apply_op2_no_bwd(&q.ranges, &op)
 }
 
 /// f32 bytes the Candle-ops path ([`quantize`] and [`dequantize`] of int8 off the CPU) widens at a
@@ -294,11 +317,12 @@ struct Encode {
     width: Width,
     salt: u64,
 }
-/// The activation from its codes and ranges.
+/// The activation (its `images`) from its codes and ranges.
 struct Decode {
     width: Width,
     dims: [usize; 4],
     dtype: DType,
+    images: std::ops::Range<usize>,
 }
 
 /// A plane's `(min, max)`, folded into `init`.
@@ -427,28 +451,55 @@ fn encode<T: Float>(x: &[T], r: &[f32], (n, c, hw): (usize, usize, usize), e: &E
 fn decode<T: Float>(
     codes: &[u8],
     r: &[f32],
-    (n, c, hw): (usize, usize, usize),
+    (c, hw): (usize, usize),
+    images: std::ops::Range<usize>,
     width: Width,
 ) -> Vec<T> {
-    let (bits, per, max) = (width.bits(), width.per_byte(), width.max_code());
-    let packed = hw.div_ceil(per);
+    let packed = hw.div_ceil(width.per_byte());
     let groups = r.len() / 2;
-    let mut x = T::zeros(n * c * hw);
+    let first = images.start * c;
+    let mut x = T::zeros(images.len() * c * hw);
     let ptr = SharedMut(x.as_mut_ptr());
-    for_planes(n * c, hw, |planes| {
-        for p in planes {
+    for_planes(images.len() * c, hw, |planes| {
+        for out_p in planes {
+            let p = first + out_p;
             let g = group(p, c, groups);
             let (lo, scale) = (r[g], r[groups + g]);
             let plane = &codes[p * packed..(p + 1) * packed];
             // SAFETY: each plane is written by the one worker that got it.
-            let out = unsafe { ptr.range(p * hw, hw) };
-            for (i, v) in out.iter_mut().enumerate() {
-                let q = (plane[i / per] >> ((i % per) * bits)) & max;
-                *v = T::from_f32(lo + q as f32 * scale);
+            let out = unsafe { ptr.range(out_p * hw, hw) };
+            match width {
+                Width::Int8 => decode_plane::<8, T>(plane, out, lo, scale),
+                Width::Int4 => decode_plane::<4, T>(plane, out, lo, scale),
+                Width::Int2 => decode_plane::<2, T>(plane, out, lo, scale),
             }
         }
     });
     x
+}
+
+/// One plane's values `lo + q · scale` from its `BITS`-bit codes, packed low bits first: the
+/// width a constant, so that unpacking a byte is shifts and masks, not a division per value.
+#[inline(always)]
+fn decode_plane<const BITS: usize, T: Float>(plane: &[u8], out: &mut [T], lo: f32, scale: f32) {
+    let per = 8 / BITS;
+    let max = ((1u16 << BITS) - 1) as u8;
+    let value = |b: u8, k: usize| T::from_f32(lo + ((b >> (k * BITS)) & max) as f32 * scale);
+    let mut full = out.chunks_exact_mut(per);
+    for (vs, &b) in (&mut full).zip(plane) {
+        for (k, v) in vs.iter_mut().enumerate() {
+            *v = value(b, k);
+        }
+    }
+    let tail = full.into_remainder();
+    if let Some(&b) = plane
+        .get(plane.len().wrapping_sub(1))
+        .filter(|_| !tail.is_empty())
+    {
+        for (k, v) in tail.iter_mut().enumerate() {
+            *v = value(b, k);
+        }
+    }
 }
 
 /// The ranges operand: f32 [`Width::ranges_dims`] of an activation of `dims`.
@@ -537,14 +588,16 @@ impl CustomOp2 for Decode {
         }
         let r = ranges_operand(rs, rl, self.width, self.dims)?;
         let codes = cpu_slice::<u8>(s, l, OP, "codes")?;
-        let [n, c, h, w] = self.dims;
+        let [_, c, h, w] = self.dims;
+        let images = self.images.clone();
+        let len = images.len();
         let out = dispatch_float!(
             self.dtype,
             [F32, F16, BF16],
-            |T| T::to_cpu_storage_owned(decode::<T>(codes, r, (n, c, h * w), self.width)),
+            |T| T::to_cpu_storage_owned(decode::<T>(codes, r, (c, h * w), images, self.width)),
             |dt| candle_core::bail!("{OP}: unsupported dtype {dt:?}")
         );
-        Ok((out, Shape::from(self.dims.to_vec())))
+        Ok((out, Shape::from((len, c, h, w))))
     }
 }
 
@@ -739,6 +792,9 @@ mod tests {
         let q = quantize(&x, Width::Int2, 0)?;
         let codes = q.codes.flatten_all()?.to_vec1::<u8>()?;
         assert_eq!(codes, [0b11_10_01_00, 0b00_00_00_11]);
+        // The last byte holds one value (a tail shorter than a byte's four).
+        let back = dequantize(&q)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(back, [0.0, 1.0, 2.0, 3.0, 3.0]);
         // Two planes of 3 values, each its own range 0..15: int4 gives each plane two bytes.
         let v = [0f32, 15.0, 15.0, 15.0, 0.0, 0.0];
         let x = Tensor::new(&v, &Device::Cpu)?.reshape((2, 1, 1, 3))?;
@@ -747,6 +803,27 @@ mod tests {
         assert_eq!(codes, [0xF0, 0x0F, 0x0F, 0x00]);
         assert_eq!(dequantize(&q)?.flatten_all()?.to_vec1::<f32>()?, v);
         Ok(())
+    }
+
+    #[test]
+    fn decoding_is_lo_plus_code_times_step_for_every_value() {
+        // Planes of 35 values (a tail of 1 for int4, 3 for int2) with arbitrary bytes and ranges,
+        // against the formula written out value by value.
+        let (planes, hw) = (3usize, 35usize);
+        let r: Vec<f32> = vec![-1.5, 0.25, 2.0, 0.125, 0.5, 3.0];
+        for width in Width::ALL {
+            let (bits, per) = (width.bits(), width.per_byte());
+            let packed = hw.div_ceil(per);
+            let codes: Vec<u8> = (0..planes * packed).map(|i| (i * 37 + 11) as u8).collect();
+            let got = decode::<f32>(&codes, &r, (planes, hw), 0..1, width);
+            for p in 0..planes {
+                for i in 0..hw {
+                    let q = (codes[p * packed + i / per] >> ((i % per) * bits)) & width.max_code();
+                    let want = r[p] + q as f32 * r[planes + p];
+                    assert_eq!(got[p * hw + i], want, "{width:?} plane {p} value {i}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! Activation codes on CUDA are the CPU's, bit for bit: the same ranges, codes and decoded
 //! values for the same input, also where the arithmetic is delicate (rounding ties, infinities,
-//! NaN, a constant channel).
+//! NaN, a constant channel); and a range of images decodes to those images of the whole.
 
 #[cfg(feature = "cuda")]
 use candle_core::DType;
 use candle_core::{Device, Tensor};
-use memtrain_kernels::quantize::{dequantize, quantize, Width};
+use memtrain_kernels::quantize::{dequantize, dequantize_images, quantize, Width};
 
 mod common;
 
@@ -98,6 +98,40 @@ fn cuda_codes_are_the_cpus() {
                 common::f32_bits(&dequantize(&cuda).unwrap()),
                 "{what}: decoded"
             );
+        }
+    }
+}
+
+#[test]
+fn a_range_of_images_decodes_to_those_images_of_the_whole() {
+    let x = Tensor::randn(0f32, 2.0, (7, 3, 5, 6), &Device::Cpu).unwrap();
+    for dt in [candle_core::DType::F32, candle_core::DType::BF16] {
+        let x = x.to_dtype(dt).unwrap();
+        for width in Width::ALL {
+            let q = quantize(&x, width, 3).unwrap();
+            let whole = dequantize(&q).unwrap();
+            for (first, len) in [(0, 7), (0, 1), (2, 3), (6, 1), (4, 3)] {
+                let part = dequantize_images(&q, first, len).unwrap();
+                assert_eq!(part.dims(), &[len, 3, 5, 6]);
+                let want = whole.narrow(0, first, len).unwrap();
+                let (a, b) = (
+                    part.to_dtype(candle_core::DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap(),
+                    want.to_dtype(candle_core::DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap(),
+                );
+                assert_eq!(
+                    a.to_vec1::<f32>().unwrap(),
+                    b.to_vec1::<f32>().unwrap(),
+                    "{width:?} {dt:?} images {first}..{}",
+                    first + len
+                );
+            }
+            assert!(dequantize_images(&q, 5, 3).is_err());
         }
     }
 }

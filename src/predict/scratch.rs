@@ -10,11 +10,18 @@ use super::sim::*;
 /// im2col op runs the pass (see `memtrain_kernels::conv2d_cuda`), none where cuDNN does (its
 /// workspace is in `runtime_bytes`); `memtrain_kernels::conv2d_cudnn::cuda_pass_scratch_bytes`
 /// asks the op's own cuDNN plan which.
-pub(super) fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: ConvPass) -> u64 {
+pub(super) fn cuda_conv_scratch(
+    c: &Ctx,
+    nd: &Node,
+    n: usize,
+    k: usize,
+    pad: usize,
+    pass: ConvPass,
+) -> u64 {
     let (cin, h, w) = nd.inp;
     memtrain_kernels::conv2d_cudnn::cuda_pass_scratch_bytes(
         pass,
-        &[c.n as usize, cin, h, w],
+        &[n, cin, h, w],
         &[nd.out.0, cin, k, k],
         1,
         pad,
@@ -22,17 +29,18 @@ pub(super) fn cuda_conv_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize, pass: 
     )
 }
 
-/// What one pass of a convolution holds on the CPU besides its result, as the op reports it
-/// ([`memtrain_kernels::conv2d::cpu_pass_scratch`]).
+/// What one pass of a convolution on `n` images holds on the CPU besides its result, as the op
+/// reports it ([`memtrain_kernels::conv2d::cpu_pass_scratch`]).
 fn cpu_conv_scratch(
     c: &Ctx,
     nd: &Node,
+    n: usize,
     k: usize,
     pad: usize,
     pass: ConvPass,
 ) -> memtrain_kernels::conv2d::PassScratch {
     let (cin, h, w) = nd.inp;
-    let x_dims = [c.n as usize, cin, h, w];
+    let x_dims = [n, cin, h, w];
     let w_dims = [nd.out.0, cin, k, k];
     let threads = c.device.threads();
     memtrain_kernels::conv2d::cpu_pass_scratch(pass, &x_dims, &w_dims, 1, pad, c.dtype, threads)
@@ -42,29 +50,29 @@ fn cpu_conv_scratch(
 /// Bytes of the forward pass's scratch of a convolution on `n` images (its output allocated
 /// first): per busy thread an im2col column (none for an in-place 1x1 convolution), widened
 /// images for half types and gemm's packing, plus the widened weights.
-pub(super) fn conv_fwd_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
+pub(super) fn conv_fwd_scratch(c: &Ctx, nd: &Node, n: usize, k: usize, pad: usize) -> u64 {
     if !c.device.is_cpu() {
-        return cuda_conv_scratch(c, nd, k, pad, ConvPass::Forward);
+        return cuda_conv_scratch(c, nd, n, k, pad, ConvPass::Forward);
     }
-    cpu_conv_scratch(c, nd, k, pad, ConvPass::Forward).section as u64
+    cpu_conv_scratch(c, nd, n, k, pad, ConvPass::Forward).section as u64
 }
 
 /// Scratch of the input-gradient pass (its output allocated first), as [`conv_fwd_scratch`].
-pub(super) fn conv_dx_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> u64 {
+pub(super) fn conv_dx_scratch(c: &Ctx, nd: &Node, n: usize, k: usize, pad: usize) -> u64 {
     if !c.device.is_cpu() {
-        return cuda_conv_scratch(c, nd, k, pad, ConvPass::InputGrad);
+        return cuda_conv_scratch(c, nd, n, k, pad, ConvPass::InputGrad);
     }
-    cpu_conv_scratch(c, nd, k, pad, ConvPass::InputGrad).section as u64
+    cpu_conv_scratch(c, nd, n, k, pad, ConvPass::InputGrad).section as u64
 }
 
 /// Scratch of the weight-gradient pass (columns, gathered gradients, widened images, gemm's
 /// packing and the partial sums, made before its threads start), and the bytes still held
 /// (the running total) when the result is allocated.
-pub(super) fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u64, u64) {
+pub(super) fn conv_wgrad_scratch(c: &Ctx, nd: &Node, n: usize, k: usize, pad: usize) -> (u64, u64) {
     if !c.device.is_cpu() {
-        return (cuda_conv_scratch(c, nd, k, pad, ConvPass::WeightGrad), 0);
+        return (cuda_conv_scratch(c, nd, n, k, pad, ConvPass::WeightGrad), 0);
     }
-    let s = cpu_conv_scratch(c, nd, k, pad, ConvPass::WeightGrad);
+    let s = cpu_conv_scratch(c, nd, n, k, pad, ConvPass::WeightGrad);
     (s.section as u64, s.tail as u64)
 }
 
@@ -72,7 +80,7 @@ pub(super) fn conv_wgrad_scratch(c: &Ctx, nd: &Node, k: usize, pad: usize) -> (u
 /// depthwise op's padded planes, BatchNorm's per-plane partial sums).
 pub(super) fn fwd_scratch(c: &Ctx, nd: &Node) -> u64 {
     match nd.op {
-        Op::Conv { k, pad } => conv_fwd_scratch(c, nd, k, pad),
+        Op::Conv { k, pad } => conv_fwd_scratch(c, nd, c.n as usize, k, pad),
         Op::Depthwise => {
             let (ch, h, w) = nd.inp;
             (ch * 9 * 4) as u64 + c.busy(c.n * ch as u64) * (((h + 2) * (w + 2) + w) * 4) as u64

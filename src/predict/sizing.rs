@@ -324,6 +324,10 @@ impl StepOps for Sizing<'_> {
         self.blocks[j].convs.len()
     }
 
+    fn streams(&self) -> bool {
+        !self.cuda()
+    }
+
     fn dims(&self, t: &Sz) -> Vec<usize> {
         t.dims.clone()
     }
@@ -345,6 +349,22 @@ impl StepOps for Sizing<'_> {
     }
     fn reshape(&self, t: &Sz, dims: &[usize]) -> Result<Sz> {
         Ok(t.view(dims.to_vec(), Strides::Collected))
+    }
+    fn narrow(&self, t: &Sz, first: usize, len: usize) -> Result<Sz> {
+        // Candle shares the tensor itself for the whole of it; else a view whose layout copies
+        // the dims and the strides.
+        if first == 0 && len == t.dims[0] {
+            return Ok(t.clone());
+        }
+        let mut dims = t.dims.clone();
+        dims[0] = len;
+        Ok(t.view(dims, Strides::Copied))
+    }
+    fn zeros(&self, dims: &[usize], dtype: DType) -> Result<Sz> {
+        Ok(self.alloc(dims.to_vec(), dtype))
+    }
+    fn write_images(&self, _dst: &Sz, _first: usize, _src: &Sz) -> Result<()> {
+        Ok(())
     }
 
     fn conv_weights(&self, j: usize) -> Result<ConvWeights<Sz>> {
@@ -375,18 +395,18 @@ impl StepOps for Sizing<'_> {
         };
         Ok(self.op(Some(i), || {
             let out = self.alloc(vec![x.dims[0], nd.out.0, nd.out.1, nd.out.2], x.dtype);
-            self.spike(conv_fwd_scratch(self.c, nd, k, pad));
+            self.spike(conv_fwd_scratch(self.c, nd, x.dims[0], k, pad));
             out
         }))
     }
-    fn conv2d_backward_weight(&self, _x: &Sz, _dh: &Sz, w: &Sz, _pad: usize) -> Result<Sz> {
+    fn conv2d_backward_weight(&self, x: &Sz, _dh: &Sz, w: &Sz, _pad: usize) -> Result<Sz> {
         let i = self.node(w);
         let nd = &self.nodes[i];
         let Op::Conv { k, pad } = nd.op else {
             unreachable!("a conv weight")
         };
         Ok(self.op(Some(i), || {
-            let (scratch, partials) = conv_wgrad_scratch(self.c, nd, k, pad);
+            let (scratch, partials) = conv_wgrad_scratch(self.c, nd, x.dims[0], k, pad);
             if self.cuda() {
                 // The CUDA ops allocate the result first, then their scratch.
                 let gw = self.alloc(w.dims.clone(), w.dtype);
@@ -408,7 +428,7 @@ impl StepOps for Sizing<'_> {
         };
         Ok(self.op(Some(i), || {
             let dx = self.alloc(x_dims.to_vec(), dh.dtype);
-            self.spike(conv_dx_scratch(self.c, nd, k, pad));
+            self.spike(conv_dx_scratch(self.c, nd, dh.dims[0], k, pad));
             dx
         }))
     }
@@ -534,6 +554,29 @@ impl StepOps for Sizing<'_> {
             )
         }))
     }
+    fn bn_relu_backward_sums(&self, h: &Sz, _g: &Sz, p: &SzBn) -> Result<Sz> {
+        Ok(self.op(Some(p.node), || {
+            self.channel_sums(h, bn::CpuPass::BackwardSums)
+        }))
+    }
+    fn bn_relu_backward_input(
+        &self,
+        h: &Sz,
+        _g: &Sz,
+        p: &SzBn,
+        _sums: &Sz,
+        _batch_images: usize,
+    ) -> Result<()> {
+        self.op(Some(p.node), || self.bn_host(bn::CpuPass::BackwardInput, h));
+        Ok(())
+    }
+    fn bn_grads(&self, sums: &Sz) -> Result<(Sz, Sz)> {
+        let ch = sums.dims[1];
+        Ok((
+            sums.view(vec![ch], Strides::Collected),
+            sums.view(vec![ch], Strides::Collected),
+        ))
+    }
     fn bn_relu_pool_backward(
         &self,
         h: Sz,
@@ -621,6 +664,11 @@ impl StepOps for Sizing<'_> {
         }
         Ok(out)
     }
+    fn dequantize_images(&self, q: &SzCodes, _first: usize, len: usize) -> Result<Sz> {
+        let mut dims = q.dims.clone();
+        dims[0] = len;
+        Ok(self.alloc(dims, q.dtype))
+    }
     fn codes_dims(&self, q: &SzCodes) -> Vec<usize> {
         q.dims.clone()
     }
@@ -653,6 +701,9 @@ impl StepOps for Sizing<'_> {
     }
     fn sum_rows(&self, x: &Sz) -> Result<Sz> {
         Ok(self.op(Some(self.head()), || self.alloc(vec![x.dims[1]], x.dtype)))
+    }
+    fn add(&self, a: &Sz, _b: &Sz) -> Result<Sz> {
+        Ok(self.alloc(a.dims.clone(), a.dtype))
     }
     fn loss_and_grad(
         &self,

@@ -17,9 +17,12 @@
 //! micro-batch and block, repeats bit for bit when they repeat, and draws from no generator that
 //! anything else reads.
 //!
-//! What it costs in memory besides the codes: the backward decodes h into a fresh buffer of the
-//! compute dtype just before it needs it, so a block's backward holds the decoded h where the
-//! exact step held the saved one.
+//! What it costs in memory besides the codes: the backward decodes h just before it needs it. On
+//! the CPU it decodes a chunk of images at a time where the pass allows ([`super::stream`]: the
+//! next conv's weight gradient, BatchNorm's backward, a pool's output and argmax), so it holds a
+//! chunk beside the codes; a pooled block's BatchNorm backward decodes h whole, as its input
+//! gradient takes h's buffer. On CUDA every decoding is whole: a block's backward holds the
+//! decoded h where the exact step held the saved one.
 
 use super::ops::StepOps;
 use crate::error::Result;

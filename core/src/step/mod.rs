@@ -11,6 +11,8 @@
 //! 5. [`optim`]: the optimizers on f32 master weights and the learning-rate schedule.
 //! 6. [`compress`]: compressed saved activations (`--compress-activations int8|int4|int2`), the
 //!    one lossy optimization: what the tape keeps of each block's conv output.
+//! 7. [`stream`]: passes over chunks of images, so that a block holds one activation-sized buffer
+//!    where it would hold two (a conv written over its input, a backward reading the codes).
 //!
 //! The fourth optimization, depthwise-separable convolutions, is a choice of layer when the model
 //! is built ([`crate::model::layers::ConvLayer`]); the tape runs whichever conv the block has.
@@ -25,6 +27,7 @@ pub mod ops;
 pub mod optim;
 pub mod oracle;
 pub mod precision;
+pub mod stream;
 pub mod tape;
 
 pub use micro::{for_each_micro_batch, BatchInput, MicroResult};

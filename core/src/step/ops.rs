@@ -60,6 +60,10 @@ pub trait StepOps {
     /// Parameters of block j's conv (1 dense, 2 separable).
     fn conv_params(&self, j: usize) -> usize;
 
+    /// Whether the tape may run passes over chunks of images ([`super::stream`]): on the CPU;
+    /// a CUDA device runs every pass on the whole batch.
+    fn streams(&self) -> bool;
+
     /// The shape.
     fn dims(&self, t: &Self::T) -> Vec<usize>;
     /// Bytes of the tensor's elements.
@@ -70,6 +74,12 @@ pub trait StepOps {
     fn flatten(&self, t: &Self::T) -> Result<Self::T>;
     /// The same elements in `dims` (a view).
     fn reshape(&self, t: &Self::T, dims: &[usize]) -> Result<Self::T>;
+    /// Images `first..first + len` of `t` (a view).
+    fn narrow(&self, t: &Self::T, first: usize, len: usize) -> Result<Self::T>;
+    /// A new tensor of zeros.
+    fn zeros(&self, dims: &[usize], dtype: DType) -> Result<Self::T>;
+    /// `src` written over images `first..` of `dst`, in place.
+    fn write_images(&self, dst: &Self::T, first: usize, src: &Self::T) -> Result<()>;
 
     /// Block j's conv weights cast to the compute dtype.
     fn conv_weights(&self, j: usize) -> Result<ConvWeights<Self::T>>;
@@ -127,6 +137,22 @@ pub trait StepOps {
         g: Self::T,
         p: &Self::Bn,
     ) -> Result<(Self::T, Self::T, Self::T)>;
+    /// The per-channel sums `[Σg'x̂; Σg']` of `relu(bn(h))`'s backward from the output gradient
+    /// `g` (the first pass of [`StepOps::bn_relu_backward`]).
+    fn bn_relu_backward_sums(&self, h: &Self::T, g: &Self::T, p: &Self::Bn) -> Result<Self::T>;
+    /// The input gradient of `relu(bn(h))` written over `g` in place, from the `sums` over the
+    /// whole batch of `batch_images` (h and g may be a chunk of it): the second pass of
+    /// [`StepOps::bn_relu_backward`].
+    fn bn_relu_backward_input(
+        &self,
+        h: &Self::T,
+        g: &Self::T,
+        p: &Self::Bn,
+        sums: &Self::T,
+        batch_images: usize,
+    ) -> Result<()>;
+    /// `(dγ, dβ)`: the rows of BatchNorm's backward sums (views).
+    fn bn_grads(&self, sums: &Self::T) -> Result<(Self::T, Self::T)>;
     /// `(dh, dγ, dβ)` of `maxpool2x2(relu(bn(h)))` from the pooled gradient `g`, dh in place
     /// over `h`.
     fn bn_relu_pool_backward(
@@ -141,6 +167,8 @@ pub trait StepOps {
     fn quantize(&self, h: &Self::T, width: Width, salt: u64) -> Result<Self::Codes>;
     /// The codes decoded into a new tensor of the dtype they were stored from.
     fn dequantize(&self, q: &Self::Codes) -> Result<Self::T>;
+    /// Images `first..first + len` of the codes decoded into a new tensor.
+    fn dequantize_images(&self, q: &Self::Codes, first: usize, len: usize) -> Result<Self::T>;
     /// The shape the codes decode to.
     fn codes_dims(&self, q: &Self::Codes) -> Vec<usize>;
     /// Bytes the codes hold (codes and ranges).
@@ -154,6 +182,8 @@ pub trait StepOps {
     fn add_bias(&self, x: &Self::T, bias: &Self::T) -> Result<Self::T>;
     /// The sum over rows.
     fn sum_rows(&self, x: &Self::T) -> Result<Self::T>;
+    /// `a + b` into a new tensor.
+    fn add(&self, a: &Self::T, b: &Self::T) -> Result<Self::T>;
     /// The mean cross-entropy of f32 `logits` for `labels` and the correct count (read, or left on
     /// the device when `defer`), and the gradient of `loss_mult · loss` with respect to the logits.
     fn loss_and_grad(
@@ -223,6 +253,10 @@ impl StepOps for CandleOps<'_> {
         self.model.blocks[j].conv.vars().len()
     }
 
+    fn streams(&self) -> bool {
+        self.model.device().is_cpu()
+    }
+
     fn dims(&self, t: &Tensor) -> Vec<usize> {
         t.dims().to_vec()
     }
@@ -237,6 +271,15 @@ impl StepOps for CandleOps<'_> {
     }
     fn reshape(&self, t: &Tensor, dims: &[usize]) -> Result<Tensor> {
         Ok(t.reshape(dims)?)
+    }
+    fn narrow(&self, t: &Tensor, first: usize, len: usize) -> Result<Tensor> {
+        Ok(t.narrow(0, first, len)?)
+    }
+    fn zeros(&self, dims: &[usize], dtype: DType) -> Result<Tensor> {
+        Ok(Tensor::zeros(dims, dtype, self.model.device())?)
+    }
+    fn write_images(&self, dst: &Tensor, first: usize, src: &Tensor) -> Result<()> {
+        Ok(dst.slice_set(src, 0, first)?)
     }
 
     fn conv_weights(&self, j: usize) -> Result<ConvWeights<Tensor>> {
@@ -319,6 +362,22 @@ impl StepOps for CandleOps<'_> {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         Ok(bn::bn_relu_backward(h, g, p)?)
     }
+    fn bn_relu_backward_sums(&self, h: &Tensor, g: &Tensor, p: &BnParams) -> Result<Tensor> {
+        Ok(bn::bn_relu_backward_sums(h, g, p)?)
+    }
+    fn bn_relu_backward_input(
+        &self,
+        h: &Tensor,
+        g: &Tensor,
+        p: &BnParams,
+        sums: &Tensor,
+        batch_images: usize,
+    ) -> Result<()> {
+        Ok(bn::bn_relu_backward_input(h, g, p, sums, batch_images)?)
+    }
+    fn bn_grads(&self, sums: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((sums.get(0)?, sums.get(1)?))
+    }
     fn bn_relu_pool_backward(
         &self,
         h: Tensor,
@@ -334,6 +393,9 @@ impl StepOps for CandleOps<'_> {
     }
     fn dequantize(&self, q: &Quantized) -> Result<Tensor> {
         Ok(quantize::dequantize(q)?)
+    }
+    fn dequantize_images(&self, q: &Quantized, first: usize, len: usize) -> Result<Tensor> {
+        Ok(quantize::dequantize_images(q, first, len)?)
     }
     fn codes_dims(&self, q: &Quantized) -> Vec<usize> {
         q.dims.to_vec()
@@ -353,6 +415,9 @@ impl StepOps for CandleOps<'_> {
     }
     fn sum_rows(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.sum(0)?)
+    }
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Ok((a + b)?)
     }
     fn loss_and_grad(
         &self,

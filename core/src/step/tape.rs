@@ -28,12 +28,16 @@
 //! of its conv output), block j's input is recomputed from h_{j-1} into a buffer of its own for
 //! the weight gradient and freed, then the input gradient dx_j is computed and dh_j freed, then
 //! block j-1's BatchNorm backward turns dx_j into dh_{j-1} in place. Alive at the worst moment:
-//! h_{j-1}, dh_j and one of the two; with compressed activations ([`super::compress`]) h_{j-1} is
-//! decoded only for that last BatchNorm backward, so two large buffers at most.
+//! h_{j-1}, dh_j and one of the two. On the CPU the passes that treat each image alone run over
+//! chunks of images ([`super::stream`]): a conv that keeps the activation's shape writes its
+//! output over its input and its input gradient over dh_j, and with compressed activations
+//! ([`super::compress`]) the recomputed input and h_{j-1} are decoded chunk by chunk, so one large
+//! buffer (dh_j becoming dx_j, then dh_{j-1}) is all a block's backward holds.
 
 use super::compress::Kept;
 use super::micro::MicroResult;
 use super::ops::{CandleOps, ConvWeights, HeadResult, StepOps};
+use super::stream;
 use crate::error::Result;
 use crate::model::Cnn;
 use crate::options::ActivationStorage;
@@ -125,6 +129,8 @@ pub struct LeanStep<O: StepOps> {
     var_base: Vec<usize>,
     /// How the blocks' conv outputs are kept.
     storage: ActivationStorage,
+    /// Images per streamed chunk when fixed ([`LeanStep::with_stream_chunk`]).
+    chunk: Option<Option<usize>>,
 }
 
 impl<'a> LeanStep<CandleOps<'a>> {
@@ -143,6 +149,15 @@ impl<'a> LeanStep<CandleOps<'a>> {
     /// [`CandleOps::with_stats_in_place`]).
     pub fn with_stats_in_place(mut self) -> Self {
         self.o = self.o.with_stats_in_place();
+        self
+    }
+
+    /// Stream over chunks of `images` images ([`stream`]) instead of the chunks
+    /// [`stream::chunk_images`] chooses; with None, run every pass on the whole batch, as a CUDA
+    /// device does. For tests: the whole batch is the reference the streamed passes are checked
+    /// against, and small chunks exercise a batch's last, shorter chunk.
+    pub fn with_stream_chunk(mut self, images: Option<usize>) -> Self {
+        self.chunk = Some(images.map(|k| k.max(1)));
         self
     }
 
@@ -183,6 +198,7 @@ impl<O: StepOps> LeanStep<O> {
             segments,
             var_base,
             storage,
+            chunk: None,
         }
     }
 
@@ -232,8 +248,9 @@ impl<O: StepOps> LeanStep<O> {
     /// Evaluation of images `x` (f32 `[N, 3, 32, 32]`) with labels `y` (u32 `[N]`): the forward
     /// with BatchNorm's running statistics (untouched), nothing saved, no gradient; the mean
     /// loss and the correct count. Each block's conv output is normalized in place (or pooled
-    /// straight from it), and its input is freed right after its conv, so at most a block's
-    /// input, its conv output and the conv's scratch are alive at once. The events (phase
+    /// straight from it), and its input is freed right after its conv (or, where the conv keeps
+    /// the shape and the device streams, overwritten by its output), so at most a block's input,
+    /// its conv output and the conv's scratch are alive at once. The events (phase
     /// [`Phase::Eval`]) follow each block and the head.
     pub fn evaluate(
         &mut self,
@@ -244,8 +261,8 @@ impl<O: StepOps> LeanStep<O> {
         let o = &self.o;
         let mut h = o.to_dtype(x, o.dtype())?;
         for j in 0..o.blocks() {
-            let z = self.conv_forward(j, &h)?;
-            drop(h);
+            // The first block's input may be the caller's batch; every later one is the tape's.
+            let z = self.conv_forward_owned(j, h, j > 0)?;
             let p = o.bn_running(j)?;
             h = if o.block_pools(j) {
                 o.bn_relu_pool(&z, &p)?
@@ -315,8 +332,10 @@ impl<O: StepOps> LeanStep<O> {
         let mut h = xin;
         for (si, seg) in self.segments.clone().into_iter().enumerate() {
             held.inputs.push(h.clone());
-            for j in seg {
-                let (out, s) = self.block_forward(j, h, si == last, true)?;
+            for j in seg.clone() {
+                // A segment's first block reads the input the segment holds.
+                let owned = j != seg.start;
+                let (out, s) = self.block_forward(j, h, si == last, true, owned)?;
                 held.saved.extend(s);
                 h = out;
                 self.emit(obs, Phase::Forward, j, &held, acc)?;
@@ -377,13 +396,14 @@ impl<O: StepOps> LeanStep<O> {
             if si != last {
                 let mut h = held.inputs.last().expect("one input per segment").clone();
                 for j in seg.start..seg.end - 1 {
-                    let (out, sv) = self.block_forward(j, h, true, false)?;
+                    let (out, sv) = self.block_forward(j, h, true, false, j != seg.start)?;
                     h = out;
                     held.saved.push(sv.expect("saving forward"));
                 }
                 // The segment's output was already used by the first forward: its last block
                 // only makes h.
-                held.saved.push(self.block_save(seg.end - 1, h)?);
+                let owned = seg.end - 1 != seg.start;
+                held.saved.push(self.block_save(seg.end - 1, h, owned)?);
                 let label = crate::model::cnn::recompute_label(
                     self.o.block_name(seg.start),
                     self.o.block_name(seg.end - 1),
@@ -405,18 +425,19 @@ impl<O: StepOps> LeanStep<O> {
     /// Block j's forward on `x`: conv, batch statistics (running statistics updated when
     /// `update_stats`), then BatchNorm + ReLU (+ pool) into a new tensor. With `save`, h and the
     /// normalization's parameters are returned for the backward; without, h is normalized in place.
-    /// `x` is given up after the conv: unless a segment input holds it, it is freed before the
-    /// block's output exists.
+    /// `x` is given up after the conv: unless a segment input holds it (`owned` false), it is
+    /// freed before the block's output exists, or holds the conv's output
+    /// ([`Self::conv_forward_owned`]).
     fn block_forward(
         &self,
         j: usize,
         x: O::T,
         save: bool,
         update_stats: bool,
+        owned: bool,
     ) -> Result<(O::T, Option<Saved<O>>)> {
         let o = &self.o;
-        let h = self.conv_forward(j, &x)?;
-        drop(x);
+        let h = self.conv_forward_owned(j, x, owned)?;
         let params = o.bn_params(j, &h, update_stats)?;
         let pool = o.block_pools(j);
         if save {
@@ -443,9 +464,8 @@ impl<O: StepOps> LeanStep<O> {
 
     /// Block j's conv and batch statistics on `x` (running statistics untouched): the saved
     /// record alone, for the last block of a recomputed segment. `x` is given up after the conv.
-    fn block_save(&self, j: usize, x: O::T) -> Result<Saved<O>> {
-        let h = self.conv_forward(j, &x)?;
-        drop(x);
+    fn block_save(&self, j: usize, x: O::T, owned: bool) -> Result<Saved<O>> {
+        let h = self.conv_forward_owned(j, x, owned)?;
         let bn = self.o.bn_params(j, &h, false)?;
         Ok(Saved {
             h: Kept::store(&self.o, j, &h, self.storage)?,
@@ -458,6 +478,41 @@ impl<O: StepOps> LeanStep<O> {
         let o = &self.o;
         o.conv_weights(j)?
             .forward(x, |x, w, pad| o.conv2d(x, w, pad), |x, w| o.depthwise(x, w))
+    }
+
+    /// [`Self::conv_forward`] on `x` given up by the caller: when nothing else holds x (`owned`),
+    /// the device streams and the conv keeps the activation's shape, its output is written over
+    /// x ([`stream::conv_over_input`]); otherwise x is freed after the conv.
+    fn conv_forward_owned(&self, j: usize, x: O::T, owned: bool) -> Result<O::T> {
+        let o = &self.o;
+        if owned {
+            if let ConvWeights::Standard(w) = o.conv_weights(j)? {
+                if let Some(chunk) = self.stream_over(&x, &w) {
+                    return stream::conv_over_input(o, x, &w, chunk);
+                }
+            }
+        }
+        self.conv_forward(j, &x)
+    }
+
+    /// Images per chunk for the passes streamed over an activation of `dims`, or None where
+    /// every pass runs on the whole batch (a device that does not stream).
+    fn stream_images(&self, dims: &[usize]) -> Option<usize> {
+        if !self.o.streams() {
+            return None;
+        }
+        match self.chunk {
+            Some(fixed) => fixed.map(|k| k.min(dims[0])),
+            None => Some(stream::chunk_images(dims, self.o.dtype().size_in_bytes())),
+        }
+    }
+
+    /// The chunk to stream a dense conv of weight `w` over `x` (or over its output gradient,
+    /// which has the output's shape) with, where the output has x's shape and the device streams.
+    fn stream_over(&self, x: &O::T, w: &O::T) -> Option<usize> {
+        let o = &self.o;
+        let (xd, wd) = (o.dims(x), o.dims(w));
+        (wd[0] == wd[1]).then(|| self.stream_images(&xd)).flatten()
     }
 
     /// The backward of blocks `seg` from `g_out` (gradient of the segment's output): its blocks'
@@ -491,15 +546,29 @@ impl<O: StepOps> LeanStep<O> {
     /// BatchNorm + ReLU (+ pool) backward of block j from the gradient of its output: dh_j.
     fn bn_backward(&mut self, j: usize, s: Saved<O>, g: O::T, acc: &mut O::Grads) -> Result<O::T> {
         let o = &self.o;
-        let h = s.h.restore(o)?;
         let (dh, dgamma, dbeta) = if o.block_pools(j) {
+            let h = s.h.restore(o)?;
             let am = o.bn_relu_pool_argmax(&h, &s.bn)?;
             o.bn_relu_pool_backward(h, &g, am.as_ref(), &s.bn)?
         } else {
-            o.bn_relu_backward(&h, g, &s.bn)?
+            self.bn_relu_backward_kept(s.h, g, &s.bn)?
         };
         self.add_bn_grads(j, dgamma, dbeta, acc)?;
         Ok(dh)
+    }
+
+    /// `(dh, dγ, dβ)` of `relu(bn(h))` with h as the tape kept it, dh written over `g`: with
+    /// codes on a streaming device, h is decoded a chunk at a time
+    /// ([`stream::bn_relu_backward_from_codes`]), else whole.
+    fn bn_relu_backward_kept(&self, h: Kept<O>, g: O::T, p: &O::Bn) -> Result<(O::T, O::T, O::T)> {
+        let o = &self.o;
+        if let Kept::Codes(q) = &h {
+            if let Some(chunk) = self.stream_images(&o.codes_dims(q)) {
+                return stream::bn_relu_backward_from_codes(o, q, g, p, chunk);
+            }
+        }
+        let h = h.restore(o)?;
+        o.bn_relu_backward(&h, g, p)
     }
 
     fn add_bn_grads(&self, j: usize, dgamma: O::T, dbeta: O::T, acc: &mut O::Grads) -> Result<()> {
@@ -521,14 +590,31 @@ impl<O: StepOps> LeanStep<O> {
         let base = self.var_base[j];
         if o.block_pools(j - 1) {
             // Block j's input is the pool output: small, so recompute it (and the argmax) first,
-            // finish block j, then run block j-1's backward over h_{j-1} in place.
-            let h = prev.h.restore(o)?;
-            let p = o.bn_relu_pool(&h, &prev.bn)?;
-            let am = o.bn_relu_pool_argmax(&h, &prev.bn)?;
+            // finish block j, then run block j-1's backward over h_{j-1} in place. Codes on a
+            // streaming device are decoded twice (chunk by chunk for the pool, then whole), so
+            // that no decoded h_{j-1} is held through block j's backward.
+            let stream = self.stream_images(&prev.h.dims(o));
+            let mut kept = Some(prev.h);
+            let (p, am, h) = match (kept.as_ref().expect("the record"), stream) {
+                (Kept::Codes(q), Some(chunk)) => {
+                    let (p, am) = stream::pool_from_codes(o, q, &prev.bn, chunk)?;
+                    (p, am, None)
+                }
+                _ => {
+                    let h = kept.take().expect("the record").restore(o)?;
+                    let p = o.bn_relu_pool(&h, &prev.bn)?;
+                    let am = o.bn_relu_pool_argmax(&h, &prev.bn)?;
+                    (p, am, Some(h))
+                }
+            };
             let dx = self
                 .conv_backward(j, &p, dh, true, acc)?
                 .expect("input gradient requested");
             drop(p);
+            let h = match (h, kept) {
+                (Some(h), _) => h,
+                (None, kept) => kept.expect("kept for the second decoding").restore(o)?,
+            };
             let (dh_prev, dg, db) = self
                 .o
                 .bn_relu_pool_backward(h, &dx, am.as_ref(), &prev.bn)?;
@@ -537,20 +623,28 @@ impl<O: StepOps> LeanStep<O> {
         }
         match o.conv_weights(j)? {
             ConvWeights::Standard(w) => {
-                // The weight gradient first, from block j's input recomputed into a buffer of its
-                // own; then dx_j; only then is h_{j-1} needed, for its BatchNorm backward. Three
-                // large buffers at most (h_{j-1}, dh_j, and y or dx_j); two when h_{j-1} is
-                // compressed, as it is decoded only at the end.
-                let gw = {
-                    let y = prev.h.output(o, &prev.bn)?;
-                    o.conv2d_backward_weight(&y, &dh, &w, 1)?
-                };
-                o.add_grad(acc, base, o.to_dtype(&gw, DType::F32)?)?;
-                drop(gw);
-                let dx = o.conv2d_backward_input(&dh, &w, &prev.h.dims(o), 1)?;
-                drop(dh);
-                let h = prev.h.restore(o)?;
-                let (dh_prev, dg, db) = o.bn_relu_backward(&h, dx, &prev.bn)?;
+                // The weight gradient first, from block j's input recomputed (whole into a buffer
+                // of its own, or chunk by chunk from codes); then dx_j (over dh_j where the shapes
+                // allow); only then is h_{j-1} needed, for its BatchNorm backward (read from codes
+                // chunk by chunk). Three large buffers at most (h_{j-1}, dh_j, and y or dx_j); one,
+                // dh_j becoming dx_j, with codes on a streaming device.
+                let stream = self.stream_images(&prev.h.dims(o));
+                match (&prev.h, stream) {
+                    (Kept::Codes(q), Some(chunk)) => {
+                        stream::weight_grad_from_codes(o, q, &prev.bn, &dh, &w, chunk, |gw| {
+                            o.add_grad(acc, base, o.to_dtype(&gw, DType::F32)?)
+                        })?
+                    }
+                    _ => {
+                        let gw = {
+                            let y = prev.h.output(o, &prev.bn)?;
+                            o.conv2d_backward_weight(&y, &dh, &w, 1)?
+                        };
+                        o.add_grad(acc, base, o.to_dtype(&gw, DType::F32)?)?;
+                    }
+                }
+                let dx = self.input_grad(dh, &w, &prev.h.dims(o))?;
+                let (dh_prev, dg, db) = self.bn_relu_backward_kept(prev.h, dx, &prev.bn)?;
                 self.add_bn_grads(j - 1, dg, db, acc)?;
                 Ok(dh_prev)
             }
@@ -593,7 +687,7 @@ impl<O: StepOps> LeanStep<O> {
                 o.add_grad(acc, base, o.to_dtype(&gw, DType::F32)?)?;
                 drop(gw);
                 want_dx
-                    .then(|| o.conv2d_backward_input(&dh, &w, &o.dims(x), 1))
+                    .then(|| self.input_grad(dh, &w, &o.dims(x)))
                     .transpose()
             }
             ConvWeights::Separable { dw, pw } => {
@@ -606,6 +700,17 @@ impl<O: StepOps> LeanStep<O> {
                     .then(|| o.depthwise_backward_input(&dd, &dw, &o.dims(x)))
                     .transpose()
             }
+        }
+    }
+
+    /// The input gradient of a dense conv of weight `w` for an input of `x_dims` from its output
+    /// gradient `dh` (given up): written over dh where the shapes allow and the device streams
+    /// ([`stream::input_grad_over`]), else into a new tensor, dh freed after.
+    fn input_grad(&self, dh: O::T, w: &O::T, x_dims: &[usize]) -> Result<O::T> {
+        let o = &self.o;
+        match self.stream_over(&dh, w) {
+            Some(chunk) => stream::input_grad_over(o, dh, w, chunk),
+            None => o.conv2d_backward_input(&dh, w, x_dims, 1),
         }
     }
 

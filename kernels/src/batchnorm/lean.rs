@@ -202,15 +202,64 @@ pub fn bn_relu_backward(h: &Tensor, g: Tensor, p: &BnParams) -> Result<BnGrads> 
         let y = bn_relu(&h, p)?;
         return backward_via_y(&h, &g, &y, p);
     }
-    let sums = h.apply_op2_no_bwd(&g, &p.lean())?;
+    let sums = bn_relu_backward_sums(&h, &g, p)?;
+    bn_relu_backward_input(&h, &g, p, &sums, h.dims()[0])?;
+    Ok((g, sums.get(0)?, sums.get(1)?))
+}
+
+/// The first pass of [`bn_relu_backward`] on the CPU: the per-channel sums `[Σg'x̂; Σg']` (f32
+/// `[2, C]`, grad_gamma and grad_beta) of `h` and `g` (contiguous, h's dtype). Sums over
+/// disjoint images add up to the batch's: a backward that streams over chunks of images
+/// computes them chunk by chunk.
+pub fn bn_relu_backward_sums(h: &Tensor, g: &Tensor, p: &BnParams) -> Result<Tensor> {
+    check_lean_cpu("bn_relu_backward_sums", h, g, p)?;
+    h.apply_op2_no_bwd(g, &p.lean())
+}
+
+/// The second pass of [`bn_relu_backward`] on the CPU: the input gradient written over `g`
+/// (contiguous, h's dtype, possibly a view of some images of a larger gradient) from `h` and the
+/// `sums` ([`bn_relu_backward_sums`]) over every image of the batch of `batch_images`.
+pub fn bn_relu_backward_input(
+    h: &Tensor,
+    g: &Tensor,
+    p: &BnParams,
+    sums: &Tensor,
+    batch_images: usize,
+) -> Result<()> {
+    check_lean_cpu("bn_relu_backward_input", h, g, p)?;
+    if batch_images < h.dims()[0] {
+        candle_core::bail!(
+            "bn_relu_backward_input: {} images of a batch of {batch_images}",
+            h.dims()[0]
+        )
+    }
     g.inplace_op2(
-        &h,
+        h,
         &LeanBwdInput {
             lean: p.lean(),
             sums: sums.clone(),
+            batch_images,
         },
-    )?;
-    Ok((g, sums.get(0)?, sums.get(1)?))
+    )
+}
+
+/// The operands of a lean CPU pass over `h` and `g`: valid BatchNorm inputs, on the CPU,
+/// contiguous, of one shape and dtype.
+fn check_lean_cpu(op: &str, h: &Tensor, g: &Tensor, p: &BnParams) -> Result<()> {
+    check_inputs(op, h, &p.gamma, &p.beta, p.eps, &[])?;
+    if !h.device().is_cpu() || !g.device().is_cpu() {
+        candle_core::bail!("{op}: runs on the CPU")
+    }
+    if !h.is_contiguous() || !g.is_contiguous() || h.dims() != g.dims() || h.dtype() != g.dtype() {
+        candle_core::bail!(
+            "{op}: h {:?} {:?} and g {:?} {:?} must be contiguous, of one shape and dtype",
+            h.dims(),
+            h.dtype(),
+            g.dims(),
+            g.dtype()
+        )
+    }
+    Ok(())
 }
 
 /// Backward of `p = maxpool2x2(relu(bn(h)))` from the saved `h`, the gradient `gp` of the pooled
@@ -240,6 +289,7 @@ pub fn bn_relu_pool_backward(
                 &LeanBwdInput {
                     lean,
                     sums: sums.clone(),
+                    batch_images: h.dims()[0],
                 },
             )?;
             Ok((h, sums.get(0)?, sums.get(1)?))
@@ -303,6 +353,8 @@ struct PoolBwdReduce {
 struct LeanBwdInput {
     lean: LeanBn,
     sums: Tensor,
+    /// Images the sums were taken over: the batch's, which the operands may be a chunk of.
+    batch_images: usize,
 }
 
 /// The host copies of the per-channel tensors a lean kernel reads: γ and β (C floats each) and
@@ -469,11 +521,16 @@ impl LeanBwdInput {
         } else {
             vec![0.0; 2 * d.c]
         };
+        // The means over the batch: its images, not the chunk's.
+        let batch = Dims {
+            n: self.batch_images,
+            ..d
+        };
         Ok(cpu::InputGradChannels::new(
             &ctx.gamma,
             &ctx.stats,
             &sums,
-            d,
+            batch,
             self.lean.p.eps as f32,
         ))
     }

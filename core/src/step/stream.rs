@@ -1,5 +1,5 @@
 //! Streaming over chunks of images: a block's passes that hold one activation-sized buffer
-//! instead of two (issue 33's "less beside the saved set").
+//! instead of two or three.
 //!
 //! Every pass of a block but BatchNorm's sums treats each image on its own, so a pass can run over
 //! a few images at a time ([`chunk_images`]) and either write its output over its input or read
@@ -19,8 +19,9 @@
 //!   ([`pool_from_codes`]). The weight gradient and the sums are added chunk by chunk, so their
 //!   rounding differs from the whole-batch pass's (the codes are lossy anyway).
 //!
-//! The tape ([`super::tape`]) streams where [`super::ops::StepOps::streams`]: on the CPU. A CUDA device runs every pass on the whole batch, as before (not yet measured on a
-//! GPU with streaming). The estimate runs these same functions on sizes.
+//! The tape ([`super::tape`]) streams where [`super::ops::StepOps::streams`]: on the CPU. A CUDA
+//! device runs every pass on the whole batch (streaming there has not run on a GPU yet). The
+//! estimate runs these same functions on sizes.
 
 use super::ops::StepOps;
 use crate::error::Result;

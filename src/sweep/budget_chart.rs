@@ -213,7 +213,9 @@ impl Chart for BudgetChart<'_> {
             .map(|p| p.images_per_sec)
             .fold(0.0f64, f64::max)
             .max(1e-3)
-            * 1.45;
+            // Room above the fastest point for the legend (up to ten entries, upper left) and
+            // the labels over the points under it.
+            * 1.75;
         let mut chart = Frame {
             caption: Some((&self.title, 26)),
             x: xmin..xmax,

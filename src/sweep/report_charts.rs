@@ -312,9 +312,14 @@ impl Chart for TimelineChart {
             let pad = (0.02 * (max_x - min_x)).max(0.1);
             (min_x - pad, max_x + pad)
         };
-        // Headroom above the highest line for the legend (upper right), one band per entry.
-        let entries = (self.series.len() + self.hlines.len()) as f64;
-        let ymax = unit.of(max_bytes) * (1.1 + 0.06 * entries);
+        // Headroom above the highest line for the legend (upper right): its rows (one per line,
+        // rule and, with a lossy series, the lossy marker), each about 21 of the plot's ~586
+        // pixels, and a margin, so that the highest line passes under the legend's box.
+        let rows = self.series.len()
+            + self.hlines.len()
+            + usize::from(self.series.iter().any(|s| s.lossy));
+        let legend = (rows as f64 * 21.0 + 60.0) / 586.0;
+        let ymax = unit.of(max_bytes) / (1.0 - legend).max(0.3);
         let mut chart = Frame {
             caption: Some((&self.title, 28)),
             x: x0..x1,

@@ -10,21 +10,11 @@ use candle_core::{DType, Device, Tensor};
 use memtrain::config::{ActivationStorage, ConvKind};
 use memtrain::model::cnn::{Cnn, ModelConfig};
 use memtrain::step::accumulate::GradAccumulator;
+use memtrain::step::stream::StreamChunk;
 use memtrain::step::tape::{LeanStep, NoObserver};
 use memtrain_core::options::Segmentation;
 
 const BATCH: usize = 12;
-
-/// How the step is told to chunk its batch.
-#[derive(Debug, Clone, Copy)]
-enum Chunk {
-    /// Never: every pass on the whole batch (the reference).
-    Whole,
-    /// This many images.
-    Images(usize),
-    /// The step's own choice (the whole of this small batch).
-    Chosen,
-}
 
 /// Loss and gradients of one step of a width-8 net on `BATCH` synthetic images.
 fn step(
@@ -32,19 +22,14 @@ fn step(
     dtype: DType,
     cuts: u8,
     storage: ActivationStorage,
-    chunk: Chunk,
+    chunk: StreamChunk,
 ) -> (f64, Vec<Tensor>) {
     let model = Cnn::new(ModelConfig { width: 8, conv }, &Device::Cpu, 3).unwrap();
     let (images, labels) = common::batch(BATCH, 5);
     let x = Tensor::from_vec(images, (BATCH, 3, 32, 32), &Device::Cpu).unwrap();
     let y = Tensor::from_vec(labels, BATCH, &Device::Cpu).unwrap();
     let segments = model.segments(Segmentation::from_cuts(cuts));
-    let mut step = LeanStep::new(&model, dtype, segments, storage);
-    step = match chunk {
-        Chunk::Whole => step.with_stream_chunk(None),
-        Chunk::Images(k) => step.with_stream_chunk(Some(k)),
-        Chunk::Chosen => step,
-    };
+    let mut step = LeanStep::new(&model, dtype, segments, storage).with_stream_chunk(chunk);
     let mut acc = GradAccumulator::new(model.vars().len());
     let r = step.run(&x, &y, 1.0, &mut acc, &mut NoObserver).unwrap();
     let grads = acc.into_grads().into_iter().map(|g| g.unwrap()).collect();
@@ -75,8 +60,13 @@ fn streamed_passes_equal_whole_batch_ones() {
             for dtype in [DType::F32, DType::BF16] {
                 for storage in storages {
                     let label = format!("{conv:?} {dtype:?} cuts {cuts:05b} {storage:?}");
-                    let (loss, whole) = step(conv, dtype, cuts, storage, Chunk::Whole);
-                    for chunk in [Chunk::Images(1), Chunk::Images(5), Chunk::Chosen] {
+                    let (loss, whole) = step(conv, dtype, cuts, storage, StreamChunk::Whole);
+                    // Chosen: the whole of this small batch, through the streamed code.
+                    for chunk in [
+                        StreamChunk::Images(1),
+                        StreamChunk::Images(5),
+                        StreamChunk::Chosen,
+                    ] {
                         let (l, g) = step(conv, dtype, cuts, storage, chunk);
                         // The forward is the same arithmetic per image either way.
                         assert_eq!(l, loss, "{label} {chunk:?}: loss");

@@ -300,6 +300,14 @@ impl<'a> Sizing<'a> {
     fn cuda(&self) -> bool {
         !self.c.device.is_cpu()
     }
+
+    /// `(dγ, dβ)`: the two rows of BatchNorm's `[2, C]` backward sums, each a `[C]` view (Candle's
+    /// `get`).
+    fn sum_rows_pair(&self, sums: &Sz) -> (Sz, Sz) {
+        let ch = sums.dims[1];
+        let row = || sums.view(vec![ch], Strides::Collected);
+        (row(), row())
+    }
 }
 
 impl StepOps for Sizing<'_> {
@@ -531,27 +539,20 @@ impl StepOps for Sizing<'_> {
     }
     fn bn_relu_backward(&self, h: &Sz, g: Sz, p: &SzBn) -> Result<(Sz, Sz, Sz)> {
         Ok(self.op(Some(p.node), || {
-            let ch = h.dims[1];
             if self.cuda() {
                 // Through the ReLU output, into a new gradient.
                 let y = self.alloc(h.dims.clone(), h.dtype);
                 let sums = self.channel_sums(h, bn::CpuPass::BackwardSums);
                 let dh = self.alloc(h.dims.clone(), h.dtype);
                 drop((y, g));
-                return (
-                    dh,
-                    sums.view(vec![ch], Strides::Collected),
-                    sums.view(vec![ch], Strides::Collected),
-                );
+                let (dgamma, dbeta) = self.sum_rows_pair(&sums);
+                return (dh, dgamma, dbeta);
             }
             // Written over g.
             let sums = self.channel_sums(h, bn::CpuPass::BackwardSums);
             self.bn_host(bn::CpuPass::BackwardInput, h);
-            (
-                g,
-                sums.view(vec![ch], Strides::Collected),
-                sums.view(vec![ch], Strides::Collected),
-            )
+            let (dgamma, dbeta) = self.sum_rows_pair(&sums);
+            (g, dgamma, dbeta)
         }))
     }
     fn bn_relu_backward_sums(&self, h: &Sz, _g: &Sz, p: &SzBn) -> Result<Sz> {
@@ -571,11 +572,7 @@ impl StepOps for Sizing<'_> {
         Ok(())
     }
     fn bn_grads(&self, sums: &Sz) -> Result<(Sz, Sz)> {
-        let ch = sums.dims[1];
-        Ok((
-            sums.view(vec![ch], Strides::Collected),
-            sums.view(vec![ch], Strides::Collected),
-        ))
+        Ok(self.sum_rows_pair(sums))
     }
     fn bn_relu_pool_backward(
         &self,
@@ -585,7 +582,6 @@ impl StepOps for Sizing<'_> {
         p: &SzBn,
     ) -> Result<(Sz, Sz, Sz)> {
         Ok(self.op(Some(p.node), || {
-            let ch = h.dims[1];
             if argmax.is_none() {
                 // Through the ReLU output and the pool's backward (the unpooled gradient), into a
                 // new gradient.
@@ -594,20 +590,14 @@ impl StepOps for Sizing<'_> {
                 let sums = self.channel_sums(&h, bn::CpuPass::BackwardSums);
                 let dh = self.alloc(h.dims.clone(), h.dtype);
                 drop((y, g, h));
-                return (
-                    dh,
-                    sums.view(vec![ch], Strides::Collected),
-                    sums.view(vec![ch], Strides::Collected),
-                );
+                let (dgamma, dbeta) = self.sum_rows_pair(&sums);
+                return (dh, dgamma, dbeta);
             }
             // Written over h.
             let sums = self.channel_sums(&h, bn::CpuPass::BackwardSums);
             self.bn_host(bn::CpuPass::BackwardInput, &h);
-            (
-                h,
-                sums.view(vec![ch], Strides::Collected),
-                sums.view(vec![ch], Strides::Collected),
-            )
+            let (dgamma, dbeta) = self.sum_rows_pair(&sums);
+            (h, dgamma, dbeta)
         }))
     }
 

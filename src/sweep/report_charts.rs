@@ -278,9 +278,16 @@ impl TimelineChart {
     }
 }
 
+impl TimelineChart {
+    const HEIGHT: u32 = 700;
+    const CAPTION: u32 = 28;
+    const X_LABEL_AREA: u32 = 56;
+    const LEGEND_FONT: u32 = 17;
+}
+
 impl Chart for TimelineChart {
     fn size(&self) -> (u32, u32) {
-        (1200, 700)
+        (1200, Self::HEIGHT)
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
@@ -313,18 +320,20 @@ impl Chart for TimelineChart {
             (min_x - pad, max_x + pad)
         };
         // Headroom above the highest line for the legend (upper right): its rows (one per line,
-        // rule and, with a lossy series, the lossy marker), each about 21 of the plot's ~586
-        // pixels, and a margin, so that the highest line passes under the legend's box.
+        // rule and, with a lossy series, the lossy marker), a font's height and 4 px each, and
+        // 60 px of box and margin, over the plot's height (the image less the caption, the
+        // x labels and 30 px of margins), so that the highest line passes under the legend.
         let rows = self.series.len()
             + self.hlines.len()
             + usize::from(self.series.iter().any(|s| s.lossy));
-        let legend = (rows as f64 * 21.0 + 60.0) / 586.0;
+        let plot = (Self::HEIGHT - Self::CAPTION - Self::X_LABEL_AREA - 30) as f64;
+        let legend = (rows as f64 * (Self::LEGEND_FONT + 4) as f64 + 60.0) / plot;
         let ymax = unit.of(max_bytes) / (1.0 - legend).max(0.3);
         let mut chart = Frame {
-            caption: Some((&self.title, 28)),
+            caption: Some((&self.title, Self::CAPTION)),
             x: x0..x1,
             ymax,
-            x_label_area: 56,
+            x_label_area: Self::X_LABEL_AREA,
             x_desc: "training step (global)",
             y_desc: &format!("{} ({})", self.y_desc, unit.name),
             x_labels: None,
@@ -342,7 +351,11 @@ impl Chart for TimelineChart {
             draw_rule(&mut chart, (x0, y), (x1, y), h.color, h.label.clone())?;
         }
         self.draw_lines(&mut chart, &unit)?;
-        draw_series_legend(&mut chart, SeriesLabelPosition::UpperRight, 17)
+        draw_series_legend(
+            &mut chart,
+            SeriesLabelPosition::UpperRight,
+            Self::LEGEND_FONT,
+        )
     }
 }
 

@@ -38,6 +38,30 @@ pub fn chunk_images(dims: &[usize], elem_bytes: usize) -> usize {
     (STREAM_CHUNK_BYTES / image.max(1)).clamp(1, dims[0].max(1))
 }
 
+/// How a step chunks its batch for the streamed passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StreamChunk {
+    /// [`chunk_images`]'s choice (where the device streams at all).
+    #[default]
+    Chosen,
+    /// Never: every pass on the whole batch, as a CUDA device runs it (the tests' reference).
+    Whole,
+    /// This many images (at least one; a batch's last chunk may be shorter).
+    Images(usize),
+}
+
+impl StreamChunk {
+    /// Images per chunk over an activation of `dims` in `elem_bytes`-byte elements, or None
+    /// for the whole batch at once.
+    pub(super) fn images(self, dims: &[usize], elem_bytes: usize) -> Option<usize> {
+        match self {
+            StreamChunk::Chosen => Some(chunk_images(dims, elem_bytes)),
+            StreamChunk::Whole => None,
+            StreamChunk::Images(k) => Some(k.clamp(1, dims[0].max(1))),
+        }
+    }
+}
+
 /// `(first image, images)` of each chunk of a batch of `n`.
 fn chunks(n: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..n)

@@ -129,8 +129,8 @@ pub struct LeanStep<O: StepOps> {
     var_base: Vec<usize>,
     /// How the blocks' conv outputs are kept.
     storage: ActivationStorage,
-    /// Images per streamed chunk when fixed ([`LeanStep::with_stream_chunk`]).
-    chunk: Option<Option<usize>>,
+    /// How the streamed passes chunk the batch ([`LeanStep::with_stream_chunk`]).
+    chunk: stream::StreamChunk,
 }
 
 impl<'a> LeanStep<CandleOps<'a>> {
@@ -152,12 +152,11 @@ impl<'a> LeanStep<CandleOps<'a>> {
         self
     }
 
-    /// Stream over chunks of `images` images ([`stream`]) instead of the chunks
-    /// [`stream::chunk_images`] chooses; with None, run every pass on the whole batch, as a CUDA
-    /// device does. For tests: the whole batch is the reference the streamed passes are checked
-    /// against, and small chunks exercise a batch's last, shorter chunk.
-    pub fn with_stream_chunk(mut self, images: Option<usize>) -> Self {
-        self.chunk = Some(images.map(|k| k.max(1)));
+    /// Chunk the streamed passes ([`stream`]) as `chunk` says instead of as
+    /// [`stream::chunk_images`] chooses. For tests: the whole batch is the reference the streamed
+    /// passes are checked against, and small chunks exercise a batch's last, shorter chunk.
+    pub fn with_stream_chunk(mut self, chunk: stream::StreamChunk) -> Self {
+        self.chunk = chunk;
         self
     }
 
@@ -198,7 +197,7 @@ impl<O: StepOps> LeanStep<O> {
             segments,
             var_base,
             storage,
-            chunk: None,
+            chunk: stream::StreamChunk::default(),
         }
     }
 
@@ -498,13 +497,10 @@ impl<O: StepOps> LeanStep<O> {
     /// Images per chunk for the passes streamed over an activation of `dims`, or None where
     /// every pass runs on the whole batch (a device that does not stream).
     fn stream_images(&self, dims: &[usize]) -> Option<usize> {
-        if !self.o.streams() {
-            return None;
-        }
-        match self.chunk {
-            Some(fixed) => fixed.map(|k| k.min(dims[0])),
-            None => Some(stream::chunk_images(dims, self.o.dtype().size_in_bytes())),
-        }
+        let o = &self.o;
+        o.streams()
+            .then(|| self.chunk.images(dims, o.dtype().size_in_bytes()))
+            .flatten()
     }
 
     /// The chunk to stream a dense conv of weight `w` over `x` (or over its output gradient,

@@ -237,6 +237,7 @@ fn run() -> anyhow::Result<()> {
 }
 
 fn main() {
+    memtrain::signal::default_sigpipe();
     // A point of a sweep: this program re-run as the trainer.
     memtrain::app::serve_as_trainer();
     if let Err(e) = run() {

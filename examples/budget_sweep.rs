@@ -155,17 +155,18 @@ fn dry_run_choice(
     match out.status.code() {
         Some(2) => Ok(None),
         Some(0) => {
-            // `stages (segments …` or, with codes, `stages, codes int8 (lossy…`.
+            // `stages (segments …` or, with codes, `segmentation stages, activations int8 (lossy…`.
             let line = text
                 .lines()
                 .find_map(|l| l.strip_prefix(prefix.as_str()))
                 .with_context(|| {
                     format!("{}: no `{prefix}` line in its dry run", trainer.display())
                 })?;
+            let line = line.strip_prefix("segmentation ").unwrap_or(line);
             let mut words = line.split_whitespace();
             let seg = words.next().unwrap_or("?").trim_end_matches(',');
             let storage = line
-                .split_once(", codes ")
+                .split_once(", activations ")
                 .and_then(|(_, rest)| rest.split_whitespace().next())
                 .unwrap_or("none");
             Ok(Some(plan_label(seg, storage)))
@@ -490,6 +491,7 @@ fn chart(
 }
 
 fn main() -> std::process::ExitCode {
+    memtrain::signal::default_sigpipe();
     let args = Args::parse();
     let r = match &args.what {
         What::Limits {

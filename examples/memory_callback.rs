@@ -10,6 +10,8 @@
 //!
 //! [`MemoryLog`]: memtrain::memory::MemoryLog
 
+use std::io::Write;
+
 use memtrain::callbacks::{BatchInfo, Callback, EpochEnd};
 use memtrain::config::TrainConfig;
 use memtrain::error::Result;
@@ -30,14 +32,17 @@ struct MemoryWatch {
 impl Callback for MemoryWatch {
     fn on_batch_end(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
         if let Some(step) = &ctx.memory.last_batch {
-            println!(
+            // The records count from 1 (as the screen does), the contexts from 0. An I/O error
+            // (a closed pipe, say) ends the run through `?`, as the library's own errors do.
+            writeln!(
+                std::io::stdout(),
                 "epoch {} step {}: peak {} ({}), in use now {}",
-                ctx.epoch + 1,
-                ctx.batch + 1,
+                step.epoch,
+                step.batch,
                 format_bytes(step.peak_bytes),
                 step.peak_phase,
                 format_bytes(ctx.probe.current())
-            );
+            )?;
         }
         Ok(())
     }

@@ -10,5 +10,6 @@ use memtrain::memory::CountingAllocator;
 static ALLOC: CountingAllocator = CountingAllocator;
 
 fn main() {
+    memtrain::signal::default_sigpipe();
     memtrain::app::exit(memtrain::app::train(std::env::args_os()))
 }

@@ -352,8 +352,14 @@ fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
         summary.estimate.predicted_peak_bytes,
         summary.estimate.prediction_error_pct,
     ) {
+        // The estimate is of a steady step, which starts with the optimizer state the first
+        // step builds.
+        let steady = match summary.progress.steps {
+            0 | 1 => " (of a steady step, from the second on; this run took only the first, which starts without the optimizer state)",
+            _ => "",
+        };
         println!(
-            "predicted step peak {} vs measured {}: error {err:+.1}%",
+            "predicted step peak {} vs measured {}: error {err:+.1}%{steady}",
             format_bytes(p),
             format_bytes(summary.memory.step_peak_bytes)
         );

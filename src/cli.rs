@@ -39,7 +39,7 @@ pub struct TrainArgs {
 /// The planner's flags: a memory budget to fit, and what the plan must keep.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct PlanArgs {
-    /// Choose micro-batch, accumulation, checkpointing and precision (and with --compress-activations auto the codes, exact plans first) whose predicted peak fits SIZE (e.g. 300MiB) minus the estimate's 0.25% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it); on the CPU SIZE is the process's resident memory, as for --memory-limit; --precision, --checkpoint and --accum-steps given explicitly are kept
+    /// Choose micro-batch, accumulation, checkpointing and precision (and with --compress-activations auto the codes, exact plans first) whose predicted peak fits SIZE (e.g. 300MiB; a number without a unit is bytes) minus the estimate's 0.25% safety margin, fastest first by a measured cost model, and train with it (add --memory-limit SIZE to also enforce it); on the CPU SIZE is the process's resident memory, as for --memory-limit; --precision, --checkpoint and --accum-steps given explicitly are kept
     #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub fit_memory: Option<u64>,
     /// Images per optimizer step that --fit-memory keeps (default: --batch-size)

@@ -199,7 +199,7 @@ pub struct OptimizerConfig {
         allow_negative_numbers = true
     )]
     pub weight_decay: f64,
-    /// Fraction of the steps spent warming the learning rate up
+    /// Fraction of the steps spent warming the learning rate up (from a 25th of the peak; the rise takes at least 25 steps' worth, so a run of fewer than 25/WARMUP_FRAC steps peaks lower)
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true)]
     pub warmup_frac: f64,
     /// Scale a step's gradients down when their global L2 norm exceeds NORM (0 turns clipping off)
@@ -272,7 +272,7 @@ pub struct MemoryConfig {
     /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats). Segment inputs and the images stay exact. auto chooses the codes for a budget: with --memory-limit together with the segmentation, with --fit-memory together with the planner's other settings; exact when any exact plan fits, else the most bits that fit
     #[arg(long, value_enum, value_name = "HOW", default_value_t = CompressActivations::None)]
     pub compress_activations: CompressActivations,
-    /// Memory limit, e.g. 4GiB (CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
+    /// Memory limit, e.g. 4GiB or 512MiB (a number without a unit is bytes; CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
     // In bytes.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub memory_limit: Option<u64>,
@@ -811,11 +811,11 @@ impl TrainConfig {
         if let Some(p) = self.pruning.prune {
             s.push_str(&format!(" prune{p}"));
         }
-        if self.memory.compress_activations.may_be_lossy() {
-            s.push_str(&format!(
-                " {}-activations (lossy)",
-                self.memory.compress_activations
-            ));
+        // `auto` before it is resolved says so; the line that resolves it names the choice.
+        match self.memory.compress_activations.fixed() {
+            None => s.push_str(" activations auto"),
+            Some(c) if c.is_lossy() => s.push_str(&format!(" {c}-activations (lossy)")),
+            Some(_) => {}
         }
         s
     }

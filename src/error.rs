@@ -51,6 +51,10 @@ pub enum Error {
     /// A child process of a sweep or comparison could not be run or reported nonsense.
     #[error("{0}")]
     Child(String),
+
+    /// An I/O error without a file to name (a callback's own output, a pipe): `?` in a callback.
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
 }
 
 impl From<candle_core::Error> for Error {

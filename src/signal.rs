@@ -16,6 +16,16 @@ use std::sync::Arc;
 /// Exit code of a run stopped by a signal: 128 + SIGINT, what shells report for Ctrl-C.
 pub(crate) const INTERRUPTED_EXIT_CODE: i32 = 130;
 
+/// Let a closed stdout end the process as it ends a C program (`train_cifar10 --dry-run | head`):
+/// Rust ignores SIGPIPE, so `println!` would panic on the broken pipe instead. Results on disk are
+/// written atomically, so a run ended this way leaves none half-written. Call it first in `main`.
+pub fn default_sigpipe() {
+    // SAFETY: restoring a signal's default disposition has no preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// Install handlers for SIGINT and SIGTERM and return the flag they set, to be passed as
 /// [`TrainerOptions::stop`](crate::train::TrainerOptions::stop).
 ///

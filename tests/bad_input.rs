@@ -478,3 +478,20 @@ fn a_dry_run_names_the_directory_a_run_would_write_and_makes_none() {
     assert!(!stdout.contains("run dir"), "{stdout}");
     assert!(!dir.exists(), "a dry run made {out}");
 }
+
+/// `train_cifar10 --dry-run | head -2`: a reader that has gone ends the program as it ends a C
+/// program (SIGPIPE), without a panic or a backtrace. (Its stdout is a pipe whose reader is
+/// closed before it starts, so its first line meets the closed pipe, however fast it runs.)
+#[test]
+fn a_closed_stdout_ends_the_program_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = common::trainer_command(&["--dry-run", "--width", "8"])
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
+}

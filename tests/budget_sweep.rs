@@ -57,7 +57,10 @@ fn codes_limits_start_at_the_lossy_floor() {
     assert_eq!(dry_run(floor - 4096).0, 2);
     let (code, text) = dry_run(plain);
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains("auto: none, codes none (exact)"), "{text}");
+    assert!(
+        text.contains("auto: segmentation none, activations none (exact)"),
+        "{text}"
+    );
 }
 
 /// A run directory as `chart` reads it, with `oom_kills` in its cgroup.json (none: no cgroup).

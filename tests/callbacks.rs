@@ -128,8 +128,9 @@ fn a_failing_callback_stops_training_with_its_error() {
     assert_eq!(err.to_string(), "stop here");
 }
 
-/// Every layer event of a step reaches `on_layer_end` with the readings the step timeline
-/// records (the last step's are compared), and so does every layer of an evaluation batch.
+/// Every event of a step, its layers' and its update's, reaches `on_layer_end` with the readings
+/// the step timeline records (the last step's are compared), and so does every layer of an
+/// evaluation batch.
 #[test]
 fn layer_events_reach_the_callbacks_as_the_timeline_records_them() {
     type Seen = (usize, usize, String, String, u64, u64);
@@ -163,13 +164,9 @@ fn layer_events_reach_the_callbacks_as_the_timeline_records_them() {
     t.fit().unwrap();
     let seen = seen.lock().unwrap().clone();
     let timeline = t.step_timeline();
-    // The timeline's last event is the optimizer's, which is not a layer.
-    let layers: Vec<_> = timeline
-        .events
-        .iter()
-        .filter(|e| e.phase.to_string() != "optimizer")
-        .collect();
-    assert_eq!(layers.len() + 1, timeline.events.len());
+    // Every event of the timeline, the update's (its last) included.
+    let layers: Vec<_> = timeline.events.iter().collect();
+    assert_eq!(layers.last().unwrap().phase.to_string(), "optimizer");
     let last_step: Vec<&Seen> = seen
         .iter()
         .filter(|s| s.0 == timeline.global_step - 1 && s.2 != "eval")
@@ -219,4 +216,24 @@ fn a_failing_layer_hook_stops_the_step_with_its_error() {
     );
     let err = t.fit().unwrap_err();
     assert_eq!(err.to_string(), "snapshot: stop at the head's backward");
+}
+
+/// A callback's own I/O error goes through `?` and is the error training returns.
+#[test]
+fn a_callback_can_return_an_io_error_with_the_question_mark() {
+    struct Writes;
+    impl Callback for Writes {
+        fn on_batch_end(&mut self, _: &BatchInfo<'_>) -> memtrain::Result<()> {
+            Err(std::io::Error::other("disk full"))?;
+            Ok(())
+        }
+    }
+    let mut t = common::trainer_with(
+        common::tiny_config(),
+        TrainerOptions {
+            callbacks: vec![Box::new(Writes)],
+            ..Default::default()
+        },
+    );
+    assert_eq!(t.fit().unwrap_err().to_string(), "I/O: disk full");
 }

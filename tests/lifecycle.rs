@@ -562,11 +562,12 @@ fn finished_results_are_refused_unless_overwrite() {
 #[test]
 fn divergence_sets_aside_checkpoints_written_while_the_loss_blew_up() {
     let dir = common::scratch("lifecycle", "diverge").join("run");
-    // lr 20 without clipping: the loss climbs over several steps (22, 494, 3e4, ...) before the
-    // state turns non-finite, so a snapshot after every step holds wrecked weights.
+    // lr 60 without clipping (a 24-step run warms up to 16 of it): the loss climbs over several
+    // steps (53, 481, 7e3, ...) before the state turns non-finite, so a snapshot after every step
+    // holds wrecked weights.
     let args = flags(
         "--synthetic-train 256 --synthetic-test 32 --width 4 --batch-size 32 --no-eval --epochs 3 \
-         --lr 20 --clip-grad-norm 0 --save-every 1 --quiet --device cpu --seed 0",
+         --lr 60 --clip-grad-norm 0 --save-every 1 --quiet --device cpu --seed 0",
     );
     let mut first = args.clone();
     first.extend(["--out".into(), dir.display().to_string()]);

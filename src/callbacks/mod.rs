@@ -3,13 +3,17 @@
 //! The trainer calls, in this order:
 //! `on_train_begin`, then per epoch `on_epoch_begin`, per optimizer step `on_batch_begin`,
 //! per micro-batch `on_after_forward` and `on_after_backward`, then `on_batch_end`; after the
-//! epoch's evaluation `on_epoch_end`; finally `on_train_end`. Within a forward, a backward and an
-//! evaluation batch, `on_layer_end` after every layer (the step's own events, the ones
-//! `step_timeline.json` records). Every method is a no-op by default.
+//! epoch's evaluation `on_epoch_end`; finally `on_train_end`. After every layer of a forward, a
+//! backward and an evaluation batch, and after the update, `on_layer_end` (the step's own events,
+//! the ones `step_timeline.json` records). Every method is a no-op by default.
 //!
 //! Memory is read by the trainer, not by a callback: its [`crate::memory::MemoryRecorder`]
-//! records each step and epoch just before the matching hook, and every context carries the
-//! records so far ([`MemoryLog`]: the step or epoch that just ended is the last entry).
+//! records each step and epoch just before the matching hook, and every context but
+//! [`LayerEnd`] carries the probe and the records so far ([`MemoryLog`]: the step or epoch that
+//! just ended is the last entry); [`LayerEnd`] carries the event's own readings.
+//!
+//! Contexts count epochs and steps from 0, as Keras does; the memory records, the screen and the
+//! CSV files count them from 1 (`ctx.epoch + 1` is `memory.last_batch.epoch`).
 
 pub mod log;
 pub mod progress;
@@ -109,8 +113,8 @@ pub struct BatchInfo<'a> {
     pub memory: &'a MemoryLog,
 }
 
-/// Context for [`Callback::on_layer_end`]: a layer of a step's forward or backward, or of an
-/// evaluation batch, has run.
+/// Context for [`Callback::on_layer_end`]: a layer of a step's forward or backward or of an
+/// evaluation batch has run, or the step's update (phase `optimizer`).
 pub struct LayerEnd<'a> {
     /// Epoch (0-based).
     pub epoch: usize,
@@ -242,9 +246,9 @@ pub trait Callback {
     fn on_after_backward(&mut self, ctx: &BatchInfo<'_>) -> Result<()> {
         Ok(())
     }
-    /// After each layer of a forward, a backward or an evaluation batch. Not for the training
-    /// steps of a `--cuda-graph` run, whose forward and backward run inside one launch
-    /// (its evaluation batches still call it).
+    /// After each layer of a forward, a backward or an evaluation batch, and after the update.
+    /// Not for the forward and backward of a `--cuda-graph` run's training steps, which run
+    /// inside one launch (its updates and evaluation batches still call it).
     fn on_layer_end(&mut self, ctx: &LayerEnd<'_>) -> Result<()> {
         Ok(())
     }

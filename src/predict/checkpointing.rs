@@ -86,13 +86,19 @@ impl CheckpointChoice {
             (false, true) => "--compress-activations auto",
             _ => "--checkpoint auto",
         };
-        let codes = match (self.chose_storage, c.storage) {
-            (false, _) => String::new(),
-            (true, ActivationStorage::None) => ", codes none (exact)".to_string(),
-            (true, s) => format!(", codes {s} (lossy: the gradients differ from the exact step's)"),
+        // Both named when both were chosen, so `none` is never read as the codes'.
+        let (segmentation, codes) = match (self.chose_storage, c.storage) {
+            (false, _) => ("", String::new()),
+            (true, ActivationStorage::None) => {
+                ("segmentation ", ", activations none (exact)".to_string())
+            }
+            (true, s) => (
+                "segmentation ",
+                format!(", activations {s} (lossy: the gradients differ from the exact step's)"),
+            ),
         };
         format!(
-            "{flags}: {}{codes} (segments {}, recomputes {} per step; predicted peak {}): {why}; chosen in {:.0} ms",
+            "{flags}: {segmentation}{}{codes} (segments {}, recomputes {} per step; predicted peak {}): {why}; chosen in {:.0} ms",
             c.checkpointing,
             format_segments(&crate::model::cnn::segments(blocks, c.checkpointing)),
             format_flops(c.recompute_flops),

@@ -408,6 +408,13 @@ impl PlanReport {
             (None, None) => "why: the fastest of all candidates, and it fits".to_string(),
         };
         let _ = writeln!(s, "{why}");
+        if c.accum_steps > 1 {
+            let _ = writeln!(
+                s,
+                "note: BatchNorm normalizes each micro-batch of {} images on its own, so the step is not one batch of {}'s (--accum-steps 1 keeps it one)",
+                c.micro_batch, self.effective_batch
+            );
+        }
         for (i, p) in self.runners_up().into_iter().take(runners_up).enumerate() {
             let _ = writeln!(
                 s,
@@ -430,7 +437,7 @@ fn difference(cost: &CostModel, chosen: &Plan, p: &Plan) -> String {
         let (a, b) = (cost.micro(p.micro_batch), cost.micro(chosen.micro_batch));
         why.push(if (a - b).abs() < 1e-9 {
             format!(
-                "micro-batch {} instead of {} (same speed)",
+                "micro-batch {} instead of {} (no speed difference by itself)",
                 p.micro_batch, chosen.micro_batch
             )
         } else {
@@ -472,15 +479,15 @@ fn difference(cost: &CostModel, chosen: &Plan, p: &Plan) -> String {
         } else {
             "lossy"
         };
-        format!("{how}: {what}")
+        format!("{how}; it differs from the chosen in: {what}")
     } else if slower >= 0.5 {
-        format!("{slower:.0}% slower: {what}")
+        format!("{slower:.0}% slower; it differs from the chosen in: {what}")
     } else if p.accum_steps > chosen.accum_steps {
         format!(
-            "as fast, but smaller micro-batches (BatchNorm statistics over fewer images): {what}"
+            "as fast, but smaller micro-batches (BatchNorm statistics over fewer images); it differs from the chosen in: {what}"
         )
     } else {
-        format!("as fast, predicts more memory: {what}")
+        format!("as fast, predicts more memory; it differs from the chosen in: {what}")
     }
 }
 

@@ -453,6 +453,18 @@ impl Trainer {
         });
         let (skipped, grad_norm) = update?;
         check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
+        let event = events.last().expect("the update's event");
+        self.callbacks.on_layer_end(&LayerEnd {
+            epoch: step.epoch,
+            batch: step.batch,
+            micro_batch: event.micro_batch,
+            phase: Phase::Optimizer,
+            layer: &event.layer,
+            saved_bytes: 0,
+            grad_bytes: 0,
+            current_bytes: current,
+            peak_bytes,
+        })?;
         // The trace ends where the step's peak does (the next reading folds it).
         self.watch.tracer.end();
         self.watch

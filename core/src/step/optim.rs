@@ -147,17 +147,84 @@ impl Optimizer {
     }
 }
 
-/// One-cycle learning rate at optimizer step `step` of `total`: linear warm-up from peak/25 to
-/// `peak` over the first `warmup_frac` of the steps, then linear decay towards 0.
+/// The fewest steps the warm-up takes from peak/25 to the peak: a freshly initialized network
+/// (its head reads 2,048 features) blows up under a faster rise (measured in
+/// docs/results/first-run.md).
+pub const MIN_WARMUP_STEPS: f64 = 25.0;
+
+/// One-cycle learning rate at optimizer step `step` of `total`: linear warm-up from peak/25 over
+/// the first `warmup_frac` of the steps, then linear decay towards 0. The warm-up rises at most as
+/// fast as over [`MIN_WARMUP_STEPS`], so a run of fewer than `MIN_WARMUP_STEPS / warmup_frac`
+/// steps tops out below `peak`; longer runs reach it.
 pub fn one_cycle_lr(step: usize, total: usize, peak: f64, warmup_frac: f64) -> f64 {
     let total = total.max(1) as f64;
     let warm = (total * warmup_frac).max(1.0);
     let s = step as f64;
     let start = peak / 25.0;
+    let ramp = |s: f64| start + (peak - start) * s / warm.max(MIN_WARMUP_STEPS);
     if s < warm {
-        start + (peak - start) * s / warm
+        ramp(s)
     } else {
+        let top = if warm >= MIN_WARMUP_STEPS {
+            peak
+        } else {
+            ramp(warm)
+        };
         let rest = (total - warm).max(1.0);
-        (peak * (1.0 - (s - warm) / rest)).max(peak * 1e-4)
+        (top * (1.0 - (s - warm) / rest)).max(peak * 1e-4)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The schedule before the warm-up had a least length, for the runs it still gives.
+    fn one_cycle_without_floor(step: usize, total: usize, peak: f64, warmup_frac: f64) -> f64 {
+        let total = total.max(1) as f64;
+        let warm = (total * warmup_frac).max(1.0);
+        let (s, start) = (step as f64, peak / 25.0);
+        if s < warm {
+            start + (peak - start) * s / warm
+        } else {
+            (peak * (1.0 - (s - warm) / (total - warm).max(1.0))).max(peak * 1e-4)
+        }
+    }
+
+    #[test]
+    fn long_runs_keep_their_schedule_bit_for_bit() {
+        for total in [100, 131, 640, 10_000] {
+            for step in 0..total {
+                assert_eq!(
+                    one_cycle_lr(step, total, 0.2, 0.25).to_bits(),
+                    one_cycle_without_floor(step, total, 0.2, 0.25).to_bits(),
+                    "step {step} of {total}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn short_runs_warm_up_no_faster_than_the_floor_and_still_anneal() {
+        for total in [1, 2, 8, 32, 99] {
+            let lr: Vec<f64> = (0..total)
+                .map(|s| one_cycle_lr(s, total, 0.2, 0.25))
+                .collect();
+            let top = lr.iter().cloned().fold(0.0, f64::max);
+            let warm = (total as f64 * 0.25).max(1.0);
+            assert!(
+                top <= 0.008 + 0.192 * warm / MIN_WARMUP_STEPS + 1e-12,
+                "{total}: {lr:?}"
+            );
+            for w in lr.windows(2) {
+                assert!(
+                    w[1] - w[0] <= 0.192 / MIN_WARMUP_STEPS + 1e-12,
+                    "{total}: {lr:?}"
+                );
+            }
+            if total > 2 {
+                assert!(lr[total - 1] < top, "{total} anneals: {lr:?}");
+            }
+        }
     }
 }

@@ -101,12 +101,19 @@ struct VariantArgs {
         hide_possible_values = true
     )]
     precision: Vec<Precision>,
-    /// Gradient checkpointing modes to sweep, comma-separated (none, stages, blocks)
     #[arg(
         long,
         value_delimiter = ',',
         value_name = "LIST",
-        hide_possible_values = true
+        hide_possible_values = true,
+        help = format!(
+            "Gradient checkpointing modes to sweep, comma-separated ({}; the tables say what auto chose)",
+            GradCheckpointing::ALL
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
     )]
     checkpoint: Vec<GradCheckpointing>,
     /// Convolution kinds to sweep, comma-separated (standard, separable)
@@ -188,13 +195,16 @@ fn run() -> anyhow::Result<()> {
         .as_deref()
         .map(parse_size)
         .transpose()?;
-    let variants = cross_product(&[
-        dim("precision", &a.variants.precision),
-        dim("checkpoint", &a.variants.checkpoint),
-        dim("conv", &a.variants.conv),
-        dim("accum-steps", &a.variants.accum_steps),
-        dim("optimizer", &a.variants.optimizer),
-    ]);
+    let variants = cross_product(
+        &[
+            dim("precision", &a.variants.precision),
+            dim("checkpoint", &a.variants.checkpoint),
+            dim("conv", &a.variants.conv),
+            dim("accum-steps", &a.variants.accum_steps),
+            dim("optimizer", &a.variants.optimizer),
+        ],
+        &a.extra,
+    );
     let mut common = Vec::new();
     if let Some(w) = a.common.width {
         common.extend(["--width".to_string(), w.to_string()]);

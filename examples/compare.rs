@@ -1,5 +1,5 @@
 //! Compare training configurations, each run in its own `train_cifar10` child process, against
-//! the first one (the baseline).
+//! the first one.
 //!
 //! ```text
 //! cargo run --release --example compare -- --run "" --run "--precision f16" --run "--checkpoint stages" \
@@ -7,8 +7,8 @@
 //! cargo run --release --example compare -- --configs configs/*.json -- --max-steps 20
 //! ```
 //! Prints a markdown table and writes compare.{md,csv,json}, peak_memory.{png,svg},
-//! step_peaks.{png,svg} and frontier.{png,svg} (peak memory against images/s, the Pareto
-//! frontier marked) into --out.
+//! step_peaks.{png,svg}, frontier.{png,svg} (peak memory against images/s, the Pareto
+//! frontier marked) and step_timeline.{png,svg} into --out.
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser};
@@ -22,7 +22,7 @@ use std::time::Duration;
 static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAllocator;
 
 /// Run several training configurations, each in its own process, and compare their peak memory,
-/// speed and accuracy with the first (the baseline).
+/// speed and accuracy with the first.
 #[derive(Debug, Parser)]
 #[command(name = "compare", version, long_about = None)]
 struct Args {

@@ -101,8 +101,10 @@ where
         );
     }
     let mut summary = trainer.fit()?;
+    // Results printed after the files are written, so that the printed RSS peak is summary.json's.
+    let written = write_results(&trainer, &mut summary, cmd.summary_only);
     print_results(&trainer, &summary);
-    write_results(&trainer, &mut summary, cmd.summary_only)?;
+    written?;
     match cmd.summary_only {
         true => println!(
             "results in {} (summary.json only: {}=1)",
@@ -346,7 +348,10 @@ fn small_eval_caveat(n: usize) -> String {
 }
 
 fn print_results(trainer: &Trainer, summary: &crate::train::Summary) {
-    print!("{}", trainer.memory_log().report());
+    // The RSS peak at the run's end: summary.json's, read after its last file was written.
+    let mut log = trainer.memory_log().clone();
+    log.os_peak_bytes = summary.memory.os_peak_bytes;
+    print!("{}", log.report());
     // predicted versus measured.
     if let (Some(p), Some(err)) = (
         summary.estimate.predicted_peak_bytes,

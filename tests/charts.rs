@@ -286,9 +286,9 @@ fn step_charts_have_no_overlapping_labels_and_the_panels_name_each_runs_events()
     let mut plain = step("none", 2);
     plain.events.retain(|e| !e.layer.starts_with("recompute"));
     let lines = vec![
-        ("stages".to_string(), t.clone()),
-        ("stages again".to_string(), step("again", 1)),
-        ("none".to_string(), plain.clone()),
+        ("stages".to_string(), false, t.clone()),
+        ("stages again".to_string(), false, step("again", 1)),
+        ("none".to_string(), false, plain.clone()),
     ];
     let files = write_step_timeline_overlay(&lines, &dir.join("overlay")).unwrap();
     assert_no_overlap(&files[1]);
@@ -489,4 +489,162 @@ fn compare_charts_keep_cjk_and_emoji_labels_and_twelve_bar_colours() {
     if std::env::var_os("MEMTRAIN_KEEP_CHARTS").is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// The segments of the solid lines of `svg` at least `min_width` pixels wide (series and
+/// frontier lines, not the thin leaders from a label back to its point).
+fn line_segments(svg: &Path, min_width: f64) -> Vec<((f64, f64), (f64, f64))> {
+    let text = std::fs::read_to_string(svg).unwrap();
+    let doc = roxmltree::Document::parse(&text).unwrap();
+    doc.descendants()
+        .filter(|n| n.has_tag_name("polyline"))
+        .filter(|n| {
+            n.attribute("stroke-width")
+                .and_then(|w| w.parse::<f64>().ok())
+                .is_some_and(|w| w >= min_width)
+        })
+        .flat_map(|n| {
+            let v: Vec<f64> = n
+                .attribute("points")
+                .unwrap_or("")
+                .split([' ', ','])
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            let pts: Vec<(f64, f64)> = v.chunks(2).map(|c| (c[0], c[1])).collect();
+            pts.windows(2).map(|w| (w[0], w[1])).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Whether segment a–b passes through the box (x0, y0, x1, y1), sampled every half pixel.
+fn crosses(((ax, ay), (bx, by)): ((f64, f64), (f64, f64)), b: (f64, f64, f64, f64)) -> bool {
+    let n = ((bx - ax).abs().max((by - ay).abs()) * 2.0).ceil().max(1.0) as usize;
+    (0..=n).any(|k| {
+        let t = k as f64 / n as f64;
+        let (x, y) = (ax + t * (bx - ax), ay + t * (by - ay));
+        x > b.0 && x < b.2 && y > b.1 && y < b.3
+    })
+}
+
+/// No line crosses the labels beside the points: a `--find-max` search whose largest batch sits
+/// at the right edge of the plot, the line rising to it from the left, just under the limit; and
+/// a frontier whose staircase runs beside its points.
+#[test]
+fn no_line_crosses_a_label() {
+    let dir = tmp("lines");
+    let batches = [32, 64, 128, 256, 384, 448, 480, 496, 504, 512];
+    let point = |b: usize| {
+        let mut c = run(
+            &dir.join(b.to_string()),
+            17.5 + 0.51 * b as f64,
+            300.0 + b as f64,
+        );
+        if b > 496 {
+            c.status = Status::Oom;
+            c.summary = None;
+        }
+        SweepPoint {
+            configuration: "default".into(),
+            batch_size: b,
+            run: c,
+            oom_report: None,
+        }
+    };
+    let r = SweepResult {
+        command: "batch_sweep".into(),
+        steps: 1,
+        memory_limit_bytes: Some(300 * MIB),
+        plan: BatchPlan::List(batches.to_vec()),
+        configurations: vec![Variant {
+            label: "default".into(),
+            flags: Vec::new(),
+        }],
+        points: batches.iter().map(|&b| point(b)).collect(),
+        max_batches: vec![MaxBatch {
+            configuration: "default".into(),
+            max_batch: Some(496),
+            first_oom: Some(504),
+            recommended: None,
+            margin: 0.05,
+            capped: false,
+            note: String::new(),
+        }],
+        interrupted: false,
+    };
+    write_sweep_report(&dir, &r).unwrap();
+    for (chart, labelled) in [("sweep.svg", "max 496"), ("frontier.svg", "default b")] {
+        let svg = dir.join(chart);
+        let lines = line_segments(&svg, 2.0);
+        let labels: Vec<_> = text_boxes(&svg)
+            .into_iter()
+            .filter(|(t, _)| t.starts_with(labelled))
+            .collect();
+        assert!(!labels.is_empty(), "{chart}: no {labelled}");
+        for (t, b) in &labels {
+            // The box estimate is not exact: a pixel of slack.
+            let inner = (b.0 + 1.0, b.1 + 1.0, b.2 - 1.0, b.3 - 1.0);
+            for s in &lines {
+                assert!(
+                    !crosses(*s, inner),
+                    "{chart}: a line {s:?} crosses \"{t}\" {b:?}"
+                );
+            }
+        }
+    }
+    if std::env::var_os("MEMTRAIN_KEEP_CHARTS").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Two configurations 0.1 MiB apart are drawn over each other but not called equal; two that
+/// measured the same are.
+#[test]
+fn only_equal_series_are_named_equal() {
+    let dir = tmp("near");
+    let labels = ["a", "b", "c"];
+    let points = labels
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| {
+            let dir = &dir;
+            [32, 64].map(move |b| SweepPoint {
+                configuration: l.to_string(),
+                batch_size: b,
+                // b is a's plus 0.1 MiB (within two pixels), c is a's exactly.
+                run: run(
+                    &dir.join(format!("{l}{b}")),
+                    20.0 + b as f64 / 8.0 + [0.0, 0.1, 0.0][i],
+                    400.0,
+                ),
+                oom_report: None,
+            })
+        })
+        .collect();
+    let r = SweepResult {
+        command: "batch_sweep".into(),
+        steps: 1,
+        memory_limit_bytes: None,
+        plan: BatchPlan::List(vec![32, 64]),
+        configurations: labels
+            .iter()
+            .map(|l| Variant {
+                label: l.to_string(),
+                flags: Vec::new(),
+            })
+            .collect(),
+        points,
+        max_batches: Vec::new(),
+        interrupted: false,
+    };
+    write_sweep_report(&dir, &r).unwrap();
+    let texts: Vec<String> = text_boxes(&dir.join("sweep.svg"))
+        .into_iter()
+        .map(|t| t.0)
+        .collect();
+    assert!(
+        texts.iter().any(|t| t == "b (≈ a, within 0.10 MiB)"),
+        "{texts:?}"
+    );
+    assert!(texts.iter().any(|t| t == "c (= a)"), "{texts:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -133,3 +133,39 @@ fn a_run_records_rss_per_batch_and_epoch_beside_the_heap() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+#[cfg(target_os = "linux")]
+fn the_printed_rss_peak_at_the_runs_end_is_summary_jsons() {
+    let dir = common::temp_dir("os-memory-printed");
+    let out = common::run_trainer(&[
+        "--width",
+        "4",
+        "--device",
+        "cpu",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "32",
+        "--synthetic-train",
+        "64",
+        "--synthetic-test",
+        "32",
+        "--quiet",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    common::assert_ok(&out, "train_cifar10");
+    let stdout = common::text(&out.stdout);
+    let printed = stdout
+        .lines()
+        .find_map(|l| l.split("RSS peak at the run's end: ").nth(1))
+        .and_then(|rest| rest.split(" (").next())
+        .unwrap_or_else(|| panic!("no RSS peak at the run's end in:\n{stdout}"));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    let recorded = summary["os_peak_bytes"].as_u64().unwrap();
+    // Read after the charts were drawn, and the same figure on screen and in the file.
+    assert_eq!(printed, memtrain::memory::format_bytes(recorded));
+    let _ = std::fs::remove_dir_all(&dir);
+}

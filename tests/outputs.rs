@@ -218,7 +218,10 @@ fn every_file_column_and_key_is_documented_and_written() {
         }
     }
     let md = std::fs::read_to_string(cmp.join("compare.md")).unwrap();
-    assert!(md.contains("| step adds MiB | saved peak MiB |"), "{md}");
+    assert!(
+        md.contains("| step adds MiB | saved peak MiB (recomputed included) |"),
+        "{md}"
+    );
 
     let sweep = tmp("sweep");
     run(Command::new(example("batch_sweep"))

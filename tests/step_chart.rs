@@ -369,9 +369,9 @@ fn each_panel_is_its_own_runs_step_with_its_peak_and_what_it_is_made_of() {
     };
     let accum = accumulated("accum4", 4);
     let timelines = vec![
-        ("ckpt-stages".to_string(), ckpt.clone()),
-        ("empty".to_string(), StepTimeline::default()),
-        ("accum4".to_string(), accum.clone()),
+        ("ckpt-stages".to_string(), false, ckpt.clone()),
+        ("empty".to_string(), false, StepTimeline::default()),
+        ("accum4".to_string(), false, accum.clone()),
     ];
     let panels = step_panels(&timelines);
     // The timeline without events has no panel; the others keep their order.
@@ -388,7 +388,7 @@ fn each_panel_is_its_own_runs_step_with_its_peak_and_what_it_is_made_of() {
         [
             ("freed", 2 * MIB),
             ("transient", 5 * MIB),
-            ("saved", 12 * MIB),
+            ("saved at the peak", 12 * MIB),
             ("gradients", 2 * MIB)
         ]
     );
@@ -408,7 +408,7 @@ fn each_panel_is_its_own_runs_step_with_its_peak_and_what_it_is_made_of() {
         )],
         ..StepTimeline::default()
     };
-    let opt_only = [("opt".to_string(), opt_peak)];
+    let opt_only = [("opt".to_string(), false, opt_peak)];
     let only = step_panels(&opt_only);
     assert_eq!(only[0].made_of, [("gradients", 2 * MIB)]);
     assert_eq!(only[0].peak_at, "optimizer");
@@ -416,7 +416,7 @@ fn each_panel_is_its_own_runs_step_with_its_peak_and_what_it_is_made_of() {
     // Four micro-batches: the panel's axis is the run's 85 events, not a merge with others',
     // and the peak names its micro-batch (the first of the equal ones).
     let p = &panels[1];
-    assert!(std::ptr::eq(p.timeline, &timelines[2].1));
+    assert!(std::ptr::eq(p.timeline, &timelines[2].2));
     assert_eq!(p.names.len(), accum.events.len());
     for (name, e) in p.names.iter().zip(&accum.events) {
         assert_eq!(*name, axis_name(&e.layer));
@@ -466,12 +466,16 @@ fn the_comparison_draws_one_panel_per_configuration() {
     let dir = tmp_dir("overlay");
     let long = "all four: --precision f16 --accum-steps 4 --checkpoint stages --conv separable";
     let timelines = vec![
-        ("baseline".to_string(), timeline("baseline", 4, false)),
-        ("ckpt-stages".to_string(), timeline("ckpt-stages", 2, true)),
-        ("f16".to_string(), timeline("f16", 2, false)),
-        ("accum4".to_string(), accumulated("accum4", 4)),
-        ("empty".to_string(), StepTimeline::default()),
-        (long.to_string(), accumulated("all", 4)),
+        ("default".to_string(), false, timeline("default", 4, false)),
+        (
+            "ckpt-stages".to_string(),
+            false,
+            timeline("ckpt-stages", 2, true),
+        ),
+        ("int8".to_string(), true, timeline("int8", 1, false)),
+        ("accum4".to_string(), false, accumulated("accum4", 4)),
+        ("empty".to_string(), false, StepTimeline::default()),
+        (long.to_string(), false, accumulated("all", 4)),
     ];
     let files = write_step_timeline_overlay(&timelines, &dir.join("step_timeline")).unwrap();
     assert_eq!(
@@ -486,8 +490,25 @@ fn the_comparison_draws_one_panel_per_configuration() {
         assert!(texts.contains(&p.label), "{} missing: {texts:?}", p.label);
         assert_contains(&texts, &format!("at {}", p.peak_at));
     }
-    // Regions named with their micro-batch as far as room allows.
+    // A lossy configuration is marked so in its header, and the legend says what that means.
+    assert!(texts.contains(&"int8 (lossy)".to_string()), "{texts:?}");
+    assert_contains(&texts, "lossy (compressed saved activations):");
+    // Each panel has a memory axis of its own, labelled so: a configuration a quarter of
+    // another's size fills its panel as that one does.
+    let axes = texts
+        .iter()
+        .filter(|t| *t == "memory (MiB), own scale")
+        .count();
+    assert_eq!(axes, 5, "{texts:?}");
+    // Regions named with their micro-batch as far as room allows; the one-event optimizer,
+    // too narrow for its name, is named beside it with an arrow to it.
     assert_contains(&texts, "bwd 2");
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.ends_with(" →") && t.starts_with("opt")),
+        "{texts:?}"
+    );
     // The legend spells out the abbreviations the axes use, and only those (these steps'
     // recomputations are named `….recompute`, which is not abbreviated).
     assert_contains(&texts, "s = stage");

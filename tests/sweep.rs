@@ -472,11 +472,12 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
         .args(["--", "--synthetic-test", "32"]));
     assert!(o.status.success());
     let stdout = String::from_utf8_lossy(&o.stdout);
+    // Both changes are named by the configuration they are against.
     assert!(
-        stdout
-            .contains("| configuration | status | training peak MiB (total) | peak vs baseline |"),
+        stdout.contains("| configuration | status | training peak MiB (total) | peak vs default |"),
         "{stdout}"
     );
+    assert!(stdout.contains("| img/s vs default |"), "{stdout}");
     assert!(
         stdout.contains("accuracy"),
         "eval is on, so accuracy is reported: {stdout}"
@@ -485,7 +486,7 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
     let r: CompareResult =
         serde_json::from_str(&std::fs::read_to_string(out.join("compare.json")).unwrap()).unwrap();
     let labels: Vec<&str> = r.entries.iter().map(|e| e.label.as_str()).collect();
-    assert_eq!(labels, ["baseline", "f16<&>", "--checkpoint stages"]);
+    assert_eq!(labels, ["default", "f16<&>", "--checkpoint stages"]);
     for e in &r.entries {
         assert_eq!(e.run.status, Status::Ok, "{}: {}", e.label, e.run.note);
         let s = e.run.summary.as_ref().unwrap();
@@ -522,8 +523,16 @@ fn compare_runs_each_configuration_and_draws_its_charts() {
     check_svg(&out.join("peak_memory.svg"), 1200, bar_height);
     assert_eq!(png_size(&out.join("step_peaks.png")), (1200, 700));
     check_svg(&out.join("step_peaks.svg"), 1200, 700);
-    check_frontier_chart(&out, &["baseline", "f16<&>", "--checkpoint stages"]);
-    assert!(stdout.contains("frontier.png, frontier.svg"), "{stdout}");
+    check_frontier_chart(&out, &["default", "f16<&>", "--checkpoint stages"]);
+    // The closing line names every chart written, the step timelines' included.
+    let closing = stdout.lines().last().unwrap();
+    for chart in ["peak_memory", "step_peaks", "frontier", "step_timeline"] {
+        for ext in ["png", "svg"] {
+            let file = format!("{chart}.{ext}");
+            assert!(out.join(&file).is_file(), "{file} not written");
+            assert!(closing.contains(&file), "{file} not in {closing}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -857,11 +866,14 @@ fn cross_product_labels_the_varying_dimensions() {
         flag: f.into(),
         values: v.iter().map(|x| x.to_string()).collect(),
     };
-    let v = cross_product(&[
-        d("precision", &["f32", "f16"]),
-        d("checkpoint", &["none", "stages"]),
-        d("width", &["8"]),
-    ]);
+    let v = cross_product(
+        &[
+            d("precision", &["f32", "f16"]),
+            d("checkpoint", &["none", "stages"]),
+            d("width", &["8"]),
+        ],
+        &["--compress-activations".to_string(), "int4".to_string()],
+    );
     let labels: Vec<&str> = v.iter().map(|x| x.label.as_str()).collect();
     assert_eq!(
         labels,
@@ -883,20 +895,35 @@ fn cross_product_labels_the_varying_dimensions() {
             "8"
         ]
     );
-    assert_eq!(cross_product(&[]).len(), 1);
-    assert_eq!(cross_product(&[])[0].label, "default");
+    assert_eq!(cross_product(&[], &[]).len(), 1);
+    assert_eq!(cross_product(&[], &[])[0].label, "default");
+    // When nothing varies, the trainer flags given after `--` name the configuration too,
+    // labelled as the dimensions' values are (the flags themselves stay the points' common ones).
+    let given = |words: &[&str]| words.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+    let int4 = cross_product(&[], &given(&["--compress-activations", "int4"]));
+    assert_eq!(int4[0].label, "compress-activations=int4");
+    assert!(int4[0].flags.is_empty());
     assert_eq!(
-        cross_product(&[d("accum-steps", &["4"])])[0].label,
+        cross_product(
+            &[d("precision", &["f16"])],
+            &given(&["--checkpoint=stages", "--no-eval", "--synthetic-test", "10"])
+        )[0]
+        .label,
+        "f16 ckpt=stages",
+        "flags that leave the configuration as it is name nothing"
+    );
+    assert_eq!(
+        cross_product(&[d("accum-steps", &["4"])], &[])[0].label,
         "accum=4"
     );
     assert_eq!(
-        cross_product(&[d("accum-steps", &["4"])])[0]
+        cross_product(&[d("accum-steps", &["4"])], &[])[0]
             .accum_steps()
             .unwrap(),
         4
     );
     // Read as the trainer reads flags: the default when absent, a usage error when invalid.
-    assert_eq!(cross_product(&[])[0].accum_steps().unwrap(), 1);
+    assert_eq!(cross_product(&[], &[])[0].accum_steps().unwrap(), 1);
     let f = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
     let parsed = flags_config(&f(&["--width", "4", "--accum-steps=8"])).unwrap();
     assert_eq!(parsed.steps.accum_steps, 8);
@@ -911,7 +938,7 @@ fn run_specs_parse_labels_and_reject_nonsense() {
     assert_eq!((r.label.as_str(), r.flags.len()), ("fp16", 2));
     let r = RunSpec::from_flags("--precision f16 --lr 0.05").unwrap();
     assert_eq!(r.label, "--precision f16 --lr 0.05");
-    assert_eq!(RunSpec::from_flags("").unwrap().label, "baseline");
+    assert_eq!(RunSpec::from_flags("").unwrap().label, "default");
     assert!(RunSpec::from_flags("precision f16").is_err());
     assert!(RunSpec::from_config_file(Path::new("/nonexistent/config.json")).is_err());
 }
@@ -1048,4 +1075,65 @@ fn zero_timeouts_and_duplicate_labels_are_usage_errors() {
         assert!(!out.exists(), "{bin} {args:?} wrote {}", out.display());
         let _ = std::fs::remove_dir_all(&out);
     }
+}
+
+/// With `--checkpoint auto` the tables say which segmentation each point trained with; the CSV
+/// always does.
+#[test]
+fn the_tables_say_what_checkpoint_auto_chose() {
+    use memtrain::sweep::report::{sweep_csv, sweep_markdown};
+    use memtrain::sweep::results::{SweepPoint, Variant};
+    use memtrain::sweep::ChildRun;
+    let point = |flags: &[&str], segments: Vec<[usize; 2]>| {
+        let mut summary = memtrain::train::Summary::default();
+        summary.optimizations.checkpoint_segments = segments;
+        let label = flags.join(" ");
+        SweepPoint {
+            configuration: label.clone(),
+            batch_size: 32,
+            run: ChildRun {
+                args: flags.iter().map(|f| f.to_string()).collect(),
+                run_dir: PathBuf::from(label),
+                status: Status::Ok,
+                note: String::new(),
+                exit_code: Some(0),
+                signal: None,
+                wall_secs: 1.0,
+                summary: Some(summary),
+                lossy: false,
+            },
+            oom_report: None,
+        }
+    };
+    let mut r = SweepResult {
+        command: String::new(),
+        steps: 1,
+        memory_limit_bytes: None,
+        plan: BatchPlan::List(vec![32]),
+        configurations: ["--checkpoint none", "--checkpoint auto"]
+            .map(|l| Variant {
+                label: l.into(),
+                flags: Vec::new(),
+            })
+            .to_vec(),
+        points: vec![
+            point(&["--checkpoint", "none"], vec![[0, 6]]),
+            point(&["--checkpoint", "auto"], vec![[0, 2], [2, 4], [4, 6]]),
+        ],
+        max_batches: Vec::new(),
+        interrupted: false,
+    };
+    let csv = CsvTable::parse(&sweep_csv(&r)).unwrap();
+    assert_eq!(csv.get(0, "segmentation"), Some("none"));
+    assert_eq!(csv.get(1, "segmentation"), Some("stages"));
+    let md = sweep_markdown(&r);
+    assert!(md.contains(" frontier | segmentation |"), "{md}");
+    assert!(
+        md.lines()
+            .any(|l| l.starts_with("| --checkpoint auto |") && l.contains("| stages |")),
+        "{md}"
+    );
+    // Without auto, the segmentations are the configurations' own: no column.
+    r.points.pop();
+    assert!(!sweep_markdown(&r).contains("segmentation"));
 }

@@ -32,9 +32,11 @@ fn label_part(flag: &str, value: &str) -> String {
 }
 
 /// The cross product of `dims`, in order (the first dimension varies slowest). Labels name the
-/// dimensions with more than one value; when none varies the label names all given values (or
-/// `default` when there are none).
-pub fn cross_product(dims: &[Dimension]) -> Vec<Variant> {
+/// dimensions with more than one value; when none varies the label names all given values and
+/// those of the trainer flags every configuration is `given` (after `--`) that change its
+/// configuration's label ([`crate::config::TrainConfig::label`]: not `--synthetic-test 10`), or is
+/// `default` when there are none: `--compress-activations int4` → `compress-activations=int4`.
+pub fn cross_product(dims: &[Dimension], given: &[String]) -> Vec<Variant> {
     let dims: Vec<&Dimension> = dims.iter().filter(|d| !d.values.is_empty()).collect();
     let mut out = vec![Variant {
         label: String::new(),
@@ -59,6 +61,32 @@ pub fn cross_product(dims: &[Dimension]) -> Vec<Variant> {
             }
         }
         out = next;
+    }
+    if !any_varies {
+        // `--a 1 --b --c=2` → `a=1 b c=2`, as the dimensions' values are labelled.
+        let label = |flags: &[String]| crate::cli::flags_config(flags).map(|c| c.label()).ok();
+        for g in super::flag_groups(given) {
+            let Some(flag) = super::flag_name(&g[0]) else {
+                continue;
+            };
+            if label(&g).is_some_and(|l| Some(l) == label(&[])) {
+                continue;
+            }
+            let value = match g[0].split_once('=') {
+                Some((_, v)) => v.to_string(),
+                None => g[1..].join(" "),
+            };
+            let part = match value.is_empty() {
+                true => flag.to_string(),
+                false => label_part(flag, &value),
+            };
+            for v in &mut out {
+                if !v.label.is_empty() {
+                    v.label.push(' ');
+                }
+                v.label.push_str(&part);
+            }
+        }
     }
     for v in &mut out {
         if v.label.is_empty() {

@@ -67,22 +67,33 @@ pub(crate) fn series_width(i: usize, n: usize) -> u32 {
     3 + 2 * (n.saturating_sub(1 + i)).min(2) as u32
 }
 
-/// For every series (its points, in drawing order), the first earlier series it would cover: the
-/// same x values, every y within `tol` (in y units: a pixel or two of the plot) of the earlier
-/// one's. Drawn dashed over it and named in the legend, it cannot hide it.
-pub(crate) fn same_as(series: &[Vec<(f64, f64)>], tol: f64) -> Vec<Option<usize>> {
-    let covers = |a: &[(f64, f64)], b: &[(f64, f64)]| {
-        !a.is_empty()
-            && a.len() == b.len()
-            && a.iter()
-                .zip(b)
-                .all(|(p, q)| p.0 == q.0 && (p.1 - q.1).abs() <= tol)
+/// For every series (its points, in drawing order), the first earlier series it would cover, and
+/// the largest difference between their y values: the same x values, every y within `tol` (in y
+/// units: a pixel or two of the plot) of the earlier one's. Drawn dashed over it and named in the
+/// legend ([`covers_note`]), it cannot hide it.
+pub(crate) fn same_as(series: &[Vec<(f64, f64)>], tol: f64) -> Vec<Option<(usize, f64)>> {
+    let apart = |a: &[(f64, f64)], b: &[(f64, f64)]| {
+        let same_x =
+            !a.is_empty() && a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.0 == q.0);
+        let by = a.iter().zip(b).map(|(p, q)| (p.1 - q.1).abs());
+        Some(by.fold(0.0, f64::max)).filter(|&d| same_x && d <= tol)
     };
     series
         .iter()
         .enumerate()
-        .map(|(i, s)| (0..i).find(|&j| covers(s, &series[j])))
+        .map(|(i, s)| (0..i).find_map(|j| apart(s, &series[j]).map(|d| (j, d))))
         .collect()
+}
+
+/// The legend's note of a series drawn dashed over the series labelled `other` ([`same_as`]),
+/// `by` apart in `unit`: `(= other)` only when the two are equal, else `(≈ other, within 0.17 MiB)`.
+pub(crate) fn covers_note(other: &str, by: f64, unit: &MemUnit) -> String {
+    let other = shorten(other, 20);
+    if by == 0.0 {
+        format!("(= {other})")
+    } else {
+        format!("(≈ {other}, within {by:.2} {})", unit.name)
+    }
 }
 
 /// A legend swatch of a dashed line, as the plot draws the memory limit.
@@ -205,17 +216,48 @@ where
     Ok(())
 }
 
-/// Pixel boxes of labels already placed on a chart, so that the next label is put where it
-/// overlaps none of them (or left out, for the caller to list elsewhere).
+/// Pixel boxes of labels already placed on a chart and the lines drawn on it, so that the next
+/// label is put where it overlaps none of them and no line crosses it (or left out, for the
+/// caller to list elsewhere).
 #[derive(Default)]
 pub(crate) struct LabelBoxes {
     boxes: Vec<(i32, i32, i32, i32)>,
+    segments: Vec<((i32, i32), (i32, i32))>,
+}
+
+/// Whether the segment a–b passes through the box (x0, y0, x1, y1) (Liang–Barsky clipping).
+fn crosses((a, b): ((i32, i32), (i32, i32)), (x0, y0, x1, y1): (i32, i32, i32, i32)) -> bool {
+    let (dx, dy) = ((b.0 - a.0) as f64, (b.1 - a.1) as f64);
+    let (mut t0, mut t1) = (0f64, 1f64);
+    for (p, q) in [
+        (-dx, (a.0 - x0) as f64),
+        (dx, (x1 - a.0) as f64),
+        (-dy, (a.1 - y0) as f64),
+        (dy, (y1 - a.1) as f64),
+    ] {
+        if p == 0.0 {
+            if q < 0.0 {
+                return false;
+            }
+        } else if p < 0.0 {
+            t0 = t0.max(q / p);
+        } else {
+            t1 = t1.min(q / p);
+        }
+    }
+    t0 <= t1
 }
 
 impl LabelBoxes {
     /// Reserve a box (x0, y0, x1, y1) in pixels: a marker, or a label placed by other means.
     pub(crate) fn reserve(&mut self, b: (i32, i32, i32, i32)) {
         self.boxes.push(b);
+    }
+
+    /// Keep labels off a line through `points` (pixels), as wide as a series' widest line.
+    pub(crate) fn avoid_line(&mut self, points: &[(i32, i32)]) {
+        self.segments
+            .extend(points.windows(2).map(|w| (w[0], w[1])));
     }
 
     /// The first of `candidates` (top-left corners) at which a `w` × `h` box overlaps no box
@@ -229,10 +271,15 @@ impl LabelBoxes {
         let inside = |b: (i32, i32, i32, i32)| {
             b.0 >= bounds.0 && b.1 >= bounds.1 && b.2 <= bounds.2 && b.3 <= bounds.3
         };
+        // Lines are up to 7 px wide: a box keeps 4 px off their middle.
         let free = |b: (i32, i32, i32, i32)| {
             self.boxes
                 .iter()
                 .all(|o| b.2 <= o.0 || o.2 <= b.0 || b.3 <= o.1 || o.3 <= b.1)
+                && !self
+                    .segments
+                    .iter()
+                    .any(|&s| crosses(s, (b.0 - 4, b.1 - 4, b.2 + 4, b.3 + 4)))
         };
         let at = candidates
             .iter()

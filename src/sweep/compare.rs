@@ -1,9 +1,9 @@
 //! Configuration comparisons: several trainer runs, each in its own child process, with common
-//! flags, reported against the first run (the baseline).
+//! flags, reported against the first run.
 //!
-//! Besides the tables and charts of [`super::report::write_compare_report`], a comparison writes
-//! `step_timeline.{png,svg}`: the memory inside one training step of every run that recorded a
-//! `step_timeline.json`, side by side ([`write_step_timeline_overlays`]).
+//! Among the charts of [`super::report::write_compare_report`] is `step_timeline.{png,svg}`: the
+//! memory inside one training step of every run that recorded a `step_timeline.json`, side by
+//! side ([`write_step_timeline_overlays`]).
 
 pub use super::results::{CompareEntry, CompareResult};
 use super::{describe, merge_flags, oom_report_link, run_child, slug, split_flags, Progress};
@@ -26,7 +26,7 @@ pub struct RunSpec {
 impl RunSpec {
     /// A configuration from a flag string such as `--precision f16 --checkpoint stages`.
     /// A leading `NAME:` (text before a colon, not starting with `-`) sets the label; otherwise
-    /// the label is the flag string itself (`baseline` when empty).
+    /// the label is the flag string itself (`default` when empty).
     pub fn from_flags(text: &str) -> Result<RunSpec> {
         let t = text.trim();
         let (label, flags) = match t.split_once(':') {
@@ -48,7 +48,7 @@ impl RunSpec {
         let label = if !label.is_empty() {
             label
         } else if words.is_empty() {
-            "baseline".to_string()
+            "default".to_string()
         } else {
             words.join(" ")
         };
@@ -72,7 +72,7 @@ impl RunSpec {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
-        // `00-baseline.json` → `baseline` (numeric prefixes only order the files for a glob).
+        // `00-default.json` → `default` (numeric prefixes only order the files for a glob).
         let digits = stem.len() - stem.trim_start_matches(|c: char| c.is_ascii_digit()).len();
         let stem = match stem[digits..].strip_prefix(['-', '_']) {
             Some(rest) if digits > 0 && !rest.is_empty() => rest.to_string(),
@@ -101,7 +101,7 @@ pub struct CompareOptions {
     pub trainer: super::TrainerCommand,
     /// Output directory: results files, charts and one run directory per configuration.
     pub out: PathBuf,
-    /// Configurations; the first is the baseline.
+    /// Configurations; the others are compared with the first.
     pub runs: Vec<RunSpec>,
     /// Flags given to every run (a run's own flags override them).
     pub common: Vec<String>,
@@ -116,14 +116,11 @@ pub struct CompareOptions {
     pub stop: Option<Arc<AtomicBool>>,
 }
 
-/// Run every configuration in its own child process (in order, the first being the baseline),
-/// with `--out <out>/<NN-label> --quiet` added. OOM and failed runs are recorded and the
+/// Run every configuration in its own child process (in order, the first the one the others are
+/// compared with), with `--out <out>/<NN-label> --quiet` added. OOM and failed runs are recorded and the
 /// comparison goes on; when `opts.stop` is set, no further run starts and the result comes back
 /// with `interrupted` set. `compare.json`, `compare.csv` and `compare.md` are rewritten (atomically)
-/// after every run; when the runs are over, `step_timeline.{png,svg}` draws the step timelines
-/// of the runs that wrote one side by side ([`write_step_timeline_overlays`]; a chart that cannot be drawn is a
-/// warning on stderr, not a failed comparison). The other charts are drawn by
-/// [`super::report::write_compare_report`].
+/// after every run. The charts are drawn by [`super::report::write_compare_report`].
 pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
     if opts.runs.is_empty() {
         return Err(Error::config(
@@ -193,25 +190,6 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
         super::report::write_compare_files(&opts.out, &result)?;
     }
     progress.close();
-    // Every run is measured and recorded by now; a damaged timeline file must not cost the
-    // comparison its result, so it only warns.
-    match write_step_timeline_overlays(&opts.out, &result) {
-        // The example lists `write_compare_report`'s charts on stdout; this one is drawn here,
-        // so say where it is (unless asked to be quiet).
-        Ok(files) if !files.is_empty() && opts.progress => {
-            let names: Vec<String> = files
-                .iter()
-                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .collect();
-            eprintln!(
-                "step timelines side by side in {}: {}",
-                opts.out.display(),
-                names.join(", ")
-            );
-        }
-        Ok(_) => {}
-        Err(e) => eprintln!("warning: step timelines chart not written: {e}"),
-    }
     Ok(result)
 }
 
@@ -229,7 +207,7 @@ pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Resul
             .run_dir
             .join(crate::memory::timeline::STEP_TIMELINE_FILE);
         if let Some(t) = read_step_timeline(&path)? {
-            timelines.push((e.label.clone(), t));
+            timelines.push((e.label.clone(), e.run.lossy, t));
         }
     }
     write_step_timeline_overlay(&timelines, &dir.join(STEP_TIMELINE_CHART))

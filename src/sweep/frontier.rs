@@ -157,11 +157,12 @@ impl FrontierChart<'_> {
         }
         draw_line(
             chart,
-            steps,
+            steps.clone(),
             front,
             3,
             false,
-            "Pareto frontier (no other point uses less memory and runs faster)".into(),
+            // As the tables' legend (`frontier_legend`) says: of the exact points only.
+            "Pareto frontier (no other exact point uses less memory and runs faster)".into(),
         )?;
         chart.draw_series(
             measured
@@ -193,15 +194,17 @@ impl FrontierChart<'_> {
         if !apart.is_empty() {
             draw_lossy_markers(chart, &apart, 8, PALETTE[1], true)?;
         }
-        self.draw_labels(chart, measured, unit)
+        self.draw_labels(chart, measured, &steps, unit)
     }
 
-    /// Every point's label where it overlaps no other label or marker (frontier points first);
-    /// a label that fits nowhere near its point is numbered there and listed under the plot.
+    /// Every point's label where it overlaps no other label or marker and neither the frontier's
+    /// line (`steps`) nor a limit's crosses it (frontier points first); a label that fits nowhere
+    /// near its point is numbered there and listed under the plot.
     fn draw_labels<DB: DrawingBackend>(
         &self,
         chart: &mut Panel<'_, DB>,
         measured: &[(usize, u64, f64)],
+        steps: &[(f64, f64)],
         unit: &MemUnit,
     ) -> DrawResult
     where
@@ -214,7 +217,21 @@ impl FrontierChart<'_> {
         let pixel = |m: &(usize, u64, f64)| chart.backend_coord(&(unit.of(m.1), m.2));
         let mut boxes = LabelBoxes::default();
         // The legend, upper left: the limit, the frontier, "dominated" and "lossy" at most.
-        boxes.reserve((x0, y0, x0 + 640, y0 + 125));
+        boxes.reserve((x0, y0, x0 + 700, y0 + 125));
+        boxes.avoid_line(
+            &steps
+                .iter()
+                .map(|p| chart.backend_coord(p))
+                .collect::<Vec<_>>(),
+        );
+        let ymax = chart.y_range().end;
+        for (bytes, _, _) in limit_rules(self.limit, self.heap_budget) {
+            let x = unit.of(bytes);
+            boxes.avoid_line(&[
+                chart.backend_coord(&(x, 0.0)),
+                chart.backend_coord(&(x, ymax)),
+            ]);
+        }
         for m in measured {
             let (px, py) = pixel(m);
             boxes.reserve((px - 8, py - 8, px + 8, py + 8));

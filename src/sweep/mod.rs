@@ -134,6 +134,16 @@ impl ChildRun {
     pub fn images_per_sec(&self) -> Option<f64> {
         self.summary.as_ref().map(|s| s.progress.images_per_sec)
     }
+
+    /// The segmentation the run trained with (`--checkpoint auto` resolved), when it finished
+    /// and its summary records the segments.
+    pub(crate) fn segmentation(&self) -> Option<crate::config::GradCheckpointing> {
+        let segments = &self.summary.as_ref()?.optimizations.checkpoint_segments;
+        let (_, cut) = segments.split_last()?;
+        // A segment ending after block b is a cut there: bit b - 1.
+        let mask = cut.iter().fold(0u8, |m, s| m | 1 << (s[1] - 1));
+        Some(crate::config::GradCheckpointing::from_cuts(mask))
+    }
 }
 
 /// Whether trainer flags ask for a lossy step: the configuration they make, a `--config` file
@@ -141,11 +151,18 @@ impl ChildRun {
 /// ([`crate::config::ActivationStorage::is_lossy`]). Flags the trainer would refuse are not lossy
 /// (such a point never runs).
 pub fn lossy_flags(args: &[String]) -> bool {
+    trainer_config(args).is_some_and(|c| c.memory.compress_activations.may_be_lossy())
+}
+
+/// The configuration trainer flags make, a `--config` file merged in as the trainer merges it;
+/// `None` for flags the trainer would refuse.
+pub(crate) fn trainer_config(args: &[String]) -> Option<crate::config::TrainConfig> {
     let argv = std::iter::once("train_cifar10").chain(args.iter().map(String::as_str));
     match crate::cli::parse_train_args(argv) {
         Ok(Ok(parsed)) => crate::cli::TrainCommand::try_from(parsed)
-            .is_ok_and(|c| c.config.memory.compress_activations.may_be_lossy()),
-        _ => false,
+            .ok()
+            .map(|c| c.config),
+        _ => None,
     }
 }
 

@@ -10,7 +10,8 @@
 //!   frontier marked; see [`super::frontier`]).
 //! - [`write_compare_report`]: `compare.{json,csv,md}`, `peak_memory.{png,svg}` (a bar per
 //!   configuration, labelled with its value), `step_peaks.{png,svg}` (each step's peak
-//!   memory, for every configuration, from each run's `batches.csv`) and `frontier.{png,svg}`.
+//!   memory, for every configuration, from each run's `batches.csv`), `frontier.{png,svg}` and
+//!   `step_timeline.{png,svg}` (see [`super::compare::write_step_timeline_overlays`]).
 //!
 //! The markdown tables mark the frontier points in a `frontier` column, and link each
 //! out-of-memory point's `oom_report.json` when its run wrote one.
@@ -24,6 +25,7 @@ use super::report_charts::*;
 use super::results::{CompareResult, SweepResult};
 use super::{ChildRun, Status};
 use crate::callbacks::log::{read_batch_log, BATCHES_CSV, MEMORY_JSON};
+use crate::config::GradCheckpointing;
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
 use crate::memory::format_bytes;
@@ -224,7 +226,7 @@ fn frontier_point(label: String, run: &ChildRun) -> FrontierPoint {
 // ---------------------------------------------------------------------------------------------
 
 /// Header of `sweep.csv`.
-pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,images_per_sec,frontier,lossy,steps,wall_secs,exit_code,signal,note,run_dir,oom_report";
+pub const SWEEP_CSV_HEADER: &str = "configuration,batch_size,status,peak_bytes,baseline_bytes,peak_above_baseline_bytes,run_peak_bytes,run_peak_phase,reserved_peak_bytes,images_per_sec,frontier,lossy,segmentation,steps,wall_secs,exit_code,signal,note,run_dir,oom_report";
 
 /// One frontier point per point of the sweep (same order as `r.points`), labelled
 /// `<configuration> b<batch>`; only points that ran ok are measured.
@@ -236,8 +238,10 @@ pub(crate) fn sweep_frontier_points(r: &SweepResult) -> Vec<FrontierPoint> {
 }
 
 /// The sweep as CSV (one row per point, in the order run). `frontier` is `true` for the points on
-/// the memory–speed frontier of the exact points, `lossy` for a lossy configuration's; `oom_report` is the path of an out-of-memory point's report,
-/// relative to the sweep's directory, when its run wrote one.
+/// the memory–speed frontier of the exact points, `lossy` for a lossy configuration's;
+/// `segmentation` is what the point trained with (`--checkpoint auto` resolved); `oom_report` is
+/// the path of an out-of-memory point's report, relative to the sweep's directory, when its run
+/// wrote one.
 pub fn sweep_csv(r: &SweepResult) -> String {
     let front = pareto_front(&sweep_frontier_points(r));
     let rows = r.points.iter().zip(front).map(|(p, on)| {
@@ -253,6 +257,7 @@ pub fn sweep_csv(r: &SweepResult) -> String {
             opt_f64(run.images_per_sec(), 2),
             on.to_string(),
             run.lossy.to_string(),
+            segmentation_cell(run),
         ]);
         row.extend(outcome_cells(run));
         row.push(path_cell(p.oom_report.as_deref()));
@@ -261,14 +266,26 @@ pub fn sweep_csv(r: &SweepResult) -> String {
     csv_text(SWEEP_CSV_HEADER, rows)
 }
 
+/// The segmentation a run trained with, or empty.
+fn segmentation_cell(run: &ChildRun) -> String {
+    run.segmentation()
+        .map(|s| s.to_string())
+        .unwrap_or_default()
+}
+
 /// The sweep as a markdown table (rows grouped by configuration, sorted by batch size; the
-/// frontier points marked, out-of-memory reports linked when there are any), followed by the
-/// `--find-max` results when there are any.
+/// frontier points marked, out-of-memory reports linked and, with `--checkpoint auto`, the
+/// segmentation each point trained with, when there are any), followed by the `--find-max`
+/// results when there are any.
 pub fn sweep_markdown(r: &SweepResult) -> String {
     let reserved = r
         .points
         .iter()
         .any(|p| p.run.reserved_peak_bytes().is_some());
+    let auto = r.points.iter().any(|p| {
+        super::trainer_config(&p.run.args)
+            .is_some_and(|c| c.memory.grad_checkpointing == GradCheckpointing::Auto)
+    });
     let reports = r.points.iter().any(|p| p.oom_report.is_some());
     let front = pareto_front(&sweep_frontier_points(r));
     let mut s = String::from("| configuration | batch size | status | training peak MiB (total) | baseline MiB (at start) | peak − baseline MiB |");
@@ -276,6 +293,9 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
         s.push_str(" reserved peak MiB |");
     }
     s.push_str(" img/s | frontier |");
+    if auto {
+        s.push_str(" segmentation |");
+    }
     if reports {
         s.push_str(" OOM report |");
     }
@@ -284,6 +304,9 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
         s.push_str("---:|");
     }
     s.push_str("---:|:---:|");
+    if auto {
+        s.push_str("---|");
+    }
     if reports {
         s.push_str("---|");
     }
@@ -318,6 +341,9 @@ pub fn sweep_markdown(r: &SweepResult) -> String {
                     .unwrap_or_else(|| "-".into()),
                 frontier_cell(on)
             );
+            if auto {
+                let _ = write!(s, " {} |", segmentation_cell(run));
+            }
             if reports {
                 let _ = write!(s, " {} |", report_cell(p.oom_report.as_deref()));
             }
@@ -433,15 +459,17 @@ pub fn compare_markdown(r: &CompareResult) -> String {
         .any(|e| e.run.reserved_peak_bytes().is_some());
     let reports = r.entries.iter().any(|e| e.oom_report.is_some());
     let front = pareto_front(&compare_frontier_points(r));
-    let base = r.entries.first().map(|e| e.label.as_str()).unwrap_or("");
+    let base = md_cell(r.entries.first().map(|e| e.label.as_str()).unwrap_or(""));
     let mut s = format!(
-        "| configuration | status | training peak MiB (total) | peak vs {} | peak − baseline MiB |",
-        md_cell(base)
+        "| configuration | status | training peak MiB (total) | peak vs {base} | peak − baseline MiB |"
     );
     if reserved {
         s.push_str(" reserved peak MiB |");
     }
-    s.push_str(" step adds MiB | saved peak MiB | img/s | img/s vs first | frontier |");
+    let _ = write!(
+        s,
+        " step adds MiB | saved peak MiB (recomputed included) | img/s | img/s vs {base} | frontier |"
+    );
     if accuracy {
         s.push_str(" accuracy |");
     }
@@ -555,8 +583,10 @@ pub(crate) fn write_compare_files(dir: &Path, r: &CompareResult) -> Result<()> {
 }
 
 /// Write the comparison's tables, its bar chart (`peak_memory.{png,svg}`), when the runs wrote
-/// `batches.csv` each step's peak (`step_peaks.{png,svg}`), and when a run finished
-/// the memory–speed frontier (`frontier.{png,svg}`); returns the chart files.
+/// `batches.csv` each step's peak (`step_peaks.{png,svg}`), when a run finished the memory–speed
+/// frontier (`frontier.{png,svg}`), and when runs wrote `step_timeline.json` their steps side by
+/// side (`step_timeline.{png,svg}`; a timeline that cannot be drawn is a warning on stderr, not a
+/// failed comparison); returns the chart files.
 pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf>> {
     write_compare_files(dir, r)?;
     let bars = BarChart {
@@ -612,6 +642,11 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
         None,
         &dir.join(FRONTIER_CHART),
     )?);
+    // Every run is measured and recorded by now: a damaged timeline file only warns.
+    match super::compare::write_step_timeline_overlays(dir, r) {
+        Ok(timelines) => files.extend(timelines),
+        Err(e) => eprintln!("warning: step timelines chart not written: {e}"),
+    }
     Ok(files)
 }
 

@@ -3,9 +3,10 @@
 //! size.
 
 use super::chart::{
-    draw_line, draw_lossy_markers, draw_rule, draw_series_legend, label_spots, leader_end,
-    limit_rules, lossy_label, png_text, same_as, series_color, series_width, shorten, Chart,
-    DrawError, DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR, LOSSY_LEGEND,
+    covers_note, draw_line, draw_lossy_markers, draw_rule, draw_series_legend, label_spots,
+    leader_end, limit_rules, lossy_label, png_text, same_as, series_color, series_width, shorten,
+    Chart, DrawError, DrawResult, Frame, LabelBoxes, MemUnit, Panel, FONT, LIMIT_COLOR,
+    LOSSY_LEGEND,
 };
 use super::results::SweepResult;
 use super::{ChildRun, Status};
@@ -259,9 +260,9 @@ impl TimelineChart {
             let color = s.color.unwrap_or(series_color(i));
             let width = if s.thin { 2 } else { series_width(i, n) };
             let mut label = shorten(&lossy_label(&s.label, s.lossy), 60);
-            if let Some(j) = same[i] {
-                // Identical to an earlier line: dashed over it, so both stay visible.
-                label = format!("{label} (= {})", shorten(&self.series[j].label, 20));
+            if let Some((j, by)) = same[i] {
+                // Over an earlier line: dashed, so both stay visible.
+                label = format!("{label} {}", covers_note(&self.series[j].label, by, unit));
             }
             draw_line(chart, pts.clone(), color, width, same[i].is_some(), label)?;
             if s.lossy && pts.len() <= 80 {
@@ -596,17 +597,17 @@ impl SweepChart {
             .collect();
         let same = same_as(&all, 0.004 * ymax);
         let mut lossy_legend = true;
-        for (i, ((label, d), ok)) in self.configs.iter().zip(all).enumerate() {
+        for (i, ((label, d), ok)) in self.configs.iter().zip(all.clone()).enumerate() {
             let color = series_color(i);
             let width = series_width(i, n);
             let lossy = self.is_lossy(i);
             let label = lossy_label(label, lossy);
-            // Identical to an earlier configuration: dashed over it, named in the legend.
+            // Over an earlier configuration: dashed, named in the legend.
             let label = match same[i] {
-                Some(j) => format!(
-                    "{} (= {})",
+                Some((j, by)) => format!(
+                    "{} {}",
                     shorten(&label, 40),
-                    shorten(&self.configs[j].0, 20)
+                    covers_note(&self.configs[j].0, by, &unit)
                 ),
                 None => shorten(&label, 50),
             };
@@ -636,6 +637,7 @@ impl SweepChart {
         let obstacles = Obstacles {
             rules: &rules,
             failures: (&failures, oom_y),
+            lines: &all,
         };
         draw_max_labels(&mut mem, &self.configs, &maxima, obstacles)?;
         self.marker_legend(&mut mem, any_oom, any_failed)?;
@@ -749,15 +751,17 @@ impl SweepChart {
 }
 
 /// What the "max N" labels keep clear of besides each other and the points: the limit lines'
-/// heights, and the failure markers (their batches' x, drawn at one height).
+/// heights, the failure markers (their batches' x, drawn at one height) and the series' lines.
 struct Obstacles<'a> {
     rules: &'a [f64],
     failures: (&'a [f64], f64),
+    lines: &'a [Vec<(f64, f64)>],
 }
 
 /// The `--find-max` results as "max N" labels, each beside its point where it overlaps no other
-/// label, no point, no limit line and no failure marker of the panel; one that fits nowhere is
-/// named in the upper right instead. `maxima`: (configuration index, batch, point).
+/// label, no point, no limit line and no failure marker of the panel, and no line crosses it; one
+/// that fits nowhere is named in the upper right instead. `maxima`: (configuration index, batch,
+/// point).
 fn draw_max_labels<DB: DrawingBackend>(
     mem: &mut Panel<'_, DB>,
     configs: &[(String, Vec<SweepDot>)],
@@ -778,6 +782,10 @@ where
     for &(_, _, p) in maxima {
         let (px, py) = mem.backend_coord(&p);
         boxes.reserve((px - 7, py - 7, px + 7, py + 7));
+    }
+    for line in obstacles.lines {
+        let pixels: Vec<(i32, i32)> = line.iter().map(|p| mem.backend_coord(p)).collect();
+        boxes.avoid_line(&pixels);
     }
     let x_any = mem.as_coord_spec().get_x_range().start;
     for &y in obstacles.rules {

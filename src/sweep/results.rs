@@ -172,7 +172,7 @@ pub struct CompareResult {
     pub command: String,
     /// Flags common to all runs.
     pub common: Vec<String>,
-    /// One entry per configuration, the baseline first.
+    /// One entry per configuration, the one the others are compared with first.
     pub entries: Vec<CompareEntry>,
     /// True when the comparison was stopped (Ctrl-C/SIGTERM) before all runs ran.
     #[serde(default)]

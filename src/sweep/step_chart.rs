@@ -249,20 +249,21 @@ pub(super) fn event_name(e: &TimelineEvent) -> String {
     }
 }
 
-/// The legend's category swatches, top of the stack first, with their bytes at event `at` (none
-/// without one).
-pub(super) fn category_rows(at: Option<&TimelineEvent>, unit: &MemUnit) -> Vec<LegendRow> {
-    let value = |b: Option<u64>| b.map(|b| unit.fmt(b)).unwrap_or_default();
+/// The legend's category swatches, top of the stack first, with their bytes at event `at` in its
+/// unit (none without one).
+pub(super) fn category_rows(at: Option<(&TimelineEvent, &MemUnit)>) -> Vec<LegendRow> {
+    let value =
+        |f: &dyn Fn(&TimelineEvent) -> u64| at.map(|(e, unit)| unit.fmt(f(e))).unwrap_or_default();
     let mut rows = vec![LegendRow::entry(
         Swatch::Fill(FREED.1),
         FREED.0,
-        value(at.map(freed_within)),
+        value(&freed_within),
     )];
     for (k, (label, color)) in STACK.iter().enumerate().rev() {
         rows.push(LegendRow::entry(
             Swatch::Fill(*color),
             *label,
-            value(at.map(|e| stack_values(&e.categories)[k])),
+            value(&|e| stack_values(&e.categories)[k]),
         ));
     }
     rows
@@ -336,7 +337,7 @@ impl StepChart<'_> {
         let peak_event = peak_event(events).map(|(_, e)| e);
         let mut rows = vec![LegendRow::heading("each event's peak, by category")];
         rows.push(LegendRow::text("(value at the peak event)"));
-        rows.extend(category_rows(peak_event, unit));
+        rows.extend(category_rows(peak_event.map(|e| (e, unit))));
         rows.push(LegendRow::gap());
         let peak = t.peak_bytes();
         rows.push(LegendRow::entry(
@@ -560,6 +561,8 @@ where
     DB::ErrorType: 'static,
 {
     let multi_micro = events.iter().any(|e| e.micro_batch > 0);
+    // The pixel extents of the labels drawn so far.
+    let mut placed: Vec<(i32, i32)> = Vec::new();
     // Separators and labels drawn over the areas, so the boundaries stay visible there.
     for (i, r) in regs.iter().enumerate() {
         if i > 0 {
@@ -595,15 +598,63 @@ where
             candidates.push(name.clone());
         }
         candidates.push(name.chars().take(3).collect::<String>() + ".");
-        let fits = candidates.into_iter().find(|c| {
+        let text_w = |c: &str| {
             root.estimate_text_size(c, &style)
-                .map(|(tw, _)| (tw as f64) <= width)
-                .unwrap_or(false)
-        });
-        if let Some(text) = fits {
-            let cx = (r.first + r.last) as f64 / 2.0;
+                .map_or(i32::MAX, |s| s.0 as i32)
+        };
+        let px = |x: f64| chart.backend_coord(&(x, ymax)).0;
+        let cx = (r.first + r.last) as f64 / 2.0;
+        // Inside the region, centred; or, where it is too narrow (the one-event optimizer),
+        // beside it with an arrow to it, where no other label is.
+        let (left, right) = (px(r.first as f64 - 0.5), px(r.last as f64 + 0.5));
+        let free = |(a, b): (i32, i32)| placed.iter().all(|&(pa, pb)| b <= pa || pb <= a);
+        let inside = candidates
+            .iter()
+            .map(|c| (c, text_w(c)))
+            .find(|&(_, w)| w as f64 <= width && free((px(cx) - w / 2, px(cx) + w / 2)))
+            .map(|(c, w)| {
+                (
+                    c.clone(),
+                    cx,
+                    HPos::Center,
+                    (px(cx) - w / 2, px(cx) + w / 2),
+                )
+            });
+        let beside = || {
+            candidates.iter().find_map(|c| {
+                let before = format!("{c} →");
+                let after = format!("← {c}");
+                let (wb, wa) = (text_w(&before), text_w(&after));
+                [
+                    (
+                        before,
+                        r.first as f64 - 0.5,
+                        HPos::Right,
+                        (left - wb - 3, left),
+                    ),
+                    (
+                        after,
+                        r.last as f64 + 0.5,
+                        HPos::Left,
+                        (right, right + wa + 3),
+                    ),
+                ]
+                .into_iter()
+                .find(|&(_, _, _, (a, b))| {
+                    a >= px(-0.5) && b <= px(events.len() as f64 - 0.5) && free((a, b))
+                })
+            })
+        };
+        if let Some((text, x, hpos, extent)) = inside.or_else(beside) {
+            placed.push(extent);
+            let dx = match hpos {
+                HPos::Right => -3,
+                HPos::Left => 3,
+                HPos::Center => 0,
+            };
             chart.draw_series(std::iter::once(
-                EmptyElement::at((cx, ymax)) + Text::new(text, (0, 6), style),
+                EmptyElement::at((x, ymax))
+                    + Text::new(text, (dx, 6), style.pos(Pos::new(hpos, VPos::Top))),
             ))?;
         }
     }

@@ -1,10 +1,13 @@
 //! The step timelines of several configurations side by side ([`write_step_timeline_overlay`]),
-//! for comparisons: one panel per configuration on a shared memory axis, each over its own
-//! step's events, drawn as a run's own step chart is ([`super::step_chart`]: stacked categories,
-//! phase regions, the measured peak and the step's peak marked), under a header that names the
+//! for comparisons: one panel per configuration, each over its own step's events on its own
+//! memory axis (so a small configuration's bands stay readable), drawn as a run's own step chart
+//! is ([`super::step_chart`]: stacked categories, phase regions, the measured peak and the step's
+//! peak marked), under a header that names the configuration (marked `(lossy)` when it is), the
 //! peak, its event and what it is made of. [`step_panels`] is what the picture is drawn from.
 
-use super::chart::{render, rotated_names, Chart, DrawResult, MemUnit, FONT, TEXT_COLOR};
+use super::chart::{
+    lossy_label, render, rotated_names, Chart, DrawResult, MemUnit, FONT, LOSSY_LEGEND, TEXT_COLOR,
+};
 use super::step_chart::{
     category_rows, draw_layer_names, draw_legend, draw_peaks, draw_region_labels, draw_regions,
     draw_stack, event_name, freed_within, peak_event, region_rows, regions, LegendRow, Swatch,
@@ -17,11 +20,11 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 
-/// Draw `<base>.png` and `<base>.svg`: a panel per `(label, timeline)` ([`step_panels`]), in a
-/// grid of [`grid`] columns and rows. Timelines without events are left out; with none left,
+/// Draw `<base>.png` and `<base>.svg`: a panel per `(label, lossy, timeline)` ([`step_panels`]),
+/// in a grid of [`grid`] columns and rows. Timelines without events are left out; with none left,
 /// nothing is written.
 pub fn write_step_timeline_overlay(
-    timelines: &[(String, StepTimeline)],
+    timelines: &[(String, bool, StepTimeline)],
     base: &Path,
 ) -> Result<Vec<PathBuf>> {
     let panels = step_panels(timelines);
@@ -35,8 +38,10 @@ pub fn write_step_timeline_overlay(
 /// measured peak's line joins only consecutive events of the run), and the header's facts.
 #[derive(Debug, Clone)]
 pub struct StepPanel<'a> {
-    /// The configuration's label, in full.
+    /// The configuration's label, in full, marked `(lossy)` for a lossy configuration.
     pub label: String,
+    /// A lossy configuration (compressed saved activations).
+    pub lossy: bool,
     /// The run's step.
     pub timeline: &'a StepTimeline,
     /// Index of the event whose interval holds the step's peak (the first, on a tie).
@@ -48,7 +53,7 @@ pub struct StepPanel<'a> {
     /// The peak event in words, with its micro-batch when the step has several.
     pub peak_at: String,
     /// What the step itself holds at the peak, top of the stack first, zeros left out: what the
-    /// peak event freed before it ended, transient, saved activations, gradients.
+    /// peak event freed before it ended, transient, saved activations at that moment, gradients.
     pub made_of: Vec<(&'static str, u64)>,
     /// The x axis's name of every event, abbreviated ([`ABBREVIATIONS`]).
     pub names: Vec<String>,
@@ -66,11 +71,11 @@ pub fn axis_name(layer: &str) -> String {
         .fold(layer.to_string(), |s, (word, abbr)| s.replace(word, abbr))
 }
 
-/// The panels of `timelines`, in their order; a timeline without events has none.
-pub fn step_panels(timelines: &[(String, StepTimeline)]) -> Vec<StepPanel<'_>> {
+/// The panels of `(label, lossy, timeline)`s, in their order; a timeline without events has none.
+pub fn step_panels(timelines: &[(String, bool, StepTimeline)]) -> Vec<StepPanel<'_>> {
     timelines
         .iter()
-        .filter_map(|(label, t)| {
+        .filter_map(|(label, lossy, t)| {
             let (peak_index, e) = peak_event(&t.events)?;
             let micro = t.events.iter().map(|e| e.micro_batch).max().unwrap_or(0) + 1;
             let mut peak_at = event_name(e);
@@ -81,14 +86,15 @@ pub fn step_panels(timelines: &[(String, StepTimeline)]) -> Vec<StepPanel<'_>> {
             let made_of = [
                 ("freed", freed_within(e)),
                 ("transient", c.transient),
-                ("saved", c.saved),
+                ("saved at the peak", c.saved),
                 ("gradients", c.grads),
             ]
             .into_iter()
             .filter(|(_, b)| *b > 0)
             .collect();
             Some(StepPanel {
-                label: label.clone(),
+                label: lossy_label(label, *lossy),
+                lossy: *lossy,
                 timeline: t,
                 peak_index,
                 peak_bytes: e.peak_bytes,
@@ -117,7 +123,7 @@ fn category_color(name: &str) -> RGBColor {
     match name {
         "freed" => FREED.1,
         "transient" => STACK[5].1,
-        "saved" => STACK[4].1,
+        "saved at the peak" => STACK[4].1,
         _ => STACK[3].1,
     }
 }
@@ -198,19 +204,21 @@ impl PanelsChart<'_> {
         Ok(())
     }
 
-    /// One configuration's plot: the run's step chart over its own events on the shared axis.
+    /// One configuration's plot: the run's step chart over its own events, on its own memory
+    /// axis (from 0 to its highest point, with headroom for the region labels and the peak's).
     fn draw_panel<DB: DrawingBackend>(
         &self,
         cell: &DrawingArea<DB, Shift>,
         p: &StepPanel<'_>,
-        unit: &MemUnit,
-        ymax: f64,
         x_labels: u32,
-        first_column: bool,
     ) -> DrawResult
     where
         DB::ErrorType: 'static,
     {
+        let max = max_bytes(p.timeline);
+        let unit = MemUnit::for_max(max);
+        let ymax = unit.of(max) * 1.3;
+        let unit = &unit;
         let (header, plot) = cell.split_vertically(HEADER_H);
         self.draw_header(&header, p, unit)?;
         let events = &p.timeline.events;
@@ -230,10 +238,7 @@ impl PanelsChart<'_> {
             .label_style((FONT, 15))
             .y_label_formatter(&|y| format!("{y:.0}"))
             .light_line_style(RGBColor(240, 240, 240));
-        let y_desc = format!("memory ({})", unit.name);
-        if first_column {
-            mesh.y_desc(y_desc);
-        }
+        mesh.y_desc(format!("memory ({}), own scale", unit.name));
         mesh.draw()?;
         let regs = regions(events);
         draw_regions(&mut chart, &regs, ymax)?;
@@ -246,25 +251,10 @@ impl PanelsChart<'_> {
         Ok(())
     }
 
-    /// The highest point of every panel: one memory axis for all.
-    fn max_bytes(&self) -> u64 {
-        self.panels
-            .iter()
-            .flat_map(|p| p.timeline.events.iter())
-            .flat_map(|e| [e.peak_bytes, e.categories.total()])
-            .max()
-            .unwrap_or(0)
-            .max(1024 * 1024)
-    }
-
-    fn unit(&self) -> MemUnit {
-        MemUnit::for_max(self.max_bytes())
-    }
-
     /// The legend: the categories, the peak, the regions, the abbreviations used.
-    fn legend_rows(&self, unit: &MemUnit) -> Vec<LegendRow> {
+    fn legend_rows(&self) -> Vec<LegendRow> {
         let mut rows = vec![LegendRow::heading("each event's peak, by category")];
-        rows.extend(category_rows(None, unit));
+        rows.extend(category_rows(None));
         rows.push(LegendRow::gap());
         rows.push(LegendRow::entry(
             Swatch::Line(PEAK_COLOR, 2),
@@ -299,18 +289,35 @@ impl PanelsChart<'_> {
                 )));
             }
         }
+        if self.panels.iter().any(|p| p.lossy) {
+            rows.push(LegendRow::gap());
+            // Two lines: the legend panel is narrow.
+            let (what, why) = LOSSY_LEGEND.split_once(": ").unwrap_or((LOSSY_LEGEND, ""));
+            rows.push(LegendRow::text(format!("{what}:")));
+            rows.push(LegendRow::text(why));
+        }
         rows.push(LegendRow::gap());
-        rows.push(LegendRow::text("each run's last step;"));
-        rows.push(LegendRow::text("one memory axis for all"));
+        rows.push(LegendRow::text("each run's last step, on a"));
+        rows.push(LegendRow::text("memory axis of its own"));
         rows
     }
+}
+
+/// The highest point of a step's events (at least 1 MiB).
+fn max_bytes(t: &StepTimeline) -> u64 {
+    t.events
+        .iter()
+        .flat_map(|e| [e.peak_bytes, e.categories.total()])
+        .max()
+        .unwrap_or(0)
+        .max(1024 * 1024)
 }
 
 impl Chart for PanelsChart<'_> {
     fn size(&self) -> (u32, u32) {
         let (_, rows) = grid(self.panels.len());
         // Tall enough for the legend too (rows of 25 pixels from 40 down).
-        let legend = 40 + 25 * self.legend_rows(&self.unit()).len() as u32;
+        let legend = 40 + 25 * self.legend_rows().len() as u32;
         (WIDTH, CAPTION_H + (rows as u32 * ROW_H).max(legend))
     }
 
@@ -318,9 +325,6 @@ impl Chart for PanelsChart<'_> {
     where
         DB::ErrorType: 'static,
     {
-        let unit = self.unit();
-        // Headroom for the region labels and the peak's label above the highest point.
-        let ymax = unit.of(self.max_bytes()) * 1.3;
         let (caption, body) = root.split_vertically(CAPTION_H);
         let title = TextStyle::from((FONT, 28).into_font())
             .color(&TEXT_COLOR)
@@ -343,9 +347,9 @@ impl Chart for PanelsChart<'_> {
         let x_labels = longest + 16;
         let cells = plots.split_evenly((rows, cols));
         for (i, p) in self.panels.iter().enumerate() {
-            self.draw_panel(&cells[i], p, &unit, ymax, x_labels, i % cols == 0)?;
+            self.draw_panel(&cells[i], p, x_labels)?;
         }
-        draw_legend(&legend, 40, &self.legend_rows(&unit))?;
+        draw_legend(&legend, 40, &self.legend_rows())?;
         Ok(())
     }
 }

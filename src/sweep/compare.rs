@@ -3,7 +3,7 @@
 //!
 //! Among the charts of [`super::report::write_compare_report`] is `step_timeline.{png,svg}`: the
 //! memory inside one training step of every run that recorded a `step_timeline.json`, side by
-//! side ([`write_step_timeline_overlays`]).
+//! side ([`super::step_overlay::write_step_timeline_overlays`]).
 
 pub use super::results::{CompareEntry, CompareResult};
 use super::{describe, merge_flags, oom_report_link, run_child, slug, split_flags, Progress};
@@ -191,24 +191,4 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareResult> {
     }
     progress.close();
     Ok(result)
-}
-
-/// Draw `<dir>/step_timeline.{png,svg}`: the step timelines of every entry whose run directory
-/// holds `step_timeline.json`, a panel each, labelled as in the comparison; returns the files
-/// written. Runs without the file (older trainers, failed runs) are skipped; with none, nothing is
-/// written. A file that exists but does not parse is an error naming it.
-pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Result<Vec<PathBuf>> {
-    use super::step_chart::{read_step_timeline, STEP_TIMELINE_CHART};
-    use super::step_overlay::write_step_timeline_overlay;
-    let mut timelines = Vec::new();
-    for e in &result.entries {
-        let path = e
-            .run
-            .run_dir
-            .join(crate::memory::timeline::STEP_TIMELINE_FILE);
-        if let Some(t) = read_step_timeline(&path)? {
-            timelines.push((e.label.clone(), e.run.lossy, t));
-        }
-    }
-    write_step_timeline_overlay(&timelines, &dir.join(STEP_TIMELINE_CHART))
 }

@@ -11,7 +11,7 @@
 //! - [`write_compare_report`]: `compare.{json,csv,md}`, `peak_memory.{png,svg}` (a bar per
 //!   configuration, labelled with its value), `step_peaks.{png,svg}` (each step's peak
 //!   memory, for every configuration, from each run's `batches.csv`), `frontier.{png,svg}` and
-//!   `step_timeline.{png,svg}` (see [`super::compare::write_step_timeline_overlays`]).
+//!   `step_timeline.{png,svg}` (see [`super::step_overlay::write_step_timeline_overlays`]).
 //!
 //! The markdown tables mark the frontier points in a `frontier` column, and link each
 //! out-of-memory point's `oom_report.json` when its run wrote one.
@@ -643,7 +643,7 @@ pub fn write_compare_report(dir: &Path, r: &CompareResult) -> Result<Vec<PathBuf
         &dir.join(FRONTIER_CHART),
     )?);
     // Every run is measured and recorded by now: a damaged timeline file only warns.
-    match super::compare::write_step_timeline_overlays(dir, r) {
+    match super::step_overlay::write_step_timeline_overlays(dir, r) {
         Ok(timelines) => files.extend(timelines),
         Err(e) => eprintln!("warning: step timelines chart not written: {e}"),
     }

@@ -8,6 +8,7 @@
 use super::chart::{
     lossy_label, render, rotated_names, Chart, DrawResult, MemUnit, FONT, LOSSY_LEGEND, TEXT_COLOR,
 };
+use super::results::CompareResult;
 use super::step_chart::{
     category_rows, draw_layer_names, draw_legend, draw_peaks, draw_region_labels, draw_regions,
     draw_stack, event_name, freed_within, peak_event, region_rows, regions, LegendRow, Swatch,
@@ -19,6 +20,25 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
+
+/// Draw `<dir>/step_timeline.{png,svg}`: the step timelines of every entry whose run directory
+/// holds `step_timeline.json`, a panel each, labelled as in the comparison; returns the files
+/// written. Runs without the file (older trainers, failed runs) are skipped; with none, nothing is
+/// written. A file that exists but does not parse is an error naming it.
+pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Result<Vec<PathBuf>> {
+    use super::step_chart::{read_step_timeline, STEP_TIMELINE_CHART};
+    let mut timelines = Vec::new();
+    for e in &result.entries {
+        let path = e
+            .run
+            .run_dir
+            .join(crate::memory::timeline::STEP_TIMELINE_FILE);
+        if let Some(t) = read_step_timeline(&path)? {
+            timelines.push((e.label.clone(), e.run.lossy, t));
+        }
+    }
+    write_step_timeline_overlay(&timelines, &dir.join(STEP_TIMELINE_CHART))
+}
 
 /// Draw `<base>.png` and `<base>.svg`: a panel per `(label, lossy, timeline)` ([`step_panels`]),
 /// in a grid of [`grid`] columns and rows. Timelines without events are left out; with none left,

@@ -242,6 +242,50 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// `--checkpoint auto`, alone or with `--compress-activations auto`: a batch no plan fits is an
+/// out-of-memory point, so `--find-max` reports a largest batch and `compare` records the point
+/// instead of refusing every configuration (issue 52).
+#[test]
+fn auto_plans_that_fit_nothing_are_out_of_memory_points() {
+    let out = tmp_dir("auto-oom");
+    for (name, auto) in [
+        ("ckpt", "--checkpoint auto"),
+        ("both", "--checkpoint auto --compress-activations auto"),
+    ] {
+        let dir = out.join(name);
+        let o = run(Command::new(example("batch_sweep"))
+            .args(["--find-max", "--start", "64", "--max-batch", "4096"])
+            .args(["--granularity", "64", "--steps", "1", "--width", "4"])
+            .args(["--device", "cpu", "--synthetic-train", "10", "--quiet"])
+            .args(["--memory-limit", "40MiB", "--out"])
+            .arg(&dir)
+            .args(["--", "--synthetic-test", "10"])
+            .args(auto.split_whitespace()));
+        assert!(o.status.success(), "{auto}");
+        let mb = &read_sweep(&dir).max_batches[0];
+        assert!(mb.max_batch.is_some(), "{auto}: {mb:?}");
+        assert!(mb.first_oom.is_some(), "{auto}: {mb:?}");
+    }
+    let o = run(Command::new(example("compare"))
+        .args(["--run", "fits:", "--run", "none-fits: --batch-size 4096"])
+        .args([
+            "--common",
+            "--checkpoint auto --width 4 --device cpu --max-steps 1 --batch-size 32 \
+             --synthetic-train 4096 --memory-limit 40MiB",
+        ])
+        .args(["--quiet", "--out"])
+        .arg(out.join("compare"))
+        .args(["--", "--no-eval"]));
+    assert!(o.status.success());
+    let r: CompareResult = serde_json::from_str(
+        &std::fs::read_to_string(out.join("compare").join("compare.json")).unwrap(),
+    )
+    .unwrap();
+    let status: Vec<Status> = r.entries.iter().map(|e| e.run.status).collect();
+    assert_eq!(status, [Status::Ok, Status::Oom]);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
     let out = tmp_dir("findmax-accum");

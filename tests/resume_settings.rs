@@ -52,6 +52,15 @@ fn a_run_lossy_before_a_resume_stays_lossy() {
             {"first_step": 5, "last_step": 6, "compress_activations": "none"}
         ])
     );
+    // The label names the codes each span kept (issue 52: it always said int8).
+    let int2 = dir.join("int2");
+    run(&int2, "--max-steps 2 --compress-activations int2");
+    resume(&int2, "--max-steps 3 --compress-activations none");
+    let label = summary(&int2)["label"].as_str().unwrap().to_string();
+    assert!(
+        label.ends_with("(lossy: int2-activations in steps 1–2)"),
+        "{label}"
+    );
     // An exact run resumed exact stays exact, one span.
     let exact = dir.join("exact");
     run(&exact, "--max-steps 2");
@@ -80,5 +89,31 @@ fn an_inherited_snapshot_step_already_trained_traces_the_last_step() {
         pickle.windows(needle.len()).any(|w| w == needle),
         "memory_snapshot.pickle is not step 6's"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The command a `--checkpoint auto` run started with, plus `--resume`, continues it with the
+/// segmentation `auto` chose (config.json keeps the choice; issue 52).
+#[test]
+fn the_command_an_auto_run_started_with_resumes_it() {
+    let dir = common::scratch("resume-settings", "auto");
+    let out = dir.join("run");
+    run(&out, "--max-steps 2 --checkpoint auto");
+    let chosen = serde_json::from_slice::<serde_json::Value>(
+        &std::fs::read(out.join("config.json")).unwrap(),
+    )
+    .unwrap()["checkpoint"]
+        .clone();
+    assert_ne!(chosen, "auto");
+    let mut args = flags(BASE);
+    args.extend(flags("--max-steps 3 --checkpoint auto --resume"));
+    args.extend([
+        out.display().to_string(),
+        "--out".into(),
+        out.display().to_string(),
+    ]);
+    let o = run_trainer(&args);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(summary(&out)["steps"], 3);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 ///
 /// # Errors
 /// [`CoreError::Config`](crate::error::CoreError::Config) naming the data set or the model as too big and a value that fits;
-/// [`CoreError::OutOfMemory`](crate::error::CoreError::OutOfMemory) for a step the machine cannot hold; [`Error::Data`] for data files
+/// [`CoreError::WontFit`](crate::error::CoreError::WontFit) for a step the machine cannot hold; [`Error::Data`] for data files
 /// that are not CIFAR-10 binary files (not regular, a size that is not whole records or more
 /// than a batch file holds); [`CoreError::Config`](crate::error::CoreError::Config) for an invalid configuration.
 pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -> Result<()> {
@@ -108,18 +108,15 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     if let (true, Some(b), Some(est)) = (trains, machine, &needs.estimate) {
         let step = est.run_peak().saturating_sub(RUNTIME_OVERHEAD_BYTES);
         if step > b.room {
-            return Err(Error::Core(CoreError::OutOfMemory {
-                limit: format!("{} ({})", format_bytes(b.room), b.source),
-                epoch: 0,
-                batch: 0,
-                phase: format!(
-                    "the predicted {} peak ({})",
-                    est.run_peak_phase(),
-                    size(step)
-                ),
-                advice: run_peak_advice(cfg, est),
-                report: None,
-            }));
+            return Err(Error::Core(CoreError::WontFit(format!(
+                "the run's predicted {} peak needs {} more than the process holds, but this \
+                 machine can give it only {} ({}); {}, or make more memory available to it",
+                est.run_peak_phase(),
+                size(step),
+                format_bytes(b.room),
+                b.source,
+                lowering_advice(cfg, est)
+            ))));
         }
     }
     Ok(())
@@ -182,11 +179,16 @@ fn refuse_predicted_overrun(
         } else {
             String::new()
         },
-        run_peak_advice(cfg, est)
-            .trim_end_matches(", or raise --memory-limit")
-            .replace(" or raise --memory-limit", ""),
+        lowering_advice(cfg, est),
         at_least(resident)
     ))))
+}
+
+/// [`run_peak_advice`] without raising `--memory-limit`, for a message that names its own limit.
+fn lowering_advice(cfg: &TrainConfig, est: &Estimate) -> String {
+    run_peak_advice(cfg, est)
+        .trim_end_matches(", or raise --memory-limit")
+        .replace(" or raise --memory-limit", "")
 }
 
 /// What lowers the run's predicted peak: the step's advice, or for an evaluation above the step

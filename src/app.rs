@@ -43,7 +43,8 @@ where
     // data set, model and step sized against --memory-limit, --fit-memory and the
     // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
-    crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
+    let resumed = resume.as_ref().map_or(0, |ck| ck.state.tensor_bytes());
+    crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run, resumed)?;
     // CUDA asked of a build without it (a real run was refused in `setup`): the dry run still
     // prints the CUDA prediction, which needs no GPU, then says what is missing.
     let no_cuda = crate::device::cuda_not_built(cfg.device.as_deref());

@@ -698,7 +698,7 @@ fn sizes_never_overflow() {
     cfg.data.synthetic_train = usize::MAX;
     cfg.device = Some("cpu".into());
     cfg.memory.memory_limit = Some(1 << 30);
-    let e = memtrain::predict::bounds::check_inputs(&cfg, None, false).unwrap_err();
+    let e = memtrain::predict::bounds::check_inputs(&cfg, None, false, 0).unwrap_err();
     assert_eq!(e.exit_code(), 2, "{e}");
     assert!(e.to_string().contains("--synthetic-train ≤"), "{e}");
 }

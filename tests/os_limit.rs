@@ -257,3 +257,41 @@ fn a_run_starts_in_a_cgroup_full_of_clean_file_cache() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A run trained in a cgroup of its `--memory-limit` resumes in a cgroup of the same size, at a
+/// width where the snapshot (parameters and AdamW state) is a third of the limit: the loaded
+/// snapshot becomes the model and optimizer state the prediction counts, so it is not counted
+/// twice (issue 52).
+#[test]
+fn a_run_resumes_in_a_cgroup_of_its_limit() {
+    let base = flags(
+        "--width 96 --optimizer adamw --batch-size 8 --synthetic-train 64 --synthetic-test 16 \
+         --device cpu --no-eval --quiet",
+    );
+    let limit = common::needed_limits(|| common::trainer_command(&base)).1 + (1 << 20);
+    let dir = scratch("os-limit", "resume");
+    let out = dir.join("run");
+    let in_group = |name: &str, args: Vec<String>| {
+        let Some(group) = Cgroup::new(name, limit) else {
+            return false;
+        };
+        let mut all = vec!["RAYON_NUM_THREADS=1".to_string()];
+        all.push(trainer_binary().display().to_string());
+        all.extend(args);
+        let o = group.run(Path::new("/usr/bin/env"), &all);
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        assert_eq!(group.oom_kills(), 0, "{name}");
+        true
+    };
+    let limit_flag = vec!["--memory-limit".to_string(), limit.to_string()];
+    let mut args = [base, flags("--max-steps 2"), limit_flag.clone()].concat();
+    args.extend(["--out".into(), out.display().to_string()]);
+    if !in_group("train", args) {
+        return;
+    }
+    let mut args = vec!["--resume".into(), out.display().to_string()];
+    args.extend(flags("--max-steps 3"));
+    assert!(in_group("resume", args));
+    assert_eq!(summary(&out)["steps"], 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -41,14 +41,21 @@ use std::path::{Path, PathBuf};
 /// of the run; see the module documentation.
 ///
 /// `cfg` is the configuration the run will use (on `--resume`, the checkpoint's with the flags
-/// given); `fit_memory` is `--fit-memory`'s budget, whose planner then picks the batch settings.
+/// given); `fit_memory` is `--fit-memory`'s budget, whose planner then picks the batch settings;
+/// `resumed` the bytes of a loaded snapshot's tensors, which become the model and optimizer state
+/// the checks count, so they are not counted again as held.
 ///
 /// # Errors
 /// [`CoreError::Config`](crate::error::CoreError::Config) naming the data set or the model as too big and a value that fits;
 /// [`CoreError::WontFit`](crate::error::CoreError::WontFit) for a step the machine cannot hold; [`Error::Data`] for data files
 /// that are not CIFAR-10 binary files (not regular, a size that is not whole records or more
 /// than a batch file holds); [`CoreError::Config`](crate::error::CoreError::Config) for an invalid configuration.
-pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -> Result<()> {
+pub fn check_inputs(
+    cfg: &TrainConfig,
+    fit_memory: Option<u64>,
+    dry_run: bool,
+    resumed: u64,
+) -> Result<()> {
     // `--fit-memory` chooses `auto` codes itself; the data and the model checked here do not
     // depend on them.
     let exact;
@@ -65,17 +72,15 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     // Host bytes already allocated: the limit counts them (the counting allocator measures the
     // whole process heap), the machine's headroom already excludes them.
     let held = if CountingAllocator::is_installed() {
-        CountingAllocator::current()
+        CountingAllocator::current().saturating_sub(resumed)
     } else {
         0
     };
-    let mut budgets = Budget::all(
-        cfg.memory.memory_limit,
-        fit_memory,
-        device,
-        held,
-        headroom(),
-    );
+    let machine = headroom().map(|h| Headroom {
+        bytes: h.bytes.saturating_add(resumed),
+        ..h
+    });
+    let mut budgets = Budget::all(cfg.memory.memory_limit, fit_memory, device, held, machine);
     // The tightest first: a value that fits it fits the others on the same memory.
     budgets.sort_by_key(|b| b.room);
     let ctx = Ctx {

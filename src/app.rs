@@ -312,6 +312,14 @@ fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
     for warning in &ck.skipped {
         eprintln!("warning: {warning}");
     }
+    let threads = candle_core::utils::get_num_threads();
+    if let Some(then) = ck.state.history.compute_threads.filter(|&n| n != threads) {
+        eprintln!(
+            "warning: the run trained with {then} compute threads, this process has {threads}: \
+             a step's sums depend on their number, so the weights will differ in the last bits \
+             from an uninterrupted run's; set RAYON_NUM_THREADS={then} to keep them identical"
+        );
+    }
     let resumed = format!(
         "resuming from {} (after step {}: epoch {}, batch {} next)",
         ck.dir.display(),

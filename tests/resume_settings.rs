@@ -117,3 +117,31 @@ fn the_command_an_auto_run_started_with_resumes_it() {
     assert_eq!(summary(&out)["steps"], 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A resume with another number of compute threads warns that the weights will not be
+/// bit-identical, naming the run's number; with the same number it says nothing (issue 52).
+#[test]
+fn a_resume_with_another_thread_count_warns() {
+    let dir = common::scratch("resume-settings", "threads");
+    let out = dir.join("run");
+    run(&out, "--max-steps 1");
+    let resume_with = |threads: &str, steps: &str| {
+        let mut args = vec!["--resume".to_string(), out.display().to_string()];
+        args.extend(flags(&format!("--max-steps {steps}")));
+        let o = common::trainer_command(&args)
+            .env("RAYON_NUM_THREADS", threads)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        text(&o.stderr)
+    };
+    let stderr = resume_with("2", "2");
+    assert!(
+        stderr.contains("the run trained with 1 compute threads, this process has 2")
+            && stderr.contains("RAYON_NUM_THREADS=1"),
+        "{stderr}"
+    );
+    // Saved by the 2-thread process now: one thread warns the other way, two say nothing.
+    assert!(!resume_with("2", "3").contains("compute threads"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -105,6 +105,10 @@ pub struct RunHistory {
     /// this was recorded.
     #[serde(default)]
     pub activation_storage: Vec<crate::config::StorageSpan>,
+    /// Compute threads of the process that saved the snapshot: a step's sums depend on their
+    /// number (`None` in snapshots written before this was recorded).
+    #[serde(default)]
+    pub compute_threads: Option<usize>,
 }
 
 impl RunHistory {

@@ -481,8 +481,10 @@ fn a_second_process_on_the_same_run_directory_is_refused() {
     let mut first = long_run(&dir);
     let config_before = std::fs::read(dir.join("config.json")).unwrap();
 
-    // A second new run with the same --out, and a second --resume.
+    // A second new run with the same --out (told it is in use, not to pass --overwrite, which
+    // could not help: issue 52), with --overwrite, and a second --resume.
     let mut second = with_out(&FAST.replace("--seed 3", "--seed 11"), &dir);
+    one_line_error(&run(&second), 2, "in use by another memtrain process");
     second.push("--overwrite".into());
     one_line_error(&run(&second), 2, "in use by another memtrain process");
     assert_eq!(

@@ -447,6 +447,17 @@ fn leftovers_of_a_kill_during_pruning_are_removed_by_the_resume() {
     let out = run(&resume_args(&dir));
     assert_ok(&out, "resuming a finished run with leftovers");
     assert!(text(&out.stdout).contains("no steps left to train"));
+    // The one renamed for removal is named as such, not as half-written (issue 52).
+    let warning = text(&out.stderr)
+        .lines()
+        .find(|l| l.contains(".old-step-000009"))
+        .map(str::to_string);
+    let warning = warning.unwrap_or_else(|| panic!("{}", text(&out.stderr)));
+    assert!(
+        warning.contains("an older snapshot the process was deleting")
+            && !warning.contains("incomplete"),
+        "{warning}"
+    );
     let names = step_dirs(&dir);
     assert_eq!(
         names,

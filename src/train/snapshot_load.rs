@@ -298,10 +298,19 @@ impl Snapshot {
         let mut skipped: Vec<String> = list_leftovers(&root)
             .into_iter()
             .map(|p| {
-                format!(
-                    "{}: incomplete (the process stopped while writing it); ignoring it",
-                    p.display()
-                )
+                let old = p.file_name().is_some_and(|n| {
+                    n.to_string_lossy().starts_with(super::snapshot::OLD_PREFIX)
+                });
+                match old {
+                    true => format!(
+                        "{}: an older snapshot the process was deleting when it stopped; ignoring it",
+                        p.display()
+                    ),
+                    false => format!(
+                        "{}: incomplete (the process stopped while writing it); ignoring it",
+                        p.display()
+                    ),
+                }
             })
             .collect();
         let mut first_failure = None;

@@ -170,6 +170,17 @@ where
             return Ok(None);
         }
     };
+    // An environment switch with a value it does not know is refused, not ignored.
+    use memtrain_kernels::gemm_bf16::{BF16_GEMM_ENV, BF16_GEMM_KERNELS};
+    if let Some(v) = std::env::var_os(BF16_GEMM_ENV) {
+        if !BF16_GEMM_KERNELS.iter().any(|k| v == *k) {
+            return Err(Error::config(format!(
+                "{BF16_GEMM_ENV}={} is not a bf16 kernel: use {}, or unset it",
+                v.to_string_lossy(),
+                BF16_GEMM_KERNELS.join(", ")
+            )));
+        }
+    }
     // --resume: the newest complete snapshot's config.json is the base configuration, so only
     // flags given explicitly change it; conflicting ones are refused before anything is written.
     let resume = match args.resume.clone() {

@@ -478,3 +478,23 @@ fn a_dry_run_names_the_directory_a_run_would_write_and_makes_none() {
     assert!(!stdout.contains("run dir"), "{stdout}");
     assert!(!dir.exists(), "a dry run made {out}");
 }
+
+/// `MEMTRAIN_BF16_GEMM` with a value it does not know is refused in one line, naming the values
+/// it takes, before anything is written (issue 52: it was ignored without a word).
+#[test]
+fn an_unknown_bf16_kernel_in_the_environment_is_refused() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("memtrain-badinput-bf16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = common::trainer_command(&args_for(&["--out".into(), dir.display().to_string()]))
+        .env("MEMTRAIN_BF16_GEMM", "avx")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        "error: MEMTRAIN_BF16_GEMM=avx is not a bf16 kernel: use dpbf16, fma, widen, or unset it"
+    );
+    assert!(!dir.exists(), "nothing written");
+}

@@ -498,3 +498,22 @@ fn an_unknown_bf16_kernel_in_the_environment_is_refused() {
     );
     assert!(!dir.exists(), "nothing written");
 }
+
+/// Under a limit that many compute threads take most of, the refusal names the threads and
+/// `RAYON_NUM_THREADS` (issue 52: 64 threads left a heap budget of 0 B and the message blamed
+/// the model).
+#[test]
+fn a_limit_the_compute_threads_take_names_them() {
+    let out = common::trainer_command(&flags(
+        "--memory-limit 60MiB --synthetic-train 256 --dry-run",
+    ))
+    .env("RAYON_NUM_THREADS", "64")
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("after 64.00 MiB for 64 compute threads: set RAYON_NUM_THREADS lower"),
+        "{stderr}"
+    );
+}

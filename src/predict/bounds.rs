@@ -29,7 +29,7 @@ use crate::config::{
 use crate::data::cifar::{self, DirFiles};
 use crate::data::IMAGE_BYTES;
 use crate::error::{CoreError, Error, Result};
-use crate::memory::os::{headroom, Headroom, RssReserve};
+use crate::memory::os::{headroom, Headroom, RssReserve, RSS_THREAD_ALLOWANCE};
 use crate::memory::{format_bytes, CountingAllocator};
 use crate::predict::{
     estimate_with, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
@@ -284,9 +284,20 @@ impl Budget {
             // binary, thread stacks and allocator leave of it.
             let (heap, what) = match cpu {
                 true => {
-                    let heap = RssReserve::of_process().heap_budget(limit);
+                    let reserve = RssReserve::of_process();
+                    let heap = reserve.heap_budget(limit);
+                    // Where the compute threads' share outweighs the heap, they are the cause.
+                    let threads = reserve.threads * RSS_THREAD_ALLOWANCE;
+                    let note = match threads > heap {
+                        true => format!(
+                            " after {} for {} compute threads: set RAYON_NUM_THREADS lower",
+                            format_bytes(threads),
+                            reserve.threads
+                        ),
+                        false => String::new(),
+                    };
                     let what = format!(
-                        "--memory-limit is {} (resident memory; a heap budget of {})",
+                        "--memory-limit is {} (resident memory; a heap budget of {}{note})",
                         format_bytes(limit),
                         format_bytes(heap)
                     );

@@ -1040,6 +1040,45 @@ fn a_usage_error_in_the_child_flags_stops_at_the_first_point_and_a_retry_works()
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// A point the trainer refuses after others ran (exit 2) stops the sweep with exit 2 and leaves
+/// nothing written, not a partial sweep.csv (issue 52).
+#[cfg(unix)]
+#[test]
+fn a_usage_error_at_a_later_point_leaves_nothing_written() {
+    use std::os::unix::fs::PermissionsExt;
+    let out = tmp_dir("later-usage");
+    let bin = tmp_dir("later-usage-bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let wrapper = bin.join("trainer.sh");
+    // Batch 16 refused, but only when it runs (its dry run in the preflight passes).
+    let script = format!(
+        "#!/bin/sh\ncase \"$*\" in *--dry-run*) ;; *\"--batch-size 16\"*) echo 'error: refused' >&2; exit 2;; esac\nexec '{}' \"$@\"\n",
+        example("train_cifar10").display()
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let o = Command::new(example("batch_sweep"))
+        .args([
+            "--batch-sizes",
+            "8,16",
+            "--steps",
+            "1",
+            "--quiet",
+            "--trainer",
+        ])
+        .arg(&wrapper)
+        .arg("--out")
+        .arg(&out)
+        .args(["--", "--width", "4", "--synthetic-test", "16"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("refused the flags of this point"), "{stderr}");
+    assert!(!out.exists(), "nothing written");
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
 #[test]
 fn a_sweep_whose_every_point_failed_exits_non_zero() {
     let out = tmp_dir("all-failed");

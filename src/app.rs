@@ -43,7 +43,8 @@ where
     // data set, model and step sized against --memory-limit, --fit-memory and the
     // machine before anything is loaded or built (src/predict/bounds.rs); from here on Ctrl-C/SIGTERM
     // stops the loading too (exit 130, nothing written).
-    crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run)?;
+    let resumed = resume.as_ref().map_or(0, |ck| ck.state.tensor_bytes());
+    crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run, resumed)?;
     // CUDA asked of a build without it (a real run was refused in `setup`): the dry run still
     // prints the CUDA prediction, which needs no GPU, then says what is missing.
     let no_cuda = crate::device::cuda_not_built(cfg.device.as_deref());
@@ -171,6 +172,17 @@ where
             return Ok(None);
         }
     };
+    // An environment switch with a value it does not know is refused, not ignored.
+    use memtrain_kernels::gemm_bf16::{BF16_GEMM_ENV, BF16_GEMM_KERNELS};
+    if let Some(v) = std::env::var_os(BF16_GEMM_ENV) {
+        if !BF16_GEMM_KERNELS.iter().any(|k| v == *k) {
+            return Err(Error::config(format!(
+                "{BF16_GEMM_ENV}={} is not a bf16 kernel: use {}, or unset it",
+                v.to_string_lossy(),
+                BF16_GEMM_KERNELS.join(", ")
+            )));
+        }
+    }
     // --resume: the newest complete snapshot's config.json is the base configuration, so only
     // flags given explicitly change it; conflicting ones are refused before anything is written.
     let resume = match args.resume.clone() {
@@ -312,6 +324,14 @@ fn fit_memory(
 fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
     for warning in &ck.skipped {
         eprintln!("warning: {warning}");
+    }
+    let threads = candle_core::utils::get_num_threads();
+    if let Some(then) = ck.state.history.compute_threads.filter(|&n| n != threads) {
+        eprintln!(
+            "warning: the run trained with {then} compute threads, this process has {threads}: \
+             a step's sums depend on their number, so the weights will differ in the last bits \
+             from an uninterrupted run's; set RAYON_NUM_THREADS={then} to keep them identical"
+        );
     }
     let resumed = format!(
         "resuming from {} (after step {}: epoch {}, batch {} next)",

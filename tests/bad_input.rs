@@ -494,4 +494,42 @@ fn a_closed_stdout_ends_the_program_quietly() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
+
+/// `MEMTRAIN_BF16_GEMM` with a value it does not know is refused in one line, naming the values
+/// it takes, before anything is written (issue 52: it was ignored without a word).
+#[test]
+fn an_unknown_bf16_kernel_in_the_environment_is_refused() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("memtrain-badinput-bf16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = common::trainer_command(&args_for(&["--out".into(), dir.display().to_string()]))
+        .env("MEMTRAIN_BF16_GEMM", "avx")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        "error: MEMTRAIN_BF16_GEMM=avx is not a bf16 kernel: use dpbf16, fma, widen, or unset it"
+    );
+    assert!(!dir.exists(), "nothing written");
+}
+
+/// Under a limit that many compute threads take most of, the refusal names the threads and
+/// `RAYON_NUM_THREADS` (issue 52: 64 threads left a heap budget of 0 B and the message blamed
+/// the model).
+#[test]
+fn a_limit_the_compute_threads_take_names_them() {
+    let out = common::trainer_command(&flags(
+        "--memory-limit 60MiB --synthetic-train 256 --dry-run",
+    ))
+    .env("RAYON_NUM_THREADS", "64")
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("after 64.00 MiB for 64 compute threads: set RAYON_NUM_THREADS lower"),
+        "{stderr}"
+    );
 }

@@ -7,10 +7,10 @@
 //! fork and exec), so an allocation the checks let through would show up as an abort here
 //! instead of eating the machine; each is killed after [`TIMEOUT`] (a FIFO must not block).
 //!
-//! Exit codes: 2 for sizes that do not fit (a usage error: lower a flag or raise a budget);
-//! 1 for data files that are not CIFAR-10 binary files (the class of damaged data files, as in
-//! tests/bad_input.rs) and for a step the machine cannot hold (out of memory, as a sweep records
-//! it); 130 for a signal during loading.
+//! Exit codes: 2 for sizes that do not fit (a usage error: lower a flag or raise a budget; a
+//! step the machine cannot hold is out of memory, as a sweep records it); 1 for data files that
+//! are not CIFAR-10 binary files (the class of damaged data files, as in tests/bad_input.rs);
+//! 130 for a signal during loading.
 
 mod common;
 
@@ -275,8 +275,8 @@ fn cases() -> Vec<Case> {
         Case {
             name: "batch × width beyond the machine",
             setup: |_| flags("--width 64 --batch-size 65536 --synthetic-train 65536"),
-            code: 1,
-            problem: "out of memory: the predicted",
+            code: 2,
+            problem: "out of memory (predicted; nothing was run): the run's predicted",
             fix: "lower --batch-size",
         },
         Case {
@@ -284,8 +284,8 @@ fn cases() -> Vec<Case> {
             setup: |_| {
                 flags("--width 512 --batch-size 16384 --accum-steps 2 --synthetic-train 16384 --precision bf16")
             },
-            code: 1,
-            problem: "out of memory: the predicted",
+            code: 2,
+            problem: "out of memory (predicted; nothing was run): the run's predicted",
             fix: "raise --accum-steps",
         },
         // Data files sized before they are read.
@@ -698,7 +698,7 @@ fn sizes_never_overflow() {
     cfg.data.synthetic_train = usize::MAX;
     cfg.device = Some("cpu".into());
     cfg.memory.memory_limit = Some(1 << 30);
-    let e = memtrain::predict::bounds::check_inputs(&cfg, None, false).unwrap_err();
+    let e = memtrain::predict::bounds::check_inputs(&cfg, None, false, 0).unwrap_err();
     assert_eq!(e.exit_code(), 2, "{e}");
     assert!(e.to_string().contains("--synthetic-train ≤"), "{e}");
 }

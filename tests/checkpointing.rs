@@ -440,10 +440,11 @@ fn out_of_memory_advice_names_only_smaller_segmentations() {
     assert!(advised >= 1, "some run gets a segmentation advised");
 }
 
-/// `train_cifar10 --checkpoint auto --memory-limit` below what any segmentation fits: one line
-/// naming the smallest predicted peak and the limit it needs, exit 2, and no run directory.
+/// `train_cifar10 --checkpoint auto --memory-limit` below what any segmentation fits: one line,
+/// out of memory, naming the smallest predicted peak and the limit it needs, exit 2, and no run
+/// directory.
 #[test]
-fn nothing_fits_is_a_usage_error_before_any_work() {
+fn nothing_fits_is_out_of_memory_before_any_work() {
     let _s = serial();
     let mut cfg = small_config();
     cfg.data.synthetic_train = 256;
@@ -488,6 +489,12 @@ fn nothing_fits_is_a_usage_error_before_any_work() {
         .unwrap_or_else(|| panic!("{err}"));
     assert!(line.contains(&format_bytes(least)), "{line}");
     assert!(line.contains("needs --memory-limit"), "{line}");
+    // Out of memory, not a usage error: a sweep records the point and goes on (issue 52).
+    assert!(
+        line.starts_with("error: out of memory (predicted; nothing was run)"),
+        "{line}"
+    );
+    assert!(memtrain::sweep::oom_message(&err).is_some(), "{err}");
     assert!(!out_dir.exists(), "nothing written");
     let _ = std::fs::remove_dir_all(dir);
 }

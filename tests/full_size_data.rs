@@ -96,7 +96,7 @@ fn full_size_data_is_held_exactly_and_loading_is_not_the_peak() {
     let est = estimate(&cfg, DeviceKind::cpu()).expect("estimate");
     let mut limited = cfg.clone();
     limited.memory.memory_limit = Some(MIB);
-    let refusal = memtrain::predict::bounds::check_inputs(&limited, None, true)
+    let refusal = memtrain::predict::bounds::check_inputs(&limited, None, true, 0)
         .expect_err("1 MiB holds no data set")
         .to_string();
     let predicted_loading: f64 = refusal

@@ -447,6 +447,17 @@ fn leftovers_of_a_kill_during_pruning_are_removed_by_the_resume() {
     let out = run(&resume_args(&dir));
     assert_ok(&out, "resuming a finished run with leftovers");
     assert!(text(&out.stdout).contains("no steps left to train"));
+    // The one renamed for removal is named as such, not as half-written (issue 52).
+    let warning = text(&out.stderr)
+        .lines()
+        .find(|l| l.contains(".old-step-000009"))
+        .map(str::to_string);
+    let warning = warning.unwrap_or_else(|| panic!("{}", text(&out.stderr)));
+    assert!(
+        warning.contains("an older snapshot the process was deleting")
+            && !warning.contains("incomplete"),
+        "{warning}"
+    );
     let names = step_dirs(&dir);
     assert_eq!(
         names,
@@ -481,8 +492,10 @@ fn a_second_process_on_the_same_run_directory_is_refused() {
     let mut first = long_run(&dir);
     let config_before = std::fs::read(dir.join("config.json")).unwrap();
 
-    // A second new run with the same --out, and a second --resume.
+    // A second new run with the same --out (told it is in use, not to pass --overwrite, which
+    // could not help: issue 52), with --overwrite, and a second --resume.
     let mut second = with_out(&FAST.replace("--seed 3", "--seed 11"), &dir);
+    one_line_error(&run(&second), 2, "in use by another memtrain process");
     second.push("--overwrite".into());
     one_line_error(&run(&second), 2, "in use by another memtrain process");
     assert_eq!(

@@ -184,3 +184,114 @@ fn resident_memory_stays_within_the_limit_across_configurations() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A cgroup whose usage is mostly clean file cache still has room: the kernel reclaims that
+/// cache before it kills anything, so a run that fits the group's limit starts in it (issue 52:
+/// the room was the limit less all the usage, and the run stopped before its first batch).
+#[test]
+fn a_run_starts_in_a_cgroup_full_of_clean_file_cache() {
+    let run = |batch: usize| {
+        flags(&format!(
+            "--width 8 --batch-size {batch} --synthetic-train {batch} --synthetic-test 16 \
+             --device cpu --max-steps 1 --no-eval --quiet"
+        ))
+    };
+    let limit = common::needed_limits(|| common::trainer_command(&run(32))).1 + (1 << 20);
+    let Some(group) = Cgroup::new("file-cache", limit) else {
+        return;
+    };
+    let dir = scratch("os-limit", "file-cache");
+    // Three quarters of the group: a file written in it and synced, so its cache is clean.
+    let cache = limit / 4 * 3;
+    let file = dir.join("cache");
+    let fill = format!("head -c {cache} /dev/zero > '{}' && sync", file.display());
+    let o = group.run(Path::new("/bin/sh"), &["-c".into(), fill]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let usage = group.read("memory.usage_in_bytes");
+    if usage < cache / 2 {
+        eprintln!("skipped: the kernel charged only {usage} bytes of file cache to the group");
+        return;
+    }
+    // One compute thread, as `needed_limits` measured.
+    let in_group = |args: Vec<String>| {
+        let mut all = vec!["RAYON_NUM_THREADS=1".to_string()];
+        all.push(trainer_binary().display().to_string());
+        all.extend(args);
+        group.run(Path::new("/usr/bin/env"), &all)
+    };
+    let out = dir.join("run");
+    let mut args = run(32);
+    args.extend(["--memory-limit".into(), limit.to_string()]);
+    args.extend(["--out".into(), out.display().to_string()]);
+    let o = in_group(args);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(group.oom_kills(), 0);
+    assert_eq!(summary(&out)["steps"], 1);
+    // A step beyond the group: refused naming the group, not --memory-limit nor a batch.
+    let dry = common::run_trainer(&[run(256), flags("--dry-run")].concat());
+    let stdout = text(&dry.stdout);
+    let predicted: f64 = stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("predicted peak ")?
+                .split(" MiB")
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no predicted peak in: {stdout}"));
+    assert!(
+        predicted * 1048576.0 > limit as f64,
+        "{predicted} MiB fits the group"
+    );
+    let o = in_group(run(256));
+    let stderr = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("the cgroup's memory.limit_in_bytes"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("--memory-limit") && !stderr.contains("batch 1"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run trained in a cgroup of its `--memory-limit` resumes in a cgroup of the same size, at a
+/// width where the snapshot (parameters and AdamW state) is a third of the limit: the loaded
+/// snapshot becomes the model and optimizer state the prediction counts, so it is not counted
+/// twice (issue 52).
+#[test]
+fn a_run_resumes_in_a_cgroup_of_its_limit() {
+    let base = flags(
+        "--width 96 --optimizer adamw --batch-size 8 --synthetic-train 64 --synthetic-test 16 \
+         --device cpu --no-eval --quiet",
+    );
+    let limit = common::needed_limits(|| common::trainer_command(&base)).1 + (1 << 20);
+    let dir = scratch("os-limit", "resume");
+    let out = dir.join("run");
+    let in_group = |name: &str, args: Vec<String>| {
+        let Some(group) = Cgroup::new(name, limit) else {
+            return false;
+        };
+        let mut all = vec!["RAYON_NUM_THREADS=1".to_string()];
+        all.push(trainer_binary().display().to_string());
+        all.extend(args);
+        let o = group.run(Path::new("/usr/bin/env"), &all);
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        assert_eq!(group.oom_kills(), 0, "{name}");
+        true
+    };
+    let limit_flag = vec!["--memory-limit".to_string(), limit.to_string()];
+    let mut args = [base, flags("--max-steps 2"), limit_flag.clone()].concat();
+    args.extend(["--out".into(), out.display().to_string()]);
+    if !in_group("train", args) {
+        return;
+    }
+    let mut args = vec!["--resume".into(), out.display().to_string()];
+    args.extend(flags("--max-steps 3"));
+    assert!(in_group("resume", args));
+    assert_eq!(summary(&out)["steps"], 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}

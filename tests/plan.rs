@@ -125,6 +125,15 @@ fn planned_runs_fit_their_budget() {
     let mut zero = opts.clone();
     zero.effective_batch = Some(0);
     assert!(plan(&cfg, 1 << 30, &zero).is_err());
+    // Beyond the training set: refused at once, naming the flag (issue 52: it planned for minutes).
+    let mut huge = opts.clone();
+    huge.effective_batch = Some(100_000);
+    let err = plan(&cfg, 60 << 20, &huge).unwrap_err().to_string();
+    assert!(
+        err.contains("--effective-batch 100000 is more than the 5000 training images")
+            && err.contains("use --effective-batch ≤ 5000"),
+        "{err}"
+    );
 
     // Three budgets, each planned and then trained: the measured peak stays within the budget.
     // The harness's own heap (`pre`) is outside the planner's view, so it plans for the rest.

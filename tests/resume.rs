@@ -891,3 +891,38 @@ fn conflicting_config_lists_every_difference() {
     );
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
+
+/// `--compress-activations auto` at a resume keeps the codes the run chose, never switching a
+/// lossy run to exact mid-run; a changed `--memory-limit` is listed (issue 52).
+#[test]
+fn auto_codes_at_resume_keep_the_runs_codes_and_a_new_limit_is_listed() {
+    use memtrain::config::{ActivationStorage, CompressActivations};
+    let dir = common::scratch("resume", "auto-codes").join("run");
+    let mut cfg = tiny(&dir, Precision::F32);
+    cfg.steps.max_steps = Some(2);
+    cfg.memory.compress_activations = ActivationStorage::Int8.into();
+    let mut t = Trainer::new(
+        cfg.clone(),
+        splits(&cfg),
+        TrainerOptions {
+            log_files: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    t.fit().unwrap();
+    let ck = Snapshot::find_latest(&dir).unwrap();
+    let mut now = cfg.clone();
+    now.memory.compress_activations = CompressActivations::Auto;
+    now.memory.memory_limit = Some(1 << 30);
+    let got = ck.resume_config(&now, false).unwrap();
+    assert_eq!(
+        got.memory.compress_activations,
+        cfg.memory.compress_activations
+    );
+    assert_eq!(
+        ck.noted_changes(&got),
+        vec!["memory_limit: snapshot none, now 1073741824".to_string()]
+    );
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}

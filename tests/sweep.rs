@@ -242,6 +242,50 @@ fn find_max_returns_the_largest_batch_within_a_cpu_budget() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// `--checkpoint auto`, alone or with `--compress-activations auto`: a batch no plan fits is an
+/// out-of-memory point, so `--find-max` reports a largest batch and `compare` records the point
+/// instead of refusing every configuration (issue 52).
+#[test]
+fn auto_plans_that_fit_nothing_are_out_of_memory_points() {
+    let out = tmp_dir("auto-oom");
+    for (name, auto) in [
+        ("ckpt", "--checkpoint auto"),
+        ("both", "--checkpoint auto --compress-activations auto"),
+    ] {
+        let dir = out.join(name);
+        let o = run(Command::new(example("batch_sweep"))
+            .args(["--find-max", "--start", "64", "--max-batch", "4096"])
+            .args(["--granularity", "64", "--steps", "1", "--width", "4"])
+            .args(["--device", "cpu", "--synthetic-train", "10", "--quiet"])
+            .args(["--memory-limit", "40MiB", "--out"])
+            .arg(&dir)
+            .args(["--", "--synthetic-test", "10"])
+            .args(auto.split_whitespace()));
+        assert!(o.status.success(), "{auto}");
+        let mb = &read_sweep(&dir).max_batches[0];
+        assert!(mb.max_batch.is_some(), "{auto}: {mb:?}");
+        assert!(mb.first_oom.is_some(), "{auto}: {mb:?}");
+    }
+    let o = run(Command::new(example("compare"))
+        .args(["--run", "fits:", "--run", "none-fits: --batch-size 4096"])
+        .args([
+            "--common",
+            "--checkpoint auto --width 4 --device cpu --max-steps 1 --batch-size 32 \
+             --synthetic-train 4096 --memory-limit 40MiB",
+        ])
+        .args(["--quiet", "--out"])
+        .arg(out.join("compare"))
+        .args(["--", "--no-eval"]));
+    assert!(o.status.success());
+    let r: CompareResult = serde_json::from_str(
+        &std::fs::read_to_string(out.join("compare").join("compare.json")).unwrap(),
+    )
+    .unwrap();
+    let status: Vec<Status> = r.entries.iter().map(|e| e.run.status).collect();
+    assert_eq!(status, [Status::Ok, Status::Oom]);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn find_max_tries_only_batches_divisible_by_the_accumulation_steps() {
     let out = tmp_dir("findmax-accum");
@@ -1021,6 +1065,48 @@ fn a_usage_error_in_the_child_flags_stops_at_the_first_point_and_a_retry_works()
     let o = sweep("--synthetic-test");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A point the trainer refuses after others ran (exit 2) stops the sweep with exit 2 and leaves
+/// nothing written, not a partial sweep.csv (issue 52).
+#[cfg(unix)]
+#[test]
+fn a_usage_error_at_a_later_point_leaves_nothing_written() {
+    use std::os::unix::fs::PermissionsExt;
+    let out = tmp_dir("later-usage");
+    let bin = tmp_dir("later-usage-bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let wrapper = bin.join("trainer.sh");
+    // Batch 16 refused, but only when it runs (its dry run in the preflight passes).
+    let script = format!(
+        "#!/bin/sh\ncase \"$*\" in *--dry-run*) ;; *\"--batch-size 16\"*) echo 'error: refused' >&2; exit 2;; esac\nexec '{}' \"$@\"\n",
+        example("train_cifar10").display()
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let o = Command::new(example("batch_sweep"))
+        .args([
+            "--batch-sizes",
+            "8,16",
+            "--steps",
+            "1",
+            "--quiet",
+            "--trainer",
+        ])
+        .arg(&wrapper)
+        .arg("--out")
+        .arg(&out)
+        .args(["--", "--width", "4", "--synthetic-test", "16"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("refused the flags of this point"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing written");
+    let _ = std::fs::remove_dir_all(&bin);
 }
 
 #[test]

@@ -83,13 +83,13 @@ pub enum Bf16Kernel {
 /// bf16 convolutions with `vdpbf16ps` on this CPU, was no faster in bf16 than in f32 either: 62
 /// against 63–85 GFLOP/s on a 32→32 forward.) Both kernels read the same packed bf16 operand.
 ///
-/// The environment variable `MEMTRAIN_BF16_GEMM` (read once) overrides the choice: `dpbf16` for
+/// The environment variable [`BF16_GEMM_ENV`] (read once) overrides the choice: `dpbf16` for
 /// the AVX512-BF16 kernel (where the CPU has it), `fma` for the FMA kernel (where it has
 /// AVX512F), `widen` for the fallback.
 pub fn bf16_kernel() -> Bf16Kernel {
     static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
     *KERNEL.get_or_init(|| {
-        let forced = std::env::var("MEMTRAIN_BF16_GEMM").unwrap_or_default();
+        let forced = std::env::var(BF16_GEMM_ENV).unwrap_or_default();
         match forced.as_str() {
             "widen" => Bf16Kernel::Widen,
             "dpbf16" if cpu_has_avx512bf16() => Bf16Kernel::Avx512Bf16,
@@ -100,6 +100,11 @@ pub fn bf16_kernel() -> Bf16Kernel {
         }
     })
 }
+
+/// The environment variable that forces a bf16 kernel ([`bf16_kernel`]).
+pub const BF16_GEMM_ENV: &str = "MEMTRAIN_BF16_GEMM";
+/// The values [`BF16_GEMM_ENV`] takes.
+pub const BF16_GEMM_KERNELS: [&str; 3] = ["dpbf16", "fma", "widen"];
 
 /// Whether the CPU has AVX512F (what [`Bf16Kernel::Avx512Fma`] needs).
 pub(crate) fn cpu_has_avx512f() -> bool {

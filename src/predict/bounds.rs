@@ -29,7 +29,7 @@ use crate::config::{
 use crate::data::cifar::{self, DirFiles};
 use crate::data::IMAGE_BYTES;
 use crate::error::{CoreError, Error, Result};
-use crate::memory::os::{headroom, Headroom, RssReserve};
+use crate::memory::os::{headroom, Headroom, RssReserve, RSS_THREAD_ALLOWANCE};
 use crate::memory::{format_bytes, CountingAllocator};
 use crate::predict::{
     estimate_with, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
@@ -41,14 +41,21 @@ use std::path::{Path, PathBuf};
 /// of the run; see the module documentation.
 ///
 /// `cfg` is the configuration the run will use (on `--resume`, the checkpoint's with the flags
-/// given); `fit_memory` is `--fit-memory`'s budget, whose planner then picks the batch settings.
+/// given); `fit_memory` is `--fit-memory`'s budget, whose planner then picks the batch settings;
+/// `resumed` the bytes of a loaded snapshot's tensors, which become the model and optimizer state
+/// the checks count, so they are not counted again as held.
 ///
 /// # Errors
 /// [`CoreError::Config`](crate::error::CoreError::Config) naming the data set or the model as too big and a value that fits;
-/// [`CoreError::OutOfMemory`](crate::error::CoreError::OutOfMemory) for a step the machine cannot hold; [`Error::Data`] for data files
+/// [`CoreError::WontFit`](crate::error::CoreError::WontFit) for a step the machine cannot hold; [`Error::Data`] for data files
 /// that are not CIFAR-10 binary files (not regular, a size that is not whole records or more
 /// than a batch file holds); [`CoreError::Config`](crate::error::CoreError::Config) for an invalid configuration.
-pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -> Result<()> {
+pub fn check_inputs(
+    cfg: &TrainConfig,
+    fit_memory: Option<u64>,
+    dry_run: bool,
+    resumed: u64,
+) -> Result<()> {
     // `--fit-memory` chooses `auto` codes itself; the data and the model checked here do not
     // depend on them.
     let exact;
@@ -65,17 +72,15 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     // Host bytes already allocated: the limit counts them (the counting allocator measures the
     // whole process heap), the machine's headroom already excludes them.
     let held = if CountingAllocator::is_installed() {
-        CountingAllocator::current()
+        CountingAllocator::current().saturating_sub(resumed)
     } else {
         0
     };
-    let mut budgets = Budget::all(
-        cfg.memory.memory_limit,
-        fit_memory,
-        device,
-        held,
-        headroom(),
-    );
+    let machine = headroom().map(|h| Headroom {
+        bytes: h.bytes.saturating_add(resumed),
+        ..h
+    });
+    let mut budgets = Budget::all(cfg.memory.memory_limit, fit_memory, device, held, machine);
     // The tightest first: a value that fits it fits the others on the same memory.
     budgets.sort_by_key(|b| b.room);
     let ctx = Ctx {
@@ -108,18 +113,15 @@ pub fn check_inputs(cfg: &TrainConfig, fit_memory: Option<u64>, dry_run: bool) -
     if let (true, Some(b), Some(est)) = (trains, machine, &needs.estimate) {
         let step = est.run_peak().saturating_sub(RUNTIME_OVERHEAD_BYTES);
         if step > b.room {
-            return Err(Error::Core(CoreError::OutOfMemory {
-                limit: format!("{} ({})", format_bytes(b.room), b.source),
-                epoch: 0,
-                batch: 0,
-                phase: format!(
-                    "the predicted {} peak ({})",
-                    est.run_peak_phase(),
-                    size(step)
-                ),
-                advice: run_peak_advice(cfg, est),
-                report: None,
-            }));
+            return Err(Error::Core(CoreError::WontFit(format!(
+                "the run's predicted {} peak needs {} more than the process holds, but this \
+                 machine can give it only {} ({}); {}, or make more memory available to it",
+                est.run_peak_phase(),
+                size(step),
+                format_bytes(b.room),
+                b.source,
+                lowering_advice(cfg, est)
+            ))));
         }
     }
     Ok(())
@@ -182,11 +184,16 @@ fn refuse_predicted_overrun(
         } else {
             String::new()
         },
-        run_peak_advice(cfg, est)
-            .trim_end_matches(", or raise --memory-limit")
-            .replace(" or raise --memory-limit", ""),
+        lowering_advice(cfg, est),
         at_least(resident)
     ))))
+}
+
+/// [`run_peak_advice`] without raising `--memory-limit`, for a message that names its own limit.
+fn lowering_advice(cfg: &TrainConfig, est: &Estimate) -> String {
+    run_peak_advice(cfg, est)
+        .trim_end_matches(", or raise --memory-limit")
+        .replace(" or raise --memory-limit", "")
 }
 
 /// What lowers the run's predicted peak: the step's advice, or for an evaluation above the step
@@ -277,9 +284,20 @@ impl Budget {
             // binary, thread stacks and allocator leave of it.
             let (heap, what) = match cpu {
                 true => {
-                    let heap = RssReserve::of_process().heap_budget(limit);
+                    let reserve = RssReserve::of_process();
+                    let heap = reserve.heap_budget(limit);
+                    // Where the compute threads' share outweighs the heap, they are the cause.
+                    let threads = reserve.threads * RSS_THREAD_ALLOWANCE;
+                    let note = match threads > heap {
+                        true => format!(
+                            " after {} for {} compute threads: set RAYON_NUM_THREADS lower",
+                            format_bytes(threads),
+                            reserve.threads
+                        ),
+                        false => String::new(),
+                    };
                     let what = format!(
-                        "--memory-limit is {} (resident memory; a heap budget of {})",
+                        "--memory-limit is {} (resident memory; a heap budget of {}{note})",
                         format_bytes(limit),
                         format_bytes(heap)
                     );

@@ -194,8 +194,9 @@ pub fn pick(candidates: &[Candidate], limit: Option<u64>, margin: f64) -> Option
     }
 }
 
-/// The error for a `--memory-limit` that no segmentation fits: the smallest predicted peak, the
-/// limit it needs with the margin, and `advice`: what else would shrink the step.
+/// The error for a `--memory-limit` that no segmentation fits, out of memory before anything ran
+/// (a sweep records the point): the smallest predicted peak, the limit it needs with the margin,
+/// and `advice`: what else would shrink the step.
 /// `to_limit` turns a heap peak into the `--memory-limit` that holds it (on the CPU the limit
 /// also holds what the process has outside its heap).
 pub fn nothing_fits(
@@ -226,7 +227,7 @@ pub fn nothing_fits(
     } else {
         ("segmentation", s.checkpointing.to_string())
     };
-    Error::config(format!(
+    Error::Core(crate::error::CoreError::WontFit(format!(
         "{flags} --memory-limit {}: no {plans} of the {} fits; the smallest predicted peak is {} ({what}), which with the estimate's {} error margin needs --memory-limit {} or more{}; {advice}",
         format_bytes(limit),
         candidates.len(),
@@ -234,7 +235,7 @@ pub fn nothing_fits(
         super::margin::percent(margin),
         format_bytes(to_limit(limit_for(s.predicted_peak, margin))),
         worse_together(candidates),
-    ))
+    )))
 }
 
 /// Where codes and checkpointing work against each other: for each lossy storage among the

@@ -518,7 +518,8 @@ fn divisors(n: usize) -> Vec<usize> {
 /// only when none fits does a lossy one run, the most bits first (as `--memory-limit`'s `auto`).
 ///
 /// # Errors
-/// When the budget or effective batch is invalid, when `cfg` is invalid, or when no candidate fits:
+/// When the budget or effective batch is invalid (more than the training images included), when
+/// `cfg` is invalid, or when no candidate fits:
 /// then the one-line message names the smallest feasible budget and the plan that needs it.
 pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanReport> {
     if budget == 0 {
@@ -534,6 +535,19 @@ pub fn plan(cfg: &TrainConfig, budget: u64, opts: &PlanOptions) -> Result<PlanRe
     if effective == 0 || effective > MAX_BATCH_SIZE {
         return Err(Error::config(format!(
             "--effective-batch must be between 1 and {MAX_BATCH_SIZE}, got {effective}"
+        )));
+    }
+    // One step takes at most the training set (before planning: beyond it, the divisors of a
+    // huge batch take minutes to rank).
+    let train = opts.data.train_images;
+    if effective > train {
+        let flag = match opts.effective_batch {
+            Some(_) => "--effective-batch",
+            None => "--batch-size",
+        };
+        return Err(Error::config(format!(
+            "{flag} {effective} is more than the {train} training images, which one optimizer \
+             step cannot exceed; use {flag} ≤ {train}"
         )));
     }
     let usable = super::margin::usable_bytes(budget, opts.margin);

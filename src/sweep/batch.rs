@@ -479,6 +479,7 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
     };
     runner.preflight()?;
     super::ensure_fresh(&opts.out.join("points"))?;
+    let made_out = !opts.out.exists();
     crate::io::create_dir(&opts.out)?;
     let outcome = (|| -> Result<()> {
         for variant in &opts.variants {
@@ -510,6 +511,18 @@ pub fn run_sweep(opts: &SweepOptions) -> Result<SweepResult> {
             super::report::write_sweep_files(&opts.out, &runner.result)?;
             Ok(runner.result)
         }
-        Err(e) => Err(e),
+        Err(e) => {
+            // A usage error (exit 2) promises nothing written: the points before it go too.
+            if e.exit_code() == 2 {
+                let _ = std::fs::remove_dir_all(opts.out.join("points"));
+                for f in ["sweep.json", "sweep.csv", "sweep.md"] {
+                    let _ = std::fs::remove_file(opts.out.join(f));
+                }
+                if made_out {
+                    let _ = std::fs::remove_dir(&opts.out);
+                }
+            }
+            Err(e)
+        }
     }
 }

@@ -105,6 +105,10 @@ pub struct RunHistory {
     /// this was recorded.
     #[serde(default)]
     pub activation_storage: Vec<crate::config::StorageSpan>,
+    /// Compute threads of the process that saved the snapshot: a step's sums depend on their
+    /// number (`None` in snapshots written before this was recorded).
+    #[serde(default)]
+    pub compute_threads: Option<usize>,
 }
 
 impl RunHistory {
@@ -122,20 +126,29 @@ impl RunHistory {
         }
     }
 
-    /// The steps that kept their conv outputs lossily, as `1–4, 9` (empty when none did).
+    /// The steps that kept their conv outputs lossily, by codes, as `int2-activations in steps
+    /// 1–4, 9; int8-activations in steps 5–8` (empty when none did).
     pub fn lossy_steps(&self) -> String {
-        self.activation_storage
+        let mut by_codes: Vec<(crate::config::ActivationStorage, Vec<String>)> = Vec::new();
+        for s in &self.activation_storage {
+            let steps = match s.first_step == s.last_step {
+                true => s.first_step.to_string(),
+                false => format!("{}–{}", s.first_step, s.last_step),
+            };
+            match by_codes
+                .iter_mut()
+                .find(|(c, _)| *c == s.compress_activations)
+            {
+                Some((_, spans)) => spans.push(steps),
+                None => by_codes.push((s.compress_activations, vec![steps])),
+            }
+        }
+        by_codes
             .iter()
-            .filter(|s| s.compress_activations.is_lossy())
-            .map(|s| {
-                if s.first_step == s.last_step {
-                    s.first_step.to_string()
-                } else {
-                    format!("{}–{}", s.first_step, s.last_step)
-                }
-            })
+            .filter(|(c, _)| c.is_lossy())
+            .map(|(c, spans)| format!("{c}-activations in steps {}", spans.join(", ")))
             .collect::<Vec<_>>()
-            .join(", ")
+            .join("; ")
     }
 }
 

@@ -56,6 +56,7 @@ impl Trainer {
             data_description: self.data.description.clone(),
             history: RunHistory {
                 progress: progress.cloned(),
+                compute_threads: Some(candle_core::utils::get_num_threads()),
                 ..self.history.clone()
             },
             memory,

@@ -103,9 +103,19 @@ fn earlier_status(dir: &Path) -> Option<RunStatus> {
         .map(|s| s.status)
 }
 
-/// Refuse `dir` for a new run when it holds an earlier run's results or snapshots (no lock
-/// taken: for failing early, before data is loaded). With `overwrite` nothing is refused.
+/// Refuse `dir` for a new run when another process holds it, or it holds an earlier run's
+/// results or snapshots and `overwrite` is not given (no lock kept: for failing early, before
+/// data is loaded).
 pub(crate) fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
+    // In use first: --overwrite cannot help there.
+    if in_use(dir) {
+        return Err(in_use_error(dir));
+    }
+    refuse_earlier(dir, overwrite)
+}
+
+/// [`check_new`] under the lock: an earlier run's files without `overwrite`.
+fn refuse_earlier(dir: &Path, overwrite: bool) -> Result<()> {
     if overwrite || !dir.is_dir() {
         return Ok(());
     }
@@ -126,6 +136,14 @@ pub(crate) fn check_new(dir: &Path, overwrite: bool) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The error for `dir` whose lock another process holds.
+fn in_use_error(dir: &Path) -> Error {
+    Error::config(format!(
+        "{} is in use by another memtrain process (it holds {LOCK_FILE}); wait for it to finish, or pass another --out",
+        dir.display()
+    ))
 }
 
 /// Whether a live process holds `dir`'s lock (a run writing into it right now). Takes the lock
@@ -159,16 +177,11 @@ pub(crate) fn claim(dir: &Path, claim: Claim) -> Result<RunDirLock> {
         .map_err(|e| Error::io(&path, e))?;
     match file.try_lock() {
         Ok(()) => {}
-        Err(TryLockError::WouldBlock) => {
-            return Err(Error::config(format!(
-                "{} is in use by another memtrain process (it holds {LOCK_FILE}); wait for it to finish, or pass another --out",
-                dir.display()
-            )));
-        }
+        Err(TryLockError::WouldBlock) => return Err(in_use_error(dir)),
         Err(TryLockError::Error(e)) => return Err(Error::io(&path, e)),
     }
     if let Claim::New { overwrite } = claim {
-        check_new(dir, overwrite)?;
+        refuse_earlier(dir, overwrite)?;
         if overwrite {
             remove_earlier_run(dir)?;
         }

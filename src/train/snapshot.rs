@@ -104,7 +104,7 @@ const STEP_PREFIX: &str = "step-";
 /// Prefix of a snapshot directory being written.
 const TMP_PREFIX: &str = ".tmp-step-";
 /// Prefix of a snapshot directory being replaced by a newer write of the same step.
-const OLD_PREFIX: &str = ".old-step-";
+pub(super) const OLD_PREFIX: &str = ".old-step-";
 
 /// Size and hash of one file of a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,7 +11,7 @@ use super::snapshot::{
     MAX_MANIFEST_BYTES, MEMORY_FILE, MODEL_FILE, OPTIMIZER_FILE, VERSION,
 };
 use super::state::TrainState;
-use crate::config::TrainConfig;
+use crate::config::{CompressActivations, GradCheckpointing, TrainConfig};
 use crate::error::{Error, Result};
 use crate::io::hash_bytes;
 use crate::memory::MemoryLog;
@@ -49,6 +49,7 @@ const NOTED: &[&str] = &[
     "clip_grad_norm",
     "clip_during",
     "compress_activations",
+    "memory_limit",
 ];
 
 /// Read and verify one snapshot directory: its signed manifest, every file it lists (sizes and
@@ -297,10 +298,19 @@ impl Snapshot {
         let mut skipped: Vec<String> = list_leftovers(&root)
             .into_iter()
             .map(|p| {
-                format!(
-                    "{}: incomplete (the process stopped while writing it); ignoring it",
-                    p.display()
-                )
+                let old = p.file_name().is_some_and(|n| {
+                    n.to_string_lossy().starts_with(super::snapshot::OLD_PREFIX)
+                });
+                match old {
+                    true => format!(
+                        "{}: an older snapshot the process was deleting when it stopped; ignoring it",
+                        p.display()
+                    ),
+                    false => format!(
+                        "{}: incomplete (the process stopped while writing it); ignoring it",
+                        p.display()
+                    ),
+                }
             })
             .collect();
         let mut first_failure = None;
@@ -339,9 +349,19 @@ impl Snapshot {
     /// Settings that decide the computation (width, conv, optimizer, batch size, accumulation,
     /// precision, gradient checkpointing, seed, augmentation) must match, or the error lists every
     /// difference as `width: snapshot 32, now 16; ...`. `--out`, when given, must name the run
-    /// directory. Other changes are allowed; see [`Snapshot::noted_changes`].
+    /// directory. `auto` (`--checkpoint`, `--compress-activations`) keeps the plan the run chose.
+    /// Other changes are allowed; see [`Snapshot::noted_changes`].
     pub fn resume_config(&self, now: &TrainConfig, out_given: bool) -> Result<TrainConfig> {
-        let mut diffs = differences(&self.config, now, MUST_MATCH);
+        // `auto` chose the run's plan when it started (config.json keeps the choice): keep it.
+        let mut now = now.clone();
+        let (then, plan) = (&self.config.memory, &mut now.memory);
+        if plan.grad_checkpointing == GradCheckpointing::Auto {
+            plan.grad_checkpointing = then.grad_checkpointing;
+        }
+        if plan.compress_activations == CompressActivations::Auto {
+            plan.compress_activations = then.compress_activations;
+        }
+        let mut diffs = differences(&self.config, &now, MUST_MATCH);
         if out_given {
             if let Some(out) = &now.output.out {
                 let same = match (out.canonicalize(), self.run_dir.canonicalize()) {
@@ -364,13 +384,12 @@ impl Snapshot {
                 diffs.join("; ")
             )));
         }
-        let mut cfg = now.clone();
-        cfg.output.out = Some(self.run_dir.clone());
-        Ok(cfg)
+        now.output.out = Some(self.run_dir.clone());
+        Ok(now)
     }
 
     /// Allowed changes that alter the rest of the run (epochs, max steps, learning-rate
-    /// schedule and optimizer hyperparameters), as `field: snapshot A, now B`.
+    /// schedule, optimizer hyperparameters, codes, memory limit), as `field: snapshot A, now B`.
     pub fn noted_changes(&self, now: &TrainConfig) -> Vec<String> {
         differences(&self.config, now, NOTED)
     }

@@ -52,3 +52,18 @@ pub struct TrainState {
     /// The memory log of the steps and ended epochs so far.
     pub memory: MemoryLog,
 }
+
+impl TrainState {
+    /// Bytes of its tensors (model, optimizer state, masks): loaded for a resume, they become
+    /// the run's own, which its predicted peak already counts.
+    pub fn tensor_bytes(&self) -> u64 {
+        let masks = self.masks.iter().flat_map(|m| m.values());
+        (self
+            .model
+            .values()
+            .chain(self.optimizer.values())
+            .chain(masks))
+        .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+        .sum()
+    }
+}

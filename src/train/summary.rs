@@ -212,9 +212,7 @@ impl Trainer {
         let mut label = self.config.label();
         if lossy && !self.plan.storage.is_lossy() {
             // Exact now, lossy before a resume: the run is not the exact step's.
-            label.push_str(&format!(
-                " (lossy: int8-activations in steps {lossy_steps})"
-            ));
+            label.push_str(&format!(" (lossy: {lossy_steps})"));
         }
         Summary {
             label,

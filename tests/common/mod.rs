@@ -438,6 +438,12 @@ impl Cgroup {
             .unwrap()
     }
 
+    /// A number the group's file `name` holds (e.g. `memory.usage_in_bytes`).
+    pub fn read(&self, name: &str) -> u64 {
+        let text = std::fs::read_to_string(self.0.join(name)).unwrap();
+        text.trim().parse().unwrap()
+    }
+
     /// Times the group hit its limit (the kernel reclaimed or killed).
     pub fn oom_kills(&self) -> u64 {
         // memory.oom_control's `oom_kill N` (kernels since 4.13).

@@ -86,8 +86,8 @@ pub struct Headroom {
 
 /// The tightest of the limits on what this process can still allocate: the machine's available
 /// memory (`MemAvailable` in `/proc/meminfo`: free memory plus caches the kernel can drop, what
-/// can be used without swapping), the room left in its cgroup (`memory.max` less
-/// `memory.current`), and the room left under its address-space and data-segment limits
+/// can be used without swapping), the room left in its cgroup (the limit less its
+/// [`working_set`]), and the room left under its address-space and data-segment limits
 /// (`ulimit -v`/`-d`: the limit less `VmSize`/`VmData` and what the run's threads will reserve).
 /// `None` where none can be read (not Linux).
 pub fn headroom() -> Option<Headroom> {
@@ -114,7 +114,8 @@ pub fn headroom() -> Option<Headroom> {
         let value = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
         let max: u64 = value("memory.max")?.trim().parse().ok()?; // "max": no limit
         let current: u64 = value("memory.current")?.trim().parse().ok()?;
-        Some(max.saturating_sub(current))
+        let stat = value("memory.stat").unwrap_or_default();
+        Some(max.saturating_sub(working_set(current, &stat, "inactive_file")))
     };
     offer(cgroup_room(), "the cgroup's memory.max");
     // cgroup v1: the memory controller's line `N:memory:/path`.
@@ -130,7 +131,13 @@ pub fn headroom() -> Option<Headroom> {
                 .parse()
                 .ok()
         };
-        Some(value("memory.limit_in_bytes")?.saturating_sub(value("memory.usage_in_bytes")?))
+        let stat = std::fs::read_to_string(dir.join("memory.stat")).unwrap_or_default();
+        let used = working_set(
+            value("memory.usage_in_bytes")?,
+            &stat,
+            "total_inactive_file",
+        );
+        Some(value("memory.limit_in_bytes")?.saturating_sub(used))
     };
     offer(cgroup_v1_room(), "the cgroup's memory.limit_in_bytes");
     for (resource, used, source) in [
@@ -157,6 +164,19 @@ pub fn headroom() -> Option<Headroom> {
         }
     }
     best
+}
+
+/// A cgroup's `usage` less the clean file cache its `memory.stat` text lists under `inactive`,
+/// which the kernel reclaims before it kills anything: its working set, as the kernel and docker
+/// count it.
+pub fn working_set(usage: u64, stat: &str, inactive: &str) -> u64 {
+    let cache = stat.lines().find_map(|l| {
+        let (key, value) = l.split_once(' ')?;
+        (key == inactive)
+            .then(|| value.trim().parse().ok())
+            .flatten()
+    });
+    usage.saturating_sub(cache.unwrap_or(0))
 }
 
 /// Address space a training run reserves besides its heap blocks, which the address-space and
@@ -263,6 +283,15 @@ fn kb_field(text: &str, name: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_working_set_leaves_out_the_inactive_file_cache() {
+        let stat = "cache 80\ninactive_file 5\ntotal_inactive_file 70\n";
+        assert_eq!(working_set(100, stat, "total_inactive_file"), 30);
+        assert_eq!(working_set(100, stat, "inactive_file"), 95);
+        assert_eq!(working_set(100, "", "total_inactive_file"), 100);
+        assert_eq!(working_set(10, stat, "total_inactive_file"), 0);
+    }
 
     #[test]
     fn mapped_files_count_the_file_backed_mappings_only() {

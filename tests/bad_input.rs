@@ -494,6 +494,7 @@ fn a_closed_stdout_ends_the_program_quietly() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
+}
 
 /// `MEMTRAIN_BF16_GEMM` with a value it does not know is refused in one line, naming the values
 /// it takes, before anything is written (issue 52: it was ignored without a word).

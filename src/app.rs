@@ -328,9 +328,10 @@ fn resume_from(trainer: &mut Trainer, ck: Snapshot) -> Result<()> {
     let threads = candle_core::utils::get_num_threads();
     if let Some(then) = ck.state.history.compute_threads.filter(|&n| n != threads) {
         eprintln!(
-            "warning: the run trained with {then} compute threads, this process has {threads}: \
+            "warning: the run trained with {then} compute thread{}, this process has {threads}: \
              a step's sums depend on their number, so the weights will differ in the last bits \
-             from an uninterrupted run's; set RAYON_NUM_THREADS={then} to keep them identical"
+             from an uninterrupted run's; set RAYON_NUM_THREADS={then} to keep them identical",
+            if then == 1 { "" } else { "s" }
         );
     }
     let resumed = format!(

@@ -137,7 +137,7 @@ fn a_resume_with_another_thread_count_warns() {
     };
     let stderr = resume_with("2", "2");
     assert!(
-        stderr.contains("the run trained with 1 compute threads, this process has 2")
+        stderr.contains("the run trained with 1 compute thread, this process has 2")
             && stderr.contains("RAYON_NUM_THREADS=1"),
         "{stderr}"
     );

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+pub use memtrain_core::model::ModelConfig;
 pub use memtrain_core::options::*;
 
 /// Batches the trainer prepares ahead on the CPU by default (`--prefetch`): the fewest whose img/s
@@ -140,19 +141,6 @@ pub struct DataConfig {
     /// Synthetic test images (only without real data)
     #[arg(long, default_value_t = 1000, allow_negative_numbers = true)]
     pub synthetic_test: usize,
-}
-
-/// The network: its width and convolution kind.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
-#[group(skip)]
-#[serde(default)]
-pub struct ModelConfig {
-    /// Base width w: stages have w, 2w, 4w channels
-    #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
-    pub width: usize,
-    /// Convolution kind: standard 3x3, or depthwise 3x3 + pointwise 1x1
-    #[arg(long, value_enum, default_value_t = ConvKind::Standard)]
-    pub conv: ConvKind,
 }
 
 /// The optimizer and its update: learning-rate schedule, momentum, weight decay and gradient
@@ -396,7 +384,6 @@ macro_rules! group_defaults {
 
 group_defaults!(
     data: DataConfig,
-    model: ModelConfig,
     optimizer: OptimizerConfig,
     steps: StepsConfig,
     memory: MemoryConfig,

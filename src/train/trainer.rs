@@ -16,7 +16,7 @@ use crate::device::select_device;
 use crate::error::{Error, Result};
 use crate::memory::timeline::{StepTimeline, TimelineProbe};
 use crate::memory::{probe_for, MemoryLog, MemoryProbe, MemoryRecorder};
-use crate::model::{Cnn, ModelConfig};
+use crate::model::Cnn;
 use crate::step::optim::Optimizer;
 use crate::step::precision::LossScaler;
 use candle_core::{Device, Var};
@@ -185,14 +185,7 @@ impl Trainer {
             .log_files
             .then(|| super::run_dir::claim(&run_dir, options.claim))
             .transpose()?;
-        let model = Cnn::new(
-            ModelConfig {
-                width: config.model.width,
-                conv: config.model.conv,
-            },
-            &device,
-            config.seed,
-        )?;
+        let model = Cnn::new(config.model, &device, config.seed)?;
         let vars = model.vars();
         let optimizer = Optimizer::new(
             config.optimizer.kind,

@@ -14,13 +14,27 @@ pub const IMAGE_BYTES: usize = 3072;
 /// Classes the head predicts (CIFAR-10's labels 0..=9).
 pub const NUM_CLASSES: usize = 10;
 
-/// Shape of the network.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The network: its width and convolution kind (the flags `--width` and `--conv`, the `model`
+/// group of a `config.json`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::Args)]
+#[group(skip)]
+#[serde(default)]
 pub struct ModelConfig {
-    /// Base width w (stages have w, 2w, 4w channels).
+    /// Base width w: stages have w, 2w, 4w channels
+    #[arg(long, default_value_t = ModelConfig::default().width, allow_negative_numbers = true)]
     pub width: usize,
-    /// Dense or separable 3x3 convolutions.
+    /// Convolution kind: standard 3x3, or depthwise 3x3 + pointwise 1x1
+    #[arg(long, value_enum, default_value_t = ModelConfig::default().conv)]
     pub conv: ConvKind,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            width: 32,
+            conv: ConvKind::Standard,
+        }
+    }
 }
 
 /// Side of the square input images (CIFAR-10's 32x32).

@@ -684,6 +684,17 @@ fn tiny(out: &Path, precision: Precision) -> TrainConfig {
     cfg
 }
 
+/// Trains `cfg` in this process with its files written, and returns the newest snapshot in `dir`.
+fn trained_snapshot(cfg: &TrainConfig, dir: &Path) -> Snapshot {
+    let options = TrainerOptions {
+        log_files: true,
+        ..Default::default()
+    };
+    let mut t = Trainer::new(cfg.clone(), splits(cfg), options).unwrap();
+    t.fit().unwrap();
+    Snapshot::find_latest(dir).unwrap()
+}
+
 fn splits(cfg: &TrainConfig) -> DataSplits {
     let (train, test) =
         synthetic::splits(cfg.data.synthetic_train, cfg.data.synthetic_test, cfg.seed);
@@ -860,17 +871,7 @@ fn conflicting_config_lists_every_difference() {
     let dir = common::scratch("resume", "conflict").join("run");
     let mut cfg = tiny(&dir, Precision::F32);
     cfg.steps.max_steps = Some(2);
-    let mut t = Trainer::new(
-        cfg.clone(),
-        splits(&cfg),
-        TrainerOptions {
-            log_files: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    t.fit().unwrap();
-    let ck = Snapshot::find_latest(&dir).unwrap();
+    let ck = trained_snapshot(&cfg, &dir);
     let mut now = cfg.clone();
     now.model.width = 8;
     now.memory.precision = Precision::Bf16;
@@ -901,17 +902,7 @@ fn auto_codes_at_resume_keep_the_runs_codes_and_a_new_limit_is_listed() {
     let mut cfg = tiny(&dir, Precision::F32);
     cfg.steps.max_steps = Some(2);
     cfg.memory.compress_activations = ActivationStorage::Int8.into();
-    let mut t = Trainer::new(
-        cfg.clone(),
-        splits(&cfg),
-        TrainerOptions {
-            log_files: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    t.fit().unwrap();
-    let ck = Snapshot::find_latest(&dir).unwrap();
+    let ck = trained_snapshot(&cfg, &dir);
     let mut now = cfg.clone();
     now.memory.compress_activations = CompressActivations::Auto;
     now.memory.memory_limit = Some(1 << 30);

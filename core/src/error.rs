@@ -65,6 +65,16 @@ pub enum Error {
     #[error("stopped by an observer of the step: {0}")]
     Stopped(String),
 
+    /// The loss or a gradient became NaN/inf where no loss scaler can recover; the trainer
+    /// names the step and what to do.
+    #[error("non-finite {what} ({phase})")]
+    NonFinite {
+        /// What was non-finite: "loss" or "gradient".
+        what: &'static str,
+        /// Phase of the step.
+        phase: crate::phase::Phase,
+    },
+
     /// An error inside Candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),

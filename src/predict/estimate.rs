@@ -43,7 +43,13 @@ pub use super::events::EventPrediction;
 use super::margin::{heap_limit, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
-use super::sizing::{micro_batch, new_tensor_bytes, tensor_descriptor_bytes, Strides};
+use super::events::Events;
+use super::sizing::{Sizing, Sz};
+use crate::phase::Phase;
+use crate::step::optim::Optimizer;
+use crate::step::precision::LossScaler;
+use crate::step::tape::LeanStep;
+use crate::step::train::{train_step, StepSettings};
 use crate::config::{
     ActivationStorage, CompressActivations, ConvKind, GradCheckpointing, OptimizerKind, Precision,
     TrainConfig,
@@ -399,8 +405,10 @@ pub fn estimate_for_specs(
     };
     let sim: Shared = std::rc::Rc::new(std::cell::RefCell::new(Sim::new(nodes.len())));
     sim.borrow_mut().cur = baseline_bytes + batch_bytes + gemm_slabs + unsized_bytes;
-    let (activation_bytes, events) = run_steps(&sim, cfg, &ctx, &nodes, &segments, &sizes)?;
-    let (eval_batch, eval_peak) = eval_phase(&sim, cfg, &ctx, &nodes, &sizes, baseline)?;
+    let (activation_bytes, events, optimizer) =
+        run_steps(&sim, cfg, &ctx, &nodes, &segments, &sizes)?;
+    let (eval_batch, eval_peak) = eval_phase(&sim, cfg, &ctx, &nodes, baseline)?;
+    drop(optimizer);
     let sim = sim.borrow();
     let peaks = sim.peaks;
     let (peak, peak_phase) = [
@@ -511,16 +519,11 @@ fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx
 /// transient.
 pub(super) struct Sizes {
     pub(super) param_bytes: u64,
-    /// The largest parameter as a new tensor: its elements, and on the CPU its storage record and
-    /// descriptor ([`new_tensor_bytes`]).
-    pub(super) max_param: u64,
-    /// The largest descriptor of a parameter detached (CPU heap).
-    pub(super) max_detached: u64,
+    /// Parameter tensors.
+    pub(super) params: usize,
     pub(super) bn_stats: u64,
     /// The optimizer state's elements, as reported.
     pub(super) optimizer_bytes: u64,
-    /// The optimizer state as the heap holds it: each state tensor an op's result.
-    pub(super) state_bytes: u64,
     /// The gradient accumulator's slots, one `Option<Tensor>` per parameter (CPU heap).
     pub(super) grad_slots: u64,
     pub(super) mask_bytes: u64,
@@ -532,16 +535,6 @@ impl Sizes {
         let shapes: Vec<Vec<usize>> = nodes.iter().flat_map(|n| n.param_shapes()).collect();
         let elems = |d: &[usize]| d.iter().product::<usize>() as u64;
         let param_bytes: u64 = shapes.iter().map(|d| elems(d) * 4).sum();
-        let new_tensor = |d: &[usize]| new_tensor_bytes(elems(d) * 4, d.len(), device);
-        let max_param = shapes.iter().map(|d| new_tensor(d)).max().unwrap_or(0);
-        let max_detached = match device {
-            DeviceKind::Cpu { .. } => shapes
-                .iter()
-                .map(|d| tensor_descriptor_bytes(d.len(), Strides::Copied))
-                .max()
-                .unwrap_or(0),
-            DeviceKind::Cuda => 0,
-        };
         let bn_stats: u64 = nodes
             .iter()
             .filter(|n| n.op == Op::Bn)
@@ -551,7 +544,6 @@ impl Sizes {
             OptimizerKind::Sgd => 1,
             OptimizerKind::Adamw => 2,
         };
-        let state_bytes = slots * shapes.iter().map(|d| new_tensor(d)).sum::<u64>();
         // The pruned weights: convolutions and the head's weight (its first tensor), not biases.
         let pruned: Vec<u64> = if cfg.pruning.prune.is_some() {
             nodes
@@ -575,11 +567,9 @@ impl Sizes {
         };
         Sizes {
             param_bytes,
-            max_param,
-            max_detached,
+            params: shapes.len(),
             bn_stats,
             optimizer_bytes: slots * param_bytes,
-            state_bytes,
             grad_slots,
             mask_bytes: pruned.iter().sum(),
             prune_transient,
@@ -639,7 +629,6 @@ fn eval_phase(
     cfg: &TrainConfig,
     ctx: &Ctx,
     nodes: &[Node],
-    sizes: &Sizes,
     baseline: Baseline,
 ) -> Result<(usize, Option<u64>)> {
     let (train_images, eval_images) = match baseline {
@@ -664,9 +653,8 @@ fn eval_phase(
     {
         let mut s = sim.borrow_mut();
         s.phase = Phase::Eval;
-        // After the steps: the optimizer state joins; the permutation and the training batches'
-        // labels go, their image buffers stay pooled.
-        s.cur += sizes.state_bytes;
+        // After the steps (the optimizer state still in use): the permutation and the training
+        // batches' labels go, their image buffers stay pooled.
         if ctx.device.is_cpu() {
             let in_flight = train_batches_in_flight(cfg, train_images);
             let eval_batches = eval_images.div_ceil(n);
@@ -705,36 +693,65 @@ fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
     }
 }
 
-/// Two optimizer steps of the tape on sizes: step 1 builds the optimizer state, step 2 carries it
-/// through forward and backward — the steady state, whose events are the prediction of the
-/// timeline. Returns the largest activation bytes of a micro-batch and the second step's events.
-fn run_steps(
+/// Two steps of the core's step ([`crate::step::train::train_step`]) on sizes: step 1 builds
+/// the optimizer state, step 2 carries it through forward and backward — the steady state, whose
+/// events are the prediction of the timeline. Around each step, what the trainer adds on the CPU
+/// heap: the gradient accumulator's slots, the micro-batches' results, the step's timeline, and
+/// pruning's transient after the update. Returns the largest activation bytes of a micro-batch,
+/// the second step's events and the optimizer (its state in use until it is dropped).
+fn run_steps<'a>(
     sim: &Shared,
     cfg: &TrainConfig,
-    ctx: &Ctx,
-    nodes: &[Node],
+    ctx: &'a Ctx,
+    nodes: &'a [Node],
     segments: &[std::ops::Range<usize>],
     sizes: &Sizes,
-) -> Result<(u64, Vec<EventPrediction>)> {
-    let mut activation_bytes = 0;
-    let mut events: Vec<EventPrediction> = Vec::new();
+) -> Result<(u64, Vec<EventPrediction>, Optimizer<Sz>)> {
+    let host = ctx.device.is_cpu();
+    let blocks = blocks_of(nodes).len();
+    let tape = || super::events::TapeHost {
+        segments: segments.to_vec(),
+        blocks,
+        saved: 0,
+    };
+    let o = &cfg.optimizer;
+    let mut optimizer = Optimizer::new(o.kind, sizes.params, o.momentum, o.weight_decay);
+    let mut scaler = LossScaler::for_precision(cfg.memory.precision);
+    let settings = StepSettings {
+        accum_steps: cfg.steps.accum_steps,
+        lr: o.lr,
+        clip_grad_norm: o.clip_grad_norm,
+    };
     // On the CPU the trainer's timeline of a step is heap: its records (reserved at the step's
     // start for as many events as the step before had), each event's layer name (allocated as the
     // event is recorded), the run's label and the probe's name. It is kept until the next step
     // ends.
-    let host = ctx.device.is_cpu();
     let timeline_bytes = (cfg.label().len() + crate::memory::CPU_HEAP_PROBE.len()) as u64;
     let mut held_timeline = 0;
+    let mut obs = Events {
+        sim: sim.clone(),
+        events: Vec::new(),
+        host: host.then(tape),
+        forward: 0,
+        recomputed: 0,
+        accum_steps: settings.accum_steps,
+        // The micro-batches' results.
+        results: if host {
+            (settings.accum_steps * std::mem::size_of::<crate::step::MicroResult>()) as u64
+        } else {
+            0
+        },
+        activation_bytes: 0,
+    };
     for step in 0..2 {
-        let state = if step == 0 { 0 } else { sizes.state_bytes };
         {
             let mut s = sim.borrow_mut();
-            s.cur += state;
             s.event_peak = s.cur;
+            s.phase = Phase::Forward;
         }
         if host && step > 0 {
             sim.borrow_mut()
-                .alloc(events.len() as u64 * super::events::TIMELINE_EVENT_BYTES);
+                .alloc(obs.events.len() as u64 * super::events::TIMELINE_EVENT_BYTES);
         }
         if host && step == 1 {
             // What the first step's end leaves for the run: its batch's buffer back in the
@@ -742,31 +759,33 @@ fn run_steps(
             sim.borrow_mut()
                 .alloc(super::events::after_first_step_bytes(cfg));
         }
-        events.clear();
-        // The gradient accumulator's slots, for the step's micro-batches and its update, and
-        // the micro-batches' results.
-        let results = if host {
-            (cfg.steps.accum_steps * std::mem::size_of::<crate::step::MicroResult>()) as u64
-        } else {
-            0
+        obs.events.clear();
+        // The gradient accumulator's slots, the micro-batches' results and the tape's vectors.
+        let step_vectors = obs.host.as_ref().map_or(0, |t| t.step_vectors());
+        sim.borrow_mut()
+            .alloc(sizes.grad_slots + obs.results + step_vectors);
+        let mut lean = LeanStep::on(Sizing::new(sim.clone(), ctx, nodes), segments.to_vec(), ctx.storage);
+        let inputs = Sizing::new(sim.clone(), ctx, nodes);
+        let per_forward = obs.host.as_ref().map_or(0, |t| t.before_forward());
+        let micro_batch = |_| {
+            let batch = inputs.batch(ctx.n as usize);
+            sim.borrow_mut().alloc(per_forward);
+            Ok(batch)
         };
-        sim.borrow_mut().alloc(sizes.grad_slots + results);
-        let mut grads = Vec::new();
-        for _ in 0..cfg.steps.accum_steps {
-            let (r, ev) = micro_batch(sim, ctx, nodes, segments, ctx.storage, &mut grads)?;
-            activation_bytes = activation_bytes.max(r);
-            events.extend(ev);
-        }
+        train_step(
+            &mut lean,
+            &mut optimizer,
+            scaler.as_mut(),
+            settings,
+            micro_batch,
+            &mut obs,
+        )?;
+        drop(lean);
         let mut s = sim.borrow_mut();
-        s.free(results);
-        optimizer_phase(&mut s, cfg, step == 0, sizes);
-        drop(s);
-        // The update done, the gradients go.
-        drop(grads);
-        let mut s = sim.borrow_mut();
-        s.free(sizes.grad_slots);
+        // The update done, the gradients and the tape's vectors go; pruning recomputes its masks.
+        s.free(sizes.grad_slots + step_vectors);
         s.spike(sizes.prune_transient);
-        events.push(EventPrediction {
+        obs.events.push(EventPrediction {
             phase: "optimizer",
             layer: "optimizer".into(),
             peak_bytes: s.event_peak,
@@ -776,35 +795,12 @@ fn run_steps(
         if host {
             s.alloc("optimizer".len() as u64);
             // The step's timeline replaces the one before.
-            let names: u64 = events.iter().map(|e| e.layer.len() as u64).sum();
-            let records = events.len() as u64 * super::events::TIMELINE_EVENT_BYTES;
+            let names: u64 = obs.events.iter().map(|e| e.layer.len() as u64).sum();
+            let records = obs.events.len() as u64 * super::events::TIMELINE_EVENT_BYTES;
             s.alloc(timeline_bytes + if step == 0 { records } else { 0 });
             s.free(held_timeline);
             held_timeline = records + names + timeline_bytes;
         }
-        s.free(state);
     }
-    Ok((activation_bytes, events))
-}
-
-/// The optimizer phase: the accumulated f32 gradients are alive and the update runs one parameter
-/// at a time (`first`: the step that also allocates the optimizer state). The gradients are freed
-/// after it, and pruning recomputes its masks.
-fn optimizer_phase(sim: &mut Sim, cfg: &TrainConfig, first: bool, sizes: &Sizes) {
-    sim.phase = Phase::Optimizer;
-    if cfg.memory.precision == Precision::F16 {
-        // Unscaling replaces each gradient by a scaled copy.
-        sim.spike(sizes.max_param);
-    }
-    // Parameter-sized temporaries alive at once beside the state (`Optimizer::step`, which also
-    // holds the parameter detached): SGD's g + w·wd, buf·m and g + buf·m (without weight decay
-    // the gradient itself stands for g + w·wd); AdamW's moments, their bias-corrected copies,
-    // sqrt and the update, about six. The first step also allocates the new state as it goes.
-    let temporaries = match cfg.optimizer.kind {
-        OptimizerKind::Sgd if cfg.optimizer.weight_decay > 0.0 => 3,
-        OptimizerKind::Sgd => 2,
-        OptimizerKind::Adamw => 6,
-    };
-    let first_state = if first { sizes.state_bytes } else { 0 };
-    sim.spike(first_state + temporaries * sizes.max_param + sizes.max_detached);
+    Ok((obs.activation_bytes, obs.events, optimizer))
 }

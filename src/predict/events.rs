@@ -5,6 +5,7 @@
 
 use super::sim::Shared;
 use crate::config::TrainConfig;
+use crate::phase::Phase;
 use crate::step::tape::{StepEvent, StepObserver, SAVED_RECORD_BYTES};
 use memtrain_core::error::Result;
 use std::ops::Range;
@@ -41,14 +42,25 @@ pub(super) struct TapeHost {
 }
 
 impl TapeHost {
-    /// `LeanStep::new`'s segments and offsets, the forward's copy of the segments and its
-    /// first segment's input.
+    /// `LeanStep::on`'s segments and offsets, held through the step.
+    pub(super) fn step_vectors(&self) -> u64 {
+        pushed_bytes::<Range<usize>>(self.segments.len()) + pushed_bytes::<usize>(self.blocks + 1)
+    }
+
+    /// The forward's copy of the segments and its first segment's input.
     pub(super) fn before_forward(&self) -> u64 {
-        let n = self.segments.len();
-        pushed_bytes::<Range<usize>>(n)
-            + pushed_bytes::<usize>(self.blocks + 1)
-            + (n * std::mem::size_of::<Range<usize>>()) as u64
+        (self.segments.len() * std::mem::size_of::<Range<usize>>()) as u64
             + pushed_bytes::<candle_core::Tensor>(1)
+    }
+
+    /// What a micro-batch's backward leaves to free: the held inputs and records, the head's
+    /// input shape and the backward's copy of the segments.
+    fn after_backward(&self) -> u64 {
+        let n = self.segments.len();
+        self.saved
+            + pushed_bytes::<candle_core::Tensor>(n)
+            + (4 * std::mem::size_of::<usize>()) as u64
+            + (n * std::mem::size_of::<Range<usize>>()) as u64
     }
 
     /// The saved records' vector for `records` records: the bytes it grows by.
@@ -60,17 +72,24 @@ impl TapeHost {
     }
 }
 
-/// Records the predicted bytes at each of the tape's events, and on the CPU the heap the trainer's
+/// Records the predicted bytes at each of the step's events, and on the CPU the heap the trainer's
 /// record of each event takes: its layer's name ([`TIMELINE_EVENT_BYTES`] per record are in the
 /// timeline's vector, reserved at the step's start), and the tape's own vectors as they grow.
+/// At each phase's end the simulation enters the next phase.
 pub(super) struct Events {
     pub(super) sim: Shared,
     pub(super) events: Vec<EventPrediction>,
     pub(super) host: Option<TapeHost>,
-    /// Forward block events so far.
+    /// Forward block events so far in this micro-batch.
     pub(super) forward: usize,
-    /// Segments recomputed so far.
+    /// Segments recomputed so far in this micro-batch.
     pub(super) recomputed: usize,
+    /// Micro-batches per step.
+    pub(super) accum_steps: usize,
+    /// Host bytes of the step's micro-batch results, freed after the last backward.
+    pub(super) results: u64,
+    /// The most activation bytes a micro-batch holds at the end of its forward.
+    pub(super) activation_bytes: u64,
 }
 
 impl Events {
@@ -84,7 +103,7 @@ impl Events {
         let last = t.segments.last().expect("a segment").clone();
         let seg_bytes = (t.segments.len() * std::mem::size_of::<Range<usize>>()) as u64;
         match e.phase {
-            crate::phase::Phase::Forward if e.layer != "head" => {
+            Phase::Forward if e.layer != "head" => {
                 let j = self.forward;
                 self.forward += 1;
                 if last.contains(&j) {
@@ -100,8 +119,8 @@ impl Events {
                     sim.alloc(after - before);
                 }
             }
-            crate::phase::Phase::Backward if e.layer == "head" => sim.alloc(seg_bytes),
-            crate::phase::Phase::Backward if e.layer.starts_with("recompute") => {
+            Phase::Backward if e.layer == "head" => sim.alloc(seg_bytes),
+            Phase::Backward if e.layer.starts_with("recompute") => {
                 // Segments are recomputed last first, the last one never.
                 self.recomputed += 1;
                 let seg = t.segments[t.segments.len() - 1 - self.recomputed].len();
@@ -119,7 +138,7 @@ impl StepObserver for Events {
         let mut sim = self.sim.borrow_mut();
         self.events.push(EventPrediction {
             phase: match e.phase {
-                crate::phase::Phase::Forward => "forward",
+                Phase::Forward => "forward",
                 _ => "backward",
             },
             layer: e.layer.to_string(),
@@ -131,6 +150,29 @@ impl StepObserver for Events {
         if self.host.is_some() {
             sim.alloc(e.layer.len() as u64);
         }
+        Ok(())
+    }
+
+    fn phase_end(&mut self, micro: usize, phase: Phase) -> Result<()> {
+        let mut sim = self.sim.borrow_mut();
+        if phase == Phase::Forward {
+            let saved = self.events.last().map_or(0, |e| e.saved_bytes);
+            self.activation_bytes = self.activation_bytes.max(saved);
+            sim.phase = Phase::Backward;
+            return Ok(());
+        }
+        if let Some(t) = &mut self.host {
+            sim.free(t.after_backward());
+            t.saved = 0;
+        }
+        (self.forward, self.recomputed) = (0, 0);
+        sim.phase = if micro + 1 < self.accum_steps {
+            Phase::Forward
+        } else {
+            // The micro-batches' results go once the batch's mean is taken.
+            sim.free(self.results);
+            Phase::Optimizer
+        };
         Ok(())
     }
 }

@@ -4,6 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::LayerSpec;
+use crate::phase::Phase;
 use candle_core::DType;
 
 /// Where training runs, as far as memory is concerned.
@@ -305,15 +306,6 @@ impl Ctx {
 // ---------------------------------------------------------------------------------------------
 // The simulation: bytes in use, replayed allocation by allocation.
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Phase {
-    Forward = 0,
-    Backward = 1,
-    Optimizer = 2,
-    /// The evaluation after an epoch's steps.
-    Eval = 3,
-}
-
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct LayerRec {
     pub(super) transient: u64,
@@ -324,7 +316,8 @@ pub(super) type Shared = std::rc::Rc<std::cell::RefCell<Sim>>;
 
 pub(super) struct Sim {
     pub(super) cur: u64,
-    pub(super) peaks: [u64; 4],
+    /// The highest `cur` in each phase, indexed by [`Phase`].
+    pub(super) peaks: [u64; 5],
     pub(super) phase: Phase,
     pub(super) layers: Vec<LayerRec>,
     /// Highest `cur` since [`Sim::mark`].
@@ -337,7 +330,7 @@ impl Sim {
     pub(super) fn new(layers: usize) -> Self {
         Sim {
             cur: 0,
-            peaks: [0; 4],
+            peaks: [0; 5],
             phase: Phase::Forward,
             layers: vec![LayerRec::default(); layers],
             local_peak: 0,

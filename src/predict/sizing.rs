@@ -3,7 +3,6 @@
 //! ([`super::scratch`]), and a buffer is freed when the tape drops its last handle. The estimate
 //! so follows the step's order of work by running it, not by a copy of it.
 
-use super::events::*;
 use super::scratch::*;
 use super::sim::*;
 use crate::config::ActivationStorage;
@@ -15,7 +14,6 @@ use candle_core::DType;
 use memtrain_core::error::Result;
 use memtrain_kernels::batchnorm as bn;
 use memtrain_kernels::quantize::Width;
-use std::ops::Range;
 use std::rc::Rc;
 
 /// How a tensor's strides were made, which decides their vector's capacity.
@@ -50,17 +48,6 @@ pub const HOST_BOOKKEEPING_BYTES: u64 = 512;
 
 /// Heap bytes of a buffer's storage record (the shared, locked `CpuStorage`) besides its elements.
 pub const STORAGE_RECORD_BYTES: u64 = 56;
-
-/// Bytes a new tensor of `bytes` elements' bytes and rank `rank` takes on `device`: on the CPU
-/// its storage record and descriptor besides (an op's result), on CUDA its elements (the pool is
-/// measured, not the host).
-pub(super) fn new_tensor_bytes(bytes: u64, rank: usize, device: DeviceKind) -> u64 {
-    if device.is_cpu() {
-        bytes + STORAGE_RECORD_BYTES + tensor_descriptor_bytes(rank, Strides::Collected)
-    } else {
-        bytes
-    }
-}
 
 /// A buffer: its bytes are in use until its last handle goes.
 struct Buf {
@@ -170,6 +157,8 @@ pub(super) struct Sizing<'a> {
     c: &'a Ctx,
     nodes: &'a [Node],
     blocks: Vec<BlockNodes>,
+    /// The parameters in the model's order: each one's node and shape.
+    params: Vec<(usize, Vec<usize>)>,
 }
 
 impl<'a> Sizing<'a> {
@@ -179,6 +168,9 @@ impl<'a> Sizing<'a> {
             c,
             nodes,
             blocks: blocks_of(nodes),
+            params: (nodes.iter().enumerate())
+                .flat_map(|(i, n)| n.param_shapes().into_iter().map(move |d| (i, d)))
+                .collect(),
         }
     }
 
@@ -726,10 +718,10 @@ impl StepOps for Sizing<'_> {
         })
     }
 
+    fn new_grads(&self) -> Vec<Option<Sz>> {
+        vec![None; self.params.len()]
+    }
     fn add_grad(&self, grads: &mut Vec<Option<Sz>>, i: usize, g: Sz) -> Result<()> {
-        if grads.len() <= i {
-            grads.resize(i + 1, None);
-        }
         grads[i] = Some(match grads[i].take() {
             None => g,
             // Added in place on the CPU; into a new tensor elsewhere.
@@ -745,57 +737,52 @@ impl StepOps for Sizing<'_> {
     fn grad_bytes(&self, grads: &Vec<Option<Sz>>) -> u64 {
         grads.iter().flatten().map(Sz::bytes).sum()
     }
+    fn grad_list(&self, grads: Vec<Option<Sz>>) -> Vec<Option<Sz>> {
+        grads
+    }
+
+    fn param(&self, i: usize) -> Sz {
+        let (node, dims) = self.params[i].clone();
+        self.held(dims, DType::F32, node)
+    }
+    fn set_param(&self, _i: usize, _value: &Sz) -> Result<()> {
+        Ok(())
+    }
+    fn affine(&self, x: &Sz, _mul: f64, _add: f64) -> Result<Sz> {
+        Ok(self.alloc(x.dims.clone(), x.dtype))
+    }
+    fn sub(&self, a: &Sz, _b: &Sz) -> Result<Sz> {
+        Ok(self.alloc(a.dims.clone(), a.dtype))
+    }
+    fn div(&self, a: &Sz, _b: &Sz) -> Result<Sz> {
+        Ok(self.alloc(a.dims.clone(), a.dtype))
+    }
+    fn sqr(&self, x: &Sz) -> Result<Sz> {
+        Ok(self.alloc(x.dims.clone(), x.dtype))
+    }
+    fn sqrt(&self, x: &Sz) -> Result<Sz> {
+        Ok(self.alloc(x.dims.clone(), x.dtype))
+    }
+    fn sum_squares(&self, x: &Sz) -> Result<f64> {
+        // Squares, their sum, the sum in f64: all alive until it is read.
+        let _held = (
+            self.sqr(x)?,
+            self.alloc(vec![], DType::F32),
+            self.alloc(vec![], DType::F64),
+        );
+        // A finite norm of zero: the update runs and nothing is clipped (clipping scales each
+        // gradient into a new tensor one at a time, below the update's own temporaries).
+        Ok(0.0)
+    }
 }
 
-/// One micro-batch of `c.n` images through the tape on sizes, its parameter gradients added to
-/// `grads`: the micro-batch's data, the forward, the backward. Returns the activation bytes held
-/// at the end of the forward and the micro-batch's events.
-pub(super) fn micro_batch(
-    sim: &Shared,
-    c: &Ctx,
-    nodes: &[Node],
-    segments: &[Range<usize>],
-    storage: ActivationStorage,
-    grads: &mut Vec<Option<Sz>>,
-) -> Result<(u64, Vec<EventPrediction>)> {
-    let ops = Sizing::new(sim.clone(), c, nodes);
-    let n = c.n as usize;
-    // The micro-batch as the loop makes it: f32 images and u32 labels.
-    let x = ops.alloc(vec![n, 3, 32, 32], DType::F32);
-    debug_assert_eq!(count(&x.dims[1..]) as usize, IMAGE_BYTES);
-    let y = ops.alloc(vec![n], DType::U32);
-    let host = c.device.is_cpu().then(|| TapeHost {
-        segments: segments.to_vec(),
-        blocks: ops.blocks(),
-        saved: 0,
-    });
-    let tape_bytes = host.as_ref().map_or(0, TapeHost::before_forward);
-    sim.borrow_mut().alloc(tape_bytes);
-    let mut obs = Events {
-        sim: sim.clone(),
-        events: Vec::new(),
-        host,
-        forward: 0,
-        recomputed: 0,
-    };
-    let mut step = LeanStep::on(ops, segments.to_vec(), storage);
-    sim.borrow_mut().phase = Phase::Forward;
-    let (_, tape) = step.forward(&x, &y, 1.0, grads, &mut obs)?;
-    sim.borrow_mut().phase = Phase::Backward;
-    let saved = obs.events.last().map_or(0, |e| e.saved_bytes);
-    step.backward(tape, grads, &mut obs)?;
-    if let Some(t) = &obs.host {
-        // The tape and the step go: the held inputs and records, the head's input shape, both
-        // copies of the segments and the offsets.
-        let inputs = pushed_bytes::<candle_core::Tensor>(segments.len());
-        let seg_bytes = std::mem::size_of_val(segments) as u64;
-        let feat_dims = (4 * std::mem::size_of::<usize>()) as u64;
-        let step_vecs =
-            pushed_bytes::<Range<usize>>(segments.len()) + pushed_bytes::<usize>(t.blocks + 1);
-        sim.borrow_mut()
-            .free(t.saved + inputs + feat_dims + seg_bytes + step_vecs);
+impl Sizing<'_> {
+    /// A batch of `n` images as the trainer makes it: f32 images and u32 labels.
+    pub(super) fn batch(&self, n: usize) -> (Sz, Sz) {
+        let x = self.alloc(vec![n, 3, 32, 32], DType::F32);
+        debug_assert_eq!(count(&x.dims[1..]) as usize, IMAGE_BYTES);
+        (x, self.alloc(vec![n], DType::U32))
     }
-    Ok((saved, obs.events))
 }
 
 /// One evaluation batch of `n` images through the tape's eval-mode forward on sizes
@@ -807,8 +794,7 @@ pub(super) fn eval_batch(
     blocks: usize,
     storage: ActivationStorage,
 ) -> Result<()> {
-    let x = ops.alloc(vec![n, 3, 32, 32], DType::F32);
-    let y = ops.alloc(vec![n], DType::U32);
+    let (x, y) = ops.batch(n);
     // One segment: the evaluation saves nothing and recomputes nothing.
     let segments = crate::model::cnn::segments(blocks, crate::config::Segmentation::NONE);
     let mut step = LeanStep::on(ops, segments, storage);

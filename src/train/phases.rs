@@ -1,9 +1,9 @@
-//! One optimizer step as a plain sequence of phases: for each micro-batch the forward phase and
-//! the backward phase ([`crate::step::tape`], through the one micro-batch loop
-//! [`crate::step::for_each_micro_batch`]), then the optimizer phase. After each phase the CPU
-//! budget is checked, the [`MemoryRecorder`] folds the phase's peak and the callbacks' hook runs
-//! with the records; an error in a phase is named with it. Inside the phases, every layer event
-//! is a reading of the step's memory timeline.
+//! One optimizer step of a run: the core's step ([`crate::step::train::train_step`]) with the
+//! trainer's concerns as its observer ([`StepWatch`]). At every layer's end the memory timeline
+//! records a reading and the CPU budget is checked against its peak; at every phase's end the
+//! [`MemoryRecorder`] folds the phase's peak and the callbacks' hook runs with the records; an
+//! error is named with the phase it happened in. After the update come pruning and the
+//! optimizer's event.
 
 use super::history::StepResult;
 use super::Trainer;
@@ -14,11 +14,12 @@ use crate::error::{CoreError, Error, Result};
 use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
 use crate::memory::{format_bytes, is_device_oom, MemoryLog, MemoryProbe, MemoryRecorder};
 use crate::phase::Phase;
-use crate::step::accumulate::GradAccumulator;
+use crate::step::micro::MicroResult;
+use crate::step::ops::CandleOps;
 use crate::step::optim::one_cycle_lr;
 use crate::step::tape::{LeanStep, StepEvent, StepObserver};
-use crate::step::{for_each_micro_batch, BatchInput, MicroResult};
-use candle_core::{DType, Tensor};
+use crate::step::train::{self, StepSettings, Update};
+use crate::step::BatchInput;
 use std::time::Instant;
 
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
@@ -66,19 +67,6 @@ fn over_budget(
         advice: String::new(),
         report: None,
     })
-}
-
-/// The squared global L2 norm of the gradients; not finite when any gradient is not.
-fn squared_norm(grads: &[Option<Tensor>]) -> Result<f64> {
-    let mut sum = 0f64;
-    for g in grads.iter().flatten() {
-        sum += g
-            .sqr()?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
-    }
-    Ok(sum)
 }
 
 /// The timeline's name of the optimizer event of a step the loss scaler skipped.
@@ -162,43 +150,26 @@ impl StepInfo {
     }
 }
 
-/// The end of a forward or backward phase of micro-batch `micro`: the CPU budget is checked
-/// against the peak since the last boundary, the memory recorder folds that peak into the phase,
-/// and the callbacks' hook runs with the record.
-fn phase_end(
-    callbacks: &mut CallbackList,
-    memory: &mut MemoryRecorder,
-    probe: &dyn MemoryProbe,
-    step: &StepInfo,
-    micro: usize,
-    phase: Phase,
-) -> Result<()> {
-    check_budget(probe, step.epoch, step.batch, phase)?;
-    memory.phase_end(phase);
-    let ctx = step.context(micro, probe, memory.log());
-    match phase {
-        Phase::Forward => callbacks.on_after_forward(&ctx),
-        Phase::Backward => callbacks.on_after_backward(&ctx),
-        Phase::Optimizer | Phase::Eval | Phase::Other => Ok(()),
-    }
-}
-
-/// The memory timeline of a step as its layer events come in: each event's reading, split into
-/// categories, the CPU budget checked against the event's peak, and the callbacks'
-/// `on_layer_end`.
-struct TimelineRecorder<'a> {
+/// The trainer's concerns as the observer of one step: at every layer's end a reading of the
+/// memory timeline (split into categories), the CPU budget checked against its peak, and the
+/// callbacks' `on_layer_end`; at every phase's end the budget checked against the phase's peak,
+/// the memory recorder's fold and the callbacks' `on_after_forward` / `on_after_backward`.
+struct StepWatch<'a> {
     probe: &'a TimelineProbe,
     step: &'a StepInfo,
-    micro: usize,
+    memory: &'a mut MemoryRecorder,
+    callbacks: &'a mut CallbackList,
     /// Categories constant over the step (params, optimizer state, the rest at the start).
     fixed: CategoryBytes,
     events: &'a mut Vec<TimelineEvent>,
-    callbacks: &'a mut CallbackList,
-    /// A callback's error that stopped the step, to report instead of the tape's.
+    /// Where the step is: the micro-batch and the phase running now.
+    micro: usize,
+    phase: Phase,
+    /// A callback's error that stopped the step, to report instead of the step's.
     failed: Option<Error>,
 }
 
-impl TimelineRecorder<'_> {
+impl StepWatch<'_> {
     /// Record an event with the probe's reading; the budget is checked against its peak.
     fn record(
         &mut self,
@@ -244,9 +215,44 @@ impl TimelineRecorder<'_> {
     }
 }
 
-impl StepObserver for TimelineRecorder<'_> {
+impl StepObserver for StepWatch<'_> {
     fn event(&mut self, e: StepEvent<'_>) -> Result<(), CoreError> {
         self.record(e.phase, e.layer, e.saved_bytes, e.grad_bytes)
+    }
+
+    fn phase_end(&mut self, micro: usize, phase: Phase) -> Result<(), CoreError> {
+        let step = self.step;
+        over_budget(
+            self.probe,
+            self.probe.peak(),
+            step.epoch,
+            step.batch,
+            phase.to_string(),
+        )?;
+        self.memory.phase_end(phase);
+        let ctx = step.context(micro, self.probe, self.memory.log());
+        let hook = match phase {
+            Phase::Forward => self.callbacks.on_after_forward(&ctx),
+            _ => self.callbacks.on_after_backward(&ctx),
+        };
+        (self.micro, self.phase) = match phase {
+            Phase::Forward => (micro, Phase::Backward),
+            _ if micro + 1 < step.accum_steps => (micro + 1, Phase::Forward),
+            _ => (micro, Phase::Optimizer),
+        };
+        hook.map_err(|e| stopped(e, format!("on_after_{phase}"), &mut self.failed))
+    }
+}
+
+/// A callback's error `e` kept in `failed` (the step reports it), and the error that stops the
+/// step in its place.
+fn stopped(e: Error, what: String, failed: &mut Option<Error>) -> CoreError {
+    match e {
+        Error::Core(e) => e,
+        e => {
+            *failed = Some(e);
+            CoreError::Stopped(what)
+        }
     }
 }
 
@@ -257,15 +263,9 @@ fn layer_end(
     ctx: &LayerEnd<'_>,
     failed: &mut Option<Error>,
 ) -> Result<(), CoreError> {
-    match callbacks.on_layer_end(ctx) {
-        Ok(()) => Ok(()),
-        Err(Error::Core(e)) => Err(e),
-        Err(e) => {
-            let what = format!("on_layer_end at {} {}", ctx.phase, ctx.layer);
-            *failed = Some(e);
-            Err(CoreError::Stopped(what))
-        }
-    }
+    callbacks.on_layer_end(ctx).map_err(|e| {
+        stopped(e, format!("on_layer_end at {} {}", ctx.phase, ctx.layer), failed)
+    })
 }
 
 /// The CPU budget checked after every layer of the evaluation, as after every layer of a step,
@@ -394,8 +394,23 @@ impl Trainer {
         }
     }
 
-    /// The phases of [`Trainer::train_step`] in order, with their hooks; `events` and
-    /// `start_bytes` receive the timeline as it is made.
+    /// The error a failed step reports: a non-finite loss or gradient with the run's advice, or
+    /// an out-of-memory named with the `phase` it happened in.
+    fn step_error(&self, e: CoreError, phase: Phase, step: &StepInfo, limit: Option<u64>) -> Error {
+        match e {
+            CoreError::NonFinite { what, phase } => Error::NonFinite {
+                what: what.into(),
+                epoch: step.epoch,
+                batch: step.batch,
+                phase: phase.to_string(),
+                advice: self.divergence_advice(),
+            },
+            e => step.name_oom(limit, phase)(e),
+        }
+    }
+
+    /// The step of [`Trainer::train_step`] with its hooks, then pruning and the optimizer's
+    /// event; `events` and `start_bytes` receive the timeline as it is made.
     fn step_phases(
         &mut self,
         step: &StepInfo,
@@ -413,20 +428,103 @@ impl Trainer {
             .on_batch_begin(&step.context(0, &*probe, self.watch.memory.log()))?;
         *start_bytes = probe.current();
         let fixed = self.fixed_categories(*start_bytes);
-        let (loss, correct, grads) = self.forward_backward(step, batch, fixed, events)?;
-        if !loss.is_finite() && self.scaler.is_none() {
-            return Err(Error::NonFinite {
-                what: "loss".into(),
-                epoch: step.epoch,
-                batch: step.batch,
-                phase: "forward".into(),
-                advice: self.divergence_advice(),
-            });
-        }
-        let update = self
-            .apply_update(grads, step)
-            .map_err(step.name_oom(limit, Phase::Optimizer));
-        if update.is_ok() {
+        let clipping = match self.config.optimizer.clip_during {
+            ClipDuring::All => true,
+            ClipDuring::FirstEpoch => step.epoch == 0,
+        };
+        let settings = StepSettings {
+            accum_steps: step.accum_steps,
+            lr: step.lr,
+            clip_grad_norm: self.config.optimizer.clip_grad_norm.filter(|_| clipping),
+        };
+        let k = step.accum_steps;
+        // A captured CUDA graph runs both phases of every micro-batch in one launch.
+        let captured = self.cuda_graph.grads(
+            self,
+            &batch.images,
+            &batch.labels,
+            step.loss_scale.unwrap_or(1.0),
+        );
+        let captured = captured
+            .transpose()
+            .map_err(step.name_oom(limit, Phase::Forward))?;
+        let Trainer {
+            model,
+            config,
+            plan,
+            callbacks,
+            watch,
+            device,
+            optimizer,
+            scaler,
+            ..
+        } = self;
+        let mut obs = StepWatch {
+            probe: &watch.timeline_probe,
+            step,
+            memory: &mut watch.memory,
+            callbacks,
+            fixed,
+            events: &mut *events,
+            micro: 0,
+            phase: Phase::Forward,
+            failed: None,
+        };
+        let ops = CandleOps::new(model, config.memory.precision.compute_dtype());
+        let stepped = match captured {
+            // The captured phases' hooks follow the launch.
+            Some((loss, correct, grads)) => (0..k)
+                .try_for_each(|micro| {
+                    obs.phase_end(micro, Phase::Forward)?;
+                    obs.phase_end(micro, Phase::Backward)
+                })
+                .and_then(|()| match loss.is_finite() || scaler.is_some() {
+                    true => train::update(&ops, grads, optimizer, scaler.as_mut(), settings),
+                    false => Err(CoreError::NonFinite {
+                        what: "loss",
+                        phase: Phase::Forward,
+                    }),
+                })
+                .map(|update| (MicroResult { loss, correct }, update)),
+            None => {
+                let batch = BatchInput::Host {
+                    images: &batch.images,
+                    labels: &batch.labels,
+                    device,
+                };
+                let segments = model.segments(plan.segmentation);
+                train::train_step(
+                    &mut LeanStep::on(ops, segments, plan.storage),
+                    optimizer,
+                    scaler.as_mut(),
+                    settings,
+                    |i| batch.micro_batch(i, k),
+                    &mut obs,
+                )
+            }
+        };
+        let (failed, phase) = (obs.failed.take(), obs.phase);
+        let stepped = match stepped {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                // A failure before the update has no optimizer event.
+                let before_update = phase != Phase::Optimizer
+                    || matches!(e, CoreError::NonFinite { phase: Phase::Forward, .. });
+                let e = failed.unwrap_or_else(|| self.step_error(e, phase, step, limit));
+                match before_update {
+                    true => return Err(e),
+                    false => Err(e),
+                }
+            }
+        };
+        // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
+        let stepped = stepped.and_then(|r| {
+            if let Some(p) = self.pruner.as_mut() {
+                p.after_step(self.position.global_step + 1, &self.vars, &mut self.optimizer)?;
+            }
+            Ok(r)
+        });
+        if stepped.is_ok() {
             self.device.synchronize()?;
         }
         // The update's event goes on the timeline before its budget is judged, so that an
@@ -438,10 +536,9 @@ impl Trainer {
             index: events.len(),
             phase: Phase::Optimizer,
             // A step the loss scaler skipped has no update (and no prediction).
-            layer: if matches!(update, Ok((true, _))) {
-                SKIPPED_UPDATE.into()
-            } else {
-                "optimizer".into()
+            layer: match &stepped {
+                Ok((_, Update { skipped: true, .. })) => SKIPPED_UPDATE.into(),
+                _ => "optimizer".into(),
             },
             micro_batch: step.accum_steps - 1,
             current_bytes: current,
@@ -451,7 +548,7 @@ impl Trainer {
             predicted_current_bytes: None,
             end_us: Some(step.started.elapsed().as_micros() as u64),
         });
-        let (skipped, grad_norm) = update?;
+        let (r, update) = stepped?;
         check_budget(&*probe, step.epoch, step.batch, Phase::Optimizer)?;
         let event = events.last().expect("the update's event");
         self.callbacks.on_layer_end(&LayerEnd {
@@ -471,160 +568,20 @@ impl Trainer {
             .memory
             .step_end(step.epoch, step.batch, step.global_step);
         let end = BatchInfo {
-            loss: Some(loss),
-            correct: Some(correct),
-            skipped,
+            loss: Some(r.loss),
+            correct: Some(r.correct),
+            skipped: update.skipped,
             step_secs: Some(t0.elapsed().as_secs_f64()),
-            grad_norm: Some(grad_norm),
+            grad_norm: Some(update.grad_norm),
             ..step.context(step.accum_steps - 1, &*probe, self.watch.memory.log())
         };
         self.callbacks.on_batch_end(&end)?;
         Ok(StepResult {
-            loss,
-            correct,
+            loss: r.loss,
+            correct: r.correct,
             images: batch.len,
-            skipped,
+            skipped: update.skipped,
             lr: step.lr,
         })
-    }
-
-    /// The forward and backward phases of every micro-batch of a batch (the loss multiplied by
-    /// the loss scale, the gradients still scaled): `(mean loss, correct, f32 gradients)`.
-    fn forward_backward(
-        &mut self,
-        step: &StepInfo,
-        batch: &Batch,
-        fixed: CategoryBytes,
-        events: &mut Vec<TimelineEvent>,
-    ) -> Result<(f64, usize, Vec<Option<Tensor>>)> {
-        let limit = self.config.memory.memory_limit;
-        let k = step.accum_steps;
-        if let Some(r) = self.cuda_graph.grads(
-            self,
-            &batch.images,
-            &batch.labels,
-            step.loss_scale.unwrap_or(1.0),
-        ) {
-            // One launch ran both phases of every micro-batch; their hooks follow it.
-            let r = r.map_err(step.name_oom(limit, Phase::Forward))?;
-            let probe = self.watch.probe.clone();
-            for micro in 0..k {
-                for phase in [Phase::Forward, Phase::Backward] {
-                    phase_end(
-                        &mut self.callbacks,
-                        &mut self.watch.memory,
-                        &*probe,
-                        step,
-                        micro,
-                        phase,
-                    )?;
-                }
-            }
-            return Ok(r);
-        }
-        let mut acc = GradAccumulator::new(self.vars.len());
-        // The lean step borrows the model while the hooks borrow the callbacks and the recorder:
-        // disjoint fields.
-        let Trainer {
-            model,
-            config,
-            plan,
-            callbacks,
-            watch,
-            device,
-            ..
-        } = self;
-        let (memory, probe, timeline_probe) =
-            (&mut watch.memory, &watch.probe, &watch.timeline_probe);
-        let batch = BatchInput::Host {
-            images: &batch.images,
-            labels: &batch.labels,
-            device,
-        };
-        let results = for_each_micro_batch(batch, k, step.loss_scale.unwrap_or(1.0), |mb| {
-            let mut lean = LeanStep::new(
-                model,
-                config.memory.precision.compute_dtype(),
-                model.segments(plan.segmentation),
-                plan.storage,
-            );
-            let mut timeline = TimelineRecorder {
-                probe: timeline_probe,
-                step,
-                micro: mb.index,
-                fixed,
-                events: &mut *events,
-                callbacks: &mut *callbacks,
-                failed: None,
-            };
-            let forward = lean.forward(&mb.x, &mb.y, mb.loss_mult, &acc, &mut timeline);
-            let (r, tape) = forward.map_err(|e| {
-                (timeline.failed.take()).unwrap_or_else(|| step.name_oom(limit, Phase::Forward)(e))
-            })?;
-            let cbs = &mut *timeline.callbacks;
-            phase_end(cbs, memory, &**probe, step, mb.index, Phase::Forward)?;
-            let backward = lean.backward(tape, &mut acc, &mut timeline);
-            backward.map_err(|e| {
-                (timeline.failed.take()).unwrap_or_else(|| step.name_oom(limit, Phase::Backward)(e))
-            })?;
-            let cbs = &mut *timeline.callbacks;
-            phase_end(cbs, memory, &**probe, step, mb.index, Phase::Backward)?;
-            Ok::<_, Error>(r)
-        })?;
-        let r = MicroResult::mean(&results);
-        Ok((r.loss, r.correct, acc.into_grads()))
-    }
-
-    /// The optimizer phase: unscale (f16), check finiteness, clip, step. Returns whether the loss
-    /// scaler skipped the step, and the gradients' global norm before clipping.
-    fn apply_update(&mut self, grads: Vec<Option<Tensor>>, step: &StepInfo) -> Result<(bool, f64)> {
-        let grads = match step.loss_scale {
-            Some(s) => crate::step::precision::unscale(grads, s)?,
-            None => grads,
-        };
-        let squared = squared_norm(&grads)?;
-        let finite = squared.is_finite();
-        // Clipping by the global norm (PyTorch's `clip_grad_norm_`): the whole step shrinks, its
-        // direction is kept. A non-finite step is left to the scaler or the error below.
-        let clipping = match self.config.optimizer.clip_during {
-            ClipDuring::All => true,
-            ClipDuring::FirstEpoch => step.epoch == 0,
-        };
-        let grads = match self.config.optimizer.clip_grad_norm {
-            Some(max) if clipping && finite && squared.sqrt() > max => {
-                let factor = max / squared.sqrt();
-                grads
-                    .into_iter()
-                    .map(|g| g.map(|g| g * factor).transpose())
-                    .collect::<candle_core::Result<Vec<_>>>()?
-            }
-            _ => grads,
-        };
-        let apply = match self.scaler.as_mut() {
-            Some(s) => s.update(finite),
-            None if !finite => {
-                return Err(Error::NonFinite {
-                    what: "gradient".into(),
-                    epoch: step.epoch,
-                    batch: step.batch,
-                    phase: "backward".into(),
-                    advice: self.divergence_advice(),
-                })
-            }
-            None => true,
-        };
-        if apply {
-            self.optimizer.step(&self.vars, &grads, step.lr)?;
-        }
-        drop(grads);
-        // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
-        if let Some(p) = self.pruner.as_mut() {
-            p.after_step(
-                self.position.global_step + 1,
-                &self.vars,
-                &mut self.optimizer,
-            )?;
-        }
-        Ok((!apply, squared.sqrt()))
     }
 }

@@ -207,6 +207,33 @@ impl Cnn {
         out
     }
 
+    /// Trainable parameter `i`, in the order of [`Cnn::named_vars`] (no list is built).
+    ///
+    /// # Panics
+    /// When `i` is not below [`Cnn::param_count`].
+    pub fn var(&self, i: usize) -> &Var {
+        let mut i = i;
+        for b in &self.blocks {
+            let conv = b.conv.var_count();
+            match i {
+                i if i < conv => return b.conv.var(i),
+                i if i == conv => return &b.bn.gamma,
+                i if i == conv + 1 => return &b.bn.beta,
+                _ => i -= conv + 2,
+            }
+        }
+        match i {
+            0 => &self.head_w,
+            1 => &self.head_b,
+            _ => panic!("the model has {} parameters", self.param_count()),
+        }
+    }
+
+    /// Number of trainable parameter tensors.
+    pub fn param_count(&self) -> usize {
+        self.blocks.iter().map(|b| b.conv.var_count() + 2).sum::<usize>() + 2
+    }
+
     /// The trainable parameters, in the order of [`Cnn::named_vars`].
     pub fn vars(&self) -> Vec<Var> {
         self.named_vars().into_iter().map(|(_, v)| v).collect()

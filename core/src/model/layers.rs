@@ -87,6 +87,24 @@ impl ConvLayer {
         }
     }
 
+    /// Parameters of the layer: 1 dense, 2 separable.
+    pub fn var_count(&self) -> usize {
+        match self {
+            ConvLayer::Standard { .. } => 1,
+            ConvLayer::Separable { .. } => 2,
+        }
+    }
+
+    /// Parameter `i` of the layer, in the order of [`ConvLayer::vars`].
+    pub fn var(&self, i: usize) -> &Var {
+        match (self, i) {
+            (ConvLayer::Standard { w }, 0) => w,
+            (ConvLayer::Separable { dw, .. }, 0) => dw,
+            (ConvLayer::Separable { pw, .. }, 1) => pw,
+            _ => panic!("a conv layer has {} parameters", self.var_count()),
+        }
+    }
+
     /// The layer's weights as `f` makes each of them (a cast, a detached view, a size).
     pub fn weights<T>(&self, f: impl Fn(&Var) -> Result<T>) -> Result<ConvWeights<T>> {
         Ok(match self {

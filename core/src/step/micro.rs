@@ -82,6 +82,24 @@ impl BatchInput<'_> {
         }
     }
 
+    /// Micro-batch `index` of the `k` equal ones the batch splits into, on the device. A batch
+    /// that does not split into `k` equal parts is a usage error.
+    pub fn micro_batch(&self, index: usize, k: usize) -> Result<(Tensor, Tensor)> {
+        let size = self.micro_len(k)?;
+        self.slice(index * size, size)
+    }
+
+    /// Images per micro-batch when the batch is split into `k`.
+    fn micro_len(&self, k: usize) -> Result<usize> {
+        let n = self.len()?;
+        if k == 0 || !n.is_multiple_of(k) {
+            return Err(Error::config(format!(
+                "a batch of {n} images cannot be split into {k} micro-batches"
+            )));
+        }
+        Ok(n / k)
+    }
+
     /// Images and labels `start..start + len` on the device.
     fn slice(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
         Ok(match self {
@@ -125,14 +143,7 @@ pub fn for_each_micro_batch<R, E: From<Error>>(
     loss_scale: f64,
     mut work: impl FnMut(MicroBatch) -> Result<R, E>,
 ) -> Result<Vec<R>, E> {
-    let n = batch.len()?;
-    if k == 0 || !n.is_multiple_of(k) {
-        return Err(Error::config(format!(
-            "a batch of {n} images cannot be split into {k} micro-batches"
-        ))
-        .into());
-    }
-    let size = n / k;
+    let size = batch.micro_len(k)?;
     let loss_mult = loss_scale / k as f64;
     let mut results = Vec::with_capacity(k);
     for index in 0..k {

@@ -29,5 +29,6 @@ pub mod oracle;
 pub mod precision;
 pub mod stream;
 pub mod tape;
+pub mod train;
 
 pub use micro::{for_each_micro_batch, BatchInput, MicroResult};

@@ -198,10 +198,33 @@ pub trait StepOps {
     /// gradient (evaluation).
     fn loss(&self, logits: &Self::T, labels: &Self::T) -> Result<MicroResult>;
 
+    /// Empty gradient buffers, one slot per parameter.
+    fn new_grads(&self) -> Self::Grads;
     /// Add the gradient of parameter `i` into `grads`.
     fn add_grad(&self, grads: &mut Self::Grads, i: usize, g: Self::T) -> Result<()>;
     /// Bytes of the gradient buffers held now.
     fn grad_bytes(&self, grads: &Self::Grads) -> u64;
+    /// The summed gradients, one per parameter (None for a parameter that got none).
+    fn grad_list(&self, grads: Self::Grads) -> Vec<Option<Self::T>>;
+
+    // The optimizer's ops ([`super::optim`]), on f32 parameters and their gradients.
+
+    /// Parameter `i` (an f32 master weight, in [`Cnn::vars`]' order), detached.
+    fn param(&self, i: usize) -> Self::T;
+    /// `value` written over parameter `i`, in place.
+    fn set_param(&self, i: usize, value: &Self::T) -> Result<()>;
+    /// `x · mul + add` into a new tensor.
+    fn affine(&self, x: &Self::T, mul: f64, add: f64) -> Result<Self::T>;
+    /// `a − b` into a new tensor.
+    fn sub(&self, a: &Self::T, b: &Self::T) -> Result<Self::T>;
+    /// `a / b` into a new tensor.
+    fn div(&self, a: &Self::T, b: &Self::T) -> Result<Self::T>;
+    /// `x²` into a new tensor.
+    fn sqr(&self, x: &Self::T) -> Result<Self::T>;
+    /// `√x` into a new tensor.
+    fn sqrt(&self, x: &Self::T) -> Result<Self::T>;
+    /// `Σ x²`, read on the host.
+    fn sum_squares(&self, x: &Self::T) -> Result<f64>;
 }
 
 /// The tape on Candle tensors: the model's parameters on its device and memtrain's kernels.
@@ -250,7 +273,7 @@ impl StepOps for CandleOps<'_> {
         self.model.blocks[j].pool
     }
     fn conv_params(&self, j: usize) -> usize {
-        self.model.blocks[j].conv.vars().len()
+        self.model.blocks[j].conv.var_count()
     }
 
     fn streams(&self) -> bool {
@@ -450,11 +473,45 @@ impl StepOps for CandleOps<'_> {
         })
     }
 
+    fn new_grads(&self) -> GradAccumulator {
+        GradAccumulator::new(self.model.param_count())
+    }
     fn add_grad(&self, grads: &mut GradAccumulator, i: usize, g: Tensor) -> Result<()> {
         grads.add(i, g)
     }
     fn grad_bytes(&self, grads: &GradAccumulator) -> u64 {
         grads.bytes()
+    }
+    fn grad_list(&self, grads: GradAccumulator) -> Vec<Option<Tensor>> {
+        grads.into_grads()
+    }
+
+    fn param(&self, i: usize) -> Tensor {
+        self.model.var(i).as_detached_tensor()
+    }
+    fn set_param(&self, i: usize, value: &Tensor) -> Result<()> {
+        Ok(self.model.var(i).set(value)?)
+    }
+    fn affine(&self, x: &Tensor, mul: f64, add: f64) -> Result<Tensor> {
+        Ok(x.affine(mul, add)?)
+    }
+    fn sub(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Ok((a - b)?)
+    }
+    fn div(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Ok((a / b)?)
+    }
+    fn sqr(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.sqr()?)
+    }
+    fn sqrt(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.sqrt()?)
+    }
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        Ok(x.sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?)
     }
 }
 

@@ -3,12 +3,14 @@
 //! Written here rather than taken from candle-nn because candle-nn's SGD has no momentum, and a
 //! resumable run needs the optimizer state (momentum buffers, Adam moments) as named tensors.
 
+use super::ops::StepOps;
 use crate::error::{Error, Result};
 use crate::options::OptimizerKind;
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
-/// An optimizer with its per-parameter state.
-pub struct Optimizer {
+/// An optimizer with its per-parameter state: tensors for training, sizes for the estimate,
+/// which runs [`Optimizer::step`] on the same ops.
+pub struct Optimizer<T = Tensor> {
     kind: OptimizerKind,
     momentum: f64,
     weight_decay: f64,
@@ -17,12 +19,12 @@ pub struct Optimizer {
     /// Steps applied so far (Adam bias correction).
     pub steps: usize,
     /// First state slot per parameter: SGD momentum buffer or Adam first moment.
-    state1: Vec<Option<Tensor>>,
+    state1: Vec<Option<T>>,
     /// Second state slot per parameter: Adam second moment.
-    state2: Vec<Option<Tensor>>,
+    state2: Vec<Option<T>>,
 }
 
-impl Optimizer {
+impl<T: Clone> Optimizer<T> {
     /// SGD with Nesterov momentum and coupled weight decay (PyTorch's `SGD(nesterov=True)`), or
     /// AdamW with beta1 = `momentum`, beta2 = 0.999 and decoupled weight decay.
     pub fn new(kind: OptimizerKind, n_params: usize, momentum: f64, weight_decay: f64) -> Self {
@@ -38,64 +40,89 @@ impl Optimizer {
         }
     }
 
-    /// Apply one update with learning rate `lr`; `grads` are f32, aligned with `params`.
-    /// Parameters without a gradient are left unchanged.
-    pub fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
-        if params.len() != grads.len() || params.len() != self.state1.len() {
+    /// Apply one update with learning rate `lr` to the parameters of `o`; `grads` are f32, one
+    /// per parameter. Parameters without a gradient are left unchanged. One parameter at a
+    /// time: its temporaries are freed before the next one's are made.
+    pub fn step<O: StepOps<T = T>>(&mut self, o: &O, grads: &[Option<T>], lr: f64) -> Result<()> {
+        if grads.len() != self.state1.len() {
             return Err(Error::State(format!(
-                "optimizer has state for {} parameters but got {} parameters and {} gradients",
+                "optimizer has state for {} parameters but got {} gradients",
                 self.state1.len(),
-                params.len(),
                 grads.len()
             )));
         }
         self.steps += 1;
         let (m, wd) = (self.momentum, self.weight_decay);
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+        for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else { continue };
-            // State tensors must not carry a graph: a momentum buffer built from the previous
-            // one would otherwise chain every step's buffers together.
-            let w = p.as_detached_tensor();
-            let w = &w;
+            let w = &o.param(i);
+            // Each temporary is dropped where Candle's operators would consume it, so that no
+            // more parameter-sized buffers are alive at once than the update needs.
             let new = match self.kind {
                 OptimizerKind::Sgd => {
                     let g = if wd > 0.0 {
-                        (g + (w * wd)?)?
+                        o.add(g, &o.affine(w, wd, 0.0)?)?
                     } else {
                         g.clone()
                     };
                     let buf = match self.state1[i].take() {
-                        Some(b) => ((b * m)? + &g)?,
+                        Some(b) => {
+                            let bm = o.affine(&b, m, 0.0)?;
+                            drop(b);
+                            o.add(&bm, &g)?
+                        }
                         None => g.clone(),
                     };
-                    let d = (g + (&buf * m)?)?;
-                    self.state1[i] = Some(buf.detach());
-                    (w - (d * lr)?)?
+                    let d = o.add(&g, &o.affine(&buf, m, 0.0)?)?;
+                    drop(g);
+                    self.state1[i] = Some(buf);
+                    let step = o.affine(&d, lr, 0.0)?;
+                    drop(d);
+                    o.sub(w, &step)?
                 }
                 OptimizerKind::Adamw => {
                     let b2 = self.beta2;
                     let m1 = match self.state1[i].take() {
-                        Some(s) => ((s * m)? + (g * (1.0 - m))?)?,
-                        None => (g * (1.0 - m))?,
+                        Some(s) => {
+                            let sm = o.affine(&s, m, 0.0)?;
+                            drop(s);
+                            o.add(&sm, &o.affine(g, 1.0 - m, 0.0)?)?
+                        }
+                        None => o.affine(g, 1.0 - m, 0.0)?,
                     };
+                    let g2 = || -> Result<T> { o.affine(&o.sqr(g)?, 1.0 - b2, 0.0) };
                     let v = match self.state2[i].take() {
-                        Some(s) => ((s * b2)? + (g.sqr()? * (1.0 - b2))?)?,
-                        None => (g.sqr()? * (1.0 - b2))?,
+                        Some(s) => {
+                            let sb = o.affine(&s, b2, 0.0)?;
+                            drop(s);
+                            o.add(&sb, &g2()?)?
+                        }
+                        None => g2()?,
                     };
                     let t = self.steps as i32;
-                    let mhat = (&m1 / (1.0 - m.powi(t)))?;
-                    let vhat = (&v / (1.0 - b2.powi(t)))?;
-                    let upd = (mhat / (vhat.sqrt()? + self.eps)?)?;
-                    self.state1[i] = Some(m1.detach());
-                    self.state2[i] = Some(v.detach());
-                    ((w * (1.0 - lr * wd))? - (upd * lr)?)?
+                    let mhat = o.affine(&m1, 1.0 / (1.0 - m.powi(t)), 0.0)?;
+                    let vhat = o.affine(&v, 1.0 / (1.0 - b2.powi(t)), 0.0)?;
+                    let upd = {
+                        let den = o.affine(&o.sqrt(&vhat)?, 1.0, self.eps)?;
+                        let u = o.div(&mhat, &den)?;
+                        drop(mhat);
+                        u
+                    };
+                    self.state1[i] = Some(m1);
+                    self.state2[i] = Some(v);
+                    let decayed = o.affine(w, 1.0 - lr * wd, 0.0)?;
+                    let step = o.affine(&upd, lr, 0.0)?;
+                    drop(upd);
+                    o.sub(&decayed, &step)?
                 }
             };
-            p.set(&new)?;
+            o.set_param(i, &new)?;
         }
         Ok(())
     }
+}
 
+impl Optimizer {
     /// Zero the state of parameter `index` where `mask` (u8, the parameter's shape) is 0, so a
     /// pruned weight carries no momentum (or Adam moments) into later steps (magnitude pruning).
     pub fn mask_state(&mut self, index: usize, mask: &Tensor) -> Result<()> {

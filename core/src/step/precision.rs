@@ -1,6 +1,7 @@
 //! Mixed precision, in one place: the dtype the forward and backward compute in
 //! ([`Precision::compute_dtype`]; the tape casts the f32 master weights to it, and the head runs
-//! in f32), and for f16 the dynamic loss scaler and the unscaling of the gradients ([`unscale`]).
+//! in f32), and for f16 the dynamic loss scaler (the step unscales the gradients:
+//! [`super::train::update`]).
 //!
 //! f16 has 5 exponent bits: gradients below ~6e-8 flush to zero. Scaling the loss by S scales
 //! every gradient by S, keeping small gradients representable; the optimizer sees the
@@ -8,9 +9,8 @@
 //! skipped and S halved; after `growth_interval` finite steps in a row S doubles.
 //! bf16 has f32's exponent range and needs no scaler.
 
-use crate::error::Result;
 use crate::options::Precision;
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 impl Precision {
@@ -22,14 +22,6 @@ impl Precision {
             Precision::Bf16 => DType::BF16,
         }
     }
-}
-
-/// The f32 gradients of a step whose loss was multiplied by `scale`, divided by it again.
-pub fn unscale(grads: Vec<Option<Tensor>>, scale: f64) -> Result<Vec<Option<Tensor>>> {
-    Ok(grads
-        .into_iter()
-        .map(|g| g.map(|g| g * (1.0 / scale)).transpose())
-        .collect::<candle_core::Result<Vec<_>>>()?)
 }
 
 /// Dynamic loss scaler (the scheme of PyTorch's `GradScaler` and NVIDIA Apex).

@@ -59,13 +59,18 @@ pub struct StepEvent<'a> {
     pub grad_bytes: u64,
 }
 
-/// Receives the step's layer events (after each layer's forward and backward): the trainer reads
-/// the memory probe there, records the timeline and checks the memory budget; the estimate
-/// records its predicted bytes. The phase boundaries are not events: the step's caller sees them,
-/// since [`LeanStep::forward`] and [`LeanStep::backward`] are separate calls.
+/// Sees the step as it runs ([`super::train`]): each layer's end (after its forward and its
+/// backward) and each micro-batch's phase end. The trainer reads the memory probe there, records
+/// the timeline, checks the memory budget and calls the user's callbacks; the estimate records
+/// its predicted bytes. An error stops the step.
 pub trait StepObserver {
     /// A layer finished.
     fn event(&mut self, _e: StepEvent<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// The forward or the backward phase of micro-batch `micro` finished.
+    fn phase_end(&mut self, _micro: usize, _phase: Phase) -> Result<()> {
         Ok(())
     }
 }
@@ -199,6 +204,11 @@ impl<O: StepOps> LeanStep<O> {
             storage,
             chunk: stream::StreamChunk::default(),
         }
+    }
+
+    /// The ops the step computes with.
+    pub fn ops(&self) -> &O {
+        &self.o
     }
 
     fn emit(

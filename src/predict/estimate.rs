@@ -9,16 +9,13 @@
 //! memory timeline ([`Estimate::events`], matched to `step_timeline.json` by the trainer).
 //!
 //! It is derived from the model's layer list ([`model_layer_specs`], the same list as
-//! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)) and from the step itself: the lean step's
-//! tape (`core/src/step/tape.rs`) runs on sizes (`sizing.rs`), each op allocating its result and
-//! spiking its scratch as the kernel sizes it, each buffer freed when the tape drops its last
-//! handle. What the tape keeps, recomputes and frees, and in which order, is therefore the step's
-//! own, not a copy of it. Around the micro-batches the estimate adds:
+//! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)) and from the step itself: the core's
+//! whole step ([`crate::step::train::train_step`]: the micro-batches on the tape, then the update
+//! and the optimizer) runs on sizes (`sizing.rs`), each op allocating its result and spiking its
+//! scratch as the kernel sizes it, each buffer freed when the step drops its last handle. What the
+//! step keeps, recomputes and frees, and in which order, is therefore the step's own, not a copy
+//! of it. Around the step the estimate adds what the trainer holds besides it:
 //!
-//! - **Accumulation**: the first micro-batch's gradients are the buffers; later ones are added in
-//!   place and dropped (the tape's `add_grad`).
-//! - **Optimizer** (`core/src/step/optim.rs`): SGD keeps one f32 momentum buffer per parameter, AdamW
-//!   two; the update's temporaries are a few parameter-sized tensors, one parameter at a time.
 //! - **Pruning** (`--prune`, `src/train/prune.rs`): one u8 mask per pruned weight (conv and head
 //!   weights), allocated with the model, so part of the baseline; after the update, with the
 //!   gradients freed, one layer at a time: recomputing a mask copies the weights to the host
@@ -40,16 +37,11 @@ use super::baseline::RUNTIME_OVERHEAD_BYTES;
 pub use super::baseline::{Baseline, DataSize};
 use super::checkpointing::{pick, recompute_flops, Candidate};
 pub use super::events::EventPrediction;
+use super::events::Events;
 use super::margin::{heap_limit, SAFETY_MARGIN};
 pub use super::sim::DeviceKind;
 use super::sim::*;
-use super::events::Events;
 use super::sizing::{Sizing, Sz};
-use crate::phase::Phase;
-use crate::step::optim::Optimizer;
-use crate::step::precision::LossScaler;
-use crate::step::tape::LeanStep;
-use crate::step::train::{train_step, StepSettings};
 use crate::config::{
     ActivationStorage, CompressActivations, ConvKind, GradCheckpointing, OptimizerKind, Precision,
     TrainConfig,
@@ -58,6 +50,11 @@ use crate::data::IMAGE_BYTES;
 use crate::error::Result;
 use crate::model::cnn::segments;
 use crate::model::LayerSpec;
+use crate::phase::Phase;
+use crate::step::optim::Optimizer;
+use crate::step::precision::LossScaler;
+use crate::step::tape::LeanStep;
+use crate::step::train::{train_step, StepSettings};
 
 /// Transient bytes per weight of the largest pruned layer while its mask is recomputed and applied
 /// (`src/train/prune.rs`): on the CPU the f32 host copy (4), the sort key (8) and the new mask (1);
@@ -764,7 +761,11 @@ fn run_steps<'a>(
         let step_vectors = obs.host.as_ref().map_or(0, |t| t.step_vectors());
         sim.borrow_mut()
             .alloc(sizes.grad_slots + obs.results + step_vectors);
-        let mut lean = LeanStep::on(Sizing::new(sim.clone(), ctx, nodes), segments.to_vec(), ctx.storage);
+        let mut lean = LeanStep::on(
+            Sizing::new(sim.clone(), ctx, nodes),
+            segments.to_vec(),
+            ctx.storage,
+        );
         let inputs = Sizing::new(sim.clone(), ctx, nodes);
         let per_forward = obs.host.as_ref().map_or(0, |t| t.before_forward());
         let micro_batch = |_| {

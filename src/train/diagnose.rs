@@ -7,6 +7,19 @@ use crate::memory::timeline::{StepTimeline, OOM_REPORT_FILE};
 use serde::Serialize;
 
 impl Trainer {
+    /// An out-of-memory step's error with its advice; when the run writes reports, its report
+    /// and memory snapshot are written and named.
+    pub(super) fn report_oom(&mut self, e: Error, timeline: StepTimeline) -> Error {
+        let e = self.advise_oom(e);
+        if !self.files.oom_report {
+            return e;
+        }
+        // After the JSON snapshot, which makes the run directory if need be.
+        let e = self.write_oom_report(e, timeline.clone());
+        self.write_oom_pickle(&timeline);
+        e
+    }
+
     /// Write [`OOM_REPORT_FILE`] for a step that ran out of memory and return the error
     /// naming it; when the report cannot be written, the error says so and stays as it was.
     pub(super) fn write_oom_report(&self, e: Error, timeline: StepTimeline) -> Error {

@@ -1,11 +1,11 @@
 //! The training loop: epochs of steps, an evaluation after each epoch, a snapshot at each epoch
 //! end (and every `--save-every` steps), and the callbacks' hooks around all of it. The step is
-//! [`super::phases`]; resuming, failure reports, pruning and the summary are their own modules,
+//! [`super::step`]; resuming, failure reports, pruning and the summary are their own modules,
 //! which the loop calls.
 
 use super::history::EpochProgress;
-use super::phases::EvalBudget;
 use super::summary::Summary;
+use super::watch::EvalBudget;
 use super::Trainer;
 use crate::callbacks::{Callback, EpochBegin, EpochEnd, EpochStats, TrainBegin, TrainEnd};
 use crate::data::{Batcher, BatcherOptions, Dataset};

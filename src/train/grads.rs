@@ -7,7 +7,8 @@ use crate::error::Result;
 use crate::step::accumulate::GradAccumulator;
 use crate::step::ops::CandleOps;
 use crate::step::tape::{LeanStep, NoObserver};
-use crate::step::{for_each_micro_batch, BatchInput, MicroResult};
+use crate::step::train;
+use crate::step::{BatchInput, MicroResult};
 use candle_core::Tensor;
 
 impl Trainer {
@@ -31,13 +32,12 @@ impl Trainer {
         if let Some(r) = self.cuda_graph.grads(self, images, labels, 1.0) {
             return r.map(|(loss, _, grads)| (loss, grads));
         }
-        let mut acc = GradAccumulator::new(self.vars.len());
         let batch = self.host_batch(images, labels);
-        let results = for_each_micro_batch(batch, self.config.steps.accum_steps, 1.0, |mb| {
-            self.lean_step()
-                .run(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
-        })?;
-        Ok((MicroResult::mean(&results).loss, acc.into_grads()))
+        let k = self.config.steps.accum_steps;
+        let micro_batch = |i| batch.micro_batch(i, k);
+        let (r, grads) =
+            train::gradients(&mut self.lean_step(), k, 1.0, micro_batch, &mut NoObserver)?;
+        Ok((r.loss, grads))
     }
 
     /// [`Trainer::compute_grads`] through Candle's autograd instead of the lean step: the oracle
@@ -49,18 +49,21 @@ impl Trainer {
     ) -> Result<(f64, Vec<Option<Tensor>>)> {
         let mut acc = GradAccumulator::new(self.vars.len());
         let batch = self.host_batch(images, labels);
-        let results = for_each_micro_batch(batch, self.config.steps.accum_steps, 1.0, |mb| {
-            crate::step::oracle::forward_backward(
+        let k = self.config.steps.accum_steps;
+        let mut results = Vec::with_capacity(k);
+        for i in 0..k {
+            let (x, y) = batch.micro_batch(i, k)?;
+            results.push(crate::step::oracle::forward_backward(
                 &self.model,
                 &self.vars,
-                &mb.x,
-                &mb.y,
+                &x,
+                &y,
                 self.config.memory.precision.compute_dtype(),
                 self.plan.segmentation,
-                mb.loss_mult,
+                1.0 / k as f64,
                 &mut acc,
-            )
-        })?;
+            )?);
+        }
         Ok((MicroResult::mean(&results).loss, acc.into_grads()))
     }
 

@@ -207,7 +207,7 @@ mod cuda {
     use crate::error::{Error, Result};
     use crate::step::accumulate::GradAccumulator;
     use crate::step::tape::{LeanStep, NoObserver};
-    use crate::step::{for_each_micro_batch, BatchInput};
+    use crate::step::BatchInput;
     use crate::train::Trainer;
 
     /// What the captured body returns: device tensors that a replay rewrites in place.
@@ -263,13 +263,16 @@ mod cuda {
                 x: &self.x,
                 y: &self.y,
             };
-            let results =
-                for_each_micro_batch(batch, t.config.steps.accum_steps, loss_scale, |mb| {
-                    let segments = t.model.segments(t.plan.segmentation);
-                    LeanStep::new(&t.model, dtype, segments, t.plan.storage)
-                        .with_stats_in_place()
-                        .run_deferred(&mb.x, &mb.y, mb.loss_mult, &mut acc, &mut NoObserver)
-                })?;
+            let k = t.config.steps.accum_steps;
+            let segments = t.model.segments(t.plan.segmentation);
+            let mut lean =
+                LeanStep::new(&t.model, dtype, segments, t.plan.storage).with_stats_in_place();
+            let mut results = Vec::with_capacity(k);
+            for i in 0..k {
+                let (x, y) = batch.micro_batch(i, k)?;
+                let mult = loss_scale / k as f64;
+                results.push(lean.run_deferred(&x, &y, mult, &mut acc, &mut NoObserver)?);
+            }
             let (losses, corrects) = results.into_iter().map(|r| (r.loss, r.correct)).unzip();
             Ok(Outputs {
                 losses,

@@ -3,7 +3,7 @@
 //!
 //! - [`trainer`]: a run and how it is built from a [`crate::TrainConfig`];
 //! - [`fit`]: the training loop (epochs, evaluation, snapshots, callbacks);
-//! - [`phases`]: one optimizer step as phases with memory readings and hooks;
+//! - `step`: one optimizer step, the core's with the trainer's concerns as its observer (`watch`);
 //! - [`resume`], [`state`], [`snapshot`], [`history`]: save/resume — the run's [`TrainState`],
 //!   taken and put back, and its storage in the run directory (`snapshot_load`: reading one back);
 //! - [`diagnose`]: out-of-memory snapshots and divergence advice;
@@ -15,16 +15,17 @@ pub mod fit;
 pub mod grads;
 pub mod graph;
 pub mod history;
-pub mod phases;
 pub mod prune;
 pub mod resume;
 pub mod run_dir;
 pub mod snapshot;
 mod snapshot_load;
 pub mod state;
+mod step;
 pub mod summary;
 pub mod trainer;
 pub mod viewers;
+mod watch;
 
 pub use state::TrainState;
 pub use summary::{

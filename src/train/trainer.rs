@@ -2,11 +2,11 @@
 //! callbacks and the run directory, from a [`TrainConfig`].
 //!
 //! Where the rest of the run lives: the epoch loop in [`super::fit`], the phased step in
-//! [`super::phases`] (the step itself is [`crate::step`]), taking and putting back the run's
+//! `super::step` (the step itself is [`crate::step::train`]; its observer `super::watch`), taking and putting back the run's
 //! [`super::TrainState`] in [`super::resume`], failure reports in [`super::diagnose`], the summary
 //! in [`super::summary`] and pruning's end of run in [`super::prune`].
 
-use super::phases::SKIPPED_UPDATE;
+use super::watch::{MemoryWatch, SKIPPED_UPDATE};
 use crate::callbacks::{
     Callback, CallbackList, MetricsLogger, ProgressCallback, TensorBoardLogger,
 };
@@ -101,19 +101,6 @@ pub struct Position {
     pub steps_per_epoch: usize,
     /// Optimizer steps of the whole run.
     pub total_steps: usize,
-}
-
-/// What a run reads and records of memory.
-pub(crate) struct MemoryWatch {
-    pub(crate) probe: Arc<dyn MemoryProbe>,
-    /// The same probe, typed: the step splits its watermark at every layer event.
-    pub(crate) timeline_probe: Arc<TimelineProbe>,
-    /// The memory timeline of the newest step.
-    pub(crate) timeline: StepTimeline,
-    /// The run's memory records, read at every phase boundary and handed to the callbacks.
-    pub(crate) memory: MemoryRecorder,
-    /// Which steps' allocations are traced for the memory snapshot ([`super::viewers`]).
-    pub(crate) tracer: super::viewers::StepTracer,
 }
 
 /// The data a run trains and evaluates on.

@@ -231,7 +231,11 @@ impl Cnn {
 
     /// Number of trainable parameter tensors.
     pub fn param_count(&self) -> usize {
-        self.blocks.iter().map(|b| b.conv.var_count() + 2).sum::<usize>() + 2
+        self.blocks
+            .iter()
+            .map(|b| b.conv.var_count() + 2)
+            .sum::<usize>()
+            + 2
     }
 
     /// The trainable parameters, in the order of [`Cnn::named_vars`].

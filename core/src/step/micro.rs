@@ -1,12 +1,6 @@
-//! The one micro-batch loop (gradient accumulation): a batch of N images is split into K equal
-//! micro-batches of N/K, and each runs forward and backward into the same gradient accumulator
-//! before the optimizer sees anything. Memory follows the micro-batch, the update follows the
-//! batch.
-//!
-//! Every path that computes a batch's gradients goes through [`for_each_micro_batch`]: the
-//! trainer's step (forward and backward as separate phases with their hooks), the lean step
-//! without hooks, the autograd oracle it is tested against, and the captured CUDA graph. Each
-//! passes what one micro-batch does; the split, the loss multiplier and the order live here.
+//! A batch and its micro-batches: where the batch is ([`BatchInput`]), micro-batch `i` of `k`
+//! equal ones, and the batch's result from its micro-batches' ([`MicroResult::mean`]). The loop
+//! over them is gradient accumulation, in [`super::train::gradients`].
 
 use crate::error::{Error, Result};
 use crate::model::IMAGE_BYTES;
@@ -120,44 +114,6 @@ impl BatchInput<'_> {
     }
 }
 
-/// One micro-batch, as [`for_each_micro_batch`] hands it to the work it runs.
-pub struct MicroBatch {
-    /// Index of the micro-batch in its batch (0-based).
-    pub index: usize,
-    /// Its images `[N/K, 3, 32, 32]` (f32) on the device.
-    pub x: Tensor,
-    /// Its labels `[N/K]` (u32) on the device.
-    pub y: Tensor,
-    /// What its mean loss is multiplied by before the backward: the loss scale (f16) over K, so
-    /// that the K gradients add up to the gradient of the batch's mean loss (times the scale).
-    pub loss_mult: f64,
-}
-
-/// Runs `work` on each of the `k` micro-batches of `batch`, in order, and returns what each
-/// returned. The micro-batch's tensors are dropped when its work returns, before the next one is
-/// made. A batch that does not split into `k` equal parts is a usage error. `work` may fail with
-/// a caller's error type that holds this crate's.
-pub fn for_each_micro_batch<R, E: From<Error>>(
-    batch: BatchInput<'_>,
-    k: usize,
-    loss_scale: f64,
-    mut work: impl FnMut(MicroBatch) -> Result<R, E>,
-) -> Result<Vec<R>, E> {
-    let size = batch.micro_len(k)?;
-    let loss_mult = loss_scale / k as f64;
-    let mut results = Vec::with_capacity(k);
-    for index in 0..k {
-        let (x, y) = batch.slice(index * size, size)?;
-        results.push(work(MicroBatch {
-            index,
-            x,
-            y,
-            loss_mult,
-        })?);
-    }
-    Ok(results)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,7 +135,7 @@ mod tests {
     }
 
     #[test]
-    fn micro_batches_are_the_batch_in_order_with_the_loss_over_k() -> Result<()> {
+    fn micro_batches_are_the_batch_in_order() -> Result<()> {
         let dev = Device::Cpu;
         let n = 6;
         let images: Vec<f32> = (0..n * IMAGE_BYTES).map(|i| i as f32).collect();
@@ -189,19 +145,21 @@ mod tests {
             labels: &labels,
             device: &dev,
         };
-        let seen = for_each_micro_batch(batch, 3, 8.0, |mb| {
-            assert_eq!(mb.loss_mult, 8.0 / 3.0);
-            Ok::<_, Error>((mb.index, mb.y.to_vec1::<u32>()?, mb.x.dims().to_vec()))
-        })?;
+        let seen = (0..3)
+            .map(|i| {
+                let (x, y) = batch.micro_batch(i, 3)?;
+                Ok((y.to_vec1::<u32>()?, x.dims().to_vec()))
+            })
+            .collect::<Result<Vec<_>>>()?;
         assert_eq!(
             seen,
             vec![
-                (0, vec![0, 1], vec![2, 3, 32, 32]),
-                (1, vec![2, 3], vec![2, 3, 32, 32]),
-                (2, vec![4, 5], vec![2, 3, 32, 32]),
+                (vec![0, 1], vec![2, 3, 32, 32]),
+                (vec![2, 3], vec![2, 3, 32, 32]),
+                (vec![4, 5], vec![2, 3, 32, 32]),
             ]
         );
-        let err: Error = for_each_micro_batch(batch, 4, 1.0, |_| Ok(())).unwrap_err();
+        let err = batch.micro_batch(0, 4).unwrap_err();
         assert!(err.to_string().contains("cannot be split into 4"), "{err}");
         Ok(())
     }

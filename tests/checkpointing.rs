@@ -10,8 +10,7 @@ use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::predict::margin::{limit_for, usable_bytes, SAFETY_MARGIN};
 use memtrain::predict::{
-    choose_checkpointing, estimate_with, heap_limit, limit_for_heap, model_layer_specs, Baseline,
-    DataSize, DeviceKind,
+    choose_checkpointing, estimate_with, heap_limit, limit_for_heap, Baseline, DataSize, DeviceKind,
 };
 use memtrain::train::{Trainer, TrainerOptions};
 
@@ -140,11 +139,10 @@ fn every_segmentation_parses_prints_and_cuts_the_blocks() {
     for conv in ConvKind::ALL {
         let mut cfg = TrainConfig::default();
         cfg.model.conv = *conv;
-        let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
         for (mask, ck) in all.iter().enumerate() {
             assert_eq!(
                 memtrain::predict::checkpointing::recompute_flops(
-                    &specs,
+                    cfg.model,
                     ck.resolved().unwrap(),
                     cfg.steps.batch_size
                 ),
@@ -208,8 +206,7 @@ fn auto_picks_what_brute_force_over_every_segmentation_picks() {
             let mut auto = cfg.clone();
             auto.memory.grad_checkpointing = GradCheckpointing::Auto;
             auto.memory.memory_limit = Some(limit);
-            let specs = model_layer_specs(width, conv);
-            let got = choose_checkpointing(&auto, &specs, dev, base);
+            let got = choose_checkpointing(&auto, dev, base);
             let label = format!("{} at {}", cfg.label(), format_bytes(limit));
             match brute_force(&peaks, &cfg, heap) {
                 Some((mask, peak)) => {
@@ -249,7 +246,7 @@ fn auto_picks_what_brute_force_over_every_segmentation_picks() {
         let mut auto = cfg.clone();
         auto.memory.grad_checkpointing = GradCheckpointing::Auto;
         auto.memory.memory_limit = Some(limit_for_heap(limit_for(lo, SAFETY_MARGIN), dev));
-        let c = choose_checkpointing(&auto, &model_layer_specs(width, conv), dev, base).unwrap();
+        let c = choose_checkpointing(&auto, dev, base).unwrap();
         assert_eq!(c.chosen.predicted_peak, lo);
     }
     // More than the fixed segmentations get chosen somewhere along the sweeps.
@@ -542,12 +539,11 @@ fn auto_codes_and_segmentation_pick_what_brute_force_picks() {
         let mut auto = cfg.clone();
         auto.memory.grad_checkpointing = GradCheckpointing::Auto;
         auto.memory.compress_activations = CompressActivations::Auto;
-        let specs = model_layer_specs(width, cfg.model.conv);
         for k in 0..=20u64 {
             let limit = limit_for_heap(from + (to - from) * k / 20, dev);
             let usable = usable_bytes(heap_limit(Some(limit), dev).unwrap(), SAFETY_MARGIN);
             auto.memory.memory_limit = Some(limit);
-            let got = choose_checkpointing(&auto, &specs, dev, base);
+            let got = choose_checkpointing(&auto, dev, base);
             let label = format!("{} at {}", cfg.label(), format_bytes(limit));
             let want = plans
                 .iter()
@@ -610,8 +606,7 @@ fn auto_codes_need_a_limit_and_keep_a_named_segmentation() {
         (limit_for(stages_int8, SAFETY_MARGIN), true),
     ] {
         cfg.memory.memory_limit = Some(limit_for_heap(heap, dev));
-        let c =
-            choose_checkpointing(&cfg, &model_layer_specs(8, cfg.model.conv), dev, base).unwrap();
+        let c = choose_checkpointing(&cfg, dev, base).unwrap();
         assert_eq!(c.considered, 4);
         assert_eq!(
             GradCheckpointing::from(c.chosen.checkpointing),

@@ -9,10 +9,8 @@ mod common;
 use memtrain::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
 use memtrain::memory::{format_bytes, CountingAllocator};
-use memtrain::model::{Cnn, LayerSpec, ModelConfig};
-use memtrain::predict::{
-    estimate, estimate_for_specs, estimate_with, model_layer_specs, Baseline, DataSize, DeviceKind,
-};
+use memtrain::model::LayerKind;
+use memtrain::predict::{estimate, estimate_with, Baseline, DataSize, DeviceKind};
 use memtrain::train::{Trainer, TrainerOptions};
 
 #[global_allocator]
@@ -115,19 +113,6 @@ fn estimate_matches_the_counting_allocator() {
     // Measured before anything of the model or the data exists.
     let pre = CountingAllocator::current();
 
-    // The estimate's layer list is the model's.
-    for width in [1, 3, 8, 32] {
-        for conv in ConvKind::ALL.iter().copied() {
-            let model =
-                Cnn::new(ModelConfig { width, conv }, &candle_core::Device::Cpu, 0).unwrap();
-            assert_eq!(
-                model_layer_specs(width, conv),
-                model.layer_specs(),
-                "width {width} {conv}"
-            );
-        }
-    }
-
     // Bad input is an error, not a panic.
     let dev = DeviceKind::cpu();
     let mut bad = config(
@@ -149,28 +134,8 @@ fn estimate_matches_the_counting_allocator() {
         GradCheckpointing::None,
         ConvKind::Standard,
     );
-    let specs = model_layer_specs(8, ConvKind::Standard);
+    let specs = good.model.layer_specs();
     let base = Baseline::Modeled(DataSize::exact(10, 10));
-    assert!(
-        estimate_for_specs(&good, &[], dev, base).is_err(),
-        "empty layer list"
-    );
-    assert!(
-        estimate_for_specs(&good, &specs[..specs.len() - 1], dev, base).is_err(),
-        "no head"
-    );
-    let mut unknown = specs.clone();
-    unknown[0].kind = "conv7x7";
-    assert!(
-        estimate_for_specs(&good, &unknown, dev, base).is_err(),
-        "unknown layer kind"
-    );
-    let mut broken: Vec<LayerSpec> = specs.clone();
-    broken[1].input = (5, 5, 5);
-    assert!(
-        estimate_for_specs(&good, &broken, dev, base).is_err(),
-        "shapes that do not chain"
-    );
     // The per-layer table names every layer and the peak.
     let e = estimate_with(&good, dev, base).unwrap();
     let table = e.table();
@@ -217,9 +182,9 @@ fn estimate_matches_the_counting_allocator() {
     let p = estimate_with(&pruned, dev, base).unwrap();
     let weights: usize = specs
         .iter()
-        .filter(|s| s.kind.starts_with("conv") || s.kind == "linear")
+        .filter(|s| matches!(s.kind, LayerKind::Conv { .. } | LayerKind::Linear))
         .map(|s| {
-            if s.kind == "linear" {
+            if s.kind == LayerKind::Linear {
                 s.params - 10
             } else {
                 s.params

@@ -123,7 +123,7 @@ fn schedule_decides_what_is_saved_and_recomputed() {
     // Without checkpointing every conv keeps its output h for the backward (the DESIGN floor:
     // 16+16+8+8+4+4 MiB + the 1.5 MiB input at batch 128, width 32), nothing is recomputed.
     for l in &e.layers {
-        let expect = if l.kind == "conv3x3" {
+        let expect = if l.kind.name() == "conv3x3" {
             l.output_bytes
         } else {
             0
@@ -144,7 +144,7 @@ fn schedule_decides_what_is_saved_and_recomputed() {
     let b = estimate_with(&blocks, device(), baseline()).unwrap();
     assert_eq!(b.kept.recomputed_bytes, 52 << 20);
     for l in &b.layers {
-        let conv = l.kind == "conv3x3";
+        let conv = l.kind.name() == "conv3x3";
         let last = l.name.starts_with("stage3.block2");
         let recompute = if conv && !last { l.output_bytes } else { 0 };
         assert_eq!(l.recompute_bytes, recompute, "{}", l.name);

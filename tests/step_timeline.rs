@@ -8,9 +8,7 @@ mod common;
 use memtrain::config::{ConvKind, GradCheckpointing, TrainConfig};
 use memtrain::memory::timeline::{StepTimeline, STEP_TIMELINE_FILE};
 use memtrain::memory::CountingAllocator;
-use memtrain::predict::{
-    estimate_with, model_layer_specs, resolve_checkpointing, Baseline, DataSize, DeviceKind,
-};
+use memtrain::predict::{estimate_with, resolve_checkpointing, Baseline, DataSize, DeviceKind};
 use memtrain::train::TrainerOptions;
 
 #[global_allocator]
@@ -93,7 +91,6 @@ fn auto_checkpointing_follows_the_estimate() {
     cfg.model.width = 16;
     cfg.steps.batch_size = 64;
     cfg.memory.grad_checkpointing = GradCheckpointing::Auto;
-    let specs = model_layer_specs(16, ConvKind::Standard);
     let peak = |checkpointing: GradCheckpointing| {
         let mut c = cfg.clone();
         c.memory.grad_checkpointing = checkpointing;
@@ -114,10 +111,7 @@ fn auto_checkpointing_follows_the_estimate() {
     .min_by_key(|p| p.1)
     .unwrap()
     .0;
-    assert_eq!(
-        resolve_checkpointing(&cfg, &specs, dev, base).unwrap().0,
-        smallest
-    );
+    assert_eq!(resolve_checkpointing(&cfg, dev, base).unwrap().0, smallest);
     // The estimate of `auto` is the estimate of what it picks.
     assert_eq!(estimate_with(&cfg, dev, base).unwrap().peak, peak(smallest));
     // Under a limit every segmentation fits, with the margin: the cheapest (no recomputation).
@@ -134,7 +128,7 @@ fn auto_checkpointing_follows_the_estimate() {
         dev,
     ));
     assert_eq!(
-        resolve_checkpointing(&roomy, &specs, dev, base).unwrap().0,
+        resolve_checkpointing(&roomy, dev, base).unwrap().0,
         GradCheckpointing::None
     );
     // A limit only the smallest peak fits (with the margin): one of those.
@@ -142,7 +136,7 @@ fn auto_checkpointing_follows_the_estimate() {
     let tight_limit = limit_for(least, SAFETY_MARGIN);
     let mut tight = cfg.clone();
     tight.memory.memory_limit = Some(limit_for_heap(tight_limit, dev));
-    let chosen = resolve_checkpointing(&tight, &specs, dev, base).unwrap().0;
+    let chosen = resolve_checkpointing(&tight, dev, base).unwrap().0;
     assert!(peak(chosen) <= usable_bytes(tight_limit, SAFETY_MARGIN));
     // A trainer built with `auto` trains with what the estimate picked.
     let mut cfg = common::tiny_config();

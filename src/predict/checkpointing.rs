@@ -16,7 +16,8 @@ use super::margin::{limit_for, usable_bytes};
 use crate::config::{ActivationStorage, GradCheckpointing, Segmentation};
 use crate::error::Error;
 use crate::memory::format_bytes;
-use crate::model::LayerSpec;
+use crate::model::{LayerKind, LayerSpec, ModelConfig};
+use memtrain_core::options::CNN_BLOCKS;
 use std::ops::Range;
 
 /// One plan, a segmentation and an activation storage, with its prediction.
@@ -145,28 +146,22 @@ fn conv_flops_per_image(spec: &LayerSpec) -> u64 {
     let (c, h, w) = spec.output;
     let out = (c * h * w) as u64;
     match spec.kind {
-        // Weights per output channel (C_in × 3 × 3, or C_in for 1×1) = params / C_out.
-        "conv3x3" | "pointwise1x1" => 2 * out * (spec.params / c.max(1)) as u64,
+        // Weights per output channel (C_in × k × k) = params / C_out.
+        LayerKind::Conv { .. } => 2 * out * (spec.params / c.max(1)) as u64,
         // One 3×3 filter per channel.
-        "depthwise3x3" => 2 * out * 9,
+        LayerKind::Depthwise => 2 * out * 9,
         _ => 0,
     }
 }
 
-/// The FLOPs `ckpt` recomputes in one optimizer step of `images` images (all micro-batches):
-/// the convolutions of every block before the last segment boundary, which the backward re-runs.
-pub fn recompute_flops(specs: &[LayerSpec], ckpt: Segmentation, images: usize) -> u64 {
-    let blocks = specs
-        .iter()
-        .filter(|s| s.kind != "linear")
-        .map(|s| s.block + 1)
-        .max()
-        .unwrap_or(0);
-    let segs = crate::model::cnn::segments(blocks, ckpt);
+/// The FLOPs `ckpt` recomputes in one optimizer step of `images` images (all micro-batches) of
+/// `model`: the convolutions of every block before the last segment boundary, which the
+/// backward re-runs.
+pub fn recompute_flops(model: ModelConfig, ckpt: Segmentation, images: usize) -> u64 {
+    let segs = crate::model::cnn::segments(CNN_BLOCKS, ckpt);
     let recomputed = segs.last().map_or(0, |s| s.start);
-    let per_image: u64 = specs
-        .iter()
-        .filter(|s| s.kind != "linear" && s.block < recomputed)
+    let per_image: u64 = (model.layer_specs().iter())
+        .filter(|s| s.kind != LayerKind::Linear && s.block < recomputed)
         .map(conv_flops_per_image)
         .sum();
     per_image * images as u64

@@ -6,30 +6,26 @@
 
 use super::baseline::{Baseline, DataSize};
 use super::checkpointing::{nothing_fits, pick, Candidate, CheckpointChoice};
-use super::estimate::{
-    auto_candidates, estimate_for_specs, model_layer_specs, segmentation_candidates,
-};
+use super::estimate::{auto_candidates, estimate_with, segmentation_candidates};
 use super::margin::{heap_limit, limit_for_heap, SAFETY_MARGIN};
 use super::sim::DeviceKind;
 use crate::config::{GradCheckpointing, TrainConfig};
 use crate::error::Result;
-use crate::model::LayerSpec;
 
 /// What `--checkpoint auto` runs for `cfg` ([`super::checkpointing::pick`]): without a limit the smallest
 /// predicted peak of none, stages and blocks; under `--memory-limit` the least recomputation of
 /// every segmentation whose predicted peak fits with [`SAFETY_MARGIN`] kept free.
 ///
 /// # Errors
-/// As [`estimate_for_specs`]; and when no segmentation fits the limit, a one-line message naming
+/// As [`estimate_with`]; and when no segmentation fits the limit, a one-line message naming
 /// the smallest predicted peak and the limit it needs.
 pub fn choose_checkpointing(
     cfg: &TrainConfig,
-    specs: &[LayerSpec],
     device: DeviceKind,
     baseline: Baseline,
 ) -> Result<CheckpointChoice> {
     let started = std::time::Instant::now();
-    let candidates = auto_candidates(cfg, specs, device, baseline)?;
+    let candidates = auto_candidates(cfg, device, baseline)?;
     match pick(
         &candidates,
         heap_limit(cfg.memory.memory_limit, device),
@@ -66,24 +62,22 @@ pub fn check_auto_checkpointing(cfg: &TrainConfig) -> Result<()> {
     if !auto || cfg.memory.memory_limit.is_none() {
         return Ok(());
     }
-    let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
     let device = DeviceKind::for_spec(cfg.device.as_deref())?;
     let data = DataSize::for_config(cfg)?;
-    choose_checkpointing(cfg, &specs, device, Baseline::Modeled(data)).map(|_| ())
+    choose_checkpointing(cfg, device, Baseline::Modeled(data)).map(|_| ())
 }
 
 /// Every segmentation's prediction for `cfg`, on the device and with the data its flags name
 /// (sized from the files, nothing loaded), `none` first: what a budget sweep spans.
 ///
 /// # Errors
-/// As [`estimate_for_specs`], or when the device or the data directory is not usable.
+/// As [`estimate_with`], or when the device or the data directory is not usable.
 pub fn all_segmentations(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
-    let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
     let device = DeviceKind::for_spec(cfg.device.as_deref())?;
     let data = DataSize::for_config(cfg)?;
     let mut all = cfg.clone();
     all.memory.memory_limit = Some(cfg.memory.memory_limit.unwrap_or(u64::MAX / 2));
-    segmentation_candidates(&all, &specs, device, Baseline::Modeled(data))
+    segmentation_candidates(&all, device, Baseline::Modeled(data))
 }
 
 /// The segmentation to advise a run of `cfg` whose step ran out of memory: under
@@ -93,16 +87,13 @@ pub fn all_segmentations(cfg: &TrainConfig) -> Result<Vec<Candidate>> {
 /// [`crate::advice::out_of_memory_with`] advises it only if it predicts less than the run's own.
 pub(crate) fn smaller_checkpointing(
     cfg: &TrainConfig,
-    specs: &[LayerSpec],
     device: DeviceKind,
     baseline: Baseline,
 ) -> Option<crate::advice::SmallerCheckpointing> {
-    let current = estimate_for_specs(cfg, specs, device, baseline)
-        .ok()?
-        .run_peak();
+    let current = estimate_with(cfg, device, baseline).ok()?.run_peak();
     let mut all = cfg.clone();
     all.memory.memory_limit = Some(cfg.memory.memory_limit.unwrap_or(u64::MAX / 2));
-    let candidates = segmentation_candidates(&all, specs, device, baseline).ok()?;
+    let candidates = segmentation_candidates(&all, device, baseline).ok()?;
     let smaller = |c: &&Candidate| c.predicted_peak < current;
     let limit = heap_limit(cfg.memory.memory_limit, device);
     // Under a limit, only a segmentation predicted to fit it is advice.

@@ -8,8 +8,8 @@
 //! buffers, the model). Besides the peak per phase it predicts every layer event of the step's
 //! memory timeline ([`Estimate::events`], matched to `step_timeline.json` by the trainer).
 //!
-//! It is derived from the model's layer list ([`model_layer_specs`], the same list as
-//! [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)) and from the step itself: the core's
+//! It is derived from the model's layer list ([`ModelConfig::layer_specs`](crate::model::ModelConfig::layer_specs), the
+//! architecture's one list) and from the step itself: the core's
 //! whole step ([`crate::step::train::train_step`]: the micro-batches on the tape, then the update
 //! and the optimizer) runs on sizes (`sizing.rs`), each op allocating its result and spiking its
 //! scratch as the kernel sizes it, each buffer freed when the step drops its last handle. What the
@@ -49,7 +49,6 @@ use crate::config::{
 use crate::data::IMAGE_BYTES;
 use crate::error::Result;
 use crate::model::cnn::segments;
-use crate::model::LayerSpec;
 use crate::phase::Phase;
 use crate::step::optim::Optimizer;
 use crate::step::precision::LossScaler;
@@ -67,8 +66,8 @@ pub(super) const PRUNE_TRANSIENT_PER_WEIGHT_CUDA: u64 = 8;
 pub struct LayerEstimate {
     /// Layer name, e.g. `stage1.block2.conv`.
     pub name: String,
-    /// Kind, as in [`LayerSpec::kind`].
-    pub kind: &'static str,
+    /// What the layer computes ([`crate::model::LayerSpec::kind`]).
+    pub kind: crate::model::LayerKind,
     /// Output shape per image (C, H, W).
     pub output_shape: (usize, usize, usize),
     /// Trainable parameters.
@@ -251,136 +250,19 @@ pub fn estimate_with(
     baseline: Baseline,
 ) -> Result<Estimate> {
     cfg.validate()?;
-    let specs = model_layer_specs(cfg.model.width, cfg.model.conv);
-    estimate_for_specs(cfg, &specs, device, baseline)
-}
-
-/// Every plan `--checkpoint auto` and `--compress-activations auto` may run for `cfg`, with its
-/// predicted peak and recomputed FLOPs: the segmentations (under `--memory-limit` all 32, else
-/// the named ones: none, stages, blocks) times the storages (every one for `auto`, else the
-/// named one). [`auto_candidates`] keeps those `cfg`'s flags leave to choose.
-///
-/// # Errors
-/// As [`estimate_for_specs`].
-pub fn segmentation_candidates(
-    cfg: &TrainConfig,
-    specs: &[LayerSpec],
-    device: DeviceKind,
-    baseline: Baseline,
-) -> Result<Vec<Candidate>> {
-    let segmentations = match cfg.memory.memory_limit {
-        Some(_) => GradCheckpointing::all_segmentations(),
-        None => GradCheckpointing::CONCRETE.to_vec(),
-    };
-    plans_over(cfg, &segmentations, specs, device, baseline)
-}
-
-/// The plans `auto` chooses among for `cfg`: [`segmentation_candidates`], only `--checkpoint`'s
-/// own segmentation when it names one.
-///
-/// # Errors
-/// As [`estimate_for_specs`].
-pub fn auto_candidates(
-    cfg: &TrainConfig,
-    specs: &[LayerSpec],
-    device: DeviceKind,
-    baseline: Baseline,
-) -> Result<Vec<Candidate>> {
-    match cfg.memory.grad_checkpointing {
-        GradCheckpointing::Auto => segmentation_candidates(cfg, specs, device, baseline),
-        named => plans_over(cfg, &[named], specs, device, baseline),
-    }
-}
-
-/// `segmentations` times the storages of `cfg` (every one for `auto`), each with its estimate.
-fn plans_over(
-    cfg: &TrainConfig,
-    segmentations: &[GradCheckpointing],
-    specs: &[LayerSpec],
-    device: DeviceKind,
-    baseline: Baseline,
-) -> Result<Vec<Candidate>> {
-    let storages = match cfg.memory.compress_activations.fixed() {
-        Some(s) => vec![s],
-        None => ActivationStorage::ALL.to_vec(),
-    };
-    let mut out = Vec::with_capacity(segmentations.len() * storages.len());
-    for &storage in &storages {
-        for &ck in segmentations {
-            let mut c = cfg.clone();
-            c.memory.grad_checkpointing = ck;
-            c.memory.compress_activations = storage.into();
-            out.push(Candidate {
-                checkpointing: ck.resolved()?,
-                storage,
-                predicted_peak: estimate_for_specs(&c, specs, device, baseline)?.run_peak(),
-                recompute_flops: recompute_flops(specs, ck.resolved()?, cfg.steps.batch_size),
-            });
-        }
-    }
-    Ok(out)
-}
-
-/// The plan the estimate of an `auto` config (`--checkpoint auto`, `--compress-activations
-/// auto`) describes: the choice of [`choose_checkpointing`](super::choose::choose_checkpointing),
-/// or where nothing fits the limit the smallest predicted peak (the trainer refuses such a run;
-/// an estimate still shows what it would need).
-///
-/// # Errors
-/// As [`estimate_for_specs`].
-pub fn resolve_checkpointing(
-    cfg: &TrainConfig,
-    specs: &[LayerSpec],
-    device: DeviceKind,
-    baseline: Baseline,
-) -> Result<(GradCheckpointing, CompressActivations)> {
-    let candidates = auto_candidates(cfg, specs, device, baseline)?;
-    let i = pick(
-        &candidates,
-        heap_limit(cfg.memory.memory_limit, device),
-        SAFETY_MARGIN,
-    )
-    .or_else(|| pick(&candidates, None, SAFETY_MARGIN))
-    .unwrap_or(0);
-    Ok(candidates
-        .get(i)
-        .map_or((GradCheckpointing::None, CompressActivations::None), |c| {
-            (c.checkpointing.into(), c.storage.into())
-        }))
-}
-
-/// The layer list of the CNN for `width` and `conv`, without building the model (no parameters
-/// are allocated); the model's own list, see [`crate::model::cnn::layer_specs_for`].
-pub fn model_layer_specs(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
-    crate::model::cnn::layer_specs_for(width, conv)
-}
-
-/// Predict the memory of training `cfg` on `device` for the model described by `specs` (e.g. a
-/// built model's [`Cnn::layer_specs`](crate::model::Cnn::layer_specs)).
-///
-/// # Errors
-/// When the config is invalid, or `specs` is not a list of blocks followed by one linear head
-/// (an unknown layer kind, a shape that does not chain).
-pub fn estimate_for_specs(
-    cfg: &TrainConfig,
-    specs: &[LayerSpec],
-    device: DeviceKind,
-    baseline: Baseline,
-) -> Result<Estimate> {
-    cfg.validate()?;
     if cfg.memory.grad_checkpointing == GradCheckpointing::Auto
         || cfg.memory.compress_activations == CompressActivations::Auto
     {
-        let (ck, storage) = resolve_checkpointing(cfg, specs, device, baseline)?;
+        let (ck, storage) = resolve_checkpointing(cfg, device, baseline)?;
         let mut c = cfg.clone();
         c.memory.grad_checkpointing = ck;
         c.memory.compress_activations = storage;
-        return estimate_for_specs(&c, specs, device, baseline);
+        return estimate_with(&c, device, baseline);
     }
-    let nodes = nodes_from_specs(specs)?;
+    let nodes = nodes_of(cfg.model);
     let n_blocks = nodes
         .iter()
-        .filter(|n| n.op != Op::Head)
+        .filter(|n| n.kind != LayerKind::Linear)
         .map(|n| n.block + 1)
         .max()
         .unwrap_or(0);
@@ -472,6 +354,96 @@ pub fn estimate_for_specs(
     })
 }
 
+/// Every plan `--checkpoint auto` and `--compress-activations auto` may run for `cfg`, with its
+/// predicted peak and recomputed FLOPs: the segmentations (under `--memory-limit` all 32, else
+/// the named ones: none, stages, blocks) times the storages (every one for `auto`, else the
+/// named one). [`auto_candidates`] keeps those `cfg`'s flags leave to choose.
+///
+/// # Errors
+/// As [`estimate_with`].
+pub fn segmentation_candidates(
+    cfg: &TrainConfig,
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Vec<Candidate>> {
+    let segmentations = match cfg.memory.memory_limit {
+        Some(_) => GradCheckpointing::all_segmentations(),
+        None => GradCheckpointing::CONCRETE.to_vec(),
+    };
+    plans_over(cfg, &segmentations, device, baseline)
+}
+
+/// The plans `auto` chooses among for `cfg`: [`segmentation_candidates`], only `--checkpoint`'s
+/// own segmentation when it names one.
+///
+/// # Errors
+/// As [`estimate_with`].
+pub fn auto_candidates(
+    cfg: &TrainConfig,
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Vec<Candidate>> {
+    match cfg.memory.grad_checkpointing {
+        GradCheckpointing::Auto => segmentation_candidates(cfg, device, baseline),
+        named => plans_over(cfg, &[named], device, baseline),
+    }
+}
+
+/// `segmentations` times the storages of `cfg` (every one for `auto`), each with its estimate.
+fn plans_over(
+    cfg: &TrainConfig,
+    segmentations: &[GradCheckpointing],
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<Vec<Candidate>> {
+    let storages = match cfg.memory.compress_activations.fixed() {
+        Some(s) => vec![s],
+        None => ActivationStorage::ALL.to_vec(),
+    };
+    let mut out = Vec::with_capacity(segmentations.len() * storages.len());
+    for &storage in &storages {
+        for &ck in segmentations {
+            let mut c = cfg.clone();
+            c.memory.grad_checkpointing = ck;
+            c.memory.compress_activations = storage.into();
+            out.push(Candidate {
+                checkpointing: ck.resolved()?,
+                storage,
+                predicted_peak: estimate_with(&c, device, baseline)?.run_peak(),
+                recompute_flops: recompute_flops(cfg.model, ck.resolved()?, cfg.steps.batch_size),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The plan the estimate of an `auto` config (`--checkpoint auto`, `--compress-activations
+/// auto`) describes: the choice of [`choose_checkpointing`](super::choose::choose_checkpointing),
+/// or where nothing fits the limit the smallest predicted peak (the trainer refuses such a run;
+/// an estimate still shows what it would need).
+///
+/// # Errors
+/// As [`estimate_with`].
+pub fn resolve_checkpointing(
+    cfg: &TrainConfig,
+    device: DeviceKind,
+    baseline: Baseline,
+) -> Result<(GradCheckpointing, CompressActivations)> {
+    let candidates = auto_candidates(cfg, device, baseline)?;
+    let i = pick(
+        &candidates,
+        heap_limit(cfg.memory.memory_limit, device),
+        SAFETY_MARGIN,
+    )
+    .or_else(|| pick(&candidates, None, SAFETY_MARGIN))
+    .unwrap_or(0);
+    Ok(candidates
+        .get(i)
+        .map_or((GradCheckpointing::None, CompressActivations::None), |c| {
+            (c.checkpointing.into(), c.storage.into())
+        }))
+}
+
 /// Which layer keeps which activations for the backward of one micro-batch, by the tape's
 /// rules (`core/src/step/tape.rs`): the table's columns, by layer.
 struct Kept {
@@ -534,7 +506,7 @@ impl Sizes {
         let param_bytes: u64 = shapes.iter().map(|d| elems(d) * 4).sum();
         let bn_stats: u64 = nodes
             .iter()
-            .filter(|n| n.op == Op::Bn)
+            .filter(|n| n.kind == LayerKind::BnRelu)
             .map(|n| n.out.0 as u64 * 2 * 4)
             .sum();
         let slots = match cfg.optimizer.kind {
@@ -545,7 +517,12 @@ impl Sizes {
         let pruned: Vec<u64> = if cfg.pruning.prune.is_some() {
             nodes
                 .iter()
-                .filter(|n| matches!(n.op, Op::Conv { .. } | Op::Depthwise | Op::Head))
+                .filter(|n| {
+                    matches!(
+                        n.kind,
+                        LayerKind::Conv { .. } | LayerKind::Depthwise | LayerKind::Linear
+                    )
+                })
                 .filter_map(|n| n.param_shapes().first().map(|d| elems(d)))
                 .collect()
         } else {

@@ -79,9 +79,9 @@ pub(super) fn conv_wgrad_scratch(c: &Ctx, nd: &Node, n: usize, k: usize, pad: us
 /// The transient scratch of a node's forward (the conv op's columns and widened images, the
 /// depthwise op's padded planes, BatchNorm's per-plane partial sums).
 pub(super) fn fwd_scratch(c: &Ctx, nd: &Node) -> u64 {
-    match nd.op {
-        Op::Conv { k, pad } => conv_fwd_scratch(c, nd, c.n as usize, k, pad),
-        Op::Depthwise => {
+    match nd.kind {
+        LayerKind::Conv { k, pad } => conv_fwd_scratch(c, nd, c.n as usize, k, pad),
+        LayerKind::Depthwise => {
             let (ch, h, w) = nd.inp;
             (ch * 9 * 4) as u64 + c.busy(c.n * ch as u64) * (((h + 2) * (w + 2) + w) * 4) as u64
         }

@@ -2,8 +2,9 @@
 //! micro-batch ([`Ctx`]) and the simulation of bytes in use ([`Sim`]), replayed allocation by
 //! allocation.
 
-use crate::error::{Error, Result};
-use crate::model::LayerSpec;
+use crate::error::Result;
+pub(super) use crate::model::LayerKind;
+use crate::model::ModelConfig;
 use crate::phase::Phase;
 use candle_core::DType;
 
@@ -104,26 +105,10 @@ pub(super) fn l2_cache_bytes() -> u64 {
 // ---------------------------------------------------------------------------------------------
 // The model as the simulation sees it.
 
-/// One op of the forward pass.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum Op {
-    /// Dense convolution (`memtrain-conv2d`), stride 1.
-    Conv { k: usize, pad: usize },
-    /// Depthwise 3x3 convolution.
-    Depthwise,
-    /// BatchNorm fused with ReLU.
-    Bn,
-    /// 2x2 max-pool.
-    Pool,
-    /// Flatten + linear layer in f32.
-    Head,
-}
-
 #[derive(Debug, Clone)]
 pub(super) struct Node {
     pub(super) name: String,
-    pub(super) kind: &'static str,
-    pub(super) op: Op,
+    pub(super) kind: LayerKind,
     pub(super) inp: (usize, usize, usize),
     pub(super) out: (usize, usize, usize),
     pub(super) params: usize,
@@ -140,75 +125,40 @@ impl Node {
     }
 
     pub(super) fn out_bytes(&self, c: &Ctx) -> u64 {
-        c.n * elems(self.out) * if matches!(self.op, Op::Head) { 4 } else { c.s }
+        c.n * elems(self.out)
+            * if matches!(self.kind, LayerKind::Linear) {
+                4
+            } else {
+                c.s
+            }
     }
 
     /// Shapes of the parameter tensors, in the model's order: a conv's weight (`[out, in, k, k]`,
     /// a depthwise one `[C, 1, 3, 3]`), BatchNorm's γ and β (`[C]`), the head's weight
     /// (`[classes, features]`) and bias.
     pub(super) fn param_shapes(&self) -> Vec<Vec<usize>> {
-        match self.op {
-            Op::Conv { k, .. } => vec![vec![self.out.0, self.inp.0, k, k]],
-            Op::Depthwise => vec![vec![self.inp.0, 1, 3, 3]],
-            Op::Bn => vec![vec![self.out.0]; 2],
-            Op::Pool => vec![],
-            Op::Head => vec![vec![self.out.0, elems(self.inp) as usize], vec![self.out.0]],
+        match self.kind {
+            LayerKind::Conv { k, .. } => vec![vec![self.out.0, self.inp.0, k, k]],
+            LayerKind::Depthwise => vec![vec![self.inp.0, 1, 3, 3]],
+            LayerKind::BnRelu => vec![vec![self.out.0]; 2],
+            LayerKind::MaxPool => vec![],
+            LayerKind::Linear => vec![vec![self.out.0, elems(self.inp) as usize], vec![self.out.0]],
         }
     }
 }
 
-pub(super) fn nodes_from_specs(specs: &[LayerSpec]) -> Result<Vec<Node>> {
-    let bad = |m: String| Error::config(format!("memory estimate: {m}"));
-    let mut nodes = Vec::with_capacity(specs.len());
-    let mut prev: Option<(usize, usize, usize)> = None;
-    for s in specs {
-        let op = match s.kind {
-            "conv3x3" => Op::Conv { k: 3, pad: 1 },
-            "pointwise1x1" => Op::Conv { k: 1, pad: 0 },
-            "depthwise3x3" => Op::Depthwise,
-            "bn_relu" => Op::Bn,
-            "maxpool2" => Op::Pool,
-            "linear" => Op::Head,
-            other => return Err(bad(format!("layer {} has unknown kind '{other}'", s.name))),
-        };
-        if let Some(p) = prev {
-            let chained = if op == Op::Head {
-                elems(p) == elems(s.input)
-            } else {
-                p == s.input
-            };
-            if !chained {
-                return Err(bad(format!(
-                    "layer {} takes {:?} but the previous layer gives {:?}",
-                    s.name, s.input, p
-                )));
-            }
-        }
-        if elems(s.input) == 0 || elems(s.output) == 0 {
-            return Err(bad(format!("layer {} has an empty shape", s.name)));
-        }
-        prev = Some(s.output);
-        nodes.push(Node {
-            name: s.name.clone(),
+/// The model's layers as nodes: [`ModelConfig::layer_specs`], the architecture's one list.
+pub(super) fn nodes_of(model: ModelConfig) -> Vec<Node> {
+    (model.layer_specs().into_iter())
+        .map(|s| Node {
+            name: s.name,
             kind: s.kind,
-            op,
             inp: s.input,
             out: s.output,
             params: s.params,
             block: s.block,
-        });
-    }
-    match nodes.last() {
-        Some(n) if n.op == Op::Head => {}
-        _ => return Err(bad("the layer list must end with the linear head".into())),
-    }
-    if nodes[..nodes.len() - 1].iter().any(|n| n.op == Op::Head) {
-        return Err(bad("the linear head must be the last layer".into()));
-    }
-    if nodes.first().is_some_and(|n| n.op == Op::Head) {
-        return Err(bad("the model has no blocks before the head".into()));
-    }
-    Ok(nodes)
+        })
+        .collect()
 }
 
 /// The nodes of one block: its conv nodes (one, or depthwise + pointwise), BatchNorm, pool.
@@ -242,14 +192,17 @@ pub(super) fn blocks_of(nodes: &[Node]) -> Vec<BlockNodes> {
             let convs = idx
                 .iter()
                 .copied()
-                .filter(|&i| matches!(nodes[i].op, Op::Conv { .. } | Op::Depthwise))
+                .filter(|&i| matches!(nodes[i].kind, LayerKind::Conv { .. } | LayerKind::Depthwise))
                 .collect();
             let bn = idx
                 .iter()
                 .copied()
-                .find(|&i| nodes[i].op == Op::Bn)
+                .find(|&i| nodes[i].kind == LayerKind::BnRelu)
                 .unwrap_or(idx[0]);
-            let pool = idx.iter().copied().find(|&i| nodes[i].op == Op::Pool);
+            let pool = idx
+                .iter()
+                .copied()
+                .find(|&i| nodes[i].kind == LayerKind::MaxPool);
             let name = nodes[bn]
                 .name
                 .rsplit_once('.')

@@ -390,7 +390,7 @@ impl StepOps for Sizing<'_> {
     fn conv2d(&self, x: &Sz, w: &Sz, _pad: usize) -> Result<Sz> {
         let i = self.node(w);
         let nd = &self.nodes[i];
-        let Op::Conv { k, pad } = nd.op else {
+        let LayerKind::Conv { k, pad } = nd.kind else {
             unreachable!("a conv weight")
         };
         Ok(self.op(Some(i), || {
@@ -402,7 +402,7 @@ impl StepOps for Sizing<'_> {
     fn conv2d_backward_weight(&self, x: &Sz, _dh: &Sz, w: &Sz, _pad: usize) -> Result<Sz> {
         let i = self.node(w);
         let nd = &self.nodes[i];
-        let Op::Conv { k, pad } = nd.op else {
+        let LayerKind::Conv { k, pad } = nd.kind else {
             unreachable!("a conv weight")
         };
         Ok(self.op(Some(i), || {
@@ -423,7 +423,7 @@ impl StepOps for Sizing<'_> {
     fn conv2d_backward_input(&self, dh: &Sz, w: &Sz, x_dims: &[usize], _pad: usize) -> Result<Sz> {
         let i = self.node(w);
         let nd = &self.nodes[i];
-        let Op::Conv { k, pad } = nd.op else {
+        let LayerKind::Conv { k, pad } = nd.kind else {
             unreachable!("a conv weight")
         };
         Ok(self.op(Some(i), || {

@@ -9,7 +9,7 @@
 //! --compress-activations none`). The lossy rows (`int8`, `int4`, `int2`) stand apart: `all`
 //! combines the four exact optimizations.
 
-use super::estimate::{estimate_for_specs, model_layer_specs, Baseline, DeviceKind};
+use super::estimate::{estimate_with, Baseline, DeviceKind};
 use crate::config::{ActivationStorage, ConvKind, GradCheckpointing, Precision, TrainConfig};
 use crate::error::Result;
 use crate::memory::format_bytes;
@@ -109,8 +109,7 @@ impl Opts {
         c.memory.grad_checkpointing = self.ckpt;
         c.model.conv = self.conv;
         c.memory.compress_activations = self.storage.into();
-        let specs = model_layer_specs(c.model.width, c.model.conv);
-        let e = estimate_for_specs(&c, &specs, device, baseline)?;
+        let e = estimate_with(&c, device, baseline)?;
         Ok((e.peak, e.eval_peak))
     }
 }
@@ -122,7 +121,7 @@ impl Opts {
 /// batch cannot be split.
 ///
 /// # Errors
-/// When the config is invalid (as [`estimate_for_specs`]).
+/// When the config is invalid (as [`estimate_with`]).
 pub fn what_if(cfg: &TrainConfig, device: DeviceKind, baseline: Baseline) -> Result<Vec<WhatIf>> {
     let none = Opts::NONE;
     let mut rows: Vec<(String, Opts)> = vec![("none".into(), none)];

@@ -94,7 +94,6 @@ impl Trainer {
         let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
         smaller_checkpointing(
             &self.config,
-            &self.model.layer_specs(),
             DeviceKind::of(&self.device),
             Baseline::Modeled(data),
         )

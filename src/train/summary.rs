@@ -241,7 +241,7 @@ impl Trainer {
                     .map(|r| [r.start, r.end])
                     .collect(),
                 recompute_flops: crate::predict::checkpointing::recompute_flops(
-                    &self.model.layer_specs(),
+                    self.config.model,
                     self.plan.segmentation,
                     self.config.steps.batch_size,
                 ),

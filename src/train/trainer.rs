@@ -310,19 +310,12 @@ impl Trainer {
         self.pruner.as_ref()
     }
 
-    /// The analytic memory estimate of this run (the model's layer list, the loaded data set as
-    /// the baseline); `None` when the device has no probe or the model cannot be estimated.
+    /// The analytic memory estimate of this run (the loaded data set as the baseline); `None` when the device has no probe or the model cannot be estimated.
     pub fn memory_estimate(&self) -> Option<crate::predict::Estimate> {
-        use crate::predict::{estimate_for_specs, Baseline, DataSize, DeviceKind};
+        use crate::predict::{estimate_with, Baseline, DataSize, DeviceKind};
         let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
         let device = DeviceKind::of(&self.device);
-        estimate_for_specs(
-            &self.config,
-            &self.model.layer_specs(),
-            device,
-            Baseline::Modeled(data),
-        )
-        .ok()
+        estimate_with(&self.config, device, Baseline::Modeled(data)).ok()
     }
 }
 
@@ -395,17 +388,11 @@ fn resolve_plan(
     use crate::config::{CompressActivations, GradCheckpointing, CNN_BLOCKS};
     use crate::predict::checkpointing::{format_flops, format_segments, recompute_flops};
     use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
-    let specs = crate::model::cnn::layer_specs_for(config.model.width, config.model.conv);
     if config.memory.grad_checkpointing == GradCheckpointing::Auto
         || config.memory.compress_activations == CompressActivations::Auto
     {
         let size = DataSize::loaded(&data.train, &data.test, config);
-        let choice = choose_checkpointing(
-            config,
-            &specs,
-            DeviceKind::of(device),
-            Baseline::Modeled(size),
-        )?;
+        let choice = choose_checkpointing(config, DeviceKind::of(device), Baseline::Modeled(size))?;
         if progress {
             println!("{}", choice.describe(CNN_BLOCKS));
         }
@@ -419,7 +406,7 @@ fn resolve_plan(
         println!(
             "--checkpoint {ck}: segments {}, recomputes {} per step",
             format_segments(&crate::model::cnn::segments(CNN_BLOCKS, ck)),
-            format_flops(recompute_flops(&specs, ck, config.steps.batch_size))
+            format_flops(recompute_flops(config.model, ck, config.steps.batch_size))
         );
     }
     Ok(StepPlan {

@@ -28,6 +28,13 @@ pub struct ModelConfig {
     pub conv: ConvKind,
 }
 
+impl ModelConfig {
+    /// The model's layers, in order ([`layer_specs_for`]).
+    pub fn layer_specs(&self) -> Vec<LayerSpec> {
+        layer_specs_for(self.width, self.conv)
+    }
+}
+
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
@@ -111,13 +118,65 @@ impl Block {
     }
 }
 
+/// What a layer computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Dense convolution, stride 1: a `k`×`k` kernel with `pad` zeros on each side.
+    Conv {
+        /// Kernel side.
+        k: usize,
+        /// Zero padding on each side.
+        pad: usize,
+    },
+    /// Depthwise 3x3 convolution, stride 1, padding 1.
+    Depthwise,
+    /// BatchNorm fused with ReLU.
+    BnRelu,
+    /// 2x2 max-pool.
+    MaxPool,
+    /// The linear head (f32).
+    Linear,
+}
+
+impl LayerKind {
+    /// The kind as tables and JSON spell it: `conv3x3`, `pointwise1x1`, `depthwise3x3`,
+    /// `bn_relu`, `maxpool2`, `linear`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            LayerKind::Conv { k: 1, .. } => "pointwise1x1",
+            LayerKind::Conv { .. } => "conv3x3",
+            LayerKind::Depthwise => "depthwise3x3",
+            LayerKind::BnRelu => "bn_relu",
+            LayerKind::MaxPool => "maxpool2",
+            LayerKind::Linear => "linear",
+        }
+    }
+
+    /// A convolution (dense or depthwise): the kinds whose weight the block's conv holds.
+    pub fn is_conv(&self) -> bool {
+        matches!(self, LayerKind::Conv { .. } | LayerKind::Depthwise)
+    }
+}
+
+impl std::fmt::Display for LayerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl serde::Serialize for LayerKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 /// Static description of one layer, for parameter counts and the memory estimator.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerSpec {
     /// Layer name.
     pub name: String,
-    /// Kind: `conv3x3`, `depthwise3x3`, `pointwise1x1`, `bn_relu`, `maxpool2`, `linear`.
-    pub kind: &'static str,
+    /// What it computes.
+    pub kind: LayerKind,
     /// Input shape per image (C, H, W) or (features, 1, 1).
     pub input: (usize, usize, usize),
     /// Output shape per image.
@@ -326,7 +385,7 @@ impl Cnn {
 
     /// Per-layer description for an input of 32x32 images.
     pub fn layer_specs(&self) -> Vec<LayerSpec> {
-        layer_specs_for(self.config.width, self.config.conv)
+        self.config.layer_specs()
     }
 }
 
@@ -380,7 +439,7 @@ pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
         match conv {
             ConvKind::Standard => specs.push(spec(
                 "conv",
-                "conv3x3",
+                LayerKind::Conv { k: 3, pad: 1 },
                 (cin, hw, hw),
                 (cout, hw, hw),
                 cout * cin * 9,
@@ -388,14 +447,14 @@ pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
             ConvKind::Separable => {
                 specs.push(spec(
                     "dw",
-                    "depthwise3x3",
+                    LayerKind::Depthwise,
                     (cin, hw, hw),
                     (cin, hw, hw),
                     cin * 9,
                 ));
                 specs.push(spec(
                     "pw",
-                    "pointwise1x1",
+                    LayerKind::Conv { k: 1, pad: 0 },
                     (cin, hw, hw),
                     (cout, hw, hw),
                     cout * cin,
@@ -404,7 +463,7 @@ pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
         }
         specs.push(spec(
             "bn_relu",
-            "bn_relu",
+            LayerKind::BnRelu,
             (cout, hw, hw),
             (cout, hw, hw),
             2 * cout,
@@ -412,7 +471,7 @@ pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
         if b.pool {
             specs.push(spec(
                 "pool",
-                "maxpool2",
+                LayerKind::MaxPool,
                 (cout, hw, hw),
                 (cout, hw / 2, hw / 2),
                 0,
@@ -421,7 +480,7 @@ pub fn layer_specs_for(width: usize, conv: ConvKind) -> Vec<LayerSpec> {
     }
     specs.push(LayerSpec {
         name: "head".into(),
-        kind: "linear",
+        kind: LayerKind::Linear,
         input: (feat, 1, 1),
         output: (NUM_CLASSES, 1, 1),
         params: feat * NUM_CLASSES + NUM_CLASSES,

@@ -6,4 +6,4 @@ pub mod cnn;
 pub mod init;
 pub mod layers;
 
-pub use cnn::{Cnn, LayerSpec, Mode, ModelConfig, IMAGE_BYTES, NUM_CLASSES};
+pub use cnn::{Cnn, LayerKind, LayerSpec, Mode, ModelConfig, IMAGE_BYTES, NUM_CLASSES};

@@ -31,8 +31,8 @@ use criterion::{Criterion, SamplingMode, Throughput};
 use memtrain::callbacks::{BatchInfo, Callback};
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
 use memtrain::data::{synthetic, Batch, Batcher, BatcherOptions, DataSplits};
-use memtrain::memory::CountingAllocator;
 use memtrain::train::{Trainer, TrainerOptions};
+use memtrain_core::memory::CountingAllocator;
 
 // The trainer's CPU memory probe reads this allocator's counters, as in `train_cifar10`; without it
 // the probe would report nothing and the step would not do the work it does in a real run.
@@ -151,7 +151,7 @@ struct PhaseTimer {
 impl PhaseTimer {
     /// The time since the previous hook of this step (zero at the first one).
     fn lap(&self) -> memtrain::Result<Duration> {
-        memtrain::device::synchronize(&self.device)?;
+        memtrain_core::device::synchronize(&self.device)?;
         let now = Instant::now();
         let mut s = self.split.borrow_mut();
         let d = s.last.map_or(Duration::ZERO, |t| now - t);
@@ -247,7 +247,7 @@ fn setup(device: &str, case: &Case) -> memtrain::Result<(Trainer, Batch, Rc<RefC
         test_is_validation: false,
     };
     let split = Rc::new(RefCell::new(Split::default()));
-    let dev = memtrain::device::select_device(Some(device))?;
+    let dev = memtrain_core::device::select_device(Some(device))?;
     let timer = PhaseTimer {
         device: dev,
         split: split.clone(),
@@ -345,7 +345,7 @@ fn devices() -> Vec<&'static str> {
         out.push("cpu");
     }
     if cfg!(feature = "cuda") && want("cuda") {
-        match memtrain::device::select_device(Some("cuda")) {
+        match memtrain_core::device::select_device(Some("cuda")) {
             Ok(_) => out.push("cuda"),
             Err(e) => eprintln!("no CUDA device, GPU cases skipped: {e}"),
         }

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 // The points run in this program (see `main`): their CPU memory is measured by this allocator.
 #[global_allocator]
-static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAllocator;
+static ALLOC: memtrain_core::memory::CountingAllocator = memtrain_core::memory::CountingAllocator;
 
 /// Measure peak memory and throughput across batch sizes and configurations; each point runs
 /// `train_cifar10` for a few steps in its own process (an out-of-memory point is a result, not a failure).

@@ -20,10 +20,10 @@
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use memtrain::config::CompressActivations;
-use memtrain::memory::format_bytes;
 use memtrain::predict::all_segmentations;
 use memtrain::predict::checkpointing::format_flops;
 use memtrain::sweep::budget_chart::{write_budget_chart, BudgetPoint};
+use memtrain_core::memory::format_bytes;
 use std::path::{Path, PathBuf};
 
 /// The memory limits of a budget sweep, and its chart.

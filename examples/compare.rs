@@ -19,7 +19,7 @@ use std::time::Duration;
 
 // The points run in this program (see `main`): their CPU memory is measured by this allocator.
 #[global_allocator]
-static ALLOC: memtrain::memory::CountingAllocator = memtrain::memory::CountingAllocator;
+static ALLOC: memtrain_core::memory::CountingAllocator = memtrain_core::memory::CountingAllocator;
 
 /// Run several training configurations, each in its own process, and compare their peak memory,
 /// speed and accuracy with the first.

@@ -8,15 +8,15 @@
 //!
 //! `cargo run --release --example memory_callback` (synthetic data, a few seconds).
 //!
-//! [`MemoryLog`]: memtrain::memory::MemoryLog
+//! [`MemoryLog`]: memtrain_core::memory::MemoryLog
 
 use std::io::Write;
 
 use memtrain::callbacks::{BatchInfo, Callback, EpochEnd};
 use memtrain::config::TrainConfig;
 use memtrain::error::Result;
-use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::train::{Trainer, TrainerOptions};
+use memtrain_core::memory::{format_bytes, CountingAllocator};
 
 // The CPU probe is this counting allocator: without it the heap cannot be measured.
 #[global_allocator]

@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release --example train_cifar10 -- --help` lists every flag.
 
-use memtrain::memory::CountingAllocator;
+use memtrain_core::memory::CountingAllocator;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

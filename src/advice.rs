@@ -3,7 +3,7 @@
 //! segmentation the estimate predicts to be no smaller.
 
 use crate::config::{GradCheckpointing, OptimizerKind, Precision, TrainConfig};
-use crate::memory::format_bytes;
+use memtrain_core::memory::format_bytes;
 
 /// A segmentation the estimate predicts to need less memory than the run's own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,14 +5,14 @@
 use crate::cli::{parse_train_args, TrainCommand};
 use crate::config::ConvKind;
 use crate::error::{Error, Result};
-use crate::memory::format_bytes;
-use crate::model::cnn::param_count;
 use crate::predict::plan::{plan, PlanOptions};
 use crate::predict::{DataSize, DeviceKind};
 use crate::train::run_dir::{check_new, Claim};
 use crate::train::snapshot::Snapshot;
 use crate::train::trainer::default_run_dir;
 use crate::train::{Trainer, TrainerOptions};
+use memtrain_core::memory::format_bytes;
+use memtrain_core::model::cnn::param_count;
 
 /// Run `train_cifar10` with the command line `args` (the program name first, as
 /// [`std::env::args_os`] gives it): parse and validate the flags, size the inputs, then train a
@@ -47,7 +47,7 @@ where
     crate::predict::bounds::check_inputs(&cfg, cmd.plan.fit_memory, cmd.dry_run, resumed)?;
     // CUDA asked of a build without it (a real run was refused in `setup`): the dry run still
     // prints the CUDA prediction, which needs no GPU, then says what is missing.
-    let no_cuda = crate::device::cuda_not_built(cfg.device.as_deref());
+    let no_cuda = memtrain_core::device::cuda_not_built(cfg.device.as_deref());
     // Ctrl-C/SIGTERM: finish the step, save a snapshot and summary.json, exit 130.
     let stop = if cmd.dry_run {
         None
@@ -227,11 +227,11 @@ where
     }
     if cfg.memory.memory_limit.is_some() && DeviceKind::for_spec(cfg.device.as_deref())?.is_cpu() {
         // Before the data loads: the limit counts the process's resident memory from the start.
-        crate::memory::return_freed_memory();
+        memtrain_core::memory::return_freed_memory();
     }
     // Before any planning or loading: a run this build cannot start.
     if let (Some(e), false) = (
-        crate::device::cuda_not_built(cfg.device.as_deref()),
+        memtrain_core::device::cuda_not_built(cfg.device.as_deref()),
         cmd.dry_run,
     ) {
         return Err(e.into());
@@ -268,7 +268,7 @@ fn print_start(trainer: &Trainer, dry_run: bool) {
     };
     println!(
         "device {} | probe {}{} | {} steps/epoch, {} steps | {dir}",
-        crate::device::device_name(&trainer.device),
+        memtrain_core::device::device_name(trainer.device()),
         trainer.probe().name(),
         if trainer.probe().available() {
             ""
@@ -310,8 +310,8 @@ fn fit_memory(
         opts.resident_budget = Some(budget);
         println!(
             "--fit-memory {}: resident memory; the heap it leaves the run is {}",
-            crate::memory::format_bytes(budget),
-            crate::memory::format_bytes(heap)
+            memtrain_core::memory::format_bytes(budget),
+            memtrain_core::memory::format_bytes(heap)
         );
     }
     let report = plan(&cfg, heap, &opts)?;

@@ -651,7 +651,7 @@ impl TrainConfig {
             }
         }
         if let Some(dev) = &self.device {
-            crate::device::parse_device_spec(dev)?;
+            memtrain_core::device::parse_device_spec(dev)?;
         }
         self.validate_cuda_graph()?;
         self.validate_pruning()
@@ -675,7 +675,9 @@ impl TrainConfig {
             return Ok(());
         }
         if let Some(dev) = &self.device {
-            if crate::device::parse_device_spec(dev)? == crate::device::DeviceSpec::Cpu {
+            if memtrain_core::device::parse_device_spec(dev)?
+                == memtrain_core::device::DeviceSpec::Cpu
+            {
                 return Err(Error::config(
                     "--cuda-graph captures the step on a GPU and cannot run with --device cpu; drop --cuda-graph or use --device cuda",
                 ));

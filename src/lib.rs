@@ -2,8 +2,8 @@
 //!
 //! The step itself — the model, the tape, its four memory optimizations (mixed precision,
 //! gradient accumulation, gradient checkpointing, depthwise-separable convolutions), the memory
-//! probes and recorder — is the crate [`memtrain_core`] (`core/`), re-exported here under its own
-//! module names ([`step`], [`model`], [`memory`], [`phase`], [`device`]). This crate is the
+//! probes and recorder — is the crate [`memtrain_core`] (`core/`), named by its own paths
+//! (`memtrain_core::step`, …), so the boundary shows wherever it is crossed. This crate is the
 //! application around it; its [`error::Error`] holds the core's errors and adds its own.
 //!
 //! The pieces, one concern per module, in layers (each imports only the ones listed after it):
@@ -43,4 +43,3 @@ pub mod train;
 
 pub use config::TrainConfig;
 pub use error::{Error, Result};
-pub use memtrain_core::{device, memory, model, phase, step};

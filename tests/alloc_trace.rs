@@ -5,8 +5,8 @@
 //! One test function on purpose: the counters are process-wide, and the test harness runs test
 //! functions on parallel threads that would allocate in the middle of a measurement.
 
-use memtrain::memory::trace::{mark, Action};
-use memtrain::memory::CountingAllocator;
+use memtrain_core::memory::trace::{mark, Action};
+use memtrain_core::memory::CountingAllocator;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

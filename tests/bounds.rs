@@ -687,7 +687,7 @@ fn loading_honours_the_stop_flag() {
 #[test]
 fn sizes_never_overflow() {
     use memtrain::config::ConvKind;
-    use memtrain::model::cnn::param_count;
+    use memtrain_core::model::cnn::param_count;
     for conv in [ConvKind::Standard, ConvKind::Separable] {
         assert_eq!(param_count(usize::MAX, conv), usize::MAX);
         assert_eq!(param_count(usize::MAX / 3, conv), usize::MAX);

@@ -196,9 +196,9 @@ fn crowded_sweep_charts_have_no_overlapping_labels_and_twelve_colours() {
 
 /// A step of six blocks under `--checkpoint stages`: forward, head, then per stage a
 /// recomputation and its blocks' backward, then the optimizer.
-fn step(label: &str, scale: u64) -> memtrain::memory::timeline::StepTimeline {
-    use memtrain::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent};
-    use memtrain::phase::Phase;
+fn step(label: &str, scale: u64) -> memtrain_core::memory::timeline::StepTimeline {
+    use memtrain_core::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent};
+    use memtrain_core::phase::Phase;
     let blocks = [
         "stage1.block1",
         "stage1.block2",
@@ -215,7 +215,10 @@ fn step(label: &str, scale: u64) -> memtrain::memory::timeline::StepTimeline {
     order.push((Phase::Backward, "head".into()));
     for s in (0..3).rev() {
         let (a, b) = (blocks[2 * s], blocks[2 * s + 1]);
-        order.push((Phase::Backward, memtrain::model::cnn::recompute_label(a, b)));
+        order.push((
+            Phase::Backward,
+            memtrain_core::model::cnn::recompute_label(a, b),
+        ));
         order.push((Phase::Backward, b.to_string()));
         order.push((Phase::Backward, a.to_string()));
     }
@@ -261,7 +264,7 @@ fn step_charts_have_no_overlapping_labels_and_the_panels_name_each_runs_events()
     let dir = tmp("step");
     let t = step("bs128 f32 ckpt=stages", 1);
     std::fs::write(
-        dir.join(memtrain::memory::timeline::STEP_TIMELINE_FILE),
+        dir.join(memtrain_core::memory::timeline::STEP_TIMELINE_FILE),
         serde_json::to_string(&t).unwrap(),
     )
     .unwrap();

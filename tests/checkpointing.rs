@@ -7,12 +7,12 @@
 
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig, CNN_BLOCKS};
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::predict::margin::{limit_for, usable_bytes, SAFETY_MARGIN};
 use memtrain::predict::{
     choose_checkpointing, estimate_with, heap_limit, limit_for_heap, Baseline, DataSize, DeviceKind,
 };
 use memtrain::train::{Trainer, TrainerOptions};
+use memtrain_core::memory::{format_bytes, CountingAllocator};
 
 mod common;
 
@@ -97,7 +97,7 @@ fn every_segmentation_parses_prints_and_cuts_the_blocks() {
             *ck
         );
         // The segments cover the blocks in order, cut exactly at the boundaries.
-        let segs = memtrain::model::cnn::segments(CNN_BLOCKS, ck.resolved().unwrap());
+        let segs = memtrain_core::model::cnn::segments(CNN_BLOCKS, ck.resolved().unwrap());
         assert_eq!(segs.first().unwrap().start, 0);
         assert_eq!(segs.last().unwrap().end, CNN_BLOCKS);
         assert!(segs.windows(2).all(|w| w[0].end == w[1].start));
@@ -339,7 +339,7 @@ fn auto_near_the_old_failing_limit_runs_under_it() {
     let segs: Vec<[usize; 2]> =
         serde_json::from_value(json["checkpoint_segments"].clone()).unwrap();
     let want: Vec<[usize; 2]> =
-        memtrain::model::cnn::segments(CNN_BLOCKS, chosen.resolved().unwrap())
+        memtrain_core::model::cnn::segments(CNN_BLOCKS, chosen.resolved().unwrap())
             .iter()
             .map(|r| [r.start, r.end])
             .collect();

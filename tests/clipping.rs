@@ -45,7 +45,7 @@ fn norm(v: &[f64]) -> f64 {
 fn a_long_step_is_scaled_to_the_limit_with_its_direction_kept() {
     let free_cfg = one_step(None);
     // The learning rate of step 0 of the one-cycle schedule.
-    let lr = memtrain::step::optim::one_cycle_lr(
+    let lr = memtrain_core::step::optim::one_cycle_lr(
         0,
         1,
         free_cfg.optimizer.lr,

@@ -8,10 +8,10 @@ mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig};
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::memory::{format_bytes, CountingAllocator};
-use memtrain::model::LayerKind;
 use memtrain::predict::{estimate, estimate_with, Baseline, DataSize, DeviceKind};
 use memtrain::train::{Trainer, TrainerOptions};
+use memtrain_core::memory::{format_bytes, CountingAllocator};
+use memtrain_core::model::LayerKind;
 
 #[global_allocator]
 static A: CountingAllocator = CountingAllocator;

@@ -14,10 +14,10 @@ use memtrain::config::{
     ActivationStorage, ConvKind, GradCheckpointing, OptimizerKind, Precision, TrainConfig,
 };
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::memory::CountingAllocator;
 #[cfg(doc)]
 use memtrain::predict::HOST_BOOKKEEPING_BYTES;
 use memtrain::train::{Trainer, TrainerOptions};
+use memtrain_core::memory::CountingAllocator;
 
 #[global_allocator]
 static A: CountingAllocator = CountingAllocator;

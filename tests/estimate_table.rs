@@ -5,10 +5,10 @@
 
 use memtrain::cli::flags_config;
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
-use memtrain::memory::format_bytes;
 use memtrain::predict::{
     estimate_with, what_if, what_if_table, Baseline, DataSize, DeviceKind, Estimate,
 };
+use memtrain_core::memory::format_bytes;
 
 fn device() -> DeviceKind {
     DeviceKind::Cpu {

@@ -326,7 +326,7 @@ fn sweep_tables_mark_the_frontier_points() {
 #[test]
 fn an_oom_point_links_its_report_only_when_the_file_exists() {
     let dir = tmp_dir("oom-report");
-    let file = memtrain::memory::timeline::OOM_REPORT_FILE;
+    let file = memtrain_core::memory::timeline::OOM_REPORT_FILE;
     // Plant a report in the OOM point's directory and, to show that only OOM points link one,
     // in an ok point's directory too.
     for p in ["f32-b00128", "f16-b00032"] {

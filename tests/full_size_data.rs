@@ -9,10 +9,10 @@
 mod common;
 
 use memtrain::data::{cifar, IMAGE_BYTES, NUM_CLASSES, RECORD_BYTES};
-use memtrain::memory::{format_bytes, CountingAllocator, MemoryLog, OsView};
 use memtrain::predict::{estimate, DeviceKind};
 use memtrain::train::{Trainer, TrainerOptions};
 use memtrain::TrainConfig;
+use memtrain_core::memory::{format_bytes, CountingAllocator, MemoryLog, OsView};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 

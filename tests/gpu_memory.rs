@@ -12,8 +12,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use candle_core::cuda_backend::cudarc::driver::{sys, DriverError};
 use candle_core::cuda_backend::CudaError;
 use candle_core::{DType, Device, Tensor};
-use memtrain::memory::cuda::{is_cuda_oom, CudaPoolProbe};
-use memtrain::memory::MemoryProbe;
+use memtrain_core::memory::cuda::{is_cuda_oom, CudaPoolProbe};
+use memtrain_core::memory::MemoryProbe;
 
 const MIB: u64 = 1 << 20;
 

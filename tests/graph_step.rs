@@ -7,9 +7,9 @@ mod common;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use memtrain::config::{ActivationStorage, ConvKind, GradCheckpointing, Precision};
-use memtrain::model::{Cnn, ModelConfig};
-use memtrain::step::accumulate::GradAccumulator;
-use memtrain::step::tape::{LeanStep, NoObserver};
+use memtrain_core::model::{Cnn, ModelConfig};
+use memtrain_core::step::accumulate::GradAccumulator;
+use memtrain_core::step::tape::{LeanStep, NoObserver};
 
 /// Address of an f32 CPU tensor's buffer.
 fn buffer_address(t: &Tensor) -> usize {

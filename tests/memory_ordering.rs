@@ -4,8 +4,8 @@
 mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
-use memtrain::memory::CountingAllocator;
-use memtrain::model::cnn::param_count;
+use memtrain_core::memory::CountingAllocator;
+use memtrain_core::model::cnn::param_count;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

@@ -4,8 +4,8 @@
 //! test functions on parallel threads that would allocate in the middle of a measurement.
 
 use memtrain::config::parse_size;
-use memtrain::memory::{CountingAllocator, CpuProbe, MemoryProbe, MemoryRecorder};
-use memtrain::phase::Phase;
+use memtrain_core::memory::{CountingAllocator, CpuProbe, MemoryProbe, MemoryRecorder};
+use memtrain_core::phase::Phase;
 use std::sync::Arc;
 
 #[global_allocator]

@@ -5,8 +5,8 @@
 mod common;
 
 use common::run_trainer as train;
-use memtrain::memory::timeline::OOM_REPORT_FILE;
 use memtrain::predict::bounds::RUN_PAST_PREDICTION_ENV;
+use memtrain_core::memory::timeline::OOM_REPORT_FILE;
 
 const BASE: &[&str] = &[
     "--device",
@@ -60,7 +60,7 @@ fn limit_for(flags: &[&str], heap: u64) -> u64 {
 }
 
 /// The first step's memory record of `flags` run without a limit into `out`.
-fn first_step(flags: &[&str], out: &std::path::Path) -> memtrain::memory::BatchMemory {
+fn first_step(flags: &[&str], out: &std::path::Path) -> memtrain_core::memory::BatchMemory {
     let o = train(&[flags, &["--out", out.to_str().unwrap()]].concat());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     memtrain::callbacks::log::read_batch_log(out)

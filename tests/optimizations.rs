@@ -7,7 +7,7 @@ mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, Precision};
 use memtrain::data::Batch;
-use memtrain::step::precision::LossScaler;
+use memtrain_core::step::precision::LossScaler;
 
 fn batch(n: usize, seed: u64) -> Batch {
     let (images, labels) = common::batch(n, seed);

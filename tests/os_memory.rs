@@ -5,9 +5,9 @@
 mod common;
 
 use memtrain::callbacks::log::{BATCH_CSV_HEADER, EPOCH_CSV_HEADER};
-use memtrain::memory::os::{parse_status, process_rss};
-use memtrain::memory::{CountingAllocator, CpuProbe, MemoryProbe, OsView};
 use memtrain::train::TrainerOptions;
+use memtrain_core::memory::os::{parse_status, process_rss};
+use memtrain_core::memory::{CountingAllocator, CpuProbe, MemoryProbe, OsView};
 
 #[global_allocator]
 static A: CountingAllocator = CountingAllocator;
@@ -166,6 +166,6 @@ fn the_printed_rss_peak_at_the_runs_end_is_summary_jsons() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
     let recorded = summary["os_peak_bytes"].as_u64().unwrap();
     // Read after the charts were drawn, and the same figure on screen and in the file.
-    assert_eq!(printed, memtrain::memory::format_bytes(recorded));
+    assert_eq!(printed, memtrain_core::memory::format_bytes(recorded));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -393,7 +393,7 @@ fn logs_of_older_versions_are_read_renumbered_and_under_their_old_names() {
           "optimizer_peak":20,"reserved_peak":null,"os_current":null,"os_peak":null}],
         "epochs":[{"epoch":0,"peak_bytes":50,"phase":"backward","mean_batch_peak":50,
           "eval_peak":30,"batches":2}]}"#;
-    let log: memtrain::memory::MemoryLog = serde_json::from_str(old).unwrap();
+    let log: memtrain_core::memory::MemoryLog = serde_json::from_str(old).unwrap();
     let log = log.numbered().upgrade();
     assert_eq!(log.steps, 1);
     let b = log.last_batch.as_ref().unwrap();

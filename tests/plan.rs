@@ -6,10 +6,10 @@ mod common;
 
 use memtrain::config::TrainConfig;
 use memtrain::data::{synthetic, DataSplits};
-use memtrain::memory::{format_bytes, CountingAllocator};
 use memtrain::predict::plan::{plan, smallest_feasible_budget, PlanOptions, SAFETY_MARGIN};
 use memtrain::predict::{DataSize, DeviceKind};
 use memtrain::train::{Trainer, TrainerOptions};
+use memtrain_core::memory::{format_bytes, CountingAllocator};
 
 #[global_allocator]
 static A: CountingAllocator = CountingAllocator;

@@ -256,7 +256,7 @@ fn pruned_weights_stay_zero_through_later_optimizer_steps() {
     };
     assert!(loss.is_finite());
     let vars = t.vars().to_vec();
-    let ops = memtrain::step::ops::CandleOps::new(&t.model, candle_core::DType::F32);
+    let ops = memtrain_core::step::ops::CandleOps::new(&t.model, candle_core::DType::F32);
     t.optimizer.step(&ops, &grads, 0.1).unwrap();
     let revived = vars.iter().zip(&before).any(|(v, b)| {
         values(v.as_tensor())

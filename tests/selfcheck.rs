@@ -4,7 +4,7 @@
 //! altering an output of a pass.
 
 use candle_core::{DType, Device, Tensor};
-use memtrain::device::{self_check_kernels, self_check_kernels_with};
+use memtrain_core::device::{self_check_kernels, self_check_kernels_with};
 use memtrain_kernels::selfcheck::{check_device_with, compare, passes, tolerance, Pass};
 
 /// The largest magnitude in `t`.

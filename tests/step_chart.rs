@@ -3,13 +3,15 @@
 
 mod common;
 use common::svg_texts;
-use memtrain::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
-use memtrain::phase::Phase;
 use memtrain::sweep::compare::{CompareEntry, CompareResult};
 use memtrain::sweep::step_chart::write_step_timeline_chart;
 use memtrain::sweep::step_overlay::write_step_timeline_overlays;
 use memtrain::sweep::step_overlay::{axis_name, grid, step_panels, write_step_timeline_overlay};
 use memtrain::sweep::{ChildRun, Status};
+use memtrain_core::memory::timeline::{
+    CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE,
+};
+use memtrain_core::phase::Phase;
 use std::path::{Path, PathBuf};
 
 const MIB: u64 = 1024 * 1024;

@@ -6,10 +6,10 @@
 mod common;
 
 use memtrain::config::{ConvKind, GradCheckpointing, TrainConfig};
-use memtrain::memory::timeline::{StepTimeline, STEP_TIMELINE_FILE};
-use memtrain::memory::CountingAllocator;
 use memtrain::predict::{estimate_with, resolve_checkpointing, Baseline, DataSize, DeviceKind};
 use memtrain::train::TrainerOptions;
+use memtrain_core::memory::timeline::{StepTimeline, STEP_TIMELINE_FILE};
+use memtrain_core::memory::CountingAllocator;
 
 #[global_allocator]
 static A: CountingAllocator = CountingAllocator;
@@ -149,8 +149,8 @@ fn auto_checkpointing_follows_the_estimate() {
 /// not hide each other's peaks.
 #[test]
 fn timeline_probe_keeps_both_watermarks() {
-    use memtrain::memory::timeline::TimelineProbe;
-    use memtrain::memory::MemoryProbe;
+    use memtrain_core::memory::timeline::TimelineProbe;
+    use memtrain_core::memory::MemoryProbe;
     use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
     use std::sync::Arc;
     #[derive(Default)]

@@ -8,11 +8,11 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use memtrain::config::{ActivationStorage, ConvKind};
-use memtrain::model::cnn::{Cnn, ModelConfig};
-use memtrain::step::accumulate::GradAccumulator;
-use memtrain::step::stream::StreamChunk;
-use memtrain::step::tape::{LeanStep, NoObserver};
+use memtrain_core::model::cnn::{Cnn, ModelConfig};
 use memtrain_core::options::Segmentation;
+use memtrain_core::step::accumulate::GradAccumulator;
+use memtrain_core::step::stream::StreamChunk;
+use memtrain_core::step::tape::{LeanStep, NoObserver};
 
 const BATCH: usize = 12;
 

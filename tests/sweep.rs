@@ -772,7 +772,7 @@ fn report_wrapper(dir: &Path) -> PathBuf {
     let script = format!(
         "#!/bin/sh\nout=\nprev=\nfor a in \"$@\"; do\n  if [ \"$prev\" = \"--out\" ]; then out=\"$a\"; fi\n  prev=\"$a\"\ndone\n'{}' \"$@\"\ncode=$?\n[ -n \"$out\" ] && printf '{{}}' > \"$out/{}\"\nexit $code\n",
         example("train_cifar10").display(),
-        memtrain::memory::timeline::OOM_REPORT_FILE
+        memtrain_core::memory::timeline::OOM_REPORT_FILE
     );
     std::fs::write(&path, script).unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -784,7 +784,7 @@ fn report_wrapper(dir: &Path) -> PathBuf {
 fn oom_points_link_the_report_their_run_wrote() {
     let out = tmp_dir("oom-reports");
     let wrapper = report_wrapper(&out.join("bin"));
-    let file = memtrain::memory::timeline::OOM_REPORT_FILE;
+    let file = memtrain_core::memory::timeline::OOM_REPORT_FILE;
     let common = ["--width", "4", "--device", "cpu", "--memory-limit", "40MiB"];
     let o = run(Command::new(example("batch_sweep"))
         .args([

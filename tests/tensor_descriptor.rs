@@ -3,8 +3,8 @@
 //! Candle's CPU tensors. One test function: the allocator's counters are process-wide.
 
 use candle_core::{DType, Device, Tensor};
-use memtrain::memory::CountingAllocator;
 use memtrain::predict::{tensor_descriptor_bytes, Strides, STORAGE_RECORD_BYTES};
+use memtrain_core::memory::CountingAllocator;
 
 #[global_allocator]
 static A: CountingAllocator = CountingAllocator;

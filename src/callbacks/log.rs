@@ -13,7 +13,7 @@
 use super::{BatchInfo, Callback, EpochEnd, EpochStats, TrainBegin, TrainEnd};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
-use crate::memory::{BatchMemory, EpochMemory, MemoryLog};
+use memtrain_core::memory::{BatchMemory, EpochMemory, MemoryLog};
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;

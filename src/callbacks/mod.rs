@@ -7,7 +7,7 @@
 //! backward and an evaluation batch, and after the update, `on_layer_end` (the step's own events,
 //! the ones `step_timeline.json` records). Every method is a no-op by default.
 //!
-//! Memory is read by the trainer, not by a callback: its [`crate::memory::MemoryRecorder`]
+//! Memory is read by the trainer, not by a callback: its [`memtrain_core::memory::MemoryRecorder`]
 //! records each step and epoch just before the matching hook, and every context but
 //! [`LayerEnd`] carries the probe and the records so far ([`MemoryLog`]: the step or epoch that
 //! just ended is the last entry); [`LayerEnd`] carries the event's own readings.
@@ -25,8 +25,8 @@ pub use tensorboard::TensorBoardLogger;
 
 use crate::config::TrainConfig;
 use crate::error::Result;
-use crate::memory::{MemoryLog, MemoryProbe};
-use crate::phase::Phase;
+use memtrain_core::memory::{MemoryLog, MemoryProbe};
+use memtrain_core::phase::Phase;
 use std::path::Path;
 
 /// Context for [`Callback::on_train_begin`].
@@ -205,7 +205,7 @@ pub struct TrainEnd<'a> {
 /// ```
 /// use memtrain::callbacks::{BatchInfo, Callback, EpochEnd};
 /// use memtrain::error::Result;
-/// use memtrain::memory::format_bytes;
+/// use memtrain_core::memory::format_bytes;
 ///
 /// struct PeakPrinter;
 ///

@@ -2,8 +2,8 @@
 
 use super::{BatchInfo, Callback, EpochBegin, EpochEnd, TrainBegin, TrainEnd};
 use crate::error::Result;
-use crate::memory::format_bytes;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use memtrain_core::memory::format_bytes;
 use std::io::IsTerminal;
 use std::time::Instant;
 

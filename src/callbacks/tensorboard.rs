@@ -14,7 +14,7 @@ use super::{BatchInfo, Callback, EpochEnd, TrainBegin};
 use crate::error::{Error, Result};
 use crate::export::tensorboard::{self as tb, Event, What};
 use crate::io::write_atomic;
-use crate::memory::{mib, OsView};
+use memtrain_core::memory::{mib, OsView};
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-pub use crate::model::{IMAGE_BYTES, NUM_CLASSES};
+pub use memtrain_core::model::{IMAGE_BYTES, NUM_CLASSES};
 /// Bytes of one record in a CIFAR-10 binary file: 1 label byte followed by [`IMAGE_BYTES`] pixels.
 pub const RECORD_BYTES: usize = 3073;
 

@@ -1,5 +1,5 @@
 //! PyTorch's memory snapshot (`torch.cuda.memory._snapshot()`, opened at pytorch.org/memory_viz
-//! and by `torch.cuda._memory_viz`) from one step's allocation trace ([`crate::memory::trace`]).
+//! and by `torch.cuda._memory_viz`) from one step's allocation trace ([`memtrain_core::memory::trace`]).
 //!
 //! The format: a dict with `segments` (the state when the snapshot is taken: the end of the
 //! trace) and `device_traces` (one list per device of `alloc` / `free_requested` /
@@ -11,9 +11,9 @@
 //! event it happened in, e.g. `stage2.block1 backward`.
 
 use crate::error::{Error, Result};
-use crate::memory::timeline::{StepTimeline, TimelineEvent};
-use crate::memory::trace::{Action, Trace};
-use crate::phase::Phase;
+use memtrain_core::memory::timeline::{StepTimeline, TimelineEvent};
+use memtrain_core::memory::trace::{Action, Trace};
+use memtrain_core::phase::Phase;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -301,7 +301,7 @@ fn oom_event(o: OomMark, start_bytes: u64, timeline: &StepTimeline) -> TraceEven
 
 /// The device trace as an iterator over the trace's entries (see [`Parts::events`]).
 struct Events<'a> {
-    entries: std::slice::Iter<'a, crate::memory::trace::TraceEntry>,
+    entries: std::slice::Iter<'a, memtrain_core::memory::trace::TraceEntry>,
     timeline: &'a StepTimeline,
     /// The layer event the entries belong to now, and its frames.
     k: usize,

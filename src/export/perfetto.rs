@@ -3,8 +3,8 @@
 //! backward, recompute, optimizer) lasting from the previous event to it, and counter tracks of
 //! the memory by category at every event, the same bytes as `step_timeline.json`.
 
-use crate::memory::timeline::{StepTimeline, TimelineEvent};
-use crate::phase::Phase;
+use memtrain_core::memory::timeline::{StepTimeline, TimelineEvent};
+use memtrain_core::phase::Phase;
 use serde_json::{json, Value};
 
 /// File name of the trace in a run directory.

@@ -29,11 +29,11 @@ use crate::config::{
 use crate::data::cifar::{self, DirFiles};
 use crate::data::IMAGE_BYTES;
 use crate::error::{CoreError, Error, Result};
-use crate::memory::os::{headroom, Headroom, RssReserve, RSS_THREAD_ALLOWANCE};
-use crate::memory::{format_bytes, CountingAllocator};
 use crate::predict::{
     estimate_with, Baseline, DataSize, DeviceKind, Estimate, RUNTIME_OVERHEAD_BYTES,
 };
+use memtrain_core::memory::os::{headroom, Headroom, RssReserve, RSS_THREAD_ALLOWANCE};
+use memtrain_core::memory::{format_bytes, CountingAllocator};
 use std::path::{Path, PathBuf};
 
 /// Check, before anything is loaded or built, that the data set, the model and (unless
@@ -571,7 +571,7 @@ impl Ctx {
                     "the model at --width {} needs {} ({} parameters, with their gradients and {} state)",
                     cfg.model.width,
                     size(needs.model),
-                    count(crate::model::cnn::param_count(cfg.model.width, cfg.model.conv) as u64),
+                    count(memtrain_core::model::cnn::param_count(cfg.model.width, cfg.model.conv) as u64),
                     match cfg.optimizer.kind {
                         OptimizerKind::Sgd => "SGD momentum",
                         OptimizerKind::Adamw => "AdamW moment",

@@ -1,7 +1,7 @@
 //! Gradient checkpointing: what a segmentation recomputes, and which one `--checkpoint auto`
 //! runs.
 //!
-//! A segmentation cuts the chain of blocks into segments ([`crate::model::cnn::segments`]); every
+//! A segmentation cuts the chain of blocks into segments ([`memtrain_core::model::cnn::segments`]); every
 //! segment but the last keeps only its input in the forward and is re-run in the backward, so
 //! the recomputed work is the forward of the blocks before the last boundary. On this uneven
 //! chain (stage 1 holds most of the activation bytes and a small share of the FLOPs) the cheapest
@@ -15,8 +15,8 @@
 use super::margin::{limit_for, usable_bytes};
 use crate::config::{ActivationStorage, GradCheckpointing, Segmentation};
 use crate::error::Error;
-use crate::memory::format_bytes;
-use crate::model::{LayerKind, LayerSpec, ModelConfig};
+use memtrain_core::memory::format_bytes;
+use memtrain_core::model::{LayerKind, LayerSpec, ModelConfig};
 use memtrain_core::options::CNN_BLOCKS;
 use std::ops::Range;
 
@@ -101,7 +101,7 @@ impl CheckpointChoice {
         format!(
             "{flags}: {segmentation}{}{codes} (segments {}, recomputes {} per step; predicted peak {}): {why}; chosen in {:.0} ms",
             c.checkpointing,
-            format_segments(&crate::model::cnn::segments(blocks, c.checkpointing)),
+            format_segments(&memtrain_core::model::cnn::segments(blocks, c.checkpointing)),
             format_flops(c.recompute_flops),
             format_bytes(c.predicted_peak),
             self.solve_secs * 1e3
@@ -158,7 +158,7 @@ fn conv_flops_per_image(spec: &LayerSpec) -> u64 {
 /// `model`: the convolutions of every block before the last segment boundary, which the
 /// backward re-runs.
 pub fn recompute_flops(model: ModelConfig, ckpt: Segmentation, images: usize) -> u64 {
-    let segs = crate::model::cnn::segments(CNN_BLOCKS, ckpt);
+    let segs = memtrain_core::model::cnn::segments(CNN_BLOCKS, ckpt);
     let recomputed = segs.last().map_or(0, |s| s.start);
     let per_image: u64 = (model.layer_specs().iter())
         .filter(|s| s.kind != LayerKind::Linear && s.block < recomputed)

@@ -8,9 +8,9 @@
 //! buffers, the model). Besides the peak per phase it predicts every layer event of the step's
 //! memory timeline ([`Estimate::events`], matched to `step_timeline.json` by the trainer).
 //!
-//! It is derived from the model's layer list ([`ModelConfig::layer_specs`](crate::model::ModelConfig::layer_specs), the
+//! It is derived from the model's layer list ([`ModelConfig::layer_specs`](memtrain_core::model::ModelConfig::layer_specs), the
 //! architecture's one list) and from the step itself: the core's
-//! whole step ([`crate::step::train::train_step`]: the micro-batches on the tape, then the update
+//! whole step ([`memtrain_core::step::train::train_step`]: the micro-batches on the tape, then the update
 //! and the optimizer) runs on sizes (`sizing.rs`), each op allocating its result and spiking its
 //! scratch as the kernel sizes it, each buffer freed when the step drops its last handle. What the
 //! step keeps, recomputes and frees, and in which order, is therefore the step's own, not a copy
@@ -48,12 +48,12 @@ use crate::config::{
 };
 use crate::data::IMAGE_BYTES;
 use crate::error::Result;
-use crate::model::cnn::segments;
-use crate::phase::Phase;
-use crate::step::optim::Optimizer;
-use crate::step::precision::LossScaler;
-use crate::step::tape::LeanStep;
-use crate::step::train::{train_step, StepSettings};
+use memtrain_core::model::cnn::segments;
+use memtrain_core::phase::Phase;
+use memtrain_core::step::optim::Optimizer;
+use memtrain_core::step::precision::LossScaler;
+use memtrain_core::step::tape::LeanStep;
+use memtrain_core::step::train::{train_step, StepSettings};
 
 /// Transient bytes per weight of the largest pruned layer while its mask is recomputed and applied
 /// (`src/train/prune.rs`): on the CPU the f32 host copy (4), the sort key (8) and the new mask (1);
@@ -66,8 +66,8 @@ pub(super) const PRUNE_TRANSIENT_PER_WEIGHT_CUDA: u64 = 8;
 pub struct LayerEstimate {
     /// Layer name, e.g. `stage1.block2.conv`.
     pub name: String,
-    /// What the layer computes ([`crate::model::LayerSpec::kind`]).
-    pub kind: crate::model::LayerKind,
+    /// What the layer computes ([`memtrain_core::model::LayerSpec::kind`]).
+    pub kind: memtrain_core::model::LayerKind,
     /// Output shape per image (C, H, W).
     pub output_shape: (usize, usize, usize),
     /// Trainable parameters.
@@ -112,7 +112,7 @@ pub struct Estimate {
     /// The phase of the peak: `forward`, `backward` or `optimizer`.
     pub peak_phase: &'static str,
     /// Highest bytes in use during the evaluation after an epoch (`src/train/fit.rs`: the tape's
-    /// forward in eval mode, [`crate::step::tape::LeanStep::evaluate`], run on sizes); `None`
+    /// forward in eval mode, [`memtrain_core::step::tape::LeanStep::evaluate`], run on sizes); `None`
     /// without evaluation. Not part of [`Estimate::peak`], the step's; the run needs
     /// [`Estimate::run_peak`].
     pub eval_peak: Option<u64>,
@@ -592,7 +592,7 @@ fn train_batches_in_flight(cfg: &TrainConfig, train_images: usize) -> u64 {
 }
 
 /// The evaluation after an epoch's steps (`Trainer::evaluate`, `src/train/fit.rs`), on sizes:
-/// the tape's forward in eval mode ([`crate::step::tape::LeanStep::evaluate`]) on a batch of
+/// the tape's forward in eval mode ([`memtrain_core::step::tape::LeanStep::evaluate`]) on a batch of
 /// the micro-batch's size (or the whole evaluation split when it is smaller). In use around it:
 /// the baseline, the optimizer state, the runtime's buffers, the training batches' image buffers
 /// (pooled; the evaluation's batches reuse them), the evaluation batcher's order of the split
@@ -667,7 +667,7 @@ fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
     }
 }
 
-/// Two steps of the core's step ([`crate::step::train::train_step`]) on sizes: step 1 builds
+/// Two steps of the core's step ([`memtrain_core::step::train::train_step`]) on sizes: step 1 builds
 /// the optimizer state, step 2 carries it through forward and backward — the steady state, whose
 /// events are the prediction of the timeline. Around each step, what the trainer adds on the CPU
 /// heap: the gradient accumulator's slots, the micro-batches' results, the step's timeline, and
@@ -700,7 +700,7 @@ fn run_steps<'a>(
     // start for as many events as the step before had), each event's layer name (allocated as the
     // event is recorded), the run's label and the probe's name. It is kept until the next step
     // ends.
-    let timeline_bytes = (cfg.label().len() + crate::memory::CPU_HEAP_PROBE.len()) as u64;
+    let timeline_bytes = (cfg.label().len() + memtrain_core::memory::CPU_HEAP_PROBE.len()) as u64;
     let mut held_timeline = 0;
     let mut obs = Events {
         sim: sim.clone(),
@@ -711,7 +711,7 @@ fn run_steps<'a>(
         accum_steps: settings.accum_steps,
         // The micro-batches' results.
         results: if host {
-            (settings.accum_steps * std::mem::size_of::<crate::step::MicroResult>()) as u64
+            (settings.accum_steps * std::mem::size_of::<memtrain_core::step::MicroResult>()) as u64
         } else {
             0
         },

@@ -5,9 +5,9 @@
 
 use super::sim::Shared;
 use crate::config::TrainConfig;
-use crate::phase::Phase;
-use crate::step::tape::{StepEvent, StepObserver, SAVED_RECORD_BYTES};
 use memtrain_core::error::Result;
+use memtrain_core::phase::Phase;
+use memtrain_core::step::tape::{StepEvent, StepObserver, SAVED_RECORD_BYTES};
 use std::ops::Range;
 
 /// Capacity of a `Vec` after `len` single pushes from empty (std's amortized growth: at least
@@ -179,7 +179,7 @@ impl StepObserver for Events {
 
 /// Heap bytes of one record of the trainer's memory timeline besides its layer's name.
 pub const TIMELINE_EVENT_BYTES: u64 =
-    std::mem::size_of::<crate::memory::timeline::TimelineEvent>() as u64;
+    std::mem::size_of::<memtrain_core::memory::timeline::TimelineEvent>() as u64;
 
 /// One predicted event of the step, matching the trainer's timeline events.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

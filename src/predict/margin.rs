@@ -48,10 +48,10 @@ pub fn limit_for(peak: u64, margin: f64) -> u64 {
 
 /// What `--memory-limit` leaves the estimate's (heap) peak on `device`: on the CPU, where the
 /// limit is the process's resident memory, the heap budget under it
-/// ([`crate::memory::os::RssReserve`]); on CUDA the pool limit itself.
+/// ([`memtrain_core::memory::os::RssReserve`]); on CUDA the pool limit itself.
 pub fn heap_limit(limit: Option<u64>, device: DeviceKind) -> Option<u64> {
     match device.is_cpu() {
-        true => limit.map(|l| crate::memory::os::RssReserve::of_process().heap_budget(l)),
+        true => limit.map(|l| memtrain_core::memory::os::RssReserve::of_process().heap_budget(l)),
         false => limit,
     }
 }
@@ -59,7 +59,7 @@ pub fn heap_limit(limit: Option<u64>, device: DeviceKind) -> Option<u64> {
 /// The `--memory-limit` that leaves a heap of `heap` bytes on `device` (see [`heap_limit`]).
 pub fn limit_for_heap(heap: u64, device: DeviceKind) -> u64 {
     match device.is_cpu() {
-        true => crate::memory::os::RssReserve::of_process().resident(heap),
+        true => memtrain_core::memory::os::RssReserve::of_process().resident(heap),
         false => heap,
     }
 }

@@ -12,8 +12,8 @@ use crate::config::{
     ActivationStorage, ConvKind, GradCheckpointing, Precision, TrainConfig, MAX_BATCH_SIZE,
 };
 use crate::error::{Error, Result};
-use crate::memory::format_bytes;
 use crate::predict::{estimate_with, Baseline, DataSize, DeviceKind, Estimate};
+use memtrain_core::memory::format_bytes;
 use std::fmt::Write as _;
 
 /// Fraction of the budget kept free: a plan must predict at most `(1 - SAFETY_MARGIN) × budget`

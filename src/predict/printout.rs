@@ -3,7 +3,7 @@
 
 use super::estimate::Estimate;
 use super::sim::DeviceKind;
-use crate::memory::format_bytes;
+use memtrain_core::memory::format_bytes;
 use std::fmt::Write as _;
 
 impl Estimate {

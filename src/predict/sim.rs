@@ -3,10 +3,10 @@
 //! allocation.
 
 use crate::error::Result;
-pub(super) use crate::model::LayerKind;
-use crate::model::ModelConfig;
-use crate::phase::Phase;
 use candle_core::DType;
+pub(super) use memtrain_core::model::LayerKind;
+use memtrain_core::model::ModelConfig;
+use memtrain_core::phase::Phase;
 
 /// Where training runs, as far as memory is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -51,7 +51,7 @@ impl DeviceKind {
     pub fn for_spec(spec: Option<&str>) -> Result<Self> {
         match spec {
             Some(s) => {
-                crate::device::parse_device_spec(s)?;
+                memtrain_core::device::parse_device_spec(s)?;
                 if s.trim().eq_ignore_ascii_case("cpu") {
                     Ok(DeviceKind::cpu())
                 } else {

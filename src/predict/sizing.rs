@@ -1,4 +1,4 @@
-//! The step's own tape ([`crate::step::tape`]) run on sizes: every tensor is a shape and a byte
+//! The step's own tape ([`memtrain_core::step::tape`]) run on sizes: every tensor is a shape and a byte
 //! count, every op allocates its result and spikes its scratch as the kernel sizes it
 //! ([`super::scratch`]), and a buffer is freed when the tape drops its last handle. The estimate
 //! so follows the step's order of work by running it, not by a copy of it.
@@ -7,11 +7,11 @@ use super::scratch::*;
 use super::sim::*;
 use crate::config::ActivationStorage;
 use crate::data::IMAGE_BYTES;
-use crate::step::micro::MicroResult;
-use crate::step::ops::{ConvWeights, HeadResult, StepOps};
-use crate::step::tape::LeanStep;
 use candle_core::DType;
 use memtrain_core::error::Result;
+use memtrain_core::step::micro::MicroResult;
+use memtrain_core::step::ops::{ConvWeights, HeadResult, StepOps};
+use memtrain_core::step::tape::LeanStep;
 use memtrain_kernels::batchnorm as bn;
 use memtrain_kernels::quantize::Width;
 use std::rc::Rc;
@@ -796,8 +796,8 @@ pub(super) fn eval_batch(
 ) -> Result<()> {
     let (x, y) = ops.batch(n);
     // One segment: the evaluation saves nothing and recomputes nothing.
-    let segments = crate::model::cnn::segments(blocks, crate::config::Segmentation::NONE);
+    let segments = memtrain_core::model::cnn::segments(blocks, crate::config::Segmentation::NONE);
     let mut step = LeanStep::on(ops, segments, storage);
-    step.evaluate(&x, &y, &mut crate::step::tape::NoObserver)?;
+    step.evaluate(&x, &y, &mut memtrain_core::step::tape::NoObserver)?;
     Ok(())
 }

@@ -12,7 +12,7 @@
 use super::estimate::{estimate_with, Baseline, DeviceKind};
 use crate::config::{ActivationStorage, ConvKind, GradCheckpointing, Precision, TrainConfig};
 use crate::error::Result;
-use crate::memory::format_bytes;
+use memtrain_core::memory::format_bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 

@@ -126,7 +126,7 @@ pub(crate) fn limit_rules(
         None => vec![(
             l,
             LIMIT_COLOR,
-            format!("memory limit ({})", crate::memory::format_bytes(l)),
+            format!("memory limit ({})", memtrain_core::memory::format_bytes(l)),
         )],
         Some(h) => vec![
             (
@@ -134,7 +134,7 @@ pub(crate) fn limit_rules(
                 LIMIT_COLOR,
                 format!(
                     "memory limit, resident memory ({})",
-                    crate::memory::format_bytes(l)
+                    memtrain_core::memory::format_bytes(l)
                 ),
             ),
             (
@@ -142,7 +142,7 @@ pub(crate) fn limit_rules(
                 HEAP_BUDGET_COLOR,
                 format!(
                     "heap budget under the limit ({}): what the heap peaks are held to",
-                    crate::memory::format_bytes(h)
+                    memtrain_core::memory::format_bytes(h)
                 ),
             ),
         ],

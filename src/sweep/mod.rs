@@ -167,7 +167,7 @@ pub(crate) fn trainer_config(args: &[String]) -> Option<crate::config::TrainConf
 }
 
 /// Where an out-of-memory run's report is, for the results tables: `None` unless `run` ran out
-/// of memory and its run directory holds [`crate::memory::timeline::OOM_REPORT_FILE`] (a trainer
+/// of memory and its run directory holds [`memtrain_core::memory::timeline::OOM_REPORT_FILE`] (a trainer
 /// that stops on out-of-memory writes it; older ones do not, so the file is looked for, not
 /// assumed). The path is relative to `results_dir`, where the tables are written, so that the
 /// links keep working when the directory moves; absolute when the run directory lies elsewhere.
@@ -175,7 +175,9 @@ pub fn oom_report_link(run: &ChildRun, results_dir: &Path) -> Option<PathBuf> {
     if run.status != Status::Oom {
         return None;
     }
-    let file = run.run_dir.join(crate::memory::timeline::OOM_REPORT_FILE);
+    let file = run
+        .run_dir
+        .join(memtrain_core::memory::timeline::OOM_REPORT_FILE);
     if !file.is_file() {
         return None;
     }
@@ -842,10 +844,10 @@ pub fn describe(label: &str, run: &ChildRun) -> String {
         Status::Ok => format!(
             "{label}: ok, peak {} (baseline {}), {:.1} img/s",
             run.peak_bytes()
-                .map(crate::memory::format_bytes)
+                .map(memtrain_core::memory::format_bytes)
                 .unwrap_or_default(),
             run.baseline_bytes()
-                .map(crate::memory::format_bytes)
+                .map(memtrain_core::memory::format_bytes)
                 .unwrap_or_default(),
             run.images_per_sec().unwrap_or(0.0)
         ),

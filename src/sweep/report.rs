@@ -28,8 +28,8 @@ use crate::callbacks::log::{read_batch_log, BATCHES_CSV, MEMORY_JSON};
 use crate::config::GradCheckpointing;
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_json_atomic};
-use crate::memory::format_bytes;
-use crate::memory::MemoryLog;
+use memtrain_core::memory::format_bytes;
+use memtrain_core::memory::MemoryLog;
 use plotters::prelude::*;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -144,7 +144,7 @@ fn memory_cells(run: &ChildRun) -> [String; 5] {
 fn step_figures(run: &ChildRun) -> Option<(u64, u64)> {
     let path = run
         .run_dir
-        .join(crate::memory::timeline::STEP_TIMELINE_FILE);
+        .join(memtrain_core::memory::timeline::STEP_TIMELINE_FILE);
     let t = super::step_chart::read_step_timeline(&path).ok()??;
     if t.events.is_empty() {
         return None;
@@ -182,7 +182,7 @@ fn opt_i32(v: Option<i32>) -> String {
 
 /// MiB with two decimals, or `-`.
 fn mib_cell(v: Option<u64>) -> String {
-    v.map(|b| format!("{:.2}", crate::memory::mib(b)))
+    v.map(|b| format!("{:.2}", memtrain_core::memory::mib(b)))
         .unwrap_or_else(|| "-".into())
 }
 
@@ -570,7 +570,7 @@ fn other_note<'a>(runs: impl Iterator<Item = &'a ChildRun>) -> String {
     }
     format!(
         "\nThe training peak is the highest step peak. {} ({}).\n",
-        crate::memory::PHASE_OTHER_NOTE,
+        memtrain_core::memory::PHASE_OTHER_NOTE,
         other.join(", ")
     )
 }

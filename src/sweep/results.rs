@@ -2,7 +2,7 @@
 //! `report` renders, kept apart from both so neither imports the other's half.
 
 use super::ChildRun;
-use crate::memory::format_bytes;
+use memtrain_core::memory::format_bytes;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

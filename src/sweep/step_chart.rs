@@ -1,5 +1,5 @@
 //! Charts of the memory inside one training step, from a run's `step_timeline.json`
-//! ([`crate::memory::timeline::StepTimeline`]).
+//! ([`memtrain_core::memory::timeline::StepTimeline`]).
 //!
 //! - [`write_step_timeline_chart`]: `step_timeline.{png,svg}` of one run directory: the bytes in
 //!   use after every layer event as stacked areas by category, the measured peak between events,
@@ -15,8 +15,10 @@ use super::chart::{
     render, rotated_names, shorten, Chart, DrawResult, MemUnit, Panel, FONT, TEXT_COLOR,
 };
 use crate::error::{Error, Result};
-use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE};
-use crate::phase::Phase;
+use memtrain_core::memory::timeline::{
+    CategoryBytes, StepTimeline, TimelineEvent, STEP_TIMELINE_FILE,
+};
+use memtrain_core::phase::Phase;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};

@@ -15,7 +15,7 @@ use super::step_chart::{
     FREED, PEAK_COLOR, STACK,
 };
 use crate::error::Result;
-use crate::memory::timeline::StepTimeline;
+use memtrain_core::memory::timeline::StepTimeline;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -32,7 +32,7 @@ pub fn write_step_timeline_overlays(dir: &Path, result: &CompareResult) -> Resul
         let path = e
             .run
             .run_dir
-            .join(crate::memory::timeline::STEP_TIMELINE_FILE);
+            .join(memtrain_core::memory::timeline::STEP_TIMELINE_FILE);
         if let Some(t) = read_step_timeline(&path)? {
             timelines.push((e.label.clone(), e.run.lossy, t));
         }

@@ -3,7 +3,7 @@
 
 use super::Trainer;
 use crate::error::{CoreError, Error};
-use crate::memory::timeline::{StepTimeline, OOM_REPORT_FILE};
+use memtrain_core::memory::timeline::{StepTimeline, OOM_REPORT_FILE};
 use serde::Serialize;
 
 impl Trainer {
@@ -78,7 +78,7 @@ impl Trainer {
     pub(super) fn advise_oom(&self, e: impl Into<Error>) -> Error {
         let mut e = e.into();
         if let Error::Core(CoreError::OutOfMemory { phase, advice, .. }) = &mut e {
-            let in_update = phase.starts_with(&crate::phase::Phase::Optimizer.to_string());
+            let in_update = phase.starts_with(&memtrain_core::phase::Phase::Optimizer.to_string());
             *advice = crate::advice::out_of_memory_with(
                 &self.config,
                 in_update,
@@ -94,7 +94,7 @@ impl Trainer {
         let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
         smaller_checkpointing(
             &self.config,
-            DeviceKind::of(&self.device),
+            DeviceKind::of(self.model.device()),
             Baseline::Modeled(data),
         )
     }

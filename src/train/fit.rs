@@ -9,10 +9,10 @@ use super::watch::EvalBudget;
 use super::Trainer;
 use crate::callbacks::{Callback, EpochBegin, EpochEnd, EpochStats, TrainBegin, TrainEnd};
 use crate::data::{Batcher, BatcherOptions, Dataset};
-use crate::device::device_name;
 use crate::error::{Error, Result};
-use crate::step::tape::LeanStep;
 use candle_core::Tensor;
+use memtrain_core::device::device_name;
+use memtrain_core::step::tape::LeanStep;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -37,7 +37,7 @@ impl Trainer {
                 drop_last: false,
                 seed: self.config.seed,
                 epoch: 0,
-                prefetch: self.config.prefetch_batches(self.device.is_cuda()),
+                prefetch: self.config.prefetch_batches(self.model.device().is_cuda()),
                 start_batch: 0,
                 // The training batches' buffers: evaluation needs no more of its own.
                 recycle: Some(self.data.batch_buffers.clone()),
@@ -49,8 +49,8 @@ impl Trainer {
             if self.stop_requested() {
                 return Ok(None);
             }
-            let x = Tensor::from_slice(&b.images, (b.len, 3, 32, 32), &self.device)?;
-            let y = Tensor::from_slice(&b.labels, b.len, &self.device)?;
+            let x = Tensor::from_slice(&b.images, (b.len, 3, 32, 32), self.model.device())?;
+            let y = Tensor::from_slice(&b.labels, b.len, self.model.device())?;
             let mut budget = EvalBudget {
                 probe: &*self.watch.probe,
                 epoch,
@@ -137,7 +137,7 @@ impl Trainer {
 
     /// The run's beginning: the memory recorder's and the callbacks'.
     fn train_begin(&mut self) -> Result<()> {
-        let dev_name = device_name(&self.device);
+        let dev_name = device_name(self.model.device());
         self.watch.memory.train_begin();
         self.callbacks.on_train_begin(&TrainBegin {
             config: &self.config,
@@ -242,7 +242,7 @@ impl Trainer {
                 drop_last: true,
                 seed: cfg.seed,
                 epoch,
-                prefetch: cfg.prefetch_batches(self.device.is_cuda()),
+                prefetch: cfg.prefetch_batches(self.model.device().is_cuda()),
                 start_batch: first,
                 recycle: Some(self.data.batch_buffers.clone()),
             },
@@ -320,7 +320,7 @@ impl Trainer {
                 &self
                     .files
                     .run_dir
-                    .join(crate::memory::timeline::STEP_TIMELINE_FILE),
+                    .join(memtrain_core::memory::timeline::STEP_TIMELINE_FILE),
                 &self.step_timeline(),
             )?;
             self.write_step_trace()?;

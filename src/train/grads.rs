@@ -4,12 +4,12 @@
 
 use super::Trainer;
 use crate::error::Result;
-use crate::step::accumulate::GradAccumulator;
-use crate::step::ops::CandleOps;
-use crate::step::tape::{LeanStep, NoObserver};
-use crate::step::train;
-use crate::step::{BatchInput, MicroResult};
 use candle_core::Tensor;
+use memtrain_core::step::accumulate::GradAccumulator;
+use memtrain_core::step::ops::CandleOps;
+use memtrain_core::step::tape::{LeanStep, NoObserver};
+use memtrain_core::step::train;
+use memtrain_core::step::{BatchInput, MicroResult};
 
 impl Trainer {
     /// The batch `images`/`labels` on the host, for the micro-batch loop.
@@ -17,7 +17,7 @@ impl Trainer {
         BatchInput::Host {
             images,
             labels,
-            device: &self.device,
+            device: self.model.device(),
         }
     }
 
@@ -47,15 +47,15 @@ impl Trainer {
         images: &[f32],
         labels: &[u32],
     ) -> Result<(f64, Vec<Option<Tensor>>)> {
-        let mut acc = GradAccumulator::new(self.vars.len());
+        let mut acc = GradAccumulator::new(self.model.param_count());
         let batch = self.host_batch(images, labels);
         let k = self.config.steps.accum_steps;
         let mut results = Vec::with_capacity(k);
         for i in 0..k {
             let (x, y) = batch.micro_batch(i, k)?;
-            results.push(crate::step::oracle::forward_backward(
+            results.push(memtrain_core::step::oracle::forward_backward(
                 &self.model,
-                &self.vars,
+                &self.model.vars(),
                 &x,
                 &y,
                 self.config.memory.precision.compute_dtype(),

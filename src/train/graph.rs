@@ -3,7 +3,7 @@
 //!
 //! At batch 128 this network is launch-bound on an H100: its kernels are short and there are
 //! hundreds of them per step. A graph replays all of them from one host call. What makes the
-//! lean step ([`crate::step::tape`]) capturable:
+//! lean step ([`memtrain_core::step::tape`]) capturable:
 //!
 //! - **Allocation-stable.** Every step allocates the same buffers in the same order. Allocations
 //!   made while capturing become the graph's own (stream-ordered allocations are capturable); a
@@ -13,9 +13,9 @@
 //!   allocated when the next launch begins, and this frees them in the launch, at the same
 //!   addresses.
 //! - **Nothing waits for the device.** The step reads nothing back while it runs
-//!   ([`crate::step::tape::LeanStep::run_deferred`] leaves the loss on the device); the batch is copied
+//!   ([`memtrain_core::step::tape::LeanStep::run_deferred`] leaves the loss on the device); the batch is copied
 //!   into two static input tensors *before* the launch; BatchNorm running statistics are written
-//!   into their tensors in place ([`crate::step::tape::LeanStep::with_stats_in_place`]), since the graph
+//!   into their tensors in place ([`memtrain_core::step::tape::LeanStep::with_stats_in_place`]), since the graph
 //!   keeps using the addresses it saw; parameters are read from the `Var`s, which the optimizer
 //!   updates in place. The few small host-to-device uploads inside Candle ops (the class indices of
 //!   the loss, strides of non-contiguous operands) are served by Candle's graph upload cache,
@@ -205,10 +205,10 @@ mod cuda {
     use super::{next_action, BatchGrads, GraphAction, GraphStats};
     use crate::data::IMAGE_BYTES;
     use crate::error::{Error, Result};
-    use crate::step::accumulate::GradAccumulator;
-    use crate::step::tape::{LeanStep, NoObserver};
-    use crate::step::BatchInput;
     use crate::train::Trainer;
+    use memtrain_core::step::accumulate::GradAccumulator;
+    use memtrain_core::step::tape::{LeanStep, NoObserver};
+    use memtrain_core::step::BatchInput;
 
     /// What the captured body returns: device tensors that a replay rewrites in place.
     struct Outputs {
@@ -258,7 +258,7 @@ mod cuda {
         /// The step's forward and backward on the static inputs, reading nothing back.
         fn body(&self, t: &Trainer, loss_scale: f64) -> Result<Outputs> {
             let dtype = t.config.memory.precision.compute_dtype();
-            let mut acc = GradAccumulator::new(t.vars().len());
+            let mut acc = GradAccumulator::new(t.model.param_count());
             let batch = BatchInput::Device {
                 x: &self.x,
                 y: &self.y,

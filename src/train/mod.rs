@@ -1,4 +1,4 @@
-//! A training run around the step ([`crate::step`]): the [`Trainer`] and the loop that drives it,
+//! A training run around the step ([`memtrain_core::step`]): the [`Trainer`] and the loop that drives it,
 //! each concern in its own module.
 //!
 //! - [`trainer`]: a run and how it is built from a [`crate::TrainConfig`];

@@ -29,8 +29,9 @@
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
-use crate::step::optim::Optimizer;
 use candle_core::{DType, Device, Tensor, Var};
+use memtrain_core::model::Cnn;
+use memtrain_core::step::optim::Optimizer;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
@@ -43,7 +44,7 @@ pub const DENSE_MODEL_FILE: &str = "model.safetensors";
 /// The same model in the sparse form of [`save_sparse`], in the run directory.
 pub const SPARSE_MODEL_FILE: &str = "model-sparse.safetensors";
 
-/// Whether the parameter `name` (as in [`crate::model::Cnn::named_vars`]) is pruned: the weight
+/// Whether the parameter `name` (as in [`memtrain_core::model::Cnn::named_vars`]) is pruned: the weight
 /// of a convolution or of the head, not a bias or a BatchNorm parameter.
 pub fn is_pruned(name: &str) -> bool {
     name == "head.weight"
@@ -230,22 +231,22 @@ impl Pruner {
     pub(crate) fn after_step(
         &mut self,
         step: usize,
-        vars: &[Var],
+        model: &Cnn,
         optimizer: &mut Optimizer,
     ) -> Result<()> {
         if self.schedule.updates_at(step) {
-            self.update_masks(self.schedule.sparsity(step), vars)?;
+            self.update_masks(self.schedule.sparsity(step), model)?;
         }
-        self.apply(vars, optimizer)
+        self.apply(model, optimizer)
     }
 
     /// Recompute every mask for `sparsity` from the parameters' magnitudes. A mask never prunes
     /// fewer weights than it did, and keeps every weight it pruned pruned: a schedule that asks
     /// for less (a resumed run whose longer length moved the schedule's default end) revives
     /// nothing.
-    pub(crate) fn update_masks(&mut self, sparsity: f64, vars: &[Var]) -> Result<()> {
+    pub(crate) fn update_masks(&mut self, sparsity: f64, model: &Cnn) -> Result<()> {
         for l in &mut self.layers {
-            let var = &vars[l.index];
+            let var = model.var(l.index);
             let w = var.as_detached_tensor().flatten_all()?.to_vec1::<f32>()?;
             let before = l.mask.flatten_all()?.to_vec1::<u8>()?;
             let zeros = zeros_for(sparsity, w.len()).max(l.zeros);
@@ -258,9 +259,9 @@ impl Pruner {
     }
 
     /// Zero the pruned weights (as +0.0) and their optimizer state.
-    pub fn apply(&self, vars: &[Var], optimizer: &mut Optimizer) -> Result<()> {
+    pub fn apply(&self, model: &Cnn, optimizer: &mut Optimizer) -> Result<()> {
         for l in self.layers.iter().filter(|l| l.zeros > 0) {
-            let var = &vars[l.index];
+            let var = model.var(l.index);
             let w = var.as_detached_tensor();
             var.set(&l.mask.where_cond(&w, &w.zeros_like()?)?)?;
             optimizer.mask_state(l.index, &l.mask)?;
@@ -359,10 +360,11 @@ impl Pruner {
     }
 
     /// Reached sparsity per pruned parameter and overall, counted from the weights themselves.
-    pub fn report(&self, vars: &[Var]) -> Result<PruneReport> {
+    pub fn report(&self, model: &Cnn) -> Result<PruneReport> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
-            let w = vars[l.index]
+            let w = model
+                .var(l.index)
                 .as_detached_tensor()
                 .flatten_all()?
                 .to_vec1::<f32>()?;
@@ -427,7 +429,7 @@ pub struct PruneReport {
 impl PruneReport {
     /// The end-of-run lines: reached sparsity overall and per layer, the file sizes.
     pub fn render(&self) -> String {
-        use crate::memory::format_bytes;
+        use memtrain_core::memory::format_bytes;
         let mut s = format!(
             "pruning: target sparsity {:.2}, reached {:.4} over {} layers (masks {}); schedule steps {}..{} every {}\n",
             self.target,
@@ -643,7 +645,7 @@ impl super::Trainer {
         let Some(pruner) = &self.pruner else {
             return Ok(None);
         };
-        let mut report = pruner.report(&self.vars)?;
+        let mut report = pruner.report(&self.model)?;
         if self.files.log_files && !interrupted {
             let tensors: Vec<(String, Tensor)> = self
                 .model

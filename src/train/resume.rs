@@ -7,8 +7,8 @@ use super::snapshot::Snapshot;
 use super::state::TrainState;
 use super::Trainer;
 use crate::error::{Error, Result};
-use crate::step::optim::Optimizer;
 use candle_core::{DType, Device, Tensor};
+use memtrain_core::step::optim::Optimizer;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -121,11 +121,11 @@ impl Trainer {
 
         // Apply.
         for (name, var) in &vars {
-            var.set(&state.model[name].to_device(&self.device)?)?;
+            var.set(&state.model[name].to_device(self.model.device())?)?;
         }
         for (name, _) in &buffers {
             self.model
-                .set_buffer(name, state.model[name].to_device(&self.device)?)?;
+                .set_buffer(name, state.model[name].to_device(self.model.device())?)?;
         }
         let cfg = &self.config;
         let mut optimizer = Optimizer::new(
@@ -175,7 +175,7 @@ impl Trainer {
                     "optimizer state '{name}' does not match the shape of '{pname}'"
                 )));
             }
-            opt_state.push((name.clone(), t.to_device(&self.device)?));
+            opt_state.push((name.clone(), t.to_device(self.model.device())?));
         }
         // Every applied update leaves one state tensor per parameter (SGD's momentum), or two
         // (AdamW's moments); before the first, none.
@@ -282,7 +282,7 @@ impl Trainer {
                 &self
                     .files
                     .run_dir
-                    .join(crate::memory::timeline::STEP_TIMELINE_FILE),
+                    .join(memtrain_core::memory::timeline::STEP_TIMELINE_FILE),
                 &self.step_timeline(),
             )?;
         }

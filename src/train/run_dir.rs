@@ -42,8 +42,8 @@ pub(crate) const RESULT_FILES: &[&str] = &[
     crate::callbacks::log::BATCHES_CSV,
     crate::callbacks::log::EPOCHS_CSV,
     crate::callbacks::log::MEMORY_JSON,
-    crate::memory::timeline::STEP_TIMELINE_FILE,
-    crate::memory::timeline::OOM_REPORT_FILE,
+    memtrain_core::memory::timeline::STEP_TIMELINE_FILE,
+    memtrain_core::memory::timeline::OOM_REPORT_FILE,
     // The same file as older runs named it.
     "oom_snapshot.json",
     super::prune::DENSE_MODEL_FILE,

@@ -58,8 +58,8 @@ use super::state::TrainState;
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
 use crate::io::hash_bytes;
-use crate::step::precision::LossScaler;
 use candle_core::Tensor;
+use memtrain_core::step::precision::LossScaler;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -83,7 +83,7 @@ pub const MASKS_FILE: &str = "masks.safetensors";
 pub(crate) const CONFIG_FILE: &str = "config.json";
 /// The run's history up to the snapshot ([`RunHistory`](super::history::RunHistory)).
 pub(crate) const HISTORY_FILE: &str = "history.json";
-/// The memory log up to the snapshot ([`MemoryLog`](crate::memory::MemoryLog)).
+/// The memory log up to the snapshot ([`MemoryLog`](memtrain_core::memory::MemoryLog)).
 pub(crate) const MEMORY_FILE: &str = "memory.json";
 /// Folder in [`SNAPSHOTS_DIR`] where snapshots written after the loss blew up are moved.
 pub const DIVERGED_DIR: &str = "diverged";

@@ -14,8 +14,8 @@ use super::state::TrainState;
 use crate::config::{CompressActivations, GradCheckpointing, TrainConfig};
 use crate::error::{Error, Result};
 use crate::io::hash_bytes;
-use crate::memory::MemoryLog;
 use candle_core::Device;
+use memtrain_core::memory::MemoryLog;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

@@ -7,9 +7,9 @@
 //! where a snapshot reads and writes them.
 
 use super::history::RunHistory;
-use crate::memory::MemoryLog;
-use crate::step::precision::LossScaler;
 use candle_core::Tensor;
+use memtrain_core::memory::MemoryLog;
+use memtrain_core::step::precision::LossScaler;
 use std::collections::HashMap;
 
 /// A training run's state at one position: parameters, BatchNorm statistics, optimizer and loss
@@ -27,10 +27,10 @@ pub struct TrainState {
     pub steps_per_epoch: usize,
     /// Optimizer steps of the whole run (informational: it follows --epochs/--max-steps).
     pub total_steps: usize,
-    /// Parameters by name ([`crate::model::Cnn::named_vars`]) and BatchNorm running statistics
-    /// ([`crate::model::Cnn::named_buffers`]), f32 on the CPU.
+    /// Parameters by name ([`memtrain_core::model::Cnn::named_vars`]) and BatchNorm running statistics
+    /// ([`memtrain_core::model::Cnn::named_buffers`]), f32 on the CPU.
     pub model: HashMap<String, Tensor>,
-    /// Optimizer state tensors by name ([`crate::step::optim::Optimizer::state`]: `s1.<i>`, `s2.<i>`).
+    /// Optimizer state tensors by name ([`memtrain_core::step::optim::Optimizer::state`]: `s1.<i>`, `s2.<i>`).
     pub optimizer: HashMap<String, Tensor>,
     /// The optimizer's own step count (Adam bias correction; differs from `global_step` when the
     /// f16 loss scaler skipped steps).

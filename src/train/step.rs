@@ -1,4 +1,4 @@
-//! One optimizer step of a run: the core's step ([`crate::step::train::train_step`]) with the
+//! One optimizer step of a run: the core's step ([`memtrain_core::step::train::train_step`]) with the
 //! trainer's concerns as its observer ([`StepWatch`]), then pruning, the update's event and the
 //! step's end. A failed step is named with the phase it failed in; an out-of-memory one leaves
 //! its report ([`super::diagnose`]).
@@ -10,14 +10,14 @@ use crate::callbacks::Callback;
 use crate::config::ClipDuring;
 use crate::data::Batch;
 use crate::error::{CoreError, Error, Result};
-use crate::memory::timeline::{StepTimeline, TimelineEvent};
-use crate::phase::Phase;
-use crate::step::micro::MicroResult;
-use crate::step::ops::CandleOps;
-use crate::step::optim::one_cycle_lr;
-use crate::step::tape::{LeanStep, StepObserver};
-use crate::step::train::{self, StepSettings, Update};
-use crate::step::BatchInput;
+use memtrain_core::memory::timeline::{StepTimeline, TimelineEvent};
+use memtrain_core::phase::Phase;
+use memtrain_core::step::micro::MicroResult;
+use memtrain_core::step::ops::CandleOps;
+use memtrain_core::step::optim::one_cycle_lr;
+use memtrain_core::step::tape::{LeanStep, StepObserver};
+use memtrain_core::step::train::{self, StepSettings, Update};
+use memtrain_core::step::BatchInput;
 use std::time::Instant;
 
 impl Trainer {
@@ -119,7 +119,6 @@ impl Trainer {
                 plan,
                 callbacks,
                 watch,
-                device,
                 optimizer,
                 scaler,
                 ..
@@ -146,7 +145,7 @@ impl Trainer {
                     let batch = BatchInput::Host {
                         images: &batch.images,
                         labels: &batch.labels,
-                        device,
+                        device: model.device(),
                     };
                     train::train_step(
                         &mut LeanStep::on(ops, model.segments(plan.segmentation), plan.storage),
@@ -180,12 +179,12 @@ impl Trainer {
         // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
         let stepped = stepped.and_then(|r| {
             if let Some(p) = self.pruner.as_mut() {
-                p.after_step(step.global_step + 1, &self.vars, &mut self.optimizer)?;
+                p.after_step(step.global_step + 1, &self.model, &mut self.optimizer)?;
             }
             Ok(r)
         });
         if stepped.is_ok() {
-            self.device.synchronize()?;
+            self.model.device().synchronize()?;
         }
         let skipped = matches!(stepped, Ok((_, Update { skipped: true, .. })));
         let mut obs = StepWatch::new(&mut self.watch, &mut self.callbacks, step, fixed, events);

@@ -2,7 +2,7 @@
 
 use super::Trainer;
 use crate::callbacks::EpochStats;
-use crate::device::device_name;
+use memtrain_core::device::device_name;
 use serde::{Deserialize, Serialize};
 
 /// The summary's file in a run directory.
@@ -91,8 +91,8 @@ pub struct MemorySummary {
     /// Highest reserved bytes of the CUDA pool.
     pub reserved_peak_bytes: Option<u64>,
     /// What the OS sees beside the probe: process RSS (CPU) or device-wide use (CUDA, what
-    /// nvidia-smi shows); see [`crate::memory::OsView::explain`].
-    pub os_view: Option<crate::memory::OsView>,
+    /// nvidia-smi shows); see [`memtrain_core::memory::OsView::explain`].
+    pub os_view: Option<memtrain_core::memory::OsView>,
     /// The OS view at the end of the run.
     pub os_current_bytes: Option<u64>,
     /// The OS view's high-water mark over the run (CPU: the kernel's VmHWM since start).
@@ -102,7 +102,7 @@ pub struct MemorySummary {
     #[serde(alias = "memory_limit")]
     pub memory_limit_bytes: Option<u64>,
     /// The heap budget under `memory_limit_bytes` on the CPU: the limit less what the process
-    /// holds outside its heap ([`crate::memory::os::RssReserve`]); the trainer checks the heap
+    /// holds outside its heap ([`memtrain_core::memory::os::RssReserve`]); the trainer checks the heap
     /// against it after every layer, and the resident memory against the limit.
     #[serde(default)]
     pub heap_budget_bytes: Option<u64>,
@@ -216,7 +216,7 @@ impl Trainer {
         }
         Summary {
             label,
-            device: device_name(&self.device),
+            device: device_name(self.model.device()),
             memory: MemorySummary {
                 probe: self.watch.probe.name().to_string(),
                 probe_available: self.watch.probe.available(),
@@ -292,7 +292,7 @@ impl Trainer {
         let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
         crate::predict::what_if(
             &self.config,
-            DeviceKind::of(&self.device),
+            DeviceKind::of(self.model.device()),
             Baseline::Modeled(data),
         )
         .ok()

@@ -2,7 +2,7 @@
 //! callbacks and the run directory, from a [`TrainConfig`].
 //!
 //! Where the rest of the run lives: the epoch loop in [`super::fit`], the phased step in
-//! `super::step` (the step itself is [`crate::step::train`]; its observer `super::watch`), taking and putting back the run's
+//! `super::step` (the step itself is [`memtrain_core::step::train`]; its observer `super::watch`), taking and putting back the run's
 //! [`super::TrainState`] in [`super::resume`], failure reports in [`super::diagnose`], the summary
 //! in [`super::summary`] and pruning's end of run in [`super::prune`].
 
@@ -12,14 +12,14 @@ use crate::callbacks::{
 };
 use crate::config::{ActivationStorage, Segmentation, TrainConfig};
 use crate::data::{self, DataSplits, Dataset};
-use crate::device::select_device;
 use crate::error::{Error, Result};
-use crate::memory::timeline::{StepTimeline, TimelineProbe};
-use crate::memory::{probe_for, MemoryLog, MemoryProbe, MemoryRecorder};
-use crate::model::Cnn;
-use crate::step::optim::Optimizer;
-use crate::step::precision::LossScaler;
 use candle_core::{Device, Var};
+use memtrain_core::device::select_device;
+use memtrain_core::memory::timeline::{StepTimeline, TimelineProbe};
+use memtrain_core::memory::{probe_for, MemoryLog, MemoryProbe, MemoryRecorder};
+use memtrain_core::model::Cnn;
+use memtrain_core::step::optim::Optimizer;
+use memtrain_core::step::precision::LossScaler;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
@@ -33,7 +33,7 @@ pub struct TrainerOptions {
     pub progress: bool,
     /// Write config/CSV/summary files into the run directory.
     pub log_files: bool,
-    /// On out-of-memory in a step, write [`crate::memory::timeline::OOM_REPORT_FILE`] into the
+    /// On out-of-memory in a step, write [`memtrain_core::memory::timeline::OOM_REPORT_FILE`] into the
     /// run directory (creating it if needed, so that summary-only sweep children leave one too).
     pub oom_report: bool,
     /// Set to true (e.g. by a signal handler) to stop after the current step, or between
@@ -60,11 +60,8 @@ pub struct Trainer {
     pub config: TrainConfig,
     /// What the step runs with: the segmentation and the activation storage.
     pub plan: StepPlan,
-    /// The device.
-    pub device: Device,
     /// The model.
     pub model: Cnn,
-    pub(crate) vars: Vec<Var>,
     /// The optimizer and its state.
     pub optimizer: Optimizer,
     /// The f16 loss scaler (None for f32/bf16).
@@ -173,10 +170,9 @@ impl Trainer {
             .then(|| super::run_dir::claim(&run_dir, options.claim))
             .transpose()?;
         let model = Cnn::new(config.model, &device, config.seed)?;
-        let vars = model.vars();
         let optimizer = Optimizer::new(
             config.optimizer.kind,
-            vars.len(),
+            model.param_count(),
             config.optimizer.momentum,
             config.optimizer.weight_decay,
         );
@@ -194,9 +190,7 @@ impl Trainer {
                 timeline_probe,
                 timeline: StepTimeline::default(),
             },
-            device,
             model,
-            vars,
             optimizer,
             scaler,
             callbacks: callback_list(
@@ -301,8 +295,13 @@ impl Trainer {
     }
 
     /// The trainable parameters, in the model's order.
-    pub fn vars(&self) -> &[Var] {
-        &self.vars
+    pub fn vars(&self) -> Vec<Var> {
+        self.model.vars()
+    }
+
+    /// The device the run trains on (the model's).
+    pub fn device(&self) -> &Device {
+        self.model.device()
     }
 
     /// The pruning state of a `--prune` run.
@@ -314,7 +313,7 @@ impl Trainer {
     pub fn memory_estimate(&self) -> Option<crate::predict::Estimate> {
         use crate::predict::{estimate_with, Baseline, DataSize, DeviceKind};
         let data = DataSize::loaded(&self.data.train, &self.data.eval, &self.config);
-        let device = DeviceKind::of(&self.device);
+        let device = DeviceKind::of(self.model.device());
         estimate_with(&self.config, device, Baseline::Modeled(data)).ok()
     }
 }
@@ -352,10 +351,10 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
         match config.memory.memory_limit {
             // The limit is the process's resident memory: freed blocks go back to the kernel,
             // so that it follows the heap (see `return_freed_memory`).
-            Some(_) => crate::memory::return_freed_memory(),
+            Some(_) => memtrain_core::memory::return_freed_memory(),
             // Every op allocates its output; without this, glibc maps and unmaps the large ones
             // on every step (see `retain_freed_memory`).
-            None => crate::memory::retain_freed_memory(),
+            None => memtrain_core::memory::retain_freed_memory(),
         }
         // Candle's CPU thread pool, made before the baseline is read rather than by the first
         // step's first convolution, so that no step holds its records and threads.
@@ -365,7 +364,10 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
         // per process (1.6-2.8 s on an H200), before anything trains on it and before the
         // probe's baseline. The cuDNN workspace it allocated goes, so that the run's own comes
         // from the run's memory pool, inside --memory-limit.
-        crate::device::self_check_kernels(&device, config.memory.precision.compute_dtype())?;
+        memtrain_core::device::self_check_kernels(
+            &device,
+            config.memory.precision.compute_dtype(),
+        )?;
         memtrain_kernels::conv2d_cudnn::release_workspace();
         // The estimate asks this thread's cuDNN which passes it runs (the self-check may have
         // run on another thread of the process).
@@ -405,7 +407,7 @@ fn resolve_plan(
     if progress && ck != Segmentation::NONE {
         println!(
             "--checkpoint {ck}: segments {}, recomputes {} per step",
-            format_segments(&crate::model::cnn::segments(CNN_BLOCKS, ck)),
+            format_segments(&memtrain_core::model::cnn::segments(CNN_BLOCKS, ck)),
             format_flops(recompute_flops(config.model, ck, config.steps.batch_size))
         );
     }

@@ -11,9 +11,9 @@ use super::Trainer;
 use crate::error::Result;
 use crate::export::memviz::{self, OomMark, MEMORY_SNAPSHOT_FILE, OOM_MEMORY_SNAPSHOT_PICKLE};
 use crate::export::perfetto::{step_trace, STEP_TRACE_FILE};
-use crate::memory::timeline::StepTimeline;
-use crate::memory::trace::Trace;
-use crate::memory::CountingAllocator;
+use memtrain_core::memory::timeline::StepTimeline;
+use memtrain_core::memory::trace::Trace;
+use memtrain_core::memory::CountingAllocator;
 use std::path::PathBuf;
 
 /// Which steps to trace, and the trace of the step that just ended.
@@ -35,7 +35,7 @@ impl StepTracer {
         config: &crate::config::TrainConfig,
         total_steps: usize,
         options: &super::TrainerOptions,
-        probe: &dyn crate::memory::MemoryProbe,
+        probe: &dyn memtrain_core::memory::MemoryProbe,
     ) -> Result<Self> {
         if let Some(n) = config
             .output
@@ -46,7 +46,7 @@ impl StepTracer {
                 "--memory-snapshot-step {n} is not a step of this run: steps count from 1, as in batches.csv; pick one from 1 to {total_steps} or drop the flag (default: the last step)"
             )));
         }
-        let heap = probe.name() == crate::memory::CPU_HEAP_PROBE && total_steps > 0;
+        let heap = probe.name() == memtrain_core::memory::CPU_HEAP_PROBE && total_steps > 0;
         if config.output.memory_snapshot_step.is_some() && !heap {
             eprintln!("note: --memory-snapshot-step traces the CPU heap; this run's memory is the device's, so no memory_snapshot.pickle is written");
         }
@@ -73,7 +73,7 @@ impl StepTracer {
 
     /// The step's measured part ended (or the step failed): stop the trace, keep it.
     pub(crate) fn end(&mut self) {
-        if crate::memory::trace::ON.load(std::sync::atomic::Ordering::Relaxed) {
+        if memtrain_core::memory::trace::ON.load(std::sync::atomic::Ordering::Relaxed) {
             self.taken = CountingAllocator::stop_trace();
         }
     }

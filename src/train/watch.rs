@@ -1,4 +1,4 @@
-//! The trainer's concerns as observers of the step ([`crate::step::tape::StepObserver`]): at every
+//! The trainer's concerns as observers of the step ([`memtrain_core::step::tape::StepObserver`]): at every
 //! layer's end a reading of the memory timeline, split into categories, the CPU budget checked
 //! against its peak and the callbacks' `on_layer_end`; at every phase's end the budget checked
 //! against the phase's peak, the [`MemoryRecorder`] folding it and the callbacks' hook; the
@@ -7,14 +7,14 @@
 
 use crate::callbacks::{BatchInfo, Callback, CallbackList, LayerEnd};
 use crate::error::{CoreError, Error, Result};
-use crate::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
-use crate::memory::{format_bytes, is_device_oom, MemoryLog, MemoryProbe, MemoryRecorder};
-use crate::model::Cnn;
-use crate::phase::Phase;
-use crate::step::micro::MicroResult;
-use crate::step::optim::Optimizer;
-use crate::step::tape::{StepEvent, StepObserver};
-use crate::step::train::Update;
+use memtrain_core::memory::timeline::{CategoryBytes, StepTimeline, TimelineEvent, TimelineProbe};
+use memtrain_core::memory::{format_bytes, is_device_oom, MemoryLog, MemoryProbe, MemoryRecorder};
+use memtrain_core::model::Cnn;
+use memtrain_core::phase::Phase;
+use memtrain_core::step::micro::MicroResult;
+use memtrain_core::step::optim::Optimizer;
+use memtrain_core::step::tape::{StepEvent, StepObserver};
+use memtrain_core::step::train::Update;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -216,7 +216,7 @@ impl<'a> StepWatch<'a> {
     /// out-of-memory report of this phase shows the failing event), then the budget and the
     /// callbacks' `on_layer_end`. A failed update (`update` an error) records the event only.
     pub(super) fn update_end<U>(&mut self, update: &Result<U>, skipped: bool) -> Result<()> {
-        crate::memory::trace::mark();
+        memtrain_core::memory::trace::mark();
         let probe = &*self.watch.timeline_probe;
         let (peak, current) = (probe.take_event_peak(), probe.current());
         let step = self.step;
@@ -280,7 +280,7 @@ impl<'a> StepWatch<'a> {
         saved: u64,
         grads: u64,
     ) -> Result<(), CoreError> {
-        crate::memory::trace::mark();
+        memtrain_core::memory::trace::mark();
         let probe = &*self.watch.timeline_probe;
         let (peak, current) = (probe.take_event_peak(), probe.current());
         self.events.push(TimelineEvent {

@@ -384,7 +384,7 @@ pub fn needed_limits(base: impl Fn() -> Command) -> (u64, u64) {
 
 /// The `--memory-limit` in bytes under which a CPU run's heap budget is `heap`: what the run
 /// predicts its process holds beyond the heap, read off its refusal and its predicted peak, added
-/// to the heap with the allocator's slack (`memtrain::memory::os::RssReserve`).
+/// to the heap with the allocator's slack (`memtrain_core::memory::os::RssReserve`).
 pub fn limit_for_heap(base: impl Fn() -> Command, heap: u64) -> u64 {
     let out = base()
         .args(["--memory-limit", "64GiB", "--dry-run"])
@@ -398,7 +398,7 @@ pub fn limit_for_heap(base: impl Fn() -> Command, heap: u64) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no predicted peak in: {stdout}"));
     let predicted = predicted * 1048576.0;
-    let slack = 1.0 + memtrain::memory::os::RSS_HEAP_SLACK;
+    let slack = 1.0 + memtrain_core::memory::os::RSS_HEAP_SLACK;
     let outside = needed_limits(base).1 as f64 - predicted * slack;
     (heap as f64 * slack + outside).ceil() as u64
 }

@@ -124,7 +124,7 @@ fn grid() -> Vec<Case> {
             accum: 3,
             ..case(24, 96, F32, "segments:1,3")
         },
-        // Streamed over chunks of images, the last one shorter (16-image chunks of stage 1).
+        // Chunks of images, the last one shorter (16-image chunks of stage 1).
         Case {
             storage: ActivationStorage::Int4,
             ..case(32, 100, F32, "none")

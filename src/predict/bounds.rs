@@ -83,7 +83,7 @@ pub fn check_inputs(
     let mut budgets = Budget::all(cfg.memory.memory_limit, fit_memory, device, held, machine);
     // The tightest first: a value that fits it fits the others on the same memory.
     budgets.sort_by_key(|b| b.room);
-    let ctx = Ctx {
+    let ctx = Checks {
         device,
         source,
         budgets,
@@ -136,7 +136,7 @@ pub const RUN_PAST_PREDICTION_ENV: &str = "MEMTRAIN_RUN_PAST_PREDICTION";
 /// outside it) is refused before anything runs, dry runs included; `--fit-memory` plans its own.
 fn refuse_predicted_overrun(
     cfg: &TrainConfig,
-    ctx: &Ctx,
+    ctx: &Checks,
     needs: &Needs,
     fit_memory: Option<u64>,
 ) -> Result<()> {
@@ -412,7 +412,7 @@ enum Step {
 }
 
 /// Everything the checks of one run share.
-struct Ctx {
+struct Checks {
     device: DeviceKind,
     source: Source,
     budgets: Vec<Budget>,
@@ -424,7 +424,7 @@ struct Ctx {
 /// per-image arithmetic stays far from overflow.
 const ESTIMATE_DATA_MAX: u64 = 1 << 60;
 
-impl Ctx {
+impl Checks {
     /// The data set of `cfg` (its sizes, and the most bytes loading it holds at once).
     fn data(&self, cfg: &TrainConfig) -> (DataSize, u64) {
         match &self.source {

@@ -446,7 +446,7 @@ pub fn resolve_checkpointing(
 
 /// Which layer keeps which activations for the backward of one micro-batch, by the tape's
 /// rules (`core/src/step/tape.rs`): the table's columns, by layer.
-struct Kept {
+struct KeptByLayer {
     /// The micro-batch's input, saved as the first segment's input.
     input: u64,
     /// Per node: (saved from the forward, recomputed in the backward).
@@ -456,7 +456,7 @@ struct Kept {
 /// Each segment's input is saved: the micro-batch's input for the first, else the output of the
 /// previous block's last layer. Inside one segment spanning the model every block's h is saved
 /// on the conv that makes it; inside checkpointed segments it is recomputed there instead.
-fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx) -> Kept {
+fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx) -> KeptByLayer {
     let blocks = blocks_of(nodes);
     let mut layers = vec![(0u64, 0u64); nodes.len()];
     let mut input = 0;
@@ -480,7 +480,7 @@ fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx
             }
         }
     }
-    Kept { input, layers }
+    KeptByLayer { input, layers }
 }
 
 /// The sizes a step of `cfg` holds whatever its batch: parameters (and the largest one), BatchNorm

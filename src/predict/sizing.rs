@@ -324,7 +324,7 @@ impl StepOps for Sizing<'_> {
         self.blocks[j].convs.len()
     }
 
-    fn streams(&self) -> bool {
+    fn in_chunks(&self) -> bool {
         !self.cuda()
     }
 

@@ -17,7 +17,7 @@
 //! 6. [`optim`]: the optimizers on f32 master weights and the learning-rate schedule.
 //! 7. [`compress`]: compressed saved activations (`--compress-activations int8|int4|int2`), the
 //!    one lossy optimization: what the tape keeps of each block's conv output.
-//! 8. [`stream`]: passes over chunks of images, so that a block holds one activation-sized buffer
+//! 8. [`chunks`]: passes over chunks of images, so that a block holds one activation-sized buffer
 //!    where it would hold two (a conv written over its input, a backward reading the codes).
 //!
 //! The fourth optimization, **depthwise-separable convolutions**, is a choice of layer when the
@@ -26,13 +26,13 @@
 //! used for training.
 
 pub mod accumulate;
+pub mod chunks;
 pub mod compress;
 pub mod micro;
 pub mod ops;
 pub mod optim;
 pub mod oracle;
 pub mod precision;
-pub mod stream;
 pub mod tape;
 pub mod train;
 

@@ -60,9 +60,9 @@ pub trait StepOps {
     /// Parameters of block j's conv (1 dense, 2 separable).
     fn conv_params(&self, j: usize) -> usize;
 
-    /// Whether the tape may run passes over chunks of images ([`super::stream`]): on the CPU;
+    /// Whether the tape may run passes over chunks of images ([`super::chunks`]): on the CPU;
     /// a CUDA device runs every pass on the whole batch.
-    fn streams(&self) -> bool;
+    fn in_chunks(&self) -> bool;
 
     /// The shape.
     fn dims(&self, t: &Self::T) -> Vec<usize>;
@@ -276,7 +276,7 @@ impl StepOps for CandleOps<'_> {
         self.model.blocks[j].conv.var_count()
     }
 
-    fn streams(&self) -> bool {
+    fn in_chunks(&self) -> bool {
         self.model.device().is_cpu()
     }
 

@@ -29,15 +29,15 @@
 //! the weight gradient and freed, then the input gradient dx_j is computed and dh_j freed, then
 //! block j-1's BatchNorm backward turns dx_j into dh_{j-1} in place. Alive at the worst moment:
 //! h_{j-1}, dh_j and one of the two. On the CPU the passes that treat each image alone run over
-//! chunks of images ([`super::stream`]): a conv that keeps the activation's shape writes its
+//! chunks of images ([`super::chunks`]): a conv that keeps the activation's shape writes its
 //! output over its input and its input gradient over dh_j, and with compressed activations
 //! ([`super::compress`]) the recomputed input and h_{j-1} are decoded chunk by chunk, so one large
 //! buffer (dh_j becoming dx_j, then dh_{j-1}) is all a block's backward holds.
 
+use super::chunks;
 use super::compress::Kept;
 use super::micro::MicroResult;
 use super::ops::{CandleOps, ConvWeights, HeadResult, StepOps};
-use super::stream;
 use crate::error::Result;
 use crate::model::Cnn;
 use crate::options::ActivationStorage;
@@ -134,8 +134,8 @@ pub struct LeanStep<O: StepOps> {
     var_base: Vec<usize>,
     /// How the blocks' conv outputs are kept.
     storage: ActivationStorage,
-    /// How the streamed passes chunk the batch ([`LeanStep::with_stream_chunk`]).
-    chunk: stream::StreamChunk,
+    /// How the chunked passes chunk the batch ([`LeanStep::with_chunking`]).
+    chunk: chunks::Chunking,
 }
 
 impl<'a> LeanStep<CandleOps<'a>> {
@@ -157,10 +157,10 @@ impl<'a> LeanStep<CandleOps<'a>> {
         self
     }
 
-    /// Chunk the streamed passes ([`stream`]) as `chunk` says instead of as
-    /// [`stream::chunk_images`] chooses. For tests: the whole batch is the reference the streamed
+    /// Chunk the chunked passes ([`chunks`]) as `chunk` says instead of as
+    /// [`chunks::chunk_images`] chooses. For tests: the whole batch is the reference the chunked
     /// passes are checked against, and small chunks exercise a batch's last, shorter chunk.
-    pub fn with_stream_chunk(mut self, chunk: stream::StreamChunk) -> Self {
+    pub fn with_chunking(mut self, chunk: chunks::Chunking) -> Self {
         self.chunk = chunk;
         self
     }
@@ -202,7 +202,7 @@ impl<O: StepOps> LeanStep<O> {
             segments,
             var_base,
             storage,
-            chunk: stream::StreamChunk::default(),
+            chunk: chunks::Chunking::default(),
         }
     }
 
@@ -258,7 +258,7 @@ impl<O: StepOps> LeanStep<O> {
     /// with BatchNorm's running statistics (untouched), nothing saved, no gradient; the mean
     /// loss and the correct count. Each block's conv output is normalized in place (or pooled
     /// straight from it), and its input is freed right after its conv (or, where the conv keeps
-    /// the shape and the device streams, overwritten by its output), so at most a block's input,
+    /// the shape and the device runs in chunks, overwritten by its output), so at most a block's input,
     /// its conv output and the conv's scratch are alive at once. The events (phase
     /// [`Phase::Eval`]) follow each block and the head.
     pub fn evaluate(
@@ -490,35 +490,35 @@ impl<O: StepOps> LeanStep<O> {
     }
 
     /// [`Self::conv_forward`] on `x` given up by the caller: when nothing else holds x (`owned`),
-    /// the device streams and the conv keeps the activation's shape, its output is written over
-    /// x ([`stream::conv_over_input`]); otherwise x is freed after the conv.
+    /// the device runs in chunks and the conv keeps the activation's shape, its output is written over
+    /// x ([`chunks::conv_over_input`]); otherwise x is freed after the conv.
     fn conv_forward_owned(&self, j: usize, x: O::T, owned: bool) -> Result<O::T> {
         let o = &self.o;
         if owned {
             if let ConvWeights::Standard(w) = o.conv_weights(j)? {
-                if let Some(chunk) = self.stream_over(&x, &w) {
-                    return stream::conv_over_input(o, x, &w, chunk);
+                if let Some(chunk) = self.chunk_over(&x, &w) {
+                    return chunks::conv_over_input(o, x, &w, chunk);
                 }
             }
         }
         self.conv_forward(j, &x)
     }
 
-    /// Images per chunk for the passes streamed over an activation of `dims`, or None where
-    /// every pass runs on the whole batch (a device that does not stream).
-    fn stream_images(&self, dims: &[usize]) -> Option<usize> {
+    /// Images per chunk for the passes chunked over an activation of `dims`, or None where
+    /// every pass runs on the whole batch (a device that does not run in chunks).
+    fn chunk_of(&self, dims: &[usize]) -> Option<usize> {
         let o = &self.o;
-        o.streams()
+        o.in_chunks()
             .then(|| self.chunk.images(dims, o.dtype().size_in_bytes()))
             .flatten()
     }
 
-    /// The chunk to stream a dense conv of weight `w` over `x` (or over its output gradient,
-    /// which has the output's shape) with, where the output has x's shape and the device streams.
-    fn stream_over(&self, x: &O::T, w: &O::T) -> Option<usize> {
+    /// The chunk to run a dense conv of weight `w` over `x` (or over its output gradient,
+    /// which has the output's shape) with, where the output has x's shape and the device runs in chunks.
+    fn chunk_over(&self, x: &O::T, w: &O::T) -> Option<usize> {
         let o = &self.o;
         let (xd, wd) = (o.dims(x), o.dims(w));
-        (wd[0] == wd[1]).then(|| self.stream_images(&xd)).flatten()
+        (wd[0] == wd[1]).then(|| self.chunk_of(&xd)).flatten()
     }
 
     /// The backward of blocks `seg` from `g_out` (gradient of the segment's output): its blocks'
@@ -564,13 +564,13 @@ impl<O: StepOps> LeanStep<O> {
     }
 
     /// `(dh, dγ, dβ)` of `relu(bn(h))` with h as the tape kept it, dh written over `g`: with
-    /// codes on a streaming device, h is decoded a chunk at a time
-    /// ([`stream::bn_relu_backward_from_codes`]), else whole.
+    /// codes on a chunking device, h is decoded a chunk at a time
+    /// ([`chunks::bn_relu_backward_from_codes`]), else whole.
     fn bn_relu_backward_kept(&self, h: Kept<O>, g: O::T, p: &O::Bn) -> Result<(O::T, O::T, O::T)> {
         let o = &self.o;
         if let Kept::Codes(q) = &h {
-            if let Some(chunk) = self.stream_images(&o.codes_dims(q)) {
-                return stream::bn_relu_backward_from_codes(o, q, g, p, chunk);
+            if let Some(chunk) = self.chunk_of(&o.codes_dims(q)) {
+                return chunks::bn_relu_backward_from_codes(o, q, g, p, chunk);
             }
         }
         let h = h.restore(o)?;
@@ -597,13 +597,13 @@ impl<O: StepOps> LeanStep<O> {
         if o.block_pools(j - 1) {
             // Block j's input is the pool output: small, so recompute it (and the argmax) first,
             // finish block j, then run block j-1's backward over h_{j-1} in place. Codes on a
-            // streaming device are decoded twice (chunk by chunk for the pool, then whole), so
+            // chunking device are decoded twice (chunk by chunk for the pool, then whole), so
             // that no decoded h_{j-1} is held through block j's backward.
-            let stream = self.stream_images(&prev.h.dims(o));
+            let chunk = self.chunk_of(&prev.h.dims(o));
             let mut kept = Some(prev.h);
-            let (p, am, h) = match (kept.as_ref().expect("the record"), stream) {
+            let (p, am, h) = match (kept.as_ref().expect("the record"), chunk) {
                 (Kept::Codes(q), Some(chunk)) => {
-                    let (p, am) = stream::pool_from_codes(o, q, &prev.bn, chunk)?;
+                    let (p, am) = chunks::pool_from_codes(o, q, &prev.bn, chunk)?;
                     (p, am, None)
                 }
                 _ => {
@@ -633,11 +633,11 @@ impl<O: StepOps> LeanStep<O> {
                 // of its own, or chunk by chunk from codes); then dx_j (over dh_j where the shapes
                 // allow); only then is h_{j-1} needed, for its BatchNorm backward (read from codes
                 // chunk by chunk). Three large buffers at most (h_{j-1}, dh_j, and y or dx_j); one,
-                // dh_j becoming dx_j, with codes on a streaming device.
-                let stream = self.stream_images(&prev.h.dims(o));
-                match (&prev.h, stream) {
+                // dh_j becoming dx_j, with codes on a chunking device.
+                let chunk = self.chunk_of(&prev.h.dims(o));
+                match (&prev.h, chunk) {
                     (Kept::Codes(q), Some(chunk)) => {
-                        stream::weight_grad_from_codes(o, q, &prev.bn, &dh, &w, chunk, |gw| {
+                        chunks::weight_grad_from_codes(o, q, &prev.bn, &dh, &w, chunk, |gw| {
                             o.add_grad(acc, base, o.to_dtype(&gw, DType::F32)?)
                         })?
                     }
@@ -710,12 +710,12 @@ impl<O: StepOps> LeanStep<O> {
     }
 
     /// The input gradient of a dense conv of weight `w` for an input of `x_dims` from its output
-    /// gradient `dh` (given up): written over dh where the shapes allow and the device streams
-    /// ([`stream::input_grad_over`]), else into a new tensor, dh freed after.
+    /// gradient `dh` (given up): written over dh where the shapes allow and the device runs in chunks
+    /// ([`chunks::input_grad_over`]), else into a new tensor, dh freed after.
     fn input_grad(&self, dh: O::T, w: &O::T, x_dims: &[usize]) -> Result<O::T> {
         let o = &self.o;
-        match self.stream_over(&dh, w) {
-            Some(chunk) => stream::input_grad_over(o, dh, w, chunk),
+        match self.chunk_over(&dh, w) {
+            Some(chunk) => chunks::input_grad_over(o, dh, w, chunk),
             None => o.conv2d_backward_input(&dh, w, x_dims, 1),
         }
     }

@@ -1,4 +1,4 @@
-//! Streaming over chunks of images: a block's passes that hold one activation-sized buffer
+//! Passes over chunks of images: a block's passes that hold one activation-sized buffer
 //! instead of two or three.
 //!
 //! Every pass of a block but BatchNorm's sums treats each image on its own, so a pass can run over
@@ -19,29 +19,29 @@
 //!   ([`pool_from_codes`]). The weight gradient and the sums are added chunk by chunk, so their
 //!   rounding differs from the whole-batch pass's (the codes are lossy anyway).
 //!
-//! The tape ([`super::tape`]) streams where [`super::ops::StepOps::streams`]: on the CPU. A CUDA
-//! device runs every pass on the whole batch (streaming there has not run on a GPU yet). The
+//! The tape ([`super::tape`]) runs them where [`super::ops::StepOps::in_chunks`]: on the CPU. A
+//! CUDA device runs every pass on the whole batch (chunks there have not run on a GPU yet). The
 //! estimate runs these same functions on sizes.
 
 use super::ops::StepOps;
 use crate::error::Result;
 
-/// Bytes of one chunk of an activation: what a streamed pass holds of its operand or its result
+/// Bytes of one chunk of an activation: what a chunked pass holds of its operand or its result
 /// at a time (and so the size of the decoded or convolved piece beside the whole activation).
-pub const STREAM_CHUNK_BYTES: usize = 2 << 20;
+pub const CHUNK_BYTES: usize = 2 << 20;
 
 /// Images per chunk of an activation of `dims` (`[N, …]`) with `elem_bytes`-byte elements: as
-/// many as fit in [`STREAM_CHUNK_BYTES`], at least one, at most the batch. It does not depend on
-/// the thread count, so a streamed step rounds alike on every machine.
+/// many as fit in [`CHUNK_BYTES`], at least one, at most the batch. It does not depend on
+/// the thread count, so a chunked step rounds alike on every machine.
 pub fn chunk_images(dims: &[usize], elem_bytes: usize) -> usize {
     let image = dims[1..].iter().product::<usize>() * elem_bytes;
-    (STREAM_CHUNK_BYTES / image.max(1)).clamp(1, dims[0].max(1))
+    (CHUNK_BYTES / image.max(1)).clamp(1, dims[0].max(1))
 }
 
-/// How a step chunks its batch for the streamed passes.
+/// How a step chunks its batch for the chunked passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum StreamChunk {
-    /// [`chunk_images`]'s choice (where the device streams at all).
+pub enum Chunking {
+    /// [`chunk_images`]'s choice (where the device runs in chunks at all).
     #[default]
     Chosen,
     /// Never: every pass on the whole batch, as a CUDA device runs it (the tests' reference).
@@ -50,14 +50,14 @@ pub enum StreamChunk {
     Images(usize),
 }
 
-impl StreamChunk {
+impl Chunking {
     /// Images per chunk over an activation of `dims` in `elem_bytes`-byte elements, or None
     /// for the whole batch at once.
     pub(super) fn images(self, dims: &[usize], elem_bytes: usize) -> Option<usize> {
         match self {
-            StreamChunk::Chosen => Some(chunk_images(dims, elem_bytes)),
-            StreamChunk::Whole => None,
-            StreamChunk::Images(k) => Some(k.clamp(1, dims[0].max(1))),
+            Chunking::Chosen => Some(chunk_images(dims, elem_bytes)),
+            Chunking::Whole => None,
+            Chunking::Images(k) => Some(k.clamp(1, dims[0].max(1))),
         }
     }
 }

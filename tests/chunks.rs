@@ -1,4 +1,4 @@
-//! The passes the step streams over chunks of images (`core/src/step/stream.rs`) against the same
+//! The passes the step runs over chunks of images (`core/src/step/chunks.rs`) against the same
 //! step on whole batches: bit-identical for the exact step, the codes' gradients equal up to the
 //! order of their sums, in every precision, conv kind, segmentation and chunk size (a chunk of one
 //! image, one that leaves a shorter last chunk, the default). What it saves is measured by
@@ -11,7 +11,7 @@ use memtrain::config::{ActivationStorage, ConvKind};
 use memtrain_core::model::cnn::{Cnn, ModelConfig};
 use memtrain_core::options::Segmentation;
 use memtrain_core::step::accumulate::GradAccumulator;
-use memtrain_core::step::stream::StreamChunk;
+use memtrain_core::step::chunks::Chunking;
 use memtrain_core::step::tape::{LeanStep, NoObserver};
 
 const BATCH: usize = 12;
@@ -22,14 +22,14 @@ fn step(
     dtype: DType,
     cuts: u8,
     storage: ActivationStorage,
-    chunk: StreamChunk,
+    chunk: Chunking,
 ) -> (f64, Vec<Tensor>) {
     let model = Cnn::new(ModelConfig { width: 8, conv }, &Device::Cpu, 3).unwrap();
     let (images, labels) = common::batch(BATCH, 5);
     let x = Tensor::from_vec(images, (BATCH, 3, 32, 32), &Device::Cpu).unwrap();
     let y = Tensor::from_vec(labels, BATCH, &Device::Cpu).unwrap();
     let segments = model.segments(Segmentation::from_cuts(cuts));
-    let mut step = LeanStep::new(&model, dtype, segments, storage).with_stream_chunk(chunk);
+    let mut step = LeanStep::new(&model, dtype, segments, storage).with_chunking(chunk);
     let mut acc = GradAccumulator::new(model.vars().len());
     let r = step.run(&x, &y, 1.0, &mut acc, &mut NoObserver).unwrap();
     let grads = acc.into_grads().into_iter().map(|g| g.unwrap()).collect();
@@ -47,7 +47,7 @@ fn bits(t: &Tensor) -> Vec<u32> {
 }
 
 #[test]
-fn streamed_passes_equal_whole_batch_ones() {
+fn chunked_passes_equal_whole_batch_ones() {
     let storages = [
         ActivationStorage::None,
         ActivationStorage::Int8,
@@ -60,13 +60,9 @@ fn streamed_passes_equal_whole_batch_ones() {
             for dtype in [DType::F32, DType::BF16] {
                 for storage in storages {
                     let label = format!("{conv:?} {dtype:?} cuts {cuts:05b} {storage:?}");
-                    let (loss, whole) = step(conv, dtype, cuts, storage, StreamChunk::Whole);
-                    // Chosen: the whole of this small batch, through the streamed code.
-                    for chunk in [
-                        StreamChunk::Images(1),
-                        StreamChunk::Images(5),
-                        StreamChunk::Chosen,
-                    ] {
+                    let (loss, whole) = step(conv, dtype, cuts, storage, Chunking::Whole);
+                    // Chosen: the whole of this small batch, through the chunked code.
+                    for chunk in [Chunking::Images(1), Chunking::Images(5), Chunking::Chosen] {
                         let (l, g) = step(conv, dtype, cuts, storage, chunk);
                         // The forward is the same arithmetic per image either way.
                         assert_eq!(l, loss, "{label} {chunk:?}: loss");

@@ -90,15 +90,19 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
             )
             .run(&xi, &yi, mult, &mut acc_e, &mut NoObserver)
             .unwrap();
-            let g = LeanStep::new(
+            let mut captured = LeanStep::new(
                 &graph,
                 dtype,
                 graph.segments(checkpoint.resolved().unwrap()),
                 ActivationStorage::None,
             )
-            .with_stats_in_place()
-            .run_deferred(&xi, &yi, mult, &mut acc_g, &mut NoObserver)
-            .unwrap();
+            .with_stats_in_place();
+            let (g, tape) = captured
+                .forward(&xi, &yi, mult, &acc_g, &mut NoObserver)
+                .unwrap();
+            captured
+                .backward(tape, &mut acc_g, &mut NoObserver)
+                .unwrap();
             assert_eq!(
                 g.loss.to_scalar::<f32>().unwrap() as f64,
                 e.loss,

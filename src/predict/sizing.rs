@@ -10,7 +10,7 @@ use crate::data::IMAGE_BYTES;
 use candle_core::DType;
 use memtrain_core::error::Result;
 use memtrain_core::step::micro::MicroResult;
-use memtrain_core::step::ops::{ConvWeights, HeadResult, StepOps};
+use memtrain_core::step::ops::{ConvWeights, Head, StepOps};
 use memtrain_core::step::tape::LeanStep;
 use memtrain_kernels::batchnorm as bn;
 use memtrain_kernels::quantize::Width;
@@ -687,24 +687,25 @@ impl StepOps for Sizing<'_> {
     fn add(&self, a: &Sz, _b: &Sz) -> Result<Sz> {
         Ok(self.alloc(a.dims.clone(), a.dtype))
     }
-    fn loss_and_grad(
-        &self,
-        logits: &Sz,
-        _labels: &Sz,
-        _loss_mult: f64,
-        _defer: bool,
-    ) -> Result<(HeadResult<Sz>, Sz)> {
+    fn loss_and_grad(&self, logits: &Sz, _labels: &Sz, _loss_mult: f64) -> Result<(Head<Sz>, Sz)> {
         Ok(self.op(Some(self.head()), || {
-            // log-softmax, the loss, the argmax and the one-hot: a few logits-sized temporaries.
-            self.spike(6 * logits.bytes());
-            let grad = self.alloc(logits.dims.clone(), DType::F32);
-            // Sizes carry no values: the loss and count are never read.
-            let r = MicroResult {
-                loss: 0.0,
-                correct: 0,
+            // The loss and the correct count: scalars left on the device until the backward is
+            // done. Then the log-softmax, the loss's and the argmax's temporaries and the one-hot:
+            // a few logits-sized temporaries.
+            let head = Head {
+                loss: self.alloc(vec![], DType::F32),
+                correct: self.alloc(vec![], DType::U32),
             };
-            (HeadResult::Read(r), grad)
+            self.spike(6 * logits.bytes());
+            (head, self.alloc(logits.dims.clone(), DType::F32))
         }))
+    }
+    fn read_head(&self, _head: &Head<Sz>) -> Result<MicroResult> {
+        // Sizes carry no values.
+        Ok(MicroResult {
+            loss: 0.0,
+            correct: 0,
+        })
     }
 
     fn loss(&self, logits: &Sz, _labels: &Sz) -> Result<MicroResult> {

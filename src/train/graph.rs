@@ -13,7 +13,7 @@
 //!   allocated when the next launch begins, and this frees them in the launch, at the same
 //!   addresses.
 //! - **Nothing waits for the device.** The step reads nothing back while it runs
-//!   ([`memtrain_core::step::tape::LeanStep::run_deferred`] leaves the loss on the device); the batch is copied
+//!   ([`memtrain_core::step::tape::LeanStep::forward`] leaves the loss on the device); the batch is copied
 //!   into two static input tensors *before* the launch; BatchNorm running statistics are written
 //!   into their tensors in place ([`memtrain_core::step::tape::LeanStep::with_stats_in_place`]), since the graph
 //!   keeps using the addresses it saw; parameters are read from the `Var`s, which the optimizer
@@ -271,7 +271,9 @@ mod cuda {
             for i in 0..k {
                 let (x, y) = batch.micro_batch(i, k)?;
                 let mult = loss_scale / k as f64;
-                results.push(lean.run_deferred(&x, &y, mult, &mut acc, &mut NoObserver)?);
+                let (head, tape) = lean.forward(&x, &y, mult, &acc, &mut NoObserver)?;
+                lean.backward(tape, &mut acc, &mut NoObserver)?;
+                results.push(head);
             }
             let (losses, corrects) = results.into_iter().map(|r| (r.loss, r.correct)).unzip();
             Ok(Outputs {

@@ -21,18 +21,14 @@ use memtrain_kernels::batchnorm::{self as bn, BnParams};
 use memtrain_kernels::quantize::{self, Quantized, Width};
 use memtrain_kernels::{conv2d, depthwise, linear};
 
-/// What the head hands back: read on the host, or left on the device as f32 and u32 scalars
-/// (for a step that must not wait for the device, such as a captured CUDA graph).
-pub enum HeadResult<T> {
-    /// Loss and correct count, read.
-    Read(MicroResult),
-    /// Loss and correct count as device scalars.
-    Deferred {
-        /// Mean cross-entropy (unscaled), f32 scalar.
-        loss: T,
-        /// Correct top-1 predictions, u32 scalar.
-        correct: T,
-    },
+/// The head's loss and correct count, left on the device as f32 and u32 scalars: the step's
+/// caller reads them ([`StepOps::read_head`]) when the backward is done, so nothing in the tape
+/// waits for the device (a captured CUDA graph reads nothing at all).
+pub struct Head<T> {
+    /// Mean cross-entropy (unscaled), f32 scalar.
+    pub loss: T,
+    /// Correct top-1 predictions, u32 scalar.
+    pub correct: T,
 }
 
 /// The ops of one micro-batch's forward and backward. Every op takes and returns handles of
@@ -184,15 +180,16 @@ pub trait StepOps {
     fn sum_rows(&self, x: &Self::T) -> Result<Self::T>;
     /// `a + b` into a new tensor.
     fn add(&self, a: &Self::T, b: &Self::T) -> Result<Self::T>;
-    /// The mean cross-entropy of f32 `logits` for `labels` and the correct count (read, or left on
-    /// the device when `defer`), and the gradient of `loss_mult · loss` with respect to the logits.
+    /// The mean cross-entropy of f32 `logits` for `labels` and the correct count, on the device,
+    /// and the gradient of `loss_mult · loss` with respect to the logits.
     fn loss_and_grad(
         &self,
         logits: &Self::T,
         labels: &Self::T,
         loss_mult: f64,
-        defer: bool,
-    ) -> Result<(HeadResult<Self::T>, Self::T)>;
+    ) -> Result<(Head<Self::T>, Self::T)>;
+    /// The head's loss and correct count, read on the host.
+    fn read_head(&self, head: &Head<Self::T>) -> Result<MicroResult>;
 
     /// The mean cross-entropy of f32 `logits` for `labels` and the correct count, read; no
     /// gradient (evaluation).
@@ -447,22 +444,19 @@ impl StepOps for CandleOps<'_> {
         logits: &Tensor,
         labels: &Tensor,
         loss_mult: f64,
-        defer: bool,
-    ) -> Result<(HeadResult<Tensor>, Tensor)> {
+    ) -> Result<(Head<Tensor>, Tensor)> {
         // One log-softmax for both the loss and its gradient (softmax = exp of it).
         let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
         let loss = candle_nn::loss::nll(&log_probs, labels)?;
         let correct = correct_count(logits, labels)?;
         let grad = logits_grad(&log_probs, labels, loss_mult)?;
-        let head = if defer {
-            HeadResult::Deferred { loss, correct }
-        } else {
-            HeadResult::Read(MicroResult {
-                loss: loss.to_scalar::<f32>()? as f64,
-                correct: correct.to_scalar::<u32>()? as usize,
-            })
-        };
-        Ok((head, grad))
+        Ok((Head { loss, correct }, grad))
+    }
+    fn read_head(&self, head: &Head<Tensor>) -> Result<MicroResult> {
+        Ok(MicroResult {
+            loss: head.loss.to_scalar::<f32>()? as f64,
+            correct: head.correct.to_scalar::<u32>()? as usize,
+        })
     }
 
     fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<MicroResult> {

@@ -37,12 +37,12 @@
 use super::chunks;
 use super::compress::Kept;
 use super::micro::MicroResult;
-use super::ops::{CandleOps, ConvWeights, HeadResult, StepOps};
+use super::ops::{CandleOps, ConvWeights, Head, StepOps};
 use crate::error::Result;
 use crate::model::Cnn;
 use crate::options::ActivationStorage;
 use crate::phase::Phase;
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use std::ops::Range;
 
 /// One layer event of the step, as the tape sees it.
@@ -115,16 +115,6 @@ pub struct Tape<O: StepOps> {
     dlogits: O::T,
 }
 
-/// The loss and correct count of a micro-batch as device scalars (f32 and u32), for a step that
-/// must not wait for the device (a captured CUDA graph, see [`LeanStep::run_deferred`]).
-#[derive(Debug, Clone)]
-pub struct DeferredResult {
-    /// Mean cross-entropy (unscaled), f32 scalar.
-    pub loss: Tensor,
-    /// Correct top-1 predictions, u32 scalar.
-    pub correct: Tensor,
-}
-
 /// One micro-batch through the model on the tape, computing with `O` ([`CandleOps`] for
 /// training). Indices of gradients follow [`Cnn::vars`].
 pub struct LeanStep<O: StepOps> {
@@ -163,26 +153,6 @@ impl<'a> LeanStep<CandleOps<'a>> {
     pub fn with_chunking(mut self, chunk: chunks::Chunking) -> Self {
         self.chunk = chunk;
         self
-    }
-
-    /// [`LeanStep::run`] without reading anything back to the host: the loss and correct count
-    /// stay on the device. Nothing in it waits for the device, so it can be captured as a CUDA
-    /// graph (small host-to-device uploads, such as the class indices of the loss, still happen:
-    /// under Candle's graph upload cache they are served from the eager warm-up's copies).
-    pub fn run_deferred(
-        &mut self,
-        x: &Tensor,
-        y: &Tensor,
-        loss_mult: f64,
-        acc: &mut super::accumulate::GradAccumulator,
-        obs: &mut dyn StepObserver,
-    ) -> Result<DeferredResult> {
-        let (head, tape) = self.forward_tape(x, y, loss_mult, acc, obs, true)?;
-        self.backward(tape, acc, obs)?;
-        match head {
-            HeadResult::Deferred { loss, correct } => Ok(DeferredResult { loss, correct }),
-            HeadResult::Read(_) => unreachable!("forward_tape defers the loss when asked to"),
-        }
     }
 }
 
@@ -249,9 +219,9 @@ impl<O: StepOps> LeanStep<O> {
         acc: &mut O::Grads,
         obs: &mut dyn StepObserver,
     ) -> Result<MicroResult> {
-        let (r, tape) = self.forward(x, y, loss_mult, acc, obs)?;
+        let (head, tape) = self.forward(x, y, loss_mult, acc, obs)?;
         self.backward(tape, acc, obs)?;
-        Ok(r)
+        self.o.read_head(&head)
     }
 
     /// Evaluation of images `x` (f32 `[N, 3, 32, 32]`) with labels `y` (u32 `[N]`): the forward
@@ -302,8 +272,12 @@ impl<O: StepOps> LeanStep<O> {
     }
 
     /// The forward phase: the blocks, the head and the loss (multiplied by `loss_mult`), up to
-    /// the gradient of the logits. Returns the micro-batch's loss and accuracy and the [`Tape`]
-    /// its [`LeanStep::backward`] consumes. `acc` is only read (for the events' gradient bytes).
+    /// the gradient of the logits. Returns the micro-batch's loss and accuracy, left on the
+    /// device ([`StepOps::read_head`] reads them), and the [`Tape`] its [`LeanStep::backward`]
+    /// consumes. `acc` is only read (for the events' gradient bytes). Nothing in it waits for
+    /// the device, so it can be captured as a CUDA graph (small host-to-device uploads, such as
+    /// the class indices of the loss, still happen: under Candle's graph upload cache they are
+    /// served from the eager warm-up's copies).
     pub fn forward(
         &mut self,
         x: &O::T,
@@ -311,24 +285,7 @@ impl<O: StepOps> LeanStep<O> {
         loss_mult: f64,
         acc: &O::Grads,
         obs: &mut dyn StepObserver,
-    ) -> Result<(MicroResult, Tape<O>)> {
-        match self.forward_tape(x, y, loss_mult, acc, obs, false)? {
-            (HeadResult::Read(r), tape) => Ok((r, tape)),
-            (HeadResult::Deferred { .. }, _) => {
-                unreachable!("forward_tape reads the loss unless deferred")
-            }
-        }
-    }
-
-    fn forward_tape(
-        &mut self,
-        x: &O::T,
-        y: &O::T,
-        loss_mult: f64,
-        acc: &O::Grads,
-        obs: &mut dyn StepObserver,
-        defer: bool,
-    ) -> Result<(HeadResult<O::T>, Tape<O>)> {
+    ) -> Result<(Head<O::T>, Tape<O>)> {
         let o = &self.o;
         let xin = o.to_dtype(x, o.dtype())?;
         // Forward: the last segment's blocks save as they go (all of them without
@@ -357,7 +314,7 @@ impl<O: StepOps> LeanStep<O> {
         drop(h);
         let (hw, hb) = o.head_weights();
         let logits = o.add_bias(&o.matmul(&feat, &o.t(&hw)?)?, &hb)?;
-        let (head, dlogits) = o.loss_and_grad(&logits, y, loss_mult, defer)?;
+        let (head, dlogits) = o.loss_and_grad(&logits, y, loss_mult)?;
         drop(logits);
         self.emit_named(obs, Phase::Forward, "head", &held, acc)?;
         let tape = Tape {

@@ -77,11 +77,11 @@ pub fn gradients<O: StepOps>(
     let mut results = Vec::with_capacity(k);
     for index in 0..k {
         let (x, y) = micro_batch(index)?;
-        let (r, tape) = lean.forward(&x, &y, loss_mult, &grads, obs)?;
+        let (head, tape) = lean.forward(&x, &y, loss_mult, &grads, obs)?;
         obs.phase_end(index, Phase::Forward)?;
         lean.backward(tape, &mut grads, obs)?;
         obs.phase_end(index, Phase::Backward)?;
-        results.push(r);
+        results.push(lean.ops().read_head(&head)?);
     }
     Ok((MicroResult::mean(&results), lean.ops().grad_list(grads)))
 }

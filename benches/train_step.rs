@@ -320,7 +320,7 @@ fn bench_case(c: &mut Criterion, device: &str, case: &Case) {
             total.steps,
             f + b + o,
             BATCH as f64 / ((f + b + o) / 1e3),
-            match &trainer.scaler {
+            match &trainer.updater.scaler {
                 Some(s) if s.skipped_steps > 0 => format!(
                     "; the loss scaler skipped {} updates (overflow)",
                     s.skipped_steps

@@ -126,10 +126,10 @@ fn planted_overflow_skips_the_step_and_halves_the_scale() {
     let mut t = common::trainer(cfg);
     let before = common::params(&t);
     // A scale this large overflows f16 (max 65504) in the backward pass.
-    t.scaler.as_mut().unwrap().scale = 1e30;
+    t.updater.scaler.as_mut().unwrap().scale = 1e30;
     let r = t.train_step(&batch(16, 1), 0, 0).unwrap();
     assert!(r.skipped, "the overflowing step must be skipped");
-    let s = t.scaler.as_ref().unwrap();
+    let s = t.updater.scaler.as_ref().unwrap();
     assert_eq!(s.scale, 5e29);
     assert_eq!(s.skipped_steps, 1);
     for (a, b) in common::params(&t).iter().zip(&before) {
@@ -140,7 +140,7 @@ fn planted_overflow_skips_the_step_and_halves_the_scale() {
         );
     }
     // With a sane scale the next step applies.
-    t.scaler.as_mut().unwrap().scale = 1024.0;
+    t.updater.scaler.as_mut().unwrap().scale = 1024.0;
     let r = t.train_step(&batch(16, 2), 0, 1).unwrap();
     assert!(!r.skipped && r.loss.is_finite());
     assert!(common::params(&t)

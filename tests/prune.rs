@@ -172,7 +172,7 @@ fn check_trained(cfg: TrainConfig) -> Trainer {
         .collect();
     assert_eq!(masks.len(), pruned.len(), "one mask per pruned weight");
     assert_eq!(report.layers.len(), pruned.len());
-    let state: HashMap<String, Tensor> = t.optimizer.state().into_iter().collect();
+    let state: HashMap<String, Tensor> = t.updater.optimizer.state().into_iter().collect();
     let (mut all, mut all_zeros) = (0, 0);
     for (i, (name, var)) in names.iter().enumerate() {
         let w = values(var.as_tensor());
@@ -257,7 +257,7 @@ fn pruned_weights_stay_zero_through_later_optimizer_steps() {
     assert!(loss.is_finite());
     let vars = t.vars().to_vec();
     let ops = memtrain_core::step::ops::CandleOps::new(&t.model, candle_core::DType::F32);
-    t.optimizer.step(&ops, &grads, 0.1).unwrap();
+    t.updater.optimizer.step(&ops, &grads, 0.1).unwrap();
     let revived = vars.iter().zip(&before).any(|(v, b)| {
         values(v.as_tensor())
             .iter()

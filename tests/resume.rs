@@ -741,9 +741,9 @@ fn restore_brings_back_every_piece_of_state() {
             ),
             (3, 0, 3)
         );
-        assert_eq!(b.optimizer.steps, a.optimizer.steps);
-        assert_eq!(b.scaler, a.scaler);
-        assert_eq!(b.scaler.is_some(), precision == Precision::F16);
+        assert_eq!(b.updater.optimizer.steps, a.updater.optimizer.steps);
+        assert_eq!(b.updater.scaler, a.updater.scaler);
+        assert_eq!(b.updater.scaler.is_some(), precision == Precision::F16);
         for ((na, va), (nb, vb)) in a.model.named_vars().iter().zip(b.model.named_vars().iter()) {
             assert_eq!(na, nb);
             assert!(
@@ -759,7 +759,7 @@ fn restore_brings_back_every_piece_of_state() {
         {
             assert!(bits(ta) == bits(tb), "buffer {na}");
         }
-        let (sa, sb) = (a.optimizer.state(), b.optimizer.state());
+        let (sa, sb) = (a.updater.optimizer.state(), b.updater.optimizer.state());
         assert_eq!(sa.len(), sb.len());
         assert!(!sa.is_empty(), "AdamW has state after 3 steps");
         for ((na, ta), (nb, tb)) in sa.iter().zip(sb.iter()) {

@@ -53,7 +53,7 @@ use memtrain_core::phase::Phase;
 use memtrain_core::step::optim::Optimizer;
 use memtrain_core::step::precision::LossScaler;
 use memtrain_core::step::tape::LeanStep;
-use memtrain_core::step::train::{train_step, StepSettings};
+use memtrain_core::step::train::{train_step, StepSettings, Updater};
 
 /// Transient bytes per weight of the largest pruned layer while its mask is recomputed and applied
 /// (`src/train/prune.rs`): on the CPU the f32 host copy (4), the sort key (8) and the new mask (1);
@@ -284,10 +284,10 @@ pub fn estimate_with(
     };
     let sim: Shared = std::rc::Rc::new(std::cell::RefCell::new(Sim::new(nodes.len())));
     sim.borrow_mut().cur = baseline_bytes + batch_bytes + gemm_slabs + unsized_bytes;
-    let (activation_bytes, events, optimizer) =
+    let (activation_bytes, events, updater) =
         run_steps(&sim, cfg, &ctx, &nodes, &segments, &sizes)?;
     let (eval_batch, eval_peak) = eval_phase(&sim, cfg, &ctx, &nodes, baseline)?;
-    drop(optimizer);
+    drop(updater);
     let sim = sim.borrow();
     let peaks = sim.peaks;
     let (peak, peak_phase) = [
@@ -672,7 +672,7 @@ fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
 /// events are the prediction of the timeline. Around each step, what the trainer adds on the CPU
 /// heap: the gradient accumulator's slots, the micro-batches' results, the step's timeline, and
 /// pruning's transient after the update. Returns the largest activation bytes of a micro-batch,
-/// the second step's events and the optimizer (its state in use until it is dropped).
+/// the second step's events and the updater (the optimizer's state in use until it is dropped).
 fn run_steps<'a>(
     sim: &Shared,
     cfg: &TrainConfig,
@@ -680,7 +680,7 @@ fn run_steps<'a>(
     nodes: &'a [Node],
     segments: &[std::ops::Range<usize>],
     sizes: &Sizes,
-) -> Result<(u64, Vec<EventPrediction>, Optimizer<Sz>)> {
+) -> Result<(u64, Vec<EventPrediction>, Updater<Sz>)> {
     let host = ctx.device.is_cpu();
     let blocks = blocks_of(nodes).len();
     let tape = || super::events::TapeHost {
@@ -689,8 +689,10 @@ fn run_steps<'a>(
         saved: 0,
     };
     let o = &cfg.optimizer;
-    let mut optimizer = Optimizer::new(o.kind, sizes.params, o.momentum, o.weight_decay);
-    let mut scaler = LossScaler::for_precision(cfg.memory.precision);
+    let mut updater = Updater {
+        optimizer: Optimizer::new(o.kind, sizes.params, o.momentum, o.weight_decay),
+        scaler: LossScaler::for_precision(cfg.memory.precision),
+    };
     let settings = StepSettings {
         accum_steps: cfg.steps.accum_steps,
         lr: o.lr,
@@ -750,14 +752,7 @@ fn run_steps<'a>(
             sim.borrow_mut().alloc(per_forward);
             Ok(batch)
         };
-        train_step(
-            &mut lean,
-            &mut optimizer,
-            scaler.as_mut(),
-            settings,
-            micro_batch,
-            &mut obs,
-        )?;
+        train_step(&mut lean, &mut updater, settings, micro_batch, &mut obs)?;
         drop(lean);
         let mut s = sim.borrow_mut();
         // The update done, the gradients and the tape's vectors go; pruning recomputes its masks.
@@ -780,5 +775,5 @@ fn run_steps<'a>(
             held_timeline = records + names + timeline_bytes;
         }
     }
-    Ok((obs.activation_bytes, obs.events, optimizer))
+    Ok((obs.activation_bytes, obs.events, updater))
 }

@@ -194,7 +194,7 @@ impl Trainer {
         } else {
             None
         };
-        let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        let loss_scale = self.updater.scaler.as_ref().map(|s| s.scale);
         let evaluated = eval.is_some();
         let stats = progress.stats(eval, loss_scale);
         self.watch.memory.epoch_end(epoch, evaluated);

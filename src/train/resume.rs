@@ -43,9 +43,9 @@ impl Trainer {
             steps_per_epoch: self.position.steps_per_epoch,
             total_steps: self.position.total_steps,
             model: on_cpu(vars.chain(self.model.named_buffers()).collect())?,
-            optimizer: on_cpu(self.optimizer.state())?,
-            optimizer_steps: self.optimizer.steps,
-            scaler: self.scaler.clone(),
+            optimizer: on_cpu(self.updater.optimizer.state())?,
+            optimizer_steps: self.updater.optimizer.steps,
+            scaler: self.updater.scaler.clone(),
             masks: self
                 .pruner
                 .as_ref()
@@ -98,7 +98,7 @@ impl Trainer {
             )));
         }
         let opt_state = self.checked_optimizer_state(&state, &vars)?;
-        if state.scaler.is_some() != self.scaler.is_some() {
+        if state.scaler.is_some() != self.updater.scaler.is_some() {
             return Err(Error::Snapshot(
                 "the loss-scaler state does not match --precision".into(),
             ));
@@ -136,11 +136,11 @@ impl Trainer {
         );
         optimizer.load_state(opt_state)?;
         optimizer.steps = state.optimizer_steps;
-        self.optimizer = optimizer;
+        self.updater.optimizer = optimizer;
         if pruner.is_some() {
             self.pruner = pruner;
         }
-        self.scaler = state.scaler;
+        self.updater.scaler = state.scaler;
         self.position.global_step = state.global_step;
         self.position.start_epoch = state.epoch;
         self.position.start_batch = state.next_batch;

@@ -43,7 +43,7 @@ impl Trainer {
                 self.config.optimizer.lr,
                 self.config.optimizer.warmup_frac,
             ),
-            loss_scale: self.scaler.as_ref().map(|s| s.scale),
+            loss_scale: self.updater.scaler.as_ref().map(|s| s.scale),
         };
         // The step's memory timeline; kept outside the step so a failing step leaves the
         // events up to the failure for the OOM report.
@@ -96,7 +96,7 @@ impl Trainer {
         let probe = self.watch.probe.clone();
         (self.callbacks).on_batch_begin(&step.context(0, &*probe, self.watch.memory.log()))?;
         *start_bytes = probe.current();
-        let fixed = fixed_categories(&self.model, &self.optimizer, *start_bytes);
+        let fixed = fixed_categories(&self.model, &self.updater.optimizer, *start_bytes);
         let clipping = match self.config.optimizer.clip_during {
             ClipDuring::All => true,
             ClipDuring::FirstEpoch => step.epoch == 0,
@@ -119,8 +119,7 @@ impl Trainer {
                 plan,
                 callbacks,
                 watch,
-                optimizer,
-                scaler,
+                updater,
                 ..
             } = self;
             let mut obs = StepWatch::new(watch, callbacks, step, fixed, events);
@@ -133,8 +132,8 @@ impl Trainer {
                         obs.phase_end(micro, Phase::Forward)?;
                         obs.phase_end(micro, Phase::Backward)
                     })
-                    .and_then(|()| match loss.is_finite() || scaler.is_some() {
-                        true => train::update(&ops, grads, optimizer, scaler.as_mut(), settings),
+                    .and_then(|()| match loss.is_finite() || updater.scaler.is_some() {
+                        true => train::update(&ops, grads, updater, settings),
                         false => Err(CoreError::NonFinite {
                             what: "loss",
                             phase: Phase::Forward,
@@ -149,8 +148,7 @@ impl Trainer {
                     };
                     train::train_step(
                         &mut LeanStep::on(ops, model.segments(plan.segmentation), plan.storage),
-                        optimizer,
-                        scaler.as_mut(),
+                        updater,
                         settings,
                         |i| batch.micro_batch(i, k),
                         &mut obs,
@@ -179,7 +177,11 @@ impl Trainer {
         // Counted like the schedule's steps: a step the loss scaler skipped is still a step.
         let stepped = stepped.and_then(|r| {
             if let Some(p) = self.pruner.as_mut() {
-                p.after_step(step.global_step + 1, &self.model, &mut self.optimizer)?;
+                p.after_step(
+                    step.global_step + 1,
+                    &self.model,
+                    &mut self.updater.optimizer,
+                )?;
             }
             Ok(r)
         });

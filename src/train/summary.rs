@@ -270,8 +270,8 @@ impl Trainer {
                 eval_is_validation: self.data.eval_is_validation,
                 eval_images: self.data.eval.len(),
             },
-            loss_scale: self.scaler.as_ref().map(|s| s.scale),
-            skipped_steps: self.scaler.as_ref().map_or(0, |s| s.skipped_steps),
+            loss_scale: self.updater.scaler.as_ref().map(|s| s.scale),
+            skipped_steps: self.updater.scaler.as_ref().map_or(0, |s| s.skipped_steps),
             status: if interrupted {
                 RunStatus::Interrupted
             } else {

@@ -20,6 +20,7 @@ use memtrain_core::memory::{probe_for, MemoryLog, MemoryProbe, MemoryRecorder};
 use memtrain_core::model::Cnn;
 use memtrain_core::step::optim::Optimizer;
 use memtrain_core::step::precision::LossScaler;
+use memtrain_core::step::train::Updater;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
@@ -62,10 +63,8 @@ pub struct Trainer {
     pub plan: StepPlan,
     /// The model.
     pub model: Cnn,
-    /// The optimizer and its state.
-    pub optimizer: Optimizer,
-    /// The f16 loss scaler (None for f32/bf16).
-    pub scaler: Option<LossScaler>,
+    /// The optimizer with its state, and the f16 loss scaler (None for f32/bf16).
+    pub updater: Updater,
     /// What the run reads and records of memory.
     pub(crate) watch: MemoryWatch,
     /// The data the run trains and evaluates on.
@@ -191,8 +190,7 @@ impl Trainer {
                 timeline: StepTimeline::default(),
             },
             model,
-            optimizer,
-            scaler,
+            updater: Updater { optimizer, scaler },
             callbacks: callback_list(
                 &config,
                 &run_dir,

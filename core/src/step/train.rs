@@ -15,6 +15,14 @@ use super::tape::{LeanStep, StepObserver};
 use crate::error::{Error, Result};
 use crate::phase::Phase;
 
+/// What the update carries from step to step: the optimizer with its state, and f16's loss scaler.
+pub struct Updater<T = candle_core::Tensor> {
+    /// The optimizer and its per-parameter state.
+    pub optimizer: Optimizer<T>,
+    /// The dynamic loss scaler (f16 only).
+    pub scaler: Option<LossScaler>,
+}
+
 /// What one step runs with besides the model and its state.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepSettings {
@@ -44,21 +52,20 @@ pub struct Update {
 /// an observer's stop.
 pub fn train_step<O: StepOps>(
     lean: &mut LeanStep<O>,
-    optimizer: &mut Optimizer<O::T>,
-    scaler: Option<&mut LossScaler>,
+    updater: &mut Updater<O::T>,
     settings: StepSettings,
     micro_batch: impl FnMut(usize) -> Result<(O::T, O::T)>,
     obs: &mut dyn StepObserver,
 ) -> Result<(MicroResult, Update)> {
-    let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+    let loss_scale = updater.scaler.as_ref().map_or(1.0, |s| s.scale);
     let (r, grads) = gradients(lean, settings.accum_steps, loss_scale, micro_batch, obs)?;
-    if !r.loss.is_finite() && scaler.is_none() {
+    if !r.loss.is_finite() && updater.scaler.is_none() {
         return Err(Error::NonFinite {
             what: "loss",
             phase: Phase::Forward,
         });
     }
-    let update = update(lean.ops(), grads, optimizer, scaler, settings)?;
+    let update = update(lean.ops(), grads, updater, settings)?;
     Ok((r, update))
 }
 
@@ -95,8 +102,7 @@ pub fn gradients<O: StepOps>(
 pub fn update<O: StepOps>(
     o: &O,
     grads: Vec<Option<O::T>>,
-    optimizer: &mut Optimizer<O::T>,
-    scaler: Option<&mut LossScaler>,
+    updater: &mut Updater<O::T>,
     settings: StepSettings,
 ) -> Result<Update> {
     let scale_each = |grads: Vec<Option<O::T>>, f: f64| -> Result<Vec<Option<O::T>>> {
@@ -105,7 +111,7 @@ pub fn update<O: StepOps>(
             .map(|g| g.map(|g| o.affine(&g, f, 0.0)).transpose())
             .collect()
     };
-    let grads = match scaler.as_deref() {
+    let grads = match &updater.scaler {
         Some(s) => scale_each(grads, 1.0 / s.scale)?,
         None => grads,
     };
@@ -118,7 +124,7 @@ pub fn update<O: StepOps>(
         Some(max) if finite && squared.sqrt() > max => scale_each(grads, max / squared.sqrt())?,
         _ => grads,
     };
-    let apply = match scaler {
+    let apply = match &mut updater.scaler {
         Some(s) => s.update(finite),
         None if !finite => {
             return Err(Error::NonFinite {
@@ -129,7 +135,7 @@ pub fn update<O: StepOps>(
         None => true,
     };
     if apply {
-        optimizer.step(o, &grads, settings.lr)?;
+        updater.optimizer.step(o, &grads, settings.lr)?;
     }
     Ok(Update {
         skipped: !apply,

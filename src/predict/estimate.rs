@@ -686,7 +686,6 @@ fn run_steps<'a>(
     let tape = || super::events::TapeHost {
         segments: segments.to_vec(),
         blocks,
-        saved: 0,
     };
     let o = &cfg.optimizer;
     let mut updater = Updater {
@@ -709,7 +708,6 @@ fn run_steps<'a>(
         events: Vec::new(),
         host: host.then(tape),
         forward: 0,
-        recomputed: 0,
         accum_steps: settings.accum_steps,
         // The micro-batches' results.
         results: if host {

@@ -1,7 +1,6 @@
 //! The step's events as the estimate predicts them ([`EventPrediction`], matched to the trainer's
 //! timeline), and the host records a CPU step keeps besides its tensors: the trainer's timeline
-//! records, the tape's own vectors as they grow, and what the first step leaves for the rest of
-//! the run.
+//! records, the tape's own vectors, and what the first step leaves for the rest of the run.
 
 use super::sim::Shared;
 use crate::config::TrainConfig;
@@ -32,13 +31,12 @@ pub(super) fn pushed_bytes<T>(len: usize) -> u64 {
 
 /// The training tape's own vectors on the CPU heap (`core/src/step/tape.rs`), which the sizing's
 /// tape holds with other element sizes: the segments and the blocks' parameter offsets of
-/// `LeanStep::new`, the segments' copy each pass iterates, the held segment inputs and the saved
-/// records (each pushed one by one), and the head's input shape.
+/// `LeanStep::on`, for the step; for each micro-batch, room for every segment's input and every
+/// block's saved record, made at the forward's start, and the head's input shape, made at the
+/// forward's end; both go with the tape when its backward is done.
 pub(super) struct TapeHost {
     pub(super) segments: Vec<Range<usize>>,
     pub(super) blocks: usize,
-    /// The saved records' vector's bytes now.
-    pub(super) saved: u64,
 }
 
 impl TapeHost {
@@ -47,34 +45,24 @@ impl TapeHost {
         pushed_bytes::<Range<usize>>(self.segments.len()) + pushed_bytes::<usize>(self.blocks + 1)
     }
 
-    /// The forward's copy of the segments and its first segment's input.
+    /// The held inputs' and records' room, made at the forward's start.
     pub(super) fn before_forward(&self) -> u64 {
-        (self.segments.len() * std::mem::size_of::<Range<usize>>()) as u64
-            + pushed_bytes::<candle_core::Tensor>(1)
+        (self.segments.len() * std::mem::size_of::<candle_core::Tensor>()
+            + self.blocks * SAVED_RECORD_BYTES) as u64
     }
 
-    /// What a micro-batch's backward leaves to free: the held inputs and records, the head's
-    /// input shape and the backward's copy of the segments.
+    /// What a micro-batch's backward leaves to free: that room and the head's input shape.
     fn after_backward(&self) -> u64 {
-        let n = self.segments.len();
-        self.saved
-            + pushed_bytes::<candle_core::Tensor>(n)
-            + (4 * std::mem::size_of::<usize>()) as u64
-            + (n * std::mem::size_of::<Range<usize>>()) as u64
-    }
-
-    /// The saved records' vector for `records` records: the bytes it grows by.
-    fn grow_saved(&mut self, records: usize) -> u64 {
-        let bytes = (pushed_capacity(records, SAVED_RECORD_BYTES) * SAVED_RECORD_BYTES) as u64;
-        let grown = bytes.saturating_sub(self.saved);
-        self.saved = self.saved.max(bytes);
-        grown
+        self.before_forward() + FEATURE_DIMS_BYTES
     }
 }
 
+/// Bytes of the head's input shape, which the tape keeps from the forward's end to the backward's.
+const FEATURE_DIMS_BYTES: u64 = (4 * std::mem::size_of::<usize>()) as u64;
+
 /// Records the predicted bytes at each of the step's events, and on the CPU the heap the trainer's
 /// record of each event takes: its layer's name ([`TIMELINE_EVENT_BYTES`] per record are in the
-/// timeline's vector, reserved at the step's start), and the tape's own vectors as they grow.
+/// timeline's vector, reserved at the step's start), and the tape's own vectors.
 /// At each phase's end the simulation enters the next phase.
 pub(super) struct Events {
     pub(super) sim: Shared,
@@ -82,8 +70,6 @@ pub(super) struct Events {
     pub(super) host: Option<TapeHost>,
     /// Forward block events so far in this micro-batch.
     pub(super) forward: usize,
-    /// Segments recomputed so far in this micro-batch.
-    pub(super) recomputed: usize,
     /// Micro-batches per step.
     pub(super) accum_steps: usize,
     /// Host bytes of the step's micro-batch results, freed after the last backward.
@@ -93,41 +79,15 @@ pub(super) struct Events {
 }
 
 impl Events {
-    /// The tape's vectors around the event just recorded: after a forward block the saved records
-    /// (the last segment saves as it goes), the next segment's input, and after the last block
-    /// the segments' copy going and the head's input shape coming; after the head's backward the
-    /// backward's copy of the segments; after a recomputation its records.
+    /// The tape's vectors around the event just recorded: after the last forward block, the
+    /// head's input shape.
     fn tape_host(&mut self, e: &StepEvent<'_>) {
-        let Some(t) = &mut self.host else { return };
-        let mut sim = self.sim.borrow_mut();
-        let last = t.segments.last().expect("a segment").clone();
-        let seg_bytes = (t.segments.len() * std::mem::size_of::<Range<usize>>()) as u64;
-        match e.phase {
-            Phase::Forward if e.layer != "head" => {
-                let j = self.forward;
-                self.forward += 1;
-                if last.contains(&j) {
-                    let g = t.grow_saved(j + 1 - last.start);
-                    sim.alloc(g);
-                }
-                if j + 1 == t.blocks {
-                    sim.free(seg_bytes);
-                    sim.alloc((4 * std::mem::size_of::<usize>()) as u64);
-                } else if let Some(next) = t.segments.iter().position(|s| s.start == j + 1) {
-                    let before = pushed_bytes::<candle_core::Tensor>(next);
-                    let after = pushed_bytes::<candle_core::Tensor>(next + 1);
-                    sim.alloc(after - before);
-                }
+        let Some(t) = &self.host else { return };
+        if e.phase == Phase::Forward && e.layer != "head" {
+            self.forward += 1;
+            if self.forward == t.blocks {
+                self.sim.borrow_mut().alloc(FEATURE_DIMS_BYTES);
             }
-            Phase::Backward if e.layer == "head" => sim.alloc(seg_bytes),
-            Phase::Backward if e.layer.starts_with("recompute") => {
-                // Segments are recomputed last first, the last one never.
-                self.recomputed += 1;
-                let seg = t.segments[t.segments.len() - 1 - self.recomputed].len();
-                let g = t.grow_saved(seg);
-                sim.alloc(g);
-            }
-            _ => {}
         }
     }
 }
@@ -161,11 +121,10 @@ impl StepObserver for Events {
             sim.phase = Phase::Backward;
             return Ok(());
         }
-        if let Some(t) = &mut self.host {
+        if let Some(t) = &self.host {
             sim.free(t.after_backward());
-            t.saved = 0;
         }
-        (self.forward, self.recomputed) = (0, 0);
+        self.forward = 0;
         sim.phase = if micro + 1 < self.accum_steps {
             Phase::Forward
         } else {

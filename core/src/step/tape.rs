@@ -291,12 +291,15 @@ impl<O: StepOps> LeanStep<O> {
         // Forward: the last segment's blocks save as they go (all of them without
         // checkpointing); every other segment keeps only its input.
         let last = self.segments.len() - 1;
+        // Room for every segment's input and every block's record, made once: the backward
+        // never holds more (a recomputed segment's records replace the ones it consumed).
         let mut held = Held {
-            inputs: Vec::new(),
-            saved: Vec::new(),
+            inputs: Vec::with_capacity(self.segments.len()),
+            saved: Vec::with_capacity(o.blocks()),
         };
         let mut h = xin;
-        for (si, seg) in self.segments.clone().into_iter().enumerate() {
+        for si in 0..self.segments.len() {
+            let seg = self.segments[si].clone();
             held.inputs.push(h.clone());
             for j in seg.clone() {
                 // A segment's first block reads the input the segment holds.
@@ -357,8 +360,8 @@ impl<O: StepOps> LeanStep<O> {
 
         // Backward, segment by segment from the last. The last segment saved in the forward;
         // the others are re-run from their input with saving.
-        let segments = self.segments.clone();
-        for (si, seg) in segments.iter().enumerate().rev() {
+        for si in (0..self.segments.len()).rev() {
+            let seg = self.segments[si].clone();
             if si != last {
                 let mut h = held.inputs.last().expect("one input per segment").clone();
                 for j in seg.start..seg.end - 1 {

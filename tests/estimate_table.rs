@@ -4,7 +4,7 @@
 //! training, synthetic data sizes.
 
 use memtrain::cli::flags_config;
-use memtrain::config::{ConvKind, GradCheckpointing, Precision, TrainConfig};
+use memtrain::config::{ActivationStorage, ConvKind, GradCheckpointing, Precision, TrainConfig};
 use memtrain::predict::{
     estimate_with, what_if, what_if_table, Baseline, DataSize, DeviceKind, Estimate,
 };
@@ -108,6 +108,28 @@ fn columns_add_up_to_the_totals() {
             )),
             "{what}: {table}"
         );
+    }
+}
+
+#[test]
+fn a_recomputed_block_keeps_what_it_would_save_in_the_forward() {
+    // The tape stores a recomputed h as it stores a saved one (codes included), so the recompute
+    // column under `blocks` is, block by block, the saved column without checkpointing.
+    for storage in ActivationStorage::ALL {
+        let with = |ck| {
+            let mut c = config(Precision::F32, 1, ck, ConvKind::Standard);
+            c.memory.compress_activations = (*storage).into();
+            estimate_with(&c, device(), baseline()).unwrap()
+        };
+        let (none, blocks) = (
+            with(GradCheckpointing::None),
+            with(GradCheckpointing::Blocks),
+        );
+        let last = none.layers.iter().rposition(|l| l.saved_bytes > 0).unwrap();
+        for (i, (n, b)) in none.layers.iter().zip(&blocks.layers).enumerate() {
+            let recomputed = if i == last { 0 } else { n.saved_bytes };
+            assert_eq!(b.recompute_bytes, recomputed, "{storage:?} {}", n.name);
+        }
     }
 }
 

@@ -81,8 +81,9 @@ pub struct LayerEstimate {
     /// adds up to [`KeptBytes::activation_bytes`] with [`KeptBytes::input_saved_bytes`].
     pub saved_bytes: u64,
     /// Activation bytes this layer makes again in the backward pass and keeps for its own
-    /// backward: the h of every block of a checkpointed segment (0 without checkpointing). The
-    /// column adds up to [`KeptBytes::recomputed_bytes`].
+    /// backward: the h of every block of a checkpointed segment, as the storage keeps it (its
+    /// codes with `--compress-activations`; 0 without checkpointing). The column adds up to
+    /// [`KeptBytes::recomputed_bytes`].
     pub recompute_bytes: u64,
     /// Largest transient allocation of the layer's forward or backward beyond its inputs and
     /// outputs: im2col columns, widened f32 copies, weight casts, gradient buffers. Not a column
@@ -455,7 +456,8 @@ struct KeptByLayer {
 
 /// Each segment's input is saved: the micro-batch's input for the first, else the output of the
 /// previous block's last layer. Inside one segment spanning the model every block's h is saved
-/// on the conv that makes it; inside checkpointed segments it is recomputed there instead.
+/// on the conv that makes it; inside checkpointed segments it is recomputed there instead. Either
+/// way it is kept as the storage keeps it (codes with `--compress-activations`).
 fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx) -> KeptByLayer {
     let blocks = blocks_of(nodes);
     let mut layers = vec![(0u64, 0u64); nodes.len()];
@@ -472,11 +474,12 @@ fn kept_activations(nodes: &[Node], segments: &[std::ops::Range<usize>], c: &Ctx
         }
         for b in &blocks[seg.clone()] {
             let conv = *b.convs.last().unwrap_or(&b.bn);
-            let h = b.h_bytes(c, nodes);
+            // h as the storage keeps it, whether saved in the forward or recomputed.
+            let kept = c.kept(b.h_bytes(c, nodes), b.channels(nodes));
             if last {
-                layers[conv].0 += c.kept(h, b.channels(nodes));
+                layers[conv].0 += kept;
             } else {
-                layers[conv].1 += h;
+                layers[conv].1 += kept;
             }
         }
     }

@@ -132,13 +132,7 @@ impl Trainer {
                         obs.phase_end(micro, Phase::Forward)?;
                         obs.phase_end(micro, Phase::Backward)
                     })
-                    .and_then(|()| match loss.is_finite() || updater.scaler.is_some() {
-                        true => train::update(&ops, grads, updater, settings),
-                        false => Err(CoreError::NonFinite {
-                            what: "loss",
-                            phase: Phase::Forward,
-                        }),
-                    })
+                    .and_then(|()| train::update(&ops, loss, grads, updater, settings))
                     .map(|update| (MicroResult { loss, correct }, update)),
                 None => {
                     let batch = BatchInput::Host {

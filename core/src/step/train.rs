@@ -59,13 +59,7 @@ pub fn train_step<O: StepOps>(
 ) -> Result<(MicroResult, Update)> {
     let loss_scale = updater.scaler.as_ref().map_or(1.0, |s| s.scale);
     let (r, grads) = gradients(lean, settings.accum_steps, loss_scale, micro_batch, obs)?;
-    if !r.loss.is_finite() && updater.scaler.is_none() {
-        return Err(Error::NonFinite {
-            what: "loss",
-            phase: Phase::Forward,
-        });
-    }
-    let update = update(lean.ops(), grads, updater, settings)?;
+    let update = update(lean.ops(), r.loss, grads, updater, settings)?;
     Ok((r, update))
 }
 
@@ -93,18 +87,26 @@ pub fn gradients<O: StepOps>(
     Ok((MicroResult::mean(&results), lean.ops().grad_list(grads)))
 }
 
-/// The update from a batch's gradients (scaled by the loss scale in f16): unscale, the global
-/// norm, clipping by it (PyTorch's `clip_grad_norm_`: the whole step shrinks, its direction is
-/// kept), the loss scaler's verdict, the optimizer. The gradients are freed when it returns.
+/// The update from a batch's mean `loss` and gradients (scaled by the loss scale in f16):
+/// unscale, the global norm, clipping by it (PyTorch's `clip_grad_norm_`: the whole step shrinks,
+/// its direction is kept), the loss scaler's verdict, the optimizer. The gradients are freed
+/// when it returns.
 ///
 /// # Errors
-/// A non-finite gradient without a loss scaler ([`Error::NonFinite`]), or a failed op.
+/// A non-finite loss or gradient without a loss scaler ([`Error::NonFinite`]), or a failed op.
 pub fn update<O: StepOps>(
     o: &O,
+    loss: f64,
     grads: Vec<Option<O::T>>,
     updater: &mut Updater<O::T>,
     settings: StepSettings,
 ) -> Result<Update> {
+    if !loss.is_finite() && updater.scaler.is_none() {
+        return Err(Error::NonFinite {
+            what: "loss",
+            phase: Phase::Forward,
+        });
+    }
     let scale_each = |grads: Vec<Option<O::T>>, f: f64| -> Result<Vec<Option<O::T>>> {
         grads
             .into_iter()

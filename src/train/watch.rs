@@ -419,12 +419,7 @@ pub(super) fn fixed_categories(
     optimizer: &Optimizer,
     start_bytes: u64,
 ) -> CategoryBytes {
-    let params = model.num_params() as u64 * 4
-        + model
-            .named_buffers()
-            .iter()
-            .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
-            .sum::<u64>();
+    let params = model.state_bytes();
     let optimizer = optimizer.state_bytes();
     CategoryBytes {
         params,

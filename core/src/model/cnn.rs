@@ -304,7 +304,25 @@ impl Cnn {
 
     /// Number of trainable parameters.
     pub fn num_params(&self) -> usize {
-        self.vars().iter().map(|v| v.elem_count()).sum()
+        (0..self.param_count())
+            .map(|i| self.var(i).elem_count())
+            .sum()
+    }
+
+    /// Bytes of the parameters and the BatchNorm running statistics (no list of them is built:
+    /// the trainer reads it at every step).
+    pub fn state_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        let params: u64 = (0..self.param_count())
+            .map(|i| bytes(self.var(i).as_tensor()))
+            .sum();
+        let stats: u64 = (self.blocks.iter())
+            .map(|b| {
+                let (mean, var) = b.bn.running();
+                bytes(&mean) + bytes(&var)
+            })
+            .sum();
+        params + stats
     }
 
     /// BatchNorm running statistics with their names (buffers, not trained).
@@ -521,6 +539,20 @@ mod tests {
                 let listed: usize = model.layer_specs().iter().map(|l| l.params).sum();
                 assert_eq!(built, param_count(width, conv), "{conv} width {width}");
                 assert_eq!(listed, built, "{conv} width {width}");
+                assert_eq!(model.num_params(), built, "{conv} width {width}");
+                let vars = model.vars();
+                assert!((0..model.param_count())
+                    .all(|i| model.var(i).as_tensor().id() == vars[i].as_tensor().id()));
+                let stats: usize = model
+                    .named_buffers()
+                    .iter()
+                    .map(|(_, t)| t.elem_count())
+                    .sum();
+                assert_eq!(
+                    model.state_bytes(),
+                    4 * (built + stats) as u64,
+                    "{conv} width {width}"
+                );
                 let (shapes, feat) = architecture(width);
                 assert_eq!(feat, 4 * width * 4 * 4);
                 for (b, s) in model.blocks.iter().zip(&shapes) {

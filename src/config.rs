@@ -695,7 +695,7 @@ impl TrainConfig {
             .compress_activations
             .fixed()
             .and_then(|s| s.width())
-            .is_some_and(|w| w.per_plane())
+            .is_some_and(|w| w.per_group())
         {
             // Their codes are made on the host from values read back, which a captured stream
             // cannot do; a replayed graph would also repeat one step's rounding noise.

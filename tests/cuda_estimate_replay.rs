@@ -1,8 +1,9 @@
 //! The CUDA estimate against a GPU session's measured peaks, on any machine: the passes that
 //! session's cuDNN left to the im2col op are read from its warnings (`docs/results/gpu-2026-11-27b/
 //! logs/`) and replayed (`memtrain_kernels::conv2d_cudnn::replay_routes`), and each
-//! configuration's predicted peak must be its measured pool peak (`memtrain-2.jsonl`, `codes-2.jsonl`
-//! there): never below, at most 0.05% above.
+//! exact configuration's predicted peak must be its measured pool peak (`memtrain-2.jsonl` there):
+//! never below, at most 0.05% above. The session's codes (`codes-2.jsonl`) predate the decisions
+//! the step now keeps beside them, so they wait for the next GPU session.
 
 mod common;
 
@@ -65,7 +66,13 @@ fn the_cuda_estimate_is_the_measured_peak_of_a_gpu_session() {
             let run: serde_json::Value = serde_json::from_str(line).unwrap();
             let flags = run["flags"].as_str().unwrap();
             // A captured step's memory is the graph's, not the pool's; `auto` is chosen on the GPU.
-            if run["rc"] != 0 || flags.contains("--cuda-graph") || flags.contains("auto") {
+            // The codes were measured before the step kept the forward's decisions beside them
+            // (a bit per value more): a GPU session measures them again (issue 50).
+            if run["rc"] != 0
+                || flags.contains("--cuda-graph")
+                || flags.contains("auto")
+                || flags.contains("--compress-activations")
+            {
                 continue;
             }
             let mut args: Vec<&str> =
@@ -91,5 +98,5 @@ fn the_cuda_estimate_is_the_measured_peak_of_a_gpu_session() {
             checked += 1;
         }
     }
-    assert!(checked >= 12, "{checked} configurations");
+    assert!(checked >= 9, "{checked} configurations");
 }

@@ -199,6 +199,7 @@ fn params_for(h: &Tensor, seed: u64) -> BnParams {
         stats: bn::batch_stats(h).unwrap(),
         eps: 1e-5,
         batch_stats: true,
+        decisions: None,
     }
 }
 
@@ -292,6 +293,104 @@ fn lean_batch_norm_backward_equals_autograd() {
                 d <= 1e-5,
                 "pool {pool} argmax {with_argmax}: grad of {name} differs by {d:e}"
             );
+        }
+    }
+}
+
+/// With the forward's decisions (`bn_relu_decisions`, for lossy codes), every pass reads the
+/// forward's ReLU mask and pool argmax from any h it is given: an h moved far from the one the
+/// decisions came from gives the exact h's mask, argmax and dβ (a sum of the masked gradient),
+/// bit for bit, in every dtype, whole or a chunk of images at a time.
+#[test]
+fn decided_passes_read_the_forwards_decisions_whatever_h_they_are_given() {
+    let to_vec = |t: &Tensor| -> Vec<f32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    // 6x6 planes: 36 values, so each plane's decisions end in a partly used byte.
+    let dims = (3, 5, 6, 6);
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let h = Tensor::randn(0f32, 1.0, dims, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        // A lossy h: far more error than any code makes.
+        let moved = (&h
+            + Tensor::randn(0f32, 0.7, dims, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dt))
+        .unwrap();
+        let p = params_for(&h, 2);
+        let g = Tensor::randn(0f32, 1.0, dims, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        for pool in [false, true] {
+            let label = format!("{dt:?} pool {pool}");
+            let d = bn::bn_relu_decisions(&h, &p, pool).unwrap();
+            assert_eq!(d.dims(), bn::decisions_dims([3, 5, 6, 6]), "{label}");
+            let bits = d.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+            let bit = |i: usize| bits[i / 36 * 5 + i % 36 / 8] >> (i % 36 % 8) & 1 == 1;
+            let decided = p.clone().decided(d.clone());
+            if !pool {
+                // The bits are the mask of the exact output, and a decided output of the moved
+                // h is positive exactly there.
+                let y = to_vec(&bn::bn_relu(&h, &p).unwrap());
+                let y_moved = bn::bn_relu(&moved, &decided).unwrap();
+                let yd = to_vec(&y_moved);
+                for (i, (&a, &b)) in y.iter().zip(&yd).enumerate() {
+                    assert_eq!(bit(i), a > 0.0, "{label}: bit {i}");
+                    assert_eq!(b > 0.0, a > 0.0, "{label}: value {i}: {b} against {a}");
+                }
+                // The same, a chunk of images at a time.
+                let chunk = bn::bn_relu_in_place(
+                    moved.narrow(0, 1, 2).unwrap().copy().unwrap(),
+                    &decided.images(1, 2).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(to_vec(&chunk), to_vec(&y_moved.narrow(0, 1, 2).unwrap()));
+                let (_, _, db) = bn::bn_relu_backward(&h, g.copy().unwrap(), &p).unwrap();
+                let (_, _, db_moved) =
+                    bn::bn_relu_backward(&moved, g.copy().unwrap(), &decided).unwrap();
+                assert_eq!(to_vec(&db_moved), to_vec(&db), "{label}: dβ");
+            } else {
+                // The bits are each window's argmax where its maximum is positive; the moved h
+                // pools to a positive value exactly there, through the same argmax.
+                let pooled = to_vec(&bn::bn_relu_pool(&h, &p).unwrap());
+                let am = bn::bn_relu_pool_argmax(&h, &p).unwrap().unwrap();
+                let am_v = am.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+                let pooled_moved = to_vec(&bn::bn_relu_pool(&moved, &decided).unwrap());
+                let am_moved = bn::bn_relu_pool_argmax(&moved, &decided).unwrap().unwrap();
+                let am_moved_v = am_moved.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+                for (o, &v) in pooled.iter().enumerate() {
+                    let (plane, win) = (o / 9, o % 9);
+                    let (oy, ox) = (win / 3, win % 3);
+                    for k in 0..4 {
+                        let i = plane * 36 + (2 * oy + k / 2) * 6 + 2 * ox + k % 2;
+                        let want = v > 0.0 && am_v[o] as usize == k;
+                        assert_eq!(bit(i), want, "{label}: window {o}, position {k}");
+                    }
+                    assert_eq!(pooled_moved[o] > 0.0, v > 0.0, "{label}: window {o}");
+                    if v > 0.0 {
+                        assert_eq!(am_moved_v[o], am_v[o], "{label}: window {o}");
+                    }
+                }
+                let gp = g.narrow(2, 0, 3).unwrap().narrow(3, 0, 3).unwrap();
+                let (_, _, db) =
+                    bn::bn_relu_pool_backward(h.copy().unwrap(), &gp, Some(&am), &p).unwrap();
+                let (_, _, db_moved) = bn::bn_relu_pool_backward(
+                    moved.copy().unwrap(),
+                    &gp,
+                    Some(&am_moved),
+                    &decided,
+                )
+                .unwrap();
+                assert_eq!(to_vec(&db_moved), to_vec(&db), "{label}: dβ");
+            }
         }
     }
 }

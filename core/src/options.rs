@@ -112,6 +112,18 @@ impl ActivationStorage {
             ActivationStorage::Int2 => Some(Width::Int2),
         }
     }
+
+    /// Bytes the tape keeps of a conv output of `dims` in `elem_bytes`-byte values: the tensor,
+    /// or its codes and ranges and the forward's decisions (a bit per value).
+    pub fn kept_bytes(&self, dims: [usize; 4], elem_bytes: usize) -> u64 {
+        let count = |d: &[usize]| d.iter().product::<usize>() as u64;
+        match self.width() {
+            None => count(&dims) * elem_bytes as u64,
+            Some(w) => {
+                w.bytes(dims) as u64 + count(&memtrain_kernels::batchnorm::decisions_dims(dims))
+            }
+        }
+    }
 }
 
 cli_enum! {

@@ -8,8 +8,10 @@
 //!
 //! - [`Width::Int8`]: a range per channel over the whole batch, rounding to nearest (within half
 //!   a step; deterministic).
-//! - [`Width::Int4`], [`Width::Int2`]: a range per plane (one image's channel), two or four codes
-//!   to a byte (each plane starts on a byte), and stochastic rounding: `q = ⌊(x − lo)/scale + u⌋`
+//! - [`Width::Int4`], [`Width::Int2`]: a range per group of [`GROUP`] consecutive values of one
+//!   plane (one image's channel; a plane of fewer values is one group, a plane's last group may be
+//!   shorter), two or four codes to a byte (each plane starts on a byte, and so does each group),
+//!   and stochastic rounding: `q = ⌊(x − lo)/scale + u⌋`
 //!   with u uniform in [0, 1), so `E[x̃] = x` and the error is below one step. The noise is
 //!   ChaCha8 ([`rand_chacha`]), one stream per plane, keyed by the caller's `salt` and the
 //!   activation's ranges: the same activation with the same salt gives the same codes (a run
@@ -19,7 +21,8 @@
 //! On the CPU each direction is one pass per plane on Candle's thread pool (two for [`quantize`]:
 //! the ranges, then the codes), computed in f32 whatever the activation dtype. On other devices
 //! a range per channel (int8) runs the same arithmetic as Candle ops, over chunks of images (its
-//! f32 transients a few [`OPS_CHUNK_BYTES`] chunks, not copies of the activation), and a range per plane (int4, int2) runs the CPU passes on a host copy and
+//! f32 transients a few [`OPS_CHUNK_BYTES`] chunks, not copies of the activation), and ranges per
+//! group (int4, int2) run the CPU passes on a host copy and
 //! uploads the result: either way the codes are the CPU's, bit for bit (`tests/quantize.rs`).
 
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -41,9 +44,9 @@ const OP: &str = "quantize";
 pub enum Width {
     /// 8 bits, a range per channel, rounding to nearest.
     Int8,
-    /// 4 bits, a range per plane, stochastic rounding.
+    /// 4 bits, a range per group of a plane, stochastic rounding.
     Int4,
-    /// 2 bits, a range per plane, stochastic rounding.
+    /// 2 bits, a range per group of a plane, stochastic rounding.
     Int2,
 }
 
@@ -70,12 +73,21 @@ impl Width {
         ((1u16 << self.bits()) - 1) as u8
     }
 
-    /// Whether each plane (one image's channel) has a range of its own, and codes are rounded
-    /// stochastically; else a channel's range spans the batch and codes round to nearest. Below
-    /// eight bits a batch-wide range leaves too few levels for most planes, and rounding to
-    /// nearest would bias every value the same way.
-    pub const fn per_plane(self) -> bool {
+    /// Whether each group of [`GROUP`] values of a plane (one image's channel) has a range of its
+    /// own, and codes are rounded stochastically; else a channel's range spans the batch and codes
+    /// round to nearest. Below eight bits a batch-wide range leaves too few levels for most
+    /// planes, and rounding to nearest would bias every value the same way.
+    pub const fn per_group(self) -> bool {
         !matches!(self, Width::Int8)
+    }
+
+    /// Ranges per plane of `hw` values: its groups, or none of its own (a range per channel).
+    const fn plane_groups(self, hw: usize) -> usize {
+        if self.per_group() {
+            hw.div_ceil(GROUP)
+        } else {
+            0
+        }
     }
 
     /// The codes' shape for an activation `[N, C, H, W]`: `[N, C, ⌈H·W / per_byte⌉]`.
@@ -83,10 +95,17 @@ impl Width {
         [n, c, (h * w).div_ceil(self.per_byte())]
     }
 
-    /// The ranges' shape (f32): row 0 the offsets, row 1 the steps; `[2, C]`, or `[2, N·C]` with
-    /// a range per plane.
-    pub fn ranges_dims(self, [n, c, _, _]: [usize; 4]) -> [usize; 2] {
-        [2, if self.per_plane() { n * c } else { c }]
+    /// The ranges' shape (f32): row 0 the offsets, row 1 the steps; `[2, C]`, or
+    /// `[2, N·C·⌈H·W / GROUP⌉]` with a range per group.
+    pub fn ranges_dims(self, [n, c, h, w]: [usize; 4]) -> [usize; 2] {
+        [
+            2,
+            if self.per_group() {
+                n * c * self.plane_groups(h * w)
+            } else {
+                c
+            },
+        ]
     }
 
     /// Bytes held for an activation of `dims`: the codes and the ranges.
@@ -95,6 +114,11 @@ impl Width {
             + self.ranges_dims(dims).iter().product::<usize>() * 4
     }
 }
+
+/// Values of a plane per range below eight bits: ActNN's group. Stage 1's planes here hold
+/// 1,024 values, so its ranges follow the plane's content four times more closely; a multiple of
+/// every [`Width::per_byte`], so each group starts on a byte.
+pub const GROUP: usize = 256;
 
 /// An activation as codes: what [`quantize`] returns and [`dequantize`] reads.
 #[derive(Debug, Clone)]
@@ -131,7 +155,7 @@ pub fn quantize(x: &Tensor, width: Width, salt: u64) -> Result<Quantized> {
     let dims = [n, c, h, w];
     let x = x.contiguous()?;
     if !x.device().is_cpu() {
-        if !width.per_plane() {
+        if !width.per_group() {
             return quantize_ops(&x, dims, ops_chunk_images(dims));
         }
         let q = quantize(&x.to_device(&Device::Cpu)?, width, salt)?;
@@ -157,7 +181,7 @@ pub fn dequantize(q: &Quantized) -> Result<Tensor> {
     let codes = q.codes.contiguous()?;
     let device = codes.device().clone();
     if !device.is_cpu() {
-        if !q.width.per_plane() {
+        if !q.width.per_group() {
             return dequantize_ops(q, &codes, ops_chunk_images(q.dims));
         }
         let host = Quantized {
@@ -369,20 +393,23 @@ fn channel_ranges<T: Float>(x: &[T], n: usize, c: usize, hw: usize, width: Width
     lo.into_iter().chain(scale).collect()
 }
 
-/// Per plane `[lo; scale]` (`[2, N·C]`), written straight into the result.
-fn plane_ranges<T: Float>(x: &[T], planes: usize, hw: usize, width: Width) -> Vec<f32> {
-    let mut r = vec![0f32; 2 * planes];
+/// Per group of each plane `[lo; scale]` (`[2, N·C·groups]`), written straight into the result.
+fn group_ranges<T: Float>(x: &[T], planes: usize, hw: usize, width: Width) -> Vec<f32> {
+    let groups = width.plane_groups(hw);
+    let all = planes * groups;
+    let mut r = vec![0f32; 2 * all];
     let ptr = SharedMut(r.as_mut_ptr());
     for_planes(planes, hw, |range| {
         for p in range {
-            let (lo, scale) = lo_scale(
-                min_max(&x[p * hw..(p + 1) * hw], (f32::INFINITY, f32::NEG_INFINITY)),
-                width,
-            );
-            // SAFETY: plane p's two slots are written by the one worker that got it.
-            unsafe {
-                ptr.range(p, 1)[0] = lo;
-                ptr.range(planes + p, 1)[0] = scale;
+            let plane = &x[p * hw..(p + 1) * hw];
+            for (i, g) in plane.chunks(GROUP).enumerate() {
+                let (lo, scale) = lo_scale(min_max(g, (f32::INFINITY, f32::NEG_INFINITY)), width);
+                let at = p * groups + i;
+                // SAFETY: plane p's slots are written by the one worker that got it.
+                unsafe {
+                    ptr.range(at, 1)[0] = lo;
+                    ptr.range(all + at, 1)[0] = scale;
+                }
             }
         }
     });
@@ -399,12 +426,13 @@ fn noise_seed(salt: u64, ranges: &[f32]) -> u64 {
     h.finish()
 }
 
-/// The group of plane `p` (of `c` channels) in ranges of `groups` columns.
-fn group(p: usize, c: usize, groups: usize) -> usize {
-    if groups == c {
+/// The range of group `i` of plane `p` (of `c` channels) in ranges of `columns` columns: its
+/// channel's ([`Width::plane_groups`] 0), or its own.
+fn range_of(p: usize, i: usize, c: usize, groups: usize) -> usize {
+    if groups == 0 {
         p % c
     } else {
-        p
+        p * groups + i
     }
 }
 
@@ -413,43 +441,53 @@ fn encode<T: Float>(x: &[T], r: &[f32], (n, c, hw): (usize, usize, usize), e: &E
     let width = e.width;
     let (bits, per, max) = (width.bits(), width.per_byte(), width.max_code());
     let packed = hw.div_ceil(per);
-    let groups = r.len() / 2;
+    let columns = r.len() / 2;
+    let groups = width.plane_groups(hw);
+    // A range per channel covers the plane at once.
+    let group_len = if groups == 0 { hw } else { GROUP };
     let seed = noise_seed(e.salt, r);
     let mut codes = vec![0u8; n * c * packed];
     let ptr = SharedMut(codes.as_mut_ptr());
     for_planes(n * c, hw, |planes| {
         for p in planes {
-            let g = group(p, c, groups);
-            let (lo, scale) = (r[g], r[groups + g]);
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            let mut noise = width.per_plane().then(|| {
+            let mut noise = width.per_group().then(|| {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
                 rng.set_stream(p as u64);
                 rng
             });
             // SAFETY: each plane's bytes are written by the one worker that got it.
-            let out = unsafe { ptr.range(p * packed, packed) };
-            let plane = &x[p * hw..(p + 1) * hw];
-            match &mut noise {
-                // One code a byte, rounded to nearest: a loop the compiler vectorizes.
-                None if width.per_byte() == 1 => {
-                    for (byte, v) in out.iter_mut().zip(plane) {
-                        // `as u8` saturates (and maps NaN to 0): with the `min`, the clamp.
-                        *byte = (((v.to_f32() - lo) * inv).round() as u8).min(max);
-                    }
-                }
-                _ => {
-                    for (byte, vs) in out.iter_mut().zip(plane.chunks(per)) {
-                        let mut b = 0u8;
-                        for (k, v) in vs.iter().enumerate() {
-                            let t = (v.to_f32() - lo) * inv;
-                            let q = match &mut noise {
-                                Some(rng) => (t + rng.random::<f32>()) as u8,
-                                None => t.round() as u8,
-                            };
-                            b |= q.min(max) << (k * bits);
+            let plane_out = unsafe { ptr.range(p * packed, packed) };
+            let plane_x = &x[p * hw..(p + 1) * hw];
+            let group_bytes = group_len / per;
+            for (i, (plane, out)) in plane_x
+                .chunks(group_len)
+                .zip(plane_out.chunks_mut(group_bytes.max(1)))
+                .enumerate()
+            {
+                let g = range_of(p, i, c, groups);
+                let (lo, scale) = (r[g], r[columns + g]);
+                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                match &mut noise {
+                    // One code a byte, rounded to nearest: a loop the compiler vectorizes.
+                    None if width.per_byte() == 1 => {
+                        for (byte, v) in out.iter_mut().zip(plane) {
+                            // `as u8` saturates (and maps NaN to 0): with the `min`, the clamp.
+                            *byte = (((v.to_f32() - lo) * inv).round() as u8).min(max);
                         }
-                        *byte = b;
+                    }
+                    _ => {
+                        for (byte, vs) in out.iter_mut().zip(plane.chunks(per)) {
+                            let mut b = 0u8;
+                            for (k, v) in vs.iter().enumerate() {
+                                let t = (v.to_f32() - lo) * inv;
+                                let q = match &mut noise {
+                                    Some(rng) => (t + rng.random::<f32>()) as u8,
+                                    None => t.round() as u8,
+                                };
+                                b |= q.min(max) << (k * bits);
+                            }
+                            *byte = b;
+                        }
                     }
                 }
             }
@@ -467,22 +505,30 @@ fn decode<T: Float>(
     width: Width,
 ) -> Vec<T> {
     let packed = hw.div_ceil(width.per_byte());
-    let groups = r.len() / 2;
+    let columns = r.len() / 2;
+    let groups = width.plane_groups(hw);
+    let group_len = if groups == 0 { hw } else { GROUP };
+    let group_bytes = (group_len / width.per_byte()).max(1);
     let first = images.start * c;
     let mut x = T::zeros(images.len() * c * hw);
     let ptr = SharedMut(x.as_mut_ptr());
     for_planes(images.len() * c, hw, |planes| {
         for out_p in planes {
             let p = first + out_p;
-            let g = group(p, c, groups);
-            let (lo, scale) = (r[g], r[groups + g]);
-            let plane = &codes[p * packed..(p + 1) * packed];
+            let plane_codes = &codes[p * packed..(p + 1) * packed];
             // SAFETY: each plane is written by the one worker that got it.
-            let out = unsafe { ptr.range(out_p * hw, hw) };
-            match width {
-                Width::Int8 => decode_plane::<8, T>(plane, out, lo, scale),
-                Width::Int4 => decode_plane::<4, T>(plane, out, lo, scale),
-                Width::Int2 => decode_plane::<2, T>(plane, out, lo, scale),
+            let plane_out = unsafe { ptr.range(out_p * hw, hw) };
+            let parts = plane_codes
+                .chunks(group_bytes)
+                .zip(plane_out.chunks_mut(group_len));
+            for (i, (codes, out)) in parts.enumerate() {
+                let g = range_of(p, i, c, groups);
+                let (lo, scale) = (r[g], r[columns + g]);
+                match width {
+                    Width::Int8 => decode_plane::<8, T>(codes, out, lo, scale),
+                    Width::Int4 => decode_plane::<4, T>(codes, out, lo, scale),
+                    Width::Int2 => decode_plane::<2, T>(codes, out, lo, scale),
+                }
             }
         }
     });
@@ -540,8 +586,8 @@ impl CustomOp1 for Ranges {
             [F32, F16, BF16],
             |T| {
                 let x = cpu_slice::<T>(s, l, OP, "input")?;
-                if w.per_plane() {
-                    plane_ranges(x, n * c, hw, w)
+                if w.per_group() {
+                    group_ranges(x, n * c, hw, w)
                 } else {
                     channel_ranges(x, n, c, hw, w)
                 }
@@ -692,8 +738,12 @@ mod tests {
     /// `[values of group g]` of `x` `[N, C, H, W]` for `width`'s groups (channels or planes).
     fn groups(x: &Tensor, width: Width) -> Result<Vec<Vec<f32>>> {
         let x = x.to_dtype(DType::F32)?;
-        Ok(if width.per_plane() {
-            x.flatten_from(2)?.flatten_to(1)?.to_vec2()?
+        Ok(if width.per_group() {
+            let planes: Vec<Vec<f32>> = x.flatten_from(2)?.flatten_to(1)?.to_vec2()?;
+            planes
+                .iter()
+                .flat_map(|p| p.chunks(GROUP).map(<[f32]>::to_vec))
+                .collect()
         } else {
             x.transpose(0, 1)?.flatten_from(1)?.to_vec2()?
         })
@@ -701,35 +751,45 @@ mod tests {
 
     #[test]
     fn every_element_is_within_a_step_and_the_extremes_are_exact() -> Result<()> {
-        // 5×5 planes: the last byte of an int4 or int2 plane is partly padding.
-        let x = Tensor::randn(0f32, 2.0, (3, 4, 5, 5), &Device::Cpu)?;
-        for width in Width::ALL {
-            let q = quantize(&x, width, 7)?;
-            assert_eq!(q.codes.dtype(), DType::U8);
-            assert_eq!(q.codes.dims(), width.codes_dims([3, 4, 5, 5]));
-            assert_eq!(q.bytes(), width.bytes([3, 4, 5, 5]));
-            let back = dequantize(&q)?;
-            assert_eq!(back.dims(), x.dims());
-            let scale = q.ranges.get(1)?.to_vec1::<f32>()?;
-            // Round to nearest: half a step; stochastic: under one.
-            let bound = if width.per_plane() { 1.0 } else { 0.5 };
-            let (xs, bs) = (groups(&x, width)?, groups(&back, width)?);
-            assert_eq!(xs.len(), scale.len(), "{width:?}");
-            for ((xg, bg), s) in xs.iter().zip(&bs).zip(&scale) {
-                let lo = xg.iter().copied().fold(f32::INFINITY, f32::min);
-                let hi = xg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let levels = width.max_code() as f32;
-                assert!((s - (hi - lo) / levels).abs() <= 1e-6 * hi.abs().max(1.0));
-                for (a, b) in xg.iter().zip(bg) {
-                    assert!(
-                        (a - b).abs() <= s * bound + 1e-5,
-                        "{width:?}: {a} vs {b}, step {s}"
-                    );
+        // 5×5 planes: the last byte of an int4 or int2 plane is partly padding. 18×18 planes: two
+        // groups of a plane below eight bits, the second of 68 values.
+        for dims in [[3, 4, 5, 5], [2, 3, 18, 18]] {
+            let x = Tensor::randn(0f32, 2.0, dims.to_vec(), &Device::Cpu)?;
+            for width in Width::ALL {
+                let q = quantize(&x, width, 7)?;
+                assert_eq!(q.codes.dtype(), DType::U8);
+                assert_eq!(q.codes.dims(), width.codes_dims(dims));
+                assert_eq!(q.bytes(), width.bytes(dims));
+                let planes = dims[0] * dims[1];
+                let ranges = if width.per_group() {
+                    planes * (dims[2] * dims[3]).div_ceil(GROUP)
+                } else {
+                    dims[1]
+                };
+                assert_eq!(q.ranges.dims(), [2, ranges], "{width:?} {dims:?}");
+                let back = dequantize(&q)?;
+                assert_eq!(back.dims(), x.dims());
+                let scale = q.ranges.get(1)?.to_vec1::<f32>()?;
+                // Round to nearest: half a step; stochastic: under one.
+                let bound = if width.per_group() { 1.0 } else { 0.5 };
+                let (xs, bs) = (groups(&x, width)?, groups(&back, width)?);
+                assert_eq!(xs.len(), scale.len(), "{width:?}");
+                for ((xg, bg), s) in xs.iter().zip(&bs).zip(&scale) {
+                    let lo = xg.iter().copied().fold(f32::INFINITY, f32::min);
+                    let hi = xg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let levels = width.max_code() as f32;
+                    assert!((s - (hi - lo) / levels).abs() <= 1e-6 * hi.abs().max(1.0));
+                    for (a, b) in xg.iter().zip(bg) {
+                        assert!(
+                            (a - b).abs() <= s * bound + 1e-5,
+                            "{width:?}: {a} vs {b}, step {s}"
+                        );
+                    }
+                    let blo = bg.iter().copied().fold(f32::INFINITY, f32::min);
+                    let bhi = bg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    assert_eq!(blo, lo, "{width:?}");
+                    assert!((bhi - hi).abs() <= 1e-5 * hi.abs().max(1.0), "{width:?}");
                 }
-                let blo = bg.iter().copied().fold(f32::INFINITY, f32::min);
-                let bhi = bg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                assert_eq!(blo, lo, "{width:?}");
-                assert!((bhi - hi).abs() <= 1e-5 * hi.abs().max(1.0), "{width:?}");
             }
         }
         Ok(())

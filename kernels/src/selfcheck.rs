@@ -543,6 +543,7 @@ fn bn_params(h: &Tensor) -> Result<BnParams> {
         stats: batch_stats(h)?,
         eps: 1e-5,
         batch_stats: true,
+        decisions: None,
     })
 }
 

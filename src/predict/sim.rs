@@ -238,16 +238,12 @@ impl Ctx {
         self.s < 4
     }
 
-    /// Bytes the tape keeps of a conv output of `h` bytes and `ch` channels: the tensor, or its
-    /// codes and ranges ([`crate::config::ActivationStorage::width`]).
+    /// Bytes the tape keeps of a conv output of `h` bytes and `ch` channels
+    /// ([`crate::config::ActivationStorage::kept_bytes`]).
     pub(super) fn kept(&self, h: u64, ch: u64) -> u64 {
-        match self.storage.width() {
-            None => h,
-            Some(w) => {
-                let plane = (h / self.s / self.n / ch) as usize;
-                w.bytes([self.n as usize, ch as usize, 1, plane]) as u64
-            }
-        }
+        let plane = (h / self.s / self.n / ch) as usize;
+        let dims = [self.n as usize, ch as usize, 1, plane];
+        self.storage.kept_bytes(dims, self.s as usize)
     }
 
     /// Threads busy on `n` independent images (one image per task).

@@ -136,9 +136,12 @@ impl Sz {
 
 /// A block's BatchNorm for the sizing: its detached γ and β, its `[2, C]` statistics and its
 /// node.
+#[derive(Clone)]
 pub(super) struct SzBn {
     _held: [Sz; 3],
     node: usize,
+    /// The forward's decisions, with codes.
+    decisions: Option<Sz>,
 }
 
 /// A conv output's codes: the packed codes and the ranges, each sized by their [`Width`].
@@ -476,6 +479,7 @@ impl StepOps for Sizing<'_> {
             SzBn {
                 _held: [gamma, beta, stats],
                 node,
+                decisions: None,
             }
         }))
     }
@@ -489,13 +493,19 @@ impl StepOps for Sizing<'_> {
             SzBn {
                 _held: [gamma, beta, stats],
                 node,
+                decisions: None,
             }
         }))
     }
     fn bn_relu(&self, h: &Sz, p: &SzBn) -> Result<Sz> {
         Ok(self.op(Some(p.node), || {
             let y = self.alloc(h.dims.clone(), h.dtype);
-            self.bn_host(bn::CpuPass::Norm, h);
+            // Decided: a copy of h normalized in place.
+            let pass = match p.decisions {
+                Some(_) => bn::CpuPass::NormInPlace,
+                None => bn::CpuPass::Norm,
+            };
+            self.bn_host(pass, h);
             y
         }))
     }
@@ -593,20 +603,51 @@ impl StepOps for Sizing<'_> {
         }))
     }
 
+    fn decisions(&self, h: &Sz, p: &SzBn, _pool: bool) -> Result<Sz> {
+        let [n, c, hh, w] = h.dims[..] else {
+            unreachable!("a conv output is [N, C, H, W]")
+        };
+        Ok(self.op(Some(p.node), || {
+            let bits = bn::decisions_dims([n, c, hh, w]).to_vec();
+            if self.cuda() {
+                // Made on the host from a copy of h, then uploaded.
+                return self.alloc(bits, DType::U8);
+            }
+            let d = self.alloc(bits, DType::U8);
+            self.bn_host(bn::CpuPass::Decisions, h);
+            d
+        }))
+    }
+    fn decided(&self, p: SzBn, decisions: Sz) -> SzBn {
+        SzBn {
+            decisions: Some(decisions),
+            ..p
+        }
+    }
+    fn bn_images(&self, p: &SzBn, first: usize, len: usize) -> Result<SzBn> {
+        let mut p = p.clone();
+        if let Some(d) = &p.decisions {
+            p.decisions = Some(self.narrow(d, first, len)?);
+        }
+        Ok(p)
+    }
+    fn decision_bytes(&self, p: &SzBn) -> u64 {
+        p.decisions.as_ref().map_or(0, Sz::bytes)
+    }
     fn quantize(&self, h: &Sz, width: Width, _salt: u64) -> Result<SzCodes> {
         let [n, ch, hh, ww] = h.dims[..] else {
             unreachable!("a conv output is [N, C, H, W]")
         };
         let dims = [n, ch, hh, ww];
-        let ops = !width.per_plane() && self.cuda();
-        if width.per_plane() {
+        let ops = !width.per_group() && self.cuda();
+        if width.per_group() {
             // Codes made on the host (a CUDA device gets them uploaded); the ranges written
             // straight into their buffer.
         } else if !ops {
             // Per-plane ranges, then the per-channel ones.
             self.spike(n as u64 * ch as u64 * 8);
         }
-        let (ranges, codes) = if width.per_plane() && self.cuda() {
+        let (ranges, codes) = if width.per_group() && self.cuda() {
             // Uploaded codes first, then ranges.
             let codes = self.alloc(width.codes_dims(dims).to_vec(), DType::U8);
             (
@@ -634,7 +675,7 @@ impl StepOps for Sizing<'_> {
     }
     fn dequantize(&self, q: &SzCodes) -> Result<Sz> {
         let out = self.alloc(q.dims.clone(), q.dtype);
-        if self.cuda() && !q.width.per_plane() {
+        if self.cuda() && !q.width.per_group() {
             // Candle ops (a range per channel), chunk by chunk into the result's buffer.
             let [n, c, h, w] = q.dims[..] else {
                 unreachable!("codes of a conv output")

@@ -109,7 +109,8 @@ pub(super) fn weight_grad_from_codes<O: StepOps>(
     let n = o.codes_dims(q)[0];
     for (first, len) in chunks(n, chunk) {
         let gw = {
-            let y = o.bn_relu_in_place(o.dequantize_images(q, first, len)?, p)?;
+            let pc = o.bn_images(p, first, len)?;
+            let y = o.bn_relu_in_place(o.dequantize_images(q, first, len)?, &pc)?;
             o.conv2d_backward_weight(&y, &o.narrow(dh, first, len)?, w, 1)?
         };
         add(gw)?;
@@ -132,7 +133,8 @@ pub(super) fn bn_relu_backward_from_codes<O: StepOps>(
     for (first, len) in chunks(n, chunk) {
         let part = {
             let h = o.dequantize_images(q, first, len)?;
-            o.bn_relu_backward_sums(&h, &o.narrow(&g, first, len)?, p)?
+            let pc = o.bn_images(p, first, len)?;
+            o.bn_relu_backward_sums(&h, &o.narrow(&g, first, len)?, &pc)?
         };
         sums = Some(match sums {
             None => part,
@@ -142,7 +144,8 @@ pub(super) fn bn_relu_backward_from_codes<O: StepOps>(
     let sums = sums.expect("a batch has at least one image");
     for (first, len) in chunks(n, chunk) {
         let h = o.dequantize_images(q, first, len)?;
-        o.bn_relu_backward_input(&h, &o.narrow(&g, first, len)?, p, &sums, n)?;
+        let pc = o.bn_images(p, first, len)?;
+        o.bn_relu_backward_input(&h, &o.narrow(&g, first, len)?, &pc, &sums, n)?;
     }
     let (dgamma, dbeta) = o.bn_grads(&sums)?;
     Ok((g, dgamma, dbeta))
@@ -162,8 +165,9 @@ pub(super) fn pool_from_codes<O: StepOps>(
     let mut argmax: Option<O::T> = None;
     for (first, len) in chunks(n, chunk) {
         let hc = o.dequantize_images(q, first, len)?;
-        o.write_images(&pooled, first, &o.bn_relu_pool(&hc, p)?)?;
-        if let Some(a) = o.bn_relu_pool_argmax(&hc, p)? {
+        let pc = o.bn_images(p, first, len)?;
+        o.write_images(&pooled, first, &o.bn_relu_pool(&hc, &pc)?)?;
+        if let Some(a) = o.bn_relu_pool_argmax(&hc, &pc)? {
             if argmax.is_none() {
                 argmax = Some(o.zeros(&[n, c, h / 2, w / 2], candle_core::DType::U8)?);
             }

@@ -39,7 +39,7 @@ pub trait StepOps {
     /// A tensor (or only its shape and bytes). Cloning shares the buffer.
     type T: Clone;
     /// A block's BatchNorm parameters and batch statistics, as its passes read them.
-    type Bn;
+    type Bn: Clone;
     /// A conv output's codes (`--compress-activations int8|int4|int2`).
     type Codes;
     /// The parameter-gradient buffers of a step.
@@ -159,6 +159,17 @@ pub trait StepOps {
         p: &Self::Bn,
     ) -> Result<(Self::T, Self::T, Self::T)>;
 
+    /// The decisions of `relu(bn(h))` (and of a 2x2 pool after it, with `pool`) from the exact
+    /// h: a bit per value, set where the block's output gradient reaches h
+    /// ([`memtrain_kernels::batchnorm::bn_relu_decisions`]).
+    fn decisions(&self, h: &Self::T, p: &Self::Bn, pool: bool) -> Result<Self::T>;
+    /// `p` with `decisions`: every pass on `p` then reads the decided output (the forward's ReLU
+    /// mask and argmax) whatever h it is given.
+    fn decided(&self, p: Self::Bn, decisions: Self::T) -> Self::Bn;
+    /// `p` for images `first..first + len` of the batch (its decisions narrowed to them).
+    fn bn_images(&self, p: &Self::Bn, first: usize, len: usize) -> Result<Self::Bn>;
+    /// Bytes of `p`'s decisions (0 without).
+    fn decision_bytes(&self, p: &Self::Bn) -> u64;
     /// `h` as `width` codes ([`memtrain_kernels::quantize`]); `salt` keys stochastic rounding.
     fn quantize(&self, h: &Self::T, width: Width, salt: u64) -> Result<Self::Codes>;
     /// The codes decoded into a new tensor of the dtype they were stored from.
@@ -408,6 +419,18 @@ impl StepOps for CandleOps<'_> {
         Ok(bn::bn_relu_pool_backward(h, g, argmax, p)?)
     }
 
+    fn decisions(&self, h: &Tensor, p: &BnParams, pool: bool) -> Result<Tensor> {
+        Ok(bn::bn_relu_decisions(h, p, pool)?)
+    }
+    fn decided(&self, p: BnParams, decisions: Tensor) -> BnParams {
+        p.decided(decisions)
+    }
+    fn bn_images(&self, p: &BnParams, first: usize, len: usize) -> Result<BnParams> {
+        Ok(p.images(first, len)?)
+    }
+    fn decision_bytes(&self, p: &BnParams) -> u64 {
+        p.decision_bytes() as u64
+    }
     fn quantize(&self, h: &Tensor, width: Width, salt: u64) -> Result<Quantized> {
         Ok(quantize::quantize(h, width, salt)?)
     }
@@ -534,6 +557,7 @@ fn bn_params(
         stats,
         eps: layer.eps,
         batch_stats: true,
+        decisions: None,
     })
 }
 
@@ -547,6 +571,7 @@ fn running_params(layer: &BatchNorm) -> Result<BnParams> {
         stats: Tensor::stack(&[rm, rv], 0)?,
         eps: layer.eps,
         batch_stats: false,
+        decisions: None,
     })
 }
 

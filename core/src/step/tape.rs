@@ -102,7 +102,11 @@ struct Held<O: StepOps> {
 impl<O: StepOps> Held<O> {
     fn bytes(&self, o: &O) -> u64 {
         let inputs: u64 = self.inputs.iter().map(|t| o.bytes(t)).sum();
-        inputs + self.saved.iter().map(|s| s.h.bytes(o)).sum::<u64>()
+        let saved = self.saved.iter();
+        inputs
+            + saved
+                .map(|s| s.h.bytes(o) + o.decision_bytes(&s.bn))
+                .sum::<u64>()
     }
 }
 
@@ -410,20 +414,14 @@ impl<O: StepOps> LeanStep<O> {
         let params = o.bn_params(j, &h, update_stats)?;
         let pool = o.block_pools(j);
         if save {
-            let kept = Kept::store(o, j, &h, self.storage)?;
+            let (kept, bn) = self.keep(j, &h, params.clone())?;
             let out = match (&kept, pool) {
                 (_, true) => o.bn_relu_pool(&h, &params)?,
                 // The exact record is h itself: the output needs a buffer of its own.
                 (Kept::Exact(_), false) => o.bn_relu(&h, &params)?,
                 (Kept::Codes(_), false) => o.bn_relu_in_place(h, &params)?,
             };
-            Ok((
-                out,
-                Some(Saved {
-                    h: kept,
-                    bn: params,
-                }),
-            ))
+            Ok((out, Some(Saved { h: kept, bn })))
         } else if pool {
             Ok((o.bn_relu_pool(&h, &params)?, None))
         } else {
@@ -435,11 +433,25 @@ impl<O: StepOps> LeanStep<O> {
     /// record alone, for the last block of a recomputed segment. `x` is given up after the conv.
     fn block_save(&self, j: usize, x: O::T, owned: bool) -> Result<Saved<O>> {
         let h = self.conv_forward_owned(j, x, owned)?;
-        let bn = self.o.bn_params(j, &h, false)?;
-        Ok(Saved {
-            h: Kept::store(&self.o, j, &h, self.storage)?,
-            bn,
-        })
+        let params = self.o.bn_params(j, &h, false)?;
+        let (h, bn) = self.keep(j, &h, params)?;
+        Ok(Saved { h, bn })
+    }
+
+    /// Block j's conv output `h` as the tape keeps it, and the parameters its backward reads:
+    /// with codes, the forward's decisions ride with them, taken from the exact h
+    /// ([`super::compress`]).
+    fn keep(&self, j: usize, h: &O::T, params: O::Bn) -> Result<(Kept<O>, O::Bn)> {
+        let o = &self.o;
+        let kept = Kept::store(o, j, h, self.storage)?;
+        let bn = match kept {
+            Kept::Exact(_) => params,
+            Kept::Codes(_) => {
+                let d = o.decisions(h, &params, o.block_pools(j))?;
+                o.decided(params, d)
+            }
+        };
+        Ok((kept, bn))
     }
 
     /// The conv of block j on `x` (compute dtype): the model's one conv forward, on `O`'s ops.

@@ -56,7 +56,7 @@ pub(super) fn host_bytes(
             // variance's per-channel sum.
             Stats => 2 * d.planes() * 8 + d.c * (4 + 8),
             Norm | NormInPlace => 0,
-            NormPool | PoolArgmax => scratch(POOL_PLANES),
+            NormPool | PoolArgmax | Decisions => scratch(POOL_PLANES),
             // The partials, then the threads' scratch or the per-channel totals after it.
             BackwardSums => {
                 partials + scratch(REDUCE_PLANES).max(d.c * std::mem::size_of::<(f64, f64)>())
@@ -439,32 +439,87 @@ pub(super) fn bwd_input<T: Elem>(
 
 /// `y(h) = relu((h - mean)·scale + beta)` of a block, rounded to T and widened back, so that a
 /// recomputed ReLU output (and its mask) is bit-identical to the one the forward stored in T.
+/// With `decided` (the block's [decisions](super::BnParams::decisions) for these values, from bit
+/// `first`), y is the decided output: see [`decide_y`].
 #[inline(always)]
-fn y_of<T: Elem>(hb: &[f32], ch: &NormChannels, c: usize, tmp: &mut [T], out: &mut [f32]) {
+fn y_of<T: Elem>(
+    hb: &[f32],
+    ch: &NormChannels,
+    c: usize,
+    decided: Option<(&[u8], usize)>,
+    tmp: &mut [T],
+    out: &mut [f32],
+) {
     normalize(hb, ch.mean[c], ch.scale[c], ch.beta[c], true, out);
     T::round(out, tmp);
+    if let Some((bits, first)) = decided {
+        decide_y(out, bits, first);
+    }
 }
 
-/// `h := relu(bn(h))`, in place.
-pub(super) fn relu_in_place<T: Elem>(h: &mut [T], ch: &NormChannels, d: Dims) {
+/// The least value a decided output takes where the gradient flows: 2⁻¹⁴, positive and exact in
+/// f32, f16 and bf16 alike.
+const DECIDED_MIN: f32 = 1.0 / 16384.0;
+
+/// `y` made to agree with the forward's decisions (`bits`, from bit `first` on): 0 where the
+/// bit is clear; where it is set, y itself, but at least [`DECIDED_MIN`]. A ReLU mask read from the
+/// result (`y > 0`) and a 2x2 pool's first maximum are then the forward's, whatever rounding
+/// error the values carry (a window's set bit is its only non-zero value).
+#[inline(always)]
+pub(super) fn decide_y(y: &mut [f32], bits: &[u8], first: usize) {
+    for (i, v) in y.iter_mut().enumerate() {
+        let b = first + i;
+        *v = if bits[b / 8] >> (b % 8) & 1 == 1 {
+            v.max(DECIDED_MIN)
+        } else {
+            0.0
+        };
+    }
+}
+
+/// Bytes of one plane's decisions: a bit per value, each plane starting on a byte.
+pub(super) fn decision_bytes(hw: usize) -> usize {
+    hw.div_ceil(8)
+}
+
+/// The decisions of plane `p` in `bits` (every plane's, [`decision_bytes`] each).
+fn plane_bits(bits: Option<&[u8]>, p: usize, hw: usize) -> Option<&[u8]> {
+    let per = decision_bytes(hw);
+    bits.map(|b| &b[p * per..(p + 1) * per])
+}
+
+/// `h := relu(bn(h))`, in place; with `bits`, the decided output ([`decide_y`]).
+pub(super) fn relu_in_place<T: Elem>(h: &mut [T], ch: &NormChannels, d: Dims, bits: Option<&[u8]>) {
     let ptr = SharedMut(h.as_mut_ptr());
     for_planes(d, |r| {
         let (mut buf, mut res) = ([0f32; BLK], [0f32; BLK]);
+        let mut tmp = T::zeros(BLK);
         for p in r {
             let c = p % d.c;
+            let pb = plane_bits(bits, p, d.hw);
             // SAFETY: planes are disjoint ranges of h; the pool hands each plane to one worker.
             let plane = unsafe { ptr.range(p * d.hw, d.hw) };
-            for hc in plane.chunks_mut(BLK) {
+            for (k, hc) in plane.chunks_mut(BLK).enumerate() {
                 let n = hc.len();
                 T::widen(hc, &mut buf[..n]);
-                normalize(
-                    &buf[..n],
-                    ch.mean[c],
-                    ch.scale[c],
-                    ch.beta[c],
-                    true,
-                    &mut res[..n],
-                );
+                match pb {
+                    None => normalize(
+                        &buf[..n],
+                        ch.mean[c],
+                        ch.scale[c],
+                        ch.beta[c],
+                        true,
+                        &mut res[..n],
+                    ),
+                    Some(b) => y_of::<T>(
+                        &buf[..n],
+                        ch,
+                        c,
+                        Some((b, k * BLK)),
+                        &mut tmp,
+                        &mut res[..n],
+                    ),
+                }
                 T::narrow(&res[..n], hc);
             }
         }
@@ -482,29 +537,32 @@ fn plane_f32<'a, T: Elem>(src: &'a [T], buf: &'a mut [f32]) -> &'a [f32] {
     }
 }
 
-/// One plane of `y(h)` as f32 (rounded through T) into `y`; returns the plane of h as f32 (h
-/// itself for f32, else widened into `hf`).
+/// One plane of `y(h)` as f32 (rounded through T) into `y`, decided by the plane's `bits` where
+/// given; returns the plane of h as f32 (h itself for f32, else widened into `hf`).
 fn plane_y<'a, T: Elem>(
     h: &'a [T],
     ch: &NormChannels,
     c: usize,
+    bits: Option<&[u8]>,
     hf: &'a mut [f32],
     y: &mut [f32],
     tmp: &mut [T],
 ) -> &'a [f32] {
     let hf = plane_f32(h, hf);
-    for (hc, yc) in hf.chunks(BLK).zip(y.chunks_mut(BLK)) {
-        y_of::<T>(hc, ch, c, tmp, yc);
+    for (k, (hc, yc)) in hf.chunks(BLK).zip(y.chunks_mut(BLK)).enumerate() {
+        y_of::<T>(hc, ch, c, bits.map(|b| (b, k * BLK)), tmp, yc);
     }
     hf
 }
 
-/// The 2x2 max-pool of `y(h)` per plane (`w` = plane width): `emit(plane, window, argmax, y)`.
+/// The 2x2 max-pool of `y(h)` (decided by `bits` where given) per plane (`w` = plane width):
+/// `emit(plane, window, argmax, y)`.
 fn pool_planes<T: Elem>(
     h: &[T],
     ch: &NormChannels,
     d: Dims,
     w: usize,
+    bits: Option<&[u8]>,
     emit: impl Fn(usize, usize, usize, f32) + Sync,
 ) {
     let (ho, wo) = (d.hw / w / 2, w / 2);
@@ -516,6 +574,7 @@ fn pool_planes<T: Elem>(
                 &h[p * d.hw..(p + 1) * d.hw],
                 ch,
                 p % d.c,
+                plane_bits(bits, p, d.hw),
                 &mut hf,
                 &mut y,
                 &mut tmp,
@@ -539,11 +598,17 @@ fn pool_planes<T: Elem>(
 }
 
 /// `maxpool2x2(relu(bn(h)))` without materializing the full-size ReLU output.
-pub(super) fn relu_pool<T: Elem>(h: &[T], ch: &NormChannels, d: Dims, w: usize) -> Vec<T> {
+pub(super) fn relu_pool<T: Elem>(
+    h: &[T],
+    ch: &NormChannels,
+    d: Dims,
+    w: usize,
+    bits: Option<&[u8]>,
+) -> Vec<T> {
     let per = d.hw / 4;
     let mut out = T::zeros(d.planes() * per);
     let ptr = SharedMut(out.as_mut_ptr());
-    pool_planes::<T>(h, ch, d, w, |p, o, _, v| {
+    pool_planes::<T>(h, ch, d, w, bits, |p, o, _, v| {
         // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
         unsafe { ptr.range(p * per + o, 1)[0] = T::from_f32(v) };
     });
@@ -551,14 +616,61 @@ pub(super) fn relu_pool<T: Elem>(h: &[T], ch: &NormChannels, d: Dims, w: usize) 
 }
 
 /// The argmax (0..4, row-major in the window) of every 2x2 window of `relu(bn(h))`.
-pub(super) fn relu_pool_argmax<T: Elem>(h: &[T], ch: &NormChannels, d: Dims, w: usize) -> Vec<u8> {
+pub(super) fn relu_pool_argmax<T: Elem>(
+    h: &[T],
+    ch: &NormChannels,
+    d: Dims,
+    w: usize,
+    bits: Option<&[u8]>,
+) -> Vec<u8> {
     let per = d.hw / 4;
     let mut out = vec![0u8; d.planes() * per];
     let ptr = SharedMut(out.as_mut_ptr());
-    pool_planes::<T>(h, ch, d, w, |p, o, k, _| {
+    pool_planes::<T>(h, ch, d, w, bits, |p, o, k, _| {
         // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
         unsafe { ptr.range(p * per + o, 1)[0] = k as u8 };
     });
+    out
+}
+
+/// The block's decisions from the exact h: a bit per value of h, set where the gradient of the
+/// block's output reaches it — where `y(h) > 0`, and after a 2x2 pool (`pool_w`) only at each
+/// window's first maximum. Each plane starts on a byte ([`decision_bytes`]).
+pub(super) fn decisions<T: Elem>(
+    h: &[T],
+    ch: &NormChannels,
+    d: Dims,
+    pool_w: Option<usize>,
+) -> Vec<u8> {
+    let per = decision_bytes(d.hw);
+    let mut out = vec![0u8; d.planes() * per];
+    let ptr = SharedMut(out.as_mut_ptr());
+    let set = |p: usize, i: usize| {
+        // SAFETY: each plane's bytes are written only by the worker that owns the plane.
+        unsafe { ptr.range(p * per + i / 8, 1)[0] |= 1 << (i % 8) };
+    };
+    match pool_w {
+        Some(w) => pool_planes::<T>(h, ch, d, w, None, |p, o, k, v| {
+            if v > 0.0 {
+                let wo = w / 2;
+                let (oy, ox) = (o / wo, o % wo);
+                set(p, (2 * oy + k / 2) * w + 2 * ox + k % 2);
+            }
+        }),
+        None => for_planes(d, |r| {
+            let (mut hf, mut y) = (vec![0f32; d.hw], vec![0f32; d.hw]);
+            let mut tmp = T::zeros(BLK);
+            for p in r {
+                let hp = &h[p * d.hw..(p + 1) * d.hw];
+                plane_y::<T>(hp, ch, p % d.c, None, &mut hf, &mut y, &mut tmp);
+                for (i, &v) in y.iter().enumerate() {
+                    if v > 0.0 {
+                        set(p, i);
+                    }
+                }
+            }
+        }),
+    }
     out
 }
 
@@ -583,6 +695,7 @@ pub(super) fn bwd_reduce_from_h<T: Elem>(
     h: &[T],
     g: &[T],
     argmax: Option<(&[u8], usize)>,
+    bits: Option<&[u8]>,
     ch: &NormChannels,
     var: &[f32],
     d: Dims,
@@ -595,7 +708,7 @@ pub(super) fn bwd_reduce_from_h<T: Elem>(
     };
     let part = per_plane_with(h, d, scratch, |(hf, y, gf, tmp), p, hp| {
         let c = p % d.c;
-        let hf = plane_y::<T>(hp, ch, c, hf, y, tmp);
+        let hf = plane_y::<T>(hp, ch, c, plane_bits(bits, p, d.hw), hf, y, tmp);
         let gf: &[f32] = match argmax {
             Some((am, w)) => {
                 scatter_plane(
@@ -634,6 +747,7 @@ pub(super) fn bwd_input_from_h<T: Elem>(
     dst: &mut [T],
     h: Option<&[T]>,
     gp_argmax: Option<(&[T], &[u8], usize)>,
+    bits: Option<&[u8]>,
     ch: &NormChannels,
     co: &InputGradChannels,
     d: Dims,
@@ -653,6 +767,7 @@ pub(super) fn bwd_input_from_h<T: Elem>(
             // SAFETY: planes are disjoint ranges of dst; the pool hands each plane to one worker.
             let out = unsafe { ptr.range(p * d.hw, d.hw) };
             let k = [co.mean[c], co.a[c], co.b[c], co.k[c]];
+            let pb = plane_bits(bits, p, d.hw);
             // h and g' as f32 (read in place for f32), then the result over dst's plane.
             match (h, gp_argmax) {
                 // No pool: h is a separate tensor, dst holds the upstream gradient.
@@ -661,6 +776,7 @@ pub(super) fn bwd_input_from_h<T: Elem>(
                         &h[p * d.hw..(p + 1) * d.hw],
                         ch,
                         c,
+                        pb,
                         &mut hf,
                         &mut y,
                         &mut tmp,
@@ -675,7 +791,7 @@ pub(super) fn bwd_input_from_h<T: Elem>(
                         w,
                         &mut gf,
                     );
-                    let hv = plane_y::<T>(out, ch, c, &mut hf, &mut y, &mut tmp);
+                    let hv = plane_y::<T>(out, ch, c, pb, &mut hf, &mut y, &mut tmp);
                     input_grad(hv, &gf, Some(&y), k, &mut res);
                 }
                 (None, None) => unreachable!("bwd_input_from_h needs h or the pooled gradient"),

@@ -64,9 +64,40 @@ pub struct BnParams {
     /// True when `stats` are the batch's own statistics (training); false when they are fixed
     /// running statistics (a frozen BatchNorm), whose backward has no batch-statistics terms.
     pub batch_stats: bool,
+    /// The forward's decisions, where the h the passes read is lossy ([`bn_relu_decisions`]):
+    /// u8 `[N, C, ⌈H·W/8⌉]`, a bit per value of h. Every pass then reads the decided output
+    /// `y' = y` (at least 2⁻¹⁴) where the bit is set and 0 where it is clear, so the ReLU mask and
+    /// the pool's argmax are the forward's, and h's values feed only the gradients' values.
+    pub decisions: Option<Tensor>,
 }
 
 impl BnParams {
+    /// These parameters with `decisions` ([`bn_relu_decisions`]).
+    pub fn decided(self, decisions: Tensor) -> Self {
+        BnParams {
+            decisions: Some(decisions),
+            ..self
+        }
+    }
+
+    /// The parameters for images `first..first + len` of the batch (the decisions narrowed to
+    /// them), for a pass over a chunk of its images.
+    pub fn images(&self, first: usize, len: usize) -> Result<Self> {
+        let decisions = match &self.decisions {
+            Some(d) => Some(d.narrow(0, first, len)?),
+            None => None,
+        };
+        Ok(BnParams {
+            decisions,
+            ..self.clone()
+        })
+    }
+
+    /// Bytes of the decisions (0 without).
+    pub fn decision_bytes(&self) -> usize {
+        self.decisions.as_ref().map_or(0, |d| d.elem_count())
+    }
+
     fn norm_op(&self) -> BnNorm {
         BnNorm {
             stats: self.stats.clone(),
@@ -100,6 +131,8 @@ pub enum CpuPass {
     BackwardSums,
     /// The input gradient of [`bn_relu_backward`] and [`bn_relu_pool_backward`], in place.
     BackwardInput,
+    /// [`bn_relu_decisions`].
+    Decisions,
 }
 
 /// Heap bytes `pass` holds on the CPU at its peak besides its input and output tensors, for an
@@ -119,9 +152,11 @@ pub fn cpu_host_bytes(
         CpuPass::Stats => 0,
         // The statistics' copy and the normalization's constants.
         CpuPass::Norm => 2 + cpu::NormChannels::FLOATS,
-        CpuPass::NormInPlace | CpuPass::NormPool | CpuPass::PoolArgmax | CpuPass::BackwardSums => {
-            LeanCtx::FLOATS + cpu::NormChannels::FLOATS
-        }
+        CpuPass::NormInPlace
+        | CpuPass::NormPool
+        | CpuPass::PoolArgmax
+        | CpuPass::BackwardSums
+        | CpuPass::Decisions => LeanCtx::FLOATS + cpu::NormChannels::FLOATS,
         // And the gradient sums' copy and the input gradient's constants.
         CpuPass::BackwardInput => {
             LeanCtx::FLOATS + cpu::NormChannels::FLOATS + 2 + cpu::InputGradChannels::FLOATS
@@ -130,11 +165,92 @@ pub fn cpu_host_bytes(
     cpu::host_bytes(pass, d, dtype.size_in_bytes(), threads, channel_floats) as u64
 }
 
-/// `relu(bn(h))` into a new tensor of h's dtype, with the statistics in `p`; no autograd.
+/// `relu(bn(h))` into a new tensor of h's dtype, with the statistics in `p` (decided by its
+/// decisions where it has them); no autograd.
 pub fn bn_relu(h: &Tensor, p: &BnParams) -> Result<Tensor> {
     check_inputs("bn_relu", h, &p.gamma, &p.beta, p.eps, &[])?;
     let h = h.contiguous()?;
-    h.apply_op3_no_bwd(&p.gamma, &p.beta, &p.norm_op())
+    match &p.decisions {
+        None => h.apply_op3_no_bwd(&p.gamma, &p.beta, &p.norm_op()),
+        Some(_) if h.device().is_cpu() => bn_relu_in_place(h.copy()?, p),
+        // Elsewhere the decisions are applied on a host copy, as int4 and int2 codes are made.
+        Some(_) => {
+            let plain = BnParams {
+                decisions: None,
+                ..p.clone()
+            };
+            let y = h.apply_op3_no_bwd(&p.gamma, &p.beta, &plain.norm_op())?;
+            let host = y.to_device(&candle_core::Device::Cpu)?;
+            drop(y);
+            let decided = decide_host(host, p)?;
+            decided.to_device(h.device())
+        }
+    }
+}
+
+/// `y` (a host copy of `relu(bn(h))`) decided by `p`'s decisions (see [`BnParams::decisions`]).
+fn decide_host(y: Tensor, p: &BnParams) -> Result<Tensor> {
+    let cpu = candle_core::Device::Cpu;
+    let d = dims_of(y.layout())?;
+    let bits = match &p.decisions {
+        Some(b) => b.to_device(&cpu)?.flatten_all()?.to_vec1::<u8>()?,
+        None => return Ok(y),
+    };
+    let per = cpu::decision_bytes(d.hw);
+    if bits.len() != d.planes() * per {
+        candle_core::bail!(
+            "bn_relu: decisions of {} bytes for {:?}",
+            bits.len(),
+            y.dims()
+        )
+    }
+    let dtype = y.dtype();
+    // y's values are T's: widened to f32 and back exactly, as is 2⁻¹⁴.
+    let mut v = y
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    for (plane, b) in v.chunks_mut(d.hw).zip(bits.chunks(per)) {
+        cpu::decide_y(plane, b, 0);
+    }
+    Tensor::from_vec(v, y.dims(), &cpu)?.to_dtype(dtype)
+}
+
+/// The decisions' shape for an activation `[N, C, H, W]`: `[N, C, ⌈H·W/8⌉]` (u8), a bit per
+/// value, each plane starting on a byte.
+pub fn decisions_dims([n, c, h, w]: [usize; 4]) -> [usize; 3] {
+    [n, c, cpu::decision_bytes(h * w)]
+}
+
+/// The block's decisions from its exact `h` (see [`BnParams::decisions`]): u8 `[N, C, ⌈H·W/8⌉]`,
+/// a bit per value of h set where the gradient of the block's output reaches it — where
+/// `relu(bn(h)) > 0`, and with a 2x2 max-pool after (`pool`) only at each window's first maximum.
+/// Off the CPU, computed on a host copy and uploaded.
+pub fn bn_relu_decisions(h: &Tensor, p: &BnParams, pool: bool) -> Result<Tensor> {
+    check_inputs("bn_relu_decisions", h, &p.gamma, &p.beta, p.eps, &[])?;
+    let pool_w = if pool {
+        Some(pool_width("bn_relu_decisions", h)?)
+    } else {
+        None
+    };
+    if !h.device().is_cpu() {
+        let cpu = candle_core::Device::Cpu;
+        let host = BnParams {
+            gamma: p.gamma.to_device(&cpu)?,
+            beta: p.beta.to_device(&cpu)?,
+            stats: p.stats.to_device(&cpu)?,
+            decisions: None,
+            ..p.clone()
+        };
+        return bn_relu_decisions(&h.to_device(&cpu)?, &host, pool)?.to_device(h.device());
+    }
+    let h = h.contiguous()?;
+    h.apply_op1_no_bwd(&Decide {
+        lean: LeanBn {
+            p: p.clone(),
+            pool_w,
+        },
+    })
 }
 
 /// `relu(bn(h))`, written over `h` on the CPU (the caller gives up `h`); a new tensor elsewhere.
@@ -344,6 +460,38 @@ struct PoolArgmax {
     lean: LeanBn,
 }
 
+/// The decisions of [`bn_relu_decisions`].
+struct Decide {
+    lean: LeanBn,
+}
+
+/// Runs `f` with `p`'s decisions as a host slice, checked to cover the activation `d` (None
+/// without decisions). The slice is read where it lies: no copy.
+fn with_bits<R>(
+    p: &BnParams,
+    d: Dims,
+    f: impl FnOnce(Option<&[u8]>) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let Some(t) = &p.decisions else {
+        return f(None);
+    };
+    let (guard, l) = t.storage_and_layout();
+    let bits = match &*guard {
+        candle_core::Storage::Cpu(cs) => cpu_slice::<u8>(cs, l, "decisions")?,
+        _ => candle_core::bail!("bn: the decisions are not on the CPU like h"),
+    };
+    let want = d.planes() * cpu::decision_bytes(d.hw);
+    if bits.len() != want {
+        candle_core::bail!(
+            "bn: decisions of {} bytes for {} planes of {} values (want {want})",
+            bits.len(),
+            d.planes(),
+            d.hw
+        )
+    }
+    f(Some(bits))
+}
+
 /// Per-channel sums of the backward after a pool: (h, gp, argmax) → `[Σg'x̂; Σg']`.
 struct PoolBwdReduce {
     lean: LeanBn,
@@ -398,12 +546,15 @@ impl candle_core::InplaceOp1 for LeanBn {
         let d = dims_of(l)?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        bn_dispatch!(s.dtype(), "bn-relu-in-place", |T| cpu::relu_in_place::<T>(
-            cpu_slice_mut(s, l, "h")?,
-            &ch,
-            d
-        ));
-        Ok(())
+        with_bits(&self.p, d, |bits| {
+            bn_dispatch!(s.dtype(), "bn-relu-in-place", |T| cpu::relu_in_place::<T>(
+                cpu_slice_mut(s, l, "h")?,
+                &ch,
+                d,
+                bits
+            ));
+            Ok(())
+        })
     }
 }
 
@@ -419,9 +570,11 @@ impl CustomOp1 for LeanBn {
             .ok_or_else(|| candle_core::Error::Msg("bn-relu-pool: no pool".into()))?;
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
-        let out = bn_dispatch!(s.dtype(), "bn-relu-pool", |T| T::to_cpu_storage_owned(
-            cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w)
-        ));
+        let out = with_bits(&self.p, d, |bits| {
+            Ok(bn_dispatch!(s.dtype(), "bn-relu-pool", |T| {
+                T::to_cpu_storage_owned(cpu::relu_pool::<T>(cpu_slice(s, l, "h")?, &ch, d, w, bits))
+            }))
+        })?;
         Ok((out, pooled_shape(l)?))
     }
 }
@@ -436,13 +589,33 @@ impl CustomOp1 for PoolArgmax {
         let w = self.lean.pool_w.unwrap_or(1);
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
-        let out = bn_dispatch!(s.dtype(), self.name(), |T| cpu::relu_pool_argmax::<T>(
+        let out = with_bits(&self.lean.p, d, |bits| {
+            Ok(bn_dispatch!(s.dtype(), self.name(), |T| {
+                cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w, bits)
+            }))
+        })?;
+        Ok((CpuStorage::U8(out), pooled_shape(l)?))
+    }
+}
+
+impl CustomOp1 for Decide {
+    fn name(&self) -> &'static str {
+        "bn-relu-decisions"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = dims_of(l)?;
+        let ctx = self.lean.ctx()?;
+        let ch = ctx.norm(d.c, self.lean.p.eps);
+        let out = bn_dispatch!(s.dtype(), self.name(), |T| cpu::decisions::<T>(
             cpu_slice(s, l, "h")?,
             &ch,
             d,
-            w
+            self.lean.pool_w
         ));
-        Ok((CpuStorage::U8(out), pooled_shape(l)?))
+        let shape = Shape::from((d.n, d.c, cpu::decision_bytes(d.hw)));
+        debug_assert_eq!(shape.dims(), decisions_dims(l.shape().dims4()?.into()));
+        Ok((CpuStorage::U8(out), shape))
     }
 }
 
@@ -463,17 +636,20 @@ impl CustomOp2 for LeanBn {
         let ctx = self.ctx()?;
         let ch = ctx.norm(d.c, self.p.eps);
         let var = &ctx.stats[d.c..];
-        let out = bn_dispatch!(s1.dtype(), "bn-relu-bwd-reduce", |T| {
-            cpu::bwd_reduce_from_h::<T>(
-                cpu_slice(s1, l1, "h")?,
-                cpu_slice(s2, l2, "grad_y")?,
-                None,
-                &ch,
-                var,
-                d,
-                self.p.eps as f32,
-            )
-        });
+        let out = with_bits(&self.p, d, |bits| {
+            Ok(bn_dispatch!(s1.dtype(), "bn-relu-bwd-reduce", |T| {
+                cpu::bwd_reduce_from_h::<T>(
+                    cpu_slice(s1, l1, "h")?,
+                    cpu_slice(s2, l2, "grad_y")?,
+                    None,
+                    bits,
+                    &ch,
+                    var,
+                    d,
+                    self.p.eps as f32,
+                )
+            }))
+        })?;
         Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
     }
 }
@@ -498,17 +674,20 @@ impl CustomOp3 for PoolBwdReduce {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let var = &ctx.stats[d.c..];
         let am = cpu_slice::<u8>(s3, l3, "argmax")?;
-        let out = bn_dispatch!(s1.dtype(), self.name(), |T| {
-            cpu::bwd_reduce_from_h::<T>(
-                cpu_slice(s1, l1, "h")?,
-                cpu_slice(s2, l2, "grad_p")?,
-                Some((am, w)),
-                &ch,
-                var,
-                d,
-                self.lean.p.eps as f32,
-            )
-        });
+        let out = with_bits(&self.lean.p, d, |bits| {
+            Ok(bn_dispatch!(s1.dtype(), self.name(), |T| {
+                cpu::bwd_reduce_from_h::<T>(
+                    cpu_slice(s1, l1, "h")?,
+                    cpu_slice(s2, l2, "grad_p")?,
+                    Some((am, w)),
+                    bits,
+                    &ch,
+                    var,
+                    d,
+                    self.lean.p.eps as f32,
+                )
+            }))
+        })?;
         Ok((CpuStorage::F32(out), per_channel_pair(d, l1)))
     }
 }
@@ -553,17 +732,20 @@ impl candle_core::InplaceOp2 for LeanBwdInput {
         let ctx = self.lean.ctx()?;
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
-        bn_dispatch!(h.dtype(), self.name(), |T| {
-            cpu::bwd_input_from_h::<T>(
-                cpu_slice_mut(dst, dst_l, "grad_y")?,
-                Some(cpu_slice(h, hl, "h")?),
-                None,
-                &ch,
-                &co,
-                d,
-            )
-        });
-        Ok(())
+        with_bits(&self.lean.p, d, |bits| {
+            bn_dispatch!(h.dtype(), self.name(), |T| {
+                cpu::bwd_input_from_h::<T>(
+                    cpu_slice_mut(dst, dst_l, "grad_y")?,
+                    Some(cpu_slice(h, hl, "h")?),
+                    None,
+                    bits,
+                    &ch,
+                    &co,
+                    d,
+                )
+            });
+            Ok(())
+        })
     }
 }
 
@@ -588,16 +770,19 @@ impl candle_core::InplaceOp3 for LeanBwdInput {
         let ch = ctx.norm(d.c, self.lean.p.eps);
         let co = self.coef(&ctx, d)?;
         let am = cpu_slice::<u8>(am, al, "argmax")?;
-        bn_dispatch!(gp.dtype(), self.name(), |T| {
-            cpu::bwd_input_from_h::<T>(
-                cpu_slice_mut(dst, dst_l, "h")?,
-                None,
-                Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
-                &ch,
-                &co,
-                d,
-            )
-        });
-        Ok(())
+        with_bits(&self.lean.p, d, |bits| {
+            bn_dispatch!(gp.dtype(), self.name(), |T| {
+                cpu::bwd_input_from_h::<T>(
+                    cpu_slice_mut(dst, dst_l, "h")?,
+                    None,
+                    Some((cpu_slice(gp, gl, "grad_p")?, am, w)),
+                    bits,
+                    &ch,
+                    &co,
+                    d,
+                )
+            });
+            Ok(())
+        })
     }
 }

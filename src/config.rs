@@ -257,7 +257,7 @@ pub struct MemoryConfig {
     )]
     #[serde(rename = "checkpoint")]
     pub grad_checkpointing: GradCheckpointing,
-    /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats). Segment inputs and the images stay exact. auto chooses the codes for a budget: with --memory-limit together with the segmentation, with --fit-memory together with the planner's other settings; exact when any exact plan fits, else the most bits that fit
+    /// Store each block's saved conv output as codes, decoded in the backward (lossy: gradients differ from the exact step's): int8 one byte per element with a scale and offset per channel, rounded to nearest; int4 and int2 half or a quarter of a byte with a scale and offset per group of 256 values of a plane, rounded stochastically (unbiased, seeded by the block and its values, so a run repeats); every width keeps the ReLU mask and the pool's argmax exactly, one more bit per element. Segment inputs and the images stay exact. auto chooses the codes for a budget: with --memory-limit together with the segmentation, with --fit-memory together with the planner's other settings; exact when any exact plan fits, else the most bits that fit
     #[arg(long, value_enum, value_name = "HOW", default_value_t = CompressActivations::None)]
     pub compress_activations: CompressActivations,
     /// Memory limit, e.g. 4GiB or 512MiB (a number without a unit is bytes; CUDA: hard pool limit; CPU: the process's resident memory as the kernel counts it: the heap gets what the binary, thread stacks and allocator leave, a step predicted not to fit is refused before any work, and heap and resident memory are checked after every layer)
@@ -694,13 +694,13 @@ impl TrainConfig {
             .memory
             .compress_activations
             .fixed()
-            .and_then(|s| s.width())
-            .is_some_and(|w| w.per_group())
+            .is_some_and(|s| s.is_lossy())
         {
-            // Their codes are made on the host from values read back, which a captured stream
-            // cannot do; a replayed graph would also repeat one step's rounding noise.
+            // The forward's decisions (and int4's and int2's codes) are made on the host from
+            // values read back, which a captured stream cannot do; a replayed graph would also
+            // repeat one step's rounding noise.
             return Err(Error::config(format!(
-                "--cuda-graph cannot be combined with --compress-activations {}: its stochastic rounding is drawn on the host every step, which a captured step cannot do; use int8 or drop --cuda-graph",
+                "--cuda-graph cannot be combined with --compress-activations {}: the codes keep the forward's ReLU mask and pool argmax, which are made on the host from values read back every step, which a captured step cannot do; drop one of them",
                 self.memory.compress_activations
             )));
         }

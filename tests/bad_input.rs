@@ -90,7 +90,7 @@ fn cases() -> Vec<Case> {
         Case { name: "segment boundary out of range", setup: |_| flags("--checkpoint segments:0,7"), code: 2, problem: "--checkpoint 'segments:0,7'", fix: "segments:2,4" },
         Case { name: "segment boundaries out of order", setup: |_| flags("--checkpoint segments:4,2"), code: 2, problem: "--checkpoint 'segments:4,2'", fix: "increasing" },
         Case { name: "unknown activation code width", setup: |_| flags("--compress-activations int3"), code: 2, problem: "int3", fix: "int2" },
-        Case { name: "stochastic codes in a CUDA graph", setup: |_| flags("--compress-activations int4 --cuda-graph --device cuda"), code: 2, problem: "--compress-activations int4", fix: "int8" },
+        Case { name: "codes in a CUDA graph", setup: |_| flags("--compress-activations int8 --cuda-graph --device cuda"), code: 2, problem: "--compress-activations int8", fix: "drop one of them" },
         Case { name: "unknown conv kind", setup: |_| flags("--conv grouped"), code: 2, problem: "grouped", fix: "separable" },
         Case { name: "unknown optimizer", setup: |_| flags("--optimizer lamb"), code: 2, problem: "lamb", fix: "adamw" },
         Case { name: "width 0", setup: |_| flags("--width 0"), code: 2, problem: "--width", fix: "at least 1" },

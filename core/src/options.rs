@@ -78,13 +78,15 @@ cli_enum! {
         /// As computed, in the compute dtype (exact gradients).
         None => "none",
         /// One byte per element with a scale and an offset per channel (lossy: the backward reads
-        /// values within half a step of the forward's; [`memtrain_kernels::quantize`]).
+        /// values within half a step of the forward's; [`memtrain_kernels::quantize`]). Every
+        /// width keeps the forward's ReLU mask and pool argmax exactly beside the codes, a bit per
+        /// element ([`crate::step::compress`]).
         Int8 => "int8",
-        /// Four bits per element with a scale and an offset per plane, stochastic rounding (lossy:
-        /// unbiased, within a step of the forward's values).
+        /// Four bits per element with a scale and an offset per group of 256 values of a plane,
+        /// stochastic rounding (lossy: unbiased, within a step of the forward's values).
         Int4 => "int4",
-        /// Two bits per element with a scale and an offset per plane, stochastic rounding (lossy:
-        /// unbiased, within a step of the forward's values).
+        /// Two bits per element with a scale and an offset per group of 256 values of a plane,
+        /// stochastic rounding (lossy: unbiased, within a step of the forward's values).
         Int2 => "int2",
     }
 }

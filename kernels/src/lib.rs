@@ -23,8 +23,8 @@
 //! - [`pool::max_pool2x2`]: 2x2 max-pool whose backward routes each gradient to the window's
 //!   first maximum (Candle 0.11's scales it by the number of tied maxima over four).
 //! - [`quantize::quantize`]: an activation stored as 8-, 4- or 2-bit codes with a range per
-//!   channel or per plane (lossy; [`quantize::dequantize`] reads it back), for a step that keeps
-//!   fewer bytes for its backward.
+//!   channel or per group of a plane (lossy; [`quantize::dequantize`] reads it back), for a step
+//!   that keeps fewer bytes for its backward.
 //! - [`selfcheck::check_device`]: every pass of the ops above run once on a device and on the
 //!   CPU, compared, so that a wrong CUDA kernel is named before it trains anything.
 //! - [`linear::matmul`]: small products (a classifier head) on the calling thread, so the heap

@@ -6,6 +6,9 @@
 #
 #   docs/results/codes-memory.md    the machine and commit, then compare.md as printed
 #   docs/results/codes-memory.csv   compare.csv: the source of docs/memory.md's table
+#   docs/results/codes-memory-torch.json  the bytes PyTorch's eager step saves for its backward
+#                                   on the same net and batch (bench/torch_reference.py
+#                                   --saved-bytes), f32 and bf16 autocast
 #
 #   bench/codes_memory.sh
 #
@@ -18,6 +21,8 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 source bench/lib.sh
 need_subset "the comparison"
+data_dir=../shared/data/cifar10-subset
+setup_torch
 cargo build --release --example compare
 rm -rf runs/codes-memory
 
@@ -43,4 +48,18 @@ git diff --quiet HEAD -- src core kernels examples Cargo.toml Cargo.lock || comm
   cat runs/codes-memory/compare.md
 } >docs/results/codes-memory.md
 cp runs/codes-memory/compare.csv docs/results/codes-memory.csv
-echo "== wrote docs/results/codes-memory.md and docs/results/codes-memory.csv"
+
+saved() { "$py" bench/torch_reference.py --saved-bytes --batch-size 128 --data-dir "$data_dir" --precision "$1" |
+  "$py" -c 'import json, sys; print(json.load(sys.stdin)["saved_bytes"])'; }
+f32=$(saved f32) bf16=$(saved bf16)
+tmp=$(mktemp docs/results/.codes-memory-torch.XXXXXX)
+cat >"$tmp" <<EOF
+{
+  "what": "bytes autograd saves for the backward in one forward and loss of the same net (width 32) at batch 128, the parameters left out (bench/torch_reference.py --saved-bytes)",
+  "torch_version": "$torch_version",
+  "f32": $f32,
+  "bf16_autocast": $bf16
+}
+EOF
+mv "$tmp" docs/results/codes-memory-torch.json
+echo "== wrote docs/results/codes-memory.md, docs/results/codes-memory.csv and docs/results/codes-memory-torch.json"

@@ -117,6 +117,28 @@ def malloc_counter():
     return lib
 
 
+def saved_bytes(model, xb, yb, dtype, dev):
+    """The bytes autograd keeps for the backward of one forward of `xb` and its loss against `yb`
+    (the activations: every
+    saved tensor's storage counted once, the parameters' storages left out), read through
+    torch.autograd.graph.saved_tensors_hooks; memtrain's counterpart is the saved set of the step
+    (the estimate's saved for backward, summary.json's saved_bytes)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+            F.cross_entropy(model(xb).float(), yb)
+    return sum(seen.values())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -140,6 +162,8 @@ def main():
                    help="torch.compile the model (inductor; the warm-up steps include compiling)")
     p.add_argument("--step-memory", action="store_true",
                    help="per-step heap bytes from the malloc_count LD_PRELOAD shim (CPU only)")
+    p.add_argument("--saved-bytes", action="store_true",
+                   help="only the bytes autograd saves for the backward in one micro-batch's forward")
     a = p.parse_args()
     if a.batch_size <= 0 or a.batch_size % a.accum_steps:
         sys.exit("error: --batch-size must be positive and divisible by --accum-steps")
@@ -167,6 +191,10 @@ def main():
         # Forward and backward compiled (AOTAutograd); the optimizer stays eager.
         model = torch.compile(model)
     dtype = {"f32": None, "f16": torch.float16, "bf16": torch.bfloat16}[a.precision]
+    if a.saved_bytes:
+        m = a.batch_size // a.accum_steps
+        print(json.dumps({"saved_bytes": saved_bytes(model, x_all[:m].to(dev), y_all[:m].to(dev), dtype, dev)}))
+        return
     scaler = torch.amp.GradScaler(dev.type, enabled=a.precision == "f16")
     mb = a.batch_size // a.accum_steps
 

@@ -264,3 +264,26 @@ fn the_estimate_keeps_each_widths_codes_and_ranges() {
         }
     }
 }
+
+#[test]
+fn int2_keeps_at_most_a_sixteenth_of_what_pytorchs_eager_step_saves() {
+    // PyTorch's saved bytes on the same net and batch, from bench/codes_memory.sh; memtrain's
+    // saved set (the input, the codes, their ranges and the decisions) from the estimate, which
+    // is the step's own (tests/estimate_grid.rs).
+    use memtrain::predict::{estimate, DeviceKind};
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("docs/results/codes-memory-torch.json");
+    let torch: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let torch = torch["f32"].as_u64().unwrap();
+    let mut cfg = TrainConfig::default();
+    cfg.device = Some("cpu".into());
+    cfg.memory.compress_activations = ActivationStorage::Int2.into();
+    assert_eq!((cfg.steps.batch_size, cfg.model.width), (128, 32));
+    let saved = estimate(&cfg, DeviceKind::cpu()).unwrap().kept.activation_bytes;
+    println!(
+        "int2 keeps {saved} B, PyTorch's eager f32 step saves {torch} B: 1/{:.1}",
+        torch as f64 / saved as f64
+    );
+    assert!(16 * saved <= torch, "int2 keeps {saved} B of PyTorch's {torch} B");
+}

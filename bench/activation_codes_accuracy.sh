@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Held-out accuracy of the exact step and of each width of saved-activation codes, over seeds.
 #
-#   bench/activation_codes_accuracy.sh [--data-dir DIR] [--epochs E] [--seeds 0,1,2]
+#   bench/activation_codes_accuracy.sh [--data-dir DIR] [--epochs E] [--seeds 0,1,2,3,4,5]
 #       [--codes none,int8,int4,int2] [--json FILE] [--work DIR] [-- TRAIN FLAGS...]
 #
 # Builds train_cifar10 once and copies it into WORK, so that later builds do not change the binary
@@ -11,13 +11,15 @@
 # nice'd. docs/results/activation-codes-accuracy.json comes from
 #   bench/activation_codes_accuracy.sh --data-dir ../shared/data/cifar10-subset --epochs 20 \
 #       --json docs/results/activation-codes-accuracy.json
+# run as two invocations at once (--codes none, and --codes int8,int4,int2, each into a file of
+# its own), whose runs were then put in one file: a file is written by one invocation at a time.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bad() { echo "activation_codes_accuracy.sh: $1 (see the header of bench/activation_codes_accuracy.sh)" >&2; exit 2; }
 fail() { echo "activation_codes_accuracy.sh: $1" >&2; exit 1; }
 source "$repo/bench/lib.sh"
 
-data_dir="" epochs=20 seeds=0,1,2 codes=none,int8,int4,int2
+data_dir="" epochs=20 seeds=0,1,2,3,4,5 codes=none,int8,int4,int2
 json="$repo/runs/activation-codes-accuracy.json" work="$repo/runs/activation-codes-accuracy"
 while [ $# -gt 0 ]; do
   case $1 in
@@ -77,6 +79,16 @@ means = {}
 for r in res["runs"]:
     means.setdefault(r["compress_activations"], []).append(r["accuracy"])
 res["mean_accuracy"] = {k: {"seeds": len(v), "mean": sum(v) / len(v)} for k, v in means.items()}
+# Each code against the exact step on the same seeds (its twin: same weights at the start, same
+# batches), in points.
+acc = {(r["compress_activations"], r["seed"]): r["accuracy"] for r in res["runs"]}
+twins = {}
+for (c, sd), a in acc.items():
+    if c != "none" and ("none", sd) in acc:
+        twins.setdefault(c, []).append(100 * (a - acc[("none", sd)]))
+res["against_exact"] = {c: {"seeds": len(d), "mean_points": sum(d) / len(d),
+                            "worst_seed_points": min(d), "best_seed_points": max(d)}
+                        for c, d in twins.items()}
 fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
 with os.fdopen(fd, "w") as f:
     json.dump(res, f, indent=2)

@@ -303,14 +303,7 @@ fn lean_batch_norm_backward_equals_autograd() {
 /// bit for bit, in every dtype, whole or a chunk of images at a time.
 #[test]
 fn decided_passes_read_the_forwards_decisions_whatever_h_they_are_given() {
-    let to_vec = |t: &Tensor| -> Vec<f32> {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
+    let to_vec = common::values;
     // 6x6 planes: 36 values, so each plane's decisions end in a partly used byte.
     let dims = (3, 5, 6, 6);
     for dt in [DType::F32, DType::F16, DType::BF16] {

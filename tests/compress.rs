@@ -280,10 +280,16 @@ fn int2_keeps_at_most_a_sixteenth_of_what_pytorchs_eager_step_saves() {
     cfg.device = Some("cpu".into());
     cfg.memory.compress_activations = ActivationStorage::Int2.into();
     assert_eq!((cfg.steps.batch_size, cfg.model.width), (128, 32));
-    let saved = estimate(&cfg, DeviceKind::cpu()).unwrap().kept.activation_bytes;
+    let saved = estimate(&cfg, DeviceKind::cpu())
+        .unwrap()
+        .kept
+        .activation_bytes;
     println!(
         "int2 keeps {saved} B, PyTorch's eager f32 step saves {torch} B: 1/{:.1}",
         torch as f64 / saved as f64
     );
-    assert!(16 * saved <= torch, "int2 keeps {saved} B of PyTorch's {torch} B");
+    assert!(
+        16 * saved <= torch,
+        "int2 keeps {saved} B of PyTorch's {torch} B"
+    );
 }

@@ -465,15 +465,13 @@ const DECIDED_MIN: f32 = 1.0 / 16384.0;
 /// bit is clear; where it is set, y itself, but at least [`DECIDED_MIN`]. A ReLU mask read from the
 /// result (`y > 0`) and a 2x2 pool's first maximum are then the forward's, whatever rounding
 /// error the values carry (a window's set bit is its only non-zero value).
+/// With an and-mask rather than a branch, as [`relu_mask`]: a bit is set about half the time.
 #[inline(always)]
 pub(super) fn decide_y(y: &mut [f32], bits: &[u8], first: usize) {
     for (i, v) in y.iter_mut().enumerate() {
         let b = first + i;
-        *v = if bits[b / 8] >> (b % 8) & 1 == 1 {
-            v.max(DECIDED_MIN)
-        } else {
-            0.0
-        };
+        let keep = ((bits[b / 8] >> (b % 8)) as u32 & 1).wrapping_neg();
+        *v = f32::from_bits(v.max(DECIDED_MIN).to_bits() & keep);
     }
 }
 

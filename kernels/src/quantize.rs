@@ -426,8 +426,8 @@ fn noise_seed(salt: u64, ranges: &[f32]) -> u64 {
     h.finish()
 }
 
-/// The range of group `i` of plane `p` (of `c` channels) in ranges of `columns` columns: its
-/// channel's ([`Width::plane_groups`] 0), or its own.
+/// The column of group `i` of plane `p` (of `c` channels) in the ranges, planes having `groups`
+/// groups each: its channel's where `groups` is 0 (a range per channel), else its own.
 fn range_of(p: usize, i: usize, c: usize, groups: usize) -> usize {
     if groups == 0 {
         p % c

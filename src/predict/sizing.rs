@@ -608,13 +608,11 @@ impl StepOps for Sizing<'_> {
             unreachable!("a conv output is [N, C, H, W]")
         };
         Ok(self.op(Some(p.node), || {
-            let bits = bn::decisions_dims([n, c, hh, w]).to_vec();
-            if self.cuda() {
-                // Made on the host from a copy of h, then uploaded.
-                return self.alloc(bits, DType::U8);
+            let d = self.alloc(bn::decisions_dims([n, c, hh, w]).to_vec(), DType::U8);
+            // A CUDA device gets them made on the host from a copy of h and uploaded.
+            if !self.cuda() {
+                self.bn_host(bn::CpuPass::Decisions, h);
             }
-            let d = self.alloc(bits, DType::U8);
-            self.bn_host(bn::CpuPass::Decisions, h);
             d
         }))
     }

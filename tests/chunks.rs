@@ -1,7 +1,8 @@
 //! The passes the step runs over chunks of images (`core/src/step/chunks.rs`) against the same
 //! step on whole batches: bit-identical for the exact step, the codes' gradients equal up to the
 //! order of their sums, in every precision, conv kind, segmentation and chunk size (a chunk of one
-//! image, one that leaves a shorter last chunk, the default). What it saves is measured by
+//! image, one that leaves a shorter last chunk, the default). With codes and chunks smaller than
+//! the batch, a stage that starts its segment runs the streamed three-pass backward. What it saves is measured by
 //! `bench/codes_memory.sh` and predicted, to within 0.05%, by the estimate (`tests/estimate_grid.rs`).
 
 mod common;

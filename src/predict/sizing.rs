@@ -602,6 +602,25 @@ impl StepOps for Sizing<'_> {
             (h, dgamma, dbeta)
         }))
     }
+    fn bn_relu_pool_backward_sums(&self, h: &Sz, _g: &Sz, _argmax: &Sz, p: &SzBn) -> Result<Sz> {
+        Ok(self.op(Some(p.node), || {
+            self.channel_sums(h, bn::CpuPass::BackwardSums)
+        }))
+    }
+    fn bn_relu_pool_backward_input(
+        &self,
+        h: Sz,
+        _g: &Sz,
+        _argmax: &Sz,
+        p: &SzBn,
+        _sums: &Sz,
+        _batch_images: usize,
+    ) -> Result<Sz> {
+        self.op(Some(p.node), || {
+            self.bn_host(bn::CpuPass::BackwardInput, &h)
+        });
+        Ok(h)
+    }
 
     fn decisions(&self, h: &Sz, p: &SzBn, _pool: bool) -> Result<Sz> {
         let [n, c, hh, w] = h.dims[..] else {

@@ -17,7 +17,10 @@
 //!   ([`bn_relu_backward_from_codes`]); after a pool, the pooled output and its argmax (the next
 //!   conv's input, for its backward) are made chunk by chunk into their own buffers
 //!   ([`pool_from_codes`]). The weight gradient and the sums are added chunk by chunk, so their
-//!   rounding differs from the whole-batch pass's (the codes are lossy anyway).
+//!   rounding differs from the whole-batch pass's (the codes are lossy anyway);
+//! - a stage kept as codes whose activation is larger than a chunk, at the start of its segment
+//!   (stage 1 without checkpointing), streams its whole backward from its pooled gradient in three
+//!   passes ([`stage_backward_from_codes`]), so no activation-sized buffer of it is alive at once.
 //!
 //! The tape ([`super::tape`]) runs them where [`super::ops::StepOps::in_chunks`]: on the CPU. A
 //! CUDA device runs every pass on the whole batch (chunks there have not run on a GPU yet). The
@@ -151,14 +154,15 @@ pub(super) fn bn_relu_backward_from_codes<O: StepOps>(
     Ok((g, dgamma, dbeta))
 }
 
-/// `maxpool2x2(relu(bn(h)))` and its windows' argmax (None where the device has no argmax kernel)
-/// with h kept as codes `q`: h decoded `chunk` images at a time, each chunk's results written
-/// into the whole batch's.
+/// `maxpool2x2(relu(bn(h)))` and, `with_argmax`, its windows' argmax (None where the device has
+/// no argmax kernel) with h kept as codes `q`: h decoded `chunk` images at a time, each chunk's
+/// results written into the whole batch's.
 pub(super) fn pool_from_codes<O: StepOps>(
     o: &O,
     q: &O::Codes,
     p: &O::Bn,
     chunk: usize,
+    with_argmax: bool,
 ) -> Result<(O::T, Option<O::T>)> {
     let [n, c, h, w] = <[usize; 4]>::try_from(o.codes_dims(q)).expect("codes of [N, C, H, W]");
     let pooled = o.zeros(&[n, c, h / 2, w / 2], o.dtype())?;
@@ -167,6 +171,9 @@ pub(super) fn pool_from_codes<O: StepOps>(
         let hc = o.dequantize_images(q, first, len)?;
         let pc = o.bn_images(p, first, len)?;
         o.write_images(&pooled, first, &o.bn_relu_pool(&hc, &pc)?)?;
+        if !with_argmax {
+            continue;
+        }
         if let Some(a) = o.bn_relu_pool_argmax(&hc, &pc)? {
             if argmax.is_none() {
                 argmax = Some(o.zeros(&[n, c, h / 2, w / 2], candle_core::DType::U8)?);
@@ -175,4 +182,123 @@ pub(super) fn pool_from_codes<O: StepOps>(
         }
     }
     Ok((pooled, argmax))
+}
+
+/// A stage whose two blocks are kept as codes: `a` (dense conv, BatchNorm, ReLU) and then `b`
+/// (dense conv, BatchNorm, ReLU, 2x2 max-pool), each with its codes, its BatchNorm parameters
+/// (with the forward's decisions) and its conv weights in the compute dtype.
+pub(super) struct CodedStage<'r, O: StepOps> {
+    pub a: (&'r O::Codes, &'r O::Bn, O::T),
+    pub b: (&'r O::Codes, &'r O::Bn, O::T),
+}
+
+/// What [`stage_backward_from_codes`] returns: both convs' weight gradients (f32, summed over
+/// the chunks), both BatchNorms' backward sums `[Σg'x̂; Σg']`, and the input gradient if asked.
+pub(super) struct StageGrads<T> {
+    pub weight_a: T,
+    pub weight_b: T,
+    pub sums_a: T,
+    pub sums_b: T,
+    pub dx: Option<T>,
+}
+
+/// The backward of a [`CodedStage`] from `gp`, the gradient of its pooled output, streamed over
+/// chunks of `chunk` images so that no activation-sized buffer of the stage is ever whole: only
+/// `gp`, the stage's input `x` (held by the caller) and, when `want_dx`, the input gradient are.
+///
+/// BatchNorm's backward needs per-channel sums over the whole batch of the gradient it reads
+/// before it can give any image's input gradient, so the stage runs in three passes, each
+/// decoding what it needs a chunk at a time: (1) b's sums; (2) b's input gradient, b's conv
+/// weight gradient and input gradient, and a's sums from it; (3) b's input gradient and conv input
+/// gradient again, a's input gradient, a's conv weight gradient and the input gradient. Pass 3
+/// computes b's conv input gradient a second time: the price of never holding it whole.
+pub(super) fn stage_backward_from_codes<O: StepOps>(
+    o: &O,
+    s: &CodedStage<'_, O>,
+    gp: &O::T,
+    x: &O::T,
+    want_dx: bool,
+    chunk: usize,
+) -> Result<StageGrads<O::T>> {
+    let ((qa, pa, wa), (qb, pb, wb)) = (&s.a, &s.b);
+    let n = o.codes_dims(qb)[0];
+    let f32 = |t: O::T| o.to_dtype(&t, candle_core::DType::F32);
+    let sum = |acc: Option<O::T>, part: O::T| -> Result<O::T> {
+        match acc {
+            None => Ok(part),
+            Some(s) => o.add(&s, &part),
+        }
+    };
+    // b's h decoded for images `first..first + len`, its parameters and its windows' argmax.
+    let decode_b = |first, len| -> Result<(O::T, O::Bn, O::T)> {
+        let h = o.dequantize_images(qb, first, len)?;
+        let p = o.bn_images(pb, first, len)?;
+        let am = o
+            .bn_relu_pool_argmax(&h, &p)?
+            .expect("a device that runs in chunks has the argmax kernel");
+        Ok((h, p, am))
+    };
+    // a's conv-output gradient for a chunk: b's input gradient, then b's conv input gradient.
+    let dy_a = |first, len, sums_b: &O::T, weight_b: Option<&mut Option<O::T>>| -> Result<O::T> {
+        let (h, p, am) = decode_b(first, len)?;
+        let dh =
+            o.bn_relu_pool_backward_input(h, &o.narrow(gp, first, len)?, &am, &p, sums_b, n)?;
+        if let Some(acc) = weight_b {
+            let ya = {
+                let p = o.bn_images(pa, first, len)?;
+                o.bn_relu_in_place(o.dequantize_images(qa, first, len)?, &p)?
+            };
+            let gw = f32(o.conv2d_backward_weight(&ya, &dh, wb, 1)?)?;
+            *acc = Some(sum(acc.take(), gw)?);
+        }
+        let mut dims = o.codes_dims(qa);
+        dims[0] = len;
+        o.conv2d_backward_input(&dh, wb, &dims, 1)
+    };
+
+    let mut sums_b = None;
+    for (first, len) in chunks(n, chunk) {
+        let (h, p, am) = decode_b(first, len)?;
+        let part = o.bn_relu_pool_backward_sums(&h, &o.narrow(gp, first, len)?, &am, &p)?;
+        sums_b = Some(sum(sums_b, part)?);
+    }
+    let sums_b = sums_b.expect("a batch has at least one image");
+
+    let (mut sums_a, mut weight_b) = (None, None);
+    for (first, len) in chunks(n, chunk) {
+        let d = dy_a(first, len, &sums_b, Some(&mut weight_b))?;
+        let h = o.dequantize_images(qa, first, len)?;
+        let part = o.bn_relu_backward_sums(&h, &d, &o.bn_images(pa, first, len)?)?;
+        sums_a = Some(sum(sums_a, part)?);
+    }
+    let sums_a = sums_a.expect("a batch has at least one image");
+
+    let mut weight_a = None;
+    let dx = want_dx
+        .then(|| o.zeros(&o.dims(x), o.dtype()))
+        .transpose()?;
+    for (first, len) in chunks(n, chunk) {
+        let d = dy_a(first, len, &sums_b, None)?;
+        {
+            let h = o.dequantize_images(qa, first, len)?;
+            o.bn_relu_backward_input(&h, &d, &o.bn_images(pa, first, len)?, &sums_a, n)?;
+        }
+        let xc = o.narrow(x, first, len)?;
+        let gw = f32(o.conv2d_backward_weight(&xc, &d, wa, 1)?)?;
+        weight_a = Some(sum(weight_a, gw)?);
+        if let Some(dx) = &dx {
+            o.write_images(
+                dx,
+                first,
+                &o.conv2d_backward_input(&d, wa, &o.dims(&xc), 1)?,
+            )?;
+        }
+    }
+    Ok(StageGrads {
+        weight_a: weight_a.expect("a batch has at least one image"),
+        weight_b: weight_b.expect("a batch has at least one image"),
+        sums_a,
+        sums_b,
+        dx,
+    })
 }

@@ -29,9 +29,10 @@
 //! What it costs in memory besides the codes and the bits: the backward decodes h just before it
 //! needs it. On the CPU it decodes a chunk of images at a time where the pass allows
 //! ([`super::chunks`]: the next conv's weight gradient, BatchNorm's backward, a pool's output and
-//! argmax), so it holds a chunk beside the codes; a pooled block's BatchNorm backward decodes h
-//! whole, as its input gradient takes h's buffer. On CUDA every decoding is whole: a block's
-//! backward holds the decoded h where the exact step held the saved one.
+//! argmax, and a whole stage's backward where its activation is larger than a chunk), so it holds
+//! a chunk beside the codes; elsewhere a pooled block's BatchNorm backward decodes h whole, as its
+//! input gradient takes h's buffer. On CUDA every decoding is whole: a block's backward holds the
+//! decoded h where the exact step held the saved one.
 
 use super::ops::StepOps;
 use crate::error::Result;

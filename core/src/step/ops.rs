@@ -158,6 +158,27 @@ pub trait StepOps {
         argmax: Option<&Self::T>,
         p: &Self::Bn,
     ) -> Result<(Self::T, Self::T, Self::T)>;
+    /// The per-channel sums `[Σg'x̂; Σg']` of `maxpool2x2(relu(bn(h)))`'s backward from the
+    /// pooled gradient `g` and the windows' `argmax` (the first pass of
+    /// [`StepOps::bn_relu_pool_backward`], on a device that runs in chunks).
+    fn bn_relu_pool_backward_sums(
+        &self,
+        h: &Self::T,
+        g: &Self::T,
+        argmax: &Self::T,
+        p: &Self::Bn,
+    ) -> Result<Self::T>;
+    /// Its input gradient written over `h` (consumed), from the `sums` over the whole batch of
+    /// `batch_images` (h, g and argmax may be a chunk of it): the second pass.
+    fn bn_relu_pool_backward_input(
+        &self,
+        h: Self::T,
+        g: &Self::T,
+        argmax: &Self::T,
+        p: &Self::Bn,
+        sums: &Self::T,
+        batch_images: usize,
+    ) -> Result<Self::T>;
 
     /// The decisions of `relu(bn(h))` (and of a 2x2 pool after it, with `pool`) from the exact
     /// h: a bit per value, set where the block's output gradient reaches h
@@ -417,6 +438,33 @@ impl StepOps for CandleOps<'_> {
         p: &BnParams,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         Ok(bn::bn_relu_pool_backward(h, g, argmax, p)?)
+    }
+    fn bn_relu_pool_backward_sums(
+        &self,
+        h: &Tensor,
+        g: &Tensor,
+        argmax: &Tensor,
+        p: &BnParams,
+    ) -> Result<Tensor> {
+        Ok(bn::bn_relu_pool_backward_sums(h, g, argmax, p)?)
+    }
+    fn bn_relu_pool_backward_input(
+        &self,
+        h: Tensor,
+        g: &Tensor,
+        argmax: &Tensor,
+        p: &BnParams,
+        sums: &Tensor,
+        batch_images: usize,
+    ) -> Result<Tensor> {
+        Ok(bn::bn_relu_pool_backward_input(
+            h,
+            g,
+            argmax,
+            p,
+            sums,
+            batch_images,
+        )?)
     }
 
     fn decisions(&self, h: &Tensor, p: &BnParams, pool: bool) -> Result<Tensor> {

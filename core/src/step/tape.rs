@@ -32,7 +32,9 @@
 //! chunks of images ([`super::chunks`]): a conv that keeps the activation's shape writes its
 //! output over its input and its input gradient over dh_j, and with compressed activations
 //! ([`super::compress`]) the recomputed input and h_{j-1} are decoded chunk by chunk, so one large
-//! buffer (dh_j becoming dx_j, then dh_{j-1}) is all a block's backward holds.
+//! buffer (dh_j becoming dx_j, then dh_{j-1}) is all a block's backward holds; a stage that starts
+//! its segment holds none: its backward streams from its pooled gradient
+//! ([`chunks::stage_backward_from_codes`]).
 
 use super::chunks;
 use super::compress::Kept;
@@ -505,20 +507,116 @@ impl<O: StepOps> LeanStep<O> {
         acc: &mut O::Grads,
         obs: &mut dyn StepObserver,
     ) -> Result<Option<O::T>> {
-        let last = held.saved.pop().expect("a saved record per block");
-        let j = seg.end - 1;
-        let mut dh = self.bn_backward(j, last, g_out, acc)?;
-        let mut j = j;
-        while j > seg.start {
-            let prev = held.saved.pop().expect("a saved record per block");
-            dh = self.inner_backward(j, prev, dh, acc)?;
+        // A stage that starts the segment, kept as codes, is streamed from its pooled gradient:
+        // the blocks after it run as usual down to the one that reads the stage's output.
+        let stage = self.streams_stage(&seg, held);
+        let gp = if stage && seg.len() == 2 {
+            g_out
+        } else {
+            let last = held.saved.pop().expect("a saved record per block");
+            let j = seg.end - 1;
+            let mut dh = self.bn_backward(j, last, g_out, acc)?;
+            let mut j = j;
+            let stop = if stage { seg.start + 2 } else { seg.start };
+            while j > stop {
+                let prev = held.saved.pop().expect("a saved record per block");
+                dh = self.inner_backward(j, prev, dh, acc)?;
+                self.emit(obs, Phase::Backward, j, held, acc)?;
+                j -= 1;
+            }
+            if !stage {
+                let input = held.inputs.last().expect("one input per segment");
+                let dx = self.conv_backward(j, input, dh, want_dx, acc)?;
+                self.emit(obs, Phase::Backward, j, held, acc)?;
+                return Ok(dx);
+            }
+            // Block j reads the stage's pooled output: recomputed from the codes for its conv's
+            // backward, whose input gradient is the stage's gp.
+            let gp = {
+                let prev = held.saved.last().expect("a saved record per block");
+                let Kept::Codes(q) = &prev.h else {
+                    unreachable!("a streamed stage is kept as codes")
+                };
+                let chunk = self.chunk_of(&self.o.codes_dims(q));
+                let p = chunks::pool_from_codes(&self.o, q, &prev.bn, chunk.unwrap_or(1), false)?.0;
+                self.conv_backward(j, &p, dh, true, acc)?
+                    .expect("input gradient requested")
+            };
             self.emit(obs, Phase::Backward, j, held, acc)?;
-            j -= 1;
+            gp
+        };
+        self.stage_backward(seg.start, gp, held, want_dx, acc, obs)
+    }
+
+    /// Whether segment `seg` starts with a stage whose backward streams
+    /// ([`chunks::stage_backward_from_codes`]): a block without a pool and a pooled one, both
+    /// dense convs kept as codes, on a device that runs in chunks, with h larger than a chunk
+    /// (else the stage's buffers are no larger than the chunks and streaming would only cost
+    /// time). The segment's records are the last ones `held`.
+    fn streams_stage(&self, seg: &Range<usize>, held: &Held<O>) -> bool {
+        let o = &self.o;
+        let (a, b) = (seg.start, seg.start + 1);
+        if b >= seg.end || o.block_pools(a) || !o.block_pools(b) {
+            return false;
         }
-        let input = held.inputs.last().expect("one input per segment");
-        let dx = self.conv_backward(j, input, dh, want_dx, acc)?;
-        self.emit(obs, Phase::Backward, j, held, acc)?;
-        Ok(dx)
+        if o.conv_params(a) != 1 || o.conv_params(b) != 1 {
+            return false;
+        }
+        let k = held.saved.len() - seg.len();
+        let (Kept::Codes(_), Kept::Codes(qb)) = (&held.saved[k].h, &held.saved[k + 1].h) else {
+            return false;
+        };
+        let dims = o.codes_dims(qb);
+        self.chunk_of(&dims).is_some_and(|chunk| chunk < dims[0])
+    }
+
+    /// The backward of the stage of blocks `a` and `a + 1` ([`Self::streams_stage`]) from the
+    /// gradient of its pooled output: its records are the last two `held`, its input the last
+    /// held input. Returns the input gradient when `want_dx`.
+    fn stage_backward(
+        &mut self,
+        a: usize,
+        gp: O::T,
+        held: &mut Held<O>,
+        want_dx: bool,
+        acc: &mut O::Grads,
+        obs: &mut dyn StepObserver,
+    ) -> Result<Option<O::T>> {
+        let o = &self.o;
+        let b = a + 1;
+        let k = held.saved.len() - 2;
+        let grads = {
+            let (ra, rb) = (&held.saved[k], &held.saved[k + 1]);
+            let (Kept::Codes(qa), Kept::Codes(qb)) = (&ra.h, &rb.h) else {
+                unreachable!("a streamed stage is kept as codes")
+            };
+            let dense = |j| -> Result<O::T> {
+                match o.conv_weights(j)? {
+                    ConvWeights::Standard(w) => Ok(w),
+                    ConvWeights::Separable { .. } => {
+                        unreachable!("a streamed stage has dense convs")
+                    }
+                }
+            };
+            let stage = chunks::CodedStage {
+                a: (qa, &ra.bn, dense(a)?),
+                b: (qb, &rb.bn, dense(b)?),
+            };
+            let chunk = self.chunk_of(&o.codes_dims(qb)).unwrap_or(1);
+            let x = held.inputs.last().expect("one input per segment");
+            chunks::stage_backward_from_codes(o, &stage, &gp, x, want_dx, chunk)?
+        };
+        drop(gp);
+        held.saved.truncate(k);
+        o.add_grad(acc, self.var_base[b], grads.weight_b)?;
+        let (dg, db) = o.bn_grads(&grads.sums_b)?;
+        self.add_bn_grads(b, dg, db, acc)?;
+        self.emit(obs, Phase::Backward, b, held, acc)?;
+        o.add_grad(acc, self.var_base[a], grads.weight_a)?;
+        let (dg, db) = o.bn_grads(&grads.sums_a)?;
+        self.add_bn_grads(a, dg, db, acc)?;
+        self.emit(obs, Phase::Backward, a, held, acc)?;
+        Ok(grads.dx)
     }
 
     /// BatchNorm + ReLU (+ pool) backward of block j from the gradient of its output: dh_j.
@@ -575,7 +673,7 @@ impl<O: StepOps> LeanStep<O> {
             let mut kept = Some(prev.h);
             let (p, am, h) = match (kept.as_ref().expect("the record"), chunk) {
                 (Kept::Codes(q), Some(chunk)) => {
-                    let (p, am) = chunks::pool_from_codes(o, q, &prev.bn, chunk)?;
+                    let (p, am) = chunks::pool_from_codes(o, q, &prev.bn, chunk, true)?;
                     (p, am, None)
                 }
                 _ => {

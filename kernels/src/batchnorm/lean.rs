@@ -388,26 +388,15 @@ pub fn bn_relu_pool_backward(
     p: &BnParams,
 ) -> Result<BnGrads> {
     check_inputs("bn_relu_pool_backward", &h, &p.gamma, &p.beta, p.eps, &[])?;
-    let w = pool_width("bn_relu_pool_backward", &h)?;
+    pool_width("bn_relu_pool_backward", &h)?;
     let h = h.contiguous()?;
     let gp = gp.to_dtype(h.dtype())?.contiguous()?;
     match argmax {
         Some(am) if h.device().is_cpu() => {
             let am = am.contiguous()?;
-            let lean = LeanBn {
-                p: p.clone(),
-                pool_w: Some(w),
-            };
-            let sums = h.apply_op3_no_bwd(&gp, &am, &PoolBwdReduce { lean: lean.clone() })?;
-            h.inplace_op3(
-                &gp,
-                &am,
-                &LeanBwdInput {
-                    lean,
-                    sums: sums.clone(),
-                    batch_images: h.dims()[0],
-                },
-            )?;
+            let sums = bn_relu_pool_backward_sums(&h, &gp, &am, p)?;
+            let n = h.dims()[0];
+            let h = bn_relu_pool_backward_input(h, &gp, &am, p, &sums, n)?;
             Ok((h, sums.get(0)?, sums.get(1)?))
         }
         _ => {
@@ -416,6 +405,85 @@ pub fn bn_relu_pool_backward(
             backward_via_y(&h, &g, &y, p)
         }
     }
+}
+
+/// The first pass of [`bn_relu_pool_backward`] on the CPU: the per-channel sums `[Σg'x̂; Σg']`
+/// (f32 `[2, C]`) of `h`, the pooled gradient `gp` and the windows' `argmax` (contiguous, gp in
+/// h's dtype). Sums over disjoint images add up to the batch's, as [`bn_relu_backward_sums`]'.
+pub fn bn_relu_pool_backward_sums(
+    h: &Tensor,
+    gp: &Tensor,
+    argmax: &Tensor,
+    p: &BnParams,
+) -> Result<Tensor> {
+    let lean = check_pool_cpu("bn_relu_pool_backward_sums", h, gp, argmax, p)?;
+    h.apply_op3_no_bwd(gp, argmax, &PoolBwdReduce { lean })
+}
+
+/// The second pass of [`bn_relu_pool_backward`] on the CPU: the input gradient written over `h`
+/// (consumed; it may be some images of a batch) from the pooled gradient `gp`, the `argmax` and
+/// the `sums` ([`bn_relu_pool_backward_sums`]) over every image of the batch of `batch_images`.
+pub fn bn_relu_pool_backward_input(
+    h: Tensor,
+    gp: &Tensor,
+    argmax: &Tensor,
+    p: &BnParams,
+    sums: &Tensor,
+    batch_images: usize,
+) -> Result<Tensor> {
+    let lean = check_pool_cpu("bn_relu_pool_backward_input", &h, gp, argmax, p)?;
+    if batch_images < h.dims()[0] {
+        candle_core::bail!(
+            "bn_relu_pool_backward_input: {} images of a batch of {batch_images}",
+            h.dims()[0]
+        )
+    }
+    h.inplace_op3(
+        gp,
+        argmax,
+        &LeanBwdInput {
+            lean,
+            sums: sums.clone(),
+            batch_images,
+        },
+    )?;
+    Ok(h)
+}
+
+/// The operands of a lean CPU pass after a pool: valid BatchNorm inputs on the CPU, contiguous,
+/// `gp` and `argmax` of h's pooled shape, gp in h's dtype; the pass's state.
+fn check_pool_cpu(
+    op: &str,
+    h: &Tensor,
+    gp: &Tensor,
+    argmax: &Tensor,
+    p: &BnParams,
+) -> Result<LeanBn> {
+    check_inputs(op, h, &p.gamma, &p.beta, p.eps, &[])?;
+    let w = pool_width(op, h)?;
+    let (n, c, hh, _) = h.dims4()?;
+    let pooled = [n, c, hh / 2, w / 2];
+    let cpu = [h, gp, argmax].iter().all(|t| t.device().is_cpu());
+    let contiguous = [h, gp, argmax].iter().all(|t| t.is_contiguous());
+    if !cpu
+        || !contiguous
+        || gp.dims() != pooled
+        || argmax.dims() != pooled
+        || gp.dtype() != h.dtype()
+    {
+        candle_core::bail!(
+            "{op}: h {:?} {:?}, gp {:?} {:?} and argmax {:?} must be on the CPU, contiguous, gp and argmax of h's pooled shape, gp in h's dtype",
+            h.dims(),
+            h.dtype(),
+            gp.dims(),
+            gp.dtype(),
+            argmax.dims()
+        )
+    }
+    Ok(LeanBn {
+        p: p.clone(),
+        pool_w: Some(w),
+    })
 }
 
 /// The BatchNorm + ReLU backward through the ops autograd uses (devices without the lean kernels).

@@ -500,5 +500,6 @@ mod lean;
 pub use lean::{
     batch_stats, bn_relu, bn_relu_backward, bn_relu_backward_input, bn_relu_backward_sums,
     bn_relu_decisions, bn_relu_in_place, bn_relu_pool, bn_relu_pool_argmax, bn_relu_pool_backward,
-    cpu_host_bytes, decisions_dims, update_running, BnGrads, BnParams, CpuPass,
+    bn_relu_pool_backward_input, bn_relu_pool_backward_sums, cpu_host_bytes, decisions_dims,
+    update_running, BnGrads, BnParams, CpuPass,
 };

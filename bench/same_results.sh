@@ -50,6 +50,7 @@ configs=(
   "prune:--prune 0.5 --prune-begin 2 --prune-end 6 --prune-every 2"
   "int8:--compress-activations int8"
   "int8-bf16-segments:--compress-activations int8 --precision bf16 --checkpoint segments:1,3"
+  "int2-bf16:--compress-activations int2 --precision bf16"
 )
 common=(--synthetic-train 256 --synthetic-test 64 --width 8 --batch-size 32 --epochs 1
   --max-steps 8 --seed 7 --quiet)

@@ -466,12 +466,35 @@ const DECIDED_MIN: f32 = 1.0 / 16384.0;
 /// result (`y > 0`) and a 2x2 pool's first maximum are then the forward's, whatever rounding
 /// error the values carry (a window's set bit is its only non-zero value).
 /// With an and-mask rather than a branch, as [`relu_mask`]: a bit is set about half the time.
+/// From a whole byte (`first` a multiple of 8, as every caller's is), eight values a byte with
+/// constant shifts, a loop the compiler vectorizes.
 #[inline(always)]
 pub(super) fn decide_y(y: &mut [f32], bits: &[u8], first: usize) {
-    for (i, v) in y.iter_mut().enumerate() {
-        let b = first + i;
-        let keep = ((bits[b / 8] >> (b % 8)) as u32 & 1).wrapping_neg();
+    let decide = |v: &mut f32, byte: u8, k: usize| {
+        let keep = ((byte >> k) as u32 & 1).wrapping_neg();
         *v = f32::from_bits(v.max(DECIDED_MIN).to_bits() & keep);
+    };
+    if first % 8 != 0 {
+        for (i, v) in y.iter_mut().enumerate() {
+            let b = first + i;
+            decide(v, bits[b / 8], b % 8);
+        }
+        return;
+    }
+    let bytes = &bits[first / 8..];
+    let whole = y.len() / 8;
+    let mut full = y.chunks_exact_mut(8);
+    for (vs, &byte) in (&mut full).zip(bytes) {
+        for (k, v) in vs.iter_mut().enumerate() {
+            decide(v, byte, k);
+        }
+    }
+    let tail = full.into_remainder();
+    if !tail.is_empty() {
+        let byte = bytes[whole];
+        for (k, v) in tail.iter_mut().enumerate() {
+            decide(v, byte, k);
+        }
     }
 }
 
@@ -661,10 +684,13 @@ pub(super) fn decisions<T: Elem>(
             for p in r {
                 let hp = &h[p * d.hw..(p + 1) * d.hw];
                 plane_y::<T>(hp, ch, p % d.c, None, &mut hf, &mut y, &mut tmp);
-                for (i, &v) in y.iter().enumerate() {
-                    if v > 0.0 {
-                        set(p, i);
-                    }
+                // SAFETY: each plane's bytes are written only by the worker that owns the plane.
+                let bytes = unsafe { ptr.range(p * per, per) };
+                for (byte, vs) in bytes.iter_mut().zip(y.chunks(8)) {
+                    *byte = vs
+                        .iter()
+                        .enumerate()
+                        .fold(0, |b, (k, &v)| b | (u8::from(v > 0.0) << k));
                 }
             }
         }),

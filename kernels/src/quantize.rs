@@ -449,6 +449,9 @@ fn encode<T: Float>(x: &[T], r: &[f32], (n, c, hw): (usize, usize, usize), e: &E
     let mut codes = vec![0u8; n * c * packed];
     let ptr = SharedMut(codes.as_mut_ptr());
     for_planes(n * c, hw, |planes| {
+        // A group's draws and codes, made once per worker: zeroing them per group would cost a
+        // memset as long as the work.
+        let (mut draws, mut q) = ([0u32; GROUP], [0u8; GROUP]);
         for p in planes {
             let mut noise = width.per_group().then(|| {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -468,26 +471,26 @@ fn encode<T: Float>(x: &[T], r: &[f32], (n, c, hw): (usize, usize, usize), e: &E
                 let (lo, scale) = (r[g], r[columns + g]);
                 let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                 match &mut noise {
-                    // One code a byte, rounded to nearest: a loop the compiler vectorizes.
-                    None if width.per_byte() == 1 => {
+                    // Ranges per channel (int8): one code a byte, rounded to nearest, a loop
+                    // the compiler vectorizes.
+                    None => {
+                        debug_assert_eq!(per, 1, "ranges per channel are int8's");
                         for (byte, v) in out.iter_mut().zip(plane) {
                             // `as u8` saturates (and maps NaN to 0): with the `min`, the clamp.
                             *byte = (((v.to_f32() - lo) * inv).round() as u8).min(max);
                         }
                     }
-                    _ => {
-                        for (byte, vs) in out.iter_mut().zip(plane.chunks(per)) {
-                            let mut b = 0u8;
-                            for (k, v) in vs.iter().enumerate() {
-                                let t = (v.to_f32() - lo) * inv;
-                                let q = match &mut noise {
-                                    Some(rng) => (t + rng.random::<f32>()) as u8,
-                                    None => t.round() as u8,
-                                };
-                                b |= q.min(max) << (k * bits);
-                            }
-                            *byte = b;
+                    // Stochastic rounding: the group's noise drawn at once (the numbers a draw
+                    // per value would give, in the same order), then a loop the compiler
+                    // vectorizes, then the codes packed.
+                    Some(rng) => {
+                        let len = plane.len();
+                        rng.fill(&mut draws[..len]);
+                        for ((q, &u), v) in q.iter_mut().zip(&draws[..len]).zip(plane) {
+                            let t = (v.to_f32() - lo) * inv;
+                            *q = ((t + uniform(u)) as u8).min(max);
                         }
+                        pack(&q[..len], out, bits);
                     }
                 }
             }
@@ -496,8 +499,27 @@ fn encode<T: Float>(x: &[T], r: &[f32], (n, c, hw): (usize, usize, usize), e: &E
     codes
 }
 
+/// A uniform draw in [0, 1) from 32 random bits: the top 24 bits times 2⁻²⁴, as `rand`'s
+/// `random::<f32>()` makes it from the same word.
+#[inline(always)]
+fn uniform(u: u32) -> f32 {
+    (u >> 8) as f32 * (1.0 / (1u32 << 24) as f32)
+}
+
+/// `codes` of `bits` bits each packed into `out`, from the low bits of each byte up.
+#[inline(always)]
+fn pack(codes: &[u8], out: &mut [u8], bits: usize) {
+    let per = 8 / bits;
+    for (byte, cs) in out.iter_mut().zip(codes.chunks(per)) {
+        *byte = cs
+            .iter()
+            .enumerate()
+            .fold(0, |b, (k, &c)| b | (c << (k * bits)));
+    }
+}
+
 /// The activation from its codes, each plane from its group's `[lo; scale]` in `r`.
-fn decode<T: Float>(
+fn decode<T: Float<Acc = f32>>(
     codes: &[u8],
     r: &[f32],
     (c, hw): (usize, usize),
@@ -513,6 +535,8 @@ fn decode<T: Float>(
     let mut x = T::zeros(images.len() * c * hw);
     let ptr = SharedMut(x.as_mut_ptr());
     for_planes(images.len() * c, hw, |planes| {
+        // f32 scratch of a block, made once per worker (see `decode_plane`).
+        let mut buf = [0f32; GROUP];
         for out_p in planes {
             let p = first + out_p;
             let plane_codes = &codes[p * packed..(p + 1) * packed];
@@ -525,9 +549,9 @@ fn decode<T: Float>(
                 let g = range_of(p, i, c, groups);
                 let (lo, scale) = (r[g], r[columns + g]);
                 match width {
-                    Width::Int8 => decode_plane::<8, T>(codes, out, lo, scale),
-                    Width::Int4 => decode_plane::<4, T>(codes, out, lo, scale),
-                    Width::Int2 => decode_plane::<2, T>(codes, out, lo, scale),
+                    Width::Int8 => decode_plane::<8, T>(codes, out, lo, scale, &mut buf),
+                    Width::Int4 => decode_plane::<4, T>(codes, out, lo, scale, &mut buf),
+                    Width::Int2 => decode_plane::<2, T>(codes, out, lo, scale, &mut buf),
                 }
             }
         }
@@ -535,13 +559,34 @@ fn decode<T: Float>(
     x
 }
 
-/// One plane's values `lo + q · scale` from its `BITS`-bit codes, packed low bits first: the
-/// width a constant, so that unpacking a byte is shifts and masks, not a division per value.
+/// One group's values `lo + q · scale` from its `BITS`-bit codes, packed low bits first: in f32
+/// straight into f32 output, else a block at a time into f32 (`buf`) and narrowed to T in one
+/// vectorized conversion (rounding to nearest even, as a value's own conversion does).
+fn decode_plane<const BITS: usize, T: Float<Acc = f32>>(
+    plane: &[u8],
+    out: &mut [T],
+    lo: f32,
+    scale: f32,
+    buf: &mut [f32; GROUP],
+) {
+    if let Some(out) = T::as_acc_mut(out) {
+        return decode_f32::<BITS>(plane, out, lo, scale);
+    }
+    let block_bytes = GROUP * BITS / 8;
+    for (codes, out) in plane.chunks(block_bytes).zip(out.chunks_mut(GROUP)) {
+        let b = &mut buf[..out.len()];
+        decode_f32::<BITS>(codes, b, lo, scale);
+        T::narrow(b, out);
+    }
+}
+
+/// [`decode_plane`] in f32: the width a constant, so that unpacking a byte is shifts and masks,
+/// not a division per value.
 #[inline(always)]
-fn decode_plane<const BITS: usize, T: Float>(plane: &[u8], out: &mut [T], lo: f32, scale: f32) {
+fn decode_f32<const BITS: usize>(plane: &[u8], out: &mut [f32], lo: f32, scale: f32) {
     let per = 8 / BITS;
     let max = ((1u16 << BITS) - 1) as u8;
-    let value = |b: u8, k: usize| T::from_f32(lo + ((b >> (k * BITS)) & max) as f32 * scale);
+    let value = |b: u8, k: usize| lo + ((b >> (k * BITS)) & max) as f32 * scale;
     let mut full = out.chunks_exact_mut(per);
     for (vs, &b) in (&mut full).zip(plane) {
         for (k, v) in vs.iter_mut().enumerate() {

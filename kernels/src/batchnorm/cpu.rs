@@ -56,7 +56,9 @@ pub(super) fn host_bytes(
             // variance's per-channel sum.
             Stats => 2 * d.planes() * 8 + d.c * (4 + 8),
             Norm | NormInPlace => 0,
-            NormPool | PoolArgmax | Decisions => scratch(POOL_PLANES),
+            // And a byte per window for the argmax (the decisions' pass without a pool has
+            // none: counted anyway, a few hundred bytes).
+            NormPool | PoolArgmax | Decisions => scratch(POOL_PLANES) + ranges * d.hw / 4,
             // The partials, then the threads' scratch or the per-channel totals after it.
             BackwardSums => {
                 partials + scratch(REDUCE_PLANES).max(d.c * std::mem::size_of::<(f64, f64)>())
@@ -577,18 +579,19 @@ fn plane_y<'a, T: Elem>(
 }
 
 /// The 2x2 max-pool of `y(h)` (decided by `bits` where given) per plane (`w` = plane width):
-/// `emit(plane, window, argmax, y)`.
+/// `emit(plane, values, argmax)` with the plane's window maxima and their indices.
 fn pool_planes<T: Elem>(
     h: &[T],
     ch: &NormChannels,
     d: Dims,
     w: usize,
     bits: Option<&[u8]>,
-    emit: impl Fn(usize, usize, usize, f32) + Sync,
+    emit: impl Fn(usize, &[f32], &[u8]) + Sync,
 ) {
-    let (ho, wo) = (d.hw / w / 2, w / 2);
+    let per = d.hw / 4;
     for_planes(d, |r| {
         let (mut hf, mut y) = (vec![0f32; d.hw], vec![0f32; d.hw]);
+        let mut arg = vec![0u8; per];
         let mut tmp = T::zeros(BLK);
         for p in r {
             plane_y::<T>(
@@ -600,22 +603,37 @@ fn pool_planes<T: Elem>(
                 &mut y,
                 &mut tmp,
             );
-            for oy in 0..ho {
-                for ox in 0..wo {
-                    let i0 = 2 * oy * w + 2 * ox;
-                    let v = [y[i0], y[i0 + 1], y[i0 + w], y[i0 + w + 1]];
-                    let mut best = 0;
-                    for k in 1..4 {
-                        // Strictly greater: the first maximum wins ties (as `crate::pool`).
-                        if v[k] > v[best] {
-                            best = k;
-                        }
-                    }
-                    emit(p, oy * wo + ox, best, v[best]);
-                }
-            }
+            // h's f32 plane is not read again: its first quarter takes the maxima.
+            let vals = &mut hf[..per];
+            pool_plane(&y, w, vals, &mut arg);
+            emit(p, vals, &arg);
         }
     });
+}
+
+/// One plane's 2x2 max-pool (`w` = plane width): each window's first maximum into `vals` and its
+/// index (0..4, row-major in the window) into `arg`. Strictly greater replaces, so the first
+/// maximum wins ties (as `crate::pool`); selects, not branches per window.
+#[inline(always)]
+fn pool_plane(y: &[f32], w: usize, vals: &mut [f32], arg: &mut [u8]) {
+    let wo = w / 2;
+    let rows = vals.chunks_exact_mut(wo).zip(arg.chunks_exact_mut(wo));
+    for (oy, (vrow, arow)) in rows.enumerate() {
+        let (r0, r1) = y[2 * oy * w..(2 * oy + 2) * w].split_at(w);
+        for ox in 0..wo {
+            let (mut k, mut v) = (0u8, r0[2 * ox]);
+            for (i, x) in [r0[2 * ox + 1], r1[2 * ox], r1[2 * ox + 1]]
+                .into_iter()
+                .enumerate()
+            {
+                let more = x > v;
+                k = if more { i as u8 + 1 } else { k };
+                v = if more { x } else { v };
+            }
+            vrow[ox] = v;
+            arow[ox] = k;
+        }
+    }
 }
 
 /// `maxpool2x2(relu(bn(h)))` without materializing the full-size ReLU output.
@@ -629,9 +647,9 @@ pub(super) fn relu_pool<T: Elem>(
     let per = d.hw / 4;
     let mut out = T::zeros(d.planes() * per);
     let ptr = SharedMut(out.as_mut_ptr());
-    pool_planes::<T>(h, ch, d, w, bits, |p, o, _, v| {
-        // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
-        unsafe { ptr.range(p * per + o, 1)[0] = T::from_f32(v) };
+    pool_planes::<T>(h, ch, d, w, bits, |p, vals, _| {
+        // SAFETY: each plane is written once, by the worker that owns it.
+        T::narrow(vals, unsafe { ptr.range(p * per, per) });
     });
     out
 }
@@ -647,9 +665,9 @@ pub(super) fn relu_pool_argmax<T: Elem>(
     let per = d.hw / 4;
     let mut out = vec![0u8; d.planes() * per];
     let ptr = SharedMut(out.as_mut_ptr());
-    pool_planes::<T>(h, ch, d, w, bits, |p, o, k, _| {
-        // SAFETY: each (plane, window) is written once, by the worker that owns the plane.
-        unsafe { ptr.range(p * per + o, 1)[0] = k as u8 };
+    pool_planes::<T>(h, ch, d, w, bits, |p, _, arg| {
+        // SAFETY: each plane is written once, by the worker that owns it.
+        unsafe { ptr.range(p * per, per) }.copy_from_slice(arg);
     });
     out
 }
@@ -671,11 +689,13 @@ pub(super) fn decisions<T: Elem>(
         unsafe { ptr.range(p * per + i / 8, 1)[0] |= 1 << (i % 8) };
     };
     match pool_w {
-        Some(w) => pool_planes::<T>(h, ch, d, w, None, |p, o, k, v| {
-            if v > 0.0 {
-                let wo = w / 2;
-                let (oy, ox) = (o / wo, o % wo);
-                set(p, (2 * oy + k / 2) * w + 2 * ox + k % 2);
+        Some(w) => pool_planes::<T>(h, ch, d, w, None, |p, vals, arg| {
+            let wo = w / 2;
+            for (o, (&v, &k)) in vals.iter().zip(arg).enumerate() {
+                if v > 0.0 {
+                    let (oy, ox, k) = (o / wo, o % wo, k as usize);
+                    set(p, (2 * oy + k / 2) * w + 2 * ox + k % 2);
+                }
             }
         }),
         None => for_planes(d, |r| {

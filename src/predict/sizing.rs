@@ -535,7 +535,10 @@ impl StepOps for Sizing<'_> {
         let pooled = vec![h.dims[0], h.dims[1], h.dims[2] / 2, h.dims[3] / 2];
         Ok(Some(self.op(Some(p.node), || {
             let argmax = self.alloc(pooled, DType::U8);
-            self.bn_host(bn::CpuPass::PoolArgmax, h);
+            // With decisions it is read from them, h untouched.
+            if p.decisions.is_none() {
+                self.bn_host(bn::CpuPass::PoolArgmax, h);
+            }
             argmax
         })))
     }

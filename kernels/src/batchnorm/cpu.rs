@@ -654,20 +654,39 @@ pub(super) fn relu_pool<T: Elem>(
     out
 }
 
-/// The argmax (0..4, row-major in the window) of every 2x2 window of `relu(bn(h))`.
-pub(super) fn relu_pool_argmax<T: Elem>(
-    h: &[T],
-    ch: &NormChannels,
-    d: Dims,
-    w: usize,
-    bits: Option<&[u8]>,
-) -> Vec<u8> {
+/// The argmax (0..4, row-major in the window) of every 2x2 window of `relu(bn(h))` (a block
+/// with decisions reads it from them: [`argmax_of_decisions`]).
+pub(super) fn relu_pool_argmax<T: Elem>(h: &[T], ch: &NormChannels, d: Dims, w: usize) -> Vec<u8> {
     let per = d.hw / 4;
     let mut out = vec![0u8; d.planes() * per];
     let ptr = SharedMut(out.as_mut_ptr());
-    pool_planes::<T>(h, ch, d, w, bits, |p, _, arg| {
+    pool_planes::<T>(h, ch, d, w, None, |p, _, arg| {
         // SAFETY: each plane is written once, by the worker that owns it.
         unsafe { ptr.range(p * per, per) }.copy_from_slice(arg);
+    });
+    out
+}
+
+/// The argmax of every 2x2 window read from a pooled block's decisions (`bits`: a set bit only at
+/// a window's first positive maximum): the set bit's index, or 0 where none is (the decided
+/// window is all zeros there, whose first maximum is the first value). What [`relu_pool_argmax`]
+/// gives on the decided output, without reading h.
+pub(super) fn argmax_of_decisions(bits: &[u8], d: Dims, w: usize) -> Vec<u8> {
+    let (per, wo, pb) = (d.hw / 4, w / 2, decision_bytes(d.hw));
+    let mut out = vec![0u8; d.planes() * per];
+    let ptr = SharedMut(out.as_mut_ptr());
+    for_planes(d, |r| {
+        for p in r {
+            let b = &bits[p * pb..(p + 1) * pb];
+            let bit = |i: usize| (b[i / 8] >> (i % 8)) & 1;
+            // SAFETY: each plane is written once, by the worker that owns it.
+            let plane = unsafe { ptr.range(p * per, per) };
+            for (o, k) in plane.iter_mut().enumerate() {
+                let i0 = 2 * (o / wo) * w + 2 * (o % wo);
+                // At most one bit is set: its index, by a sum rather than a search.
+                *k = bit(i0 + 1) + 2 * bit(i0 + w) + 3 * bit(i0 + w + 1);
+            }
+        }
     });
     out
 }

@@ -655,13 +655,20 @@ impl CustomOp1 for PoolArgmax {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let d = dims_of(l)?;
         let w = self.lean.pool_w.unwrap_or(1);
-        let ctx = self.lean.ctx()?;
-        let ch = ctx.norm(d.c, self.lean.p.eps);
-        let out = with_bits(&self.lean.p, d, |bits| {
-            Ok(bn_dispatch!(s.dtype(), self.name(), |T| {
-                cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w, bits)
-            }))
+        // With decisions the argmax is in them: h is not read.
+        let decided = with_bits(&self.lean.p, d, |bits| {
+            Ok(bits.map(|b| cpu::argmax_of_decisions(b, d, w)))
         })?;
+        let out = match decided {
+            Some(out) => out,
+            None => {
+                let ctx = self.lean.ctx()?;
+                let ch = ctx.norm(d.c, self.lean.p.eps);
+                bn_dispatch!(s.dtype(), self.name(), |T| {
+                    cpu::relu_pool_argmax::<T>(cpu_slice(s, l, "h")?, &ch, d, w)
+                })
+            }
+        };
         Ok((CpuStorage::U8(out), pooled_shape(l)?))
     }
 }

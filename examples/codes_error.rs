@@ -149,10 +149,10 @@ fn main() -> anyhow::Result<()> {
     let mut exact = Vec::new();
     for p in Precision::ALL {
         t.config.memory.precision = *p;
-        t.plan.storage = ActivationStorage::None;
+        t.config.memory.compress_activations = ActivationStorage::None.into();
         let e = t.compute_grads(&images, &labels)?.1;
         for &c in ActivationStorage::ALL.iter().filter(|c| c.is_lossy()) {
-            t.plan.storage = c;
+            t.config.memory.compress_activations = c.into();
             let q = t.compute_grads(&images, &labels)?.1;
             rows.extend(compare(&format!("{p} {c} vs {p} exact"), &names, &q, &e)?);
         }

@@ -419,3 +419,23 @@ fn no_struct_has_more_than_16_fields() {
         "more than {MAX_FIELDS} fields; group them by concern in sub-structs: {too_large:#?}"
     );
 }
+
+/// The trainer holds its concerns, not their parts: the configuration, the model, the update,
+/// what watches the run, the data, the files, the stop request, the position, pruning and the
+/// CUDA graph (issue 51's bound).
+const MAX_TRAINER_FIELDS: usize = 10;
+
+#[test]
+fn the_trainer_has_at_most_10_fields() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/train/trainer.rs");
+    let file = syn::parse_file(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let fields = named_structs(&file)
+        .into_iter()
+        .find(|(name, _)| name == "Trainer")
+        .map(|(_, n)| n)
+        .expect("struct Trainer in src/train/trainer.rs");
+    assert!(
+        fields <= MAX_TRAINER_FIELDS,
+        "Trainer has {fields} fields, more than {MAX_TRAINER_FIELDS}: a concern's parts belong in its own struct"
+    );
+}

@@ -44,6 +44,7 @@ impl Trainer {
             },
         );
         let dtype = self.config.memory.precision.compute_dtype();
+        let storage = self.storage()?;
         let (mut loss_sum, mut correct, mut n) = (0.0, 0usize, 0usize);
         for b in batcher {
             if self.stop_requested() {
@@ -55,14 +56,14 @@ impl Trainer {
                 probe: &*self.watch.probe,
                 epoch,
                 batch: b.index,
-                callbacks: &mut self.callbacks,
+                callbacks: &mut self.watch.callbacks,
                 failed: None,
             };
             let r = LeanStep::new(
                 &self.model,
                 dtype,
                 self.model.segments(crate::config::Segmentation::NONE),
-                self.plan.storage,
+                storage,
             )
             .evaluate(&x, &y, &mut budget);
             let r = match (r, budget.failed.take()) {
@@ -139,7 +140,7 @@ impl Trainer {
     fn train_begin(&mut self) -> Result<()> {
         let dev_name = device_name(self.model.device());
         self.watch.memory.train_begin();
-        self.callbacks.on_train_begin(&TrainBegin {
+        self.watch.callbacks.on_train_begin(&TrainBegin {
             config: &self.config,
             run_dir: &self.files.run_dir,
             device: &dev_name,
@@ -148,7 +149,7 @@ impl Trainer {
             total_steps: self.position.total_steps,
             global_step: self.position.global_step,
             start_epoch: self.position.start_epoch,
-            ended_epochs: &self.history.epochs,
+            ended_epochs: &self.position.history.epochs,
             train_images: self.data.train.len(),
             eval_images: self.data.eval.len(),
             probe: &*self.watch.probe,
@@ -167,7 +168,12 @@ impl Trainer {
         };
         // An epoch begun by an earlier process continues its sums (and may only lack its
         // evaluation: then no step is left to train, but the epoch still ends).
-        let carried = self.history.progress.take().filter(|p| p.epoch == epoch);
+        let carried = self
+            .position
+            .history
+            .progress
+            .take()
+            .filter(|p| p.epoch == epoch);
         let steps = (self.position.steps_per_epoch - first)
             .min(self.position.total_steps - self.position.global_step);
         if steps == 0 && carried.is_none() {
@@ -176,7 +182,7 @@ impl Trainer {
         self.watch
             .memory
             .epoch_begin(epoch, cfg.output.reset_peak_each_epoch);
-        self.callbacks.on_epoch_begin(&EpochBegin {
+        self.watch.callbacks.on_epoch_begin(&EpochBegin {
             epoch,
             num_epochs: cfg.steps.epochs,
             steps,
@@ -198,7 +204,7 @@ impl Trainer {
         let evaluated = eval.is_some();
         let stats = progress.stats(eval, loss_scale);
         self.watch.memory.epoch_end(epoch, evaluated);
-        self.callbacks.on_epoch_end(&EpochEnd {
+        self.watch.callbacks.on_epoch_end(&EpochEnd {
             stats: &stats,
             num_epochs: cfg.steps.epochs,
             probe: &*self.watch.probe,
@@ -218,7 +224,7 @@ impl Trainer {
             self.save_snapshot(epoch, next, Some(&progress))?;
             return Ok(EpochEnded::MaxSteps(stats));
         }
-        self.history.epochs.push(stats);
+        self.position.history.epochs.push(stats);
         self.save_snapshot(epoch + 1, 0, None)?;
         Ok(EpochEnded::Done)
     }
@@ -259,8 +265,8 @@ impl Trainer {
             tick = Instant::now();
             progress.add(&r);
             progress.train_secs += secs;
-            self.history.images += r.images;
-            self.history.train_secs += secs;
+            self.position.history.images += r.images;
+            self.position.history.train_secs += secs;
             // A snapshot every --save-every steps (a state is never saved twice).
             if save_every > 0 && self.position.global_step.is_multiple_of(save_every) {
                 self.save_snapshot(epoch, next, Some(progress))?;
@@ -289,17 +295,17 @@ impl Trainer {
         self.position.start_epoch = epoch;
         let pruning = self.finish_pruning(interrupted)?;
         // The run's epochs; an interrupted run also shows the part of the epoch it trained.
-        let mut epochs = self.history.epochs.clone();
+        let mut epochs = self.position.history.epochs.clone();
         epochs.extend(cut_short.filter(|s| s.steps > 0));
         // The last memory reading goes in before the summary, which reports the run's peak.
         self.watch.memory.train_end();
         let summary = self.summary(
             &epochs,
-            self.history.epochs.len(),
+            self.position.history.epochs.len(),
             interrupted,
             wall.elapsed().as_secs_f64(),
             pruning,
-        );
+        )?;
         // The results first: an export below that fails or is killed loses nothing measured.
         if self.files.log_files {
             crate::io::write_json_atomic(
@@ -307,7 +313,7 @@ impl Trainer {
                 &summary,
             )?;
         }
-        self.callbacks.on_train_end(&TrainEnd {
+        self.watch.callbacks.on_train_end(&TrainEnd {
             epochs: &epochs,
             global_step: self.position.global_step,
             images_per_sec: summary.progress.images_per_sec,

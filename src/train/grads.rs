@@ -36,7 +36,7 @@ impl Trainer {
         let k = self.config.steps.accum_steps;
         let micro_batch = |i| batch.micro_batch(i, k);
         let (r, grads) =
-            train::gradients(&mut self.lean_step(), k, 1.0, micro_batch, &mut NoObserver)?;
+            train::gradients(&mut self.lean_step()?, k, 1.0, micro_batch, &mut NoObserver)?;
         Ok((r.loss, grads))
     }
 
@@ -59,7 +59,7 @@ impl Trainer {
                 &x,
                 &y,
                 self.config.memory.precision.compute_dtype(),
-                self.plan.segmentation,
+                self.segmentation()?,
                 1.0 / k as f64,
                 &mut acc,
             )?);
@@ -68,12 +68,12 @@ impl Trainer {
     }
 
     /// The lean step of one micro-batch, in the run's precision and gradient-checkpointing segments.
-    fn lean_step(&self) -> LeanStep<CandleOps<'_>> {
-        LeanStep::new(
+    fn lean_step(&self) -> Result<LeanStep<CandleOps<'_>>> {
+        Ok(LeanStep::new(
             &self.model,
             self.config.memory.precision.compute_dtype(),
-            self.model.segments(self.plan.segmentation),
-            self.plan.storage,
-        )
+            self.model.segments(self.segmentation()?),
+            self.storage()?,
+        ))
     }
 }

@@ -264,9 +264,9 @@ mod cuda {
                 y: &self.y,
             };
             let k = t.config.steps.accum_steps;
-            let segments = t.model.segments(t.plan.segmentation);
+            let segments = t.model.segments(t.segmentation()?);
             let mut lean =
-                LeanStep::new(&t.model, dtype, segments, t.plan.storage).with_stats_in_place();
+                LeanStep::new(&t.model, dtype, segments, t.storage()?).with_stats_in_place();
             let mut results = Vec::with_capacity(k);
             for i in 0..k {
                 let (x, y) = batch.micro_batch(i, k)?;

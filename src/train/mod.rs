@@ -32,4 +32,4 @@ pub use summary::{
     EstimateSummary, MemorySummary, OptimizationSummary, ProgressSummary, QualitySummary,
     RunStatus, Summary,
 };
-pub use trainer::{Position, StepPlan, Trainer, TrainerOptions};
+pub use trainer::{Position, Trainer, TrainerOptions};

@@ -35,7 +35,7 @@ impl Trainer {
             .into_iter()
             .map(|(n, v)| (n, v.as_detached_tensor()));
         let mut memory = self.watch.memory.log().clone();
-        memory.epochs.truncate(self.history.epochs.len());
+        memory.epochs.truncate(self.position.history.epochs.len());
         Ok(TrainState {
             global_step: self.position.global_step,
             epoch,
@@ -57,7 +57,7 @@ impl Trainer {
             history: RunHistory {
                 progress: progress.cloned(),
                 compute_threads: Some(candle_core::utils::get_num_threads()),
-                ..self.history.clone()
+                ..self.position.history.clone()
             },
             memory,
         })
@@ -144,7 +144,7 @@ impl Trainer {
         self.position.global_step = state.global_step;
         self.position.start_epoch = state.epoch;
         self.position.start_batch = state.next_batch;
-        self.history = state.history;
+        self.position.history = state.history;
         self.watch.memory.continue_log(state.memory);
         Ok(())
     }
@@ -217,9 +217,10 @@ impl Trainer {
             Error::Snapshot(m) => Error::Snapshot(format!("{}: {m}", dir.display())),
             other => other,
         })?;
-        if self.history.activation_storage.is_empty() && self.position.global_step > 0 {
+        if self.position.history.activation_storage.is_empty() && self.position.global_step > 0 {
             // A snapshot from before the record: its steps ran with its own setting.
-            self.history
+            self.position
+                .history
                 .activation_storage
                 .push(crate::config::StorageSpan {
                     first_step: 1,
@@ -255,7 +256,7 @@ impl Trainer {
             self.position.global_step,
             epoch,
             next_batch,
-            self.history.epochs.len(),
+            self.position.history.epochs.len(),
         );
         if !self.files.snapshots.wants(point) {
             return Ok(None);

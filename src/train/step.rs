@@ -66,9 +66,11 @@ impl Trainer {
             Ok(r) => {
                 self.watch.timeline = timeline;
                 self.position.global_step += 1;
-                self.history
-                    .note_storage(self.position.global_step, self.plan.storage);
-                self.history
+                self.position
+                    .history
+                    .note_storage(self.position.global_step, self.storage()?);
+                self.position
+                    .history
                     .step_times
                     .push(r.images, t0.elapsed().as_secs_f64());
                 self.files.snapshots.note_step(&r);
@@ -94,7 +96,11 @@ impl Trainer {
         // Traced from the moment the step's peak starts (the trace resets the watermark).
         self.watch.tracer.begin(step.global_step);
         let probe = self.watch.probe.clone();
-        (self.callbacks).on_batch_begin(&step.context(0, &*probe, self.watch.memory.log()))?;
+        (self.watch.callbacks).on_batch_begin(&step.context(
+            0,
+            &*probe,
+            self.watch.memory.log(),
+        ))?;
         *start_bytes = probe.current();
         let fixed = fixed_categories(&self.model, &self.updater.optimizer, *start_bytes);
         let clipping = match self.config.optimizer.clip_during {
@@ -112,17 +118,16 @@ impl Trainer {
             .grads(self, &batch.images, &batch.labels, loss_scale)
             .transpose()
             .map_err(step.name_oom(limit, Phase::Forward))?;
+        let (segmentation, storage) = (self.segmentation()?, self.storage()?);
         let (stepped, failed, phase) = {
             let Trainer {
                 model,
                 config,
-                plan,
-                callbacks,
                 watch,
                 updater,
                 ..
             } = self;
-            let mut obs = StepWatch::new(watch, callbacks, step, fixed, events);
+            let mut obs = StepWatch::new(watch, step, fixed, events);
             let ops = CandleOps::new(model, config.memory.precision.compute_dtype());
             let k = step.accum_steps;
             let stepped = match captured {
@@ -141,7 +146,7 @@ impl Trainer {
                         device: model.device(),
                     };
                     train::train_step(
-                        &mut LeanStep::on(ops, model.segments(plan.segmentation), plan.storage),
+                        &mut LeanStep::on(ops, model.segments(segmentation), storage),
                         updater,
                         settings,
                         |i| batch.micro_batch(i, k),
@@ -183,7 +188,7 @@ impl Trainer {
             self.model.device().synchronize()?;
         }
         let skipped = matches!(stepped, Ok((_, Update { skipped: true, .. })));
-        let mut obs = StepWatch::new(&mut self.watch, &mut self.callbacks, step, fixed, events);
+        let mut obs = StepWatch::new(&mut self.watch, step, fixed, events);
         obs.update_end(&stepped, skipped)?;
         let (r, update) = stepped?;
         obs.step_end(r, update)?;

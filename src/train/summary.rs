@@ -2,6 +2,7 @@
 
 use super::Trainer;
 use crate::callbacks::EpochStats;
+use crate::error::Result;
 use memtrain_core::device::device_name;
 use serde::{Deserialize, Serialize};
 
@@ -196,7 +197,8 @@ impl Trainer {
         interrupted: bool,
         wall: f64,
         pruning: Option<super::prune::PruneReport>,
-    ) -> Summary {
+    ) -> Result<Summary> {
+        let (segmentation, storage) = (self.segmentation()?, self.storage()?);
         let mem = self.memory_log();
         let os = self.watch.probe.os_memory();
         let estimate = if self.watch.probe.available() {
@@ -207,14 +209,14 @@ impl Trainer {
         let predicted = estimate.as_ref().map(|e| e.peak);
         let last = epochs.last();
         let step_peak = mem.step_peak_bytes;
-        let lossy_steps = self.history.lossy_steps();
-        let lossy = self.plan.storage.is_lossy() || !lossy_steps.is_empty();
+        let lossy_steps = self.position.history.lossy_steps();
+        let lossy = storage.is_lossy() || !lossy_steps.is_empty();
         let mut label = self.config.label();
-        if lossy && !self.plan.storage.is_lossy() {
+        if lossy && !storage.is_lossy() {
             // Exact now, lossy before a resume: the run is not the exact step's.
             label.push_str(&format!(" (lossy: {lossy_steps})"));
         }
-        Summary {
+        Ok(Summary {
             label,
             device: device_name(self.model.device()),
             memory: MemorySummary {
@@ -236,17 +238,17 @@ impl Trainer {
             optimizations: OptimizationSummary {
                 checkpoint_segments: self
                     .model
-                    .segments(self.plan.segmentation)
+                    .segments(segmentation)
                     .iter()
                     .map(|r| [r.start, r.end])
                     .collect(),
                 recompute_flops: crate::predict::checkpointing::recompute_flops(
                     self.config.model,
-                    self.plan.segmentation,
+                    segmentation,
                     self.config.steps.batch_size,
                 ),
                 lossy,
-                activation_storage: self.history.activation_storage.clone(),
+                activation_storage: self.position.history.activation_storage.clone(),
             },
             estimate: EstimateSummary {
                 // The analytic estimate (src/predict/) against the measured peak.
@@ -257,11 +259,12 @@ impl Trainer {
                 prediction_error_pct: predicted.and_then(|p| prediction_error(p, step_peak)),
             },
             progress: ProgressSummary {
-                images_per_sec: self.history.images as f64 / self.history.train_secs.max(1e-9),
-                steady_images_per_sec: self.history.step_times.steady(),
+                images_per_sec: self.position.history.images as f64
+                    / self.position.history.train_secs.max(1e-9),
+                steady_images_per_sec: self.position.history.step_times.steady(),
                 steps: self.position.global_step,
                 epochs_completed: ended,
-                images: self.history.images,
+                images: self.position.history.images,
             },
             quality: QualitySummary {
                 final_train_loss: last.map(|e| e.train_loss),
@@ -280,7 +283,7 @@ impl Trainer {
             wall_secs: wall,
             pruning,
             cuda_graph: self.cuda_graph.stats(),
-        }
+        })
     }
 }
 

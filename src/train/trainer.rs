@@ -6,7 +6,7 @@
 //! [`super::TrainState`] in [`super::resume`], failure reports in [`super::diagnose`], the summary
 //! in [`super::summary`] and pruning's end of run in [`super::prune`].
 
-use super::watch::{MemoryWatch, SKIPPED_UPDATE};
+use super::watch::{RunWatch, SKIPPED_UPDATE};
 use crate::callbacks::{
     Callback, CallbackList, MetricsLogger, ProgressCallback, TensorBoardLogger,
 };
@@ -45,47 +45,33 @@ pub struct TrainerOptions {
     pub claim: super::run_dir::Claim,
 }
 
-/// What the step runs with, `auto` resolved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepPlan {
-    /// The gradient-checkpointing segmentation.
-    pub segmentation: Segmentation,
-    /// How the blocks' conv outputs are kept for the backward.
-    pub storage: ActivationStorage,
-}
-
 /// A training run: model, optimizer, data and callbacks, driven by a [`TrainConfig`].
 pub struct Trainer {
     /// The configuration, `--checkpoint auto` and `--compress-activations auto` replaced by
-    /// their choice (so `config.json` and a resume name what the run trained with).
+    /// their choice (so the step, `config.json` and a resume read what the run trains with:
+    /// [`Trainer::segmentation`], [`Trainer::storage`]).
     pub config: TrainConfig,
-    /// What the step runs with: the segmentation and the activation storage.
-    pub plan: StepPlan,
     /// The model.
     pub model: Cnn,
     /// The optimizer with its state, and the f16 loss scaler (None for f32/bf16).
     pub updater: Updater,
-    /// What the run reads and records of memory.
-    pub(crate) watch: MemoryWatch,
+    /// What watches the run: its memory readings and records, and the callbacks.
+    pub(crate) watch: RunWatch,
     /// The data the run trains and evaluates on.
     pub(crate) data: RunData,
     /// What the run writes into its directory.
     pub(crate) files: RunFiles,
-    pub(crate) callbacks: CallbackList,
     pub(crate) stop: Option<Arc<AtomicBool>>,
-    /// Where the run is in its steps.
+    /// Where the run is in its steps, and the run so far.
     pub position: Position,
-    /// The run so far (restored from a snapshot when resuming): ended epochs, the epoch in
-    /// progress, totals and step times.
-    pub(crate) history: super::history::RunHistory,
     /// `--prune`: the schedule and masks, applied after every optimizer step.
     pub(crate) pruner: Option<super::prune::Pruner>,
     /// `--cuda-graph`: the captured forward and backward ([`super::graph`]).
     pub(crate) cuda_graph: super::graph::GraphSlot,
 }
 
-/// Where a run is: its length and the steps taken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a run is: its length, the steps taken and how the run got there.
+#[derive(Debug, Clone)]
 pub struct Position {
     /// Optimizer steps taken.
     pub global_step: usize,
@@ -97,6 +83,9 @@ pub struct Position {
     pub steps_per_epoch: usize,
     /// Optimizer steps of the whole run.
     pub total_steps: usize,
+    /// The run so far (restored from a snapshot when resuming): ended epochs, the epoch in
+    /// progress, totals and step times.
+    pub(crate) history: super::history::RunHistory,
 }
 
 /// The data a run trains and evaluates on.
@@ -160,9 +149,9 @@ impl Trainer {
             config.cuda.pool_cache,
         )?));
         let probe: Arc<dyn MemoryProbe> = timeline_probe.clone();
-        let plan = resolve_plan(&config, &data, &device, options.progress)?;
-        config.memory.grad_checkpointing = plan.segmentation.into();
-        config.memory.compress_activations = plan.storage.into();
+        let (segmentation, storage) = resolve_plan(&config, &data, &device, options.progress)?;
+        config.memory.grad_checkpointing = segmentation.into();
+        config.memory.compress_activations = storage.into();
         let run_dir = config.output.out.clone().unwrap_or_else(default_run_dir);
         let run_lock = options
             .log_files
@@ -182,22 +171,22 @@ impl Trainer {
             .transpose()?;
         let tracer = super::viewers::StepTracer::for_run(&config, total_steps, &options, &*probe)?;
         Ok(Trainer {
-            watch: MemoryWatch {
+            watch: RunWatch {
                 tracer,
                 memory: MemoryRecorder::new(probe.clone()),
                 probe,
                 timeline_probe,
                 timeline: StepTimeline::default(),
+                callbacks: callback_list(
+                    &config,
+                    &run_dir,
+                    options.progress,
+                    options.log_files,
+                    options.callbacks,
+                ),
             },
             model,
             updater: Updater { optimizer, scaler },
-            callbacks: callback_list(
-                &config,
-                &run_dir,
-                options.progress,
-                options.log_files,
-                options.callbacks,
-            ),
             data: RunData {
                 train: Arc::new(data.train),
                 eval: Arc::new(data.test),
@@ -220,12 +209,11 @@ impl Trainer {
                 start_batch: 0,
                 steps_per_epoch,
                 total_steps,
+                history: Default::default(),
             },
-            history: Default::default(),
             pruner,
             cuda_graph,
             config,
-            plan,
         })
     }
 
@@ -290,6 +278,16 @@ impl Trainer {
     /// Optimizer steps of the whole run.
     pub fn total_steps(&self) -> usize {
         self.position.total_steps
+    }
+
+    /// The gradient-checkpointing segmentation the step runs with.
+    pub fn segmentation(&self) -> Result<Segmentation> {
+        Ok(self.config.memory.grad_checkpointing.resolved()?)
+    }
+
+    /// How the step keeps the blocks' conv outputs for the backward.
+    pub fn storage(&self) -> Result<ActivationStorage> {
+        Ok(self.config.memory.compress_activations.resolved()?)
     }
 
     /// The trainable parameters, in the model's order.
@@ -384,7 +382,7 @@ fn resolve_plan(
     data: &DataSplits,
     device: &Device,
     progress: bool,
-) -> Result<StepPlan> {
+) -> Result<(Segmentation, ActivationStorage)> {
     use crate::config::{CompressActivations, GradCheckpointing, CNN_BLOCKS};
     use crate::predict::checkpointing::{format_flops, format_segments, recompute_flops};
     use crate::predict::{choose_checkpointing, Baseline, DataSize, DeviceKind};
@@ -396,10 +394,7 @@ fn resolve_plan(
         if progress {
             println!("{}", choice.describe(CNN_BLOCKS));
         }
-        return Ok(StepPlan {
-            segmentation: choice.chosen.checkpointing,
-            storage: choice.chosen.storage,
-        });
+        return Ok((choice.chosen.checkpointing, choice.chosen.storage));
     }
     let ck = config.memory.grad_checkpointing.resolved()?;
     if progress && ck != Segmentation::NONE {
@@ -409,10 +404,7 @@ fn resolve_plan(
             format_flops(recompute_flops(config.model, ck, config.steps.batch_size))
         );
     }
-    Ok(StepPlan {
-        segmentation: ck,
-        storage: config.memory.compress_activations.resolved()?,
-    })
+    Ok((ck, config.memory.compress_activations.resolved()?))
 }
 
 /// The run's callbacks: the progress display and the metrics files when asked for, then the

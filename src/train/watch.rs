@@ -18,8 +18,8 @@ use memtrain_core::step::train::Update;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// What a run reads and records of memory.
-pub(crate) struct MemoryWatch {
+/// What watches a run: what it reads and records of memory, and the callbacks shown it.
+pub(crate) struct RunWatch {
     pub(crate) probe: Arc<dyn MemoryProbe>,
     /// The same probe, typed: the step splits its watermark at every layer event.
     pub(crate) timeline_probe: Arc<TimelineProbe>,
@@ -29,6 +29,8 @@ pub(crate) struct MemoryWatch {
     pub(crate) memory: MemoryRecorder,
     /// Which steps' allocations are traced for the memory snapshot ([`super::viewers`]).
     pub(crate) tracer: super::viewers::StepTracer,
+    /// The built-in callbacks, then the caller's.
+    pub(crate) callbacks: CallbackList,
 }
 
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
@@ -178,9 +180,8 @@ impl StepInfo {
 /// callbacks' `on_layer_end`; at every phase's end the budget checked against the phase's peak,
 /// the memory recorder's fold and the callbacks' `on_after_forward` / `on_after_backward`.
 pub(super) struct StepWatch<'a> {
-    watch: &'a mut MemoryWatch,
+    watch: &'a mut RunWatch,
     step: &'a StepInfo,
-    callbacks: &'a mut CallbackList,
     /// Categories constant over the step (params, optimizer state, the rest at the start).
     fixed: CategoryBytes,
     events: &'a mut Vec<TimelineEvent>,
@@ -194,8 +195,7 @@ pub(super) struct StepWatch<'a> {
 impl<'a> StepWatch<'a> {
     /// The observer of `step`, its events into `events`.
     pub(super) fn new(
-        watch: &'a mut MemoryWatch,
-        callbacks: &'a mut CallbackList,
+        watch: &'a mut RunWatch,
         step: &'a StepInfo,
         fixed: CategoryBytes,
         events: &'a mut Vec<TimelineEvent>,
@@ -203,7 +203,6 @@ impl<'a> StepWatch<'a> {
         StepWatch {
             watch,
             step,
-            callbacks,
             fixed,
             events,
             micro: 0,
@@ -238,7 +237,7 @@ impl<'a> StepWatch<'a> {
         }
         check_budget(probe, step.epoch, step.batch, Phase::Optimizer)?;
         let event = self.events.last().expect("the update's event");
-        self.callbacks.on_layer_end(&LayerEnd {
+        self.watch.callbacks.on_layer_end(&LayerEnd {
             epoch: step.epoch,
             batch: step.batch,
             micro_batch: event.micro_batch,
@@ -269,7 +268,7 @@ impl<'a> StepWatch<'a> {
                 self.watch.memory.log(),
             )
         };
-        self.callbacks.on_batch_end(&end)
+        self.watch.callbacks.on_batch_end(&end)
     }
 
     /// Record an event with the probe's reading; the budget is checked against its peak.
@@ -313,7 +312,7 @@ impl<'a> StepWatch<'a> {
             current_bytes: current,
             peak_bytes: peak,
         };
-        layer_end(self.callbacks, &ctx, &mut self.failed)
+        layer_end(&mut self.watch.callbacks, &ctx, &mut self.failed)
     }
 }
 
@@ -335,8 +334,8 @@ impl StepObserver for StepWatch<'_> {
         self.watch.memory.phase_end(phase);
         let ctx = step.context(micro, probe, self.watch.memory.log());
         let hook = match phase {
-            Phase::Forward => self.callbacks.on_after_forward(&ctx),
-            _ => self.callbacks.on_after_backward(&ctx),
+            Phase::Forward => self.watch.callbacks.on_after_forward(&ctx),
+            _ => self.watch.callbacks.on_after_backward(&ctx),
         };
         (self.micro, self.phase) = match phase {
             Phase::Forward => (micro, Phase::Backward),

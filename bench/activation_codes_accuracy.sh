@@ -2,7 +2,12 @@
 # Held-out accuracy of the exact step and of each width of saved-activation codes, over seeds.
 #
 #   bench/activation_codes_accuracy.sh [--data-dir DIR] [--epochs E] [--seeds 0,1,2,3,4,5]
-#       [--codes none,int8,int4,int2] [--json FILE] [--work DIR] [-- TRAIN FLAGS...]
+#       [--codes none,int8,int4,int2,reordered] [--json FILE] [--work DIR] [-- TRAIN FLAGS...]
+#
+# `reordered` is the null twin: the exact step (`--compress-activations none`) in one thread
+# (RAYON_NUM_THREADS=1), the same arithmetic with its sums in another order. Its distance from
+# `none` on the same seed is what float rounding alone does to a 20-epoch run, the noise floor
+# every code's distance is read against.
 #
 # Builds train_cifar10 once and copies it into WORK, so that later builds do not change the binary
 # mid-way; then, seed by seed, trains `train_cifar10 --epochs E --seed S --compress-activations C`
@@ -32,8 +37,8 @@ while [ $# -gt 0 ]; do
     --epochs) posint --epochs "$2" 1000; epochs=$2; shift 2 ;;
     --seeds) [[ $2 =~ ^[0-9]+(,[0-9]+)*$ ]] || bad "--seeds must be a comma-separated list of seeds, got '$2'"
       seeds=$2; shift 2 ;;
-    --codes) [[ $2 =~ ^(none|int8|int4|int2)(,(none|int8|int4|int2))*$ ]] ||
-      bad "--codes must be a comma-separated list of none, int8, int4, int2, got '$2'"
+    --codes) [[ $2 =~ ^(none|int8|int4|int2|reordered)(,(none|int8|int4|int2|reordered))*$ ]] ||
+      bad "--codes must be a comma-separated list of none, int8, int4, int2, reordered, got '$2'"
       codes=$2; shift 2 ;;
     --json) json=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
@@ -53,10 +58,12 @@ for s in ${seeds//,/ }; do
   for c in ${codes//,/ }; do
     dir="$work/$c-seed-$s"
     rm -rf "$dir"
-    args=(--epochs "$epochs" --seed "$s" --compress-activations "$c" --quiet --out "$dir")
+    threads=() how=$c
+    [ "$c" != reordered ] || { threads=(RAYON_NUM_THREADS=1); how=none; }
+    args=(--epochs "$epochs" --seed "$s" --compress-activations "$how" --quiet --out "$dir")
     [ -z "$data_dir" ] || args+=(--data-dir "$data_dir")
-    echo "== $c, seed $s: train_cifar10 ${args[*]} ${extra[*]:-}"
-    nice "$work/train_cifar10" "${args[@]}" "${extra[@]}" >"$dir.log" 2>&1 ||
+    echo "== $c, seed $s: ${threads[*]:+${threads[*]} }train_cifar10 ${args[*]} ${extra[*]:-}"
+    env "${threads[@]}" nice "$work/train_cifar10" "${args[@]}" "${extra[@]}" >"$dir.log" 2>&1 ||
       fail "$c seed $s failed (log: $dir.log): $(tail -n 1 "$dir.log")"
     "$py" - "$json" "$dir" "$c" "$s" "$epochs" "$built_from" "${extra[*]:-}" <<'EOF'
 import json, os, sys, tempfile
@@ -67,7 +74,8 @@ try:
 except (FileNotFoundError, json.JSONDecodeError):
     res = {"runs": []}
 res["what"] = (f"{epochs}-epoch accuracy on the held-out images (final_test_accuracy of "
-               "summary.json), per width of saved-activation codes and seed")
+               "summary.json), per width of saved-activation codes (reordered: the exact step in one "
+               "thread, the null twin) and seed")
 res["command"] = (f"train_cifar10 --epochs {epochs} --seed S --compress-activations C --quiet "
                   f"[--data-dir DIR] {extra}").strip()
 res["runs"] = [r for r in res["runs"]

@@ -11,18 +11,27 @@
 # graph.jsonl (the same configurations with --cuda-graph: summary.json's `cuda_graph` has the
 # kernels per step and the graph memory), codes.jsonl (--compress-activations int8/int4/int2,
 # memtrain only: PyTorch has no such flag), codes-auto.jsonl (--compress-activations auto under
-# two limits), torch.jsonl (bench/torch_reference.py), accuracy.jsonl
+# two limits), torch.jsonl (bench/gpu_torch.py: every configuration like for like, deterministic
+# and NCHW, the batch 128/512 f32/bf16 ones also with PyTorch's defaults, in one process, from
+# bench/torch-cache.jsonl where this GPU and these versions were measured before, bs128-f32 and
+# bs512-bf16 re-run as a drift check; torch-cache.jsonl is the cache after the session, to commit
+# as bench/torch-cache.jsonl), accuracy.jsonl
 # (the accuracy phase: final_test_accuracy per code and seed), pool-cache.jsonl,
 # im2col.jsonl (only with BIN_IM2COL), sweep-2GiB/ and sweep-nolimit/ (batch_sweep --find-max),
 # logs/ (each memtrain run's output: the self-check's line, warnings), timelines/ (each memtrain
 # run's step_timeline.json: the newest step's events, measured and predicted), and at the end
-# compare.csv and codes.csv (bench/gpu_compare.py: the tables of docs/results/gpu-*.md).
+# compare.csv and codes.csv (bench/gpu_compare.py: the tables of docs/results/gpu-*.md), and its
+# verdict (speed and memory ratios, estimate errors, failed runs and tests) as the last lines.
+#
+# Two device calls a session: the first, about 5 minutes, ends with the verdict,
+#   BUDGET=280 PHASES=check,memtrain,torch,graph target-cuda/gpu/run.sh OUT
+# and the second runs what the verdict asks for (PHASES=tests,codes,... or a targeted rerun).
 #
 # Bounded: the whole run stops by BUDGET seconds (default 570, under a 10-minute device call).
 # Phases run in priority order, each step with its own time limit cut to what is left; a step that
 # no longer fits is skipped with a line in session.log, so a short lease still yields the most
 # important numbers first. Environment:
-#   BUDGET (s, 570)  STEPS (steps per run, 25)  TF32 (on|off for both frameworks, on = PyTorch's
+#   BUDGET (s, 570)  STEPS (timed steps per run, 200; memtrain's steady img/s skips its first 3)  TF32 (on|off for both frameworks, on = PyTorch's
 #   default)  PHASES (comma list, run in its order; default: check,memtrain,torch,graph,tests,codes,
 #   accuracy,sweep,pool,im2col,nolimit)  DATA_DIR (CIFAR-10 binaries for the accuracy phase: EPOCHS (20)
 #   epochs for each of SEEDS ("0 1 2") and ACC_CODES ("none int8"), into accuracy.jsonl)
@@ -32,7 +41,7 @@
 set -uo pipefail
 BIN=$(realpath "$1"); OUT=$(realpath -m "$2"); mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
-BUDGET=${BUDGET:-570}; STEPS=${STEPS:-25}; TF32=${TF32:-on}; PY=${PY:-python3}
+BUDGET=${BUDGET:-570}; STEPS=${STEPS:-200}; TF32=${TF32:-on}; PY=${PY:-python3}
 PHASES=${PHASES:-check,memtrain,torch,graph,tests,codes,accuracy,sweep,pool,im2col,nolimit}
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
@@ -140,24 +149,15 @@ PY
   log "memtrain $name ($file) rc=$rc"
 }
 
-run_torch() { # name flags...
-  local name=$1; shift
-  local lim; lim=$(limit_for 90 25)
-  [ "$lim" -gt 0 ] || { log "pytorch $name skipped: budget"; return; }
-  timeout "$lim" "$PY" "$here/torch_reference.py" --device cuda --steps "$STEPS" --warmup 5 --tf32 "$TF32" "$@" \
-    > "/tmp/pt-$name.json" 2> "/tmp/pt-$name.log"
-  local rc=$?
-  "$PY" - "$name" "$rc" >> "$OUT/torch.jsonl" <<'PY'
-import json, sys
-name, rc = sys.argv[1], int(sys.argv[2])
-try:
-    d = json.load(open(f"/tmp/pt-{name}.json")) if rc == 0 else {"error": open(f"/tmp/pt-{name}.log").read()[-400:]}
-except Exception as e:
-    d = {"error": str(e)}
-d.update({"name": name, "rc": rc})
-print(json.dumps(d))
-PY
-  log "pytorch $name rc=$rc"
+run_torch() { # the configurations, in one PyTorch process (bench/gpu_torch.py)
+  local lim; lim=$(limit_for 240 60)
+  [ "$lim" -gt 0 ] || { log "pytorch skipped: budget"; return; }
+  local names=() c
+  for c in "${GRAPH_CONFIGS[@]}"; do names+=("${c%%|*}"); done
+  DEFAULTS="${names[*]}" PROFILE="bs512-f32 bs512-bf16" DRIFT="${DRIFT:-bs128-f32 bs512-bf16}" \
+    timeout "$lim" "$PY" "$here/gpu_torch.py" "$OUT" "$here/torch-cache.jsonl" "$STEPS" "$TF32" "$@" \
+    > "$OUT/torch.log" 2>&1
+  log "pytorch rc=$? ($(tail -n 1 "$OUT/torch.log"))"
 }
 
 run_sweep() { # out-subdir limit-flags...
@@ -206,7 +206,7 @@ for p in ${PHASES//,/ }; do
     check) log "check"; run_tests gpu_graph conv2d ;;
     memtrain) log "memtrain runs"
       for c in "${CONFIGS[@]}"; do run_memtrain "$BIN" memtrain.jsonl "${c%%|*}" ${c#*|}; done ;;
-    torch) [ -z "${SKIP_TORCH:-}" ] && { log "pytorch runs"; for c in "${CONFIGS[@]}"; do run_torch "${c%%|*}" ${c#*|}; done; } ;;
+    torch) [ -z "${SKIP_TORCH:-}" ] && { log "pytorch runs"; run_torch "${CONFIGS[@]}"; } ;;
     graph) log "captured step"
       for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$BIN" graph.jsonl "${c%%|*}-graph" ${c#*|} --cuda-graph; done ;;
     tests) log "tests"; run_tests ${TESTS:-gpu_memory gpu_train pool batchnorm depthwise quantize} ;;
@@ -227,6 +227,6 @@ done
 # The tables of docs/results/gpu-*.md, as CSV: compare.csv and codes.csv.
 # Its error goes into the log: the 2026-11-27b session's two failures left no trace to fix them by
 # (the same files pass here).
-"$PY" "$here/gpu_compare.py" "$OUT" 2>"$OUT/gpu_compare.err" ||
+"$PY" "$here/gpu_compare.py" "$OUT" 2>"$OUT/gpu_compare.err" | tee -a "$OUT/session.log" ||
   log "gpu_compare.py failed: $(tail -n 3 "$OUT/gpu_compare.err" | tr '\n' ' ')"
 log "done ($(left)s of the budget left)"

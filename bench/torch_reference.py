@@ -23,6 +23,18 @@ step-added peak. --tf32 on|off sets torch.backends.cudnn.allow_tf32 (on, PyTorch
 f32 convolutions in TF32); matmuls keep PyTorch's default (torch.backends.cuda.matmul.allow_tf32
 off), as memtrain's --tf32 leaves its head's matmul in f32.
 
+--deterministic asks cuDNN for deterministic algorithms only (torch.backends.cudnn.deterministic;
+memtrain's default); without it PyTorch's default heuristics choose. --layout channels_last (the
+default on CUDA) or nchw sets the model's and batches' memory format (memtrain is NCHW).
+--profile adds "profile": the 20 ops with the most device time (CPU time on the CPU) over 5 more
+steps, from torch.profiler, as PyTorch's own table of where its step's time goes.
+
+--variants FILE runs several configurations in this one process, one JSON line each: FILE is a
+JSON list of objects, each a configuration's "name" and its flags as keys (dashes as
+underscores, e.g. {"name": "bs512-f32", "batch_size": 512, "deterministic": true}); flags not
+named keep the command line's values. The model, optimizer and data are made anew per line;
+CUDA's peak statistics are reset between them.
+
 --checkpoint stages wraps each of the three stages (two blocks) in
 torch.utils.checkpoint.checkpoint(use_reentrant=False) and runs the head outside, as memtrain does
 (it recomputes every segment, the last one too: checkpoint_sequential would leave the last
@@ -139,7 +151,7 @@ def saved_bytes(model, xb, yb, dtype, dev):
     return sum(seen.values())
 
 
-def main():
+def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
@@ -164,7 +176,48 @@ def main():
                    help="per-step heap bytes from the malloc_count LD_PRELOAD shim (CPU only)")
     p.add_argument("--saved-bytes", action="store_true",
                    help="only the bytes autograd saves for the backward in one micro-batch's forward")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic cuDNN algorithms only (torch.backends.cudnn.deterministic)")
+    p.add_argument("--layout", choices=["default", "nchw", "channels_last"], default="default",
+                   help="memory format of the model and batches (default: channels_last on CUDA, NCHW on the CPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="add the 20 ops with the most device time over 5 more steps (torch.profiler)")
+    p.add_argument("--variants", metavar="FILE", default=None,
+                   help="a JSON list of configurations to run in this process, one JSON line each")
+    return p
+
+
+def main():
+    p = parser()
     a = p.parse_args()
+    if a.variants is None:
+        print(json.dumps(run(a)))
+        return
+    try:
+        variants = json.load(open(a.variants))
+        assert isinstance(variants, list) and all(isinstance(v, dict) and "name" in v for v in variants)
+    except (OSError, ValueError, AssertionError) as e:
+        sys.exit(f"error: --variants {a.variants}: not a JSON list of objects with a \"name\" ({e})")
+    known = vars(a)
+    for v in variants:
+        bad = [k for k in v if k != "name" and (k not in known or k == "variants")]
+        if bad:
+            sys.exit(f"error: --variants {a.variants}: {v['name']}: unknown keys {bad}; use the flags' names with underscores")
+    for v in variants:
+        b = argparse.Namespace(**{**known, **{k: x for k, x in v.items() if k != "name"}})
+        try:
+            out = run(b)
+        except Exception as e:  # one configuration's failure (out of memory, ...) ends only its line
+            out = {"error": f"{type(e).__name__}: {e}"[:400]}
+        out["name"] = v["name"]
+        print(json.dumps(out), flush=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run(a):
+    """One configuration's JSON object (argparse namespace `a`)."""
     if a.batch_size <= 0 or a.batch_size % a.accum_steps:
         sys.exit("error: --batch-size must be positive and divisible by --accum-steps")
     if a.step_memory and torch.device(a.device).type != "cpu":
@@ -176,6 +229,9 @@ def main():
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     torch.backends.cudnn.allow_tf32 = a.tf32 == "on"
+    torch.backends.cudnn.deterministic = a.deterministic
+    layout = a.layout if a.layout != "default" else ("channels_last" if cuda else "nchw")
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
 
     n = a.batch_size * 4
     if a.data_dir:
@@ -185,7 +241,7 @@ def main():
     else:
         x_all, y_all = torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
 
-    model = Net(a.width, a.conv == "separable", a.checkpoint).to(dev).to(memory_format=torch.channels_last if cuda else torch.contiguous_format)
+    model = Net(a.width, a.conv == "separable", a.checkpoint).to(dev).to(memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     if a.compile:
         # Forward and backward compiled (AOTAutograd); the optimizer stays eager.
@@ -193,8 +249,7 @@ def main():
     dtype = {"f32": None, "f16": torch.float16, "bf16": torch.bfloat16}[a.precision]
     if a.saved_bytes:
         m = a.batch_size // a.accum_steps
-        print(json.dumps({"saved_bytes": saved_bytes(model, x_all[:m].to(dev), y_all[:m].to(dev), dtype, dev)}))
-        return
+        return {"saved_bytes": saved_bytes(model, x_all[:m].to(dev), y_all[:m].to(dev), dtype, dev)}
     scaler = torch.amp.GradScaler(dev.type, enabled=a.precision == "f16")
     mb = a.batch_size // a.accum_steps
 
@@ -227,7 +282,7 @@ def main():
                 opt.zero_grad(set_to_none=True)
                 start = torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            xb = x_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
+            xb = x_all[lo : lo + a.batch_size].to(dev, non_blocking=True).contiguous(memory_format=fmt)
             yb = y_all[lo : lo + a.batch_size].to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         for k in range(a.accum_steps):
@@ -278,6 +333,9 @@ def main():
         "params": sum(p.numel() for p in model.parameters()),
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "deterministic": a.deterministic,
+        "layout": layout,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
     }
     if cuda:
         free, total = torch.cuda.mem_get_info(dev)
@@ -298,7 +356,34 @@ def main():
             "pretrain_bytes": pretrain_bytes,
             "unknown_frees": mc.mc_unknown_frees(),
         }
-    print(json.dumps(out))
+    if a.profile:
+        out["profile"] = profile(step, a.warmup + a.steps, cuda)
+    return out
+
+
+def profile(step, first, cuda):
+    """The 20 ops with the most self device time (CPU time on the CPU) over 5 steps from `first`."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with prof(activities=acts) as pr:
+        for i in range(5):
+            step(first + i)
+        if cuda:
+            torch.cuda.synchronize()
+    def dev_us(e, total):
+        for k in (("self_device_time_total", "self_cuda_time_total") if not total
+                  else ("device_time_total", "cuda_time_total")):
+            if hasattr(e, k):
+                return getattr(e, k)
+        return 0
+    rows = []
+    for e in pr.key_averages():
+        own = dev_us(e, False) if cuda else e.self_cpu_time_total
+        rows.append({"op": e.key, "calls": e.count, "self_us": own / 5,
+                     "total_us": (dev_us(e, True) if cuda else e.cpu_time_total) / 5})
+    rows.sort(key=lambda r: -r["self_us"])
+    return {"per": "step (mean of 5)", "time": "device" if cuda else "cpu", "top": rows[:20]}
 
 
 if __name__ == "__main__":

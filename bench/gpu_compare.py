@@ -107,6 +107,18 @@ def verdict(d, memtrain, graph, torch, codes, failed):
         if m.get("prediction_error_pct") is not None:
             parts.append(f"estimate {m['prediction_error_pct']:+.1f}%")
         print("; ".join(parts))
+    for name in ("bs512-f32", "bs512-bf16"):
+        passes = memtrain.get(name, {}).get("gpu_passes") or []
+        if passes:
+            total = sum(p["us_per_step"] for p in passes)
+            print(f"{name} GPU time in convolutions: {total:.0f} us/step; most:")
+            for p in passes[:5]:
+                ws = f", workspace {p['workspace_bytes'] / 2**20:.1f} MiB" if p["workspace_bytes"] else ""
+                print(f"  {p['us_per_step']:8.0f} us  {p['pass']} {p['shape']} {p['dtype']} on {p['route']}{ws}")
+        top = (torch.get(name, {}).get("profile") or {}).get("top") or []
+        if top:
+            print(f"{name} PyTorch's most device time: "
+                  + ", ".join(f"{r['op']} {r['self_us']:.0f} us" for r in top[:5]))
     drift = [f"{n} {r['drift']:.2f}" for n, r in torch.items() if r.get("drift")]
     if drift:
         print("PyTorch drift (this session over the cache): " + ", ".join(drift))

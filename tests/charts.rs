@@ -245,6 +245,7 @@ fn step(label: &str, scale: u64) -> memtrain_core::memory::timeline::StepTimelin
                 predicted_peak_bytes: Some(categories.total() + (index as u64 % 3) * MIB),
                 predicted_current_bytes: None,
                 end_us: None,
+                gpu_us: None,
             }
         })
         .collect();

@@ -23,13 +23,13 @@ fn the_verdict_names_ratios_drift_and_failures_and_the_tables_keep_what_ran() {
     write(
         "memtrain.jsonl",
         line(
-            r#""name": "bs512-f32", "rc": 0, "flags": "--batch-size 512", "peak_bytes": 300, "step_added_bytes": 200, "steady_images_per_sec": 30000, "predicted_peak_bytes": 301, "prediction_error_pct": 0.25, "reserved_peak_bytes": 450"#,
+            r#""name": "bs512-f32", "rc": 0, "flags": "--batch-size 512", "peak_bytes": 300, "step_added_bytes": 200, "steady_images_per_sec": 30000, "predicted_peak_bytes": 301, "prediction_error_pct": 0.25, "reserved_peak_bytes": 450, "gpu_passes": [{"pass": "weight gradient", "shape": "512×32×32×32 → 32, 3x3 stride 1 pad 1", "dtype": "f32", "route": "im2col", "workspace_bytes": 0, "calls_per_step": 1.0, "us_per_step": 900.0}, {"pass": "forward", "shape": "512×3×32×32 → 32, 3x3 stride 1 pad 1", "dtype": "f32", "route": "cudnn ALGO_1", "workspace_bytes": 2097152, "calls_per_step": 1.0, "us_per_step": 100.0}]"#,
         ) + &line(r#""name": "bs128-f32", "rc": 1, "error": "out of memory""#),
     );
     write(
         "torch.jsonl",
         line(
-            r#""name": "bs512-f32", "rc": 0, "images_per_sec": 60000, "peak_bytes": 500, "step_added_bytes": 400, "peak_reserved_bytes": 500, "drift": 0.97"#,
+            r#""name": "bs512-f32", "rc": 0, "images_per_sec": 60000, "peak_bytes": 500, "step_added_bytes": 400, "peak_reserved_bytes": 500, "drift": 0.97, "profile": {"top": [{"op": "aten::cudnn_convolution", "self_us": 1234.4}]}"#,
         ) + &line(r#""name": "bs512-f32-default", "rc": 0, "images_per_sec": 75000"#),
     );
     write(
@@ -53,6 +53,10 @@ fn the_verdict_names_ratios_drift_and_failures_and_the_tables_keep_what_ran() {
     );
     for want in [
         "bs512-f32: 30000 img/s; speed 0.50x PyTorch like for like, 0.40x its defaults; captured 0.55x; step adds 0.50x; reserved 0.90x; reserved/used 1.50x; estimate +0.2%",
+        "bs512-f32 GPU time in convolutions: 1000 us/step; most:",
+        "       900 us  weight gradient 512×32×32×32 → 32, 3x3 stride 1 pad 1 f32 on im2col",
+        "       100 us  forward 512×3×32×32 → 32, 3x3 stride 1 pad 1 f32 on cudnn ALGO_1, workspace 2.0 MiB",
+        "bs512-f32 PyTorch's most device time: aten::cudnn_convolution 1234 us",
         "PyTorch drift (this session over the cache): bs512-f32 0.97",
         "tests: gpu_graph ok, conv2d FAILED",
         "failed runs: bs128-f32 (see logs/)",

@@ -57,6 +57,7 @@ fn timeline(label: &str, scale: u64, recompute: bool) -> StepTimeline {
                 .then_some(current + extra + extra / 4),
             predicted_current_bytes: None,
             end_us: None,
+            gpu_us: None,
         });
     };
     let base = CategoryBytes {
@@ -324,6 +325,7 @@ fn event(
         predicted_peak_bytes: None,
         predicted_current_bytes: None,
         end_us: None,
+        gpu_us: None,
     }
 }
 

@@ -304,12 +304,13 @@ impl CustomOp2 for Conv2dOp {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         self.check(l1, l2)?;
         let (g, pass) = (&self.geom, self.pass);
-        #[cfg(feature = "cudnn")]
-        if g.chunk.is_none() {
-            let out = super::conv2d_cudnn::launch(pass, g, s1, l1, s2, l2)?;
-            return Ok((out, g.result_shape(pass)));
-        }
-        let out = super::conv2d_cuda::launch(pass, g, s1, l1, s2, l2)?;
+        let out = crate::gpu_time::timed_pass(s1.device(), pass, g, s1.dtype(), || {
+            #[cfg(feature = "cudnn")]
+            if g.chunk.is_none() {
+                return super::conv2d_cudnn::launch(pass, g, s1, l1, s2, l2);
+            }
+            super::conv2d_cuda::launch(pass, g, s1, l1, s2, l2)
+        })?;
         Ok((out, g.result_shape(pass)))
     }
 

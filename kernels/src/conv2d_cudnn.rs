@@ -334,9 +334,10 @@ mod cuda {
         w: FilterDescriptor<T>,
         y: TensorDescriptor<T>,
         conv: ConvDescriptor<T::Compute>,
-        fwd: Result<dnn::cudnnConvolutionFwdAlgo_t, String>,
-        bwd_data: Result<dnn::cudnnConvolutionBwdDataAlgo_t, String>,
-        bwd_filter: Result<dnn::cudnnConvolutionBwdFilterAlgo_t, String>,
+        /// Each pass's algorithm and the workspace it asks for.
+        fwd: Result<(dnn::cudnnConvolutionFwdAlgo_t, usize), String>,
+        bwd_data: Result<(dnn::cudnnConvolutionBwdDataAlgo_t, usize), String>,
+        bwd_filter: Result<(dnn::cudnnConvolutionBwdFilterAlgo_t, usize), String>,
     }
 
     /// cuDNN takes `int` sizes.
@@ -368,15 +369,16 @@ mod cuda {
         }
     }
 
-    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`]: the algorithm, or why each
-    /// candidate was passed over (one line).
+    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`]: the algorithm and the
+    /// workspace it asks for, or why each candidate was passed over (one line).
     fn choose<A: Copy + PartialEq + std::fmt::Debug>(
         best: Result<A, CudnnError>,
         allowed: impl Fn(A) -> bool,
         size: impl Fn(A) -> Result<usize, CudnnError>,
         fallbacks: &[A],
-    ) -> Result<A, String> {
-        super::choose_algorithm(best, allowed, size, fallbacks, CUDNN_WORKSPACE_BYTES)
+    ) -> Result<(A, usize), String> {
+        super::choose_algorithm(best, allowed, &size, fallbacks, CUDNN_WORKSPACE_BYTES)
+            .map(|a| (a, size(a).unwrap_or(0)))
             .map_err(|passed| super::passed_over_line(&passed, algo_name))
     }
 
@@ -525,6 +527,20 @@ mod cuda {
             .map(String::as_str)
         }
 
+        /// The algorithm `pass` runs, by name, and the workspace it asks for.
+        fn route(&self, pass: ConvPass) -> Option<(String, u64)> {
+            fn of<A: std::fmt::Debug + Copy>(
+                a: &Result<(A, usize), String>,
+            ) -> Option<(String, u64)> {
+                a.as_ref().ok().map(|&(a, ws)| (algo_name(a), ws as u64))
+            }
+            match pass {
+                ConvPass::Forward => of(&self.fwd),
+                ConvPass::InputGrad => of(&self.bwd_data),
+                ConvPass::WeightGrad => of(&self.bwd_filter),
+            }
+        }
+
         /// Runs `pass` (one with an algorithm) from the op's two inputs into `out`, in `ws`.
         fn run(
             &self,
@@ -636,9 +652,9 @@ mod cuda {
     }
 
     /// The algorithm of a planned pass (the caller checked that it has one).
-    fn algo<A: Copy>(a: &Result<A, String>) -> Result<A, CudnnError> {
+    fn algo<A: Copy>(a: &Result<(A, usize), String>) -> Result<A, CudnnError> {
         a.as_ref()
-            .copied()
+            .map(|&(a, _)| a)
             .map_err(|_| CudnnError(dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE))
     }
 
@@ -786,7 +802,12 @@ mod cuda {
             // SAFETY: every element of the result is written by the pass (beta = 0).
             let mut out = unsafe { dev.alloc::<T>(out_len)? };
             match plan.run(pass, &in0, &in1, &mut out, ws) {
-                Ok(()) => Ok(Some(out)),
+                Ok(()) => {
+                    if let Some((algorithm, bytes)) = plan.route(pass) {
+                        crate::gpu_time::note_cudnn_route(algorithm, bytes);
+                    }
+                    Ok(Some(out))
+                }
                 // Planned, but refused at launch as not supported: the im2col op takes the pass
                 // over from now on. Any other failure is the run's error.
                 Err(e) if unsupported(&e) => {

@@ -84,6 +84,7 @@
 //! pool.rs            2x2 max-pool with a correct backward
 //! quantize.rs        8-, 4- and 2-bit storage of an activation, a range per channel or plane
 //! linear.rs          the single-threaded matmul
+//! gpu_time.rs        GPU time of each convolution pass and between marks, from CUDA events
 //! selfcheck.rs       every pass run once on a device and on the CPU and compared (a run on a GPU
 //!                    does this before its first step)
 //! gemm_bf16.rs       bf16 gemm micro-kernels (gemm_bf16/avx512.rs: the AVX512-BF16 kernel);
@@ -111,6 +112,7 @@ mod conv2d_threads;
 pub mod depthwise;
 pub mod gemm_bf16;
 mod geom;
+pub mod gpu_time;
 pub mod linear;
 pub mod pool;
 pub mod quantize;

@@ -8,10 +8,12 @@
 //!   taken and put back, and its storage in the run directory (`snapshot_load`: reading one back);
 //! - [`diagnose`]: out-of-memory snapshots and divergence advice;
 //! - [`prune`]: magnitude pruning; [`graph`]: `--cuda-graph`; [`summary`]: `summary.json`;
+//!   [`gpu_time`]: where a CUDA step's GPU time goes;
 //!   [`run_dir`]: one writer per run directory.
 
 pub mod diagnose;
 pub mod fit;
+pub mod gpu_time;
 pub mod grads;
 pub mod graph;
 pub mod history;

@@ -50,6 +50,9 @@ impl Trainer {
         // Reserved for as many events as the step before had: a steady step grows no vector.
         let mut events = Vec::with_capacity(self.watch.timeline.events.len());
         let mut start_bytes = self.watch.probe.current();
+        // A failed step's GPU-time readings go; this step's are timed from here.
+        memtrain_kernels::gpu_time::take();
+        memtrain_kernels::gpu_time::mark(&self.watch.device);
         let result = self.step_phases(&step, batch, &mut events, &mut start_bytes);
         // A failed step's trace ends here (a step that ended well stopped it before its end).
         self.watch.tracer.end();
@@ -64,6 +67,12 @@ impl Trainer {
         timeline.events.shrink_to_fit();
         match result {
             Ok(r) => {
+                super::gpu_time::read_step(
+                    memtrain_kernels::gpu_time::take(),
+                    &mut timeline,
+                    step.global_step >= super::gpu_time::warmup_steps(self.position.total_steps),
+                    &mut self.watch.gpu_passes,
+                );
                 self.watch.timeline = timeline;
                 self.position.global_step += 1;
                 self.position

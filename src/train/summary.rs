@@ -68,6 +68,10 @@ pub struct Summary {
     /// What a `--cuda-graph` run captured: kernels per step, replays, graph memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_graph: Option<super::graph::GraphStats>,
+    /// Where an eager CUDA run's steady steps spent their GPU time, convolution pass by pass,
+    /// most first ([`super::gpu_time`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_passes: Option<Vec<super::gpu_time::GpuPass>>,
 }
 
 /// What the memory probe measured, with the parameters' size and the limit the run had.
@@ -283,6 +287,7 @@ impl Trainer {
             wall_secs: wall,
             pruning,
             cuda_graph: self.cuda_graph.stats(),
+            gpu_passes: self.watch.gpu_passes.rows(),
         })
     }
 }

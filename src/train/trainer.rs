@@ -184,6 +184,8 @@ impl Trainer {
                     options.log_files,
                     options.callbacks,
                 ),
+                device: device.clone(),
+                gpu_passes: Default::default(),
             },
             model,
             updater: Updater { optimizer, scaler },
@@ -369,6 +371,13 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
         // run on another thread of the process).
         memtrain_kernels::conv2d_cudnn::open(&device)?;
     }
+    // Where an eager CUDA step's GPU time goes (`MEMTRAIN_GPU_TIME=off` leaves it unmeasured, for
+    // the A/B of what the events cost); a captured step has no passes of its own to time.
+    memtrain_kernels::gpu_time::set_enabled(
+        device.is_cuda()
+            && !config.cuda.cuda_graph
+            && std::env::var("MEMTRAIN_GPU_TIME").as_deref() != Ok("off"),
+    );
     Ok(device)
 }
 

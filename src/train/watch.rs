@@ -31,6 +31,10 @@ pub(crate) struct RunWatch {
     pub(crate) tracer: super::viewers::StepTracer,
     /// The built-in callbacks, then the caller's.
     pub(crate) callbacks: CallbackList,
+    /// The device the step runs on, whose stream the GPU-time marks go on.
+    pub(crate) device: candle_core::Device,
+    /// The convolution passes' GPU time over the steady steps (CUDA).
+    pub(crate) gpu_passes: super::gpu_time::PassTotals,
 }
 
 /// The CPU budget of `--memory-limit`: the counting allocator's peak since the last reading
@@ -216,6 +220,7 @@ impl<'a> StepWatch<'a> {
     /// callbacks' `on_layer_end`. A failed update (`update` an error) records the event only.
     pub(super) fn update_end<U>(&mut self, update: &Result<U>, skipped: bool) -> Result<()> {
         memtrain_core::memory::trace::mark();
+        memtrain_kernels::gpu_time::mark(&self.watch.device);
         let probe = &*self.watch.timeline_probe;
         let (peak, current) = (probe.take_event_peak(), probe.current());
         let step = self.step;
@@ -231,6 +236,7 @@ impl<'a> StepWatch<'a> {
             predicted_peak_bytes: None,
             predicted_current_bytes: None,
             end_us: Some(step.started.elapsed().as_micros() as u64),
+            gpu_us: None,
         });
         if update.is_err() {
             return Ok(());
@@ -280,6 +286,7 @@ impl<'a> StepWatch<'a> {
         grads: u64,
     ) -> Result<(), CoreError> {
         memtrain_core::memory::trace::mark();
+        memtrain_kernels::gpu_time::mark(&self.watch.device);
         let probe = &*self.watch.timeline_probe;
         let (peak, current) = (probe.take_event_peak(), probe.current());
         self.events.push(TimelineEvent {
@@ -293,6 +300,7 @@ impl<'a> StepWatch<'a> {
             predicted_peak_bytes: None,
             predicted_current_bytes: None,
             end_us: Some(self.step.started.elapsed().as_micros() as u64),
+            gpu_us: None,
         });
         over_budget(
             probe,

@@ -69,6 +69,10 @@ pub struct TimelineEvent {
     /// Microseconds from the step's start to this event (`step_trace.json`'s time axis).
     #[serde(default)]
     pub end_us: Option<u64>,
+    /// GPU microseconds since the previous event (the step's start for the first), from CUDA
+    /// events (eager CUDA steps; `None` elsewhere).
+    #[serde(default)]
+    pub gpu_us: Option<f64>,
 }
 
 /// The events of one optimizer step.

@@ -276,8 +276,10 @@ fn int2_keeps_at_most_a_sixteenth_of_what_pytorchs_eager_step_saves() {
     let torch: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let torch = torch["f32"].as_u64().unwrap();
-    let mut cfg = TrainConfig::default();
-    cfg.device = Some("cpu".into());
+    let mut cfg = TrainConfig {
+        device: Some("cpu".into()),
+        ..Default::default()
+    };
     cfg.memory.compress_activations = ActivationStorage::Int2.into();
     assert_eq!((cfg.steps.batch_size, cfg.model.width), (128, 32));
     let saved = estimate(&cfg, DeviceKind::cpu())

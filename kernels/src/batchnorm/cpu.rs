@@ -476,7 +476,7 @@ pub(super) fn decide_y(y: &mut [f32], bits: &[u8], first: usize) {
         let keep = ((byte >> k) as u32 & 1).wrapping_neg();
         *v = f32::from_bits(v.max(DECIDED_MIN).to_bits() & keep);
     };
-    if first % 8 != 0 {
+    if !first.is_multiple_of(8) {
         for (i, v) in y.iter_mut().enumerate() {
             let b = first + i;
             decide(v, bits[b / 8], b % 8);

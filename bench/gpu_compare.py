@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import os
+import re
 import sys
 
 
@@ -54,9 +55,12 @@ def main():
     d = sys.argv[1]
     memtrain, graph = rows(f"{d}/memtrain.jsonl"), rows(f"{d}/graph.jsonl")
     torch, codes = rows(f"{d}/torch.jsonl"), rows(f"{d}/codes.jsonl")
+    workspace = rows(f"{d}/workspace.jsonl")
     failed = [n for n, r in {**memtrain, **graph, **codes, **torch}.items() if r.get("rc") != 0]
+    failed += [f"{n} (workspace)" for n, r in workspace.items() if r.get("rc") != 0]
     ok = lambda rs: {n: r for n, r in rs.items() if r.get("rc") == 0}
     memtrain, graph, torch, codes = ok(memtrain), ok(graph), ok(torch), ok(codes)
+    workspace = ok(workspace)
     mem_cols = ["peak_bytes", "step_added_bytes", "steady_images_per_sec",
                 "predicted_peak_bytes", "prediction_error_pct"]
     if memtrain:
@@ -81,19 +85,18 @@ def main():
         write_atomically(f"{d}/codes.csv",
                          ["configuration", "flags", "lossy", "peak_bytes", "step_added_bytes",
                           "images_per_sec", "predicted_peak_bytes", "prediction_error_pct"], table)
-    verdict(d, memtrain, graph, torch, codes, failed)
+    verdict(d, memtrain, graph, torch, codes, workspace, failed)
 
 
-def verdict(d, memtrain, graph, torch, codes, failed):
+def verdict(d, memtrain, graph, torch, codes, workspace, failed):
     """A few lines that say what the session found, for the developer deciding on a rerun."""
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "-"
     print("== verdict")
-    for name, m in {**memtrain, **codes}.items():
-        t, g = torch.get(name, {}), graph.get(f"{name}-graph", {})
-        td = torch.get(f"{name}-default", {})
+    def line(label, name, m, g):
+        t, td = torch.get(name, {}), torch.get(f"{name}-default", {})
         ips = m.get("steady_images_per_sec") or m.get("images_per_sec")
-        parts = [f"{name}: {ips or 0:.0f} img/s"]
+        parts = [f"{label}: {ips or 0:.0f} img/s"]
         if t:
             parts.append(f"speed {ratio(ips, t.get('images_per_sec'))} PyTorch like for like"
                          + (f", {ratio(ips, td.get('images_per_sec'))} its defaults" if td else ""))
@@ -107,6 +110,11 @@ def verdict(d, memtrain, graph, torch, codes, failed):
         if m.get("prediction_error_pct") is not None:
             parts.append(f"estimate {m['prediction_error_pct']:+.1f}%")
         print("; ".join(parts))
+    for name, m in {**memtrain, **codes}.items():
+        line(name, name, m, graph.get(f"{name}-graph"))
+    for name, m in workspace.items():
+        ws = re.search(r"--cudnn-workspace \S+", m.get("flags", ""))
+        line(f"{name} with {ws.group(0) if ws else 'another workspace'}", name, m, None)
     for name in ("bs512-f32", "bs512-bf16"):
         passes = memtrain.get(name, {}).get("gpu_passes") or []
         if passes:

@@ -24,7 +24,7 @@
 # verdict (speed and memory ratios, estimate errors, failed runs and tests) as the last lines.
 #
 # Two device calls a session: the first, about 5 minutes, ends with the verdict,
-#   BUDGET=280 PHASES=check,memtrain,torch,graph target-cuda/gpu/run.sh OUT
+#   BUDGET=280 PHASES=check,memtrain,torch,graph,workspace target-cuda/gpu/run.sh OUT
 # and the second runs what the verdict asks for (PHASES=tests,codes,... or a targeted rerun).
 #
 # Bounded: the whole run stops by BUDGET seconds (default 570, under a 10-minute device call).
@@ -33,7 +33,8 @@
 # important numbers first. Environment:
 #   BUDGET (s, 570)  STEPS (timed steps per run, 200; memtrain's steady img/s skips its first 3)  TF32 (on|off for both frameworks, on = PyTorch's
 #   default)  PHASES (comma list, run in its order; default: check,memtrain,torch,graph,tests,codes,
-#   accuracy,sweep,pool,im2col,nolimit)  DATA_DIR (CIFAR-10 binaries for the accuracy phase: EPOCHS (20)
+#   accuracy,sweep,pool,im2col,nolimit; workspace runs WS_CONFIGS with --cudnn-workspace WORKSPACE,
+#   160MiB)  DATA_DIR (CIFAR-10 binaries for the accuracy phase: EPOCHS (20)
 #   epochs for each of SEEDS ("0 1 2") and ACC_CODES ("none int8"), into accuracy.jsonl)
 #   TESTS (test binaries of the `tests` phase)  SKIP_TORCH=1  BIN_IM2COL (a `--features cuda` build
 #   without cuDNN, for the im2col phase)  PY (python with torch, default python3)
@@ -42,7 +43,7 @@ set -uo pipefail
 BIN=$(realpath "$1"); OUT=$(realpath -m "$2"); mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 BUDGET=${BUDGET:-570}; STEPS=${STEPS:-200}; TF32=${TF32:-on}; PY=${PY:-python3}
-PHASES=${PHASES:-check,memtrain,torch,graph,tests,codes,accuracy,sweep,pool,im2col,nolimit}
+PHASES=${PHASES:-check,memtrain,torch,graph,workspace,tests,codes,accuracy,sweep,pool,im2col,nolimit}
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
 # Seconds left in the budget.
@@ -105,6 +106,12 @@ CODES_CONFIGS=(
   "bs512-f32-int4|--batch-size 512 --compress-activations int4"
   "bs512-bf16-int8|--batch-size 512 --precision bf16 --compress-activations int8"
   "bs512-bf16-int2|--batch-size 512 --precision bf16 --compress-activations int2"
+)
+# The lever docs/results/gpu-2026-11-27b.md found: a workspace that the deterministic backward
+# algorithms fit at batch 512 (33.9-129.9 MiB), same names as CONFIGS, into workspace.jsonl.
+WS_CONFIGS=(
+  "bs512-f32|--batch-size 512 --cudnn-workspace ${WORKSPACE:-160MiB}"
+  "bs512-bf16|--batch-size 512 --precision bf16 --cudnn-workspace ${WORKSPACE:-160MiB}"
 )
 # The planner's choice of codes under a limit the exact step fits (1 GiB) and one it does not
 # (360 MiB: the exact step peaks at 377.5 MiB, int8 at 329.5), into codes-auto.jsonl.
@@ -209,6 +216,8 @@ for p in ${PHASES//,/ }; do
     torch) [ -z "${SKIP_TORCH:-}" ] && { log "pytorch runs"; run_torch "${CONFIGS[@]}"; } ;;
     graph) log "captured step"
       for c in "${GRAPH_CONFIGS[@]}"; do run_memtrain "$BIN" graph.jsonl "${c%%|*}-graph" ${c#*|} --cuda-graph; done ;;
+    workspace) log "cuDNN workspace ${WORKSPACE:-160MiB}"
+      for c in "${WS_CONFIGS[@]}"; do run_memtrain "$BIN" workspace.jsonl "${c%%|*}" ${c#*|}; done ;;
     tests) log "tests"; run_tests ${TESTS:-gpu_memory gpu_train pool batchnorm depthwise quantize} ;;
     codes) log "saved activations as codes"
       for c in "${CODES_CONFIGS[@]}"; do run_memtrain "$BIN" codes.jsonl "${c%%|*}" ${c#*|}; done

@@ -285,6 +285,9 @@ pub struct CudaConfig {
     /// CUDA with cuDNN: let the backward convolutions run cuDNN's fastest algorithms even where they sum with atomic adds, so that two runs (or a captured step and an eager one) can differ in the last bits. Default: deterministic algorithms only, as PyTorch's torch.backends.cudnn.deterministic. No effect on the CPU or without the cudnn feature
     #[arg(long)]
     pub cudnn_nondeterministic: bool,
+    /// CUDA with cuDNN: the one workspace the convolution passes share (allocated by the first, kept, counted in the estimate); a pass whose algorithms all need more runs on the im2col op. No effect on the CPU or without the cudnn feature
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "32MiB")]
+    pub cudnn_workspace: u64,
     /// CUDA: after one eager step, capture each step's forward and backward as a CUDA graph and replay it (fewer kernel launches; the optimizer update stays eager); summary.json's cuda_graph gives its kernels per step and its memory. Needs a CUDA device; not with --memory-limit
     #[arg(long)]
     pub cuda_graph: bool,

@@ -148,7 +148,11 @@ fn help_docs_and_config_json_agree_on_every_flag_and_default() {
                 "Default: the optimizer's (sgd {}",
                 n.as_f64().unwrap()
             )),
-            (true, Some(d), Value::Number(n)) => d.parse::<f64>().ok() == n.as_f64(),
+            (true, Some(d), Value::Number(n)) => {
+                d.parse::<f64>().ok() == n.as_f64()
+                    // A size (`32MiB`) is its bytes in config.json.
+                    || memtrain::config::parse_size(d).ok() == n.as_u64()
+            }
             (true, Some(d), Value::String(s)) => d == s,
             _ => false,
         };

@@ -33,6 +33,12 @@ fn the_verdict_names_ratios_drift_and_failures_and_the_tables_keep_what_ran() {
         ) + &line(r#""name": "bs512-f32-default", "rc": 0, "images_per_sec": 75000"#),
     );
     write(
+        "workspace.jsonl",
+        line(
+            r#""name": "bs512-f32", "rc": 0, "flags": "--batch-size 512 --cudnn-workspace 160MiB", "peak_bytes": 400, "step_added_bytes": 300, "steady_images_per_sec": 45000"#,
+        ),
+    );
+    write(
         "graph.jsonl",
         line(r#""name": "bs512-f32-graph", "rc": 0, "steady_images_per_sec": 33000"#),
     );
@@ -53,6 +59,7 @@ fn the_verdict_names_ratios_drift_and_failures_and_the_tables_keep_what_ran() {
     );
     for want in [
         "bs512-f32: 30000 img/s; speed 0.50x PyTorch like for like, 0.40x its defaults; captured 0.55x; step adds 0.50x; reserved 0.90x; reserved/used 1.50x; estimate +0.2%",
+        "bs512-f32 with --cudnn-workspace 160MiB: 45000 img/s; speed 0.75x PyTorch like for like, 0.60x its defaults; step adds 0.75x; reserved -",
         "bs512-f32 GPU time in convolutions: 1000 us/step; most:",
         "       900 us  weight gradient 512×32×32×32 → 32, 3x3 stride 1 pad 1 f32 on im2col",
         "       100 us  forward 512×3×32×32 → 32, 3x3 stride 1 pad 1 f32 on cudnn ALGO_1, workspace 2.0 MiB",

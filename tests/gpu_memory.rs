@@ -278,10 +278,19 @@ fn oom_is_recognised_through_candle_wrappers() {
 #[test]
 fn the_cuda_estimate_counts_the_conv_ops_persistent_bytes() {
     use memtrain::predict::{estimate, DeviceKind};
-    let e = estimate(&memtrain::TrainConfig::default(), DeviceKind::Cuda).unwrap();
+    // The workspace `--cudnn-workspace` names, in a cudnn build.
+    for size in [32u64 << 20, 256 << 20] {
+        let mut cfg = memtrain::TrainConfig::default();
+        cfg.cuda.cudnn_workspace = size;
+        let e = estimate(&cfg, DeviceKind::Cuda).unwrap();
+        assert_eq!(
+            e.held.runtime_bytes,
+            memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes(size)
+        );
+    }
     assert_eq!(
-        e.held.runtime_bytes,
-        memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes()
+        memtrain::TrainConfig::default().cuda.cudnn_workspace,
+        memtrain_kernels::conv2d_cudnn::DEFAULT_CUDNN_WORKSPACE_BYTES as u64
     );
 }
 
@@ -315,7 +324,7 @@ fn conv2d_scratch_is_one_chunk() -> anyhow::Result<()> {
         .into_iter()
         .max()
         .unwrap()
-        + cuda_runtime_bytes();
+        + cuda_runtime_bytes(memtrain_kernels::conv2d_cudnn::cudnn_workspace_bytes() as u64);
     // y, its gradient and dx at most at once, where Candle's backward adds each gradient into a
     // zeroed tensor of its own (zeros, then the sum: two more activations when dx lands, measured
     // 352 MiB on an H200 with cuDNN), small tensors (dw, the loss), plus the conv op's scratch and

@@ -11,9 +11,11 @@
 //!   CUDA stream is the per-thread default stream, so per-thread state is also per-stream state);
 //! - one plan per (shape, stride, padding, dtype, math mode): the tensor, filter and convolution
 //!   descriptors and the algorithm of each of the three passes, chosen once;
-//! - one workspace of [`CUDNN_WORKSPACE_BYTES`], allocated by the first cuDNN convolution and
+//! - one workspace of [`cudnn_workspace_bytes`] (memtrain's `--cudnn-workspace`, default
+//!   [`DEFAULT_CUDNN_WORKSPACE_BYTES`]), allocated by the first cuDNN convolution and
 //!   reused by every later one, for the rest of the thread's life (a process that builds many
-//!   trainers, like memtrain's GPU tests, holds one, not one per trainer). Each pass runs the
+//!   trainers, like memtrain's GPU tests, holds one, not one per trainer, made anew when the size
+//!   changes). Each pass runs the
 //!   algorithm cuDNN's heuristics rank first when it may run and its workspace fits in that budget,
 //!   else the first of the pass's deterministic algorithms that cuDNN supports there and that fits
 //!   (`ALGO_1` first for the backward passes), and a pass that has none runs on the im2col op
@@ -43,20 +45,36 @@
 
 use crate::geom::ConvPass;
 
-/// Bytes of the cuDNN workspace: allocated once per thread and GPU by the first cuDNN
-/// convolution, kept for the rest of the thread, shared by every convolution and pass. An
-/// algorithm that needs more is not used (see the module docs).
-pub const CUDNN_WORKSPACE_BYTES: usize = 32 << 20;
+/// Bytes of the cuDNN workspace unless [`set_cudnn_workspace_bytes`] says otherwise: allocated
+/// once per thread and GPU by the first cuDNN convolution, kept for the rest of the thread,
+/// shared by every convolution and pass. An algorithm that needs more is not used (see the
+/// module docs).
+pub const DEFAULT_CUDNN_WORKSPACE_BYTES: usize = 32 << 20;
+
+static WORKSPACE_BYTES: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(DEFAULT_CUDNN_WORKSPACE_BYTES);
+
+/// The cuDNN workspace's size from now on (memtrain's `--cudnn-workspace`). Process-wide, like
+/// [`crate::set_tf32`]; the plans made under another size are kept under theirs.
+pub fn set_cudnn_workspace_bytes(bytes: usize) {
+    WORKSPACE_BYTES.store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The cuDNN workspace's size ([`set_cudnn_workspace_bytes`]).
+pub fn cudnn_workspace_bytes() -> usize {
+    WORKSPACE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// Whether this build runs CUDA convolutions through cuDNN (the `cudnn` feature) instead of the
 /// im2col + cuBLAS op.
 pub(crate) const ENABLED: bool = cfg!(feature = "cudnn");
 
-/// Bytes the CUDA conv op keeps allocated between steps in this build: the cuDNN workspace
-/// with the `cudnn` feature, nothing for the im2col op (its columns are freed after each pass).
-pub fn cuda_runtime_bytes() -> u64 {
+/// Bytes the CUDA conv op keeps allocated between steps in this build with a cuDNN workspace of
+/// `workspace_bytes`: that workspace with the `cudnn` feature, nothing for the im2col op (its
+/// columns are freed after each pass).
+pub fn cuda_runtime_bytes(workspace_bytes: u64) -> u64 {
     if cudnn_build() {
-        CUDNN_WORKSPACE_BYTES as u64
+        workspace_bytes
     } else {
         0
     }
@@ -252,7 +270,6 @@ mod cuda {
     use candle_core::{CudaDevice, CudaStorage, DType, Layout};
     use half::{bf16, f16};
 
-    use super::CUDNN_WORKSPACE_BYTES;
     use crate::conv2d_cuda;
     use crate::geom::{ConvPass, Geom};
     use crate::util::{alloc_len, cuda_view, cudnn_nondeterministic, dispatch_float, int32, tf32};
@@ -314,6 +331,8 @@ mod cuda {
         dtype: DType,
         tf32: bool,
         nondeterministic: bool,
+        /// The workspace budget the algorithms were chosen within.
+        workspace: usize,
     }
 
     impl PlanKey {
@@ -323,6 +342,7 @@ mod cuda {
                 dtype,
                 tf32: tf32(),
                 nondeterministic: cudnn_nondeterministic(),
+                workspace: super::cudnn_workspace_bytes(),
             }
         }
     }
@@ -369,15 +389,16 @@ mod cuda {
         }
     }
 
-    /// [`super::choose_algorithm`] within [`CUDNN_WORKSPACE_BYTES`]: the algorithm and the
-    /// workspace it asks for, or why each candidate was passed over (one line).
+    /// [`super::choose_algorithm`] within `budget`: the algorithm and the workspace it asks
+    /// for, or why each candidate was passed over (one line).
     fn choose<A: Copy + PartialEq + std::fmt::Debug>(
         best: Result<A, CudnnError>,
         allowed: impl Fn(A) -> bool,
         size: impl Fn(A) -> Result<usize, CudnnError>,
         fallbacks: &[A],
+        budget: usize,
     ) -> Result<(A, usize), String> {
-        super::choose_algorithm(best, allowed, &size, fallbacks, CUDNN_WORKSPACE_BYTES)
+        super::choose_algorithm(best, allowed, &size, fallbacks, budget)
             .map(|a| (a, size(a).unwrap_or(0)))
             .map_err(|passed| super::passed_over_line(&passed, algo_name))
     }
@@ -387,13 +408,14 @@ mod cuda {
     /// by a trait, hence a macro rather than a generic function. `$allowed` says which picks
     /// may run (see [`crate::set_cudnn_nondeterministic`]).
     macro_rules! pick {
-        ($op:expr, $allowed:expr, $fallbacks:expr $(,)?) => {{
+        ($op:expr, $allowed:expr, $fallbacks:expr, $budget:expr $(,)?) => {{
             let op = $op;
             choose(
                 op.pick_algorithm(),
                 $allowed,
                 |a| op.get_workspace_size(a),
                 $fallbacks,
+                $budget,
             )
         }};
     }
@@ -483,6 +505,7 @@ mod cuda {
                     },
                     |_| true,
                     &FWD_FALLBACKS,
+                    key.workspace,
                 );
                 let bwd_data = pick!(
                     ConvBackwardData {
@@ -493,6 +516,7 @@ mod cuda {
                     },
                     |a| any || bwd_data_deterministic(a),
                     &DATA_FALLBACKS,
+                    key.workspace,
                 );
                 let bwd_filter = pick!(
                     ConvBackwardFilter {
@@ -503,6 +527,7 @@ mod cuda {
                     },
                     |a| any || bwd_filter_deterministic(a),
                     &FILTER_FALLBACKS,
+                    key.workspace,
                 );
                 Ok(Plan {
                     x,
@@ -677,7 +702,7 @@ mod cuda {
                  ({why}); that pass runs on the im2col + cuBLAS op",
                 if key.nondeterministic { "" } else { " deterministic" },
                 pass.name(["forward", "input gradient", "weight gradient"]),
-                CUDNN_WORKSPACE_BYTES >> 20
+                key.workspace >> 20
             ),
             None => eprintln!(
                 "warning: cuDNN refused {conv} ({why}); it runs on the im2col + cuBLAS op"
@@ -794,9 +819,14 @@ mod cuda {
                 }
                 return Ok(None);
             }
-            if st.workspace.is_none() {
+            if st
+                .workspace
+                .as_ref()
+                .is_none_or(|w| w.len() != key.workspace.max(1))
+            {
+                st.workspace = None;
                 // SAFETY: cuDNN only writes scratch here before reading it.
-                st.workspace = Some(unsafe { dev.alloc::<u8>(CUDNN_WORKSPACE_BYTES)? });
+                st.workspace = Some(unsafe { dev.alloc::<u8>(key.workspace.max(1))? });
             }
             let ws = st.workspace.as_mut().expect("allocated above");
             // SAFETY: every element of the result is written by the pass (beta = 0).
@@ -938,13 +968,11 @@ mod tests {
             1,
             DType::F32,
         );
+        let ws = DEFAULT_CUDNN_WORKSPACE_BYTES as u64;
         if ENABLED {
-            assert_eq!(
-                (here, cuda_runtime_bytes()),
-                (0, CUDNN_WORKSPACE_BYTES as u64)
-            );
+            assert_eq!((here, cuda_runtime_bytes(ws)), (0, ws));
         } else {
-            assert_eq!((here, cuda_runtime_bytes()), (im2col, 0));
+            assert_eq!((here, cuda_runtime_bytes(ws)), (im2col, 0));
             assert!(im2col > 0);
         }
         // An invalid shape has no scratch.

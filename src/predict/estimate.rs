@@ -28,7 +28,7 @@
 //! On the CPU it is checked against the counting allocator (`tests/estimate_grid.rs`); on CUDA the
 //! sizing follows each op's device path (a new tensor where the CPU works in place, the conv op's
 //! chunked columns from `memtrain_kernels::conv2d_cuda::cuda_scratch_bytes`, or in a `cudnn` build
-//! the one cuDNN workspace of `memtrain_kernels::conv2d_cudnn::CUDNN_WORKSPACE_BYTES`); cuBLAS
+//! the one cuDNN workspace of `--cudnn-workspace`); cuBLAS
 //! workspaces and the pool's rounding are not modelled. On an H200 (2026-11-27) it was 2.6–17%
 //! low, where cuDNN refused shapes and the im2col op's columns, which a `cudnn` build does not
 //! count, were held (`docs/results/gpu-2026-11-27.md`).
@@ -666,7 +666,9 @@ fn runtime_bytes(cfg: &TrainConfig, device: DeviceKind) -> u64 {
             threads.min(cfg.micro_batch()).max(1) as u64 * l2_cache_bytes
         }
         DeviceKind::Cpu { l2_cache_bytes, .. } => l2_cache_bytes,
-        DeviceKind::Cuda => memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes(),
+        DeviceKind::Cuda => {
+            memtrain_kernels::conv2d_cudnn::cuda_runtime_bytes(cfg.cuda.cudnn_workspace)
+        }
     }
 }
 

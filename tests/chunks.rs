@@ -32,7 +32,9 @@ fn step(
     let segments = model.segments(Segmentation::from_cuts(cuts));
     let mut step = LeanStep::new(&model, dtype, segments, storage).with_chunking(chunk);
     let mut acc = GradAccumulator::new(model.vars().len());
-    let r = step.run(&x, &y, 1.0, &mut acc, &mut NoObserver).unwrap();
+    let r = step
+        .run(x.clone(), &y, 1.0, &mut acc, &mut NoObserver)
+        .unwrap();
     let grads = acc.into_grads().into_iter().map(|g| g.unwrap()).collect();
     (r.loss, grads)
 }

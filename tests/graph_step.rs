@@ -88,7 +88,7 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
                 eager.segments(checkpoint.resolved().unwrap()),
                 ActivationStorage::None,
             )
-            .run(&xi, &yi, mult, &mut acc_e, &mut NoObserver)
+            .run(xi.clone(), &yi, mult, &mut acc_e, &mut NoObserver)
             .unwrap();
             let mut captured = LeanStep::new(
                 &graph,
@@ -98,7 +98,7 @@ fn the_deferred_in_place_step_equals_the_eager_step() {
             )
             .with_stats_in_place();
             let (g, tape) = captured
-                .forward(&xi, &yi, mult, &acc_g, &mut NoObserver)
+                .forward(xi.clone(), &yi, mult, &acc_g, &mut NoObserver)
                 .unwrap();
             captured
                 .backward(tape, &mut acc_g, &mut NoObserver)

@@ -271,7 +271,7 @@ mod cuda {
             for i in 0..k {
                 let (x, y) = batch.micro_batch(i, k)?;
                 let mult = loss_scale / k as f64;
-                let (head, tape) = lean.forward(&x, &y, mult, &acc, &mut NoObserver)?;
+                let (head, tape) = lean.forward(x, &y, mult, &acc, &mut NoObserver)?;
                 lean.backward(tape, &mut acc, &mut NoObserver)?;
                 results.push(head);
             }

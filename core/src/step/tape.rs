@@ -219,7 +219,7 @@ impl<O: StepOps> LeanStep<O> {
     /// backward, and the parameter gradients (f32) are added to `acc`.
     pub fn run(
         &mut self,
-        x: &O::T,
+        x: O::T,
         y: &O::T,
         loss_mult: f64,
         acc: &mut O::Grads,
@@ -280,20 +280,22 @@ impl<O: StepOps> LeanStep<O> {
     /// The forward phase: the blocks, the head and the loss (multiplied by `loss_mult`), up to
     /// the gradient of the logits. Returns the micro-batch's loss and accuracy, left on the
     /// device ([`StepOps::read_head`] reads them), and the [`Tape`] its [`LeanStep::backward`]
-    /// consumes. `acc` is only read (for the events' gradient bytes). Nothing in it waits for
+    /// consumes. `x` goes once it is in the compute dtype (in f16/bf16 the f32 images are not
+    /// held through the step). `acc` is only read (for the events' gradient bytes). Nothing in it waits for
     /// the device, so it can be captured as a CUDA graph (small host-to-device uploads, such as
     /// the class indices of the loss, still happen: under Candle's graph upload cache they are
     /// served from the eager warm-up's copies).
     pub fn forward(
         &mut self,
-        x: &O::T,
+        x: O::T,
         y: &O::T,
         loss_mult: f64,
         acc: &O::Grads,
         obs: &mut dyn StepObserver,
     ) -> Result<(Head<O::T>, Tape<O>)> {
         let o = &self.o;
-        let xin = o.to_dtype(x, o.dtype())?;
+        let xin = o.to_dtype(&x, o.dtype())?;
+        drop(x);
         // Forward: the last segment's blocks save as they go (all of them without
         // checkpointing); every other segment keeps only its input.
         let last = self.segments.len() - 1;

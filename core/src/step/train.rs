@@ -78,7 +78,7 @@ pub fn gradients<O: StepOps>(
     let mut results = Vec::with_capacity(k);
     for index in 0..k {
         let (x, y) = micro_batch(index)?;
-        let (head, tape) = lean.forward(&x, &y, loss_mult, &grads, obs)?;
+        let (head, tape) = lean.forward(x, &y, loss_mult, &grads, obs)?;
         obs.phase_end(index, Phase::Forward)?;
         lean.backward(tape, &mut grads, obs)?;
         obs.phase_end(index, Phase::Backward)?;

@@ -860,6 +860,6 @@ pub(super) fn eval_batch(
     // One segment: the evaluation saves nothing and recomputes nothing.
     let segments = memtrain_core::model::cnn::segments(blocks, crate::config::Segmentation::NONE);
     let mut step = LeanStep::on(ops, segments, storage);
-    step.evaluate(&x, &y, &mut memtrain_core::step::tape::NoObserver)?;
+    step.evaluate(x, &y, &mut memtrain_core::step::tape::NoObserver)?;
     Ok(())
 }

@@ -65,13 +65,13 @@ impl Trainer {
                 self.model.segments(crate::config::Segmentation::NONE),
                 storage,
             )
-            .evaluate(&x, &y, &mut budget);
+            .evaluate(x, &y, &mut budget);
             let r = match (r, budget.failed.take()) {
                 (Ok(r), _) => r,
                 (Err(_), Some(callback)) => return Err(callback),
                 (Err(e), None) => return Err(self.advise_oom(e)),
             };
-            drop((x, y));
+            drop(y);
             loss_sum += r.loss * b.len as f64;
             correct += r.correct;
             n += b.len;

@@ -231,7 +231,8 @@ impl<O: StepOps> LeanStep<O> {
     }
 
     /// Evaluation of images `x` (f32 `[N, 3, 32, 32]`) with labels `y` (u32 `[N]`): the forward
-    /// with BatchNorm's running statistics (untouched), nothing saved, no gradient; the mean
+    /// with BatchNorm's running statistics (untouched), nothing saved, no gradient (`x` goes once
+    /// it is in the compute dtype, as in [`LeanStep::forward`]); the mean
     /// loss and the correct count. Each block's conv output is normalized in place (or pooled
     /// straight from it), and its input is freed right after its conv (or, where the conv keeps
     /// the shape and the device runs in chunks, overwritten by its output), so at most a block's input,
@@ -239,12 +240,13 @@ impl<O: StepOps> LeanStep<O> {
     /// [`Phase::Eval`]) follow each block and the head.
     pub fn evaluate(
         &mut self,
-        x: &O::T,
+        x: O::T,
         y: &O::T,
         obs: &mut dyn StepObserver,
     ) -> Result<MicroResult> {
         let o = &self.o;
-        let mut h = o.to_dtype(x, o.dtype())?;
+        let mut h = o.to_dtype(&x, o.dtype())?;
+        drop(x);
         for j in 0..o.blocks() {
             // The first block's input may be the caller's batch; every later one is the tape's.
             let z = self.conv_forward_owned(j, h, j > 0)?;

@@ -2,12 +2,12 @@
 # Held-out accuracy of the exact step and of each width of saved-activation codes, over seeds.
 #
 #   bench/activation_codes_accuracy.sh [--data-dir DIR] [--epochs E] [--seeds 0,1,2,3,4,5]
-#       [--codes none,int8,int4,int2,reordered] [--json FILE] [--work DIR] [-- TRAIN FLAGS...]
+#       [--codes none,int8,int4,int2,reordered[:N]] [--json FILE] [--work DIR] [-- TRAIN FLAGS...]
 #
-# `reordered` is the null twin: the exact step (`--compress-activations none`) in one thread
-# (RAYON_NUM_THREADS=1), the same arithmetic with its sums in another order. Its distance from
-# `none` on the same seed is what float rounding alone does to a 20-epoch run, the noise floor
-# every code's distance is read against.
+# `reordered` is the null twin: the exact step (`--compress-activations none`) in one compute
+# thread (RAYON_NUM_THREADS=1; `reordered:N`, N threads), the same arithmetic with its sums in
+# another order. Its distance from `none` on the same seed is what float rounding alone does to a
+# 20-epoch run, the noise floor every code's distance is read against.
 #
 # Builds train_cifar10 once and copies it into WORK, so that later builds do not change the binary
 # mid-way; then, seed by seed, trains `train_cifar10 --epochs E --seed S --compress-activations C`
@@ -19,7 +19,8 @@
 # run as two invocations at once (--codes none, and --codes int8,int4,int2, each into a file of
 # its own), whose runs were then put in one file: a file is written by one invocation at a time.
 # Seeds 6 to 11 came the same way (--seeds 6,7,8,9,10,11 with --codes none,int2, then int8,int4),
-# their runs added to that file and its mean_accuracy and against_exact recomputed as below.
+# their runs added to that file and its mean_accuracy and against_exact recomputed as below; the
+# null twin's twelve the same way (--seeds 0,2,4,6,8,10 --codes reordered, and the odd seeds).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bad() { echo "activation_codes_accuracy.sh: $1 (see the header of bench/activation_codes_accuracy.sh)" >&2; exit 2; }
@@ -37,8 +38,8 @@ while [ $# -gt 0 ]; do
     --epochs) posint --epochs "$2" 1000; epochs=$2; shift 2 ;;
     --seeds) [[ $2 =~ ^[0-9]+(,[0-9]+)*$ ]] || bad "--seeds must be a comma-separated list of seeds, got '$2'"
       seeds=$2; shift 2 ;;
-    --codes) [[ $2 =~ ^(none|int8|int4|int2|reordered)(,(none|int8|int4|int2|reordered))*$ ]] ||
-      bad "--codes must be a comma-separated list of none, int8, int4, int2, reordered, got '$2'"
+    --codes) [[ $2 =~ ^(none|int8|int4|int2|reordered(:[1-9][0-9]?)?)(,(none|int8|int4|int2|reordered(:[1-9][0-9]?)?))*$ ]] ||
+      bad "--codes must be a comma-separated list of none, int8, int4, int2, reordered[:N], got '$2'"
       codes=$2; shift 2 ;;
     --json) json=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
@@ -59,7 +60,7 @@ for s in ${seeds//,/ }; do
     dir="$work/$c-seed-$s"
     rm -rf "$dir"
     threads=() how=$c
-    [ "$c" != reordered ] || { threads=(RAYON_NUM_THREADS=1); how=none; }
+    case $c in reordered*) threads=(RAYON_NUM_THREADS=$([ "$c" = reordered ] && echo 1 || echo "${c#reordered:}")); how=none ;; esac
     args=(--epochs "$epochs" --seed "$s" --compress-activations "$how" --quiet --out "$dir")
     [ -z "$data_dir" ] || args+=(--data-dir "$data_dir")
     echo "== $c, seed $s: ${threads[*]:+${threads[*]} }train_cifar10 ${args[*]} ${extra[*]:-}"

@@ -31,7 +31,8 @@
 # Phases run in priority order, each step with its own time limit cut to what is left; a step that
 # no longer fits is skipped with a line in session.log, so a short lease still yields the most
 # important numbers first. Environment:
-#   BUDGET (s, 570)  STEPS (timed steps per run, 200; memtrain's steady img/s skips its first 3)  TF32 (on|off for both frameworks, on = PyTorch's
+#   BUDGET (s, 570)  STEPS (timed steps per run, 200; memtrain's steady img/s skips its first 3;
+#   CODES_STEPS, 25, for the codes, whose codes a GPU run makes on the host)  TF32 (on|off for both frameworks, on = PyTorch's
 #   default)  PHASES (comma list, run in its order; default: check,memtrain,torch,graph,tests,codes,
 #   accuracy,sweep,pool,im2col,nolimit; workspace runs WS_CONFIGS with --cudnn-workspace WORKSPACE,
 #   160MiB)  DATA_DIR (CIFAR-10 binaries for the accuracy phase: EPOCHS (20)
@@ -127,7 +128,7 @@ run_memtrain() { # bin file name flags... ; appends {"name":..., summary..., ste
   local dir="/tmp/mt-$file-$name"; rm -rf "$dir" "$dir.log"
   # Not summary-only (MEMTRAIN_SUMMARY_ONLY): step_timeline.json gives the step-added peak (pool bytes at the newest
   # step's events minus its start).
-  timeout "$lim" "$bin/train_cifar10" --device cuda --max-steps "$STEPS" --synthetic-train 13000 --synthetic-test 100 \
+  timeout "$lim" "$bin/train_cifar10" --device cuda --max-steps "${RUN_STEPS:-$STEPS}" --synthetic-train 13000 --synthetic-test 100 \
     --no-eval --quiet --tf32 "$TF32" --out "$dir" "$@" > "$dir.log" 2>&1
   local rc=$?
   "$PY" - "$dir" "$name" "$rc" "$*" >> "$OUT/$file" <<'PY'
@@ -219,9 +220,11 @@ for p in ${PHASES//,/ }; do
     workspace) log "cuDNN workspace ${WORKSPACE:-160MiB}"
       for c in "${WS_CONFIGS[@]}"; do run_memtrain "$BIN" workspace.jsonl "${c%%|*}" ${c#*|}; done ;;
     tests) log "tests"; run_tests ${TESTS:-gpu_memory gpu_train pool batchnorm depthwise quantize} ;;
-    codes) log "saved activations as codes"
+    codes) log "saved activations as codes (${CODES_STEPS:-25} steps: their codes are made on the host)"
+      RUN_STEPS=${CODES_STEPS:-25}
       for c in "${CODES_CONFIGS[@]}"; do run_memtrain "$BIN" codes.jsonl "${c%%|*}" ${c#*|}; done
-      for c in "${AUTO_CONFIGS[@]}"; do run_memtrain "$BIN" codes-auto.jsonl "${c%%|*}" ${c#*|}; done ;;
+      for c in "${AUTO_CONFIGS[@]}"; do run_memtrain "$BIN" codes-auto.jsonl "${c%%|*}" ${c#*|}; done
+      unset RUN_STEPS ;;
     accuracy) log "accuracy after ${EPOCHS:-20} epochs"; run_accuracy ;;
     sweep) log "find-max under 2GiB"; run_sweep sweep-2GiB --memory-limit 2GiB ;;
     pool) log "pool cache off"

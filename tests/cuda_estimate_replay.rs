@@ -3,7 +3,10 @@
 //! logs/`) and replayed (`memtrain_kernels::conv2d_cudnn::replay_routes`), and each
 //! exact configuration's predicted peak must be its measured pool peak (`memtrain-2.jsonl` there):
 //! never below, at most 0.05% above. The session's codes (`codes-2.jsonl`) predate the decisions
-//! the step now keeps beside them, so they wait for the next GPU session.
+//! the step now keeps beside them, so they wait for the next GPU session. The session also
+//! predates the step's letting go of the f32 images once they are in the compute dtype (commit
+//! `4935176`): in f16 and bf16 its peaks held one micro-batch of them besides, which the check
+//! takes off the measurement.
 
 mod common;
 
@@ -84,7 +87,11 @@ fn the_cuda_estimate_is_the_measured_peak_of_a_gpu_session() {
             let predicted = replay_routes(&refused, || estimate(&cfg, DeviceKind::Cuda))
                 .unwrap()
                 .peak;
-            let measured = run["peak_bytes"].as_u64().unwrap();
+            let held_then = match cfg.memory.precision {
+                memtrain::config::Precision::F32 => 0,
+                _ => (cfg.micro_batch() * memtrain::data::IMAGE_BYTES * 4) as u64,
+            };
+            let measured = run["peak_bytes"].as_u64().unwrap() - held_then;
             let over = predicted as f64 / measured as f64 - 1.0;
             println!(
                 "{:<28} predicted {predicted} measured {measured} ({:+.4}%)",

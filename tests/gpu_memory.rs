@@ -290,7 +290,7 @@ fn the_cuda_estimate_counts_the_conv_ops_persistent_bytes() {
     }
     assert_eq!(
         memtrain::TrainConfig::default().cuda.cudnn_workspace,
-        memtrain_kernels::conv2d_cudnn::DEFAULT_CUDNN_WORKSPACE_BYTES as u64
+        memtrain_kernels::DEFAULT_CUDNN_WORKSPACE_BYTES as u64
     );
 }
 
@@ -324,7 +324,7 @@ fn conv2d_scratch_is_one_chunk() -> anyhow::Result<()> {
         .into_iter()
         .max()
         .unwrap()
-        + cuda_runtime_bytes(memtrain_kernels::conv2d_cudnn::cudnn_workspace_bytes() as u64);
+        + cuda_runtime_bytes(memtrain_kernels::cudnn_workspace_bytes() as u64);
     // y, its gradient and dx at most at once, where Candle's backward adds each gradient into a
     // zeroed tensor of its own (zeros, then the sum: two more activations when dx lands, measured
     // 352 MiB on an H200 with cuDNN), small tensors (dw, the loss), plus the conv op's scratch and

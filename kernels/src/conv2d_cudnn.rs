@@ -11,8 +11,8 @@
 //!   CUDA stream is the per-thread default stream, so per-thread state is also per-stream state);
 //! - one plan per (shape, stride, padding, dtype, math mode): the tensor, filter and convolution
 //!   descriptors and the algorithm of each of the three passes, chosen once;
-//! - one workspace of [`cudnn_workspace_bytes`] (memtrain's `--cudnn-workspace`, default
-//!   [`DEFAULT_CUDNN_WORKSPACE_BYTES`]), allocated by the first cuDNN convolution and
+//! - one workspace of [`crate::cudnn_workspace_bytes`] (memtrain's `--cudnn-workspace`, default
+//!   [`crate::DEFAULT_CUDNN_WORKSPACE_BYTES`]), allocated by the first cuDNN convolution and
 //!   reused by every later one, for the rest of the thread's life (a process that builds many
 //!   trainers, like memtrain's GPU tests, holds one, not one per trainer, made anew when the size
 //!   changes). Each pass runs the
@@ -44,26 +44,6 @@
 #![cfg_attr(not(feature = "cudnn"), allow(dead_code))]
 
 use crate::geom::ConvPass;
-
-/// Bytes of the cuDNN workspace unless [`set_cudnn_workspace_bytes`] says otherwise: allocated
-/// once per thread and GPU by the first cuDNN convolution, kept for the rest of the thread,
-/// shared by every convolution and pass. An algorithm that needs more is not used (see the
-/// module docs).
-pub const DEFAULT_CUDNN_WORKSPACE_BYTES: usize = 32 << 20;
-
-static WORKSPACE_BYTES: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(DEFAULT_CUDNN_WORKSPACE_BYTES);
-
-/// The cuDNN workspace's size from now on (memtrain's `--cudnn-workspace`). Process-wide, like
-/// [`crate::set_tf32`]; the plans made under another size are kept under theirs.
-pub fn set_cudnn_workspace_bytes(bytes: usize) {
-    WORKSPACE_BYTES.store(bytes, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The cuDNN workspace's size ([`set_cudnn_workspace_bytes`]).
-pub fn cudnn_workspace_bytes() -> usize {
-    WORKSPACE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
-}
 
 /// Whether this build runs CUDA convolutions through cuDNN (the `cudnn` feature) instead of the
 /// im2col + cuBLAS op.
@@ -342,7 +322,7 @@ mod cuda {
                 dtype,
                 tf32: tf32(),
                 nondeterministic: cudnn_nondeterministic(),
-                workspace: super::cudnn_workspace_bytes(),
+                workspace: crate::util::cudnn_workspace_bytes(),
             }
         }
     }
@@ -968,7 +948,7 @@ mod tests {
             1,
             DType::F32,
         );
-        let ws = DEFAULT_CUDNN_WORKSPACE_BYTES as u64;
+        let ws = crate::DEFAULT_CUDNN_WORKSPACE_BYTES as u64;
         if ENABLED {
             assert_eq!((here, cuda_runtime_bytes(ws)), (0, ws));
         } else {

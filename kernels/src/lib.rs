@@ -11,7 +11,7 @@
 //! - [`conv2d::conv2d`]: a convolution whose forward and backward run as im2col + gemm over
 //!   chunks of the batch, so their scratch is bounded ([`conv2d::IM2COL_CHUNK_BYTES`] on the CPU,
 //!   32 MiB on CUDA ([`conv2d_cuda::cuda_scratch_bytes`]), or one cuDNN workspace of
-//!   [`conv2d_cudnn::cudnn_workspace_bytes`] with the `cudnn` feature) instead of a whole-batch
+//!   [`cudnn_workspace_bytes`] with the `cudnn` feature) instead of a whole-batch
 //!   column matrix (9× the input for 3x3); its CPU backward runs on gemm, and every CPU pass is
 //!   bit-for-bit reproducible for a given thread count.
 //! - [`batchnorm`]: training-mode BatchNorm (+ ReLU) that reads and writes the activation dtype
@@ -119,4 +119,7 @@ pub mod quantize;
 pub mod selfcheck;
 mod util;
 
-pub use util::{cudnn_nondeterministic, set_cudnn_nondeterministic, set_tf32, tf32};
+pub use util::{
+    cudnn_nondeterministic, cudnn_workspace_bytes, set_cudnn_nondeterministic,
+    set_cudnn_workspace_bytes, set_tf32, tf32, DEFAULT_CUDNN_WORKSPACE_BYTES,
+};

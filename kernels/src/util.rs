@@ -19,7 +19,7 @@
 //! Nothing here imports an op (only `bf16_convert`'s slice conversions, for [`Float`]): the ops
 //! import this module, never the other way round.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, WithDType};
@@ -575,4 +575,26 @@ pub fn set_cudnn_nondeterministic(on: bool) {
 /// Whether [`set_cudnn_nondeterministic`] is on.
 pub fn cudnn_nondeterministic() -> bool {
     CUDNN_NONDETERMINISTIC.load(Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuDNN workspace
+
+/// Bytes of the cuDNN op's workspace unless [`set_cudnn_workspace_bytes`] says otherwise:
+/// allocated once per thread and GPU by the first cuDNN convolution, kept for the rest of the
+/// thread, shared by every convolution and pass; an algorithm that needs more is not used
+/// ([`crate::conv2d_cudnn`]).
+pub const DEFAULT_CUDNN_WORKSPACE_BYTES: usize = 32 << 20;
+
+static CUDNN_WORKSPACE_BYTES: AtomicUsize = AtomicUsize::new(DEFAULT_CUDNN_WORKSPACE_BYTES);
+
+/// The cuDNN op's workspace size from now on. Process-wide, like [`set_tf32`]; memtrain sets it
+/// from its `--cudnn-workspace` flag. Plans made under another size keep theirs.
+pub fn set_cudnn_workspace_bytes(bytes: usize) {
+    CUDNN_WORKSPACE_BYTES.store(bytes, Ordering::Relaxed);
+}
+
+/// The size [`set_cudnn_workspace_bytes`] set.
+pub fn cudnn_workspace_bytes() -> usize {
+    CUDNN_WORKSPACE_BYTES.load(Ordering::Relaxed)
 }

@@ -345,7 +345,7 @@ fn prepare_device(config: &TrainConfig) -> Result<Device> {
     // Process-wide, like PyTorch's flag: the conv ops have no configuration at hand.
     memtrain_kernels::set_tf32(config.cuda.tf32 == crate::config::Tf32::On);
     memtrain_kernels::set_cudnn_nondeterministic(config.cuda.cudnn_nondeterministic);
-    memtrain_kernels::conv2d_cudnn::set_cudnn_workspace_bytes(
+    memtrain_kernels::set_cudnn_workspace_bytes(
         usize::try_from(config.cuda.cudnn_workspace).unwrap_or(usize::MAX),
     );
     if device.is_cpu() {

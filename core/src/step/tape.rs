@@ -248,8 +248,8 @@ impl<O: StepOps> LeanStep<O> {
         let mut h = o.to_dtype(&x, o.dtype())?;
         drop(x);
         for j in 0..o.blocks() {
-            // The first block's input may be the caller's batch; every later one is the tape's.
-            let z = self.conv_forward_owned(j, h, j > 0)?;
+            // Every block's input is the evaluation's own (the caller's batch was given up above).
+            let z = self.conv_forward_owned(j, h, true)?;
             let p = o.bn_running(j)?;
             h = if o.block_pools(j) {
                 o.bn_relu_pool(&z, &p)?

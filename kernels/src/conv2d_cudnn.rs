@@ -522,22 +522,16 @@ mod cuda {
             Ok(build())
         }
 
-        /// Why `pass` has no algorithm (it runs on the im2col op), or `None` when it has one.
-        fn refusal(&self, pass: ConvPass) -> Option<&str> {
-            match pass {
-                ConvPass::Forward => self.fwd.as_ref().err(),
-                ConvPass::InputGrad => self.bwd_data.as_ref().err(),
-                ConvPass::WeightGrad => self.bwd_filter.as_ref().err(),
-            }
-            .map(String::as_str)
-        }
-
-        /// The algorithm `pass` runs, by name, and the workspace it asks for.
-        fn route(&self, pass: ConvPass) -> Option<(String, u64)> {
+        /// The algorithm `pass` runs, by name, with the workspace it asks for; or why it has
+        /// none (it runs on the im2col op).
+        fn choice(&self, pass: ConvPass) -> Result<(String, u64), &str> {
             fn of<A: std::fmt::Debug + Copy>(
                 a: &Result<(A, usize), String>,
-            ) -> Option<(String, u64)> {
-                a.as_ref().ok().map(|&(a, ws)| (algo_name(a), ws as u64))
+            ) -> Result<(String, u64), &str> {
+                match a {
+                    Ok((a, ws)) => Ok((algo_name(*a), *ws as u64)),
+                    Err(why) => Err(why),
+                }
             }
             match pass {
                 ConvPass::Forward => of(&self.fwd),
@@ -698,7 +692,7 @@ mod cuda {
         }
         let planned = match Plan::<T>::new(&st.handle, g, key)? {
             Ok(p) => Some(Planned {
-                runs: PASSES.map(|pass| p.refusal(pass).is_none()),
+                runs: PASSES.map(|pass| p.choice(pass).is_ok()),
                 plan: Box::new(p),
             }),
             Err(e) if unsupported(&e) => {
@@ -794,7 +788,10 @@ mod cuda {
             })?;
             if !planned.runs[i] {
                 if st.told.insert((key, Some(i))) {
-                    let why = plan.refusal(pass).unwrap_or("refused at an earlier launch");
+                    let why = plan
+                        .choice(pass)
+                        .err()
+                        .unwrap_or("refused at an earlier launch");
                     warn_fallback(key, Some(pass), why);
                 }
                 return Ok(None);
@@ -813,8 +810,11 @@ mod cuda {
             let mut out = unsafe { dev.alloc::<T>(out_len)? };
             match plan.run(pass, &in0, &in1, &mut out, ws) {
                 Ok(()) => {
-                    if let Some((algorithm, bytes)) = plan.route(pass) {
-                        crate::gpu_time::note_cudnn_route(algorithm, bytes);
+                    // Named only while timing: a launch formats nothing otherwise.
+                    if crate::gpu_time::enabled() {
+                        if let Ok((algorithm, bytes)) = plan.choice(pass) {
+                            crate::gpu_time::note_cudnn_route(algorithm, bytes);
+                        }
                     }
                     Ok(Some(out))
                 }
